@@ -1,0 +1,24 @@
+"""pefa_gpu: PEFA, parameter-free adapters for embedding-based retrieval, on GPU and CPU.
+
+    import pefa_gpu as pg
+    xs = pg.PEFAXS(lam=0.5).fit(P, Q, Y)
+    scores, ids = xs.search(queries, topk=100)
+    pg.recall_at_k(ids, Y_test, ks=(10, 100))
+"""
+
+from .aggregate import normalize_rows, pifa
+from .errors import FormatError, InputError, MissingDependencyError, PefaError
+from .index import Index, make_index
+from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
+from .models import ERM, PEFAXL, PEFAXS, ERMParams, XLParams, XSParams
+from .relevance import Relevance, as_relevance
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
+    "pifa", "normalize_rows", "Relevance", "as_relevance",
+    "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
+    "Index", "make_index",
+    "PefaError", "InputError", "MissingDependencyError", "FormatError",
+]

@@ -1,0 +1,62 @@
+"""PIFA aggregation: A = Yᵀ Q, the sum of each document's training-query embeddings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .arrays import as_embeddings, resolve_device, to_numpy
+from .errors import InputError
+from .relevance import as_relevance
+
+
+def normalize_rows(x: torch.Tensor) -> torch.Tensor:
+    """Π(x) = x / ‖x‖ row-wise, with Π(0) = 0. (rows, d) float -> same shape, float32."""
+    x = x.float()
+    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
+    return torch.where(norms > 0, x / norms.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+
+
+def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None) -> torch.Tensor:
+    """Yᵀ Q: (m x n) relevance, (m x d) query embeddings -> (n x d) float32 tensor on ``device``.
+
+    Accumulates in float32. On CUDA the product runs as a cuSPARSE SpMM through cupy when cupy
+    is installed, else through torch sparse; on the CPU through scipy. With ``normalize`` each
+    row is L2-normalised and documents with no queries stay exactly zero.
+    """
+    dev = resolve_device(device)
+    rel = as_relevance(Y, allow_empty=True)
+    m, n = rel.shape
+    q = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach()
+    if q.shape[0] != m:
+        raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")
+    a = _spmm_transpose(rel.csr, q)
+    return normalize_rows(a) if normalize else a
+
+
+def _spmm_transpose(y_csr, q: torch.Tensor) -> torch.Tensor:
+    """Yᵀ @ q with Y a scipy CSR (m x n) and q (m x d) float32 on its device -> (n x d)."""
+    yt = y_csr.T.tocsr()
+    if q.device.type == "cpu":
+        out = yt.astype(np.float32) @ to_numpy(q)
+        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+    try:
+        import cupy
+        import cupyx.scipy.sparse as csp
+    except ImportError:
+        cupy = None
+    if cupy is not None:
+        with cupy.cuda.Device(q.device.index or 0):
+            yt_gpu = csp.csr_matrix((cupy.asarray(yt.data, dtype=cupy.float32),
+                                     cupy.asarray(yt.indices), cupy.asarray(yt.indptr)),
+                                    shape=yt.shape)
+            out = yt_gpu @ cupy.from_dlpack(q.contiguous())
+            return torch.from_dlpack(cupy.ascontiguousarray(out))
+    yt_t = torch.sparse_csr_tensor(torch.from_numpy(yt.indptr.astype(np.int64)),
+                                   torch.from_numpy(yt.indices.astype(np.int64)),
+                                   torch.from_numpy(yt.data.astype(np.float32)),
+                                   size=yt.shape, device=q.device)
+    out = yt_t @ q
+    return out.to_dense() if out.is_sparse else out

@@ -1,0 +1,150 @@
+"""The one place where arrays change type or device.
+
+Everything that enters the library (numpy, torch on any device, cupy, anything with
+``__dlpack__`` or ``__array__``) goes through :func:`as_tensor`; everything that must leave as
+numpy goes through :func:`to_numpy`. Nothing else converts arrays.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import InputError
+
+log = logging.getLogger("pefa_gpu")
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def resolve_device(device: Any = None) -> torch.device:
+    """``None`` -> CUDA when available, else CPU; strings and ``torch.device`` pass through."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"device={device!r} is not a valid torch device") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"device={device!r} asked for CUDA, but torch sees no CUDA device")
+    return dev
+
+
+def resolve_dtype(dtype: Any) -> torch.dtype:
+    """A torch float dtype from a torch dtype or one of 'float32', 'float16', 'bfloat16'."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        return _DTYPES[dtype]
+    raise InputError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """'float32' for torch.float32, and so on."""
+    return str(dtype).replace("torch.", "")
+
+
+def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
+              name: str = "array") -> torch.Tensor:
+    """Any array-like -> torch tensor on ``device`` (and ``dtype`` when given).
+
+    Accepts torch tensors (any device), numpy arrays and memmaps, cupy arrays and anything with
+    ``__dlpack__`` (zero-copy where the device matches), and nested sequences. The result never
+    carries autograd history unless ``x`` is a torch tensor that has it.
+    """
+    dev = resolve_device(device) if device is not None else None
+    if isinstance(x, torch.Tensor):
+        t = x
+    elif isinstance(x, np.ndarray):
+        if x.dtype == object:
+            raise InputError(f"{name} has dtype object; pass a numeric array")
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    elif hasattr(x, "__dlpack__"):
+        try:
+            t = torch.from_dlpack(x)
+        except Exception as exc:  # foreign producer that torch cannot read
+            raise InputError(f"{name} ({type(x).__name__}) could not be read through DLPack: "
+                             f"{exc}") from exc
+    elif hasattr(x, "__array__") or isinstance(x, (list, tuple)):
+        try:
+            t = torch.as_tensor(np.asarray(x))
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"{name} could not be turned into a numeric array: {exc}") from exc
+    else:
+        raise InputError(f"{name} must be an array (numpy, torch, cupy or DLPack), "
+                         f"got {type(x).__name__}")
+    if t.dtype == torch.bool or t.is_complex():
+        raise InputError(f"{name} has dtype {t.dtype}; a real-valued array is needed")
+    return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype)
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """Any array-like -> numpy array on the host (detached, copied only when needed)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, torch.Tensor):
+        t = x.detach()
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.float()
+        return t.cpu().numpy()
+    if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
+        return x.get()
+    return to_numpy(as_tensor(x))
+
+
+def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
+                  dtype: torch.dtype = torch.float32, check_norm: bool = True) -> torch.Tensor:
+    """Validate a (rows, d) float embedding matrix and move it to ``device``.
+
+    Raises InputError on wrong rank, empty rows, a dimension other than ``dim``, or NaN / inf.
+    Warns (does not fail) when rows are not L2-normalised.
+    """
+    t = as_tensor(x, device=device, name=name)
+    if t.ndim == 1 and dim is not None and t.shape[0] == dim:
+        t = t.unsqueeze(0)
+    if t.ndim != 2:
+        raise InputError(f"{name} must be 2-D (rows, dim), got shape {tuple(t.shape)}")
+    if t.shape[1] == 0:
+        raise InputError(f"{name} has dimension 0")
+    if dim is not None and t.shape[1] != dim:
+        raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
+                         f"(the dimension the model was fitted with)")
+    if not t.is_floating_point():
+        t = t.to(torch.float32)
+    t = t.to(dtype)
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
+        raise InputError(f"{name} contains NaN or inf (rows {bad}...)")
+    if check_norm and t.shape[0]:
+        norms = torch.linalg.vector_norm(t.float(), dim=1)
+        off = (norms - 1).abs() > 1e-2
+        if bool(off.any()):
+            warnings.warn(f"{name}: {int(off.sum())} of {t.shape[0]} rows are not L2-normalised "
+                          f"(norms from {float(norms.min()):.3g} to {float(norms.max()):.3g}); "
+                          f"PEFA expects unit-norm embeddings", UserWarning, stacklevel=3)
+    return t
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """``value`` as an int > 0, else InputError."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def csr_tensors(csr: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A scipy CSR matrix -> (indptr int64, indices int64, data float32) tensors on ``device``."""
+    dev = resolve_device(device)
+    return (torch.from_numpy(np.asarray(csr.indptr, dtype=np.int64)).to(dev),
+            torch.from_numpy(np.asarray(csr.indices, dtype=np.int64)).to(dev),
+            torch.from_numpy(np.asarray(csr.data, dtype=np.float32)).to(dev))

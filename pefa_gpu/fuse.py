@@ -1,0 +1,79 @@
+"""PEFA-XL score fusion, batched on the device.
+
+For a batch of B queries, given the ERM candidates C (top-Kp of the passage index) and the k
+nearest training queries N (top-k of the query index), the fused score of a candidate document
+j is ``lam * f_erm(q, j) + (1 - lam) * sum_{i in N} w(s_i) Y[i, j]``. The candidates are the
+union of C and the documents of the neighbours' Y rows. Work and memory are
+O(B * (Kp + k * deg)); no B x n array is ever formed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .topk import topk_rows
+
+
+def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
+                y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
+                erm_scores: torch.Tensor, erm_ids: torch.Tensor,
+                knn_scores: torch.Tensor, knn_ids: torch.Tensor, *,
+                lam: float, knn_weight_divisor: float, rescore: bool,
+                topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused top-``topk`` of each query. All tensors on one device.
+
+    queries (B, d) float32; doc_vectors (n, d) (needed when ``rescore``); Y as CSR tensors
+    (indptr (m+1,), indices (nnz,) int64, data (nnz,) float32) over the query index's rows;
+    erm_* (B, Kp) and knn_* (B, k) search results with -1 padding. A neighbour of score s
+    contributes ``s / knn_weight_divisor`` times its Y row. ``rescore``: f_erm = <q, p_j> for
+    every candidate; otherwise the ERM score where j is in C and 0 elsewhere.
+    Returns (B, topk) float32 scores and int64 ids, ties to the lower id, -1 padded.
+    """
+    device = erm_ids.device
+    b = erm_ids.shape[0]
+    n_docs = doc_vectors.shape[0] if doc_vectors is not None else int(y_indices.max()) + 1
+    n_key = max(int(n_docs), 1)
+
+    # neighbours' Y rows, flattened: one entry per (query, neighbour, document)
+    valid = knn_ids >= 0
+    rows = knn_ids.clamp_min(0).flatten()
+    starts = y_indptr[rows]
+    lengths = torch.where(valid.flatten(), y_indptr[rows + 1] - starts, 0)
+    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    pos = starts[owner] + torch.arange(owner.numel(), device=device) - first[owner]
+    knn_batch = owner // knn_ids.shape[1]
+    knn_doc = y_indices[pos]
+    knn_val = (knn_scores.flatten()[owner].float() / knn_weight_divisor) * y_data[pos]
+
+    # ERM candidates
+    erm_valid = erm_ids >= 0
+    erm_batch = torch.arange(b, device=device).unsqueeze(1).expand_as(erm_ids)[erm_valid]
+    erm_doc = erm_ids[erm_valid]
+    erm_val = erm_scores[erm_valid].float()
+
+    keys = torch.cat([knn_batch * n_key + knn_doc, erm_batch * n_key + erm_doc])
+    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+    n_knn = knn_doc.numel()
+    f_knn = torch.zeros(uniq.numel(), device=device).index_add_(0, inverse[:n_knn], knn_val)
+    cand_batch, cand_doc = uniq // n_key, uniq % n_key
+    if rescore:
+        f_erm = (queries.float()[cand_batch] * doc_vectors[cand_doc].float()).sum(1)
+    else:
+        f_erm = torch.zeros(uniq.numel(), device=device).index_put_(
+            (inverse[n_knn:],), erm_val)
+    fused = lam * f_erm + (1.0 - lam) * f_knn
+
+    # per-query top-k over variable-length segments (keys sorted => docs ascending per query)
+    counts = torch.bincount(cand_batch, minlength=b)
+    seg_start = torch.cumsum(counts, 0) - counts
+    col = torch.arange(uniq.numel(), device=device) - seg_start[cand_batch]
+    width = max(int(counts.max()) if b else 0, 1)
+    table = torch.full((b, width), float("-inf"), device=device)
+    table[cand_batch, col] = fused
+    doc_table = torch.full((b, width), -1, dtype=torch.long, device=device)
+    doc_table[cand_batch, col] = cand_doc
+    scores, cols = topk_rows(table, topk)
+    ids = torch.where(cols >= 0, doc_table.gather(1, cols.clamp_min(0)), -1)
+    scores = torch.where(ids >= 0, scores, float("-inf"))
+    return scores, ids

@@ -1,0 +1,45 @@
+"""Nearest-neighbour backends behind one protocol (see :mod:`pefa_gpu.index.base`).
+
+Backends register by name; optional ones are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from ..errors import InputError
+from ..params import Params
+from .base import Index
+from .exact import ExactIndex, ExactParams
+
+# name -> "module:Class"; modules are imported lazily so faiss is needed only when used
+_BACKENDS: dict[str, str] = {
+    "exact": "pefa_gpu.index.exact:ExactIndex",
+}
+
+
+def register_backend(name: str, target: str | type[Index]) -> None:
+    """Make ``backend=name`` resolve to an Index subclass (or a lazy "module:Class" path)."""
+    _BACKENDS[name] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def backend_class(name: str) -> type[Index]:
+    """The Index subclass registered as ``name``."""
+    if not isinstance(name, str) or name not in _BACKENDS:
+        raise InputError(f"backend={name!r} is unknown; choose one of {backend_names()}")
+    module, _, cls = _BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def make_index(backend: str, device: Any = None, params: Params | dict | None = None) -> Index:
+    """A new, empty index of the named backend."""
+    return backend_class(backend)(params, device)
+
+
+__all__ = ["Index", "ExactIndex", "ExactParams", "make_index", "register_backend",
+           "backend_names", "backend_class"]

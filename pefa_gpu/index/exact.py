@@ -1,0 +1,101 @@
+"""Exact maximum-inner-product search: chunked matmul + top-k, on CPU or CUDA."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..arrays import as_tensor, check_positive_int, resolve_dtype
+from ..errors import InputError
+from ..params import Params, check_choice
+from ..topk import merge_topk, topk_rows
+from .base import Index
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExactParams(Params):
+    """dtype: storage of the vectors ('float32', 'float16', 'bfloat16'); scores are always
+    accumulated in float32. memory_budget: bytes for one block of scores (query batch x corpus
+    chunk); the B x n score matrix is never materialised beyond it."""
+
+    dtype: str = "float32"
+    memory_budget: int = 256 * 2**20
+
+    def validate(self) -> None:
+        check_choice(self.dtype, "dtype", ("float32", "float16", "bfloat16"))
+        if not isinstance(self.memory_budget, int) or self.memory_budget < 2**16:
+            raise InputError(f"memory_budget must be an int >= 65536 bytes, "
+                             f"got {self.memory_budget!r}")
+
+
+class ExactIndex(Index):
+    """Brute-force inner-product search. Ties go to the lower id."""
+
+    name = "exact"
+    Params = ExactParams
+
+    def __init__(self, params: ExactParams | dict | None = None, device: Any = None):
+        super().__init__(params, device)
+        self._dtype = resolve_dtype(self.params.dtype)
+        self.vectors = torch.empty(0, 0, dtype=self._dtype, device=self.device)
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.vectors.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
+
+    def build(self, vectors: torch.Tensor) -> "ExactIndex":
+        v = as_tensor(vectors, device=self.device, name="vectors").detach()
+        if v.ndim != 2:
+            raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
+        self.vectors = v.to(self._dtype).contiguous()
+        return self
+
+    def add(self, vectors: torch.Tensor) -> None:
+        v = as_tensor(vectors, device=self.device, name="vectors").detach().to(self._dtype)
+        if self.ntotal == 0 and self.dim == 0:
+            self.build(v)
+            return
+        if v.ndim != 2 or v.shape[1] != self.dim:
+            raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
+        self.vectors = torch.cat([self.vectors, v])
+
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = check_positive_int(k, "k")
+        q = as_tensor(queries, device=self.device, name="queries").detach().float()
+        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
+            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
+        b, n = q.shape[0], self.ntotal
+        if b == 0 or n == 0:
+            return (torch.full((b, k), float("-inf"), device=self.device),
+                    torch.full((b, k), -1, dtype=torch.long, device=self.device))
+        q_batch, chunk = self._block_shape(b, n, k)
+        out_v, out_i = [], []
+        for s in range(0, b, q_batch):
+            qb = q[s:s + q_batch]
+            best_v = best_i = None
+            for c in range(0, n, chunk):
+                block = qb @ self.vectors[c:c + chunk].float().T  # (qb, chunk) fp32
+                v, i = topk_rows(block, k, offset=c)
+                if best_v is None:
+                    best_v, best_i = v, i
+                else:
+                    best_v, best_i = merge_topk(torch.cat([best_v, v], 1),
+                                                torch.cat([best_i, i], 1), k)
+            out_v.append(best_v)
+            out_i.append(best_i)
+        return torch.cat(out_v), torch.cat(out_i)
+
+    def _block_shape(self, b: int, n: int, k: int) -> tuple[int, int]:
+        """Query batch and corpus chunk so that one fp32 score block fits the budget."""
+        cells = max(self.params.memory_budget // 16, 1)  # scores + top-k workspace (~4 copies)
+        q_batch = min(b, 4096)
+        chunk = max(cells // q_batch, k, 1024)
+        if chunk * q_batch > cells:
+            q_batch = max(1, cells // chunk)
+        return q_batch, min(chunk, n)

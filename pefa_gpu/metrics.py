@@ -1,0 +1,114 @@
+"""Retrieval metrics over (B, K) ranked id lists and a (B x n) relevance matrix.
+
+Queries with no relevant document are skipped (the paper's convention); :func:`evaluate`
+reports how many. Ids of -1 (padding) and repeated ids count once, at their first rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable
+
+import numpy as np
+
+from .arrays import to_numpy
+from .errors import InputError
+from .relevance import as_relevance
+
+log = logging.getLogger("pefa_gpu")
+
+
+def _gains(ids: Any, Y_test: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(B, K) gains of the ranked ids, (B,) relevant counts, and (B, R) sorted ideal gains."""
+    ids = np.asarray(to_numpy(ids))
+    if ids.ndim != 2:
+        raise InputError(f"ids must be 2-D (queries, ranks), got shape {ids.shape}")
+    rel = as_relevance(Y_test, name="Y_test", allow_empty=True).csr
+    b, n = rel.shape
+    if ids.shape[0] != b:
+        raise InputError(f"ids has {ids.shape[0]} rows but Y_test has {b} queries")
+    ids = ids.astype(np.int64)
+    if ids.size and ids.max() >= n:
+        raise InputError(f"ids contain document {int(ids.max())} but Y_test has {n} documents")
+    # first occurrence of each id in a row only
+    first = np.ones_like(ids, dtype=bool)
+    if ids.shape[1] > 1:
+        order = np.argsort(ids, axis=1, kind="stable")
+        srt = np.take_along_axis(ids, order, 1)
+        dup_sorted = np.zeros_like(srt, dtype=bool)
+        dup_sorted[:, 1:] = srt[:, 1:] == srt[:, :-1]
+        np.put_along_axis(first, order, ~dup_sorted, 1)
+    valid = (ids >= 0) & first
+    rows = np.repeat(np.arange(b), ids.shape[1])
+    cols = np.where(valid, ids, 0).ravel()
+    gains = np.asarray(rel[rows, cols]).reshape(ids.shape) * valid
+    positive = rel.copy()
+    positive.data = np.maximum(positive.data, 0)
+    positive.eliminate_zeros()
+    n_rel = np.diff(positive.indptr)
+    width = int(n_rel.max()) if b and n_rel.size else 0
+    ideal = np.zeros((b, max(width, 1)))
+    for i in range(b):  # per-query ideal ordering; only B rows of at most R entries
+        g = np.sort(positive.data[positive.indptr[i]:positive.indptr[i + 1]])[::-1]
+        ideal[i, :g.size] = g
+    return np.maximum(gains, 0), n_rel, ideal
+
+
+def evaluate(ids: Any, Y_test: Any, ks: Iterable[int] = (10, 100)) -> dict[str, float]:
+    """Recall@k, nDCG@k and MRR@k for each k, averaged over queries with a relevant document.
+
+    ids: (B, K) ranked document ids (-1 padded); Y_test: (B x n) relevance (graded gains for
+    nDCG). Returns {"recall@10": ..., "ndcg@10": ..., "mrr@10": ..., ..., "n_queries": int,
+    "n_skipped": int}.
+    """
+    ks = _check_ks(ks)
+    gains, n_rel, ideal = _gains(ids, Y_test)
+    keep = n_rel > 0
+    out: dict[str, float] = {"n_queries": int(keep.sum()), "n_skipped": int((~keep).sum())}
+    if out["n_skipped"]:
+        log.info("metrics: %d of %d queries have no relevant document and are skipped",
+                 out["n_skipped"], keep.size)
+    g, nr, ideal = gains[keep], n_rel[keep], ideal[keep]
+    discount = 1.0 / np.log2(np.arange(2, gains.shape[1] + 2))
+    hit = g > 0
+    for k in ks:
+        if not keep.any():
+            out.update({f"recall@{k}": 0.0, f"ndcg@{k}": 0.0, f"mrr@{k}": 0.0})
+            continue
+        out[f"recall@{k}"] = float(np.mean(hit[:, :k].sum(1) / nr))
+        dcg = (g[:, :k] * discount[:g[:, :k].shape[1]]).sum(1)
+        ideal_k = ideal[:, :k]
+        idcg = (ideal_k * (1.0 / np.log2(np.arange(2, ideal_k.shape[1] + 2)))).sum(1)
+        out[f"ndcg@{k}"] = float(np.mean(dcg / idcg))
+        first_hit = np.where(hit[:, :k].any(1), hit[:, :k].argmax(1) + 1, np.inf)
+        out[f"mrr@{k}"] = float(np.mean(1.0 / first_hit))
+    return out
+
+
+def recall_at_k(ids: Any, Y_test: Any, ks: Iterable[int] = (10, 100)) -> dict[int, float]:
+    """{k: Recall@k}: |relevant ∩ top-k| / |relevant|, averaged over queries with a relevant
+    document."""
+    res = evaluate(ids, Y_test, ks)
+    return {k: res[f"recall@{k}"] for k in _check_ks(ks)}
+
+
+def ndcg_at_k(ids: Any, Y_test: Any, ks: Iterable[int] = (10,)) -> dict[int, float]:
+    """{k: nDCG@k} with linear gains Y_test[q, j] and log2 discounts."""
+    res = evaluate(ids, Y_test, ks)
+    return {k: res[f"ndcg@{k}"] for k in _check_ks(ks)}
+
+
+def mrr_at_k(ids: Any, Y_test: Any, ks: Iterable[int] = (10,)) -> dict[int, float]:
+    """{k: MRR@k}: mean reciprocal rank of the first relevant document in the top k (0 if none)."""
+    res = evaluate(ids, Y_test, ks)
+    return {k: res[f"mrr@{k}"] for k in _check_ks(ks)}
+
+
+def _check_ks(ks: Iterable[int]) -> tuple[int, ...]:
+    if isinstance(ks, (int, np.integer)):
+        ks = (ks,)
+    ks = tuple(ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0
+                     for k in ks):
+        raise InputError(f"ks must be positive integers, got {ks!r}")
+    return tuple(int(k) for k in ks)

@@ -1,0 +1,222 @@
+"""The three retrieval models: ERM (plain inner product), PEFA-XS and PEFA-XL.
+
+All share one shape::
+
+    model = pg.PEFAXS(lam=0.5, backend="exact", device=None).fit(P, Q, Y)
+    scores, ids = model.search(queries, topk=100)   # (B, topk) float32 / int64, -1 padded
+
+Embeddings are stored on ``device`` (default: CUDA when available) as torch tensors; results
+come back on that device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import scipy.sparse as sp
+import torch
+
+from .aggregate import normalize_rows, pifa
+from .arrays import as_embeddings, check_positive_int, csr_tensors, resolve_device
+from .errors import InputError
+from .fuse import fuse_scores
+from .index import Index, make_index
+from .params import Params, check_choice, check_positive, check_unit_interval
+from .relevance import Relevance, as_relevance
+
+log = logging.getLogger("pefa_gpu")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ERMParams(Params):
+    """The plain embedding model: no parameters of its own."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XSParams(Params):
+    """lam: weight of the ERM embedding (1 = plain ERM). augment_docs: each document also counts
+    as a training query for itself (a_j += p_j)."""
+
+    lam: float = 0.5
+    augment_docs: bool = True
+
+    def validate(self) -> None:
+        check_unit_interval(self.lam, "lam")
+        check_choice(self.augment_docs, "augment_docs", (True, False))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XLParams(Params):
+    """lam: weight of the ERM score. k: training-query neighbours. candidates: ERM candidates
+    (Kp). knn_norm: 'k' weighs a neighbour by s/k, 'none' by s. rescore: exact <q, p_j> for every
+    candidate (else 0 outside the ERM candidates). augment_docs: documents join the query index
+    as queries labelled with themselves."""
+
+    lam: float = 0.1
+    k: int = 16
+    candidates: int = 500
+    knn_norm: str = "k"
+    rescore: bool = True
+    augment_docs: bool = True
+
+    def validate(self) -> None:
+        check_unit_interval(self.lam, "lam")
+        check_positive(self.k, "k")
+        check_positive(self.candidates, "candidates")
+        check_choice(self.knn_norm, "knn_norm", ("k", "none"))
+        check_choice(self.rescore, "rescore", (True, False))
+        check_choice(self.augment_docs, "augment_docs", (True, False))
+
+
+class _Model:
+    """Shared plumbing: params, device, backend, the search entry point."""
+
+    Params: type[Params] = ERMParams
+
+    def __init__(self, *, backend: str = "exact", device: Any = None,
+                 index_params: Params | dict | None = None, **params: Any):
+        try:
+            self.params = self.Params(**params)
+        except TypeError as exc:
+            raise InputError(f"{type(self).__name__}: {exc}") from exc
+        self.backend = backend
+        self.index_params = index_params
+        self.device = resolve_device(device)
+        make_index(backend, self.device, index_params)  # fail early on a bad backend / params
+        self.dim = 0
+        self.n_docs = 0
+
+    def __getattr__(self, name: str) -> Any:
+        params = self.__dict__.get("params")
+        if params is not None and name in {f.name for f in dataclasses.fields(params)}:
+            return getattr(params, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.params.to_dict().items())
+        return (f"{type(self).__name__}({fields}{', ' if fields else ''}backend={self.backend!r},"
+                f" device='{self.device}', n_docs={self.n_docs})")
+
+    def _new_index(self) -> Index:
+        return make_index(self.backend, self.device, self.index_params)
+
+    def _check_fitted(self) -> None:
+        if not self.n_docs:
+            raise InputError(f"{type(self).__name__} is not fitted: call fit() first")
+
+    def _queries(self, queries: Any) -> torch.Tensor:
+        self._check_fitted()
+        q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False)
+        return q.detach()
+
+    def _embeddings(self, P: Any, Q: Any = None, Y: Any = None):
+        p = as_embeddings(P, self.device, "P").detach()
+        if p.shape[0] == 0:
+            raise InputError("P has no rows: there are no documents to index")
+        if Q is None:
+            return p, None, None
+        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1]).detach()
+        rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
+        return p, q, rel
+
+    def search(self, queries: Any, topk: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device."""
+        topk = check_positive_int(topk, "topk")
+        return self._search(self._queries(queries), topk)
+
+    def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.index.search(q, topk)
+
+
+class ERM(_Model):
+    """The embedding model alone: inner-product search over the document embeddings P."""
+
+    Params = ERMParams
+
+    def fit(self, P: Any) -> "ERM":
+        """P: (n, d) document embeddings."""
+        p, _, _ = self._embeddings(P)
+        self.index = self._new_index().build(p)
+        self.dim, self.n_docs = p.shape[1], p.shape[0]
+        return self
+
+
+class PEFAXS(_Model):
+    """PEFA-XS: one index over e_j = lam p_j + (1 - lam) Π(a_j), a_j = sum_i Y[i, j] q_i
+    (+ p_j with augment_docs)."""
+
+    Params = XSParams
+
+    def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXS":
+        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
+        p, q, rel = self._embeddings(P, Q, Y)
+        sums = pifa(rel, q, normalize=False, device=self.device)
+        if self.params.augment_docs:
+            sums = sums + p.float()
+        self.doc_embeddings, self.doc_sums = p, sums
+        self.index = self._new_index().build(self.xs_embeddings())
+        self.dim, self.n_docs = p.shape[1], p.shape[0]
+        return self
+
+    def xs_embeddings(self, lam: float | None = None) -> torch.Tensor:
+        """E = lam P + (1 - lam) Π(A): (n, d) float32; ``lam`` defaults to the model's."""
+        lam = self.params.lam if lam is None else lam
+        check_unit_interval(lam, "lam")
+        return lam * self.doc_embeddings.float() + (1.0 - lam) * normalize_rows(self.doc_sums)
+
+
+class PEFAXL(_Model):
+    """PEFA-XL: a passage index and a training-query index; the k nearest training queries
+    vote for their relevant documents, mixed with the ERM score."""
+
+    Params = XLParams
+
+    def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXL":
+        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
+        p, q, rel = self._embeddings(P, Q, Y)
+        n = p.shape[0]
+        y = rel.csr
+        if self.params.augment_docs:
+            q = torch.cat([q, p])
+            y = sp.vstack([y, sp.identity(n, dtype="float32", format="csr")], format="csr")
+        self.doc_embeddings = p
+        self.relevance = Relevance(y)
+        self._y = csr_tensors(self.relevance.csr, self.device)
+        self.index = self._new_index().build(p)
+        self.query_index = self._new_index().build(q)
+        self.dim, self.n_docs = p.shape[1], n
+        return self
+
+    def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        erm = self.index.search(q, self.params.candidates)
+        knn = self.query_index.search(q, self.params.k)
+        return self.fuse(q, erm, knn, topk)
+
+    def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
+             knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
+             k: int | None = None, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fuse precomputed searches: erm = (scores, ids) (B, Kp) from the passage index,
+        knn = (scores, ids) (B, K) from the query index, K >= k. ``lam`` / ``k`` override the
+        model's (a sweep searches once at the largest k and fuses many times)."""
+        lam = self.params.lam if lam is None else lam
+        k = self.params.k if k is None else k
+        check_unit_interval(lam, "lam")
+        check_positive(k, "k")
+        if k > knn[1].shape[1]:
+            raise InputError(f"k={k} but only {knn[1].shape[1]} neighbours were searched")
+        divisor = float(k) if self.params.knn_norm == "k" else 1.0
+        out_s, out_i = [], []
+        for s in range(0, q.shape[0], batch_size):
+            sl = slice(s, s + batch_size)
+            scores, ids = fuse_scores(
+                q[sl], self.doc_embeddings, *self._y, erm[0][sl], erm[1][sl],
+                knn[0][sl, :k], knn[1][sl, :k], lam=lam, knn_weight_divisor=divisor,
+                rescore=self.params.rescore, topk=topk)
+            out_s.append(scores)
+            out_i.append(ids)
+        if not out_s:
+            return (torch.empty(0, topk, device=self.device),
+                    torch.empty(0, topk, dtype=torch.long, device=self.device))
+        return torch.cat(out_s), torch.cat(out_i)

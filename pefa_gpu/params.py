@@ -1,0 +1,61 @@
+"""Frozen, keyword-only parameter objects that round-trip through JSON and reject unknown keys."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, TypeVar
+
+from .errors import InputError
+
+T = TypeVar("T", bound="Params")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Params:
+    """Base of every params object: ``to_dict`` / ``from_dict`` / ``to_json`` / ``from_json``.
+
+    Subclasses check their values in ``validate`` (called on construction).
+    """
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InputError on a bad value; subclasses override."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InputError(f"{cls.__name__} got unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        return cls.from_dict(json.loads(text))
+
+    def replace(self: T, **changes: Any) -> T:
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+def check_unit_interval(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
+
+
+def check_positive(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_choice(value: Any, name: str, choices: tuple) -> None:
+    if value not in choices:
+        raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
