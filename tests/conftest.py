@@ -1,0 +1,37 @@
+"""Shared fixtures: seeded random data, the SciFact directory, device parametrisation."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+SHARED = Path(os.environ.get("PEFA_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+SCIFACT = SHARED / "datasets" / "scifact"
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def scifact_dir() -> Path:
+    if not (SCIFACT / "corpus.jsonl").exists():
+        pytest.skip(f"SciFact not found at {SCIFACT} (set PEFA_SHARED to the shared/ folder)")
+    return SCIFACT
+
+
+def unit_rows(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:
+    """Random L2-normalised float32 rows."""
+    x = rng.standard_normal((rows, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
