@@ -12,6 +12,7 @@ from .index import Index, make_index
 from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
 from .models import ERM, PEFAXL, PEFAXS, ERMParams, XLParams, XSParams
 from .relevance import Relevance, as_relevance
+from .datasets import BeirDataset, load_beir
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,6 @@ __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
-    "Index", "make_index",
+    "Index", "make_index", "BeirDataset", "load_beir",
     "PefaError", "InputError", "MissingDependencyError", "FormatError",
 ]
