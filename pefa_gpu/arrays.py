@@ -68,7 +68,8 @@ def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
     elif isinstance(x, np.ndarray):
         if x.dtype == object:
             raise InputError(f"{name} has dtype object; pass a numeric array")
-        t = torch.from_numpy(np.ascontiguousarray(x))
+        # read-only arrays (np.load(mmap_mode="r")) are copied: torch tensors are writable
+        t = torch.from_numpy(np.ascontiguousarray(x) if x.flags.writeable else np.array(x))
     elif hasattr(x, "__dlpack__"):
         try:
             t = torch.from_dlpack(x)
@@ -103,13 +104,17 @@ def to_numpy(x: Any) -> np.ndarray:
 
 
 def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
-                  dtype: torch.dtype = torch.float32, check_norm: bool = True) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, check_norm: bool = True,
+                  copy: bool = False) -> torch.Tensor:
     """Validate a (rows, d) float embedding matrix and move it to ``device``.
 
     Raises InputError on wrong rank, empty rows, a dimension other than ``dim``, or NaN / inf.
-    Warns (does not fail) when rows are not L2-normalised.
+    Warns (does not fail) when rows are not L2-normalised. ``copy``: never share memory with
+    ``x`` (for arrays a model keeps, so later changes to the caller's array cannot reach it).
     """
     t = as_tensor(x, device=device, name=name)
+    if copy and _same_memory(x, t):
+        t = t.clone()
     if t.ndim == 1 and dim is not None and t.shape[0] == dim:
         t = t.unsqueeze(0)
     if t.ndim != 2:
@@ -133,6 +138,14 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
                           f"(norms from {float(norms.min()):.3g} to {float(norms.max()):.3g}); "
                           f"PEFA expects unit-norm embeddings", UserWarning, stacklevel=3)
     return t
+
+
+def _same_memory(x: Any, t: torch.Tensor) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.device == t.device and x.data_ptr() == t.data_ptr()
+    if isinstance(x, np.ndarray):
+        return t.device.type == "cpu" and x.__array_interface__["data"][0] == t.data_ptr()
+    return t.device.type == "cpu"  # DLPack and others: copy to be safe
 
 
 def check_positive_int(value: Any, name: str) -> int:

@@ -112,12 +112,12 @@ class _Model:
         return q.detach()
 
     def _embeddings(self, P: Any, Q: Any = None, Y: Any = None):
-        p = as_embeddings(P, self.device, "P").detach()
+        p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
         if Q is None:
             return p, None, None
-        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1]).detach()
+        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], copy=True).detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         return p, q, rel
 

@@ -1,0 +1,71 @@
+"""PIFA aggregation against the float64 reference."""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from conftest import DEVICES, unit_rows
+import reference as ref
+
+
+def random_relevance(rng, m, n, nnz, weighted=False):
+    rows, cols = rng.integers(0, m, nnz), rng.integers(0, n, nnz)
+    w = rng.uniform(0.5, 2.0, nnz) if weighted else None
+    return pg.Relevance.from_pairs(rows, cols, w, shape=(m, n))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pifa_matches_reference(device, weighted):
+    rng = np.random.default_rng(11)
+    m, n, d = 60, 40, 12
+    Q = unit_rows(rng, m, d)
+    Y = random_relevance(rng, m, n, 90, weighted)
+    for normalize in (True, False):
+        got = pg.pifa(Y, Q, normalize=normalize, device=device)
+        assert got.dtype == torch.float32 and got.shape == (n, d)
+        assert got.device.type == device
+        np.testing.assert_allclose(got.cpu().numpy(), ref.pifa(Y, Q, normalize), atol=1e-5)
+
+
+def test_pifa_documents_without_queries_stay_zero():
+    rng = np.random.default_rng(2)
+    Q = unit_rows(rng, 5, 4)
+    Y = pg.Relevance.from_pairs([0, 1, 1], [0, 0, 2], shape=(5, 4))  # docs 1 and 3: no queries
+    A = pg.pifa(Y, Q).numpy()
+    assert np.all(A[[1, 3]] == 0)
+    np.testing.assert_allclose(np.linalg.norm(A[[0, 2]], axis=1), 1.0, atol=1e-6)
+
+
+def test_pifa_opposite_queries_cancel_to_zero():
+    q = np.array([[1.0, 0.0], [-1.0, 0.0]], dtype=np.float32)
+    Y = pg.Relevance.from_pairs([0, 1], [0, 0], shape=(2, 1))
+    A = pg.pifa(Y, q)
+    assert torch.equal(A, torch.zeros(1, 2)) and torch.isfinite(A).all()
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch", "scipy_csc", "dense"])
+def test_pifa_input_kinds(kind):
+    rng = np.random.default_rng(4)
+    Q = unit_rows(rng, 10, 3)
+    Yr = random_relevance(rng, 10, 7, 15)
+    Yin = {"numpy": Yr, "torch": Yr, "scipy_csc": sp.csc_matrix(Yr.csr),
+           "dense": Yr.csr.toarray()}[kind]
+    Qin = torch.from_numpy(Q) if kind == "torch" else Q
+    np.testing.assert_allclose(pg.pifa(Yin, Qin).numpy(), ref.pifa(Yr, Q), atol=1e-6)
+
+
+def test_pifa_shape_mismatch():
+    Q = np.ones((3, 2), dtype=np.float32)
+    Y = pg.Relevance.from_pairs([0], [0], shape=(4, 2))
+    with pytest.raises(ValueError, match="4 rows"):
+        pg.pifa(Y, Q)
+
+
+def test_pifa_rejects_nan():
+    Q = np.ones((2, 2), dtype=np.float32)
+    Q[1, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        pg.pifa(pg.Relevance.from_pairs([0], [0], shape=(2, 1)), Q)

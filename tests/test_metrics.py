@@ -1,0 +1,56 @@
+"""Recall / nDCG / MRR against the reference, with padding, duplicates and empty queries."""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+import reference as ref
+
+
+def random_case(seed, b=30, n=50, K=20, graded=False):
+    rng = np.random.default_rng(seed)
+    ids = np.stack([rng.permutation(n)[:K] for _ in range(b)])
+    ids[rng.random(ids.shape) < 0.1] = -1              # padding
+    ids[:, 5] = ids[:, 2]                              # a repeated id counts once
+    dense = (rng.random((b, n)) < 0.08).astype(float)
+    if graded:
+        dense *= rng.integers(1, 4, dense.shape)
+    dense[:3] = 0                                      # queries without relevant documents
+    return ids, sp.csr_matrix(dense)
+
+
+@pytest.mark.parametrize("graded", [False, True])
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_metrics_match_reference(graded, as_tensor):
+    ids, Y = random_case(1, graded=graded)
+    res = pg.evaluate(torch.from_numpy(ids) if as_tensor else ids, Y, ks=(1, 5, 20))
+    assert res["n_skipped"] == 3 and res["n_queries"] == 27
+    for k in (1, 5, 20):
+        assert res[f"recall@{k}"] == pytest.approx(ref.recall(ids, Y, k))
+        assert res[f"ndcg@{k}"] == pytest.approx(ref.ndcg(ids, Y, k))
+        assert res[f"mrr@{k}"] == pytest.approx(ref.mrr(ids, Y, k))
+    assert pg.recall_at_k(ids, Y, ks=(5,)) == {5: pytest.approx(ref.recall(ids, Y, 5))}
+    assert pg.ndcg_at_k(ids, Y, ks=5)[5] == pytest.approx(ref.ndcg(ids, Y, 5))
+    assert pg.mrr_at_k(ids, Y, ks=5)[5] == pytest.approx(ref.mrr(ids, Y, 5))
+
+
+def test_hand_checked_recall():
+    # query 0: relevant {1, 2}, found 2 at rank 1 -> recall@1 = 0.5; query 1: relevant {0}
+    Y = pg.Relevance.from_pairs([0, 0, 1], [1, 2, 0], shape=(2, 4))
+    ids = np.array([[2, 3, 1], [3, -1, -1]])
+    assert pg.recall_at_k(ids, Y, ks=(1, 3)) == {1: 0.25, 3: 0.5}
+    assert pg.mrr_at_k(ids, Y, ks=3)[3] == 0.5
+
+
+def test_metric_errors():
+    Y = pg.Relevance.from_pairs([0], [1], shape=(2, 3))
+    with pytest.raises(ValueError, match="rows"):
+        pg.recall_at_k(np.zeros((3, 2), int), Y)
+    with pytest.raises(ValueError, match="document 7"):
+        pg.recall_at_k(np.array([[7], [0]]), Y)
+    with pytest.raises(ValueError, match="ks"):
+        pg.recall_at_k(np.zeros((2, 2), int), Y, ks=(0,))
+    with pytest.raises(ValueError, match="2-D"):
+        pg.recall_at_k(np.zeros(2, int), Y)

@@ -1,0 +1,61 @@
+"""The relevance matrix: construction, duplicates, validation."""
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import pefa_gpu as pg
+
+
+def test_from_pairs_binary_collapses_duplicates():
+    Y = pg.Relevance.from_pairs([0, 0, 1, 0], [2, 2, 0, 1], shape=(3, 4))
+    expect = np.zeros((3, 4))
+    expect[0, 2] = expect[1, 0] = expect[0, 1] = 1
+    np.testing.assert_array_equal(Y.csr.toarray(), expect)
+    assert Y.nnz == 3 and Y.shape == (3, 4)
+
+
+def test_from_pairs_weights_add_up():
+    Y = pg.Relevance.from_pairs([0, 0], [1, 1], weights=[0.5, 2.0], shape=(1, 2))
+    assert Y.csr.toarray()[0, 1] == pytest.approx(2.5)
+
+
+def test_from_pairs_default_shape_and_float_ids():
+    Y = pg.Relevance.from_pairs(np.array([0.0, 2.0]), np.array([3.0, 1.0]))
+    assert Y.shape == (3, 4)
+
+
+@pytest.mark.parametrize("q,d,msg", [([0, 5], [0, 1], "query ids out of range"),
+                                     ([0, 1], [0, 9], "document ids out of range"),
+                                     ([0, -1], [0, 1], "query ids out of range")])
+def test_from_pairs_out_of_range(q, d, msg):
+    with pytest.raises(ValueError, match=msg):
+        pg.Relevance.from_pairs(q, d, shape=(3, 3))
+
+
+def test_from_pairs_length_mismatch_and_non_integer():
+    with pytest.raises(ValueError, match="entries"):
+        pg.Relevance.from_pairs([0, 1], [0], shape=(2, 2))
+    with pytest.raises(ValueError, match="integer"):
+        pg.Relevance.from_pairs([0.5], [0], shape=(2, 2))
+
+
+def test_as_relevance_checks_shape_and_emptiness():
+    m = sp.csr_matrix(np.eye(3))
+    assert pg.as_relevance(m, shape=(3, 3)).nnz == 3
+    with pytest.raises(ValueError, match="3 rows"):
+        pg.as_relevance(m, shape=(4, None))
+    with pytest.raises(ValueError, match="3 columns"):
+        pg.as_relevance(m, shape=(None, 5))
+    with pytest.raises(ValueError, match="no nonzero"):
+        pg.as_relevance(sp.csr_matrix((3, 3)))
+    with pytest.raises(ValueError, match="scipy sparse"):
+        pg.as_relevance([[1, 0]])
+
+
+def test_explicit_zeros_dropped_and_nan_rejected():
+    m = sp.csr_matrix((np.array([0.0, 1.0]), np.array([0, 1]), np.array([0, 2])), shape=(1, 2))
+    assert pg.as_relevance(m).nnz == 1
+    bad = sp.csr_matrix(np.array([[np.nan, 1.0]]))
+    with pytest.raises(ValueError, match="NaN"):
+        pg.as_relevance(bad)

@@ -1,0 +1,86 @@
+"""Bad input gets a clear error naming what is wrong."""
+
+import numpy as np
+import pytest
+import torch
+
+import pefa_gpu as pg
+from conftest import unit_rows
+
+
+@pytest.fixture
+def data():
+    rng = np.random.default_rng(0)
+    P, Q, T = unit_rows(rng, 20, 8), unit_rows(rng, 10, 8), unit_rows(rng, 3, 8)
+    Y = pg.Relevance.from_pairs(np.arange(10), np.arange(10), shape=(10, 20))
+    return P, Q, Y, T
+
+
+@pytest.mark.parametrize("cls", [pg.PEFAXS, pg.PEFAXL])
+def test_fit_errors(cls, data):
+    P, Q, Y, T = data
+    with pytest.raises(ValueError, match="dimension 7"):
+        cls().fit(P, Q[:, :7], Y)
+    bad = P.copy()
+    bad[4, 2] = np.inf
+    with pytest.raises(ValueError, match=r"NaN or inf \(rows \[4\]"):
+        cls().fit(bad, Q, Y)
+    with pytest.raises(ValueError, match="21 document"):
+        cls().fit(P[:19], Q, Y) if False else cls().fit(np.vstack([P, P[:1]]), Q, Y)
+    with pytest.raises(ValueError, match="9 query"):
+        cls().fit(P, Q[:9], Y)
+    with pytest.raises(ValueError, match="no nonzero"):
+        cls().fit(P, Q, pg.Relevance.from_pairs([], [], shape=(10, 20)))
+    with pytest.raises(ValueError, match="2-D"):
+        cls().fit(P[0], Q, Y)
+
+
+@pytest.mark.parametrize("make,msg", [
+    (lambda: pg.PEFAXS(lam=1.5), "lam"), (lambda: pg.PEFAXS(lam=-0.1), "lam"),
+    (lambda: pg.PEFAXL(lam=2), "lam"), (lambda: pg.PEFAXL(k=0), "k must"),
+    (lambda: pg.PEFAXL(k=2.5), "k must"), (lambda: pg.PEFAXL(candidates=-1), "candidates"),
+    (lambda: pg.PEFAXL(knn_norm="sum"), "knn_norm"), (lambda: pg.PEFAXS(lamda=0.5), "lamda"),
+    (lambda: pg.ERM(backend="nope"), "backend"), (lambda: pg.ERM(device="tpu"), "device"),
+])
+def test_param_errors(make, msg):
+    with pytest.raises(ValueError, match=msg):
+        make()
+
+
+def test_search_errors(data):
+    P, Q, Y, T = data
+    model = pg.PEFAXL().fit(P, Q, Y)
+    with pytest.raises(ValueError, match="topk"):
+        model.search(T, topk=0)
+    with pytest.raises(ValueError, match="dimension 5"):
+        model.search(T[:, :5], topk=3)
+    with pytest.raises(ValueError, match="NaN"):
+        model.search(np.full((1, 8), np.nan, dtype=np.float32), topk=3)
+    with pytest.raises(ValueError, match="not fitted"):
+        pg.ERM().search(T)
+    with pytest.raises(ValueError, match="array"):
+        model.search("not an array")
+
+
+def test_unnormalised_embeddings_warn_not_fail(data):
+    P, Q, Y, T = data
+    with pytest.warns(UserWarning, match="not L2-normalised"):
+        model = pg.PEFAXS().fit(P * 3, Q, Y)
+    assert model.search(T, 3)[1].shape == (3, 3)
+
+
+def test_single_query_vector_is_accepted(data):
+    P, Q, Y, T = data
+    model = pg.ERM().fit(P)
+    assert torch.equal(model.search(T[0], 4)[1], model.search(T[:1], 4)[1])
+
+
+def test_params_round_trip_json():
+    p = pg.XLParams(lam=0.2, k=32)
+    assert pg.XLParams.from_json(p.to_json()) == p
+    with pytest.raises(ValueError, match="unknown keys"):
+        pg.XLParams.from_dict({"lam": 0.2, "bogus": 1})
+    with pytest.raises(TypeError):
+        pg.XLParams(0.2)  # keyword-only
+    with pytest.raises(Exception):
+        p.lam = 0.3  # frozen
