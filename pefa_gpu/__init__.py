@@ -11,6 +11,7 @@ from .errors import FormatError, InputError, MissingDependencyError, PefaError
 from .index import Index, make_index
 from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
 from .models import ERM, PEFAXL, PEFAXS, ERMParams, XLParams, XSParams
+from .persist import load
 from .relevance import Relevance, as_relevance
 from .datasets import BeirDataset, load_beir
 
@@ -20,6 +21,6 @@ __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
-    "Index", "make_index", "BeirDataset", "load_beir",
+    "load", "Index", "make_index", "BeirDataset", "load_beir",
     "PefaError", "InputError", "MissingDependencyError", "FormatError",
 ]

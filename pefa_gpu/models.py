@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import scipy.sparse as sp
@@ -74,6 +75,8 @@ class _Model:
     """Shared plumbing: params, device, backend, the search entry point."""
 
     Params: type[Params] = ERMParams
+    # attributes model.save() writes and pefa_gpu.load() restores (stored by type: see persist.py)
+    _saved: tuple[str, ...] = ("dim", "n_docs", "index")
 
     def __init__(self, *, backend: str = "exact", device: Any = None,
                  index_params: Params | dict | None = None, **params: Any):
@@ -129,6 +132,23 @@ class _Model:
     def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.index.search(q, topk)
 
+    def save(self, directory: str | Path) -> None:
+        """Write the fitted model into ``directory`` atomically (replacing an earlier save
+        there only once the new one is complete); read it back with :func:`pefa_gpu.load`."""
+        from .persist import save_model
+
+        save_model(self, directory)
+
+    @classmethod
+    def load(cls, directory: str | Path, device: Any = None, mmap: bool = False) -> "_Model":
+        """Like :func:`pefa_gpu.load`, but the save must hold this class (else FormatError)."""
+        from .persist import load_model
+
+        return load_model(directory, device=device, mmap=mmap, expect=cls)
+
+    def _restore(self) -> None:
+        """Rebuild state derived from the ``_saved`` attributes after a load."""
+
 
 class ERM(_Model):
     """The embedding model alone: inner-product search over the document embeddings P."""
@@ -148,6 +168,7 @@ class PEFAXS(_Model):
     (+ p_j with augment_docs)."""
 
     Params = XSParams
+    _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
     def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXS":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
@@ -172,6 +193,7 @@ class PEFAXL(_Model):
     vote for their relevant documents, mixed with the ERM score."""
 
     Params = XLParams
+    _saved = _Model._saved + ("doc_embeddings", "relevance", "query_index")
 
     def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXL":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
@@ -188,6 +210,9 @@ class PEFAXL(_Model):
         self.query_index = self._new_index().build(q)
         self.dim, self.n_docs = p.shape[1], n
         return self
+
+    def _restore(self) -> None:
+        self._y = csr_tensors(self.relevance.csr, self.device)
 
     def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         erm = self.index.search(q, self.params.candidates)

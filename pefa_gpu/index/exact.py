@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..arrays import as_tensor, check_positive_int, resolve_dtype
-from ..errors import InputError
+from ..errors import FormatError, InputError
 from ..params import Params, check_choice
+from ..storage import load_tensor, save_tensor
 from ..topk import merge_topk, topk_rows
 from .base import Index
 
@@ -90,6 +92,22 @@ class ExactIndex(Index):
             out_v.append(best_v)
             out_i.append(best_i)
         return torch.cat(out_v), torch.cat(out_i)
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``vectors.npy`` (ntotal, dim) in the storage dtype into ``directory``."""
+        save_tensor(Path(directory) / "vectors", self.vectors)
+
+    @classmethod
+    def load(cls, directory: str | Path, params: ExactParams | dict | None = None,
+             device: Any = None, mmap: bool = False) -> "ExactIndex":
+        """Read ``vectors.npy``; ``mmap=True`` maps it (copy-on-write) on a CPU device."""
+        out = cls(params, device)
+        v = load_tensor(Path(directory) / "vectors.npy", out.device, mmap=mmap)
+        if v.ndim != 2 or v.dtype != out._dtype:
+            raise FormatError(f"{Path(directory) / 'vectors.npy'} holds {v.dtype} shape "
+                              f"{tuple(v.shape)}; expected a 2-D {out.params.dtype} matrix")
+        out.vectors = v
+        return out
 
     def _block_shape(self, b: int, n: int, k: int) -> tuple[int, int]:
         """Query batch and corpus chunk so that one fp32 score block fits the budget."""

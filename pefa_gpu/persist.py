@@ -1,0 +1,230 @@
+"""Saving and loading fitted models: ``model.save(dir)`` and ``pefa_gpu.load(dir)``.
+
+A save is a directory::
+
+    manifest.json          format, format_version, library version, class, params, backend,
+                           index params, one entry per saved attribute, size + sha256 per file
+    doc_embeddings.npy     tensors (see pefa_gpu.storage for dtypes)
+    relevance.npz          Relevance / scipy CSR
+    index/, query_index/   whatever the backend's Index.save writes
+
+What a model saves is the tuple ``_saved`` on its class (attribute names, in models.py); each
+attribute is stored according to its type: torch tensor, :class:`~pefa_gpu.Relevance`, scipy
+sparse matrix, :class:`~pefa_gpu.index.Index`, or a JSON value. After the attributes are set
+on load, the model's ``_restore()`` rebuilds derived state (e.g. PEFA-XL's CSR tensors). To
+save a new attribute, add its name to ``_saved``; to change how an old one is stored, bump
+``storage.FORMAT_VERSION``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import scipy.sparse as sp
+import torch
+
+from . import storage
+from .errors import FormatError, InputError, MissingDependencyError
+from .index import Index, backend_class, backend_names
+from .relevance import Relevance
+
+log = logging.getLogger("pefa_gpu")
+
+
+def save_model(model: Any, directory: str | Path) -> None:
+    """Write a fitted model to ``directory`` atomically (an existing save there is replaced
+    only once the new one is complete on disk)."""
+    model._check_fitted()
+    from . import __version__
+
+    with storage.atomic_directory(directory) as tmp:
+        state = {name: _save_value(tmp, name, _attribute(model, name))
+                 for name in type(model)._saved}
+        storage.write_manifest(tmp, {
+            "library_version": __version__,
+            "class": type(model).__name__,
+            "params": model.params.to_dict(),
+            "backend": model.backend,
+            "index_params": model.index.params.to_dict(),
+            "saved_on": str(model.device),
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "state": state,
+        })
+    log.info("saved %s to %s", type(model).__name__, directory)
+
+
+def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
+               verify: bool | None = None, expect: type | None = None) -> Any:
+    """Read a save written by ``model.save``; returns an ERM, PEFAXS or PEFAXL on ``device``.
+
+    device: where the model lives after loading (default: CUDA when available), whatever
+    device it was saved from. mmap: memory-map tensors (copy-on-write) instead of reading them.
+    verify: check every file's sha256 against the manifest; default True without mmap, False
+    with it (sizes and headers are always checked; hashing would read every mapped page).
+    expect: a model class the save must be (a subclass of); else FormatError.
+    """
+    from .models import _Model
+
+    root = storage.resolve_save(directory)
+    manifest = storage.read_manifest(root)
+    where = root / storage.MANIFEST
+    cls = _model_class(manifest.get("class"), where)
+    expect = expect or _Model
+    if not issubclass(cls, expect):
+        raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
+    storage.verify_files(root, manifest["files"], checksums=not mmap if verify is None else verify)
+    state = manifest.get("state")
+    if not isinstance(state, dict):
+        raise FormatError(f"{where} has no 'state' table")
+    missing = [name for name in cls._saved if name not in state]
+    if missing:
+        raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
+    backend = manifest.get("backend")
+    _backend(backend, where)
+    try:
+        model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
+                    **manifest.get("params", {}))
+    except InputError as exc:
+        raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
+    for name in cls._saved:
+        setattr(model, name, _load_value(root, name, state[name], model.device, mmap))
+    model._restore()
+    return model
+
+
+# ---------------------------------------------------------------------------- one attribute
+
+def _attribute(model: Any, name: str) -> Any:
+    try:
+        return getattr(model, name)
+    except AttributeError:
+        raise InputError(f"{type(model).__name__} lists {name!r} in _saved but has no such "
+                         f"attribute") from None
+
+
+def _save_value(tmp: Path, name: str, value: Any) -> dict[str, Any]:
+    """Store one attribute under ``tmp``; returns its manifest entry."""
+    if isinstance(value, torch.Tensor):
+        return {"kind": "tensor", **storage.save_tensor(tmp / name, value)}
+    if isinstance(value, Relevance):
+        return {"kind": "relevance", **storage.save_csr(tmp / name, value.csr)}
+    if sp.issparse(value):
+        return {"kind": "csr", **storage.save_csr(tmp / name, value)}
+    if isinstance(value, Index):
+        sub = tmp / name
+        sub.mkdir()
+        value.save(sub)
+        return {"kind": "index", "dir": name, "backend": _registered_name(value),
+                "params": value.params.to_dict(), "ntotal": value.ntotal, "dim": value.dim}
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy / torch scalars
+        value = value.item()
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):
+        raise InputError(f"attribute {name!r} ({type(value).__name__}) cannot be saved: not a "
+                         f"tensor, Relevance, sparse matrix, Index or JSON value") from None
+    return {"kind": "json", "value": value}
+
+
+def _load_value(root: Path, name: str, entry: Any, device: torch.device, mmap: bool) -> Any:
+    where = root / storage.MANIFEST
+    kind = entry.get("kind") if isinstance(entry, dict) else None
+    if kind == "json":
+        return entry.get("value")
+    file = entry.get("file") if kind in ("tensor", "relevance", "csr") else None
+    if kind in ("tensor", "relevance", "csr") and (not isinstance(file, str) or "/" in file):
+        raise FormatError(f"{where}: attribute {name!r} has no valid file name ({file!r})")
+    if kind == "tensor":
+        return storage.load_tensor(root / file, device, mmap=mmap, meta=entry)
+    if kind == "relevance":
+        return Relevance(storage.load_csr(root / file, meta=entry))
+    if kind == "csr":
+        return storage.load_csr(root / file, meta=entry)
+    if kind == "index":
+        return _load_index(root, name, entry, device, mmap)
+    raise FormatError(f"{where}: attribute {name!r} has unknown kind {kind!r}")
+
+
+def _load_index(root: Path, name: str, entry: dict, device: torch.device, mmap: bool) -> Index:
+    where = root / storage.MANIFEST
+    sub = root / str(entry.get("dir"))
+    if not sub.is_dir() or sub.parent != root:
+        raise FormatError(f"{sub} is missing: the index {name!r} listed in {where}")
+    cls = _backend(entry.get("backend"), where)
+    try:
+        params = cls.Params.from_dict(entry.get("params") or {})
+    except (InputError, TypeError) as exc:
+        raise FormatError(f"{where}: params of index {name!r} do not fit backend "
+                          f"{cls.name!r}: {exc}") from exc
+    options = {"mmap": mmap} if mmap and _accepts(cls.load, "mmap") else {}
+    index = cls.load(sub, params, device, **options)
+    if (index.ntotal, index.dim) != (entry.get("ntotal"), entry.get("dim")):
+        raise FormatError(f"{sub} holds {index.ntotal} vectors of dimension {index.dim}; the "
+                          f"manifest says {entry.get('ntotal')} of dimension {entry.get('dim')}")
+    return index
+
+
+# ---------------------------------------------------------------------------- names -> classes
+
+def _model_class(name: Any, where: Path) -> type:
+    """The model class called ``name``: a subclass of _Model already imported (never imports
+    anything a manifest names)."""
+    from .models import _Model
+
+    found, todo = {}, [_Model]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            found.setdefault(sub.__name__, sub)
+            todo.append(sub)
+    if name not in found:
+        raise FormatError(f"{where} holds class {name!r}, which is not a pefa_gpu model "
+                          f"(known: {sorted(found)})")
+    return found[name]
+
+
+def _backend(name: Any, where: Path) -> type[Index]:
+    if not isinstance(name, str) or name not in backend_names():
+        raise FormatError(f"{where} was saved with backend {name!r}, which is not registered "
+                          f"here (known: {backend_names()})")
+    try:
+        return backend_class(name)
+    except ImportError as exc:
+        raise MissingDependencyError(f"{where} needs backend {name!r}, which cannot be "
+                                     f"imported: {exc}") from exc
+
+
+def _registered_name(index: Index) -> str:
+    """The registry name of an index's backend (its ``name`` when that resolves to its class)."""
+    try:
+        if backend_class(index.name) is type(index):
+            return index.name
+    except (InputError, ImportError, AttributeError):
+        pass
+    for name in backend_names():
+        try:
+            if backend_class(name) is type(index):
+                return name
+        except ImportError:
+            continue
+    raise InputError(f"{type(index).__name__} is not a registered backend; register_backend() "
+                     f"it before saving")
+
+
+def _accepts(func: Any, keyword: str) -> bool:
+    import inspect
+
+    try:
+        return keyword in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def load(directory: str | Path, device: Any = None, mmap: bool = False,
+         verify: bool | None = None) -> Any:
+    """Load a model saved with ``model.save(directory)``: an ERM, PEFAXS or PEFAXL (whichever was
+    saved) on ``device``. See :func:`load_model` for ``mmap`` and ``verify``."""
+    return load_model(directory, device=device, mmap=mmap, verify=verify)

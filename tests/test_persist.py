@@ -1,0 +1,482 @@
+"""Saving and loading: storage helpers, model round trips for every backend, atomic replacement,
+corrupt / foreign / future saves, device moves, memory mapping, params JSON."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu import storage
+from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
+from pefa_gpu.index import ExactParams, backend_class, backend_names
+from pefa_gpu.index import exact as exact_module
+
+from conftest import DEVICES, unit_rows
+
+N, M, D = 60, 40, 8
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(7)
+    P, Q = unit_rows(rng, N, D), unit_rows(rng, M, D)
+    Q[1] = Q[0]  # duplicate training query
+    rows = rng.integers(0, M - 3, 120)  # the last queries have no relevant document
+    y = sp.coo_matrix((np.ones(120, np.float32), (rows, rng.integers(0, N, 120))),
+                      shape=(M, N)).tocsr()
+    y.data[:] = 1.0
+    tests = unit_rows(rng, 7, D)
+    tests[3] = P[5]  # an exact hit
+    return P, Q, y, tests
+
+
+def fit(cls, data, backend="exact", device="cpu", index_params=None, **params):
+    P, Q, y, _ = data
+    if cls is pg.ERM:
+        params = {}
+    elif cls is pg.PEFAXL:
+        params = {"candidates": 20, "k": 4, **params}
+    model = cls(backend=backend, device=device, index_params=index_params, **params)
+    return model.fit(P) if cls is pg.ERM else model.fit(P, Q, y)
+
+
+def same_results(a, b, queries, topk=10):
+    sa, ia = a.search(queries, topk)
+    sb, ib = b.search(queries, topk)
+    assert torch.equal(ia.cpu(), ib.cpu())
+    assert torch.equal(sa.cpu(), sb.cpu())
+
+
+MODELS = [pg.ERM, pg.PEFAXS, pg.PEFAXL]
+
+
+@pytest.fixture(scope="module")
+def saved_xs(data, tmp_path_factory):
+    """One PEFA-XS save shared (read-only) by the loading tests; corrupting tests copy it."""
+    model = fit(pg.PEFAXS, data, lam=0.3)
+    path = tmp_path_factory.mktemp("saves") / "xs"
+    model.save(path)
+    return model, path
+
+
+def copy_save(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+# ---------------------------------------------------------------------------- storage helpers
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
+                                   torch.int64, torch.int32, torch.bool])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_tensor_round_trip_is_bit_exact(tmp_path, dtype, mmap):
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(5, 7, generator=g) * 100).to(dtype)
+    t = t.T  # non-contiguous
+    meta = storage.save_tensor(tmp_path / "t", t)
+    assert meta == {"file": "t.npy", "dtype": str(dtype).removeprefix("torch."), "shape": [7, 5]}
+    back = storage.load_tensor(tmp_path / "t.npy", "cpu", mmap=mmap, meta=meta)
+    assert back.dtype == dtype and torch.equal(back, t)
+    assert storage.load_tensor(tmp_path / "t", "cpu").dtype == dtype  # extension optional
+
+
+def test_bfloat16_file_is_plain_numpy_with_raw_bits(tmp_path):
+    t = torch.tensor([1.0, -2.5, 3.1415], dtype=torch.bfloat16)
+    storage.save_tensor(tmp_path / "b", t)
+    arr = np.load(tmp_path / "b.npy", allow_pickle=False)
+    assert arr.dtype.names == ("bfloat16",)
+    assert np.array_equal(arr["bfloat16"], t.view(torch.int16).numpy().view(np.uint16))
+
+
+def test_empty_tensor_round_trip(tmp_path):
+    storage.save_tensor(tmp_path / "e", torch.empty(0, 4))
+    for mmap in (False, True):
+        assert storage.load_tensor(tmp_path / "e", "cpu", mmap=mmap).shape == (0, 4)
+
+
+def test_load_tensor_rejects_bad_files(tmp_path):
+    meta = storage.save_tensor(tmp_path / "t", torch.ones(100, 10))
+    with pytest.raises(FormatError, match="manifest says dtype float32 shape \\(10, 10\\)"):
+        storage.load_tensor(tmp_path / "t", "cpu", meta={**meta, "shape": [10, 10]})
+    data = (tmp_path / "t.npy").read_bytes()
+    (tmp_path / "t.npy").write_bytes(data[: len(data) // 2])
+    for mmap in (False, True):
+        with pytest.raises(FormatError, match="t.npy is truncated"):
+            storage.load_tensor(tmp_path / "t", "cpu", mmap=mmap)
+    (tmp_path / "x.npy").write_bytes(b"not numpy at all")
+    with pytest.raises(FormatError, match="x.npy"):
+        storage.load_tensor(tmp_path / "x.npy", "cpu")
+    with pytest.raises(FormatError, match="missing"):
+        storage.load_tensor(tmp_path / "nope", "cpu")
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    with pytest.raises(FormatError, match="obj.npy"):  # never unpickles
+        storage.load_tensor(tmp_path / "obj.npy", "cpu")
+
+
+def test_csr_round_trip_and_errors(tmp_path):
+    y = sp.random(9, 13, density=0.3, format="csr", random_state=2, dtype=np.float32)
+    y = sp.vstack([y, sp.csr_matrix((2, 13), dtype=np.float32)], format="csr")  # empty rows
+    meta = storage.save_csr(tmp_path / "y", y)
+    back = storage.load_csr(tmp_path / "y.npz", meta=meta)
+    assert back.shape == (11, 13) and (back != y).nnz == 0 and back.dtype == np.float32
+    with pytest.raises(FormatError, match="manifest says shape"):
+        storage.load_csr(tmp_path / "y", meta={**meta, "shape": [11, 14]})
+    raw = (tmp_path / "y.npz").read_bytes()
+    (tmp_path / "y.npz").write_bytes(raw[:-40])
+    with pytest.raises(FormatError, match="y.npz is truncated"):
+        storage.load_csr(tmp_path / "y")
+
+
+def test_atomic_directory_leaves_nothing_on_error(tmp_path):
+    target = tmp_path / "out"
+    with pytest.raises(RuntimeError):
+        with storage.atomic_directory(target) as tmp:
+            (tmp / "a").write_text("x")
+            raise RuntimeError("boom")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_directory_refuses_foreign_directory(tmp_path):
+    target = tmp_path / "mine"
+    target.mkdir()
+    (target / "thesis.tex").write_text("precious")
+    with pytest.raises(InputError, match="not a pefa_gpu save"):
+        with storage.atomic_directory(target):
+            pass
+    assert (target / "thesis.tex").read_text() == "precious"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(InputError, match="not a directory"):
+        with storage.atomic_directory(tmp_path / "afile"):
+            pass
+
+
+# ---------------------------------------------------------------------------- model round trips
+
+def _backend_or_skip(name: str, device: str = "cpu"):
+    if name != "exact":
+        pytest.importorskip("faiss")
+    try:
+        pg.make_index(name, device)
+    except (MissingDependencyError, ImportError) as exc:
+        pytest.skip(f"backend {name!r} is not usable here: {exc}")
+    except InputError as exc:
+        if "cuda" in str(exc).lower() or "gpu" in str(exc).lower():
+            pytest.skip(f"backend {name!r} needs a GPU here: {exc}")
+        raise
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", backend_names())
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+def test_round_trip_identical_results(tmp_path, data, cls, backend, device):
+    _backend_or_skip(backend, device)
+    model = fit(cls, data, backend=backend, device=device, lam=0.4)
+    model.save(tmp_path / "m")
+    back = pg.load(tmp_path / "m", device=device)
+    assert type(back) is cls and back.backend == backend and back.device == model.device
+    assert back.params == model.params and back.n_docs == N and back.dim == D
+    assert back.index.params == model.index.params
+    same_results(model, back, data[3])
+    assert cls.load(tmp_path / "m", device=device).params == model.params
+
+
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+def test_saved_state_is_what_the_class_lists(tmp_path, data, cls):
+    model = fit(cls, data)
+    model.save(tmp_path / "m")
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert set(manifest["state"]) == set(cls._saved)
+    assert manifest["class"] == cls.__name__ and manifest["format_version"] == 1
+    assert manifest["library_version"] == pg.__version__
+    assert manifest["params"] == model.params.to_dict()
+    back = pg.load(tmp_path / "m", device="cpu")
+    for name in cls._saved:
+        v, w = getattr(model, name), getattr(back, name)
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, w) and v.dtype == w.dtype
+        elif isinstance(v, pg.Relevance):
+            assert (v.csr != w.csr).nnz == 0
+        elif not isinstance(v, pg.Index):
+            assert v == w
+
+
+def test_xl_derived_csr_tensors_are_rebuilt(tmp_path, data):
+    model = fit(pg.PEFAXL, data, augment_docs=False, knn_norm="none", rescore=False)
+    model.save(tmp_path / "xl")
+    back = pg.load(tmp_path / "xl", device="cpu")
+    for a, b in zip(model._y, back._y):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    same_results(model, back, data[3], topk=25)
+
+
+def test_bfloat16_index_round_trip(tmp_path, data):
+    model = fit(pg.PEFAXS, data, index_params={"dtype": "bfloat16"})
+    model.save(tmp_path / "bf")
+    back = pg.load(tmp_path / "bf", device="cpu")
+    assert back.index.vectors.dtype == torch.bfloat16
+    assert torch.equal(back.index.vectors, model.index.vectors)
+    same_results(model, back, data[3])
+
+
+def test_loaded_model_can_be_saved_again(tmp_path, data):
+    model = fit(pg.PEFAXL, data)
+    model.save(tmp_path / "a")
+    pg.load(tmp_path / "a", device="cpu", mmap=True).save(tmp_path / "a")  # over its own files
+    same_results(model, pg.load(tmp_path / "a", device="cpu"), data[3])
+
+
+def test_save_unfitted_or_unsaveable(tmp_path):
+    with pytest.raises(InputError, match="not fitted"):
+        pg.PEFAXS(device="cpu").save(tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------------------- atomic replacement
+
+def test_crash_mid_save_keeps_the_old_save(tmp_path, data, monkeypatch):
+    old = fit(pg.PEFAXL, data, lam=0.2)
+    old.save(tmp_path / "m")
+    before = (tmp_path / "m" / "manifest.json").read_text()
+    new = fit(pg.PEFAXL, data, lam=0.9)
+    calls = {"n": 0}
+    real = storage.save_tensor
+
+    def failing(path, tensor):
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the first file of the new save is on disk
+            raise OSError("disk full (simulated)")
+        return real(path, tensor)
+
+    monkeypatch.setattr(storage, "save_tensor", failing)
+    monkeypatch.setattr(exact_module, "save_tensor", failing)
+    with pytest.raises(OSError, match="simulated"):
+        new.save(tmp_path / "m")
+    assert calls["n"] == 2
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp or backup left
+    assert (tmp_path / "m" / "manifest.json").read_text() == before
+    back = pg.load(tmp_path / "m", device="cpu")
+    assert back.params.lam == 0.2
+    same_results(old, back, data[3])
+
+
+def test_failed_swap_rolls_back(tmp_path, data, monkeypatch):
+    old = fit(pg.ERM, data)
+    old.save(tmp_path / "m")
+    real = os.replace
+
+    def replace(src, dst):
+        if ".pefa-tmp-" in str(src):
+            raise OSError("rename failed (simulated)")
+        return real(src, dst)
+
+    monkeypatch.setattr(storage.os, "replace", replace)
+    with pytest.raises(OSError, match="simulated"):
+        fit(pg.PEFAXS, data).save(tmp_path / "m")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert type(pg.load(tmp_path / "m", device="cpu")) is pg.ERM
+
+
+def test_crash_between_renames_loads_the_backup(tmp_path, data, caplog):
+    old = fit(pg.PEFAXS, data, lam=0.2)
+    old.save(tmp_path / "m")
+    os.replace(tmp_path / "m", storage.backup_path(tmp_path / "m"))  # the state a crash leaves
+    with caplog.at_level(logging.WARNING, logger="pefa_gpu"):
+        back = pg.load(tmp_path / "m", device="cpu")
+    assert "backup" in caplog.text
+    same_results(old, back, data[3])
+    fit(pg.PEFAXS, data, lam=0.7).save(tmp_path / "m")  # the next save clears the backup
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert pg.load(tmp_path / "m", device="cpu").params.lam == 0.7
+
+
+def test_replacing_save_with_stale_backup(tmp_path, data):
+    fit(pg.ERM, data).save(tmp_path / "m")
+    storage.backup_path(tmp_path / "m").mkdir()  # crash after the swap, before the cleanup
+    fit(pg.PEFAXS, data).save(tmp_path / "m")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    assert type(pg.load(tmp_path / "m", device="cpu")) is pg.PEFAXS
+
+
+# ---------------------------------------------------------------------------- verified loads
+
+def _edit_manifest(path: Path, **changes):
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest.update(changes)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_truncated_file(tmp_path, saved_xs):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    f = path / "doc_sums.npy"
+    f.write_bytes(f.read_bytes()[:-7])
+    for mmap in (False, True):
+        with pytest.raises(FormatError, match="doc_sums.npy is truncated"):
+            pg.load(path, device="cpu", mmap=mmap)
+
+
+def test_flipped_byte(tmp_path, saved_xs):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    f = path / "index" / "vectors.npy"
+    raw = bytearray(f.read_bytes())
+    raw[-5] ^= 0x40
+    f.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="vectors.npy is corrupted"):
+        pg.load(path, device="cpu")
+    with pytest.raises(FormatError, match="vectors.npy is corrupted"):
+        pg.load(path, device="cpu", mmap=True, verify=True)
+    pg.load(path, device="cpu", mmap=True)  # documented: mmap skips hashing unless verify=True
+
+
+def test_missing_file(tmp_path, saved_xs):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    (path / "doc_embeddings.npy").unlink()
+    with pytest.raises(FormatError, match="doc_embeddings.npy is missing"):
+        pg.load(path, device="cpu")
+
+
+def test_broken_manifest(tmp_path, saved_xs):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text[: len(text) // 2])
+    with pytest.raises(FormatError, match="manifest.json is not valid JSON"):
+        pg.load(path, device="cpu")
+
+
+def test_foreign_directories(tmp_path, saved_xs):
+    with pytest.raises(FormatError, match="not a pefa_gpu save"):
+        pg.load(tmp_path, device="cpu")
+    (tmp_path / "manifest.json").write_text(json.dumps({"name": "some other tool"}))
+    with pytest.raises(FormatError, match="not a pefa_gpu manifest"):
+        pg.load(tmp_path, device="cpu")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FormatError, match="not a directory"):
+        pg.load(tmp_path / "file", device="cpu")
+    with pytest.raises(FileNotFoundError, match="no pefa_gpu save"):
+        pg.load(tmp_path / "nowhere", device="cpu")
+
+
+def test_future_format_version(tmp_path, saved_xs):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    _edit_manifest(path, format_version=storage.FORMAT_VERSION + 1)
+    with pytest.raises(FormatError, match="format_version 2, newer than this pefa_gpu reads"):
+        pg.load(path, device="cpu")
+
+
+def test_wrong_or_unknown_class(tmp_path, saved_xs):
+    with pytest.raises(FormatError, match="holds a PEFAXS, not a PEFAXL"):
+        pg.PEFAXL.load(saved_xs[1], device="cpu")
+    with pytest.raises(FormatError, match="not a ERM"):
+        pg.ERM.load(saved_xs[1], device="cpu")
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    _edit_manifest(path, **{"class": "os.system"})
+    with pytest.raises(FormatError, match="'os.system', which is not a pefa_gpu model"):
+        pg.load(path, device="cpu")
+
+
+def test_bad_params_or_backend_in_manifest(tmp_path, saved_xs):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    _edit_manifest(path, params={"lam": 0.3, "augment_docs": True, "temperature": 2})
+    with pytest.raises(FormatError, match="temperature"):
+        pg.load(path, device="cpu")
+    _edit_manifest(path, params={"lam": 0.3}, backend="annoy")
+    with pytest.raises(FormatError, match="backend 'annoy', which is not registered"):
+        pg.load(path, device="cpu")
+
+
+def test_manifest_shape_mismatch(tmp_path, saved_xs):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["state"]["doc_sums"]["shape"] = [N + 1, D]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="doc_sums.npy holds dtype float32 shape"):
+        pg.load(path, device="cpu")
+    manifest["state"]["doc_sums"]["shape"] = [N, D]
+    manifest["state"]["index"]["ntotal"] = N + 1
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="manifest says 61 of dimension 8"):
+        pg.load(path, device="cpu")
+    manifest["state"]["index"]["ntotal"] = N
+    manifest["files"]["../../etc/passwd"] = {"bytes": 1, "sha256": "0"}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(FormatError, match="unsafe file name"):
+        pg.load(path, device="cpu")
+
+
+# ---------------------------------------------------------------------------- devices and mmap
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", torch.device("cpu")], ids=str)
+def test_load_onto_cpu_variants(saved_xs, data, device):
+    model, path = saved_xs
+    back = pg.load(path, device=device)
+    assert back.device.type == "cpu" and back.doc_embeddings.device.type == "cpu"
+    same_results(model, back, data[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+def test_save_on_cuda_load_on_cpu_and_back(tmp_path, data, cls):
+    on_gpu = fit(cls, data, device="cuda")
+    on_gpu.save(tmp_path / "g")
+    on_cpu = pg.load(tmp_path / "g", device="cpu")
+    assert on_cpu.device.type == "cpu"
+    s_g, i_g = on_gpu.search(data[3], 10)
+    s_c, i_c = on_cpu.search(data[3], 10)
+    assert torch.equal(i_g.cpu(), i_c) and torch.allclose(s_g.cpu(), s_c, atol=1e-5)
+    on_cpu.save(tmp_path / "c")
+    again = pg.load(tmp_path / "c", device="cuda")
+    assert again.device.type == "cuda" and again.search(data[3], 10)[1].device.type == "cuda"
+    assert torch.equal(again.search(data[3], 10)[1].cpu(), i_c)
+
+
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+def test_mmap_load(tmp_path, data, cls):
+    model = fit(cls, data)
+    model.save(tmp_path / "m")
+    back = pg.load(tmp_path / "m", device="cpu", mmap=True)
+    same_results(model, back, data[3])
+    if sys.platform.startswith("linux"):
+        maps = Path("/proc/self/maps").read_text()
+        assert str((tmp_path / "m" / "index" / "vectors.npy").resolve()) in maps
+        if cls is not pg.ERM:
+            assert str((tmp_path / "m" / "doc_embeddings.npy").resolve()) in maps
+    back.index.add(torch.from_numpy(unit_rows(np.random.default_rng(0), 2, D)))  # still usable
+    assert pg.load(tmp_path / "m", device="cpu").index.ntotal == N  # the file is untouched
+
+
+# ---------------------------------------------------------------------------- params JSON
+
+@pytest.mark.parametrize("params", [pg.ERMParams(), pg.XSParams(lam=0.25, augment_docs=False),
+                                    pg.XLParams(lam=0.3, k=8, knn_norm="none", rescore=False),
+                                    ExactParams(dtype="bfloat16", memory_budget=2**20)],
+                         ids=lambda p: type(p).__name__)
+def test_params_json_round_trip(params):
+    text = params.to_json()
+    assert type(params).from_json(text) == params
+    assert type(params).from_dict(json.loads(text)) == params
+    with pytest.raises(InputError, match="unknown keys \\['bogus'\\]"):
+        type(params).from_dict({**params.to_dict(), "bogus": 1})
+
+
+@pytest.mark.parametrize("backend", backend_names())
+def test_backend_params_json_round_trip(backend):
+    try:
+        cls = backend_class(backend)
+    except ImportError as exc:
+        pytest.skip(f"backend {backend!r} cannot be imported here: {exc}")
+    params = cls.Params()
+    assert cls.Params.from_json(params.to_json()) == params
+    with pytest.raises(InputError, match="unknown keys"):
+        cls.Params.from_dict({**params.to_dict(), "bogus": 1})
