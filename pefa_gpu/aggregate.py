@@ -10,6 +10,8 @@ import torch
 from .arrays import as_embeddings, resolve_device, to_numpy
 from .errors import InputError
 from .relevance import as_relevance
+from .aggregate_stream import normalize_rows_, pifa_streamed
+from .stream import array_source, row_source
 
 
 def normalize_rows(x: torch.Tensor) -> torch.Tensor:
@@ -19,16 +21,29 @@ def normalize_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.where(norms > 0, x / norms.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
 
 
-def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None) -> torch.Tensor:
+def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
+         memory_budget: int | None = None) -> torch.Tensor:
     """Yᵀ Q: (m x n) relevance, (m x d) query embeddings -> (n x d) float32 tensor on ``device``.
 
     Accumulates in float32. On CUDA the product runs as a cuSPARSE SpMM through cupy when cupy
     is installed, else through torch sparse; on the CPU through scipy. With ``normalize`` each
     row is L2-normalised and documents with no queries stay exactly zero.
+
+    Out of core: ``Q`` may also be a path to a C-ordered ``.npy``, a memory map
+    (``np.load(path, mmap_mode="r")``) or an iterator of (rows, d) chunks; it is then streamed
+    in row chunks (see :mod:`pefa_gpu.aggregate_stream`) with the output and all buffers within
+    ``memory_budget`` bytes (default 512 MiB plus the output). A host array with a
+    ``memory_budget`` is streamed the same way.
     """
     dev = resolve_device(device)
     rel = as_relevance(Y, allow_empty=True)
     m, n = rel.shape
+    src = row_source(Q, "Q")
+    if src is None and memory_budget is not None and isinstance(Q, np.ndarray):
+        src = array_source(Q, "Q")
+    if src is not None:
+        a = pifa_streamed(rel, src, dev, memory_budget)
+        return normalize_rows_(a) if normalize else a
     q = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach()
     if q.shape[0] != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")

@@ -1,0 +1,220 @@
+"""Out-of-core PIFA: streamed Q (path, memory map, iterator, array + budget) equals Yᵀ Q."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu.aggregate_stream import chunk_rows, pifa_streamed
+from pefa_gpu.relevance import Relevance
+from pefa_gpu.stream import array_source, row_source
+
+
+def ref_pifa(Y: sp.spmatrix, Q: np.ndarray, normalize: bool) -> np.ndarray:
+    """float64 reference: dense Yᵀ Q, rows normalised with Π(0) = 0."""
+    a = Y.toarray().astype(np.float64).T @ Q.astype(np.float64)
+    if normalize:
+        norms = np.linalg.norm(a, axis=1, keepdims=True)
+        a = np.divide(a, norms, out=np.zeros_like(a), where=norms > 0)
+    return a
+
+
+def make_data(seed: int, m: int = 300, n: int = 40, d: int = 12):
+    """Y with empty query rows, empty documents, a document with many consecutive queries
+    (so chunk boundaries fall inside its queries), weights; Q with duplicated rows."""
+    rng = np.random.default_rng(seed)
+    nnz = 3 * m
+    qi = rng.integers(0, m, nnz)
+    di = rng.integers(0, n - 3, nnz)  # the last 3 documents get no queries
+    qi = np.concatenate([qi, np.arange(50, 170)])  # document 0 owns a long run of queries
+    di = np.concatenate([di, np.zeros(120, dtype=np.int64)])
+    w = rng.choice([0.5, 1.0, 2.0], qi.size).astype(np.float32)
+    Y = sp.coo_matrix((w, (qi, di)), shape=(m, n)).tocsr()
+    Y = (sp.diags((np.arange(m) % 7 != 3).astype(np.float32)) @ Y).tocsr()  # empty rows
+    Y.eliminate_zeros()
+    Q = rng.standard_normal((m, d)).astype(np.float32)
+    Q[10:20] = Q[0]  # duplicates
+    Q = np.round(Q * 4) / 4  # ties in values
+    return Y, Q
+
+
+def budget_for(rows: int, n: int, d: int, itemsize: int = 4, gather: bool = False) -> int:
+    per_row = d * (itemsize + (4 if itemsize != 4 else 0)) + (8 * d if gather else 0)
+    b = n * d * 4 + rows * per_row
+    assert chunk_rows(b, n, d, itemsize, torch.device("cpu"), gather) == rows
+    return b
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 299, 300, 1000])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_memmap_equals_reference(tmp_path, rows, normalize):
+    Y, Q = make_data(rows)
+    np.save(tmp_path / "q.npy", Q)
+    mm = np.load(tmp_path / "q.npy", mmap_mode="r")
+    out = pg.pifa(Y, mm, normalize=normalize, device="cpu",
+                  memory_budget=budget_for(rows, Y.shape[1], Q.shape[1]))
+    mem = pg.pifa(Y, Q, normalize=normalize, device="cpu")
+    np.testing.assert_allclose(out.numpy(), ref_pifa(Y, Q, normalize), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out.numpy(), mem.numpy(), rtol=1e-6, atol=1e-6)
+    assert out.dtype == torch.float32 and out.shape == (Y.shape[1], Q.shape[1])
+    assert not out[-3:].any()  # documents without queries stay zero
+
+
+@pytest.mark.parametrize("rows", [3, 50, 128])
+def test_path_iterator_and_array_sources(tmp_path, rows):
+    Y, Q = make_data(100 + rows)
+    np.save(tmp_path / "q.npy", Q)
+    ref = ref_pifa(Y, Q, True)
+    budget = budget_for(rows, Y.shape[1], Q.shape[1])
+    by_path = pg.pifa(Y, str(tmp_path / "q.npy"), device="cpu", memory_budget=budget)
+    by_pathlib = pg.pifa(Y, tmp_path / "q.npy", device="cpu")
+    sizes = [rows, 1, 0, 2 * rows, Q.shape[0]]  # uneven chunks, an empty chunk
+    bounds = np.minimum(np.cumsum([0] + sizes), Q.shape[0])
+    it = (Q[a:b] for a, b in zip(bounds[:-1], bounds[1:]))
+    by_iter = pg.pifa(Y, it, device="cpu", memory_budget=budget)
+    by_array = pg.pifa(Y, Q, device="cpu", memory_budget=budget)
+    for out in (by_path, by_pathlib, by_iter, by_array):
+        np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 13, 300])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+def test_index_add_kernel_and_dtypes(tmp_path, rows, dtype):
+    """The device-independent gather + index_add kernel (the CUDA arithmetic), run on CPU."""
+    Y, Q = make_data(7)
+    Qd = Q.astype(dtype)
+    np.save(tmp_path / "q.npy", Qd)
+    src = row_source(str(tmp_path / "q.npy"))
+    itemsize = np.dtype(dtype).itemsize
+    budget = budget_for(rows, Y.shape[1], Q.shape[1], itemsize, gather=True)
+    out = pifa_streamed(Relevance(Y), src, torch.device("cpu"), budget, kernel="index_add")
+    np.testing.assert_allclose(out.numpy(), ref_pifa(Y, Qd.astype(np.float32), False),
+                               rtol=1e-5, atol=1e-5)
+    scipy_k = pifa_streamed(Relevance(Y), array_source(Qd), torch.device("cpu"),
+                            budget_for(rows, Y.shape[1], Q.shape[1], itemsize), kernel="scipy")
+    np.testing.assert_allclose(out.numpy(), scipy_k.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_empty_relevance_and_no_rows(tmp_path):
+    Y = sp.csr_matrix((5, 4), dtype=np.float32)
+    Q = np.ones((5, 3), np.float32)
+    out = pg.pifa(Y, iter([Q[:2], Q[2:]]), device="cpu")
+    assert out.shape == (4, 3) and not out.any()
+    out = pg.pifa(sp.csr_matrix((0, 4), dtype=np.float32), iter([]), device="cpu")
+    assert out.shape == (4, 0)
+
+
+def test_errors(tmp_path):
+    Y, Q = make_data(1)
+    with pytest.raises(pg.InputError, match="rows"):
+        pg.pifa(Y, iter([Q, Q[:3]]), device="cpu")
+    with pytest.raises(pg.InputError, match="rows"):
+        pg.pifa(Y, iter([Q[:10]]), device="cpu")
+    with pytest.raises(pg.InputError, match="dimension"):
+        pg.pifa(Y, iter([Q[:10], Q[10:, :5]]), device="cpu")
+    with pytest.raises(pg.InputError, match="too small"):
+        pg.pifa(Y, Q, device="cpu", memory_budget=100)
+    with pytest.raises(pg.InputError, match="memory_budget"):
+        pg.pifa(Y, Q, device="cpu", memory_budget=-5)
+    bad = Q.copy()
+    bad[123, 4] = np.nan
+    with pytest.raises(pg.InputError, match="NaN"):
+        pg.pifa(Y, iter([bad]), device="cpu")
+    np.save(tmp_path / "i.npy", np.ones((4, 3), np.int32))
+    with pytest.raises(pg.InputError, match="dtype"):
+        pg.pifa(Y, str(tmp_path / "i.npy"), device="cpu")
+    np.save(tmp_path / "v.npy", np.ones(4, np.float32))
+    with pytest.raises(pg.InputError, match="2-D"):
+        pg.pifa(Y, tmp_path / "v.npy", device="cpu")
+    with pytest.raises(pg.InputError, match="npy"):
+        pg.pifa(Y, str(tmp_path / "q.txt"), device="cpu")
+
+
+def test_backward_compatible_call():
+    Y, Q = make_data(3)
+    rel = Relevance(Y)
+    out = pg.pifa(rel, torch.from_numpy(Q), normalize=False, device="cpu")
+    np.testing.assert_allclose(out.numpy(), ref_pifa(Y, Q, False), rtol=1e-5, atol=1e-5)
+
+
+_CHILD = textwrap.dedent("""
+    import json, re, sys
+    import numpy as np, scipy.sparse as sp
+    import pefa_gpu as pg
+
+    def status():
+        t = open("/proc/self/status").read()
+        return {k: int(re.search(k + r":\\s+(\\d+)", t).group(1)) * 1024
+                for k in ("VmRSS", "VmHWM")}
+
+    path, mode, m, n, budget = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    rng = np.random.default_rng(0)
+    Y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), rng.integers(0, n, m))),
+                      shape=(m, n))
+    Q = np.load(path, mmap_mode="r") if mode == "memmap" else path
+    pg.pifa(Y[:4], np.ones((4, 8), np.float32), device="cpu", memory_budget=budget)  # warm-up
+    try:
+        open("/proc/self/clear_refs", "w").write("5")  # reset the peak to the current RSS
+    except OSError:
+        pass
+    before = status()
+    a = pg.pifa(Y, Q, normalize=False, device="cpu", memory_budget=budget)
+    after = status()
+    print(json.dumps({"before": before, "after": after, "sum": float(a.sum())}))
+""")
+
+
+@pytest.mark.parametrize("mode", ["memmap", "path"])
+def test_peak_resident_memory_within_budget(tmp_path, mode):
+    """A 96 MiB Q streamed with an 8 MiB budget raises peak RSS by far less than Q's size."""
+    m, d, n = 49152, 512, 256
+    path = tmp_path / "q.npy"
+    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(m, d))
+    for s in range(0, m, 8192):
+        mm[s:s + 8192] = 1.0 / 64
+    mm.flush()
+    del mm
+    budget = 8 * 2**20
+    res = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode, str(m), str(n),
+                          str(budget)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    rec = json.loads(res.stdout.strip().splitlines()[-1])
+    grew = rec["after"]["VmHWM"] - max(rec["before"]["VmRSS"], 0)
+    q_bytes = m * d * 4
+    assert grew < budget + 6 * 2**20, (grew, rec)  # budget + allocator / Y-slicing slack
+    assert grew < q_bytes / 4
+    assert rec["sum"] == pytest.approx(m * d / 64, rel=1e-6)
+
+
+@pytest.mark.parametrize("rows", [4, 33])
+def test_memmap_views(tmp_path, rows):
+    """Row-sliced (read from the file at the right offset) and column-sliced (copied from the
+    mapping, pages released) memory maps."""
+    Y, Q = make_data(11)
+    full = np.concatenate([np.full((5, Q.shape[1]), 9.0, np.float32), Q], 0)
+    full = np.concatenate([full, np.full((full.shape[0], 3), 7.0, np.float32)], 1)
+    np.save(tmp_path / "q.npy", full)
+    mm = np.load(tmp_path / "q.npy", mmap_mode="r")
+    budget = budget_for(rows, Y.shape[1], Q.shape[1])
+    ref = ref_pifa(Y, Q, True)
+    rows_view = np.load(tmp_path / "q.npy", mmap_mode="r")[5:, :]
+    np.save(tmp_path / "r.npy", full[:, :Q.shape[1]])
+    rows_only = np.load(tmp_path / "r.npy", mmap_mode="r")[5:]
+    cols_view = mm[5:, :Q.shape[1]]
+    assert isinstance(cols_view, np.memmap) and not cols_view.flags.c_contiguous
+    out_rows = pg.pifa(Y, rows_only, device="cpu", memory_budget=budget)
+    out_cols = pg.pifa(Y, cols_view, device="cpu", memory_budget=budget)
+    np.testing.assert_allclose(out_rows.numpy(), ref, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out_cols.numpy(), ref, rtol=1e-5, atol=1e-5)
+    out_wide = pg.pifa(Y, rows_view, normalize=False, device="cpu", memory_budget=budget * 2)
+    np.testing.assert_allclose(out_wide.numpy(), ref_pifa(Y, full[5:], False), rtol=1e-5,
+                               atol=1e-5)
