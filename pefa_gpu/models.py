@@ -132,6 +132,14 @@ class _Model:
     def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.index.search(q, topk)
 
+    def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path:
+        """Write a faiss IndexHNSWCagra (graph built on the model's device) that a CPU-only
+        machine opens with ``faiss.read_index``; PEFAXL writes a directory with both indices.
+        See :func:`pefa_gpu.export.export_model` (kwargs: M, method, ef_search, ...)."""
+        from .export import export_model
+
+        return export_model(self, path, **kwargs)
+
     def save(self, directory: str | Path) -> None:
         """Write the fitted model into ``directory`` atomically (replacing an earlier save
         there only once the new one is complete); read it back with :func:`pefa_gpu.load`."""

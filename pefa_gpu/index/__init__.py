@@ -16,6 +16,9 @@ from .exact import ExactIndex, ExactParams
 # name -> "module:Class"; modules are imported lazily so faiss is needed only when used
 _BACKENDS: dict[str, str] = {
     "exact": "pefa_gpu.index.exact:ExactIndex",
+    "hnsw": "pefa_gpu.index.hnsw:HNSWIndex",      # faiss, CPU
+    "ivf": "pefa_gpu.index.ivf:IVFIndex",         # faiss, GPU when available
+    "cagra": "pefa_gpu.index.cagra:CagraIndex",   # faiss-gpu CAGRA or cuVS, CUDA only
 }
 
 

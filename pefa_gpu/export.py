@@ -1,0 +1,204 @@
+"""HNSW export for CPU serving of a graph built on the device.
+
+``export_hnsw(vectors, path)`` builds a k-NN graph where the vectors live and writes a faiss
+``IndexHNSWCagra`` (base level only: one layer of 2M links per vector, searched from the best
+of a few random entry points) that a CPU-only machine opens with plain ``faiss.read_index``::
+
+    index = faiss.read_index("docs.faiss")      # IndexHNSWCagra, inner product
+    D, I = index.search(queries, 10)             # D: similarities, I: row ids
+
+The graph comes from one of two builders (``method``):
+- ``"cagra"``: faiss ``GpuIndexCagra`` on a CUDA device, copied with faiss' own ``copyTo``.
+- ``"knn"``: an exact top-(2M) graph computed in torch on the device (``ExactIndex``),
+  made navigable CAGRA-style: each row keeps its M nearest neighbours, then up to M reverse
+  edges (rows that list it among their M nearest, closest first), then further forward
+  neighbours to fill 2M slots. Written through faiss' Python API (levels, offsets, links).
+``"auto"`` takes ``"cagra"`` when faiss has GPU CAGRA and the device is CUDA, else ``"knn"``.
+The exact graph costs O(n^2 d) work (chunked, never an n x n matrix): fine on a GPU up to a
+few million rows, slow on a CPU beyond ~1e5.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .arrays import as_tensor, resolve_device, to_numpy
+from .errors import InputError
+from .index._faiss import faiss_has_gpu, host_float32, import_faiss
+from .index.exact import ExactIndex
+from .params import check_choice, check_positive
+
+
+def knn_graph(vectors: Any, degree: int, device: Any = None) -> torch.Tensor:
+    """(n, d) vectors -> (n, degree) int64 neighbour table on ``device`` (-1 padded).
+
+    Exact inner-product neighbours (self excluded), half forward and half reverse edges as
+    described in the module docstring; each row has no duplicates.
+    """
+    check_positive(degree, "degree")
+    dev = resolve_device(device)
+    v = as_tensor(vectors, device=dev, dtype=torch.float32, name="vectors")
+    n = v.shape[0]
+    width = min(degree + 1, n)
+    _, fwd = ExactIndex(device=dev).build(v).search(v, width)
+    rows = torch.arange(n, device=dev).unsqueeze(1)
+    # drop self (wherever it sits among ties) and keep `degree` forward neighbours
+    fwd = torch.where(fwd == rows, torch.full_like(fwd, -1), fwd)
+    fwd = _compact(fwd, degree)
+    half = max(1, degree // 2)
+    # reverse edges i -> j for every forward edge j -> i among j's `half` nearest
+    src = rows.expand(n, min(half, fwd.shape[1]))
+    dst = fwd[:, :half]
+    ok = dst >= 0
+    src, dst = src[ok], dst[ok]
+    score = (v[src] * v[dst]).sum(1)
+    order = torch.argsort(score, descending=True, stable=True)
+    order = order[torch.argsort(dst[order], stable=True)]  # by target, closest first
+    src, dst = src[order], dst[order]
+    counts = torch.bincount(dst, minlength=n)
+    rank = torch.arange(dst.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[dst]
+    keep = rank < half
+    rev = torch.full((n, half), -1, dtype=torch.long, device=dev)
+    rev[dst[keep], rank[keep]] = src[keep]
+    cand = torch.cat([fwd[:, :half], rev, fwd[:, half:]], dim=1)
+    return _compact(_dedup(cand), degree)
+
+
+def _dedup(ids: torch.Tensor) -> torch.Tensor:
+    """Replace the later copies of an id in each row by -1."""
+    s, o = torch.sort(ids, dim=1, stable=True)
+    dup = torch.zeros_like(s, dtype=torch.bool)
+    dup[:, 1:] = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
+    mask = torch.zeros_like(dup).scatter_(1, o, dup)
+    return ids.masked_fill(mask, -1)
+
+
+def _compact(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Move the valid (>= 0) ids of each row to the front, in order; (n, width), -1 padded."""
+    n, w = ids.shape
+    pos = torch.arange(w, 0, -1, device=ids.device).expand(n, w)
+    key = torch.where(ids >= 0, pos, torch.zeros_like(pos))
+    take = min(width, w)
+    kv, kp = torch.topk(key, take, dim=1, sorted=True)
+    out = torch.where(kv > 0, ids.gather(1, kp), torch.full_like(kp, -1))
+    if take < width:
+        out = torch.cat([out, out.new_full((n, width - take), -1)], dim=1)
+    return out
+
+
+def hnsw_from_graph(vectors: Any, graph: Any, *, ef_search: int = 300,
+                    entrypoints: int = 32) -> Any:
+    """A base-level-only inner-product ``faiss.IndexHNSWCagra`` over ``vectors`` (n, d) with
+    level-0 links ``graph`` (n, 2M) int (-1 padded). M is ``graph.shape[1] // 2``."""
+    faiss = import_faiss()
+    x = host_float32(vectors, "vectors")
+    g = np.ascontiguousarray(to_numpy(as_tensor(graph, name="graph")), dtype=np.int32)
+    n, d = x.shape
+    if g.ndim != 2 or g.shape[0] != n or g.shape[1] < 2 or g.shape[1] % 2:
+        raise InputError(f"graph must have shape ({n}, 2M), got {g.shape}")
+    if g.size and (g.max() >= n or g.min() < -1):
+        raise InputError(f"graph holds ids outside [-1, {n})")
+    index = faiss.IndexHNSWCagra(d, g.shape[1] // 2, faiss.METRIC_INNER_PRODUCT)
+    index.base_level_only = True
+    index.num_base_level_search_entrypoints = entrypoints
+    hnsw = index.hnsw
+    hnsw.efSearch = ef_search
+    faiss.copy_array_to_vector(np.ones(n, dtype=np.int32), hnsw.levels)
+    hnsw.prepare_level_tab(n, True)  # every vector on level 0 only
+    if hnsw.neighbors.size() != g.size:
+        raise InputError(f"faiss expects {hnsw.neighbors.size()} level-0 links, "
+                         f"the graph has {g.size}")
+    index.storage.add(x)
+    index.ntotal = n
+    faiss.copy_array_to_vector(g.ravel(), hnsw.neighbors)
+    hnsw.entry_point, hnsw.max_level = 0, 0
+    return index
+
+
+def build_hnsw(vectors: Any, *, M: int = 32, device: Any = None, method: str = "auto",
+               ef_search: int = 300, entrypoints: int = 32) -> Any:
+    """A CPU ``faiss.IndexHNSWCagra`` over ``vectors`` (n, d), its graph built on ``device``."""
+    check_positive(M, "M")
+    check_choice(method, "method", ("auto", "cagra", "knn"))
+    faiss = import_faiss()
+    dev = resolve_device(device)
+    if method == "auto":
+        method = ("cagra" if dev.type == "cuda" and faiss_has_gpu(faiss)
+                  and hasattr(faiss, "GpuIndexCagra") else "knn")
+    n = int(as_tensor(vectors, name="vectors").shape[0])
+    if n == 0:
+        raise InputError("vectors are empty: nothing to export")
+    if method == "cagra":
+        if dev.type != "cuda" or not hasattr(faiss, "GpuIndexCagra"):
+            raise InputError("method='cagra' needs a CUDA device and faiss-gpu with cuVS")
+        x = host_float32(vectors, "vectors")
+        res = faiss.StandardGpuResources()
+        cfg = faiss.GpuIndexCagraConfig()
+        cfg.graph_degree = 2 * M
+        cfg.intermediate_graph_degree = 4 * M
+        cfg.device = dev.index or 0
+        gpu = faiss.GpuIndexCagra(res, x.shape[1], faiss.METRIC_INNER_PRODUCT, cfg)
+        gpu.train(x)
+        index = faiss.IndexHNSWCagra(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
+        index.base_level_only = True
+        gpu.copyTo(index)
+        index.num_base_level_search_entrypoints = entrypoints
+        index.hnsw.efSearch = ef_search
+        return index
+    graph = knn_graph(vectors, 2 * M, dev)
+    return hnsw_from_graph(vectors, graph, ef_search=ef_search, entrypoints=entrypoints)
+
+
+def export_hnsw(vectors: Any, path: str | Path, **kwargs: Any) -> Path:
+    """Build with :func:`build_hnsw` and write the index to the file ``path``."""
+    faiss = import_faiss()
+    path = Path(path)
+    if not path.parent.is_dir():
+        raise InputError(f"directory {path.parent} does not exist")
+    index = build_hnsw(vectors, **kwargs)
+    tmp = path.with_name(path.name + ".tmp")
+    faiss.write_index(index, str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def index_vectors(index: Any) -> torch.Tensor:
+    """The rows held by a pefa_gpu index (for IVF-PQ: their decoded approximations)."""
+    if isinstance(getattr(index, "vectors", None), torch.Tensor):
+        return index.vectors
+    stored = getattr(index, "_stored_vectors", None)
+    if stored is None:
+        raise InputError(f"cannot read the vectors back from {type(index).__name__}")
+    return stored()
+
+
+def export_model(model: Any, path: str | Path, **kwargs: Any) -> Path:
+    """ERM / PEFAXS: one file at ``path`` (for XS: over the E embeddings). PEFAXL: ``path`` is
+    a new directory with ``passages.faiss``, ``queries.faiss`` (rows = training queries, then
+    the documents when augment_docs), ``relevance.npz`` (scipy CSR, query-index rows x
+    documents) and ``export.json`` describing them."""
+    from .models import PEFAXL, PEFAXS  # noqa: PLC0415 (models imports this module lazily)
+
+    model._check_fitted()
+    kwargs.setdefault("device", model.device)
+    if isinstance(model, PEFAXS):
+        return export_hnsw(model.xs_embeddings(), path, **kwargs)
+    if not isinstance(model, PEFAXL):
+        return export_hnsw(index_vectors(model.index), path, **kwargs)
+    import scipy.sparse as sp  # noqa: PLC0415
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=False)
+    export_hnsw(model.doc_embeddings, path / "passages.faiss", **kwargs)
+    export_hnsw(index_vectors(model.query_index), path / "queries.faiss", **kwargs)
+    sp.save_npz(path / "relevance.npz", model.relevance.csr)
+    (path / "export.json").write_text(json.dumps({
+        "model": "PEFAXL", "params": model.params.to_dict(), "n_docs": model.n_docs,
+        "dim": model.dim, "passages": "passages.faiss", "queries": "queries.faiss",
+        "relevance": "relevance.npz"}, indent=2) + "\n")
+    return path

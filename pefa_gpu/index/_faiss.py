@@ -1,0 +1,185 @@
+"""Shared plumbing of the faiss backends: lazy import, thread scoping, array hand-off,
+result normalisation (similarities, -1 / -inf padding) and the k-limit fallback.
+
+Every faiss backend subclasses :class:`FaissBackend` and implements ``_native_search`` (one
+call into faiss with ``k`` within ``max_k``) and ``_stored_vectors`` (the indexed rows, for
+the fallback). A request with ``k`` above the backend's ``max_k`` (faiss GPU: 2048, CAGRA:
+1024) never fails: it is answered by an exact search over the stored vectors on the index's
+device (never worse recall than the ANN search would have had).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, ClassVar, Iterator
+
+import numpy as np
+import torch
+
+from ..arrays import as_tensor, check_positive_int, to_numpy
+from ..errors import FormatError, InputError, MissingDependencyError
+from ..topk import PAD_ID, PAD_SCORE
+from .base import Index
+
+INDEX_FILE = "index.faiss"
+
+
+def import_faiss() -> Any:
+    """The faiss module, or MissingDependencyError saying how to install it."""
+    try:
+        import faiss  # noqa: PLC0415 (lazy on purpose)
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "this backend needs faiss: `pip install faiss-cpu` (CPU) or "
+            "`conda install -c pytorch faiss-gpu` (GPU); or `pip install pefa_gpu[faiss]`"
+        ) from exc
+    return faiss
+
+
+def faiss_has_gpu(faiss: Any) -> bool:
+    """True when this faiss build has GPU support and sees at least one GPU."""
+    get = getattr(faiss, "get_num_gpus", None)
+    try:
+        return bool(get is not None and get() > 0 and hasattr(faiss, "StandardGpuResources"))
+    except Exception:  # a faiss build that cannot talk to the driver
+        return False
+
+
+@contextlib.contextmanager
+def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
+    """Run the block with faiss' OpenMP pool set to ``threads`` (0 = leave as is)."""
+    if not threads:
+        yield
+        return
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
+
+
+def host_float32(x: Any, name: str, dim: int | None = None) -> np.ndarray:
+    """(rows, d) C-contiguous float32 numpy array for faiss; checks rank, dim and finiteness."""
+    a = np.ascontiguousarray(to_numpy(as_tensor(x, name=name).detach()), dtype=np.float32)
+    if a.ndim != 2:
+        raise InputError(f"{name} must be 2-D (rows, dim), got shape {a.shape}")
+    if dim is not None and a.shape[1] != dim:
+        raise InputError(f"{name} must have shape (rows, {dim}), got {a.shape}")
+    if a.size and not np.isfinite(a).all():
+        raise InputError(f"{name} contains NaN or inf")
+    return a
+
+
+def normalise_results(scores: np.ndarray, ids: np.ndarray,
+                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """faiss (D, I) for an inner-product index -> float32 / int64 tensors on ``device`` with
+    the library's padding (id -1, score -inf) wherever faiss found nothing."""
+    s = as_tensor(np.ascontiguousarray(scores, dtype=np.float32), device=device)
+    i = as_tensor(np.ascontiguousarray(ids, dtype=np.int64), device=device)
+    missing = i < 0
+    if bool(missing.any()):
+        s = s.masked_fill(missing, PAD_SCORE)
+        i = i.masked_fill(missing, PAD_ID)
+    return s, i
+
+
+def empty_results(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.full((b, k), PAD_SCORE, device=device),
+            torch.full((b, k), PAD_ID, dtype=torch.long, device=device))
+
+
+class FaissBackend(Index):
+    """Common shape of the faiss backends (see module docstring).
+
+    ``max_k`` (class attribute, ``None`` = no limit) is the largest k the native search
+    accepts; tests lower it to exercise the fallback on CPU.
+    """
+
+    max_k: ClassVar[int | None] = None
+
+    def __init__(self, params: Any = None, device: Any = None):
+        super().__init__(params, device)
+        self._faiss = import_faiss()
+        self._index: Any = None
+        self._dim = 0
+        self._fallback: Index | None = None
+
+    # -- protocol ---------------------------------------------------------------------------
+    @property
+    def ntotal(self) -> int:
+        return int(self._index.ntotal) if self._index is not None else 0
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def search(self, queries: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, k) float32 similarities, int64 ids (-1 / -inf padded)."""
+        k = check_positive_int(k, "k")
+        q = host_float32(queries, "queries")
+        if self.ntotal and q.shape[1] != self.dim:
+            raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
+        if q.shape[0] == 0 or self.ntotal == 0:
+            return empty_results(q.shape[0], k, self.device)
+        limit = self._k_limit()
+        if limit is not None and k > limit:
+            return self._search_beyond_limit(queries, k)
+        return self._native_search(q, k)
+
+    def _k_limit(self) -> int | None:
+        return self.max_k
+
+    def _search_beyond_limit(self, queries: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k above ``max_k``: exact search over the stored vectors on the index's device."""
+        if self._fallback is None or self._fallback.ntotal != self.ntotal:
+            from .exact import ExactIndex  # noqa: PLC0415
+
+            self._fallback = ExactIndex(device=self.device).build(self._stored_vectors())
+        return self._fallback.search(as_tensor(queries, device=self.device).float(), k)
+
+    def _invalidate(self) -> None:
+        self._fallback = None
+
+    def reconstruct(self, ids: Any) -> torch.Tensor:
+        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
+        i = as_tensor(ids, device=self.device, name="ids").long()
+        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
+            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
+                             f"{int(i.max())}")
+        flat = np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64)
+        rows = self._cpu_reader().reconstruct_batch(flat) if flat.size else \
+            np.zeros((0, self.dim), np.float32)
+        return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
+
+    def _cpu_reader(self) -> Any:
+        """A CPU faiss index whose ``reconstruct_batch`` returns the stored rows."""
+        raise NotImplementedError
+
+    # -- to implement -----------------------------------------------------------------------
+    def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _stored_vectors(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    # -- persistence helpers ----------------------------------------------------------------
+    def _write(self, index: Any, directory: str | Path) -> None:
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise InputError(f"save directory {directory} does not exist")
+        if self._index is None:
+            raise InputError(f"{type(self).__name__} is empty: build it before saving")
+        self._faiss.write_index(index, str(directory / INDEX_FILE))
+
+    @classmethod
+    def _read(cls, directory: str | Path) -> Any:
+        path = Path(directory) / INDEX_FILE
+        if not path.is_file():
+            raise FormatError(f"{path} is missing: not a saved {cls.name!r} index")
+        faiss = import_faiss()
+        try:
+            return faiss.read_index(str(path))
+        except Exception as exc:  # faiss raises RuntimeError on a corrupt file
+            raise FormatError(f"{path} could not be read by faiss: {exc}") from exc

@@ -1,0 +1,112 @@
+"""HNSW on the CPU: faiss ``IndexHNSWFlat`` with the inner-product metric.
+
+The graph lives in host memory; results are moved to the index's device, so a GPU model can
+serve from a CPU HNSW. Defaults are the paper's: M=32, efConstruction=500, efSearch=300.
+A search with k > ef_search uses ef = k (faiss needs ef >= k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..arrays import as_tensor
+from ..errors import FormatError, InputError
+from ..params import Params, check_positive
+from ._faiss import FaissBackend, faiss_threads, host_float32, import_faiss, normalise_results
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HNSWParams(Params):
+    """M: graph degree (level 0 has 2M links). ef_construction / ef_search: beam widths at
+    build and search time. threads: OpenMP threads for faiss during build and search
+    (0 = faiss' default, all cores)."""
+
+    M: int = 32
+    ef_construction: int = 500
+    ef_search: int = 300
+    threads: int = 0
+
+    def validate(self) -> None:
+        check_positive(self.M, "M")
+        check_positive(self.ef_construction, "ef_construction")
+        check_positive(self.ef_search, "ef_search")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise InputError(f"threads must be an int >= 0 (0 = all cores), got {self.threads!r}")
+
+
+class HNSWIndex(FaissBackend):
+    """faiss HNSW (flat storage, inner product) on the CPU; results on ``device``."""
+
+    name = "hnsw"
+    Params = HNSWParams
+
+    def build(self, vectors: Any) -> "HNSWIndex":
+        """vectors: (n, d) float -> a fresh graph over them; returns self."""
+        x = host_float32(vectors, "vectors")
+        if x.shape[1] == 0:
+            raise InputError("vectors have dimension 0")
+        f = self._faiss
+        index = f.IndexHNSWFlat(x.shape[1], self.params.M, f.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = self.params.ef_construction
+        index.hnsw.efSearch = self.params.ef_search
+        self._index, self._dim = index, x.shape[1]
+        self._invalidate()
+        self._add(x)
+        return self
+
+    def add(self, vectors: Any) -> None:
+        """Append rows (ids continue after the existing ones)."""
+        if self._index is None:
+            self.build(vectors)
+            return
+        self._add(host_float32(vectors, "vectors", dim=self.dim))
+        self._invalidate()
+
+    def _add(self, x: np.ndarray) -> None:
+        if x.shape[0]:
+            with faiss_threads(self._faiss, self.params.threads):
+                self._index.add(x)
+
+    def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sp = self._faiss.SearchParametersHNSW()
+        sp.efSearch = max(self.params.ef_search, k)
+        with faiss_threads(self._faiss, self.params.threads):
+            d, i = self._index.search(q, k, params=sp)
+        return normalise_results(d, i, self.device)
+
+    def _stored_vectors(self) -> torch.Tensor:
+        return as_tensor(self._index.storage.reconstruct_n(0, self.ntotal), device=self.device)
+
+    def _cpu_reader(self) -> Any:
+        return self._index.storage
+
+    @property
+    def faiss_index(self) -> Any:
+        """The underlying ``faiss.IndexHNSWFlat`` (None before build)."""
+        return self._index
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``index.faiss`` into the existing, empty ``directory``."""
+        self._write(self._index, directory)
+
+    @classmethod
+    def load(cls, directory: str | Path, params: HNSWParams | dict | None = None,
+             device: Any = None) -> "HNSWIndex":
+        index = cls._read(directory)
+        faiss = import_faiss()
+        if not isinstance(index, faiss.IndexHNSWFlat) or \
+                index.metric_type != faiss.METRIC_INNER_PRODUCT:
+            raise FormatError(f"{directory}: expected an inner-product IndexHNSWFlat, "
+                              f"found {type(index).__name__}")
+        out = cls(params, device)
+        if index.hnsw.nb_neighbors(1) != out.params.M:
+            raise FormatError(f"{directory}: the saved graph has M={index.hnsw.nb_neighbors(1)},"
+                              f" params say M={out.params.M}")
+        index.hnsw.efSearch = out.params.ef_search
+        out._index, out._dim = index, int(index.d)
+        return out

@@ -1,0 +1,187 @@
+"""Inverted-file search: faiss IVF-Flat or IVF-PQ with the inner-product metric.
+
+On the GPU when this faiss build has GPU support and the index's device is CUDA, else on the
+CPU. The coarse quantiser (and PQ codebooks) are trained on a seeded random sample of the
+first vectors given to ``build``; ``add`` appends without retraining. Queries and results
+cross the host boundary as numpy (faiss' Python API); results come back on ``device``.
+Faiss GPU answers k <= 2048; a larger k falls back to an exact search (see ``_faiss``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..arrays import as_tensor
+from ..errors import FormatError, InputError
+from ..params import Params, check_choice, check_positive
+from ._faiss import (FaissBackend, faiss_has_gpu, faiss_threads, host_float32, import_faiss,
+                     normalise_results)
+
+log = logging.getLogger("pefa_gpu")
+
+
+def _nonneg_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(f"{name} must be an int >= 0 (0 = automatic), got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IVFParams(Params):
+    """kind: 'flat' (exact scores within the probed lists) or 'pq' (product-quantised codes).
+    nlist: number of lists (0 = 4 sqrt(n), clipped to [1, n / 39] so k-means has data).
+    nprobe: lists visited per query. pq_m: PQ sub-quantisers (0 = d / 4 rounded down to a
+    divisor of d); pq_nbits: bits per code. train_size: training sample (0 = min(n, 256
+    nlist)). seed: of the training sample. threads: faiss CPU threads (0 = all)."""
+
+    kind: str = "flat"
+    nlist: int = 0
+    nprobe: int = 32
+    pq_m: int = 0
+    pq_nbits: int = 8
+    train_size: int = 0
+    seed: int = 0
+    threads: int = 0
+
+    def validate(self) -> None:
+        check_choice(self.kind, "kind", ("flat", "pq"))
+        check_positive(self.nprobe, "nprobe")
+        check_positive(self.pq_nbits, "pq_nbits")
+        for name in ("nlist", "pq_m", "train_size", "seed", "threads"):
+            _nonneg_int(getattr(self, name), name)
+
+
+def auto_nlist(n: int) -> int:
+    """4 sqrt(n), at most n / 39 (faiss' minimum points per centroid), at least 1."""
+    return int(max(1, min(round(4 * math.sqrt(max(n, 1))), n // 39, 65536)))
+
+
+def auto_pq_m(d: int) -> int:
+    """The largest divisor of d that is at most d / 4 (at least 1)."""
+    target = max(1, d // 4)
+    return max(m for m in range(1, target + 1) if d % m == 0)
+
+
+class IVFIndex(FaissBackend):
+    """faiss IVF-Flat / IVF-PQ, inner product; GPU when available for a CUDA device."""
+
+    name = "ivf"
+    Params = IVFParams
+    gpu_max_k: ClassVar[int] = 2048
+
+    def __init__(self, params: IVFParams | dict | None = None, device: Any = None):
+        super().__init__(params, device)
+        self._gpu_res: Any = None
+
+    @property
+    def on_gpu(self) -> bool:
+        """True when the faiss index lives on the GPU."""
+        return self._gpu_res is not None
+
+    def _k_limit(self) -> int | None:
+        return self.gpu_max_k if self.on_gpu else self.max_k
+
+    def _want_gpu(self) -> bool:
+        return self.device.type == "cuda" and faiss_has_gpu(self._faiss)
+
+    def _to_device(self, cpu_index: Any) -> Any:
+        """Move a CPU faiss index to the GPU when wanted; on failure stay on the CPU."""
+        if not self._want_gpu():
+            self._gpu_res = None
+            return cpu_index
+        f = self._faiss
+        try:
+            res = f.StandardGpuResources()
+            gpu_index = f.index_cpu_to_gpu(res, self.device.index or 0, cpu_index)
+        except Exception as exc:  # e.g. a PQ layout the GPU does not support
+            log.warning("ivf: could not move the index to the GPU (%s); staying on the CPU", exc)
+            self._gpu_res = None
+            return cpu_index
+        self._gpu_res = res
+        return gpu_index
+
+    def build(self, vectors: Any) -> "IVFIndex":
+        """Train on a sample of ``vectors`` (n, d) and add them all; returns self."""
+        x = host_float32(vectors, "vectors")
+        n, d = x.shape
+        if d == 0 or n == 0:
+            raise InputError(f"ivf needs a non-empty (n, d) matrix to train on, got {x.shape}")
+        p, f = self.params, self._faiss
+        nlist = p.nlist or auto_nlist(n)
+        if nlist > n:
+            raise InputError(f"nlist={nlist} is more than the {n} vectors to train on")
+        if p.kind == "flat":
+            spec = f"IVF{nlist},Flat"
+        else:
+            m = p.pq_m or auto_pq_m(d)
+            if d % m:
+                raise InputError(f"pq_m={m} must divide the dimension {d}")
+            spec = f"IVF{nlist},PQ{m}x{p.pq_nbits}"
+        cpu_index = f.index_factory(d, spec, f.METRIC_INNER_PRODUCT)
+        index = self._to_device(cpu_index)
+        size = min(n, p.train_size or 256 * nlist)
+        rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
+        with faiss_threads(f, p.threads):
+            index.train(x[rows])
+        index.nprobe = p.nprobe
+        self._index, self._dim = index, d
+        self._invalidate()
+        with faiss_threads(f, p.threads):
+            index.add(x)
+        return self
+
+    def add(self, vectors: Any) -> None:
+        """Append rows with the existing quantiser (no retraining)."""
+        if self._index is None:
+            self.build(vectors)
+            return
+        x = host_float32(vectors, "vectors", dim=self.dim)
+        if x.shape[0]:
+            with faiss_threads(self._faiss, self.params.threads):
+                self._index.add(x)
+        self._invalidate()
+
+    def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._index.nprobe = self.params.nprobe
+        with faiss_threads(self._faiss, self.params.threads):
+            d, i = self._index.search(q, k)
+        return normalise_results(d, i, self.device)
+
+    def _cpu_index(self) -> Any:
+        return self._faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
+
+    def _cpu_reader(self) -> Any:
+        cpu = self._cpu_index()
+        cpu.make_direct_map()  # keeps itself up to date on later adds
+        return cpu
+
+    def _stored_vectors(self) -> torch.Tensor:
+        """The indexed rows (for IVF-PQ: their decoded approximations)."""
+        return as_tensor(self._cpu_reader().reconstruct_n(0, self.ntotal), device=self.device)
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``index.faiss`` (a CPU copy) into the existing, empty ``directory``."""
+        self._write(self._cpu_index() if self._index is not None else None, directory)
+
+    @classmethod
+    def load(cls, directory: str | Path, params: IVFParams | dict | None = None,
+             device: Any = None) -> "IVFIndex":
+        index = cls._read(directory)
+        faiss = import_faiss()
+        kind = {faiss.IndexIVFFlat: "flat", faiss.IndexIVFPQ: "pq"}.get(type(index))
+        out = cls(params, device)
+        if kind is None or index.metric_type != faiss.METRIC_INNER_PRODUCT:
+            raise FormatError(f"{directory}: expected an inner-product IndexIVFFlat or "
+                              f"IndexIVFPQ, found {type(index).__name__}")
+        if kind != out.params.kind:
+            raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
+                              f"kind={out.params.kind!r}")
+        out._index, out._dim = out._to_device(index), int(index.d)
+        out._index.nprobe = out.params.nprobe
+        return out

@@ -1,0 +1,314 @@
+"""Every index backend through one suite, against a float64 numpy reference; HNSW export."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
+from pefa_gpu.index import backend_class, make_index
+
+from conftest import unit_rows
+
+faiss = pytest.importorskip("faiss")
+
+BACKENDS = [
+    ("exact", "cpu"),
+    ("hnsw", "cpu"),
+    ("ivf", "cpu"),
+    pytest.param("hnsw", "cuda", marks=pytest.mark.gpu),
+    pytest.param("ivf", "cuda", marks=pytest.mark.gpu),
+    pytest.param("cagra", "cuda", marks=pytest.mark.gpu),
+]
+ANN = [b for b in BACKENDS if not (isinstance(b, tuple) and b[0] == "exact")]
+
+
+def ref_topk(q: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """float64 top-k inner products, ties to the lower id."""
+    s = q.astype(np.float64) @ x.astype(np.float64).T
+    order = np.lexsort((np.broadcast_to(np.arange(x.shape[0]), s.shape), -s), axis=1)[:, :k]
+    return np.take_along_axis(s, order, 1), order
+
+
+def recall(found: np.ndarray, truth: np.ndarray) -> float:
+    return float(np.mean([len(set(f) & set(t)) / len(t) for f, t in zip(found, truth)]))
+
+
+def easy_data(seed: int, n: int = 2000, d: int = 32, b: int = 64):
+    rng = np.random.default_rng(seed)
+    x = unit_rows(rng, n, d)
+    q = x[rng.choice(n, b, replace=False)] + 0.1 * rng.standard_normal((b, d)).astype(np.float32)
+    return x, (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+
+
+def check_results(scores: torch.Tensor, ids: torch.Tensor, b: int, k: int, n: int,
+                  device: str) -> tuple[np.ndarray, np.ndarray]:
+    assert scores.shape == (b, k) and ids.shape == (b, k)
+    assert scores.dtype == torch.float32 and ids.dtype == torch.int64
+    assert scores.device.type == device and ids.device.type == device
+    s, i = scores.cpu().numpy(), ids.cpu().numpy()
+    assert ((i == -1) == np.isneginf(s)).all(), "padding must pair id -1 with score -inf"
+    assert ((i >= -1) & (i < n)).all()
+    for row in i:
+        valid = row[row >= 0]
+        assert len(set(valid)) == len(valid), "an id appears twice in one row"
+        assert (row[len(valid):] == -1).all(), "padding must come last"
+    return s, i
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_agrees_with_exact_and_scores_are_similarities(name, device):
+    x, q = easy_data(1)
+    index = make_index(name, device).build(x)
+    assert index.ntotal == 2000 and index.dim == 32
+    scores, ids = index.search(q, 10)
+    s, i = check_results(scores, ids, 64, 10, 2000, device)
+    _, truth = ref_topk(q, x, 10)
+    assert recall(i, truth) >= 0.95
+    ref = np.einsum("bd,bkd->bk", q.astype(np.float64), x.astype(np.float64)[i])
+    np.testing.assert_allclose(s, ref, atol=1e-4)
+    assert (np.diff(s, axis=1) <= 1e-6).all(), "scores must be sorted, larger first"
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_padding_when_k_exceeds_n(name, device):
+    x = unit_rows(np.random.default_rng(2), 50, 16)
+    index = make_index(name, device).build(x)
+    s, i = check_results(*index.search(x[:5], 80), 5, 80, 50, device)
+    assert ((i >= 0).sum(1) == 50).all()
+    assert (i[:, 0] == np.arange(5)).all()
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_add_appends_ids(name, device):
+    x, _ = easy_data(3, n=1500)
+    index = make_index(name, device).build(x[:1000])
+    index.add(torch.from_numpy(x[1000:]))
+    assert index.ntotal == 1500
+    probe = np.arange(1000, 1500, 25)
+    _, ids = index.search(x[probe], 1)
+    assert (ids.cpu().numpy()[:, 0] == probe).mean() >= 0.95
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_duplicates_and_ties_give_valid_ids(name, device):
+    rng = np.random.default_rng(4)
+    base = unit_rows(rng, 300, 16)
+    x = np.concatenate([base, base, base[:50]])  # every row at least twice
+    index = make_index(name, device).build(x)
+    s, i = check_results(*index.search(base[:20], 6), 20, 6, len(x), device)
+    # the query's own copies are among its best results: at least two with score ~1
+    assert ((s > 0.999).sum(1) >= 2).all()
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_bad_input_is_named(name, device):
+    index = make_index(name, device).build(unit_rows(np.random.default_rng(5), 100, 8))
+    with pytest.raises(InputError, match="8"):
+        index.search(np.zeros((2, 9), np.float32), 3)
+    with pytest.raises(InputError, match="k"):
+        index.search(np.zeros((2, 8), np.float32), 0)
+    s, i = index.search(np.zeros((0, 8), np.float32), 3)
+    assert s.shape == (0, 3) and i.shape == (0, 3)
+
+
+@pytest.mark.parametrize("name,device", ANN)
+def test_k_above_backend_limit_falls_back(name, device, monkeypatch):
+    x, q = easy_data(6, n=600)
+    cls = backend_class(name)
+    index = make_index(name, device).build(x)
+    monkeypatch.setattr(cls, "max_k", 7)
+    if name == "ivf":
+        monkeypatch.setattr(cls, "gpu_max_k", 7)
+    s, i = check_results(*index.search(q, 40), 64, 40, 600, device)
+    ref_s, ref_i = ref_topk(q, x, 40)
+    assert recall(i, ref_i) >= 0.99
+    np.testing.assert_allclose(s, ref_s, atol=1e-4)
+    index.add(x[:10])  # the fallback follows later adds
+    _, i2 = index.search(x[:3], 40)
+    assert i2.shape == (3, 40) and int(i2.max()) >= 600
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_save_load_round_trip(name, device, tmp_path):
+    x, q = easy_data(7, n=1200)
+    index = make_index(name, device).build(x)
+    try:
+        index.save(tmp_path)
+    except NotImplementedError:
+        pytest.skip(f"{name} save is not implemented")
+    loaded = backend_class(name).load(tmp_path, index.params, device)
+    assert loaded.ntotal == index.ntotal and loaded.dim == index.dim
+    s1, i1 = index.search(q, 10)
+    s2, i2 = loaded.search(q, 10)
+    if name == "cagra":  # the graph is rebuilt on load
+        assert recall(i2.cpu().numpy(), i1.cpu().numpy()) >= 0.95
+    else:
+        assert torch.equal(i1, i2) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("name", ["hnsw", "ivf"])
+def test_load_errors(name, tmp_path):
+    cls = backend_class(name)
+    with pytest.raises(FormatError, match="missing"):
+        cls.load(tmp_path, None, "cpu")
+    (tmp_path / "index.faiss").write_bytes(b"not a faiss index at all")
+    with pytest.raises(FormatError, match="could not be read"):
+        cls.load(tmp_path, None, "cpu")
+    other = tmp_path / "other"
+    other.mkdir()
+    x = unit_rows(np.random.default_rng(8), 400, 8)
+    (make_index("ivf" if name == "hnsw" else "hnsw", "cpu")).build(x).save(other)
+    with pytest.raises(FormatError, match="expected"):
+        cls.load(other, None, "cpu")
+
+
+def test_hnsw_params_and_errors(tmp_path):
+    p = backend_class("hnsw").Params()
+    assert (p.M, p.ef_construction, p.ef_search) == (32, 500, 300)
+    assert type(p).from_json(p.to_json()) == p
+    with pytest.raises(InputError, match="unknown"):
+        make_index("hnsw", "cpu", {"M": 8, "efs": 3})
+    with pytest.raises(InputError, match="M"):
+        make_index("hnsw", "cpu", {"M": 0})
+    index = make_index("hnsw", "cpu", {"M": 8, "threads": 1}).build(
+        unit_rows(np.random.default_rng(9), 200, 8))
+    index.save(tmp_path)
+    with pytest.raises(FormatError, match="M=8"):
+        backend_class("hnsw").load(tmp_path, {"M": 16}, "cpu")
+
+
+def test_ivf_pq_and_auto_sizes():
+    from pefa_gpu.index.ivf import auto_nlist, auto_pq_m
+
+    assert auto_nlist(10) == 1 and auto_nlist(5183) == 132 and auto_nlist(10**8) == 40000
+    assert auto_pq_m(384) == 96 and auto_pq_m(30) == 6 and auto_pq_m(2) == 1
+    x, q = easy_data(10, n=3000)
+    index = make_index("ivf", "cpu", {"kind": "pq", "nprobe": 64}).build(x)
+    s, i = check_results(*index.search(q, 10), 64, 10, 3000, "cpu")
+    assert recall(i, ref_topk(q, x, 10)[1]) >= 0.5  # PQ codes: approximate by design
+    with pytest.raises(InputError, match="divide"):
+        make_index("ivf", "cpu", {"kind": "pq", "pq_m": 7}).build(x)
+
+
+def test_cagra_without_gpu_says_what_to_install():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(MissingDependencyError, match="cuVS|cuvs"):
+        make_index("cagra", "cpu")
+
+
+def test_missing_faiss_is_a_clear_error(monkeypatch):
+    from pefa_gpu.index._faiss import import_faiss
+
+    monkeypatch.setitem(sys.modules, "faiss", None)
+    with pytest.raises(MissingDependencyError, match="pip install faiss-cpu"):
+        import_faiss()
+
+
+def test_import_does_not_load_faiss():
+    code = "import sys, pefa_gpu; print('faiss' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"
+
+
+# -- models on ANN backends -------------------------------------------------------------------
+
+def model_data(seed: int = 11, n: int = 800, m: int = 400, d: int = 32):
+    rng = np.random.default_rng(seed)
+    p = unit_rows(rng, n, d)
+    docs = rng.integers(0, n, m)
+    q = p[docs] + 0.3 * rng.standard_normal((m, d)).astype(np.float32)
+    q = (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+    import scipy.sparse as sp
+
+    y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), docs)), shape=(m, n))
+    t = p[rng.integers(0, n, 50)] + 0.3 * rng.standard_normal((50, d)).astype(np.float32)
+    return p, q, y, (t / np.linalg.norm(t, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize("cls,kw", [(pg.ERM, {}), (pg.PEFAXS, {"lam": 0.5}),
+                                    (pg.PEFAXL, {"lam": 0.3, "k": 8, "candidates": 100})])
+def test_models_on_hnsw_match_exact(cls, kw):
+    p, q, y, t = model_data()
+    args = (p,) if cls is pg.ERM else (p, q, y)
+    exact = cls(device="cpu", **kw).fit(*args)
+    ann = cls(device="cpu", backend="hnsw", **kw).fit(*args)
+    if cls is pg.PEFAXL:
+        assert ann.index.name == "hnsw" and ann.query_index.name == "hnsw"
+    _, ie = exact.search(t, 10)
+    sa, ia = ann.search(t, 10)
+    assert sa.dtype == torch.float32 and ia.dtype == torch.int64
+    assert recall(ia.numpy(), ie.numpy()) >= 0.95
+
+
+# -- HNSW export ------------------------------------------------------------------------------
+
+def test_knn_graph_shape_and_edges():
+    from pefa_gpu.export import knn_graph
+
+    x = unit_rows(np.random.default_rng(12), 300, 16)
+    x[10] = x[11]  # a duplicate pair
+    g = knn_graph(x, 8, "cpu").numpy()
+    assert g.shape == (300, 8)
+    for r, row in enumerate(g):
+        valid = row[row >= 0]
+        assert r not in valid and len(set(valid)) == len(valid) and (row < 300).all()
+    _, nn = ref_topk(x, x, 2)
+    first = np.where(nn[:, 0] == np.arange(300), nn[:, 1], nn[:, 0])
+    assert np.mean([f in row for f, row in zip(first, g)]) >= 0.99
+    assert 11 in g[10] and 10 in g[11]
+
+
+@pytest.mark.parametrize("cls,kw", [(pg.ERM, {}), (pg.PEFAXS, {"lam": 0.5})])
+def test_export_hnsw_round_trip(cls, kw, tmp_path):
+    p, q, y, t = model_data(13)
+    model = cls(device="cpu", **kw).fit(*((p,) if cls is pg.ERM else (p, q, y)))
+    path = model.export_hnsw(tmp_path / "index.faiss", M=16)
+    index = faiss.read_index(str(path))
+    assert isinstance(index, faiss.IndexHNSWCagra) and index.ntotal == 800
+    d, i = index.search(t, 10)
+    s_ref, i_ref = model.search(t, 10)
+    assert recall(i, i_ref.numpy()) >= 0.95
+    vec = model.xs_embeddings().numpy() if cls is pg.PEFAXS else p
+    np.testing.assert_allclose(d, np.einsum("bd,bkd->bk", t, vec[i]), atol=1e-4)
+
+
+def test_export_hnsw_xl_directory_loads_in_a_plain_process(tmp_path):
+    p, q, y, t = model_data(14)
+    model = pg.PEFAXL(device="cpu", backend="hnsw", k=8, candidates=100).fit(p, q, y)
+    out = model.export_hnsw(tmp_path / "xl", M=16)
+    np.save(tmp_path / "t.npy", t)
+    code = (
+        "import faiss, numpy as np, sys; d = sys.argv[1]; t = np.load(sys.argv[2]);"
+        "a = faiss.read_index(d + '/passages.faiss'); b = faiss.read_index(d + '/queries.faiss');"
+        "print(a.ntotal, b.ntotal, int((a.search(t, 5)[1] >= 0).all()),"
+        " int((b.search(t, 5)[1] >= 0).all()))")
+    res = subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "t.npy")],
+                         capture_output=True, text=True, check=True)
+    assert res.stdout.split() == ["800", str(400 + 800), "1", "1"]
+    assert (out / "relevance.npz").is_file() and (out / "export.json").is_file()
+    with pytest.raises(FileExistsError):
+        model.export_hnsw(out)
+
+
+def test_export_of_unfitted_model_is_an_error(tmp_path):
+    with pytest.raises(InputError, match="fit"):
+        pg.ERM(device="cpu").export_hnsw(tmp_path / "x.faiss")
+
+
+@pytest.mark.gpu
+def test_export_graph_built_on_gpu_serves_on_cpu(tmp_path):
+    from pefa_gpu.export import export_hnsw
+
+    x, q = easy_data(15)
+    path = export_hnsw(torch.from_numpy(x).cuda(), tmp_path / "g.faiss", M=16, device="cuda")
+    index = faiss.read_index(str(path))
+    _, i = index.search(q, 10)
+    assert recall(i, ref_topk(q, x, 10)[1]) >= 0.95
