@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+import uuid
 import zipfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -298,7 +298,9 @@ def atomic_directory(target: PathLike) -> Iterator[Path]:
     target = Path(target).absolute()
     _check_replaceable(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{_TMP_TAG}", dir=target.parent))
+    # os.mkdir, not tempfile.mkdtemp: the save must get the umask's permissions, not 0700
+    tmp = target.parent / f".{target.name}{_TMP_TAG}{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
     try:
         yield tmp
         fsync_tree(tmp)

@@ -147,6 +147,21 @@ def test_atomic_directory_leaves_nothing_on_error(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_atomic_directory_replaces_empty_directory_with_umask_permissions(tmp_path):
+    target = tmp_path / "new" / "out"
+    target.mkdir(parents=True)
+    old = os.umask(0o022)
+    try:
+        with storage.atomic_directory(target) as tmp:
+            (tmp / "a").write_text("x")
+    finally:
+        os.umask(old)
+    assert (target / "a").read_text() == "x"
+    assert sorted(p.name for p in target.parent.iterdir()) == ["out"]
+    if os.name == "posix":
+        assert target.stat().st_mode & 0o777 == 0o755
+
+
 def test_atomic_directory_refuses_foreign_directory(tmp_path):
     target = tmp_path / "mine"
     target.mkdir()
