@@ -9,6 +9,7 @@
 from .aggregate import normalize_rows, pifa
 from .errors import FormatError, InputError, MissingDependencyError, PefaError
 from .index import Index, make_index
+from .training import mine_negatives
 from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
 from .models import ERM, PEFAXL, PEFAXS, ERMParams, XLParams, XSParams
 from .persist import load
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
+    "mine_negatives",
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
     "load", "Index", "make_index", "BeirDataset", "load_beir",

@@ -105,12 +105,14 @@ def to_numpy(x: Any) -> np.ndarray:
 
 def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
                   dtype: torch.dtype = torch.float32, check_norm: bool = True,
-                  copy: bool = False) -> torch.Tensor:
+                  copy: bool = False, check_finite: bool = True) -> torch.Tensor:
     """Validate a (rows, d) float embedding matrix and move it to ``device``.
 
     Raises InputError on wrong rank, empty rows, a dimension other than ``dim``, or NaN / inf.
     Warns (does not fail) when rows are not L2-normalised. ``copy``: never share memory with
     ``x`` (for arrays a model keeps, so later changes to the caller's array cannot reach it).
+    ``check_finite=False`` skips the NaN / inf test, the one check that reads values (on CUDA it
+    would synchronise the device with the host); shapes are always checked.
     """
     t = as_tensor(x, device=device, name=name)
     if copy and _same_memory(x, t):
@@ -127,7 +129,7 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     if not t.is_floating_point():
         t = t.to(torch.float32)
     t = t.to(dtype)
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    if check_finite and t.numel() and not bool(torch.isfinite(t).all()):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise InputError(f"{name} contains NaN or inf (rows {bad}...)")
     if check_norm and t.shape[0]:

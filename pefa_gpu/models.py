@@ -109,9 +109,12 @@ class _Model:
         if not self.n_docs:
             raise InputError(f"{type(self).__name__} is not fitted: call fit() first")
 
-    def _queries(self, queries: Any) -> torch.Tensor:
+    def _queries(self, queries: Any, check: bool | None = None) -> torch.Tensor:
         self._check_fitted()
-        q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False)
+        if check is None:  # reading the values would synchronise a CUDA device: not there
+            check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
+        q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
+                          check_finite=check)
         return q.detach()
 
     def _embeddings(self, P: Any, Q: Any = None, Y: Any = None):
@@ -124,13 +127,41 @@ class _Model:
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         return p, q, rel
 
-    def search(self, queries: Any, topk: int = 100) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device."""
+    def search(self, queries: Any, topk: int = 100,
+               check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device.
+
+        The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
+        inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS then search
+        a CUDA batch with no device-to-host synchronisation at all. PEFAXL's fusion does
+        synchronise (candidate sets of data-dependent size: torch.unique, masks, the widest
+        row), a few times per batch of 256 queries; its :meth:`score` does not.
+        """
         topk = check_positive_int(topk, "topk")
-        return self._search(self._queries(queries), topk)
+        return self._search(self._queries(queries, check), topk)
 
     def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.index.search(q, topk)
+
+    def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
+        """(B, d) queries (may require grad), (B, K) int64 ids (-1 = padding) -> (B, K) PEFA
+        scores, differentiable w.r.t. the queries, -inf at padding. See pefa_gpu.training."""
+        from .training import score
+
+        return score(self, queries, ids, check=check)
+
+    def add_documents(self, P_new: Any) -> "_Model":
+        """Append (r, d) documents (ids n .. n+r-1) without a refit. See pefa_gpu.updates."""
+        from .updates import add_documents
+
+        return add_documents(self, P_new)
+
+    def add_pairs(self, Q_new: Any, Y_new: Any) -> "_Model":
+        """PEFAXS / PEFAXL: add training queries (m', d) with relevance (m' x n) without a
+        refit; equal to refitting on all the data. See pefa_gpu.updates."""
+        from .updates import add_pairs
+
+        return add_pairs(self, Q_new, Y_new)
 
     def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path:
         """Write a faiss IndexHNSWCagra (graph built on the model's device) that a CPU-only
@@ -162,10 +193,12 @@ class ERM(_Model):
     """The embedding model alone: inner-product search over the document embeddings P."""
 
     Params = ERMParams
+    _saved = _Model._saved + ("doc_embeddings",)
 
     def fit(self, P: Any) -> "ERM":
         """P: (n, d) document embeddings."""
         p, _, _ = self._embeddings(P)
+        self.doc_embeddings = p  # for score() and add_documents()
         self.index = self._new_index().build(p)
         self.dim, self.n_docs = p.shape[1], p.shape[0]
         return self
@@ -181,9 +214,11 @@ class PEFAXS(_Model):
     def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXS":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
         p, q, rel = self._embeddings(P, Q, Y)
+        if self.params.augment_docs:  # p_j as the first query of document j: add_pairs then
+            # continues each sum in the same order and equals a refit to the bit (CPU)
+            eye = sp.identity(p.shape[0], dtype="float32", format="csr")
+            rel, q = Relevance(sp.vstack([eye, rel.csr], format="csr")), torch.cat([p, q])
         sums = pifa(rel, q, normalize=False, device=self.device)
-        if self.params.augment_docs:
-            sums = sums + p.float()
         self.doc_embeddings, self.doc_sums = p, sums
         self.index = self._new_index().build(self.xs_embeddings())
         self.dim, self.n_docs = p.shape[1], p.shape[0]

@@ -7,7 +7,9 @@ An index holds row vectors and answers maximum-inner-product queries::
 
 Scores are similarities (larger is better, never ``1 - ip`` distances), ids are row numbers in
 insertion order, and missing results are padded with id -1 and score -inf. Results live on the
-index's device. ``add`` appends rows; ``save`` / ``load`` persist the index in a directory.
+index's device. ``add`` appends rows; ``save`` / ``load`` persist the index in a directory;
+``update`` overwrites rows and ``reconstruct`` reads them back (optional: the default raises
+NotImplementedError).
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ class Index(abc.ABC):
     @abc.abstractmethod
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, k) float32 scores, (B, k) int64 ids, on ``self.device``."""
+
+    def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
+        """Overwrite the rows ``ids`` (r,) int64 with ``vectors`` (r, d); other rows and all ids
+        stay as they are. Backends that cannot change rows in place raise NotImplementedError
+        (callers then rebuild; see pefa_gpu.updates)."""
+        raise NotImplementedError(f"backend {self.name!r} cannot overwrite rows in place")
+
+    def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
+        """The stored rows ``ids`` (any shape, int64, valid ids) -> (*ids.shape, d) float32, on
+        ``self.device``, as the index scores them. Raises NotImplementedError where a backend
+        does not keep its vectors."""
+        raise NotImplementedError(f"backend {self.name!r} cannot return its stored vectors")
 
     @property
     @abc.abstractmethod

@@ -56,6 +56,7 @@ class ExactIndex(Index):
         if v.ndim != 2:
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
         self.vectors = v.to(self._dtype).contiguous()
+        self._owned = False  # may share memory with the caller's tensor: update() copies first
         return self
 
     def add(self, vectors: torch.Tensor) -> None:
@@ -66,6 +67,33 @@ class ExactIndex(Index):
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
         self.vectors = torch.cat([self.vectors, v])
+        self._owned = True
+
+    def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
+        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d): O(r d), plus one copy of the
+        whole matrix the first time if it may share memory with the array it was built from."""
+        i = as_tensor(ids, device=self.device, name="ids").detach().flatten()
+        v = as_tensor(vectors, device=self.device, name="vectors").detach()
+        if i.is_floating_point():
+            raise InputError(f"ids must be integers, got dtype {i.dtype}")
+        if v.ndim != 2 or v.shape != (i.numel(), self.dim):
+            raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}) for "
+                             f"{i.numel()} ids, got {tuple(v.shape)}")
+        i = i.long()
+        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
+            bad = i[(i < 0) | (i >= self.ntotal)][:5].tolist()
+            raise InputError(f"ids out of range [0, {self.ntotal}): {bad}")
+        if i.unique().numel() != i.numel():
+            raise InputError("ids must not repeat")
+        if not getattr(self, "_owned", False):
+            self.vectors = self.vectors.clone()
+            self._owned = True
+        self.vectors[i] = v.to(self._dtype)
+
+    def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``ids`` (any shape, valid int64 ids, not checked: no host sync) ->
+        (*ids.shape, d) float32."""
+        return self.vectors[ids].float()
 
     def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = check_positive_int(k, "k")

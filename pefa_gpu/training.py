@@ -1,0 +1,207 @@
+"""Helpers for encoder training loops: differentiable PEFA scores and hard-negative mining.
+
+    q = encoder(batch)                                   # (B, d), requires grad, on the device
+    negs = pg.mine_negatives(xs, q, positives, n=7)      # (B, 7) int64, no graph kept
+    logits = xs.score(q, torch.cat([pos[:, None], negs], 1)) / tau   # (B, 8), differentiable
+    loss = torch.nn.functional.cross_entropy(logits, torch.zeros(B, dtype=torch.long))
+
+What is differentiated (``score``): ERM ``<q, p_j>``; PEFA-XS ``<q, e_j>``; PEFA-XL
+``lam f_erm(q, j) + (1 - lam) f_knn(q, j)`` where the k neighbours N(q) (and, with
+``rescore=False``, the ERM candidate set C) are selected without gradient, while the neighbour
+weights ``w(s_i)`` with ``s_i = <q, q_i>`` and ``f_erm = <q, p_j>`` carry it. Id -1 (padding)
+scores ``-inf`` (no gradient flows there; softmax gives it weight 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from .aggregate import normalize_rows
+from .arrays import as_embeddings, as_tensor, check_positive_int
+from .errors import InputError
+from .relevance import Relevance
+
+
+def _check_default(x: Any, check: bool | None) -> bool:
+    """Value checks (NaN, id range) read the data; on CUDA tensors they would sync, so the
+    default is to run them only for data that is not already on a CUDA device."""
+    if check is not None:
+        return bool(check)
+    return not (isinstance(x, torch.Tensor) and x.is_cuda)
+
+
+def _score_queries(model: Any, queries: Any, check: bool) -> torch.Tensor:
+    model._check_fitted()
+    dtype = torch.float64 if (isinstance(queries, torch.Tensor)
+                              and queries.dtype == torch.float64) else torch.float32
+    return as_embeddings(queries, model.device, "queries", dim=model.dim, dtype=dtype,
+                         check_norm=False, check_finite=check)
+
+
+def _score_ids(model: Any, ids: Any, batch: int, check: bool) -> torch.Tensor:
+    i = as_tensor(ids, device=model.device, name="ids")
+    if i.ndim == 1:
+        i = i.unsqueeze(1)
+    if i.ndim != 2 or i.shape[0] != batch:
+        raise InputError(f"ids must have shape (B={batch}, K), got {tuple(i.shape)}")
+    if i.is_floating_point():
+        raise InputError(f"ids must be integers, got dtype {i.dtype}")
+    i = i.long()
+    if check and i.numel() and (int(i.min()) < -1 or int(i.max()) >= model.n_docs):
+        bad = i[(i < -1) | (i >= model.n_docs)][:5].tolist()
+        raise InputError(f"ids out of range [-1, {model.n_docs}): {bad}")
+    return i
+
+
+def _inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(B, d) queries, (B, K, d) rows -> (B, K) inner products in q's dtype."""
+    return torch.bmm(rows.to(q.dtype), q.unsqueeze(2)).squeeze(2)
+
+
+def xs_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:
+    """e_j = lam p_j + (1 - lam) Π(a_j) for ``ids`` (any shape, valid) -> (*ids.shape, d)
+    float32, computed row by row exactly as :meth:`PEFAXS.xs_embeddings` does."""
+    flat = ids.reshape(-1)
+    lam = model.params.lam
+    e = lam * model.doc_embeddings[flat].float() + (1.0 - lam) * normalize_rows(
+        model.doc_sums[flat])
+    return e.reshape(*ids.shape, -1)
+
+
+def _y_keys(model: Any) -> torch.Tensor:
+    """Sorted int64 keys row * n_docs + col of the (augmented) Y entries, cached per Y."""
+    indptr, indices, _ = model._y
+    cache = model.__dict__.get("_y_key_cache")
+    if cache is not None and cache[0] is indices:
+        return cache[1]
+    rows = torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=indices.device),
+                                   indptr[1:] - indptr[:-1], output_size=indices.numel())
+    keys = rows * model.n_docs + indices
+    model.__dict__["_y_key_cache"] = (indices, keys)
+    return keys
+
+
+def _xl_knn(model: Any, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """f_knn(q, j) for ids (B, K): neighbours chosen without grad, weights s_i / k with grad."""
+    k = model.params.k
+    _, nbr = model.query_index.search(q.detach(), k)                 # (B, k), -1 padded
+    valid = nbr >= 0
+    qi = model.query_index.reconstruct(nbr.clamp_min(0))             # (B, k, d) float32
+    s = _inner(q, qi)                                                # (B, k), with grad
+    w = s / (float(k) if model.params.knn_norm == "k" else 1.0)
+    w = torch.where(valid, w, torch.zeros((), dtype=w.dtype, device=w.device))
+    _, _, data = model._y
+    keys = _y_keys(model)
+    if keys.numel() == 0:
+        return torch.zeros(ids.shape, dtype=q.dtype, device=q.device)
+    want = nbr.clamp_min(0).unsqueeze(2) * model.n_docs + ids.clamp_min(0).unsqueeze(1)
+    pos = torch.searchsorted(keys, want.reshape(-1)).clamp_max(keys.numel() - 1)
+    hit = (keys[pos] == want.reshape(-1)).reshape(want.shape)
+    hit = hit & valid.unsqueeze(2) & (ids >= 0).unsqueeze(1)
+    y = torch.where(hit, data[pos].reshape(want.shape), 0.0).to(q.dtype)  # (B, k, K)
+    return (w.unsqueeze(2) * y).sum(1)
+
+
+def score(model: Any, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
+    """PEFA scores of the documents ``ids`` for ``queries``, differentiable w.r.t. queries.
+
+    queries (B, d) float32 or float64 (kept: float64 in, float64 out), may require grad;
+    ids (B, K) int64 document ids, -1 = padding. Returns (B, K) in the queries' dtype on the
+    model's device, ``-inf`` where the id is -1. The value is the model's formula for every id
+    (DESIGN §1); for ids that ``search`` returns it equals the search score up to rounding.
+    ``check`` (default: unless the data is already on CUDA) validates NaN / id ranges, which
+    synchronises. No step here synchronises on CUDA otherwise.
+    """
+    from .models import ERM, PEFAXL, PEFAXS
+
+    chk = _check_default(queries, check)
+    q = _score_queries(model, queries, chk)
+    i = _score_ids(model, ids, q.shape[0], chk)
+    safe = i.clamp_min(0)
+    if isinstance(model, PEFAXS):
+        out = _inner(q, xs_rows(model, safe))
+    elif isinstance(model, (ERM, PEFAXL)):
+        out = _inner(q, model.doc_embeddings[safe])
+        if isinstance(model, PEFAXL):
+            lam = model.params.lam
+            if not model.params.rescore:  # f_erm is 0 outside the ERM candidates C
+                _, cand = model.index.search(q.detach(), model.params.candidates)
+                in_c = (safe.unsqueeze(2) == cand.unsqueeze(1)).any(2)
+                out = torch.where(in_c, out, torch.zeros((), dtype=out.dtype, device=out.device))
+            out = lam * out + (1.0 - lam) * _xl_knn(model, q, i)
+    else:
+        raise InputError(f"score() needs an ERM, PEFAXS or PEFAXL model, got {type(model).__name__}")
+    return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
+                                                 device=out.device))
+
+
+def as_positive_ids(positives: Any, batch: int, device: torch.device) -> torch.Tensor:
+    """Positives as a (B, P) int64 tensor on ``device``, -1 padded (P >= 1).
+
+    Accepts a Relevance / scipy sparse matrix (B x n_docs: the nonzero columns of each row), a
+    list of lists of document ids, or a (B, P) integer array / tensor with -1 padding.
+    """
+    if isinstance(positives, Relevance) or sp.issparse(positives):
+        csr = (positives.csr if isinstance(positives, Relevance) else sp.csr_matrix(positives))
+        csr = csr.copy()
+        csr.eliminate_zeros()
+        rows = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
+    elif isinstance(positives, (list, tuple)) and all(
+            isinstance(r, (list, tuple, np.ndarray)) for r in positives):
+        rows = [np.asarray(r, dtype=np.int64).ravel() for r in positives]
+    else:
+        t = as_tensor(positives, device=device, name="positives")
+        if t.ndim == 1:
+            t = t.unsqueeze(1)
+        if t.ndim != 2 or t.shape[0] != batch or t.is_floating_point():
+            raise InputError(f"positives must be an integer (B={batch}, P) array with -1 "
+                             f"padding, got {t.dtype} shape {tuple(t.shape)}")
+        if t.shape[1] == 0:
+            t = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+        return t.long()
+    if len(rows) != batch:
+        raise InputError(f"positives has {len(rows)} rows but there are {batch} queries")
+    width = max([r.size for r in rows] + [1])
+    out = np.full((batch, width), -1, dtype=np.int64)
+    for r, cols in enumerate(rows):
+        out[r, :cols.size] = cols
+    return as_tensor(out, device=device, name="positives")
+
+
+def mine_negatives(model: Any, queries: Any, positives: Any, n: int = 8, skip_top: int = 0,
+                   batch_size: int = 1024, check: bool | None = None) -> torch.Tensor:
+    """Hard negatives: for each query the best-scoring documents that are not its positives.
+
+    queries (B, d) (may require grad: it is detached); positives as in
+    :func:`as_positive_ids`. Ranks by ``model.search``, drops the positives, skips the first
+    ``skip_top`` remaining documents (likely false negatives), keeps the next ``n``. Returns
+    (B, n) int64 document ids on the model's device, best first, -1 where there are not enough.
+    A positive is never returned. Sync-free on CUDA whenever ``model.search`` is (ERM, XS).
+    """
+    n = check_positive_int(n, "n")
+    if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
+        raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    chk = _check_default(queries, check)
+    model._check_fitted()
+    q = model._queries(queries, check=chk)
+    pos = as_positive_ids(positives, q.shape[0], model.device)
+    depth = n + int(skip_top) + pos.shape[1]  # enough that n non-positives survive if they exist
+    out = []
+    for s in range(0, q.shape[0], batch_size):
+        _, ids = model.search(q[s:s + batch_size], topk=depth, check=False)
+        p = pos[s:s + batch_size]
+        keep = (ids >= 0) & ~(ids.unsqueeze(2) == p.unsqueeze(1)).any(2)
+        rank = keep.long().cumsum(1) - 1 - int(skip_top)
+        take = keep & (rank >= 0) & (rank < n)
+        slot = torch.where(take, rank, n)
+        neg = torch.full((ids.shape[0], n + 1), -1, dtype=torch.long, device=ids.device)
+        neg.scatter_(1, slot, torch.where(take, ids, -1))
+        out.append(neg[:, :n])
+    if not out:
+        return torch.empty(0, n, dtype=torch.long, device=model.device)
+    return torch.cat(out)

@@ -1,0 +1,167 @@
+"""Live updates: add documents and (query, document) pairs to a fitted model without a refit.
+
+With the exact backend the model after any sequence of updates holds the same arrays (to the
+bit on the CPU) as a model fitted from scratch on all the data, in this order: documents in the
+order they were added (first ``fit``'s, then each ``add_documents``), training queries in the
+order they were added (``fit``'s, then each ``add_pairs``), so search results are equal.
+
+What each update costs and re-indexes:
+
+- ``ERM.add_documents(P_new)``: appends r rows to the index (``Index.add``).
+- ``PEFAXS.add_documents(P_new)``: appends r rows e_j = lam p_j + (1 - lam) Π(p_j) (or lam p_j
+  without ``augment_docs``) to the index and to ``doc_sums``.
+- ``PEFAXS.add_pairs(Q_new, Y_new)``: adds the new pairs to the unnormalised ``doc_sums`` of the
+  t documents they touch (O(nnz d)), re-normalises those t rows and overwrites them in the index
+  (``Index.update``, O(t d) for exact). Backends without ``update`` (the faiss ANN ones)
+  are rebuilt from all n rows: a full index build.
+- ``PEFAXL.add_documents(P_new)``: appends to the passage index and (``augment_docs``) to the
+  query index; Y gains r columns (and r identity rows): O(nnz) on the host.
+- ``PEFAXL.add_pairs(Q_new, Y_new)``: without ``augment_docs`` appends to the query index. With
+  it the new queries must sit before the document rows of the query index (the order a refit
+  uses, which decides ties among neighbours), so the query index is rebuilt from its own rows
+  (``Index.reconstruct`` + ``build``): one copy of (m + n) x d for exact, a full build for ANN
+  backends, NotImplementedError for backends that cannot return their vectors. Y is rebuilt on
+  the host, O(nnz).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from .arrays import as_embeddings, as_tensor, csr_tensors
+from .errors import InputError
+from .relevance import Relevance, as_relevance
+from .training import xs_rows
+
+log = logging.getLogger("pefa_gpu")
+
+
+def _new_rows(model: Any, X: Any, name: str) -> torch.Tensor:
+    model._check_fitted()
+    return as_embeddings(X, model.device, name, dim=model.dim, copy=True).detach()
+
+
+def accumulate_pairs(sums: torch.Tensor, Y: Any, Q: torch.Tensor) -> torch.Tensor:
+    """sums[j] += Y[i, j] * Q[i] for every entry of Y, in place, pair by pair in ascending i for
+    each document, in float32: the order and rounding of scipy's sparse product that ``fit``
+    uses on the CPU, so that updating equals refitting to the bit there. sums (n, d) float32,
+    Y (m x n) scipy sparse, Q (m, d). Returns the touched document ids (t,) int64, ascending."""
+    yc = sp.csc_matrix(Y, dtype=np.float32)
+    yc.sort_indices()
+    counts = np.diff(yc.indptr)
+    touched = np.flatnonzero(counts)
+    if touched.size == 0:
+        return as_tensor(np.empty(0, dtype=np.int64), device=sums.device)
+    col = np.repeat(np.arange(yc.shape[1]), counts)
+    rank = np.arange(yc.nnz) - yc.indptr[col]       # the t-th pair of its document
+    order = np.argsort(rank, kind="stable")
+    bounds = np.searchsorted(rank[order], np.arange(int(counts.max()) + 1))
+    rows = as_tensor(yc.indices[order].astype(np.int64), device=sums.device)
+    docs = as_tensor(col[order].astype(np.int64), device=sums.device)
+    vals = as_tensor(yc.data[order], device=sums.device, dtype=torch.float32)
+    for t in range(len(bounds) - 1):               # one round per rank: documents distinct
+        sl = slice(int(bounds[t]), int(bounds[t + 1]))
+        d = docs[sl]
+        sums[d] = sums[d] + vals[sl].unsqueeze(1) * Q[rows[sl]].float()
+    return as_tensor(touched.astype(np.int64), device=sums.device)
+
+
+def _n_train_queries(model: Any) -> int:
+    """Training-query rows of an XL model's (augmented) Y."""
+    return model.relevance.shape[0] - (model.n_docs if model.params.augment_docs else 0)
+
+
+def _set_relevance(model: Any, y_train: sp.csr_matrix) -> None:
+    """Install the training block Y (m x n) of an XL model, stacked over the identity with
+    ``augment_docs``, exactly as ``fit`` does."""
+    n = y_train.shape[1]
+    y = y_train
+    if model.params.augment_docs:
+        y = sp.vstack([y_train, sp.identity(n, dtype="float32", format="csr")], format="csr")
+    model.relevance = Relevance(y)
+    model._y = csr_tensors(model.relevance.csr, model.device)
+
+
+def _train_block(model: Any, n_cols: int) -> sp.csr_matrix:
+    m = _n_train_queries(model)
+    y = model.relevance.csr[:m]
+    return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(m, n_cols))
+
+
+def add_documents(model: Any, P_new: Any) -> Any:
+    """Append documents (r, d) to a fitted ERM / PEFAXS / PEFAXL; their ids continue after the
+    existing ones (n, ..., n + r - 1). Returns the model."""
+    from .models import ERM, PEFAXL, PEFAXS
+
+    p = _new_rows(model, P_new, "P_new")
+    r, n0 = p.shape[0], model.n_docs
+    if r == 0:
+        return model
+    if isinstance(model, PEFAXS):
+        new_sums = torch.zeros(r, p.shape[1], device=p.device)
+        if model.params.augment_docs:
+            new_sums = new_sums + p.float()        # 0 + p, as fit's sparse product gives
+        model.doc_embeddings = torch.cat([model.doc_embeddings, p])
+        model.doc_sums = torch.cat([model.doc_sums, new_sums])
+        model.index.add(xs_rows(model, torch.arange(n0, n0 + r, device=p.device)))
+    elif isinstance(model, PEFAXL):
+        y_train = _train_block(model, n0 + r)
+        model.doc_embeddings = torch.cat([model.doc_embeddings, p])
+        model.index.add(p)
+        if model.params.augment_docs:
+            model.query_index.add(p)
+        model.n_docs = n0 + r
+        _set_relevance(model, y_train)
+    elif isinstance(model, ERM):
+        model.doc_embeddings = torch.cat([model.doc_embeddings, p])
+        model.index.add(p)
+    else:
+        raise InputError(f"add_documents() needs an ERM, PEFAXS or PEFAXL model, got "
+                         f"{type(model).__name__}")
+    model.n_docs = n0 + r
+    return model
+
+
+def add_pairs(model: Any, Q_new: Any, Y_new: Any) -> Any:
+    """Add training queries Q_new (m', d) with relevance Y_new (m' x n) over the current
+    documents to a fitted PEFAXS / PEFAXL (add new documents first). Returns the model."""
+    from .models import PEFAXL, PEFAXS
+
+    if not isinstance(model, (PEFAXS, PEFAXL)):
+        raise InputError(f"add_pairs() needs a PEFAXS or PEFAXL model, got "
+                         f"{type(model).__name__} (ERM has no training pairs)")
+    q = _new_rows(model, Q_new, "Q_new")
+    rel = as_relevance(Y_new, shape=(q.shape[0], model.n_docs), name="Y_new", allow_empty=True)
+    if q.shape[0] == 0:
+        return model
+    if isinstance(model, PEFAXS):
+        touched = accumulate_pairs(model.doc_sums, rel.csr, q)
+        if touched.numel():
+            e = xs_rows(model, touched)
+            try:
+                model.index.update(touched, e)
+            except NotImplementedError:
+                log.info("backend %r cannot update rows: rebuilding the index of %d documents "
+                         "for %d changed ones", model.backend, model.n_docs, touched.numel())
+                model.index = model._new_index().build(model.xs_embeddings())
+        return model
+    m = _n_train_queries(model)
+    y_train = sp.vstack([_train_block(model, model.n_docs), rel.csr], format="csr")
+    qi = model.query_index
+    if model.params.augment_docs:  # keep the refit's row order [Q; P]: queries before documents
+        try:
+            old = qi.reconstruct(torch.arange(qi.ntotal, device=model.device))
+        except NotImplementedError as exc:
+            raise NotImplementedError(
+                f"PEFAXL.add_pairs with augment_docs=True rebuilds the query index from its "
+                f"rows, but backend {model.backend!r} cannot return them: refit instead") from exc
+        qi.build(torch.cat([old[:m], q.float(), old[m:]]))
+    else:
+        qi.add(q)
+    _set_relevance(model, y_train)
+    return model

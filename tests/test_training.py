@@ -1,0 +1,236 @@
+"""Training-loop helpers: differentiable scores (against finite differences and a float64
+numpy reference), hard-negative mining (never a positive), sync-free CUDA search."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from conftest import unit_rows
+
+N, M, D, B = 40, 30, 8, 6
+
+
+def _data(seed=0):
+    rng = np.random.default_rng(seed)
+    P, Q, T = unit_rows(rng, N, D), unit_rows(rng, M, D), unit_rows(rng, B, D)
+    rows = rng.integers(0, M, size=70)
+    cols = rng.integers(0, N - 5, size=70)  # the last 5 documents have no pairs
+    w = rng.integers(1, 4, size=70).astype(np.float32)
+    Y = sp.csr_matrix((w, (rows, cols)), shape=(M, N))
+    return P, Q, Y, T
+
+
+MODELS = [
+    ("erm", {}),
+    ("xs", dict(lam=0.3)),
+    ("xs", dict(lam=0.7, augment_docs=False)),
+    ("xl", dict(lam=0.3, k=4, candidates=6)),
+    ("xl", dict(lam=0.6, k=5, candidates=4, rescore=False, knn_norm="none")),
+    ("xl", dict(lam=0.2, k=3, candidates=5, augment_docs=False)),
+]
+
+
+def _fit(kind, opts, P, Q, Y, device="cpu"):
+    if kind == "erm":
+        return pg.ERM(device=device).fit(P)
+    cls = pg.PEFAXS if kind == "xs" else pg.PEFAXL
+    return cls(device=device, **opts).fit(P, Q, Y)
+
+
+def _top(scores, k):
+    """Best k columns per row of a float64 matrix, ties to the lower column."""
+    return np.stack([np.lexsort((np.arange(s.size), -s))[:k] for s in scores])
+
+
+def _reference_scores(kind, opts, P, Q, Y, T, ids):
+    """float64 numpy PEFA score of each (query, id), written apart from the library."""
+    P, Q, T = P.astype(np.float64), Q.astype(np.float64), T.astype(np.float64)
+    Yd = Y.toarray().astype(np.float64)
+    lam = opts.get("lam", 1.0)
+    aug = opts.get("augment_docs", True)
+    if kind == "erm":
+        E = P
+    elif kind == "xs":
+        A = Yd.T @ Q + (P if aug else 0)
+        nrm = np.linalg.norm(A, axis=1, keepdims=True)
+        E = lam * P + (1 - lam) * np.where(nrm > 0, A / np.where(nrm > 0, nrm, 1), 0)
+    if kind in ("erm", "xs"):
+        full = T @ E.T
+    else:
+        Qa, Ya = (np.vstack([Q, P]), np.vstack([Yd, np.eye(N)])) if aug else (Q, Yd)
+        k = opts["k"]
+        S = T @ Qa.T
+        nbr = _top(S, k)
+        div = k if opts.get("knn_norm", "k") == "k" else 1
+        fknn = np.stack([(S[b, nbr[b]] / div) @ Ya[nbr[b]] for b in range(len(T))])
+        ferm = T @ P.T
+        if not opts.get("rescore", True):
+            cand = _top(ferm, opts["candidates"])
+            mask = np.zeros_like(ferm)
+            for b in range(len(T)):
+                mask[b, cand[b]] = 1
+            ferm = ferm * mask
+        full = lam * ferm + (1 - lam) * fknn
+    out = np.take_along_axis(full, np.maximum(ids, 0), 1)
+    return np.where(ids >= 0, out, -np.inf)
+
+
+@pytest.mark.parametrize("kind,opts", MODELS)
+def test_score_matches_float64_reference_and_search(kind, opts):
+    P, Q, Y, T = _data(1)
+    model = _fit(kind, opts, P, Q, Y)
+    rng = np.random.default_rng(2)
+    ids = rng.integers(-1, N, size=(B, 9))
+    ids[:, 0] = -1
+    got = model.score(T, ids)
+    assert got.shape == (B, 9) and got.dtype == torch.float32
+    ref = _reference_scores(kind, opts, P, Q, Y, T, ids)
+    np.testing.assert_array_equal(np.isinf(got.numpy()), np.isinf(ref))
+    np.testing.assert_allclose(got.numpy(), ref, atol=1e-5)
+    # for the ids search returns, score() is the search score
+    s, i = model.search(T, topk=10)
+    np.testing.assert_allclose(model.score(T, i).numpy(), s.numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,opts", MODELS)
+def test_score_gradient_matches_finite_differences(kind, opts):
+    P, Q, Y, T = _data(3)
+    model = _fit(kind, opts, P, Q, Y)
+    _, ids = model.search(T, topk=7)
+    ids = torch.cat([ids.clamp_min(0), torch.arange(N - 3, N).expand(B, 3)], 1)  # + unretrieved
+    q = torch.from_numpy(T).double().requires_grad_()
+    out = model.score(q, ids)
+    assert out.dtype == torch.float64
+    w = torch.from_numpy(np.random.default_rng(4).standard_normal(out.shape))
+    (grad,) = torch.autograd.grad((out * w).sum(), q)
+    eps = 1e-6
+    num = torch.zeros_like(q)
+    with torch.no_grad():
+        for b in range(B):
+            for c in range(D):
+                dq = torch.zeros_like(q)
+                dq[b, c] = eps
+                diff = model.score(q + dq, ids) - model.score(q - dq, ids)
+                num[b, c] = (diff * w).sum() / (2 * eps)
+    torch.testing.assert_close(grad, num, atol=1e-6, rtol=1e-6)
+
+
+def test_score_padding_is_minus_inf_without_gradient():
+    P, Q, Y, T = _data(5)
+    xl = _fit("xl", dict(k=4, candidates=6), P, Q, Y)
+    q = torch.from_numpy(T).requires_grad_()
+    out = xl.score(q, torch.full((B, 3), -1))
+    assert torch.isneginf(out).all()
+    logits = torch.cat([xl.score(q, torch.zeros(B, 1, dtype=torch.long)), out], 1)
+    loss = torch.nn.functional.cross_entropy(logits, torch.zeros(B, dtype=torch.long))
+    loss.backward()
+    assert torch.isfinite(q.grad).all() and loss.item() == 0
+
+
+def test_score_errors():
+    P, Q, Y, T = _data(6)
+    xs = _fit("xs", {}, P, Q, Y)
+    with pytest.raises(pg.InputError, match="out of range"):
+        xs.score(T, np.full((B, 2), N))
+    with pytest.raises(pg.InputError, match="shape"):
+        xs.score(T, np.zeros((B + 1, 2), np.int64))
+    with pytest.raises(pg.InputError, match="integers"):
+        xs.score(T, np.zeros((B, 2)))
+    with pytest.raises(pg.InputError, match="NaN"):
+        xs.score(np.full((1, D), np.nan, np.float32), np.zeros((1, 1), np.int64))
+
+
+def test_search_of_a_query_that_requires_grad_keeps_no_graph():
+    P, Q, Y, T = _data(7)
+    q = torch.from_numpy(T).requires_grad_()
+    for kind, opts in MODELS[:4]:
+        s, i = _fit(kind, opts, P, Q, Y).search(q * 2, topk=5)
+        assert s.grad_fn is None and not s.requires_grad and i.grad_fn is None
+
+
+def _reference_negatives(model, T, pos_lists, n, skip_top):
+    _, ranked = model.search(T, topk=N)
+    out = np.full((len(T), n), -1)
+    for b, row in enumerate(ranked.numpy()):
+        keep = [j for j in row if j >= 0 and j not in set(pos_lists[b])][skip_top:skip_top + n]
+        out[b, :len(keep)] = keep
+    return out
+
+
+@pytest.mark.parametrize("kind,opts", MODELS[:5])
+def test_mine_negatives_never_returns_a_positive(kind, opts):
+    P, Q, Y, T = _data(8)
+    model = _fit(kind, opts, P, Q, Y)
+    rng = np.random.default_rng(9)
+    _, top = model.search(T, topk=6)
+    pos_lists = [list(rng.choice(top[b].numpy(), size=b % 4, replace=False)) for b in range(B)]
+    pos_lists[-1] = list(range(0, N, 2))  # many positives
+    width = max(len(p) for p in pos_lists)
+    padded = np.full((B, width), -1)
+    for b, p in enumerate(pos_lists):
+        padded[b, :len(p)] = p
+    csr = sp.csr_matrix((np.ones(sum(map(len, pos_lists))),
+                         (np.repeat(np.arange(B), [len(p) for p in pos_lists]),
+                          np.concatenate([np.asarray(p, np.int64) for p in pos_lists]))),
+                        shape=(B, N))
+    for n, skip in [(5, 0), (3, 2), (N, 0)]:
+        want = _reference_negatives(model, T, pos_lists, n, skip)
+        for positives in (pos_lists, padded, torch.from_numpy(padded), csr,
+                          pg.Relevance(csr)):
+            for bs in (1, 4, 1024):
+                got = pg.mine_negatives(model, T, positives, n=n, skip_top=skip, batch_size=bs)
+                assert got.shape == (B, n) and got.dtype == torch.int64
+                np.testing.assert_array_equal(got.numpy(), want)
+                for b in range(B):
+                    assert not set(got[b].tolist()) & set(pos_lists[b])
+    # n larger than what is left: -1 padding
+    got = pg.mine_negatives(model, T, pos_lists, n=N)
+    assert (got[-1] == -1).sum() >= N // 2
+
+
+def test_mine_negatives_errors():
+    P, Q, Y, T = _data(10)
+    xs = _fit("xs", {}, P, Q, Y)
+    with pytest.raises(pg.InputError, match="n must"):
+        pg.mine_negatives(xs, T, [[0]] * B, n=0)
+    with pytest.raises(pg.InputError, match="skip_top"):
+        pg.mine_negatives(xs, T, [[0]] * B, n=2, skip_top=-1)
+    with pytest.raises(pg.InputError, match="rows"):
+        pg.mine_negatives(xs, T, [[0]] * (B - 1), n=2)
+    with pytest.raises(pg.InputError, match="positives"):
+        pg.mine_negatives(xs, T, np.zeros((B, 2)), n=2)
+
+
+@pytest.mark.gpu
+def test_cuda_search_score_and_mining_do_not_synchronise():
+    P, Q, Y, T = _data(11)
+    erm = _fit("erm", {}, P, Q, Y, device="cuda")
+    xs = _fit("xs", {"lam": 0.4}, P, Q, Y, device="cuda")
+    xl = _fit("xl", {"k": 4, "candidates": 6}, P, Q, Y, device="cuda")
+    enc = torch.nn.Linear(D, D, device="cuda", dtype=torch.float32)
+    x = torch.from_numpy(T).cuda()
+    pos = torch.from_numpy(np.arange(B)[:, None]).cuda()
+    xl.score(x, pos)  # warm-up: caches the Y keys
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        q = torch.nn.functional.normalize(enc(x), dim=1)
+        assert q.requires_grad
+        for model in (erm, xs):
+            s, ids = model.search(q, topk=5)
+            assert not s.requires_grad
+            neg = pg.mine_negatives(model, q, pos, n=3)
+            cand = torch.cat([pos, neg], 1)
+            loss = torch.nn.functional.cross_entropy(model.score(q, cand) / 0.05,
+                                                     torch.zeros(B, dtype=torch.long,
+                                                                 device="cuda"))
+            loss.backward(retain_graph=True)
+        xl.score(q, cand).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert ids.device.type == "cuda" and enc.weight.grad is not None
