@@ -204,14 +204,34 @@ def write_manifest(root: PathLike, manifest: dict[str, Any]) -> dict[str, Any]:
     """Write ``manifest.json`` into ``root`` with ``format``, ``format_version`` and a
     ``files`` table (size + sha256 of every other file under ``root``). Returns what it wrote."""
     root = Path(root)
-    full = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest,
-            "files": describe_files(root)}
+    files = describe_files(root)
+    _link_duplicates(root, files)
+    full = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files}
     try:
         text = json.dumps(full, indent=1, sort_keys=True, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise InputError(f"the manifest cannot be written as JSON: {exc}") from exc
     (root / MANIFEST).write_text(text + "\n", encoding="utf-8")
     return full
+
+
+def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Hard-link files with identical contents (e.g. an exact index over the document
+    embeddings it also saves), so they take disk space, and page cache when mapped, once.
+    Where the file system cannot link, the copies stay."""
+    first: dict[tuple[int, str], Path] = {}
+    for rel, info in files.items():
+        key = (info["bytes"], info["sha256"])
+        if info["bytes"] == 0 or key not in first:
+            first.setdefault(key, root / rel)
+            continue
+        dup = root / rel
+        spare = dup.with_name(dup.name + ".link")
+        try:
+            os.link(first[key], spare)
+            os.replace(spare, dup)
+        except OSError:
+            spare.unlink(missing_ok=True)
 
 
 def read_manifest(root: PathLike) -> dict[str, Any]:

@@ -235,6 +235,15 @@ def test_xl_derived_csr_tensors_are_rebuilt(tmp_path, data):
     same_results(model, back, data[3], topk=25)
 
 
+@pytest.mark.skipif(not hasattr(os, "link"), reason="no hard links here")
+def test_identical_files_are_stored_once(tmp_path, data):
+    model = fit(pg.PEFAXL, data)  # the exact passage index holds exactly doc_embeddings
+    model.save(tmp_path / "xl")
+    a, b = tmp_path / "xl" / "doc_embeddings.npy", tmp_path / "xl" / "index" / "vectors.npy"
+    assert os.path.samefile(a, b) and a.stat().st_nlink == 2
+    same_results(model, pg.load(tmp_path / "xl", device="cpu", mmap=True), data[3])
+
+
 def test_bfloat16_index_round_trip(tmp_path, data):
     model = fit(pg.PEFAXS, data, index_params={"dtype": "bfloat16"})
     model.save(tmp_path / "bf")
