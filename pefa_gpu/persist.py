@@ -28,6 +28,7 @@ import scipy.sparse as sp
 import torch
 
 from . import storage
+from .arrays import resolve_device
 from .errors import FormatError, InputError, MissingDependencyError
 from .index import Index, backend_class, backend_names
 from .relevance import Relevance
@@ -85,9 +86,13 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
         raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
     backend = manifest.get("backend")
     _backend(backend, where)
+    device = resolve_device(device)  # a bad device is the caller's error, not the save's
+    params = manifest.get("params")
+    if not isinstance(params, dict):
+        raise FormatError(f"{where} has no 'params' table")
     try:
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
-                    **manifest.get("params", {}))
+                    **params)
     except InputError as exc:
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
     for name in cls._saved:

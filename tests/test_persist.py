@@ -449,6 +449,11 @@ def test_load_onto_cpu_variants(saved_xs, data, device):
     same_results(model, back, data[3])
 
 
+def test_bad_device_is_an_input_error(saved_xs):
+    with pytest.raises(InputError, match="device='tpu:7' is not a valid torch device"):
+        pg.load(saved_xs[1], device="tpu:7")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
 def test_save_on_cuda_load_on_cpu_and_back(tmp_path, data, cls):
