@@ -9,7 +9,9 @@ What is differentiated (``score``): ERM ``<q, p_j>``; PEFA-XS ``<q, e_j>``; PEFA
 ``lam f_erm(q, j) + (1 - lam) f_knn(q, j)`` where the k neighbours N(q) (and, with
 ``rescore=False``, the ERM candidate set C) are selected without gradient, while the neighbour
 weights ``w(s_i)`` with ``s_i = <q, q_i>`` and ``f_erm = <q, p_j>`` carry it. Id -1 (padding)
-scores ``-inf`` (no gradient flows there; softmax gives it weight 0).
+scores ``-inf`` (no gradient flows there; softmax gives it weight 0). PEFA-XL's score reads
+the neighbours' vectors back from the query index (``Index.reconstruct``: exact and the faiss
+backends have it). Memory: a (B, K, d) gather of document rows, and (B, k, K) for XL.
 """
 
 from __future__ import annotations

@@ -257,3 +257,21 @@ def test_updates_after_save_and_load_equal_refit(kind, opts, tmp_path):
     # the save on disk is untouched by updates of a memory-mapped load
     again = pg.load(tmp_path / "m", device="cpu")
     assert again.n_docs == len(data.P)
+
+
+@pytest.mark.parametrize("kind,opts", [("xs", {"lam": 0.4}), ("xl", {"k": 3, "candidates": 6})])
+def test_hnsw_backend_updates_rebuild_and_match_exact_refit(kind, opts):
+    pytest.importorskip("faiss")
+    rng = np.random.default_rng(31)
+    P, Q = unit_rows(rng, 30, D), unit_rows(rng, 12, D)  # no duplicates: no ties
+    cols = np.r_[rng.integers(0, 25, 8), rng.integers(0, 30, 4)]  # fit's pairs: first 25 docs
+    Y = sp.csr_matrix((np.ones(12, np.float32), (np.arange(12), cols)), shape=(12, 30))
+    model = _make(kind, opts, backend="hnsw").fit(P[:25], Q[:8], Y[:8, :25])
+    model.add_documents(P[25:])
+    model.add_pairs(Q[8:], Y[8:])
+    ref = _make(kind, opts).fit(P, Q, Y)
+    T = unit_rows(rng, 10, D)
+    s, i = model.search(T, 5)
+    sr, ir = ref.search(T, 5)
+    assert torch.equal(i, ir)
+    np.testing.assert_allclose(s.numpy(), sr.numpy(), atol=1e-5)
