@@ -19,14 +19,16 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
                 erm_scores: torch.Tensor, erm_ids: torch.Tensor,
                 knn_scores: torch.Tensor, knn_ids: torch.Tensor, *,
                 lam: float, knn_weight_divisor: float, rescore: bool,
-                topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+                topk: int, erm_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused top-``topk`` of each query. All tensors on one device.
 
     queries (B, d) float32; doc_vectors (n, d) (needed when ``rescore``); Y as CSR tensors
     (indptr (m+1,), indices (nnz,) int64, data (nnz,) float32) over the query index's rows;
     erm_* (B, Kp) and knn_* (B, k) search results with -1 padding. A neighbour of score s
     contributes ``s / knn_weight_divisor`` times its Y row. ``rescore``: f_erm = <q, p_j> for
-    every candidate; otherwise the ERM score where j is in C and 0 elsewhere.
+    every candidate; otherwise the ERM score where j is in C and 0 elsewhere. ``erm_exact``:
+    the erm scores already are <q, p_j> (exact or flat-storage backends), so ``rescore``
+    computes dot products only for the candidates outside C (O(B k deg d), not O(B Kp d)).
     Returns (B, topk) float32 scores and int64 ids, ties to the lower id, -1 padded.
     """
     device = erm_ids.device
@@ -57,11 +59,16 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
     n_knn = knn_doc.numel()
     f_knn = torch.zeros(uniq.numel(), device=device).index_add_(0, inverse[:n_knn], knn_val)
     cand_batch, cand_doc = uniq // n_key, uniq % n_key
-    if rescore:
+    if rescore and not erm_exact:
         f_erm = (queries.float()[cand_batch] * doc_vectors[cand_doc].float()).sum(1)
     else:
         f_erm = torch.zeros(uniq.numel(), device=device).index_put_(
             (inverse[n_knn:],), erm_val)
+        if rescore:  # only the kNN-only candidates lack their exact ERM score
+            in_c = torch.zeros(uniq.numel(), dtype=torch.bool, device=device)
+            rest = (~in_c.index_fill_(0, inverse[n_knn:], True)).nonzero().squeeze(1)
+            f_erm[rest] = (queries.float()[cand_batch[rest]]
+                           * doc_vectors[cand_doc[rest]].float()).sum(1)
     fused = lam * f_erm + (1.0 - lam) * f_knn
 
     # per-query top-k over variable-length segments (keys sorted => docs ascending per query)

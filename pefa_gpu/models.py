@@ -281,7 +281,8 @@ class PEFAXL(_Model):
             scores, ids = fuse_scores(
                 q[sl], self.doc_embeddings, *self._y, erm[0][sl], erm[1][sl],
                 knn[0][sl, :k], knn[1][sl, :k], lam=lam, knn_weight_divisor=divisor,
-                rescore=self.params.rescore, topk=topk)
+                rescore=self.params.rescore, topk=topk,
+                erm_exact=bool(getattr(self.index, "exact_scores", False)))
             out_s.append(scores)
             out_i.append(ids)
         if not out_s:

@@ -184,7 +184,11 @@ def test_hnsw_params_and_errors(tmp_path):
 
 
 def test_ivf_pq_and_auto_sizes():
-    from pefa_gpu.index.ivf import auto_nlist, auto_pq_m
+    from pefa_gpu.index.ivf import auto_nlist, auto_nprobe, auto_pq_m
+
+    assert auto_nprobe(10) == 10 and auto_nprobe(132) == 66 and auto_nprobe(4000) == 256
+    with pytest.raises(InputError, match="nprobe"):
+        make_index("ivf", "cpu", {"nprobe": -1})
 
     assert auto_nlist(10) == 1 and auto_nlist(5183) == 132 and auto_nlist(10**8) == 40000
     assert auto_pq_m(384) == 96 and auto_pq_m(30) == 6 and auto_pq_m(2) == 1

@@ -74,6 +74,7 @@ class CagraIndex(Index):
     name = "cagra"
     Params = CagraParams
     max_k: ClassVar[int] = 1024
+    exact_scores = True  # candidates are re-scored exactly
 
     def __init__(self, params: CagraParams | dict | None = None, device: Any = None):
         super().__init__(params, device)

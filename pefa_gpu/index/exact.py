@@ -38,6 +38,11 @@ class ExactIndex(Index):
     name = "exact"
     Params = ExactParams
 
+    @property
+    def exact_scores(self) -> bool:
+        """True when search scores are exact fp32 inner products of the given vectors."""
+        return self.params.dtype == "float32"
+
     def __init__(self, params: ExactParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)

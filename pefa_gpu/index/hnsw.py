@@ -44,6 +44,7 @@ class HNSWIndex(FaissBackend):
 
     name = "hnsw"
     Params = HNSWParams
+    exact_scores = True  # flat storage: returned scores are fp32 <q, x_j>
 
     def build(self, vectors: Any) -> "HNSWIndex":
         """vectors: (n, d) float -> a fresh graph over them; returns self."""
