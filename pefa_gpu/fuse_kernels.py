@@ -1,0 +1,215 @@
+"""Fast PEFA-XL fusion: the same scores and ids as :func:`pefa_gpu.fuse.fuse_scores`, with no
+sort over the ERM candidates and a single top-k.
+
+1. The neighbours' Y entries (few: B * k * deg) are reduced to unique (query, doc) keys.
+2. Each ERM candidate looks its key up there (``searchsorted``): matched ones get f_knn added,
+   unmatched neighbour documents become the extra candidates.
+3. Each candidate gets one int64 sort key, (descending score bits) << 31 | doc id, so one
+   ``topk(largest=False)`` over a (B, Kp + extra) table gives the best ``topk`` with ties to
+   the lower id.
+
+Works on any device with torch ops (no Python loop over queries). On CUDA with triton
+installed, the per-candidate rescoring dot products run in a Triton kernel. Returns None when
+an ERM row holds a duplicate id (the caller then uses the general path).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .arrays import as_tensor, to_numpy
+
+_HI = 1 << 32
+_DOC = 1 << 31  # doc ids take the low 31 bits of a sort key
+_PAD_KEY = torch.iinfo(torch.int64).max
+
+
+def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
+               y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
+               erm_scores: torch.Tensor, erm_ids: torch.Tensor,
+               knn_scores: torch.Tensor, knn_ids: torch.Tensor, *, lam: float,
+               knn_weight_divisor: float, rescore: bool, topk: int,
+               erm_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Arguments and result as :func:`pefa_gpu.fuse.fuse_scores`; None if ERM ids repeat in a
+    row or the ids do not fit in 31 bits. ``erm_exact``: the ERM scores already are <q, p_j>,
+    so ``rescore`` computes dot products only for the extra candidates."""
+    device = erm_ids.device
+    b, kp = erm_ids.shape
+    n_docs = doc_vectors.shape[0] if doc_vectors is not None else (
+        int(y_indices.max()) + 1 if y_indices.numel() else int(erm_ids.max()) + 1)
+    if n_docs >= _DOC or b == 0:
+        return None
+    n_key = max(int(n_docs), 1)
+    arange_b = torch.arange(b, device=device)
+
+    # 1. neighbours' Y entries -> unique (query, doc) keys with summed weights
+    kk = knn_ids.shape[1]
+    rows = knn_ids.clamp_min(0).reshape(-1)
+    starts = y_indptr[rows]
+    lengths = torch.where(knn_ids.reshape(-1) >= 0, y_indptr[rows + 1] - starts, 0)
+    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    pos = starts[owner] + torch.arange(owner.numel(), device=device) - first[owner]
+    knn_key = (owner // kk) * n_key + y_indices[pos]
+    knn_val = (knn_scores.reshape(-1)[owner].float() / knn_weight_divisor) * y_data[pos]
+    ukey, inv = _unique(knn_key)
+    uval = torch.zeros(ukey.numel(), device=device).index_add_(0, inv, knn_val)
+
+    # 2. ERM candidates look themselves up among the neighbour keys; only the hits change
+    erm_valid = erm_ids >= 0
+    if rescore and not erm_exact:
+        erm_f = _dots(queries, doc_vectors, erm_ids.clamp_min(0)).reshape(-1)
+    else:
+        erm_f = erm_scores.float().reshape(-1)
+    erm_fused = lam * erm_f  # == lam * f + (1 - lam) * 0 where no neighbour votes
+    matched = torch.zeros(ukey.numel(), dtype=torch.bool, device=device)
+    if ukey.numel():
+        erm_key = (arange_b[:, None] * n_key + erm_ids).masked_fill_(~erm_valid, -1).reshape(-1)
+        at = torch.searchsorted(ukey, erm_key).clamp_max_(ukey.numel() - 1)
+        hit = (ukey[at] == erm_key).nonzero().squeeze(1)
+        at = at[hit]
+        erm_fused[hit] = lam * erm_f[hit] + (1.0 - lam) * uval[at]
+        matched[at] = True
+    erm_fused = erm_fused.reshape(b, kp)
+
+    # extra candidates: neighbour documents that are not ERM candidates
+    extra = ~matched
+    x_key = ukey[extra]
+    x_batch, x_doc = x_key // n_key, x_key % n_key
+    x_knn = uval[extra]
+    if rescore:
+        x_erm = _rowdots(queries, doc_vectors, x_batch, x_doc)
+    else:
+        x_erm = torch.zeros_like(x_knn)
+    x_fused = lam * x_erm + (1.0 - lam) * x_knn
+    counts = torch.bincount(x_batch, minlength=b)
+    width = int(counts.max()) if x_batch.numel() else 0
+    x_col = torch.arange(x_key.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[x_batch]
+
+    # 3. one int64 key per candidate: ascending key = descending score, then ascending id
+    keys = torch.full((b, kp + width), _PAD_KEY, dtype=torch.long, device=device)
+    keys[:, :kp] = _sort_key(erm_fused, erm_ids).masked_fill_(~erm_valid, _PAD_KEY)
+    if width:
+        keys[x_batch, kp + x_col] = _sort_key(x_fused, x_doc)
+    kk_top = min(topk, keys.shape[1])
+    best, _ = torch.topk(keys, kk_top, dim=1, largest=False, sorted=True)
+    if kp > 1:  # a repeated ERM id shows as two equal keys next to each other
+        dup = (best[:, 1:] == best[:, :-1]) & (best[:, 1:] != _PAD_KEY)
+        if bool(dup.any()) and _erm_has_duplicates(erm_ids):
+            return None
+    ids = torch.where(best == _PAD_KEY, -1, best & (_DOC - 1))
+    scores = _key_score(best)
+    if kk_top < topk:
+        pad = topk - kk_top
+        ids = torch.cat([ids, ids.new_full((b, pad), -1)], 1)
+        scores = torch.cat([scores, scores.new_full((b, pad), float("-inf"))], 1)
+    return scores, ids
+
+
+def _unique(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorted unique int64 keys and the inverse map. On the CPU numpy's sort is used (torch's
+    CPU sort is several times slower on these sizes)."""
+    if keys.device.type == "cpu":
+        u, inv = np.unique(to_numpy(keys), return_inverse=True)
+        return as_tensor(u), as_tensor(inv.reshape(-1).astype(np.int64, copy=False))
+    return torch.unique(keys, sorted=True, return_inverse=True)
+
+
+def _sort_key(score: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """int64 key >= 0 whose ascending order is (score descending, doc ascending). Scores
+    float32 (-0.0 ties with +0.0), doc ids in [0, 2**31)."""
+    bits = (score.float() + 0.0).contiguous().view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # int32 order == float order
+    desc = (~ordered).to(torch.int64) + (1 << 31)  # in [0, 2**32), ascending = descending score
+    return (desc << 31) | doc
+
+
+def _key_score(key: torch.Tensor) -> torch.Tensor:
+    """Inverse of the score half of :func:`_sort_key`; padding keys give -inf."""
+    ordered = ~((key >> 31) - (1 << 31)).to(torch.int32)
+    bits = ordered ^ ((ordered >> 31) & 0x7FFFFFFF)
+    return torch.where(key == _PAD_KEY, float("-inf"), bits.view(torch.float32))
+
+
+def _erm_has_duplicates(erm_ids: torch.Tensor) -> bool:
+    s, _ = torch.sort(erm_ids, dim=1)
+    return bool(((s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)).any())
+
+
+def _dots(queries: torch.Tensor, docs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """<q_b, p_ids[b, c]> for (B, C) ids -> (B, C) float32."""
+    if ids.is_cuda and _triton_ok():
+        b, c = ids.shape
+        return _triton_rowdots(queries, docs, torch.arange(b, device=ids.device)
+                               .repeat_interleave(c), ids.reshape(-1)).reshape(b, c)
+    q = queries.float().unsqueeze(2)  # (B, d, 1)
+    out = torch.empty(ids.shape, device=ids.device)
+    step = max(1, (1 << 22) // max(1, ids.shape[1] * docs.shape[1]))  # ~16 MB of gathered rows
+    for s in range(0, ids.shape[0], step):
+        g = docs[ids[s:s + step]].float()  # (b, C, d)
+        out[s:s + step] = torch.bmm(g, q[s:s + step]).squeeze(2)
+    return out
+
+
+def _rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
+             doc: torch.Tensor) -> torch.Tensor:
+    """<q_batch[i], p_doc[i]> for flat index pairs -> (N,) float32."""
+    if batch.is_cuda and _triton_ok():
+        return _triton_rowdots(queries, docs, batch, doc)
+    return (queries.float()[batch] * docs[doc].float()).sum(1)
+
+
+_TRITON: dict[str, object] = {}
+
+
+def _triton_ok() -> bool:
+    """True when triton imports (checked once); the kernel is compiled on first use."""
+    if "ok" not in _TRITON:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+            _TRITON["ok"] = True
+        except Exception:
+            _TRITON["ok"] = False
+    return bool(_TRITON["ok"])
+
+
+def _triton_rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
+                    doc: torch.Tensor) -> torch.Tensor:
+    """Triton: out[i] = sum_d q[batch[i], d] * p[doc[i], d], fp32 accumulation, any storage."""
+    import triton
+    import triton.language as tl
+
+    if "kernel" not in _TRITON:
+        @triton.jit
+        def rowdots(q_ptr, p_ptr, b_ptr, j_ptr, out_ptr, n, d, sq, sp,
+                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+            pid = tl.program_id(0)
+            offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = offs < n
+            bi = tl.load(b_ptr + offs, mask=mask, other=0)
+            ji = tl.load(j_ptr + offs, mask=mask, other=0)
+            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for d0 in range(0, d, BLOCK_D):
+                dd = d0 + tl.arange(0, BLOCK_D)
+                dm = dd < d
+                qv = tl.load(q_ptr + bi[:, None] * sq + dd[None, :],
+                             mask=mask[:, None] & dm[None, :], other=0.0).to(tl.float32)
+                pv = tl.load(p_ptr + ji[:, None] * sp + dd[None, :],
+                             mask=mask[:, None] & dm[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(qv * pv, axis=1)
+            tl.store(out_ptr + offs, acc, mask=mask)
+
+        _TRITON["kernel"] = rowdots
+    q = queries.contiguous()
+    p = docs.contiguous()
+    n = batch.numel()
+    out = torch.empty(n, device=batch.device, dtype=torch.float32)
+    if n == 0:
+        return out
+    block_n, block_d = 64, 64
+    grid = (triton.cdiv(n, block_n),)
+    _TRITON["kernel"][grid](q, p, batch.contiguous(), doc.contiguous(), out, n, q.shape[1],
+                            q.stride(0), p.stride(0), BLOCK_N=block_n, BLOCK_D=block_d)
+    return out

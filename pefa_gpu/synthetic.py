@@ -1,0 +1,83 @@
+"""Seeded synthetic data for scale runs, with the structure of real retrieval data.
+
+Documents are clustered unit vectors; a query picks a target document with Zipf popularity (so
+the number of queries per document follows a power law), has a power-law number of relevant
+documents (the target and others from its cluster), and its embedding is the target's plus
+noise, renormalised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .arrays import check_positive_int
+from .errors import InputError
+from .relevance import Relevance
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticData:
+    """P (n, d), Q (m, d), Q_test (t, d): float32 unit rows; Y (m x n), Y_test (t x n)."""
+
+    P: np.ndarray
+    Q: np.ndarray
+    Y: Relevance
+    Q_test: np.ndarray
+    Y_test: Relevance
+
+
+def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters: int | None = None,
+                   popularity: float = 1.1, rel_exponent: float = 2.5, max_rel: int = 50,
+                   doc_noise: float = 0.6, query_noise: float = 0.8,
+                   seed: int = 0) -> SyntheticData:
+    """A seeded corpus of ``n`` documents, ``m`` training and ``n_test`` test queries in ``d``
+    dimensions.
+
+    popularity: Zipf exponent of target-document popularity (queries per document);
+    rel_exponent: Zipf exponent of relevant documents per query (capped at ``max_rel``);
+    doc_noise / query_noise: noise norms relative to the unit centre / target.
+    """
+    n, m, d = (check_positive_int(v, k) for v, k in ((n, "n"), (m, "m"), (d, "d")))
+    if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 0:
+        raise InputError(f"n_test must be an int >= 0, got {n_test!r}")
+    if popularity <= 0 or rel_exponent <= 1:
+        raise InputError(f"popularity must be > 0 and rel_exponent > 1, got {popularity!r}, "
+                         f"{rel_exponent!r}")
+    rng = np.random.default_rng(seed)
+    c = clusters or max(1, int(np.sqrt(n)))
+    centres = _unit(rng.standard_normal((c, d), dtype=np.float32))
+    # cluster sizes are uneven (Zipf-like); documents sorted by cluster
+    weights = 1.0 / np.arange(1, c + 1) ** 0.8
+    doc_cluster = np.sort(rng.choice(c, size=n, p=weights / weights.sum()))
+    P = _unit(centres[doc_cluster]
+              + doc_noise / np.sqrt(d) * rng.standard_normal((n, d), dtype=np.float32))
+    start = np.searchsorted(doc_cluster, np.arange(c))
+    size = np.searchsorted(doc_cluster, np.arange(c), side="right") - start
+    pop = 1.0 / np.arange(1, n + 1) ** popularity
+    cum = np.cumsum(rng.permutation(pop))
+    cum /= cum[-1]
+
+    def queries(count: int) -> tuple[np.ndarray, Relevance]:
+        target = np.minimum(np.searchsorted(cum, rng.random(count)), n - 1)
+        n_rel = np.minimum(rng.zipf(rel_exponent, count), max_rel)
+        extra = n_rel - 1
+        owner = np.repeat(np.arange(count), extra)
+        z = doc_cluster[target[owner]]
+        others = start[z] + (rng.random(owner.size) * size[z]).astype(np.int64)
+        qi = np.concatenate([np.arange(count), owner])
+        di = np.concatenate([target, others])
+        Y = Relevance.from_pairs(qi, di, shape=(count, n))
+        Q = _unit(P[target] + query_noise / np.sqrt(d)
+                  * rng.standard_normal((count, d), dtype=np.float32))
+        return Q, Y
+
+    Q, Y = queries(m)
+    Q_test, Y_test = queries(n_test)
+    return SyntheticData(P=P, Q=Q, Y=Y, Q_test=Q_test, Y_test=Y_test)
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float32, copy=False)
+    return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), np.float32(1e-12))
