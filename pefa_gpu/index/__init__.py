@@ -19,6 +19,7 @@ _BACKENDS: dict[str, str] = {
     "hnsw": "pefa_gpu.index.hnsw:HNSWIndex",      # faiss, CPU
     "ivf": "pefa_gpu.index.ivf:IVFIndex",         # faiss, GPU when available
     "cagra": "pefa_gpu.index.cagra:CagraIndex",   # faiss-gpu CAGRA or cuVS, CUDA only
+    "sharded": "pefa_gpu.index.sharded:ShardedIndex",  # any backend over several devices
 }
 
 

@@ -1,0 +1,191 @@
+"""An index sharded over several devices: rows split into contiguous shards, one backend index
+per device, every shard searched for the top-k and the lists merged (ties to the lower id).
+
+    idx = make_index("sharded", device="cuda")            # every visible GPU
+    idx = make_index("sharded", params={"devices": ["cuda:0", "cuda:1"], "backend": "exact",
+                                        "backend_params": {"dtype": "bfloat16"}})
+    model = pg.PEFAXL(backend="sharded", device="cuda")   # passage and query index sharded
+
+Several shards may share one device (e.g. ``["cpu", "cpu"]``), which is how the multi-device
+logic is tested without GPUs. Results come back on the index's own device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..arrays import as_tensor, check_positive_int, resolve_device
+from ..errors import FormatError, InputError
+from ..params import Params
+from ..topk import merge_topk
+from .base import Index
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ShardedParams(Params):
+    """devices: one shard per entry (None: every visible GPU when the index's device is CUDA,
+    else the index's device); backend / backend_params: the index of each shard."""
+
+    devices: list[str] | None = None
+    backend: str = "exact"
+    backend_params: dict[str, Any] | None = None
+
+    def validate(self) -> None:
+        if self.devices is not None:
+            if not isinstance(self.devices, (list, tuple)) or not self.devices or \
+                    not all(isinstance(d, str) for d in self.devices):
+                raise InputError(f"devices must be a non-empty list of device strings, got "
+                                 f"{self.devices!r}")
+        if self.backend == "sharded":
+            raise InputError("backend='sharded' cannot shard itself")
+        if self.backend_params is not None and not isinstance(self.backend_params, dict):
+            raise InputError(f"backend_params must be a dict, got {self.backend_params!r}")
+
+
+class ShardedIndex(Index):
+    """Rows split over ``params.devices``; ids are global row numbers in insertion order."""
+
+    name = "sharded"
+    Params = ShardedParams
+
+    def __init__(self, params: ShardedParams | dict | None = None, device: Any = None):
+        super().__init__(params, device)
+        from . import backend_class
+
+        self._cls = backend_class(self.params.backend)
+        self.devices = [resolve_device(d) for d in self._device_names()]
+        self.shards: list[Index] = []
+        self.offsets: list[int] = []
+
+    def _device_names(self) -> list[str]:
+        if self.params.devices is not None:
+            return list(self.params.devices)
+        if self.device.type == "cuda" and self.device.index is None:
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        return [str(self.device)]
+
+    def _new_shard(self, device: torch.device) -> Index:
+        return self._cls(self.params.backend_params, device)
+
+    @property
+    def ntotal(self) -> int:
+        return sum(s.ntotal for s in self.shards)
+
+    @property
+    def dim(self) -> int:
+        return self.shards[0].dim if self.shards else 0
+
+    def build(self, vectors: torch.Tensor) -> "ShardedIndex":
+        v = as_tensor(vectors, name="vectors").detach()
+        if v.ndim != 2:
+            raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
+        n, parts = v.shape[0], len(self.devices)
+        bounds = [n * i // parts for i in range(parts + 1)]
+        self.shards, self.offsets = [], []
+        for dev, lo, hi in zip(self.devices, bounds[:-1], bounds[1:]):
+            self.shards.append(self._new_shard(dev).build(v[lo:hi]))
+            self.offsets.append(lo)
+        return self
+
+    def add(self, vectors: torch.Tensor) -> None:
+        """Appended rows go to the last shard, so ids stay contiguous per shard."""
+        if not self.shards:
+            self.build(vectors)
+            return
+        v = as_tensor(vectors, name="vectors").detach()
+        if v.ndim != 2 or v.shape[1] != self.dim:
+            raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
+        self.shards[-1].add(v)
+
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = check_positive_int(k, "k")
+        q = as_tensor(queries, name="queries").detach()
+        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
+            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
+        vals, ids = [], []
+        # launch every shard before gathering: work on different GPUs runs concurrently
+        for shard, off in zip(self.shards, self.offsets):
+            if shard.ntotal == 0:
+                continue
+            s, i = shard.search(q.to(shard.device, non_blocking=True), k)
+            vals.append(s)
+            ids.append(torch.where(i >= 0, i + off, i))
+        b = q.shape[0]
+        if not vals:
+            return (torch.full((b, k), float("-inf"), device=self.device),
+                    torch.full((b, k), -1, dtype=torch.long, device=self.device))
+        vals = [v.to(self.device, torch.float32) for v in vals]
+        ids = [i.to(self.device) for i in ids]
+        if len(vals) == 1:
+            return vals[0], ids[0]
+        return merge_topk(torch.cat(vals, 1), torch.cat(ids, 1), k)
+
+    @property
+    def exact_scores(self) -> bool:
+        """True when every shard returns exact fp32 inner products."""
+        return bool(self.shards) and all(getattr(s, "exact_scores", False) for s in self.shards)
+
+    def _route(self, ids: torch.Tensor):
+        """(shard, mask of ids in it, local ids) for each shard."""
+        for shard, off in zip(self.shards, self.offsets):
+            mask = (ids >= off) & (ids < off + shard.ntotal)
+            yield shard, mask, ids - off
+
+    def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
+        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) in the shards that hold them."""
+        i = as_tensor(ids, name="ids").detach().flatten().long()
+        v = as_tensor(vectors, name="vectors").detach()
+        if v.ndim != 2 or v.shape[0] != i.numel():
+            raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}), got "
+                             f"{tuple(v.shape)}")
+        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
+            bad = i[(i < 0) | (i >= self.ntotal)][:5].tolist()
+            raise InputError(f"ids out of range [0, {self.ntotal}): {bad}")
+        for shard, mask, local in self._route(i.to(v.device)):
+            if bool(mask.any()):
+                shard.update(local[mask].to(shard.device), v[mask].to(shard.device))
+
+    def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
+        """Stored rows ``ids`` (any shape) -> (*ids.shape, d) float32 on the index's device."""
+        i = ids.to(self.device)
+        out = torch.zeros(*i.shape, self.dim, device=self.device)
+        for shard, mask, local in self._route(i):
+            got = shard.reconstruct(local.clamp(0, max(shard.ntotal - 1, 0)).to(shard.device))
+            out = torch.where(mask.unsqueeze(-1), got.to(self.device).float(), out)
+        return out
+
+    def save(self, directory: str | Path) -> None:
+        """One sub-directory ``shard_{i}`` per shard plus ``shards.json`` (row offsets)."""
+        d = Path(directory)
+        for i, shard in enumerate(self.shards):
+            (d / f"shard_{i}").mkdir()
+            shard.save(d / f"shard_{i}")
+        (d / "shards.json").write_text(json.dumps({"offsets": self.offsets,
+                                                   "sizes": [s.ntotal for s in self.shards]}))
+
+    @classmethod
+    def load(cls, directory: str | Path, params: ShardedParams | dict | None = None,
+             device: Any = None) -> "ShardedIndex":
+        """Read what :meth:`save` wrote; shard i goes to the i-th device of the new index."""
+        out = cls(params, device)
+        d = Path(directory)
+        try:
+            meta = json.loads((d / "shards.json").read_text())
+            offsets, sizes = list(meta["offsets"]), list(meta["sizes"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise FormatError(f"{d / 'shards.json'} is missing or unreadable: {exc}") from exc
+        if len(offsets) != len(out.devices):
+            raise FormatError(f"{d} holds {len(offsets)} shards but the index has "
+                              f"{len(out.devices)} devices {[str(x) for x in out.devices]}")
+        out.shards = [out._cls.load(d / f"shard_{i}", out.params.backend_params, dev)
+                      for i, dev in enumerate(out.devices)]
+        if [s.ntotal for s in out.shards] != sizes:
+            raise FormatError(f"{d}: shard sizes {[s.ntotal for s in out.shards]} differ from "
+                              f"shards.json {sizes}")
+        out.offsets = offsets
+        return out

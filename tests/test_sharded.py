@@ -1,0 +1,134 @@
+"""ShardedIndex: shards simulated on the CPU give exactly the single-index result, ties too."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu.index import make_index
+from pefa_gpu.index.sharded import ShardedIndex
+
+
+def ref_search(X: np.ndarray, T: np.ndarray, k: int):
+    """float64 brute force: best k per row, ties to the lower id, (-inf, -1) padding."""
+    s = T.astype(np.float64) @ X.astype(np.float64).T
+    vals = np.full((len(T), k), -np.inf)
+    ids = np.full((len(T), k), -1, dtype=np.int64)
+    for r in range(len(T)):
+        o = np.lexsort((np.arange(X.shape[0]), -s[r]))[:k]
+        vals[r, :o.size], ids[r, :o.size] = s[r, o], o
+    return vals, ids
+
+
+def tied_data(seed: int, n: int = 97, b: int = 21, d: int = 6):
+    """Vectors on a 1/4 grid (exact fp32 scores, many ties) with duplicated rows."""
+    rng = np.random.default_rng(seed)
+    X = rng.integers(-2, 3, (n, d)).astype(np.float32) / 4
+    X[10:20] = X[0]
+    T = rng.integers(-2, 3, (b, d)).astype(np.float32) / 4
+    T[3] = 0.0  # every score ties
+    return X, T
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 120])
+@pytest.mark.parametrize("k", [1, 5, 40, 150])
+def test_cpu_shards_equal_single_index_and_reference(shards, k):
+    X, T = tied_data(shards * 31 + k)
+    idx = make_index("sharded", "cpu", {"devices": ["cpu"] * shards})
+    idx.build(torch.from_numpy(X))
+    assert idx.ntotal == X.shape[0] and idx.dim == X.shape[1] and len(idx.shards) == shards
+    got_s, got_i = idx.search(torch.from_numpy(T), k)
+    one_s, one_i = make_index("exact", "cpu").build(torch.from_numpy(X)).search(
+        torch.from_numpy(T), k)
+    ref_s, ref_i = ref_search(X, T, k)
+    assert torch.equal(got_i, one_i) and torch.equal(got_s, one_s)
+    np.testing.assert_array_equal(got_i.numpy(), ref_i)
+    np.testing.assert_array_equal(got_s.numpy(), ref_s.astype(np.float32))
+    assert got_s.dtype == torch.float32 and got_i.dtype == torch.int64
+
+
+def test_add_update_reconstruct_and_small_budget_shards():
+    X, T = tied_data(5)
+    idx = make_index("sharded", "cpu", {"devices": ["cpu"] * 3,
+                                        "backend_params": {"memory_budget": 65536}})
+    idx.build(torch.from_numpy(X[:50]))
+    idx.add(torch.from_numpy(X[50:]))
+    ref_s, ref_i = ref_search(X, T, 9)
+    s, i = idx.search(torch.from_numpy(T), 9)
+    np.testing.assert_array_equal(i.numpy(), ref_i)
+    ids = torch.tensor([0, 16, 33, 96, 60])
+    assert torch.equal(idx.reconstruct(ids), torch.from_numpy(X[ids.numpy()]))
+    new = np.ones((5, X.shape[1]), np.float32)
+    idx.update(ids, torch.from_numpy(new))
+    X2 = X.copy()
+    X2[ids.numpy()] = new
+    s, i = idx.search(torch.from_numpy(T), 9)
+    np.testing.assert_array_equal(i.numpy(), ref_search(X2, T, 9)[1])
+    with pytest.raises(pg.InputError, match="out of range"):
+        idx.update(torch.tensor([97]), torch.from_numpy(new[:1]))
+
+
+def test_empty_and_errors():
+    idx = ShardedIndex({"devices": ["cpu", "cpu"]}, "cpu")
+    s, i = idx.search(torch.zeros(2, 3), 4)
+    assert (i == -1).all() and torch.isinf(s).all()
+    with pytest.raises(pg.InputError, match="devices"):
+        ShardedIndex({"devices": []}, "cpu")
+    with pytest.raises(pg.InputError, match="itself"):
+        ShardedIndex({"backend": "sharded"}, "cpu")
+    with pytest.raises(pg.InputError, match="backend"):
+        ShardedIndex({"backend": "nope"}, "cpu")
+    idx.build(torch.ones(4, 3))
+    with pytest.raises(pg.InputError, match="shape"):
+        idx.search(torch.ones(2, 5), 1)
+
+
+@pytest.mark.parametrize("shards", [2, 5])
+def test_sharded_models_equal_unsharded(tmp_path, shards):
+    rng = np.random.default_rng(shards)
+    n, m, d = 80, 150, 8
+    P = rng.integers(-2, 3, (n, d)).astype(np.float32)
+    P /= np.maximum(np.linalg.norm(P, axis=1, keepdims=True), 1)
+    Q = P[rng.integers(0, n, m)] + 0.25 * rng.integers(-1, 2, (m, d)).astype(np.float32)
+    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
+    Y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), rng.integers(0, n, m))),
+                      shape=(m, n))
+    T = Q[:30]
+    params = {"devices": ["cpu"] * shards}
+    for cls, kw in ((pg.PEFAXL, dict(k=4, candidates=20)), (pg.PEFAXS, {}), (pg.ERM, {})):
+        args = (P,) if cls is pg.ERM else (P, Q, Y)
+        with _nowarn():
+            a = cls(backend="exact", device="cpu", **kw).fit(*args)
+            b = cls(backend="sharded", device="cpu", index_params=params, **kw).fit(*args)
+        sa, ia = a.search(T, topk=12)
+        sb, ib = b.search(T, topk=12)
+        assert torch.equal(ia, ib), cls.__name__
+        np.testing.assert_allclose(sa.numpy(), sb.numpy(), rtol=1e-6, atol=1e-6)
+        if hasattr(pg, "load"):
+            b.save(tmp_path / cls.__name__)
+            back = pg.load(tmp_path / cls.__name__, device="cpu")
+            assert torch.equal(back.search(T, topk=12)[1], ib)
+
+
+class _nowarn:
+    def __enter__(self):
+        import warnings
+        self._w = warnings.catch_warnings()
+        self._w.__enter__()
+        warnings.simplefilter("ignore")
+
+    def __exit__(self, *exc):
+        return self._w.__exit__(*exc)
+
+
+@pytest.mark.gpu
+def test_every_visible_gpu_gets_a_shard():
+    X, T = tied_data(9, n=5000)
+    idx = make_index("sharded", "cuda").build(torch.from_numpy(X))
+    assert len(idx.shards) == torch.cuda.device_count()
+    s, i = idx.search(torch.from_numpy(T), 17)
+    assert i.device.type == "cuda"
+    np.testing.assert_array_equal(i.cpu().numpy(), ref_search(X, T, 17)[1])
