@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .errors import InputError
+from .fuse_kernels import fused_topk
 from .topk import topk_rows
 
 
@@ -19,7 +21,8 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
                 erm_scores: torch.Tensor, erm_ids: torch.Tensor,
                 knn_scores: torch.Tensor, knn_ids: torch.Tensor, *,
                 lam: float, knn_weight_divisor: float, rescore: bool,
-                topk: int, erm_exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                topk: int, erm_exact: bool = False,
+                kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Fused top-``topk`` of each query. All tensors on one device.
 
     queries (B, d) float32; doc_vectors (n, d) (needed when ``rescore``); Y as CSR tensors
@@ -30,7 +33,18 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
     the erm scores already are <q, p_j> (exact or flat-storage backends), so ``rescore``
     computes dot products only for the candidates outside C (O(B k deg d), not O(B Kp d)).
     Returns (B, topk) float32 scores and int64 ids, ties to the lower id, -1 padded.
+    ``kernel``: 'auto' runs :func:`pefa_gpu.fuse_kernels.fused_topk` (same results, no sort
+    over the ERM candidates) and falls back to this general sort-based path, 'general'.
     """
+    if kernel == "auto":
+        fast = fused_topk(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,
+                          erm_ids, knn_scores, knn_ids, lam=lam,
+                          knn_weight_divisor=knn_weight_divisor, rescore=rescore, topk=topk,
+                          erm_exact=erm_exact)
+        if fast is not None:
+            return fast
+    elif kernel != "general":
+        raise InputError(f"kernel must be 'auto' or 'general', got {kernel!r}")
     device = erm_ids.device
     b = erm_ids.shape[0]
     n_docs = doc_vectors.shape[0] if doc_vectors is not None else int(y_indices.max()) + 1

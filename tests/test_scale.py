@@ -86,9 +86,10 @@ def test_fused_kernel_equals_reference(device, seed, rescore, erm_exact, lam, di
     np.testing.assert_array_equal(got[1].cpu().numpy(), ref_i)
     np.testing.assert_array_equal(got[0].cpu().numpy(), ref_s.astype(np.float32))
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
-    general = fuse_scores(*args, lam=lam, knn_weight_divisor=div, rescore=rescore, topk=topk)
-    if not erm_exact:
-        assert torch.equal(general[1], got[1]) and torch.equal(general[0], got[0])
+    general = fuse_scores(*args, **kw, kernel="general")
+    assert torch.equal(general[1], got[1]) and torch.equal(general[0], got[0])
+    auto = fuse_scores(*args, **kw)
+    assert torch.equal(auto[1], got[1]) and torch.equal(auto[0], got[0])
 
 
 @pytest.mark.parametrize("seed", [3, 4])
@@ -112,9 +113,14 @@ def test_fused_kernel_falls_back_on_duplicate_erm_ids():
     kw = dict(lam=0.5, knn_weight_divisor=4.0, rescore=False)
     assert fused_topk(*args, **kw, topk=80) is None  # both copies would be listed
     got = fused_topk(*args, **kw, topk=1)  # the duplicate is not in the top 1 of any row
-    ref = fuse_scores(*args, **kw, topk=1)
+    ref = fuse_scores(*args, **kw, topk=1, kernel="general")
     if got is not None:
         assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
+    auto = fuse_scores(*args, **kw, topk=80)  # falls back to the general path
+    ref = fuse_scores(*args, **kw, topk=80, kernel="general")
+    assert torch.equal(auto[1], ref[1]) and torch.equal(auto[0], ref[0])
+    with pytest.raises(pg.InputError, match="kernel"):
+        fuse_scores(*args, **kw, topk=3, kernel="triton")
 
 
 def test_sort_key_round_trip_and_order():

@@ -115,7 +115,7 @@ class ExactIndex(Index):
             qb = q[s:s + q_batch]
             best_v = best_i = None
             for c in range(0, n, chunk):
-                block = qb @ self.vectors[c:c + chunk].float().T  # (qb, chunk) fp32
+                block = _scores(qb, self.vectors[c:c + chunk])  # (qb, chunk) fp32
                 v, i = topk_rows(block, k, offset=c)
                 if best_v is None:
                     best_v, best_i = v, i
@@ -150,3 +150,25 @@ class ExactIndex(Index):
         if chunk * q_batch > cells:
             q_batch = max(1, cells // chunk)
         return q_batch, min(chunk, n)
+
+
+_MM_OUT_DTYPE: dict[str, bool] = {}  # device -> torch.mm(..., out_dtype=float32) works there
+
+
+def _scores(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """(B, d) float32 queries x (c, d) stored rows -> (B, c) float32 inner products.
+
+    float32 storage, or the CPU: the rows are upcast and multiplied in float32. 16-bit storage
+    on CUDA: one GEMM that reads both operands in the storage dtype (queries rounded to it),
+    accumulates in float32 and writes float32 (``torch.mm(..., out_dtype=float32)``), where
+    this torch has it; otherwise the chunk is upcast.
+    """
+    if rows.dtype == torch.float32 or not rows.is_cuda:
+        return q @ rows.float().T
+    key = str(rows.device)
+    if _MM_OUT_DTYPE.get(key, True):
+        try:
+            return torch.mm(q.to(rows.dtype), rows.T, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[key] = False
+    return q @ rows.float().T
