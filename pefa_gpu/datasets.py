@@ -1,8 +1,10 @@
-"""Dataset loaders: the BEIR layout (corpus.jsonl, queries.jsonl, qrels/{split}.tsv).
+"""Dataset loaders: the BEIR layout (corpus.jsonl, queries.jsonl, qrels/{split}.tsv) and plain
+pairs files (TSV or parquet: query text or id, document id, optional weight).
 
     ds = load_beir("../shared/datasets/scifact")
     rows, Y = ds.qrels("train")        # query row numbers, Relevance (len(rows) x n_docs)
     P, Qall = ds.embeddings("all-MiniLM-L6-v2")   # precomputed .npy, if the folder has them
+    pairs = load_pairs("clicks.tsv", ds.corpus_ids)   # pairs.query_texts, pairs.relevance
 """
 
 from __future__ import annotations
@@ -112,6 +114,12 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str]]:
             if not isinstance(rec, dict) or "_id" not in rec:
                 raise InputError(f"{path}:{lineno}: a record needs an '_id' field")
             rid = str(rec["_id"])
+            if not rid.strip():
+                raise InputError(f"{path}:{lineno}: empty {kind} id")
+            for field in ("text", "title"):
+                if rec.get(field) is not None and not isinstance(rec[field], str):
+                    raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "
+                                     f"{type(rec[field]).__name__}")
             if rid in seen:
                 raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
             seen.add(rid)
@@ -134,3 +142,134 @@ def load_beir(data_dir: str | Path) -> BeirDataset:
     cids, ctexts = _read_jsonl(root / "corpus.jsonl", "document")
     qids, qtexts = _read_jsonl(root / "queries.jsonl", "query")
     return BeirDataset(root, cids, ctexts, qids, qtexts)
+
+
+_QUERY_COLS = ("query", "query_text", "query-text", "query_id", "query-id", "qid", "text")
+_DOC_COLS = ("doc_id", "doc-id", "corpus-id", "corpus_id", "document", "document_id", "doc",
+             "pid", "docid")
+_WEIGHT_COLS = ("weight", "score", "label", "clicks", "count")
+
+
+@dataclasses.dataclass
+class Pairs:
+    """Training pairs read by :func:`load_pairs`.
+
+    query_keys: the distinct first-column values in first-seen order (texts or ids);
+    query_texts: the text of each (= the key when the file holds texts);
+    relevance: Y, (len(query_keys) x n_docs) float32 CSR, columns in the order of ``doc_ids``.
+    """
+
+    path: Path
+    query_keys: list[str]
+    query_texts: list[str]
+    relevance: Relevance
+
+
+def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
+               queries: "dict[str, str] | None" = None, min_score: float | None = None,
+               binary: bool = True) -> Pairs:
+    """Read (query, document id[, weight]) pairs from a TSV or parquet file.
+
+    The first column holds query texts, or query ids when ``queries`` (id -> text) is given;
+    the second a document id from ``doc_ids``; an optional third a numeric weight (default 1).
+    TSV files may start with a header line (e.g. ``query<TAB>doc_id<TAB>weight``); parquet
+    columns are found by name (query/qid/..., doc_id/corpus-id/..., weight/score/...) or else
+    by position. Pairs with weight < ``min_score`` are dropped; ``binary`` sets kept pairs to 1,
+    otherwise the weights of a repeated pair add up (click counts). Raises InputError naming
+    the file and line of a malformed line, an unknown id or a negative / non-finite weight,
+    and when no pair is left.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"pairs file {path} not found")
+    index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
+    if path.suffix.lower() in (".parquet", ".pq"):
+        records = _parquet_records(path)
+    else:
+        records = _tsv_records(path)
+    keys: dict[str, int] = {}
+    qrows, docs, weights = [], [], []
+    for where, q, d, w in records:
+        if not q.strip():
+            raise InputError(f"{where}: empty query")
+        if queries is not None and q not in queries:
+            raise InputError(f"{where}: query id {q!r} is not among the {len(queries)} known "
+                             f"queries")
+        if d not in index:
+            raise InputError(f"{where}: document id {d!r} is not in the corpus")
+        if w is None:
+            w = 1.0
+        elif isinstance(w, str):
+            try:
+                w = float(w)
+            except ValueError:
+                raise InputError(f"{where}: weight {w!r} is not a number") from None
+        w = float(w)
+        if not np.isfinite(w) or w < 0:
+            raise InputError(f"{where}: weight {w!r} must be a finite number >= 0")
+        if (min_score is not None and w < min_score) or w == 0:
+            continue
+        qrows.append(keys.setdefault(q, len(keys)))
+        docs.append(index[d])
+        weights.append(w)
+    if not qrows:
+        raise InputError(f"{path}: no (query, document) pair"
+                         + (f" with weight >= {min_score}" if min_score is not None else ""))
+    n = len(index)
+    y = Relevance.from_pairs(np.asarray(qrows), np.asarray(docs),
+                             None if binary else np.asarray(weights, dtype=np.float32),
+                             shape=(len(keys), n))
+    qkeys = list(keys)
+    texts = [queries[k] for k in qkeys] if queries is not None else qkeys
+    return Pairs(path, qkeys, texts, y)
+
+
+def _tsv_records(path: Path):
+    """(where, query, doc, weight-or-None) per data line of a TSV pairs file."""
+    with open(path, newline="", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            row = line.split("\t")
+            if lineno == 1 and row[0].strip().lower() in _QUERY_COLS and len(row) >= 2 \
+                    and row[1].strip().lower() in _DOC_COLS:
+                continue
+            if len(row) not in (2, 3):
+                raise InputError(f"{path}:{lineno}: expected 'query<TAB>doc_id[<TAB>weight]', "
+                                 f"got {len(row)} tab-separated fields")
+            yield (f"{path}:{lineno}", row[0], row[1].strip(),
+                   row[2].strip() if len(row) == 3 else None)
+
+
+def _parquet_records(path: Path):
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        from .errors import MissingDependencyError
+        raise MissingDependencyError("reading parquet pairs needs pyarrow: pip install pyarrow"
+                                     ) from exc
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:
+        raise InputError(f"{path}: not a readable parquet file ({exc})") from None
+    names = [c.lower() for c in table.column_names]
+
+    def pick(choices, pos):
+        for c in choices:
+            if c in names:
+                return names.index(c)
+        return pos if pos < len(names) else None
+
+    qi, di = pick(_QUERY_COLS, 0), pick(_DOC_COLS, 1)
+    wi = pick(_WEIGHT_COLS, 2) if len(names) > 2 else None
+    if qi is None or di is None or len({qi, di, wi} - {None}) < (3 if wi is not None else 2):
+        raise InputError(f"{path}: needs columns (query, doc_id[, weight]), has "
+                         f"{table.column_names}")
+    cols = [table.column(i).to_pylist() for i in (qi, di)]
+    ws = table.column(wi).to_pylist() if wi is not None else [None] * table.num_rows
+    for row, (q, d, w) in enumerate(zip(*cols, ws)):
+        where = f"{path}: row {row}"
+        if q is None or d is None:
+            raise InputError(f"{where}: missing query or document id")
+        yield where, str(q), str(d).strip(), w

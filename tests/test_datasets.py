@@ -1,0 +1,153 @@
+"""Dataset loaders: BEIR layout (malformed corpus / queries / qrels) and pairs files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pefa_gpu.datasets import load_beir, load_pairs
+from pefa_gpu.errors import InputError
+from textdata import write_beir
+
+
+@pytest.fixture
+def beir(tmp_path):
+    return write_beir(tmp_path / "data")
+
+
+def test_beir_round_trip(beir):
+    ds = load_beir(beir)
+    assert len(ds.corpus_ids) == 30 and ds.corpus_texts[0].startswith("title 0 ")
+    rows, y = ds.qrels("train")
+    assert y.shape == (rows.size, 30) and y.nnz == 60
+    assert set(ds.query_ids[i] for i in rows) == {f"tr{d}_{r}" for d in range(30) for r in (0, 1)}
+    trows, yt = ds.qrels("test", binary=False)
+    assert not set(rows) & set(trows)
+    assert set(np.unique(yt.csr.data)) <= {1.0, 2.0}
+    _, y2 = ds.qrels("test", min_score=2)
+    assert y2.nnz == int((yt.csr.data >= 2).sum())
+
+
+@pytest.mark.parametrize("name,line,match", [
+    ("corpus.jsonl", '{"_id": "x", "text": ', "not valid JSON"),
+    ("corpus.jsonl", '{"text": "no id"}', "'_id'"),
+    ("corpus.jsonl", '{"_id": "d0_0", "text": "dup"}', "duplicate document id"),
+    ("corpus.jsonl", '{"_id": "z", "text": ["not", "a", "string"]}', "must be a string"),
+    ("queries.jsonl", '{"_id": "", "text": "empty id"}', "empty query id"),
+])
+def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
+    path = beir / name
+    n = sum(1 for _ in open(path))
+    with open(path, "a") as f:
+        f.write(line + "\n")
+    with pytest.raises(InputError, match=match) as err:
+        load_beir(beir)
+    assert f"{path}:{n + 1}" in str(err.value)
+
+
+@pytest.mark.parametrize("row,match", [
+    ("tr0_0\tnope\t1", "document id 'nope'"),
+    ("nobody\td0_0\t1", "query id 'nobody'"),
+    ("tr0_0\td0_0\thigh", "not a number"),
+    ("tr0_0", "expected"),
+])
+def test_beir_bad_qrels_line(beir, row, match):
+    path = beir / "qrels" / "train.tsv"
+    n = sum(1 for _ in open(path))
+    with open(path, "a") as f:
+        f.write(row + "\n")
+    with pytest.raises(InputError, match=match) as err:
+        load_beir(beir).qrels("train")
+    assert f"{path}:{n + 1}" in str(err.value)
+
+
+def test_beir_empty_split_and_missing(beir, tmp_path):
+    (beir / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\n")
+    with pytest.raises(InputError, match="dev.tsv: no"):
+        load_beir(beir).qrels("dev")
+    with pytest.raises(InputError, match="splits here"):
+        load_beir(beir).qrels("validation")
+    (beir / "queries.jsonl").write_text("\n")
+    with pytest.raises(InputError, match="no records"):
+        load_beir(beir)
+    with pytest.raises(InputError, match="not a directory"):
+        load_beir(tmp_path / "nothing")
+
+
+DOCS = ["a", "b", "c", "d"]
+
+
+def test_pairs_tsv_texts_weights_header(tmp_path):
+    p = tmp_path / "pairs.tsv"
+    p.write_text("query\tdoc_id\tweight\n"
+                 "how to x\tb\t2\n"
+                 "how to x\tc\t1\n"
+                 "what is y\ta\n"
+                 "\n"
+                 "how to x\tb\t3\n"
+                 "zero\td\t0\n")
+    pairs = load_pairs(p, DOCS, binary=False)
+    assert pairs.query_keys == ["how to x", "what is y"]
+    assert pairs.query_texts == pairs.query_keys
+    dense = pairs.relevance.csr.toarray()
+    np.testing.assert_array_equal(dense, [[0, 5, 1, 0], [1, 0, 0, 0]])  # repeats add up
+    binary = load_pairs(p, DOCS)
+    np.testing.assert_array_equal(binary.relevance.csr.toarray(), [[0, 1, 1, 0], [1, 0, 0, 0]])
+    high = load_pairs(p, DOCS, min_score=2)
+    assert high.query_keys == ["how to x"]
+    assert high.relevance.csr.toarray().tolist() == [[0, 1, 0, 0]]
+
+
+def test_pairs_with_query_ids(tmp_path):
+    p = tmp_path / "pairs.tsv"
+    p.write_text("q2\tc\nq1\ta\n")
+    pairs = load_pairs(p, DOCS, queries={"q1": "first", "q2": "second"})
+    assert pairs.query_keys == ["q2", "q1"] and pairs.query_texts == ["second", "first"]
+    p.write_text("q2\tc\nq9\ta\n")
+    with pytest.raises(InputError, match=r"pairs.tsv:2: query id 'q9'"):
+        load_pairs(p, DOCS, queries={"q1": "first", "q2": "second"})
+
+
+@pytest.mark.parametrize("text,match,line", [
+    ("q\ta\nq\tzz\t1\n", "document id 'zz'", 2),
+    ("q\ta\t1\textra\n", "fields", 1),
+    ("just one field\n", "fields", 1),
+    ("q\ta\tlots\n", "not a number", 1),
+    ("q\ta\t-1\n", ">= 0", 1),
+    ("q\ta\tnan\n", ">= 0", 1),
+    ("\tb\n", "empty query", 1),
+])
+def test_pairs_malformed(tmp_path, text, match, line):
+    p = tmp_path / "bad.tsv"
+    p.write_text(text)
+    with pytest.raises(InputError, match=match) as err:
+        load_pairs(p, DOCS)
+    assert f"{p}:{line}" in str(err.value)
+
+
+def test_pairs_empty(tmp_path):
+    p = tmp_path / "empty.tsv"
+    p.write_text("query\tdoc_id\n")
+    with pytest.raises(InputError, match="no \\(query, document\\) pair"):
+        load_pairs(p, DOCS)
+    with pytest.raises(InputError, match="not found"):
+        load_pairs(tmp_path / "missing.tsv", DOCS)
+
+
+def test_pairs_parquet(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    p = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"score": [1.0, 2.0, 1.0], "doc_id": ["b", "c", "a"],
+                             "query": ["x", "x", "y"]}), p)
+    pairs = load_pairs(p, DOCS, binary=False)
+    assert pairs.query_keys == ["x", "y"]
+    np.testing.assert_array_equal(pairs.relevance.csr.toarray(), [[0, 1, 2, 0], [1, 0, 0, 0]])
+    pq.write_table(pa.table({"query": ["x", "y"], "doc_id": ["b", "nope"]}), p)
+    with pytest.raises(InputError, match="row 1: document id 'nope'"):
+        load_pairs(p, DOCS)
+    p.write_bytes(b"not parquet")
+    with pytest.raises(InputError, match="not a readable parquet"):
+        load_pairs(p, DOCS)
