@@ -212,6 +212,7 @@ def _xl_grid(xl: PEFAXL, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor]
     dev = q.device
     out: dict[tuple[float, int], list[tuple[torch.Tensor, torch.Tensor]]] = {
         (lam, k): [] for k in ks for lam in lams}
+    w_erm, w_knn = _mix_weights(lams, dev)
     for s in range(0, q.shape[0], batch_size):
         sl = slice(s, s + batch_size)
         qb, e_s, e_i = q[sl].float(), erm[0][sl], erm[1][sl]
@@ -262,12 +263,14 @@ def _xl_grid(xl: PEFAXL, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor]
             knn_table[u_batch, col] = f_knn
             outside = torch.ones((b, width), dtype=torch.bool, device=dev)
             outside[u_batch, col] = ~member
-            for lam in lams:
-                table = (lam * erm_table + (1.0 - lam) * knn_table).masked_fill_(
-                    outside, float("-inf"))
-                sc, cols = _topk(table, topk)
-                ids = torch.where(sc > float("-inf"), doc_table.gather(1, cols.clamp_min(0)), -1)
-                out[(lam, k)].append((sc, ids))
+            # all λ at once: (L, b, width) -> one top-k over L*b rows
+            table = (w_erm * erm_table + w_knn * knn_table).masked_fill_(outside, float("-inf"))
+            sc, cols = _topk(table.reshape(-1, width), topk)
+            ids = torch.where(sc > float("-inf"),
+                              doc_table.repeat(len(lams), 1).gather(1, cols.clamp_min(0)), -1)
+            sc, ids = sc.reshape(len(lams), b, -1), ids.reshape(len(lams), b, -1)
+            for li, lam in enumerate(lams):
+                out[(lam, k)].append((sc[li], ids[li]))
     result = {}
     for key, parts in out.items():
         if parts:
@@ -354,14 +357,22 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     width = int(counts.max())
     col_table = torch.full((b, width), -1, dtype=torch.long, device=sp_.device)
     col_table[rows, pos] = cols
-    a_k, b_k = sp_[rows, cols], sa_[rows, cols]
-    out = []
-    for lam in lams:
-        table = torch.full((b, width), float("-inf"), device=sp_.device)
-        table[rows, pos] = lam * a_k + (1.0 - lam) * b_k
-        v, j = _topk(table, topk)
-        out.append((v, torch.where(j >= 0, col_table.gather(1, j.clamp_min(0)), -1)))
-    return out
+    w_p, w_a = _mix_weights(lams, sp_.device)
+    table = torch.full((len(lams), b, width), float("-inf"), device=sp_.device)
+    table[:, rows, pos] = w_p[:, :, 0] * sp_[rows, cols] + w_a[:, :, 0] * sa_[rows, cols]
+    v, j = _topk(table.reshape(-1, width), topk)
+    i = torch.where(j >= 0, col_table.repeat(len(lams), 1).gather(1, j.clamp_min(0)), -1)
+    v, i = v.reshape(len(lams), b, -1), i.reshape(len(lams), b, -1)
+    return [(v[li], i[li]) for li in range(len(lams))]
+
+
+def _mix_weights(lams: Sequence[float], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(L, 1, 1) float32 tensors of λ and of 1 - λ (computed in double, as ``(1.0 - lam) * x``
+    does), so that ``w[l] * x`` equals ``lam * x`` bit for bit."""
+    w = torch.tensor([float(x) for x in lams], dtype=torch.float32, device=device)
+    w1 = torch.tensor([1.0 - float(x) for x in lams], dtype=torch.float32, device=device)
+    return w.view(-1, 1, 1), w1.view(-1, 1, 1)
 
 
 def sweep(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
