@@ -257,10 +257,94 @@ class PEFAXL(_Model):
     def _restore(self) -> None:
         self._y = csr_tensors(self.relevance.csr, self.device)
 
+    # search the passage index for topk + PRUNE_MARGIN candidates instead of ``candidates``
+    # where that provably gives the same result (see _search); False: always ``candidates``
+    prune_candidates: bool = True
+    PRUNE_MARGIN = 8
+
     def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        erm = self.index.search(q, self.params.candidates)
-        knn = self.query_index.search(q, self.params.k)
-        return self.fuse(q, erm, knn, topk)
+        """Query index first, then the passage index, with exact candidate pruning.
+
+        Let Kp = ``candidates``, K' = topk + PRUNE_MARGIN < Kp, and C' the first K' results of
+        the passage search (a prefix of its top-Kp list C: ERM score descending, ties to the
+        lower id). Claim: when (a) ``rescore`` is on, (b) lam > 0 and (c) every kNN
+        contribution w(s_i) Y[i, j] of the neighbours found is >= 0 (neighbour scores >= 0 and
+        Y >= 0), and (d) fl(lam e_K') < fl(lam e_topk) for the ERM scores e at positions K'
+        and topk of C' (or the index holds fewer than K' rows, all in C'), fusing with C' in
+        place of C gives the same top-``topk``, scores and ids, tie rule included.
+
+        Proof. Both runs have the same candidates except the documents j in C \ C' that no
+        neighbour votes for, and give every common candidate the same fused score (rescore:
+        f_erm = <q, p_j> whether or not j is an ERM candidate; f_knn does not depend on C). Such
+        a j scores fl(lam e_j) (f_knn = 0; the kernel computes exactly fl(lam * e)), and
+        e_j <= e_K' since C' is a prefix of C. Every one of the first topk documents j' of C'
+        has e_j' >= e_topk and fused score fl(fl(lam e_j') + fl((1 - lam) f_knn(j'))) >=
+        fl(lam e_j') >= fl(lam e_topk) > fl(lam e_K') >= fl(lam e_j): rounding is monotone,
+        fl((1 - lam) v) >= 0 for v >= 0 (c), and fl(a + b) >= a for b >= 0. So topk
+        candidates beat j strictly (no tie, whatever the ids), j is not in the unpruned top-
+        ``topk``, and dropping it changes nothing. (d) is where float rounding bites: lam e
+        for two close e may round to one value, and a tie would go to the lower id, which
+        need not be the better ERM document; (d) is checked on the values themselves. With
+        lam = 0, (d) always fails. Where (c) or (d) fails for a query, that query is searched
+        with Kp candidates as before (rescore off never prunes: f_erm would drop to 0 for a
+        voted document of C \ C').
+
+        Pruning needs the passage index's scores to be f_erm itself (``exact_scores``: exact
+        fp32, hnsw, ivf-flat, cagra), else it is off. The claim holds for an exact backend
+        (whose top-K' is the prefix of its top-Kp). ANN backends answer the K' search at their own settings (HNSW: ef = max(ef_search,
+        K')), the same approximation as any top-K' request to them.
+        """
+        p = self.params
+        knn = self.query_index.search(q, p.k)
+        kp, kt = p.candidates, topk + self.PRUNE_MARGIN
+        if not (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
+                and getattr(self.index, "exact_scores", False)
+                and self._relevance_nonnegative()):
+            return self.fuse(q, self.index.search(q, kp), knn, topk)
+        ok = ((knn[0] >= 0) | (knn[1] < 0)).all(1)  # (c) per query; NaN fails
+        if bool(ok.all()):
+            erm = self.index.search(q, kt)
+            ok = self._prune_bound_holds(erm, topk)
+            if bool(ok.all()):
+                return self.fuse(q, erm, knn, topk)
+            rows, erm_rows = ok.nonzero().squeeze(1), ok
+        else:
+            rows = ok.nonzero().squeeze(1)
+            erm = self.index.search(q[rows], kt) if rows.numel() else None
+            erm_rows = self._prune_bound_holds(erm, topk) if erm is not None else None
+            if erm_rows is not None:
+                rows = rows[erm_rows]
+        out_s = torch.full((q.shape[0], topk), float("-inf"), device=q.device)
+        out_i = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
+        if rows.numel():
+            e = (erm[0][erm_rows], erm[1][erm_rows])
+            out_s[rows], out_i[rows] = self.fuse(q[rows], e, (knn[0][rows], knn[1][rows]), topk)
+        full = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
+        full[rows] = False
+        rest = full.nonzero().squeeze(1)
+        if rest.numel():
+            qr = q[rest]
+            out_s[rest], out_i[rest] = self.fuse(qr, self.index.search(qr, kp),
+                                                 (knn[0][rest], knn[1][rest]), topk)
+        return out_s, out_i
+
+    def _relevance_nonnegative(self) -> bool:
+        """True when every stored Y entry is >= 0 (cached per Y)."""
+        cached = self.__dict__.get("_y_nonneg")
+        if cached is None or cached[0] is not self._y:
+            cached = (self._y, bool((self._y[2] >= 0).all()))
+            self._y_nonneg = cached
+        return cached[1]
+
+    def _prune_bound_holds(self, erm: tuple[torch.Tensor, torch.Tensor],
+                           topk: int) -> torch.Tensor:
+        """(B,) bool: condition (d) of :meth:`_search` on a top-K' passage search."""
+        scores, ids = erm
+        lam = self.params.lam
+        last = lam * scores[:, -1].float()
+        bound = lam * scores[:, topk - 1].float()
+        found_all = self.index.ntotal <= ids.shape[1]  # every row is a candidate already
+        return torch.where(ids[:, -1] >= 0, last < bound, found_all)
 
     def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
              knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
