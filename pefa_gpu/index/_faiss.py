@@ -62,7 +62,8 @@ def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
 
 def host_float32(x: Any, name: str, dim: int | None = None) -> np.ndarray:
     """(rows, d) C-contiguous float32 numpy array for faiss; checks rank, dim and finiteness."""
-    a = np.ascontiguousarray(to_numpy(as_tensor(x, name=name).detach()), dtype=np.float32)
+    a = to_numpy(x if isinstance(x, (np.ndarray, torch.Tensor)) else as_tensor(x, name=name))
+    a = np.ascontiguousarray(a, dtype=np.float32)
     if a.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {a.shape}")
     if dim is not None and a.shape[1] != dim:
@@ -76,13 +77,13 @@ def normalise_results(scores: np.ndarray, ids: np.ndarray,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """faiss (D, I) for an inner-product index -> float32 / int64 tensors on ``device`` with
     the library's padding (id -1, score -inf) wherever faiss found nothing."""
-    s = as_tensor(np.ascontiguousarray(scores, dtype=np.float32), device=device)
-    i = as_tensor(np.ascontiguousarray(ids, dtype=np.int64), device=device)
-    missing = i < 0
-    if bool(missing.any()):
-        s = s.masked_fill(missing, PAD_SCORE)
-        i = i.masked_fill(missing, PAD_ID)
-    return s, i
+    scores = np.ascontiguousarray(scores, dtype=np.float32)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    missing = ids < 0  # on the host, before the hand-off: cheaper than torch ops for small B
+    if missing.any():
+        scores = np.where(missing, np.float32(PAD_SCORE), scores)
+        ids = np.where(missing, np.int64(PAD_ID), ids)
+    return as_tensor(scores, device=device), as_tensor(ids, device=device)
 
 
 def empty_results(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ class HNSWIndex(FaissBackend):
     name = "hnsw"
     Params = HNSWParams
     exact_scores = True  # flat storage: returned scores are fp32 <q, x_j>
+    _search_params: dict = {}  # ef -> faiss.SearchParametersHNSW (replaced, never mutated)
 
     def build(self, vectors: Any) -> "HNSWIndex":
         """vectors: (n, d) float -> a fresh graph over them; returns self."""
@@ -74,8 +75,12 @@ class HNSWIndex(FaissBackend):
                 self._index.add(x)
 
     def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sp = self._faiss.SearchParametersHNSW()
-        sp.efSearch = max(self.params.ef_search, k)
+        ef = max(self.params.ef_search, k)
+        sp = self._search_params.get(ef)
+        if sp is None:  # cached per ef: creating the SWIG object costs a few microseconds
+            sp = self._faiss.SearchParametersHNSW()
+            sp.efSearch = ef
+            self._search_params = {ef: sp}
         with faiss_threads(self._faiss, self.params.threads):
             d, i = self._index.search(q, k, params=sp)
         return normalise_results(d, i, self.device)
