@@ -10,6 +10,9 @@
 3. Cost, fit + search + fusion (embeddings in memory), median of --repeats runs taken in
    alternation: one configuration of each method (XS λ=0.5, XL λ=0.1 k=16) against the whole
    grid through ``pefa_gpu.sweep``, and against fitting each grid point separately.
+4. The same one-configuration / grid comparison on a larger synthetic corpus
+   (``pefa_gpu.synthetic``, --scale documents, half as many training queries, 1000 test
+   queries, d=384), where searches weigh more than fusion (``--scale 0`` skips it).
 Results: benchmarks/results/sweep_scifact.{json,md,png}.
 """
 
@@ -58,6 +61,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--scale", type=int, default=100_000,
+                    help="documents of the synthetic corpus (0: skip)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,6 +101,24 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in timings.items()}
     ratio = med["grid"] / med["one_config"]
 
+    scale = None
+    if args.scale:
+        from pefa_gpu.synthetic import make_synthetic
+        syn = make_synthetic(args.scale, args.scale // 2, d=384, n_test=1000, seed=0)
+        sP, sQ, sQt = (torch.from_numpy(np.ascontiguousarray(x)) for x in (syn.P, syn.Q,
+                                                                          syn.Q_test))
+        st = {"one_config": [], "grid": []}
+        for rep in range(max(2, args.repeats // 2) + 1):
+            for name, fn in runs[:2]:
+                t = time.perf_counter()
+                fn(sP, sQ, syn.Y, sQt, args.device)
+                if rep:  # the first round warms up
+                    st[name].append(time.perf_counter() - t)
+        smed = {k: statistics.median(v) for k, v in st.items()}
+        scale = {"n": args.scale, "m": args.scale // 2, "n_test": 1000, "d": 384,
+                 "timings_s": st, "median_s": smed,
+                 "grid_over_one_config": smed["grid"] / smed["one_config"]}
+
     png = RESULTS / "sweep_scifact.png"
     plot_sweep(rows, png, title=f"SciFact (all-MiniLM-L6-v2 from text): λ × k, "
                                 f"{len(te)} test queries")
@@ -116,6 +139,14 @@ def main() -> None:
                       med["grid"], ratio],
                      ["whole grid, each configuration fitted separately",
                       med["separate_fits"], med["separate_fits"] / med["one_config"]]])
+    if scale:
+        cost += md_table(
+            [f"synthetic: {scale['n']} docs, {scale['m']} training queries, 1000 test queries, "
+             f"d=384", "median s", "× one config"],
+            [["one configuration (ERM, XS λ=0.5, XL λ=0.1 k=16)", scale["median_s"]["one_config"],
+              1.0],
+             [f"whole grid via pefa_gpu.sweep ({len(rows)} configurations)",
+              scale["median_s"]["grid"], scale["grid_over_one_config"]]])
     md = (f"Encoding {len(ds.corpus_texts)} documents + {len(ds.query_texts)} queries: "
           f"{t_encode:.1f} s (cache: {args.cache_dir}); max |difference| from the shipped "
           f"embeddings: {diff if diff is None else f'{diff:.2e}'}. torch threads: "
@@ -126,6 +157,7 @@ def main() -> None:
         "dataset": "scifact", "n_test_queries": int(len(te)), "encode_s": t_encode,
         "max_abs_diff_vs_shipped_embeddings": diff, "device": args.device,
         "timings_s": timings, "median_s": med, "grid_over_one_config": ratio,
+        "synthetic": scale,
         "results": rows, "lams": list(PAPER_LAMS), "ks": list(PAPER_KS)}, md)
     print(md)
 

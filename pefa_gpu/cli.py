@@ -150,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "searching once per method and re-fusing per (λ, k).")
     _common(p)
     _model_args(p)
-    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"))
+    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
+                   help="comma-separated subset of erm,xs,xl (default: all three)")
     p.add_argument("--lam", type=_floats, metavar="L,L...", default=None,
                    help="λ grid (default: 0.1,0.2,...,0.9)")
     p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "all training pairs and report the test result.")
     _common(p)
     _model_args(p)
-    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"))
+    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
+                   help="comma-separated subset of erm,xs,xl (default: all three)")
     p.add_argument("--lam", type=_floats, metavar="L,L...", default=None,
                    help="λ grid (default: 0.1,...,0.9)")
     p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
@@ -622,7 +624,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.topk <= 0:
         raise InputError(f"--topk must be positive, got {args.topk}")
     model, doc_ids, info = load_build(args.model_dir, device=args.device)
-    q = encode([t for _, t in queries], model=resolve_model_arg(args.model or info.get("encoder")),
+    encoder = resolve_model_arg(args.model or info.get("encoder"))
+    q = encode([t for _, t in queries], model=encoder,
                batch_size=args.batch_size, device=model.device, cache_dir=_cache_dir(args),
                show_progress=not args.quiet)
     scores, ids = model.search(q, args.topk)

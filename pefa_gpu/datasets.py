@@ -123,7 +123,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str]]:
             if rid in seen:
                 raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
             seen.add(rid)
-            text = str(rec.get("text", ""))
+            text = rec.get("text") or ""
             if kind == "document":
                 title = str(rec.get("title", "") or "")
                 text = f"{title} {text}" if title else text

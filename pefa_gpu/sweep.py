@@ -3,7 +3,7 @@
     res = pg.sweep(P, Q, Y, test_queries, Y_test)          # paper grid by default
     print(res.to_markdown()); best = res.best("recall@10")
 
-- ERM: one search.
+- ERM: one search (with XL on the exact backend: the prefix of XL's passage search).
 - XS on the exact backend: two score passes, ``<q, p_j>`` and ``<q, Π(a_j)>``, in chunks;
   every λ is ``λ <q,p_j> + (1-λ) <q,Π(a_j)> = <q, e_j>`` followed by a top-k per λ. Other
   backends build one index per λ.
@@ -129,12 +129,27 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
     bar = tqdm(total=len(grid(methods, lams, ks)), desc="sweep", unit="config",
                disable=not show_progress)
     common = dict(backend=backend, device=dev)
+    # exact backend: ERM's top-k is the prefix of XL's passage search (same index, same tie
+    # rule), so with both methods the passage index is built and searched once
+    reuse = "erm" in methods and "xl" in methods and backend == "exact" and candidates >= topk
+    shared: dict[str, Any] = {}
+
+    def passage() -> dict[str, Any]:
+        if not shared:
+            xl = PEFAXL(lam=lams[0], k=max(ks), candidates=candidates, knn_norm=knn_norm,
+                        rescore=rescore, augment_docs=augment_docs, **common).fit(P, Q, Y)
+            qq = xl._queries(q)
+            shared.update(xl=xl, q=qq, erm=xl.index.search(qq, candidates))
+        return shared
     try:
         for method in methods:
             t0 = time.perf_counter()
             if method == "erm":
-                erm = ERM(**common).fit(P)
-                s, i = erm.search(q, topk)
+                if reuse:
+                    es, ei = passage()["erm"]
+                    s, i = es[:, :topk].contiguous(), ei[:, :topk].contiguous()
+                else:
+                    s, i = ERM(**common).fit(P).search(q, topk)
                 _tick(timings, "erm", t0)
                 bar.update(1)
                 yield Config("erm"), s, i
@@ -147,12 +162,10 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
                     bar.update(1)
                     yield Config("xs", lam), s, i
             else:
-                xl = PEFAXL(lam=lams[0], k=max(ks), candidates=candidates, knn_norm=knn_norm,
-                            rescore=rescore, augment_docs=augment_docs, **common).fit(P, Q, Y)
-                qq = xl._queries(q)
-                erm_res = xl.index.search(qq, candidates)
+                sh = passage()
+                xl, qq = sh["xl"], sh["q"]
                 knn_res = xl.query_index.search(qq, max(ks))
-                results = _xl_grid(xl, qq, erm_res, knn_res, lams, ks, topk)
+                results = _xl_grid(xl, qq, sh["erm"], knn_res, lams, ks, topk)
                 _tick(timings, "xl", t0)
                 for (lam, k), (s, i) in results.items():
                     bar.update(1)
@@ -252,25 +265,47 @@ def _xl_grid(xl: PEFAXL, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor]
         doc_table[u_batch, col] = u_doc
         erm_table = torch.zeros((b, width), device=dev)
         erm_table[u_batch, col] = f_erm
+        prune = all(lam > 0 for lam in lams) and width > topk
         for k in ks:
             sel = v_rank < k
             divisor = float(k) if xl.params.knn_norm == "k" else 1.0
             f_knn = torch.zeros(uniq.numel(), device=dev).index_add_(
                 0, inv_v[sel], (v_s[sel] / divisor) * v_y[sel])
-            member = in_erm.clone()
-            member[inv_v[sel]] = True
+            voted = torch.zeros(uniq.numel(), dtype=torch.bool, device=dev)
+            voted[inv_v[sel]] = True
             knn_table = torch.zeros((b, width), device=dev)
             knn_table[u_batch, col] = f_knn
-            outside = torch.ones((b, width), dtype=torch.bool, device=dev)
-            outside[u_batch, col] = ~member
-            # all λ at once: (L, b, width) -> one top-k over L*b rows
-            table = (w_erm * erm_table + w_knn * knn_table).masked_fill_(outside, float("-inf"))
-            sc, cols = _topk(table.reshape(-1, width), topk)
-            ids = torch.where(sc > float("-inf"),
-                              doc_table.repeat(len(lams), 1).gather(1, cols.clamp_min(0)), -1)
-            sc, ids = sc.reshape(len(lams), b, -1), ids.reshape(len(lams), b, -1)
-            for li, lam in enumerate(lams):
-                out[(lam, k)].append((sc[li], ids[li]))
+            keep = torch.zeros((b, width), dtype=torch.bool, device=dev)
+            keep[u_batch, col] = voted | in_erm      # the candidates at this k
+            if prune:
+                # ERM-only candidates score λ f_erm: beyond the topk-th best of them (per λ,
+                # after rounding) none can enter a top-k
+                erm_only = torch.zeros((b, width), dtype=torch.bool, device=dev)
+                erm_only[u_batch, col] = in_erm & ~voted
+                e_only = erm_table.masked_fill(~erm_only, float("-inf"))
+                kth = torch.topk(e_only, topk, dim=1).values[:, -1:]
+                good = ((w_erm * e_only) >= (w_erm * kth)).any(0)
+                keep &= ~erm_only | good
+            rows, cols = keep.nonzero(as_tuple=True)   # row-major: documents ascend per row
+            counts = keep.sum(1)
+            pos = torch.arange(rows.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[rows]
+            w2 = max(int(counts.max()) if b else 0, 1)
+            docs2 = torch.full((b, w2), -1, dtype=torch.long, device=dev)
+            docs2[rows, pos] = doc_table[rows, cols]
+            e2, k2 = erm_table[rows, cols], knn_table[rows, cols]
+            # λ in groups: (G, b, w2) -> one top-k over G*b rows, G*b*w2 <= 2**24 cells
+            group = max(1, min(len(lams), 2**24 // max(b * w2, 1)))
+            for g in range(0, len(lams), group):
+                gl = lams[g:g + group]
+                table = torch.full((len(gl), b, w2), float("-inf"), device=dev)
+                table[:, rows, pos] = (w_erm[g:g + group, :, 0] * e2
+                                       + w_knn[g:g + group, :, 0] * k2)
+                sc, cols2 = _topk(table.reshape(-1, w2), topk)
+                ids = torch.where(sc > float("-inf"),
+                                  docs2.repeat(len(gl), 1).gather(1, cols2.clamp_min(0)), -1)
+                sc, ids = sc.reshape(len(gl), b, -1), ids.reshape(len(gl), b, -1)
+                for li, lam in enumerate(gl):
+                    out[(lam, k)].append((sc[li], ids[li]))
     result = {}
     for key, parts in out.items():
         if parts:
@@ -358,12 +393,18 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     col_table = torch.full((b, width), -1, dtype=torch.long, device=sp_.device)
     col_table[rows, pos] = cols
     w_p, w_a = _mix_weights(lams, sp_.device)
-    table = torch.full((len(lams), b, width), float("-inf"), device=sp_.device)
-    table[:, rows, pos] = w_p[:, :, 0] * sp_[rows, cols] + w_a[:, :, 0] * sa_[rows, cols]
-    v, j = _topk(table.reshape(-1, width), topk)
-    i = torch.where(j >= 0, col_table.repeat(len(lams), 1).gather(1, j.clamp_min(0)), -1)
-    v, i = v.reshape(len(lams), b, -1), i.reshape(len(lams), b, -1)
-    return [(v[li], i[li]) for li in range(len(lams))]
+    a_k, b_k = sp_[rows, cols], sa_[rows, cols]
+    out = []
+    group = max(1, min(len(lams), 2**24 // max(b * width, 1)))  # cells per mixed table
+    for g in range(0, len(lams), group):
+        n_g = len(lams[g:g + group])
+        table = torch.full((n_g, b, width), float("-inf"), device=sp_.device)
+        table[:, rows, pos] = w_p[g:g + group, :, 0] * a_k + w_a[g:g + group, :, 0] * b_k
+        v, j = _topk(table.reshape(-1, width), topk)
+        i = torch.where(j >= 0, col_table.repeat(n_g, 1).gather(1, j.clamp_min(0)), -1)
+        v, i = v.reshape(n_g, b, -1), i.reshape(n_g, b, -1)
+        out += [(v[li], i[li]) for li in range(n_g)]
+    return out
 
 
 def _mix_weights(lams: Sequence[float], device: torch.device

@@ -151,3 +151,11 @@ def test_pairs_parquet(tmp_path):
     p.write_bytes(b"not parquet")
     with pytest.raises(InputError, match="not a readable parquet"):
         load_pairs(p, DOCS)
+
+
+def test_beir_null_text_and_title(tmp_path):
+    root = write_beir(tmp_path / "d")
+    with open(root / "corpus.jsonl", "a") as f:
+        f.write(json.dumps({"_id": "nulls", "title": None, "text": None}) + "\n")
+    ds = load_beir(root)
+    assert ds.corpus_texts[ds.doc_index["nulls"]] == ""
