@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metric", default="recall@10,recall@100",
                    help="validation objective: mean of these recalls (default: "
                         "recall@10,recall@100)")
+    p.add_argument("--no-coverage-match", action="store_true",
+                   help="do not lower the validation queries' coverage by training pairs to "
+                        "the coverage estimated for the test queries (see pefa_gpu.tune)")
     p.add_argument("--min-z", type=float, default=2.0, metavar="Z",
                    help="keep ERM unless the best configuration's validation gain is at "
                         "least Z standard errors (paired over queries; default: 2)")
@@ -477,9 +480,15 @@ def cmd_tune(args: argparse.Namespace) -> int:
     res = tune(data.P, data.Q_train, data.Y_train, methods=args.methods,
                lams=args.lam or PAPER_LAMS, ks=args.k or PAPER_KS,
                val_fraction=args.val_fraction, seed=args.seed, metric=args.metric,
-               min_z=args.min_z, **kw)
+               min_z=args.min_z, test_queries=None if args.no_coverage_match else data.Q_test,
+               **kw)
     print(f"validation: {res.n_val} held-out training queries (seed {args.seed}), fitted on "
           f"the other {res.n_fit}; objective = mean of {res.metric}")
+    if res.coverage:
+        c = res.coverage
+        print(f"coverage: {c['val_coverage']:.2f} of validation pairs have a trained-on "
+              f"document; test estimate {c['test_coverage_estimate']:.2f} (label-free, from "
+              f"plain top-1 documents); validation matched to {c['matched_coverage']:.2f}")
     print()
     print(markdown_table(res.validation.rows, ("objective", *METRICS)), end="")
     print()
@@ -503,7 +512,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         _write_json(args.json, {
             "dataset": data.name, "n_test_queries": last["n_queries"], "results": rows,
             "chosen": {"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
-            "reason": res.reason,
+            "reason": res.reason, "coverage": res.coverage,
             "validation": [{k: v for k, v in r.items() if k in ("method", "lam", "k",
                                                                 "objective", *METRICS)}
                            for r in res.validation.rows]})

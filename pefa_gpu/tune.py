@@ -9,6 +9,15 @@ configuration of the grid is fitted on the rest and scored on it (one :func:`pef
 The objective is the per-query mean of the recalls named in ``metric``. The best configuration
 is kept only when its mean gain over ERM on those queries is positive and at least ``min_z``
 standard errors (a paired test); otherwise ERM (λ = 1) is kept and the reason says why.
+
+Coverage matching (when the queries to be served, ``test_queries``, are given; no labels):
+PEFA helps a query only when training pairs point to its relevant documents. A random
+held-out part of the training queries can be far better covered by the rest than the test
+queries are, and then validation overrates PEFA. The test coverage is estimated without labels
+from how often the plain top-1 document of a query is a trained-on document (test queries
+against all training pairs, validation queries against the fitting part, scaled by the known
+validation coverage); when it is lower, the relevant documents of a seeded subset of the
+validation queries are dropped from the fitting pairs until validation coverage matches it.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import math
 from typing import Any, Sequence
 
 import numpy as np
+import scipy.sparse as sp
 
 from .arrays import as_embeddings, resolve_device, to_numpy
 from .errors import InputError
@@ -50,6 +60,7 @@ class TuneResult:
     n_fit: int
     n_val: int
     seed: int
+    coverage: dict[str, float] | None = None
 
 
 def split_queries(n_queries: int, val_fraction: float = 0.2, seed: int = 0
@@ -101,9 +112,12 @@ def per_query_recall(ids: Any, Y: Any, ks: Sequence[int]) -> np.ndarray:
 def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
          lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
          val_fraction: float = 0.2, seed: int = 0, metric: str = "recall@10,recall@100",
-         min_z: float = 2.0, device: Any = None, **sweep_kwargs: Any) -> TuneResult:
+         min_z: float = 2.0, device: Any = None, test_queries: Any = None,
+         **sweep_kwargs: Any) -> TuneResult:
     """Pick method / λ / k on held-out training queries. P (n, d), Q (m, d), Y (m x n).
 
+    test_queries: (t, d) embeddings of the queries the model will serve (never their labels),
+    for coverage matching (module docstring); None skips it.
     ERM is always a candidate, whatever ``methods`` says. ``sweep_kwargs`` go to
     :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, knn_norm, rescore,
     augment_docs, show_progress).
@@ -114,6 +128,17 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
     rel = as_relevance(Y, shape=(q_all.shape[0], None))
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
+    coverage = None
+    if test_queries is not None:
+        y_fit, coverage = match_coverage(P, q_all[val_rows], y_fit, y_val, rel, test_queries,
+                                         seed, dev, sweep_kwargs.get("backend", "exact"))
+        if y_fit.nnz == 0:
+            chosen = Config("erm", 1.0, None)
+            reason = ("the training pairs do not reach the documents the test queries look "
+                      "for, so ERM (λ = 1) is kept")
+            return TuneResult(chosen, metric, SweepResult([], {}), float("nan"), chosen,
+                              float("nan"), float("nan"), reason, int(fit_rows.size),
+                              int(val_rows.size), seed, coverage)
     methods = tuple(dict.fromkeys(["erm", *[m for m in (methods.split(",") if isinstance(
         methods, str) else methods) if m != "erm"]]))
     topk = max(*rec_ks, 100)
@@ -152,7 +177,52 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
                   f"({metric}: {erm_obj:.4f} -> {erm_obj + gain:.4f})")
     log.info("tune: %s", reason)
     return TuneResult(chosen, metric, SweepResult(rows, {}), erm_obj, best, erm_obj + gain, se,
-                      reason, int(fit_rows.size), int(val_rows.size), seed)
+                      reason, int(fit_rows.size), int(val_rows.size), seed, coverage)
+
+
+def match_coverage(P: Any, q_val: Any, y_fit: Any, y_val: Any, y_all: Any, test_queries: Any,
+                   seed: int = 0, device: Any = None, backend: str = "exact"
+                   ) -> tuple[Any, dict[str, float]]:
+    """Fitting pairs whose coverage of the validation documents matches the estimated test
+    coverage (see the module docstring). Returns (Relevance, info): info holds
+    ``val_coverage`` (share of validation pairs whose document has a fitting pair),
+    ``proxy_val`` / ``proxy_test`` (share of plain top-1 documents with a training pair),
+    ``test_coverage_estimate`` and ``matched_coverage`` (after dropping)."""
+    from .relevance import Relevance
+
+    dev = resolve_device(device)
+    yf, yv = as_relevance(y_fit, allow_empty=True).csr, as_relevance(y_val, allow_empty=True).csr
+    ya = as_relevance(y_all).csr
+    n = yf.shape[1]
+    cov_fit = np.zeros(n, dtype=bool)
+    cov_fit[yf.indices] = True
+    cov_all = np.zeros(n, dtype=bool)
+    cov_all[ya.indices] = True
+    erm = ERM(backend=backend, device=dev).fit(P)
+    top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
+    top_test = to_numpy(erm.search(test_queries, 1)[1])[:, 0]
+    proxy_val = float(cov_fit[top_val[top_val >= 0]].mean()) if (top_val >= 0).any() else 0.0
+    proxy_test = float(cov_all[top_test[top_test >= 0]].mean()) if (top_test >= 0).any() else 0.0
+    pairs_per_doc = np.bincount(yv.indices, minlength=n)
+    covered = int(pairs_per_doc[cov_fit].sum())
+    total = max(int(yv.nnz), 1)
+    val_cov = covered / total
+    target = min(1.0, val_cov * proxy_test / proxy_val) if proxy_val > 0 else val_cov
+    info = {"val_coverage": val_cov, "proxy_val": proxy_val, "proxy_test": proxy_test,
+            "test_coverage_estimate": target, "matched_coverage": val_cov}
+    if target >= val_cov:
+        return as_relevance(y_fit, allow_empty=True), info
+    drop = np.zeros(n, dtype=bool)
+    for i in np.random.default_rng(seed + 1).permutation(yv.shape[0]):
+        if covered / total <= target:
+            break
+        docs = yv.indices[yv.indptr[i]:yv.indptr[i + 1]]
+        newly = docs[cov_fit[docs] & ~drop[docs]]
+        drop[newly] = True
+        covered -= int(pairs_per_doc[newly].sum())
+    info["matched_coverage"] = covered / total
+    keep_cols = sp.diags((~drop).astype(np.float32))
+    return Relevance(yf @ keep_cols), info
 
 
 def fit_config(config: Config, P: Any, Q: Any = None, Y: Any = None, device: Any = None,

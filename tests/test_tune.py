@@ -108,3 +108,42 @@ def test_bad_metric():
     with pytest.raises(InputError, match="recall@K"):
         tune(np.eye(3, dtype=np.float32), np.eye(3, dtype=np.float32),
              sp.identity(3, format="csr"), metric="ndcg@10")
+
+
+def test_match_coverage_lowers_validation_coverage_for_cold_test_queries(tmp_path):
+    from pefa_gpu.tune import match_coverage
+    P, Q, Y, Qt, Yt = _arrays(write_beir(tmp_path / "c", n_topics=8, docs_per_topic=6,
+                                         seed=3, cover_test=False))
+    fit, val = split_queries(Q.shape[0], 0.3, seed=0)
+    # test queries aimed at documents nobody trained on: their plain top-1 are those documents
+    cold_docs = np.setdiff1d(np.arange(P.shape[0]), Y.csr.indices)
+    queries = P[cold_docs[:10]]
+    y_fit, info = match_coverage(P, Q[val], Y.rows(fit), Y.rows(val), Y, queries, seed=0,
+                                 device="cpu")
+    assert info["proxy_test"] == 0.0 and info["test_coverage_estimate"] == 0.0
+    assert info["matched_coverage"] <= info["test_coverage_estimate"] + 1e-9
+    assert info["val_coverage"] > 0.5
+    # no fitting pair is left on a validation document
+    yv = Y.rows(val).csr
+    assert not set(y_fit.csr.indices) & set(yv.indices)
+    # queries like the training ones: nothing changes
+    warm_docs = np.unique(Y.csr.indices)
+    same, info2 = match_coverage(P, Q[val], Y.rows(fit), Y.rows(val), Y, P[warm_docs],
+                                 seed=0, device="cpu")
+    assert info2["matched_coverage"] == info2["val_coverage"]
+    assert (same.csr != Y.rows(fit).csr).nnz == 0
+
+
+def test_tune_with_cold_test_queries_keeps_erm(tmp_path):
+    """Training pairs cover half of each topic's documents; the test queries look for the
+    other half: the coverage estimate drops and the choice does not lose to ERM on test."""
+    P, Q, Y, Qt, Yt = _arrays(write_beir(tmp_path / "d", n_topics=8, docs_per_topic=6,
+                                         train_per_doc=3, seed=1, cover_test=False))
+    res = tune(P, Q, Y, seed=0, test_queries=Qt, **SMALL)
+    assert res.coverage["test_coverage_estimate"] < res.coverage["val_coverage"]
+    assert _val_objective(res, res.chosen) >= res.erm_objective
+    model = pg.fit_config(res.chosen, P, Q, Y, device="cpu", candidates=20)
+    erm = pg.ERM(device="cpu").fit(P)
+    r_model = pg.evaluate(model.search(Qt, 100)[1], Yt)["recall@10"]
+    r_erm = pg.evaluate(erm.search(Qt, 100)[1], Yt)["recall@10"]
+    assert r_model >= r_erm - 1e-12, res.reason
