@@ -179,9 +179,10 @@ def index_vectors(index: Any) -> torch.Tensor:
 
 def export_model(model: Any, path: str | Path, **kwargs: Any) -> Path:
     """ERM / PEFAXS: one file at ``path`` (for XS: over the E embeddings). PEFAXL: ``path`` is
-    a new directory with ``passages.faiss``, ``queries.faiss`` (rows = training queries, then
-    the documents when augment_docs), ``relevance.npz`` (scipy CSR, query-index rows x
-    documents) and ``export.json`` describing them."""
+    a new directory with ``passages.faiss``, ``queries.faiss`` (the m training queries),
+    ``relevance.npz`` (scipy CSR, rows x documents: the m training queries, then with
+    augment_docs one identity row per document, whose neighbours come from ``passages.faiss``:
+    document j is row m + j) and ``export.json`` describing them."""
     from .models import PEFAXL, PEFAXS  # noqa: PLC0415 (models imports this module lazily)
 
     model._check_fitted()
@@ -200,5 +201,6 @@ def export_model(model: Any, path: str | Path, **kwargs: Any) -> Path:
     (path / "export.json").write_text(json.dumps({
         "model": "PEFAXL", "params": model.params.to_dict(), "n_docs": model.n_docs,
         "dim": model.dim, "passages": "passages.faiss", "queries": "queries.faiss",
-        "relevance": "relevance.npz"}, indent=2) + "\n")
+        "relevance": "relevance.npz", "n_train_queries": model.n_train_queries,
+        "documents_are_queries": model.params.augment_docs}, indent=2) + "\n")
     return path

@@ -26,6 +26,7 @@ from .fuse import fuse_scores
 from .index import Index, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
 from .relevance import Relevance, as_relevance
+from .topk import merge_topk
 
 log = logging.getLogger("pefa_gpu")
 
@@ -239,12 +240,17 @@ class PEFAXL(_Model):
     _saved = _Model._saved + ("doc_embeddings", "relevance", "query_index")
 
     def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXL":
-        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
+        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance.
+
+        The query index holds the m training queries only. With ``augment_docs`` the documents
+        are training queries too (rows m .. m+n-1 of ``relevance``, each labelled with itself),
+        but they are not indexed twice: their neighbours come from the passage search that XL
+        makes anyway (see :meth:`neighbours`).
+        """
         p, q, rel = self._embeddings(P, Q, Y)
         n = p.shape[0]
         y = rel.csr
         if self.params.augment_docs:
-            q = torch.cat([q, p])
             y = sp.vstack([y, sp.identity(n, dtype="float32", format="csr")], format="csr")
         self.doc_embeddings = p
         self.relevance = Relevance(y)
@@ -253,6 +259,43 @@ class PEFAXL(_Model):
         self.query_index = self._new_index().build(q)
         self.dim, self.n_docs = p.shape[1], n
         return self
+
+    @property
+    def n_train_queries(self) -> int:
+        """m: the training queries (rows 0 .. m-1 of ``relevance``; the query index rows)."""
+        return self.relevance.shape[0] - (self.n_docs if self.params.augment_docs else 0)
+
+    def neighbours(self, q: torch.Tensor, k: int,
+                   erm: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k nearest training queries N of each query: (B, k) scores and ``relevance`` row
+        ids (-1 padded), ties to the lower row.
+
+        Without ``augment_docs`` this is the query index's top-k. With it, the candidate rows
+        are the training queries (rows < m) and the documents (row m + j), and the top-k over
+        both is the merge of the query index's top-k and the passage index's top-k, which is
+        exactly the top-k of one index over [Q; P]. ``erm``: a passage search already made with
+        at least k results (its first k are used), else one is made here.
+        """
+        s_q, i_q = self.query_index.search(q, k)
+        if not self.params.augment_docs:
+            return s_q, i_q
+        if erm is None or erm[1].shape[1] < k:
+            erm = self.index.search(q, k)
+        s_p, i_p = erm[0][:, :k], erm[1][:, :k]
+        i_p = torch.where(i_p >= 0, i_p + self.n_train_queries, -1)
+        return merge_topk(torch.cat([s_q, s_p.float()], 1), torch.cat([i_q, i_p], 1), k)
+
+    def neighbour_vectors(self, rows: torch.Tensor) -> torch.Tensor:
+        """Embeddings of ``relevance`` rows (any shape, valid ids) -> (*rows.shape, d) float32:
+        training queries from the query index, documents (rows >= m) from P."""
+        m = self.n_train_queries
+        flat = rows.reshape(-1)
+        out = self.query_index.reconstruct(flat.clamp_max(m - 1)).float()
+        if self.params.augment_docs:
+            docs = self.doc_embeddings[(flat - m).clamp_min(0)].float()
+            out = torch.where((flat >= m).unsqueeze(1), docs, out)
+        return out.reshape(*rows.shape, -1)
 
     def _restore(self) -> None:
         self._y = csr_tensors(self.relevance.csr, self.device)
@@ -263,9 +306,9 @@ class PEFAXL(_Model):
     PRUNE_MARGIN = 8
 
     def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Query index first, then the passage index, with exact candidate pruning.
+        r"""Passage search, neighbours, fusion, with exact candidate pruning.
 
-        Let Kp = ``candidates``, K' = topk + PRUNE_MARGIN < Kp, and C' the first K' results of
+        Let Kp = ``candidates``, K' = max(topk + PRUNE_MARGIN, k) < Kp, and C' the first K' results of
         the passage search (a prefix of its top-Kp list C: ERM score descending, ties to the
         lower id). Claim: when (a) ``rescore`` is on, (b) lam > 0 and (c) every kNN
         contribution w(s_i) Y[i, j] of the neighbours found is >= 0 (neighbour scores >= 0 and
@@ -295,38 +338,22 @@ class PEFAXL(_Model):
         K')), the same approximation as any top-K' request to them.
         """
         p = self.params
-        knn = self.query_index.search(q, p.k)
-        kp, kt = p.candidates, topk + self.PRUNE_MARGIN
-        if not (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
-                and getattr(self.index, "exact_scores", False)
-                and self._relevance_nonnegative()):
-            return self.fuse(q, self.index.search(q, kp), knn, topk)
-        ok = ((knn[0] >= 0) | (knn[1] < 0)).all(1)  # (c) per query; NaN fails
-        if bool(ok.all()):
-            erm = self.index.search(q, kt)
-            ok = self._prune_bound_holds(erm, topk)
-            if bool(ok.all()):
-                return self.fuse(q, erm, knn, topk)
-            rows, erm_rows = ok.nonzero().squeeze(1), ok
-        else:
-            rows = ok.nonzero().squeeze(1)
-            erm = self.index.search(q[rows], kt) if rows.numel() else None
-            erm_rows = self._prune_bound_holds(erm, topk) if erm is not None else None
-            if erm_rows is not None:
-                rows = rows[erm_rows]
-        out_s = torch.full((q.shape[0], topk), float("-inf"), device=q.device)
-        out_i = torch.full((q.shape[0], topk), -1, dtype=torch.long, device=q.device)
-        if rows.numel():
-            e = (erm[0][erm_rows], erm[1][erm_rows])
-            out_s[rows], out_i[rows] = self.fuse(q[rows], e, (knn[0][rows], knn[1][rows]), topk)
-        full = torch.ones(q.shape[0], dtype=torch.bool, device=q.device)
-        full[rows] = False
-        rest = full.nonzero().squeeze(1)
+        kt = max(topk + self.PRUNE_MARGIN, p.k)
+        prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < p.candidates
+                    and getattr(self.index, "exact_scores", False)
+                    and self._relevance_nonnegative())
+        erm = self.index.search(q, kt if prunable else p.candidates)
+        knn = self.neighbours(q, p.k, erm)
+        out = self.fuse(q, erm, knn, topk)
+        if not prunable:
+            return out
+        ok = ((knn[0] >= 0) | (knn[1] < 0)).all(1) & self._prune_bound_holds(erm, topk)
+        rest = (~ok).nonzero().squeeze(1)  # (c) or (d) fails: these get all Kp candidates
         if rest.numel():
             qr = q[rest]
-            out_s[rest], out_i[rest] = self.fuse(qr, self.index.search(qr, kp),
-                                                 (knn[0][rest], knn[1][rest]), topk)
-        return out_s, out_i
+            out[0][rest], out[1][rest] = self.fuse(qr, self.index.search(qr, p.candidates),
+                                                   (knn[0][rest], knn[1][rest]), topk)
+        return out
 
     def _relevance_nonnegative(self) -> bool:
         """True when every stored Y entry is >= 0 (cached per Y)."""

@@ -164,7 +164,7 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
             else:
                 sh = passage()
                 xl, qq = sh["xl"], sh["q"]
-                knn_res = xl.query_index.search(qq, max(ks))
+                knn_res = xl.neighbours(qq, max(ks), sh["erm"])
                 results = _xl_grid(xl, qq, sh["erm"], knn_res, lams, ks, topk)
                 _tick(timings, "xl", t0)
                 for (lam, k), (s, i) in results.items():

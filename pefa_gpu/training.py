@@ -90,9 +90,9 @@ def _y_keys(model: Any) -> torch.Tensor:
 def _xl_knn(model: Any, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """f_knn(q, j) for ids (B, K): neighbours chosen without grad, weights s_i / k with grad."""
     k = model.params.k
-    _, nbr = model.query_index.search(q.detach(), k)                 # (B, k), -1 padded
+    _, nbr = model.neighbours(q.detach(), k)                         # (B, k), -1 padded
     valid = nbr >= 0
-    qi = model.query_index.reconstruct(nbr.clamp_min(0))             # (B, k, d) float32
+    qi = model.neighbour_vectors(nbr.clamp_min(0))                   # (B, k, d) float32
     s = _inner(q, qi)                                                # (B, k), with grad
     w = s / (float(k) if model.params.knn_norm == "k" else 1.0)
     w = torch.where(valid, w, torch.zeros((), dtype=w.dtype, device=w.device))

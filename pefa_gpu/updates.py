@@ -14,13 +14,10 @@ What each update costs and re-indexes:
   t documents they touch (O(nnz d)), re-normalises those t rows and overwrites them in the index
   (``Index.update``, O(t d) for exact). Backends without ``update`` (the faiss ANN ones)
   are rebuilt from all n rows: a full index build.
-- ``PEFAXL.add_documents(P_new)``: appends to the passage index and (``augment_docs``) to the
-  query index; Y gains r columns (and r identity rows): O(nnz) on the host.
-- ``PEFAXL.add_pairs(Q_new, Y_new)``: without ``augment_docs`` appends to the query index. With
-  it the new queries must sit before the document rows of the query index (the order a refit
-  uses, which decides ties among neighbours), so the query index is rebuilt from its own rows
-  (``Index.reconstruct`` + ``build``): one copy of (m + n) x d for exact, a full build for ANN
-  backends, NotImplementedError for backends that cannot return their vectors. Y is rebuilt on
+- ``PEFAXL.add_documents(P_new)``: appends to the passage index; Y gains r columns (and, with
+  ``augment_docs``, r identity rows): O(nnz) on the host.
+- ``PEFAXL.add_pairs(Q_new, Y_new)``: appends to the query index (which holds the training
+  queries only: documents are found as neighbours through the passage index) and rebuilds Y on
   the host, O(nnz).
 """
 
@@ -71,11 +68,6 @@ def accumulate_pairs(sums: torch.Tensor, Y: Any, Q: torch.Tensor) -> torch.Tenso
     return as_tensor(touched.astype(np.int64), device=sums.device)
 
 
-def _n_train_queries(model: Any) -> int:
-    """Training-query rows of an XL model's (augmented) Y."""
-    return model.relevance.shape[0] - (model.n_docs if model.params.augment_docs else 0)
-
-
 def _set_relevance(model: Any, y_train: sp.csr_matrix) -> None:
     """Install the training block Y (m x n) of an XL model, stacked over the identity with
     ``augment_docs``, exactly as ``fit`` does."""
@@ -88,7 +80,7 @@ def _set_relevance(model: Any, y_train: sp.csr_matrix) -> None:
 
 
 def _train_block(model: Any, n_cols: int) -> sp.csr_matrix:
-    m = _n_train_queries(model)
+    m = model.n_train_queries
     y = model.relevance.csr[:m]
     return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(m, n_cols))
 
@@ -113,8 +105,6 @@ def add_documents(model: Any, P_new: Any) -> Any:
         y_train = _train_block(model, n0 + r)
         model.doc_embeddings = torch.cat([model.doc_embeddings, p])
         model.index.add(p)
-        if model.params.augment_docs:
-            model.query_index.add(p)
         model.n_docs = n0 + r
         _set_relevance(model, y_train)
     elif isinstance(model, ERM):
@@ -150,18 +140,7 @@ def add_pairs(model: Any, Q_new: Any, Y_new: Any) -> Any:
                          "for %d changed ones", model.backend, model.n_docs, touched.numel())
                 model.index = model._new_index().build(model.xs_embeddings())
         return model
-    m = _n_train_queries(model)
     y_train = sp.vstack([_train_block(model, model.n_docs), rel.csr], format="csr")
-    qi = model.query_index
-    if model.params.augment_docs:  # keep the refit's row order [Q; P]: queries before documents
-        try:
-            old = qi.reconstruct(torch.arange(qi.ntotal, device=model.device))
-        except NotImplementedError as exc:
-            raise NotImplementedError(
-                f"PEFAXL.add_pairs with augment_docs=True rebuilds the query index from its "
-                f"rows, but backend {model.backend!r} cannot return them: refit instead") from exc
-        qi.build(torch.cat([old[:m], q.float(), old[m:]]))
-    else:
-        qi.add(q)
+    model.query_index.add(q)
     _set_relevance(model, y_train)
     return model

@@ -178,7 +178,7 @@ class _NoUpdateIndex(ExactIndex):
         raise NotImplementedError("no reconstruct")
 
 
-def test_backends_without_update_rebuild_xs_and_refuse_xl_augmented():
+def test_backends_without_update_rebuild_xs_and_append_to_xl():
     register_backend("_test_no_update", _NoUpdateIndex)
     rng = np.random.default_rng(5)
     data = Data(rng)
@@ -187,8 +187,8 @@ def test_backends_without_update_rebuild_xs_and_refuse_xl_augmented():
     xs.add_pairs(*data.new_pairs(4, False))
     _assert_same_results(xs, _refit("xs", {"lam": 0.3}, data), unit_rows(rng, 10, D))
     xl = pg.PEFAXL(backend="_test_no_update", device="cpu").fit(data.P, data.Q, data.Y)
-    with pytest.raises(NotImplementedError, match="refit"):
-        xl.add_pairs(*data.new_pairs(2, False))
+    xl.add_pairs(*data.new_pairs(2, False))  # the query index holds queries only: an append
+    _assert_same_results(xl, _refit("xl", {}, data), unit_rows(rng, 10, D))
     xl2 = pg.PEFAXL(backend="_test_no_update", augment_docs=False, device="cpu")
     xl2.fit(data.P, data.Q, data.Y)
     xl2.add_documents(data.new_docs(2))
