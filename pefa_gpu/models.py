@@ -26,7 +26,6 @@ from .fuse import fuse_scores
 from .index import Index, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
 from .relevance import Relevance, as_relevance
-from .topk import merge_topk
 
 log = logging.getLogger("pefa_gpu")
 
@@ -284,7 +283,11 @@ class PEFAXL(_Model):
             erm = self.index.search(q, k)
         s_p, i_p = erm[0][:, :k], erm[1][:, :k]
         i_p = torch.where(i_p >= 0, i_p + self.n_train_queries, -1)
-        return merge_topk(torch.cat([s_q, s_p.float()], 1), torch.cat([i_q, i_p], 1), k)
+        # both lists are sorted (score descending, ties to the lower row) and every query row
+        # is below every document row, so one stable sort of [queries, documents] merges them
+        scores, rows = torch.cat([s_q, s_p.float()], 1), torch.cat([i_q, i_p], 1)
+        order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
+        return scores.gather(1, order), rows.gather(1, order)
 
     def neighbour_vectors(self, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``relevance`` rows (any shape, valid ids) -> (*rows.shape, d) float32:
