@@ -7,27 +7,28 @@
 """
 
 from .aggregate import normalize_rows, pifa
+from .datasets import BeirDataset, Pairs, load_beir, load_pairs
+from .encode import encode
 from .errors import FormatError, InputError, MissingDependencyError, PefaError
 from .index import Index, make_index
-from .training import mine_negatives
 from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
 from .models import ERM, PEFAXL, PEFAXS, ERMParams, XLParams, XSParams
 from .persist import load
 from .relevance import Relevance, as_relevance
-from .datasets import BeirDataset, Pairs, load_beir, load_pairs
-from .encode import encode
 from .sweep import Config, SweepResult, sweep
+from .synthetic import SyntheticData, make_synthetic
+from .training import mine_negatives
 from .tune import TuneResult, fit_config, tune
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
-    "mine_negatives",
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
-    "load", "Index", "make_index", "BeirDataset", "load_beir",
-    "Pairs", "load_pairs", "encode", "sweep", "Config", "SweepResult", "tune", "TuneResult",
-    "fit_config",
+    "load", "Index", "make_index",
+    "BeirDataset", "load_beir", "Pairs", "load_pairs", "encode",
+    "sweep", "Config", "SweepResult", "tune", "TuneResult", "fit_config",
+    "mine_negatives", "make_synthetic", "SyntheticData",
     "PefaError", "InputError", "MissingDependencyError", "FormatError",
 ]
