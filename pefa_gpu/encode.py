@@ -160,11 +160,11 @@ def resolve_model(model: Any, device: Any = None) -> _Encoder:
     if _is_sentence_transformer(model):
         return _sentence_transformer(model, dev, None)
     if callable(model):
+        # only an explicit cache_key identifies a callable: a name alone does not (two
+        # instances of one class, functools.partial, an edited function would share a cache)
         key = getattr(model, "cache_key", None)
         name = getattr(model, "__qualname__", type(model).__qualname__)
         module = getattr(model, "__module__", type(model).__module__)
-        if key is None and "<" not in name:
-            key = f"{module}.{name}"
         return _Encoder(model, None if key is None else f"callable:{key}", f"{module}.{name}")
     raise InputError(f"model must be None, a model name or path, a SentenceTransformer or a "
                      f"callable texts -> array; got {type(model).__name__}")

@@ -84,6 +84,27 @@ def test_callable_without_identity_is_not_cached(tmp_path, caplog):
     assert not list(tmp_path.rglob("*.npy"))
 
 
+def test_callables_sharing_a_name_never_share_a_cache(tmp_path):
+    import functools
+
+    class Scaled:
+        def __init__(self, sign):
+            self.sign = sign
+
+        def __call__(self, texts):
+            return self.sign * torch.arange(1.0, 4.0).repeat(len(texts), 1)
+
+    def dims(texts, dim):
+        return torch.ones(len(texts), dim)
+
+    kw = dict(cache_dir=tmp_path, device="cpu", show_progress=False)
+    a = encode(["x"], model=Scaled(1.0), **kw)
+    b = encode(["x"], model=Scaled(-1.0), **kw)
+    assert torch.allclose(a, -b)
+    assert encode(["x"], model=functools.partial(dims, dim=2), **kw).shape == (1, 2)
+    assert encode(["x"], model=functools.partial(dims, dim=5), **kw).shape == (1, 5)
+
+
 def test_bad_inputs():
     with pytest.raises(InputError, match="strings"):
         encode(["ok", 3], model=BowEncoder(), show_progress=False)
