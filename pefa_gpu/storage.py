@@ -299,9 +299,13 @@ def _check_replaceable(target: Path) -> None:
         return
     if not target.is_dir():
         raise InputError(f"cannot save to {target}: it exists and is not a directory")
-    if any(target.iterdir()) and not (target / MANIFEST).is_file():
+    if not any(target.iterdir()):
+        return
+    try:
+        read_manifest(target)
+    except FormatError as exc:
         raise InputError(f"refusing to replace {target}: it is a non-empty directory that is "
-                         f"not a pefa_gpu save (no {MANIFEST})")
+                         f"not a pefa_gpu save ({exc})") from None
 
 
 @contextlib.contextmanager

@@ -162,6 +162,17 @@ def test_atomic_directory_replaces_empty_directory_with_umask_permissions(tmp_pa
         assert target.stat().st_mode & 0o777 == 0o755
 
 
+def test_a_foreign_manifest_json_does_not_make_a_directory_replaceable(tmp_path):
+    target = tmp_path / "webapp"
+    target.mkdir()
+    (target / "manifest.json").write_text('{"name": "my app"}')
+    (target / "index.html").write_text("precious")
+    with pytest.raises(InputError, match="not a pefa_gpu save"):
+        with storage.atomic_directory(target):
+            pass
+    assert (target / "index.html").read_text() == "precious"
+
+
 def test_atomic_directory_refuses_foreign_directory(tmp_path):
     target = tmp_path / "mine"
     target.mkdir()
