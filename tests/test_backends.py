@@ -104,6 +104,10 @@ def test_duplicates_and_ties_give_valid_ids(name, device):
     s, i = check_results(*index.search(base[:20], 6), 20, 6, len(x), device)
     # the query's own copies are among its best results: at least two with score ~1
     assert ((s > 0.999).sum(1) >= 2).all()
+    # equal scores are listed lower id first, as on every other path
+    s, i = np.asarray(s), np.asarray(i)
+    tied = s[:, 1:] == s[:, :-1]
+    assert (i[:, 1:][tied] > i[:, :-1][tied]).all()
 
 
 @pytest.mark.parametrize("name,device", BACKENDS)

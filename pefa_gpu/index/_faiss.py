@@ -83,6 +83,11 @@ def normalise_results(scores: np.ndarray, ids: np.ndarray,
     if missing.any():
         scores = np.where(missing, np.float32(PAD_SCORE), scores)
         ids = np.where(missing, np.int64(PAD_ID), ids)
+    if scores.shape[1] > 1 and (scores[:, 1:] == scores[:, :-1]).any():
+        # faiss leaves equal scores in any order: the library's rule is the lower id first
+        order = np.lexsort((np.where(ids < 0, np.iinfo(np.int64).max, ids), -scores), axis=1)
+        scores = np.take_along_axis(scores, order, 1)
+        ids = np.take_along_axis(ids, order, 1)
     return as_tensor(scores, device=device), as_tensor(ids, device=device)
 
 
