@@ -16,7 +16,7 @@ from .fuse_kernels import fused_topk
 from .topk import topk_rows
 
 
-def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
+def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor,
                 y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
                 erm_scores: torch.Tensor, erm_ids: torch.Tensor,
                 knn_scores: torch.Tensor, knn_ids: torch.Tensor, *,
@@ -25,8 +25,9 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
                 kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Fused top-``topk`` of each query. All tensors on one device.
 
-    queries (B, d) float32; doc_vectors (n, d) (needed when ``rescore``); Y as CSR tensors
-    (indptr (m+1,), indices (nnz,) int64, data (nnz,) float32) over the query index's rows;
+    queries (B, d) float32; doc_vectors (n, d) the document embeddings (n sizes the keys,
+    ``rescore`` reads the rows); Y as CSR tensors (indptr (m+1,), indices (nnz,) int64,
+    data (nnz,) float32) over the neighbour rows;
     erm_* (B, Kp) and knn_* (B, k) search results with -1 padding. A neighbour of score s
     contributes ``s / knn_weight_divisor`` times its Y row. ``rescore``: f_erm = <q, p_j> for
     every candidate; otherwise the ERM score where j is in C and 0 elsewhere. ``erm_exact``:
@@ -47,7 +48,7 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
         raise InputError(f"kernel must be 'auto' or 'general', got {kernel!r}")
     device = erm_ids.device
     b = erm_ids.shape[0]
-    n_docs = doc_vectors.shape[0] if doc_vectors is not None else int(y_indices.max()) + 1
+    n_docs = doc_vectors.shape[0]
     n_key = max(int(n_docs), 1)
 
     # neighbours' Y rows, flattened: one entry per (query, neighbour, document)

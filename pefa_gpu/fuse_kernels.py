@@ -25,7 +25,7 @@ _DOC = 1 << 31  # doc ids take the low 31 bits of a sort key
 _PAD_KEY = torch.iinfo(torch.int64).max
 
 
-def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
+def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor,
                y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
                erm_scores: torch.Tensor, erm_ids: torch.Tensor,
                knn_scores: torch.Tensor, knn_ids: torch.Tensor, *, lam: float,
@@ -36,8 +36,7 @@ def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
     so ``rescore`` computes dot products only for the extra candidates."""
     device = erm_ids.device
     b, kp = erm_ids.shape
-    n_docs = doc_vectors.shape[0] if doc_vectors is not None else (
-        int(y_indices.max()) + 1 if y_indices.numel() else int(erm_ids.max()) + 1)
+    n_docs = doc_vectors.shape[0]
     if n_docs >= _DOC or b == 0:
         return None
     n_key = max(int(n_docs), 1)
@@ -120,7 +119,7 @@ def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
 NUMPY_MAX_BATCH = 16
 
 
-def _fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor | None,
+def _fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
                      y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
                      erm_scores: torch.Tensor, erm_ids: torch.Tensor,
                      knn_scores: torch.Tensor, knn_ids: torch.Tensor, *, lam: float,

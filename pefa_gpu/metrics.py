@@ -27,7 +27,13 @@ def _gains(ids: Any, Y_test: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     b, n = rel.shape
     if ids.shape[0] != b:
         raise InputError(f"ids has {ids.shape[0]} rows but Y_test has {b} queries")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer):
+        if not np.all(np.isfinite(ids)) or not np.all(ids == np.round(ids)):
+            raise InputError(f"ids must be integer document ids, got dtype {ids.dtype} with "
+                             f"non-integer values")
     ids = ids.astype(np.int64)
+    if ids.size and ids.min() < -1:
+        raise InputError(f"ids contain {int(ids.min())}: only -1 marks padding")
     if ids.size and ids.max() >= n:
         raise InputError(f"ids contain document {int(ids.max())} but Y_test has {n} documents")
     # first occurrence of each id in a row only

@@ -317,7 +317,9 @@ class PEFAXL(_Model):
         contribution w(s_i) Y[i, j] of the neighbours found is >= 0 (neighbour scores >= 0 and
         Y >= 0), and (d) fl(lam e_K') < fl(lam e_topk) for the ERM scores e at positions K'
         and topk of C' (or the index holds fewer than K' rows, all in C'), fusing with C' in
-        place of C gives the same top-``topk``, scores and ids, tie rule included.
+        place of C gives the same top-``topk`` ids, tie rule included, and the same scores up
+        to the last float32 bit (a voted document of C \ C' is re-scored by the fusion's own dot
+        product instead of taking the index's matmul score; the two may round differently).
 
         Proof. Both runs have the same candidates except the documents j in C \ C' that no
         neighbour votes for, and give every common candidate the same fused score (rescore:

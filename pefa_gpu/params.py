@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Any, TypeVar
 
+import numpy as np
+
 from .errors import InputError
 
 T = TypeVar("T", bound="Params")
@@ -19,6 +21,10 @@ class Params:
     """
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # numpy scalars (np.int64(16), ...) -> int / float
+            value = getattr(self, f.name)
+            if isinstance(value, np.generic):
+                object.__setattr__(self, f.name, value.item())
         self.validate()
 
     def validate(self) -> None:

@@ -54,3 +54,12 @@ def test_metric_errors():
         pg.recall_at_k(np.zeros((2, 2), int), Y, ks=(0,))
     with pytest.raises(ValueError, match="2-D"):
         pg.recall_at_k(np.zeros(2, int), Y)
+
+
+def test_metric_ids_must_be_integers_and_padding_is_minus_one():
+    Y = pg.Relevance.from_pairs([0], [1], shape=(1, 3))
+    with pytest.raises(ValueError, match="integer"):
+        pg.recall_at_k(np.array([[1.5, 0.0]]), Y, ks=(1,))
+    with pytest.raises(ValueError, match="-1 marks padding"):
+        pg.recall_at_k(np.array([[-2, 1]]), Y, ks=(2,))
+    assert pg.recall_at_k(np.array([[1.0, -1.0]]), Y, ks=(1,)) == {1: 1.0}

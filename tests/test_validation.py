@@ -84,3 +84,9 @@ def test_params_round_trip_json():
         pg.XLParams(0.2)  # keyword-only
     with pytest.raises(Exception):
         p.lam = 0.3  # frozen
+
+
+def test_numpy_scalars_are_accepted_as_params():
+    p = pg.XLParams(lam=np.float32(0.25), k=np.int64(8), candidates=np.int32(50))
+    assert p == pg.XLParams(lam=0.25, k=8, candidates=50)
+    assert pg.XLParams.from_json(p.to_json()) == p
