@@ -16,11 +16,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import scipy.sparse as sp
 import torch
 
+from . import fuse_kernels
 from .aggregate import normalize_rows, pifa
-from .arrays import as_embeddings, check_positive_int, csr_tensors, resolve_device
+from .arrays import (as_embeddings, as_tensor, check_positive_int, csr_tensors, resolve_device,
+                     to_numpy)
 from .errors import InputError
 from .fuse import fuse_scores
 from .index import Index, make_index
@@ -282,9 +285,18 @@ class PEFAXL(_Model):
         if erm is None or erm[1].shape[1] < k:
             erm = self.index.search(q, k)
         s_p, i_p = erm[0][:, :k], erm[1][:, :k]
-        i_p = torch.where(i_p >= 0, i_p + self.n_train_queries, -1)
+        m = self.n_train_queries
         # both lists are sorted (score descending, ties to the lower row) and every query row
         # is below every document row, so one stable sort of [queries, documents] merges them
+        if _host_batch(q):  # numpy: a few microseconds per op instead of torch's ~5-10
+            i_p = to_numpy(i_p)
+            s_p = to_numpy(s_p).astype(np.float32, copy=False)
+            scores = np.concatenate([to_numpy(s_q), s_p], 1)
+            rows = np.concatenate([to_numpy(i_q), np.where(i_p >= 0, i_p + m, -1)], 1)
+            order = (np.argsort(-scores, axis=1, kind="stable")[:, :k],)
+            order = (np.arange(len(scores))[:, None],) + order
+            return as_tensor(scores[order]), as_tensor(rows[order])
+        i_p = torch.where(i_p >= 0, i_p + m, -1)
         scores, rows = torch.cat([s_q, s_p.float()], 1), torch.cat([i_q, i_p], 1)
         order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
         return scores.gather(1, order), rows.gather(1, order)
@@ -352,8 +364,7 @@ class PEFAXL(_Model):
         out = self.fuse(q, erm, knn, topk)
         if not prunable:
             return out
-        ok = ((knn[0] >= 0) | (knn[1] < 0)).all(1) & self._prune_bound_holds(erm, topk)
-        rest = (~ok).nonzero().squeeze(1)  # (c) or (d) fails: these get all Kp candidates
+        rest = self._unprunable(erm, knn, topk)  # (c) or (d) fails: these get all Kp candidates
         if rest.numel():
             qr = q[rest]
             out[0][rest], out[1][rest] = self.fuse(qr, self.index.search(qr, p.candidates),
@@ -368,15 +379,26 @@ class PEFAXL(_Model):
             self._y_nonneg = cached
         return cached[1]
 
-    def _prune_bound_holds(self, erm: tuple[torch.Tensor, torch.Tensor],
-                           topk: int) -> torch.Tensor:
-        """(B,) bool: condition (d) of :meth:`_search` on a top-K' passage search."""
+    def _unprunable(self, erm: tuple[torch.Tensor, torch.Tensor],
+                    knn: tuple[torch.Tensor, torch.Tensor], topk: int) -> torch.Tensor:
+        """Row numbers (int64) where (c) or (d) of :meth:`_search` fails on a top-K' passage
+        search ``erm`` and the neighbours ``knn``. (d) compares fl(lam e) as the fusion computes
+        it (float32 lam times the float32 score; numpy and torch round alike)."""
+        found_all = self.index.ntotal <= erm[1].shape[1]  # every row is a candidate already
+        if _host_batch(erm[1]):
+            (s, ids), (ks, ki) = map(to_numpy, erm), map(to_numpy, knn)
+            lam = np.float32(self.params.lam)
+            bound = np.where(ids[:, -1] >= 0, lam * s[:, -1].astype(np.float32, copy=False)
+                             < lam * s[:, topk - 1].astype(np.float32, copy=False), found_all)
+            ok = ((ks >= 0) | (ki < 0)).all(1) & bound
+            return as_tensor(np.flatnonzero(~ok)).to(device=erm[1].device)
         scores, ids = erm
         lam = self.params.lam
         last = lam * scores[:, -1].float()
         bound = lam * scores[:, topk - 1].float()
-        found_all = self.index.ntotal <= ids.shape[1]  # every row is a candidate already
-        return torch.where(ids[:, -1] >= 0, last < bound, found_all)
+        ok = ((knn[0] >= 0) | (knn[1] < 0)).all(1) & torch.where(ids[:, -1] >= 0, last < bound,
+                                                                 found_all)
+        return (~ok).nonzero().squeeze(1)
 
     def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
              knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
@@ -401,7 +423,15 @@ class PEFAXL(_Model):
                 erm_exact=bool(getattr(self.index, "exact_scores", False)))
             out_s.append(scores)
             out_i.append(ids)
+        if len(out_s) == 1:
+            return out_s[0], out_i[0]
         if not out_s:
             return (torch.empty(0, topk, device=self.device),
                     torch.empty(0, topk, dtype=torch.long, device=self.device))
         return torch.cat(out_s), torch.cat(out_i)
+
+
+def _host_batch(x: torch.Tensor) -> bool:
+    """A CPU batch small enough that numpy beats torch's per-op overhead (the threshold of
+    :func:`pefa_gpu.fuse_kernels.fused_topk`'s host path)."""
+    return x.device.type == "cpu" and x.shape[0] <= fuse_kernels.NUMPY_MAX_BATCH
