@@ -34,8 +34,9 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor,
     the erm scores already are <q, p_j> (exact or flat-storage backends), so ``rescore``
     computes dot products only for the candidates outside C (O(B k deg d), not O(B Kp d)).
     Returns (B, topk) float32 scores and int64 ids, ties to the lower id, -1 padded.
-    ``kernel``: 'auto' runs :func:`pefa_gpu.fuse_kernels.fused_topk` (same results, no sort
-    over the ERM candidates) and falls back to this general sort-based path, 'general'.
+    ``kernel``: 'auto' runs :func:`pefa_gpu.fuse_kernels.fused_topk` (same ids, no sort over
+    the ERM candidates), which hands back to the general sort-based path below when an ERM row
+    repeats an id; 'general' forces that path.
     """
     if kernel == "auto":
         fast = fused_topk(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,

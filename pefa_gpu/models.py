@@ -323,9 +323,10 @@ class PEFAXL(_Model):
     def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
         r"""Passage search, neighbours, fusion, with exact candidate pruning.
 
-        Let Kp = ``candidates``, K' = max(topk + PRUNE_MARGIN, k) < Kp, and C' the first K' results of
-        the passage search (a prefix of its top-Kp list C: ERM score descending, ties to the
-        lower id). Claim: when (a) ``rescore`` is on, (b) lam > 0 and (c) every kNN
+        Let Kp = ``candidates`` and K' = max(topk + PRUNE_MARGIN, k); pruning is tried only
+        when K' < Kp. Let C' be the first K' results of the passage search (a prefix of its
+        top-Kp list C: ERM score descending, ties to the lower id). Claim: when (a)
+        ``rescore`` is on, (b) lam > 0 and (c) every kNN
         contribution w(s_i) Y[i, j] of the neighbours found is >= 0 (neighbour scores >= 0 and
         Y >= 0), and (d) fl(lam e_K') < fl(lam e_topk) for the ERM scores e at positions K'
         and topk of C' (or the index holds fewer than K' rows, all in C'), fusing with C' in
@@ -351,8 +352,9 @@ class PEFAXL(_Model):
 
         Pruning needs the passage index's scores to be f_erm itself (``exact_scores``: exact
         fp32, hnsw, ivf-flat, cagra), else it is off. The claim holds for an exact backend
-        (whose top-K' is the prefix of its top-Kp). ANN backends answer the K' search at their own settings (HNSW: ef = max(ef_search,
-        K')), the same approximation as any top-K' request to them.
+        (whose top-K' is the prefix of its top-Kp). ANN backends answer the K' search at their
+        own settings (HNSW: ef = max(ef_search, K')), the same approximation as any top-K'
+        request to them.
         """
         p = self.params
         kt = max(topk + self.PRUNE_MARGIN, p.k)
