@@ -15,6 +15,8 @@ an ERM row holds a duplicate id (the caller then uses the general path).
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -41,11 +43,11 @@ def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor,
         return None
     n_key = max(int(n_docs), 1)
     if device.type == "cpu" and b <= NUMPY_MAX_BATCH:
-        with np.errstate(invalid="ignore"):  # 0 * -inf at padding, masked out as in torch
-            return _fused_topk_host(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,
-                                    erm_ids, knn_scores, knn_ids, lam=lam,
-                                    knn_weight_divisor=knn_weight_divisor, rescore=rescore,
-                                    topk=topk, erm_exact=erm_exact, n_key=n_key)
+        out = fused_topk_host(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,
+                              erm_ids, knn_scores, knn_ids, lam=lam,
+                              knn_weight_divisor=knn_weight_divisor, rescore=rescore, topk=topk,
+                              erm_exact=erm_exact)
+        return None if out is None else (as_tensor(out[0]), as_tensor(out[1]))
     arange_b = torch.arange(b, device=device)
 
     # 1. neighbours' Y entries -> unique (query, doc) keys with summed weights
@@ -119,13 +121,29 @@ def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor,
 NUMPY_MAX_BATCH = 16
 
 
+def fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
+                    y_indptr: Any, y_indices: Any, y_data: Any, erm_scores: Any, erm_ids: Any,
+                    knn_scores: Any, knn_ids: Any, *, lam: float, knn_weight_divisor: float,
+                    rescore: bool, topk: int,
+                    erm_exact: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`fused_topk` for small CPU batches, step for step with numpy; numpy results.
+    ``queries`` and ``doc_vectors`` are CPU torch tensors (the rescoring dot products are
+    torch's, as in the torch path), the other arrays numpy or CPU tensors."""
+    n_docs = doc_vectors.shape[0]
+    if n_docs >= _DOC or len(erm_ids) == 0:
+        return None
+    with np.errstate(invalid="ignore"):  # 0 * -inf at padding, masked out as in torch
+        return _fused_topk_host(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,
+                                erm_ids, knn_scores, knn_ids, lam=lam,
+                                knn_weight_divisor=knn_weight_divisor, rescore=rescore,
+                                topk=topk, erm_exact=erm_exact, n_key=max(int(n_docs), 1))
+
+
 def _fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
-                     y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
-                     erm_scores: torch.Tensor, erm_ids: torch.Tensor,
-                     knn_scores: torch.Tensor, knn_ids: torch.Tensor, *, lam: float,
+                     y_indptr: Any, y_indices: Any, y_data: Any, erm_scores: Any, erm_ids: Any,
+                     knn_scores: Any, knn_ids: Any, *, lam: float,
                      knn_weight_divisor: float, rescore: bool, topk: int, erm_exact: bool,
-                     n_key: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`fused_topk` for small CPU batches, step for step with numpy."""
+                     n_key: int) -> tuple[np.ndarray, np.ndarray] | None:
     indptr, indices, ydata = to_numpy(y_indptr), to_numpy(y_indices), to_numpy(y_data)
     eids, kids = to_numpy(erm_ids), to_numpy(knn_ids)
     b, kp = eids.shape
@@ -149,7 +167,7 @@ def _fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
     # 2. ERM candidates look themselves up among the neighbour keys
     erm_valid = eids >= 0
     if rescore and not erm_exact:
-        erm_f = to_numpy(_dots(queries, doc_vectors, erm_ids.clamp_min(0))).reshape(-1)
+        erm_f = to_numpy(_dots(queries, doc_vectors, as_tensor(np.maximum(eids, 0)))).reshape(-1)
     else:
         erm_f = to_numpy(erm_scores).astype(np.float32, copy=False).reshape(-1)
     erm_fused = lam32 * erm_f
@@ -188,7 +206,7 @@ def _fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
     best = np.sort(keys, axis=1)
     if kp > 1:  # a repeated ERM id shows as two equal keys next to each other
         dup = (best[:, 1:] == best[:, :-1]) & (best[:, 1:] != _PAD_KEY)
-        if dup.any() and _erm_has_duplicates(erm_ids):
+        if dup.any() and _erm_has_duplicates(as_tensor(eids)):
             return None
     pad = best == _PAD_KEY
     ids = np.where(pad, -1, best & (_DOC - 1))
@@ -198,7 +216,7 @@ def _fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
     if kk_top < topk:
         ids = np.concatenate([ids, np.full((b, topk - kk_top), -1, np.int64)], 1)
         scores = np.concatenate([scores, np.full((b, topk - kk_top), -np.inf, np.float32)], 1)
-    return as_tensor(scores), as_tensor(ids)
+    return scores, ids
 
 
 def _sort_key_np(score: np.ndarray, doc: np.ndarray) -> np.ndarray:

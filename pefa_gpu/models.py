@@ -141,9 +141,13 @@ class _Model:
         row), a few times per batch of 256 queries; its :meth:`score` does not.
         """
         topk = check_positive_int(topk, "topk")
-        return self._search(self._queries(queries, check), topk)
+        if check is None:  # reading the values would synchronise a CUDA device: not there
+            check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
+        return self._search(self._queries(queries, check), topk, checked=check)
 
-    def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _search(self, q: torch.Tensor, topk: int,
+                checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``checked``: ``q`` has been tested for NaN / inf already."""
         return self.index.search(q, topk)
 
     def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
@@ -289,13 +293,7 @@ class PEFAXL(_Model):
         # both lists are sorted (score descending, ties to the lower row) and every query row
         # is below every document row, so one stable sort of [queries, documents] merges them
         if _host_batch(q):  # numpy: a few microseconds per op instead of torch's ~5-10
-            i_p = to_numpy(i_p)
-            s_p = to_numpy(s_p).astype(np.float32, copy=False)
-            scores = np.concatenate([to_numpy(s_q), s_p], 1)
-            rows = np.concatenate([to_numpy(i_q), np.where(i_p >= 0, i_p + m, -1)], 1)
-            order = (np.argsort(-scores, axis=1, kind="stable")[:, :k],)
-            order = (np.arange(len(scores))[:, None],) + order
-            return as_tensor(scores[order]), as_tensor(rows[order])
+            return tuple(map(as_tensor, _merge_neighbours_host((s_q, i_q), (s_p, i_p), m, k)))
         i_p = torch.where(i_p >= 0, i_p + m, -1)
         scores, rows = torch.cat([s_q, s_p.float()], 1), torch.cat([i_q, i_p], 1)
         order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
@@ -320,7 +318,8 @@ class PEFAXL(_Model):
     prune_candidates: bool = True
     PRUNE_MARGIN = 8
 
-    def _search(self, q: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _search(self, q: torch.Tensor, topk: int,
+                checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         r"""Passage search, neighbours, fusion, with exact candidate pruning.
 
         Let Kp = ``candidates`` and K' = max(topk + PRUNE_MARGIN, k); pruning is tried only
@@ -361,6 +360,8 @@ class PEFAXL(_Model):
         prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < p.candidates
                     and getattr(self.index, "exact_scores", False)
                     and self._relevance_nonnegative())
+        if q.shape[0] and _host_batch(q):
+            return self._search_host(q, topk, prunable, kt, checked)
         erm = self.index.search(q, kt if prunable else p.candidates)
         knn = self.neighbours(q, p.k, erm)
         out = self.fuse(q, erm, knn, topk)
@@ -371,6 +372,49 @@ class PEFAXL(_Model):
             qr = q[rest]
             out[0][rest], out[1][rest] = self.fuse(qr, self.index.search(qr, p.candidates),
                                                    (knn[0][rest], knn[1][rest]), topk)
+        return out
+
+    def _search_host(self, q: torch.Tensor, topk: int, prunable: bool, kt: int,
+                     checked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_search` for a small CPU batch (1 .. NUMPY_MAX_BATCH queries), step for step
+        on numpy arrays (same results to the bit): searches, neighbour merge, fusion and the
+        pruning test each cost a few microseconds per op instead of torch's ~5-10, and the
+        result becomes a tensor once, at the end."""
+        p = self.params
+        qn = to_numpy(q)
+        erm = _index_search_host(self.index, q, qn, kt if prunable else p.candidates, checked)
+        knn = _index_search_host(self.query_index, q, qn, p.k, checked)
+        if p.augment_docs:
+            if erm[1].shape[1] < p.k:
+                erm_k = _index_search_host(self.index, q, qn, p.k, checked)
+            else:
+                erm_k = erm
+            knn = _merge_neighbours_host(knn, erm_k, self.n_train_queries, p.k)
+        out = self._fuse_host(q, erm, knn, topk)
+        if prunable:
+            found_all = self.index.ntotal <= erm[1].shape[1]
+            rest = _unprunable_host(erm, knn, topk, p.lam, found_all)
+            if rest.size:
+                qr = q[as_tensor(rest)]
+                s, i = self._fuse_host(
+                    qr, _index_search_host(self.index, qr, qn[rest], p.candidates, checked),
+                    (knn[0][rest], knn[1][rest]), topk)
+                out[0][rest], out[1][rest] = s, i
+        return as_tensor(out[0], device=self.device), as_tensor(out[1], device=self.device)
+
+    def _fuse_host(self, q: torch.Tensor, erm: tuple[np.ndarray, np.ndarray],
+                   knn: tuple[np.ndarray, np.ndarray], topk: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`fuse` at the model's lam and k on numpy searches, numpy (writable) result."""
+        p = self.params
+        out = fuse_kernels.fused_topk_host(
+            q, self.doc_embeddings, *self._y, erm[0], erm[1], knn[0][:, :p.k], knn[1][:, :p.k],
+            lam=p.lam, knn_weight_divisor=float(p.k) if p.knn_norm == "k" else 1.0,
+            rescore=p.rescore, topk=topk,
+            erm_exact=bool(getattr(self.index, "exact_scores", False)))
+        if out is None:  # a repeated ERM id (or ids beyond 31 bits): the general path
+            out = self.fuse(q, tuple(map(as_tensor, erm)), tuple(map(as_tensor, knn)), topk)
+            out = to_numpy(out[0]), to_numpy(out[1])
         return out
 
     def _relevance_nonnegative(self) -> bool:
@@ -388,12 +432,8 @@ class PEFAXL(_Model):
         it (float32 lam times the float32 score; numpy and torch round alike)."""
         found_all = self.index.ntotal <= erm[1].shape[1]  # every row is a candidate already
         if _host_batch(erm[1]):
-            (s, ids), (ks, ki) = map(to_numpy, erm), map(to_numpy, knn)
-            lam = np.float32(self.params.lam)
-            bound = np.where(ids[:, -1] >= 0, lam * s[:, -1].astype(np.float32, copy=False)
-                             < lam * s[:, topk - 1].astype(np.float32, copy=False), found_all)
-            ok = ((ks >= 0) | (ki < 0)).all(1) & bound
-            return as_tensor(np.flatnonzero(~ok)).to(device=erm[1].device)
+            rest = _unprunable_host(erm, knn, topk, self.params.lam, found_all)
+            return as_tensor(rest).to(device=erm[1].device)
         scores, ids = erm
         lam = self.params.lam
         last = lam * scores[:, -1].float()
@@ -431,6 +471,39 @@ class PEFAXL(_Model):
             return (torch.empty(0, topk, device=self.device),
                     torch.empty(0, topk, dtype=torch.long, device=self.device))
         return torch.cat(out_s), torch.cat(out_i)
+
+
+def _index_search_host(index: Index, q: torch.Tensor, qn: np.ndarray, k: int,
+                       checked: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``index.search(q, k)`` as numpy arrays for a CPU batch ``q`` (``qn``: its numpy view;
+    ``checked``: already tested for NaN / inf); faiss backends skip the torch hand-off."""
+    if hasattr(index, "search_host"):
+        return index.search_host(qn, k, check_finite=not checked)
+    return tuple(map(to_numpy, index.search(q, k)))
+
+
+def _merge_neighbours_host(knn: tuple[Any, Any], erm: tuple[Any, Any], m: int,
+                           k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy merge of :meth:`PEFAXL.neighbours`: query-index top-k ``knn`` and the first
+    k passage results ``erm`` (document j is relevance row m + j) -> top-k (scores, rows)."""
+    i_p = to_numpy(erm[1])[:, :k]
+    s_p = to_numpy(erm[0])[:, :k].astype(np.float32, copy=False)
+    scores = np.concatenate([to_numpy(knn[0]), s_p], 1)
+    rows = np.concatenate([to_numpy(knn[1]), np.where(i_p >= 0, i_p + m, -1)], 1)
+    order = (np.argsort(-scores, axis=1, kind="stable")[:, :k],)
+    order = (np.arange(len(scores))[:, None],) + order
+    return scores[order], rows[order]
+
+
+def _unprunable_host(erm: tuple[Any, Any], knn: tuple[Any, Any], topk: int, lam: float,
+                     found_all: bool) -> np.ndarray:
+    """The numpy test of :meth:`PEFAXL._unprunable`: row numbers (int64) where it fails."""
+    (s, ids), (ks, ki) = map(to_numpy, erm), map(to_numpy, knn)
+    lam = np.float32(lam)
+    bound = np.where(ids[:, -1] >= 0, lam * s[:, -1].astype(np.float32, copy=False)
+                     < lam * s[:, topk - 1].astype(np.float32, copy=False), found_all)
+    ok = ((ks >= 0) | (ki < 0)).all(1) & bound
+    return np.flatnonzero(~ok)
 
 
 def _host_batch(x: torch.Tensor) -> bool:

@@ -1,8 +1,8 @@
 """Shared plumbing of the faiss backends: lazy import, thread scoping, array hand-off,
 result normalisation (similarities, -1 / -inf padding) and the k-limit fallback.
 
-Every faiss backend subclasses :class:`FaissBackend` and implements ``_native_search`` (one
-call into faiss with ``k`` within ``max_k``) and ``_stored_vectors`` (the indexed rows, for
+Every faiss backend subclasses :class:`FaissBackend` and implements ``_raw_search`` (one
+call into faiss with ``k`` within ``max_k``, returning faiss' own (D, I)) and ``_stored_vectors`` (the indexed rows, for
 the fallback). A request with ``k`` above the backend's ``max_k`` (faiss GPU: 2048, CAGRA:
 1024) never fails: it is answered by an exact search over the stored vectors on the index's
 device (never worse recall than the ANN search would have had).
@@ -60,15 +60,17 @@ def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
         faiss.omp_set_num_threads(before)
 
 
-def host_float32(x: Any, name: str, dim: int | None = None) -> np.ndarray:
-    """(rows, d) C-contiguous float32 numpy array for faiss; checks rank, dim and finiteness."""
+def host_float32(x: Any, name: str, dim: int | None = None,
+                 check_finite: bool = True) -> np.ndarray:
+    """(rows, d) C-contiguous float32 numpy array for faiss; checks rank, dim and (unless
+    ``check_finite`` is False: values already checked by the caller) finiteness."""
     a = to_numpy(x if isinstance(x, (np.ndarray, torch.Tensor)) else as_tensor(x, name=name))
     a = np.ascontiguousarray(a, dtype=np.float32)
     if a.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {a.shape}")
     if dim is not None and a.shape[1] != dim:
         raise InputError(f"{name} must have shape (rows, {dim}), got {a.shape}")
-    if a.size and not np.isfinite(a).all():
+    if check_finite and a.size and not np.isfinite(a).all():
         raise InputError(f"{name} contains NaN or inf")
     return a
 
@@ -77,6 +79,12 @@ def normalise_results(scores: np.ndarray, ids: np.ndarray,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """faiss (D, I) for an inner-product index -> float32 / int64 tensors on ``device`` with
     the library's padding (id -1, score -inf) wherever faiss found nothing."""
+    scores, ids = normalise_results_host(scores, ids)
+    return as_tensor(scores, device=device), as_tensor(ids, device=device)
+
+
+def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`normalise_results` with numpy float32 / int64 arrays as the result."""
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     missing = ids < 0  # on the host, before the hand-off: cheaper than torch ops for small B
@@ -88,7 +96,7 @@ def normalise_results(scores: np.ndarray, ids: np.ndarray,
         order = np.lexsort((np.where(ids < 0, np.iinfo(np.int64).max, ids), -scores), axis=1)
         scores = np.take_along_axis(scores, order, 1)
         ids = np.take_along_axis(ids, order, 1)
-    return as_tensor(scores, device=device), as_tensor(ids, device=device)
+    return scores, ids
 
 
 def empty_results(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +142,20 @@ class FaissBackend(Index):
             return self._search_beyond_limit(queries, k)
         return self._native_search(q, k)
 
+    def search_host(self, queries: Any, k: int,
+                    check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` with numpy results on the host (for small CPU batches: no torch
+        hand-off). ``check_finite=False``: the caller has already tested the queries for NaN /
+        inf."""
+        k = check_positive_int(k, "k")
+        q = host_float32(queries, "queries", check_finite=check_finite)
+        if self.ntotal and q.shape[1] != self.dim:
+            raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
+        limit = self._k_limit()
+        if q.shape[0] == 0 or self.ntotal == 0 or (limit is not None and k > limit):
+            return tuple(map(to_numpy, self.search(q, k)))
+        return normalise_results_host(*self._raw_search(q, k))
+
     def _k_limit(self) -> int | None:
         return self.max_k
 
@@ -163,8 +185,12 @@ class FaissBackend(Index):
         """A CPU faiss index whose ``reconstruct_batch`` returns the stored rows."""
         raise NotImplementedError
 
-    # -- to implement -----------------------------------------------------------------------
     def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return normalise_results(*self._raw_search(q, k), self.device)
+
+    # -- to implement -----------------------------------------------------------------------
+    def _raw_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """One faiss search, k within ``max_k``: faiss' (D, I) as numpy arrays."""
         raise NotImplementedError
 
     def _stored_vectors(self) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from ..arrays import as_tensor
 from ..errors import FormatError, InputError
 from ..params import Params, check_positive
-from ._faiss import FaissBackend, faiss_threads, host_float32, import_faiss, normalise_results
+from ._faiss import FaissBackend, faiss_threads, host_float32, import_faiss
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,7 +74,7 @@ class HNSWIndex(FaissBackend):
             with faiss_threads(self._faiss, self.params.threads):
                 self._index.add(x)
 
-    def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _raw_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         ef = max(self.params.ef_search, k)
         sp = self._search_params.get(ef)
         if sp is None:  # cached per ef: creating the SWIG object costs a few microseconds
@@ -82,8 +82,7 @@ class HNSWIndex(FaissBackend):
             sp.efSearch = ef
             self._search_params = {ef: sp}
         with faiss_threads(self._faiss, self.params.threads):
-            d, i = self._index.search(q, k, params=sp)
-        return normalise_results(d, i, self.device)
+            return self._index.search(q, k, params=sp)
 
     def _stored_vectors(self) -> torch.Tensor:
         return as_tensor(self._index.storage.reconstruct_n(0, self.ntotal), device=self.device)

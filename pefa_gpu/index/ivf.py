@@ -21,8 +21,7 @@ import torch
 from ..arrays import as_tensor
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice, check_positive
-from ._faiss import (FaissBackend, faiss_has_gpu, faiss_threads, host_float32, import_faiss,
-                     normalise_results)
+from ._faiss import FaissBackend, faiss_has_gpu, faiss_threads, host_float32, import_faiss
 
 log = logging.getLogger("pefa_gpu")
 
@@ -166,11 +165,10 @@ class IVFIndex(FaissBackend):
     def _set_nprobe(self) -> None:
         self._index.nprobe = self.nprobe
 
-    def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _raw_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         self._set_nprobe()
         with faiss_threads(self._faiss, self.params.threads):
-            d, i = self._index.search(q, k)
-        return normalise_results(d, i, self.device)
+            return self._index.search(q, k)
 
     def _cpu_index(self) -> Any:
         return self._faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
