@@ -49,7 +49,7 @@ def main() -> None:
     xl = pg.PEFAXL(k=max(KS), device=args.device).fit(P, Q, Ytr)
     q = xl._queries(T)
     erm = xl.index.search(q, xl.params.candidates)
-    knn = xl.query_index.search(q, max(KS))
+    knn = xl.neighbours(q, max(KS), erm)  # training queries and, augmented, documents
     for k in KS:
         for lam in LAMS:
             record("PEFA-XL", lam, k, True, xl.fuse(q, erm, knn, 100, lam=lam, k=k)[1])

@@ -210,7 +210,7 @@ def gpu_section(args) -> tuple[dict, str]:
     out.update(erm_qps=b / t_erm, xl_qps=b / t_xl, xl_vs_erm=t_erm / t_xl)
     # fusion alone on the GPU vs the CPU scipy merge on the same candidates
     e = xl.index.search(qt, 100)
-    kn = xl.query_index.search(qt, 32)
+    kn = xl.neighbours(qt, 32, e)
     t_fuse = cuda_time(lambda: xl.fuse(qt, e, kn, 100), reps=3)
     ec = tuple(v.cpu() for v in e)
     kc = tuple(v.cpu() for v in kn)

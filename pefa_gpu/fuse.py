@@ -28,7 +28,8 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor,
     queries (B, d) float32; doc_vectors (n, d) the document embeddings (n sizes the keys,
     ``rescore`` reads the rows); Y as CSR tensors (indptr (m+1,), indices (nnz,) int64,
     data (nnz,) float32) over the neighbour rows;
-    erm_* (B, Kp) and knn_* (B, k) search results with -1 padding. A neighbour of score s
+    erm_* (B, Kp) passage-search results and knn_* (B, k) neighbours (PEFAXL.neighbours: rows
+    of Y), -1 padded. A neighbour of score s
     contributes ``s / knn_weight_divisor`` times its Y row. ``rescore``: f_erm = <q, p_j> for
     every candidate; otherwise the ERM score where j is in C and 0 elsewhere. ``erm_exact``:
     the erm scores already are <q, p_j> (exact or flat-storage backends), so ``rescore``

@@ -24,7 +24,7 @@ from . import fuse_kernels
 from .aggregate import normalize_rows, pifa
 from .arrays import (as_embeddings, as_tensor, check_positive_int, csr_tensors, resolve_device,
                      to_numpy)
-from .errors import InputError
+from .errors import FormatError, InputError
 from .fuse import fuse_scores
 from .index import Index, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
@@ -311,6 +311,10 @@ class PEFAXL(_Model):
         return out.reshape(*rows.shape, -1)
 
     def _restore(self) -> None:
+        if self.query_index.ntotal != self.n_train_queries:
+            raise FormatError(f"PEFAXL save: the query index holds {self.query_index.ntotal} "
+                              f"rows but Y has {self.n_train_queries} training queries (a save "
+                              f"from an older pefa_gpu that indexed the documents twice): refit")
         self._y = csr_tensors(self.relevance.csr, self.device)
 
     # search the passage index for topk + PRUNE_MARGIN candidates instead of ``candidates``
@@ -446,7 +450,8 @@ class PEFAXL(_Model):
              knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
              k: int | None = None, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """Fuse precomputed searches: erm = (scores, ids) (B, Kp) from the passage index,
-        knn = (scores, ids) (B, K) from the query index, K >= k. ``lam`` / ``k`` override the
+        knn = (scores, relevance rows) (B, K) from :meth:`neighbours` (not the query index
+        alone: with augment_docs the documents are neighbours too), K >= k. ``lam`` / ``k`` override the
         model's (a sweep searches once at the largest k and fuses many times)."""
         lam = self.params.lam if lam is None else lam
         k = self.params.k if k is None else k

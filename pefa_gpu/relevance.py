@@ -111,7 +111,7 @@ def as_relevance(y: Any, shape: tuple[int | None, int | None] = (None, None),
 def _index_array(x: Any, name: str) -> np.ndarray:
     from .arrays import to_numpy
 
-    a = np.asarray(to_numpy(x) if not isinstance(x, (list, tuple)) else x).ravel()
+    a = np.asarray(to_numpy(x) if not isinstance(x, (list, tuple, range)) else x).ravel()
     if a.size and not np.issubdtype(a.dtype, np.integer):
         if np.issubdtype(a.dtype, np.floating) and np.all(a == np.round(a)):
             a = a.astype(np.int64)

@@ -520,3 +520,18 @@ def test_backend_params_json_round_trip(backend):
     assert cls.Params.from_json(params.to_json()) == params
     with pytest.raises(InputError, match="unknown keys"):
         cls.Params.from_dict({**params.to_dict(), "bogus": 1})
+
+
+def test_xl_save_whose_query_index_does_not_match_y_is_refused(tmp_path):
+    """A save from before the query index held the training queries only (P indexed twice)."""
+    rng = np.random.default_rng(3)
+    P = rng.standard_normal((30, 8)).astype(np.float32)
+    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    Q = P[:10] + 0.1
+    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
+    xl = pg.PEFAXL(device="cpu").fit(P, Q, pg.Relevance.from_pairs(np.arange(10), np.arange(10),
+                                                                  shape=(10, 30)))
+    xl.query_index.add(P)  # the old layout: [Q; P]
+    xl.save(tmp_path / "old")
+    with pytest.raises(pg.FormatError, match="refit"):
+        pg.load(tmp_path / "old")

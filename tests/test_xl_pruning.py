@@ -101,7 +101,8 @@ def test_pruned_equals_unpruned(seed, quantized, lam, knn_norm):
 def test_pruning_falls_back_per_query():
     P, Q, T, Y = _data(5, quantized=False)
     model = pg.PEFAXL(lam=0.3, k=8, candidates=80, backend="exact", device="cpu").fit(P, Q, Y)
-    knn_s, _ = model.query_index.search(torch.from_numpy(T), 8)
+    tq = torch.from_numpy(T)
+    knn_s, _ = model.neighbours(tq, 8, model.index.search(tq, 8))
     negative = (knn_s < 0).any(1)
     assert negative.any() and not negative.all()  # a mixed batch: both groups are exercised
     (ps, pi), (fs, fi), ks = _both(model, T, 10)
@@ -168,7 +169,7 @@ def test_pruning_rounding_collision_falls_back():
     assert set(range(18)) <= set(pi[0].tolist())  # the low ids won the rounded ties
     # without the bound, pruning would have returned a different top-20:
     e = model.index.search(torch.from_numpy(T), 28)
-    knn = model.query_index.search(torch.from_numpy(T), 2)
+    knn = model.neighbours(torch.from_numpy(T), 2, e)
     wrong = model.fuse(torch.from_numpy(T), e, knn, 20)
     assert not torch.equal(wrong[1], fi)
 
