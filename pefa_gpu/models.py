@@ -435,9 +435,6 @@ class PEFAXL(_Model):
         search ``erm`` and the neighbours ``knn``. (d) compares fl(lam e) as the fusion computes
         it (float32 lam times the float32 score; numpy and torch round alike)."""
         found_all = self.index.ntotal <= erm[1].shape[1]  # every row is a candidate already
-        if _host_batch(erm[1]):
-            rest = _unprunable_host(erm, knn, topk, self.params.lam, found_all)
-            return as_tensor(rest).to(device=erm[1].device)
         scores, ids = erm
         lam = self.params.lam
         last = lam * scores[:, -1].float()
@@ -451,8 +448,8 @@ class PEFAXL(_Model):
              k: int | None = None, batch_size: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
         """Fuse precomputed searches: erm = (scores, ids) (B, Kp) from the passage index,
         knn = (scores, relevance rows) (B, K) from :meth:`neighbours` (not the query index
-        alone: with augment_docs the documents are neighbours too), K >= k. ``lam`` / ``k`` override the
-        model's (a sweep searches once at the largest k and fuses many times)."""
+        alone: with augment_docs the documents are neighbours too), K >= k. ``lam`` / ``k``
+        override the model's (a sweep searches once at the largest k and fuses many times)."""
         lam = self.params.lam if lam is None else lam
         k = self.params.k if k is None else k
         check_unit_interval(lam, "lam")
