@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
-from .fuse_kernels import fused_topk
+from .fuse_kernels import fused_topk, neighbour_entries
 from .topk import topk_rows
 
 
@@ -54,13 +54,7 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor,
     n_key = max(int(n_docs), 1)
 
     # neighbours' Y rows, flattened: one entry per (query, neighbour, document)
-    valid = knn_ids >= 0
-    rows = knn_ids.clamp_min(0).flatten()
-    starts = y_indptr[rows]
-    lengths = torch.where(valid.flatten(), y_indptr[rows + 1] - starts, 0)
-    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), lengths)
-    first = torch.cumsum(lengths, 0) - lengths
-    pos = starts[owner] + torch.arange(owner.numel(), device=device) - first[owner]
+    owner, pos = neighbour_entries(knn_ids, y_indptr)
     knn_batch = owner // knn_ids.shape[1]
     knn_doc = y_indices[pos]
     knn_val = (knn_scores.flatten()[owner].float() / knn_weight_divisor) * y_data[pos]

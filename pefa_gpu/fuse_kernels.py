@@ -27,6 +27,22 @@ _DOC = 1 << 31  # doc ids take the low 31 bits of a sort key
 _PAD_KEY = torch.iinfo(torch.int64).max
 
 
+def neighbour_entries(knn_ids: torch.Tensor,
+                      y_indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Y entries of every neighbour, flattened: one per (query, neighbour, document).
+
+    knn_ids (B, K) Y row ids (-1 = padding), y_indptr (m+1,) int64 -> (owner, pos): owner is
+    the flat neighbour slot b * K + r of each entry, pos its index into Y's indices / data.
+    """
+    rows = knn_ids.clamp_min(0).reshape(-1)
+    starts = y_indptr[rows]
+    lengths = torch.where(knn_ids.reshape(-1) >= 0, y_indptr[rows + 1] - starts, 0)
+    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=knn_ids.device), lengths)
+    first = torch.cumsum(lengths, 0) - lengths
+    pos = starts[owner] + torch.arange(owner.numel(), device=knn_ids.device) - first[owner]
+    return owner, pos
+
+
 def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor,
                y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
                erm_scores: torch.Tensor, erm_ids: torch.Tensor,
@@ -52,12 +68,7 @@ def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor,
 
     # 1. neighbours' Y entries -> unique (query, doc) keys with summed weights
     kk = knn_ids.shape[1]
-    rows = knn_ids.clamp_min(0).reshape(-1)
-    starts = y_indptr[rows]
-    lengths = torch.where(knn_ids.reshape(-1) >= 0, y_indptr[rows + 1] - starts, 0)
-    owner = torch.repeat_interleave(torch.arange(rows.numel(), device=device), lengths)
-    first = torch.cumsum(lengths, 0) - lengths
-    pos = starts[owner] + torch.arange(owner.numel(), device=device) - first[owner]
+    owner, pos = neighbour_entries(knn_ids, y_indptr)
     knn_key = (owner // kk) * n_key + y_indices[pos]
     knn_val = (knn_scores.reshape(-1)[owner].float() / knn_weight_divisor) * y_data[pos]
     ukey, inv = _unique(knn_key)

@@ -28,6 +28,7 @@ import torch
 from .aggregate import normalize_rows
 from .arrays import as_embeddings, check_positive_int, resolve_device
 from .errors import InputError
+from .fuse_kernels import neighbour_entries
 from .metrics import evaluate
 from .models import ERM, PEFAXL, PEFAXS
 from .params import check_positive, check_unit_interval
@@ -232,13 +233,7 @@ def _xl_grid(xl: PEFAXL, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor]
         n_s, n_i = knn[0][sl, :kmax], knn[1][sl, :kmax]
         b = qb.shape[0]
         # one vote per (query, neighbour, document in the neighbour's Y row)
-        valid = n_i >= 0
-        rows = n_i.clamp_min(0).flatten()
-        starts = indptr[rows]
-        lengths = torch.where(valid.flatten(), indptr[rows + 1] - starts, 0)
-        owner = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), lengths)
-        offsets = torch.cumsum(lengths, 0) - lengths
-        pos = starts[owner] + torch.arange(owner.numel(), device=dev) - offsets[owner]
+        owner, pos = neighbour_entries(n_i, indptr)
         v_batch, v_rank = owner // kmax, owner % kmax
         v_doc, v_y, v_s = indices[pos], data[pos], n_s.flatten()[owner].float()
         # ERM candidates
