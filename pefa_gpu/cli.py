@@ -112,6 +112,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="do not count each document as a training query for itself")
 
 
+def _grid_args(p: argparse.ArgumentParser) -> None:
+    """--methods, --lam, --k as grids (sweep, tune)."""
+    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
+                   help="comma-separated subset of erm,xs,xl (default: all three)")
+    p.add_argument("--lam", type=_floats, metavar="L,L...", default=None,
+                   help="λ grid (default: 0.1,0.2,...,0.9)")
+    p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
+                   help="XL k grid (default: 16,32,64)")
+
+
 def _out_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
 
@@ -150,12 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "searching once per method and re-fusing per (λ, k).")
     _common(p)
     _model_args(p)
-    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of erm,xs,xl (default: all three)")
-    p.add_argument("--lam", type=_floats, metavar="L,L...", default=None,
-                   help="λ grid (default: 0.1,0.2,...,0.9)")
-    p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
-                   help="XL k grid (default: 16,32,64)")
+    _grid_args(p)
     _out_args(p)
     p.add_argument("--plot", metavar="PNG",
                    help="recall vs λ plot (default: next to --json, same name, .png)")
@@ -167,12 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "all training pairs and report the test result.")
     _common(p)
     _model_args(p)
-    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of erm,xs,xl (default: all three)")
-    p.add_argument("--lam", type=_floats, metavar="L,L...", default=None,
-                   help="λ grid (default: 0.1,...,0.9)")
-    p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
-                   help="XL k grid (default: 16,32,64)")
+    _grid_args(p)
     p.add_argument("--val-fraction", type=float, default=0.2, metavar="F",
                    help="share of training queries held out for validation (default: 0.2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default: 0)")
