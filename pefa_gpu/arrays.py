@@ -30,6 +30,8 @@ def resolve_device(device: Any = None) -> torch.device:
     """``None`` -> CUDA when available, else CPU; strings and ``torch.device`` pass through."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(device, torch.device) and device.type == "cpu":
+        return device
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -86,6 +88,8 @@ def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
                          f"got {type(x).__name__}")
     if t.dtype == torch.bool or t.is_complex():
         raise InputError(f"{name} has dtype {t.dtype}; a real-valued array is needed")
+    if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
+        return t  # nothing to move (skips a torch dispatch: this runs on every search)
     return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype)
 
 
@@ -126,9 +130,8 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     if dim is not None and t.shape[1] != dim:
         raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
                          f"(the dimension the model was fitted with)")
-    if not t.is_floating_point():
-        t = t.to(torch.float32)
-    t = t.to(dtype)
+    if t.dtype != dtype:
+        t = t.to(torch.float32 if not t.is_floating_point() else t.dtype).to(dtype)
     if check_finite and t.numel() and not _all_finite(t):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise InputError(f"{name} contains NaN or inf (rows {bad}...)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
-from .fuse_kernels import fused_topk, neighbour_entries
+from .fuse_kernels import _rowdots, fused_topk, neighbour_entries
 from .topk import topk_rows
 
 
@@ -71,15 +71,14 @@ def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor,
     f_knn = torch.zeros(uniq.numel(), device=device).index_add_(0, inverse[:n_knn], knn_val)
     cand_batch, cand_doc = uniq // n_key, uniq % n_key
     if rescore and not erm_exact:
-        f_erm = (queries.float()[cand_batch] * doc_vectors[cand_doc].float()).sum(1)
+        f_erm = _rowdots(queries, doc_vectors, cand_batch, cand_doc)
     else:
         f_erm = torch.zeros(uniq.numel(), device=device).index_put_(
             (inverse[n_knn:],), erm_val)
         if rescore:  # only the kNN-only candidates lack their exact ERM score
             in_c = torch.zeros(uniq.numel(), dtype=torch.bool, device=device)
             rest = (~in_c.index_fill_(0, inverse[n_knn:], True)).nonzero().squeeze(1)
-            f_erm[rest] = (queries.float()[cand_batch[rest]]
-                           * doc_vectors[cand_doc[rest]].float()).sum(1)
+            f_erm[rest] = _rowdots(queries, doc_vectors, cand_batch[rest], cand_doc[rest])
     fused = lam * f_erm + (1.0 - lam) * f_knn
 
     # per-query top-k over variable-length segments (keys sorted => docs ascending per query)

@@ -15,6 +15,7 @@ an ERM row holds a duplicate id (the caller then uses the general path).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -59,10 +60,11 @@ def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor,
         return None
     n_key = max(int(n_docs), 1)
     if device.type == "cpu" and b <= NUMPY_MAX_BATCH:
-        out = fused_topk_host(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,
-                              erm_ids, knn_scores, knn_ids, lam=lam,
-                              knn_weight_divisor=knn_weight_divisor, rescore=rescore, topk=topk,
-                              erm_exact=erm_exact)
+        out = fused_topk_host(to_numpy(queries).astype(np.float32, copy=False),
+                              host_docs(doc_vectors), HostCSR(y_indptr, y_indices, y_data),
+                              *map(to_numpy, (erm_scores, erm_ids, knn_scores, knn_ids)),
+                              lam=lam, knn_weight_divisor=knn_weight_divisor, rescore=rescore,
+                              topk=topk, erm_exact=erm_exact)
         return None if out is None else (as_tensor(out[0]), as_tensor(out[1]))
     arange_b = torch.arange(b, device=device)
 
@@ -125,117 +127,126 @@ def fused_topk(queries: torch.Tensor, doc_vectors: torch.Tensor,
     return scores, ids
 
 
-# CPU batches up to this size run the same algorithm with numpy (a few microseconds per op
-# instead of torch's ~5-10: a single query's fusion is ~30 small ops). Same float32 arithmetic
-# in the same order (the rescoring dot products are torch's, as in the torch path), so the
-# results are equal to the bit; larger CPU batches keep torch (multi-threaded top-k).
+# CPU batches up to this size are fused one query at a time with numpy (about 40 small numpy
+# ops per query, each ~1-3 microseconds, where torch's per-op overhead is ~5-10 and a single
+# query's fusion is ~30 torch ops). Same float32 arithmetic in the same order, so the results are
+# equal to the bit; larger CPU batches keep torch (multi-threaded, one pass for all rows).
 NUMPY_MAX_BATCH = 16
 
 
-def fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
-                    y_indptr: Any, y_indices: Any, y_data: Any, erm_scores: Any, erm_ids: Any,
-                    knn_scores: Any, knn_ids: Any, *, lam: float, knn_weight_divisor: float,
+class HostCSR:
+    """Y on the host for :func:`fused_topk_host`: every row's start and length, plus one empty
+    row at the end so that a padding id -1 reads length 0 without a mask. Build once per Y."""
+
+    __slots__ = ("starts", "lengths", "indices", "data")
+
+    def __init__(self, indptr: Any, indices: Any, data: Any):
+        ip = to_numpy(indptr).astype(np.int64, copy=False)
+        self.starts = np.append(ip[:-1], 0)
+        self.lengths = np.append(np.diff(ip), 0)
+        self.indices = to_numpy(indices).astype(np.int64, copy=False)
+        self.data = to_numpy(data).astype(np.float32, copy=False)
+
+
+def host_docs(doc_vectors: torch.Tensor) -> np.ndarray | torch.Tensor:
+    """CPU document vectors as :func:`fused_topk_host` reads them: a numpy view where numpy has
+    the dtype (float32, float16), else the tensor itself (bfloat16: rows converted by torch)."""
+    if doc_vectors.dtype in (torch.float32, torch.float16):
+        return doc_vectors.detach().cpu().numpy()
+    return doc_vectors
+
+
+def fused_topk_host(queries: np.ndarray, docs: np.ndarray | torch.Tensor, y: HostCSR,
+                    erm_scores: np.ndarray, erm_ids: np.ndarray, knn_scores: np.ndarray,
+                    knn_ids: np.ndarray, *, lam: float, knn_weight_divisor: float,
                     rescore: bool, topk: int,
                     erm_exact: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
-    """:func:`fused_topk` for small CPU batches, step for step with numpy; numpy results.
-    ``queries`` and ``doc_vectors`` are CPU torch tensors (the rescoring dot products are
-    torch's, as in the torch path), the other arrays numpy or CPU tensors."""
-    n_docs = doc_vectors.shape[0]
-    if n_docs >= _DOC or len(erm_ids) == 0:
+    """:func:`fused_topk` for small CPU batches, one query at a time with numpy: numpy
+    (B, topk) results, None as there. ``queries`` (B, d) float32, ``docs`` from
+    :func:`host_docs`, ``y`` the relevance rows, the searches numpy arrays (no torch call on
+    this path: after a faiss search, each cold torch call costs several microseconds)."""
+    if len(docs) >= _DOC:
         return None
-    with np.errstate(invalid="ignore"):  # 0 * -inf at padding, masked out as in torch
-        return _fused_topk_host(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,
-                                erm_ids, knn_scores, knn_ids, lam=lam,
-                                knn_weight_divisor=knn_weight_divisor, rescore=rescore,
-                                topk=topk, erm_exact=erm_exact, n_key=max(int(n_docs), 1))
-
-
-def _fused_topk_host(queries: torch.Tensor, doc_vectors: torch.Tensor,
-                     y_indptr: Any, y_indices: Any, y_data: Any, erm_scores: Any, erm_ids: Any,
-                     knn_scores: Any, knn_ids: Any, *, lam: float,
-                     knn_weight_divisor: float, rescore: bool, topk: int, erm_exact: bool,
-                     n_key: int) -> tuple[np.ndarray, np.ndarray] | None:
-    indptr, indices, ydata = to_numpy(y_indptr), to_numpy(y_indices), to_numpy(y_data)
-    eids, kids = to_numpy(erm_ids), to_numpy(knn_ids)
-    b, kp = eids.shape
-    kk = kids.shape[1]
+    b = len(erm_ids)
+    out_s = np.full((b, topk), np.float32(-np.inf))
+    out_i = np.full((b, topk), -1, dtype=np.int64)
     lam32, rest32 = np.float32(lam), np.float32(1.0 - lam)
+    div32 = np.float32(knn_weight_divisor)
+    with np.errstate(invalid="ignore") if lam == 0 else _NO_CONTEXT:  # 0 * -inf at padding
+        for r in range(b):
+            row = _fuse_row(queries[r], docs, y, erm_scores[r], erm_ids[r], knn_scores[r],
+                            knn_ids[r], lam32, rest32, div32, rescore, erm_exact, topk)
+            if row is None:
+                return None
+            out_s[r, :row[0].size], out_i[r, :row[1].size] = row
+    return out_s, out_i
 
-    # 1. neighbours' Y entries -> unique (query, doc) keys with summed weights
-    flat = kids.reshape(-1)
-    rows = np.maximum(flat, 0)
-    starts = indptr[rows]
-    lengths = np.where(flat >= 0, indptr[rows + 1] - starts, 0)
-    owner = np.repeat(np.arange(rows.size), lengths)
-    pos = starts[owner] + np.arange(owner.size) - (np.cumsum(lengths) - lengths)[owner]
-    knn_key = (owner // kk) * n_key + indices[pos]
-    ks = to_numpy(knn_scores).reshape(-1)[owner].astype(np.float32, copy=False)
-    knn_val = (ks / np.float32(knn_weight_divisor)) * ydata[pos]
-    ukey, inv = np.unique(knn_key, return_inverse=True)
-    uval = np.zeros(ukey.size, np.float32)
-    np.add.at(uval, inv.reshape(-1), knn_val)
 
-    # 2. ERM candidates look themselves up among the neighbour keys
-    erm_valid = eids >= 0
+_NO_CONTEXT = contextlib.nullcontext()
+
+
+def _fuse_row(q: np.ndarray, docs: np.ndarray | torch.Tensor, y: HostCSR, es: np.ndarray,
+              ei: np.ndarray, ks: np.ndarray, ki: np.ndarray, lam: np.float32,
+              rest: np.float32, div: np.float32, rescore: bool, erm_exact: bool,
+              topk: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """One query of :func:`fused_topk`: q (d,), es / ei (Kp,), ks / ki (K,) -> up to topk
+    (scores, ids), best first; None when the top holds a repeated ERM id."""
     if rescore and not erm_exact:
-        erm_f = to_numpy(_dots(queries, doc_vectors, as_tensor(np.maximum(eids, 0)))).reshape(-1)
+        ef = _rowdots_host(q, docs, np.maximum(ei, 0))
     else:
-        erm_f = to_numpy(erm_scores).astype(np.float32, copy=False).reshape(-1)
-    erm_fused = lam32 * erm_f
-    matched = np.zeros(ukey.size, dtype=bool)
-    if ukey.size:
-        erm_key = np.where(erm_valid, np.arange(b)[:, None] * n_key + eids, -1).reshape(-1)
-        at = np.minimum(np.searchsorted(ukey, erm_key), ukey.size - 1)
-        hit = np.flatnonzero(ukey[at] == erm_key)
-        at = at[hit]
-        erm_fused[hit] = lam32 * erm_f[hit] + rest32 * uval[at]
-        matched[at] = True
-    erm_fused = erm_fused.reshape(b, kp)
-
-    # extra candidates: neighbour documents that are not ERM candidates
-    extra = ~matched
-    x_key = ukey[extra]
-    x_batch, x_doc = x_key // n_key, x_key % n_key
-    x_knn = uval[extra]
-    if rescore and x_key.size:
-        x_erm = to_numpy(_rowdots(queries, doc_vectors, as_tensor(x_batch), as_tensor(x_doc)))
-    else:
-        x_erm = np.zeros_like(x_knn)
-    x_fused = lam32 * x_erm + rest32 * x_knn
-    counts = np.bincount(x_batch, minlength=b)
-    width = int(counts.max()) if x_batch.size else 0
-
-    # 3. one int64 key per candidate: ascending key = descending score, then ascending id
-    keys = np.full((b, kp + width), _PAD_KEY, dtype=np.int64)
-    keys[:, :kp] = np.where(erm_valid, _sort_key_np(erm_fused, eids), _PAD_KEY)
-    if width:
-        x_col = np.arange(x_key.size) - (np.cumsum(counts) - counts)[x_batch]
-        keys[x_batch, kp + x_col] = _sort_key_np(x_fused, x_doc)
-    kk_top = min(topk, keys.shape[1])
-    if kk_top < keys.shape[1]:
-        keys = np.partition(keys, kk_top - 1, axis=1)[:, :kk_top]
-    best = np.sort(keys, axis=1)
-    if kp > 1:  # a repeated ERM id shows as two equal keys next to each other
-        dup = (best[:, 1:] == best[:, :-1]) & (best[:, 1:] != _PAD_KEY)
-        if dup.any() and _erm_has_duplicates(as_tensor(eids)):
-            return None
-    pad = best == _PAD_KEY
-    ids = np.where(pad, -1, best & (_DOC - 1))
-    ordered = ~((best >> 31) - (1 << 31)).astype(np.int32)
-    scores = np.where(pad, np.float32(-np.inf),
-                      (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).view(np.float32))
-    if kk_top < topk:
-        ids = np.concatenate([ids, np.full((b, topk - kk_top), -1, np.int64)], 1)
-        scores = np.concatenate([scores, np.full((b, topk - kk_top), -np.inf, np.float32)], 1)
+        ef = es.astype(np.float32, copy=False)
+    fused, ids = lam * ef, ei
+    lengths = y.lengths[ki]
+    ends = lengths.cumsum()
+    n_entries = int(ends[-1]) if ends.size else 0
+    if n_entries:
+        # the neighbours' Y entries -> unique documents with summed weights (entry order)
+        pos = np.repeat(y.starts[ki] - (ends - lengths), lengths) + np.arange(n_entries)
+        entry_doc = y.indices[pos]
+        entry_val = np.repeat(ks.astype(np.float32, copy=False) / div, lengths) * y.data[pos]
+        order = entry_doc.argsort(kind="stable")
+        entry_doc = entry_doc[order]
+        first = np.empty(n_entries, dtype=bool)
+        first[0] = True
+        np.not_equal(entry_doc[1:], entry_doc[:-1], out=first[1:])
+        if first.all():  # no document voted twice: no sums to form (0 + v == v)
+            doc, knn = entry_doc, entry_val[order]
+        else:
+            doc = entry_doc[first]
+            knn = np.zeros(doc.size, np.float32)
+            np.add.at(knn, first.cumsum() - 1, entry_val[order])
+        # ERM candidates voted for get the kNN term (lam e + rest * 0 == lam e elsewhere)
+        at = np.minimum(np.searchsorted(doc, ei), doc.size - 1)
+        hit = doc[at] == ei
+        fused = fused + rest * np.where(hit, knn[at], np.float32(0))
+        # the other voted documents join as extra candidates
+        extra = np.ones(doc.size, dtype=bool)
+        extra[at[hit]] = False
+        x_doc = doc[extra]
+        if x_doc.size:
+            x_erm = _rowdots_host(q, docs, x_doc) if rescore else np.float32(0)
+            fused = np.concatenate((fused, lam * x_erm + rest * knn[extra]))
+            ids = np.concatenate((ei, x_doc))
+    fused = np.where(ids >= 0, fused, np.float32(-np.inf))  # ERM padding (or 0 * -inf)
+    best = np.lexsort((ids, -fused))[:topk]  # score descending, ties to the lower id
+    scores, ids = fused[best] + np.float32(0.0), ids[best]  # -0.0 -> 0.0, as the keys do
+    same = ids[1:] == ids[:-1]
+    if same.any() and (same & (scores[1:] == scores[:-1]) & (ids[1:] >= 0)).any():
+        return None  # a repeated ERM id (the voted documents are unique)
     return scores, ids
 
 
-def _sort_key_np(score: np.ndarray, doc: np.ndarray) -> np.ndarray:
-    """numpy twin of :func:`_sort_key`."""
-    bits = (score.astype(np.float32, copy=False) + np.float32(0.0)).view(np.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    desc = (~ordered).astype(np.int64) + (1 << 31)
-    return (desc << 31) | doc
+def _rowdots_host(q: np.ndarray, docs: np.ndarray | torch.Tensor,
+                  doc: np.ndarray) -> np.ndarray:
+    """<q_i, p_doc[i]> on the host, float32: q (d,) or (len(doc), d), ``docs`` from
+    :func:`host_docs`. Products, then numpy's row sum, whose order within a row does not depend
+    on how many rows share the call (the host and torch CPU paths both use this function, so
+    they agree to the bit)."""
+    if isinstance(docs, np.ndarray):
+        rows = docs[doc].astype(np.float32, copy=False)
+    else:  # bfloat16: gather first, convert the gathered rows only
+        rows = docs[torch.from_numpy(doc)].float().numpy()
+    return np.multiply(rows, q).sum(1, dtype=np.float32)
 
 
 def _unique(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,25 +281,29 @@ def _erm_has_duplicates(erm_ids: torch.Tensor) -> bool:
 
 def _dots(queries: torch.Tensor, docs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """<q_b, p_ids[b, c]> for (B, C) ids -> (B, C) float32."""
-    if ids.is_cuda and _triton_ok():
-        b, c = ids.shape
-        return _triton_rowdots(queries, docs, torch.arange(b, device=ids.device)
-                               .repeat_interleave(c), ids.reshape(-1)).reshape(b, c)
-    q = queries.float().unsqueeze(2)  # (B, d, 1)
-    out = torch.empty(ids.shape, device=ids.device)
-    step = max(1, (1 << 22) // max(1, ids.shape[1] * docs.shape[1]))  # ~16 MB of gathered rows
-    for s in range(0, ids.shape[0], step):
-        g = docs[ids[s:s + step]].float()  # (b, C, d)
-        out[s:s + step] = torch.bmm(g, q[s:s + step]).squeeze(2)
-    return out
+    b, c = ids.shape
+    rows = torch.arange(b, device=ids.device).repeat_interleave(c)
+    return _rowdots(queries, docs, rows, ids.reshape(-1)).reshape(b, c)
 
 
 def _rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
              doc: torch.Tensor) -> torch.Tensor:
-    """<q_batch[i], p_doc[i]> for flat index pairs -> (N,) float32."""
+    """<q_batch[i], p_doc[i]> for flat index pairs -> (N,) float32. CUDA: the Triton kernel
+    when triton is there; CPU: :func:`_rowdots_host` (the host fusion's own dot products);
+    torch otherwise. Gathered rows are processed ~16 MB at a time."""
     if batch.is_cuda and _triton_ok():
         return _triton_rowdots(queries, docs, batch, doc)
-    return (queries.float()[batch] * docs[doc].float()).sum(1)
+    step = max(1, (1 << 22) // max(1, docs.shape[1]))
+    if batch.is_cuda:
+        return torch.cat([(queries.float()[batch[s:s + step]] * docs[doc[s:s + step]].float())
+                          .sum(1) for s in range(0, batch.numel(), step)]
+                         or [torch.zeros(0, device=batch.device)])
+    qn = to_numpy(queries).astype(np.float32, copy=False)
+    bn, dn = to_numpy(batch), to_numpy(doc)
+    hd = host_docs(docs)
+    return as_tensor(np.concatenate([_rowdots_host(qn[bn[s:s + step]], hd, dn[s:s + step])
+                                     for s in range(0, len(bn), step)]
+                                    or [np.zeros(0, np.float32)]))
 
 
 _TRITON: dict[str, object] = {}

@@ -293,7 +293,9 @@ class PEFAXL(_Model):
         # both lists are sorted (score descending, ties to the lower row) and every query row
         # is below every document row, so one stable sort of [queries, documents] merges them
         if _host_batch(q):  # numpy: a few microseconds per op instead of torch's ~5-10
-            return tuple(map(as_tensor, _merge_neighbours_host((s_q, i_q), (s_p, i_p), m, k)))
+            merged = _merge_neighbours_host((to_numpy(s_q), to_numpy(i_q)),
+                                            (to_numpy(s_p.float()), to_numpy(i_p)), m, k)
+            return tuple(map(as_tensor, merged))
         i_p = torch.where(i_p >= 0, i_p + m, -1)
         scores, rows = torch.cat([s_q, s_p.float()], 1), torch.cat([i_q, i_p], 1)
         order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
@@ -394,32 +396,47 @@ class PEFAXL(_Model):
             else:
                 erm_k = erm
             knn = _merge_neighbours_host(knn, erm_k, self.n_train_queries, p.k)
-        out = self._fuse_host(q, erm, knn, topk)
-        if prunable:
-            found_all = self.index.ntotal <= erm[1].shape[1]
-            rest = _unprunable_host(erm, knn, topk, p.lam, found_all)
-            if rest.size:
-                qr = q[as_tensor(rest)]
-                s, i = self._fuse_host(
-                    qr, _index_search_host(self.index, qr, qn[rest], p.candidates, checked),
-                    (knn[0][rest], knn[1][rest]), topk)
-                out[0][rest], out[1][rest] = s, i
+        rest = np.zeros(0, dtype=np.int64)
+        if prunable:  # rows where pruning is not provably exact get all Kp candidates
+            rest = _unprunable_host(erm, knn, topk, p.lam, self.index.ntotal <= erm[1].shape[1])
+            if rest.size == len(qn):  # all of them (a single query, say): one search, one fusion
+                erm = _index_search_host(self.index, q, qn, p.candidates, checked)
+                rest = rest[:0]
+        out = self._fuse_host(qn, erm, knn, topk)
+        if rest.size:
+            qr = q[as_tensor(rest)]
+            s, i = self._fuse_host(
+                qn[rest], _index_search_host(self.index, qr, qn[rest], p.candidates, checked),
+                (knn[0][rest], knn[1][rest]), topk)
+            out[0][rest], out[1][rest] = s, i
         return as_tensor(out[0], device=self.device), as_tensor(out[1], device=self.device)
 
-    def _fuse_host(self, q: torch.Tensor, erm: tuple[np.ndarray, np.ndarray],
+    def _fuse_host(self, qn: np.ndarray, erm: tuple[np.ndarray, np.ndarray],
                    knn: tuple[np.ndarray, np.ndarray], topk: int
                    ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`fuse` at the model's lam and k on numpy searches, numpy (writable) result."""
+        """:meth:`fuse` at the model's lam and k on numpy queries and searches, numpy
+        (writable) result."""
         p = self.params
+        y, docs = self._host_arrays()
+        exact = bool(getattr(self.index, "exact_scores", False))
         out = fuse_kernels.fused_topk_host(
-            q, self.doc_embeddings, *self._y, erm[0], erm[1], knn[0][:, :p.k], knn[1][:, :p.k],
-            lam=p.lam, knn_weight_divisor=float(p.k) if p.knn_norm == "k" else 1.0,
-            rescore=p.rescore, topk=topk,
-            erm_exact=bool(getattr(self.index, "exact_scores", False)))
+            qn, docs, y, erm[0], erm[1], knn[0][:, :p.k], knn[1][:, :p.k], lam=p.lam,
+            knn_weight_divisor=float(p.k) if p.knn_norm == "k" else 1.0, rescore=p.rescore,
+            topk=topk, erm_exact=exact)
         if out is None:  # a repeated ERM id (or ids beyond 31 bits): the general path
-            out = self.fuse(q, tuple(map(as_tensor, erm)), tuple(map(as_tensor, knn)), topk)
+            out = self.fuse(as_tensor(qn), tuple(map(as_tensor, erm)),
+                            tuple(map(as_tensor, knn)), topk)
             out = to_numpy(out[0]), to_numpy(out[1])
         return out
+
+    def _host_arrays(self) -> tuple[fuse_kernels.HostCSR, Any]:
+        """Y and the document vectors as the host fusion reads them (cached per Y and P)."""
+        cached = self.__dict__.get("_host_cache")
+        if cached is None or cached[0] is not self._y or cached[1] is not self.doc_embeddings:
+            cached = (self._y, self.doc_embeddings, fuse_kernels.HostCSR(*self._y),
+                      fuse_kernels.host_docs(self.doc_embeddings))
+            self._host_cache = cached
+        return cached[2], cached[3]
 
     def _relevance_nonnegative(self) -> bool:
         """True when every stored Y entry is >= 0 (cached per Y)."""
@@ -484,28 +501,34 @@ def _index_search_host(index: Index, q: torch.Tensor, qn: np.ndarray, k: int,
     return tuple(map(to_numpy, index.search(q, k)))
 
 
-def _merge_neighbours_host(knn: tuple[Any, Any], erm: tuple[Any, Any], m: int,
-                           k: int) -> tuple[np.ndarray, np.ndarray]:
+def _merge_neighbours_host(knn: tuple[np.ndarray, np.ndarray],
+                           erm: tuple[np.ndarray, np.ndarray], m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
     """The numpy merge of :meth:`PEFAXL.neighbours`: query-index top-k ``knn`` and the first
-    k passage results ``erm`` (document j is relevance row m + j) -> top-k (scores, rows)."""
-    i_p = to_numpy(erm[1])[:, :k]
-    s_p = to_numpy(erm[0])[:, :k].astype(np.float32, copy=False)
-    scores = np.concatenate([to_numpy(knn[0]), s_p], 1)
-    rows = np.concatenate([to_numpy(knn[1]), np.where(i_p >= 0, i_p + m, -1)], 1)
-    order = (np.argsort(-scores, axis=1, kind="stable")[:, :k],)
-    order = (np.arange(len(scores))[:, None],) + order
-    return scores[order], rows[order]
+    k passage results ``erm`` (document j is relevance row m + j), numpy arrays -> top-k
+    (scores, rows)."""
+    i_p = erm[1][:, :k]
+    rows_p = i_p + m if i_p[:, -1].min() >= 0 else np.where(i_p >= 0, i_p + m, -1)
+    scores = np.concatenate((knn[0], erm[0][:, :k]), 1)
+    at = (np.arange(len(scores))[:, None], np.argsort(-scores, axis=1, kind="stable")[:, :k])
+    return scores[at], np.concatenate((knn[1], rows_p), 1)[at]
 
 
-def _unprunable_host(erm: tuple[Any, Any], knn: tuple[Any, Any], topk: int, lam: float,
-                     found_all: bool) -> np.ndarray:
-    """The numpy test of :meth:`PEFAXL._unprunable`: row numbers (int64) where it fails."""
-    (s, ids), (ks, ki) = map(to_numpy, erm), map(to_numpy, knn)
+def _unprunable_host(erm: tuple[np.ndarray, np.ndarray], knn: tuple[np.ndarray, np.ndarray],
+                     topk: int, lam: float, found_all: bool) -> np.ndarray:
+    """The test of :meth:`PEFAXL._unprunable` on numpy searches: row numbers (int64) where it
+    fails. A row at a time in Python: for the few rows of a host batch, scalar tests beat
+    numpy's per-call overhead. Both searches are sorted, so the last found entry holds the
+    smallest score."""
+    (s, ids), (ks, ki) = erm, knn
     lam = np.float32(lam)
-    bound = np.where(ids[:, -1] >= 0, lam * s[:, -1].astype(np.float32, copy=False)
-                     < lam * s[:, topk - 1].astype(np.float32, copy=False), found_all)
-    ok = ((ks >= 0) | (ki < 0)).all(1) & bound
-    return np.flatnonzero(~ok)
+    bad = []
+    for r in range(len(ids)):
+        last = int(np.count_nonzero(ki[r] >= 0)) - 1 if ki[r, -1] < 0 else ki.shape[1] - 1
+        knn_ok = last < 0 or ks[r, last] >= 0
+        bound_ok = lam * s[r, -1] < lam * s[r, topk - 1] if ids[r, -1] >= 0 else found_all
+        if not (knn_ok and bound_ok):
+            bad.append(r)
+    return np.array(bad, dtype=np.int64)
 
 
 def _host_batch(x: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ import torch
 from .aggregate import normalize_rows
 from .arrays import as_embeddings, check_positive_int, resolve_device
 from .errors import InputError
-from .fuse_kernels import neighbour_entries
+from .fuse_kernels import _rowdots, neighbour_entries
 from .metrics import evaluate
 from .models import ERM, PEFAXL, PEFAXS
 from .params import check_positive, check_unit_interval
@@ -247,12 +247,12 @@ def _xl_grid(xl: PEFAXL, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor]
         in_erm = torch.zeros(uniq.numel(), dtype=torch.bool, device=dev)
         in_erm[inv_c] = True
         if rescore and not erm_exact:
-            f_erm = (qb[u_batch] * p[u_doc].float()).sum(1)
+            f_erm = _rowdots(qb, p, u_batch, u_doc)
         else:
             f_erm = torch.zeros(uniq.numel(), device=dev).index_put_((inv_c,), c_val)
             if rescore:
                 rest = (~in_erm).nonzero().squeeze(1)
-                f_erm[rest] = (qb[u_batch[rest]] * p[u_doc[rest]].float()).sum(1)
+                f_erm[rest] = _rowdots(qb, p, u_batch[rest], u_doc[rest])
         counts = torch.bincount(u_batch, minlength=b)
         col = torch.arange(uniq.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[u_batch]
         width = max(int(counts.max()) if b else 0, 1)
