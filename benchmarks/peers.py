@@ -343,7 +343,7 @@ def main() -> None:
     rat = ratios(rows)
     cols = ["dataset", "system", "model", "backend", "build_s", "size_mb", "latency_ms",
             "batch_s", "qps", "recall@10", "recall@100"]
-    md = "## Side by side (hnsw M=32, efC=500, efS=300; ivf defaults: nlist 4 sqrt(n), nprobe nlist/2)\n\n"
+    md = "## Side by side (hnsw M=32, efC=500, efS=300; ivf defaults: nlist 4 sqrt(n), nprobe 5/8 nlist)\n\n"
     md += md_table(cols, [[r[c] for c in cols] for r in rows])
     md += "\n## Targets as ratios\n\n"
     md += md_table(["dataset", "target", "value", "limit", "met"],

@@ -190,7 +190,8 @@ def test_hnsw_params_and_errors(tmp_path):
 def test_ivf_pq_and_auto_sizes():
     from pefa_gpu.index.ivf import auto_nlist, auto_nprobe, auto_pq_m
 
-    assert auto_nprobe(10) == 10 and auto_nprobe(132) == 66 and auto_nprobe(4000) == 256
+    assert auto_nprobe(10) == 10 and auto_nprobe(40) == 32 and auto_nprobe(132) == 83
+    assert auto_nprobe(4000) == 2048
     with pytest.raises(InputError, match="nprobe"):
         make_index("ivf", "cpu", {"nprobe": -1})
 
