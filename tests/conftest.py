@@ -35,3 +35,15 @@ def unit_rows(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:
     """Random L2-normalised float32 rows."""
     x = rng.standard_normal((rows, dim))
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def hnsw_walks_the_graph(request, monkeypatch):
+    """Test data is small, and the HNSW backend scans indices of <= full_scan_factor * ef rows
+    instead of walking the graph. So that the suite exercises the graph, the default factor is
+    0 here; tests marked ``full_scan`` keep the library's default."""
+    if "full_scan" in request.keywords:
+        return
+    from pefa_gpu.index.hnsw import HNSWParams
+
+    monkeypatch.setitem(HNSWParams.__init__.__kwdefaults__, "full_scan_factor", 0.0)

@@ -187,6 +187,41 @@ def test_hnsw_params_and_errors(tmp_path):
         backend_class("hnsw").load(tmp_path, {"M": 16}, "cpu")
 
 
+@pytest.mark.full_scan
+def test_hnsw_scans_small_indices_exactly_and_walks_large_ones():
+    assert backend_class("hnsw").Params().full_scan_factor == 8.0  # the library default
+    rng = np.random.default_rng(11)
+    # small-integer vectors: float32 dot products are exact, so scores tie exactly
+    x = rng.integers(-2, 3, (120, 6)).astype(np.float32)
+    x[60:70] = x[5]  # duplicates of row 5: ten exact ties with it
+    q = rng.integers(-2, 3, (9, 6)).astype(np.float32)
+    q[0] = x[5]
+    ref_s, ref_i = ref_topk(q, x, 25)
+    params = {"M": 8, "ef_search": 15, "threads": 1}
+    # k=25 > ef_search, so ef = 25 and the scan covers n <= factor * 25
+    for factor, walks in [(8.0, False), (120 / 25, False), (119 / 25, True), (0.0, True)]:
+        index = make_index("hnsw", "cpu", {**params, "full_scan_factor": factor}).build(x)
+        faiss.cvar.hnsw_stats.reset()
+        s, i = index.search(q, 25)
+        walked = faiss.cvar.hnsw_stats.ndis > 0
+        assert walked == walks
+        if not walked:  # the scan is exact: every score, every id above the k-th score
+            np.testing.assert_array_equal(s.numpy(), ref_s.astype(np.float32))
+            above = ref_s > ref_s[:, -1:]
+            np.testing.assert_array_equal(i.numpy()[above], ref_i[above])
+            full = q.astype(np.float64) @ x.astype(np.float64).T
+            for r in range(len(q)):  # the rest: ids tied at the k-th score, ascending
+                rest = i.numpy()[r][~above[r]]
+                assert (full[r, rest] == ref_s[r, -1]).all() and (np.diff(rest) > 0).all()
+    index = make_index("hnsw", "cpu", {**params, "full_scan_factor": 4.0}).build(x)
+    faiss.cvar.hnsw_stats.reset()
+    index.search(q, 5)  # ef = 15: 120 > 4 * 15, so the graph is walked
+    assert faiss.cvar.hnsw_stats.ndis > 0
+    for bad in (-1, float("inf"), "8", True):
+        with pytest.raises(InputError, match="full_scan_factor"):
+            make_index("hnsw", "cpu", {"full_scan_factor": bad})
+
+
 def test_ivf_pq_and_auto_sizes():
     from pefa_gpu.index.ivf import auto_nlist, auto_nprobe, auto_pq_m
 

@@ -91,11 +91,15 @@ def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndar
     if missing.any():
         scores = np.where(missing, np.float32(PAD_SCORE), scores)
         ids = np.where(missing, np.int64(PAD_ID), ids)
-    if scores.shape[1] > 1 and (scores[:, 1:] == scores[:, :-1]).any():
-        # faiss leaves equal scores in any order: the library's rule is the lower id first
-        order = np.lexsort((np.where(ids < 0, np.iinfo(np.int64).max, ids), -scores), axis=1)
-        scores = np.take_along_axis(scores, order, 1)
-        ids = np.take_along_axis(ids, order, 1)
+    if scores.shape[1] > 1:
+        tied = (scores[:, 1:] == scores[:, :-1]).any(1)
+        if tied.any():  # faiss leaves equal scores in any order: the rule is the lower id first
+            rows = np.flatnonzero(tied)
+            s, i = scores[rows], ids[rows]
+            order = np.lexsort((np.where(i < 0, np.iinfo(np.int64).max, i), -s), axis=1)
+            scores, ids = scores.copy(), ids.copy()  # never write into faiss' own arrays
+            scores[rows] = np.take_along_axis(s, order, 1)
+            ids[rows] = np.take_along_axis(i, order, 1)
     return scores, ids
 
 

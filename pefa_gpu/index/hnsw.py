@@ -3,6 +3,14 @@
 The graph lives in host memory; results are moved to the index's device, so a GPU model can
 serve from a CPU HNSW. Defaults are the paper's: M=32, efConstruction=500, efSearch=300.
 A search with k > ef_search uses ef = k (faiss needs ef >= k).
+
+Small graphs are scanned instead of walked: when the index holds at most
+``full_scan_factor * ef`` rows, the search is an exact scan of the stored vectors (faiss'
+flat storage under the graph, no copy). The graph walk would not save work there: measured on
+SciFact vectors (M=32, 300 queries, 2 threads), a search at ef=300 computes as many distances
+as there are rows up to n = 4 ef (96-100% of n), still 77% at n = 8 ef, and the scan is faster
+up to n ~ 17 ef (1.9x at 8 ef, 4x at 3 ef; the same crossover at ef=100). The scan's results
+are exact, so recall can only rise. ``full_scan_factor=0`` always walks the graph.
 """
 
 from __future__ import annotations
@@ -24,17 +32,24 @@ from ._faiss import FaissBackend, faiss_threads, host_float32, import_faiss
 class HNSWParams(Params):
     """M: graph degree (level 0 has 2M links). ef_construction / ef_search: beam widths at
     build and search time. threads: OpenMP threads for faiss during build and search
-    (0 = faiss' default, all cores)."""
+    (0 = faiss' default, all cores). full_scan_factor: indices of at most this many times ef
+    rows are searched by an exact scan (see the module docstring; 0 = never)."""
 
     M: int = 32
     ef_construction: int = 500
     ef_search: int = 300
     threads: int = 0
+    full_scan_factor: float = 8.0
 
     def validate(self) -> None:
         check_positive(self.M, "M")
         check_positive(self.ef_construction, "ef_construction")
         check_positive(self.ef_search, "ef_search")
+        if isinstance(self.full_scan_factor, bool) or \
+                not isinstance(self.full_scan_factor, (int, float)) or \
+                not 0 <= self.full_scan_factor < float("inf"):
+            raise InputError(f"full_scan_factor must be a finite number >= 0, got "
+                             f"{self.full_scan_factor!r}")
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
             raise InputError(f"threads must be an int >= 0 (0 = all cores), got {self.threads!r}")
 
@@ -76,6 +91,9 @@ class HNSWIndex(FaissBackend):
 
     def _raw_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         ef = max(self.params.ef_search, k)
+        if self.ntotal <= self.params.full_scan_factor * ef:  # a walk would visit it all
+            with faiss_threads(self._faiss, self.params.threads):
+                return self._index.storage.search(q, k)
         sp = self._search_params.get(ef)
         if sp is None:  # cached per ef: creating the SWIG object costs a few microseconds
             sp = self._faiss.SearchParametersHNSW()
