@@ -98,13 +98,17 @@ def test_pruned_equals_unpruned(seed, quantized, lam, knn_norm):
             assert 18 in ks  # topk + margin asked for at least once
 
 
-def test_pruning_falls_back_per_query():
+@pytest.mark.parametrize("rows", [60, fk.NUMPY_MAX_BATCH])  # torch path, host path
+def test_pruning_falls_back_per_query(rows):
     P, Q, T, Y = _data(5, quantized=False)
     model = pg.PEFAXL(lam=0.3, k=8, candidates=80, backend="exact", device="cpu").fit(P, Q, Y)
     tq = torch.from_numpy(T)
     knn_s, _ = model.neighbours(tq, 8, model.index.search(tq, 8))
-    negative = (knn_s < 0).any(1)
-    assert negative.any() and not negative.all()  # a mixed batch: both groups are exercised
+    negative = (knn_s < 0).any(1).numpy()
+    neg = np.flatnonzero(negative)[:rows // 2]
+    pick = np.concatenate([neg, np.flatnonzero(~negative)[:rows - len(neg)]])
+    T, negative = T[np.sort(pick)], negative[np.sort(pick)]
+    assert len(T) == rows and negative.any() and not negative.all()  # a mixed batch
     (ps, pi), (fs, fi), ks = _both(model, T, 10)
     _assert_same(ps, pi, fs, fi, exact=False)
     assert ks == [18, 80]  # the safe rows with K', the rest with Kp
@@ -172,6 +176,16 @@ def test_pruning_rounding_collision_falls_back():
     knn = model.neighbours(torch.from_numpy(T), 2, e)
     wrong = model.fuse(torch.from_numpy(T), e, knn, 20)
     assert not torch.equal(wrong[1], fi)
+    # the same query beside one that prunes safely (distinct scores along a second axis):
+    # only the first is searched and fused again, and its row of the result is replaced
+    P2 = np.hstack([P, np.linspace(0.1, 0.9, n, dtype=np.float32)[:, None]])
+    Q2 = np.hstack([Q, np.zeros((4, 1), np.float32)])
+    T2 = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    model = pg.PEFAXL(lam=0.3, k=2, candidates=120, augment_docs=False, backend="exact",
+                      device="cpu").fit(P2, Q2, Y)
+    (ps, pi), (fs, fi), ks = _both(model, T2, 20)
+    assert ks == [28, 120]
+    assert torch.equal(pi, fi) and torch.equal(ps, fs)
 
 
 def test_pruning_with_hnsw_backend_keeps_recall():
