@@ -189,7 +189,7 @@ def test_hnsw_params_and_errors(tmp_path):
 
 @pytest.mark.full_scan
 def test_hnsw_scans_small_indices_exactly_and_walks_large_ones():
-    assert backend_class("hnsw").Params().full_scan_factor == 8.0  # the library default
+    assert backend_class("hnsw").Params().full_scan_factor == 12.0  # the library default
     rng = np.random.default_rng(11)
     # small-integer vectors: float32 dot products are exact, so scores tie exactly
     x = rng.integers(-2, 3, (120, 6)).astype(np.float32)
@@ -199,7 +199,7 @@ def test_hnsw_scans_small_indices_exactly_and_walks_large_ones():
     ref_s, ref_i = ref_topk(q, x, 25)
     params = {"M": 8, "ef_search": 15, "threads": 1}
     # k=25 > ef_search, so ef = 25 and the scan covers n <= factor * 25
-    for factor, walks in [(8.0, False), (120 / 25, False), (119 / 25, True), (0.0, True)]:
+    for factor, walks in [(12.0, False), (120 / 25, False), (119 / 25, True), (0.0, True)]:
         index = make_index("hnsw", "cpu", {**params, "full_scan_factor": factor}).build(x)
         faiss.cvar.hnsw_stats.reset()
         s, i = index.search(q, 25)
