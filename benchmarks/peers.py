@@ -1,6 +1,11 @@
 """pefa_gpu backends side by side with the authors' code path (PECOS HNSW + scipy) on BEIR data.
 
-    python benchmarks/peers.py [BEIR_DIR ...] [--embeddings all-MiniLM-L6-v2] [--no-pecos]
+    python benchmarks/peers.py [BEIR_DIR | synthetic:n,m,rel_exponent,max_rel ...]
+                               [--embeddings all-MiniLM-L6-v2] [--no-pecos]
+
+The committed results: SciFact and ``synthetic:3633,2590,1.1,100``, a set shaped like
+NFCorpus (as many documents; ~44 relevant documents per training query) where the query
+index is nearly as large as the corpus.
 
 Rows, all measured in one run on the same machine:
 - authors: libpecos HNSW (``pecos.ann.hnsw``) + PIFA with scipy + a scipy-sparse merge for
@@ -200,14 +205,25 @@ def set_search_knob(model: Any, backend: str, value: int) -> None:
 
 # -- one dataset -------------------------------------------------------------------------------
 
-def run_dataset(data_dir: str, embeddings: str, use_pecos: bool) -> tuple[list, list]:
-    ds = pg.load_beir(data_dir)
+def load_dataset(spec: str, embeddings: str) -> tuple[str, Any, Any, Any, Any, Any]:
+    """A BEIR directory, or ``synthetic:n,m,rel_exponent,max_rel`` (pefa_gpu.synthetic, d=384,
+    300 test queries, seed 1) -> (name, P, Q, T, Y_train CSR, Y_test)."""
+    if spec.startswith("synthetic:"):
+        n, m, rel_exponent, max_rel = spec.split(":", 1)[1].split(",")
+        data = pg.make_synthetic(int(n), int(m), d=384, n_test=300, seed=1,
+                                 rel_exponent=float(rel_exponent), max_rel=int(max_rel))
+        name = f"synthetic-{n}x{m}"
+        return name, data.P, data.Q, data.Q_test, data.Y.csr, data.Y_test
+    ds = pg.load_beir(spec)
     P, Qall = ds.embeddings(embeddings)
     train_rows, Ytr = ds.qrels("train")
     test_rows, Yte = ds.qrels("test")
-    Q, T = Qall[train_rows], Qall[test_rows]
     Ytr = Ytr.csr if hasattr(Ytr, "csr") else sp.csr_matrix(Ytr)
-    name = ds.name
+    return ds.name, P, Qall[train_rows], Qall[test_rows], Ytr, Yte
+
+
+def run_dataset(spec: str, embeddings: str, use_pecos: bool) -> tuple[list, list]:
+    name, P, Q, T, Ytr, Yte = load_dataset(spec, embeddings)
     rows, curves = [], []
 
     def record(system, kind, backend, build_s, size, one, search_all, ids):
@@ -345,7 +361,8 @@ def plot(curves: list, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("data_dirs", nargs="*", default=[str(SCIFACT)])
+    ap.add_argument("data_dirs", nargs="*", default=[str(SCIFACT)],
+                    help="BEIR directories, or synthetic:n,m,rel_exponent,max_rel")
     ap.add_argument("--embeddings", default="all-MiniLM-L6-v2")
     ap.add_argument("--no-pecos", action="store_true", help="skip the authors' code path")
     args = ap.parse_args()
