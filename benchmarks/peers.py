@@ -3,9 +3,10 @@
     python benchmarks/peers.py [BEIR_DIR | synthetic:n,m,rel_exponent,max_rel ...]
                                [--embeddings all-MiniLM-L6-v2] [--no-pecos]
 
-The committed results: SciFact and ``synthetic:3633,2590,1.1,100``, a set shaped like
-NFCorpus (as many documents; ~44 relevant documents per training query) where the query
-index is nearly as large as the corpus.
+The committed results: SciFact, ``synthetic:3633,2590,1.1,100``, a set shaped like NFCorpus
+(as many documents; ~44 relevant documents per training query) where the query index is
+nearly as large as the corpus, and ``synthetic:30000,3000,2.5,50``, a larger corpus with
+SciFact-like sparse labels.
 
 Rows, all measured in one run on the same machine:
 - authors: libpecos HNSW (``pecos.ann.hnsw``) + PIFA with scipy + a scipy-sparse merge for

@@ -507,7 +507,8 @@ def _index_search_host(index: Index, q: torch.Tensor, qn: np.ndarray, k: int,
 
 
 def _merge_neighbours_host(knn: tuple[np.ndarray, np.ndarray],
-                           erm: tuple[np.ndarray, np.ndarray], m: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+                           erm: tuple[np.ndarray, np.ndarray], m: int,
+                           k: int) -> tuple[np.ndarray, np.ndarray]:
     """The numpy merge of :meth:`PEFAXL.neighbours`: query-index top-k ``knn`` and the first
     k passage results ``erm`` (document j is relevance row m + j), numpy arrays -> top-k
     (scores, rows)."""
