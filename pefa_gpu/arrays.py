@@ -131,7 +131,9 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
         raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
                          f"(the dimension the model was fitted with)")
     if t.dtype != dtype:
-        t = t.to(torch.float32 if not t.is_floating_point() else t.dtype).to(dtype)
+        if not t.is_floating_point():
+            t = t.to(torch.float32)
+        t = t.to(dtype)
     if check_finite and t.numel() and not _all_finite(t):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise InputError(f"{name} contains NaN or inf (rows {bad}...)")

@@ -302,16 +302,13 @@ def _rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
     bn, dn = to_numpy(batch), to_numpy(doc)
     hd = host_docs(docs)
     out = np.empty(len(bn), np.float32)
-    if len(bn) > 1 and (bn[1:] >= bn[:-1]).all():  # grouped by query (the callers' order):
-        # one query row per group, broadcast, instead of gathering it for every pair
-        cuts = np.flatnonzero(bn[1:] != bn[:-1]) + 1
-        for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(bn)]):
-            for s in range(lo, hi, step):
-                e = min(s + step, hi)
-                out[s:e] = _rowdots_host(qn[bn[lo]], hd, dn[s:e])
-        return as_tensor(out)
-    for s in range(0, len(bn), step):
-        out[s:s + step] = _rowdots_host(qn[bn[s:s + step]], hd, dn[s:s + step])
+    # runs of one query (the callers list pairs grouped by query): that query's row is
+    # broadcast over the run instead of being gathered for every pair
+    cuts = np.flatnonzero(bn[1:] != bn[:-1]) + 1
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(bn)]):
+        for s in range(lo, hi, step):
+            e = min(s + step, hi)
+            out[s:e] = _rowdots_host(qn[bn[lo]], hd, dn[s:e])
     return as_tensor(out)
 
 

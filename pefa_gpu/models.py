@@ -412,20 +412,24 @@ class PEFAXL(_Model):
         return as_tensor(out[0], device=self.device), as_tensor(out[1], device=self.device)
 
     def _fuse_host(self, qn: np.ndarray, erm: tuple[np.ndarray, np.ndarray],
-                   knn: tuple[np.ndarray, np.ndarray], topk: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`fuse` at the model's lam and k on numpy queries and searches, numpy
-        (writable) result."""
+                   knn: tuple[np.ndarray, np.ndarray], topk: int, lam: float | None = None,
+                   k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`fuse` on numpy queries and searches (a small CPU batch), numpy (writable)
+        result; Y and P come from :meth:`_host_arrays`, built once per model."""
         p = self.params
-        y, docs = self._host_arrays()
+        lam = p.lam if lam is None else lam
+        k = p.k if k is None else k
+        divisor = float(k) if p.knn_norm == "k" else 1.0
         exact = bool(getattr(self.index, "exact_scores", False))
+        y, docs = self._host_arrays()
         out = fuse_kernels.fused_topk_host(
-            qn, docs, y, erm[0], erm[1], knn[0][:, :p.k], knn[1][:, :p.k], lam=p.lam,
-            knn_weight_divisor=float(p.k) if p.knn_norm == "k" else 1.0, rescore=p.rescore,
-            topk=topk, erm_exact=exact)
+            qn, docs, y, erm[0], erm[1], knn[0][:, :k], knn[1][:, :k], lam=lam,
+            knn_weight_divisor=divisor, rescore=p.rescore, topk=topk, erm_exact=exact)
         if out is None:  # a repeated ERM id (or ids beyond 31 bits): the general path
-            out = self.fuse(as_tensor(qn), tuple(map(as_tensor, erm)),
-                            tuple(map(as_tensor, knn)), topk)
+            t = tuple(map(as_tensor, (qn, *erm, knn[0][:, :k], knn[1][:, :k])))
+            out = fuse_scores(t[0], self.doc_embeddings, *self._y, *t[1:], lam=lam,
+                              knn_weight_divisor=divisor, rescore=p.rescore, topk=topk,
+                              erm_exact=exact, kernel="general")
             out = to_numpy(out[0]), to_numpy(out[1])
         return out
 
@@ -478,6 +482,10 @@ class PEFAXL(_Model):
         check_positive(k, "k")
         if k > knn[1].shape[1]:
             raise InputError(f"k={k} but only {knn[1].shape[1]} neighbours were searched")
+        if q.shape[0] and _host_batch(q):  # the numpy path, with Y prepared once per model
+            s, i = self._fuse_host(to_numpy(q), (to_numpy(erm[0]), to_numpy(erm[1])),
+                                   (to_numpy(knn[0]), to_numpy(knn[1])), topk, lam, k)
+            return as_tensor(s), as_tensor(i)
         divisor = float(k) if self.params.knn_norm == "k" else 1.0
         out_s, out_i = [], []
         for s in range(0, q.shape[0], batch_size):
