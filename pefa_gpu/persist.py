@@ -1,19 +1,25 @@
 """Saving and loading fitted models: ``model.save(dir)`` and ``pefa_gpu.load(dir)``.
 
-A save is a directory::
+A save is a directory (see :func:`pefa_gpu.storage.writing_save`)::
 
-    manifest.json          format, format_version, library version, class, params, backend,
-                           index params, one entry per saved attribute, size + sha256 per file
-    doc_embeddings.npy     tensors (see pefa_gpu.storage for dtypes)
-    relevance.npz          Relevance / scipy CSR
-    index/, query_index/   whatever the backend's Index.save writes
+    manifest.json              format, format_version, library version, class, params, backend,
+                               index params, one entry per saved attribute, the data folder, size +
+                               sha256 per file, and manifest_sha256 over all of it
+    pefa-data-<16 hex>/
+        doc_embeddings.npy     tensors (see pefa_gpu.storage for dtypes)
+        relevance.npz          Relevance / scipy CSR
+        index/, query_index/   whatever the backend's Index.save writes
 
 What a model saves is the tuple ``_saved`` on its class (attribute names, in models.py); each
 attribute is stored according to its type: torch tensor, :class:`~pefa_gpu.Relevance`, scipy
 sparse matrix, :class:`~pefa_gpu.index.Index`, or a JSON value. After the attributes are set
-on load, the model's ``_restore()`` rebuilds derived state (e.g. PEFA-XL's CSR tensors). To
-save a new attribute, add its name to ``_saved``; to change how an old one is stored, bump
-``storage.FORMAT_VERSION``.
+on load, their shapes are cross-checked and the model's ``_restore()`` rebuilds derived state
+(e.g. PEFA-XL's CSR tensors). To save a new attribute, add its name to ``_saved``; to change how
+an old one is stored, bump ``storage.FORMAT_VERSION``.
+
+Loads of format_version 1 (a flat folder from pefa_gpu before the manifest checksum) still
+work, with a warning: their files are verified and their shapes checked, but an edit to their
+manifest cannot be detected. Such a folder is never saved over in place.
 """
 
 from __future__ import annotations
@@ -37,15 +43,16 @@ log = logging.getLogger("pefa_gpu")
 
 
 def save_model(model: Any, directory: str | Path) -> None:
-    """Write a fitted model to ``directory`` atomically (an existing save there is replaced
-    only once the new one is complete on disk)."""
+    """Write a fitted model to ``directory`` atomically (see :func:`storage.writing_save`: an
+    existing save there is replaced only once the new one is complete on disk, and nothing else
+    in the folder is touched)."""
     model._check_fitted()
     from . import __version__
 
-    with storage.atomic_directory(directory) as tmp:
-        state = {name: _save_value(tmp, name, _attribute(model, name))
+    with storage.writing_save(directory) as w:
+        state = {name: _save_value(w.data, name, _attribute(model, name))
                  for name in type(model)._saved}
-        storage.write_manifest(tmp, {
+        w.commit({
             "library_version": __version__,
             "class": type(model).__name__,
             "params": model.params.to_dict(),
@@ -65,25 +72,19 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
     device: where the model lives after loading (default: CUDA when available), whatever
     device it was saved from. mmap: memory-map tensors (copy-on-write) instead of reading them.
     verify: check every file's sha256 against the manifest; default True without mmap, False
-    with it (sizes and headers are always checked; hashing would read every mapped page).
+    with it (sizes, headers, shapes and the manifest's own checksum are always checked;
+    hashing would read every mapped page).
     expect: a model class the save must be (a subclass of); else FormatError.
     """
     from .models import _Model
 
-    root = storage.resolve_save(directory)
-    manifest = storage.read_manifest(root)
-    where = root / storage.MANIFEST
+    save = storage.open_save(directory, checksums=not mmap if verify is None else verify)
+    manifest, where = save.manifest, save.where
     cls = _model_class(manifest.get("class"), where)
     expect = expect or _Model
     if not issubclass(cls, expect):
         raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
-    storage.verify_files(root, manifest["files"], checksums=not mmap if verify is None else verify)
-    state = manifest.get("state")
-    if not isinstance(state, dict):
-        raise FormatError(f"{where} has no 'state' table")
-    missing = [name for name in cls._saved if name not in state]
-    if missing:
-        raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
+    state = _state_table(manifest, cls, where)
     backend = manifest.get("backend")
     _backend(backend, where)
     device = resolve_device(device)  # a bad device is the caller's error, not the save's
@@ -96,9 +97,45 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
     except InputError as exc:
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
     for name in cls._saved:
-        setattr(model, name, _load_value(root, name, state[name], model.device, mmap))
+        setattr(model, name, _load_value(save, name, state[name], model.device, mmap))
+    _check_shapes(model, where)
     model._restore()
     return model
+
+
+def _state_table(manifest: dict, cls: type, where: Path) -> dict[str, Any]:
+    """The manifest's ``state``: exactly the attributes ``cls`` saves (an entry it does not
+    save, e.g. a PEFA-XL save relabelled as ERM, is refused)."""
+    state = manifest.get("state")
+    if not isinstance(state, dict):
+        raise FormatError(f"{where} has no 'state' table")
+    missing = [name for name in cls._saved if name not in state]
+    if missing:
+        raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
+    extra = sorted(set(state) - set(cls._saved))
+    if extra:
+        raise FormatError(f"{where} holds attributes {extra} that a {cls.__name__} does not "
+                          f"save (a save of another class?)")
+    return state
+
+
+def _check_shapes(model: Any, where: Path) -> None:
+    """Cross-check the loaded attributes: n_docs and dim against the document arrays, the
+    indices and Y, so that a save whose parts disagree fails here, not inside a search."""
+    n, d = model.n_docs, model.dim
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, d)):
+        raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
+    expected = {"index": (n, d), "query_index": (None, d), "doc_embeddings": (n, d),
+                "doc_sums": (n, d), "relevance": (None, n)}
+    for name, (rows, cols) in expected.items():
+        value = getattr(model, name, None) if name in type(model)._saved else None
+        if value is None:
+            continue
+        shape = (value.ntotal, value.dim) if isinstance(value, Index) else tuple(value.shape)
+        if len(shape) != 2 or (rows is not None and shape[0] != rows) or shape[1] != cols:
+            want = ("?" if rows is None else rows, cols)
+            raise FormatError(f"{where}: {name} has shape {shape}, but n_docs = {n} and dim = "
+                              f"{d} make it {want}")
 
 
 # ---------------------------------------------------------------------------- one attribute
@@ -111,16 +148,16 @@ def _attribute(model: Any, name: str) -> Any:
                          f"attribute") from None
 
 
-def _save_value(tmp: Path, name: str, value: Any) -> dict[str, Any]:
-    """Store one attribute under ``tmp``; returns its manifest entry."""
+def _save_value(folder: Path, name: str, value: Any) -> dict[str, Any]:
+    """Store one attribute under ``folder``; returns its manifest entry."""
     if isinstance(value, torch.Tensor):
-        return {"kind": "tensor", **storage.save_tensor(tmp / name, value)}
+        return {"kind": "tensor", **storage.save_tensor(folder / name, value)}
     if isinstance(value, Relevance):
-        return {"kind": "relevance", **storage.save_csr(tmp / name, value.csr)}
+        return {"kind": "relevance", **storage.save_csr(folder / name, value.csr)}
     if sp.issparse(value):
-        return {"kind": "csr", **storage.save_csr(tmp / name, value)}
+        return {"kind": "csr", **storage.save_csr(folder / name, value)}
     if isinstance(value, Index):
-        sub = tmp / name
+        sub = folder / name
         sub.mkdir()
         value.save(sub)
         return {"kind": "index", "dir": name, "backend": _registered_name(value),
@@ -135,30 +172,26 @@ def _save_value(tmp: Path, name: str, value: Any) -> dict[str, Any]:
     return {"kind": "json", "value": value}
 
 
-def _load_value(root: Path, name: str, entry: Any, device: torch.device, mmap: bool) -> Any:
-    where = root / storage.MANIFEST
+def _load_value(save: storage.SaveDir, name: str, entry: Any, device: torch.device,
+                mmap: bool) -> Any:
     kind = entry.get("kind") if isinstance(entry, dict) else None
     if kind == "json":
         return entry.get("value")
-    file = entry.get("file") if kind in ("tensor", "relevance", "csr") else None
-    if kind in ("tensor", "relevance", "csr") and (not isinstance(file, str) or "/" in file):
-        raise FormatError(f"{where}: attribute {name!r} has no valid file name ({file!r})")
-    if kind == "tensor":
-        return storage.load_tensor(root / file, device, mmap=mmap, meta=entry)
-    if kind == "relevance":
-        return Relevance(storage.load_csr(root / file, meta=entry))
-    if kind == "csr":
-        return storage.load_csr(root / file, meta=entry)
+    if kind in ("tensor", "relevance", "csr"):
+        path = save.file(entry.get("file"))  # listed, inside the save, no link followed
+        if kind == "tensor":
+            return storage.load_tensor(path, device, mmap=mmap, meta=entry)
+        csr = storage.load_csr(path, meta=entry)
+        return Relevance(csr) if kind == "relevance" else csr
     if kind == "index":
-        return _load_index(root, name, entry, device, mmap)
-    raise FormatError(f"{where}: attribute {name!r} has unknown kind {kind!r}")
+        return _load_index(save, name, entry, device, mmap)
+    raise FormatError(f"{save.where}: attribute {name!r} has unknown kind {kind!r}")
 
 
-def _load_index(root: Path, name: str, entry: dict, device: torch.device, mmap: bool) -> Index:
-    where = root / storage.MANIFEST
-    sub = root / str(entry.get("dir"))
-    if not sub.is_dir() or sub.parent != root:
-        raise FormatError(f"{sub} is missing: the index {name!r} listed in {where}")
+def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.device,
+                mmap: bool) -> Index:
+    where = save.where
+    sub = save.folder(entry.get("dir"))  # inside the save, every file in it listed
     cls = _backend(entry.get("backend"), where)
     try:
         params = cls.Params.from_dict(entry.get("params") or {})

@@ -1,14 +1,20 @@
-"""Files on disk: tensors and CSR matrices as .npy / .npz, checksums, atomic directories.
+"""Files on disk: tensors and CSR matrices as .npy / .npz, checksummed save folders, output
+files written atomically.
 
 The building blocks of :mod:`pefa_gpu.persist` and of the index backends' ``save`` / ``load``::
 
-    meta = save_tensor(tmp / "vectors", t)          # writes vectors.npy, returns its dtype / shape
-    t = load_tensor(tmp / "vectors.npy", "cpu", mmap=True)
+    meta = save_tensor(path / "vectors", t)         # writes vectors.npy, returns its dtype / shape
+    t = load_tensor(path / "vectors.npy", "cpu", mmap=True)
 
-    with atomic_directory("model") as tmp:          # write into tmp; on success it becomes model/
-        ...
-        write_manifest(tmp, {...})                  # adds a sha256 + size for every file
+    with writing_save("model") as w:                # files go into a fresh data folder
+        save_tensor(w.data / "vectors", t)
+        w.commit({...})                             # manifest: files table, checksum; written last
+    save = open_save("model")                       # verified; save.file("vectors.npy")
 
+    write_output_file("out.json", text)             # temp file + rename onto a regular file only
+
+A save folder holds ``manifest.json`` and one ``pefa-data-<16 hex>`` folder with the files it
+lists (size + sha256 each); the manifest's own ``manifest_sha256`` covers everything in it.
 Tensors are plain ``.npy`` files that numpy reads directly. Dtypes numpy lacks are stored
 losslessly under a one-field structured dtype naming them: bfloat16 as ``[('bfloat16', '<u2')]``
 (the raw bits), bool as ``[('bool', 'u1')]``. Nothing is ever pickled.
@@ -17,15 +23,18 @@ losslessly under a one-field structured dtype naming them: bfloat16 as ``[('bflo
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
+import re
+import secrets
 import shutil
-import uuid
+import stat
 import zipfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import scipy.sparse as sp
@@ -37,10 +46,14 @@ from .errors import FormatError, InputError
 log = logging.getLogger("pefa_gpu")
 
 FORMAT = "pefa_gpu"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files in a data folder, manifest checksummed; 1 (flat, unchecked) loads
 MANIFEST = "manifest.json"
-BACKUP_SUFFIX = ".pefa-backup"
+CHECKSUM_KEY = "manifest_sha256"
+DATA_PREFIX = "pefa-data-"
+DATA_MARKER = ".pefa-data"  # in every data folder, holding its name: proof that it is ours
+BACKUP_SUFFIX = ".pefa-backup"  # only read: what a crashed format_version 1 save could leave
 _TMP_TAG = ".pefa-tmp-"
+_DATA_NAME = re.compile(r"pefa-data-[0-9a-f]{16}\Z")
 
 # torch dtypes numpy cannot hold (or that as_tensor refuses): (field name, raw numpy dtype)
 _WRAPPED = {torch.bfloat16: ("bfloat16", np.dtype("<u2")), torch.bool: ("bool", np.dtype("u1"))}
@@ -88,12 +101,7 @@ def load_tensor(path: PathLike, device: Any = None, mmap: bool = False,
     truncated or malformed file raise :class:`FormatError` naming the file.
     """
     p = _npy(path)
-    if not p.is_file():
-        raise FormatError(f"{p} is missing")
-    try:
-        arr = np.load(p, mmap_mode="c" if mmap else None, allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise FormatError(f"{p} is truncated or not a valid .npy file: {exc}") from exc
+    arr = read_npy(p, mmap_mode="c" if mmap else None)
     if arr.dtype.names:  # a wrapped dtype
         field = arr.dtype.names[0]
         if len(arr.dtype.names) != 1 or field not in _BY_FIELD:
@@ -112,6 +120,51 @@ def load_tensor(path: PathLike, device: Any = None, mmap: bool = False,
             raise FormatError(f"{p} holds dtype {got[0]} shape {tuple(got[1])}, but the manifest "
                               f"says dtype {want[0]} shape {tuple(want[1])}")
     return t
+
+
+def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
+    """``np.load`` of a ``.npy`` file that never unpickles and names the file in every error:
+    a missing file, one that is not .npy at all (e.g. text), a truncated one, or one holding
+    Python objects raise :class:`FormatError` saying which."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as fh:
+            magic = fh.read(6)
+            header = None
+            if magic == b"\x93NUMPY":
+                fh.seek(0)
+                version = np.lib.format.read_magic(fh)
+                if version in ((1, 0), (2, 0)):
+                    read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                            else np.lib.format.read_array_header_2_0)
+                    header = (*read(fh), fh.tell())
+    except FileNotFoundError:
+        raise FormatError(f"{p} is missing") from None
+    except IsADirectoryError:
+        raise FormatError(f"{p} is a directory, not a .npy file") from None
+    except PermissionError as exc:
+        raise FormatError(f"{p} cannot be read: {exc.strerror}") from None
+    except (ValueError, OSError, EOFError) as exc:
+        raise FormatError(f"{p} has a malformed .npy header: {exc}") from None
+    if magic != b"\x93NUMPY":
+        looks = "text" if magic and all(32 <= b < 127 or b in b"\t\r\n" for b in magic) else \
+            "something else"
+        raise FormatError(f"{p} is not a .npy file (it does not start with the .npy magic "
+                          f"bytes; it looks like {looks})")
+    if header is not None:
+        shape, _, dtype, offset = header
+        if dtype.hasobject:
+            raise FormatError(f"{p} holds Python objects (dtype {dtype}), not numbers; "
+                              f"pefa_gpu never unpickles files")
+        want = offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        size = p.stat().st_size
+        if size < want:
+            raise FormatError(f"{p} is truncated: {size} bytes, its header (shape {shape}, "
+                              f"dtype {dtype}) needs {want}")
+    try:
+        return np.load(p, mmap_mode=mmap_mode, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise FormatError(f"{p} is truncated or not a valid .npy file: {exc}") from exc
 
 
 # ---------------------------------------------------------------------------- sparse
@@ -168,85 +221,125 @@ def sha256_file(path: PathLike, block: int = 4 * 2**20) -> str:
     return h.hexdigest()
 
 
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """sha256 of the canonical JSON (sorted keys, no spaces, ASCII) of ``manifest`` without its
+    own ``manifest_sha256`` field. It detects edits and corruption, not forgery: whoever can
+    write the file can recompute it."""
+    body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
+                      allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _walk_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
+    """(relative posix path, lstat) of every non-directory entry under ``root``, in sorted
+    order, without following links; data-folder markers are left out."""
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        dirnames.sort()
+        base = Path(dirpath)
+        for name in sorted(filenames) + [d for d in dirnames if (base / d).is_symlink()]:
+            if name == DATA_MARKER:
+                continue
+            yield (base / name).relative_to(root).as_posix(), os.lstat(base / name)
+
+
 def describe_files(root: PathLike) -> dict[str, dict[str, Any]]:
-    """``{relative posix path: {"bytes", "sha256"}}`` for every file under ``root`` except the
-    manifest."""
+    """``{relative posix path: {"bytes", "sha256"}}`` for every file under ``root`` (a save's
+    data folder being written). Links and special files are refused: a save holds regular
+    files only."""
     root = Path(root)
     out = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and p != root / MANIFEST:
-            rel = p.relative_to(root).as_posix()
-            out[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+    for rel, st in _walk_files(root):
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{root / rel} is not a regular file (a link, device, FIFO or "
+                             f"socket); a save holds regular files only")
+        out[rel] = {"bytes": st.st_size, "sha256": sha256_file(root / rel)}
     return out
 
 
-def verify_files(root: PathLike, files: dict[str, dict[str, Any]], checksums: bool = True) -> None:
-    """Check that every file listed in a manifest exists with its size (and, with ``checksums``,
-    its sha256); raise :class:`FormatError` naming the first file that does not."""
+def verify_files(root: PathLike, files: dict[str, dict[str, Any]], checksums: bool = True,
+                 where: PathLike | None = None) -> None:
+    """Check that every file listed in a manifest is a regular file inside ``root`` (no link
+    followed on the way) with its size and, with ``checksums``, its sha256; raise
+    :class:`FormatError` naming the first file that is not."""
     root = Path(root)
+    where = where or root / MANIFEST
     for rel, info in files.items():
-        if not isinstance(rel, str) or rel.startswith("/") or ".." in Path(rel).parts:
-            raise FormatError(f"{root / MANIFEST} lists an unsafe file name {rel!r}")
-        p = root / rel
-        if not p.is_file():
-            raise FormatError(f"{p} is missing (listed in {MANIFEST})")
+        p = safe_path(root, rel, where, kind="file")
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) \
+                or not isinstance(info.get("sha256"), str):
+            raise FormatError(f"{where}: the entry of {rel!r} lacks its size or sha256")
         size = p.stat().st_size
-        if size != info.get("bytes"):
-            what = "truncated" if size < info.get("bytes", 0) else "longer than saved"
-            raise FormatError(f"{p} is {what}: {size} bytes, the manifest says {info.get('bytes')}")
-        if checksums and sha256_file(p) != info.get("sha256"):
+        if size != info["bytes"]:
+            what = "truncated" if size < info["bytes"] else "longer than saved"
+            raise FormatError(f"{p} is {what}: {size} bytes, the manifest says {info['bytes']}")
+        if checksums and sha256_file(p) != info["sha256"]:
             raise FormatError(f"{p} is corrupted: its sha256 does not match the manifest")
+
+
+# ---------------------------------------------------------------------------- paths in a save
+
+def safe_path(root: PathLike, rel: Any, where: PathLike, kind: str = "file") -> Path:
+    """``root / rel`` for a path a manifest names, checked to stay inside ``root``: a relative
+    posix path without ``..`` or empty parts, every part a real folder or (last) a regular
+    ``kind`` ("file" / "dir"), no symbolic link anywhere. Raises :class:`FormatError`."""
+    _check_relpath(rel, where)
+    cur = Path(root)
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        cur = cur / part
+        try:
+            mode = os.lstat(cur).st_mode
+        except FileNotFoundError:
+            raise FormatError(f"{cur} is missing (listed in {where})") from None
+        if stat.S_ISLNK(mode):
+            raise FormatError(f"{cur} is a symbolic link; links inside a save are never "
+                              f"followed (listed in {where})")
+        last = i == len(parts) - 1
+        if (not last or kind == "dir") and not stat.S_ISDIR(mode):
+            raise FormatError(f"{cur} is not a folder (listed in {where})")
+        if last and kind == "file" and not stat.S_ISREG(mode):
+            raise FormatError(f"{cur} is not a regular file (listed in {where})")
+    return cur
+
+
+def _check_relpath(rel: Any, where: PathLike) -> None:
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
+            or any(part in ("", ".", "..") for part in rel.split("/")):
+        raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
+                          f"paths inside itself)")
+
+
+def _unlisted(root: Path, files: dict[str, Any], under: str = "") -> list[str]:
+    """Entries under ``root / under`` that ``files`` does not list (links and special files
+    included)."""
+    base = root / under if under else root
+    prefix = f"{under}/" if under else ""
+    return [prefix + rel for rel, st in _walk_files(base)
+            if prefix + rel not in files or not stat.S_ISREG(st.st_mode)]
 
 
 # ---------------------------------------------------------------------------- manifest
 
-def write_manifest(root: PathLike, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Write ``manifest.json`` into ``root`` with ``format``, ``format_version`` and a
-    ``files`` table (size + sha256 of every other file under ``root``). Returns what it wrote."""
+def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
+                  warn_unchecked: bool = True) -> dict[str, Any]:
+    """Read and check ``root / name``: a ``fmt`` manifest of a format version this library
+    reads, whose ``manifest_sha256`` matches its contents (format_version 1 had none: loaded
+    with a warning). Raises :class:`FormatError` for a foreign, malformed, edited or newer one."""
     root = Path(root)
-    files = describe_files(root)
-    _link_duplicates(root, files)
-    full = {"format": FORMAT, "format_version": FORMAT_VERSION, **manifest, "files": files}
+    path = root / name
     try:
-        text = json.dumps(full, indent=1, sort_keys=True, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise InputError(f"the manifest cannot be written as JSON: {exc}") from exc
-    (root / MANIFEST).write_text(text + "\n", encoding="utf-8")
-    return full
-
-
-def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:
-    """Hard-link files with identical contents (e.g. an exact index over the document
-    embeddings it also saves), so they take disk space, and page cache when mapped, once.
-    Where the file system cannot link, the copies stay."""
-    first: dict[tuple[int, str], Path] = {}
-    for rel, info in files.items():
-        key = (info["bytes"], info["sha256"])
-        if info["bytes"] == 0 or key not in first:
-            first.setdefault(key, root / rel)
-            continue
-        dup = root / rel
-        spare = dup.with_name(dup.name + ".link")
-        try:
-            os.link(first[key], spare)
-            os.replace(spare, dup)
-        except OSError:
-            spare.unlink(missing_ok=True)
-
-
-def read_manifest(root: PathLike) -> dict[str, Any]:
-    """Read and check ``manifest.json``: a pefa_gpu save of a format version this library
-    reads. Raises :class:`FormatError` for a foreign, malformed or newer directory."""
-    root = Path(root)
-    path = root / MANIFEST
-    if not path.is_file():
-        raise FormatError(f"{root} is not a pefa_gpu save: it has no {MANIFEST}")
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        raise FormatError(f"{root} is not a {fmt} save: it has no {name}") from None
+    if not stat.S_ISREG(mode):
+        raise FormatError(f"{path} is not a regular file (links are never followed)")
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise FormatError(f"{path} is not a pefa_gpu manifest (format="
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise FormatError(f"{path} is not a {fmt} manifest (format="
                           f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool):
@@ -258,16 +351,89 @@ def read_manifest(root: PathLike) -> dict[str, Any]:
         raise FormatError(f"{path} has an invalid format_version {version}")
     if not isinstance(manifest.get("files"), dict):
         raise FormatError(f"{path} has no 'files' table")
+    if version >= 2:
+        if manifest.get(CHECKSUM_KEY) != manifest_checksum(manifest):
+            raise FormatError(f"{path} was changed after it was written: its {CHECKSUM_KEY} "
+                              f"does not match its contents (an edited class, params, state or "
+                              f"file table would change what loads); restore it or save again")
+        if not isinstance(manifest.get("data"), str) or not _DATA_NAME.match(manifest["data"]):
+            raise FormatError(f"{path} names no valid data folder (got "
+                              f"{manifest.get('data')!r})")
+    elif warn_unchecked:
+        log.warning("%s has format_version 1, which has no manifest checksum: edits to its "
+                    "params or state cannot be detected (file sizes, sha256s and shapes are "
+                    "still checked); load it and save it to a new directory to upgrade", path)
     return manifest
 
 
-# ---------------------------------------------------------------------------- atomic directories
+# ---------------------------------------------------------------------------- reading a save
 
-def backup_path(target: PathLike) -> Path:
-    """Where :func:`atomic_directory` keeps the previous save while swapping in a new one."""
-    target = Path(target)
-    return target.with_name(target.name + BACKUP_SUFFIX)
+@dataclasses.dataclass
+class SaveDir:
+    """A verified save: ``root`` holds the manifest, ``data`` the files it lists (``root``
+    itself for format_version 1). Paths into it go through :meth:`file` and :meth:`folder`."""
 
+    root: Path
+    data: Path
+    manifest: dict[str, Any]
+    where: Path  # the manifest file, for messages
+
+    def file(self, rel: Any) -> Path:
+        """A listed regular file inside the save."""
+        _check_relpath(rel, self.where)
+        if rel not in self.manifest["files"]:
+            raise FormatError(f"{self.where} uses {rel!r}, which its files table does not list")
+        return safe_path(self.data, rel, self.where, kind="file")
+
+    def folder(self, rel: Any) -> Path:
+        """A folder inside the save whose every file is listed (and checked)."""
+        path = safe_path(self.data, rel, self.where, kind="dir")
+        extra = _unlisted(self.data, self.manifest["files"], rel)
+        if extra:
+            raise FormatError(f"{path} holds {extra[:5]}, which {self.where} does not list")
+        return path
+
+
+def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
+              checksums: bool = True) -> SaveDir:
+    """Find, read and verify a save: manifest checksum, data folder, every listed file (size,
+    and sha256 with ``checksums``), and (format_version >= 2) no unlisted file in the data
+    folder. Raises :class:`FormatError` naming what is wrong."""
+    root = resolve_save(directory, name)
+    manifest = read_manifest(root, name, fmt)
+    where = root / name
+    data = root
+    if manifest["format_version"] >= 2:
+        data = safe_path(root, manifest["data"], where, kind="dir")
+        marker = data / DATA_MARKER
+        if not _marker_ok(data):
+            raise FormatError(f"{marker} is missing or wrong: {data} is not a pefa_gpu data "
+                              f"folder")
+    verify_files(data, manifest["files"], checksums=checksums, where=where)
+    if manifest["format_version"] >= 2:
+        extra = _unlisted(data, manifest["files"])
+        if extra:
+            raise FormatError(f"{data} holds {extra[:5]}, which {where} does not list")
+    return SaveDir(root, data, manifest, where)
+
+
+def resolve_save(directory: PathLike, name: str = MANIFEST) -> Path:
+    """The directory to read for a save at ``directory`` (links resolved): itself, or the
+    ``.pefa-backup`` a crash of a format_version 1 save could leave (logged as a warning)."""
+    path = Path(directory)
+    if path.is_dir():
+        return Path(os.path.realpath(path))
+    backup = path.with_name(path.name + BACKUP_SUFFIX)
+    if not os.path.lexists(path) and (backup / name).is_file():
+        log.warning("%s is missing but %s exists (a format_version 1 save was interrupted); "
+                    "loading the previous save from the backup", path, backup)
+        return Path(os.path.realpath(backup))
+    if os.path.lexists(path):
+        raise FormatError(f"{path} is not a directory: a pefa_gpu save is a directory")
+    raise FileNotFoundError(f"no pefa_gpu save at {path}")
+
+
+# ---------------------------------------------------------------------------- writing a save
 
 def _fsync_dir(path: Path) -> None:
     try:
@@ -294,74 +460,236 @@ def fsync_tree(root: PathLike) -> None:
     _fsync_dir(root)
 
 
-def _check_replaceable(target: Path) -> None:
-    if not target.exists():
-        return
-    if not target.is_dir():
-        raise InputError(f"cannot save to {target}: it exists and is not a directory")
-    if not any(target.iterdir()):
-        return
+def _marker_ok(folder: Path) -> bool:
+    """``folder`` is a data folder pefa_gpu made: named ``pefa-data-<16 hex>``, a real folder,
+    with a regular ``.pefa-data`` file holding that name."""
+    marker = folder / DATA_MARKER
     try:
-        read_manifest(target)
-    except FormatError as exc:
-        raise InputError(f"refusing to replace {target}: it is a non-empty directory that is "
-                         f"not a pefa_gpu save ({exc})") from None
+        if not _DATA_NAME.match(folder.name) or not stat.S_ISDIR(os.lstat(folder).st_mode) \
+                or not stat.S_ISREG(os.lstat(marker).st_mode):
+            return False
+        return marker.read_text(encoding="ascii").strip() == folder.name
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def _ours(root: Path, entry: str, name: str) -> bool:
+    """An entry of a save folder that pefa_gpu wrote: a data folder (name + marker) or a
+    manifest being written (name)."""
+    if entry.startswith(f".{name}{_TMP_TAG}"):
+        return os.path.isfile(root / entry) and not os.path.islink(root / entry)
+    return _marker_ok(root / entry)
+
+
+def _save_root(target: PathLike) -> Path:
+    """The real folder a save to ``target`` writes into (links resolved, never replaced)."""
+    p = Path(target)
+    if os.path.islink(p) and not p.exists():
+        raise InputError(f"cannot save to {p}: it is a symbolic link to {os.readlink(p)!r}, "
+                         f"which does not exist")
+    return Path(os.path.realpath(p))
+
+
+def _current_data(root: Path, name: str, fmt: str) -> str | None:
+    """The data folder of the save now at ``root`` (None when there is none yet); raises
+    :class:`InputError` unless saving there replaces only pefa_gpu's own files."""
+    if not os.path.lexists(root):
+        return None
+    if not root.is_dir():
+        raise InputError(f"cannot save to {root}: it exists and is not a directory")
+    if os.path.lexists(root / name):
+        try:
+            manifest = read_manifest(root, name, fmt, warn_unchecked=False)
+        except FormatError as exc:
+            raise InputError(f"refusing to save into {root}: its {name} is not an intact "
+                             f"{fmt} manifest ({exc}); move it away or choose another "
+                             f"directory") from None
+        if manifest["format_version"] < 2:
+            raise InputError(f"refusing to replace {root}: it holds a save of format_version "
+                             f"1, which cannot be replaced in place safely; save to a new "
+                             f"directory, then delete the old one yourself")
+        return manifest["data"]
+    others = sorted(e for e in os.listdir(root) if not _ours(root, e, name))
+    if others:
+        raise InputError(f"refusing to save into {root}: it is a non-empty directory that is "
+                         f"not a {fmt} save (it holds {others[:5]})")
+    return None
+
+
+def _remove_stale(root: Path, name: str, keep: str | None) -> None:
+    """Delete what earlier saves into ``root`` left behind and no manifest names any more:
+    data folders proven ours by name and marker, manifests being written. Never raises."""
+    for entry in os.listdir(root):
+        if entry == keep or not _ours(root, entry, name):
+            continue
+        try:
+            if entry.startswith("."):
+                os.unlink(root / entry)
+            else:
+                shutil.rmtree(root / entry)
+        except OSError as exc:  # e.g. mapped files on Windows: the next save tries again
+            log.warning("could not remove %s left by an earlier save: %s", root / entry, exc)
+
+
+class PendingSave:
+    """A save being written by :func:`writing_save`: put files into ``data``, then
+    :meth:`commit`."""
+
+    def __init__(self, root: Path, data: Path, name: str, fmt: str):
+        self.root, self.data, self.name, self.fmt = root, data, name, fmt
+        self.committed = False
+
+    def commit(self, fields: dict[str, Any]) -> dict[str, Any]:
+        """Write the manifest (``fields`` + format, version, data folder, files table,
+        checksum) and swap it in by one rename; then remove the previous save's data folder.
+        Returns the manifest."""
+        files = describe_files(self.data)
+        _link_duplicates(self.data, files)
+        fsync_tree(self.data)
+        full = {**fields, "format": self.fmt, "format_version": FORMAT_VERSION,
+                "data": self.data.name, "files": files}
+        try:
+            full[CHECKSUM_KEY] = manifest_checksum(full)
+            text = json.dumps(full, indent=1, sort_keys=True, allow_nan=False) + "\n"
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"the manifest cannot be written as JSON: {exc}") from exc
+        _current_data(self.root, self.name, self.fmt)  # nothing foreign appeared meanwhile
+        tmp = self.root / f".{self.name}{_TMP_TAG}{self.data.name[len(DATA_PREFIX):]}"
+        try:
+            with open(tmp, "x", encoding="utf-8") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.root / self.name)  # the commit point
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self.committed = True
+        _fsync_dir(self.root)
+        _remove_stale(self.root, self.name, keep=self.data.name)
+        return full
 
 
 @contextlib.contextmanager
-def atomic_directory(target: PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory next to ``target``; when the block ends without an
-    error it replaces ``target``, else it is removed and ``target`` is untouched.
+def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
+                 ) -> Iterator[PendingSave]:
+    """Write a save into the folder ``target`` (created if needed; a symbolic link to a
+    folder is written through, never replaced)::
 
-    The swap: fsync the new tree, rename an existing ``target`` to ``target.pefa-backup``,
-    rename the new tree to ``target``, delete the backup. A crash at any point leaves either
-    the old or the new save under ``target``, or the old one under the backup name, which
-    :func:`resolve_save` falls back to. A non-empty ``target`` that is not a pefa_gpu save is
-    never replaced. Concurrent saves to one target are not supported.
+        with writing_save("model") as w:
+            save_tensor(w.data / "x", t)          # files go into a fresh data folder
+            w.commit({"class": ...})              # the manifest is written last
+
+    The new files go into a fresh ``pefa-data-<16 hex>`` folder inside ``target``; the
+    manifest, renamed over the old one, is the commit point, and only then is the previous
+    save's data folder removed. A crash at any point leaves a complete save: the old one
+    before the rename, the new one after it. Leftovers of crashed saves (data folders proven
+    ours by their name and marker file) are removed by the next save. Only a folder that is
+    empty or holds a save of the same kind is written into, and nothing there but pefa_gpu's
+    own entries is touched. On an error nothing is replaced and the new data folder is
+    removed. Concurrent saves to one folder are not supported.
     """
-    target = Path(target).absolute()
-    _check_replaceable(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # os.mkdir, not tempfile.mkdtemp: the save must get the umask's permissions, not 0700
-    tmp = target.parent / f".{target.name}{_TMP_TAG}{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+    root = _save_root(target)
+    current = _current_data(root, name, fmt)
+    pending = None
     try:
-        yield tmp
-        fsync_tree(tmp)
-        _check_replaceable(target)
-        backup = backup_path(target)
-        if target.exists():
-            if backup.exists():  # a stale backup from an earlier crash; target is newer
-                shutil.rmtree(backup)
-            os.replace(target, backup)
-            try:
-                os.replace(tmp, target)
-            except BaseException:
-                os.replace(backup, target)  # put the old save back
-                raise
-            _fsync_dir(target.parent)
-            shutil.rmtree(backup)
-        else:
-            os.replace(tmp, target)
-            if backup.exists():  # target was lost between the renames of an earlier crash
-                shutil.rmtree(backup)
-        _fsync_dir(target.parent)
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale(root, name, keep=current)
+        data = root / f"{DATA_PREFIX}{secrets.token_hex(8)}"
+        data.mkdir()
+        (data / DATA_MARKER).write_text(data.name + "\n", encoding="ascii")
+        pending = PendingSave(root, data, name, fmt)
+        yield pending
+        if not pending.committed:
+            raise RuntimeError("writing_save: the block ended without commit()")
+    except OSError as exc:  # disk full, permissions: say where, and that nothing was lost
+        msg = (f"could not write the save to {root}: {exc}; nothing was replaced (a previous "
+               f"save there is intact)")
+        raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if pending is not None and not pending.committed:
+            shutil.rmtree(pending.data, ignore_errors=True)
 
 
-def resolve_save(directory: PathLike) -> Path:
-    """The directory to read for a save at ``directory``: itself, or its backup when a crash
-    during a replacing save left only the backup (logged as a warning)."""
-    path = Path(directory)
-    if path.is_dir():
-        return path
-    backup = backup_path(path)
-    if not path.exists() and (backup / MANIFEST).is_file():
-        log.warning("%s is missing but %s exists (a save was interrupted); loading the "
-                    "previous save from the backup", path, backup)
-        return backup
-    if path.exists():
-        raise FormatError(f"{path} is not a directory: a pefa_gpu save is a directory")
-    raise FileNotFoundError(f"no pefa_gpu save at {path}")
+def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:
+    """Hard-link files with identical contents (e.g. an exact index over the document
+    embeddings it also saves), so they take disk space, and page cache when mapped, once.
+    Where the file system cannot link, the copies stay."""
+    first: dict[tuple[int, str], Path] = {}
+    for rel, info in files.items():
+        key = (info["bytes"], info["sha256"])
+        if info["bytes"] == 0 or key not in first:
+            first.setdefault(key, root / rel)
+            continue
+        dup = root / rel
+        spare = dup.with_name(dup.name + ".link")
+        try:
+            os.link(first[key], spare)
+            os.replace(spare, dup)
+        except OSError:
+            spare.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------------------- output files
+
+def check_output_file(path: PathLike, what: str = "output") -> Path:
+    """Check, before any work, that ``path`` can be written as a regular file: it is absent or
+    a regular file (not a link, folder, device, FIFO or socket) and its folder exists (or can
+    be created) and is writable. Returns the path; raises :class:`InputError` saying why not."""
+    p = Path(path)
+    try:
+        mode = os.lstat(p).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        mode = None
+    if mode is not None:
+        if stat.S_ISLNK(mode):
+            raise InputError(f"{what} {p} is a symbolic link (to {os.readlink(p)!r}); outputs "
+                             f"are written only to regular files: name the file itself")
+        if stat.S_ISDIR(mode):
+            raise InputError(f"{what} {p} is a directory; give a file name")
+        if not stat.S_ISREG(mode):
+            raise InputError(f"{what} {p} is not a regular file (a device, FIFO or socket); "
+                             f"outputs replace only regular files")
+    folder = p.absolute().parent
+    while not os.path.exists(folder) and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"cannot write {what} {p}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write {what} {p}: no write permission in {folder}")
+    return p
+
+
+def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], Any],
+                      what: str = "output") -> Path:
+    """Write ``content`` (text, bytes, or a function that writes a given path) to the regular
+    file ``path`` atomically: into a temporary file in the same folder, then renamed over
+    ``path`` (which keeps its permissions). Refuses what :func:`check_output_file` refuses; on
+    an error ``path`` is untouched and the temporary file removed."""
+    p = check_output_file(path, what)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = stat.S_IMODE(os.stat(p).st_mode)
+    except FileNotFoundError:
+        mode = None
+    tmp = p.with_name(f".{p.name}{_TMP_TAG}{secrets.token_hex(6)}{p.suffix}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
+        with os.fdopen(fd, "wb") as fh:
+            if isinstance(content, str):
+                fh.write(content.encode("utf-8"))
+            elif isinstance(content, bytes):
+                fh.write(content)
+        if callable(content):
+            content(tmp)
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        check_output_file(p, what)  # still a regular file (or absent) right before the rename
+        os.replace(tmp, p)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(p.parent)
+    return p

@@ -75,6 +75,11 @@ def copy_save(src: Path, dst: Path) -> Path:
     return dst
 
 
+def files_of(save: Path) -> Path:
+    """The data folder of a save (where its files are)."""
+    return save / json.loads((save / "manifest.json").read_text())["data"]
+
+
 # ---------------------------------------------------------------------------- storage helpers
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -138,53 +143,20 @@ def test_csr_round_trip_and_errors(tmp_path):
         storage.load_csr(tmp_path / "y")
 
 
-def test_atomic_directory_leaves_nothing_on_error(tmp_path):
-    target = tmp_path / "out"
-    with pytest.raises(RuntimeError):
-        with storage.atomic_directory(target) as tmp:
-            (tmp / "a").write_text("x")
-            raise RuntimeError("boom")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_atomic_directory_replaces_empty_directory_with_umask_permissions(tmp_path):
-    target = tmp_path / "new" / "out"
-    target.mkdir(parents=True)
-    old = os.umask(0o022)
-    try:
-        with storage.atomic_directory(target) as tmp:
-            (tmp / "a").write_text("x")
-    finally:
-        os.umask(old)
-    assert (target / "a").read_text() == "x"
-    assert sorted(p.name for p in target.parent.iterdir()) == ["out"]
-    if os.name == "posix":
-        assert target.stat().st_mode & 0o777 == 0o755
-
-
-def test_a_foreign_manifest_json_does_not_make_a_directory_replaceable(tmp_path):
-    target = tmp_path / "webapp"
-    target.mkdir()
-    (target / "manifest.json").write_text('{"name": "my app"}')
-    (target / "index.html").write_text("precious")
-    with pytest.raises(InputError, match="not a pefa_gpu save"):
-        with storage.atomic_directory(target):
-            pass
-    assert (target / "index.html").read_text() == "precious"
-
-
-def test_atomic_directory_refuses_foreign_directory(tmp_path):
-    target = tmp_path / "mine"
-    target.mkdir()
-    (target / "thesis.tex").write_text("precious")
-    with pytest.raises(InputError, match="not a pefa_gpu save"):
-        with storage.atomic_directory(target):
-            pass
-    assert (target / "thesis.tex").read_text() == "precious"
-    (tmp_path / "afile").write_text("x")
-    with pytest.raises(InputError, match="not a directory"):
-        with storage.atomic_directory(tmp_path / "afile"):
-            pass
+def test_read_npy_names_the_file_and_what_is_wrong(tmp_path):
+    (tmp_path / "text.npy").write_text("0.1 0.2 0.3\n")
+    with pytest.raises(FormatError, match="text.npy is not a .npy file .*looks like text"):
+        storage.read_npy(tmp_path / "text.npy")
+    np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    for mmap in (None, "r"):
+        with pytest.raises(FormatError, match="obj.npy holds Python objects"):
+            storage.read_npy(tmp_path / "obj.npy", mmap)
+    np.save(tmp_path / "t.npy", np.ones((100, 4), np.float32))
+    raw = (tmp_path / "t.npy").read_bytes()
+    (tmp_path / "t.npy").write_bytes(raw[:-10])
+    for mmap in (None, "r"):
+        with pytest.raises(FormatError, match="t.npy is truncated: .* needs"):
+            storage.read_npy(tmp_path / "t.npy", mmap)
 
 
 # ---------------------------------------------------------------------------- model round trips
@@ -223,7 +195,7 @@ def test_saved_state_is_what_the_class_lists(tmp_path, data, cls):
     model.save(tmp_path / "m")
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert set(manifest["state"]) == set(cls._saved)
-    assert manifest["class"] == cls.__name__ and manifest["format_version"] == 1
+    assert manifest["class"] == cls.__name__ and manifest["format_version"] == 2
     assert manifest["library_version"] == pg.__version__
     assert manifest["params"] == model.params.to_dict()
     back = pg.load(tmp_path / "m", device="cpu")
@@ -250,7 +222,8 @@ def test_xl_derived_csr_tensors_are_rebuilt(tmp_path, data):
 def test_identical_files_are_stored_once(tmp_path, data):
     model = fit(pg.PEFAXL, data)  # the exact passage index holds exactly doc_embeddings
     model.save(tmp_path / "xl")
-    a, b = tmp_path / "xl" / "doc_embeddings.npy", tmp_path / "xl" / "index" / "vectors.npy"
+    folder = files_of(tmp_path / "xl")
+    a, b = folder / "doc_embeddings.npy", folder / "index" / "vectors.npy"
     assert os.path.samefile(a, b) and a.stat().st_nlink == 2
     same_results(model, pg.load(tmp_path / "xl", device="cpu", mmap=True), data[3])
 
@@ -264,98 +237,48 @@ def test_bfloat16_index_round_trip(tmp_path, data):
     same_results(model, back, data[3])
 
 
-def test_loaded_model_can_be_saved_again(tmp_path, data):
-    model = fit(pg.PEFAXL, data)
-    model.save(tmp_path / "a")
-    pg.load(tmp_path / "a", device="cpu", mmap=True).save(tmp_path / "a")  # over its own files
-    same_results(model, pg.load(tmp_path / "a", device="cpu"), data[3])
-
-
 def test_save_unfitted_or_unsaveable(tmp_path):
     with pytest.raises(InputError, match="not fitted"):
         pg.PEFAXS(device="cpu").save(tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
-# ---------------------------------------------------------------------------- atomic replacement
+# ---------------------------------------------------------------------------- interrupted old saves
 
-def test_crash_mid_save_keeps_the_old_save(tmp_path, data, monkeypatch):
-    old = fit(pg.PEFAXL, data, lam=0.2)
-    old.save(tmp_path / "m")
-    before = (tmp_path / "m" / "manifest.json").read_text()
-    new = fit(pg.PEFAXL, data, lam=0.9)
-    calls = {"n": 0}
-    real = storage.save_tensor
-
-    def failing(path, tensor):
-        calls["n"] += 1
-        if calls["n"] == 2:  # after the first file of the new save is on disk
-            raise OSError("disk full (simulated)")
-        return real(path, tensor)
-
-    monkeypatch.setattr(storage, "save_tensor", failing)
-    monkeypatch.setattr(exact_module, "save_tensor", failing)
-    with pytest.raises(OSError, match="simulated"):
-        new.save(tmp_path / "m")
-    assert calls["n"] == 2
-    monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]  # no temp or backup left
-    assert (tmp_path / "m" / "manifest.json").read_text() == before
-    back = pg.load(tmp_path / "m", device="cpu")
-    assert back.params.lam == 0.2
-    same_results(old, back, data[3])
-
-
-def test_failed_swap_rolls_back(tmp_path, data, monkeypatch):
-    old = fit(pg.ERM, data)
-    old.save(tmp_path / "m")
-    real = os.replace
-
-    def replace(src, dst):
-        if ".pefa-tmp-" in str(src):
-            raise OSError("rename failed (simulated)")
-        return real(src, dst)
-
-    monkeypatch.setattr(storage.os, "replace", replace)
-    with pytest.raises(OSError, match="simulated"):
-        fit(pg.PEFAXS, data).save(tmp_path / "m")
-    monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-    assert type(pg.load(tmp_path / "m", device="cpu")) is pg.ERM
-
-
-def test_crash_between_renames_loads_the_backup(tmp_path, data, caplog):
+def test_backup_of_an_interrupted_format_1_save_is_loaded(tmp_path, data, caplog):
     old = fit(pg.PEFAXS, data, lam=0.2)
     old.save(tmp_path / "m")
-    os.replace(tmp_path / "m", storage.backup_path(tmp_path / "m"))  # the state a crash leaves
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    backup = tmp_path / "m.pefa-backup"  # what a crash of a format 1 save could leave
+    files_of(tmp_path / "m").rename(backup)
+    (backup / ".pefa-data").unlink()
+    for key in ("data", "manifest_sha256"):
+        manifest.pop(key)
+    (backup / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
+    (tmp_path / "m" / "manifest.json").unlink()
+    (tmp_path / "m").rmdir()
     with caplog.at_level(logging.WARNING, logger="pefa_gpu"):
         back = pg.load(tmp_path / "m", device="cpu")
     assert "backup" in caplog.text
     same_results(old, back, data[3])
-    fit(pg.PEFAXS, data, lam=0.7).save(tmp_path / "m")  # the next save clears the backup
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
+    fit(pg.PEFAXS, data, lam=0.7).save(tmp_path / "m")  # a new save; the backup stays
     assert pg.load(tmp_path / "m", device="cpu").params.lam == 0.7
-
-
-def test_replacing_save_with_stale_backup(tmp_path, data):
-    fit(pg.ERM, data).save(tmp_path / "m")
-    storage.backup_path(tmp_path / "m").mkdir()  # crash after the swap, before the cleanup
-    fit(pg.PEFAXS, data).save(tmp_path / "m")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-    assert type(pg.load(tmp_path / "m", device="cpu")) is pg.PEFAXS
+    assert (backup / "manifest.json").is_file()
 
 
 # ---------------------------------------------------------------------------- verified loads
 
 def _edit_manifest(path: Path, **changes):
+    """Change manifest fields and re-sign it (to reach the checks behind the checksum)."""
     manifest = json.loads((path / "manifest.json").read_text())
     manifest.update(changes)
+    manifest["manifest_sha256"] = storage.manifest_checksum(manifest)
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_truncated_file(tmp_path, saved_xs):
     path = copy_save(saved_xs[1], tmp_path / "s")
-    f = path / "doc_sums.npy"
+    f = files_of(path) / "doc_sums.npy"
     f.write_bytes(f.read_bytes()[:-7])
     for mmap in (False, True):
         with pytest.raises(FormatError, match="doc_sums.npy is truncated"):
@@ -364,7 +287,7 @@ def test_truncated_file(tmp_path, saved_xs):
 
 def test_flipped_byte(tmp_path, saved_xs):
     path = copy_save(saved_xs[1], tmp_path / "s")
-    f = path / "index" / "vectors.npy"
+    f = files_of(path) / "index" / "vectors.npy"
     raw = bytearray(f.read_bytes())
     raw[-5] ^= 0x40
     f.write_bytes(bytes(raw))
@@ -377,7 +300,7 @@ def test_flipped_byte(tmp_path, saved_xs):
 
 def test_missing_file(tmp_path, saved_xs):
     path = copy_save(saved_xs[1], tmp_path / "s")
-    (path / "doc_embeddings.npy").unlink()
+    (files_of(path) / "doc_embeddings.npy").unlink()
     with pytest.raises(FormatError, match="doc_embeddings.npy is missing"):
         pg.load(path, device="cpu")
 
@@ -406,7 +329,7 @@ def test_foreign_directories(tmp_path, saved_xs):
 def test_future_format_version(tmp_path, saved_xs):
     path = copy_save(saved_xs[1], tmp_path / "s")
     _edit_manifest(path, format_version=storage.FORMAT_VERSION + 1)
-    with pytest.raises(FormatError, match="format_version 2, newer than this pefa_gpu reads"):
+    with pytest.raises(FormatError, match="format_version 3, newer than this pefa_gpu reads"):
         pg.load(path, device="cpu")
 
 
@@ -435,18 +358,18 @@ def test_manifest_shape_mismatch(tmp_path, saved_xs):
     path = copy_save(saved_xs[1], tmp_path / "s")
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["state"]["doc_sums"]["shape"] = [N + 1, D]
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    _edit_manifest(path, state=manifest["state"])
     with pytest.raises(FormatError, match="doc_sums.npy holds dtype float32 shape"):
         pg.load(path, device="cpu")
     manifest["state"]["doc_sums"]["shape"] = [N, D]
     manifest["state"]["index"]["ntotal"] = N + 1
-    (path / "manifest.json").write_text(json.dumps(manifest))
+    _edit_manifest(path, state=manifest["state"])
     with pytest.raises(FormatError, match="manifest says 61 of dimension 8"):
         pg.load(path, device="cpu")
     manifest["state"]["index"]["ntotal"] = N
     manifest["files"]["../../etc/passwd"] = {"bytes": 1, "sha256": "0"}
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(FormatError, match="unsafe file name"):
+    _edit_manifest(path, state=manifest["state"], files=manifest["files"])
+    with pytest.raises(FormatError, match="unsafe path"):
         pg.load(path, device="cpu")
 
 
@@ -489,9 +412,9 @@ def test_mmap_load(tmp_path, data, cls):
     same_results(model, back, data[3])
     if sys.platform.startswith("linux"):
         maps = Path("/proc/self/maps").read_text()
-        assert str((tmp_path / "m" / "index" / "vectors.npy").resolve()) in maps
+        assert str((files_of(tmp_path / "m") / "index" / "vectors.npy").resolve()) in maps
         if cls is not pg.ERM:
-            assert str((tmp_path / "m" / "doc_embeddings.npy").resolve()) in maps
+            assert str((files_of(tmp_path / "m") / "doc_embeddings.npy").resolve()) in maps
     back.index.add(torch.from_numpy(unit_rows(np.random.default_rng(0), 2, D)))  # still usable
     assert pg.load(tmp_path / "m", device="cpu").index.ntotal == N  # the file is untouched
 
