@@ -2,7 +2,8 @@
 pairs files (TSV or parquet: query text or id, document id, optional weight).
 
     ds = load_beir("../shared/datasets/scifact")
-    rows, Y = ds.qrels("train")        # query row numbers, Relevance (len(rows) x n_docs)
+    rows, Y = ds.qrels("train", binary=True)   # query rows, Relevance (len(rows) x n_docs)
+    rows, Y_test = ds.qrels("test", keep_empty=True)  # graded gains, judged-but-empty queries
     P, Qall = ds.embeddings("all-MiniLM-L6-v2")   # precomputed .npy, if the folder has them
     pairs = load_pairs("clicks.tsv", ds.corpus_ids)   # pairs.query_texts, pairs.relevance
 """
@@ -18,6 +19,7 @@ import numpy as np
 
 from .errors import InputError
 from .relevance import Relevance
+from .storage import read_npy
 
 
 @dataclasses.dataclass
@@ -38,41 +40,49 @@ class BeirDataset:
     def name(self) -> str:
         return self.root.name
 
-    def qrels(self, split: str, min_score: float = 1, binary: bool = True
-              ) -> tuple[np.ndarray, Relevance]:
+    def qrels(self, split: str, min_score: float = 1, binary: bool = False,
+              keep_empty: bool = False) -> tuple[np.ndarray, Relevance]:
         """Relevance of ``split``: (query rows into ``query_ids``, sorted, int64) and Y
-        (len(rows) x n_docs). Pairs with score < ``min_score`` are not positives; ``binary``
-        sets every positive to 1, else Y holds the graded scores (for nDCG)."""
+        (len(rows) x n_docs).
+
+        Pairs with score < ``min_score`` are not relevant. By default Y holds the graded scores
+        (the gains of nDCG, as in trec_eval and BEIR; recall and MRR count any positive);
+        ``binary=True`` sets every relevant pair to 1 (PEFA's Y for fitting). Queries whose
+        pairs are all below ``min_score`` are left out, or with ``keep_empty`` kept as empty
+        rows (so that evaluation reports them as skipped, or counts them as 0)."""
         path = self.root / "qrels" / f"{split}.tsv"
         if not path.exists():
             have = sorted(p.stem for p in (self.root / "qrels").glob("*.tsv"))
             raise InputError(f"{path} not found; splits here: {have}")
-        qrows, docs, scores = [], [], []
-        with open(path, newline="", encoding="utf-8") as f:
-            for lineno, row in enumerate(csv.reader(f, delimiter="\t"), start=1):
-                if not row or (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id", "qid")):
-                    continue
-                if len(row) not in (2, 3, 4):
-                    raise InputError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>"
-                                     f"score', got {len(row)} fields")
-                qid, did = row[0], row[1] if len(row) != 4 else row[2]
-                raw = row[-1] if len(row) >= 3 else "1"
-                try:
-                    score = float(raw)
-                except ValueError:
-                    raise InputError(f"{path}:{lineno}: score {raw!r} is not a number") from None
-                if qid not in self.query_index:
-                    raise InputError(f"{path}:{lineno}: query id {qid!r} is not in queries.jsonl")
-                if did not in self.doc_index:
-                    raise InputError(f"{path}:{lineno}: document id {did!r} is not in "
-                                     f"corpus.jsonl")
-                if score >= min_score:
-                    qrows.append(self.query_index[qid])
-                    docs.append(self.doc_index[did])
-                    scores.append(score)
+        qrows, docs, scores, listed = [], [], [], set()
+        lines = (line for _, line in text_lines(path))
+        for lineno, row in enumerate(csv.reader(lines, delimiter="\t"), start=1):
+            if not row or (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
+                                                                       "qid")):
+                continue
+            if len(row) not in (2, 3, 4):
+                raise InputError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>"
+                                 f"score', got {len(row)} fields")
+            qid, did = row[0], row[1] if len(row) != 4 else row[2]
+            raw = row[-1] if len(row) >= 3 else "1"
+            try:
+                score = float(raw)
+            except ValueError:
+                raise InputError(f"{path}:{lineno}: score {raw!r} is not a number") from None
+            if qid not in self.query_index:
+                raise InputError(f"{path}:{lineno}: query id {qid!r} is not in queries.jsonl")
+            if did not in self.doc_index:
+                raise InputError(f"{path}:{lineno}: document id {did!r} is not in "
+                                 f"corpus.jsonl")
+            listed.add(self.query_index[qid])
+            if score >= min_score:
+                qrows.append(self.query_index[qid])
+                docs.append(self.doc_index[did])
+                scores.append(score)
         if not qrows:
             raise InputError(f"{path}: no (query, document) pair with score >= {min_score}")
-        rows, local = np.unique(np.asarray(qrows, dtype=np.int64), return_inverse=True)
+        rows = np.unique(np.asarray(sorted(listed) if keep_empty else qrows, dtype=np.int64))
+        local = np.searchsorted(rows, np.asarray(qrows, dtype=np.int64))
         weights = None if binary else np.asarray(scores, dtype=np.float32)
         if weights is not None:  # a repeated pair keeps its largest grade, not the sum
             key = local * len(self.corpus_ids) + np.asarray(docs)
@@ -90,12 +100,28 @@ class BeirDataset:
             path = folder / f"{part}.npy"
             if not path.exists():
                 raise InputError(f"{path} not found: no precomputed embeddings for {model!r}")
-            arr = np.load(path, mmap_mode="r")
+            arr = read_npy(path, mmap_mode="r")  # names the file: text, truncated, objects
             if arr.ndim != 2 or arr.shape[0] != rows:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
                                  f"{part}.jsonl")
+            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+                raise InputError(f"{path} has dtype {arr.dtype}, not numbers")
             out.append(np.asarray(arr, dtype=np.float32))
         return out[0], out[1]
+
+
+def text_lines(path: Path):
+    """(line number, text) of each line of a UTF-8 file (a leading BOM dropped); a line that is
+    not UTF-8 raises InputError naming the file, the line and the byte."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} "
+                                 f"at column {exc.start + 1}); save the file as UTF-8"
+                                 ) from None
+            yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
 
 
 def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str]]:
@@ -103,32 +129,31 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str]]:
         raise InputError(f"{path} not found (a BEIR folder has corpus.jsonl, queries.jsonl and "
                          f"qrels/)")
     ids, texts, seen = [], [], set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(rec, dict) or "_id" not in rec:
-                raise InputError(f"{path}:{lineno}: a record needs an '_id' field")
-            rid = str(rec["_id"])
-            if not rid.strip():
-                raise InputError(f"{path}:{lineno}: empty {kind} id")
-            for field in ("text", "title"):
-                if rec.get(field) is not None and not isinstance(rec[field], str):
-                    raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "
-                                     f"{type(rec[field]).__name__}")
-            if rid in seen:
-                raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
-            seen.add(rid)
-            text = rec.get("text") or ""
-            if kind == "document":
-                title = str(rec.get("title", "") or "")
-                text = f"{title} {text}" if title else text
-            ids.append(rid)
-            texts.append(text)
+    for lineno, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(rec, dict) or "_id" not in rec:
+            raise InputError(f"{path}:{lineno}: a record needs an '_id' field")
+        rid = str(rec["_id"])
+        if not rid.strip():
+            raise InputError(f"{path}:{lineno}: empty {kind} id")
+        for field in ("text", "title"):
+            if rec.get(field) is not None and not isinstance(rec[field], str):
+                raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "
+                                 f"{type(rec[field]).__name__}")
+        if rid in seen:
+            raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
+        seen.add(rid)
+        text = rec.get("text") or ""
+        if kind == "document":
+            title = str(rec.get("title", "") or "")
+            text = f"{title} {text}" if title else text
+        ids.append(rid)
+        texts.append(text)
     if not ids:
         raise InputError(f"{path}: no records")
     return ids, texts
@@ -226,20 +251,19 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
 
 def _tsv_records(path: Path):
     """(where, query, doc, weight-or-None) per data line of a TSV pairs file."""
-    with open(path, newline="", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            row = line.split("\t")
-            if lineno == 1 and row[0].strip().lower() in _QUERY_COLS and len(row) >= 2 \
-                    and row[1].strip().lower() in _DOC_COLS:
-                continue
-            if len(row) not in (2, 3):
-                raise InputError(f"{path}:{lineno}: expected 'query<TAB>doc_id[<TAB>weight]', "
-                                 f"got {len(row)} tab-separated fields")
-            yield (f"{path}:{lineno}", row[0], row[1].strip(),
-                   row[2].strip() if len(row) == 3 else None)
+    for lineno, line in text_lines(path):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        row = line.split("\t")
+        if lineno == 1 and row[0].strip().lower() in _QUERY_COLS and len(row) >= 2 \
+                and row[1].strip().lower() in _DOC_COLS:
+            continue
+        if len(row) not in (2, 3):
+            raise InputError(f"{path}:{lineno}: expected 'query<TAB>doc_id[<TAB>weight]', "
+                             f"got {len(row)} tab-separated fields")
+        yield (f"{path}:{lineno}", row[0], row[1].strip(),
+               row[2].strip() if len(row) == 3 else None)
 
 
 def _parquet_records(path: Path):

@@ -1,7 +1,9 @@
 """Retrieval metrics over (B, K) ranked id lists and a (B x n) relevance matrix.
 
-Queries with no relevant document are skipped (the paper's convention); :func:`evaluate`
-reports how many. Ids of -1 (padding) and repeated ids count once, at their first rank.
+Queries with no relevant document are skipped (the paper's convention) and :func:`evaluate`
+reports how many; ``count_empty=True`` counts them as 0 instead (the trec_eval / ranx /
+ir-measures convention for judged queries without a relevant document). Ids of -1 (padding)
+and repeated ids count once, at their first rank. A metric @k needs at least k ranks.
 """
 
 from __future__ import annotations
@@ -60,34 +62,44 @@ def _gains(ids: Any, Y_test: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.maximum(gains, 0), n_rel, ideal
 
 
-def evaluate(ids: Any, Y_test: Any, ks: Iterable[int] = (10, 100)) -> dict[str, float]:
-    """Recall@k, nDCG@k and MRR@k for each k, averaged over queries with a relevant document.
+def evaluate(ids: Any, Y_test: Any, ks: Iterable[int] = (10, 100),
+             count_empty: bool = False) -> dict[str, float]:
+    """Recall@k, nDCG@k and MRR@k for each k, averaged over the queries.
 
-    ids: (B, K) ranked document ids (-1 padded); Y_test: (B x n) relevance (graded gains for
-    nDCG). Returns {"recall@10": ..., "ndcg@10": ..., "mrr@10": ..., ..., "n_queries": int,
-    "n_skipped": int}.
+    ids: (B, K) ranked document ids (-1 padded), K >= every k; Y_test: (B x n) relevance
+    (graded gains for nDCG). Queries without a relevant document are skipped, or with
+    ``count_empty`` counted as 0. Returns {"recall@10": ..., "ndcg@10": ..., "mrr@10": ...,
+    ..., "n_queries": averaged over, "n_skipped": left out, "n_empty": without a relevant
+    document}.
     """
     ks = _check_ks(ks)
     gains, n_rel, ideal = _gains(ids, Y_test)
+    width = gains.shape[1]
+    if max(ks) > width:
+        raise InputError(f"ids have {width} ranks per query, fewer than k = {max(ks)}: "
+                         f"@{max(ks)} metrics need a search with topk >= {max(ks)}")
     keep = n_rel > 0
-    out: dict[str, float] = {"n_queries": int(keep.sum()), "n_skipped": int((~keep).sum())}
-    if out["n_skipped"]:
-        log.info("metrics: %d of %d queries have no relevant document and are skipped",
-                 out["n_skipped"], keep.size)
+    n_empty = int((~keep).sum())
+    out: dict[str, float] = {"n_queries": int(keep.size if count_empty else keep.sum()),
+                             "n_skipped": 0 if count_empty else n_empty, "n_empty": n_empty}
+    if n_empty:
+        log.info("metrics: %d of %d queries have no relevant document and are %s", n_empty,
+                 keep.size, "counted as 0" if count_empty else "skipped")
     g, nr, ideal = gains[keep], n_rel[keep], ideal[keep]
-    discount = 1.0 / np.log2(np.arange(2, gains.shape[1] + 2))
+    discount = 1.0 / np.log2(np.arange(2, width + 2))
     hit = g > 0
+    denom = out["n_queries"]
     for k in ks:
         if not keep.any():
             out.update({f"recall@{k}": 0.0, f"ndcg@{k}": 0.0, f"mrr@{k}": 0.0})
             continue
-        out[f"recall@{k}"] = float(np.mean(hit[:, :k].sum(1) / nr))
-        dcg = (g[:, :k] * discount[:g[:, :k].shape[1]]).sum(1)
+        out[f"recall@{k}"] = float(np.sum(hit[:, :k].sum(1) / nr) / denom)
+        dcg = (g[:, :k] * discount[:k]).sum(1)
         ideal_k = ideal[:, :k]
         idcg = (ideal_k * (1.0 / np.log2(np.arange(2, ideal_k.shape[1] + 2)))).sum(1)
-        out[f"ndcg@{k}"] = float(np.mean(dcg / idcg))
+        out[f"ndcg@{k}"] = float(np.sum(dcg / idcg) / denom)
         first_hit = np.where(hit[:, :k].any(1), hit[:, :k].argmax(1) + 1, np.inf)
-        out[f"mrr@{k}"] = float(np.mean(1.0 / first_hit))
+        out[f"mrr@{k}"] = float(np.sum(1.0 / first_hit) / denom)
     return out
 
 

@@ -159,3 +159,70 @@ def test_beir_null_text_and_title(tmp_path):
         f.write(json.dumps({"_id": "nulls", "title": None, "text": None}) + "\n")
     ds = load_beir(root)
     assert ds.corpus_texts[ds.doc_index["nulls"]] == ""
+
+
+# -- clear errors and the qrels defaults ----------------------------------------------------
+
+@pytest.mark.parametrize("name", ["corpus.jsonl", "queries.jsonl", "qrels/train.tsv"])
+def test_a_non_utf8_byte_names_file_and_line(beir, name):
+    path = beir / name
+    n = sum(1 for _ in open(path, "rb"))
+    with open(path, "ab") as f:  # Latin-1 "café"
+        f.write(b'{"_id": "zz", "text": "caf\xe9"}\n' if name.endswith("jsonl")
+                else b"tr0_0\td0_0\t1 caf\xe9\n")
+    with pytest.raises(InputError, match=r"not valid UTF-8 \(byte 0xe9") as err:
+        load_beir(beir).qrels("train")
+    assert f"{path}:{n + 1}" in str(err.value)
+
+
+def test_a_utf8_bom_is_accepted(beir):
+    path = beir / "queries.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_beir(beir).query_ids[0] == json.loads(path.read_text("utf-8-sig")
+                                                      .splitlines()[0])["_id"]
+
+
+def test_qrels_are_graded_by_default_and_binary_on_request(beir):
+    ds = load_beir(beir)
+    rows, graded = ds.qrels("test")
+    rows_b, binary = ds.qrels("test", binary=True)
+    assert np.array_equal(rows, rows_b)
+    assert set(np.unique(graded.csr.data)) == {1.0, 2.0}  # write_beir grades the test split
+    assert set(np.unique(binary.csr.data)) == {1.0}
+    assert (graded.csr != 0).toarray().tolist() == (binary.csr != 0).toarray().tolist()
+
+
+def test_keep_empty_keeps_judged_queries_without_a_relevant_document(beir):
+    ds = load_beir(beir)
+    test_ids = sorted({line.split("\t")[0] for line in
+                       (beir / "qrels" / "test.tsv").read_text().splitlines()[1:]})
+    with open(beir / "qrels" / "test.tsv", "a") as f:  # a judged query, all grades below 1
+        f.write(f"tr0_0\td0_0\t0\n")
+    rows, y = ds.qrels("test")
+    assert [ds.query_ids[r] for r in rows] == sorted(test_ids, key=ds.query_ids.index)
+    rows_e, y_e = ds.qrels("test", keep_empty=True)
+    assert ds.query_index["tr0_0"] in rows_e and rows_e.size == rows.size + 1
+    empty = int(np.searchsorted(rows_e, ds.query_index["tr0_0"]))
+    assert y_e.csr[empty].nnz == 0
+    keep = np.delete(np.arange(rows_e.size), empty)
+    assert (y_e.csr[keep] != y.csr).nnz == 0
+
+
+@pytest.mark.parametrize("content,match", [
+    (b"0.1 0.2\n0.3 0.4\n", "corpus.npy is not a .npy file .*looks like text"),
+    ("truncate", "corpus.npy is truncated"),
+    ("objects", "corpus.npy holds Python objects"),
+])
+def test_bad_embeddings_files_are_named(beir, content, match):
+    from textdata import write_embeddings
+
+    write_embeddings(beir, "e")
+    path = beir / "embeddings" / "e" / "corpus.npy"
+    if content == "truncate":
+        path.write_bytes(path.read_bytes()[:-100])
+    elif content == "objects":
+        np.save(path, np.array([None] * 30, dtype=object), allow_pickle=True)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(ValueError, match=match):
+        load_beir(beir).embeddings("e")

@@ -63,3 +63,28 @@ def test_metric_ids_must_be_integers_and_padding_is_minus_one():
     with pytest.raises(ValueError, match="-1 marks padding"):
         pg.recall_at_k(np.array([[-2, 1]]), Y, ks=(2,))
     assert pg.recall_at_k(np.array([[1.0, -1.0]]), Y, ks=(1,)) == {1: 1.0}
+
+
+def test_k_beyond_the_ranks_is_an_error_not_a_smaller_k():
+    ids, Y = random_case(2, K=10)
+    with pytest.raises(ValueError, match="10 ranks per query, fewer than k = 100"):
+        pg.recall_at_k(ids, Y, ks=(100,))
+    with pytest.raises(ValueError, match="topk >= 20"):
+        pg.evaluate(ids, Y, ks=(10, 20))
+    assert pg.recall_at_k(ids, Y, ks=(10,))[10] == pytest.approx(ref.recall(ids, Y, 10))
+
+
+@pytest.mark.parametrize("graded", [False, True])
+def test_count_empty_counts_queries_without_relevant_documents_as_zero(graded):
+    ids, Y = random_case(3, graded=graded)              # 3 of 30 queries have no relevant doc
+    skip = pg.evaluate(ids, Y, ks=(1, 5, 20))
+    zero = pg.evaluate(ids, Y, ks=(1, 5, 20), count_empty=True)
+    assert (skip["n_queries"], skip["n_skipped"], skip["n_empty"]) == (27, 3, 3)
+    assert (zero["n_queries"], zero["n_skipped"], zero["n_empty"]) == (30, 0, 3)
+    for k in (1, 5, 20):  # the same per-query values summed, divided by all 30 queries
+        for name, fn in (("recall", ref.recall), ("ndcg", ref.ndcg), ("mrr", ref.mrr)):
+            assert zero[f"{name}@{k}"] == pytest.approx(fn(ids, Y, k) * 27 / 30)
+            assert skip[f"{name}@{k}"] == pytest.approx(fn(ids, Y, k))
+    empty = sp.csr_matrix((2, 50))
+    res = pg.evaluate(np.zeros((2, 1), int), empty, ks=(1,), count_empty=True)
+    assert res["recall@1"] == 0.0 and res["n_queries"] == 2 and res["n_empty"] == 2
