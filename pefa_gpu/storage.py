@@ -531,6 +531,22 @@ def _remove_stale(root: Path, name: str, keep: str | None) -> None:
             log.warning("could not remove %s left by an earlier save: %s", root / entry, exc)
 
 
+def check_save_target(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> Path:
+    """Check, before any work, that :func:`writing_save` could write to ``target``: what it
+    would refuse raises :class:`InputError` here, and so does a folder without write access.
+    Returns the real folder."""
+    root = _save_root(target)
+    _current_data(root, name, fmt)
+    folder = root
+    while not os.path.exists(folder) and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"cannot save to {target}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"cannot save to {target}: no write permission in {folder}")
+    return root
+
+
 class PendingSave:
     """A save being written by :func:`writing_save`: put files into ``data``, then
     :meth:`commit`."""
@@ -622,6 +638,8 @@ def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:
             first.setdefault(key, root / rel)
             continue
         dup = root / rel
+        if os.path.samefile(first[key], dup):  # linked already (rename would keep the spare)
+            continue
         spare = dup.with_name(dup.name + ".link")
         try:
             os.link(first[key], spare)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -9,10 +10,10 @@ import pytest
 import scipy.sparse as sp
 
 import pefa_gpu as pg
-from pefa_gpu.cli import main
+from pefa_gpu.cli import load_build, main
 from textdata import BowEncoder, bow_unit, write_beir, write_embeddings
 
-ROW_KEYS = {"method", "lam", "k", "recall@10", "recall@100", "ndcg@10"}
+ROW_KEYS = {"method", "lam", "k", "recall@10", "recall@100", "ndcg@10", "mrr@10"}
 
 
 @pytest.fixture
@@ -58,8 +59,9 @@ def test_eval_json_schema_and_independent_numbers(data, tmp_path, capsys):
                "--candidates", "30", "--device", "cpu", "--json", out_json, "--quiet")
     assert "| ERM |" in out.out and "| XS | 0.4 |" in out.out and "| XL | 0.4 | 4 |" in out.out
     res = json.loads(out_json.read_text())
-    assert set(res) == {"dataset", "n_test_queries", "results"}
-    assert res["dataset"] == "toy" and res["n_test_queries"] == 18
+    assert set(res) == {"dataset", "n_test_queries", "n_skipped", "n_empty", "count_empty",
+                        "min_score", "gains", "results"}
+    assert res["dataset"] == "toy" and res["n_test_queries"] == 18 and res["n_skipped"] == 0
     assert [r["method"] for r in res["results"]] == ["erm", "xs", "xl"]
     for r in res["results"]:
         assert set(r) == ROW_KEYS
@@ -161,23 +163,28 @@ def test_build_and_search(data, tmp_path, capsys):
          "30", "--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c",
          "--device", "cpu", "--out", model_dir, "-q")
     info = json.loads((model_dir / "pefa_build.json").read_text())
-    assert info["method"] == "xl" and info["encoder"] == "textdata:BowEncoder"
+    assert info["method"] == "xl"
+    assert info["encoder"] == {"kind": "callable", "name": "textdata:BowEncoder"}
     ds = pg.load_beir(data)
     text = ds.corpus_texts[5]
     out_tsv = tmp_path / "r.tsv"
     _run(capsys, "search", model_dir, text, "another query", "--topk", "3", "--device", "cpu",
-         "--cache-dir", tmp_path / "c", "--out", out_tsv, "-q")
+         "--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c", "--out", out_tsv, "-q")
     lines = out_tsv.read_text().splitlines()
     assert lines[0] == "query_id\trank\tdoc_id\tscore" and len(lines) == 1 + 2 * 3
-    model = pg.load(model_dir / "model", device="cpu")
+    model, doc_ids, _ = load_build(model_dir, device="cpu")
+    assert doc_ids == ds.corpus_ids
     q = bow_unit([text, "another query"]).astype(np.float32)
     s, i = model.search(q, 3)
-    expect = [f"{b}\t{r + 1}\t{ds.corpus_ids[int(i[b, r])]}" for b in range(2) for r in range(3)]
+    qids = ["q-" + hashlib.sha256(t.encode()).hexdigest()[:10] for t in (text, "another query")]
+    expect = [f"{qids[b]}\t{r + 1}\t{ds.corpus_ids[int(i[b, r])]}" for b in range(2)
+              for r in range(3)]
     assert [l.rsplit("\t", 1)[0] for l in lines[1:]] == expect
     qfile = tmp_path / "q.jsonl"
     qfile.write_text(json.dumps({"_id": "x1", "text": text}) + "\n")
     out = _run(capsys, "search", model_dir, "--queries", qfile, "--format", "json",
-               "--topk", "2", "--device", "cpu", "--cache-dir", tmp_path / "c", "-q")
+               "--topk", "2", "--device", "cpu", "--cache-dir", tmp_path / "c",
+               "--model", "textdata:BowEncoder", "-q")
     res = json.loads(out.out)
     assert res[0]["query_id"] == "x1" and len(res[0]["results"]) == 2
     assert set(res[0]["results"][0]) == {"rank", "doc_id", "score"}
@@ -186,7 +193,7 @@ def test_build_and_search(data, tmp_path, capsys):
 def test_build_erm_with_precomputed_embeddings(data, tmp_path, capsys):
     _run(capsys, "build", data, "--method", "erm", "--embeddings", "bow", "--device", "cpu",
          "--out", tmp_path / "m", "-q")
-    assert pg.load(tmp_path / "m" / "model", device="cpu").n_docs == 36
+    assert load_build(tmp_path / "m", device="cpu")[0].n_docs == 36
 
 
 def test_errors_are_reported(data, tmp_path, capsys):

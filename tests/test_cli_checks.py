@@ -1,0 +1,355 @@
+"""The command line's hardening: a build folder is data, outputs go only to regular files and
+are checked first, every argument mistake is caught before data is read, and the output says
+what it counted (skipped queries, graded gains, MRR, TREC runs)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pefa_gpu as pg
+from pefa_gpu import storage
+from pefa_gpu.cli import load_build, main
+from textdata import bow_unit, write_beir, write_embeddings
+
+
+@pytest.fixture
+def data(tmp_path):
+    root = write_beir(tmp_path / "toy", n_topics=5, docs_per_topic=5, train_per_doc=2, seed=5,
+                      mismatch=True)
+    write_embeddings(root, "bow")
+    return root
+
+
+def run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def ok(capsys, *argv):
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    return out
+
+
+@pytest.fixture
+def built(data, tmp_path, capsys):
+    """An XS build made with the callable test encoder (cached in tmp_path / 'c')."""
+    out = tmp_path / "build"
+    ok(capsys, "build", data, "--method", "xs", "--model", "textdata:BowEncoder",
+       "--cache-dir", tmp_path / "c", "--device", "cpu", "--out", out, "-q")
+    return out
+
+
+def resign(path: Path, edit) -> None:
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    if "manifest_sha256" in manifest:
+        manifest["manifest_sha256"] = storage.manifest_checksum(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def flatten(save: Path, manifest_name: str) -> None:
+    """Rewrite a save in the flat, unchecked layout of format_version 1."""
+    manifest = json.loads((save / manifest_name).read_text())
+    if "data" not in manifest:
+        return  # flat already
+    folder = save / manifest.pop("data")
+    manifest.pop("manifest_sha256")
+    for entry in folder.iterdir():
+        if entry.name != ".pefa-data":
+            entry.rename(save / entry.name)
+    shutil.rmtree(folder)
+    (save / manifest_name).write_text(json.dumps({**manifest, "format_version": 1}))
+
+
+def legacy_build(build: Path, **changes) -> None:
+    """A build as `pefa-gpu build` wrote it before (format_version 1, a bare encoder string)."""
+    flatten(build, "pefa_build.json")
+    flatten(build / "model", "manifest.json")
+    info = json.loads((build / "pefa_build.json").read_text())
+    info.pop("files", None)
+    info.update(changes)
+    (build / "pefa_build.json").write_text(json.dumps(info))
+
+
+# ---------------------------------------------------------------------------- item 1: no code
+
+SIDE_EFFECT = """
+from pathlib import Path
+Path(__file__).with_name("IMPORTED").write_text("the build folder ran code")
+def shell(texts):
+    Path(__file__).with_name("CALLED").write_text(repr(texts))
+    raise SystemExit(0)
+"""
+
+
+def test_a_build_folder_never_makes_search_import_code(built, tmp_path, capsys, monkeypatch):
+    (tmp_path / "evilmod.py").write_text(SIDE_EFFECT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    legacy_build(built, encoder="evilmod:shell")
+    code, _, err = run(capsys, "search", built, "a query", "--device", "cpu", "-q")
+    assert code == 2 and "pass --model to search from text" in err
+    assert not (tmp_path / "IMPORTED").exists() and not (tmp_path / "CALLED").exists()
+
+
+def test_a_callable_encoder_must_be_given_again(built, tmp_path, capsys):
+    info = json.loads((built / "pefa_build.json").read_text())
+    assert info["encoder"] == {"kind": "callable", "name": "textdata:BowEncoder"}
+    code, _, err = run(capsys, "search", built, "a query", "--device", "cpu", "-q")
+    assert code == 2 and "pass --model 'textdata:BowEncoder' again" in err
+    ok(capsys, "search", built, "a query", "--model", "textdata:BowEncoder", "--device", "cpu",
+       "--cache-dir", tmp_path / "c", "-q")
+
+
+def test_an_edited_encoder_record_is_refused(built, capsys):
+    path = built / "pefa_build.json"
+    resign(path, lambda m: m.update(encoder={"kind": "hub", "name": "os:system"}))
+    code, _, err = run(capsys, "search", built, "q", "--device", "cpu", "-q")
+    assert code == 2 and "'os:system' is not a hub model name" in err
+    info = json.loads(path.read_text())
+    info["encoder"] = {"kind": "default", "name": "x"}  # not re-signed
+    path.write_text(json.dumps(info))
+    code, _, err = run(capsys, "search", built, "q", "--device", "cpu", "-q")
+    assert code == 2 and "changed after it was written" in err
+
+
+# ---------------------------------------------------------------------------- item 13: encoder
+
+def test_precomputed_embeddings_need_an_encoder_to_search_from_text(data, tmp_path, capsys,
+                                                                    monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "b"
+    ok(capsys, "build", data, "--method", "erm", "--embeddings", "bow", "--device", "cpu",
+       "--out", out, "-q")
+    info = json.loads((out / "pefa_build.json").read_text())
+    assert info["encoder"] == {"kind": "precomputed", "name": "bow"}
+    code, _, err = run(capsys, "search", out, "a query", "--device", "cpu", "-q")
+    assert code == 2 and "precomputed embeddings 'bow'" in err and "pass --model" in err
+    text = ok(capsys, "search", out, "a query", "--model", "textdata:BowEncoder", "--device",
+              "cpu", "--no-cache", "-q")
+    assert len(text.splitlines()) == 1 + 10
+
+
+# ---------------------------------------------------------------------------- items 6 and 7
+
+def test_a_failed_rebuild_keeps_the_previous_build(built, data, tmp_path, capsys, monkeypatch):
+    before = load_build(built, device="cpu")
+    real = pg.PEFAXS.save
+
+    def failing(self, directory):
+        real(self, directory)
+        raise OSError(28, "No space left on device (simulated)")
+
+    monkeypatch.setattr(pg.PEFAXS, "save", failing)
+    code, _, err = run(capsys, "build", data, "--method", "xs", "--lam", "0.9", "--embeddings",
+                       "bow", "--device", "cpu", "--out", built, "-q")
+    assert code == 1 and "No space left" in err and "nothing was replaced" in err
+    monkeypatch.undo()
+    model, doc_ids, info = load_build(built, device="cpu")
+    assert model.params.lam == before[0].params.lam == 0.5 and doc_ids == before[1]
+    assert info["encoder"]["kind"] == "callable"
+
+
+def test_build_never_touches_a_users_files(data, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "doc_ids.json").write_text("my own list")
+    code, _, err = run(capsys, "build", data, "--method", "erm", "--embeddings", "bow",
+                       "--device", "cpu", "--out", out, "-q")
+    assert code == 2 and "not a pefa-gpu-build save" in err
+    assert (out / "doc_ids.json").read_text() == "my own list"
+    ok(capsys, "build", data, "--method", "erm", "--embeddings", "bow", "--device", "cpu",
+       "--out", tmp_path / "b", "-q")
+    (tmp_path / "b" / "README").write_text("notes")  # kept when the build is replaced
+    ok(capsys, "build", data, "--method", "xs", "--embeddings", "bow", "--device", "cpu",
+       "--out", tmp_path / "b", "-q")
+    assert (tmp_path / "b" / "README").read_text() == "notes"
+    assert type(load_build(tmp_path / "b", device="cpu")[0]) is pg.PEFAXS
+
+
+@pytest.mark.parametrize("field,value", [("model", "../elsewhere"), ("model", "/abs/model"),
+                                         ("doc_ids", "../ids.json")])
+def test_legacy_build_paths_must_stay_inside(built, tmp_path, field, value, capsys):
+    legacy_build(built, encoder="all-MiniLM-L6-v2")
+    load_build(built, device="cpu")  # format 1 builds still load
+    shutil.copytree(built / "model", tmp_path / "elsewhere")
+    shutil.copy(built / "doc_ids.json", tmp_path / "ids.json")
+    info = json.loads((built / "pefa_build.json").read_text())
+    (built / "pefa_build.json").write_text(json.dumps({**info, field: value}))
+    with pytest.raises(pg.FormatError, match="unsafe path"):
+        load_build(built, device="cpu")
+
+
+@pytest.mark.parametrize("content,match", [
+    ("[1, 2", "is not a document id list"), ('{"ids": []}', "is not a document id list"),
+    ('{"doc_ids": [1, 2]}', "must be a list of strings"),
+    ('{"doc_ids": ["a", "a"]}', "not unique")])
+def test_a_malformed_doc_ids_file_is_named(built, content, match):
+    legacy_build(built, encoder="all-MiniLM-L6-v2")
+    (built / "doc_ids.json").write_text(content)
+    with pytest.raises(pg.FormatError, match=f"doc_ids.json.*{match}|{match}"):
+        load_build(built, device="cpu")
+
+
+# ---------------------------------------------------------------------------- item 3: outputs
+
+def test_outputs_are_checked_before_any_work_and_never_replace_links(tmp_path, capsys):
+    target = tmp_path / "real.json"
+    target.write_text("keep")
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "adir").mkdir()
+    cases = [(link, "is a symbolic link"), (tmp_path / "adir", "is a directory"),
+             (tmp_path / "afile" / "out.json", "is a file, not a folder")]
+    if os.path.exists("/dev/null"):
+        cases.append((Path("/dev/null"), "not a regular file"))
+    for path, match in cases:
+        # the data folder does not exist: the output is checked first
+        code, _, err = run(capsys, "eval", tmp_path / "no-data", "--json", path, "-q")
+        assert code == 2 and match in err, err
+    assert link.is_symlink() and target.read_text() == "keep"
+    code, _, err = run(capsys, "sweep", tmp_path / "no-data", "--plot", link, "-q")
+    assert code == 2 and "--plot" in err and "symbolic link" in err
+    code, _, err = run(capsys, "search", tmp_path / "no-build", "q", "--out", tmp_path / "adir")
+    assert code == 2 and "--out" in err and "is a directory" in err
+
+
+def test_json_output_replaces_a_regular_file_atomically_keeping_its_mode(data, tmp_path, capsys):
+    out = tmp_path / "res.json"
+    out.write_text("old")
+    os.chmod(out, 0o640)
+    ok(capsys, "eval", data, "--embeddings", "bow", "--methods", "erm", "--device", "cpu",
+       "--json", out, "-q")
+    assert json.loads(out.read_text())["results"][0]["method"] == "erm"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json", "toy"]
+
+
+# ---------------------------------------------------------------------------- item 18: arguments
+
+@pytest.mark.parametrize("cmd", ["eval", "sweep", "tune", "build"])
+def test_lam_has_one_rule_and_message_checked_before_data(cmd, tmp_path, capsys):
+    extra = ["--out", tmp_path / "o"] if cmd == "build" else []
+    with pytest.raises(SystemExit) as e:
+        main([cmd, str(tmp_path / "no-data"), "--lam", "1.5", *map(str, extra)])
+    assert e.value.code == 2
+    assert "argument --lam: λ must lie in [0, 1], got '1.5'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--threads", "-1"], "argument --threads: must be a positive integer"),
+    (["--threads", "0"], "argument --threads: must be a positive integer"),
+    (["--batch-size", "0"], "argument --batch-size: must be a positive integer"),
+    (["--candidates", "0"], "argument --candidates: must be a positive integer"),
+])
+def test_counts_must_be_positive(argv, match, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["eval", str(tmp_path), *argv])
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["eval", "--methods", "erm", "--lam", "0.3"], "--lam has no effect with --methods erm"),
+    (["eval", "--methods", "erm,xs", "--k", "8"], "--k has no effect with --methods erm,xs"),
+    (["sweep", "--methods", "xs", "--candidates", "50"], "--candidates has no effect"),
+    (["tune", "--methods", "erm", "--no-augment"], "--no-augment has no effect"),
+    (["tune", "--val-fraction", "1"], "--val-fraction must lie strictly between 0 and 1"),
+    (["build", "--method", "erm", "--lam", "0.5", "--out", "X"], "--lam has no effect with "
+                                                                 "--method erm"),
+    (["build", "--method", "xs", "--k", "4", "--out", "X"], "--k has no effect"),
+    (["build", "--method", "xl", "--seed", "3", "--out", "X"], "--seed has no effect"),
+    (["eval", "--model", "m", "--embeddings", "e"], "either --embeddings"),
+])
+def test_options_that_do_nothing_are_refused_before_data(argv, match, tmp_path, capsys):
+    code, _, err = run(capsys, argv[0], tmp_path / "no-data", *argv[1:])
+    assert code == 2 and match in err and "is not a directory" not in err
+
+
+def test_search_argument_errors(tmp_path, capsys):
+    code, _, err = run(capsys, "search", tmp_path)
+    assert code == 2 and "no queries" in err
+    code, _, err = run(capsys, "search", tmp_path, "q", "--tag", "run1")
+    assert code == 2 and "--tag names a TREC run" in err
+    code, _, err = run(capsys, "search", tmp_path, "q", "--format", "trec", "--tag", "a b")
+    assert code == 2 and "one word" in err
+
+
+def test_build_help_describes_build(capsys):
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    text = capsys.readouterr().out
+    assert "Nothing is evaluated" in text and "--split" not in text
+    assert "--count-empty" not in text and "λ in [0, 1]" in text
+
+
+# ---------------------------------------------------------------------------- items 14-16: output
+
+def test_eval_reports_skipped_queries_and_count_empty_counts_them(tmp_path, capsys):
+    root = write_beir(tmp_path / "d", n_topics=4, docs_per_topic=4, seed=9)
+    with open(root / "queries.jsonl", "a") as f:
+        f.write(json.dumps({"_id": "lonely", "text": "nothing relevant"}) + "\n")
+    write_embeddings(root, "bow")
+    with open(root / "qrels" / "test.tsv", "a") as f:
+        f.write("lonely\td0_0\t0\n")
+    argv = ["eval", root, "--embeddings", "bow", "--methods", "erm", "--device", "cpu", "-q"]
+    out = ok(capsys, *argv, "--json", tmp_path / "a.json")
+    assert "1 without a relevant document skipped; --count-empty counts them as 0" in out
+    assert "nDCG gains: the qrels grades" in out and "| mrr@10 |" in out
+    skip = json.loads((tmp_path / "a.json").read_text())
+    out = ok(capsys, *argv, "--count-empty", "--json", tmp_path / "b.json")
+    assert "1 without a relevant document counted as 0" in out
+    zero = json.loads((tmp_path / "b.json").read_text())
+    assert (skip["n_test_queries"], skip["n_skipped"], skip["n_empty"]) == (12, 1, 1)
+    assert (zero["n_test_queries"], zero["n_skipped"], zero["count_empty"]) == (13, 0, True)
+    # independent: ERM top-100 of the bag-of-words vectors, recall averaged both ways
+    ds = pg.load_beir(root)
+    P, Qa = bow_unit(ds.corpus_texts), bow_unit(ds.query_texts)
+    lines = (root / "qrels" / "test.tsv").read_text().splitlines()[1:]
+    rel: dict[str, set] = {}
+    for line in lines:
+        q, d, g = line.split("\t")
+        rel.setdefault(q, set())
+        if float(g) >= 1:
+            rel[q].add(d)
+    recalls = []
+    for q, docs in rel.items():
+        scores = Qa[ds.query_index[q]] @ P.T
+        top = np.lexsort((np.arange(len(scores)), -scores))[:10]
+        recalls.append(len({ds.corpus_ids[i] for i in top} & docs) / len(docs) if docs else 0)
+    assert skip["results"][0]["recall@10"] == pytest.approx(sum(recalls) / 12, abs=1e-9)
+    assert zero["results"][0]["recall@10"] == pytest.approx(sum(recalls) / 13, abs=1e-9)
+
+
+def test_search_writes_trec_runs_with_stable_query_ids(built, tmp_path, capsys):
+    common = ["--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c", "--device",
+              "cpu", "--topk", "3", "-q"]
+    qfile = tmp_path / "q.txt"
+    qfile.write_text("second query\nfirst query\n")
+    ok(capsys, "search", built, "first query", "--queries", qfile, *common,
+       "--out", tmp_path / "run.trec", "--tag", "myrun")
+    lines = (tmp_path / "run.trec").read_text().splitlines()
+    qid = {t: "q-" + hashlib.sha256(t.encode()).hexdigest()[:10]
+           for t in ("first query", "second query")}
+    assert len(lines) == 2 * 3  # "first query" given twice is searched once
+    fields = [line.split(" ") for line in lines]
+    assert all(len(f) == 6 and f[1] == "Q0" and f[5] == "myrun" for f in fields)
+    assert [f[0] for f in fields] == [qid["first query"]] * 3 + [qid["second query"]] * 3
+    assert [int(f[3]) for f in fields] == [1, 2, 3, 1, 2, 3]
+    scores = [float(f[4]) for f in fields]
+    assert scores[:3] == sorted(scores[:3], reverse=True)
+    # the same ids in another run, whatever the order and the other queries
+    text = ok(capsys, "search", built, "unrelated", "second query", *common, "--format", "trec")
+    assert [line.split(" ")[0] for line in text.splitlines()][3:] == [qid["second query"]] * 3
+    # equal to the TSV output's documents
+    tsv = ok(capsys, "search", built, "first query", *common)
+    assert [line.split("\t")[2] for line in tsv.splitlines()[1:]] == [f[2] for f in fields[:3]]
