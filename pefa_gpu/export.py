@@ -1,28 +1,38 @@
-"""HNSW export for CPU serving of a graph built on the device.
+"""HNSW export for CPU serving.
 
-``export_hnsw(vectors, path)`` builds a k-NN graph where the vectors live and writes a faiss
-``IndexHNSWCagra`` (base level only: one layer of 2M links per vector, searched from the best
-of a few random entry points) that a CPU-only machine opens with plain ``faiss.read_index``::
+``export_hnsw(vectors, path)`` builds an HNSW graph and writes a faiss index that a CPU-only
+machine opens with plain ``faiss.read_index``::
 
-    index = faiss.read_index("docs.faiss")      # IndexHNSWCagra, inner product
+    index = faiss.read_index("docs.faiss")      # inner product
     D, I = index.search(queries, 10)             # D: similarities, I: row ids
 
-The graph comes from one of two builders (``method``):
-- ``"cagra"``: faiss ``GpuIndexCagra`` on a CUDA device, copied with faiss' own ``copyTo``.
+The graph comes from one of three builders (``method``):
+- ``"hnsw"``: faiss' own HNSW builder on the CPU (``IndexHNSWFlat``, efConstruction 500 as
+  in the paper): approximate, O(n log n); the index faiss' users would build themselves.
+- ``"cagra"``: faiss ``GpuIndexCagra`` on a CUDA device, copied with faiss' own ``copyTo``
+  into an ``IndexHNSWCagra`` (base level only).
 - ``"knn"``: an exact top-(2M) graph computed in torch on the device (``ExactIndex``),
   made navigable CAGRA-style: each row keeps its M nearest neighbours, then up to M reverse
   edges (rows that list it among their M nearest, closest first), then further forward
-  neighbours to fill 2M slots. Written through faiss' Python API (levels, offsets, links).
-``"auto"`` takes ``"cagra"`` when faiss has GPU CAGRA and the device is CUDA, else ``"knn"``.
-The exact graph costs O(n^2 d) work (chunked, never an n x n matrix): fine on a GPU up to a
-few million rows, slow on a CPU beyond ~1e5.
+  neighbours to fill 2M slots; written as a base-level ``IndexHNSWCagra``. Exact work is
+  O(n^2 d) (chunked, never an n x n matrix): for GPUs without faiss CAGRA.
+``"auto"`` takes ``"cagra"`` on CUDA with faiss GPU CAGRA, ``"knn"`` on other CUDA devices and
+``"hnsw"`` on the CPU. A model whose index is already an ``hnsw`` backend index with the same M
+exports that index as it is (no build at all).
+
+Files are written atomically (a temporary file or folder next to the target, renamed onto
+it); a failed export leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -121,18 +131,27 @@ def hnsw_from_graph(vectors: Any, graph: Any, *, ef_search: int = 300,
 
 
 def build_hnsw(vectors: Any, *, M: int = 32, device: Any = None, method: str = "auto",
-               ef_search: int = 300, entrypoints: int = 32) -> Any:
-    """A CPU ``faiss.IndexHNSWCagra`` over ``vectors`` (n, d), its graph built on ``device``."""
+               ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32) -> Any:
+    """A CPU faiss HNSW index over ``vectors`` (n, d), inner product; the graph built by
+    ``method`` (see the module docstring) on ``device``."""
     check_positive(M, "M")
-    check_choice(method, "method", ("auto", "cagra", "knn"))
+    check_positive(ef_construction, "ef_construction")
+    check_choice(method, "method", ("auto", "hnsw", "cagra", "knn"))
     faiss = import_faiss()
     dev = resolve_device(device)
     if method == "auto":
-        method = ("cagra" if dev.type == "cuda" and faiss_has_gpu(faiss)
-                  and hasattr(faiss, "GpuIndexCagra") else "knn")
+        method = ("hnsw" if dev.type != "cuda" else
+                  "cagra" if faiss_has_gpu(faiss) and hasattr(faiss, "GpuIndexCagra") else "knn")
     n = int(as_tensor(vectors, name="vectors").shape[0])
     if n == 0:
         raise InputError("vectors are empty: nothing to export")
+    if method == "hnsw":
+        x = host_float32(vectors, "vectors")
+        index = faiss.IndexHNSWFlat(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = ef_construction
+        index.hnsw.efSearch = ef_search
+        index.add(x)
+        return index
     if method == "cagra":
         if dev.type != "cuda" or not hasattr(faiss, "GpuIndexCagra"):
             raise InputError("method='cagra' needs a CUDA device and faiss-gpu with cuVS")
@@ -154,17 +173,41 @@ def build_hnsw(vectors: Any, *, M: int = 32, device: Any = None, method: str = "
     return hnsw_from_graph(vectors, graph, ef_search=ef_search, entrypoints=entrypoints)
 
 
-def export_hnsw(vectors: Any, path: str | Path, **kwargs: Any) -> Path:
-    """Build with :func:`build_hnsw` and write the index to the file ``path``."""
+def export_hnsw(vectors: Any, path: str | Path, *, index: Any = None, **kwargs: Any) -> Path:
+    """Build with :func:`build_hnsw` and write the index to the file ``path`` (replacing a
+    regular file there atomically; links, folders and devices are refused before the build).
+
+    index: a pefa_gpu index over the same ``vectors``; when it is an ``hnsw`` backend index
+    with the requested M (default 32) and no method other than auto / hnsw is asked for, its
+    faiss graph is written as it is instead of building another.
+    """
+    from .storage import check_output_file, write_output_file
+
     faiss = import_faiss()
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise InputError(f"directory {path.parent} does not exist")
-    index = build_hnsw(vectors, **kwargs)
-    tmp = path.with_name(path.name + ".tmp")
-    faiss.write_index(index, str(tmp))
-    tmp.replace(path)
-    return path
+    check_output_file(path, "export path")
+    graph = _reusable_hnsw(index, kwargs)
+    if graph is None:
+        graph = build_hnsw(vectors, **kwargs)
+        return write_output_file(path, lambda tmp: faiss.write_index(graph, str(tmp)),
+                                 "export path")
+    ef = graph.hnsw.efSearch
+    graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; the index's own
+    try:                                                # searches pass theirs explicitly
+        return write_output_file(path, lambda tmp: faiss.write_index(graph, str(tmp)),
+                                 "export path")
+    finally:
+        graph.hnsw.efSearch = ef
+
+
+def _reusable_hnsw(index: Any, kwargs: dict[str, Any]) -> Any:
+    """The faiss HNSW graph of a pefa_gpu ``hnsw`` index that export may write as it is."""
+    graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
+        else None
+    if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw"):
+        return None
+    if graph.hnsw.nb_neighbors(1) != kwargs.get("M", 32):
+        return None
+    return graph
 
 
 def index_vectors(index: Any) -> torch.Tensor:
@@ -182,25 +225,58 @@ def export_model(model: Any, path: str | Path, **kwargs: Any) -> Path:
     a new directory with ``passages.faiss``, ``queries.faiss`` (the m training queries),
     ``relevance.npz`` (scipy CSR, rows x documents: the m training queries, then with
     augment_docs one identity row per document, whose neighbours come from ``passages.faiss``:
-    document j is row m + j) and ``export.json`` describing them."""
+    document j is row m + j) and ``export.json`` describing them. A model's ``hnsw`` indices
+    are written as they are (see :func:`export_hnsw`)."""
     from .models import PEFAXL, PEFAXS  # noqa: PLC0415 (models imports this module lazily)
 
     model._check_fitted()
     kwargs.setdefault("device", model.device)
     if isinstance(model, PEFAXS):
-        return export_hnsw(model.xs_embeddings(), path, **kwargs)
+        return export_hnsw(model.xs_embeddings(), path, index=model.index, **kwargs)
     if not isinstance(model, PEFAXL):
-        return export_hnsw(index_vectors(model.index), path, **kwargs)
+        return export_hnsw(index_vectors(model.index), path, index=model.index, **kwargs)
     import scipy.sparse as sp  # noqa: PLC0415
 
+    with _new_directory(path) as tmp:
+        export_hnsw(model.doc_embeddings, tmp / "passages.faiss", index=model.index, **kwargs)
+        export_hnsw(index_vectors(model.query_index), tmp / "queries.faiss",
+                    index=model.query_index, **kwargs)
+        sp.save_npz(tmp / "relevance.npz", model.relevance.csr)
+        (tmp / "export.json").write_text(json.dumps({
+            "model": "PEFAXL", "params": model.params.to_dict(), "n_docs": model.n_docs,
+            "dim": model.dim, "passages": "passages.faiss", "queries": "queries.faiss",
+            "relevance": "relevance.npz", "n_train_queries": model.n_train_queries,
+            "documents_are_queries": model.params.augment_docs}, indent=2) + "\n")
+    return Path(path)
+
+
+_EXPORT_MARKER = ".pefa-export-tmp"
+
+
+@contextlib.contextmanager
+def _new_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary folder next to ``path`` that becomes ``path`` (which must not exist)
+    when the block succeeds; on an error it is removed. Temporary folders of killed exports
+    (name ``.NAME.pefa-tmp-<hex>`` and a marker file) are removed first."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=False)
-    export_hnsw(model.doc_embeddings, path / "passages.faiss", **kwargs)
-    export_hnsw(index_vectors(model.query_index), path / "queries.faiss", **kwargs)
-    sp.save_npz(path / "relevance.npz", model.relevance.csr)
-    (path / "export.json").write_text(json.dumps({
-        "model": "PEFAXL", "params": model.params.to_dict(), "n_docs": model.n_docs,
-        "dim": model.dim, "passages": "passages.faiss", "queries": "queries.faiss",
-        "relevance": "relevance.npz", "n_train_queries": model.n_train_queries,
-        "documents_are_queries": model.params.augment_docs}, indent=2) + "\n")
-    return path
+    if os.path.lexists(path):
+        raise InputError(f"export path {path} exists; an export directory is always new: "
+                         f"choose another path or remove it")
+    if not path.parent.is_dir():
+        raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
+    prefix = f".{path.name}.pefa-tmp-"
+    for old in path.parent.glob(prefix + "*"):
+        if old.is_dir() and not old.is_symlink() and (old / _EXPORT_MARKER).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        (tmp / _EXPORT_MARKER).write_text("")
+        yield tmp
+        (tmp / _EXPORT_MARKER).unlink()
+        if os.path.lexists(path):
+            raise InputError(f"export path {path} appeared during the export; not replaced")
+        os.rename(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -537,14 +537,20 @@ def check_save_target(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT)
     Returns the real folder."""
     root = _save_root(target)
     _current_data(root, name, fmt)
-    folder = root
+    _check_writable_folder(root, f"cannot save to {target}")
+    return root
+
+
+def _check_writable_folder(path: Path, what: str) -> None:
+    """``path`` (a folder, existing or to be created) can be written: its nearest existing
+    ancestor is a folder we may write in."""
+    folder = path.absolute()
     while not os.path.exists(folder) and folder != folder.parent:
         folder = folder.parent
     if not folder.is_dir():
-        raise InputError(f"cannot save to {target}: {folder} is a file, not a folder")
+        raise InputError(f"{what}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"cannot save to {target}: no write permission in {folder}")
-    return root
+        raise InputError(f"{what}: no write permission in {folder}")
 
 
 class PendingSave:
@@ -668,13 +674,7 @@ def check_output_file(path: PathLike, what: str = "output") -> Path:
         if not stat.S_ISREG(mode):
             raise InputError(f"{what} {p} is not a regular file (a device, FIFO or socket); "
                              f"outputs replace only regular files")
-    folder = p.absolute().parent
-    while not os.path.exists(folder) and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise InputError(f"cannot write {what} {p}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"cannot write {what} {p}: no write permission in {folder}")
+    _check_writable_folder(p.absolute().parent, f"cannot write {what} {p}")
     return p
 
 

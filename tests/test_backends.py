@@ -310,13 +310,14 @@ def test_knn_graph_shape_and_edges():
     assert 11 in g[10] and 10 in g[11]
 
 
+@pytest.mark.parametrize("method,kind", [("auto", "IndexHNSWFlat"), ("knn", "IndexHNSWCagra")])
 @pytest.mark.parametrize("cls,kw", [(pg.ERM, {}), (pg.PEFAXS, {"lam": 0.5})])
-def test_export_hnsw_round_trip(cls, kw, tmp_path):
+def test_export_hnsw_round_trip(cls, kw, method, kind, tmp_path):
     p, q, y, t = model_data(13)
     model = cls(device="cpu", **kw).fit(*((p,) if cls is pg.ERM else (p, q, y)))
-    path = model.export_hnsw(tmp_path / "index.faiss", M=16)
+    path = model.export_hnsw(tmp_path / "index.faiss", M=16, method=method)
     index = faiss.read_index(str(path))
-    assert isinstance(index, faiss.IndexHNSWCagra) and index.ntotal == 800
+    assert isinstance(index, getattr(faiss, kind)) and index.ntotal == 800
     d, i = index.search(t, 10)
     s_ref, i_ref = model.search(t, 10)
     assert recall(i, i_ref.numpy()) >= 0.95
@@ -339,7 +340,7 @@ def test_export_hnsw_xl_directory_loads_in_a_plain_process(tmp_path):
     # queries.faiss holds the 400 training queries; documents are neighbours via passages.faiss
     assert res.stdout.split() == ["800", "400", "1", "1"]
     assert (out / "relevance.npz").is_file() and (out / "export.json").is_file()
-    with pytest.raises(FileExistsError):
+    with pytest.raises(InputError, match="exists"):
         model.export_hnsw(out)
 
 

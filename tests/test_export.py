@@ -1,0 +1,144 @@
+"""HNSW export: faiss' own builder on the CPU (no exact O(n^2) graph), a model's HNSW graph
+written as it is, paths checked before the build, and nothing left behind by a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import pefa_gpu as pg
+from pefa_gpu import export
+from pefa_gpu.errors import InputError
+from conftest import unit_rows
+
+faiss = pytest.importorskip("faiss")
+
+
+def clustered(seed, n=3000, d=32, m=300):
+    rng = np.random.default_rng(seed)
+    centres = unit_rows(rng, 40, d)
+    x = centres[rng.integers(0, 40, n)] + 0.35 * rng.standard_normal((n, d))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    q = x[rng.integers(0, n, m)] + 0.2 * rng.standard_normal((m, d)).astype(np.float32)
+    return x, (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+
+
+def recall(found, truth):
+    return np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(found, truth)])
+
+
+def exact_top(x, q, k):
+    s = q.astype(np.float64) @ x.astype(np.float64).T
+    return np.argsort(-s, axis=1, kind="stable")[:, :k]
+
+
+def test_cpu_export_uses_faiss_hnsw_builder_not_an_exact_graph(tmp_path, monkeypatch):
+    x, q = clustered(1, n=1500)
+
+    def no_exact_graph(*a, **k):
+        raise AssertionError("the CPU export built an exact k-NN graph")
+
+    monkeypatch.setattr(export, "knn_graph", no_exact_graph)
+    path = export.export_hnsw(x, tmp_path / "x.faiss", M=16, ef_search=64, device="cpu")
+    index = faiss.read_index(str(path))
+    assert isinstance(index, faiss.IndexHNSWFlat) and index.ntotal == len(x)
+    assert index.hnsw.efSearch == 64 and index.metric_type == faiss.METRIC_INNER_PRODUCT
+    # faiss' own index with the same settings, as a user would build it
+    ref = faiss.IndexHNSWFlat(x.shape[1], 16, faiss.METRIC_INNER_PRODUCT)
+    ref.hnsw.efConstruction = 500
+    ref.hnsw.efSearch = 64
+    ref.add(x)
+    truth = exact_top(x, q, 10)
+    r_export = recall(index.search(q, 10)[1], truth)
+    r_faiss = recall(ref.search(q, 10)[1], truth)
+    assert r_export >= r_faiss - 1e-9 and r_export >= 0.95
+
+
+def test_a_models_hnsw_graph_is_written_as_it_is(tmp_path, monkeypatch):
+    x, q = clustered(2, n=1500)
+    model = pg.ERM(device="cpu", backend="hnsw").fit(x)
+
+    def no_build(*a, **k):
+        raise AssertionError("rebuilt a graph the model already has")
+
+    monkeypatch.setattr(export, "build_hnsw", no_build)
+    path = model.export_hnsw(tmp_path / "erm.faiss", ef_search=128)
+    index = faiss.read_index(str(path))
+    assert index.hnsw.efSearch == 128 and model.index.faiss_index.hnsw.efSearch == 300
+    mine = model.index.faiss_index
+    params = faiss.SearchParametersHNSW()
+    params.efSearch = 128
+    assert np.array_equal(index.search(q, 10)[1], mine.search(q, 10, params=params)[1])
+    monkeypatch.undo()
+    # another M: a new graph
+    other = faiss.read_index(str(model.export_hnsw(tmp_path / "m16.faiss", M=16)))
+    assert other.hnsw.nb_neighbors(1) == 16
+
+
+def test_export_paths_are_checked_before_the_build(tmp_path, monkeypatch):
+    x, _ = clustered(3, n=200)
+    calls = []
+    monkeypatch.setattr(export, "build_hnsw", lambda *a, **k: calls.append(1))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "real").write_text("keep")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    for path, match in [(tmp_path / "dir", "is a directory"),
+                        (tmp_path / "link", "symbolic link"),
+                        (tmp_path / "real" / "x.faiss", "is a file, not a folder")]:
+        with pytest.raises(InputError, match=match):
+            export.export_hnsw(x, path, device="cpu")
+    assert calls == [] and (tmp_path / "real").read_text() == "keep"
+
+
+def test_a_failed_export_leaves_nothing_and_keeps_the_old_file(tmp_path, monkeypatch):
+    x, _ = clustered(4, n=300)
+    target = tmp_path / "x.faiss"
+    export.export_hnsw(x, target, M=8, device="cpu")
+    before = target.read_bytes()
+    real = faiss.write_index
+
+    def half_written(index, name):
+        real(index, name)
+        with open(name, "r+b") as f:
+            f.truncate(100)
+        raise RuntimeError("disk full (simulated)")
+
+    monkeypatch.setattr(faiss, "write_index", half_written)
+    with pytest.raises(RuntimeError, match="simulated"):
+        export.export_hnsw(x[:100], target, M=8, device="cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.faiss"]
+    assert target.read_bytes() == before
+
+
+def _xl(seed=5):
+    x, q = clustered(seed, n=400, m=60)
+    y = sp.csr_matrix((np.ones(60, np.float32), (np.arange(60), np.arange(60))), (60, 400))
+    return pg.PEFAXL(device="cpu", k=4, candidates=20).fit(x, q, y)
+
+
+def test_xl_export_directory_is_new_atomic_and_cleans_killed_exports(tmp_path, monkeypatch):
+    model = _xl()
+    killed = tmp_path / ".xl.pefa-tmp-0123456789ab"  # what a killed export leaves
+    killed.mkdir()
+    (killed / ".pefa-export-tmp").write_text("")
+    (killed / "passages.faiss").write_bytes(b"partial")
+    users = tmp_path / ".xl.pefa-tmp-mine"  # the same pattern without the marker: kept
+    users.mkdir()
+    monkeypatch.setattr(sp, "save_npz", lambda *a, **k: (_ for _ in ()).throw(
+        OSError(28, "No space left on device (simulated)")))
+    with pytest.raises(OSError, match="simulated"):
+        model.export_hnsw(tmp_path / "xl", M=8)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".xl.pefa-tmp-mine"]
+    out = model.export_hnsw(tmp_path / "xl", M=8)
+    assert sorted(p.name for p in out.iterdir()) == ["export.json", "passages.faiss",
+                                                     "queries.faiss", "relevance.npz"]
+    assert json.loads((out / "export.json").read_text())["n_docs"] == 400
+    with pytest.raises(InputError, match="exists"):
+        model.export_hnsw(tmp_path / "xl", M=8)
+    assert users.is_dir() and not killed.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".xl.pefa-tmp-mine", "xl"]
