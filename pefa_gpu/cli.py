@@ -20,7 +20,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,6 @@ from .errors import PefaError
 log = logging.getLogger("pefa_gpu")
 
 METRICS = ("recall@10", "recall@100", "ndcg@10", "mrr@10")
-BUILD_MANIFEST = "pefa_build.json"
-BUILD_FORMAT = "pefa-gpu-build"  # a build folder: storage's layout, this manifest and format
 SEARCH_FORMATS = ("tsv", "json", "trec")
 
 
@@ -304,6 +301,7 @@ def _check_args(args: argparse.Namespace) -> None:
         _refuse_unused(args, {"lam": m in ("xs", "xl"), "k": m == "xl",
                               "candidates": m in ("xl", "auto"), "no_augment": m != "erm",
                               "seed": m == "auto"}, f"--method {m}")
+        from .builds import BUILD_FORMAT, BUILD_MANIFEST
         from .storage import check_save_target
         check_save_target(args.out, BUILD_MANIFEST, BUILD_FORMAT)
     if cmd == "search":
@@ -650,6 +648,7 @@ def _erm():
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    from .builds import encoder_record, save_build
     from .sweep import Config
     from .tune import fit_config, tune
 
@@ -669,146 +668,30 @@ def cmd_build(args: argparse.Namespace) -> int:
         cfg = Config("xl", 0.1 if args.lam is None else args.lam, args.k or 16)
     model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device, **kw)
     save_build(model, args.out, data.doc_ids, {
-        "encoder": _encoder_record(args),
+        "encoder": encoder_record(args.model, args.embeddings),
         "dataset": data.name, "method": cfg.method, "lam": cfg.lam, "k": cfg.k,
         "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.n_pairs})
     print(f"built {cfg.label()} on {data.name} ({len(data.doc_ids)} documents) -> {args.out}")
     return 0
 
 
-# ------------------------------------------------------------------------------ build folders
-
-def save_build(model: Any, out: str | Path, doc_ids: Sequence[str], info: dict) -> Path:
-    """Write a build folder: ``pefa_build.json`` (``info``, the files table and checksum, as
-    storage's manifests) and a data folder with ``model/`` (``model.save``) and
-    ``doc_ids.json``. An earlier build at ``out`` is replaced only once this one is complete;
-    other files there are kept (see :func:`pefa_gpu.storage.writing_save`)."""
-    from .storage import writing_save
-
-    with writing_save(out, BUILD_MANIFEST, BUILD_FORMAT) as w:
-        model.save(w.data / "model")
-        (w.data / "doc_ids.json").write_text(json.dumps({"doc_ids": list(doc_ids)}) + "\n",
-                                             encoding="utf-8")
-        w.commit({**info, "model": "model", "doc_ids": "doc_ids.json"})
-    return Path(out)
-
-
-def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], dict]:
-    """(model, document ids, build info) from a folder written by ``pefa-gpu build``: every
-    file checked against the build's manifest, every path inside the folder."""
-    from .errors import FormatError
-    from .persist import load_model
-    from .storage import open_save, safe_path
-
-    root = Path(path)
-    marker = root / BUILD_MANIFEST
-    if not marker.is_file():
-        raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
-                          f"the build is incomplete or this is another kind of folder)")
-    if _legacy_build(marker):  # format_version 1: flat, no files table; paths still checked
-        info = json.loads(marker.read_text(encoding="utf-8"))
-        log.warning("%s is a build of format_version 1, without checksums; run `pefa-gpu "
-                    "build` again into a new folder to upgrade it", marker)
-        model_dir = safe_path(root, info.get("model"), marker, kind="dir")
-        ids_file = safe_path(root, info.get("doc_ids"), marker, kind="file")
-        model = load_model(model_dir, device=device)
-    else:
-        save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)  # hashes every file once
-        info = save.manifest
-        ids_file = save.file(info.get("doc_ids"))
-        model = load_model(save.folder(info.get("model")), device=device, verify=False)
-    doc_ids = _read_doc_ids(ids_file)
-    if len(doc_ids) != model.n_docs:
-        raise FormatError(f"{ids_file}: {len(doc_ids)} document ids for a model of "
-                          f"{model.n_docs} documents")
-    return model, doc_ids, info
-
-
-def _legacy_build(marker: Path) -> bool:
-    try:
-        info = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False  # open_save says what is wrong
-    return isinstance(info, dict) and info.get("format") == BUILD_FORMAT \
-        and info.get("format_version") == 1
-
-
-def _read_doc_ids(path: Path) -> list[str]:
-    from .errors import FormatError
-
-    try:
-        doc_ids = json.loads(path.read_text(encoding="utf-8"))["doc_ids"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{path} is not a document id list ({type(exc).__name__}: {exc}); "
-                          f'expected {{"doc_ids": ["id", ...]}}') from None
-    if not isinstance(doc_ids, list) or not all(isinstance(d, str) for d in doc_ids):
-        raise FormatError(f'{path}: "doc_ids" must be a list of strings')
-    if len(set(doc_ids)) != len(doc_ids):
-        raise FormatError(f"{path}: the document ids are not unique")
-    return doc_ids
-
-
-_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")
-
-
-def _encoder_record(args: argparse.Namespace) -> dict[str, str]:
-    """What made a build's embeddings: {"kind", "name"}, kind one of default, hub (a
-    sentence-transformers hub name), folder, callable (module:function), precomputed."""
-    from .encode import DEFAULT_MODEL, is_default_model
-
-    if args.embeddings:
-        return {"kind": "precomputed", "name": args.embeddings}
-    spec = args.model
-    if spec is None or is_default_model(spec):
-        return {"kind": "default", "name": DEFAULT_MODEL}
-    if Path(spec).exists():
-        return {"kind": "folder", "name": str(Path(spec).resolve())}
-    if ":" in spec:
-        return {"kind": "callable", "name": spec}
-    return {"kind": "hub", "name": spec}
-
-
-def _search_encoder(args: argparse.Namespace, info: dict, where: Path) -> Any:
-    """The encoder for ``search``: --model when given, else the build's record when it names
-    the default model or a hub name. A build folder never makes search import code or load a
-    folder: those, and precomputed embeddings, need --model."""
-    from .encode import is_default_model
-    from .errors import FormatError, InputError
-
-    record = info.get("encoder")
-    if isinstance(record, str):  # format_version 1 builds: a bare string
-        record = {"kind": "default" if is_default_model(record) else "unknown", "name": record}
-    if not isinstance(record, dict) or not isinstance(record.get("name"), str):
-        raise FormatError(f"{where}: no valid 'encoder' record (got {record!r})")
-    kind, name = record.get("kind"), record["name"]
-    if args.model:
-        if kind != "precomputed" and \
-                record != _encoder_record(argparse.Namespace(embeddings=None, model=args.model)):
-            log.warning("the build's embeddings came from %s %r; encoding the queries with "
-                        "--model %r", kind, name, args.model)
-        return resolve_model_arg(args.model)
-    if kind == "default":
-        return None
-    if kind == "hub":
-        if not _HUB_NAME.match(name) or ".." in name:
-            raise FormatError(f"{where}: encoder {name!r} is not a hub model name")
-        if Path(name).exists():
-            raise InputError(f"{where} names the hub model {name!r}, but a local path of that "
-                             f"name exists here; pass --model explicitly")
-        return name
-    if kind == "precomputed":
-        raise InputError(f"{where}: the build used precomputed embeddings {name!r} and does "
-                         f"not record which encoder made them; pass --model (e.g. --model "
-                         f"all-MiniLM-L6-v2 if that model made them) to search from text")
-    if kind in ("callable", "folder"):
-        raise InputError(f"{where}: the build was encoded with --model {name!r}; pass --model "
-                         f"{name!r} again (a build folder never names code to run or a folder "
-                         f"to load)")
-    raise InputError(f"{where}: the build names the encoder {name!r}, which may be a model or "
-                     f"the name of precomputed embeddings; pass --model to search from text")
-
-
 # ------------------------------------------------------------------------------ search
+
+def _search_encoder(args: argparse.Namespace, info: dict) -> Any:
+    """--model when given (with a warning when it differs from the build's record), else
+    what the build's record allows (see :func:`pefa_gpu.builds.encoder_from_record`)."""
+    from .builds import BUILD_MANIFEST, encoder_from_record, encoder_record
+
+    where = Path(args.model_dir) / BUILD_MANIFEST
+    if not args.model:
+        return encoder_from_record(info.get("encoder"), where)
+    record = info.get("encoder")
+    if isinstance(record, dict) and record.get("kind") != "precomputed" \
+            and record != encoder_record(args.model, None):
+        log.warning("the build's embeddings came from %s %r; encoding the queries with "
+                    "--model %r", record.get("kind"), record.get("name"), args.model)
+    return resolve_model_arg(args.model)
+
 
 def _query_id(text: str) -> str:
     """A stable id for a query given without one: the same text, the same id, in any run."""
@@ -904,12 +787,13 @@ def _format_results(fmt: str, queries: list[tuple[str, str]], scores: np.ndarray
 
 def cmd_search(args: argparse.Namespace) -> int:
     from .arrays import to_numpy
+    from .builds import load_build
     from .encode import encode
     from .storage import write_output_file
 
     queries = _queries(args)
     model, doc_ids, info = load_build(args.model_dir, device=args.device)
-    encoder = _search_encoder(args, info, Path(args.model_dir) / BUILD_MANIFEST)
+    encoder = _search_encoder(args, info)
     q = encode([t for _, t in queries], model=encoder,
                batch_size=args.batch_size, device=model.device, cache_dir=_cache_dir(args),
                show_progress=not args.quiet)

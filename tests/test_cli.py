@@ -10,7 +10,8 @@ import pytest
 import scipy.sparse as sp
 
 import pefa_gpu as pg
-from pefa_gpu.cli import load_build, main
+from pefa_gpu.builds import load_build
+from pefa_gpu.cli import main
 from textdata import BowEncoder, bow_unit, write_beir, write_embeddings
 
 ROW_KEYS = {"method", "lam", "k", "recall@10", "recall@100", "ndcg@10", "mrr@10"}

@@ -16,7 +16,8 @@ import pytest
 
 import pefa_gpu as pg
 from pefa_gpu import storage
-from pefa_gpu.cli import load_build, main
+from pefa_gpu.builds import load_build
+from pefa_gpu.cli import main
 from textdata import bow_unit, write_beir, write_embeddings
 
 

@@ -4,7 +4,6 @@ written as it is, paths checked before the build, and nothing left behind by a f
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest

@@ -1,0 +1,140 @@
+"""The folder ``pefa-gpu build`` writes and ``pefa-gpu search`` reads.
+
+A build folder is a save in :mod:`pefa_gpu.storage`'s layout with its own manifest::
+
+    pefa_build.json            format "pefa-gpu-build", dataset, method, λ, k, the encoder
+                               record, the files table and manifest_sha256
+    pefa-data-<16 hex>/
+        model/                 model.save() (a save of its own)
+        doc_ids.json           {"doc_ids": [...]}: the corpus ids of the model's rows
+
+The encoder record says what made the embeddings: ``{"kind", "name"}`` with kind ``default``
+(the offline all-MiniLM-L6-v2), ``hub`` (a sentence-transformers hub name), ``folder``,
+``callable`` (``module:function``) or ``precomputed`` (``--embeddings NAME``). A build folder
+is data: search loads the default model or a hub name from it, never code or a folder, which
+must be given again with ``--model``. Builds of format_version 1 (flat, no checksums, the
+encoder a bare string) still load, with their paths held inside the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+from .encode import DEFAULT_MODEL, is_default_model
+from .errors import FormatError, InputError
+from .storage import open_save, safe_path, writing_save
+
+log = logging.getLogger("pefa_gpu")
+
+BUILD_MANIFEST = "pefa_build.json"
+BUILD_FORMAT = "pefa-gpu-build"
+_HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")
+
+
+def save_build(model: Any, out: str | Path, doc_ids: Sequence[str], info: dict) -> Path:
+    """Write a build folder at ``out`` (``info``: the manifest's fields). An earlier build there
+    is replaced only once this one is complete; other files there are kept (see
+    :func:`pefa_gpu.storage.writing_save`)."""
+    with writing_save(out, BUILD_MANIFEST, BUILD_FORMAT) as w:
+        model.save(w.data / "model")
+        (w.data / "doc_ids.json").write_text(json.dumps({"doc_ids": list(doc_ids)}) + "\n",
+                                             encoding="utf-8")
+        w.commit({**info, "model": "model", "doc_ids": "doc_ids.json"})
+    return Path(out)
+
+
+def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], dict]:
+    """(model, document ids, build info) from a build folder: every file checked against the
+    build's manifest (hashed once), every path inside the folder."""
+    from .persist import load_model
+
+    root = Path(path)
+    marker = root / BUILD_MANIFEST
+    if not marker.is_file():
+        raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
+                          f"the build is incomplete or this is another kind of folder)")
+    if _legacy(marker):  # format_version 1: flat, no files table; paths still checked
+        info = json.loads(marker.read_text(encoding="utf-8"))
+        log.warning("%s is a build of format_version 1, without checksums; run `pefa-gpu "
+                    "build` again into a new folder to upgrade it", marker)
+        model_dir = safe_path(root, info.get("model"), marker, kind="dir")
+        ids_file = safe_path(root, info.get("doc_ids"), marker, kind="file")
+        model = load_model(model_dir, device=device)
+    else:
+        save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)
+        info = save.manifest
+        ids_file = save.file(info.get("doc_ids"))
+        model = load_model(save.folder(info.get("model")), device=device, verify=False)
+    doc_ids = _read_doc_ids(ids_file)
+    if len(doc_ids) != model.n_docs:
+        raise FormatError(f"{ids_file}: {len(doc_ids)} document ids for a model of "
+                          f"{model.n_docs} documents")
+    return model, doc_ids, info
+
+
+def _legacy(marker: Path) -> bool:
+    try:
+        info = json.loads(marker.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # open_save says what is wrong
+    return isinstance(info, dict) and info.get("format") == BUILD_FORMAT \
+        and info.get("format_version") == 1
+
+
+def _read_doc_ids(path: Path) -> list[str]:
+    try:
+        doc_ids = json.loads(path.read_text(encoding="utf-8"))["doc_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{path} is not a document id list ({type(exc).__name__}: {exc}); "
+                          f'expected {{"doc_ids": ["id", ...]}}') from None
+    if not isinstance(doc_ids, list) or not all(isinstance(d, str) for d in doc_ids):
+        raise FormatError(f'{path}: "doc_ids" must be a list of strings')
+    if len(set(doc_ids)) != len(doc_ids):
+        raise FormatError(f"{path}: the document ids are not unique")
+    return doc_ids
+
+
+def encoder_record(model: str | None, embeddings: str | None) -> dict[str, str]:
+    """What made a build's embeddings, from ``--model`` / ``--embeddings``."""
+    if embeddings:
+        return {"kind": "precomputed", "name": embeddings}
+    if model is None or is_default_model(model):
+        return {"kind": "default", "name": DEFAULT_MODEL}
+    if Path(model).exists():
+        return {"kind": "folder", "name": str(Path(model).resolve())}
+    if ":" in model:
+        return {"kind": "callable", "name": model}
+    return {"kind": "hub", "name": model}
+
+
+def encoder_from_record(record: Any, where: Path) -> str | None:
+    """The encoder search may take from a build's record: None (the default model) or a hub
+    name. Code, folders and precomputed embeddings raise InputError asking for --model."""
+    if isinstance(record, str):  # format_version 1 builds: a bare string
+        record = {"kind": "default" if is_default_model(record) else "unknown", "name": record}
+    if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+        raise FormatError(f"{where}: no valid 'encoder' record (got {record!r})")
+    kind, name = record.get("kind"), record["name"]
+    if kind == "default":
+        return None
+    if kind == "hub":
+        if not _HUB_NAME.match(name) or ".." in name:
+            raise FormatError(f"{where}: encoder {name!r} is not a hub model name")
+        if Path(name).exists():
+            raise InputError(f"{where} names the hub model {name!r}, but a local path of that "
+                             f"name exists here; pass --model explicitly")
+        return name
+    if kind == "precomputed":
+        raise InputError(f"{where}: the build used precomputed embeddings {name!r} and does "
+                         f"not record which encoder made them; pass --model (e.g. --model "
+                         f"all-MiniLM-L6-v2 if that model made them) to search from text")
+    if kind in ("callable", "folder"):
+        raise InputError(f"{where}: the build was encoded with --model {name!r}; pass --model "
+                         f"{name!r} again (a build folder never names code to run or a folder "
+                         f"to load)")
+    raise InputError(f"{where}: the build names the encoder {name!r}, which may be a model or "
+                     f"the name of precomputed embeddings; pass --model to search from text")
