@@ -12,7 +12,8 @@ from .encode import encode
 from .errors import FormatError, InputError, MissingDependencyError, PefaError
 from .index import Index, make_index
 from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
-from .models import ERM, PEFAXL, PEFAXS, ERMParams, XLParams, XSParams
+from .models import (ERM, PEFAXL, PEFAXS, ERMParams, ERMSearchParams, XLParams, XLSearchParams,
+                     XSParams, XSSearchParams)
 from .persist import load
 from .relevance import Relevance, as_relevance
 from .sweep import Config, SweepResult, sweep
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
+    "ERMSearchParams", "XSSearchParams", "XLSearchParams",
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
     "load", "Index", "make_index",

@@ -7,6 +7,13 @@ All share one shape::
 
 Embeddings are stored on ``device`` (default: CUDA when available) as torch tensors; results
 come back on that device.
+
+Build settings (``Params``: lam, k, ...; the backend's ``index_params``) are fixed by ``fit``.
+Search settings change per call without a refit: the model's own (PEFA-XL ``candidates``) and
+the backend's (HNSW ``ef_search``, IVF ``nprobe``, CAGRA ``itopk_size``, ...)::
+
+    xl = pg.PEFAXL(backend="hnsw", search_params={"candidates": 500, "ef_search": 300})
+    xl.search(queries, 10, params={"candidates": 300, "ef_search": 500})  # this call only
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from .arrays import (as_embeddings, as_tensor, check_positive_int, csr_tensors, 
                      to_numpy)
 from .errors import FormatError, InputError
 from .fuse import fuse_scores
-from .index import Index, make_index
+from .index import Index, backend_class, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
 from .relevance import Relevance, as_relevance
 
@@ -53,14 +60,13 @@ class XSParams(Params):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XLParams(Params):
-    """lam: weight of the ERM score. k: training-query neighbours. candidates: ERM candidates
-    (Kp). knn_norm: 'k' weighs a neighbour by s/k, 'none' by s. rescore: exact <q, p_j> for every
-    candidate (else 0 outside the ERM candidates). augment_docs: documents join the query index
-    as queries labelled with themselves."""
+    """lam: weight of the ERM score. k: training-query neighbours. knn_norm: 'k' weighs a
+    neighbour by s/k, 'none' by s. rescore: exact <q, p_j> for every candidate (else 0 outside
+    the ERM candidates). augment_docs: documents join the query index as queries labelled with
+    themselves."""
 
     lam: float = 0.1
     k: int = 16
-    candidates: int = 500
     knn_norm: str = "k"
     rescore: bool = True
     augment_docs: bool = True
@@ -68,45 +74,154 @@ class XLParams(Params):
     def validate(self) -> None:
         check_unit_interval(self.lam, "lam")
         check_positive(self.k, "k")
-        check_positive(self.candidates, "candidates")
         check_choice(self.knn_norm, "knn_norm", ("k", "none"))
         check_choice(self.rescore, "rescore", (True, False))
         check_choice(self.augment_docs, "augment_docs", (True, False))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ERMSearchParams(Params):
+    """ERM's own search settings: none (its index's are the backend's SearchParams)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XSSearchParams(Params):
+    """PEFA-XS's own search settings: none (its index's are the backend's SearchParams)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XLSearchParams(Params):
+    """PEFA-XL's own search settings. candidates: ERM candidates Kp taken from the passage
+    index."""
+
+    candidates: int = 500
+
+    def validate(self) -> None:
+        check_positive(self.candidates, "candidates")
+
+
 class _Model:
-    """Shared plumbing: params, device, backend, the search entry point."""
+    """Shared plumbing: params, search params, device, backend, the search entry point.
+
+    Constructor: the model's build settings as keywords (``Params``); ``backend`` and
+    ``index_params`` (its build settings); ``search_params``: the defaults of :meth:`search`,
+    in any form :meth:`search` takes as ``params``. Keywords of the model's ``SearchParams``
+    (``PEFAXL(candidates=300)``) and search keys inside a dict ``index_params``
+    (``index_params={"ef_search": 500}`` for hnsw) are taken as search settings too, as before
+    build and search settings were apart.
+    """
 
     Params: type[Params] = ERMParams
+    SearchParams: type[Params] = ERMSearchParams
     # attributes model.save() writes and pefa_gpu.load() restores (stored by type: see persist.py)
     _saved: tuple[str, ...] = ("dim", "n_docs", "index")
+    _indices: tuple[str, ...] = ("index",)  # attributes holding this model's indices
 
     def __init__(self, *, backend: str = "exact", device: Any = None,
-                 index_params: Params | dict | None = None, **params: Any):
+                 index_params: Params | dict | None = None,
+                 search_params: Params | dict | list | tuple | None = None, **params: Any):
+        legacy = {k: params.pop(k) for k in list(params) if k in _field_names(self.SearchParams)}
         try:
             self.params = self.Params(**params)
         except TypeError as exc:
             raise InputError(f"{type(self).__name__}: {exc}") from exc
         self.backend = backend
-        self.index_params = index_params
         self.device = resolve_device(device)
-        make_index(backend, self.device, index_params)  # fail early on a bad backend / params
+        if isinstance(index_params, dict):
+            index_params, index_search = backend_class(backend).split_params(index_params)
+            legacy.update(index_search)
+        self.index_params = index_params
+        probe = make_index(backend, self.device, index_params)  # fail early on bad settings
+        self._index_search_class = probe.SearchParams
+        self._index_search_params = probe.search_params
+        self.search_params = self.SearchParams()
+        if legacy:
+            twice = sorted(set(legacy) & _search_keys(search_params))
+            if twice:
+                raise InputError(f"{type(self).__name__}: {twice} given twice (as keywords or "
+                                 f"in index_params, and in search_params)")
+            search_params = [legacy, *(search_params if isinstance(search_params, (list, tuple))
+                                       else [search_params])]
+        self.search_params, self.index_search_params = self._split_search_params(search_params)
         self.dim = 0
         self.n_docs = 0
 
     def __getattr__(self, name: str) -> Any:
-        params = self.__dict__.get("params")
-        if params is not None and name in {f.name for f in dataclasses.fields(params)}:
-            return getattr(params, name)
+        for holder in ("params", "_search_params"):
+            params = self.__dict__.get(holder)
+            if params is not None and name in _field_names(type(params)):
+                return getattr(params, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}={v!r}" for k, v in self.params.to_dict().items())
+        settings = {**self.params.to_dict(), **self.search_params.to_dict()}
+        fields = ", ".join(f"{k}={v!r}" for k, v in settings.items())
         return (f"{type(self).__name__}({fields}{', ' if fields else ''}backend={self.backend!r},"
                 f" device='{self.device}', n_docs={self.n_docs})")
 
+    @property
+    def search_params(self) -> Params:
+        """The model's own search settings (its ``SearchParams``; PEFA-XL: ``candidates``),
+        the defaults of :meth:`search`. Assign a ``SearchParams`` or a dict of its keys."""
+        return self._search_params
+
+    @search_params.setter
+    def search_params(self, value: Params | dict | None) -> None:
+        self._search_params = self.SearchParams.coerce(
+            value, f"{type(self).__name__}.search_params")
+
+    @property
+    def index_search_params(self) -> Params:
+        """The backend's search settings (e.g. HNSWSearchParams), the defaults of every index
+        search the model makes (PEFA-XL: of both indices; read from the passage index once
+        fitted). Assign the backend's ``SearchParams`` or a dict of its keys: all the model's
+        indices take it."""
+        index = self.__dict__.get("index")
+        return index.search_params if index is not None else self._index_search_params
+
+    @index_search_params.setter
+    def index_search_params(self, value: Params | dict | None) -> None:
+        value = self._index_search_class.coerce(
+            value, f"{type(self).__name__}.index_search_params")
+        self._index_search_params = value
+        for name in self._indices:
+            index = self.__dict__.get(name)
+            if index is not None:
+                index.search_params = value
+
+    def _split_search_params(self, params: Any) -> tuple[Params, Params]:
+        """``params`` as :meth:`search` takes it -> (the model's SearchParams, the backend's),
+        completed from the current defaults."""
+        own, index = self.search_params, self.index_search_params
+        for item in params if isinstance(params, (list, tuple)) else [params]:
+            if item is None:
+                continue
+            if isinstance(item, self.SearchParams):
+                own = item
+            elif isinstance(item, self._index_search_class):
+                index = item
+            elif isinstance(item, dict):
+                own_keys, index_keys = _field_names(self.SearchParams), \
+                    _field_names(self._index_search_class)
+                unknown = sorted(set(item) - own_keys - index_keys)
+                if unknown:
+                    raise InputError(
+                        f"{type(self).__name__} search got unknown settings {unknown}; valid: "
+                        f"{sorted(own_keys)} ({self.SearchParams.__name__}) and "
+                        f"{sorted(index_keys)} ({self._index_search_class.__name__}, backend "
+                        f"{self.backend!r})")
+                own = own.replace(**{k: v for k, v in item.items() if k in own_keys})
+                index = index.replace(**{k: v for k, v in item.items() if k not in own_keys})
+            else:
+                raise TypeError(f"{type(self).__name__} search params must be a dict, a "
+                                f"{self.SearchParams.__name__}, a "
+                                f"{self._index_search_class.__name__} or a list of them, got "
+                                f"{type(item).__name__}")
+        return own, index
+
     def _new_index(self) -> Index:
-        return make_index(self.backend, self.device, self.index_params)
+        return make_index(self.backend, self.device, self.index_params,
+                          search_params=self.index_search_params)
 
     def _check_fitted(self) -> None:
         if not self.n_docs:
@@ -130,9 +245,19 @@ class _Model:
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         return p, q, rel
 
-    def search(self, queries: Any, topk: int = 100,
-               check: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, queries: Any, topk: int = 100, check: bool | None = None, *,
+               params: Params | dict | list | tuple | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device.
+
+        ``params``: search settings for this call only (the defaults, :attr:`search_params`
+        and :attr:`index_search_params`, stay as they are): a dict of the model's keys (PEFA-XL
+        ``candidates``) and the backend's (hnsw ``ef_search`` / ``full_scan_factor``, ivf
+        ``nprobe``, cagra ``itopk_size`` / ``search_width`` / ``max_iterations``), keys left
+        out keep their defaults; or the model's ``SearchParams`` (e.g. XLSearchParams) or the
+        backend's (e.g. HNSWSearchParams), which replace those defaults whole; or a list of
+        these, applied in order. Unknown keys are an InputError naming the valid ones. PEFA-XL
+        applies the backend's settings to both its indices.
 
         The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
         inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS then search
@@ -141,14 +266,18 @@ class _Model:
         row), a few times per batch of 256 queries; its :meth:`score` does not.
         """
         topk = check_positive_int(topk, "topk")
+        model_sp, index_sp = (self.search_params, None) if params is None else \
+            self._split_search_params(params)
         if check is None:  # reading the values would synchronise a CUDA device: not there
             check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
-        return self._search(self._queries(queries, check), topk, checked=check)
+        return self._search(self._queries(queries, check), topk, model_sp, index_sp,
+                            checked=check)
 
-    def _search(self, q: torch.Tensor, topk: int,
+    def _search(self, q: torch.Tensor, topk: int, model_sp: Params, index_sp: Params | None,
                 checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``checked``: ``q`` has been tested for NaN / inf already."""
-        return self.index.search(q, topk)
+        """``model_sp`` / ``index_sp``: the model's and the backend's search settings (None:
+        each index's defaults). ``checked``: ``q`` has been tested for NaN / inf already."""
+        return self.index.search(q, topk, index_sp)
 
     def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
         """(B, d) queries (may require grad), (B, K) int64 ids (-1 = padding) -> (B, K) PEFA
@@ -200,6 +329,7 @@ class ERM(_Model):
     """The embedding model alone: inner-product search over the document embeddings P."""
 
     Params = ERMParams
+    SearchParams = ERMSearchParams
     _saved = _Model._saved + ("doc_embeddings",)
 
     def fit(self, P: Any) -> "ERM":
@@ -216,6 +346,7 @@ class PEFAXS(_Model):
     (+ p_j with augment_docs)."""
 
     Params = XSParams
+    SearchParams = XSSearchParams
     _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
     def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXS":
@@ -243,7 +374,9 @@ class PEFAXL(_Model):
     vote for their relevant documents, mixed with the ERM score."""
 
     Params = XLParams
+    SearchParams = XLSearchParams
     _saved = _Model._saved + ("doc_embeddings", "relevance", "query_index")
+    _indices = ("index", "query_index")
 
     def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXL":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance.
@@ -272,8 +405,8 @@ class PEFAXL(_Model):
         return self.relevance.shape[0] - (self.n_docs if self.params.augment_docs else 0)
 
     def neighbours(self, q: torch.Tensor, k: int,
-                   erm: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   erm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   params: Params | dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest training queries N of each query: (B, k) scores and ``relevance`` row
         ids (-1 padded), ties to the lower row.
 
@@ -281,13 +414,14 @@ class PEFAXL(_Model):
         are the training queries (rows < m) and the documents (row m + j), and the top-k over
         both is the merge of the query index's top-k and the passage index's top-k, which is
         exactly the top-k of one index over [Q; P]. ``erm``: a passage search already made with
-        at least k results (its first k are used), else one is made here.
+        at least k results (its first k are used), else one is made here. ``params``: the
+        backend's search settings for both indices (None: their defaults).
         """
-        s_q, i_q = self.query_index.search(q, k)
+        s_q, i_q = self.query_index.search(q, k, params)
         if not self.params.augment_docs:
             return s_q, i_q
         if erm is None or erm[1].shape[1] < k:
-            erm = self.index.search(q, k)
+            erm = self.index.search(q, k, params)
         s_p, i_p = erm[0][:, :k], erm[1][:, :k]
         m = self.n_train_queries
         # both lists are sorted (score descending, ties to the lower row) and every query row
@@ -324,9 +458,12 @@ class PEFAXL(_Model):
     prune_candidates: bool = True
     PRUNE_MARGIN = 8
 
-    def _search(self, q: torch.Tensor, topk: int,
-                checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Passage search, neighbours, fusion, with exact candidate pruning.
+    def _search(self, q: torch.Tensor, topk: int, model_sp: XLSearchParams,
+                index_sp: Params | None, checked: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""Passage search, neighbours, fusion, with exact candidate pruning. ``model_sp``: the
+        model's search settings (``candidates``); ``index_sp``: the backend's, for both indices
+        (None: their defaults).
 
         Let Kp = ``candidates`` and K' = max(topk + PRUNE_MARGIN, k); pruning is tried only
         when K' < Kp. Let C' be the first K' results of the passage search (a prefix of its
@@ -361,53 +498,53 @@ class PEFAXL(_Model):
         own settings (HNSW: ef = max(ef_search, K')), the same approximation as any top-K'
         request to them.
         """
-        p = self.params
+        p, kp = self.params, model_sp.candidates
         kt = max(topk + self.PRUNE_MARGIN, p.k)
-        prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < p.candidates
+        prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
                     and getattr(self.index, "exact_scores", False)
                     and self._relevance_nonnegative())
         if q.shape[0] and _host_batch(q):
-            return self._search_host(q, topk, prunable, kt, checked)
-        erm = self.index.search(q, kt if prunable else p.candidates)
-        knn = self.neighbours(q, p.k, erm)
+            return self._search_host(q, topk, prunable, kt, kp, index_sp, checked)
+        erm = self.index.search(q, kt if prunable else kp, index_sp)
+        knn = self.neighbours(q, p.k, erm, index_sp)
         out = self.fuse(q, erm, knn, topk)
         if not prunable:
             return out
         rest = self._unprunable(erm, knn, topk)  # (c) or (d) fails: these get all Kp candidates
         if rest.numel():
             qr = q[rest]
-            out[0][rest], out[1][rest] = self.fuse(qr, self.index.search(qr, p.candidates),
+            out[0][rest], out[1][rest] = self.fuse(qr, self.index.search(qr, kp, index_sp),
                                                    (knn[0][rest], knn[1][rest]), topk)
         return out
 
-    def _search_host(self, q: torch.Tensor, topk: int, prunable: bool, kt: int,
-                     checked: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _search_host(self, q: torch.Tensor, topk: int, prunable: bool, kt: int, kp: int,
+                     index_sp: Params | None, checked: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_search` for a small CPU batch (1 .. NUMPY_MAX_BATCH queries), step for step
         on numpy arrays (same results to the bit): searches, neighbour merge, fusion and the
         pruning test each cost a few microseconds per op instead of torch's ~5-10, and the
         result becomes a tensor once, at the end."""
         p = self.params
         qn = to_numpy(q)
-        erm = _index_search_host(self.index, q, qn, kt if prunable else p.candidates, checked)
-        knn = _index_search_host(self.query_index, q, qn, p.k, checked)
+
+        def search(index: Index, qt: torch.Tensor, qa: np.ndarray, k: int):
+            return _index_search_host(index, qt, qa, k, checked, index_sp)
+        erm = search(self.index, q, qn, kt if prunable else kp)
+        knn = search(self.query_index, q, qn, p.k)
         if p.augment_docs:
-            if erm[1].shape[1] < p.k:
-                erm_k = _index_search_host(self.index, q, qn, p.k, checked)
-            else:
-                erm_k = erm
+            erm_k = search(self.index, q, qn, p.k) if erm[1].shape[1] < p.k else erm
             knn = _merge_neighbours_host(knn, erm_k, self.n_train_queries, p.k)
         rest = np.zeros(0, dtype=np.int64)
         if prunable:  # rows where pruning is not provably exact get all Kp candidates
             rest = _unprunable_host(erm, knn, topk, p.lam, self.index.ntotal <= erm[1].shape[1])
             if rest.size == len(qn):  # all of them (a single query, say): one search, one fusion
-                erm = _index_search_host(self.index, q, qn, p.candidates, checked)
+                erm = search(self.index, q, qn, kp)
                 rest = rest[:0]
         out = self._fuse_host(qn, erm, knn, topk)
         if rest.size:
             qr = q[as_tensor(rest)]
-            s, i = self._fuse_host(
-                qn[rest], _index_search_host(self.index, qr, qn[rest], p.candidates, checked),
-                (knn[0][rest], knn[1][rest]), topk)
+            s, i = self._fuse_host(qn[rest], search(self.index, qr, qn[rest], kp),
+                                   (knn[0][rest], knn[1][rest]), topk)
             out[0][rest], out[1][rest] = s, i
         return as_tensor(out[0], device=self.device), as_tensor(out[1], device=self.device)
 
@@ -505,13 +642,28 @@ class PEFAXL(_Model):
         return torch.cat(out_s), torch.cat(out_i)
 
 
-def _index_search_host(index: Index, q: torch.Tensor, qn: np.ndarray, k: int,
-                       checked: bool) -> tuple[np.ndarray, np.ndarray]:
-    """``index.search(q, k)`` as numpy arrays for a CPU batch ``q`` (``qn``: its numpy view;
-    ``checked``: already tested for NaN / inf); faiss backends skip the torch hand-off."""
+def _index_search_host(index: Index, q: torch.Tensor, qn: np.ndarray, k: int, checked: bool,
+                       params: Params | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``index.search(q, k, params)`` as numpy arrays for a CPU batch ``q`` (``qn``: its numpy
+    view; ``checked``: already tested for NaN / inf); faiss backends skip the torch hand-off."""
     if hasattr(index, "search_host"):
-        return index.search_host(qn, k, check_finite=not checked)
-    return tuple(map(to_numpy, index.search(q, k)))
+        return index.search_host(qn, k, check_finite=not checked, params=params)
+    return tuple(map(to_numpy, index.search(q, k, params)))
+
+
+def _field_names(cls: type[Params]) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _search_keys(params: Any) -> set[str]:
+    """The setting names ``params`` (as :meth:`_Model.search` takes it) gives."""
+    if isinstance(params, (list, tuple)):
+        return set().union(*map(_search_keys, params)) if params else set()
+    if isinstance(params, dict):
+        return set(params)
+    if isinstance(params, Params):
+        return _field_names(type(params))
+    return set()
 
 
 def _merge_neighbours_host(knn: tuple[np.ndarray, np.ndarray],

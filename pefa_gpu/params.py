@@ -35,11 +35,15 @@ class Params:
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        cls._check_keys(data)
+        return cls(**data)
+
+    @classmethod
+    def _check_keys(cls, data: dict[str, Any]) -> None:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise InputError(f"{cls.__name__} got unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -49,7 +53,21 @@ class Params:
         return cls.from_dict(json.loads(text))
 
     def replace(self: T, **changes: Any) -> T:
-        return self.from_dict({**self.to_dict(), **changes})
+        """A copy with ``changes``, checked as on construction (unknown keys: InputError)."""
+        self._check_keys(changes)
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def coerce(cls: type[T], value: "Params | dict | None", what: str = "params") -> T:
+        """``value`` as a ``cls``: None -> the defaults, a dict -> :meth:`from_dict`, a ``cls``
+        as it is; anything else is a TypeError naming ``what``."""
+        if value is None:
+            return cls()
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
 
 
 def check_unit_interval(value: Any, name: str) -> None:

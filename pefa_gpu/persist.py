@@ -2,9 +2,10 @@
 
 A save is a directory (see :func:`pefa_gpu.storage.writing_save`)::
 
-    manifest.json              format, format_version, library version, class, params, backend,
-                               index params, one entry per saved attribute, the data folder, size +
-                               sha256 per file, and manifest_sha256 over all of it
+    manifest.json              format, format_version, library version, class, params, search
+                               params, backend, index params, index search params, one entry per
+                               saved attribute (an index's: its params and search params), the
+                               data folder, size + sha256 per file, and manifest_sha256 over all
     pefa-data-<16 hex>/
         doc_embeddings.npy     tensors (see pefa_gpu.storage for dtypes)
         relevance.npz          Relevance / scipy CSR
@@ -20,6 +21,11 @@ an old one is stored, bump ``storage.FORMAT_VERSION``.
 Loads of format_version 1 (a flat folder from pefa_gpu before the manifest checksum) still
 work, with a warning: their files are verified and their shapes checked, but an edit to their
 manifest cannot be detected. Such a folder is never saved over in place.
+
+Saves from before build and search settings were apart (no ``search_params`` in the manifest)
+hold the search settings inside the build params (PEFA-XL ``candidates`` in ``params``, hnsw
+``ef_search`` / ``full_scan_factor``, ivf ``nprobe``, cagra ``itopk_size`` in the index params);
+they are taken as search settings on load, so such a save searches as it did.
 """
 
 from __future__ import annotations
@@ -56,8 +62,10 @@ def save_model(model: Any, directory: str | Path) -> None:
             "library_version": __version__,
             "class": type(model).__name__,
             "params": model.params.to_dict(),
+            "search_params": model.search_params.to_dict(),
             "backend": model.backend,
             "index_params": model.index.params.to_dict(),
+            "index_search_params": model.index.search_params.to_dict(),
             "saved_on": str(model.device),
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "state": state,
@@ -91,10 +99,13 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
     params = manifest.get("params")
     if not isinstance(params, dict):
         raise FormatError(f"{where} has no 'params' table")
-    try:
+    try:  # an older save's search settings inside params / index_params: the model routes them
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
                     **params)
-    except InputError as exc:
+        if "search_params" in manifest:
+            model.search_params = manifest["search_params"]
+            model.index_search_params = manifest.get("index_search_params")
+    except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
     for name in cls._saved:
         setattr(model, name, _load_value(save, name, state[name], model.device, mmap))
@@ -161,7 +172,8 @@ def _save_value(folder: Path, name: str, value: Any) -> dict[str, Any]:
         sub.mkdir()
         value.save(sub)
         return {"kind": "index", "dir": name, "backend": _registered_name(value),
-                "params": value.params.to_dict(), "ntotal": value.ntotal, "dim": value.dim}
+                "params": value.params.to_dict(), "search_params": value.search_params.to_dict(),
+                "ntotal": value.ntotal, "dim": value.dim}
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy / torch scalars
         value = value.item()
     try:
@@ -193,13 +205,21 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
     where = save.where
     sub = save.folder(entry.get("dir"))  # inside the save, every file in it listed
     cls = _backend(entry.get("backend"), where)
+    params, search = entry.get("params") or {}, entry.get("search_params")
+    if search is None and isinstance(params, dict):  # an older save: one params table
+        params, search = cls.split_params(params)
     try:
-        params = cls.Params.from_dict(entry.get("params") or {})
+        params = cls.Params.from_dict(params)
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: params of index {name!r} do not fit backend "
                           f"{cls.name!r}: {exc}") from exc
     options = {"mmap": mmap} if mmap and _accepts(cls.load, "mmap") else {}
     index = cls.load(sub, params, device, **options)
+    try:
+        index.search_params = search
+    except (InputError, TypeError) as exc:
+        raise FormatError(f"{where}: search params of index {name!r} do not fit backend "
+                          f"{cls.name!r}: {exc}") from exc
     if (index.ntotal, index.dim) != (entry.get("ntotal"), entry.get("dim")):
         raise FormatError(f"{sub} holds {index.ntotal} vectors of dimension {index.dim}; the "
                           f"manifest says {entry.get('ntotal')} of dimension {entry.get('dim')}")

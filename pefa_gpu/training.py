@@ -131,7 +131,7 @@ def score(model: Any, queries: Any, ids: Any, check: bool | None = None) -> torc
         if isinstance(model, PEFAXL):
             lam = model.params.lam
             if not model.params.rescore:  # f_erm is 0 outside the ERM candidates C
-                _, cand = model.index.search(q.detach(), model.params.candidates)
+                _, cand = model.index.search(q.detach(), model.search_params.candidates)
                 in_c = (safe.unsqueeze(2) == cand.unsqueeze(1)).any(2)
                 out = torch.where(in_c, out, torch.zeros((), dtype=out.dtype, device=out.device))
             out = lam * out + (1.0 - lam) * _xl_knn(model, q, i)

@@ -44,6 +44,6 @@ def hnsw_walks_the_graph(request, monkeypatch):
     0 here; tests marked ``full_scan`` keep the library's default."""
     if "full_scan" in request.keywords:
         return
-    from pefa_gpu.index.hnsw import HNSWParams
+    from pefa_gpu.index.hnsw import HNSWSearchParams
 
-    monkeypatch.setitem(HNSWParams.__init__.__kwdefaults__, "full_scan_factor", 0.0)
+    monkeypatch.setitem(HNSWSearchParams.__init__.__kwdefaults__, "full_scan_factor", 0.0)

@@ -174,8 +174,9 @@ def test_load_errors(name, tmp_path):
 
 def test_hnsw_params_and_errors(tmp_path):
     p = backend_class("hnsw").Params()
-    assert (p.M, p.ef_construction, p.ef_search) == (32, 500, 300)
+    assert (p.M, p.ef_construction, p.threads) == (32, 500, 0)
     assert type(p).from_json(p.to_json()) == p
+    assert backend_class("hnsw").SearchParams().ef_search == 300
     with pytest.raises(InputError, match="unknown"):
         make_index("hnsw", "cpu", {"M": 8, "efs": 3})
     with pytest.raises(InputError, match="M"):
@@ -189,7 +190,7 @@ def test_hnsw_params_and_errors(tmp_path):
 
 @pytest.mark.full_scan
 def test_hnsw_scans_small_indices_exactly_and_walks_large_ones():
-    assert backend_class("hnsw").Params().full_scan_factor == 12.0  # the library default
+    assert backend_class("hnsw").SearchParams().full_scan_factor == 12.0  # the library default
     rng = np.random.default_rng(11)
     # small-integer vectors: float32 dot products are exact, so scores tie exactly
     x = rng.integers(-2, 3, (120, 6)).astype(np.float32)
@@ -197,12 +198,12 @@ def test_hnsw_scans_small_indices_exactly_and_walks_large_ones():
     q = rng.integers(-2, 3, (9, 6)).astype(np.float32)
     q[0] = x[5]
     ref_s, ref_i = ref_topk(q, x, 25)
-    params = {"M": 8, "ef_search": 15, "threads": 1}
-    # k=25 > ef_search, so ef = 25 and the scan covers n <= factor * 25
+    index = make_index("hnsw", "cpu", {"M": 8, "threads": 1}, {"ef_search": 15}).build(x)
+    # k=25 > ef_search, so ef = 25 and the scan covers n <= factor * 25; one graph, the factor
+    # set per search
     for factor, walks in [(12.0, False), (120 / 25, False), (119 / 25, True), (0.0, True)]:
-        index = make_index("hnsw", "cpu", {**params, "full_scan_factor": factor}).build(x)
         faiss.cvar.hnsw_stats.reset()
-        s, i = index.search(q, 25)
+        s, i = index.search(q, 25, params={"full_scan_factor": factor})
         walked = faiss.cvar.hnsw_stats.ndis > 0
         assert walked == walks
         if not walked:  # the scan is exact: every score, every id above the k-th score
@@ -213,13 +214,15 @@ def test_hnsw_scans_small_indices_exactly_and_walks_large_ones():
             for r in range(len(q)):  # the rest: ids tied at the k-th score, ascending
                 rest = i.numpy()[r][~above[r]]
                 assert (full[r, rest] == ref_s[r, -1]).all() and (np.diff(rest) > 0).all()
-    index = make_index("hnsw", "cpu", {**params, "full_scan_factor": 4.0}).build(x)
+    index.search_params = {"ef_search": 15, "full_scan_factor": 4.0}
     faiss.cvar.hnsw_stats.reset()
     index.search(q, 5)  # ef = 15: 120 > 4 * 15, so the graph is walked
     assert faiss.cvar.hnsw_stats.ndis > 0
     for bad in (-1, float("inf"), "8", True):
         with pytest.raises(InputError, match="full_scan_factor"):
-            make_index("hnsw", "cpu", {"full_scan_factor": bad})
+            make_index("hnsw", "cpu", search_params={"full_scan_factor": bad})
+        with pytest.raises(InputError, match="full_scan_factor"):
+            index.search(q, 5, params={"full_scan_factor": bad})
 
 
 def test_ivf_pq_and_auto_sizes():
@@ -228,12 +231,12 @@ def test_ivf_pq_and_auto_sizes():
     assert auto_nprobe(10) == 10 and auto_nprobe(40) == 32 and auto_nprobe(132) == 83
     assert auto_nprobe(4000) == 2048
     with pytest.raises(InputError, match="nprobe"):
-        make_index("ivf", "cpu", {"nprobe": -1})
+        make_index("ivf", "cpu", search_params={"nprobe": -1})
 
     assert auto_nlist(10) == 1 and auto_nlist(5183) == 132 and auto_nlist(10**8) == 40000
     assert auto_pq_m(384) == 96 and auto_pq_m(30) == 6 and auto_pq_m(2) == 1
     x, q = easy_data(10, n=3000)
-    index = make_index("ivf", "cpu", {"kind": "pq", "nprobe": 64}).build(x)
+    index = make_index("ivf", "cpu", {"kind": "pq"}, {"nprobe": 64}).build(x)
     s, i = check_results(*index.search(q, 10), 64, 10, 3000, "cpu")
     assert recall(i, ref_topk(q, x, 10)[1]) >= 0.5  # PQ codes: approximate by design
     with pytest.raises(InputError, match="divide"):

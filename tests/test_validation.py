@@ -89,9 +89,12 @@ def test_params_round_trip_json():
 
 
 def test_numpy_scalars_are_accepted_as_params():
-    p = pg.XLParams(lam=np.float32(0.25), k=np.int64(8), candidates=np.int32(50))
-    assert p == pg.XLParams(lam=0.25, k=8, candidates=50)
+    p = pg.XLParams(lam=np.float32(0.25), k=np.int64(8))
+    assert p == pg.XLParams(lam=0.25, k=8)
     assert pg.XLParams.from_json(p.to_json()) == p
+    s = pg.XLSearchParams(candidates=np.int32(50))
+    assert s == pg.XLSearchParams(candidates=50) and type(s.candidates) is int
+    assert pg.XLSearchParams.from_json(s.to_json()) == s
 
 
 @pytest.mark.parametrize("bad", [np.array([["a", "b"]]), np.array([[b"x", b"y"]]),

@@ -55,9 +55,9 @@ class _Spy:
     def __getattr__(self, name):
         return getattr(self.index, name)
 
-    def search(self, q, k):
+    def search(self, q, k, params=None):
         self.ks.append(k)
-        return self.index.search(q, k)
+        return self.index.search(q, k, params)
 
 
 def _both(model, T, topk, one_at_a_time=False):

@@ -10,8 +10,8 @@ from typing import Any
 
 from ..errors import InputError
 from ..params import Params
-from .base import Index
-from .exact import ExactIndex, ExactParams
+from .base import Index, NoSearchParams
+from .exact import ExactIndex, ExactParams, ExactSearchParams
 
 # name -> "module:Class"; modules are imported lazily so faiss is needed only when used
 _BACKENDS: dict[str, str] = {
@@ -40,10 +40,15 @@ def backend_class(name: str) -> type[Index]:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_index(backend: str, device: Any = None, params: Params | dict | None = None) -> Index:
-    """A new, empty index of the named backend."""
-    return backend_class(backend)(params, device)
+def make_index(backend: str, device: Any = None, params: Params | dict | None = None,
+               search_params: Params | dict | None = None) -> Index:
+    """A new, empty index of the named backend: ``params`` its build settings, ``search_params``
+    the defaults of its searches (both: the backend's Params / SearchParams, or dicts)."""
+    index = backend_class(backend)(params, device)
+    if search_params is not None:
+        index.search_params = search_params
+    return index
 
 
-__all__ = ["Index", "ExactIndex", "ExactParams", "make_index", "register_backend",
-           "backend_names", "backend_class"]
+__all__ = ["Index", "ExactIndex", "ExactParams", "ExactSearchParams", "make_index",
+           "register_backend", "backend_names", "backend_class"]

@@ -2,8 +2,8 @@
 result normalisation (similarities, -1 / -inf padding) and the k-limit fallback.
 
 Every faiss backend subclasses :class:`FaissBackend` and implements ``_raw_search`` (one
-call into faiss with ``k`` within ``max_k``, returning faiss' own (D, I)) and ``_stored_vectors`` (the indexed rows, for
-the fallback). A request with ``k`` above the backend's ``max_k`` (faiss GPU: 2048, CAGRA:
+call into faiss with ``k`` within ``max_k`` and the call's search settings, returning faiss' own
+(D, I)) and ``_stored_vectors`` (the indexed rows, for the fallback). A request with ``k`` above the backend's ``max_k`` (faiss GPU: 2048, CAGRA:
 1024) never fails: it is answered by an exact search over the stored vectors on the index's
 device (never worse recall than the ANN search would have had).
 """
@@ -11,6 +11,7 @@ device (never worse recall than the ANN search would have had).
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 from typing import Any, ClassVar, Iterator
 
@@ -19,6 +20,7 @@ import torch
 
 from ..arrays import as_tensor, check_positive_int, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
+from ..params import Params
 from ..topk import PAD_ID, PAD_SCORE
 from .base import Index
 
@@ -44,6 +46,17 @@ def faiss_has_gpu(faiss: Any) -> bool:
         return bool(get is not None and get() > 0 and hasattr(faiss, "StandardGpuResources"))
     except Exception:  # a faiss build that cannot talk to the driver
         return False
+
+
+@functools.lru_cache(maxsize=256)
+def faiss_search_parameters(kind: str, **fields: Any) -> Any:
+    """A ``faiss.<kind>`` search-parameters object with ``fields`` set (e.g.
+    ``("SearchParametersHNSW", efSearch=300)``), made once per value: creating one costs ~15 us,
+    a tenth of a single-query search. Shared, so never modified after creation."""
+    out = getattr(import_faiss(), kind)()
+    for name, value in fields.items():
+        setattr(out, name, value)
+    return out
 
 
 @contextlib.contextmanager
@@ -133,8 +146,11 @@ class FaissBackend(Index):
     def dim(self) -> int:
         return self._dim
 
-    def search(self, queries: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, k) float32 similarities, int64 ids (-1 / -inf padded)."""
+    def search(self, queries: Any, k: int, params: Params | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, k) float32 similarities, int64 ids (-1 / -inf padded).
+        ``params``: this call's search settings (None: ``search_params``)."""
+        sp = self.resolve_search_params(params)
         k = check_positive_int(k, "k")
         q = host_float32(queries, "queries")
         if self.ntotal and q.shape[1] != self.dim:
@@ -144,21 +160,22 @@ class FaissBackend(Index):
         limit = self._k_limit()
         if limit is not None and k > limit:
             return self._search_beyond_limit(queries, k)
-        return self._native_search(q, k)
+        return normalise_results(*self._raw_search(q, k, sp), self.device)
 
-    def search_host(self, queries: Any, k: int,
-                    check_finite: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def search_host(self, queries: Any, k: int, check_finite: bool = True,
+                    params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`search` with numpy results on the host (for small CPU batches: no torch
         hand-off). ``check_finite=False``: the caller has already tested the queries for NaN /
         inf."""
+        sp = self.resolve_search_params(params)
         k = check_positive_int(k, "k")
         q = host_float32(queries, "queries", check_finite=check_finite)
         if self.ntotal and q.shape[1] != self.dim:
             raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
         limit = self._k_limit()
         if q.shape[0] == 0 or self.ntotal == 0 or (limit is not None and k > limit):
-            return tuple(map(to_numpy, self.search(q, k)))
-        return normalise_results_host(*self._raw_search(q, k))
+            return tuple(map(to_numpy, self.search(q, k, sp)))
+        return normalise_results_host(*self._raw_search(q, k, sp))
 
     def _k_limit(self) -> int | None:
         return self.max_k
@@ -189,12 +206,10 @@ class FaissBackend(Index):
         """A CPU faiss index whose ``reconstruct_batch`` returns the stored rows."""
         raise NotImplementedError
 
-    def _native_search(self, q: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return normalise_results(*self._raw_search(q, k), self.device)
-
     # -- to implement -----------------------------------------------------------------------
-    def _raw_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """One faiss search, k within ``max_k``: faiss' (D, I) as numpy arrays."""
+    def _raw_search(self, q: np.ndarray, k: int, params: Params) -> tuple[np.ndarray, np.ndarray]:
+        """One faiss search, k within ``max_k``, with the search settings ``params`` (this
+        backend's SearchParams): faiss' (D, I) as numpy arrays."""
         raise NotImplementedError
 
     def _stored_vectors(self) -> torch.Tensor:

@@ -5,6 +5,11 @@ An index holds row vectors and answers maximum-inner-product queries::
     index = make_index("exact", device="cpu").build(X)      # X: (n, d)
     scores, ids = index.search(queries, k)                   # (B, k) float32, (B, k) int64
 
+Build settings and search settings are apart (as cuVS' IndexParams / SearchParams): a backend's
+``Params`` fix what ``build`` makes (``index.params``); its ``SearchParams`` (HNSW ef, IVF
+nprobe, ...) are the defaults of ``search`` (``index.search_params``, assignable) and may be
+given per call, ``index.search(queries, k, params={"ef_search": 500})``, without a rebuild.
+
 Scores are similarities (larger is better, never ``1 - ip`` distances), ids are row numbers in
 insertion order, and missing results are padded with id -1 and score -inf. Results live on the
 index's device. ``add`` appends rows; ``save`` / ``load`` persist the index in a directory;
@@ -15,31 +20,69 @@ NotImplementedError).
 from __future__ import annotations
 
 import abc
+import dataclasses
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from ..arrays import resolve_device
+from ..errors import InputError
 from ..params import Params
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoSearchParams(Params):
+    """The search settings of a backend that has none to tune."""
+
+
 class Index(abc.ABC):
-    """Base class of all backends. Subclasses set ``name`` and ``Params``."""
+    """Base class of all backends. Subclasses set ``name``, ``Params`` (build settings) and
+    ``SearchParams`` (search-time settings; default: none)."""
 
     name: ClassVar[str]
     Params: ClassVar[type[Params]]
+    SearchParams: ClassVar[type[Params]] = NoSearchParams
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
-        if params is None:
-            params = self.Params()
-        elif isinstance(params, dict):
-            params = self.Params.from_dict(params)
-        elif not isinstance(params, self.Params):
-            raise TypeError(f"{type(self).__name__} takes {self.Params.__name__} or a dict, "
-                            f"got {type(params).__name__}")
-        self.params = params
+        if isinstance(params, dict):
+            search_keys = sorted(set(params) & _field_names(self.SearchParams)
+                                 - _field_names(self.Params))
+            if search_keys:
+                raise InputError(f"{search_keys} are search settings of backend {self.name!r}, "
+                                 f"not build settings: give them as search_params (the "
+                                 f"defaults) or per call, search(queries, k, params=...)")
+        self.params = self.Params.coerce(params, f"{type(self).__name__} params")
+        self.search_params = None
         self.device = resolve_device(device)
+
+    @property
+    def search_params(self) -> Params:
+        """The defaults of :meth:`search` (a ``SearchParams``); assign a ``SearchParams`` or a
+        dict (missing keys take the ``SearchParams`` defaults, None: all of them)."""
+        return self._search_params
+
+    @search_params.setter
+    def search_params(self, value: Params | dict | None) -> None:
+        self._search_params = self.SearchParams.coerce(
+            value, f"{type(self).__name__} search_params")
+
+    def resolve_search_params(self, params: Params | dict | None) -> Params:
+        """The settings of one search: ``params`` as this backend's ``SearchParams`` (a dict
+        is completed from :attr:`search_params`, None is :attr:`search_params` itself)."""
+        if params is None or params is self._search_params:
+            return self._search_params
+        if isinstance(params, dict):
+            return self._search_params.replace(**params) if params else self._search_params
+        return self.SearchParams.coerce(params, f"{type(self).__name__}.search params")
+
+    @classmethod
+    def split_params(cls, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A params dict from before build and search settings were apart (e.g. HNSW
+        ``{"M": 32, "ef_search": 300}``) -> (build settings, search settings)."""
+        search = _field_names(cls.SearchParams) - _field_names(cls.Params)
+        return ({k: v for k, v in data.items() if k not in search},
+                {k: v for k, v in data.items() if k in search})
 
     @abc.abstractmethod
     def build(self, vectors: torch.Tensor) -> "Index":
@@ -50,8 +93,10 @@ class Index(abc.ABC):
         """Append rows; their ids continue after the existing ones."""
 
     @abc.abstractmethod
-    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, k) float32 scores, (B, k) int64 ids, on ``self.device``."""
+    def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, k) float32 scores, (B, k) int64 ids, on ``self.device``.
+        ``params``: search settings for this call (see :meth:`resolve_search_params`)."""
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
         """Overwrite the rows ``ids`` (r,) int64 with ``vectors`` (r, d); other rows and all ids
@@ -81,9 +126,15 @@ class Index(abc.ABC):
 
     @classmethod
     def load(cls, directory: str | Path, params: Params, device: Any = None) -> "Index":
-        """Read an index written by :meth:`save`."""
+        """Read an index written by :meth:`save` (search settings are not part of it: assign
+        ``search_params`` afterwards)."""
         raise NotImplementedError(f"backend {cls.name!r} cannot be loaded yet")
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ntotal={self.ntotal}, dim={self.dim}, "
-                f"device={self.device}, params={self.params})")
+                f"device={self.device}, params={self.params}, "
+                f"search_params={self.search_params})")
+
+
+def _field_names(cls: type[Params]) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}

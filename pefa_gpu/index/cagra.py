@@ -32,20 +32,37 @@ _INSTALL = ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS "
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CagraParams(Params):
-    """graph_degree / intermediate_graph_degree: of the final and the pre-pruning k-NN graph.
-    itopk_size: CAGRA's internal search list (raised to k when smaller)."""
+    """Build settings. graph_degree / intermediate_graph_degree: of the final and the
+    pre-pruning k-NN graph."""
 
     graph_degree: int = 64
     intermediate_graph_degree: int = 128
-    itopk_size: int = 128
 
     def validate(self) -> None:
         check_positive(self.graph_degree, "graph_degree")
         check_positive(self.intermediate_graph_degree, "intermediate_graph_degree")
-        check_positive(self.itopk_size, "itopk_size")
         if self.intermediate_graph_degree < self.graph_degree:
             raise InputError(f"intermediate_graph_degree={self.intermediate_graph_degree} "
                              f"must be >= graph_degree={self.graph_degree}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CagraSearchParams(Params):
+    """Search settings (CAGRA's own, same names in faiss and cuVS). itopk_size: the internal
+    search list (raised to k when smaller). search_width: graph nodes expanded per iteration.
+    max_iterations: 0 = CAGRA's automatic choice."""
+
+    itopk_size: int = 128
+    search_width: int = 1
+    max_iterations: int = 0
+
+    def validate(self) -> None:
+        check_positive(self.itopk_size, "itopk_size")
+        check_positive(self.search_width, "search_width")
+        if isinstance(self.max_iterations, bool) or not isinstance(self.max_iterations, int) \
+                or self.max_iterations < 0:
+            raise InputError(f"max_iterations must be an int >= 0 (0 = automatic), got "
+                             f"{self.max_iterations!r}")
 
 
 def _engine_name() -> str:
@@ -73,6 +90,7 @@ class CagraIndex(Index):
 
     name = "cagra"
     Params = CagraParams
+    SearchParams = CagraSearchParams
     max_k: ClassVar[int] = 1024
     exact_scores = True  # candidates are re-scored exactly
 
@@ -143,24 +161,31 @@ class CagraIndex(Index):
                                intermediate_graph_degree=p.intermediate_graph_degree)
         return cagra.build(ip, self.vectors)
 
-    def _candidate_ids(self, q: torch.Tensor, k: int) -> torch.Tensor:
+    def _candidate_ids(self, q: torch.Tensor, k: int,
+                       params: CagraSearchParams) -> torch.Tensor:
         """(B, k) int64 candidate ids from the graph, on the device (invalid ones < 0)."""
-        itopk = max(self.params.itopk_size, k)
+        settings = {"itopk_size": max(params.itopk_size, k), "search_width": params.search_width,
+                    "max_iterations": params.max_iterations}
         if self.engine == "faiss":
             import faiss  # noqa: PLC0415
 
             sp = faiss.SearchParametersCagra()
-            sp.itopk_size = itopk
+            for name, value in settings.items():
+                setattr(sp, name, value)
             _, ids = self._graph.search(to_numpy(q), k, params=sp)
             ids = np.asarray(ids, dtype=np.int64)
         else:
             from cuvs.neighbors import cagra  # noqa: PLC0415
 
-            _, nb = cagra.search(cagra.SearchParams(itopk_size=itopk), self._graph, q, k)
+            _, nb = cagra.search(cagra.SearchParams(**settings), self._graph, q, k)
             ids = np.asarray(nb.copy_to_host(), dtype=np.int64)
         return as_tensor(ids, device=self.device)
 
-    def search(self, queries: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, queries: Any, k: int, params: CagraSearchParams | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, k) float32 scores, int64 ids; ``params``: this call's search
+        settings (None: ``search_params``)."""
+        sp = self.resolve_search_params(params)
         k = check_positive_int(k, "k")
         q = as_tensor(queries, device=self.device, dtype=torch.float32, name="queries")
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
@@ -169,7 +194,7 @@ class CagraIndex(Index):
             if self._exact is None:
                 self._exact = ExactIndex(device=self.device).build(self.vectors)
             return self._exact.search(q, k)
-        ids = self._candidate_ids(q.contiguous(), k)
+        ids = self._candidate_ids(q.contiguous(), k, sp)
         bad = (ids < 0) | (ids >= self.ntotal)
         ids = ids.masked_fill(bad, PAD_ID)
         scores = torch.einsum("bd,bkd->bk", q, self.vectors[ids.clamp_min(0)])

@@ -32,11 +32,17 @@ class ExactParams(Params):
                              f"got {self.memory_budget!r}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExactSearchParams(Params):
+    """An exact search has no search settings."""
+
+
 class ExactIndex(Index):
     """Brute-force inner-product search. Ties go to the lower id."""
 
     name = "exact"
     Params = ExactParams
+    SearchParams = ExactSearchParams
 
     @property
     def exact_scores(self) -> bool:
@@ -100,7 +106,10 @@ class ExactIndex(Index):
         (*ids.shape, d) float32."""
         return self.vectors[ids].float()
 
-    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``params``: exact search has no search settings (only ``{}`` or None)."""
+        self.resolve_search_params(params)
         k = check_positive_int(k, "k")
         q = as_tensor(queries, device=self.device, name="queries").detach().float()
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):

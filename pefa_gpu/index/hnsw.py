@@ -1,8 +1,9 @@
 """HNSW on the CPU: faiss ``IndexHNSWFlat`` with the inner-product metric.
 
 The graph lives in host memory; results are moved to the index's device, so a GPU model can
-serve from a CPU HNSW. Defaults are the paper's: M=32, efConstruction=500, efSearch=300.
-A search with k > ef_search uses ef = k (faiss needs ef >= k).
+serve from a CPU HNSW. Defaults are the paper's: M=32, efConstruction=500 (build settings,
+:class:`HNSWParams`), efSearch=300 (a search setting, :class:`HNSWSearchParams`). A search with
+k > ef_search uses ef = k (faiss needs ef >= k).
 
 Small graphs are scanned instead of walked: when the index holds at most
 ``full_scan_factor * ef`` rows, the search is an exact scan of the stored vectors (faiss'
@@ -12,7 +13,8 @@ are rows up to n = 4 ef (96-100% of n) and still 77% at n = 8 ef; one query on o
 takes 2.9x the scan's time at n = 4 ef, 1.7x at 8 ef, 1.4x at 12 ef, 1.1x at 17 ef (batches on
 two threads: 3.4x, 1.9x, 1.5x, 1.2x; the same crossover at ef=100). The default 12 stops
 where the scan is still ~1.4x faster, a margin for machines where the walk fares better. The
-scan's results are exact, so recall can only rise. ``full_scan_factor=0`` always walks.
+scan's results are exact, so recall can only rise. ``full_scan_factor=0`` always walks. The
+factor is a search setting: it decides per search, not at build.
 """
 
 from __future__ import annotations
@@ -27,33 +29,43 @@ import torch
 from ..arrays import as_tensor
 from ..errors import FormatError, InputError
 from ..params import Params, check_positive
-from ._faiss import FaissBackend, faiss_threads, host_float32, import_faiss
+from ._faiss import (FaissBackend, faiss_search_parameters, faiss_threads, host_float32,
+                     import_faiss)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HNSWParams(Params):
-    """M: graph degree (level 0 has 2M links). ef_construction / ef_search: beam widths at
-    build and search time. threads: OpenMP threads for faiss during build and search
-    (0 = faiss' default, all cores). full_scan_factor: indices of at most this many times ef
-    rows are searched by an exact scan (see the module docstring; 0 = never)."""
+    """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width at
+    build time. threads: OpenMP threads for faiss during build and search (0 = faiss' default,
+    all cores)."""
 
     M: int = 32
     ef_construction: int = 500
-    ef_search: int = 300
     threads: int = 0
-    full_scan_factor: float = 12.0
 
     def validate(self) -> None:
         check_positive(self.M, "M")
         check_positive(self.ef_construction, "ef_construction")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise InputError(f"threads must be an int >= 0 (0 = all cores), got {self.threads!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HNSWSearchParams(Params):
+    """Search settings. ef_search: beam width (raised to k when smaller). full_scan_factor:
+    indices of at most this many times ef rows are searched by an exact scan (see the module
+    docstring; 0 = never)."""
+
+    ef_search: int = 300
+    full_scan_factor: float = 12.0
+
+    def validate(self) -> None:
         check_positive(self.ef_search, "ef_search")
         if isinstance(self.full_scan_factor, bool) or \
                 not isinstance(self.full_scan_factor, (int, float)) or \
                 not 0 <= self.full_scan_factor < float("inf"):
             raise InputError(f"full_scan_factor must be a finite number >= 0, got "
                              f"{self.full_scan_factor!r}")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
-            raise InputError(f"threads must be an int >= 0 (0 = all cores), got {self.threads!r}")
 
 
 class HNSWIndex(FaissBackend):
@@ -61,8 +73,8 @@ class HNSWIndex(FaissBackend):
 
     name = "hnsw"
     Params = HNSWParams
+    SearchParams = HNSWSearchParams
     exact_scores = True  # flat storage: returned scores are fp32 <q, x_j>
-    _search_params: dict = {}  # ef -> faiss.SearchParametersHNSW (replaced, never mutated)
 
     def build(self, vectors: Any) -> "HNSWIndex":
         """vectors: (n, d) float -> a fresh graph over them; returns self."""
@@ -72,7 +84,7 @@ class HNSWIndex(FaissBackend):
         f = self._faiss
         index = f.IndexHNSWFlat(x.shape[1], self.params.M, f.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = self.params.ef_construction
-        index.hnsw.efSearch = self.params.ef_search
+        index.hnsw.efSearch = self.search_params.ef_search  # for direct users of faiss_index
         self._index, self._dim = index, x.shape[1]
         self._invalidate()
         self._add(x)
@@ -91,16 +103,13 @@ class HNSWIndex(FaissBackend):
             with faiss_threads(self._faiss, self.params.threads):
                 self._index.add(x)
 
-    def _raw_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        ef = max(self.params.ef_search, k)
-        if self.ntotal <= self.params.full_scan_factor * ef:  # a walk would visit it all
+    def _raw_search(self, q: np.ndarray, k: int,
+                    params: HNSWSearchParams) -> tuple[np.ndarray, np.ndarray]:
+        ef = max(params.ef_search, k)
+        if self.ntotal <= params.full_scan_factor * ef:  # a walk would visit it all
             with faiss_threads(self._faiss, self.params.threads):
                 return self._index.storage.search(q, k)
-        sp = self._search_params.get(ef)
-        if sp is None:  # cached per ef: creating the SWIG object costs a few microseconds
-            sp = self._faiss.SearchParametersHNSW()
-            sp.efSearch = ef
-            self._search_params = {ef: sp}
+        sp = faiss_search_parameters("SearchParametersHNSW", efSearch=ef)
         with faiss_threads(self._faiss, self.params.threads):
             return self._index.search(q, k, params=sp)
 
@@ -116,7 +125,11 @@ class HNSWIndex(FaissBackend):
         return self._index
 
     def save(self, directory: str | Path) -> None:
-        """Write ``index.faiss`` into the existing, empty ``directory``."""
+        """Write ``index.faiss`` into the existing, empty ``directory`` (with efSearch set to
+        ``search_params.ef_search`` for readers of the file; this index's own searches always
+        pass theirs)."""
+        if self._index is not None:
+            self._index.hnsw.efSearch = self.search_params.ef_search
         self._write(self._index, directory)
 
     @classmethod
@@ -132,6 +145,5 @@ class HNSWIndex(FaissBackend):
         if index.hnsw.nb_neighbors(1) != out.params.M:
             raise FormatError(f"{directory}: the saved graph has M={index.hnsw.nb_neighbors(1)},"
                               f" params say M={out.params.M}")
-        index.hnsw.efSearch = out.params.ef_search
         out._index, out._dim = index, int(index.d)
         return out

@@ -21,7 +21,8 @@ import torch
 from ..arrays import as_tensor
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice, check_positive
-from ._faiss import FaissBackend, faiss_has_gpu, faiss_threads, host_float32, import_faiss
+from ._faiss import (FaissBackend, faiss_has_gpu, faiss_search_parameters, faiss_threads,
+                     host_float32, import_faiss)
 
 log = logging.getLogger("pefa_gpu")
 
@@ -33,16 +34,14 @@ def _nonneg_int(value: Any, name: str) -> None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IVFParams(Params):
-    """kind: 'flat' (exact scores within the probed lists) or 'pq' (product-quantised codes).
-    nlist: number of lists (0 = 4 sqrt(n), clipped to [1, n / 39] so k-means has data).
-    nprobe: lists visited per query (0 = automatic: 5/8 of the lists, see
-    :func:`auto_nprobe`). pq_m: PQ sub-quantisers (0 = d / 4 rounded down to a
-    divisor of d); pq_nbits: bits per code. train_size: training sample (0 = min(n, 256
-    nlist)). seed: of the training sample. threads: faiss CPU threads (0 = all)."""
+    """Build settings. kind: 'flat' (exact scores within the probed lists) or 'pq'
+    (product-quantised codes). nlist: number of lists (0 = 4 sqrt(n), clipped to [1, n / 39] so
+    k-means has data). pq_m: PQ sub-quantisers (0 = d / 4 rounded down to a divisor of d);
+    pq_nbits: bits per code. train_size: training sample (0 = min(n, 256 nlist)). seed: of the
+    training sample. threads: faiss CPU threads (0 = all), for build and search."""
 
     kind: str = "flat"
     nlist: int = 0
-    nprobe: int = 0
     pq_m: int = 0
     pq_nbits: int = 8
     train_size: int = 0
@@ -52,8 +51,19 @@ class IVFParams(Params):
     def validate(self) -> None:
         check_choice(self.kind, "kind", ("flat", "pq"))
         check_positive(self.pq_nbits, "pq_nbits")
-        for name in ("nlist", "nprobe", "pq_m", "train_size", "seed", "threads"):
+        for name in ("nlist", "pq_m", "train_size", "seed", "threads"):
             _nonneg_int(getattr(self, name), name)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IVFSearchParams(Params):
+    """Search settings. nprobe: lists visited per query (0 = automatic: 5/8 of the lists, see
+    :func:`auto_nprobe`; more than nlist visits them all)."""
+
+    nprobe: int = 0
+
+    def validate(self) -> None:
+        _nonneg_int(self.nprobe, "nprobe")
 
 
 def auto_nlist(n: int) -> int:
@@ -85,6 +95,7 @@ class IVFIndex(FaissBackend):
 
     name = "ivf"
     Params = IVFParams
+    SearchParams = IVFSearchParams
     gpu_max_k: ClassVar[int] = 2048
 
     def __init__(self, params: IVFParams | dict | None = None, device: Any = None):
@@ -147,7 +158,6 @@ class IVFIndex(FaissBackend):
         with faiss_threads(f, p.threads):
             index.train(x[rows])
         self._index, self._dim = index, d
-        self._set_nprobe()
         self._invalidate()
         with faiss_threads(f, p.threads):
             index.add(x)
@@ -166,18 +176,19 @@ class IVFIndex(FaissBackend):
 
     @property
     def nprobe(self) -> int:
-        """Lists visited per query (params.nprobe, or automatic from nlist when 0)."""
-        return self.params.nprobe or auto_nprobe(int(self._index.nlist))
+        """Lists a search at the default ``search_params`` visits."""
+        return self._nprobe(self.search_params)
 
-    def _set_nprobe(self) -> None:
-        self._index.nprobe = self.nprobe
-        self._nprobe_params = self.params
+    def _nprobe(self, params: IVFSearchParams) -> int:
+        """params.nprobe, or the automatic value from nlist when 0; at most nlist."""
+        nlist = int(self._index.nlist)
+        return min(params.nprobe or auto_nprobe(nlist), nlist)
 
-    def _raw_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.__dict__.get("_nprobe_params") is not self.params:  # params were replaced
-            self._set_nprobe()
+    def _raw_search(self, q: np.ndarray, k: int,
+                    params: IVFSearchParams) -> tuple[np.ndarray, np.ndarray]:
+        sp = faiss_search_parameters("SearchParametersIVF", nprobe=self._nprobe(params))
         with faiss_threads(self._faiss, self.params.threads):
-            return self._index.search(q, k)
+            return self._index.search(q, k, params=sp)
 
     def _cpu_index(self) -> Any:
         return self._faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
@@ -192,8 +203,12 @@ class IVFIndex(FaissBackend):
         return as_tensor(self._cpu_reader().reconstruct_n(0, self.ntotal), device=self.device)
 
     def save(self, directory: str | Path) -> None:
-        """Write ``index.faiss`` (a CPU copy) into the existing, empty ``directory``."""
-        self._write(self._cpu_index() if self._index is not None else None, directory)
+        """Write ``index.faiss`` (a CPU copy, its nprobe that of ``search_params`` for readers
+        of the file) into the existing, empty ``directory``."""
+        cpu = self._cpu_index() if self._index is not None else None
+        if cpu is not None:
+            cpu.nprobe = self.nprobe
+        self._write(cpu, directory)
 
     @classmethod
     def load(cls, directory: str | Path, params: IVFParams | dict | None = None,
@@ -209,5 +224,4 @@ class IVFIndex(FaissBackend):
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={out.params.kind!r}")
         out._index, out._dim = out._to_device(index), int(index.d)
-        out._set_nprobe()
         return out

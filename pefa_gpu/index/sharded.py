@@ -7,7 +7,9 @@ per device, every shard searched for the top-k and the lists merged (ties to the
     model = pg.PEFAXL(backend="sharded", device="cuda")   # passage and query index sharded
 
 Several shards may share one device (e.g. ``["cpu", "cpu"]``), which is how the multi-device
-logic is tested without GPUs. Results come back on the index's own device.
+logic is tested without GPUs. Results come back on the index's own device. Search settings are
+the shard backend's (``idx.SearchParams`` is its class, e.g. HNSWSearchParams), passed to every
+shard.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ class ShardedParams(Params):
 
 
 class ShardedIndex(Index):
-    """Rows split over ``params.devices``; ids are global row numbers in insertion order."""
+    """Rows split over ``params.devices``; ids are global row numbers in insertion order.
+    ``SearchParams`` (per instance) and ``search_params`` are those of the shard backend."""
 
     name = "sharded"
     Params = ShardedParams
@@ -58,6 +61,8 @@ class ShardedIndex(Index):
         from . import backend_class
 
         self._cls = backend_class(self.params.backend)
+        self.SearchParams = self._cls.SearchParams
+        self.search_params = None
         self.devices = [resolve_device(d) for d in self._device_names()]
         self.shards: list[Index] = []
         self.offsets: list[int] = []
@@ -102,7 +107,26 @@ class ShardedIndex(Index):
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
         self.shards[-1].add(v)
 
-    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    @classmethod
+    def split_params(cls, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Old-layout params: the shard backend's search settings come out of
+        ``backend_params``."""
+        from . import backend_class
+
+        inner = data.get("backend_params")
+        try:
+            shard_cls = backend_class(data.get("backend", "exact"))
+        except (InputError, ImportError):
+            return dict(data), {}
+        if not isinstance(inner, dict):
+            return dict(data), {}
+        build, search = shard_cls.split_params(inner)
+        return {**data, "backend_params": build}, search
+
+    def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``params``: the shard backend's search settings for this call."""
+        sp = self.resolve_search_params(params)
         k = check_positive_int(k, "k")
         q = as_tensor(queries, name="queries").detach()
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
@@ -112,7 +136,7 @@ class ShardedIndex(Index):
         for shard, off in zip(self.shards, self.offsets):
             if shard.ntotal == 0:
                 continue
-            s, i = shard.search(q.to(shard.device, non_blocking=True), k)
+            s, i = shard.search(q.to(shard.device, non_blocking=True), k, sp)
             vals.append(s)
             ids.append(torch.where(i >= 0, i + off, i))
         b = q.shape[0]
