@@ -172,6 +172,86 @@ def test_load_errors(name, tmp_path):
         cls.load(other, None, "cpu")
 
 
+# -- search settings, apart from build settings ------------------------------------------------
+
+SEARCH_KEY = {"hnsw": "ef_search", "ivf": "nprobe", "cagra": "itopk_size"}  # one per ANN backend
+
+
+@pytest.mark.parametrize("name,device", BACKENDS)
+def test_search_params_defaults_per_call_and_errors(name, device):
+    x, q = easy_data(16, n=1200)
+    index = make_index(name, device).build(x)
+    cls = type(index)
+    sp = index.search_params
+    assert isinstance(sp, cls.SearchParams) and sp == cls.SearchParams()
+    assert cls.SearchParams.from_json(sp.to_json()) == sp
+    s0, i0 = index.search(q, 10)
+    for same in ({}, sp, sp.to_dict()):  # the defaults, spelt three ways
+        s1, i1 = index.search(q, 10, params=same)
+        assert torch.equal(i0, i1) and torch.equal(s0, s1)
+    with pytest.raises(InputError, match=r"unknown keys \['efs'\]; known: \["):
+        index.search(q, 10, params={"efs": 3})
+    with pytest.raises(TypeError, match="SearchParams or a dict"):
+        index.search(q, 10, params=index.params)  # build settings are not search settings
+    assert index.search_params is sp  # a call's settings never become the defaults
+    index.search_params = sp.to_dict()
+    assert index.search_params == sp
+    with pytest.raises(InputError, match="unknown"):
+        index.search_params = {"efs": 3}
+    if name in SEARCH_KEY:  # a search setting among the build settings is named as such
+        with pytest.raises(InputError, match=f"{SEARCH_KEY[name]}.*are search settings"):
+            make_index(name, device, {SEARCH_KEY[name]: 64})
+
+
+def test_hnsw_ef_search_per_call():
+    rng = np.random.default_rng(17)
+    x, q = unit_rows(rng, 4000, 48), unit_rows(rng, 100, 48)  # random rows: hard at a small ef
+    index = make_index("hnsw", "cpu", {"M": 8, "ef_construction": 40, "threads": 1}).build(x)
+    _, truth = ref_topk(q, x, 10)
+    _, low = index.search(q, 10, params={"ef_search": 10})
+    s, high = index.search(q, 10, params=backend_class("hnsw").SearchParams(ef_search=400))
+    assert recall(low.numpy(), truth) < 0.6 and recall(high.numpy(), truth) >= 0.98
+    assert index.search_params.ef_search == 300
+    index.search_params = {"ef_search": 10}  # the same as defaults: the same graph walk
+    assert torch.equal(index.search(q, 10)[1], low)
+    np.testing.assert_allclose(s.numpy(), np.take_along_axis(q @ x.T, high.numpy(), 1),
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ivf_nprobe_per_call(device):
+    rng = np.random.default_rng(18)
+    x, q = unit_rows(rng, 3000, 32), unit_rows(rng, 64, 32)
+    index = make_index("ivf", device, {"nlist": 50, "threads": 1}).build(x)
+    ref_s, truth = ref_topk(q, x, 10)
+    _, one = index.search(q, 10, params={"nprobe": 1})
+    s, every = index.search(q, 10, params={"nprobe": 50})
+    np.testing.assert_array_equal(every.cpu().numpy(), truth)  # every list: the exact top-k
+    np.testing.assert_allclose(s.cpu().numpy(), ref_s, atol=1e-5)
+    assert recall(one.cpu().numpy(), truth) < 0.5
+    assert torch.equal(index.search(q, 10, params={"nprobe": 500})[1], every)  # > nlist: all
+    assert index.search_params.nprobe == 0 and index.nprobe == 32  # automatic: 5/8, >= 32
+
+
+@pytest.mark.gpu
+def test_cagra_search_params_per_call():
+    x, q = easy_data(19, n=5000)
+    index = make_index("cagra", "cuda").build(x)
+    _, truth = ref_topk(q, x, 10)
+    _, low = index.search(q, 10, params={"itopk_size": 16})
+    _, high = index.search(q, 10, params={"itopk_size": 256, "search_width": 4})
+    assert recall(high.cpu().numpy(), truth) >= max(0.95, recall(low.cpu().numpy(), truth))
+    assert index.search_params == backend_class("cagra").SearchParams()
+
+
+def test_split_params_of_older_saves():
+    assert backend_class("hnsw").split_params({"M": 8, "ef_search": 50, "full_scan_factor": 0}) \
+        == ({"M": 8}, {"ef_search": 50, "full_scan_factor": 0})
+    assert backend_class("ivf").split_params({"kind": "pq", "nprobe": 3}) == \
+        ({"kind": "pq"}, {"nprobe": 3})
+    assert backend_class("exact").split_params({"dtype": "float16"}) == ({"dtype": "float16"}, {})
+
+
 def test_hnsw_params_and_errors(tmp_path):
     p = backend_class("hnsw").Params()
     assert (p.M, p.ef_construction, p.threads) == (32, 500, 0)
