@@ -132,3 +132,30 @@ def test_every_visible_gpu_gets_a_shard():
     s, i = idx.search(torch.from_numpy(T), 17)
     assert i.device.type == "cuda"
     np.testing.assert_array_equal(i.cpu().numpy(), ref_search(X, T, 17)[1])
+
+
+def test_sharded_passes_the_shard_backends_search_params(tmp_path):
+    pytest.importorskip("faiss")
+    from pefa_gpu.errors import InputError
+    from pefa_gpu.index.ivf import IVFSearchParams
+
+    rng = np.random.default_rng(20)
+    X = rng.standard_normal((2400, 16)).astype(np.float32)
+    T = rng.standard_normal((40, 16)).astype(np.float32)
+    idx = make_index("sharded", "cpu", {"devices": ["cpu", "cpu"], "backend": "ivf",
+                                        "backend_params": {"nlist": 20, "threads": 1}},
+                     search_params={"nprobe": 1})
+    assert idx.SearchParams is IVFSearchParams and idx.search_params == IVFSearchParams(nprobe=1)
+    idx.build(torch.from_numpy(X))
+    _, truth = ref_search(X, T, 10)
+    _, one = idx.search(torch.from_numpy(T), 10)  # the defaults: one list per shard
+    _, every = idx.search(torch.from_numpy(T), 10, params={"nprobe": 20})
+    np.testing.assert_array_equal(every.numpy(), truth)  # every list of every shard: exact
+    assert (one.numpy() != truth).any()
+    assert idx.search_params.nprobe == 1
+    with pytest.raises(InputError, match="ef_search"):
+        idx.search(torch.from_numpy(T), 10, params={"ef_search": 5})
+    # a save from before the split held the shards' search settings in backend_params
+    assert ShardedIndex.split_params({"backend": "ivf", "backend_params": {"nlist": 20,
+                                                                           "nprobe": 3}}) == \
+        ({"backend": "ivf", "backend_params": {"nlist": 20}}, {"nprobe": 3})
