@@ -19,7 +19,8 @@ Per row: build time (PIFA + index builds; median of up to 3 builds), index size 
 single-thread latency (one
 query at a time; torch and faiss/pecos on 1 thread), batch time and QPS (all test queries in
 one call, all threads), Recall@10/100 on the test split (train split = PEFA's training pairs).
-Plus a recall-vs-QPS curve per backend over efSearch / nprobe. HNSW everywhere: M=32,
+Plus a recall-vs-QPS curve per backend over efSearch / nprobe (search settings per call, one
+fitted model per curve). HNSW everywhere: M=32,
 efConstruction=500, efSearch=300 (paper). Writes results/peers.{json,md,png}.
 """
 
@@ -165,7 +166,7 @@ class AuthorsPath:
 def fit_ours(kind: str, backend: str, P, Q, Y) -> Any:
     kw = {"backend": backend, "device": "cpu"}
     if backend == "hnsw-walk":
-        kw = {"backend": "hnsw", "device": "cpu", "index_params": {"full_scan_factor": 0}}
+        kw = {"backend": "hnsw", "device": "cpu", "search_params": {"full_scan_factor": 0}}
     if kind == "ERM":
         return pg.ERM(**kw).fit(P)
     if kind == "XS":
@@ -195,13 +196,6 @@ def our_size(model: Any) -> int:
             index.save(tmp)
             total += dir_size(Path(tmp))
     return total
-
-
-def set_search_knob(model: Any, backend: str, value: int) -> None:
-    """Change efSearch / nprobe of a fitted model's indices (benchmark only)."""
-    key = {"hnsw": "ef_search", "ivf": "nprobe"}[backend]
-    for index in our_indices(model):
-        index.params = index.params.replace(**{key: value})
 
 
 # -- one dataset -------------------------------------------------------------------------------
@@ -278,10 +272,11 @@ def run_dataset(spec: str, embeddings: str, use_pecos: bool) -> tuple[list, list
                    model.search(T, 100)[1])
             if backend == "hnsw-walk":
                 continue  # no curve: the hnsw curve differs only where an index is scanned
-            knob = {"hnsw": EF_CURVE, "ivf": NPROBE_CURVE}.get(backend, [None])
-            for v in knob:
-                if v is not None:
-                    set_search_knob(model, backend, v)
+            key, knob = {"hnsw": ("ef_search", EF_CURVE),
+                         "ivf": ("nprobe", NPROBE_CURVE)}.get(backend, (None, [None]))
+            for v in knob:  # search settings per call: one fitted model for the whole curve
+                params = None if v is None else {key: v}
+                search = lambda x, m=model, p=params: m.search(x, 100, params=p)  # noqa: E731
                 bt = batch_time(search, T, reps=2)
                 curves.append({"dataset": name, "system": "pefa_gpu", "model": kind,
                                "backend": backend, "knob": v, "qps": len(T) / bt,
