@@ -22,10 +22,11 @@ Loads of format_version 1 (a flat folder from pefa_gpu before the manifest check
 work, with a warning: their files are verified and their shapes checked, but an edit to their
 manifest cannot be detected. Such a folder is never saved over in place.
 
-Saves from before build and search settings were apart (no ``search_params`` in the manifest)
-hold the search settings inside the build params (PEFA-XL ``candidates`` in ``params``, hnsw
-``ef_search`` / ``full_scan_factor``, ivf ``nprobe``, cagra ``itopk_size`` in the index params);
-they are taken as search settings on load, so such a save searches as it did.
+Saves from before build and search settings were apart (format_version <= 2, no
+``search_params`` in the manifest) hold the search settings inside the build params (PEFA-XL
+``candidates`` in ``params``, hnsw ``ef_search`` / ``full_scan_factor``, ivf ``nprobe``, cagra
+``itopk_size`` in the index params); they are taken as search settings on load, so such a save
+searches as it did.
 """
 
 from __future__ import annotations

@@ -46,7 +46,9 @@ from .errors import FormatError, InputError
 log = logging.getLogger("pefa_gpu")
 
 FORMAT = "pefa_gpu"
-FORMAT_VERSION = 2  # 2: files in a data folder, manifest checksummed; 1 (flat, unchecked) loads
+# 3: search settings apart from build settings (an older reader would drop them silently);
+# 2: files in a data folder, manifest checksummed; 1 (flat, unchecked); all three load
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_sha256"
 DATA_PREFIX = "pefa-data-"

@@ -195,7 +195,7 @@ def test_saved_state_is_what_the_class_lists(tmp_path, data, cls):
     model.save(tmp_path / "m")
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert set(manifest["state"]) == set(cls._saved)
-    assert manifest["class"] == cls.__name__ and manifest["format_version"] == 2
+    assert manifest["class"] == cls.__name__ and manifest["format_version"] == 3
     assert manifest["library_version"] == pg.__version__
     assert manifest["params"] == model.params.to_dict()
     back = pg.load(tmp_path / "m", device="cpu")
@@ -329,7 +329,7 @@ def test_foreign_directories(tmp_path, saved_xs):
 def test_future_format_version(tmp_path, saved_xs):
     path = copy_save(saved_xs[1], tmp_path / "s")
     _edit_manifest(path, format_version=storage.FORMAT_VERSION + 1)
-    with pytest.raises(FormatError, match="format_version 3, newer than this pefa_gpu reads"):
+    with pytest.raises(FormatError, match="format_version 4, newer than this pefa_gpu reads"):
         pg.load(path, device="cpu")
 
 
