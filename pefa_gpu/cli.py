@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "query per line (ids as for QUERY texts)")
     p.add_argument("--topk", type=_positive_int, default=10,
                    help="results per query (default: 10)")
+    p.add_argument("--candidates", type=_positive_int, default=None, metavar="KP",
+                   help="PEFA-XL: ERM candidates for this search (default: the build's)")
     p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     p.add_argument("--format", choices=SEARCH_FORMATS, default=None,
                    help="output format (default: from --out's suffix: .json, .trec / .run, "
@@ -797,7 +799,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     q = encode([t for _, t in queries], model=encoder,
                batch_size=args.batch_size, device=model.device, cache_dir=_cache_dir(args),
                show_progress=not args.quiet)
-    scores, ids = model.search(q, args.topk)
+    params = None if args.candidates is None else {"candidates": args.candidates}
+    scores, ids = model.search(q, args.topk, params=params)
     text = _format_results(_search_format(args), queries, to_numpy(scores), to_numpy(ids),
                            doc_ids, args.tag or "pefa_gpu")
     if args.out:

@@ -137,8 +137,9 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
 
     def passage() -> dict[str, Any]:
         if not shared:
-            xl = PEFAXL(lam=lams[0], k=max(ks), candidates=candidates, knn_norm=knn_norm,
-                        rescore=rescore, augment_docs=augment_docs, **common).fit(P, Q, Y)
+            xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
+                        augment_docs=augment_docs, search_params={"candidates": candidates},
+                        **common).fit(P, Q, Y)
             qq = xl._queries(q)
             shared.update(xl=xl, q=qq, erm=xl.index.search(qq, candidates))
         return shared

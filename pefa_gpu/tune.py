@@ -235,6 +235,6 @@ def fit_config(config: Config, P: Any, Q: Any = None, Y: Any = None, device: Any
         return PEFAXS(lam=config.lam, backend=backend, device=device,
                       **{k: v for k, v in params.items() if k == "augment_docs"}).fit(P, Q, Y)
     if config.method == "xl":
-        return PEFAXL(lam=config.lam, k=config.k, candidates=candidates, backend=backend,
-                      device=device, **params).fit(P, Q, Y)
+        return PEFAXL(lam=config.lam, k=config.k, search_params={"candidates": candidates},
+                      backend=backend, device=device, **params).fit(P, Q, Y)
     raise InputError(f"unknown method {config.method!r}; choose one of {list(METHODS)}")

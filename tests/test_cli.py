@@ -189,6 +189,15 @@ def test_build_and_search(data, tmp_path, capsys):
     res = json.loads(out.out)
     assert res[0]["query_id"] == "x1" and len(res[0]["results"]) == 2
     assert set(res[0]["results"][0]) == {"rank", "doc_id", "score"}
+    # --candidates: a search setting, recorded by build, changed per search without a rebuild
+    assert model.search_params.candidates == 30
+    out = _run(capsys, "search", model_dir, "another query", "--candidates", "1", "--format",
+               "json", "--topk", "3", "--device", "cpu", "--cache-dir", tmp_path / "c",
+               "--model", "textdata:BowEncoder", "-q")
+    _, i1 = model.search(q[1:], 3, params={"candidates": 1})
+    assert (i1 != i[1:]).any(), "candidates=1 must matter here"
+    assert [r["doc_id"] for r in json.loads(out.out)[0]["results"]] == \
+        [ds.corpus_ids[int(j)] for j in i1[0]]
 
 
 def test_build_erm_with_precomputed_embeddings(data, tmp_path, capsys):
