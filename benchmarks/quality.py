@@ -48,7 +48,7 @@ def main() -> None:
             record("PEFA-XS", lam, None, augment, xs.search(T, 100)[1])
     xl = pg.PEFAXL(k=max(KS), device=args.device).fit(P, Q, Ytr)
     q = xl._queries(T)
-    erm = xl.index.search(q, xl.params.candidates)
+    erm = xl.index.search(q, xl.search_params.candidates)
     knn = xl.neighbours(q, max(KS), erm)  # training queries and, augmented, documents
     for k in KS:
         for lam in LAMS:
