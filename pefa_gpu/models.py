@@ -133,7 +133,6 @@ class _Model:
         self.index_params = index_params
         probe = make_index(backend, self.device, index_params)  # fail early on bad settings
         self._index_search_class = probe.SearchParams
-        self._index_search_params = probe.search_params
         self.search_params = self.SearchParams()
         if legacy:
             twice = sorted(set(legacy) & _search_keys(search_params))
@@ -142,7 +141,8 @@ class _Model:
                                  f"in index_params, and in search_params)")
             search_params = [legacy, *(search_params if isinstance(search_params, (list, tuple))
                                        else [search_params])]
-        self.search_params, self.index_search_params = self._split_search_params(search_params)
+        self.search_params, index_search = self._split_search_params(search_params)
+        self.index_search_params = probe.resolve_search_params(index_search)
         self.dim = 0
         self.n_docs = 0
 
@@ -189,10 +189,13 @@ class _Model:
             if index is not None:
                 index.search_params = value
 
-    def _split_search_params(self, params: Any) -> tuple[Params, Params]:
-        """``params`` as :meth:`search` takes it -> (the model's SearchParams, the backend's),
-        completed from the current defaults."""
-        own, index = self.search_params, self.index_search_params
+    def _split_search_params(self, params: Any) -> tuple[Params, Params | dict | None]:
+        """``params`` as :meth:`search` takes it -> (the model's SearchParams, completed from
+        :attr:`search_params`; the backend's: None when not given, a dict of changes that
+        each index applies to its own defaults, or a SearchParams)."""
+        own_keys = _field_names(self.SearchParams)
+        index_keys = _field_names(self._index_search_class)
+        own, index = self.search_params, None
         for item in params if isinstance(params, (list, tuple)) else [params]:
             if item is None:
                 continue
@@ -201,8 +204,6 @@ class _Model:
             elif isinstance(item, self._index_search_class):
                 index = item
             elif isinstance(item, dict):
-                own_keys, index_keys = _field_names(self.SearchParams), \
-                    _field_names(self._index_search_class)
                 unknown = sorted(set(item) - own_keys - index_keys)
                 if unknown:
                     raise InputError(
@@ -211,12 +212,17 @@ class _Model:
                         f"{sorted(index_keys)} ({self._index_search_class.__name__}, backend "
                         f"{self.backend!r})")
                 own = own.replace(**{k: v for k, v in item.items() if k in own_keys})
-                index = index.replace(**{k: v for k, v in item.items() if k not in own_keys})
+                changes = {k: v for k, v in item.items() if k not in own_keys}
+                if changes:
+                    index = index.replace(**changes) if isinstance(index, Params) else \
+                        {**(index or {}), **changes}
             else:
                 raise TypeError(f"{type(self).__name__} search params must be a dict, a "
                                 f"{self.SearchParams.__name__}, a "
                                 f"{self._index_search_class.__name__} or a list of them, got "
                                 f"{type(item).__name__}")
+        if isinstance(index, dict):  # values checked now, not in the middle of a search
+            self._index_search_class.coerce(index)
         return own, index
 
     def _new_index(self) -> Index:
@@ -254,10 +260,10 @@ class _Model:
         and :attr:`index_search_params`, stay as they are): a dict of the model's keys (PEFA-XL
         ``candidates``) and the backend's (hnsw ``ef_search`` / ``full_scan_factor``, ivf
         ``nprobe``, cagra ``itopk_size`` / ``search_width`` / ``max_iterations``), keys left
-        out keep their defaults; or the model's ``SearchParams`` (e.g. XLSearchParams) or the
-        backend's (e.g. HNSWSearchParams), which replace those defaults whole; or a list of
-        these, applied in order. Unknown keys are an InputError naming the valid ones. PEFA-XL
-        applies the backend's settings to both its indices.
+        out keep their defaults (each index its own); or the model's ``SearchParams`` (e.g.
+        XLSearchParams) or the backend's (e.g. HNSWSearchParams), which replace those defaults
+        whole; or a list of these, applied in order. Unknown keys are an InputError naming the
+        valid ones. PEFA-XL applies the backend's settings to both its indices.
 
         The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
         inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS then search

@@ -86,6 +86,24 @@ def test_xl_index_settings_apply_to_both_indices(data):
     equal(model.search(T, 10), per_call)
 
 
+def test_a_calls_dict_changes_only_its_keys_of_each_indexs_defaults(data):
+    T = data[3]
+    model = xl(data, backend="hnsw", index_params={"M": 4, "ef_construction": 8, "threads": 1},
+               search_params={"ef_search": 8})
+    model.query_index.search_params = {"ef_search": 400}  # the indices' defaults differ
+    model.search_params = {"candidates": 30}
+    expected = model.search(T, 10)
+    model.search_params = {"candidates": 500}
+    equal(model.search(T, 10, params={"candidates": 30}), expected)
+    # a backend key applies to both indices, other backend keys stay each index's own
+    model.index.search_params = {"ef_search": 8, "full_scan_factor": 1000.0}  # exact scans
+    scan = model.search(T, 10, params={"candidates": 30, "ef_search": 400})
+    assert not torch.equal(scan[1], expected[1]), "the settings must matter here"
+    model.index.search_params = {"ef_search": 400, "full_scan_factor": 1000.0}
+    model.search_params = {"candidates": 30}
+    equal(model.search(T, 10), scan)
+
+
 def test_ann_ef_per_call_raises_recall(data):
     P, _, _, T = data
     model = pg.ERM(device="cpu", backend="hnsw",
