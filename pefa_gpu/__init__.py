@@ -20,6 +20,7 @@ from .sweep import Config, SweepResult, sweep
 from .synthetic import SyntheticData, make_synthetic
 from .training import mine_negatives
 from .tune import TuneResult, fit_config, tune
+from .xmc import XMCData, load_xmc
 
 __version__ = "0.1.0"
 
@@ -29,7 +30,7 @@ __all__ = [
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
     "load", "Index", "make_index",
-    "BeirDataset", "load_beir", "Pairs", "load_pairs", "encode",
+    "BeirDataset", "load_beir", "Pairs", "load_pairs", "XMCData", "load_xmc", "encode",
     "sweep", "Config", "SweepResult", "tune", "TuneResult", "fit_config",
     "mine_negatives", "make_synthetic", "SyntheticData",
     "PefaError", "InputError", "MissingDependencyError", "FormatError",

@@ -95,8 +95,9 @@ def _methods(text: str) -> tuple[str, ...]:
 
 def _common(p: argparse.ArgumentParser, data: bool = True, evaluate: bool = True) -> None:
     if data:
-        p.add_argument("data_dir", metavar="DATA_DIR",
-                       help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv")
+        p.add_argument("data_dir", metavar="DATA_DIR", nargs="?",
+                       help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv"
+                            " (or --xmc / --emb, where the command has them)")
         g = p.add_argument_group("data")
         g.add_argument("--train-split", default="train", metavar="NAME",
                        help="qrels split to fit on (default: train)")
@@ -160,6 +161,21 @@ def _out_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
 
 
+def _xmc_args(p: argparse.ArgumentParser) -> None:
+    """--xmc / --emb / --aug: the PEFA authors' layout instead of DATA_DIR (see pefa_gpu.xmc)."""
+    g = p.add_argument_group("the authors' XMC layout (instead of DATA_DIR)")
+    g.add_argument("--xmc", metavar="XMC_DIR",
+                   help="folder of Y.trn.npz, Y.tst.npz, Y.trn.abs.npz [, Y.trn.doc.npz, "
+                        "Y.trn.d2q.npz] (scipy CSR, queries x documents)")
+    g.add_argument("--emb", metavar="EMB_DIR",
+                   help="folder of the matching X.trn.npy, X.tst.npy, X.trn.abs.npy [, "
+                        "X.trn.doc.npy, X.trn.d2q.npy]; passages = PIFA of the abstracts")
+    g.add_argument("--aug", default="v0", choices=("v0", "v1", "v2", "v3", "v4", "v5"),
+                   help="training pairs: v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, "
+                        "v5 trn+doc+d2q (the authors' scripts: v5 with --no-augment; "
+                        "default: v0)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -180,6 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Encode (cached), fit each method on the training split, "
                                    "evaluate on the test split and print a markdown table.")
     _common(p)
+    _xmc_args(p)
     _model_args(p)
     p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
                    help="comma-separated subset of erm,xs,xl (default: all three)")
@@ -194,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Evaluate every (method, λ, k) of a grid on the test split, "
                                    "searching once per method and re-fusing per (λ, k).")
     _common(p)
+    _xmc_args(p)
     _model_args(p)
     _grid_args(p)
     _out_args(p)
@@ -206,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "λ = 1, when the training signal does not help), refit on "
                                    "all training pairs and report the test result.")
     _common(p)
+    _xmc_args(p)
     _model_args(p)
     _grid_args(p)
     p.add_argument("--val-fraction", type=float, default=0.2, metavar="F",
@@ -397,6 +416,11 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     from .datasets import load_beir, load_pairs
     from .errors import InputError
 
+    if getattr(args, "xmc", None) or getattr(args, "emb", None):
+        return _load_xmc_data(args)
+    if args.data_dir is None:
+        raise InputError("no data: give DATA_DIR (a BEIR folder)"
+                         + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
     ds = load_beir(args.data_dir)
     train_texts: list[str] | None = None
     if args.train_pairs:
@@ -433,6 +457,25 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test, y_test,
                  n_pairs=y_train.nnz)
+
+
+def _load_xmc_data(args: argparse.Namespace) -> _Data:
+    """--xmc / --emb / --aug: embeddings and relevance from the authors' layout."""
+    from .errors import InputError
+    from .xmc import load_xmc
+
+    if not (args.xmc and args.emb):
+        raise InputError("--xmc XMC_DIR and --emb EMB_DIR go together")
+    given = [flag for flag, value in (("DATA_DIR", args.data_dir), ("--model", args.model),
+                                      ("--embeddings", args.embeddings),
+                                      ("--train-pairs", args.train_pairs)) if value]
+    if given:
+        raise InputError(f"--xmc reads embeddings and pairs from its folders; drop "
+                         f"{', '.join(given)}")
+    data = load_xmc(args.xmc, args.emb, aug=args.aug)
+    log.info("%s (aug %s): training rows %s", data.name, data.aug, data.sources)
+    return _Data(data.name, [str(j) for j in range(data.n_docs)], data.P, data.Q, data.Y,
+                 data.Q_test, data.Y_test, n_pairs=data.Y.nnz)
 
 
 def _sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
