@@ -12,16 +12,19 @@ Rows, all measured in one run on the same machine:
 - authors: libpecos HNSW (``pecos.ann.hnsw``) + PIFA with scipy + a scipy-sparse merge for
   XL (our own code in the shape of the reference pipeline; rescore off, as there).
 - faiss-raw: a bare faiss ``IndexHNSWFlat`` ERM (numpy in/out), the floor of the wrapper.
-- pefa_gpu: ERM / PEFA-XS / PEFA-XL on backends exact, hnsw, ivf (CPU), and "hnsw-walk": hnsw
+- pefa_gpu: ERM / PEFA-XS / PEFA-XL on backends exact, hnsw, ivf (CPU), hnswlib and scann
+  (when installed: ``pip install hnswlib scann``), and "hnsw-walk": hnsw
   with full_scan_factor=0, i.e. always a graph walk (by default the hnsw backend scans an index
   of at most 12 efSearch rows exactly, as XL's query index of SciFact's 809 training queries).
 Per row: build time (PIFA + index builds; median of up to 3 builds), index size on disk,
 single-thread latency (one
 query at a time; torch and faiss/pecos on 1 thread), batch time and QPS (all test queries in
 one call, all threads), Recall@10/100 on the test split (train split = PEFA's training pairs).
-Plus a recall-vs-QPS curve per backend over efSearch / nprobe (search settings per call, one
-fitted model per curve). HNSW everywhere: M=32,
-efConstruction=500, efSearch=300 (paper). Writes results/peers.{json,md,png}.
+Plus a recall-vs-QPS curve per backend over efSearch / nprobe / ScaNN leaves searched (search
+settings per call, one fitted model per curve). HNSW everywhere (faiss, hnswlib, PECOS): M=32,
+efConstruction=500, efSearch=300 (paper); ScaNN at its backend defaults (tree of sqrt(n)
+leaves, 2/3 searched, brute force below 4096 rows). Writes results/peers.{json,md,png}
+(``--out NAME``: results/NAME.* instead).
 """
 
 from __future__ import annotations
@@ -47,6 +50,11 @@ M, EFC, EFS = 32, 500, 300
 XS_LAM, XL_LAM, XL_K, XL_KP = 0.5, 0.1, 16, 500
 EF_CURVE = [10, 20, 40, 80, 160, 300, 600]
 NPROBE_CURVE = [1, 2, 4, 8, 16, 32, 64, 128]
+LEAVES_CURVE = [2, 4, 8, 16, 24, 36, 48, 72]  # ScaNN leaves searched (clipped to the tree's)
+BACKENDS = ("exact", "hnsw", "ivf", "hnswlib", "scann", "hnsw-walk")
+# backend -> (the search setting each recall-vs-QPS curve varies, its values)
+CURVES = {"hnsw": ("ef_search", EF_CURVE), "ivf": ("nprobe", NPROBE_CURVE),
+          "hnswlib": ("ef", EF_CURVE), "scann": ("leaves_to_search", LEAVES_CURVE)}
 THREADS = os.cpu_count() or 1
 BUILD_REPS, BUILD_BUDGET_S = 3, 10.0  # builds per row (median reported; one build varies
 # by ~10%), fewer where they take longer than the budget together (large datasets)
@@ -198,6 +206,19 @@ def our_size(model: Any) -> int:
     return total
 
 
+def usable_backends(names: list[str]) -> list[str]:
+    """The backends of ``names`` whose libraries import here (others are skipped, said so)."""
+    out = []
+    for name in names:
+        try:
+            pg.make_index("hnsw" if name == "hnsw-walk" else name, "cpu")
+        except ImportError as exc:  # MissingDependencyError is an ImportError
+            print(f"skipping backend {name}: {exc}")
+            continue
+        out.append(name)
+    return out
+
+
 # -- one dataset -------------------------------------------------------------------------------
 
 def load_dataset(spec: str, embeddings: str) -> tuple[str, Any, Any, Any, Any, Any]:
@@ -217,7 +238,8 @@ def load_dataset(spec: str, embeddings: str) -> tuple[str, Any, Any, Any, Any, A
     return ds.name, P, Qall[train_rows], Qall[test_rows], Ytr, Yte
 
 
-def run_dataset(spec: str, embeddings: str, use_pecos: bool) -> tuple[list, list]:
+def run_dataset(spec: str, embeddings: str, use_pecos: bool,
+                backends: list[str]) -> tuple[list, list]:
     name, P, Q, T, Ytr, Yte = load_dataset(spec, embeddings)
     rows, curves = [], []
 
@@ -264,7 +286,7 @@ def run_dataset(spec: str, embeddings: str, use_pecos: bool) -> tuple[list, list
            lambda x: raw.search(x, 100), raw.search(T, 100)[1])
 
     # (c) pefa_gpu
-    for backend in ("exact", "hnsw", "ivf", "hnsw-walk"):
+    for backend in backends:
         for kind in ("ERM", "XS", "XL"):
             model, build = timed_builds(lambda kind=kind: fit_ours(kind, backend, P, Q, Ytr))
             search = lambda x, m=model: m.search(x, 100)  # noqa: E731
@@ -272,8 +294,7 @@ def run_dataset(spec: str, embeddings: str, use_pecos: bool) -> tuple[list, list
                    model.search(T, 100)[1])
             if backend == "hnsw-walk":
                 continue  # no curve: the hnsw curve differs only where an index is scanned
-            key, knob = {"hnsw": ("ef_search", EF_CURVE),
-                         "ivf": ("nprobe", NPROBE_CURVE)}.get(backend, (None, [None]))
+            key, knob = CURVES.get(backend, (None, [None]))
             for v in knob:  # search settings per call: one fitted model for the whole curve
                 params = None if v is None else {key: v}
                 search = lambda x, m=model, p=params: m.search(x, 100, params=p)  # noqa: E731
@@ -298,11 +319,11 @@ def ratios(rows: list) -> list:
                 out.append({"dataset": name, "target": target, "value": value,
                             "limit": limit, "met": bool(ok)})
 
-        for b in ("hnsw", "ivf"):
+        for b in ("hnsw", "ivf", "hnswlib", "scann"):
             for m in ("ERM", "XS", "XL"):
                 add(f"{m} {b}: Recall@10 loss vs exact (points)", ("pefa_gpu", m, b),
                     ("pefa_gpu", m, "exact"), "recall@10", 0.5)
-        for b in ("exact", "hnsw", "ivf"):
+        for b in ("exact", "hnsw", "ivf", "hnswlib", "scann"):
             add(f"XS/ERM single-thread latency ({b})", ("pefa_gpu", "XS", b),
                 ("pefa_gpu", "ERM", b), "latency_ms", 1.1)
             add(f"XL/ERM single-thread latency ({b})", ("pefa_gpu", "XL", b),
@@ -348,7 +369,7 @@ def plot(curves: list, path: Path) -> None:
             ax.set_yscale("log")
             ax.set_xlabel("Recall@10 (test)")
             ax.set_ylabel("batch QPS")
-            ax.set_title(f"{name}: {model} (labels: efSearch / nprobe)")
+            ax.set_title(f"{name}: {model} (labels: ef / nprobe / leaves)")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     fig.tight_layout()
@@ -361,7 +382,12 @@ def main() -> None:
                     help="BEIR directories, or synthetic:n,m,rel_exponent,max_rel")
     ap.add_argument("--embeddings", default="all-MiniLM-L6-v2")
     ap.add_argument("--no-pecos", action="store_true", help="skip the authors' code path")
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help=f"pefa_gpu backends to run (default: {','.join(BACKENDS)})")
+    ap.add_argument("--out", default="peers",
+                    help="results/OUT.{json,md,png} (default: peers, the committed results)")
     args = ap.parse_args()
+    backends = usable_backends([b for b in args.backends.split(",") if b])
     use_pecos = not args.no_pecos
     if use_pecos:
         try:
@@ -373,14 +399,16 @@ def main() -> None:
     faiss.omp_set_num_threads(THREADS)
     rows, curves = [], []
     for d in args.data_dirs:
-        r, c = run_dataset(d, args.embeddings, use_pecos)
+        r, c = run_dataset(d, args.embeddings, use_pecos, backends)
         rows += r
         curves += c
     rat = ratios(rows)
     cols = ["dataset", "system", "model", "backend", "build_s", "size_mb", "latency_ms",
             "batch_s", "qps", "recall@10", "recall@100"]
     md = ("## Side by side (hnsw M=32, efC=500, efS=300, full_scan_factor 12 (hnsw-walk: 0); "
-          "ivf defaults: nlist 4 sqrt(n), nprobe 5/8 nlist; build: median of up to 3)\n\n")
+          "hnswlib M=32, efC=500, ef=300; ivf defaults: nlist 4 sqrt(n), nprobe 5/8 nlist; "
+          "scann defaults: sqrt(n) leaves, 2/3 searched, brute force below 4096 rows; "
+          "build: median of up to 3)\n\n")
     md += md_table(cols, [[r[c] for c in cols] for r in rows])
     md += "\n## Targets as ratios\n\n"
     if any(r["dataset"].startswith("synthetic") for r in rows):
@@ -390,14 +418,15 @@ def main() -> None:
                    [[r["dataset"], r["target"], r["value"], r["limit"], r["met"]] for r in rat])
     from _common import RESULTS
 
-    write_results("peers", {"rows": rows, "ratios": rat, "curves": curves,
+    write_results(args.out, {"rows": rows, "ratios": rat, "curves": curves,
                             "settings": {"M": M, "efC": EFC, "efS": EFS, "xs_lam": XS_LAM,
                                          "xl_lam": XL_LAM, "xl_k": XL_K,
                                          "xl_candidates": XL_KP, "threads": THREADS,
                                          "build_reps": BUILD_REPS,
                                          "build_budget_s": BUILD_BUDGET_S,
-                                         "hnsw_full_scan_factor": 12.0}}, md)
-    plot(curves, RESULTS / "peers.png")
+                                         "hnsw_full_scan_factor": 12.0,
+                                         "backends": backends}}, md)
+    plot(curves, RESULTS / f"{args.out}.png")
     print(md)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import subprocess
 import sys
 
@@ -17,15 +19,46 @@ from conftest import unit_rows
 
 faiss = pytest.importorskip("faiss")
 
+
+
+def installed(module: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None,
+                              reason=f"{module} is not installed")
+
+
+HNSWLIB, SCANN = installed("hnswlib"), installed("scann")
+GPU = pytest.mark.gpu
 BACKENDS = [
     ("exact", "cpu"),
     ("hnsw", "cpu"),
     ("ivf", "cpu"),
-    pytest.param("hnsw", "cuda", marks=pytest.mark.gpu),
-    pytest.param("ivf", "cuda", marks=pytest.mark.gpu),
-    pytest.param("cagra", "cuda", marks=pytest.mark.gpu),
+    pytest.param("hnswlib", "cpu", marks=HNSWLIB),
+    pytest.param("scann", "cpu", marks=SCANN),       # small test data: brute force
+    pytest.param("scann-tree", "cpu", marks=SCANN),  # tree + AH + re-ordering
+    pytest.param("hnsw", "cuda", marks=GPU),
+    pytest.param("ivf", "cuda", marks=GPU),
+    pytest.param("cagra", "cuda", marks=GPU),
+    pytest.param("hnswlib", "cuda", marks=[GPU, HNSWLIB]),
+    pytest.param("scann-tree", "cuda", marks=[GPU, SCANN]),
 ]
-ANN = [b for b in BACKENDS if not (isinstance(b, tuple) and b[0] == "exact")]
+FAISS_ANN = [b for b in BACKENDS if getattr(b, "values", b)[0] in ("hnsw", "ivf", "cagra")]
+# test names of a backend with other settings than its defaults: (backend, build, search).
+# scann-tree: a tree on any size; random vectors do not cluster, so it searches 9 of 10 leaves
+VARIANTS = {"scann-tree": ("scann", {"brute_force_below": 0, "num_leaves": 10},
+                           {"leaves_to_search": 9})}
+
+
+def backend_of(name: str) -> str:
+    return VARIANTS.get(name, (name,))[0]
+
+
+def new_index(name: str, device: str, **params):
+    """An empty index of backend (or variant) ``name``."""
+    backend, build, search = VARIANTS.get(name, (name, {}, None))
+    index = make_index(backend, device, {**build, **params} or None)
+    if search is not None:
+        index.search_params = index.SearchParams.from_dict(search)
+    return index
 
 
 def ref_topk(q: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -64,7 +97,7 @@ def check_results(scores: torch.Tensor, ids: torch.Tensor, b: int, k: int, n: in
 @pytest.mark.parametrize("name,device", BACKENDS)
 def test_agrees_with_exact_and_scores_are_similarities(name, device):
     x, q = easy_data(1)
-    index = make_index(name, device).build(x)
+    index = new_index(name, device).build(x)
     assert index.ntotal == 2000 and index.dim == 32
     scores, ids = index.search(q, 10)
     s, i = check_results(scores, ids, 64, 10, 2000, device)
@@ -78,7 +111,7 @@ def test_agrees_with_exact_and_scores_are_similarities(name, device):
 @pytest.mark.parametrize("name,device", BACKENDS)
 def test_padding_when_k_exceeds_n(name, device):
     x = unit_rows(np.random.default_rng(2), 50, 16)
-    index = make_index(name, device).build(x)
+    index = new_index(name, device).build(x)
     s, i = check_results(*index.search(x[:5], 80), 5, 80, 50, device)
     assert ((i >= 0).sum(1) == 50).all()
     assert (i[:, 0] == np.arange(5)).all()
@@ -87,7 +120,7 @@ def test_padding_when_k_exceeds_n(name, device):
 @pytest.mark.parametrize("name,device", BACKENDS)
 def test_add_appends_ids(name, device):
     x, _ = easy_data(3, n=1500)
-    index = make_index(name, device).build(x[:1000])
+    index = new_index(name, device).build(x[:1000])
     index.add(torch.from_numpy(x[1000:]))
     assert index.ntotal == 1500
     probe = np.arange(1000, 1500, 25)
@@ -100,7 +133,7 @@ def test_duplicates_and_ties_give_valid_ids(name, device):
     rng = np.random.default_rng(4)
     base = unit_rows(rng, 300, 16)
     x = np.concatenate([base, base, base[:50]])  # every row at least twice
-    index = make_index(name, device).build(x)
+    index = new_index(name, device).build(x)
     s, i = check_results(*index.search(base[:20], 6), 20, 6, len(x), device)
     # the query's own copies are among its best results: at least two with score ~1
     assert ((s > 0.999).sum(1) >= 2).all()
@@ -112,7 +145,7 @@ def test_duplicates_and_ties_give_valid_ids(name, device):
 
 @pytest.mark.parametrize("name,device", BACKENDS)
 def test_bad_input_is_named(name, device):
-    index = make_index(name, device).build(unit_rows(np.random.default_rng(5), 100, 8))
+    index = new_index(name, device).build(unit_rows(np.random.default_rng(5), 100, 8))
     with pytest.raises(InputError, match="8"):
         index.search(np.zeros((2, 9), np.float32), 3)
     with pytest.raises(InputError, match="k"):
@@ -121,11 +154,11 @@ def test_bad_input_is_named(name, device):
     assert s.shape == (0, 3) and i.shape == (0, 3)
 
 
-@pytest.mark.parametrize("name,device", ANN)
+@pytest.mark.parametrize("name,device", FAISS_ANN)
 def test_k_above_backend_limit_falls_back(name, device, monkeypatch):
     x, q = easy_data(6, n=600)
     cls = backend_class(name)
-    index = make_index(name, device).build(x)
+    index = new_index(name, device).build(x)
     monkeypatch.setattr(cls, "max_k", 7)
     if name == "ivf":
         monkeypatch.setattr(cls, "gpu_max_k", 7)
@@ -141,12 +174,14 @@ def test_k_above_backend_limit_falls_back(name, device, monkeypatch):
 @pytest.mark.parametrize("name,device", BACKENDS)
 def test_save_load_round_trip(name, device, tmp_path):
     x, q = easy_data(7, n=1200)
-    index = make_index(name, device).build(x)
+    index = new_index(name, device).build(x)
     try:
         index.save(tmp_path)
     except NotImplementedError:
         pytest.skip(f"{name} save is not implemented")
-    loaded = backend_class(name).load(tmp_path, index.params, device)
+    loaded = backend_class(backend_of(name)).load(tmp_path, index.params, device)
+    if hasattr(index, "search_params"):  # search settings are not part of a saved index
+        loaded.search_params = index.search_params
     assert loaded.ntotal == index.ntotal and loaded.dim == index.dim
     s1, i1 = index.search(q, 10)
     s2, i2 = loaded.search(q, 10)
@@ -339,10 +374,231 @@ def test_missing_faiss_is_a_clear_error(monkeypatch):
 
 
 def test_import_does_not_load_faiss():
-    code = "import sys, pefa_gpu; print('faiss' in sys.modules)"
+    code = ("import sys, pefa_gpu; "
+            "print(*[m in sys.modules for m in ('faiss', 'hnswlib', 'scann')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.strip()
-    assert out == "False"
+    assert out == "False False False"
+
+
+@pytest.mark.parametrize("name,module,hint", [
+    ("hnswlib", "hnswlib", "pip install hnswlib"),
+    ("scann", "scann.scann_ops.py", "pip install scann")])
+def test_missing_cpu_library_is_a_clear_error(monkeypatch, name, module, hint):
+    monkeypatch.setitem(sys.modules, module, None)
+    with pytest.raises(MissingDependencyError, match=hint):
+        make_index(name, "cpu")
+
+
+# -- hnswlib ----------------------------------------------------------------------------------
+
+@HNSWLIB
+def test_hnswlib_params_and_search_settings():
+    cls = backend_class("hnswlib")
+    p, sp_ = cls.Params(), cls.SearchParams()
+    assert (p.M, p.ef_construction, sp_.ef) == (32, 500, 300)  # the paper's HNSW settings
+    assert cls.Params.from_json(p.to_json()) == p
+    assert cls.SearchParams.from_json(sp_.to_json()) == sp_
+    with pytest.raises(InputError, match="unknown"):
+        make_index("hnswlib", "cpu", {"M": 8, "ef": 3})  # ef is a search setting
+    for bad in ({"M": 0}, {"ef_construction": -1}, {"threads": -1}, {"seed": 1.5}):
+        with pytest.raises(InputError, match=next(iter(bad))):
+            make_index("hnswlib", "cpu", bad)
+    with pytest.raises(InputError, match="ef"):
+        cls.SearchParams(ef=0)
+
+    rng = np.random.default_rng(21)
+    x, q = unit_rows(rng, 3000, 48), unit_rows(rng, 60, 48)  # no structure: a hard graph
+    index = make_index("hnswlib", "cpu", {"M": 4, "ef_construction": 8, "threads": 1}).build(x)
+    assert index.search_params == cls.SearchParams()
+    truth = ref_topk(q, x, 10)[1]
+    narrow = index.search(q, 10, {"ef": 10})
+    wide = index.search(q, 10, cls.SearchParams(ef=3000))
+    assert recall(narrow[1].numpy(), truth) < recall(wide[1].numpy(), truth)
+    assert torch.equal(index.search(q, 10)[1], index.search(q, 10, {"ef": 300})[1])
+    index.search_params = cls.SearchParams(ef=10)  # the default of later calls
+    assert torch.equal(index.search(q, 10)[1], narrow[1])
+    with pytest.raises(InputError, match="unknown"):
+        index.search(q, 10, {"efs": 3})
+    with pytest.raises(TypeError, match="SearchParams"):
+        index.search(q, 10, 300)
+
+
+@HNSWLIB
+def test_hnswlib_scores_are_similarities_and_vectors_come_back():
+    rng = np.random.default_rng(22)
+    x, q = unit_rows(rng, 500, 16), unit_rows(rng, 20, 16)
+    index = make_index("hnswlib", "cpu").build(x)
+    s, i = index.search(q, 5)
+    ref = np.einsum("bd,bkd->bk", q.astype(np.float64), x.astype(np.float64)[i.numpy()])
+    np.testing.assert_allclose(s.numpy(), ref, atol=3e-7)  # 1 - (1 - ip), not a distance
+    assert index.exact_scores is True
+    ids = torch.tensor([[3, 0, 499], [7, 7, 1]])
+    np.testing.assert_array_equal(index.reconstruct(ids).numpy(), x[ids.numpy()])
+    assert index.reconstruct(torch.zeros(0, dtype=torch.long)).shape == (0, 16)
+    with pytest.raises(InputError, match=r"\[0, 500\)"):
+        index.reconstruct(torch.tensor([500]))
+
+
+@HNSWLIB
+def test_hnswlib_load_checks_the_files(tmp_path):
+    cls = backend_class("hnswlib")
+    x = unit_rows(np.random.default_rng(23), 300, 8)
+    index = make_index("hnswlib", "cpu", {"M": 8}).build(x)
+    with pytest.raises(FormatError, match="missing"):
+        cls.load(tmp_path, None, "cpu")
+    index.save(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hnswlib.json", "index.bin"]
+    with pytest.raises(FormatError, match="M=8, params say M=16"):
+        cls.load(tmp_path, {"M": 16}, "cpu")
+    meta = json.loads((tmp_path / "hnswlib.json").read_text())
+    for change, match in [({"dim": 16}, "says 300 of 16"), ({"ntotal": 299}, "says 299 of 8"),
+                          ({"space": "l2"}, "not a pefa_gpu hnswlib"),
+                          ({"format": "other"}, "not a pefa_gpu hnswlib")]:
+        (tmp_path / "hnswlib.json").write_text(json.dumps({**meta, **change}))
+        with pytest.raises(FormatError, match=match):
+            cls.load(tmp_path, {"M": 8}, "cpu")
+    (tmp_path / "hnswlib.json").write_text(json.dumps(meta))
+    data = (tmp_path / "index.bin").read_bytes()
+    (tmp_path / "index.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(FormatError, match="truncated"):
+        cls.load(tmp_path, {"M": 8}, "cpu")
+    (tmp_path / "index.bin").write_bytes(data[:96] + b"\xff" * (len(data) - 96))
+    with pytest.raises(FormatError, match="could not be read by hnswlib"):
+        cls.load(tmp_path, {"M": 8}, "cpu")
+    (tmp_path / "index.bin").write_bytes(data)
+    back = cls.load(tmp_path, {"M": 8}, "cpu")
+    assert torch.equal(back.search(x[:5], 3)[1], index.search(x[:5], 3)[1])
+
+
+# -- ScaNN ------------------------------------------------------------------------------------
+
+@SCANN
+def test_scann_settings_and_automatic_sizes():
+    from pefa_gpu.index.scann_backend import (auto_leaves_to_search, auto_num_leaves,
+                                              auto_reorder)
+
+    assert auto_num_leaves(5183) == 72 and auto_num_leaves(800) == 16
+    assert auto_num_leaves(49) == 1 and auto_num_leaves(10**6) == 1000
+    assert auto_leaves_to_search(72) == 48 and auto_leaves_to_search(1) == 1
+    assert auto_leaves_to_search(10) == 7
+    assert auto_reorder(10) == 100 and auto_reorder(100) == 400
+    cls = backend_class("scann")
+    p = cls.Params()
+    assert cls.Params.from_json(p.to_json()) == p and p.brute_force_below == 4096
+    assert cls.Params(anisotropic_threshold=None).anisotropic_threshold is None
+    for bad in ({"num_leaves": -1}, {"dims_per_block": 0}, {"anisotropic_threshold": "0.2"},
+                {"anisotropic_threshold": float("nan")}, {"threads": 1.0}):
+        with pytest.raises(InputError, match=next(iter(bad))):
+            make_index("scann", "cpu", bad)
+    with pytest.raises(InputError, match="unknown"):
+        make_index("scann", "cpu", {"leaves_to_search": 3})  # a search setting
+    x = unit_rows(np.random.default_rng(24), 600, 8)
+    assert make_index("scann", "cpu").build(x).num_leaves == 0  # below brute_force_below
+    assert make_index("scann", "cpu", {"brute_force_below": 600}).build(x).num_leaves == 12
+    with pytest.raises(InputError, match="num_leaves=700"):
+        make_index("scann", "cpu", {"brute_force_below": 0, "num_leaves": 700}).build(x)
+
+
+@SCANN
+def test_scann_tree_searching_every_leaf_is_exact():
+    rng = np.random.default_rng(25)
+    # small-integer vectors: float32 dot products are exact, so scores tie exactly
+    x = rng.integers(-2, 3, (900, 6)).astype(np.float32)
+    x[500:520] = x[7]
+    q = rng.integers(-2, 3, (30, 6)).astype(np.float32)
+    q[0] = x[7]
+    index = make_index("scann", "cpu", {"brute_force_below": 0, "num_leaves": 12,
+                                        "threads": 1}).build(x)
+    ref_s, ref_i = ref_topk(q, x, 25)
+    s, i = index.search(q, 25, {"leaves_to_search": 12, "reorder": 900})
+    s, i = s.numpy(), i.numpy()
+    np.testing.assert_array_equal(s, ref_s.astype(np.float32))  # similarities, exact
+    above = ref_s > ref_s[:, -1:]
+    np.testing.assert_array_equal(i[above], ref_i[above])
+    full = q.astype(np.float64) @ x.T.astype(np.float64)
+    for r in range(len(q)):  # ids tied at the k-th score: any of them, listed by id
+        rest = i[r][~above[r]]
+        assert (full[r, rest] == ref_s[r, -1]).all() and (np.diff(rest) > 0).all()
+    one = index.search(q, 25, {"leaves_to_search": 1})[1].numpy()
+    assert recall(one, ref_i) < recall(i, ref_i)
+
+
+@SCANN
+def test_scann_pads_what_the_searched_leaves_do_not_hold():
+    x = unit_rows(np.random.default_rng(26), 1000, 8)
+    index = make_index("scann", "cpu", {"brute_force_below": 0, "num_leaves": 10}).build(x)
+    s, i = check_results(*index.search(x[:4], 900, {"leaves_to_search": 1}), 4, 900, 1000,
+                         "cpu")
+    assert (i == -1).any() and not np.isnan(s).any()  # ScaNN's NaN / id 0 filler is gone
+    s, i = check_results(*index.search(x[:4], 1000), 4, 1000, 1000, "cpu")
+    assert ((i >= 0).sum(1) == 1000).all()  # k covers the index: every leaf is searched
+
+
+@SCANN
+def test_scann_has_no_reconstruct_and_a_clear_error():
+    index = make_index("scann", "cpu").build(unit_rows(np.random.default_rng(27), 50, 8))
+    with pytest.raises(NotImplementedError, match="scann"):
+        index.reconstruct(torch.tensor([0]))
+
+
+class _Sentinel:
+    """Unpickling this creates a file: proof that a loader ran pickled code."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return (Path.touch, (self.path,))
+
+
+@SCANN
+def test_scann_load_refuses_pickles_and_paths_outside(tmp_path):
+    import pickle
+
+    cls = backend_class("scann")
+    x = unit_rows(np.random.default_rng(28), 5000, 8)
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    with pytest.raises(FormatError, match="missing"):
+        cls.load(saved, None, "cpu")
+    index = make_index("scann", "cpu", {"brute_force_below": 0}).build(x)
+    index.save(saved)
+    files = {p.name for p in saved.iterdir()}
+    assert "scann.json" in files and "scann_assets.pbtxt" in files
+    assert not any(name.endswith(".pkl") for name in files)
+    back = cls.load(saved, index.params, "cpu")
+    assert back.num_leaves == index.num_leaves == 71
+    assert torch.equal(back.search(x[:9], 5)[1], index.search(x[:9], 5)[1])
+
+    ran = tmp_path / "pickle-ran"
+    (saved / "scann_docids.pkl").write_bytes(pickle.dumps(_Sentinel(ran)))
+    with pytest.raises(FormatError, match="pickle"):
+        cls.load(saved, None, "cpu")
+    assert not ran.exists()
+    (saved / "scann_docids.pkl").unlink()
+
+    assets = (saved / "scann_assets.pbtxt").read_text()
+    outside = tmp_path / "dataset.npy"
+    outside.write_bytes((saved / "dataset.npy").read_bytes())
+    for path in ("../dataset.npy", str(outside)):
+        (saved / "scann_assets.pbtxt").write_text(
+            assets.replace('asset_path: "dataset.npy"', f'asset_path: "{path}"'))
+        with pytest.raises(FormatError, match="not a file inside"):
+            cls.load(saved, None, "cpu")
+    (saved / "scann_assets.pbtxt").write_text("this is { not a proto")
+    with pytest.raises(FormatError, match="asset list"):
+        cls.load(saved, None, "cpu")
+    (saved / "scann_assets.pbtxt").write_text(assets)
+    meta = json.loads((saved / "scann.json").read_text())
+    (saved / "scann.json").write_text(json.dumps({**meta, "ntotal": 4999}))
+    with pytest.raises(FormatError, match="4999"):
+        cls.load(saved, None, "cpu")
+    (saved / "scann.json").write_text("[]")
+    with pytest.raises(FormatError, match="not a pefa_gpu scann"):
+        cls.load(saved, None, "cpu")
 
 
 # -- models on ANN backends -------------------------------------------------------------------
@@ -360,15 +616,17 @@ def model_data(seed: int = 11, n: int = 800, m: int = 400, d: int = 32):
     return p, q, y, (t / np.linalg.norm(t, axis=1, keepdims=True)).astype(np.float32)
 
 
+@pytest.mark.parametrize("backend", ["hnsw", pytest.param("hnswlib", marks=HNSWLIB),
+                                     pytest.param("scann", marks=SCANN)])
 @pytest.mark.parametrize("cls,kw", [(pg.ERM, {}), (pg.PEFAXS, {"lam": 0.5}),
                                     (pg.PEFAXL, {"lam": 0.3, "k": 8, "candidates": 100})])
-def test_models_on_hnsw_match_exact(cls, kw):
+def test_models_on_ann_backends_match_exact(cls, kw, backend):
     p, q, y, t = model_data()
     args = (p,) if cls is pg.ERM else (p, q, y)
     exact = cls(device="cpu", **kw).fit(*args)
-    ann = cls(device="cpu", backend="hnsw", **kw).fit(*args)
+    ann = cls(device="cpu", backend=backend, **kw).fit(*args)
     if cls is pg.PEFAXL:
-        assert ann.index.name == "hnsw" and ann.query_index.name == "hnsw"
+        assert ann.index.name == backend and ann.query_index.name == backend
     _, ie = exact.search(t, 10)
     sa, ia = ann.search(t, 10)
     assert sa.dtype == torch.float32 and ia.dtype == torch.int64

@@ -237,6 +237,23 @@ def test_bfloat16_index_round_trip(tmp_path, data):
     same_results(model, back, data[3])
 
 
+@pytest.mark.parametrize("backend,index_params", [("hnswlib", {"M": 8}),
+                                                  ("scann", {"brute_force_below": 0})])
+def test_cpu_library_saves_are_movable_folders(tmp_path, data, backend, index_params):
+    """hnswlib / ScaNN files name nothing outside their folder: a save still loads after the
+    folder moves (ScaNN asset paths are relative)."""
+    _backend_or_skip(backend)
+    model = fit(pg.PEFAXL, data, backend=backend, index_params=index_params)
+    model.save(tmp_path / "a")
+    (tmp_path / "a").rename(tmp_path / "b")
+    back = pg.load(tmp_path / "b", device="cpu")
+    assert back.index.params == model.index.params
+    same_results(model, back, data[3], topk=25)
+    for f in (tmp_path / "b").rglob("*"):
+        assert f.suffix != ".pkl" and (not f.is_file() or
+                                       str(tmp_path / "a").encode() not in f.read_bytes())
+
+
 def test_save_unfitted_or_unsaveable(tmp_path):
     with pytest.raises(InputError, match="not fitted"):
         pg.PEFAXS(device="cpu").save(tmp_path / "x")

@@ -188,10 +188,12 @@ def test_pruning_rounding_collision_falls_back():
     assert torch.equal(pi, fi) and torch.equal(ps, fs)
 
 
-def test_pruning_with_hnsw_backend_keeps_recall():
-    pytest.importorskip("faiss")
+@pytest.mark.parametrize("backend,module", [("hnsw", "faiss"), ("hnswlib", "hnswlib"),
+                                            ("scann", "scann")])
+def test_pruning_with_ann_backends_keeps_recall(backend, module):
+    pytest.importorskip(module)
     P, Q, T, Y = _data(7, quantized=False)
-    model = pg.PEFAXL(lam=0.3, k=8, candidates=80, backend="hnsw", device="cpu").fit(P, Q, Y)
+    model = pg.PEFAXL(lam=0.3, k=8, candidates=80, backend=backend, device="cpu").fit(P, Q, Y)
     (_, pi), (_, fi), ks = _both(model, T, 10)
     assert 18 in ks
     overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(pi.tolist(), fi.tolist())])

@@ -20,6 +20,8 @@ _BACKENDS: dict[str, str] = {
     "ivf": "pefa_gpu.index.ivf:IVFIndex",         # faiss, GPU when available
     "cagra": "pefa_gpu.index.cagra:CagraIndex",   # faiss-gpu CAGRA or cuVS, CUDA only
     "sharded": "pefa_gpu.index.sharded:ShardedIndex",  # any backend over several devices
+    "hnswlib": "pefa_gpu.index.hnswlib_backend:HnswlibIndex",  # hnswlib, CPU
+    "scann": "pefa_gpu.index.scann_backend:ScannIndex",        # ScaNN, CPU
 }
 
 

@@ -1,0 +1,87 @@
+"""Shared shape of the backends that wrap a CPU library with a numpy API (hnswlib, ScaNN).
+
+A subclass implements ``_raw_search(q, k, params)``: one call into its library for a (B, d)
+C-contiguous float32 batch and a ``k`` of at most ``ntotal``, returning (B, k) float32
+similarities and int64 ids with -1 where the library found nothing. This class does the rest
+of the protocol: query checks, the search-time settings (``SearchParams``; ``None`` means
+``index.search_params``), -1 / -inf padding when ``k`` exceeds what the library returned,
+equal scores listed by id, and the hand-off to the index's device (the libraries have no GPU
+path: a CUDA model searches on the host and gets its results back on its device).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ..arrays import as_tensor, check_positive_int
+from ..errors import InputError
+from ..params import Params
+from ..topk import PAD_ID, PAD_SCORE
+from ._faiss import host_float32, normalise_results_host
+from .base import Index
+
+
+def resolve_threads(threads: int) -> int:
+    """``threads`` (0 = every core) -> a positive thread count."""
+    return threads if threads > 0 else (os.cpu_count() or 1)
+
+
+class HostBackend(Index):
+    """Base of the CPU-library backends (see the module docstring)."""
+
+    SearchParams: ClassVar[type[Params]]
+
+    def __init__(self, params: Params | dict | None = None, device: Any = None):
+        super().__init__(params, device)
+        self.search_params = self.SearchParams()
+        self._dim = 0
+
+    @property
+    def dim(self) -> int:
+        return self._dim
+
+    def resolve_search_params(self, params: Params | dict | None) -> Params:
+        """``params`` as this backend's SearchParams (``None``: ``self.search_params``)."""
+        if params is None:
+            return self.search_params
+        if isinstance(params, dict):
+            return self.SearchParams.from_dict(params)
+        if not isinstance(params, self.SearchParams):
+            raise TypeError(f"{type(self).__name__}.search takes {self.SearchParams.__name__}, "
+                            f"a dict or None, got {type(params).__name__}")
+        return params
+
+    def search(self, queries: Any, k: int, params: Params | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, k) float32 similarities and int64 ids on ``device``, -1 / -inf
+        padded. ``params``: this call's search settings (default ``self.search_params``)."""
+        scores, ids = self.search_host(queries, k, params=params)
+        return as_tensor(scores, device=self.device), as_tensor(ids, device=self.device)
+
+    def search_host(self, queries: Any, k: int, check_finite: bool = True,
+                    params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`search` with numpy results (no torch hand-off: small CPU batches).
+        ``check_finite=False``: the caller has tested the queries for NaN / inf already."""
+        k = check_positive_int(k, "k")
+        sp = self.resolve_search_params(params)
+        q = host_float32(queries, "queries", check_finite=check_finite)
+        if self.ntotal and q.shape[1] != self.dim:
+            raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
+        b, found = q.shape[0], min(k, self.ntotal)
+        if b == 0 or found == 0:
+            return (np.full((b, k), PAD_SCORE, np.float32), np.full((b, k), PAD_ID, np.int64))
+        scores, ids = normalise_results_host(*self._raw_search(q, found, sp))
+        if found < k:
+            scores = np.pad(scores, ((0, 0), (0, k - found)), constant_values=PAD_SCORE)
+            ids = np.pad(ids, ((0, 0), (0, k - found)), constant_values=PAD_ID)
+        return scores, ids
+
+    def _raw_search(self, q: np.ndarray, k: int, params: Params
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """One library call, 1 <= k <= ntotal: (B, k) float32 similarities, int64 ids (-1 where
+        nothing was found)."""
+        raise NotImplementedError

@@ -1,0 +1,232 @@
+"""HNSW with hnswlib (PyPI ``hnswlib``, built from source with the machine's C++ compiler).
+
+The paper names HNSWLIB among the ANN libraries PEFA sits on; this is that library behind the
+same protocol as every backend. Defaults are the paper's HNSW settings: M=32,
+efConstruction=500 (build, :class:`HnswlibParams`) and efSearch=300 (search,
+:class:`HnswlibSearchParams`; hnswlib searches with max(ef, k)).
+
+hnswlib's 'ip' space returns the distance ``1 - <q, x>``; scores are turned back into
+similarities ``1 - distance`` (in float64, then float32). The distance was rounded to float32
+once, so a score is hnswlib's float32 inner product to within 6e-8 (half a float32 step at 1):
+as close to torch's dot product as a flat faiss index's scores are (a different summation
+order), hence ``exact_scores = True`` (PEFA-XL takes them as f_erm and may prune candidates).
+The graph lives in host memory; results are moved to the index's device. hnswlib keeps the
+vectors, so :meth:`reconstruct` works. A saved index is ``index.bin`` (hnswlib's own binary
+format) and ``hnswlib.json`` (space, dimension, row count), checked against each other on
+load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..arrays import as_tensor, to_numpy
+from ..errors import FormatError, InputError, MissingDependencyError
+from ..params import Params, check_positive
+from ._faiss import host_float32
+from ._host import HostBackend, resolve_threads
+
+log = logging.getLogger("pefa_gpu")
+
+INDEX_FILE, META_FILE = "index.bin", "hnswlib.json"
+META_FORMAT = "pefa_gpu-hnswlib"
+# hnswlib's file header (hnswalg.h saveIndex): offsetLevel0, max_elements, cur_element_count,
+# size_data_per_element, label_offset, offsetData (size_t), maxlevel (int), enterpoint (uint),
+# maxM, maxM0, M (size_t), mult (double), ef_construction (size_t)
+_HEADER = struct.Struct("<6QiI3QdQ")
+
+
+def import_hnswlib() -> Any:
+    try:
+        import hnswlib  # noqa: PLC0415 (lazy on purpose)
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "backend 'hnswlib' needs hnswlib: `pip install hnswlib` (builds with g++), or "
+            "`pip install pefa_gpu[hnswlib]`") from exc
+    return hnswlib
+
+
+def _nonneg_int(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(f"{name} must be an int >= 0, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HnswlibParams(Params):
+    """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width
+    while inserting. seed: hnswlib's random seed (level assignment). threads: for inserting
+    and searching (0 = every core; more than one makes the graph depend on thread timing)."""
+
+    M: int = 32
+    ef_construction: int = 500
+    seed: int = 100
+    threads: int = 0
+
+    def validate(self) -> None:
+        check_positive(self.M, "M")
+        check_positive(self.ef_construction, "ef_construction")
+        _nonneg_int(self.seed, "seed")
+        _nonneg_int(self.threads, "threads")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HnswlibSearchParams(Params):
+    """Search settings. ef: beam width (hnswlib uses max(ef, k))."""
+
+    ef: int = 300
+
+    def validate(self) -> None:
+        check_positive(self.ef, "ef")
+
+
+class HnswlibIndex(HostBackend):
+    """hnswlib HNSW, inner product, on the CPU; results on ``device``."""
+
+    name = "hnswlib"
+    Params = HnswlibParams
+    SearchParams = HnswlibSearchParams
+    exact_scores = True  # 1 - fl(1 - <q, x>): within 6e-8 of <q, x> (module docstring)
+
+    def __init__(self, params: HnswlibParams | dict | None = None, device: Any = None):
+        super().__init__(params, device)
+        self._hnswlib = import_hnswlib()
+        self._index: Any = None
+        self._ef = 0           # the ef last set on the hnswlib index
+        self._fallback: Any = None
+
+    @property
+    def ntotal(self) -> int:
+        return int(self._index.get_current_count()) if self._index is not None else 0
+
+    def build(self, vectors: Any) -> "HnswlibIndex":
+        """vectors: (n, d) float, n >= 1 -> a fresh graph over them; returns self."""
+        x = host_float32(vectors, "vectors")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise InputError(f"hnswlib needs a non-empty (n, d) matrix, got {x.shape}")
+        p = self.params
+        index = self._hnswlib.Index(space="ip", dim=x.shape[1])
+        index.init_index(max_elements=x.shape[0], M=p.M, ef_construction=p.ef_construction,
+                         random_seed=p.seed)
+        self._index, self._dim, self._ef, self._fallback = index, x.shape[1], 0, None
+        index.add_items(x, np.arange(x.shape[0]), num_threads=resolve_threads(p.threads))
+        return self
+
+    def add(self, vectors: Any) -> None:
+        """Append rows (ids continue after the existing ones)."""
+        if self._index is None:
+            self.build(vectors)
+            return
+        x = host_float32(vectors, "vectors", dim=self.dim)
+        if x.shape[0] == 0:
+            return
+        n = self.ntotal
+        self._index.resize_index(n + x.shape[0])
+        self._index.add_items(x, np.arange(n, n + x.shape[0]),
+                              num_threads=resolve_threads(self.params.threads))
+        self._fallback = None
+
+    def reconstruct(self, ids: Any) -> torch.Tensor:
+        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
+        i = as_tensor(ids, device="cpu", name="ids").long()
+        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
+            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
+                             f"{int(i.max())}")
+        flat = to_numpy(i.flatten())
+        rows = (np.asarray(self._index.get_items(flat, return_type="numpy"), dtype=np.float32)
+                if flat.size else np.zeros((0, self.dim), np.float32))
+        return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
+
+    def _raw_search(self, q: np.ndarray, k: int, params: HnswlibSearchParams
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        ef = max(params.ef, k)
+        if ef != self._ef:
+            self._index.set_ef(ef)
+            self._ef = ef
+        try:
+            labels, dist = self._index.knn_query(
+                q, k=k, num_threads=resolve_threads(self.params.threads))
+        except RuntimeError as exc:  # "Cannot return the results in a contiguous 2D array"
+            log.info("hnswlib found fewer than k=%d results (%s); answering exactly", k, exc)
+            return self._exact_search(q, k)
+        scores = (1.0 - dist.astype(np.float64)).astype(np.float32)
+        return scores, labels.astype(np.int64)
+
+    def _exact_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """An exact search over the stored vectors (when the graph walk comes up short)."""
+        if self._fallback is None:
+            from .exact import ExactIndex  # noqa: PLC0415
+
+            rows = self._index.get_items(np.arange(self.ntotal), return_type="numpy")
+            self._fallback = ExactIndex(device="cpu").build(np.asarray(rows, np.float32))
+        return tuple(map(to_numpy, self._fallback.search(q, k)))
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> None:
+        """Write ``index.bin`` and ``hnswlib.json`` into the existing, empty ``directory``."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise InputError(f"save directory {directory} does not exist")
+        if self._index is None:
+            raise InputError("HnswlibIndex is empty: build it before saving")
+        self._index.save_index(str(directory / INDEX_FILE))
+        meta = {"format": META_FORMAT, "format_version": 1, "space": "ip", "dim": self.dim,
+                "ntotal": self.ntotal}
+        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path, params: HnswlibParams | dict | None = None,
+             device: Any = None) -> "HnswlibIndex":
+        """Read an index written by :meth:`save`; its header must agree with ``hnswlib.json``
+        and with ``params.M`` (else FormatError)."""
+        directory = Path(directory)
+        meta_path, index_path = directory / META_FILE, directory / INDEX_FILE
+        for path in (meta_path, index_path):
+            if not path.is_file():
+                raise FormatError(f"{path} is missing: not a saved 'hnswlib' index")
+        try:
+            meta = json.loads(meta_path.read_text())
+            dim, ntotal = meta["dim"], meta["ntotal"]
+            ok = (meta.get("format") == META_FORMAT and meta.get("format_version") == 1
+                  and meta.get("space") == "ip" and isinstance(dim, int) and dim > 0
+                  and isinstance(ntotal, int) and ntotal > 0)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if not ok:
+            raise FormatError(f"{meta_path} is not a pefa_gpu hnswlib description (format "
+                              f"{META_FORMAT!r} version 1, space 'ip', dim, ntotal)")
+        out = cls(params, device)
+        _check_header(index_path, dim, ntotal, out.params.M)
+        index = out._hnswlib.Index(space="ip", dim=dim)
+        try:
+            index.load_index(str(index_path), max_elements=ntotal)
+        except RuntimeError as exc:
+            raise FormatError(f"{index_path} could not be read by hnswlib: {exc}") from exc
+        out._index, out._dim = index, dim
+        return out
+
+
+def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
+    """The hnswlib file header against the description: row count, vector size, M."""
+    with open(path, "rb") as fh:
+        raw = fh.read(_HEADER.size)
+    if len(raw) < _HEADER.size:
+        raise FormatError(f"{path} is truncated: {len(raw)} bytes, shorter than hnswlib's "
+                          f"header")
+    (_, _, count, per_element, label_offset, data_offset, _, _, _, _, m,
+     _, _) = _HEADER.unpack(raw)
+    if count != ntotal or label_offset - data_offset != 4 * dim:
+        raise FormatError(f"{path} holds {count} vectors of {(label_offset - data_offset) / 4:g}"
+                          f" floats; {path.parent / META_FILE} says {ntotal} of {dim}")
+    if m != M:
+        raise FormatError(f"{path}: the saved graph has M={m}, params say M={M}")
+    if path.stat().st_size < _HEADER.size + count * per_element:
+        raise FormatError(f"{path} is truncated ({path.stat().st_size} bytes for {count} "
+                          f"vectors of {per_element} bytes)")
