@@ -23,7 +23,7 @@ one call, all threads), Recall@10/100 on the test split (train split = PEFA's tr
 Plus a recall-vs-QPS curve per backend over efSearch / nprobe / ScaNN leaves searched (search
 settings per call, one fitted model per curve). HNSW everywhere (faiss, hnswlib, PECOS): M=32,
 efConstruction=500, efSearch=300 (paper); ScaNN at its backend defaults (tree of sqrt(n)
-leaves, 2/3 searched, brute force below 4096 rows). Writes results/peers.{json,md,png}
+leaves, 3/4 searched, brute force below 4096 rows). Writes results/peers.{json,md,png}
 (``--out NAME``: results/NAME.* instead).
 """
 
@@ -407,7 +407,7 @@ def main() -> None:
             "batch_s", "qps", "recall@10", "recall@100"]
     md = ("## Side by side (hnsw M=32, efC=500, efS=300, full_scan_factor 12 (hnsw-walk: 0); "
           "hnswlib M=32, efC=500, ef=300; ivf defaults: nlist 4 sqrt(n), nprobe 5/8 nlist; "
-          "scann defaults: sqrt(n) leaves, 2/3 searched, brute force below 4096 rows; "
+          "scann defaults: sqrt(n) leaves, 3/4 searched, brute force below 4096 rows; "
           "build: median of up to 3)\n\n")
     md += md_table(cols, [[r[c] for c in cols] for r in rows])
     md += "\n## Targets as ratios\n\n"

@@ -480,8 +480,8 @@ def test_scann_settings_and_automatic_sizes():
 
     assert auto_num_leaves(5183) == 72 and auto_num_leaves(800) == 16
     assert auto_num_leaves(49) == 1 and auto_num_leaves(10**6) == 1000
-    assert auto_leaves_to_search(72) == 48 and auto_leaves_to_search(1) == 1
-    assert auto_leaves_to_search(10) == 7
+    assert auto_leaves_to_search(72) == 54 and auto_leaves_to_search(1) == 1
+    assert auto_leaves_to_search(10) == 8
     assert auto_reorder(10) == 100 and auto_reorder(100) == 400
     cls = backend_class("scann")
     p = cls.Params()
@@ -522,6 +522,23 @@ def test_scann_tree_searching_every_leaf_is_exact():
         assert (full[r, rest] == ref_s[r, -1]).all() and (np.diff(rest) > 0).all()
     one = index.search(q, 25, {"leaves_to_search": 1})[1].numpy()
     assert recall(one, ref_i) < recall(i, ref_i)
+
+
+@SCANN
+def test_scann_builds_the_same_tree_in_every_process(tmp_path):
+    rng = np.random.default_rng(29)
+    x, q = unit_rows(rng, 6000, 16), unit_rows(rng, 40, 16)
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "q.npy", q)
+    code = ("import sys, numpy as np, pefa_gpu as pg; d = sys.argv[1];"
+            "i = pg.make_index('scann', 'cpu', {'threads': 1}).build(np.load(d + '/x.npy'));"
+            "np.save(d + '/ids.npy', i.search(np.load(d + '/q.npy'), 10, "
+            "{'leaves_to_search': 20})[1].numpy())")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True)
+    index = make_index("scann", "cpu", {"threads": 1}).build(x)
+    assert index.num_leaves == 77
+    ids = index.search(q, 10, {"leaves_to_search": 20})[1].numpy()
+    np.testing.assert_array_equal(ids, np.load(tmp_path / "ids.npy"))
 
 
 @SCANN

@@ -1,11 +1,13 @@
 """ScaNN (PyPI ``scann``: numpy + protobuf, TensorFlow not needed), dot-product search.
 
 The paper names ScaNN among the ANN libraries PEFA sits on. The searcher is ScaNN's usual
-tree + asymmetric hashing + exact re-ordering: a k-means tree of ``num_leaves`` leaves (of
-which ``leaves_to_search`` are scored per query), 4-bit anisotropic product quantisation of
-``dims_per_block`` dimensions per code, and the best ``reorder`` of those re-scored exactly
-in float32, so returned scores are float32 inner products (``exact_scores``). Indices of
-fewer than ``brute_force_below`` rows are a float32 brute-force ScaNN searcher instead (exact).
+tree + asymmetric hashing + exact re-ordering: a k-means tree of ``num_leaves`` leaves, of
+which ``leaves_to_search`` are scored per query, with 4-bit anisotropic product quantisation
+of ``dims_per_block`` dimensions per code, and the best ``reorder`` of those re-scored
+exactly in float32, so returned scores are float32 inner products (``exact_scores``). The
+tree is seeded by k-means++ (ScaNN's random seeding gave a different tree, and a different
+Recall@10, in every process): the same vectors give the same index. Indices of fewer than
+``brute_force_below`` rows are a float32 brute-force ScaNN searcher instead (exact).
 
 Build settings are :class:`ScannParams`, search settings :class:`ScannSearchParams` (0 means
 automatic, from the index size and k: :func:`auto_num_leaves`, :func:`auto_leaves_to_search`,
@@ -102,15 +104,16 @@ def auto_num_leaves(n: int) -> int:
 
 
 def auto_leaves_to_search(num_leaves: int) -> int:
-    """Two thirds of the leaves, rounded up.
+    """Three quarters of the leaves, rounded up.
 
     Near-exact by default, as the ivf backend's nprobe: 384-d text embeddings do not fall into
     well-separated leaves. Held-out SciFact training queries (not the test split) find this
-    share of the exact top-10 (ERM / PEFA-XS vectors, 5183 rows): 24 leaves, 1/2 searched
-    98.2% / 98.1%, 5/8 99.3% / 99.3%, 2/3 99.5% / 99.6%, 3/4 99.8% / 99.8%; 36 and 48 leaves
-    alike. Lower it for speed: benchmarks/peers.py plots recall against QPS over it.
+    share of the exact top-10 (ERM / PEFA-XS vectors, 5183 rows, 72 leaves): 1/2 searched
+    98.5% / 98.6%, 5/8 99.4% / 99.5%, 2/3 99.6% / 99.6%, 3/4 99.8% / 99.8% (of the top-100:
+    97.1 / 97.3, 98.8 / 98.7, 99.1 / 99.0, 99.5 / 99.5%). Lower it for speed:
+    benchmarks/peers.py plots recall against QPS over it.
     """
-    return int(-(-2 * num_leaves // 3))
+    return int(-(-3 * num_leaves // 4))
 
 
 def auto_reorder(k: int) -> int:
@@ -163,7 +166,7 @@ class ScannIndex(HostBackend):
                 p.anisotropic_threshold
             builder = (builder
                        .tree(num_leaves=leaves, num_leaves_to_search=auto_leaves_to_search(leaves),
-                             training_sample_size=sample)
+                             training_sample_size=sample, random_init=False)
                        .score_ah(p.dims_per_block, anisotropic_quantization_threshold=threshold,
                                  training_sample_size=sample)
                        .reorder(auto_reorder(10)))
