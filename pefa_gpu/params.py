@@ -83,3 +83,10 @@ def check_positive(value: Any, name: str) -> None:
 def check_choice(value: Any, name: str, choices: tuple) -> None:
     if value not in choices:
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_nonnegative(value: Any, name: str, zero: str = "") -> None:
+    """An int >= 0; ``zero`` says what 0 means, for the error message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, "
+                         f"got {value!r}")

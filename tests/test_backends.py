@@ -453,8 +453,8 @@ def test_hnswlib_load_checks_the_files(tmp_path):
         cls.load(tmp_path, {"M": 16}, "cpu")
     meta = json.loads((tmp_path / "hnswlib.json").read_text())
     for change, match in [({"dim": 16}, "says 300 of 16"), ({"ntotal": 299}, "says 299 of 8"),
-                          ({"space": "l2"}, "not a pefa_gpu hnswlib"),
-                          ({"format": "other"}, "not a pefa_gpu hnswlib")]:
+                          ({"space": "l2"}, "version 1 description"),
+                          ({"format": "other"}, "version 1 description")]:
         (tmp_path / "hnswlib.json").write_text(json.dumps({**meta, **change}))
         with pytest.raises(FormatError, match=match):
             cls.load(tmp_path, {"M": 8}, "cpu")
@@ -614,7 +614,7 @@ def test_scann_load_refuses_pickles_and_paths_outside(tmp_path):
     with pytest.raises(FormatError, match="4999"):
         cls.load(saved, None, "cpu")
     (saved / "scann.json").write_text("[]")
-    with pytest.raises(FormatError, match="not a pefa_gpu scann"):
+    with pytest.raises(FormatError, match="version 1 description"):
         cls.load(saved, None, "cpu")
 
 

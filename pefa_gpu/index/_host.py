@@ -11,14 +11,16 @@ path: a CUDA model searches on the host and gets its results back on its device)
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from ..arrays import as_tensor, check_positive_int
-from ..errors import InputError
+from ..errors import FormatError, InputError
 from ..params import Params
 from ..topk import PAD_ID, PAD_SCORE
 from ._faiss import host_float32, normalise_results_host
@@ -28,6 +30,30 @@ from .base import Index
 def resolve_threads(threads: int) -> int:
     """``threads`` (0 = every core) -> a positive thread count."""
     return threads if threads > 0 else (os.cpu_count() or 1)
+
+
+def write_description(path: Path, fmt: str, **fields: Any) -> None:
+    """A saved index's JSON description: ``fmt`` (version 1) and ``fields``."""
+    path.write_text(json.dumps({"format": fmt, "format_version": 1, **fields}, indent=2) + "\n")
+
+
+def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
+    """The description at ``path``, which must be ``fmt`` version 1 with int fields ``dim``
+    and ``ntotal`` > 0 and every ``expected`` field equal to its value; else FormatError."""
+    if not path.is_file():
+        raise FormatError(f"{path} is missing: not a saved index of this backend")
+    try:
+        meta = json.loads(path.read_text())
+        ok = (isinstance(meta, dict) and meta.get("format") == fmt
+              and meta.get("format_version") == 1
+              and all(type(meta.get(k)) is int and meta[k] > 0 for k in ("dim", "ntotal"))
+              and all(meta.get(k) == v for k, v in expected.items()))
+    except (ValueError, UnicodeDecodeError):
+        ok = False
+    if not ok:
+        want = ", ".join(["dim", "ntotal", *(f"{k}={v!r}" for k, v in expected.items())])
+        raise FormatError(f"{path} is not a {fmt!r} version 1 description ({want})")
+    return meta
 
 
 class HostBackend(Index):

@@ -19,7 +19,6 @@ load.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import struct
 from pathlib import Path
@@ -30,9 +29,9 @@ import torch
 
 from ..arrays import as_tensor, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_positive
+from ..params import Params, check_nonnegative, check_positive
 from ._faiss import host_float32
-from ._host import HostBackend, resolve_threads
+from ._host import HostBackend, read_description, resolve_threads, write_description
 
 log = logging.getLogger("pefa_gpu")
 
@@ -54,11 +53,6 @@ def import_hnswlib() -> Any:
     return hnswlib
 
 
-def _nonneg_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"{name} must be an int >= 0, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HnswlibParams(Params):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width
@@ -73,8 +67,8 @@ class HnswlibParams(Params):
     def validate(self) -> None:
         check_positive(self.M, "M")
         check_positive(self.ef_construction, "ef_construction")
-        _nonneg_int(self.seed, "seed")
-        _nonneg_int(self.threads, "threads")
+        check_nonnegative(self.seed, "seed")
+        check_nonnegative(self.threads, "threads", "every core")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -177,9 +171,8 @@ class HnswlibIndex(HostBackend):
         if self._index is None:
             raise InputError("HnswlibIndex is empty: build it before saving")
         self._index.save_index(str(directory / INDEX_FILE))
-        meta = {"format": META_FORMAT, "format_version": 1, "space": "ip", "dim": self.dim,
-                "ntotal": self.ntotal}
-        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        write_description(directory / META_FILE, META_FORMAT, space="ip", dim=self.dim,
+                          ntotal=self.ntotal)
 
     @classmethod
     def load(cls, directory: str | Path, params: HnswlibParams | dict | None = None,
@@ -187,21 +180,11 @@ class HnswlibIndex(HostBackend):
         """Read an index written by :meth:`save`; its header must agree with ``hnswlib.json``
         and with ``params.M`` (else FormatError)."""
         directory = Path(directory)
-        meta_path, index_path = directory / META_FILE, directory / INDEX_FILE
-        for path in (meta_path, index_path):
-            if not path.is_file():
-                raise FormatError(f"{path} is missing: not a saved 'hnswlib' index")
-        try:
-            meta = json.loads(meta_path.read_text())
-            dim, ntotal = meta["dim"], meta["ntotal"]
-            ok = (meta.get("format") == META_FORMAT and meta.get("format_version") == 1
-                  and meta.get("space") == "ip" and isinstance(dim, int) and dim > 0
-                  and isinstance(ntotal, int) and ntotal > 0)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            ok = False
-        if not ok:
-            raise FormatError(f"{meta_path} is not a pefa_gpu hnswlib description (format "
-                              f"{META_FORMAT!r} version 1, space 'ip', dim, ntotal)")
+        index_path = directory / INDEX_FILE
+        meta = read_description(directory / META_FILE, META_FORMAT, space="ip")
+        dim, ntotal = meta["dim"], meta["ntotal"]
+        if not index_path.is_file():
+            raise FormatError(f"{index_path} is missing: not a saved 'hnswlib' index")
         out = cls(params, device)
         _check_header(index_path, dim, ntotal, out.params.M)
         index = out._hnswlib.Index(space="ip", dim=dim)

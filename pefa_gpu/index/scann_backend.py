@@ -24,7 +24,6 @@ asset path must name a file inside the folder, and a folder holding ScaNN's pick
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from pathlib import Path
@@ -33,9 +32,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_positive
+from ..params import Params, check_nonnegative, check_positive
 from ._faiss import host_float32
-from ._host import HostBackend, resolve_threads
+from ._host import HostBackend, read_description, resolve_threads, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
 META_FORMAT = "pefa_gpu-scann"
@@ -50,11 +49,6 @@ def import_scann() -> Any:
             "backend 'scann' needs ScaNN: `pip install scann` (wheels for Linux x86-64), "
             "or `pip install pefa_gpu[scann]`") from exc
     return scann_ops_pybind
-
-
-def _nonneg_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"{name} must be an int >= 0 (0 = automatic), got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -74,8 +68,10 @@ class ScannParams(Params):
     threads: int = 0
 
     def validate(self) -> None:
-        for name in ("num_leaves", "train_size", "brute_force_below", "threads"):
-            _nonneg_int(getattr(self, name), name)
+        check_nonnegative(self.num_leaves, "num_leaves", "automatic")
+        check_nonnegative(self.train_size, "train_size", "automatic")
+        check_nonnegative(self.brute_force_below, "brute_force_below")
+        check_nonnegative(self.threads, "threads", "every core")
         check_positive(self.dims_per_block, "dims_per_block")
         t = self.anisotropic_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
@@ -93,8 +89,8 @@ class ScannSearchParams(Params):
     reorder: int = 0
 
     def validate(self) -> None:
-        _nonneg_int(self.leaves_to_search, "leaves_to_search")
-        _nonneg_int(self.reorder, "reorder")
+        check_nonnegative(self.leaves_to_search, "leaves_to_search", "automatic")
+        check_nonnegative(self.reorder, "reorder", "automatic")
 
 
 def auto_num_leaves(n: int) -> int:
@@ -213,9 +209,8 @@ class ScannIndex(HostBackend):
         if self._searcher is None:
             raise InputError("ScannIndex is empty: build it before saving")
         self._searcher.serialize(str(directory), relative_path=True)
-        meta = {"format": META_FORMAT, "format_version": 1, "dim": self.dim,
-                "ntotal": self.ntotal, "num_leaves": self._leaves}
-        (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        write_description(directory / META_FILE, META_FORMAT, dim=self.dim,
+                          ntotal=self.ntotal, num_leaves=self._leaves)
 
     @classmethod
     def load(cls, directory: str | Path, params: ScannParams | dict | None = None,
@@ -223,19 +218,10 @@ class ScannIndex(HostBackend):
         """Read an index written by :meth:`save` (see the module docstring for the checks)."""
         directory = Path(directory)
         meta_path = directory / META_FILE
-        if not meta_path.is_file():
-            raise FormatError(f"{meta_path} is missing: not a saved 'scann' index")
-        try:
-            meta = json.loads(meta_path.read_text())
-            dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta["num_leaves"]
-            ok = (meta.get("format") == META_FORMAT and meta.get("format_version") == 1
-                  and all(isinstance(v, int) for v in (dim, ntotal, leaves))
-                  and dim > 0 and ntotal > 0 and leaves >= 0)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            ok = False
-        if not ok:
-            raise FormatError(f"{meta_path} is not a pefa_gpu scann description (format "
-                              f"{META_FORMAT!r} version 1, dim, ntotal, num_leaves)")
+        meta = read_description(meta_path, META_FORMAT)
+        dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta.get("num_leaves")
+        if isinstance(leaves, bool) or not isinstance(leaves, int) or leaves < 0:
+            raise FormatError(f"{meta_path}: num_leaves must be an int >= 0, got {leaves!r}")
         if (directory / PICKLE_FILE).exists():
             raise FormatError(f"{directory / PICKLE_FILE} is a pickle: a saved index is data, "
                               f"never code; refusing to load {directory}")
