@@ -149,6 +149,12 @@ def test_cli_runs_every_augmentation(tmp_path, capsys):
     assert out.startswith(f"xmc: 40 documents, {m} training queries (")
     res = json.loads(out_json.read_text())
     assert res["dataset"] == "xmc" and len(res["results"]) == 3
+    assert main(["sweep", "--xmc", str(xmc), "--emb", str(emb), "--aug", "v3", "--device",
+                 "cpu", "--quiet", "--methods", "xs,xl", "--lam", "0.2,0.6", "--k", "2,4",
+                 "--candidates", "20"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"xmc: 40 documents, {23 + 17} training queries (")
+    assert out.count("| XS |") == 2 and out.count("| XL |") == 4
 
 
 @pytest.mark.parametrize("argv,match", [

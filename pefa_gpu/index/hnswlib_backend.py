@@ -11,9 +11,10 @@ once, so a score is hnswlib's float32 inner product to within 6e-8 (half a float
 as close to torch's dot product as a flat faiss index's scores are (a different summation
 order), hence ``exact_scores = True`` (PEFA-XL takes them as f_erm and may prune candidates).
 The graph lives in host memory; results are moved to the index's device. hnswlib keeps the
-vectors, so :meth:`reconstruct` works. A saved index is ``index.bin`` (hnswlib's own binary
-format) and ``hnswlib.json`` (space, dimension, row count), checked against each other on
-load.
+vectors, so :meth:`reconstruct` works. A search sets the hnswlib index's ef when it differs
+from the last call's (concurrent searches with different ef on one index are not safe).
+A saved index is ``index.bin`` (hnswlib's own binary format) and ``hnswlib.json`` (space,
+dimension, row count), checked against each other on load.
 """
 
 from __future__ import annotations
