@@ -308,6 +308,18 @@ def _check_args(args: argparse.Namespace) -> None:
     cmd = args.command
     if getattr(args, "embeddings", None) and args.model:
         raise InputError("give either --embeddings (precomputed) or --model (encode), not both")
+    if getattr(args, "xmc", None) or getattr(args, "emb", None):
+        if not (args.xmc and args.emb):
+            raise InputError("--xmc XMC_DIR and --emb EMB_DIR go together")
+        given = [flag for flag, value in (("DATA_DIR", args.data_dir), ("--model", args.model),
+                                          ("--embeddings", args.embeddings),
+                                          ("--train-pairs", args.train_pairs)) if value]
+        if given:
+            raise InputError(f"--xmc reads embeddings and pairs from its folders; drop "
+                             f"{', '.join(given)}")
+    elif hasattr(args, "data_dir") and args.data_dir is None:
+        raise InputError("no data: give DATA_DIR (a BEIR folder)"
+                         + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
     if cmd in ("eval", "sweep", "tune"):
         methods = set(args.methods)
         _refuse_unused(args, {"lam": "xs" in methods or "xl" in methods,
@@ -416,11 +428,8 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     from .datasets import load_beir, load_pairs
     from .errors import InputError
 
-    if getattr(args, "xmc", None) or getattr(args, "emb", None):
+    if getattr(args, "xmc", None):
         return _load_xmc_data(args)
-    if args.data_dir is None:
-        raise InputError("no data: give DATA_DIR (a BEIR folder)"
-                         + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
     ds = load_beir(args.data_dir)
     train_texts: list[str] | None = None
     if args.train_pairs:
@@ -460,18 +469,10 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
 
 
 def _load_xmc_data(args: argparse.Namespace) -> _Data:
-    """--xmc / --emb / --aug: embeddings and relevance from the authors' layout."""
-    from .errors import InputError
+    """--xmc / --emb / --aug: embeddings and relevance from the authors' layout (the options
+    were checked in _check_args)."""
     from .xmc import load_xmc
 
-    if not (args.xmc and args.emb):
-        raise InputError("--xmc XMC_DIR and --emb EMB_DIR go together")
-    given = [flag for flag, value in (("DATA_DIR", args.data_dir), ("--model", args.model),
-                                      ("--embeddings", args.embeddings),
-                                      ("--train-pairs", args.train_pairs)) if value]
-    if given:
-        raise InputError(f"--xmc reads embeddings and pairs from its folders; drop "
-                         f"{', '.join(given)}")
     data = load_xmc(args.xmc, args.emb, aug=args.aug)
     log.info("%s (aug %s): training rows %s", data.name, data.aug, data.sources)
     return _Data(data.name, [str(j) for j in range(data.n_docs)], data.P, data.Q, data.Y,

@@ -167,6 +167,9 @@ def test_cli_data_arguments(tmp_path, capsys, argv, match):
     argv = [str(tmp_path / a) if a in ("X", "E", "DATA") else a for a in argv]
     assert main(["eval", *argv, "--quiet"]) == 2
     assert match in capsys.readouterr().err
+    assert main(["build", "--out", str(tmp_path / "out"), "--quiet"]) == 2  # no --xmc there
+    assert "no data: give DATA_DIR (a BEIR folder)\n" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 # ------------------------------------------------------------------------------ bad folders
