@@ -54,7 +54,7 @@ LEAVES_CURVE = [2, 4, 8, 16, 24, 36, 48, 72]  # ScaNN leaves searched (clipped t
 BACKENDS = ("exact", "hnsw", "ivf", "hnswlib", "scann", "hnsw-walk")
 # backend -> (the search setting each recall-vs-QPS curve varies, its values)
 CURVES = {"hnsw": ("ef_search", EF_CURVE), "ivf": ("nprobe", NPROBE_CURVE),
-          "hnswlib": ("ef", EF_CURVE), "scann": ("leaves_to_search", LEAVES_CURVE)}
+          "hnswlib": ("ef_search", EF_CURVE), "scann": ("leaves_to_search", LEAVES_CURVE)}
 THREADS = os.cpu_count() or 1
 BUILD_REPS, BUILD_BUDGET_S = 3, 10.0  # builds per row (median reported; one build varies
 # by ~10%), fewer where they take longer than the budget together (large datasets)
@@ -406,7 +406,7 @@ def main() -> None:
     cols = ["dataset", "system", "model", "backend", "build_s", "size_mb", "latency_ms",
             "batch_s", "qps", "recall@10", "recall@100"]
     md = ("## Side by side (hnsw M=32, efC=500, efS=300, full_scan_factor 12 (hnsw-walk: 0); "
-          "hnswlib M=32, efC=500, ef=300; ivf defaults: nlist 4 sqrt(n), nprobe 5/8 nlist; "
+          "hnswlib M=32, efC=500, efS=300; ivf defaults: nlist 4 sqrt(n), nprobe 5/8 nlist; "
           "scann defaults: sqrt(n) leaves, 3/4 searched, brute force below 4096 rows; "
           "build: median of up to 3)\n\n")
     md += md_table(cols, [[r[c] for c in cols] for r in rows])

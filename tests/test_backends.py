@@ -396,27 +396,27 @@ def test_missing_cpu_library_is_a_clear_error(monkeypatch, name, module, hint):
 def test_hnswlib_params_and_search_settings():
     cls = backend_class("hnswlib")
     p, sp_ = cls.Params(), cls.SearchParams()
-    assert (p.M, p.ef_construction, sp_.ef) == (32, 500, 300)  # the paper's HNSW settings
+    assert (p.M, p.ef_construction, sp_.ef_search) == (32, 500, 300)  # the paper's HNSW settings
     assert cls.Params.from_json(p.to_json()) == p
     assert cls.SearchParams.from_json(sp_.to_json()) == sp_
     with pytest.raises(InputError, match="unknown"):
-        make_index("hnswlib", "cpu", {"M": 8, "ef": 3})  # ef is a search setting
+        make_index("hnswlib", "cpu", {"M": 8, "ef_search": 3})  # a search setting
     for bad in ({"M": 0}, {"ef_construction": -1}, {"threads": -1}, {"seed": 1.5}):
         with pytest.raises(InputError, match=next(iter(bad))):
             make_index("hnswlib", "cpu", bad)
-    with pytest.raises(InputError, match="ef"):
-        cls.SearchParams(ef=0)
+    with pytest.raises(InputError, match="ef_search"):
+        cls.SearchParams(ef_search=0)
 
     rng = np.random.default_rng(21)
     x, q = unit_rows(rng, 3000, 48), unit_rows(rng, 60, 48)  # no structure: a hard graph
     index = make_index("hnswlib", "cpu", {"M": 4, "ef_construction": 8, "threads": 1}).build(x)
     assert index.search_params == cls.SearchParams()
     truth = ref_topk(q, x, 10)[1]
-    narrow = index.search(q, 10, {"ef": 10})
-    wide = index.search(q, 10, cls.SearchParams(ef=3000))
+    narrow = index.search(q, 10, {"ef_search": 10})
+    wide = index.search(q, 10, cls.SearchParams(ef_search=3000))
     assert recall(narrow[1].numpy(), truth) < recall(wide[1].numpy(), truth)
-    assert torch.equal(index.search(q, 10)[1], index.search(q, 10, {"ef": 300})[1])
-    index.search_params = cls.SearchParams(ef=10)  # the default of later calls
+    assert torch.equal(index.search(q, 10)[1], index.search(q, 10, {"ef_search": 300})[1])
+    index.search_params = cls.SearchParams(ef_search=10)  # the default of later calls
     assert torch.equal(index.search(q, 10)[1], narrow[1])
     with pytest.raises(InputError, match="unknown"):
         index.search(q, 10, {"efs": 3})

@@ -3,7 +3,8 @@
 The paper names HNSWLIB among the ANN libraries PEFA sits on; this is that library behind the
 same protocol as every backend. Defaults are the paper's HNSW settings: M=32,
 efConstruction=500 (build, :class:`HnswlibParams`) and efSearch=300 (search,
-:class:`HnswlibSearchParams`; hnswlib searches with max(ef, k)).
+:class:`HnswlibSearchParams`, named as the faiss ``hnsw`` backend's; hnswlib searches with
+max(ef_search, k)).
 
 hnswlib's 'ip' space returns the distance ``1 - <q, x>``; scores are turned back into
 similarities ``1 - distance`` (in float64, then float32). The distance was rounded to float32
@@ -74,12 +75,12 @@ class HnswlibParams(Params):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HnswlibSearchParams(Params):
-    """Search settings. ef: beam width (hnswlib uses max(ef, k))."""
+    """Search settings. ef_search: beam width (hnswlib uses max(ef_search, k))."""
 
-    ef: int = 300
+    ef_search: int = 300
 
     def validate(self) -> None:
-        check_positive(self.ef, "ef")
+        check_positive(self.ef_search, "ef_search")
 
 
 class HnswlibIndex(HostBackend):
@@ -141,7 +142,7 @@ class HnswlibIndex(HostBackend):
 
     def _raw_search(self, q: np.ndarray, k: int, params: HnswlibSearchParams
                     ) -> tuple[np.ndarray, np.ndarray]:
-        ef = max(params.ef, k)
+        ef = max(params.ef_search, k)
         if ef != self._ef:
             self._index.set_ef(ef)
             self._ef = ef
