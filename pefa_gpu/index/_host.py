@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,27 +59,13 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
 class HostBackend(Index):
     """Base of the CPU-library backends (see the module docstring)."""
 
-    SearchParams: ClassVar[type[Params]]
-
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         super().__init__(params, device)
-        self.search_params = self.SearchParams()
         self._dim = 0
 
     @property
     def dim(self) -> int:
         return self._dim
-
-    def resolve_search_params(self, params: Params | dict | None) -> Params:
-        """``params`` as this backend's SearchParams (``None``: ``self.search_params``)."""
-        if params is None:
-            return self.search_params
-        if isinstance(params, dict):
-            return self.SearchParams.from_dict(params)
-        if not isinstance(params, self.SearchParams):
-            raise TypeError(f"{type(self).__name__}.search takes {self.SearchParams.__name__}, "
-                            f"a dict or None, got {type(params).__name__}")
-        return params
 
     def search(self, queries: Any, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
