@@ -1,24 +1,31 @@
 """Out-of-core PIFA: A = Yᵀ Q with Q streamed in row chunks under a memory budget.
 
 For each chunk of rows R of Q: ``A += Y[R]ᵀ @ Q[R]``, using only the CSR entries of those rows.
-On the CPU the product accumulates in place (scipy's CSC kernel over the rows of Y, no n x d
-temporary); on CUDA the chunk goes through two pinned host buffers and a copy stream, so the
-read of chunk i+1 and its host-to-device copy overlap the product of chunk i.
+Two kernels:
+
+- ``scipy`` (CPU): scipy's CSC kernel accumulates into A in place, no n x d temporary.
+- ``index_add`` (CUDA, and on the CPU on request): a staged pipeline. Each chunk of Q, and each
+  batch of its Y entries (document ids, rows within the chunk, weights), is read into one of two
+  host staging slots (pinned memory on CUDA) and copied to the device on a side stream, so that
+  reading chunk i+1 and its copy overlap the product of chunk i; the product is a gather and an
+  ``index_add_`` in float32. On the CPU the same code runs without streams: tests run the CUDA
+  path's buffer bookkeeping (slots, views, slices) there.
 
 Memory: ``memory_budget`` bytes cover the output (n x d float32) and every buffer this call
-allocates (read buffers, pinned and device copies, the float32 conversion, the gather
-workspace); Y itself (already in memory) is not counted.
+allocates (read buffers, staging slots and their device copies, the float32 conversion, the
+gather workspace, the entry batches); Y itself (already in memory) is not counted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from .arrays import as_tensor, to_numpy
+from .arrays import as_tensor, cuda_index, host_view, torch_dtype
 from .errors import InputError
 from .relevance import Relevance
 from .stream import RowSource
@@ -27,20 +34,22 @@ log = logging.getLogger("pefa_gpu")
 
 DEFAULT_BUDGET = 512 * 2**20
 _MIN_ROWS = 1
+# one entry of a staged batch: document id and row (int64) + weight (float32), in 2 host and 2
+# device slots, plus the host's row lookup (two int64 temporaries)
+_ENTRY_BYTES = 4 * 20 + 16
 
 
-def chunk_rows(budget: int, n: int, dim: int, itemsize: int, device: torch.device,
-               gather: bool) -> int:
+def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int:
     """Rows of Q per chunk so that output + buffers fit in ``budget`` bytes (InputError if not).
-    ``gather``: the index_add kernel's workspace (two float32 rows per entry, entries batched
-    by the chunk's row count) is counted too."""
+    ``kernel``: 'scipy' (a read buffer, plus a float32 conversion when Q is not float32) or
+    'index_add' (two staging slots and two device copies of a chunk, its float32 conversion,
+    the gather workspace of two float32 rows per entry and the entry batches, both batched by
+    the chunk's row count)."""
     out_bytes = n * dim * 4
-    if device.type == "cuda":  # 2 pinned + 2 device raw + fp32 copy
-        per_row = dim * (2 * itemsize + 2 * itemsize + 4)
-    else:  # read buffer + fp32 conversion (when the file is not float32)
+    if kernel == "index_add":
+        per_row = dim * (4 * itemsize + 4 + 8) + _ENTRY_BYTES
+    else:
         per_row = dim * (itemsize + (4 if itemsize != 4 else 0))
-    if gather:
-        per_row += dim * 8
     left = budget - out_bytes
     if left < per_row * _MIN_ROWS:
         raise InputError(f"memory_budget={budget} bytes is too small: the output alone is "
@@ -53,8 +62,8 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
                   memory_budget: int | None, kernel: str = "auto") -> torch.Tensor:
     """Yᵀ Q for a streamed Q: (m x n) relevance, ``src`` (m, d) -> (n, d) float32 on ``device``.
 
-    ``kernel``: 'auto' (scipy in-place on the CPU, gather + index_add on CUDA), 'scipy' or
-    'index_add' (the device-independent path, also used to test the CUDA arithmetic on CPU).
+    ``kernel``: 'auto' (scipy on the CPU, the staged index_add pipeline on CUDA), 'scipy' or
+    'index_add' (the CUDA pipeline, which also runs on the CPU: how tests check it there).
     """
     m, n = rel.shape
     d = src.dim
@@ -69,17 +78,18 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
     if kernel == "auto":
         kernel = "scipy" if device.type == "cpu" and _csc_matvecs() is not None else "index_add"
-    if kernel not in ("scipy", "index_add") or (kernel == "scipy" and device.type != "cpu"):
+    if kernel not in ("scipy", "index_add") or \
+            (kernel == "scipy" and (device.type != "cpu" or _csc_matvecs() is None)):
         raise InputError(f"kernel={kernel!r} is not available on {device}")
-    rows = chunk_rows(budget, n, d, src.dtype.itemsize, device, gather=kernel == "index_add")
+    rows = chunk_rows(budget, n, d, src.dtype.itemsize, kernel)
     rows = int(min(rows, max(m, 1)))
     csr = rel.csr
     indices = csr.indices
     indptr = csr.indptr.astype(indices.dtype, copy=False)
-    if device.type == "cuda":
-        a, seen = _stream_cuda(src, rows, indptr, indices, csr.data, n, m, device)
+    if kernel == "index_add":
+        a, seen = _stream_staged(src, rows, indptr, indices, csr.data, n, m, device)
     else:
-        a, seen = _stream_cpu(src, rows, indptr, indices, csr.data, n, m, kernel)
+        a, seen = _stream_scipy(src, rows, indptr, indices, csr.data, n, m)
     if seen != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {seen} rows")
     return a
@@ -110,14 +120,14 @@ def _check_rows(start: int, r: int, m: int) -> None:
         raise InputError(f"Y has {m} rows (queries) but Q has more than {m} rows")
 
 
-def _stream_cpu(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                data: np.ndarray, n: int, m: int, kernel: str) -> tuple[torch.Tensor, int]:
+def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
+                  data: np.ndarray, n: int, m: int) -> tuple[torch.Tensor, int]:
+    """The CPU kernel: scipy's CSC product accumulates each chunk into A in place."""
     d = src.dim
     a = np.zeros((n, d), dtype=np.float32)
     buffers = [np.empty((rows, d), dtype=src.dtype)] if src.owns_reads else []
     conv = np.empty((rows, d), dtype=np.float32) if src.dtype != np.float32 else None
-    matvecs = _csc_matvecs() if kernel == "scipy" else None
-    a_t = as_tensor(a)  # shares memory with ``a``
+    matvecs = _csc_matvecs()
     seen = 0
     for start, chunk in src.chunks(rows, buffers):
         r = chunk.shape[0]
@@ -133,73 +143,130 @@ def _stream_cpu(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarr
             bad = np.flatnonzero(~np.isfinite(x).all(axis=1))[:5] + start
             raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...)")
         ptr = indptr[start:start + r + 1]
-        if matvecs is not None:  # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
-            matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
-        else:
-            _index_add(a_t, as_tensor(x), ptr, indices, data, max(rows, 1))
+        # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
+        matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
         seen = start + r
-    return a_t, seen
+    return as_tensor(a), seen
 
 
-def _index_add(a: torch.Tensor, x: torch.Tensor, ptr: np.ndarray, indices: np.ndarray,
-               data: np.ndarray, batch: int) -> None:
-    """A[doc] += w * x[row] for the CSR entries of the chunk, in batches of ``batch`` entries.
-    ``ptr`` (r+1,) slices the global ``indices`` / ``data``; x (r, d) float32 on A's device."""
-    p0, p1 = int(ptr[0]), int(ptr[-1])
-    if p1 == p0:
-        return
-    counts = np.diff(ptr).astype(np.int64)
-    local = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    dev = a.device
-    docs = as_tensor(indices[p0:p1], device=dev, dtype=torch.long)
-    wts = as_tensor(data[p0:p1], device=dev, dtype=torch.float32)
-    loc = as_tensor(local, device=dev)
-    for e in range(0, p1 - p0, batch):
-        sl = slice(e, e + batch)
-        a.index_add_(0, docs[sl], x[loc[sl]] * wts[sl, None])
+class Staging:
+    """Two slots used in rotation, each a set of named host buffers (pinned on CUDA) and
+    device buffers of the same shapes and dtypes.
+
+    The host writes slot ``s`` through ``views[s]`` (numpy arrays over the host buffers' own
+    memory, never copies) after :meth:`wait_host`; :meth:`upload` copies the first r rows of
+    every buffer of the slot to the device and returns the device rows, ready for the current
+    stream; :meth:`release` marks the slot's device buffers free again once the current stream
+    has queued its last read of them. On CUDA the copies run on ``copier`` (a side stream) and
+    are ordered by events; on the CPU the same steps are plain copies.
+    """
+
+    def __init__(self, rows: int, buffers: dict[str, tuple[int, Any]], device: torch.device,
+                 copier: Any = None):
+        """``buffers``: name -> (row width, 0 for a 1-D buffer; numpy dtype)."""
+        cuda = device.type == "cuda"
+        self.copier = copier
+        self.host: list[dict[str, torch.Tensor]] = []
+        self.views: list[dict[str, np.ndarray]] = []
+        self.dev: list[dict[str, torch.Tensor]] = []
+        for _ in range(2):
+            shapes = {k: ((rows, w) if w else (rows,), torch_dtype(dt), dt)
+                      for k, (w, dt) in buffers.items()}
+            host = {k: torch.empty(sh, dtype=tdt, pin_memory=cuda)
+                    for k, (sh, tdt, _) in shapes.items()}
+            self.host.append(host)
+            self.views.append({k: host_view(host[k], dt) for k, (_, _, dt) in shapes.items()})
+            self.dev.append({k: torch.empty(sh, dtype=tdt, device=device)
+                             for k, (sh, tdt, _) in shapes.items()})
+        self._copied: list[Any] = [None, None]    # event: the slot's last copy is done
+        self._consumed: list[Any] = [None, None]  # event: the device stopped reading the slot
+
+    def wait_host(self, slot: int) -> None:
+        """Block until the slot's last copy has left its host buffers (they may be rewritten)."""
+        if self._copied[slot] is not None:
+            self._copied[slot].synchronize()
+
+    def upload(self, slot: int, r: int) -> dict[str, torch.Tensor]:
+        """Rows [:r] of the slot's buffers on the device, ordered before later work on the
+        current stream."""
+        host, dev = self.host[slot], self.dev[slot]
+        if self.copier is None:
+            for k, t in host.items():
+                dev[k][:r].copy_(t[:r])
+            return {k: t[:r] for k, t in dev.items()}
+        with torch.cuda.stream(self.copier):
+            if self._consumed[slot] is not None:
+                self.copier.wait_event(self._consumed[slot])
+            for k, t in host.items():
+                dev[k][:r].copy_(t[:r], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.copier)
+        self._copied[slot] = done
+        torch.cuda.current_stream().wait_event(done)
+        return {k: t[:r] for k, t in dev.items()}
+
+    def release(self, slot: int) -> None:
+        """The current stream has queued every read of the slot's device buffers."""
+        if self.copier is not None:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream())
+            self._consumed[slot] = done
 
 
-def _stream_cuda(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                 data: np.ndarray, n: int, m: int,
-                 device: torch.device) -> tuple[torch.Tensor, int]:
-    """Double-buffered pipeline: host read -> pinned buffer -> copy stream -> compute stream."""
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    return torch.cuda.device(cuda_index(device)) if device.type == "cuda" \
+        else contextlib.nullcontext()
+
+
+def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
+                   data: np.ndarray, n: int, m: int,
+                   device: torch.device) -> tuple[torch.Tensor, int]:
+    """The staged pipeline (module docstring): host read -> staging slot -> device (a side
+    stream on CUDA) -> gather + index_add on the current stream. Entries are batched by
+    ``rows`` (the gather workspace is two (rows, d) float32 arrays)."""
     d = src.dim
-    tdtype = as_tensor(np.empty(0, dtype=src.dtype)).dtype
-    dev = torch.device("cuda", device.index if device.index is not None
-                       else torch.cuda.current_device())
-    with torch.cuda.device(dev):
-        compute = torch.cuda.current_stream(dev)
-        copier = torch.cuda.Stream(dev)
-        pinned = [torch.empty((rows, d), dtype=tdtype, pin_memory=True) for _ in range(2)]
-        host = [to_numpy(p) for p in pinned]  # numpy views of the pinned memory
-        raw = [torch.empty((rows, d), dtype=tdtype, device=dev) for _ in range(2)]
-        copied = [torch.cuda.Event() for _ in range(2)]
-        consumed: list[torch.cuda.Event | None] = [None, None]
-        a = torch.zeros((n, d), dtype=torch.float32, device=dev)
-        finite = torch.ones((), dtype=torch.bool, device=dev)
-        seen = 0
-        chunks = src.chunks(rows, host if src.owns_reads else [])
-        for i, (start, chunk) in enumerate(chunks):
+    if device.type == "cuda":
+        device = torch.device("cuda", cuda_index(device))
+    with _on_device(device):
+        copier = torch.cuda.Stream(device) if device.type == "cuda" else None
+        q = Staging(rows, {"q": (d, src.dtype)}, device, copier)
+        entries = Staging(rows, {"doc": (0, np.int64), "row": (0, np.int64),
+                                 "w": (0, np.float32)}, device, copier)
+        a = torch.zeros((n, d), dtype=torch.float32, device=device)
+        finite = torch.ones((), dtype=torch.bool, device=device)
+        seen, batch = 0, 0
+        reads = src.chunks(rows, [v["q"] for v in q.views] if src.owns_reads else [])
+        for i, (start, chunk) in enumerate(reads):
             slot, r = i % 2, chunk.shape[0]
             _check_rows(start, r, m)
-            if chunk.ctypes.data != host[slot].ctypes.data:  # iterator / array chunk
-                np.copyto(host[slot][:r], chunk, casting="unsafe")
-            with torch.cuda.stream(copier):
-                if consumed[slot] is not None:
-                    copier.wait_event(consumed[slot])
-                raw[slot][:r].copy_(pinned[slot][:r], non_blocking=True)
-                copied[slot].record(copier)
-            compute.wait_event(copied[slot])
-            x = raw[slot][:r].float()
+            host = q.views[slot]["q"]
+            if chunk.ctypes.data != host.ctypes.data:  # an iterator's or an array's chunk
+                np.copyto(host[:r], chunk, casting="unsafe")
+            x = q.upload(slot, r)["q"].float()
             finite &= torch.isfinite(x).all()
-            _index_add(a, x, indptr[start:start + r + 1], indices, data, rows)
-            ev = torch.cuda.Event()
-            ev.record(compute)
-            consumed[slot] = ev
+            ptr = indptr[start:start + r + 1]
+            for e0, e1 in _batches(int(ptr[0]), int(ptr[-1]), rows):
+                e_slot, e = batch % 2, e1 - e0
+                entries.wait_host(e_slot)
+                v = entries.views[e_slot]
+                v["doc"][:e] = indices[e0:e1]
+                v["w"][:e] = data[e0:e1]
+                # the row (within the chunk) of each entry: the last row starting at or before it
+                np.subtract(np.searchsorted(ptr, np.arange(e0, e1), side="right"), 1,
+                            out=v["row"][:e])
+                t = entries.upload(e_slot, e)
+                a.index_add_(0, t["doc"], x[t["row"]] * t["w"][:, None])
+                entries.release(e_slot)
+                batch += 1
+            q.release(slot)
             seen = start + r
-            # before the generator refills the other slot, its previous copy must be done
-            copied[(i + 1) % 2].synchronize()
-        compute.synchronize()
+            # before the source refills the other slot, its previous copy must be done
+            q.wait_host((i + 1) % 2)
         if not bool(finite):
             raise InputError("Q contains NaN or inf")
     return a, seen
+
+
+def _batches(lo: int, hi: int, size: int) -> Iterator[tuple[int, int]]:
+    for s in range(lo, hi, size):
+        yield s, min(s + size, hi)

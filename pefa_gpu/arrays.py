@@ -41,6 +41,20 @@ def resolve_device(device: Any = None) -> torch.device:
     return dev
 
 
+def cuda_index(device: Any) -> int:
+    """The CUDA ordinal of ``device`` ('cuda', 'cuda:1' or a torch.device): ``cuda`` with no
+    index is torch's current device, where ``torch.empty(..., device="cuda")`` puts tensors.
+    faiss, cupy and cuVS take this number (``device.index or 0`` would put their work on GPU 0
+    while the tensors sit on the current device). InputError for a device that is not CUDA."""
+    try:
+        dev = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"device={device!r} is not a valid torch device") from exc
+    if dev.type != "cuda":
+        raise InputError(f"device={device!r} is not a CUDA device")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
 def resolve_dtype(dtype: Any) -> torch.dtype:
     """A torch float dtype from a torch dtype or one of 'float32', 'float16', 'bfloat16'."""
     if isinstance(dtype, torch.dtype):
@@ -56,6 +70,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+def is_bfloat16(dtype: Any) -> bool:
+    """True for a numpy bfloat16 dtype (ml_dtypes'; numpy has none of its own)."""
+    dt = np.dtype(dtype)
+    return dt.name == "bfloat16" and dt.itemsize == 2
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a numpy dtype (bool, ints, floats and ml_dtypes' bfloat16)."""
+    dt = np.dtype(dtype)
+    if is_bfloat16(dt):
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, dtype=dt)).dtype
+
+
+def host_view(t: torch.Tensor, dtype: Any) -> np.ndarray:
+    """A numpy array over the memory of the contiguous CPU tensor ``t`` (pinned or not), read
+    as the numpy ``dtype`` of the same item size: no copy, so what is written through it lands
+    in ``t`` (e.g. a file read straight into a pinned bfloat16 buffer, seen as ml_dtypes'
+    bfloat16). ``to_numpy`` is not this: it upcasts float16 / bfloat16 into a new array."""
+    dt = np.dtype(dtype)
+    if t.device.type != "cpu" or not t.is_contiguous() or t.ndim == 0:
+        raise InputError(f"host_view needs a contiguous CPU tensor with at least one dimension, "
+                         f"got {t.device} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
+    if dt.itemsize != t.element_size():
+        raise InputError(f"host_view: {dt} has {dt.itemsize}-byte items, the tensor "
+                         f"{t.dtype} has {t.element_size()}-byte items")
+    return t.detach().view(torch.uint8).numpy().view(dt).reshape(t.shape)
+
+
 def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
               name: str = "array") -> torch.Tensor:
     """Any array-like -> torch tensor on ``device`` (and ``dtype`` when given).
@@ -68,10 +111,13 @@ def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
     if isinstance(x, torch.Tensor):
         t = x
     elif isinstance(x, np.ndarray):
-        if x.dtype.kind not in "biufc":  # object, strings, bytes, datetimes, structured
+        bf16 = is_bfloat16(x.dtype)
+        if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
             raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
         # read-only arrays (np.load(mmap_mode="r")) are copied: torch tensors are writable
-        t = torch.from_numpy(np.ascontiguousarray(x) if x.flags.writeable else np.array(x))
+        a = np.ascontiguousarray(x) if x.flags.writeable else np.array(x)
+        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 \
+            else torch.from_numpy(a)
     elif hasattr(x, "__dlpack__"):
         try:
             t = torch.from_dlpack(x)

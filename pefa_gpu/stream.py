@@ -16,10 +16,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .arrays import to_numpy
+from .arrays import is_bfloat16, to_numpy
 from .errors import InputError
 
-_FLOATS = (np.float16, np.float32, np.float64)
+_FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see _check_float)
 _RELEASE_BYTES = 1 << 20  # a memory map is copied and released in pieces of about this size
 
 
@@ -245,8 +245,15 @@ def array_source(x: np.ndarray, name: str = "Q") -> ArraySource:
 
 
 def _check_float(dtype: np.dtype, name: str) -> None:
-    if np.dtype(dtype).type not in _FLOATS:
-        raise InputError(f"{name} has dtype {dtype}; float16, float32 or float64 is needed")
+    dt = np.dtype(dtype)
+    if dt.type in _FLOATS or is_bfloat16(dt):
+        return
+    if dt.kind == "V" and dt.itemsize == 2 and dt.names is None:
+        raise InputError(f"{name} has dtype {dt.str} (2-byte raw items): that is how numpy "
+                         f"saves bfloat16, and a .npy file does not say so; pass "
+                         f"np.load(path, mmap_mode='r').view(ml_dtypes.bfloat16) instead")
+    raise InputError(f"{name} has dtype {dtype}; float16, float32, float64 or bfloat16 "
+                     f"(ml_dtypes) is needed")
 
 
 def _byte_bounds(a: np.ndarray) -> tuple[int, int]:

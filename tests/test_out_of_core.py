@@ -47,10 +47,18 @@ def make_data(seed: int, m: int = 300, n: int = 40, d: int = 12):
     return Y, Q
 
 
-def budget_for(rows: int, n: int, d: int, itemsize: int = 4, gather: bool = False) -> int:
-    per_row = d * (itemsize + (4 if itemsize != 4 else 0)) + (8 * d if gather else 0)
+def budget_for(rows: int, n: int, d: int, itemsize: int = 4, staged: bool = False) -> int:
+    """The budget that gives chunks of ``rows`` rows: the output, plus per row a read buffer
+    and a float32 conversion (scipy), or two staging slots, two device copies, the float32
+    conversion, a two-row gather workspace and 96 bytes of entry batches (staged)."""
+    if staged:
+        per_row = d * (4 * itemsize + 4 + 8) + 96
+    else:
+        per_row = d * (itemsize + (4 if itemsize != 4 else 0))
     b = n * d * 4 + rows * per_row
-    assert chunk_rows(b, n, d, itemsize, torch.device("cpu"), gather) == rows
+    assert chunk_rows(b, n, d, itemsize, "index_add" if staged else "scipy") == rows
+    if rows > 1:  # the formula is tight: a byte less gives a row less
+        assert chunk_rows(b - 1, n, d, itemsize, "index_add" if staged else "scipy") == rows - 1
     return b
 
 
@@ -89,19 +97,121 @@ def test_path_iterator_and_array_sources(tmp_path, rows):
 @pytest.mark.parametrize("rows", [1, 13, 300])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_index_add_kernel_and_dtypes(tmp_path, rows, dtype):
-    """The device-independent gather + index_add kernel (the CUDA arithmetic), run on CPU."""
+    """The staged gather + index_add pipeline (the CUDA path), run on the CPU."""
     Y, Q = make_data(7)
     Qd = Q.astype(dtype)
     np.save(tmp_path / "q.npy", Qd)
     src = row_source(str(tmp_path / "q.npy"))
     itemsize = np.dtype(dtype).itemsize
-    budget = budget_for(rows, Y.shape[1], Q.shape[1], itemsize, gather=True)
+    budget = budget_for(rows, Y.shape[1], Q.shape[1], itemsize, staged=True)
     out = pifa_streamed(Relevance(Y), src, torch.device("cpu"), budget, kernel="index_add")
     np.testing.assert_allclose(out.numpy(), ref_pifa(Y, Qd.astype(np.float32), False),
                                rtol=1e-5, atol=1e-5)
     scipy_k = pifa_streamed(Relevance(Y), array_source(Qd), torch.device("cpu"),
                             budget_for(rows, Y.shape[1], Q.shape[1], itemsize), kernel="scipy")
     np.testing.assert_allclose(out.numpy(), scipy_k.numpy(), rtol=1e-6, atol=1e-6)
+
+
+
+def _bfloat16():
+    return pytest.importorskip("ml_dtypes").bfloat16
+
+
+def _stored(Q: np.ndarray, dtype) -> np.ndarray:
+    """Q rounded to ``dtype`` (float16 or ml_dtypes' bfloat16), as the file stores it."""
+    return Q.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+@pytest.mark.parametrize("how", ["path", "memmap", "iterator"])
+def test_staged_pipeline_half_precision(tmp_path, dtype, rows, how):
+    """The CUDA pipeline's staging (two host slots read as numpy views of the staging tensors,
+    device copies, entry batches) on the CPU, with 2-byte .npy inputs, against float64: a slot
+    read into a copy of its staging buffer instead of a view (what ``to_numpy`` gives for
+    float16 / bfloat16) would leave the product reading memory nothing wrote."""
+    dt = np.float16 if dtype == "float16" else _bfloat16()
+    Y, Q = make_data(20 + rows)
+    Qd = _stored(Q, dt)
+    np.save(tmp_path / "q.npy", Qd)  # bfloat16 is saved as raw 2-byte items ('<V2')
+    mm = np.load(tmp_path / "q.npy", mmap_mode="r")
+    if dtype == "bfloat16":
+        mm = mm.view(dt)
+    if how == "path" and dtype == "float16":
+        src = row_source(str(tmp_path / "q.npy"))
+    elif how == "iterator":
+        src = row_source(iter([Qd[:17], Qd[17:40], Qd[40:]]))
+    else:
+        src = row_source(mm)
+    ref = ref_pifa(Y, Qd.astype(np.float64), False)
+    assert src.dtype == (np.dtype(np.float32) if how == "iterator" and dtype == "bfloat16"
+                         else np.dtype(dt))  # an iterator's bfloat16 chunks are upcast
+    budget = budget_for(rows, Y.shape[1], Q.shape[1], src.dtype.itemsize, staged=True)
+    out = pifa_streamed(Relevance(Y), src, torch.device("cpu"), budget, kernel="index_add")
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+    if how != "iterator":  # the scipy kernel, on the same input
+        src = row_source(str(tmp_path / "q.npy")) if how == "path" and dtype == "float16" \
+            else row_source(mm)
+        out2 = pifa_streamed(Relevance(Y), src, torch.device("cpu"),
+                             budget_for(rows, Y.shape[1], Q.shape[1], 2), kernel="scipy")
+        np.testing.assert_allclose(out2.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32,
+                                   torch.float64, torch.int64])
+def test_staging_views_are_the_staging_memory(dtype):
+    """Every staging slot's numpy view is the staging tensor's own memory, for every dtype."""
+    from pefa_gpu.aggregate_stream import Staging
+
+    np_dt = {torch.bfloat16: None, torch.float16: np.float16, torch.float32: np.float32,
+             torch.float64: np.float64, torch.int64: np.int64}[dtype]
+    if np_dt is None:
+        np_dt = _bfloat16()
+    st = Staging(6, {"x": (3, np_dt), "i": (0, np.int64)}, torch.device("cpu"))
+    for slot in (0, 1):
+        view, host = st.views[slot]["x"], st.host[slot]["x"]
+        assert view.dtype == np.dtype(np_dt) and view.shape == (6, 3)
+        assert host.dtype == dtype and view.ctypes.data == host.data_ptr()
+        view[:4] = np.arange(12, dtype=np.float64).reshape(4, 3).astype(np_dt)
+        st.views[slot]["i"][:4] = [5, 4, 3, 2]
+        got = st.upload(slot, 4)
+        assert got["x"].shape == (4, 3) and got["i"].tolist() == [5, 4, 3, 2]
+        np.testing.assert_array_equal(got["x"].double().numpy(),
+                                      np.arange(12, dtype=np.float64).reshape(4, 3))
+        st.release(slot)
+
+
+def test_bfloat16_npy_path_is_refused_with_the_way_to_read_it(tmp_path):
+    bf16 = _bfloat16()
+    Y, Q = make_data(2)
+    np.save(tmp_path / "q.npy", Q.astype(bf16))
+    with pytest.raises(pg.InputError, match=r"bfloat16.*view\(ml_dtypes.bfloat16\)"):
+        pg.pifa(Y, str(tmp_path / "q.npy"), device="cpu")
+    mm = np.load(tmp_path / "q.npy", mmap_mode="r").view(bf16)
+    out = pg.pifa(Y, mm, normalize=False, device="cpu", memory_budget=1 << 20)
+    ref = ref_pifa(Y, Q.astype(bf16).astype(np.float64), False)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+    in_memory = pg.pifa(Y, Q.astype(bf16), normalize=False, device="cpu")  # no budget: torch
+    np.testing.assert_allclose(in_memory.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_staged_pipeline_on_cuda(tmp_path, dtype):
+    """The same pipeline with pinned slots, the copy stream and events, on a CUDA device."""
+    dt = {"float16": np.float16, "float32": np.float32}.get(dtype) or _bfloat16()
+    Y, Q = make_data(5, m=3000, n=200, d=40)
+    Qd = _stored(Q, dt)
+    np.save(tmp_path / "q.npy", Qd)
+    mm = np.load(tmp_path / "q.npy", mmap_mode="r")
+    if dtype == "bfloat16":
+        mm = mm.view(dt)
+    ref = ref_pifa(Y, Qd.astype(np.float64), False)
+    for rows in (1, 37, 3000):
+        budget = budget_for(rows, Y.shape[1], Q.shape[1], np.dtype(dt).itemsize, staged=True)
+        out = pg.pifa(Y, mm, normalize=False, device="cuda", memory_budget=budget)
+        assert out.device.type == "cuda"
+        np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_empty_relevance_and_no_rows(tmp_path):
