@@ -288,16 +288,13 @@ def _dots(queries: torch.Tensor, docs: torch.Tensor, ids: torch.Tensor) -> torch
 
 def _rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
              doc: torch.Tensor) -> torch.Tensor:
-    """<q_batch[i], p_doc[i]> for flat index pairs -> (N,) float32. CUDA: the Triton kernel
-    when triton is there; CPU: :func:`_rowdots_host` (the host fusion's own dot products);
-    torch otherwise. Gathered rows are processed ~16 MB at a time."""
-    if batch.is_cuda and _triton_ok():
-        return _triton_rowdots(queries, docs, batch, doc)
-    step = max(1, (1 << 22) // max(1, docs.shape[1]))
+    """<q_batch[i], p_doc[i]> for flat index pairs -> (N,) float32. CUDA:
+    :func:`pefa_gpu.triton_rowdots.rowdots` (the Triton kernel, or torch where it cannot run);
+    CPU: :func:`_rowdots_host` (the host fusion's own dot products), ~16 MB of rows at a time."""
     if batch.is_cuda:
-        return torch.cat([(queries.float()[batch[s:s + step]] * docs[doc[s:s + step]].float())
-                          .sum(1) for s in range(0, batch.numel(), step)]
-                         or [torch.zeros(0, device=batch.device)])
+        from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
+        return triton_rowdots.rowdots(queries, docs, batch, doc)
+    step = max(1, (1 << 22) // max(1, docs.shape[1]))
     qn = to_numpy(queries).astype(np.float32, copy=False)
     bn, dn = to_numpy(batch), to_numpy(doc)
     hd = host_docs(docs)
@@ -310,58 +307,3 @@ def _rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
             e = min(s + step, hi)
             out[s:e] = _rowdots_host(qn[bn[lo]], hd, dn[s:e])
     return as_tensor(out)
-
-
-_TRITON: dict[str, object] = {}
-
-
-def _triton_ok() -> bool:
-    """True when triton imports (checked once); the kernel is compiled on first use."""
-    if "ok" not in _TRITON:
-        try:
-            import triton  # noqa: F401
-            import triton.language  # noqa: F401
-            _TRITON["ok"] = True
-        except Exception:
-            _TRITON["ok"] = False
-    return bool(_TRITON["ok"])
-
-
-def _triton_rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
-                    doc: torch.Tensor) -> torch.Tensor:
-    """Triton: out[i] = sum_d q[batch[i], d] * p[doc[i], d], fp32 accumulation, any storage."""
-    import triton
-    import triton.language as tl
-
-    if "kernel" not in _TRITON:
-        @triton.jit
-        def rowdots(q_ptr, p_ptr, b_ptr, j_ptr, out_ptr, n, d, sq, sp,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-            pid = tl.program_id(0)
-            offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask = offs < n
-            bi = tl.load(b_ptr + offs, mask=mask, other=0)
-            ji = tl.load(j_ptr + offs, mask=mask, other=0)
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for d0 in range(0, d, BLOCK_D):
-                dd = d0 + tl.arange(0, BLOCK_D)
-                dm = dd < d
-                qv = tl.load(q_ptr + bi[:, None] * sq + dd[None, :],
-                             mask=mask[:, None] & dm[None, :], other=0.0).to(tl.float32)
-                pv = tl.load(p_ptr + ji[:, None] * sp + dd[None, :],
-                             mask=mask[:, None] & dm[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(qv * pv, axis=1)
-            tl.store(out_ptr + offs, acc, mask=mask)
-
-        _TRITON["kernel"] = rowdots
-    q = queries.contiguous()
-    p = docs.contiguous()
-    n = batch.numel()
-    out = torch.empty(n, device=batch.device, dtype=torch.float32)
-    if n == 0:
-        return out
-    block_n, block_d = 64, 64
-    grid = (triton.cdiv(n, block_n),)
-    _TRITON["kernel"][grid](q, p, batch.contiguous(), doc.contiguous(), out, n, q.shape[1],
-                            q.stride(0), p.stride(0), BLOCK_N=block_n, BLOCK_D=block_d)
-    return out

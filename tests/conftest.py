@@ -9,6 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+if not torch.cuda.is_available():  # Triton kernels (tests marked triton) run in Triton's
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # interpreter; read when triton is imported
+
 SHARED = Path(os.environ.get("PEFA_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
 SCIFACT = SHARED / "datasets" / "scifact"
 
