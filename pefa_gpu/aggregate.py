@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import as_embeddings, resolve_device, to_numpy
+from .arrays import as_embeddings, cuda_index, resolve_device, to_numpy
 from .errors import InputError
 from .relevance import as_relevance
 from .aggregate_stream import normalize_rows_, pifa_streamed
@@ -62,8 +62,10 @@ def _spmm_transpose(y_csr, q: torch.Tensor) -> torch.Tensor:
         import cupyx.scipy.sparse as csp
     except ImportError:
         cupy = None
-    if cupy is not None:
-        with cupy.cuda.Device(q.device.index or 0):
+    if cupy is not None:  # on q's device and torch's current stream there (no hand-off)
+        dev = cuda_index(q.device)
+        with cupy.cuda.Device(dev), \
+                cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream):
             yt_gpu = csp.csr_matrix((cupy.asarray(yt.data, dtype=cupy.float32),
                                      cupy.asarray(yt.indices), cupy.asarray(yt.indptr)),
                                     shape=yt.shape)

@@ -172,7 +172,7 @@ class Staging:
         for _ in range(2):
             shapes = {k: ((rows, w) if w else (rows,), torch_dtype(dt), dt)
                       for k, (w, dt) in buffers.items()}
-            host = {k: torch.empty(sh, dtype=tdt, pin_memory=cuda)
+            host = {k: torch.empty(sh, dtype=tdt, device="cpu", pin_memory=cuda)
                     for k, (sh, tdt, _) in shapes.items()}
             self.host.append(host)
             self.views.append({k: host_view(host[k], dt) for k, (_, _, dt) in shapes.items()})

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .arrays import as_tensor, resolve_device, to_numpy
+from .arrays import as_tensor, cuda_index, resolve_device, to_numpy
 from .errors import InputError
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
@@ -160,7 +160,7 @@ def build_hnsw(vectors: Any, *, M: int = 32, device: Any = None, method: str = "
         cfg = faiss.GpuIndexCagraConfig()
         cfg.graph_degree = 2 * M
         cfg.intermediate_graph_degree = 4 * M
-        cfg.device = dev.index or 0
+        cfg.device = cuda_index(dev)
         gpu = faiss.GpuIndexCagra(res, x.shape[1], faiss.METRIC_INNER_PRODUCT, cfg)
         gpu.train(x)
         index = faiss.IndexHNSWCagra(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)

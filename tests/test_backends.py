@@ -6,6 +6,8 @@ import importlib.util
 import json
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +34,7 @@ BACKENDS = [
     ("exact", "cpu"),
     ("hnsw", "cpu"),
     ("ivf", "cpu"),
+    ("cagra", "cpu"),  # a CAGRA save loaded onto the CPU: exact search over its vectors
     pytest.param("hnswlib", "cpu", marks=HNSWLIB),
     pytest.param("scann", "cpu", marks=SCANN),       # small test data: brute force
     pytest.param("scann-tree", "cpu", marks=SCANN),  # tree + AH + re-ordering
@@ -53,9 +56,20 @@ def backend_of(name: str) -> str:
 
 
 def new_index(name: str, device: str, **params):
-    """An empty index of backend (or variant) ``name``."""
+    """An empty index of backend (or variant) ``name``. CAGRA builds only on a GPU with
+    faiss-gpu or cuVS (the test skips on one without them); on the CPU it is a CAGRA save
+    loaded there, where builds store the vectors and searches are exact."""
     backend, build, search = VARIANTS.get(name, (name, {}, None))
-    return make_index(backend, device, {**build, **params} or None, search_params=search)
+    if backend == "cagra" and device == "cpu":
+        with tempfile.TemporaryDirectory() as tmp:
+            np.save(Path(tmp) / "vectors.npy", np.zeros((0, 1), np.float32))
+            return backend_class("cagra").load(tmp, {**build, **params} or None, "cpu")
+    try:
+        return make_index(backend, device, {**build, **params} or None, search_params=search)
+    except MissingDependencyError as exc:
+        if backend != "cagra":
+            raise
+        pytest.skip(str(exc))
 
 
 def ref_topk(q: np.ndarray, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -182,7 +196,7 @@ def test_save_load_round_trip(name, device, tmp_path):
     assert loaded.ntotal == index.ntotal and loaded.dim == index.dim
     s1, i1 = index.search(q, 10)
     s2, i2 = loaded.search(q, 10)
-    if name == "cagra":  # the graph is rebuilt on load
+    if name == "cagra" and device != "cpu":  # the graph is rebuilt on load
         assert recall(i2.cpu().numpy(), i1.cpu().numpy()) >= 0.95
     else:
         assert torch.equal(i1, i2) and torch.equal(s1, s2)
@@ -360,8 +374,22 @@ def test_ivf_pq_and_auto_sizes():
 def test_cagra_without_gpu_says_what_to_install():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    with pytest.raises(MissingDependencyError, match="cuVS|cuvs"):
+    with pytest.raises(MissingDependencyError, match="cuVS.*device is cpu"):
         make_index("cagra", "cpu")
+
+
+@pytest.mark.gpu
+def test_cagra_built_on_gpu_serves_exactly_on_cpu(tmp_path):
+    x, q = easy_data(20, n=3000)
+    x[7] = x[3]  # equal scores: listed by id
+    gpu = new_index("cagra", "cuda").build(x)
+    gpu.save(tmp_path)
+    cpu = backend_class("cagra").load(tmp_path, gpu.params, "cpu")
+    assert cpu.engine is None and cpu.device.type == "cpu"
+    s, i = check_results(*cpu.search(q, 10), 64, 10, 3000, "cpu")
+    ref_s, ref_i = ref_topk(q, x, 10)
+    np.testing.assert_array_equal(i, ref_i)
+    np.testing.assert_allclose(s, ref_s, atol=1e-5)
 
 
 def test_missing_faiss_is_a_clear_error(monkeypatch):

@@ -3,9 +3,15 @@ result normalisation (similarities, -1 / -inf padding) and the k-limit fallback.
 
 Every faiss backend subclasses :class:`FaissBackend` and implements ``_raw_search`` (one
 call into faiss with ``k`` within ``max_k`` and the call's search settings, returning faiss' own
-(D, I)) and ``_stored_vectors`` (the indexed rows, for the fallback). A request with ``k`` above the backend's ``max_k`` (faiss GPU: 2048, CAGRA:
-1024) never fails: it is answered by an exact search over the stored vectors on the index's
-device (never worse recall than the ANN search would have had).
+(D, I)) and ``_stored_vectors`` (the indexed rows, for the fallback). A request with ``k``
+above the backend's ``max_k`` (faiss GPU: 2048, CAGRA: 1024) never fails: it is answered by an
+exact search over the stored vectors on the index's device (never worse recall than the ANN
+search would have had).
+
+A faiss index on the GPU (``on_gpu``) is searched with torch tensors on its device: faiss gets
+their device pointers and runs on torch's current stream there (:func:`search_tensors`, as
+faiss' ``contrib/torch_utils`` does, but per call and without patching faiss' classes), so
+the queries never leave the GPU. CPU indices take numpy arrays.
 """
 
 from __future__ import annotations
@@ -18,10 +24,10 @@ from typing import Any, ClassVar, Iterator
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int, to_numpy
+from ..arrays import as_tensor, check_positive_int, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params
-from ..topk import PAD_ID, PAD_SCORE
+from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from .base import Index
 
 INDEX_FILE = "index.faiss"
@@ -116,6 +122,67 @@ def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndar
     return scores, ids
 
 
+def normalise_results_tensors(scores: torch.Tensor, ids: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`normalise_results` for faiss results that are already tensors on the index's
+    device: padding (id -1, score -inf) where faiss found nothing, equal scores listed by id,
+    padding last; no host synchronisation."""
+    missing = ids < 0
+    scores = scores.masked_fill(missing, PAD_SCORE)
+    ids = ids.masked_fill(missing, PAD_ID)
+    return merge_topk(scores, ids, ids.shape[1])
+
+
+def faiss_pointer(faiss: Any, t: torch.Tensor) -> Any:
+    """A faiss SWIG pointer to the memory of the contiguous float32 or int64 tensor ``t`` (CPU
+    or CUDA)."""
+    if not t.is_contiguous():
+        raise InputError("faiss_pointer needs a contiguous tensor")
+    if t.dtype == torch.float32:
+        return faiss.cast_integer_to_float_ptr(t.data_ptr())
+    if t.dtype == torch.int64:
+        return faiss.cast_integer_to_idx_t_ptr(t.data_ptr())
+    raise TypeError(f"faiss_pointer takes float32 or int64 tensors, got {t.dtype}")
+
+
+@contextlib.contextmanager
+def faiss_stream(faiss: Any, res: Any, device: int, stream: int) -> Iterator[None]:
+    """faiss GPU work through the resources ``res`` on GPU ``device`` runs on the CUDA stream
+    ``stream`` (a ``cudaStream_t`` as an int: torch's ``current_stream().cuda_stream``) inside
+    the block; the stream before it is put back afterwards, also on an error."""
+    before = res.getDefaultStream(device)
+    res.setDefaultStream(device, faiss.cast_integer_to_cudastream_t(stream))
+    try:
+        yield
+    finally:
+        res.setDefaultStream(device, before)
+
+
+def on_current_stream(faiss: Any, res: Any, device: torch.device
+                      ) -> contextlib.AbstractContextManager:
+    """:func:`faiss_stream` with torch's current stream on the CUDA ``device`` (a block that
+    does nothing for the CPU)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    dev = cuda_index(device)
+    return faiss_stream(faiss, res, dev, torch.cuda.current_stream(dev).cuda_stream)
+
+
+def search_tensors(faiss: Any, index: Any, q: torch.Tensor, k: int, params: Any = None,
+                   res: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One faiss search with tensors in and out, no host copy: ``q`` (B, d) float32 on the
+    index's device (CUDA for a GPU index, with its ``res``ources; the CPU for a CPU index) ->
+    faiss' own (D (B, k) float32, I (B, k) int64) on the same device. On CUDA faiss runs on
+    torch's current stream, so the results are ordered before later torch work."""
+    q = q.contiguous()
+    scores = torch.empty((q.shape[0], k), dtype=torch.float32, device=q.device)
+    ids = torch.empty((q.shape[0], k), dtype=torch.int64, device=q.device)
+    with on_current_stream(faiss, res, q.device):
+        index.search_c(q.shape[0], faiss_pointer(faiss, q), k, faiss_pointer(faiss, scores),
+                       faiss_pointer(faiss, ids), params)
+    return scores, ids
+
+
 def empty_results(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.full((b, k), PAD_SCORE, device=device),
             torch.full((b, k), PAD_ID, dtype=torch.long, device=device))
@@ -139,6 +206,11 @@ class FaissBackend(Index):
 
     # -- protocol ---------------------------------------------------------------------------
     @property
+    def on_gpu(self) -> bool:
+        """True when the faiss index lives on the GPU (searched with device tensors)."""
+        return False
+
+    @property
     def ntotal(self) -> int:
         return int(self._index.ntotal) if self._index is not None else 0
 
@@ -152,6 +224,8 @@ class FaissBackend(Index):
         ``params``: this call's search settings (None: ``search_params``)."""
         sp = self.resolve_search_params(params)
         k = check_positive_int(k, "k")
+        if self.on_gpu:
+            return self._search_on_device(queries, k, sp)
         q = host_float32(queries, "queries")
         if self.ntotal and q.shape[1] != self.dim:
             raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
@@ -161,6 +235,23 @@ class FaissBackend(Index):
         if limit is not None and k > limit:
             return self._search_beyond_limit(queries, k)
         return normalise_results(*self._raw_search(q, k, sp), self.device)
+
+    def _search_on_device(self, queries: Any, k: int,
+                          sp: Params) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`search` of a GPU index: the queries as float32 on its device, faiss on device
+        pointers and torch's current stream, results normalised there (no host copy, no
+        synchronisation; the values of the queries are not read)."""
+        q = as_tensor(queries, device=self.device, dtype=torch.float32, name="queries").detach()
+        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
+            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
+        if q.shape[0] == 0 or self.ntotal == 0:
+            return empty_results(q.shape[0], k, self.device)
+        limit = self._k_limit()
+        if limit is not None and k > limit:
+            return self._search_beyond_limit(q, k)
+        scores, ids = search_tensors(self._faiss, self._index, q, k, self._faiss_params(sp),
+                                     self._gpu_resources())
+        return normalise_results_tensors(scores, ids)
 
     def search_host(self, queries: Any, k: int, check_finite: bool = True,
                     params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -211,6 +302,14 @@ class FaissBackend(Index):
         """One faiss search, k within ``max_k``, with the search settings ``params`` (this
         backend's SearchParams): faiss' (D, I) as numpy arrays."""
         raise NotImplementedError
+
+    def _faiss_params(self, params: Params) -> Any:
+        """The faiss ``SearchParameters`` object for this backend's ``params`` (GPU indices)."""
+        raise NotImplementedError
+
+    def _gpu_resources(self) -> Any:
+        """The faiss GPU resources of a GPU index (None on the CPU)."""
+        return None
 
     def _stored_vectors(self) -> torch.Tensor:
         raise NotImplementedError

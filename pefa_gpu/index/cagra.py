@@ -1,29 +1,39 @@
 """CAGRA graph search on the GPU: faiss ``GpuIndexCagra`` (faiss-gpu built with cuVS), or
 cuVS' own ``cuvs.neighbors.cagra`` where faiss has no GPU support.
 
-Needs a CUDA device and one of the two packages; elsewhere construction raises
+Building needs a CUDA device and one of the two packages; elsewhere construction raises
 MissingDependencyError. The vectors are also kept as a torch tensor on the device: CAGRA's
 candidate ids are re-scored there with exact inner products (so scores are similarities
-whatever the engine's distance convention), ``add`` rebuilds the graph, and k above
-``max_k`` = 1024 (CAGRA's limit) is answered exactly. Corpora no larger than the
-intermediate graph degree are searched exactly (CAGRA needs more points than neighbours).
+whatever the engine's distance convention; equal scores listed by id), ``add`` rebuilds the
+graph, and k above ``max_k`` = 1024 (CAGRA's limit) is answered exactly. Corpora no larger
+than the intermediate graph degree are searched exactly (CAGRA needs more points than
+neighbours). The re-scoring gathers (queries, candidates, d) float32 rows at most
+``memory_budget`` bytes at a time.
+
+Both engines get the tensors themselves (faiss device pointers, cuVS CUDA arrays) and run on
+torch's current stream, so nothing crosses the host and results are ordered before later
+torch work. A saved index loads onto any device: where no engine can run (the CPU, or a GPU
+without faiss-gpu / cuVS) it serves exact results from the stored vectors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int, to_numpy
+from ..arrays import as_tensor, check_positive_int, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params, check_positive
-from ..topk import PAD_ID, PAD_SCORE
+from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from .base import Index
 from .exact import ExactIndex
+
+log = logging.getLogger("pefa_gpu")
 
 _INSTALL = ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS "
             "(`conda install -c pytorch -c nvidia -c rapidsai faiss-gpu-cuvs`) or cuVS "
@@ -33,14 +43,20 @@ _INSTALL = ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS "
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CagraParams(Params):
     """Build settings. graph_degree / intermediate_graph_degree: of the final and the
-    pre-pruning k-NN graph."""
+    pre-pruning k-NN graph. memory_budget: bytes for one block of the exact re-scoring (query
+    rows x candidates x d float32) and of the exact searches."""
 
     graph_degree: int = 64
     intermediate_graph_degree: int = 128
+    memory_budget: int = 256 * 2**20
 
     def validate(self) -> None:
         check_positive(self.graph_degree, "graph_degree")
         check_positive(self.intermediate_graph_degree, "intermediate_graph_degree")
+        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) \
+                or self.memory_budget < 2**16:
+            raise InputError(f"memory_budget must be an int >= 65536 bytes, "
+                             f"got {self.memory_budget!r}")
         if self.intermediate_graph_degree < self.graph_degree:
             raise InputError(f"intermediate_graph_degree={self.intermediate_graph_degree} "
                              f"must be >= graph_degree={self.graph_degree}")
@@ -65,10 +81,10 @@ class CagraSearchParams(Params):
                              f"{self.max_iterations!r}")
 
 
-def _engine_name() -> str:
-    """'faiss' or 'cuvs', whichever can build CAGRA here; else MissingDependencyError."""
-    if not torch.cuda.is_available():
-        raise MissingDependencyError(_INSTALL + "; torch sees no CUDA device")
+def _engine(device: torch.device) -> str | None:
+    """'faiss' or 'cuvs', whichever can build CAGRA on ``device`` here; None if neither."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
     try:
         import faiss  # noqa: PLC0415
 
@@ -81,12 +97,44 @@ def _engine_name() -> str:
 
         return "cuvs"
     except ImportError:
-        pass
-    raise MissingDependencyError(_INSTALL)
+        return None
+
+
+def _install_message(device: torch.device) -> str:
+    if device.type != "cuda":
+        return _INSTALL + f"; device is {device}"
+    if not torch.cuda.is_available():
+        return _INSTALL + "; torch sees no CUDA device"
+    return _INSTALL
+
+
+def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
+            memory_budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact scores of candidate ids, best first.
+
+    q (B, d) float32, vectors (n, d) float32, ids (B, C) int64 candidates (invalid: < 0 or
+    >= n, repeats allowed) -> (B, C) float32 scores <q_b, x_id> and int64 ids, sorted by score
+    descending with equal scores by id; invalid and repeated ids become (-inf, -1) at the end.
+    The (rows, C, d) gather runs ``memory_budget`` bytes at a time.
+    """
+    n, d = vectors.shape
+    b, c = ids.shape
+    bad = (ids < 0) | (ids >= n)
+    ids = ids.masked_fill(bad, PAD_ID)
+    step = max(1, memory_budget // max(1, c * d * 4))
+    scores = torch.empty((b, c), dtype=torch.float32, device=ids.device)
+    for s in range(0, b, step):
+        rows = vectors[ids[s:s + step].clamp_min(0)]  # (rows, C, d)
+        scores[s:s + step] = torch.einsum("bd,bcd->bc", q[s:s + step], rows)
+    scores, ids = merge_topk(scores.masked_fill(bad, PAD_SCORE), ids, c)
+    repeat = torch.zeros_like(bad)
+    repeat[:, 1:] = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)  # adjacent once sorted
+    return merge_topk(scores.masked_fill(repeat, PAD_SCORE), ids.masked_fill(repeat, PAD_ID), c)
 
 
 class CagraIndex(Index):
-    """GPU CAGRA; scores re-computed exactly for the returned ids. CUDA devices only."""
+    """GPU CAGRA; scores re-computed exactly for the returned ids. Built on CUDA devices
+    only; a saved one loads anywhere (see the module docstring)."""
 
     name = "cagra"
     Params = CagraParams
@@ -95,13 +143,16 @@ class CagraIndex(Index):
     exact_scores = True  # candidates are re-scored exactly
 
     def __init__(self, params: CagraParams | dict | None = None, device: Any = None):
+        self._setup(params, device, need_engine=True)
+
+    def _setup(self, params: Any, device: Any, need_engine: bool) -> None:
         super().__init__(params, device)
-        if self.device.type != "cuda":
-            raise MissingDependencyError(_INSTALL + f"; device is {self.device}")
-        self.engine = _engine_name()
+        self.engine = _engine(self.device)  # None: exact search over the stored vectors
+        if self.engine is None and need_engine:
+            raise MissingDependencyError(_install_message(self.device))
         self.vectors = torch.empty(0, 0, device=self.device)
         self._graph: Any = None
-        self._res: Any = None
+        self._res: Any = None  # faiss: StandardGpuResources; cuVS: {stream: Resources}
         self._exact: ExactIndex | None = None
 
     @property
@@ -118,10 +169,10 @@ class CagraIndex(Index):
             raise InputError(f"vectors must be 2-D (n, d) with d > 0, got {tuple(v.shape)}")
         if v.numel() and not bool(torch.isfinite(v).all()):
             raise InputError("vectors contain NaN or inf")
-        self.vectors = v.contiguous()
+        self.vectors = v.contiguous()  # never changed in place: a graph may refer to it
         self._exact = None
         self._graph = None
-        if self.ntotal > self.params.intermediate_graph_degree:
+        if self.engine is not None and self.ntotal > self.params.intermediate_graph_degree:
             self._graph = self._build_graph()
         return self
 
@@ -144,42 +195,63 @@ class CagraIndex(Index):
 
     def _build_graph(self) -> Any:
         p = self.params
+        dev = cuda_index(self.device)
         if self.engine == "faiss":
             import faiss  # noqa: PLC0415
+
+            from ._faiss import faiss_pointer, on_current_stream  # noqa: PLC0415
 
             self._res = self._res or faiss.StandardGpuResources()
             cfg = faiss.GpuIndexCagraConfig()
             cfg.graph_degree = p.graph_degree
             cfg.intermediate_graph_degree = p.intermediate_graph_degree
-            cfg.device = self.device.index or 0
+            cfg.device = dev
             index = faiss.GpuIndexCagra(self._res, self.dim, faiss.METRIC_INNER_PRODUCT, cfg)
-            index.train(to_numpy(self.vectors))
+            with on_current_stream(faiss, self._res, self.device):
+                index.train_c(self.ntotal, faiss_pointer(faiss, self.vectors))
             return index
         from cuvs.neighbors import cagra  # noqa: PLC0415
 
         ip = cagra.IndexParams(metric="inner_product", graph_degree=p.graph_degree,
                                intermediate_graph_degree=p.intermediate_graph_degree)
-        return cagra.build(ip, self.vectors)
+        with torch.cuda.device(dev):
+            return cagra.build(ip, self.vectors, resources=self._cuvs_resources())
+
+    def _cuvs_resources(self) -> Any:
+        """cuVS resources on torch's current stream of the index's device (one per stream)."""
+        from cuvs.common import Resources  # noqa: PLC0415
+
+        stream = torch.cuda.current_stream(cuda_index(self.device)).cuda_stream
+        if not isinstance(self._res, dict):
+            self._res = {}
+        if stream not in self._res:
+            self._res[stream] = Resources(stream=stream)
+        return self._res[stream]
 
     def _candidate_ids(self, q: torch.Tensor, k: int,
                        params: CagraSearchParams) -> torch.Tensor:
-        """(B, k) int64 candidate ids from the graph, on the device (invalid ones < 0)."""
+        """(B, k) int64 candidate ids from the graph, on the device (invalid ones < 0 or
+        >= ntotal), computed on torch's current stream."""
         settings = {"itopk_size": max(params.itopk_size, k), "search_width": params.search_width,
                     "max_iterations": params.max_iterations}
         if self.engine == "faiss":
             import faiss  # noqa: PLC0415
 
+            from ._faiss import search_tensors  # noqa: PLC0415
+
             sp = faiss.SearchParametersCagra()
             for name, value in settings.items():
                 setattr(sp, name, value)
-            _, ids = self._graph.search(to_numpy(q), k, params=sp)
-            ids = np.asarray(ids, dtype=np.int64)
-        else:
-            from cuvs.neighbors import cagra  # noqa: PLC0415
+            return search_tensors(faiss, self._graph, q, k, sp, self._res)[1]
+        from cuvs.neighbors import cagra  # noqa: PLC0415
 
-            _, nb = cagra.search(cagra.SearchParams(**settings), self._graph, q, k)
-            ids = np.asarray(nb.copy_to_host(), dtype=np.int64)
-        return as_tensor(ids, device=self.device)
+        neighbours = torch.empty((q.shape[0], k), dtype=torch.uint32, device=q.device)
+        distances = torch.empty((q.shape[0], k), dtype=torch.float32, device=q.device)
+        with torch.cuda.device(cuda_index(self.device)):
+            cagra.search(cagra.SearchParams(**settings), self._graph, q, k,
+                         neighbors=neighbours, distances=distances,
+                         resources=self._cuvs_resources())
+        return neighbours.to(torch.int64)  # invalid: 2**32 - 1 >= ntotal
 
     def search(self, queries: Any, k: int, params: CagraSearchParams | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,15 +264,11 @@ class CagraIndex(Index):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
         if self._graph is None or k > self.max_k or k >= self.ntotal:
             if self._exact is None:
-                self._exact = ExactIndex(device=self.device).build(self.vectors)
+                self._exact = ExactIndex({"memory_budget": self.params.memory_budget},
+                                         self.device).build(self.vectors)
             return self._exact.search(q, k)
-        ids = self._candidate_ids(q.contiguous(), k, sp)
-        bad = (ids < 0) | (ids >= self.ntotal)
-        ids = ids.masked_fill(bad, PAD_ID)
-        scores = torch.einsum("bd,bkd->bk", q, self.vectors[ids.clamp_min(0)])
-        scores = scores.masked_fill(bad, PAD_SCORE)
-        order = torch.argsort(scores, dim=1, descending=True, stable=True)
-        return scores.gather(1, order), ids.gather(1, order)
+        q = q.contiguous()
+        return rescore(q, self.vectors, self._candidate_ids(q, k, sp), self.params.memory_budget)
 
     def save(self, directory: str | Path) -> None:
         """Write ``vectors.npy`` (the graph is rebuilt on load, CAGRA builds are fast)."""
@@ -212,6 +280,8 @@ class CagraIndex(Index):
     @classmethod
     def load(cls, directory: str | Path, params: CagraParams | dict | None = None,
              device: Any = None) -> "CagraIndex":
+        """Read ``vectors.npy`` and rebuild the graph; on a device where CAGRA cannot run
+        (the CPU, or a GPU without faiss-gpu / cuVS) serve exact results from the vectors."""
         path = Path(directory) / "vectors.npy"
         if not path.is_file():
             raise FormatError(f"{path} is missing: not a saved 'cagra' index")
@@ -219,4 +289,9 @@ class CagraIndex(Index):
             vectors = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
             raise FormatError(f"{path} could not be read: {exc}") from exc
-        return cls(params, device).build(vectors)
+        out = cls.__new__(cls)
+        out._setup(params, device, need_engine=False)
+        if out.engine is None and out.device.type == "cuda":
+            log.warning("cagra: %s; serving exact search from the stored vectors instead",
+                        _install_message(out.device))
+        return out.build(vectors)

@@ -2,9 +2,15 @@
 
 On the GPU when this faiss build has GPU support and the index's device is CUDA, else on the
 CPU. The coarse quantiser (and PQ codebooks) are trained on a seeded random sample of the
-first vectors given to ``build``; ``add`` appends without retraining. Queries and results
-cross the host boundary as numpy (faiss' Python API); results come back on ``device``.
-Faiss GPU answers k <= 2048; a larger k falls back to an exact search (see ``_faiss``).
+first vectors given to ``build``; ``add`` appends without retraining.
+
+On the GPU, vectors and queries stay there: faiss reads them through device pointers on
+torch's current stream, and results come back as tensors on ``device`` (see ``_faiss``). On
+the CPU they cross as numpy arrays and results are moved to ``device``. Faiss GPU answers
+k <= 2048 (a larger k falls back to an exact search, see ``_faiss``) and visits at most 2048
+lists per query: a larger nprobe is lowered to 2048 there, with a warning. ``reconstruct`` on
+the GPU reads a copy of the stored rows kept on the device, made once on first use (one copy
+of the index through the host) and extended by later adds.
 """
 
 from __future__ import annotations
@@ -18,11 +24,11 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..arrays import as_tensor
+from ..arrays import as_tensor, cuda_index
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice, check_positive
-from ._faiss import (FaissBackend, faiss_has_gpu, faiss_search_parameters, faiss_threads,
-                     host_float32, import_faiss)
+from ._faiss import (FaissBackend, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
+                     faiss_threads, host_float32, import_faiss, on_current_stream)
 
 log = logging.getLogger("pefa_gpu")
 
@@ -58,7 +64,8 @@ class IVFParams(Params):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IVFSearchParams(Params):
     """Search settings. nprobe: lists visited per query (0 = automatic: 5/8 of the lists, see
-    :func:`auto_nprobe`; more than nlist visits them all)."""
+    :func:`auto_nprobe`; more than nlist visits them all; on the GPU at most 2048, faiss GPU's
+    limit: a larger value is lowered to it, with a warning)."""
 
     nprobe: int = 0
 
@@ -97,15 +104,21 @@ class IVFIndex(FaissBackend):
     Params = IVFParams
     SearchParams = IVFSearchParams
     gpu_max_k: ClassVar[int] = 2048
+    gpu_max_nprobe: ClassVar[int] = 2048  # faiss GPU's k-selection limit (without cuVS)
 
     def __init__(self, params: IVFParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
         self._gpu_res: Any = None
+        self._rows: torch.Tensor | None = None  # GPU: the stored rows on the device, once read
+        self._nprobe_warned = False
 
     @property
     def on_gpu(self) -> bool:
         """True when the faiss index lives on the GPU."""
         return self._gpu_res is not None
+
+    def _gpu_resources(self) -> Any:
+        return self._gpu_res
 
     @property
     def exact_scores(self) -> bool:
@@ -124,9 +137,11 @@ class IVFIndex(FaissBackend):
             self._gpu_res = None
             return cpu_index
         f = self._faiss
+        # faiss refuses to copy an index whose nprobe is above its GPU limit (a save's nprobe)
+        cpu_index.nprobe = min(int(cpu_index.nprobe), self.gpu_max_nprobe)
         try:
             res = f.StandardGpuResources()
-            gpu_index = f.index_cpu_to_gpu(res, self.device.index or 0, cpu_index)
+            gpu_index = f.index_cpu_to_gpu(res, cuda_index(self.device), cpu_index)
         except Exception as exc:  # e.g. a PQ layout the GPU does not support
             log.warning("ivf: could not move the index to the GPU (%s); staying on the CPU", exc)
             self._gpu_res = None
@@ -136,7 +151,7 @@ class IVFIndex(FaissBackend):
 
     def build(self, vectors: Any) -> "IVFIndex":
         """Train on a sample of ``vectors`` (n, d) and add them all; returns self."""
-        x = host_float32(vectors, "vectors")
+        x = self._vectors(vectors, "vectors", self._want_gpu())
         n, d = x.shape
         if d == 0 or n == 0:
             raise InputError(f"ivf needs a non-empty (n, d) matrix to train on, got {x.shape}")
@@ -153,14 +168,15 @@ class IVFIndex(FaissBackend):
             spec = f"IVF{nlist},PQ{m}x{p.pq_nbits}"
         cpu_index = f.index_factory(d, spec, f.METRIC_INNER_PRODUCT)
         index = self._to_device(cpu_index)
+        if not self.on_gpu and not isinstance(x, np.ndarray):  # the move to the GPU failed
+            x = host_float32(x, "vectors", check_finite=False)
         size = min(n, p.train_size or 256 * nlist)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
-        with faiss_threads(f, p.threads):
-            index.train(x[rows])
         self._index, self._dim = index, d
+        self._call("train", x[as_tensor(rows, device=x.device) if self.on_gpu else rows])
         self._invalidate()
-        with faiss_threads(f, p.threads):
-            index.add(x)
+        self._rows = None
+        self._call("add", x)
         return self
 
     def add(self, vectors: Any) -> None:
@@ -168,11 +184,36 @@ class IVFIndex(FaissBackend):
         if self._index is None:
             self.build(vectors)
             return
-        x = host_float32(vectors, "vectors", dim=self.dim)
+        x = self._vectors(vectors, "vectors", self.on_gpu, dim=self.dim)
         if x.shape[0]:
-            with faiss_threads(self._faiss, self.params.threads):
-                self._index.add(x)
+            self._call("add", x)
+            if self._rows is not None:  # IVF-Flat stores the rows as given; PQ codes differ
+                self._rows = torch.cat([self._rows, x]) if self.exact_scores else None
         self._invalidate()
+
+    def _vectors(self, vectors: Any, name: str, on_device: bool,
+                 dim: int | None = None) -> Any:
+        """(n, d) float32 rows for faiss: a contiguous tensor on the device for a GPU index,
+        else a numpy array; rank, dim and finiteness checked."""
+        if not on_device:
+            return host_float32(vectors, name, dim=dim)
+        x = as_tensor(vectors, device=self.device, dtype=torch.float32, name=name).detach()
+        if x.ndim != 2 or (dim is not None and x.shape[1] != dim):
+            raise InputError(f"{name} must have shape (rows, {dim if dim is not None else 'd'})"
+                             f", got {tuple(x.shape)}")
+        if x.numel() and not bool(torch.isfinite(x).all()):
+            raise InputError(f"{name} contains NaN or inf")
+        return x.contiguous()
+
+    def _call(self, method: str, x: Any) -> None:
+        """``train`` / ``add`` the rows ``x`` (from :meth:`_vectors`): numpy through faiss'
+        Python API, a device tensor through its pointer on torch's current stream."""
+        with faiss_threads(self._faiss, self.params.threads):
+            if isinstance(x, np.ndarray):
+                getattr(self._index, method)(x)
+                return
+            with on_current_stream(self._faiss, self._gpu_res, x.device):
+                getattr(self._index, method + "_c")(x.shape[0], faiss_pointer(self._faiss, x))
 
     @property
     def nprobe(self) -> int:
@@ -180,17 +221,29 @@ class IVFIndex(FaissBackend):
         return self._nprobe(self.search_params)
 
     def _nprobe(self, params: IVFSearchParams) -> int:
-        """params.nprobe, or the automatic value from nlist when 0; at most nlist."""
+        """params.nprobe, or the automatic value from nlist when 0; at most nlist, and on the
+        GPU at most ``gpu_max_nprobe`` (lowered with a warning, once per index)."""
         nlist = int(self._index.nlist)
-        return min(params.nprobe or auto_nprobe(nlist), nlist)
+        nprobe = min(params.nprobe or auto_nprobe(nlist), nlist)
+        if self.on_gpu and nprobe > self.gpu_max_nprobe:
+            if not self._nprobe_warned:
+                log.warning("ivf: nprobe=%d is above faiss GPU's limit of %d lists per query; "
+                            "searching %d lists", nprobe, self.gpu_max_nprobe,
+                            self.gpu_max_nprobe)
+                self._nprobe_warned = True
+            nprobe = self.gpu_max_nprobe
+        return nprobe
+
+    def _faiss_params(self, params: IVFSearchParams) -> Any:
+        return faiss_search_parameters("SearchParametersIVF", nprobe=self._nprobe(params))
 
     def _raw_search(self, q: np.ndarray, k: int,
                     params: IVFSearchParams) -> tuple[np.ndarray, np.ndarray]:
-        sp = faiss_search_parameters("SearchParametersIVF", nprobe=self._nprobe(params))
         with faiss_threads(self._faiss, self.params.threads):
-            return self._index.search(q, k, params=sp)
+            return self._index.search(q, k, params=self._faiss_params(params))
 
     def _cpu_index(self) -> Any:
+        """The index itself on the CPU; a CPU copy of all of it (through the host) on the GPU."""
         return self._faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
 
     def _cpu_reader(self) -> Any:
@@ -198,9 +251,27 @@ class IVFIndex(FaissBackend):
         cpu.make_direct_map()  # keeps itself up to date on later adds
         return cpu
 
+    def reconstruct(self, ids: Any) -> torch.Tensor:
+        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device. On
+        the GPU a gather from the device copy of the rows (:meth:`_stored_vectors`)."""
+        if not self.on_gpu:
+            return super().reconstruct(ids)
+        i = as_tensor(ids, device=self.device, name="ids").long()
+        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
+            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
+                             f"{int(i.max())}")
+        return self._stored_vectors()[i]
+
     def _stored_vectors(self) -> torch.Tensor:
-        """The indexed rows (for IVF-PQ: their decoded approximations)."""
-        return as_tensor(self._cpu_reader().reconstruct_n(0, self.ntotal), device=self.device)
+        """The indexed rows (for IVF-PQ: their decoded approximations) on the device. On the
+        GPU they are read once (faiss GPU has no fast way to read rows back) and kept."""
+        if not self.on_gpu:
+            return as_tensor(self._cpu_reader().reconstruct_n(0, self.ntotal),
+                             device=self.device)
+        if self._rows is None or self._rows.shape[0] != self.ntotal:
+            rows = self._cpu_index().reconstruct_n(0, self.ntotal)
+            self._rows = as_tensor(rows, device=self.device)
+        return self._rows
 
     def save(self, directory: str | Path) -> None:
         """Write ``index.faiss`` (a CPU copy, its nprobe that of ``search_params`` for readers
