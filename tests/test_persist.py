@@ -421,6 +421,16 @@ def test_save_on_cuda_load_on_cpu_and_back(tmp_path, data, cls):
     assert torch.equal(again.search(data[3], 10)[1].cpu(), i_c)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
+def test_cagra_model_saved_on_cuda_serves_exactly_on_cpu(tmp_path, data, cls):
+    _backend_or_skip("cagra", "cuda")
+    fit(cls, data, backend="cagra", device="cuda").save(tmp_path / "g")
+    on_cpu = pg.load(tmp_path / "g", device="cpu")
+    assert on_cpu.index.engine is None and on_cpu.device.type == "cpu"
+    same_results(on_cpu, fit(cls, data, device="cpu"), data[3])
+
+
 @pytest.mark.parametrize("cls", MODELS, ids=lambda c: c.__name__)
 def test_mmap_load(tmp_path, data, cls):
     model = fit(cls, data)
