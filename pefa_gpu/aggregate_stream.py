@@ -234,37 +234,50 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
                                  "w": (0, np.float32)}, device, copier)
         a = torch.zeros((n, d), dtype=torch.float32, device=device)
         finite = torch.ones((), dtype=torch.bool, device=device)
-        seen, batch = 0, 0
-        reads = src.chunks(rows, [v["q"] for v in q.views] if src.owns_reads else [])
-        for i, (start, chunk) in enumerate(reads):
-            slot, r = i % 2, chunk.shape[0]
-            _check_rows(start, r, m)
-            host = q.views[slot]["q"]
-            if chunk.ctypes.data != host.ctypes.data:  # an iterator's or an array's chunk
-                np.copyto(host[:r], chunk, casting="unsafe")
-            x = q.upload(slot, r)["q"].float()
-            finite &= torch.isfinite(x).all()
-            ptr = indptr[start:start + r + 1]
-            for e0, e1 in _batches(int(ptr[0]), int(ptr[-1]), rows):
-                e_slot, e = batch % 2, e1 - e0
-                entries.wait_host(e_slot)
-                v = entries.views[e_slot]
-                v["doc"][:e] = indices[e0:e1]
-                v["w"][:e] = data[e0:e1]
-                # the row (within the chunk) of each entry: the last row starting at or before it
-                np.subtract(np.searchsorted(ptr, np.arange(e0, e1), side="right"), 1,
-                            out=v["row"][:e])
-                t = entries.upload(e_slot, e)
-                a.index_add_(0, t["doc"], x[t["row"]] * t["w"][:, None])
-                entries.release(e_slot)
-                batch += 1
-            q.release(slot)
-            seen = start + r
-            # before the source refills the other slot, its previous copy must be done
-            q.wait_host((i + 1) % 2)
+        try:
+            seen = _staged_chunks(src, rows, indptr, indices, data, m, q, entries, a, finite)
+        finally:  # also on an error: no copy may still be writing when the buffers are freed
+            if copier is not None:
+                copier.synchronize()
         if not bool(finite):
             raise InputError("Q contains NaN or inf")
     return a, seen
+
+
+def _staged_chunks(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
+                   data: np.ndarray, m: int, q: Staging, entries: Staging, a: torch.Tensor,
+                   finite: torch.Tensor) -> int:
+    """The chunk loop of :func:`_stream_staged`: ``a += Y[R]ᵀ Q[R]`` for every chunk R of
+    rows, ``finite`` cleared where Q holds NaN / inf; returns the number of rows read."""
+    seen, batch = 0, 0
+    reads = src.chunks(rows, [v["q"] for v in q.views] if src.owns_reads else [])
+    for i, (start, chunk) in enumerate(reads):
+        slot, r = i % 2, chunk.shape[0]
+        _check_rows(start, r, m)
+        host = q.views[slot]["q"]
+        if chunk.ctypes.data != host.ctypes.data:  # an iterator's or an array's chunk
+            np.copyto(host[:r], chunk, casting="unsafe")
+        x = q.upload(slot, r)["q"].float()
+        finite &= torch.isfinite(x).all()
+        ptr = indptr[start:start + r + 1]
+        for e0, e1 in _batches(int(ptr[0]), int(ptr[-1]), rows):
+            e_slot, e = batch % 2, e1 - e0
+            entries.wait_host(e_slot)
+            v = entries.views[e_slot]
+            v["doc"][:e] = indices[e0:e1]
+            v["w"][:e] = data[e0:e1]
+            # the row (within the chunk) of each entry: the last row starting at or before it
+            np.subtract(np.searchsorted(ptr, np.arange(e0, e1), side="right"), 1,
+                        out=v["row"][:e])
+            t = entries.upload(e_slot, e)
+            a.index_add_(0, t["doc"], x[t["row"]] * t["w"][:, None])
+            entries.release(e_slot)
+            batch += 1
+        q.release(slot)
+        seen = start + r
+        # before the source refills the other slot, its previous copy must be done
+        q.wait_host((i + 1) % 2)
+    return seen
 
 
 def _batches(lo: int, hi: int, size: int) -> Iterator[tuple[int, int]]:

@@ -259,7 +259,8 @@ class CagraIndex(Index):
         settings (None: ``search_params``)."""
         sp = self.resolve_search_params(params)
         k = check_positive_int(k, "k")
-        q = as_tensor(queries, device=self.device, dtype=torch.float32, name="queries")
+        q = as_tensor(queries, device=self.device, dtype=torch.float32,
+                      name="queries").detach()  # (cuVS reads no tensor that needs grad)
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
         if self._graph is None or k > self.max_k or k >= self.ntotal:

@@ -173,7 +173,12 @@ class IVFIndex(FaissBackend):
         size = min(n, p.train_size or 256 * nlist)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
         self._index, self._dim = index, d
-        self._call("train", x[as_tensor(rows, device=x.device) if self.on_gpu else rows])
+        if isinstance(x, np.ndarray):
+            sample = x[rows]
+        else:  # faiss GPU trains IVF on the CPU (its k-means, PQ codebooks): the sample only
+            sample = host_float32(x[as_tensor(rows, device=x.device)], "vectors",
+                                  check_finite=False)
+        self._call("train", sample)
         self._invalidate()
         self._rows = None
         self._call("add", x)
