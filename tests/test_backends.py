@@ -228,7 +228,7 @@ SEARCH_KEY = {"hnsw": "ef_search", "ivf": "nprobe", "cagra": "itopk_size",  # on
                                          if getattr(b, "values", b)[0] not in VARIANTS])
 def test_search_params_defaults_per_call_and_errors(name, device):
     x, q = easy_data(16, n=1200)
-    index = make_index(name, device).build(x)
+    index = new_index(name, device).build(x)
     cls = type(index)
     sp = index.search_params
     assert isinstance(sp, cls.SearchParams) and sp == cls.SearchParams()
