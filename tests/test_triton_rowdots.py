@@ -171,3 +171,13 @@ def test_cuda_launch_guards_the_device_and_uses_the_current_stream():
     side.synchronize()
     np.testing.assert_allclose(out.cpu().numpy(), ref, rtol=1e-5, atol=1e-4)
     assert not tr._FAILED, tr._FAILED
+
+
+def test_import_does_not_load_triton():
+    import subprocess
+    import sys
+
+    code = "import sys, pefa_gpu, pefa_gpu.fuse_kernels; print('triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "False"

@@ -224,24 +224,11 @@ class FaissBackend(Index):
         ``params``: this call's search settings (None: ``search_params``)."""
         sp = self.resolve_search_params(params)
         k = check_positive_int(k, "k")
-        if self.on_gpu:
-            return self._search_on_device(queries, k, sp)
-        q = host_float32(queries, "queries")
-        if self.ntotal and q.shape[1] != self.dim:
-            raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
-        if q.shape[0] == 0 or self.ntotal == 0:
-            return empty_results(q.shape[0], k, self.device)
-        limit = self._k_limit()
-        if limit is not None and k > limit:
-            return self._search_beyond_limit(queries, k)
-        return normalise_results(*self._raw_search(q, k, sp), self.device)
-
-    def _search_on_device(self, queries: Any, k: int,
-                          sp: Params) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`search` of a GPU index: the queries as float32 on its device, faiss on device
-        pointers and torch's current stream, results normalised there (no host copy, no
-        synchronisation; the values of the queries are not read)."""
-        q = as_tensor(queries, device=self.device, dtype=torch.float32, name="queries").detach()
+        if self.on_gpu:  # faiss reads the tensor where it is: no host copy, values not read
+            q = as_tensor(queries, device=self.device, dtype=torch.float32,
+                          name="queries").detach()
+        else:
+            q = host_float32(queries, "queries")
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
         if q.shape[0] == 0 or self.ntotal == 0:
@@ -249,9 +236,10 @@ class FaissBackend(Index):
         limit = self._k_limit()
         if limit is not None and k > limit:
             return self._search_beyond_limit(q, k)
-        scores, ids = search_tensors(self._faiss, self._index, q, k, self._faiss_params(sp),
-                                     self._gpu_resources())
-        return normalise_results_tensors(scores, ids)
+        if self.on_gpu:  # on torch's current stream; results normalised on the device
+            return normalise_results_tensors(*search_tensors(
+                self._faiss, self._index, q, k, self._faiss_params(sp), self._gpu_resources()))
+        return normalise_results(*self._raw_search(q, k, sp), self.device)
 
     def search_host(self, queries: Any, k: int, check_finite: bool = True,
                     params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
