@@ -1,0 +1,493 @@
+"""The offline pipeline over shards (pefa_gpu.pipeline) in one process and on a local Ray
+cluster (pefa_gpu.distributed): every stage against an independent float64 reference and
+against the single-machine library, the cluster run against the one-process run (bit for bit),
+atomic and resumable shard writes, and workers killed mid-stage."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu import pipeline as pp
+from pefa_gpu.errors import FormatError, InputError
+from reference import exact_search, normalize, xl_search
+from textdata import BowEncoder
+
+TESTS = Path(__file__).resolve().parent
+
+
+# ------------------------------------------------------------------------------ data
+
+def make_data(seed: int, n: int = 240, m: int = 400, d: int = 12, b: int = 50):
+    """Unit rows with exact ties: documents 7 and 130 (different shards) duplicate document 3;
+    queries 5 and 300 duplicate each other; documents 200.. have no pair; weighted pairs and
+    repeated pairs (their weights add up)."""
+    rng = np.random.default_rng(seed)
+    unit = lambda x: (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    P = unit(rng.standard_normal((n, d)))
+    P[[7, 130]] = P[3]
+    Q = unit(P[rng.integers(0, 200, m)] + 0.5 * rng.standard_normal((m, d)))
+    Q[300] = Q[5]
+    qi = np.concatenate([np.arange(m), rng.integers(0, m, m)])
+    di = rng.integers(0, 200, qi.size)
+    w = rng.choice([1.0, 2.0, 0.5], qi.size).astype(np.float32)
+    Y = sp.csr_matrix((w, (qi, di)), shape=(m, n))  # repeated pairs add up
+    T = unit(P[rng.integers(0, n, b)] + 0.3 * rng.standard_normal((b, d)))
+    T[0] = P[3]  # ties at the top: documents 3, 7, 130
+    Yt = sp.csr_matrix((np.ones(b), (np.arange(b), rng.integers(0, n, b))), shape=(b, n))
+    return P, Q, Y, T, Yt
+
+
+def stages(tmp: Path, P, Q, Y, doc_rows: int = 70, query_rows: int = 130, rows: int = 90):
+    docs = pp.write_rows(P, tmp / "docs", rows=rows)
+    queries = pp.write_rows(Q, tmp / "queries", rows=rows)
+    rel = pp.write_relevance(Y, tmp / "pairs", rows=query_rows)
+    return docs, queries, rel
+
+
+# ------------------------------------------------------------------------------ one process
+
+@pytest.mark.parametrize("augment", [True, False])
+def test_aggregate_equals_reference_and_pifa(tmp_path, augment):
+    P, Q, Y, _, _ = make_data(1)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    out = pp.aggregate(queries, rel, docs, tmp_path / "xs", lam=0.3, augment_docs=augment,
+                       doc_rows=70)
+    sums, E = pp.read_rows(out, tensor="sums"), pp.read_rows(out)
+    ref = Y.T.toarray().astype(np.float64) @ Q.astype(np.float64) + (P if augment else 0)
+    np.testing.assert_allclose(sums, ref, rtol=0, atol=2e-5)
+    ref_E = 0.3 * P.astype(np.float64) + 0.7 * normalize(ref)
+    np.testing.assert_allclose(E, ref_E, rtol=0, atol=2e-6)
+    if not augment:  # documents without a pair keep lam * p_j exactly (Π(0) = 0)
+        assert np.array_equal(sums[200:], np.zeros_like(sums[200:]))
+        assert np.array_equal(E[200:], np.float32(0.3) * P[200:])
+    # the library's fit: the same sums to float32 rounding (summed in another order)
+    xs = pg.PEFAXS(lam=0.3, augment_docs=augment, device="cpu").fit(P, Q, Y)
+    np.testing.assert_allclose(sums, xs.doc_sums.numpy(), rtol=0, atol=1e-5)
+    np.testing.assert_allclose(E, xs.xs_embeddings().numpy(), rtol=0, atol=1e-6)
+    info = pp.read_stage(out, "aggregate")
+    assert [s["rows"] for s in info["shards"]] == [[0, 70], [70, 140], [140, 210], [210, 240]]
+    assert info["bytes_shuffled"] > 0
+
+
+def test_erm_and_xs_search_equal_library_ids_with_ties(tmp_path):
+    P, Q, Y, T, _ = make_data(2)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("erm", tmp_path / "erm", docs, doc_rows=70)
+    assert len(pp.read_stage(b)["shards"]) == 4
+    s, i = pp.search(b, T, topk=30, batch_size=17)
+    ref_s, ref_i = exact_search(P, T, 30)
+    np.testing.assert_array_equal(i.numpy(), ref_i)
+    assert i[0, :3].tolist() == [3, 7, 130]  # tied across shards: lower id first
+    np.testing.assert_allclose(s.numpy(), ref_s, atol=1e-6)
+    lib_s, lib_i = pg.ERM(device="cpu").fit(P).search(T, 30)
+    assert torch.equal(i, lib_i) and torch.allclose(s, lib_s, atol=1e-6)
+    # a topk beyond the corpus pads with -1 / -inf
+    s, i = pp.search(b, T[:3], topk=300)
+    assert (i[:, 240:] == -1).all() and torch.isinf(s[:, 240:]).all()
+    # XS: the search stage over the aggregated E equals one index over the same E
+    agg = pp.aggregate(queries, rel, docs, tmp_path / "xs", lam=0.5, doc_rows=70)
+    E = pp.read_rows(agg)
+    s, i = pp.search(pp.build("xs", tmp_path / "xsi", docs, embeddings=agg), T, topk=30)
+    ref_s, ref_i = exact_search(E, T, 30)
+    np.testing.assert_array_equal(i.numpy(), ref_i)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # E is not unit-norm
+        lib_s, lib_i = pg.ERM(device="cpu").fit(E).search(T, 30)
+    assert torch.equal(i, lib_i) and torch.equal(s, lib_s)
+
+
+def assert_same_ranking(s, i, ref_s, ref_i, atol=1e-5):
+    """Scores equal to ``atol``; ids equal wherever the reference's scores at neighbouring
+    ranks are more than ``atol`` apart (a near tie may swap under float32 rounding)."""
+    s, i, ref_s, ref_i = (np.asarray(x) for x in (s, i, ref_s, ref_i))
+    np.testing.assert_allclose(s, ref_s, atol=atol, rtol=0)
+    gap_prev = np.abs(np.diff(ref_s, axis=1, prepend=np.inf))
+    gap_next = np.abs(np.diff(ref_s, axis=1, append=-np.inf))
+    clear = (gap_prev > atol) & (gap_next > atol)
+    assert np.array_equal(i[clear], ref_i[clear])
+
+
+@pytest.mark.parametrize("augment,rescore,knn_norm", [(True, True, "k"), (False, True, "k"),
+                                                      (True, False, "none")])
+def test_xl_search_equals_library_and_reference(tmp_path, augment, rescore, knn_norm):
+    P, Q, Y, T, _ = make_data(3)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=70,
+                 lam=0.3, k=8, candidates=20, knn_norm=knn_norm, rescore=rescore,
+                 augment_docs=augment)
+    info = pp.read_stage(b, "build")
+    assert len(info["shards"]) == 4 and len(info["query_shards"]) == 4
+    xl = pg.PEFAXL(lam=0.3, k=8, candidates=20, knn_norm=knn_norm, rescore=rescore,
+                   augment_docs=augment, device="cpu").fit(P, Q, Y)
+    for lam, k, bs in ((None, None, 13), (0.6, 4, 50)):
+        s, i = pp.search(b, T, topk=15, lam=lam, k=k, batch_size=bs)
+        if lam is None:
+            lib_s, lib_i = xl.search(torch.from_numpy(T), 15)
+        else:
+            q = torch.from_numpy(T)
+            erm = xl.index.search(q, 20)
+            lib_s, lib_i = xl.fuse(q, erm, xl.neighbours(q, k, erm), 15, lam=lam, k=k)
+        assert torch.equal(i, lib_i), (i != lib_i).nonzero()[:5]
+        assert torch.allclose(s, lib_s, atol=1e-6)
+    ref_s, ref_i = xl_search(P, Q, Y, T, lam=0.3, k=8, candidates=20, knn_norm=knn_norm,
+                             rescore=rescore, augment_docs=augment, topk_out=15)
+    s, i = pp.search(b, T, topk=15)
+    assert_same_ranking(s, i, ref_s, ref_i)
+
+
+def test_neighbours_merge_equals_pefaxl(tmp_path):
+    P, Q, Y, T, _ = make_data(4)
+    xl = pg.PEFAXL(k=10, candidates=30, device="cpu").fit(P, Q, Y)
+    q = torch.from_numpy(T)
+    erm = xl.index.search(q, 30)
+    want = xl.neighbours(q, 10, erm)
+    parts = [xl.query_index.search(q, 10)]
+    got = pp.neighbours(pp._merge(parts, 10), erm, Q.shape[0], 10, augment_docs=True)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_shard_writes_are_atomic_and_stages_checked(tmp_path, monkeypatch):
+    P = make_data(5)[0]
+    out = pp.write_rows(P, tmp_path / "docs", rows=100)
+    before = pp.read_rows(out)
+    # a write that dies half way leaves the previous shard complete, and nothing partial
+    import pefa_gpu.pipeline as module
+
+    calls = {"n": 0}
+    real = module.save_tensor
+
+    def failing(path, t):
+        calls["n"] += 1
+        real(path, t)
+        raise OSError("disk full")
+    monkeypatch.setattr(module, "save_tensor", failing)
+    with pytest.raises(OSError, match="disk full"):
+        pp.write_shard(tmp_path / "docs" / "shard-00000", {"rows": [0, 100]},
+                       {"embeddings": torch.zeros(100, 12)})
+    with pytest.raises(OSError):
+        pp.write_shard(tmp_path / "new" / "shard-00000", {"rows": [0, 100]},
+                       {"embeddings": torch.zeros(100, 12)})
+    monkeypatch.undo()
+    assert calls["n"] == 2
+    assert np.array_equal(pp.read_rows(out), before)
+    assert pp._shard_fields(tmp_path / "new" / "shard-00000") is None
+    assert not [p for p in (tmp_path / "new" / "shard-00000").rglob("*") if p.is_file()]
+    # a shard rewritten after its stage was written is refused, not mixed in
+    pp.write_shard(tmp_path / "docs" / "shard-00001", {"rows": [100, 200]},
+                   {"embeddings": torch.zeros(100, 12)})
+    with pytest.raises(FormatError, match="rewritten after"):
+        pp.read_rows(out)
+    with pytest.raises(FormatError, match="stage.json missing"):
+        pp.read_stage(tmp_path / "new")
+    # a stage.json that is not ours is never replaced
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "stage.json").write_text("my notes")
+    with pytest.raises(InputError, match="not a pefa_gpu stage file"):
+        pp.write_rows(P, tmp_path / "mine", rows=100)
+    assert (tmp_path / "mine" / "stage.json").read_text() == "my notes"
+
+
+_KILLER = """
+import sys
+sys.path[:0] = {paths!r}
+import numpy as np
+from pefa_gpu import pipeline as pp
+from textdata import BowEncoder
+texts = [line.rstrip("\\n") for line in open({texts!r})]
+class DiesOnThirdCall(BowEncoder):
+    cache_key = BowEncoder.cache_key
+    n = 0
+    def __call__(self, batch):
+        self.n += 1
+        if self.n == 3:
+            import os
+            os._exit(9)        # killed mid-stage: no cleanup, no exception handlers
+        return super().__call__(batch)
+pp.encode(texts, {out!r}, model=DiesOnThirdCall(), rows=40, show_progress=False)
+"""
+
+
+def test_encode_resumes_after_a_kill_and_shares_the_cache(tmp_path):
+    texts = [f"claim {i} about protein {i % 13} and cell {i % 7}" for i in range(200)]
+    (tmp_path / "texts.txt").write_text("\n".join(texts) + "\n")
+    out = tmp_path / "enc"
+    script = _KILLER.format(paths=[str(TESTS)], texts=str(tmp_path / "texts.txt"),
+                            out=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 9, proc.stderr
+    # shards 0 and 1 are complete, shard 2 was being encoded: nothing of it is visible
+    assert pp._shard_fields(out / "shard-00000") and pp._shard_fields(out / "shard-00001")
+    assert pp._shard_fields(out / "shard-00002") is None
+    enc = BowEncoder()
+    pp.encode(texts, out, model=enc, rows=40, show_progress=False)
+    assert enc.seen == 120  # shards 2, 3, 4 only
+    want = pg.encode(texts, model=BowEncoder(), show_progress=False).numpy()
+    np.testing.assert_array_equal(pp.read_rows(out), want)
+    # the same texts again: nothing is encoded
+    enc = BowEncoder()
+    pp.encode(texts, out, model=enc, rows=40, show_progress=False)
+    assert enc.seen == 0
+    # pg.encode's cache and the pipeline's encode share their work both ways
+    cache = tmp_path / "cache"
+    pg.encode(texts[:100], model=BowEncoder(), cache_dir=cache, show_progress=False)
+    enc = BowEncoder()
+    pp.encode(texts, tmp_path / "enc2", model=enc, rows=40, cache_dir=cache,
+              show_progress=False)
+    assert enc.seen == 100
+    np.testing.assert_array_equal(pp.read_rows(tmp_path / "enc2"), want)
+    enc = BowEncoder()
+    np.testing.assert_array_equal(
+        pg.encode(texts, model=enc, cache_dir=cache, show_progress=False).numpy(), want)
+    assert enc.seen == 0
+
+
+def test_bad_input_is_named(tmp_path):
+    P, Q, Y, T, _ = make_data(6)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    with pytest.raises(InputError, match="method must be one of"):
+        pp.build("xxl", tmp_path / "b", docs)
+    with pytest.raises(InputError, match="needs embeddings="):
+        pp.build("xs", tmp_path / "b", docs)
+    with pytest.raises(InputError, match="needs queries= and relevance="):
+        pp.build("xl", tmp_path / "b", docs)
+    other = pp.write_rows(Q[:10], tmp_path / "few", rows=100)
+    with pytest.raises(InputError, match="400 x 240 but there are 10 query"):
+        pp.aggregate(other, rel, docs, tmp_path / "a")
+    with pytest.raises(InputError, match="lam"):
+        pp.aggregate(queries, rel, docs, tmp_path / "a", lam=1.5)
+    b = pp.build("erm", tmp_path / "erm", docs)
+    with pytest.raises(InputError, match="dimension"):
+        pp.search(b, T[:, :5])
+    with pytest.raises(InputError, match="NaN"):
+        pp.search(b, np.full((2, 12), np.nan, np.float32))
+    with pytest.raises(InputError, match="topk"):
+        pp.search(b, T, topk=0)
+    with pytest.raises(FormatError, match="not 'aggregate'"):
+        pp.build("xs", tmp_path / "b", docs, embeddings=docs)
+    with pytest.raises(InputError, match="strings"):
+        pp.encode(["a", 3], tmp_path / "e", model=BowEncoder())
+
+
+# ------------------------------------------------------------------------------ Ray
+
+@pytest.fixture(scope="session")
+def ray_runner():
+    ray = pytest.importorskip("ray")
+    from pefa_gpu.distributed import RayRunner
+
+    # the workers import this folder's helpers (textdata, this module) by name
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])
+    ray.init(num_cpus=2, include_dashboard=False)
+    runner = RayRunner(workers=2)
+    yield runner
+    runner.close()
+    ray.shutdown()
+
+
+def _results(tmp: Path, P, Q, Y, T, runner) -> dict:
+    """Every stage's output from one run (aggregate sums and E, and each method's search)."""
+    docs, queries, rel = stages(tmp, P, Q, Y)
+    agg = pp.aggregate(queries, rel, docs, tmp / "xs", lam=0.4, doc_rows=70, runner=runner)
+    out = {"sums": pp.read_rows(agg, tensor="sums"), "E": pp.read_rows(agg)}
+    builds = {"erm": pp.build("erm", tmp / "erm", docs, doc_rows=70, runner=runner),
+              "xs": pp.build("xs", tmp / "xsi", docs, embeddings=agg, runner=runner),
+              "xl": pp.build("xl", tmp / "xl", docs, queries=queries, relevance=rel,
+                             doc_rows=70, lam=0.2, k=8, candidates=25, runner=runner)}
+    for name, b in builds.items():
+        out[name] = pp.search(b, T, topk=20, batch_size=32, runner=runner)
+    return out
+
+
+@pytest.mark.ray
+def test_ray_stages_equal_one_process_bit_for_bit(tmp_path, ray_runner):
+    P, Q, Y, T, _ = make_data(7)
+    local = _results(tmp_path / "local", P, Q, Y, T, None)
+    cluster = _results(tmp_path / "ray", P, Q, Y, T, ray_runner)
+    for key in ("sums", "E"):
+        assert np.array_equal(local[key], cluster[key]), key
+    for key in ("erm", "xs", "xl"):
+        assert torch.equal(local[key][1], cluster[key][1]), key
+        assert torch.equal(local[key][0], cluster[key][0]), key
+    xl = pg.PEFAXL(lam=0.2, k=8, candidates=25, device="cpu").fit(P, Q, Y)
+    assert torch.equal(cluster["xl"][1], xl.search(T, 20)[1])
+
+
+class KillOnce:
+    """Wraps a stage function: its first call, in whichever worker, kills that worker's
+    process (a marker file makes the retry run normally)."""
+
+    def __init__(self, fn, marker: str):
+        self.fn, self.marker = fn, marker
+        self.__name__ = fn.__name__
+
+    def __call__(self, *args):
+        if not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            os._exit(1)
+        return self.fn(*args)
+
+
+@pytest.mark.ray
+def test_ray_worker_killed_mid_stage_is_retried(tmp_path, ray_runner):
+    P, Q, Y, T, _ = make_data(8)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    want = pp.aggregate(queries, rel, docs, tmp_path / "want", lam=0.4, doc_rows=70)
+
+    class Killing(type(ray_runner)):
+        def map_reduce(self, map_fn, map_calls, reduce_fn, reduce_calls, gpu=False):
+            return super().map_reduce(KillOnce(map_fn, str(tmp_path / "map-killed")),
+                                      map_calls, reduce_fn, reduce_calls, gpu)
+    got = pp.aggregate(queries, rel, docs, tmp_path / "got", lam=0.4, doc_rows=70,
+                       runner=Killing(workers=2))
+    assert (tmp_path / "map-killed").exists()
+    assert np.array_equal(pp.read_rows(got), pp.read_rows(want))
+    # a search actor killed between two batches is restarted; the results do not change
+    import ray
+
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=70,
+                 lam=0.2, k=8, candidates=25, runner=ray_runner)
+    info = pp.read_stage(b)
+    want_s, want_i = pp.search(b, T, topk=10)
+    got = []
+    with ray_runner.servers(b, pp.server_groups(info, 2)) as fan:
+        for lo in (0, 25):
+            got.append(pp.search_batch(fan, info, torch.from_numpy(T[lo:lo + 25]), 10))
+            ray.kill(fan.actors[0], no_restart=False)
+    assert torch.equal(torch.cat([g[1] for g in got]), want_i)
+    assert torch.equal(torch.cat([g[0] for g in got]), want_s)
+
+
+class DiesOnFirstBatch(BowEncoder):
+    """An encoder whose first call kills its Ray Data actor's process."""
+
+    cache_key = BowEncoder.cache_key
+
+    def __init__(self, marker: str):
+        super().__init__()
+        self.marker = marker
+
+    def __call__(self, batch):
+        if not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            os._exit(1)
+        return super().__call__(batch)
+
+
+@pytest.mark.ray
+def test_ray_encode_killed_actor_and_cache(tmp_path, ray_runner):
+    texts = [f"claim {i} about gene {i % 11} in tissue {i % 5}" for i in range(300)]
+    want = pg.encode(texts, model=BowEncoder(), show_progress=False).numpy()
+    marker = tmp_path / "killed"
+    run = type(ray_runner)(workers=1)  # one encoder actor: one restart on these 2 cores
+    out = pp.encode(texts, tmp_path / "enc", model=DiesOnFirstBatch(str(marker)), rows=110,
+                    runner=run, cache_dir=tmp_path / "cache", show_progress=False)
+    assert marker.exists()
+    np.testing.assert_array_equal(pp.read_rows(out), want)
+    assert len(pp.read_stage(out)["shards"]) == 3
+    # the workers filled pg.encode's cache: a local call encodes nothing
+    enc = BowEncoder()
+    got = pg.encode(texts, model=enc, cache_dir=tmp_path / "cache", show_progress=False)
+    assert enc.seen == 0 and np.array_equal(got.numpy(), want)
+
+
+# ------------------------------------------------------------------------------ CLI, SciFact
+
+def _cli(capsys, *argv):
+    from pefa_gpu.cli import main
+
+    code = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+@pytest.mark.ray
+def test_cli_with_ray_prints_what_it_prints_without(tmp_path, capsys, ray_runner):
+    from textdata import write_beir, write_embeddings
+
+    data = write_beir(tmp_path / "toy", n_topics=6, docs_per_topic=6, train_per_doc=2,
+                      seed=3, mismatch=True)
+    common = ["--model", "textdata:BowEncoder", "--no-cache", "--device", "cpu", "-q"]
+    argv = ["eval", data, "--lam", "0.4,0.7", "--k", "4", "--candidates", "30", *common]
+    want = _cli(capsys, *argv, "--json", tmp_path / "a.json")
+    work = tmp_path / "work"
+    got = _cli(capsys, *argv, "--json", tmp_path / "b.json", "--ray", "local", "--workers",
+               "2", "--work-dir", work)
+    assert got == want and "| XL | 0.7 | 4 |" in got
+    assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
+    # the encoded shards in --work-dir are reused by the next run, not written again
+    manifests = sorted(work.glob("encode-*/shard-*/pefa_shard.json"))
+    assert len(manifests) == 1  # corpus, training and test queries: one stage, one shard
+    stamps = [p.stat().st_mtime_ns for p in manifests]
+    assert _cli(capsys, *argv, "--ray", "local", "--work-dir", work) == want
+    assert [p.stat().st_mtime_ns for p in manifests] == stamps
+    # tune: the same validation table, choice and test table
+    write_embeddings(data, "bow")
+    argv = ["tune", data, "--embeddings", "bow", "--lam", "0.3,0.6", "--k", "4", "-q"]
+    assert _cli(capsys, *argv, "--ray", "local") == _cli(capsys, *argv)
+
+
+def test_cli_ray_options_are_checked(tmp_path, capsys):
+    from pefa_gpu.cli import main
+
+    for argv, msg in ((["--workers", "2"], "--workers has no effect without --ray"),
+                      (["--work-dir", str(tmp_path)], "--work-dir has no effect without"),
+                      (["--ray", "auto"], "--ray auto needs --work-dir")):
+        assert main(["eval", str(tmp_path), *argv]) == 2
+        assert msg in capsys.readouterr().err
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_scifact_from_text_to_metrics(scifact_dir, tmp_path, ray_runner):
+    """A SciFact subset, encoded by the offline model on the cluster, through every stage to
+    the metrics: embeddings equal to the dataset's precomputed ones to float32 rounding,
+    metrics and (exact backend) ids equal to the library's in one process on them."""
+    from pefa_gpu.distributed import RayRunner
+    from pefa_gpu.sweep import Config
+
+    ds = pg.load_beir(scifact_dir)
+    tr, Y = ds.qrels("train", binary=True)
+    te, Yt = ds.qrels("test")
+    tr, Y, te, Yt = tr[:30], Y.csr[:30], te[:20], Yt.csr[:20]
+    docs = np.union1d(np.union1d(Y.indices, Yt.indices), np.arange(20))
+    Y, Yt = Y[:, docs], Yt[:, docs]
+    texts = [ds.corpus_texts[j] for j in docs]
+    q_texts = [ds.query_texts[i] for i in tr]
+    t_texts = [ds.query_texts[i] for i in te]
+    run = RayRunner(workers=1)  # one encoder actor: a single model load on these 2 cores
+    enc = pp.encode(texts + q_texts + t_texts, tmp_path / "enc", rows=80, runner=run,
+                    show_progress=False)
+    # the dataset's precomputed all-MiniLM-L6-v2 embeddings, made elsewhere
+    P_ref, Q_ref = ds.embeddings("all-MiniLM-L6-v2")
+    want = np.concatenate([P_ref[docs], Q_ref[tr], Q_ref[te]])
+    np.testing.assert_allclose(pp.read_rows(enc), want, rtol=0, atol=2e-6)
+    bounds = np.cumsum([0, len(texts), len(q_texts), len(t_texts)])
+    P, Q, T = (pp.read_rows(enc, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))
+    stages_ = [pp.write_rows(x, tmp_path / name) for name, x in
+               (("docs", P), ("train", Q), ("test", T))]
+    configs = [Config("erm"), Config("xs", 0.5), Config("xl", 0.1, 16)]
+    got = pp.evaluate_configs(*stages_[:2], Y, stages_[2], Yt, configs, tmp_path / "work",
+                              candidates=100, runner=ray_runner, show_progress=False)
+    models = [pg.ERM(device="cpu").fit(P), pg.PEFAXS(lam=0.5, device="cpu").fit(P, Q, Y),
+              pg.PEFAXL(lam=0.1, k=16, candidates=100, device="cpu").fit(P, Q, Y)]
+    for cfg, res, model in zip(configs, got, models):
+        ids = model.search(T, 100)[1]
+        want = pg.evaluate(ids, Yt, (10, 100))
+        assert res == pytest.approx(want, abs=1e-12), cfg
+    build = pp.build("xl", tmp_path / "xl", stages_[0], queries=stages_[1],
+                     relevance=pp.write_relevance(Y, tmp_path / "pairs", rows=20),
+                     doc_rows=50, lam=0.1, k=16, candidates=100, runner=ray_runner)
+    assert torch.equal(pp.search(build, stages_[2], runner=ray_runner)[1],
+                       models[2].search(T, 100)[1])
