@@ -15,6 +15,7 @@ first and written atomically (``storage.write_output_file``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -157,6 +158,20 @@ def _grid_args(p: argparse.ArgumentParser) -> None:
                    help="XL k grid (default: 16,32,64)")
 
 
+def _ray_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster (see pefa_gpu.distributed)")
+    g.add_argument("--ray", metavar="ADDRESS",
+                   help="run the pipeline on Ray: 'local' starts a cluster on this machine, "
+                        "anything else is passed to ray.init(address=...) (e.g. auto)")
+    g.add_argument("--workers", type=_positive_int, metavar="N",
+                   help="--ray: CPUs of a local cluster; encoder and search actors "
+                        "(default: all CPUs, or the cluster's GPUs)")
+    g.add_argument("--work-dir", metavar="DIR",
+                   help="--ray: folder for the stages' shards, on storage every node sees "
+                        "(needed for a remote cluster; default with local: a temporary "
+                        "folder); encoded shards there are reused by the next run")
+
+
 def _out_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
 
@@ -206,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=_ints, metavar="K[,K...]",
                    help="XL neighbours (default: 16)")
     _out_args(p)
+    _ray_args(p)
 
     p = sub.add_parser("sweep", help="the λ × k grid as a table, JSON and plots",
                        description="Evaluate every (method, λ, k) of a grid on the test split, "
@@ -240,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep ERM unless the best configuration's validation gain is at "
                         "least Z standard errors (paired over queries; default: 2)")
     _out_args(p)
+    _ray_args(p)
 
     p = sub.add_parser("build", help="fit one model on the training pairs and save it",
                        description="Fit one model (ERM, PEFA-XS, PEFA-XL, or the choice of "
@@ -259,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="MODEL_DIR",
                    help="where to save: a new or empty folder, or an earlier build (replaced "
                         "once the new one is complete; other files there are kept)")
+    _ray_args(p)
 
     p = sub.add_parser("search", help="top-k documents for query texts with a built model",
                        description="Load a model written by `pefa-gpu build`, encode the "
@@ -345,6 +363,13 @@ def _check_args(args: argparse.Namespace) -> None:
                              "ending in .trec / .run)")
         if args.tag is not None and (not args.tag or any(c.isspace() for c in args.tag)):
             raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
+    if getattr(args, "ray", None) is None:
+        for name in ("workers", "work_dir"):
+            if getattr(args, name, None) is not None:
+                raise InputError(f"--{name.replace('_', '-')} has no effect without --ray")
+    elif args.ray != "local" and not args.work_dir:
+        raise InputError(f"--ray {args.ray} needs --work-dir: a folder every node of the "
+                         f"cluster sees")
     for option, path in _outputs(args):
         check_output_file(path, option)
 
@@ -417,9 +442,13 @@ def _encoder(args: argparse.Namespace):
 
     model = resolve_model_arg(args.model)
 
-    def run(texts: list[str]):
-        return encode(texts, model=model, batch_size=args.batch_size, device=args.device,
-                      cache_dir=_cache_dir(args), show_progress=not args.quiet)
+    def run(*lists: list[str]) -> list:
+        """One array per list of texts (--ray: all encoded as one stage)."""
+        if getattr(args, "runner", None) is not None:
+            return _cluster_encode(args, model, lists)
+        return [encode(texts, model=model, batch_size=args.batch_size, device=args.device,
+                       cache_dir=_cache_dir(args), show_progress=not args.quiet)
+                for texts in lists]
     return run
 
 
@@ -458,11 +487,11 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         q_train = Q_all[train_rows]
         q_test = Q_all[test_rows] if test else None
     else:
-        enc = _encoder(args)
-        P = enc(ds.corpus_texts)
-        q_train = enc(train_texts if train_texts is not None
-                      else [ds.query_texts[i] for i in train_rows])
-        q_test = enc([ds.query_texts[i] for i in test_rows]) if test else None
+        P, q_train, *q_test = _encoder(args)(
+            ds.corpus_texts,
+            train_texts if train_texts is not None else [ds.query_texts[i] for i in train_rows],
+            *([[ds.query_texts[i] for i in test_rows]] if test else []))
+        q_test = q_test[0] if test else None
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test, y_test,
                  n_pairs=y_train.nnz)
@@ -487,6 +516,62 @@ def _sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 def _candidates(args: argparse.Namespace) -> int:
     return 500 if args.candidates is None else args.candidates
+
+
+# ------------------------------------------------------------------------------ --ray
+
+@contextlib.contextmanager
+def _cluster(args: argparse.Namespace):
+    """With --ray: connect (``args.runner``) and make the work folder (``args.work``, a
+    temporary one removed afterwards unless --work-dir names one)."""
+    args.runner = None
+    if getattr(args, "ray", None) is None:
+        yield
+        return
+    import tempfile
+
+    from .distributed import connect
+
+    with contextlib.ExitStack() as stack:
+        args.runner = stack.enter_context(connect(args.ray, args.workers))
+        args.work = Path(args.work_dir) if args.work_dir else Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
+        yield
+
+
+def _cluster_encode(args: argparse.Namespace, model: Any, lists: Sequence[list[str]]):
+    """--ray: encode the lists of texts on the cluster as one stage,
+    ``work/encode-<hash of the texts and model>`` (a rerun with the same --work-dir reuses
+    its shards), and read each list's rows back."""
+    import torch
+
+    from .pipeline import Rows, encode
+
+    texts = [t for texts in lists for t in texts]
+    h = hashlib.sha256(repr(args.model).encode())
+    for t in texts:
+        h.update(hashlib.sha256(t.encode("utf-8")).digest())
+    out = Rows(encode(texts, args.work / f"encode-{h.hexdigest()[:16]}", model=model,
+                      batch_size=args.batch_size, device=args.device,
+                      cache_dir=_cache_dir(args), show_progress=not args.quiet,
+                      runner=args.runner))
+    bounds = np.cumsum([0, *map(len, lists)])
+    return [torch.from_numpy(out.read(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+
+def _cluster_rows(args: argparse.Namespace, data: _Data, configs: list) -> tuple[list, dict]:
+    """--ray: each configuration through the pipeline's stages (aggregate, build, search,
+    evaluate) on the cluster; the result rows and the last configuration's metrics."""
+    from .pipeline import evaluate_configs
+
+    results = evaluate_configs(
+        data.P, data.Q_train, data.Y_train, data.Q_test, data.Y_test, configs,
+        args.work / "pipeline", backend=args.backend, candidates=_candidates(args),
+        augment_docs=not args.no_augment, device=args.device, ks=(10, 100),
+        count_empty=args.count_empty, runner=args.runner, show_progress=not args.quiet)
+    rows = [_result_row(c.method, None if c.method == "erm" else c.lam, c.k, r)
+            for c, r in zip(configs, results)]
+    return rows, results[-1]
 
 
 # ------------------------------------------------------------------------------ output
@@ -562,7 +647,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
             groups.append((("xs",), args.lam or (0.5,), ()))
         else:
             groups.append((("xl",), args.lam or (0.1,), args.k or (16,)))
-    rows, last, _ = _run_grid(args, data, groups)
+    if args.runner is not None:
+        from .sweep import grid
+        rows, last = _cluster_rows(args, data, [c for g in groups for c in grid(*g)])
+    else:
+        rows, last, _ = _run_grid(args, data, groups)
     print(_header(args, data, last))
     print()
     print(markdown_table(rows, METRICS), end="")
@@ -665,6 +754,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print()
     configs = [res.chosen] if res.chosen.method == "erm" else [_erm(), res.chosen]
     rows, last = [], {}
+    if args.runner is not None:  # the test run goes through the pipeline's stages
+        rows, last = _cluster_rows(args, data, configs)
+        configs = []
     for cfg in configs:
         model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device,
                            backend=args.backend, candidates=_candidates(args),
@@ -870,7 +962,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_args(args)
         _setup(args)
-        return COMMANDS[args.command](args)
+        with _cluster(args):
+            return COMMANDS[args.command](args)
     except (PefaError, ValueError, FileNotFoundError) as exc:
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
         return 2
