@@ -15,8 +15,10 @@ pipeline's own functions (so a cluster run equals a one-process run by construct
 - aggregate / build: Ray tasks; a map task returns one object per document range
   (``num_returns``), which Ray hands to that range's reduce task (the shuffle goes through
   Ray's object store, spilling to disk when it fills; only the stages' outputs are files).
-- search: one actor per worker (:class:`pefa_gpu.pipeline.ShardServer`) holding a block of
-  the build's shards; the driver merges each query batch's results.
+- search: one actor per worker, each loading a block of the build's shards (a
+  :class:`pefa_gpu.pipeline.ShardServer`); the driver merges each query batch's results.
+  Without GPUs the actors stay up between searches (a new Ray worker costs a process start
+  and the torch import, seconds); with GPUs each search's actors hold a GPU and end with it.
 
 Failures: a task whose worker dies is retried (``max_retries``), an actor that dies is restarted
 and its calls retried (``max_restarts`` / ``max_task_retries``); Ray Data restarts its actors

@@ -302,7 +302,9 @@ class LocalRunner:
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
         """Each map task returns one part per reduce task; reduce task s gets the parts
-        [map 0's part s, map 1's part s, ...] (in map order) and its own args."""
+        [map 0's part s, map 1's part s, ...] (in map order) and its own args. Every part is
+        held in memory until the reduces run (on one machine, ``pg.pifa(...,
+        memory_budget=)`` streams Q instead)."""
         parts = [map_fn(*args) for args in map_calls]
         return [reduce_fn([p[s] for p in parts], *args) for s, args in enumerate(reduce_calls)]
 
@@ -483,19 +485,18 @@ def split_queries(queries: str | Path, relevance: str | Path, shard: int,
     y_csc = y.tocsc()
     out = []
     for d_lo, d_hi in doc_ranges:
-        block = y_csc[:, d_lo:d_hi]
+        block = y_csc[:, d_lo:d_hi].tocsr()
+        touched = np.flatnonzero(np.diff(block.indptr))  # queries with a pair in the range
+        block, q_t = block[touched], q[touched]
         part = Part()
         if sums:
-            docs = np.flatnonzero(np.diff(block.indptr))
+            docs = np.flatnonzero(np.diff(block.tocsc().indptr))
             part.docs = docs.astype(np.int64)
-            part.sums = (to_numpy(pifa(block[:, docs], q, normalize=False, device="cpu"))
+            part.sums = (to_numpy(pifa(block[:, docs], q_t, normalize=False, device="cpu"))
                          if docs.size else np.zeros((0, q.shape[1]), np.float32))
         if pairs:
-            rows_csr = block.tocsr()
-            touched = np.flatnonzero(np.diff(rows_csr.indptr))
             part.queries = (touched + lo).astype(np.int64)
-            part.vectors = q[touched]
-            part.y = rows_csr[touched]
+            part.vectors, part.y = q_t, block
         out.append(part)
     return out
 
