@@ -612,8 +612,9 @@ def build_xl_shard(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int
         y = sp.vstack([pt.y for pt in parts], format="csr")
     else:
         q, y = p[:1], sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
+    build = {key: v for key, v in params.items() if key != "candidates"}
     model = PEFAXL(backend=backend, device=device, index_params=index_params,
-                   **params).fit(p, q, y)
+                   search_params={"candidates": params["candidates"]}, **build).fit(p, q, y)
     path = Path(out) / _name("doc", index)
     sha = write_shard(path, {"stage": "build", "rows": [lo, hi]},
                       {"query_rows": torch.from_numpy(rows.astype(np.int64))}, model=model,
@@ -672,10 +673,11 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         if queries is None or relevance is None:
             raise InputError("build('xl') needs queries= and relevance= (the training queries "
                              "and their pairs)")
-        from .models import XLParams
+        from .models import XLParams, XLSearchParams
 
-        params = XLParams(lam=lam, k=k, candidates=candidates, knn_norm=knn_norm,
-                          rescore=rescore, augment_docs=augment_docs).to_dict()
+        params = XLParams(lam=lam, k=k, knn_norm=knn_norm, rescore=rescore,
+                          augment_docs=augment_docs).to_dict()
+        candidates = XLSearchParams(candidates=candidates).candidates
         rinfo = read_stage(relevance, "relevance")
         qrows = Rows(queries)
         if rinfo["n"] != prows.n or rinfo["m"] != qrows.n:
@@ -684,14 +686,15 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         ranges = split(prows.n, doc_rows)
         maps = [(str(queries), str(relevance), r, ranges, False, True)
                 for r in range(len(rinfo["shards"]))]
-        reduces = [(str(docs), rng, str(out), s, params, backend, index_params, device,
-                    export_hnsw) for s, rng in enumerate(ranges)]
+        reduces = [(str(docs), rng, str(out), s, {**params, "candidates": candidates},
+                    backend, index_params, device, export_hnsw)
+                   for s, rng in enumerate(ranges)]
         entries = run.map_reduce(split_queries, maps, build_xl_shard, reduces, gpu=True)
         fields["bytes_shuffled"] = sum(e.pop("bytes_in") for e in entries)
         calls = [(str(queries), tuple(e["rows"]), str(out), _name("query", r), backend,
                   index_params, device, False) for r, e in enumerate(rinfo["shards"])]
         query_entries = run.map(build_rows_shard, calls, gpu=True)
-        fields.update(params=params, m=rinfo["m"])
+        fields.update(params=params, candidates=candidates, m=rinfo["m"])
     return write_stage(out, "build", entries, query_shards=query_entries, **fields)
 
 
@@ -745,22 +748,23 @@ class ShardServer:
             entry = self.info["query_shards"][r]
             self.queries.append((entry["rows"][0], _open(folder, entry, device=device).model))
 
-    def erm(self, q: torch.Tensor, k: int):
-        """Top-k over this server's document shards (ERM / XS scores; XL's passage index)."""
+    def erm(self, q: torch.Tensor, k: int, params: dict | None = None):
+        """Top-k over this server's document shards (ERM / XS scores; XL's passage index);
+        ``params``: the backend's search settings (None: each index's own)."""
         if not self.docs:
             return None
         parts = []
         for lo, _, model, rows in self.docs:
             qq = q.to(model.device)
-            parts.append(_offset(model.index.search(qq, k) if rows is not None
-                                 else model.search(qq, k), lo))
+            parts.append(_offset(model.index.search(qq, k, params) if rows is not None
+                                 else model.search(qq, k, params=params), lo))
         return _merge(parts, k)
 
-    def knn(self, q: torch.Tensor, k: int):
+    def knn(self, q: torch.Tensor, k: int, params: dict | None = None):
         """Top-k training queries over this server's query shards (global rows)."""
         if not self.queries:
             return None
-        return _merge([_offset(model.search(q.to(model.device), k), lo)
+        return _merge([_offset(model.search(q.to(model.device), k, params=params), lo)
                        for lo, model in self.queries], k)
 
     def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
@@ -817,19 +821,20 @@ def neighbours(knn: tuple[torch.Tensor, torch.Tensor], erm: tuple[torch.Tensor, 
 
 def search_batch(fan: Any, info: dict[str, Any], q: torch.Tensor, topk: int,
                  lam: float | None = None, k: int | None = None,
-                 candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 candidates: int | None = None,
+                 params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One round of queries (B, d) float32 over every server of ``fan``: ERM / XS merge the
     shards' top-k; PEFA-XL searches the passage and query shards, merges, forms the
     neighbours and fuses per document shard, then merges the fused top-k."""
     if info["method"] != "xl":
-        (parts,) = fan.call(("erm", (q, topk)))
+        (parts,) = fan.call(("erm", (q, topk, params)))
         return _merge(parts, topk)
     p = info["params"]
     lam = p["lam"] if lam is None else lam
     k = p["k"] if k is None else k
-    kp = p["candidates"] if candidates is None else candidates
+    kp = info["candidates"] if candidates is None else candidates
     width = max(kp, k) if p["augment_docs"] else kp
-    erm_parts, knn_parts = fan.call(("erm", (q, width)), ("knn", (q, k)))
+    erm_parts, knn_parts = fan.call(("erm", (q, width, params)), ("knn", (q, k, params)))
     erm = _merge(erm_parts, width)
     knn = neighbours(_merge(knn_parts, k), erm, info["m"], k, p["augment_docs"])
     (parts,) = fan.call(("fuse", (q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk, lam, k)))
@@ -852,13 +857,15 @@ def server_groups(info: dict[str, Any], workers: int) -> list[tuple[list[int], l
 def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None = None,
            k: int | None = None, candidates: int | None = None,
            batch_size: int = DEFAULT_BATCH, device: Any = None, runner: Any = None,
-           show_progress: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           show_progress: bool = False,
+           params: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Search a :func:`build` stage: (B, d) queries (or a row stage folder) -> (B, topk)
     float32 scores and int64 ids on the CPU, -1 padded, ties to the lower id.
 
     Query batches of ``batch_size`` fan out to the runner's shard servers (the build's shards
     split over its workers); each returns its top-k, merged here (:func:`search_batch`).
-    ``lam`` / ``k`` / ``candidates`` override PEFA-XL's build-time values."""
+    ``lam`` / ``k`` / ``candidates`` override PEFA-XL's build-time values; ``params``: the
+    backend's search settings for every shard's index (e.g. ``{"ef_search": 500}``)."""
     from tqdm.auto import tqdm
 
     topk = check_positive_int(topk, "topk")
@@ -886,7 +893,7 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
             hi = min(lo + batch_size, n_q)
             q = (qall[lo:hi] if source is None else
                  torch.from_numpy(source.read(lo, hi)))
-            s, i = search_batch(fan, info, q.contiguous(), topk, lam, k, candidates)
+            s, i = search_batch(fan, info, q.contiguous(), topk, lam, k, candidates, params)
             out_s.append(s)
             out_i.append(i)
     if not out_s:

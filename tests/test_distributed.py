@@ -106,6 +106,24 @@ def test_erm_and_xs_search_equal_library_ids_with_ties(tmp_path):
     assert torch.equal(i, lib_i) and torch.equal(s, lib_s)
 
 
+def test_any_backend_and_search_settings_per_call(tmp_path):
+    pytest.importorskip("faiss")
+    P, Q, Y, T, _ = make_data(9)
+    docs = pp.write_rows(P, tmp_path / "docs", rows=1000)
+    b = pp.build("erm", tmp_path / "hnsw", docs, doc_rows=1000, backend="hnsw",
+                 index_params={"M": 4, "ef_construction": 10})
+    lib = pg.ERM(backend="hnsw", index_params={"M": 4, "ef_construction": 10},
+                 device="cpu").fit(P)
+    got = []
+    for params in (None, {"ef_search": 10}):
+        s, i = pp.search(b, T, topk=10, params=params)
+        lib_s, lib_i = lib.search(T, 10, params=params)
+        assert torch.equal(i, lib_i) and torch.equal(s, lib_s)
+        got.append(i)
+    assert not torch.equal(*got)  # the setting reached the shards' indices
+    assert pp.read_shard(tmp_path / "hnsw" / "doc-00000").model.backend == "hnsw"
+
+
 def assert_same_ranking(s, i, ref_s, ref_i, atol=1e-5):
     """Scores equal to ``atol``; ids equal wherever the reference's scores at neighbouring
     ranks are more than ``atol`` apart (a near tie may swap under float32 rounding)."""
