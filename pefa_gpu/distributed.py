@@ -32,7 +32,6 @@ Ray (``pip install 'pefa_gpu[ray]'``) is imported only when this module is used.
 from __future__ import annotations
 
 import contextlib
-import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -40,8 +39,6 @@ import torch
 
 from . import pipeline
 from .errors import InputError, MissingDependencyError
-
-log = logging.getLogger("pefa_gpu")
 
 # search actors kept between searches on clusters without GPUs, per Ray connection
 _KEPT: dict[tuple[str, str], list[Any]] = {}

@@ -59,7 +59,7 @@ import torch
 from .aggregate import normalize_rows, pifa
 from .arrays import as_embeddings, as_tensor, check_positive_int, to_numpy
 from .errors import FormatError, InputError
-from .relevance import Relevance, as_relevance
+from .relevance import as_relevance
 from .storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
                       write_output_file, writing_save)
 from .topk import merge_topk
