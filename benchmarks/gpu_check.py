@@ -43,7 +43,7 @@ CUDA_PATHS: list[tuple[str, list[str]]] = [
      ["test_aggregate.py::", "test_gpu_paths.py::test_pifa_in_memory"]),
     ("streamed PIFA (pinned staging slots, copy stream, entry batches)",
      ["test_out_of_core.py::"]),
-    ("models on CUDA: ERM / PEFA-XS / PEFA-XL search and XL fusion (fuse_kernels)",
+    ("models on CUDA: ERM / PEFA-XS / PEFA-XL search and XL fusion (fuse)",
      ["test_models.py::", "test_scale.py::"]),
     ("Triton re-scoring kernel (triton_rowdots: device guard, current stream)",
      ["test_triton_rowdots.py::"]),

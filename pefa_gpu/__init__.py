@@ -6,6 +6,7 @@
     pg.recall_at_k(ids, Y_test, ks=(10, 100))
 """
 
+from ._version import __version__
 from .aggregate import normalize_rows, pifa
 from .datasets import BeirDataset, Pairs, load_beir, load_pairs
 from .encode import encode
@@ -21,8 +22,6 @@ from .synthetic import SyntheticData, make_synthetic
 from .training import mine_negatives
 from .tune import TuneResult, fit_config, tune
 from .xmc import XMCData, load_xmc
-
-__version__ = "0.1.0"
 
 __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",

@@ -226,27 +226,25 @@ def export_model(model: Any, path: str | Path, **kwargs: Any) -> Path:
     ``relevance.npz`` (scipy CSR, rows x documents: the m training queries, then with
     augment_docs one identity row per document, whose neighbours come from ``passages.faiss``:
     document j is row m + j) and ``export.json`` describing them. A model's ``hnsw`` indices
-    are written as they are (see :func:`export_hnsw`)."""
-    from .models import PEFAXL, PEFAXS  # noqa: PLC0415 (models imports this module lazily)
+    are written as they are (see :func:`export_hnsw`).
 
-    model._check_fitted()
+    What is written is the model's ``_exported()``: (vectors, index) for one file, or a dict of
+    file names to (vectors, index), scipy sparse matrices or JSON tables for a directory."""
+    model.check_fitted()
     kwargs.setdefault("device", model.device)
-    if isinstance(model, PEFAXS):
-        return export_hnsw(model.xs_embeddings(), path, index=model.index, **kwargs)
-    if not isinstance(model, PEFAXL):
-        return export_hnsw(index_vectors(model.index), path, index=model.index, **kwargs)
+    parts = model._exported()
+    if isinstance(parts, tuple):
+        return export_hnsw(parts[0], path, index=parts[1], **kwargs)
     import scipy.sparse as sp  # noqa: PLC0415
 
     with _new_directory(path) as tmp:
-        export_hnsw(model.doc_embeddings, tmp / "passages.faiss", index=model.index, **kwargs)
-        export_hnsw(index_vectors(model.query_index), tmp / "queries.faiss",
-                    index=model.query_index, **kwargs)
-        sp.save_npz(tmp / "relevance.npz", model.relevance.csr)
-        (tmp / "export.json").write_text(json.dumps({
-            "model": "PEFAXL", "params": model.params.to_dict(), "n_docs": model.n_docs,
-            "dim": model.dim, "passages": "passages.faiss", "queries": "queries.faiss",
-            "relevance": "relevance.npz", "n_train_queries": model.n_train_queries,
-            "documents_are_queries": model.params.augment_docs}, indent=2) + "\n")
+        for name, part in parts.items():
+            if isinstance(part, tuple):
+                export_hnsw(part[0], tmp / name, index=part[1], **kwargs)
+            elif sp.issparse(part):
+                sp.save_npz(tmp / name, part)
+            else:
+                (tmp / name).write_text(json.dumps(part, indent=2) + "\n")
     return Path(path)
 
 

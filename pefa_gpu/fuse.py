@@ -1,96 +1,395 @@
-"""PEFA-XL score fusion, batched on the device.
+"""PEFA-XL fusion: the one core behind search, fuse, sweep and tune (and Y's lookups for score).
 
-For a batch of B queries, given the ERM candidates C (top-Kp of the passage index) and the k
-nearest training queries N (top-k of the query index), the fused score of a candidate document
-j is ``lam * f_erm(q, j) + (1 - lam) * sum_{i in N} w(s_i) Y[i, j]``. The candidates are the
-union of C and the documents of the neighbours' Y rows. Work and memory are
-O(B * (Kp + k * deg)); no B x n array is ever formed.
+For a batch of B queries with ERM candidates C (a passage search, (B, Kp)) and neighbours N
+(rows of Y, (B, K), from PEFAXL.neighbours), the fused score of a candidate document j is
+``lam f_erm(q, j) + (1 - lam) sum_{i in N} w(s_i) Y[i, j]``, w(s) = s / divisor, over the
+candidates C ∪ {documents in the neighbours' Y rows} (DESIGN §1). In three steps:
+
+1. :func:`candidate_table`: the batch's candidates as a (B, W) table: the ERM candidates (a
+   repeated ERM id keeps its first entry), then the voted documents outside C; each with
+   f_erm (the ERM score; <q, p_j> where ``rescore`` needs it; 0 outside C without rescore) and
+   the votes landing on it. The ERM ids are sorted once per row to find repeats and the votes'
+   columns: O(B (Kp log Kp + K deg)), never a B x n array.
+2. :meth:`CandidateTable.knn_scores`: f_knn of every voted candidate for a k (the first k
+   neighbours' votes, summed in neighbour order).
+3. :meth:`CandidateTable.topk`: lam f_erm + (1 - lam) f_knn and one top-k: equal scores go to
+   the lower id, at the k-th place too; -1 / -inf padding.
+
+Search and ``fuse`` run each step once; a sweep builds the table once per batch and runs step 2
+per k and step 3 per (lam, k). Each step is written once against operations numpy and torch
+both provide (:class:`_Numpy`, :class:`_Torch`): CPU batches run on numpy, where an operation
+costs about a microsecond against torch's five to ten (a single query's fusion is ~40 of
+them; on large batches numpy is as fast, see benchmarks/scale.py), CUDA batches on torch.
+Both make the same float32 operations in the same order, so their results are equal to the bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
+import numpy as np
 import torch
 
-from .errors import InputError
-from .fuse_kernels import _rowdots, fused_topk, neighbour_entries
-from .topk import topk_rows
+from .arrays import as_tensor, resolve_device, to_numpy
+from .relevance import Relevance
+
+Array = Any  # a numpy array or a torch tensor (one kind per call)
 
 
-def fuse_scores(queries: torch.Tensor, doc_vectors: torch.Tensor,
-                y_indptr: torch.Tensor, y_indices: torch.Tensor, y_data: torch.Tensor,
-                erm_scores: torch.Tensor, erm_ids: torch.Tensor,
-                knn_scores: torch.Tensor, knn_ids: torch.Tensor, *,
-                lam: float, knn_weight_divisor: float, rescore: bool,
-                topk: int, erm_exact: bool = False,
-                kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused top-``topk`` of each query. All tensors on one device.
+class _Numpy:
+    """The array operations of the fusion on numpy arrays."""
 
-    queries (B, d) float32; doc_vectors (n, d) the document embeddings (n sizes the keys,
-    ``rescore`` reads the rows); Y as CSR tensors (indptr (m+1,), indices (nnz,) int64,
-    data (nnz,) float32) over the neighbour rows;
-    erm_* (B, Kp) passage-search results and knn_* (B, k) neighbours (PEFAXL.neighbours: rows
-    of Y), -1 padded. A neighbour of score s
-    contributes ``s / knn_weight_divisor`` times its Y row. ``rescore``: f_erm = <q, p_j> for
-    every candidate; otherwise the ERM score where j is in C and 0 elsewhere. ``erm_exact``:
-    the erm scores already are <q, p_j> (exact or flat-storage backends), so ``rescore``
-    computes dot products only for the candidates outside C (O(B k deg d), not O(B Kp d)).
-    Returns (B, topk) float32 scores and int64 ids, ties to the lower id, -1 padded.
-    ``kernel``: 'auto' runs :func:`pefa_gpu.fuse_kernels.fused_topk` (same ids, no sort over
-    the ERM candidates), which hands back to the general sort-based path below when an ERM row
-    repeats an id; 'general' forces that path.
+    float32, int32, int64 = np.float32, np.int32, np.int64
+
+    @staticmethod
+    def arange(n: int, like: Any) -> np.ndarray:
+        return np.arange(n, dtype=np.int64)
+
+    @staticmethod
+    def full(shape: tuple, value: Any, dtype: Any, like: Any) -> np.ndarray:
+        return np.full(shape, value, dtype=dtype)
+
+    cat = staticmethod(np.concatenate)
+    repeat = staticmethod(np.repeat)
+    where = staticmethod(np.where)
+    searchsorted = staticmethod(np.searchsorted)
+    take_along = staticmethod(lambda x, i: np.take_along_axis(x, i, 1))
+
+    @staticmethod
+    def cumsum(x: np.ndarray) -> np.ndarray:
+        return np.cumsum(x)
+
+    @staticmethod
+    def flatnonzero(mask: np.ndarray) -> np.ndarray:
+        return np.flatnonzero(mask)
+
+    @staticmethod
+    def bincount(x: np.ndarray, n: int) -> np.ndarray:
+        return np.bincount(x, minlength=n)
+
+    @staticmethod
+    def unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        u, inv = np.unique(x, return_inverse=True)
+        return u, inv.reshape(-1)
+
+    @staticmethod
+    def index_add(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
+        np.add.at(target, index, values)  # in the order of ``index``, as torch's index_add_
+        return target
+
+    @staticmethod
+    def sort_rows(x: np.ndarray, fits_int32: bool) -> np.ndarray:
+        return np.sort(x.astype(np.int32) if fits_int32 else x, axis=1)  # int32: 2x faster
+
+    @staticmethod
+    def kth_largest(x: np.ndarray, k: int) -> np.ndarray:
+        return np.partition(x, x.shape[1] - k, axis=1)[:, x.shape[1] - k]
+
+    @staticmethod
+    def argsort_desc(x: np.ndarray) -> np.ndarray:
+        """Per row, descending, equal values in column order."""
+        return np.argsort(-x, axis=1, kind="stable")
+
+    @staticmethod
+    def order_rows(scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
+        """Per row, the column order by score descending, then id ascending."""
+        return np.lexsort((ids, -scores), axis=1)
+
+    @staticmethod
+    def astype(x: np.ndarray, dtype: Any) -> np.ndarray:
+        return x.astype(dtype)
+
+
+class _Torch:
+    """The same operations on torch tensors (any device)."""
+
+    float32, int32, int64 = torch.float32, torch.int32, torch.int64
+
+    @staticmethod
+    def arange(n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(n, device=like.device)
+
+    @staticmethod
+    def full(shape: tuple, value: Any, dtype: Any, like: torch.Tensor) -> torch.Tensor:
+        return torch.full(shape, value, dtype=dtype, device=like.device)
+
+    cat = staticmethod(torch.cat)
+    repeat = staticmethod(torch.repeat_interleave)
+    where = staticmethod(torch.where)
+    searchsorted = staticmethod(torch.searchsorted)
+    take_along = staticmethod(lambda x, i: torch.gather(x, 1, i))
+
+    @staticmethod
+    def cumsum(x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(x, 0)
+
+    @staticmethod
+    def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+        return mask.reshape(-1).nonzero().squeeze(1)
+
+    @staticmethod
+    def bincount(x: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.bincount(x, minlength=n)
+
+    @staticmethod
+    def unique(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.unique(x, sorted=True, return_inverse=True)
+
+    @staticmethod
+    def index_add(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor
+                  ) -> torch.Tensor:
+        return target.index_add_(0, index, values)
+
+    @staticmethod
+    def sort_rows(x: torch.Tensor, fits_int32: bool) -> torch.Tensor:
+        return torch.sort(x, dim=1).values
+
+    @staticmethod
+    def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.topk(x, k, dim=1, sorted=True).values[:, -1]
+
+    @staticmethod
+    def argsort_desc(x: torch.Tensor) -> torch.Tensor:
+        return torch.argsort(x, dim=1, descending=True, stable=True)
+
+    @staticmethod
+    def order_rows(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        by_id = torch.argsort(ids, dim=1, stable=True)
+        by_score = torch.argsort(scores.gather(1, by_id), dim=1, descending=True, stable=True)
+        return by_id.gather(1, by_score)
+
+    @staticmethod
+    def astype(x: torch.Tensor, dtype: Any) -> torch.Tensor:
+        return x.to(dtype)
+
+
+def ops(x: Array) -> type[_Numpy] | type[_Torch]:
+    """The operations for ``x``'s kind of array."""
+    return _Numpy if isinstance(x, np.ndarray) else _Torch
+
+
+class RelevanceRows:
+    """Y's derived state, built once where Y changes: the rows the neighbours vote with.
+
+    ``tensors`` (on the model's device) and ``host`` (numpy; on a CPU device the same memory):
+    (starts, lengths, indices, data) of the CSR rows, with one empty row appended so that the
+    padding row id -1 reads length 0; ``keys``: the sorted int64 keys row * n + column of the
+    entries (see :meth:`values`); ``nonnegative``: every entry is >= 0.
     """
-    if kernel == "auto":
-        fast = fused_topk(queries, doc_vectors, y_indptr, y_indices, y_data, erm_scores,
-                          erm_ids, knn_scores, knn_ids, lam=lam,
-                          knn_weight_divisor=knn_weight_divisor, rescore=rescore, topk=topk,
-                          erm_exact=erm_exact)
-        if fast is not None:
-            return fast
-    elif kernel != "general":
-        raise InputError(f"kernel must be 'auto' or 'general', got {kernel!r}")
-    device = erm_ids.device
-    b = erm_ids.shape[0]
-    n_docs = doc_vectors.shape[0]
-    n_key = max(int(n_docs), 1)
 
-    # neighbours' Y rows, flattened: one entry per (query, neighbour, document)
-    owner, pos = neighbour_entries(knn_ids, y_indptr)
-    knn_batch = owner // knn_ids.shape[1]
-    knn_doc = y_indices[pos]
-    knn_val = (knn_scores.flatten()[owner].float() / knn_weight_divisor) * y_data[pos]
+    def __init__(self, relevance: Relevance, device: Any):
+        csr = relevance.csr
+        self.shape: tuple[int, int] = csr.shape
+        indptr = np.asarray(csr.indptr, dtype=np.int64)
+        host = (np.append(indptr[:-1], 0), np.append(np.diff(indptr), 0),
+                np.asarray(csr.indices, dtype=np.int64), np.asarray(csr.data, dtype=np.float32))
+        self.tensors = tuple(as_tensor(a, device=resolve_device(device)) for a in host)
+        self.nonnegative = bool((host[3] >= 0).all())
 
-    # ERM candidates
-    erm_valid = erm_ids >= 0
-    erm_batch = torch.arange(b, device=device).unsqueeze(1).expand_as(erm_ids)[erm_valid]
-    erm_doc = erm_ids[erm_valid]
-    erm_val = erm_scores[erm_valid].float()
+    @functools.cached_property
+    def host(self) -> tuple[np.ndarray, ...]:
+        return tuple(map(to_numpy, self.tensors))
 
-    keys = torch.cat([knn_batch * n_key + knn_doc, erm_batch * n_key + erm_doc])
-    uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-    n_knn = knn_doc.numel()
-    f_knn = torch.zeros(uniq.numel(), device=device).index_add_(0, inverse[:n_knn], knn_val)
-    cand_batch, cand_doc = uniq // n_key, uniq % n_key
+    def arrays(self, like: Array) -> tuple[Array, ...]:
+        """(starts, lengths, indices, data) of ``like``'s kind."""
+        return self.host if isinstance(like, np.ndarray) else self.tensors
+
+    @functools.cached_property
+    def keys(self) -> torch.Tensor:
+        starts, lengths, indices, _ = self.tensors
+        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device),
+                                       lengths, output_size=indices.numel())
+        return rows * self.shape[1] + indices
+
+    def values(self, rows: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+        """Y[rows[b, i], docs[b, j]] for rows (B, k) and docs (B, K), valid ids -> (B, k, K)
+        float32 (0 where Y has no entry). No host synchronisation."""
+        keys, data = self.keys, self.tensors[3]
+        want = rows.unsqueeze(2) * self.shape[1] + docs.unsqueeze(1)
+        if keys.numel() == 0:
+            return torch.zeros(want.shape, device=want.device)
+        pos = torch.searchsorted(keys, want.reshape(-1)).clamp_max(keys.numel() - 1)
+        return torch.where(keys[pos] == want.reshape(-1), data[pos], 0.0).reshape(want.shape)
+
+
+def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
+    """The neighbours' Y entries, one per (query, neighbour, document): knn_rows (B, K) Y row
+    ids (-1 = padding) -> (slot, doc, y): slot b * K + r of the neighbour (ascending), the
+    document and its Y value."""
+    xp = ops(knn_rows)
+    starts, lengths, indices, data = rows.arrays(knn_rows)
+    n_entries = lengths[knn_rows].reshape(-1)
+    ends = xp.cumsum(n_entries)
+    total = int(ends[-1]) if len(ends) else 0
+    pos = xp.repeat(starts[knn_rows].reshape(-1) - (ends - n_entries), n_entries) + \
+        xp.arange(total, knn_rows)
+    slot = xp.repeat(xp.arange(len(n_entries), knn_rows), n_entries)
+    return slot, indices[pos], data[pos]
+
+
+def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
+    """<queries[batch[i]], docs[doc[i]]> for flat pairs grouped by query -> (N,) float32.
+    numpy: products, then numpy's row sum (its order within a row does not depend on how many
+    rows share the call), about 16 MB of rows at a time; CUDA:
+    :func:`pefa_gpu.triton_rowdots.rowdots` (the Triton kernel, or torch where it cannot run);
+    torch on the CPU: the numpy sums, so that both kinds agree to the bit."""
+    if not isinstance(batch, np.ndarray):
+        if batch.is_cuda:
+            from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
+            return triton_rowdots.rowdots(queries, docs, batch, doc)
+        return as_tensor(rowdots(*map(to_numpy, (queries, docs, batch, doc))))
+    out = np.empty(len(batch), np.float32)
+    step = max(1, (1 << 22) // max(1, docs.shape[1]))
+    cuts = np.flatnonzero(batch[1:] != batch[:-1]) + 1
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(batch)]):
+        for s in range(lo, hi, step):  # a query's row broadcast over its run
+            e = min(s + step, hi)
+            out[s:e] = np.multiply(docs[doc[s:e]], queries[batch[lo]]).sum(1, dtype=np.float32)
+    return out
+
+
+@dataclasses.dataclass
+class CandidateTable:
+    """A batch's candidates (see the module docstring), arrays of one kind.
+
+    ids (B, W) int64: ERM candidates in columns < Kp, voted documents outside C after them,
+    -1 where there is none (ERM padding, a repeated ERM id, unused slots); erm (B, W) float32
+    f_erm (0 where the id is -1); cells (U,) the flat cell b * W + column of every voted
+    candidate, extra (U,) whether it lies outside C; entry_cell (V,) the voted candidate
+    (index into cells) of every vote entry, entry_rank / entry_score / entry_y its neighbour's
+    rank and score and its Y value.
+    """
+
+    ids: Array
+    erm: Array
+    cells: Array
+    extra: Array
+    entry_cell: Array
+    entry_rank: Array
+    entry_score: Array
+    entry_y: Array
+
+    def knn_scores(self, k: int, divisor: float) -> tuple[Array, Array]:
+        """f_knn from the first ``k`` neighbours: (U,) float32 sums of (s / divisor) * y in
+        neighbour order, and (U,) whether any of them voted for the candidate."""
+        xp = ops(self.cells)
+        use = xp.flatnonzero(self.entry_rank < k)
+        at = self.entry_cell[use]
+        f = xp.full((len(self.cells),), 0.0, xp.float32, self.cells)
+        f = xp.index_add(f, at, (self.entry_score[use] / divisor) * self.entry_y[use])
+        voted = xp.full((len(self.cells),), False, bool, self.cells)
+        voted[at] = True
+        return f, voted
+
+    def topk(self, lam: float, knn: tuple[Array, Array], topk: int) -> tuple[Array, Array]:
+        """The best ``topk`` of lam f_erm + (1 - lam) f_knn (``knn``: :meth:`knn_scores`):
+        (B, topk) float32 scores and int64 ids, ties to the lower id, -1 / -inf padded.
+        Candidates outside C that no neighbour of ``knn`` voted for are left out."""
+        xp = ops(self.ids)
+        f_knn, voted = knn
+        fused = xp.where(self.ids >= 0, lam * self.erm, float("-inf"))
+        flat, erm = fused.reshape(-1), self.erm.reshape(-1)
+        flat[self.cells] = xp.where(voted, lam * erm[self.cells] + (1.0 - lam) * f_knn,
+                                    xp.where(self.extra, float("-inf"), flat[self.cells]))
+        return select_topk(fused, self.ids, topk)
+
+
+def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
+                    erm: tuple[Array, Array], knn: tuple[Array, Array], *,
+                    rescore: bool, erm_exact: bool) -> CandidateTable:
+    """Step 1 of the module docstring. queries (B, d) float32; docs (n, d) the document
+    embeddings; erm (B, Kp) scores / ids of a passage search, knn (B, K) scores / Y row ids
+    (-1 padded). ``rescore``: f_erm = <q, p_j> for every candidate (``erm_exact``: the ERM
+    scores already are, so only the voted documents outside C get dot products)."""
+    (es, ei), (ks, ki) = erm, knn
+    xp = ops(ei)
+    b, kp = ei.shape
+    n = rows.shape[1]
+    slot, doc, y = votes(ki, rows)
+    # the ERM ids sorted per row, each packed with its column: repeats and the votes' columns
+    bits = max(1, (kp - 1).bit_length())
+    packed = (xp.where(ei >= 0, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
+    packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
+    s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
+    ids = xp.where(ei >= 0, ei, -1)
+    r, c = (x.reshape(-1) for x in _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n)))
+    ids[r, s_col[r, c + 1]] = -1  # a repeated id keeps its first column
+    # every voted (query, document) once: in C at its column, else an extra column after Kp
+    key, entry_cell = xp.unique((slot // ki.shape[1]) * (n + 1) + doc)
+    sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
+    at = xp.searchsorted(sorted_keys, key).clip(max=max(b * kp - 1, 0))
+    extra = sorted_keys[at] != key if b * kp else xp.full(key.shape, True, bool, key)
+    u_row, u_doc = key // (n + 1), key % (n + 1)
+    x = xp.flatnonzero(extra)
+    counts = xp.bincount(u_row[x], b)
+    width = kp + (int(counts.max()) if len(x) else 0)
+    col = s_col.reshape(-1)[at]
+    col[x] = kp + xp.arange(len(x), ei) - (xp.cumsum(counts) - counts)[u_row[x]]
+    cells = u_row * width + col
+    table_ids = xp.full((b, width), -1, xp.int64, ei)
+    table_ids[:, :kp] = ids
+    table_ids.reshape(-1)[cells[x]] = u_doc[x]
+    table_erm = xp.full((b, width), 0.0, xp.float32, ei)
     if rescore and not erm_exact:
-        f_erm = _rowdots(queries, doc_vectors, cand_batch, cand_doc)
+        v = xp.flatnonzero(table_ids >= 0)
+        table_erm.reshape(-1)[v] = rowdots(queries, docs, v // width,
+                                           table_ids.reshape(-1)[v])
     else:
-        f_erm = torch.zeros(uniq.numel(), device=device).index_put_(
-            (inverse[n_knn:],), erm_val)
-        if rescore:  # only the kNN-only candidates lack their exact ERM score
-            in_c = torch.zeros(uniq.numel(), dtype=torch.bool, device=device)
-            rest = (~in_c.index_fill_(0, inverse[n_knn:], True)).nonzero().squeeze(1)
-            f_erm[rest] = _rowdots(queries, doc_vectors, cand_batch[rest], cand_doc[rest])
-    fused = lam * f_erm + (1.0 - lam) * f_knn
+        table_erm[:, :kp] = xp.where(ids >= 0, xp.astype(es, xp.float32), 0.0)
+        if rescore:
+            table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, u_row[x], u_doc[x])
+    return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot % ki.shape[1],
+                          xp.astype(ks, xp.float32).reshape(-1)[slot], y)
 
-    # per-query top-k over variable-length segments (keys sorted => docs ascending per query)
-    counts = torch.bincount(cand_batch, minlength=b)
-    seg_start = torch.cumsum(counts, 0) - counts
-    col = torch.arange(uniq.numel(), device=device) - seg_start[cand_batch]
-    width = max(int(counts.max()) if b else 0, 1)
-    table = torch.full((b, width), float("-inf"), device=device)
-    table[cand_batch, col] = fused
-    doc_table = torch.full((b, width), -1, dtype=torch.long, device=device)
-    doc_table[cand_batch, col] = cand_doc
-    scores, cols = topk_rows(table, topk)
-    ids = torch.where(cols >= 0, doc_table.gather(1, cols.clamp_min(0)), -1)
-    scores = torch.where(ids >= 0, scores, float("-inf"))
-    return scores, ids
+
+def _nonzero2(mask: Array) -> tuple[Array, Array]:
+    """Row and column numbers of the True cells of a (B, C) mask, row-major."""
+    xp = ops(mask)
+    flat = xp.flatnonzero(mask)
+    return flat // max(mask.shape[1], 1), flat % max(mask.shape[1], 1)
+
+
+def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
+    """Top-``k`` of each row of a candidate table: scores (B, W) float32 (-inf: no
+    candidate), ids (B, W) int64 distinct per row -> (B, k) scores descending, equal scores by
+    ascending id, and ids; where several candidates tie at the k-th score, the lowest ids are
+    kept; -1 / -inf padded. One k-th-value pass over the table; only rows with more ties at the
+    k-th score than places left sort their tied ids."""
+    xp = ops(scores)
+    b, w = scores.shape
+    out_s = xp.full((b, k), float("-inf"), xp.float32, scores)
+    out_i = xp.full((b, k), -1, xp.int64, scores)
+    kk = min(k, w)
+    if kk == 0 or b == 0:
+        return out_s, out_i
+    kth = xp.kth_largest(scores, kk)[:, None]
+    take = scores > kth
+    tied = (scores == kth) & (scores > float("-inf"))
+    need = kk - take.sum(1)
+    crowded = xp.flatnonzero(tied.sum(1) > need)
+    if len(crowded):  # keep the ``need`` lowest tied ids of these rows
+        tid = xp.where(tied[crowded], ids[crowded], 2**62)
+        cut = xp.take_along(xp.sort_rows(tid, False), (need[crowded] - 1)[:, None])
+        tied[crowded] &= ids[crowded] <= cut
+    r, c = _nonzero2(take | tied)  # at most kk per row, row-major
+    first = xp.cumsum(xp.bincount(r, b))
+    rank = xp.arange(len(r), scores) - (first - xp.bincount(r, b))[r]
+    sel_s = xp.full((b, kk), float("-inf"), xp.float32, scores)
+    sel_i = xp.full((b, kk), -1, xp.int64, scores)
+    sel_s[r, rank], sel_i[r, rank] = scores[r, c], ids[r, c]
+    order = xp.order_rows(sel_s, xp.where(sel_i >= 0, sel_i, 2**62))
+    out_s[:, :kk] = xp.take_along(sel_s, order) + 0.0  # -0.0 -> 0.0
+    out_i[:, :kk] = xp.take_along(sel_i, order)
+    return out_s, out_i
+
+
+def fuse(queries: Array, docs: Array, rows: RelevanceRows, erm: tuple[Array, Array],
+         knn: tuple[Array, Array], *, lam: float, divisor: float, rescore: bool,
+         erm_exact: bool, topk: int) -> tuple[Array, Array]:
+    """The fused top-``topk`` of each query (arguments as :func:`candidate_table`; every
+    neighbour of ``knn`` votes with weight s / ``divisor``): (B, topk) float32 scores and int64
+    ids of ``erm``'s kind, ties to the lower id, -1 / -inf padded."""
+    table = candidate_table(queries, docs, rows, erm, knn, rescore=rescore, erm_exact=erm_exact)
+    return table.topk(lam, table.knn_scores(knn[1].shape[1], divisor), topk)

@@ -21,18 +21,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 
-from . import fuse_kernels
+from . import export, persist, training, updates
 from .aggregate import normalize_rows, pifa
-from .arrays import (as_embeddings, as_tensor, check_positive_int, csr_tensors, resolve_device,
-                     to_numpy)
+from .arrays import as_embeddings, as_tensor, check_positive_int, resolve_device, to_numpy
 from .errors import FormatError, InputError
-from .fuse import fuse_scores
+from .fuse import Array, RelevanceRows, candidate_table, ops
 from .index import Index, backend_class, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
 from .relevance import Relevance, as_relevance
@@ -116,6 +115,10 @@ class _Model:
     # attributes model.save() writes and pefa_gpu.load() restores (stored by type: see persist.py)
     _saved: tuple[str, ...] = ("dim", "n_docs", "index")
     _indices: tuple[str, ...] = ("index",)  # attributes holding this model's indices
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        persist.register_model(cls)  # pefa_gpu.load finds the class by its name
 
     def __init__(self, *, backend: str = "exact", device: Any = None,
                  index_params: Params | dict | None = None,
@@ -225,16 +228,20 @@ class _Model:
             self._index_search_class.coerce(index)
         return own, index
 
-    def _new_index(self) -> Index:
+    def new_index(self) -> Index:
+        """An empty index of the model's backend, build settings, search defaults and device."""
         return make_index(self.backend, self.device, self.index_params,
                           search_params=self.index_search_params)
 
-    def _check_fitted(self) -> None:
+    def check_fitted(self) -> None:
+        """InputError unless the model has been fitted (or loaded)."""
         if not self.n_docs:
             raise InputError(f"{type(self).__name__} is not fitted: call fit() first")
 
-    def _queries(self, queries: Any, check: bool | None = None) -> torch.Tensor:
-        self._check_fitted()
+    def as_queries(self, queries: Any, check: bool | None = None) -> torch.Tensor:
+        """Queries as the model searches them: (B, d) float32 on its device, detached; ``check``
+        as in :meth:`search`."""
+        self.check_fitted()
         if check is None:  # reading the values would synchronise a CUDA device: not there
             check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
         q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
@@ -268,16 +275,19 @@ class _Model:
         The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
         inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS then search
         a CUDA batch with no device-to-host synchronisation at all. PEFAXL's fusion does
-        synchronise (candidate sets of data-dependent size: torch.unique, masks, the widest
-        row), a few times per batch of 256 queries; its :meth:`score` does not.
+        synchronise (candidate sets of data-dependent size), a few times per batch; its
+        :meth:`score` does not.
         """
         topk = check_positive_int(topk, "topk")
         model_sp, index_sp = (self.search_params, None) if params is None else \
             self._split_search_params(params)
         if check is None:  # reading the values would synchronise a CUDA device: not there
             check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
-        return self._search(self._queries(queries, check), topk, model_sp, index_sp,
-                            checked=check)
+        q = self.as_queries(queries, check)
+        if q.shape[0] == 0:
+            return (torch.full((0, topk), float("-inf"), device=self.device),
+                    torch.full((0, topk), -1, dtype=torch.long, device=self.device))
+        return self._search(q, topk, model_sp, index_sp, checked=check)
 
     def _search(self, q: torch.Tensor, topk: int, model_sp: Params, index_sp: Params | None,
                 checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,44 +298,59 @@ class _Model:
     def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
         """(B, d) queries (may require grad), (B, K) int64 ids (-1 = padding) -> (B, K) PEFA
         scores, differentiable w.r.t. the queries, -inf at padding. See pefa_gpu.training."""
-        from .training import score
-
-        return score(self, queries, ids, check=check)
+        return training.score(self, queries, ids, check=check)
 
     def add_documents(self, P_new: Any) -> "_Model":
         """Append (r, d) documents (ids n .. n+r-1) without a refit. See pefa_gpu.updates."""
-        from .updates import add_documents
-
-        return add_documents(self, P_new)
+        return updates.add_documents(self, P_new)
 
     def add_pairs(self, Q_new: Any, Y_new: Any) -> "_Model":
         """PEFAXS / PEFAXL: add training queries (m', d) with relevance (m' x n) without a
         refit; equal to refitting on all the data. See pefa_gpu.updates."""
-        from .updates import add_pairs
-
-        return add_pairs(self, Q_new, Y_new)
+        return updates.add_pairs(self, Q_new, Y_new)
 
     def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path:
-        """Write a faiss IndexHNSWCagra (graph built on the model's device) that a CPU-only
-        machine opens with ``faiss.read_index``; PEFAXL writes a directory with both indices.
-        See :func:`pefa_gpu.export.export_model` (kwargs: M, method, ef_search, ...)."""
-        from .export import export_model
-
-        return export_model(self, path, **kwargs)
+        """Write a faiss HNSW index that a CPU-only machine opens with ``faiss.read_index``;
+        PEFAXL writes a directory with both indices. See :func:`pefa_gpu.export.export_model`
+        (kwargs: M, method, ef_search, ...)."""
+        return export.export_model(self, path, **kwargs)
 
     def save(self, directory: str | Path) -> None:
         """Write the fitted model into ``directory`` atomically (replacing an earlier save
         there only once the new one is complete); read it back with :func:`pefa_gpu.load`."""
-        from .persist import save_model
-
-        save_model(self, directory)
+        persist.save_model(self, directory)
 
     @classmethod
     def load(cls, directory: str | Path, device: Any = None, mmap: bool = False) -> "_Model":
         """Like :func:`pefa_gpu.load`, but the save must hold this class (else FormatError)."""
-        from .persist import load_model
+        return persist.load_model(directory, device=device, mmap=mmap, expect=cls)
 
-        return load_model(directory, device=device, mmap=mmap, expect=cls)
+    # -- hooks: what each model does its own way (training, updates, export, persist call them)
+
+    def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The model's score of documents ``ids`` (B, K) (valid ids) for ``q`` (B, d),
+        differentiable w.r.t. ``q``: here <q, p_j>."""
+        return training.inner(q, self.doc_embeddings[ids])
+
+    def _append_documents(self, p: torch.Tensor) -> None:
+        """Take r new documents (r, d) (ids n .. n+r-1); the caller then sets n_docs."""
+        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
+        self.index.add(p)
+
+    def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
+        """Take m' training queries (m', d) with their relevance (m' x n)."""
+        raise InputError(f"add_pairs() needs a PEFAXS or PEFAXL model, got "
+                         f"{type(self).__name__} (ERM has no training pairs)")
+
+    def _exported(self) -> Any:
+        """What :func:`pefa_gpu.export.export_model` writes: (vectors, index) for one file, or
+        a dict of file names to (vectors, index), scipy matrices or JSON tables."""
+        return export.index_vectors(self.index), self.index
+
+    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
+        """(rows or None, columns) of each saved array or index, checked on load."""
+        n, d = self.n_docs, self.dim
+        return {"index": (n, d), "doc_embeddings": (n, d)}
 
     def _restore(self) -> None:
         """Rebuild state derived from the ``_saved`` attributes after a load."""
@@ -342,7 +367,7 @@ class ERM(_Model):
         """P: (n, d) document embeddings."""
         p, _, _ = self._embeddings(P)
         self.doc_embeddings = p  # for score() and add_documents()
-        self.index = self._new_index().build(p)
+        self.index = self.new_index().build(p)
         self.dim, self.n_docs = p.shape[1], p.shape[0]
         return self
 
@@ -364,7 +389,7 @@ class PEFAXS(_Model):
             rel, q = Relevance(sp.vstack([eye, rel.csr], format="csr")), torch.cat([p, q])
         sums = pifa(rel, q, normalize=False, device=self.device)
         self.doc_embeddings, self.doc_sums = p, sums
-        self.index = self._new_index().build(self.xs_embeddings())
+        self.index = self.new_index().build(self.xs_embeddings())
         self.dim, self.n_docs = p.shape[1], p.shape[0]
         return self
 
@@ -373,6 +398,43 @@ class PEFAXS(_Model):
         lam = self.params.lam if lam is None else lam
         check_unit_interval(lam, "lam")
         return lam * self.doc_embeddings.float() + (1.0 - lam) * normalize_rows(self.doc_sums)
+
+    def xs_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (any shape, valid) of :meth:`xs_embeddings` -> (*ids.shape, d)
+        float32, computed row by row exactly as there."""
+        flat = ids.reshape(-1)
+        lam = self.params.lam
+        e = lam * self.doc_embeddings[flat].float() + (1.0 - lam) * normalize_rows(
+            self.doc_sums[flat])
+        return e.reshape(*ids.shape, -1)
+
+    def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return training.inner(q, self.xs_rows(ids))
+
+    def _append_documents(self, p: torch.Tensor) -> None:
+        n0 = self.doc_embeddings.shape[0]
+        sums = torch.zeros(p.shape[0], p.shape[1], device=p.device)
+        if self.params.augment_docs:
+            sums = sums + p.float()  # 0 + p, as fit's sparse product gives
+        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
+        self.doc_sums = torch.cat([self.doc_sums, sums])
+        self.index.add(self.xs_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+
+    def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
+        touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
+        if touched.numel():
+            try:
+                self.index.update(touched, self.xs_rows(touched))
+            except NotImplementedError:
+                log.info("backend %r cannot update rows: rebuilding the index of %d documents "
+                         "for %d changed ones", self.backend, self.n_docs, touched.numel())
+                self.index = self.new_index().build(self.xs_embeddings())
+
+    def _exported(self) -> Any:
+        return self.xs_embeddings(), self.index
+
+    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
+        return {**super()._saved_shapes(), "doc_sums": (self.n_docs, self.dim)}
 
 
 class PEFAXL(_Model):
@@ -393,17 +455,28 @@ class PEFAXL(_Model):
         makes anyway (see :meth:`neighbours`).
         """
         p, q, rel = self._embeddings(P, Q, Y)
-        n = p.shape[0]
-        y = rel.csr
-        if self.params.augment_docs:
-            y = sp.vstack([y, sp.identity(n, dtype="float32", format="csr")], format="csr")
         self.doc_embeddings = p
-        self.relevance = Relevance(y)
-        self._y = csr_tensors(self.relevance.csr, self.device)
-        self.index = self._new_index().build(p)
-        self.query_index = self._new_index().build(q)
-        self.dim, self.n_docs = p.shape[1], n
+        self.index = self.new_index().build(p)
+        self.query_index = self.new_index().build(q)
+        self.dim, self.n_docs = p.shape[1], p.shape[0]
+        self._set_relevance(rel.csr)
         return self
+
+    def _set_relevance(self, y_train: sp.csr_matrix) -> None:
+        """Install Y from its training block (m x n): stacked over the identity with
+        ``augment_docs``, and its derived state (:attr:`relevance_rows`) with it."""
+        y = y_train
+        if self.params.augment_docs:
+            eye = sp.identity(y_train.shape[1], dtype="float32", format="csr")
+            y = sp.vstack([y_train, eye], format="csr")
+        self.relevance = Relevance(y)
+        self.relevance_rows = RelevanceRows(self.relevance, self.device)
+
+    def _train_block(self, n_cols: int) -> sp.csr_matrix:
+        """The training block of Y (m x n_cols, the columns beyond n_docs empty)."""
+        m = self.n_train_queries
+        y = self.relevance.csr[:m]
+        return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(m, n_cols))
 
     @property
     def n_train_queries(self) -> int:
@@ -413,8 +486,8 @@ class PEFAXL(_Model):
     def neighbours(self, q: torch.Tensor, k: int,
                    erm: tuple[torch.Tensor, torch.Tensor] | None = None,
                    params: Params | dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k nearest training queries N of each query: (B, k) scores and ``relevance`` row
-        ids (-1 padded), ties to the lower row.
+        """The k nearest training queries N of each query: (B, K) scores and ``relevance`` row
+        ids (-1 padded), ties to the lower row; K = min(k, the rows the indices hold).
 
         Without ``augment_docs`` this is the query index's top-k. With it, the candidate rows
         are the training queries (rows < m) and the documents (row m + j), and the top-k over
@@ -423,23 +496,31 @@ class PEFAXL(_Model):
         at least k results (its first k are used), else one is made here. ``params``: the
         backend's search settings for both indices (None: their defaults).
         """
-        s_q, i_q = self.query_index.search(q, k, params)
+        host = q.device.type == "cpu"
+        if erm is not None and host:
+            erm = (to_numpy(erm[0]), to_numpy(erm[1]))
+        out = self._neighbours(q, k, erm, params, host)
+        return (as_tensor(out[0]), as_tensor(out[1])) if host else out
+
+    def _neighbours(self, q: torch.Tensor, k: int, erm: tuple[Array, Array] | None,
+                    params: Params | dict | None, host: bool, checked: bool = True
+                    ) -> tuple[Array, Array]:
+        """:meth:`neighbours` as numpy arrays when ``host``, else tensors (``erm`` alike)."""
+        m, n = self.n_train_queries, self.n_docs
+        knn = _index_search(self.query_index, q, min(k, m), params, host, checked)
         if not self.params.augment_docs:
-            return s_q, i_q
-        if erm is None or erm[1].shape[1] < k:
-            erm = self.index.search(q, k, params)
-        s_p, i_p = erm[0][:, :k], erm[1][:, :k]
-        m = self.n_train_queries
+            return knn
+        k = min(k, m + n)
+        if erm is None or erm[1].shape[1] < min(k, n):
+            erm = _index_search(self.index, q, min(k, n), params, host, checked)
         # both lists are sorted (score descending, ties to the lower row) and every query row
         # is below every document row, so one stable sort of [queries, documents] merges them
-        if q.device.type == "cpu":  # numpy: faster than torch's cat / argsort / gather here
-            merged = _merge_neighbours_host((to_numpy(s_q), to_numpy(i_q)),
-                                            (to_numpy(s_p.float()), to_numpy(i_p)), m, k)
-            return tuple(map(as_tensor, merged))
-        i_p = torch.where(i_p >= 0, i_p + m, -1)
-        scores, rows = torch.cat([s_q, s_p.float()], 1), torch.cat([i_q, i_p], 1)
-        order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
-        return scores.gather(1, order), rows.gather(1, order)
+        xp = ops(knn[1])
+        i_p = erm[1][:, :k]
+        scores = xp.cat([knn[0], xp.astype(erm[0][:, :k], xp.float32)], 1)
+        rows = xp.cat([knn[1], xp.where(i_p >= 0, i_p + m, -1)], 1)
+        order = xp.argsort_desc(scores)[:, :k]
+        return xp.take_along(scores, order), xp.take_along(rows, order)
 
     def neighbour_vectors(self, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``relevance`` rows (any shape, valid ids) -> (*rows.shape, d) float32:
@@ -452,13 +533,6 @@ class PEFAXL(_Model):
             out = torch.where((flat >= m).unsqueeze(1), docs, out)
         return out.reshape(*rows.shape, -1)
 
-    def _restore(self) -> None:
-        if self.query_index.ntotal != self.n_train_queries:
-            raise FormatError(f"PEFAXL save: the query index holds {self.query_index.ntotal} "
-                              f"rows but Y has {self.n_train_queries} training queries (a save "
-                              f"from an older pefa_gpu that indexed the documents twice): refit")
-        self._y = csr_tensors(self.relevance.csr, self.device)
-
     # search the passage index for topk + PRUNE_MARGIN candidates instead of ``candidates``
     # where that provably gives the same result (see _search); False: always ``candidates``
     prune_candidates: bool = True
@@ -469,12 +543,12 @@ class PEFAXL(_Model):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         r"""Passage search, neighbours, fusion, with exact candidate pruning. ``model_sp``: the
         model's search settings (``candidates``); ``index_sp``: the backend's, for both indices
-        (None: their defaults).
+        (None: their defaults). A CPU batch is searched and fused as numpy arrays.
 
-        Let Kp = ``candidates`` and K' = max(topk + PRUNE_MARGIN, k); pruning is tried only
-        when K' < Kp. Let C' be the first K' results of the passage search (a prefix of its
-        top-Kp list C: ERM score descending, ties to the lower id). Claim: when (a)
-        ``rescore`` is on, (b) lam > 0 and (c) every kNN
+        Let Kp = min(``candidates``, the documents) and K' = max(topk + PRUNE_MARGIN, k);
+        pruning is tried only when K' < Kp. Let C' be the first K' results of the passage
+        search (a prefix of its top-Kp list C: ERM score descending, ties to the lower id).
+        Claim: when (a) ``rescore`` is on, (b) lam > 0 and (c) every kNN
         contribution w(s_i) Y[i, j] of the neighbours found is >= 0 (neighbour scores >= 0 and
         Y >= 0), and (d) fl(lam e_K') < fl(lam e_topk) for the ERM scores e at positions K'
         and topk of C' (or the index holds fewer than K' rows, all in C'), fusing with C' in
@@ -485,7 +559,7 @@ class PEFAXL(_Model):
         Proof. Both runs have the same candidates except the documents j in C \ C' that no
         neighbour votes for, and give every common candidate the same fused score (rescore:
         f_erm = <q, p_j> whether or not j is an ERM candidate; f_knn does not depend on C). Such
-        a j scores fl(lam e_j) (f_knn = 0; the kernel computes exactly fl(lam * e)), and
+        a j scores fl(lam e_j) (f_knn = 0; the fusion computes exactly fl(lam * e)), and
         e_j <= e_K' since C' is a prefix of C. Every one of the first topk documents j' of C'
         has e_j' >= e_topk and fused score fl(fl(lam e_j') + fl((1 - lam) f_knn(j'))) >=
         fl(lam e_j') >= fl(lam e_topk) > fl(lam e_K') >= fl(lam e_j): rounding is monotone,
@@ -504,108 +578,32 @@ class PEFAXL(_Model):
         own settings (HNSW: ef = max(ef_search, K')), the same approximation as any top-K'
         request to them.
         """
-        p, kp = self.params, model_sp.candidates
+        p, host = self.params, q.device.type == "cpu"
+        kp = min(model_sp.candidates, self.index.ntotal)
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
-                    and getattr(self.index, "exact_scores", False)
-                    and self._relevance_nonnegative())
-        if q.shape[0] and _host_batch(q):
-            return self._search_host(q, topk, prunable, kt, kp, index_sp, checked)
-        erm = self.index.search(q, kt if prunable else kp, index_sp)
-        knn = self.neighbours(q, p.k, erm, index_sp)
-        out = self.fuse(q, erm, knn, topk)
-        if not prunable:
-            return out
-        rest = self._unprunable(erm, knn, topk)  # (c) or (d) fails: these get all Kp candidates
-        if rest.numel():
-            qr = q[rest]
-            out[0][rest], out[1][rest] = self.fuse(qr, self.index.search(qr, kp, index_sp),
-                                                   (knn[0][rest], knn[1][rest]), topk)
-        return out
-
-    def _search_host(self, q: torch.Tensor, topk: int, prunable: bool, kt: int, kp: int,
-                     index_sp: Params | None, checked: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_search` for a small CPU batch (1 .. NUMPY_MAX_BATCH queries), step for step
-        on numpy arrays (same results to the bit): searches, neighbour merge, fusion and the
-        pruning test each cost a few microseconds per op instead of torch's ~5-10, and the
-        result becomes a tensor once, at the end."""
-        p = self.params
-        qn = to_numpy(q)
-
-        def search(index: Index, qt: torch.Tensor, qa: np.ndarray, k: int):
-            return _index_search_host(index, qt, qa, k, checked, index_sp)
-        erm = search(self.index, q, qn, kt if prunable else kp)
-        knn = search(self.query_index, q, qn, p.k)
-        if p.augment_docs:
-            erm_k = search(self.index, q, qn, p.k) if erm[1].shape[1] < p.k else erm
-            knn = _merge_neighbours_host(knn, erm_k, self.n_train_queries, p.k)
-        rest = np.zeros(0, dtype=np.int64)
+                    and self._erm_exact and self.relevance_rows.nonnegative)
+        erm = _index_search(self.index, q, kt if prunable else kp, index_sp, host, checked)
+        knn = self._neighbours(q, p.k, erm, index_sp, host, checked)
+        rest = ops(erm[1]).arange(0, erm[1])
         if prunable:  # rows where pruning is not provably exact get all Kp candidates
-            rest = _unprunable_host(erm, knn, topk, p.lam, self.index.ntotal <= erm[1].shape[1])
-            if rest.size == len(qn):  # all of them (a single query, say): one search, one fusion
-                erm = search(self.index, q, qn, kp)
-                rest = rest[:0]
-        out = self._fuse_host(qn, erm, knn, topk)
-        if rest.size:
-            qr = q[as_tensor(rest)]
-            s, i = self._fuse_host(qn[rest], search(self.index, qr, qn[rest], kp),
-                                   (knn[0][rest], knn[1][rest]), topk)
+            rest = _unprunable(erm, knn, topk, p.lam, self.index.ntotal <= erm[1].shape[1])
+            if len(rest):
+                full = _index_search(self.index, q[as_tensor(rest)], kp, index_sp, host, checked)
+                if len(rest) == q.shape[0]:  # all of them (a single query, say): one fusion
+                    erm, rest = full, rest[:0]
+        qa = to_numpy(q) if host else q
+        out = self._fuse(qa, *erm, *knn, (p.lam,), (p.k,), topk)[(p.lam, p.k)]
+        if len(rest):
+            s, i = self._fuse(qa[rest], *full, knn[0][rest], knn[1][rest], (p.lam,), (p.k,),
+                              topk)[(p.lam, p.k)]
             out[0][rest], out[1][rest] = s, i
-        return as_tensor(out[0], device=self.device), as_tensor(out[1], device=self.device)
+        return (as_tensor(out[0]), as_tensor(out[1])) if host else out
 
-    def _fuse_host(self, qn: np.ndarray, erm: tuple[np.ndarray, np.ndarray],
-                   knn: tuple[np.ndarray, np.ndarray], topk: int, lam: float | None = None,
-                   k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`fuse` on numpy queries and searches (a small CPU batch), numpy (writable)
-        result; Y and P come from :meth:`_host_arrays`, built once per model."""
-        p = self.params
-        lam = p.lam if lam is None else lam
-        k = p.k if k is None else k
-        divisor = float(k) if p.knn_norm == "k" else 1.0
-        exact = bool(getattr(self.index, "exact_scores", False))
-        y, docs = self._host_arrays()
-        out = fuse_kernels.fused_topk_host(
-            qn, docs, y, erm[0], erm[1], knn[0][:, :k], knn[1][:, :k], lam=lam,
-            knn_weight_divisor=divisor, rescore=p.rescore, topk=topk, erm_exact=exact)
-        if out is None:  # a repeated ERM id (or ids beyond 31 bits): the general path
-            t = tuple(map(as_tensor, (qn, *erm, knn[0][:, :k], knn[1][:, :k])))
-            out = fuse_scores(t[0], self.doc_embeddings, *self._y, *t[1:], lam=lam,
-                              knn_weight_divisor=divisor, rescore=p.rescore, topk=topk,
-                              erm_exact=exact, kernel="general")
-            out = to_numpy(out[0]), to_numpy(out[1])
-        return out
-
-    def _host_arrays(self) -> tuple[fuse_kernels.HostCSR, Any]:
-        """Y and the document vectors as the host fusion reads them (cached per Y and P)."""
-        cached = self.__dict__.get("_host_cache")
-        if cached is None or cached[0] is not self._y or cached[1] is not self.doc_embeddings:
-            cached = (self._y, self.doc_embeddings, fuse_kernels.HostCSR(*self._y),
-                      fuse_kernels.host_docs(self.doc_embeddings))
-            self._host_cache = cached
-        return cached[2], cached[3]
-
-    def _relevance_nonnegative(self) -> bool:
-        """True when every stored Y entry is >= 0 (cached per Y)."""
-        cached = self.__dict__.get("_y_nonneg")
-        if cached is None or cached[0] is not self._y:
-            cached = (self._y, bool((self._y[2] >= 0).all()))
-            self._y_nonneg = cached
-        return cached[1]
-
-    def _unprunable(self, erm: tuple[torch.Tensor, torch.Tensor],
-                    knn: tuple[torch.Tensor, torch.Tensor], topk: int) -> torch.Tensor:
-        """Row numbers (int64) where (c) or (d) of :meth:`_search` fails on a top-K' passage
-        search ``erm`` and the neighbours ``knn``. (d) compares fl(lam e) as the fusion computes
-        it (float32 lam times the float32 score; numpy and torch round alike)."""
-        found_all = self.index.ntotal <= erm[1].shape[1]  # every row is a candidate already
-        scores, ids = erm
-        lam = self.params.lam
-        last = lam * scores[:, -1].float()
-        bound = lam * scores[:, topk - 1].float()
-        ok = ((knn[0] >= 0) | (knn[1] < 0)).all(1) & torch.where(ids[:, -1] >= 0, last < bound,
-                                                                 found_all)
-        return (~ok).nonzero().squeeze(1)
+    @property
+    def _erm_exact(self) -> bool:
+        """The passage index's scores are exact fp32 inner products."""
+        return bool(getattr(self.index, "exact_scores", False))
 
     def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
              knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
@@ -613,48 +611,134 @@ class PEFAXL(_Model):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fuse precomputed searches: erm = (scores, ids) (B, Kp) from the passage index,
         knn = (scores, relevance rows) (B, K) from :meth:`neighbours` (not the query index
-        alone: with augment_docs the documents are neighbours too), K >= k. ``lam`` / ``k``
-        override the model's (a sweep searches once at the largest k and fuses many times).
-        ``batch_size``: queries per fusion step (default 256 on CUDA, 4096 on the CPU, where
-        each step's memory is small and per-step overhead is what counts)."""
-        if batch_size is None:
-            batch_size = 4096 if q.device.type == "cpu" else 256
+        alone: with augment_docs the documents are neighbours too), K >= k (or all the rows the
+        indices hold). ``lam`` / ``k`` override the model's. ``batch_size``: queries per
+        fusion step (default 256 on CUDA, 4096 on the CPU)."""
         lam = self.params.lam if lam is None else lam
         k = self.params.k if k is None else k
         check_unit_interval(lam, "lam")
         check_positive(k, "k")
-        if k > knn[1].shape[1]:
-            raise InputError(f"k={k} but only {knn[1].shape[1]} neighbours were searched")
-        if q.shape[0] and _host_batch(q):  # the numpy path, with Y prepared once per model
-            s, i = self._fuse_host(to_numpy(q), (to_numpy(erm[0]), to_numpy(erm[1])),
-                                   (to_numpy(knn[0]), to_numpy(knn[1])), topk, lam, k)
-            return as_tensor(s), as_tensor(i)
-        divisor = float(k) if self.params.knn_norm == "k" else 1.0
-        out_s, out_i = [], []
-        for s in range(0, q.shape[0], batch_size):
-            sl = slice(s, s + batch_size)
-            scores, ids = fuse_scores(
-                q[sl], self.doc_embeddings, *self._y, erm[0][sl], erm[1][sl],
-                knn[0][sl, :k], knn[1][sl, :k], lam=lam, knn_weight_divisor=divisor,
-                rescore=self.params.rescore, topk=topk,
-                erm_exact=bool(getattr(self.index, "exact_scores", False)))
-            out_s.append(scores)
-            out_i.append(ids)
-        if len(out_s) == 1:
-            return out_s[0], out_i[0]
-        if not out_s:
-            return (torch.empty(0, topk, device=self.device),
-                    torch.empty(0, topk, dtype=torch.long, device=self.device))
-        return torch.cat(out_s), torch.cat(out_i)
+        return self.fuse_grid(q, erm, knn, (lam,), (k,), topk, batch_size)[(lam, k)]
+
+    def fuse_grid(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
+                  knn: tuple[torch.Tensor, torch.Tensor], lams: Sequence[float],
+                  ks: Sequence[int], topk: int, batch_size: int | None = None
+                  ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` from the same searches
+        (``knn`` with max(ks) neighbours): per batch the candidate table is built once, the
+        kNN scores once per k and only the mix and top-k per (lam, k) (see pefa_gpu.fuse).
+        Returns {(lam, k): ((B, topk) float32 scores, int64 ids)} on q's device."""
+        topk = check_positive_int(topk, "topk")
+        self.check_fitted()
+        if knn[1].shape[1] < min(max(ks), self._neighbour_rows):
+            raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
+        host = q.device.type == "cpu"
+        arrays = [q, *erm, *knn]
+        out = self._fuse(*[to_numpy(x) if host else x for x in arrays], lams, ks, topk,
+                         batch_size)
+        return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
+
+    @property
+    def _neighbour_rows(self) -> int:
+        """The rows a neighbour search can find: m training queries (+ n documents)."""
+        return self.relevance.shape[0]
+
+    def _fuse(self, q: Array, erm_scores: Array, erm_ids: Array, knn_scores: Array,
+              knn_rows: Array, lams: Sequence[float], ks: Sequence[int], topk: int,
+              batch_size: int | None = None) -> dict[tuple[float, int], tuple[Array, Array]]:
+        """The fusion core over a batch of arrays of one kind (numpy or torch; see
+        :meth:`fuse_grid`), ``batch_size`` queries at a time (default 4096 for numpy, 256 for
+        torch)."""
+        xp, p = ops(erm_ids), self.params
+        step = batch_size or (4096 if isinstance(q, np.ndarray) else 256)
+        docs = to_numpy(self.doc_embeddings) if isinstance(q, np.ndarray) else \
+            self.doc_embeddings
+        kmax = max(ks)
+        parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
+        for s in range(0, len(erm_ids), step):
+            b = slice(s, s + step)
+            table = candidate_table(q[b], docs, self.relevance_rows,
+                                    (erm_scores[b], erm_ids[b]),
+                                    (knn_scores[b, :kmax], knn_rows[b, :kmax]),
+                                    rescore=p.rescore, erm_exact=self._erm_exact)
+            for k in ks:
+                f_knn = table.knn_scores(k, float(k) if p.knn_norm == "k" else 1.0)
+                for lam in lams:
+                    parts[(lam, k)].append(table.topk(lam, f_knn, topk))
+        if not len(erm_ids):
+            return {key: (xp.full((0, topk), float("-inf"), xp.float32, erm_ids),
+                          xp.full((0, topk), -1, xp.int64, erm_ids)) for key in parts}
+        return {key: (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v]))
+                for key, v in parts.items()}
+
+    def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """lam f_erm + (1 - lam) f_knn: the k neighbours (and, without rescore, the ERM
+        candidates C) chosen without gradient, the weights w(s_i) = <q, q_i> / k and f_erm =
+        <q, p_j> with it."""
+        p = self.params
+        f_erm = training.inner(q, self.doc_embeddings[ids])
+        if not p.rescore:  # f_erm is 0 outside the ERM candidates C
+            _, cand = self.index.search(q.detach(), self.search_params.candidates)
+            in_c = (ids.unsqueeze(2) == cand.unsqueeze(1)).any(2)
+            f_erm = torch.where(in_c, f_erm, torch.zeros((), dtype=q.dtype, device=q.device))
+        _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded
+        valid = nbr >= 0
+        s = training.inner(q, self.neighbour_vectors(nbr.clamp_min(0)))  # (B, K), with grad
+        w = torch.where(valid, s / (float(p.k) if p.knn_norm == "k" else 1.0), 0.0)
+        y = self.relevance_rows.values(nbr.clamp_min(0), ids).to(q.dtype)  # (B, K, K')
+        return p.lam * f_erm + (1.0 - p.lam) * (w.unsqueeze(2) * y).sum(1)
+
+    def _append_documents(self, p: torch.Tensor) -> None:
+        y_train = self._train_block(self.n_docs + p.shape[0])
+        super()._append_documents(p)
+        self._set_relevance(y_train)
+
+    def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
+        y_train = sp.vstack([self._train_block(self.n_docs), rel.csr], format="csr")
+        self.query_index.add(q)
+        self._set_relevance(y_train)
+
+    def _exported(self) -> Any:
+        return {"passages.faiss": (self.doc_embeddings, self.index),
+                "queries.faiss": (export.index_vectors(self.query_index), self.query_index),
+                "relevance.npz": self.relevance.csr,
+                "export.json": {
+                    "model": "PEFAXL", "params": self.params.to_dict(), "n_docs": self.n_docs,
+                    "dim": self.dim, "passages": "passages.faiss", "queries": "queries.faiss",
+                    "relevance": "relevance.npz", "n_train_queries": self.n_train_queries,
+                    "documents_are_queries": self.params.augment_docs}}
+
+    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
+        return {**super()._saved_shapes(), "query_index": (None, self.dim),
+                "relevance": (None, self.n_docs)}
+
+    def _restore(self) -> None:
+        if self.query_index.ntotal != self.n_train_queries:
+            raise FormatError(f"PEFAXL save: the query index holds {self.query_index.ntotal} "
+                              f"rows but Y has {self.n_train_queries} training queries (a save "
+                              f"from an older pefa_gpu that indexed the documents twice): refit")
+        self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
 
-def _index_search_host(index: Index, q: torch.Tensor, qn: np.ndarray, k: int, checked: bool,
-                       params: Params | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """``index.search(q, k, params)`` as numpy arrays for a CPU batch ``q`` (``qn``: its numpy
-    view; ``checked``: already tested for NaN / inf); faiss backends skip the torch hand-off."""
-    if hasattr(index, "search_host"):
-        return index.search_host(qn, k, check_finite=not checked, params=params)
-    return tuple(map(to_numpy, index.search(q, k, params)))
+def _index_search(index: Index, q: torch.Tensor, k: int, params: Params | dict | None,
+                  host: bool, checked: bool = True) -> tuple[Array, Array]:
+    """``index.search(q, k, params)``: numpy arrays when ``host`` (faiss backends then skip the
+    torch hand-off; ``checked``: q was tested for NaN / inf already), else tensors."""
+    if host and hasattr(index, "search_host"):
+        return index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
+    scores, ids = index.search(q, k, params)
+    return (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
+
+
+def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, lam: float,
+                found_all: bool) -> Array:
+    """Row numbers where (c) or (d) of :meth:`PEFAXL._search` fails on a top-K' passage
+    search ``erm`` and the neighbours ``knn``. (d) compares fl(lam e) as the fusion computes
+    it (float32 lam times the float32 score)."""
+    (scores, ids), xp = erm, ops(erm[1])
+    found = ids[:, -1] >= 0
+    bound = (found & (lam * scores[:, -1] < lam * scores[:, topk - 1])) | (~found & found_all)
+    return xp.flatnonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))
 
 
 def _field_names(cls: type[Params]) -> set[str]:
@@ -670,40 +754,3 @@ def _search_keys(params: Any) -> set[str]:
     if isinstance(params, Params):
         return _field_names(type(params))
     return set()
-
-
-def _merge_neighbours_host(knn: tuple[np.ndarray, np.ndarray],
-                           erm: tuple[np.ndarray, np.ndarray], m: int,
-                           k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The numpy merge of :meth:`PEFAXL.neighbours`: query-index top-k ``knn`` and the first
-    k passage results ``erm`` (document j is relevance row m + j), numpy arrays -> top-k
-    (scores, rows)."""
-    i_p = erm[1][:, :k]
-    rows_p = i_p + m if i_p[:, -1].min() >= 0 else np.where(i_p >= 0, i_p + m, -1)
-    scores = np.concatenate((knn[0], erm[0][:, :k]), 1)
-    at = (np.arange(len(scores))[:, None], np.argsort(-scores, axis=1, kind="stable")[:, :k])
-    return scores[at], np.concatenate((knn[1], rows_p), 1)[at]
-
-
-def _unprunable_host(erm: tuple[np.ndarray, np.ndarray], knn: tuple[np.ndarray, np.ndarray],
-                     topk: int, lam: float, found_all: bool) -> np.ndarray:
-    """The test of :meth:`PEFAXL._unprunable` on numpy searches: row numbers (int64) where it
-    fails. A row at a time in Python: for the few rows of a host batch, scalar tests beat
-    numpy's per-call overhead. Both searches are sorted, so the last found entry holds the
-    smallest score."""
-    (s, ids), (ks, ki) = erm, knn
-    lam = np.float32(lam)
-    bad = []
-    for r in range(len(ids)):
-        last = int(np.count_nonzero(ki[r] >= 0)) - 1 if ki[r, -1] < 0 else ki.shape[1] - 1
-        knn_ok = last < 0 or ks[r, last] >= 0
-        bound_ok = lam * s[r, -1] < lam * s[r, topk - 1] if ids[r, -1] >= 0 else found_all
-        if not (knn_ok and bound_ok):
-            bad.append(r)
-    return np.array(bad, dtype=np.int64)
-
-
-def _host_batch(x: torch.Tensor) -> bool:
-    """A CPU batch small enough that numpy beats torch's per-op overhead (the threshold of
-    :func:`pefa_gpu.fuse_kernels.fused_topk`'s host path)."""
-    return x.device.type == "cpu" and x.shape[0] <= fuse_kernels.NUMPY_MAX_BATCH

@@ -11,12 +11,14 @@ A save is a directory (see :func:`pefa_gpu.storage.writing_save`)::
         relevance.npz          Relevance / scipy CSR
         index/, query_index/   whatever the backend's Index.save writes
 
-What a model saves is the tuple ``_saved`` on its class (attribute names, in models.py); each
-attribute is stored according to its type: torch tensor, :class:`~pefa_gpu.Relevance`, scipy
-sparse matrix, :class:`~pefa_gpu.index.Index`, or a JSON value. After the attributes are set
-on load, their shapes are cross-checked and the model's ``_restore()`` rebuilds derived state
-(e.g. PEFA-XL's CSR tensors). To save a new attribute, add its name to ``_saved``; to change how
-an old one is stored, bump ``storage.FORMAT_VERSION``.
+What a model saves is the tuple ``_saved`` on its class (attribute names); each attribute is
+stored according to its type: torch tensor, :class:`~pefa_gpu.Relevance`, scipy sparse
+matrix, :class:`~pefa_gpu.index.Index`, or a JSON value. After the attributes are set on
+load, their shapes are cross-checked against the model's ``_saved_shapes()`` and its
+``_restore()`` rebuilds derived state (e.g. PEFA-XL's Y rows). To save a new attribute, add its
+name to ``_saved``; to change how an old one is stored, bump ``storage.FORMAT_VERSION``. A model
+class is found by the name its save records, among the classes given to
+:func:`register_model` (every model class registers itself when it is defined).
 
 Loads of format_version 1 (a flat folder from pefa_gpu before the manifest checksum) still
 work, with a warning: their files are verified and their shapes checked, but an edit to their
@@ -41,6 +43,7 @@ import scipy.sparse as sp
 import torch
 
 from . import storage
+from ._version import __version__
 from .arrays import resolve_device
 from .errors import FormatError, InputError, MissingDependencyError
 from .index import Index, backend_class, backend_names
@@ -48,14 +51,19 @@ from .relevance import Relevance
 
 log = logging.getLogger("pefa_gpu")
 
+_MODELS: dict[str, type] = {}  # class name -> model class (see register_model)
+
+
+def register_model(cls: type) -> None:
+    """Make saves of class ``cls.__name__`` load as ``cls`` (the first class of a name stays)."""
+    _MODELS.setdefault(cls.__name__, cls)
+
 
 def save_model(model: Any, directory: str | Path) -> None:
     """Write a fitted model to ``directory`` atomically (see :func:`storage.writing_save`: an
     existing save there is replaced only once the new one is complete on disk, and nothing else
     in the folder is touched)."""
-    model._check_fitted()
-    from . import __version__
-
+    model.check_fitted()
     with storage.writing_save(directory) as w:
         state = {name: _save_value(w.data, name, _attribute(model, name))
                  for name in type(model)._saved}
@@ -85,13 +93,10 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
     hashing would read every mapped page).
     expect: a model class the save must be (a subclass of); else FormatError.
     """
-    from .models import _Model
-
     save = storage.open_save(directory, checksums=not mmap if verify is None else verify)
     manifest, where = save.manifest, save.where
     cls = _model_class(manifest.get("class"), where)
-    expect = expect or _Model
-    if not issubclass(cls, expect):
+    if expect is not None and not issubclass(cls, expect):
         raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
     state = _state_table(manifest, cls, where)
     backend = manifest.get("backend")
@@ -137,9 +142,7 @@ def _check_shapes(model: Any, where: Path) -> None:
     n, d = model.n_docs, model.dim
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, d)):
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
-    expected = {"index": (n, d), "query_index": (None, d), "doc_embeddings": (n, d),
-                "doc_sums": (n, d), "relevance": (None, n)}
-    for name, (rows, cols) in expected.items():
+    for name, (rows, cols) in model._saved_shapes().items():
         value = getattr(model, name, None) if name in type(model)._saved else None
         if value is None:
             continue
@@ -230,19 +233,11 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
 # ---------------------------------------------------------------------------- names -> classes
 
 def _model_class(name: Any, where: Path) -> type:
-    """The model class called ``name``: a subclass of _Model already imported (never imports
-    anything a manifest names)."""
-    from .models import _Model
-
-    found, todo = {}, [_Model]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            found.setdefault(sub.__name__, sub)
-            todo.append(sub)
-    if name not in found:
+    """The registered model class called ``name`` (never imports anything a manifest names)."""
+    if not isinstance(name, str) or name not in _MODELS:
         raise FormatError(f"{where} holds class {name!r}, which is not a pefa_gpu model "
-                          f"(known: {sorted(found)})")
-    return found[name]
+                          f"(known: {sorted(_MODELS)})")
+    return _MODELS[name]
 
 
 def _backend(name: Any, where: Path) -> type[Index]:

@@ -9,8 +9,8 @@
   backends build one index per λ.
 - XL: one passage search (top ``candidates``) and one query-index search at the largest k
   (the top-k of the query index is a prefix of its top-K under the ties-to-lower-id rule);
-  the candidates and ERM scores are formed once per query batch, the neighbour votes once per
-  k, and each λ only mixes and takes a top-k (the fusion of :meth:`PEFAXL.fuse`, shared).
+  :meth:`PEFAXL.fuse_grid` forms the candidate table once per query batch, the neighbour
+  votes once per k, and each λ only mixes and takes a top-k (the fusion core of search).
 
 Each configuration gives the same ranking as fitting and searching it on its own (up to float32
 rounding in XS, where λ multiplies scores instead of embeddings).
@@ -28,7 +28,6 @@ import torch
 from .aggregate import normalize_rows
 from .arrays import as_embeddings, check_positive_int, resolve_device
 from .errors import InputError
-from .fuse_kernels import _rowdots, neighbour_entries
 from .metrics import evaluate
 from .models import ERM, PEFAXL, PEFAXS
 from .params import check_positive, check_unit_interval
@@ -140,7 +139,7 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
             xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
                         augment_docs=augment_docs, search_params={"candidates": candidates},
                         **common).fit(P, Q, Y)
-            qq = xl._queries(q)
+            qq = xl.as_queries(q)
             shared.update(xl=xl, q=qq, erm=xl.index.search(qq, candidates))
         return shared
     try:
@@ -167,7 +166,7 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
                 sh = passage()
                 xl, qq = sh["xl"], sh["q"]
                 knn_res = xl.neighbours(qq, max(ks), sh["erm"])
-                results = _xl_grid(xl, qq, sh["erm"], knn_res, lams, ks, topk)
+                results = xl.fuse_grid(qq, sh["erm"], knn_res, lams, ks, topk)
                 _tick(timings, "xl", t0)
                 for (lam, k), (s, i) in results.items():
                     bar.update(1)
@@ -203,121 +202,12 @@ def _tick(timings: dict[str, float], key: str, t0: float) -> None:
     timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
 
-def _xl_grid(xl: PEFAXL, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
-             knn: tuple[torch.Tensor, torch.Tensor], lams: Sequence[float], ks: Sequence[int],
-             topk: int, batch_size: int = 256
-             ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
-    """Every (λ, k) of XL from one passage search ``erm`` (B, Kp) and one query-index search
-    ``knn`` (B, K), K = max(ks); keys in (k, λ) order.
-
-    The fusion of :meth:`PEFAXL.fuse` (DESIGN §1) with the work shared: per query batch the
-    candidates of the largest k (a superset of every smaller k's) and their ERM scores are
-    formed once; each k adds its first k neighbours' votes (weight s/k, or s) and each λ only
-    mixes ``λ f_erm + (1-λ) f_knn`` and takes a top-k (ties to the lower id). Documents that
-    are candidates only at a larger k are masked out. ERM scores come from the passage search
-    where the index reports exact scores, else from ``<q, p_j>`` (``rescore``), else 0
-    outside the ERM candidates.
-    """
-    indptr, indices, data = xl._y
-    p = xl.doc_embeddings
-    kmax = max(ks)
-    n_key = max(int(p.shape[0]), 1)
-    rescore = xl.params.rescore
-    erm_exact = bool(getattr(xl.index, "exact_scores", False))
-    dev = q.device
-    out: dict[tuple[float, int], list[tuple[torch.Tensor, torch.Tensor]]] = {
-        (lam, k): [] for k in ks for lam in lams}
-    w_erm, w_knn = _mix_weights(lams, dev)
-    for s in range(0, q.shape[0], batch_size):
-        sl = slice(s, s + batch_size)
-        qb, e_s, e_i = q[sl].float(), erm[0][sl], erm[1][sl]
-        n_s, n_i = knn[0][sl, :kmax], knn[1][sl, :kmax]
-        b = qb.shape[0]
-        # one vote per (query, neighbour, document in the neighbour's Y row)
-        owner, pos = neighbour_entries(n_i, indptr)
-        v_batch, v_rank = owner // kmax, owner % kmax
-        v_doc, v_y, v_s = indices[pos], data[pos], n_s.flatten()[owner].float()
-        # ERM candidates
-        ok = e_i >= 0
-        c_batch = torch.arange(b, device=dev).unsqueeze(1).expand_as(e_i)[ok]
-        c_doc, c_val = e_i[ok], e_s[ok].float()
-        keys = torch.cat([v_batch * n_key + v_doc, c_batch * n_key + c_doc])
-        uniq, inverse = torch.unique(keys, sorted=True, return_inverse=True)
-        inv_v, inv_c = inverse[:v_doc.numel()], inverse[v_doc.numel():]
-        u_batch, u_doc = uniq // n_key, uniq % n_key
-        in_erm = torch.zeros(uniq.numel(), dtype=torch.bool, device=dev)
-        in_erm[inv_c] = True
-        if rescore and not erm_exact:
-            f_erm = _rowdots(qb, p, u_batch, u_doc)
-        else:
-            f_erm = torch.zeros(uniq.numel(), device=dev).index_put_((inv_c,), c_val)
-            if rescore:
-                rest = (~in_erm).nonzero().squeeze(1)
-                f_erm[rest] = _rowdots(qb, p, u_batch[rest], u_doc[rest])
-        counts = torch.bincount(u_batch, minlength=b)
-        col = torch.arange(uniq.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[u_batch]
-        width = max(int(counts.max()) if b else 0, 1)
-        doc_table = torch.full((b, width), -1, dtype=torch.long, device=dev)
-        doc_table[u_batch, col] = u_doc
-        erm_table = torch.zeros((b, width), device=dev)
-        erm_table[u_batch, col] = f_erm
-        prune = all(lam > 0 for lam in lams) and width > topk
-        for k in ks:
-            sel = v_rank < k
-            divisor = float(k) if xl.params.knn_norm == "k" else 1.0
-            f_knn = torch.zeros(uniq.numel(), device=dev).index_add_(
-                0, inv_v[sel], (v_s[sel] / divisor) * v_y[sel])
-            voted = torch.zeros(uniq.numel(), dtype=torch.bool, device=dev)
-            voted[inv_v[sel]] = True
-            knn_table = torch.zeros((b, width), device=dev)
-            knn_table[u_batch, col] = f_knn
-            keep = torch.zeros((b, width), dtype=torch.bool, device=dev)
-            keep[u_batch, col] = voted | in_erm      # the candidates at this k
-            if prune:
-                # ERM-only candidates score λ f_erm: beyond the topk-th best of them (per λ,
-                # after rounding) none can enter a top-k
-                erm_only = torch.zeros((b, width), dtype=torch.bool, device=dev)
-                erm_only[u_batch, col] = in_erm & ~voted
-                e_only = erm_table.masked_fill(~erm_only, float("-inf"))
-                kth = torch.topk(e_only, topk, dim=1).values[:, -1:]
-                good = ((w_erm * e_only) >= (w_erm * kth)).any(0)
-                keep &= ~erm_only | good
-            rows, cols = keep.nonzero(as_tuple=True)   # row-major: documents ascend per row
-            counts = keep.sum(1)
-            pos = torch.arange(rows.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[rows]
-            w2 = max(int(counts.max()) if b else 0, 1)
-            docs2 = torch.full((b, w2), -1, dtype=torch.long, device=dev)
-            docs2[rows, pos] = doc_table[rows, cols]
-            e2, k2 = erm_table[rows, cols], knn_table[rows, cols]
-            # λ in groups: (G, b, w2) -> one top-k over G*b rows, G*b*w2 <= 2**24 cells
-            group = max(1, min(len(lams), 2**24 // max(b * w2, 1)))
-            for g in range(0, len(lams), group):
-                gl = lams[g:g + group]
-                table = torch.full((len(gl), b, w2), float("-inf"), device=dev)
-                table[:, rows, pos] = (w_erm[g:g + group, :, 0] * e2
-                                       + w_knn[g:g + group, :, 0] * k2)
-                sc, cols2 = _topk(table.reshape(-1, w2), topk)
-                ids = torch.where(sc > float("-inf"),
-                                  docs2.repeat(len(gl), 1).gather(1, cols2.clamp_min(0)), -1)
-                sc, ids = sc.reshape(len(gl), b, -1), ids.reshape(len(gl), b, -1)
-                for li, lam in enumerate(gl):
-                    out[(lam, k)].append((sc[li], ids[li]))
-    result = {}
-    for key, parts in out.items():
-        if parts:
-            result[key] = (torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts]))
-        else:
-            result[key] = (torch.empty(0, topk, device=dev),
-                           torch.empty(0, topk, dtype=torch.long, device=dev))
-    return result
-
-
 def _xs_per_lam(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int
                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Any backend: one index over E(λ) per λ."""
     out = []
     for lam in lams:
-        index = xs._new_index().build(xs.xs_embeddings(lam))
+        index = xs.new_index().build(xs.xs_embeddings(lam))
         out.append(index.search(q, topk))
     return out
 

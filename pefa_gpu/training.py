@@ -12,6 +12,10 @@ weights ``w(s_i)`` with ``s_i = <q, q_i>`` and ``f_erm = <q, p_j>`` carry it. Id
 scores ``-inf`` (no gradient flows there; softmax gives it weight 0). PEFA-XL's score reads
 the neighbours' vectors back from the query index (``Index.reconstruct``: exact and the faiss
 backends have it). Memory: a (B, K, d) gather of document rows, and (B, k, K) for XL.
+
+What a model gives these helpers: ``check_fitted()``, ``as_queries()``, ``search()``,
+``device``, ``dim``, ``n_docs`` and ``_score(q, ids)``, its own score of valid ids (each model
+class says what it scores).
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .aggregate import normalize_rows
 from .arrays import as_embeddings, as_tensor, check_positive_int
 from .errors import InputError
 from .relevance import Relevance
@@ -37,7 +40,7 @@ def _check_default(x: Any, check: bool | None) -> bool:
 
 
 def _score_queries(model: Any, queries: Any, check: bool) -> torch.Tensor:
-    model._check_fitted()
+    model.check_fitted()
     dtype = torch.float64 if (isinstance(queries, torch.Tensor)
                               and queries.dtype == torch.float64) else torch.float32
     return as_embeddings(queries, model.device, "queries", dim=model.dim, dtype=dtype,
@@ -59,53 +62,9 @@ def _score_ids(model: Any, ids: Any, batch: int, check: bool) -> torch.Tensor:
     return i
 
 
-def _inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """(B, d) queries, (B, K, d) rows -> (B, K) inner products in q's dtype."""
     return torch.bmm(rows.to(q.dtype), q.unsqueeze(2)).squeeze(2)
-
-
-def xs_rows(model: Any, ids: torch.Tensor) -> torch.Tensor:
-    """e_j = lam p_j + (1 - lam) Π(a_j) for ``ids`` (any shape, valid) -> (*ids.shape, d)
-    float32, computed row by row exactly as :meth:`PEFAXS.xs_embeddings` does."""
-    flat = ids.reshape(-1)
-    lam = model.params.lam
-    e = lam * model.doc_embeddings[flat].float() + (1.0 - lam) * normalize_rows(
-        model.doc_sums[flat])
-    return e.reshape(*ids.shape, -1)
-
-
-def _y_keys(model: Any) -> torch.Tensor:
-    """Sorted int64 keys row * n_docs + col of the (augmented) Y entries, cached per Y."""
-    indptr, indices, _ = model._y
-    cache = model.__dict__.get("_y_key_cache")
-    if cache is not None and cache[0] is indices:
-        return cache[1]
-    rows = torch.repeat_interleave(torch.arange(indptr.numel() - 1, device=indices.device),
-                                   indptr[1:] - indptr[:-1], output_size=indices.numel())
-    keys = rows * model.n_docs + indices
-    model.__dict__["_y_key_cache"] = (indices, keys)
-    return keys
-
-
-def _xl_knn(model: Any, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """f_knn(q, j) for ids (B, K): neighbours chosen without grad, weights s_i / k with grad."""
-    k = model.params.k
-    _, nbr = model.neighbours(q.detach(), k)                         # (B, k), -1 padded
-    valid = nbr >= 0
-    qi = model.neighbour_vectors(nbr.clamp_min(0))                   # (B, k, d) float32
-    s = _inner(q, qi)                                                # (B, k), with grad
-    w = s / (float(k) if model.params.knn_norm == "k" else 1.0)
-    w = torch.where(valid, w, torch.zeros((), dtype=w.dtype, device=w.device))
-    _, _, data = model._y
-    keys = _y_keys(model)
-    if keys.numel() == 0:
-        return torch.zeros(ids.shape, dtype=q.dtype, device=q.device)
-    want = nbr.clamp_min(0).unsqueeze(2) * model.n_docs + ids.clamp_min(0).unsqueeze(1)
-    pos = torch.searchsorted(keys, want.reshape(-1)).clamp_max(keys.numel() - 1)
-    hit = (keys[pos] == want.reshape(-1)).reshape(want.shape)
-    hit = hit & valid.unsqueeze(2) & (ids >= 0).unsqueeze(1)
-    y = torch.where(hit, data[pos].reshape(want.shape), 0.0).to(q.dtype)  # (B, k, K)
-    return (w.unsqueeze(2) * y).sum(1)
 
 
 def score(model: Any, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
@@ -118,25 +77,12 @@ def score(model: Any, queries: Any, ids: Any, check: bool | None = None) -> torc
     ``check`` (default: unless the data is already on CUDA) validates NaN / id ranges, which
     synchronises. No step here synchronises on CUDA otherwise.
     """
-    from .models import ERM, PEFAXL, PEFAXS
-
     chk = _check_default(queries, check)
     q = _score_queries(model, queries, chk)
     i = _score_ids(model, ids, q.shape[0], chk)
-    safe = i.clamp_min(0)
-    if isinstance(model, PEFAXS):
-        out = _inner(q, xs_rows(model, safe))
-    elif isinstance(model, (ERM, PEFAXL)):
-        out = _inner(q, model.doc_embeddings[safe])
-        if isinstance(model, PEFAXL):
-            lam = model.params.lam
-            if not model.params.rescore:  # f_erm is 0 outside the ERM candidates C
-                _, cand = model.index.search(q.detach(), model.search_params.candidates)
-                in_c = (safe.unsqueeze(2) == cand.unsqueeze(1)).any(2)
-                out = torch.where(in_c, out, torch.zeros((), dtype=out.dtype, device=out.device))
-            out = lam * out + (1.0 - lam) * _xl_knn(model, q, i)
-    else:
-        raise InputError(f"score() needs an ERM, PEFAXS or PEFAXL model, got {type(model).__name__}")
+    if q.shape[0] == 0:
+        return torch.empty(i.shape, dtype=q.dtype, device=q.device)
+    out = model._score(q, i.clamp_min(0))
     return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
                                                  device=out.device))
 
@@ -189,8 +135,7 @@ def mine_negatives(model: Any, queries: Any, positives: Any, n: int = 8, skip_to
         raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
     batch_size = check_positive_int(batch_size, "batch_size")
     chk = _check_default(queries, check)
-    model._check_fitted()
-    q = model._queries(queries, check=chk)
+    q = model.as_queries(queries, check=chk)
     pos = as_positive_ids(positives, q.shape[0], model.device)
     depth = n + int(skip_top) + pos.shape[1]  # enough that n non-positives survive if they exist
     out = []

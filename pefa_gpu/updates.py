@@ -19,27 +19,25 @@ What each update costs and re-indexes:
 - ``PEFAXL.add_pairs(Q_new, Y_new)``: appends to the query index (which holds the training
   queries only: documents are found as neighbours through the passage index) and rebuilds Y on
   the host, O(nnz).
+
+Each model appends in its own way (its ``_append_documents`` / ``_append_pairs`` hooks); this
+module checks the new rows, calls the hook and keeps ``n_docs``, and holds the sparse update of
+the PIFA sums (:func:`accumulate_pairs`).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import as_embeddings, as_tensor, csr_tensors
-from .errors import InputError
-from .relevance import Relevance, as_relevance
-from .training import xs_rows
-
-log = logging.getLogger("pefa_gpu")
-
+from .arrays import as_embeddings, as_tensor
+from .relevance import as_relevance
 
 def _new_rows(model: Any, X: Any, name: str) -> torch.Tensor:
-    model._check_fitted()
+    model.check_fitted()
     return as_embeddings(X, model.device, name, dim=model.dim, copy=True).detach()
 
 
@@ -68,79 +66,21 @@ def accumulate_pairs(sums: torch.Tensor, Y: Any, Q: torch.Tensor) -> torch.Tenso
     return as_tensor(touched.astype(np.int64), device=sums.device)
 
 
-def _set_relevance(model: Any, y_train: sp.csr_matrix) -> None:
-    """Install the training block Y (m x n) of an XL model, stacked over the identity with
-    ``augment_docs``, exactly as ``fit`` does."""
-    n = y_train.shape[1]
-    y = y_train
-    if model.params.augment_docs:
-        y = sp.vstack([y_train, sp.identity(n, dtype="float32", format="csr")], format="csr")
-    model.relevance = Relevance(y)
-    model._y = csr_tensors(model.relevance.csr, model.device)
-
-
-def _train_block(model: Any, n_cols: int) -> sp.csr_matrix:
-    m = model.n_train_queries
-    y = model.relevance.csr[:m]
-    return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(m, n_cols))
-
-
 def add_documents(model: Any, P_new: Any) -> Any:
     """Append documents (r, d) to a fitted ERM / PEFAXS / PEFAXL; their ids continue after the
     existing ones (n, ..., n + r - 1). Returns the model."""
-    from .models import ERM, PEFAXL, PEFAXS
-
     p = _new_rows(model, P_new, "P_new")
-    r, n0 = p.shape[0], model.n_docs
-    if r == 0:
-        return model
-    if isinstance(model, PEFAXS):
-        new_sums = torch.zeros(r, p.shape[1], device=p.device)
-        if model.params.augment_docs:
-            new_sums = new_sums + p.float()        # 0 + p, as fit's sparse product gives
-        model.doc_embeddings = torch.cat([model.doc_embeddings, p])
-        model.doc_sums = torch.cat([model.doc_sums, new_sums])
-        model.index.add(xs_rows(model, torch.arange(n0, n0 + r, device=p.device)))
-    elif isinstance(model, PEFAXL):
-        y_train = _train_block(model, n0 + r)
-        model.doc_embeddings = torch.cat([model.doc_embeddings, p])
-        model.index.add(p)
-        model.n_docs = n0 + r
-        _set_relevance(model, y_train)
-    elif isinstance(model, ERM):
-        model.doc_embeddings = torch.cat([model.doc_embeddings, p])
-        model.index.add(p)
-    else:
-        raise InputError(f"add_documents() needs an ERM, PEFAXS or PEFAXL model, got "
-                         f"{type(model).__name__}")
-    model.n_docs = n0 + r
+    if p.shape[0]:
+        model._append_documents(p)
+        model.n_docs += p.shape[0]
     return model
 
 
 def add_pairs(model: Any, Q_new: Any, Y_new: Any) -> Any:
     """Add training queries Q_new (m', d) with relevance Y_new (m' x n) over the current
     documents to a fitted PEFAXS / PEFAXL (add new documents first). Returns the model."""
-    from .models import PEFAXL, PEFAXS
-
-    if not isinstance(model, (PEFAXS, PEFAXL)):
-        raise InputError(f"add_pairs() needs a PEFAXS or PEFAXL model, got "
-                         f"{type(model).__name__} (ERM has no training pairs)")
     q = _new_rows(model, Q_new, "Q_new")
     rel = as_relevance(Y_new, shape=(q.shape[0], model.n_docs), name="Y_new", allow_empty=True)
-    if q.shape[0] == 0:
-        return model
-    if isinstance(model, PEFAXS):
-        touched = accumulate_pairs(model.doc_sums, rel.csr, q)
-        if touched.numel():
-            e = xs_rows(model, touched)
-            try:
-                model.index.update(touched, e)
-            except NotImplementedError:
-                log.info("backend %r cannot update rows: rebuilding the index of %d documents "
-                         "for %d changed ones", model.backend, model.n_docs, touched.numel())
-                model.index = model._new_index().build(model.xs_embeddings())
-        return model
-    y_train = sp.vstack([_train_block(model, model.n_docs), rel.csr], format="csr")
-    model.query_index.add(q)
-    _set_relevance(model, y_train)
+    if q.shape[0]:
+        model._append_pairs(q, rel)
     return model

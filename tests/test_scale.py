@@ -1,5 +1,5 @@
-"""Scale paths: the fused XL kernel against a float64 reference and the general fusion, the
-synthetic generator."""
+"""Scale paths: the XL fusion core (numpy and torch, every step) against a float64 reference,
+its top-k tie rule, the synthetic generator."""
 
 from __future__ import annotations
 
@@ -9,21 +9,22 @@ import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
-from pefa_gpu.arrays import csr_tensors
-from pefa_gpu.fuse import fuse_scores
-from pefa_gpu.fuse_kernels import _key_score, _sort_key, fused_topk
+from pefa_gpu.fuse import RelevanceRows, fuse, select_topk
 from pefa_gpu.synthetic import make_synthetic
-from tests.conftest import DEVICES
 
 
 def ref_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, lam, div, rescore, topk, erm_exact=False):
-    """float64 reference of DESIGN §1 PEFA-XL fusion on given search results."""
+    """float64 reference of DESIGN §1 PEFA-XL fusion on given search results (an ERM id
+    listed twice in a row keeps its first entry)."""
     Yd = Y.toarray().astype(np.float64)
     b = q.shape[0]
     out_s = np.full((b, topk), -np.inf)
     out_i = np.full((b, topk), -1, dtype=np.int64)
     for r in range(b):
-        c = {int(j): float(s) for s, j in zip(erm_s[r], erm_i[r]) if j >= 0}
+        c: dict[int, float] = {}
+        for s, j in zip(erm_s[r], erm_i[r]):
+            if j >= 0:
+                c.setdefault(int(j), float(s))
         f_knn: dict[int, float] = {}
         for s, i in zip(knn_s[r], knn_i[r]):
             if i < 0:
@@ -69,70 +70,102 @@ def fusion_inputs(seed, quantized=True, b=25, n=60, m=40, d=8, kp=12, k=6):
     return q, P, Y, erm_s, erm_i, knn_s, knn_i
 
 
-@pytest.mark.parametrize("device", DEVICES)
+def run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device="cpu", **kw):
+    """The fusion core on numpy arrays (kind 'numpy') or torch tensors on ``device``; numpy out."""
+    rows = RelevanceRows(pg.Relevance(Y), device)
+    arrays = (q, P, erm_s, erm_i, knn_s, knn_i)
+    if kind == "torch":
+        arrays = tuple(torch.as_tensor(x, device=device) for x in arrays)
+    s, i = fuse(arrays[0], arrays[1], rows, arrays[2:4], arrays[4:6], **kw)
+    assert s.dtype in (np.float32, torch.float32) and i.dtype in (np.int64, torch.int64)
+    return pg.arrays.to_numpy(s), pg.arrays.to_numpy(i)
+
+
+KINDS = [("numpy", "cpu"), ("torch", "cpu"), pytest.param("torch", "cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("kind,device", KINDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("rescore,erm_exact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("lam,div,topk", [(0.5, 4.0, 5), (0.25, 1.0, 30), (0.0, 2.0, 10),
                                           (1.0, 4.0, 7)])
-def test_fused_kernel_equals_reference(device, seed, rescore, erm_exact, lam, div, topk):
+def test_fusion_equals_reference(kind, device, seed, rescore, erm_exact, lam, div, topk):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(seed)
-    t = lambda x: torch.as_tensor(x, device=device)  # noqa: E731
-    args = (t(q), t(P), *csr_tensors(Y, device), t(erm_s), t(erm_i), t(knn_s), t(knn_i))
-    kw = dict(lam=lam, knn_weight_divisor=div, rescore=rescore, topk=topk, erm_exact=erm_exact)
-    got = fused_topk(*args, **kw)
-    assert got is not None
+    got = run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device, lam=lam, divisor=div,
+                   rescore=rescore, erm_exact=erm_exact, topk=topk)
     ref_s, ref_i = ref_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, lam, div, rescore, topk,
                             erm_exact)
-    np.testing.assert_array_equal(got[1].cpu().numpy(), ref_i)
-    np.testing.assert_array_equal(got[0].cpu().numpy(), ref_s.astype(np.float32))
-    assert got[0].dtype == torch.float32 and got[1].dtype == torch.int64
-    general = fuse_scores(*args, **kw, kernel="general")
-    assert torch.equal(general[1], got[1]) and torch.equal(general[0], got[0])
-    auto = fuse_scores(*args, **kw)
-    assert torch.equal(auto[1], got[1]) and torch.equal(auto[0], got[0])
+    np.testing.assert_array_equal(got[1], ref_i)
+    np.testing.assert_array_equal(got[0], ref_s.astype(np.float32))
 
 
 @pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("rescore", [False, True])
-def test_fused_kernel_continuous_data(seed, rescore):
+def test_fusion_continuous_data(seed, rescore):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(seed, quantized=False)
-    args = (torch.from_numpy(q), torch.from_numpy(P), *csr_tensors(Y, "cpu"),
-            *map(torch.from_numpy, (erm_s, erm_i, knn_s, knn_i)))
-    got = fused_topk(*args, lam=0.3, knn_weight_divisor=6.0, rescore=rescore, topk=15)
+    got = run_fuse("numpy", q, P, Y, erm_s, erm_i, knn_s, knn_i, lam=0.3, divisor=6.0,
+                   rescore=rescore, erm_exact=False, topk=15)
     ref_s, ref_i = ref_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, 0.3, 6.0, rescore, 15)
-    np.testing.assert_allclose(got[0].numpy(), ref_s, rtol=1e-5, atol=1e-6)
-    assert (got[1].numpy() == ref_i).mean() > 0.99
+    np.testing.assert_allclose(got[0], ref_s, rtol=1e-5, atol=1e-6)
+    assert (got[1] == ref_i).mean() > 0.99
 
 
-def test_fused_kernel_falls_back_on_duplicate_erm_ids():
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("quantized", [True, False])
+def test_numpy_and_torch_give_the_same_bits(seed, quantized):
+    """The CPU runs the core on numpy, CUDA on torch: on the CPU both kinds agree to the bit."""
+    q, P, Y, es, ei, ks, ki = fusion_inputs(seed, quantized=quantized, b=12, n=150, m=60,
+                                            kp=30, k=8)
+    for rescore, exact in [(False, False), (True, False), (True, True)]:
+        for lam, div, topk in [(0.5, 4.0, 5), (0.1, 8.0, 40), (0.0, 2.0, 10), (1.0, 3.0, 7)]:
+            kw = dict(lam=lam, divisor=div, rescore=rescore, erm_exact=exact, topk=topk)
+            a = run_fuse("numpy", q, P, Y, es, ei, ks, ki, **kw)
+            b = run_fuse("torch", q, P, Y, es, ei, ks, ki, **kw)
+            assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("kind,device", KINDS)
+@pytest.mark.parametrize("rescore,erm_exact", [(False, False), (True, False), (True, True)])
+def test_a_repeated_erm_id_keeps_its_first_entry(kind, device, rescore, erm_exact):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(0)
-    erm_i[2, 1] = erm_i[2, 0]
-    erm_s[2, 1] = erm_s[2, 0]
-    args = (torch.from_numpy(q), torch.from_numpy(P), *csr_tensors(Y, "cpu"),
-            *map(torch.from_numpy, (erm_s, erm_i, knn_s, knn_i)))
-    kw = dict(lam=0.5, knn_weight_divisor=4.0, rescore=False)
-    assert fused_topk(*args, **kw, topk=80) is None  # both copies would be listed
-    got = fused_topk(*args, **kw, topk=1)  # the duplicate is not in the top 1 of any row
-    ref = fuse_scores(*args, **kw, topk=1, kernel="general")
-    if got is not None:
-        assert torch.equal(got[1], ref[1]) and torch.equal(got[0], ref[0])
-    auto = fuse_scores(*args, **kw, topk=80)  # falls back to the general path
-    ref = fuse_scores(*args, **kw, topk=80, kernel="general")
-    assert torch.equal(auto[1], ref[1]) and torch.equal(auto[0], ref[0])
-    with pytest.raises(pg.InputError, match="kernel"):
-        fuse_scores(*args, **kw, topk=3, kernel="triton")
+    erm_i[2, 1], erm_s[2, 1] = erm_i[2, 0], erm_s[2, 0]       # the same entry twice
+    erm_i[3, 4], erm_s[3, 4] = erm_i[3, 1], erm_s[3, 1] + 1.0  # a later, better entry
+    erm_i[5, 6:9] = erm_i[5, 2]                               # three more copies
+    for topk in (1, 20, 80):  # 80: more places than candidates, so every copy would show
+        kw = dict(lam=0.5, divisor=4.0, rescore=rescore, erm_exact=erm_exact, topk=topk)
+        got = run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device, **kw)
+        ref = ref_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, 0.5, 4.0, rescore, topk, erm_exact)
+        np.testing.assert_array_equal(got[1], ref[1])
+        np.testing.assert_array_equal(got[0], ref[0].astype(np.float32))
+        for row in got[1]:
+            assert len(set(row[row >= 0].tolist())) == (row >= 0).sum()
 
 
-def test_sort_key_round_trip_and_order():
-    s = torch.tensor([0.0, -0.0, 1.5, -1.5, 3e38, -3e38, 1e-40, -1e-40, float("-inf"), 2.0])
-    doc = torch.arange(s.numel())
-    key = _sort_key(s, doc)
-    back = _key_score(key)
-    assert torch.equal(back, s + 0.0)
-    assert torch.equal(key & ((1 << 31) - 1), doc) and bool((key >= 0).all())
-    order = torch.argsort(key).numpy()
-    ref = np.lexsort((doc.numpy(), -(s.double().numpy())))
-    np.testing.assert_array_equal(order, ref)
+@pytest.mark.parametrize("kind,device", KINDS)
+def test_select_topk_tie_rule(kind, device):
+    """Equal scores go to the lower id, at the k-th place too, however many tie there; rows
+    with fewer candidates than k are padded; -0.0 ties with 0.0 and comes back as 0.0."""
+    rng = np.random.default_rng(0)
+    b, w = 40, 30
+    scores = rng.integers(-2, 3, (b, w)).astype(np.float32) / 2
+    scores[::5] = 0.0
+    scores[1::5, ::2] = -0.0
+    ids = np.stack([rng.permutation(1000)[:w] for _ in range(b)]).astype(np.int64)
+    scores[2::5, 10:] = -np.inf  # no candidate there
+    ids[2::5, 10:] = -1
+    if kind == "torch":
+        scores_t, ids_t = torch.as_tensor(scores, device=device), torch.as_tensor(ids,
+                                                                                device=device)
+    else:
+        scores_t, ids_t = scores, ids
+    for k in (1, 7, 10, 30, 45):
+        s, i = map(pg.arrays.to_numpy, select_topk(scores_t, ids_t, k))
+        for r in range(b):
+            ref = sorted((-float(v), int(j)) for v, j in zip(scores[r], ids[r]) if j >= 0)[:k]
+            want_i = [j for _, j in ref] + [-1] * (k - len(ref))
+            want_s = [-v for v, _ in ref] + [-np.inf] * (k - len(ref))
+            assert i[r].tolist() == want_i
+            assert s[r].tolist() == want_s and not np.signbit(s[r][s[r] == 0]).any()
 
 
 def test_synthetic_is_seeded_and_structured():

@@ -99,8 +99,9 @@ def _assert_same_state(a, b, kind):
         assert torch.equal(a.query_index.vectors, b.query_index.vectors)
         ya, yb = a.relevance.csr, b.relevance.csr
         assert ya.shape == yb.shape and (ya != yb).nnz == 0
-        for x, y in zip(a._y, b._y):
+        for x, y in zip(a.relevance_rows.tensors, b.relevance_rows.tensors):
             assert torch.equal(x, y)
+        assert a.relevance_rows.nonnegative == b.relevance_rows.nonnegative
 
 
 @pytest.mark.parametrize("seed", range(4))
