@@ -47,7 +47,7 @@ def main() -> None:
             xs = pg.PEFAXS(lam=lam, augment_docs=augment, device=args.device).fit(P, Q, Ytr)
             record("PEFA-XS", lam, None, augment, xs.search(T, 100)[1])
     xl = pg.PEFAXL(k=max(KS), device=args.device).fit(P, Q, Ytr)
-    q = xl._queries(T)
+    q = xl.as_queries(T)
     erm = xl.index.search(q, xl.search_params.candidates)
     knn = xl.neighbours(q, max(KS), erm)  # training queries and, augmented, documents
     for k in KS:

@@ -678,7 +678,8 @@ class PEFAXL(_Model):
         p = self.params
         f_erm = training.inner(q, self.doc_embeddings[ids])
         if not p.rescore:  # f_erm is 0 outside the ERM candidates C
-            _, cand = self.index.search(q.detach(), self.search_params.candidates)
+            kp = min(self.search_params.candidates, self.index.ntotal)
+            _, cand = self.index.search(q.detach(), kp)
             in_c = (ids.unsqueeze(2) == cand.unsqueeze(1)).any(2)
             f_erm = torch.where(in_c, f_erm, torch.zeros((), dtype=q.dtype, device=q.device))
         _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded

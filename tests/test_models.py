@@ -139,6 +139,67 @@ def test_topk_larger_than_n_is_padded(make):
     assert all(len(set(r)) == 30 for r in ids[:, :30].tolist())
 
 
+class _SearchSpy:
+    """Wraps an index and records the k of every search (torch or numpy)."""
+
+    def __init__(self, index, ks):
+        self.index, self.ks = index, ks
+
+    def __getattr__(self, name):
+        found = getattr(self.index, name)
+        if name != "search_host":
+            return found
+        return lambda q, k, **kw: (self.ks.append(k), found(q, k, **kw))[1]
+
+    def search(self, q, k, params=None):
+        self.ks.append(k)
+        return self.index.search(q, k, params)
+
+
+@pytest.mark.parametrize("backend", ["exact", "hnsw"])
+@pytest.mark.parametrize("big", [500, 10**12])
+@pytest.mark.parametrize("augment,rescore", [(True, True), (False, False)])
+def test_xl_k_and_candidates_beyond_the_indices_are_clamped(backend, big, augment, rescore):
+    """k and candidates beyond what the indices hold search only what they hold (10**12: any
+    array of that width would take terabytes); the kNN weight stays s / k for the given k."""
+    if backend == "hnsw":
+        pytest.importorskip("faiss")
+    P, Q, Y, T = problem(3)
+    model = pg.PEFAXL(lam=0.3, k=big, candidates=big, augment_docs=augment, rescore=rescore,
+                      backend=backend, device="cpu").fit(P, Q, Y)
+    ks: list[int] = []
+    model.index, model.query_index = _SearchSpy(model.index, ks), _SearchSpy(model.query_index,
+                                                                            ks)
+    scores, ids = model.search(T, topk=15)
+    assert ks and max(ks) <= len(P)
+    assert_ranking_close(scores, ids, *ref.xl_search(P, Q, Y, T, lam=0.3, k=big, candidates=big,
+                                                     augment_docs=augment, rescore=rescore,
+                                                     topk_out=15))
+    rows = len(Q) + (len(P) if augment else 0)
+    assert model.neighbours(torch.from_numpy(T), big)[1].shape == (len(T), rows)
+    np.testing.assert_allclose(model.score(T, ids).numpy(), scores.numpy(), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [pg.ERM, pg.PEFAXS, pg.PEFAXL])
+def test_zero_queries_give_empty_results(cls):
+    P, Q, Y, T = problem(4)
+    model = cls(device="cpu")
+    model.fit(P) if cls is pg.ERM else model.fit(P, Q, Y)
+    none = np.zeros((0, P.shape[1]), np.float32)
+    scores, ids = model.search(none, topk=7)
+    assert scores.shape == ids.shape == (0, 7)
+    assert scores.dtype == torch.float32 and ids.dtype == torch.int64
+    out = model.score(none, np.zeros((0, 3), np.int64))
+    assert out.shape == (0, 3) and out.dtype == torch.float32
+    if cls is pg.PEFAXL:
+        q = torch.from_numpy(none)
+        erm = model.index.search(q, 20)
+        knn = model.neighbours(q, model.params.k, erm)
+        fused = model.fuse(q, erm, knn, 7)
+        assert fused[0].shape == fused[1].shape == (0, 7)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch", "dlpack", "list"])
 def test_inputs_of_any_array_kind(kind):
     P, Q, Y, T = problem(8)
