@@ -175,29 +175,6 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
         bar.close()
 
 
-def _topk(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`topk_rows` (ties to the lower id), taking a plain ``torch.topk`` where a row has no
-    tie that could matter (no equal values among its top k, none equal to the k-th outside)
-    and the exact tie rule only for the other rows. (B, N) float32 -> (B, k) scores, ids."""
-    b, n = scores.shape
-    kk = min(k, n)
-    if kk == 0 or b == 0:
-        return topk_rows(scores, k, offset)
-    vals, idx = torch.topk(scores, kk, dim=1, sorted=True)
-    redo = (vals[:, 1:] == vals[:, :-1]).any(1) if kk > 1 else torch.zeros(b, dtype=torch.bool)
-    if kk < n:
-        redo |= (scores == vals[:, -1:]).sum(1) > 1
-    idx = idx + offset
-    if bool(redo.any()):
-        rows = redo.nonzero().flatten()
-        v2, i2 = topk_rows(scores[rows], kk, offset)
-        vals, idx = vals.index_copy(0, rows, v2), idx.index_copy(0, rows, i2)
-    if kk < k:
-        vals = torch.cat([vals, vals.new_full((b, k - kk), float("-inf"))], 1)
-        idx = torch.cat([idx, idx.new_full((b, k - kk), -1)], 1)
-    return vals, idx
-
-
 def _tick(timings: dict[str, float], key: str, t0: float) -> None:
     timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
 
@@ -260,7 +237,7 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     b, n = sp_.shape
     kk = min(topk, n)
     if kk == 0 or b == 0 or 4 * kk >= n:
-        return [_topk(lam * sp_ + (1.0 - lam) * sa_, topk) for lam in lams]
+        return [topk_rows(lam * sp_ + (1.0 - lam) * sa_, topk) for lam in lams]
     seeds = torch.sort(torch.cat([torch.topk(sp_, kk, dim=1).indices,
                                   torch.topk(sa_, kk, dim=1).indices], 1), dim=1).values
     dup = torch.zeros_like(seeds, dtype=torch.bool)
@@ -286,7 +263,7 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
         n_g = len(lams[g:g + group])
         table = torch.full((n_g, b, width), float("-inf"), device=sp_.device)
         table[:, rows, pos] = w_p[g:g + group, :, 0] * a_k + w_a[g:g + group, :, 0] * b_k
-        v, j = _topk(table.reshape(-1, width), topk)
+        v, j = topk_rows(table.reshape(-1, width), topk)
         i = torch.where(j >= 0, col_table.repeat(n_g, 1).gather(1, j.clamp_min(0)), -1)
         v, i = v.reshape(n_g, b, -1), i.reshape(n_g, b, -1)
         out += [(v[li], i[li]) for li in range(n_g)]

@@ -1,7 +1,18 @@
-"""Row-wise top-k with a fixed tie rule: equal scores go to the lower id.
+"""Row-wise top-k with one tie rule: equal scores go to the lower id, also at the k-th place.
 
-All functions work on (B, N) float32 tensors on any device, with no host synchronisation.
-Padding is id -1 with score -inf.
+Every exact path (search blocks, merges of chunks and shards, sweeps, the fusion's tables) goes
+through :func:`topk_rows` or :func:`merge_topk`. The common case costs one ``torch.topk`` of
+k + 1 per row: when a row's k-th and (k+1)-th values differ, its top-k set is fixed by value
+alone and only the order of equal values inside it is left, which :func:`order_ties` settles on
+the (B, k) result. A row whose k-th value equals the (k+1)-th takes one more pass over its
+columns to keep the lowest ids among those holding the k-th value.
+
+Order: larger first; -0.0 equals +0.0; NaN (which finite inputs do not produce) ranks above
+every number and equals NaN. Padding: id -1 with score -inf, after every real id of equal score.
+
+Host synchronisation: none on CUDA (the extra pass runs for every row under a mask, so these
+functions suit candidate tables and merges; ``pefa_gpu.index.exact`` handles large score blocks
+its own way). On the CPU the extra pass runs on the tied rows only.
 """
 
 from __future__ import annotations
@@ -11,53 +22,134 @@ import torch
 PAD_ID = -1
 PAD_SCORE = float("-inf")
 
+_ID_LAST = torch.iinfo(torch.long).max  # the tie key of padding: after every real id
+
 
 def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of each row of ``scores`` (B, N); ids are column + ``offset``.
+    """Top-k of each row of ``scores`` (B, N) float; ids are column + ``offset``.
 
-    Returns (B, k) float32 scores sorted descending and int64 ids; where several columns tie
-    at the k-th score, the lowest columns are kept, and equal scores are listed by ascending id.
-    Rows with N < k are padded with (-inf, -1).
+    Returns (B, k) scores sorted descending and int64 ids: where several columns tie at the
+    k-th score the lowest columns are kept, and equal scores are listed by ascending id. Rows
+    with N < k are padded with (-inf, -1).
     """
     b, n = scores.shape
     kk = min(k, n)
-    if kk == 0:
-        return _pad(scores.new_empty(b, 0), scores.new_empty(b, 0, dtype=torch.long), k)
-    vals, _ = torch.topk(scores, kk, dim=1, sorted=True)
-    kth = vals[:, -1:]
-    above = scores > kth
-    equal = scores == kth
-    need = kk - above.sum(dim=1, keepdim=True)
-    take = above | (equal & (equal.cumsum(dim=1) <= need))
-    # exactly kk columns per row are taken; pick them in ascending column order
-    col = torch.arange(n, 0, -1, device=scores.device, dtype=torch.long)
-    key = torch.where(take, col, torch.zeros((), dtype=torch.long, device=scores.device))
-    _, idx = torch.topk(key, kk, dim=1, sorted=True)
-    vals = scores.gather(1, idx)
-    order = torch.argsort(vals, dim=1, descending=True, stable=True)
-    vals = vals.gather(1, order)
-    ids = idx.gather(1, order) + offset
-    return _pad(vals, ids, k)
+    if kk == 0 or b == 0:
+        return pad_topk(scores.new_empty(b, 0), scores.new_empty(b, 0, dtype=torch.long), k)
+    vals, cols = _select(scores, kk, None)
+    if offset:
+        cols = cols + offset
+    return pad_topk(*order_ties(vals, cols), k)
 
 
 def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best k of candidate lists (B, C) that may come from several sources, ties to lower id.
+    """Best k of candidate lists ``vals`` (B, C) float / ``ids`` (B, C) int64, ties to the lower
+    id (-1 after every real id). The lists may come from several sources (chunks, shards) side
+    by side, in any order; duplicate ids in a row are not removed. Returns (B, k), padded with
+    (-inf, -1) when C < k."""
+    b, c = vals.shape
+    kk = min(k, c)
+    if kk == 0 or b == 0:
+        return pad_topk(vals.new_empty(b, 0), ids.new_empty(b, 0), k)
+    top, pos = _select(vals, kk, _id_key(ids))
+    return pad_topk(*order_ties(top, ids.gather(1, pos)), k)
 
-    Duplicate ids in a row are not removed; padding (-1) sorts last.
-    """
-    big = torch.iinfo(torch.long).max
-    id_key = torch.where(ids < 0, torch.full_like(ids, big), ids)
-    o = torch.argsort(id_key, dim=1, stable=True)
-    vals, ids = vals.gather(1, o), ids.gather(1, o)
-    o = torch.argsort(vals, dim=1, descending=True, stable=True)[:, :k]
-    return _pad(vals.gather(1, o), ids.gather(1, o), k)
+
+def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, w) scores sorted descending and their int64 ids -> the same lists with every run of
+    equal scores in ascending id order (-1 last). CPU: a check of w - 1 neighbours per row, and
+    two small stable sorts of the rows that have a tie; CUDA: the sorts for every row (no host
+    synchronisation). Returns contiguous tensors."""
+    b, w = vals.shape
+    if w < 2 or b == 0:
+        return vals.contiguous(), ids.contiguous()
+    same = _same(vals[:, 1:], vals[:, :-1])
+    if vals.is_cuda:
+        return _order_runs(vals, ids, same)
+    rows = same.any(1).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return vals.contiguous(), ids.contiguous()
+    v, i = _order_runs(vals[rows], ids[rows], same[rows])
+    return vals.index_copy(0, rows, v), ids.index_copy(0, rows, i)
 
 
-def _pad(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def boundary_tied(vals: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,) bool: the rows of ``vals`` (B, > k), sorted descending, whose k-th and (k+1)-th
+    values are equal, i.e. whose top-k set depends on the tie rule."""
+    return _same(vals[:, k - 1], vals[:, k])
+
+
+def pad_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, w) lists -> (B, max(w, k)): columns w .. k-1 filled with (-inf, -1)."""
     short = k - vals.shape[1]
     if short <= 0:
         return vals, ids
     b = vals.shape[0]
-    vals = torch.cat([vals, vals.new_full((b, short), PAD_SCORE)], dim=1)
-    ids = torch.cat([ids, ids.new_full((b, short), PAD_ID)], dim=1)
-    return vals, ids
+    return (torch.cat([vals, vals.new_full((b, short), PAD_SCORE)], dim=1),
+            torch.cat([ids, ids.new_full((b, short), PAD_ID)], dim=1))
+
+
+def _select(table: torch.Tensor, kk: int,
+            keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kk best entries of each row of ``table`` (B, W), kk <= W: (B, kk) values sorted
+    descending (equal values in any order) and their columns. Among the entries equal to the
+    kk-th value, those with the lowest ``keys`` (B, W) int64 are kept (None: lowest columns)."""
+    if kk >= table.shape[1]:
+        return torch.topk(table, kk, dim=1)
+    vals, cols = torch.topk(table, kk + 1, dim=1)
+    tied = boundary_tied(vals, kk)
+    vals, cols = vals[:, :kk], cols[:, :kk]
+    if table.is_cuda:  # every row under a mask: no synchronisation
+        new_v, new_c = _lowest_equal(table, vals, cols, keys)
+        t = tied.unsqueeze(1)
+        return torch.where(t, new_v, vals), torch.where(t, new_c, cols)
+    rows = tied.nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return vals, cols
+    new_v, new_c = _lowest_equal(table[rows], vals[rows], cols[rows],
+                                 None if keys is None else keys[rows])
+    return vals.index_copy(0, rows, new_v), cols.index_copy(0, rows, new_c)
+
+
+def _lowest_equal(table: torch.Tensor, vals: torch.Tensor, cols: torch.Tensor,
+                  keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of (vals, cols) (R, kk), a top-kk by value of ``table`` (R, W), with the entries
+    equal to their kk-th value replaced by the columns holding that value with the lowest
+    ``keys`` (None: lowest columns). Two passes over ``table``: a mask and one int top-k."""
+    w = table.shape[1]
+    kk = vals.shape[1]
+    kth = vals[:, -1:]
+    eq = _same(table, kth)
+    if keys is None:
+        rank_dtype = torch.int32 if w < 2**31 else torch.long
+        rank = torch.arange(w, 0, -1, device=table.device, dtype=rank_dtype)
+        key = torch.where(eq, rank, torch.zeros((), dtype=rank_dtype, device=table.device))
+    else:
+        key = torch.where(eq, -keys, torch.iinfo(torch.long).min)
+    low = torch.topk(key, kk, dim=1).indices  # the columns holding the kk-th value, lowest first
+    above = (~_same(vals, kth)).sum(1, keepdim=True)  # sorted: entries above it come first
+    j = torch.arange(kk, device=table.device).unsqueeze(0)
+    new_c = torch.where(j < above, cols, low.gather(1, (j - above).clamp_min(0)))
+    return table.gather(1, new_c), new_c
+
+
+def _order_runs(vals: torch.Tensor, ids: torch.Tensor,
+                same: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (R, w) lists by (run of equal values, id); ``same`` (R, w-1) marks a value equal to
+    the one before it. The runs are found with ==, never by a float sort (CUDA's radix sorts
+    put -0.0 before +0.0)."""
+    run = torch.cat([torch.zeros_like(same[:, :1], dtype=torch.long),
+                     (~same).long().cumsum(1)], 1)
+    o = torch.argsort(_id_key(ids), dim=1, stable=True)
+    o = o.gather(1, torch.argsort(run.gather(1, o), dim=1, stable=True))
+    return vals.gather(1, o), ids.gather(1, o)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a == b, with NaN equal to NaN (and -0.0 to +0.0, as == has it)."""
+    return (a == b) | (a.isnan() & b.isnan())
+
+
+def _id_key(ids: torch.Tensor) -> torch.Tensor:
+    """ids, with the padding id -1 after every real id."""
+    return torch.where(ids < 0, _ID_LAST, ids)

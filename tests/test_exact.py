@@ -1,15 +1,34 @@
-"""Exact search and the top-k tie rule against the float64 reference."""
-
-import warnings
+"""Exact search against the float64 reference (tests/reference.py): both first passes (faiss on
+the CPU, torch blocks), ties at the k-th place, duplicates, several chunks and batches, 16-bit
+storage, empty inputs. The top-k functions themselves: tests/test_topk.py; memory:
+tests/test_exact_memory.py."""
 
 import numpy as np
 import pytest
 import torch
 
+import pefa_gpu.index.exact as exact_module
 from pefa_gpu.index import ExactIndex, make_index
 from pefa_gpu.topk import merge_topk, topk_rows
 from conftest import DEVICES, unit_rows
 import reference as ref
+
+
+@pytest.fixture(params=["torch", "faiss"])
+def engine(request, monkeypatch):
+    """The first pass on the CPU: 'torch' blocks, or 'faiss' (its BLAS path for every batch
+    size: its threshold lowered to 1)."""
+    if request.param == "torch":
+        monkeypatch.setattr(exact_module, "_FAISS", [None])
+    else:
+        faiss = pytest.importorskip("faiss")
+        monkeypatch.setattr(exact_module, "_FAISS", [faiss])
+        monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 1)
+    return request.param
+
+
+def uses_faiss(index, b, k):
+    return index._plan(b, min(k, index.ntotal))[0] is not None
 
 
 def integer_vectors(rng, rows, dim, low=-2, high=3):
@@ -37,12 +56,13 @@ def test_merge_topk_orders_by_score_then_id_and_pads():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("budget", [2**16, 2**26])
-def test_exact_matches_reference_with_ties(device, budget):
+def test_exact_matches_reference_with_ties(device, budget, engine):
     rng = np.random.default_rng(3)
     X = integer_vectors(rng, 3000, 6)
     T = integer_vectors(rng, 40, 6)
     index = ExactIndex({"memory_budget": budget}, device=device).build(X)
-    for k in (1, 10, 1500):
+    assert uses_faiss(index, 40, 10) == (engine == "faiss" and device == "cpu")
+    for k in (1, 10, 1500, 2999, 3000, 3001):
         scores, ids = index.search(T, k)
         rv, ri = ref.exact_search(X, T, k)
         assert scores.dtype == torch.float32 and ids.dtype == torch.int64
@@ -88,3 +108,122 @@ def test_exact_bad_input():
         make_index("exact", params={"bogus": 1})
     with pytest.raises(ValueError, match="backend"):
         make_index("nope")
+
+
+def duplicated_documents(rng, n, d, copies=3, low=-2, high=3):
+    """Rows on a 1/4 grid (exact float32 scores) where each distinct row appears ``copies``
+    times at scattered ids."""
+    base = rng.integers(low, high, (n // copies + 1, d)).astype(np.float32) / 4
+    X = np.repeat(base, copies, axis=0)[:n]
+    return X[rng.permutation(n)]
+
+
+def test_duplicated_documents_every_k(engine):
+    """k at, inside and just past every run of tied scores."""
+    rng = np.random.default_rng(11)
+    X = duplicated_documents(rng, 300, 5)
+    T = rng.integers(-2, 3, (25, 5)).astype(np.float32) / 4
+    T[0] = 0.0  # every score of this query ties
+    index = ExactIndex().build(X)
+    for k in list(range(1, 41)) + [150, 299, 300, 301]:
+        scores, ids = index.search(T, k)
+        rv, ri = ref.exact_search(X, T, k)
+        np.testing.assert_array_equal(ids.numpy(), ri)
+        np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
+
+
+def test_many_chunks_and_batches_and_the_exact_redo(engine, monkeypatch):
+    """A tiny budget splits queries and corpus; rows tied at the k-th place are searched again
+    (spied) and every row matches the reference."""
+    rng = np.random.default_rng(12)
+    X = duplicated_documents(rng, 6000, 8, copies=2, low=-20, high=21)
+    T = rng.integers(-20, 21, (150, 8)).astype(np.float32) / 4
+    index = ExactIndex({"memory_budget": 2**16}).build(X)
+    redone = []
+    real = index._exact_rows
+    monkeypatch.setattr(index, "_exact_rows",
+                        lambda q, kk: redone.append(q.shape[0]) or real(q, kk))
+    for k in (1, 7, 100):
+        faiss, q_batch, chunk = index._plan(150, k)
+        assert q_batch < 150 and (faiss is not None or chunk < 6000)
+        scores, ids = index.search(T, k)
+        rv, ri = ref.exact_search(X, T, k)
+        np.testing.assert_array_equal(ids.numpy(), ri)
+        np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
+    assert redone and min(redone) < 150  # the exact path ran, and (at k = 100) not for all rows
+
+
+def test_random_unit_vectors_equal_reference_ids():
+    """Real-valued data (ties only from the duplicated rows): both passes agree with float64."""
+    rng = np.random.default_rng(13)
+    X = unit_rows(rng, 4000, 24)
+    X[100:110] = X[3]
+    T = unit_rows(rng, 500, 24)
+    T[:5] = X[3]
+    rv, ri = ref.exact_search(X, T, 50)
+    for engine_ in ("torch", "faiss"):
+        got = {}
+        with pytest.MonkeyPatch.context() as mp:
+            if engine_ == "torch":
+                mp.setattr(exact_module, "_FAISS", [None])
+            else:
+                faiss = pytest.importorskip("faiss")
+                mp.setattr(exact_module, "_FAISS", [faiss])
+            got = ExactIndex().build(X).search(T, 50)
+        np.testing.assert_array_equal(got[1].numpy(), ri)
+        np.testing.assert_allclose(got[0].numpy(), rv, atol=1e-5)
+
+
+def test_single_query_on_one_thread_takes_faiss_and_matches():
+    faiss = pytest.importorskip("faiss")
+    rng = np.random.default_rng(14)
+    X = duplicated_documents(rng, 2000, 6)
+    T = rng.integers(-2, 3, (3, 6)).astype(np.float32) / 4
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        index = ExactIndex().build(X)
+        assert index._plan(1, 10)[0] is faiss
+        for r in range(3):
+            for k in (1, 9, 10, 11, 600):
+                scores, ids = index.search(T[r:r + 1], k)
+                rv, ri = ref.exact_search(X, T[r:r + 1], k)
+                np.testing.assert_array_equal(ids.numpy(), ri)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_low_precision_storage_ties_exact(dtype):
+    """Small integers are exact in 16 bits: the ids equal the float64 reference, ties too."""
+    rng = np.random.default_rng(15)
+    X = duplicated_documents(rng, 3000, 6)
+    T = rng.integers(-2, 3, (30, 6)).astype(np.float32)
+    index = ExactIndex({"dtype": dtype, "memory_budget": 2**16}).build(X)
+    assert index._plan(30, 10)[0] is None  # 16-bit storage: the torch pass
+    for k in (1, 10, 400):
+        scores, ids = index.search(T, k)
+        rv, ri = ref.exact_search(X, T, k)
+        np.testing.assert_array_equal(ids.numpy(), ri)
+        np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
+
+
+def test_signed_zero_scores_tie(engine):
+    """Documents whose scores are -0.0 or +0.0 tie: lower ids first."""
+    X = np.array([[-0.0, 1.0], [0.0, 1.0], [1.0, 0.0], [-0.0, -1.0], [0.0, 0.0], [-1.0, 0.0]],
+                 dtype=np.float32)
+    T = np.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 0.0]], dtype=np.float32)
+    index = ExactIndex().build(X)
+    for k in range(1, 8):
+        scores, ids = index.search(T, k)
+        np.testing.assert_array_equal(ids.numpy(), ref.exact_search(X, T, k)[1])
+    assert index.search(T[2:], 3)[1].tolist() == [[0, 1, 2]]
+
+
+def test_empty_corpus_and_empty_batch(engine):
+    index = ExactIndex().build(np.zeros((0, 4), np.float32))
+    s, i = index.search(np.ones((3, 4), np.float32), 2)
+    assert i.tolist() == [[-1, -1]] * 3 and torch.isinf(s).all()
+    index = ExactIndex().build(np.eye(4, dtype=np.float32))
+    s, i = index.search(np.zeros((0, 4), np.float32), 5)
+    assert s.shape == (0, 5) and i.shape == (0, 5) and i.dtype == torch.int64

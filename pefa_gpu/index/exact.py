@@ -1,4 +1,23 @@
-"""Exact maximum-inner-product search: chunked matmul + top-k, on CPU or CUDA."""
+"""Exact maximum-inner-product search: blocked matmul + top-k, on CPU or CUDA.
+
+Every path returns the exact top-k of float32 inner products, ties to the lower id:
+
+- A first pass by value. Each (query batch x corpus chunk) block of scores is reduced to its
+  top-(k+1) by value alone (equal values in any order) and the per-chunk lists are merged the
+  same way. A row whose k-th and (k+1)-th scores differ then has its top-k set fixed by value;
+  equal scores inside it are put in id order on the (B, k) result.
+  * CPU, float32 storage, faiss installed: the pass is faiss' exhaustive inner-product search
+    (BLAS blocks and a heap, what ``faiss.IndexFlatIP`` runs) asked for k + 1 results.
+  * Otherwise (CUDA, 16-bit storage, no faiss): torch matmul blocks and ``torch.topk``.
+- Rows whose k-th and (k+1)-th scores are equal are searched again from scratch with
+  :func:`pefa_gpu.topk.topk_rows` / :func:`merge_topk` (scores recomputed: BLAS results may
+  differ in the last bit with the batch shape, so the first pass's k-th value is not reused).
+  On CUDA, finding those rows is the one host synchronisation of a search.
+
+``ExactParams.memory_budget`` bounds the working memory of a search besides its (B, k) result:
+score blocks, the float32 query batch, top-k lists and every top-k workspace (torch's CPU top-k
+queue, faiss' score tile and reservoirs); see :meth:`ExactIndex._work_bytes`.
+"""
 
 from __future__ import annotations
 
@@ -6,21 +25,25 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int, resolve_dtype
+from ..arrays import as_tensor, check_positive_int, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
-from ..topk import merge_topk, topk_rows
+from ..topk import (PAD_ID, PAD_SCORE, boundary_tied, merge_topk, order_ties, pad_topk,
+                    topk_rows)
+from ._faiss import faiss_threads
 from .base import Index
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExactParams(Params):
     """dtype: storage of the vectors ('float32', 'float16', 'bfloat16'); scores are always
-    accumulated in float32. memory_budget: bytes for one block of scores (query batch x corpus
-    chunk); the B x n score matrix is never materialised beyond it."""
+    accumulated in float32. memory_budget: bytes a search may hold besides its (B, k) result
+    (score blocks, query batch, top-k lists and workspaces); the B x n score matrix is never
+    materialised beyond it."""
 
     dtype: str = "float32"
     memory_budget: int = 256 * 2**20
@@ -111,26 +134,99 @@ class ExactIndex(Index):
         """``params``: exact search has no search settings (only ``{}`` or None)."""
         self.resolve_search_params(params)
         k = check_positive_int(k, "k")
-        q = as_tensor(queries, device=self.device, name="queries").detach().float()
+        q = as_tensor(queries, device=self.device, name="queries").detach()
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
         b, n = q.shape[0], self.ntotal
         if b == 0 or n == 0:
-            return (torch.full((b, k), float("-inf"), device=self.device),
-                    torch.full((b, k), -1, dtype=torch.long, device=self.device))
-        q_batch, chunk = self._block_shape(b, n, k)
+            return (torch.full((b, k), PAD_SCORE, device=self.device),
+                    torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device))
+        kk = min(k, n)
+        faiss, q_batch, chunk = self._plan(b, kk)
+        if q_batch >= b:  # one batch: no copy into a preallocated result
+            vals, ids, tied = self._first_pass(faiss, q, kk, chunk)
+        else:
+            vals = torch.full((b, k), PAD_SCORE, device=self.device)
+            ids = torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device)
+            tied = torch.zeros(b, dtype=torch.bool, device=self.device) if kk < n else None
+            for s in range(0, b, q_batch):
+                v, i, t = self._first_pass(faiss, q[s:s + q_batch], kk, chunk)
+                vals[s:s + q_batch, :kk], ids[s:s + q_batch, :kk] = v, i
+                if t is not None:
+                    tied[s:s + q_batch] = t
+        if tied is not None:
+            rows = tied.nonzero().squeeze(1)  # on CUDA: the one host synchronisation
+            if rows.numel():
+                vals[rows, :kk], ids[rows, :kk] = self._exact_rows(q[rows], kk)
+        return pad_topk(vals, ids, k)
+
+    def _first_pass(self, faiss: Any, q: torch.Tensor, kk: int, chunk: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(B, d) queries -> (B, kk) scores sorted descending, ids with equal scores in id
+        order, and ``tied`` (B,) bool: rows whose kk-th score equals the (kk+1)-th, whose top-kk
+        set is not fixed by value (None when kk = n: every row holds the whole index)."""
+        vals, ids = self._faiss_pass(faiss, q, kk) if faiss else self._torch_pass(q, kk, chunk)
+        tied = None
+        if vals.shape[1] > kk:
+            tied = boundary_tied(vals, kk)
+            vals, ids = vals[:, :kk], ids[:, :kk]
+        vals, ids = order_ties(vals, ids)
+        return vals, ids, tied
+
+    def _torch_pass(self, q: torch.Tensor, kk: int, chunk: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-(kk+1) by value (top-n when kk = n) of each query over the index: (B, w) scores
+        sorted descending, equal values in any order, and their ids. Blocks of (B, chunk)
+        scores, each reduced by one ``torch.topk`` and merged by another."""
+        n = self.ntotal
+        w = kk + 1 if kk < n else kk
+        q = q.float()
+        buf = None if q.is_cuda else torch.empty(q.shape[0] * min(chunk, n))
+        if chunk >= n:
+            return torch.topk(_scores(q, self.vectors, buf), w, dim=1)
+        best_v = best_i = None
+        for c in range(0, n, chunk):
+            block = _scores(q, self.vectors[c:c + chunk], buf)
+            v, i = torch.topk(block, min(w, block.shape[1]), dim=1, sorted=False)
+            del block  # CUDA: freed before the next block is allocated
+            i += c
+            if best_v is not None:
+                v, pos = torch.topk(torch.cat([best_v, v], 1), min(w, best_v.shape[1] + v.shape[1]),
+                                    dim=1, sorted=False)
+                i = torch.cat([best_i, i], 1).gather(1, pos)
+            best_v, best_i = v, i
+        best_v, pos = torch.sort(best_v, dim=1, descending=True)
+        return best_v, best_i.gather(1, pos)
+
+    def _faiss_pass(self, faiss: Any, q: torch.Tensor, kk: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_torch_pass` by faiss' exhaustive inner-product search (CPU, float32)."""
+        n, d = self.ntotal, self.dim
+        w = kk + 1 if kk < n else kk
+        qn = np.ascontiguousarray(to_numpy(q), dtype=np.float32)
+        xb = to_numpy(self.vectors)
+        dist = np.empty((qn.shape[0], w), np.float32)
+        ids = np.empty((qn.shape[0], w), np.int64)
+        with faiss_threads(faiss, torch.get_num_threads()):
+            faiss.knn_inner_product(faiss.swig_ptr(qn), faiss.swig_ptr(xb), d, qn.shape[0], n, w,
+                                    faiss.swig_ptr(dist), faiss.swig_ptr(ids))
+        return as_tensor(dist), as_tensor(ids)
+
+    def _exact_rows(self, q: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(R, d) queries -> (R, kk) exact top-kk with the tie rule, every block reduced by
+        :func:`topk_rows` and merged by :func:`merge_topk` (for the few rows tied at the
+        kk-th place)."""
+        n = self.ntotal
+        q_batch, chunk = self._block_shape(q.shape[0], kk, exact=True)
         out_v, out_i = [], []
-        for s in range(0, b, q_batch):
-            qb = q[s:s + q_batch]
+        for s in range(0, q.shape[0], q_batch):
+            qb = q[s:s + q_batch].float()
             best_v = best_i = None
             for c in range(0, n, chunk):
-                block = _scores(qb, self.vectors[c:c + chunk])  # (qb, chunk) fp32
-                v, i = topk_rows(block, k, offset=c)
-                if best_v is None:
-                    best_v, best_i = v, i
-                else:
-                    best_v, best_i = merge_topk(torch.cat([best_v, v], 1),
-                                                torch.cat([best_i, i], 1), k)
+                v, i = topk_rows(_scores(qb, self.vectors[c:c + chunk]), kk, offset=c)
+                if best_v is not None:
+                    v, i = merge_topk(torch.cat([best_v, v], 1), torch.cat([best_i, i], 1), kk)
+                best_v, best_i = v, i
             out_v.append(best_v)
             out_i.append(best_i)
         return torch.cat(out_v), torch.cat(out_i)
@@ -151,21 +247,138 @@ class ExactIndex(Index):
         out.vectors = v
         return out
 
-    def _block_shape(self, b: int, n: int, k: int) -> tuple[int, int]:
-        """Query batch and corpus chunk so that one fp32 score block fits the budget."""
-        cells = max(self.params.memory_budget // 16, 1)  # scores + top-k workspace (~4 copies)
-        q_batch = min(b, 4096)
-        chunk = max(cells // q_batch, k, 1024)
-        if chunk * q_batch > cells:
-            q_batch = max(1, cells // chunk)
-        return q_batch, min(chunk, n)
+    def _plan(self, b: int, kk: int) -> tuple[Any, int, int]:
+        """(faiss module or None, query batch, corpus chunk) of the first pass.
+
+        faiss runs it on the CPU for float32 storage when it is installed and either its BLAS
+        path applies (``batch d >= faiss.cvar.distance_compute_blas_threshold``, 128000 in faiss
+        1.15: faiss' heap beats ``torch.topk`` after the same GEMM) or a single query runs on
+        one thread (faiss' SIMD loop reads the corpus faster than MKL's GEMV on the CPUs
+        measured). In between faiss scores query by query, reading the corpus once per query,
+        and the torch pass (one GEMM per block) is several times faster
+        (benchmarks/results/exact.md)."""
+        faiss = _faiss_module() if self.device.type == "cpu" and \
+            self._dtype == torch.float32 else None
+        if faiss is not None:
+            q_batch = self._faiss_batch(b, kk)
+            if q_batch * self.dim >= faiss.cvar.distance_compute_blas_threshold or \
+                    (q_batch == 1 and torch.get_num_threads() == 1):
+                return faiss, q_batch, self.ntotal
+        return (None, *self._block_shape(b, kk))
+
+    def _block_shape(self, b: int, kk: int, exact: bool = False) -> tuple[int, int]:
+        """Query batch and corpus chunk of a torch pass whose working memory
+        (:meth:`_work_bytes`) fits the budget. CPU: chunks of ``CPU_CHUNK`` rows, or
+        ``CHUNK_PER_K`` (k+1) for large k (GEMM blocks that stay in cache, per-chunk top-k rows
+        long enough to be cheap), as many queries as fit (up to ``CPU_BATCH``), and when every
+        query fits, longer chunks. CUDA: up to ``CUDA_BATCH`` queries and the longest chunk that
+        fits. Floor: one query against min(n, max(k+1, ``MIN_CHUNK``)) rows, whatever the
+        budget."""
+        n, budget = self.ntotal, self.params.memory_budget
+        w = kk + 1 if kk < n else kk
+        cell, per_query, per_row = self._costs(w, exact)
+        floor = min(n, max(w, MIN_CHUNK))
+
+        def batch_for(chunk: int) -> int:
+            return (budget - per_row * chunk) // (cell * chunk + per_query)
+
+        def chunk_for(q_batch: int) -> int:
+            return (budget - per_query * q_batch) // (cell * q_batch + per_row)
+
+        if self.device.type == "cuda":
+            q_batch = min(b, CUDA_BATCH)
+            chunk = min(n, max(floor, chunk_for(q_batch)))
+            q_batch = max(1, min(q_batch, batch_for(chunk)))
+            return q_batch, chunk
+        chunk = min(n, max(CPU_CHUNK, CHUNK_PER_K * w))
+        if batch_for(chunk) < 1:
+            chunk = max(floor, min(chunk, chunk_for(1)))
+        q_batch = max(1, min(b, CPU_BATCH, batch_for(chunk)))
+        if q_batch == b:
+            chunk = min(n, max(chunk, chunk_for(b)))
+        return q_batch, chunk
+
+    def _work_bytes(self, q_batch: int, chunk: int, w: int, exact: bool = False) -> int:
+        """Bytes a torch pass holds at once for (q_batch x chunk) score blocks and top-w lists
+        (see :meth:`_costs`)."""
+        cell, per_query, per_row = self._costs(w, exact)
+        return cell * q_batch * chunk + per_query * q_batch + per_row * chunk
+
+    def _costs(self, w: int, exact: bool) -> tuple[int, int, int]:
+        """Bytes of a torch pass per score of a block (float32; ``exact``: plus
+        :func:`topk_rows`' scratch for tied rows, ``EXACT_CELL_BYTES``), per query (its float32
+        row and ``LIST_SLOT_BYTES`` per slot of its top-w lists: running, per chunk,
+        concatenated, merged, sorted, tie-ordered; twice as many slots on the exact path, whose
+        merges take two full lists) and per corpus row of a chunk (CPU: torch's top-k queue of
+        each thread; 16-bit storage upcast to float32)."""
+        cpu = self.device.type == "cpu"
+        upcast = self._dtype != torch.float32 and (cpu or not _MM_OUT_DTYPE.get(
+            str(self.device), True))
+        cell = 4 + (EXACT_CELL_BYTES if exact else 0)
+        per_query = 4 * self.dim + LIST_SLOT_BYTES * w * (2 if exact else 1)
+        per_row = 4 * self.dim * upcast + (TOPK_QUEUE_BYTES * torch.get_num_threads() if cpu else 0)
+        return cell, per_query, per_row
+
+    def _faiss_batch(self, b: int, kk: int) -> int:
+        """Queries per faiss call: the most whose :meth:`_faiss_bytes` fit the budget (>= 1)."""
+        w = kk + 1 if kk < self.ntotal else kk
+        budget = self.params.memory_budget
+        if self._faiss_bytes(b, w) <= budget:
+            return b
+        lo, hi = 1, b  # _faiss_bytes grows with the batch
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self._faiss_bytes(mid, w) <= budget else (lo, mid - 1)
+        return lo
+
+    def _faiss_bytes(self, q_batch: int, w: int) -> int:
+        """Bytes one faiss first pass holds for ``q_batch`` queries and top-w lists: the float32
+        queries, ``LIST_SLOT_BYTES`` per list slot (faiss' (D, I) result, the tie check and
+        ordering), and faiss' own workspaces (``faiss/utils/distances.cpp``, 1.15): from
+        ``nq d >= distance_compute_blas_threshold`` on, a (tile x 1024) float32 score block for
+        tiles of up to 4096 queries; from w >= 100 on, a reservoir of ((2 w + 15) & ~15)
+        (score, id) pairs per query of a tile (per thread on the query-by-query path)."""
+        cv = _faiss_module().cvar
+        blas = q_batch * self.dim >= cv.distance_compute_blas_threshold
+        tile = min(q_batch, cv.distance_compute_blas_query_bs) if blas else \
+            torch.get_num_threads()
+        reservoir = ((2 * w + 15) & ~15) * 12 if w >= cv.distance_compute_min_k_reservoir else 0
+        scores = 4 * cv.distance_compute_blas_database_bs if blas else 0
+        return q_batch * (4 * self.dim + LIST_SLOT_BYTES * w) + tile * (scores + reservoir)
+
+
+# Working-memory model of a search (ExactIndex._work_bytes, _faiss_bytes), checked against
+# measured peak resident memory in tests/test_exact_memory.py.
+LIST_SLOT_BYTES = 128  # per (query, top-k slot): ~10 float32 / int64 copies of the lists
+TOPK_QUEUE_BYTES = 16  # per chunk row and thread: torch's CPU top-k (value, int64 index) queue
+EXACT_CELL_BYTES = 16  # per score on the exact path: a copy of tied rows, masks, int32 keys
+CPU_CHUNK = 4096       # corpus rows per CPU block ...
+CHUNK_PER_K = 8        # ... and at least 8 (k + 1)
+CPU_BATCH = 4096       # queries per CPU block, at most
+CUDA_BATCH = 8192      # queries per CUDA block, at most
+MIN_CHUNK = 1024
+
+_FAISS: list[Any] = []  # [the faiss module, or None when it is not installed]
+
+
+def _faiss_module() -> Any:
+    """faiss, imported on first use, or None when it is not installed."""
+    if not _FAISS:
+        try:
+            import faiss  # noqa: PLC0415 (optional, imported lazily)
+        except ImportError:
+            faiss = None
+        _FAISS.append(faiss)
+    return _FAISS[0]
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device -> torch.mm(..., out_dtype=float32) works there
 
 
-def _scores(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """(B, d) float32 queries x (c, d) stored rows -> (B, c) float32 inner products.
+def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, d) float32 queries x (c, d) stored rows -> (B, c) float32 inner products, written
+    into ``buf`` (a flat float32 CPU buffer of at least B c elements, reused by every block so
+    that each block does not map fresh pages) when given.
 
     float32 storage, or the CPU: the rows are upcast and multiplied in float32. 16-bit storage
     on CUDA: one GEMM that reads both operands in the storage dtype (queries rounded to it),
@@ -173,7 +386,10 @@ def _scores(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     this torch has it; otherwise the chunk is upcast.
     """
     if rows.dtype == torch.float32 or not rows.is_cuda:
-        return q @ rows.float().T
+        if buf is None:
+            return q @ rows.float().T
+        out = buf[:q.shape[0] * rows.shape[0]].view(q.shape[0], rows.shape[0])
+        return torch.mm(q, rows.float().T, out=out)
     key = str(rows.device)
     if _MM_OUT_DTYPE.get(key, True):
         try:
