@@ -84,15 +84,9 @@ PATHS = {
                                                 metric_ks=(1,), device="cpu",
                                                 show_progress=False),
 }
-SWEEP_K1 = pytest.mark.xfail(
-    strict=True, raises=RuntimeError,
-    reason="sweep._topk with k=1 makes its `redo` mask without a device, then ors it with "
-           "the scores' device: a device mismatch on every CUDA sweep with metric_ks=(1,). "
-           "The top-k rewrite removes sweep._topk: when this passes, drop the xfail")
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=SWEEP_K1) if p == "sweep-k1" else p
-                                  for p in PATHS])
+@pytest.mark.parametrize("path", list(PATHS))
 def test_no_tensor_is_made_off_the_inputs_device(path):
     pytest.importorskip("faiss") if path == "xl-hnsw" else None
     import pefa_gpu.aggregate_stream  # noqa: F401

@@ -1,4 +1,4 @@
-"""Shared plumbing of the faiss backends: lazy import, thread scoping, array hand-off,
+"""Shared plumbing of the faiss backends: lazy import, array hand-off,
 result normalisation (similarities, -1 / -inf padding) and the k-limit fallback.
 
 Every faiss backend subclasses :class:`FaissBackend` and implements ``_raw_search`` (one
@@ -29,6 +29,7 @@ from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from .base import Index
+from .exact import ExactIndex, faiss_threads  # exact search: the k-limit fallback
 
 INDEX_FILE = "index.faiss"
 
@@ -63,20 +64,6 @@ def faiss_search_parameters(kind: str, **fields: Any) -> Any:
     for name, value in fields.items():
         setattr(out, name, value)
     return out
-
-
-@contextlib.contextmanager
-def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
-    """Run the block with faiss' OpenMP pool set to ``threads`` (0 = leave as is)."""
-    if not threads:
-        yield
-        return
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(int(threads))
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(before)
 
 
 def host_float32(x: Any, name: str, dim: int | None = None,
@@ -262,8 +249,6 @@ class FaissBackend(Index):
     def _search_beyond_limit(self, queries: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k above ``max_k``: exact search over the stored vectors on the index's device."""
         if self._fallback is None or self._fallback.ntotal != self.ntotal:
-            from .exact import ExactIndex  # noqa: PLC0415
-
             self._fallback = ExactIndex(device=self.device).build(self._stored_vectors())
         return self._fallback.search(as_tensor(queries, device=self.device).float(), k)
 

@@ -21,9 +21,10 @@ queue, faiss' score tile and reservoirs); see :meth:`ExactIndex._work_bytes`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -34,7 +35,6 @@ from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
 from ..topk import (PAD_ID, PAD_SCORE, boundary_tied, merge_topk, order_ties, pad_topk,
                     topk_rows)
-from ._faiss import faiss_threads
 from .base import Index
 
 
@@ -181,7 +181,7 @@ class ExactIndex(Index):
         n = self.ntotal
         w = kk + 1 if kk < n else kk
         q = q.float()
-        buf = None if q.is_cuda else torch.empty(q.shape[0] * min(chunk, n))
+        buf = None if q.is_cuda else torch.empty(q.shape[0] * min(chunk, n), device=q.device)
         if chunk >= n:
             return torch.topk(_scores(q, self.vectors, buf), w, dim=1)
         best_v = best_i = None
@@ -357,6 +357,20 @@ CHUNK_PER_K = 8        # ... and at least 8 (k + 1)
 CPU_BATCH = 4096       # queries per CPU block, at most
 CUDA_BATCH = 8192      # queries per CUDA block, at most
 MIN_CHUNK = 1024
+
+@contextlib.contextmanager
+def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
+    """Run the block with faiss' OpenMP pool set to ``threads`` (0 = leave as is)."""
+    if not threads:
+        yield
+        return
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
+
 
 _FAISS: list[Any] = []  # [the faiss module, or None when it is not installed]
 
