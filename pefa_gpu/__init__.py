@@ -13,8 +13,8 @@ from .encode import encode
 from .errors import FormatError, InputError, MissingDependencyError, PefaError
 from .index import Index, make_index
 from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
-from .models import (ERM, PEFAXL, PEFAXS, ERMParams, ERMSearchParams, XLParams, XLSearchParams,
-                     XSParams, XSSearchParams)
+from .models import (ERM, NUDGE, PEFAXL, PEFAXS, ERMParams, ERMSearchParams, NUDGEParams,
+                     NUDGESearchParams, XLParams, XLSearchParams, XSParams, XSSearchParams)
 from .persist import load
 from .relevance import Relevance, as_relevance
 from .sweep import Config, SweepResult, sweep
@@ -26,6 +26,7 @@ from .xmc import XMCData, load_xmc
 __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
     "ERMSearchParams", "XSSearchParams", "XLSearchParams",
+    "NUDGE", "NUDGEParams", "NUDGESearchParams",
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
     "load", "Index", "make_index",

@@ -1,4 +1,4 @@
-"""The three retrieval models: ERM (plain inner product), PEFA-XS and PEFA-XL.
+"""The retrieval models: ERM (plain inner product), PEFA-XS, PEFA-XL and NUDGE (-M / -N).
 
 All share one shape::
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,7 +28,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from . import export, persist, training, updates
+from . import export, nudge, persist, training, updates
 from .aggregate import normalize_rows, pifa
 from .arrays import as_embeddings, as_tensor, check_positive_int, resolve_device, to_numpy
 from .errors import FormatError, InputError
@@ -35,6 +36,7 @@ from .fuse import Array, RelevanceRows, candidate_table, ops
 from .index import Index, backend_class, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
 from .relevance import Relevance, as_relevance
+from .splits import split_queries
 
 log = logging.getLogger("pefa_gpu")
 
@@ -79,6 +81,36 @@ class XLParams(Params):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class NUDGEParams(Params):
+    """variant: 'M' (each document moves by gamma along the normalised sum of its training
+    queries) or 'N' (the same on the unit sphere, ||move||^2 <= gamma); see pefa_gpu.nudge.
+    gamma: the step; None chooses it on validation queries: fit's Q_val / Y_val, else a seeded
+    ``val_fraction`` of the training queries (``seed``) held out. val_k: NUDGE-N chooses gamma
+    by validation accuracy in the top val_k (nudge-ft's default 1)."""
+
+    variant: str = "N"
+    gamma: float | None = None
+    val_fraction: float = 0.2
+    seed: int = 0
+    val_k: int = 1
+
+    def validate(self) -> None:
+        check_choice(self.variant, "variant", nudge.VARIANTS)
+        top = 4.0 if self.variant == "N" else float("inf")
+        if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(
+                self.gamma, (int, float)) or not 0.0 <= self.gamma <= top):
+            raise InputError(f"gamma must be None or a number in [0, {top:g}] for NUDGE-"
+                             f"{self.variant}, got {self.gamma!r}")
+        if isinstance(self.val_fraction, bool) or not isinstance(
+                self.val_fraction, (int, float)) or not 0.0 < self.val_fraction < 1.0:
+            raise InputError(f"val_fraction must lie strictly between 0 and 1, got "
+                             f"{self.val_fraction!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InputError(f"seed must be an int, got {self.seed!r}")
+        check_positive(self.val_k, "val_k")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ERMSearchParams(Params):
     """ERM's own search settings: none (its index's are the backend's SearchParams)."""
 
@@ -86,6 +118,11 @@ class ERMSearchParams(Params):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XSSearchParams(Params):
     """PEFA-XS's own search settings: none (its index's are the backend's SearchParams)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NUDGESearchParams(Params):
+    """NUDGE's own search settings: none (its index's are the backend's SearchParams)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -339,7 +376,7 @@ class _Model:
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
         """Take m' training queries (m', d) with their relevance (m' x n)."""
-        raise InputError(f"add_pairs() needs a PEFAXS or PEFAXL model, got "
+        raise InputError(f"add_pairs() needs a PEFAXS, PEFAXL or NUDGE model, got "
                          f"{type(self).__name__} (ERM has no training pairs)")
 
     def _exported(self) -> Any:
@@ -422,19 +459,127 @@ class PEFAXS(_Model):
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
         touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
-        if touched.numel():
-            try:
-                self.index.update(touched, self.xs_rows(touched))
-            except NotImplementedError:
-                log.info("backend %r cannot update rows: rebuilding the index of %d documents "
-                         "for %d changed ones", self.backend, self.n_docs, touched.numel())
-                self.index = self.new_index().build(self.xs_embeddings())
+        _update_rows(self, touched, self.xs_rows, self.xs_embeddings)
 
     def _exported(self) -> Any:
         return self.xs_embeddings(), self.index
 
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
         return {**super()._saved_shapes(), "doc_sums": (self.n_docs, self.dim)}
+
+
+class NUDGE(_Model):
+    """NUDGE (Zeighami et al., 2024): one index over the documents moved toward their training
+    queries, e_j = NUDGE-M / NUDGE-N of (Π(p_j), g_j = sum_i Y[i, j] q_i) with a step gamma
+    chosen on validation queries (see pefa_gpu.nudge)::
+
+        model = pg.NUDGE(variant="N").fit(P, Q, Y)                  # gamma on 20% of Q
+        model = pg.NUDGE(variant="M").fit(P, Q, Y, Q_val, Y_val)    # gamma on Q_val
+        model.fitted_gamma                                          # the step it took
+    """
+
+    Params = NUDGEParams
+    SearchParams = NUDGESearchParams
+    _saved = _Model._saved + ("doc_embeddings", "doc_sums", "fitted_gamma")
+
+    def fit(self, P: Any, Q: Any, Y: Any, Q_val: Any = None, Y_val: Any = None) -> "NUDGE":
+        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance; Q_val (v, d),
+        Y_val (v, n): validation queries for gamma.
+
+        With ``gamma`` set, it is used as it is (Q_val must not be given). Else gamma is chosen
+        on Q_val / Y_val with g_j from Q; without them (what nudge-ft never does: it always
+        takes a validation set) on a seeded ``val_fraction`` of Q with g_j from the rest, and
+        then the documents move by that gamma along g_j of all of Q."""
+        p, q, rel = self._embeddings(P, Q, Y)
+        p_unit = normalize_rows(p)
+        gamma = self.params.gamma
+        if (Q_val is None) != (Y_val is None):
+            raise InputError("NUDGE.fit: Q_val and Y_val go together")
+        if gamma is not None and Q_val is not None:
+            raise InputError(f"NUDGE.fit: gamma={gamma!r} is fixed, so Q_val / Y_val would not "
+                             f"be used; set gamma=None to choose it on them")
+        if gamma is None and Q_val is not None:
+            q_val = as_embeddings(Q_val, self.device, "Q_val", dim=p.shape[1]).detach()
+            y_val = as_relevance(Y_val, shape=(q_val.shape[0], p.shape[0]), name="Y_val",
+                                 allow_empty=True)
+            g_fit = pifa(rel, q, normalize=False, device=self.device)
+            gamma = nudge.choose_gamma(self.params.variant, p_unit, g_fit, q_val, y_val.csr,
+                                       self.params.val_k)
+        elif gamma is None:
+            if q.shape[0] < 2:
+                raise InputError(f"NUDGE chooses gamma on held-out training queries and needs "
+                                 f"at least 2 of them, got {q.shape[0]}: give Q_val / Y_val "
+                                 f"or set gamma")
+            fit_rows, val_rows = split_queries(q.shape[0], self.params.val_fraction,
+                                               self.params.seed)
+            g_fit = pifa(rel.rows(fit_rows), q[as_tensor(fit_rows, device=self.device)],
+                         normalize=False, device=self.device)
+            gamma = nudge.choose_gamma(self.params.variant, p_unit, g_fit,
+                                       q[as_tensor(val_rows, device=self.device)],
+                                       rel.rows(val_rows).csr, self.params.val_k)
+        self.fitted_gamma = float(gamma)
+        self.doc_embeddings = p
+        self.doc_sums = pifa(rel, q, normalize=False, device=self.device)
+        self.index = self.new_index().build(self.nudge_embeddings())
+        self.dim, self.n_docs = p.shape[1], p.shape[0]
+        return self
+
+    def nudge_embeddings(self, gamma: float | None = None) -> torch.Tensor:
+        """The adapted documents E (n, d) float32 the index holds; ``gamma`` defaults to
+        :attr:`fitted_gamma`."""
+        gamma = self.fitted_gamma if gamma is None else gamma
+        return nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings),
+                           self.doc_sums, gamma)
+
+    def nudge_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (any shape, valid) of :meth:`nudge_embeddings` -> (*ids.shape, d)
+        float32, computed row by row exactly as there."""
+        flat = ids.reshape(-1)
+        e = nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings[flat]),
+                        self.doc_sums[flat], self.fitted_gamma)
+        return e.reshape(*ids.shape, -1)
+
+    def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return training.inner(q, self.nudge_rows(ids))
+
+    def _append_documents(self, p: torch.Tensor) -> None:
+        """New documents have no training query: they enter as Π(p_j)."""
+        n0 = self.doc_embeddings.shape[0]
+        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
+        self.doc_sums = torch.cat([self.doc_sums, torch.zeros(p.shape, device=p.device)])
+        self.index.add(self.nudge_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+
+    def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
+        """The new pairs join g_j; gamma stays :attr:`fitted_gamma` (it is not re-chosen), so
+        this equals a refit with ``gamma=fitted_gamma``."""
+        touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
+        _update_rows(self, touched, self.nudge_rows, self.nudge_embeddings)
+
+    def _exported(self) -> Any:
+        return self.nudge_embeddings(), self.index
+
+    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
+        return {**super()._saved_shapes(), "doc_sums": (self.n_docs, self.dim)}
+
+    def _restore(self) -> None:
+        g = self.fitted_gamma
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
+                or g < 0:
+            raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got "
+                              f"{g!r}")
+
+
+def _update_rows(model: _Model, touched: torch.Tensor, rows: Any, everything: Any) -> None:
+    """Overwrite the index rows ``touched`` with ``rows(touched)``; a backend that cannot
+    update rows is rebuilt from ``everything()``."""
+    if not touched.numel():
+        return
+    try:
+        model.index.update(touched, rows(touched))
+    except NotImplementedError:
+        log.info("backend %r cannot update rows: rebuilding the index of %d documents for %d "
+                 "changed ones", model.backend, model.n_docs, touched.numel())
+        model.index = model.new_index().build(everything())
 
 
 class PEFAXL(_Model):

@@ -34,6 +34,7 @@ from .arrays import as_embeddings, resolve_device, to_numpy
 from .errors import InputError
 from .models import ERM, PEFAXL, PEFAXS
 from .relevance import as_relevance
+from .splits import split_queries
 from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
 from .metrics import evaluate
 
@@ -61,19 +62,6 @@ class TuneResult:
     n_val: int
     seed: int
     coverage: dict[str, float] | None = None
-
-
-def split_queries(n_queries: int, val_fraction: float = 0.2, seed: int = 0
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """A seeded split of query rows 0..n-1 into (fit rows, validation rows), both sorted int64
-    and disjoint; at least one row on each side."""
-    if not 0.0 < val_fraction < 1.0:
-        raise InputError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-    if n_queries < 2:
-        raise InputError(f"tuning needs at least 2 training queries, got {n_queries}")
-    n_val = min(max(1, int(round(val_fraction * n_queries))), n_queries - 1)
-    perm = np.random.default_rng(seed).permutation(n_queries)
-    return np.sort(perm[n_val:]).astype(np.int64), np.sort(perm[:n_val]).astype(np.int64)
 
 
 def parse_metric(metric: str) -> tuple[int, ...]:

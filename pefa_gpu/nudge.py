@@ -1,0 +1,136 @@
+"""NUDGE (Zeighami et al., 2024): document embeddings moved toward their training queries.
+
+Notation: d_j the unit-normalised document embeddings (n, d); g_j = Σ_i Y[i, j] q_i the sum of
+the training queries of document j (Y binary: the paper's sum over the queries that j answers);
+ĝ_j = g_j / ‖g_j‖ (0 for a document with no training query). Both variants maximise the
+training similarity Σ_i Σ_j Y[i, j] <q_i, d_j + Δ_j> = Σ_j <g_j, Δ_j> + const under a
+constraint on each move Δ_j:
+
+- NUDGE-M, ‖Δ_j‖ <= γ:  e_j = d_j + γ ĝ_j (not unit norm: search by inner product).
+- NUDGE-N, ‖d_j + Δ_j‖ = 1 and ‖Δ_j‖² <= γ:  e_j = ĝ_j where it is within reach
+  (<d_j, ĝ_j> >= 1 - γ/2); else the point of the great circle from d_j toward g_j with
+  <e_j, d_j> = 1 - γ/2, i.e. e_j = (1 - γ/2) d_j + sqrt(γ - γ²/4) z_j with
+  z_j = Π(g_j - <d_j, g_j> d_j). A document whose g_j is zero, parallel to d_j or points away
+  from it (<d_j, g_j> < 0) and is out of reach keeps d_j, as in the authors' nudge-ft.
+
+γ is chosen on validation queries (Q_v, Y_v), with the g_j of the fitting queries:
+
+- NUDGE-M: the γ >= 0 under which the most validation pairs (q, x) (Y_v[q, x] > 0) have x as
+  the top-1 of <q, e_j> over all documents (a tie counts as a win). For one pair that set of γ
+  is an interval [lo, hi] (the score gaps are linear in γ), so the best γ is the smallest left
+  end covered by the most intervals; 0 when no pair can win. (nudge-ft counts an interval as
+  [lo, hi) where two ends meet; that differs only on exact float ties.)
+- NUDGE-N: the first γ of (0, 0.02, ..., 0.48) (nudge-ft's grid) with the best validation
+  accuracy: the mean over queries with a relevant document of
+  |top-``val_k`` ∩ relevant| / min(|relevant|, ``val_k``) (nudge-ft divides 0 by 0 for a query
+  with no relevant document; such queries are left out here).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from .aggregate import normalize_rows
+from .errors import InputError
+
+N_GAMMAS: tuple[float, ...] = tuple(0.02 * x for x in range(25))  # NUDGE-N's γ grid
+VARIANTS: tuple[str, ...] = ("M", "N")
+BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
+
+
+def nudge_m(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
+    """NUDGE-M: e = d + γ Π(g). d (n, D) unit rows, g (n, D) query sums -> (n, D) float32."""
+    return d.float() + gamma * normalize_rows(g)
+
+
+def nudge_n(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
+    """NUDGE-N (module docstring). d (n, D) unit rows, g (n, D) query sums, 0 <= γ <= 4 ->
+    (n, D) float32 unit rows (d where a document does not move)."""
+    d, g = d.float(), g.float()
+    if gamma == 0:
+        return d.clone()
+    v = (d * g).sum(1, keepdim=True)
+    g_hat = normalize_rows(g)
+    reach = ((d * g_hat).sum(1, keepdim=True) >= 1.0 - gamma / 2) & (g_hat != 0).any(1, True)
+    ortho = g - v * d
+    stay = (v < 0) | ~(ortho != 0).any(1, keepdim=True)
+    moved = (1.0 - gamma / 2) * d + math.sqrt(gamma - gamma * gamma / 4) * normalize_rows(ortho)
+    return torch.where(reach, g_hat, torch.where(stay, d, moved))
+
+
+def nudge(variant: str, d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
+    """:func:`nudge_m` or :func:`nudge_n` by ``variant`` ('M' or 'N')."""
+    if variant not in VARIANTS:
+        raise InputError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    return (nudge_m if variant == "M" else nudge_n)(d, g, gamma)
+
+
+def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Tensor,
+                 y_val: sp.csr_matrix, val_k: int = 1) -> float:
+    """γ chosen on validation queries q_val (v, D) with relevance y_val (v x n), for documents
+    d (n, D) unit rows with fitting-query sums g (n, D) (module docstring)."""
+    y = sp.csr_matrix(y_val > 0, dtype=np.float32)
+    if variant == "M":
+        return _choose_gamma_m(d.float(), normalize_rows(g), q_val.float(), y)
+    return _choose_gamma_n(d.float(), g.float(), q_val.float(), y, val_k)
+
+
+def _query_batches(n_queries: int, n_docs: int):
+    step = max(1, BLOCK_CELLS // max(n_docs, 1))
+    for s in range(0, n_queries, step):
+        yield slice(s, min(s + step, n_queries))
+
+
+def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
+                    y: sp.csr_matrix) -> float:
+    lows, highs = [], []
+    for b in _query_batches(q.shape[0], d.shape[0]):
+        yb = y[b].tocoo()
+        if not yb.nnz:
+            continue
+        rows = torch.as_tensor(yb.row.astype(np.int64), device=d.device)
+        cols = torch.as_tensor(yb.col.astype(np.int64), device=d.device).unsqueeze(1)
+        s = (q[b] @ d.T)[rows]                      # (pairs, n) <q, d_j>
+        t = (q[b] @ g_hat.T)[rows]                  # (pairs, n) <q, ĝ_j>
+        ds, dt = s - s.gather(1, cols), t - t.gather(1, cols)
+        # x wins iff ds_j + γ dt_j <= 0 for every j
+        ratio = -ds / torch.where(dt == 0, torch.ones_like(dt), dt)
+        inf = torch.tensor(float("inf"), device=d.device)
+        lo = torch.where(dt < 0, ratio, -inf).amax(1).clamp_min(0.0)
+        hi = torch.where(dt > 0, ratio, inf).amin(1)
+        ok = ~((dt == 0) & (ds > 0)).any(1) & (lo <= hi)
+        lows.append(lo[ok].cpu().double().numpy())
+        highs.append(hi[ok].cpu().double().numpy())
+    lo = np.sort(np.concatenate(lows)) if lows else np.empty(0)
+    hi = np.sort(np.concatenate(highs)) if highs else np.empty(0)
+    if not lo.size:
+        return 0.0
+    cover = np.searchsorted(lo, lo, "right") - np.searchsorted(hi, lo, "left")
+    return float(lo[int(np.argmax(cover))])
+
+
+def _choose_gamma_n(d: torch.Tensor, g: torch.Tensor, q: torch.Tensor, y: sp.csr_matrix,
+                    val_k: int) -> float:
+    n_rel = np.diff(y.indptr)
+    keep = np.flatnonzero(n_rel > 0)
+    if not keep.size:
+        return 0.0
+    q, y = q[torch.as_tensor(keep, device=q.device)], y[keep]
+    k = min(val_k, d.shape[0])
+    denom = torch.as_tensor(np.minimum(n_rel[keep], val_k), dtype=torch.float64)
+    best, best_acc = 0.0, -1.0
+    for gamma in N_GAMMAS:
+        e = nudge_n(d, g, gamma)
+        hits = []
+        for b in _query_batches(q.shape[0], d.shape[0]):
+            top = torch.topk(q[b] @ e.T, k, dim=1).indices.cpu().numpy()
+            rows = np.repeat(np.arange(top.shape[0]), k)
+            hits.append(np.asarray(y[b][rows, top.ravel()]).reshape(top.shape).sum(1))
+        acc = float((torch.as_tensor(np.concatenate(hits), dtype=torch.float64) / denom).mean())
+        if acc > best_acc:
+            best, best_acc = gamma, acc
+    return best
