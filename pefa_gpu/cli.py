@@ -1,6 +1,6 @@
 """The ``pefa-gpu`` command: from a BEIR folder (or a pairs file) to evaluated, tuned models.
 
-    pefa-gpu eval   DATA_DIR [--methods erm,xs,xl] [--lam L] [--k K] [--json OUT]
+    pefa-gpu eval   DATA_DIR [--methods erm,xs,xl,nudge-m,nudge-n] [--lam L] [--k K] [--json OUT]
     pefa-gpu sweep  DATA_DIR [--lam 0.1,...,0.9] [--k 16,32,64] [--json OUT] [--plot PNG]
     pefa-gpu tune   DATA_DIR [--val-fraction 0.2] [--seed 0] [--json OUT]
     pefa-gpu build  DATA_DIR --method xs|xl|erm|auto [--lam L] [--k K] --out MODEL_DIR
@@ -87,10 +87,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _methods(text: str) -> tuple[str, ...]:
     vals = tuple(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
-    bad = [m for m in vals if m not in ("erm", "xs", "xl")]
+    bad = [m for m in vals if m not in ("erm", "xs", "xl", "nudge-m", "nudge-n")]
     if bad or not vals:
-        raise argparse.ArgumentTypeError(f"methods are erm, xs, xl (comma-separated), got "
-                                         f"{text!r}")
+        raise argparse.ArgumentTypeError(f"methods are erm, xs, xl, nudge-m, nudge-n "
+                                         f"(comma-separated), got {text!r}")
     return vals
 
 
@@ -151,7 +151,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _grid_args(p: argparse.ArgumentParser) -> None:
     """--methods, --lam, --k as grids (sweep, tune)."""
     p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of erm,xs,xl (default: all three)")
+                   help="comma-separated subset of erm,xs,xl,nudge-m,nudge-n (default: "
+                        "erm,xs,xl; NUDGE chooses its step on 20%% of the training queries)")
     p.add_argument("--lam", type=_lams, metavar="L,L...", default=None,
                    help="λ grid, each in [0, 1] (default: 0.1,0.2,...,0.9)")
     p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
@@ -214,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     _xmc_args(p)
     _model_args(p)
     p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of erm,xs,xl (default: all three)")
+                   help="comma-separated subset of erm,xs,xl,nudge-m,nudge-n (default: "
+                        "erm,xs,xl; NUDGE chooses its step on 20%% of the training queries)")
     p.add_argument("--lam", type=_lams, metavar="L[,L...]",
                    help="λ in [0, 1], weight of the ERM score (default: 0.5 for XS, 0.1 for "
                         "XL)")
@@ -344,6 +346,8 @@ def _check_args(args: argparse.Namespace) -> None:
                               "k": "xl" in methods, "candidates": "xl" in methods,
                               "no_augment": "xs" in methods or "xl" in methods},
                        f"--methods {','.join(args.methods)}")
+        if getattr(args, "ray", None) is not None and any(m.startswith("nudge") for m in methods):
+            raise InputError("NUDGE runs in one process: drop --ray or nudge-m / nudge-n")
     if cmd == "tune" and not 0.0 < args.val_fraction < 1.0:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")
@@ -641,8 +645,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data = _load_data(args)
     groups = []
     for m in args.methods:
-        if m == "erm":
-            groups.append((("erm",), (), ()))
+        if m == "erm" or m.startswith("nudge"):
+            groups.append(((m,), (), ()))
         elif m == "xs":
             groups.append((("xs",), args.lam or (0.5,), ()))
         else:
@@ -708,6 +712,10 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
         for r in rows:
             if r["method"] == "erm":
                 ax.axhline(r[metric], color="black", linestyle="--", label="ERM")
+                continue
+            if r["lam"] is None:  # NUDGE-M / NUDGE-N: no λ
+                ax.axhline(r[metric], linestyle=":", color="C9" if r["method"] == "nudge-n"
+                           else "C8", label=r["method"].upper())
                 continue
             label = "PEFA-XS" if r["method"] == "xs" else f"PEFA-XL k={r['k']}"
             groups.setdefault(label, []).append(r)

@@ -1,4 +1,5 @@
-"""The λ × k grid of ERM / PEFA-XS / PEFA-XL, reusing the expensive searches.
+"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (and NUDGE-M / NUDGE-N), reusing the expensive
+searches.
 
     res = pg.sweep(P, Q, Y, test_queries, Y_test)          # paper grid by default
     print(res.to_markdown()); best = res.best("recall@10")
@@ -11,6 +12,8 @@
   (the top-k of the query index is a prefix of its top-K under the ties-to-lower-id rule);
   :meth:`PEFAXL.fuse_grid` forms the candidate table once per query batch, the neighbour
   votes once per k, and each λ only mixes and takes a top-k (the fusion core of search).
+- NUDGE-M / NUDGE-N ('nudge-m', 'nudge-n', not in the default methods): one point each, no λ
+  or k; each fit chooses its own step on held-out training queries (see :class:`NUDGE`).
 
 Each configuration gives the same ranking as fitting and searching it on its own (up to float32
 rounding in XS, where λ multiplies scores instead of embeddings).
@@ -29,7 +32,7 @@ from .aggregate import normalize_rows
 from .arrays import as_embeddings, check_positive_int, resolve_device
 from .errors import InputError
 from .metrics import evaluate
-from .models import ERM, PEFAXL, PEFAXS
+from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .params import check_positive, check_unit_interval
 from .topk import merge_topk, topk_rows
 
@@ -37,12 +40,15 @@ log = logging.getLogger("pefa_gpu")
 
 PAPER_LAMS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PAPER_KS: tuple[int, ...] = (16, 32, 64)
-METHODS: tuple[str, ...] = ("erm", "xs", "xl")
+DEFAULT_METHODS: tuple[str, ...] = ("erm", "xs", "xl")
+NUDGE_METHODS: tuple[str, ...] = ("nudge-m", "nudge-n")
+METHODS: tuple[str, ...] = DEFAULT_METHODS + NUDGE_METHODS  # every method a grid can name
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One point of the grid: method 'erm' (lam, k None), 'xs' (k None) or 'xl'."""
+    """One point of the grid: method 'erm', 'nudge-m', 'nudge-n' (lam, k None), 'xs' (k None)
+    or 'xl'."""
 
     method: str
     lam: float | None = None
@@ -92,14 +98,14 @@ def markdown_table(rows: Sequence[dict[str, Any]],
     return "\n".join(lines) + "\n"
 
 
-def grid(methods: Sequence[str] = METHODS, lams: Sequence[float] = PAPER_LAMS,
+def grid(methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER_LAMS,
          ks: Sequence[int] = PAPER_KS) -> list[Config]:
     """The configurations of a sweep, in the order it reports them."""
     methods, lams, ks = _check_grid(methods, lams, ks)
     out: list[Config] = []
     for m in methods:
-        if m == "erm":
-            out.append(Config("erm"))
+        if m == "erm" or m in NUDGE_METHODS:
+            out.append(Config(m))
         elif m == "xs":
             out += [Config("xs", lam) for lam in lams]
         else:
@@ -107,7 +113,8 @@ def grid(methods: Sequence[str] = METHODS, lams: Sequence[float] = PAPER_LAMS,
     return out
 
 
-def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = METHODS,
+def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
+                 methods: Sequence[str] = DEFAULT_METHODS,
                  lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
                  topk: int = 100, device: Any = None, backend: str = "exact",
                  candidates: int = 500, knn_norm: str = "k", rescore: bool = True,
@@ -154,6 +161,11 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any, methods: Sequence[str] = 
                 _tick(timings, "erm", t0)
                 bar.update(1)
                 yield Config("erm"), s, i
+            elif method in NUDGE_METHODS:
+                s, i = NUDGE(variant=method[-1].upper(), **common).fit(P, Q, Y).search(q, topk)
+                _tick(timings, method, t0)
+                bar.update(1)
+                yield Config(method), s, i
             elif method == "xs":
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
                 results = (_xs_all_lams(xs, q, lams, topk) if backend == "exact"
@@ -280,7 +292,7 @@ def _mix_weights(lams: Sequence[float], device: torch.device
 
 
 def sweep(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
-          methods: Sequence[str] = METHODS, lams: Sequence[float] = PAPER_LAMS,
+          methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER_LAMS,
           ks: Sequence[int] = PAPER_KS, metric_ks: Sequence[int] = (10, 100),
           device: Any = None, **kwargs: Any) -> SweepResult:
     """Evaluate every grid configuration on (queries, Y_test): a :class:`SweepResult`.

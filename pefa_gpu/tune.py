@@ -32,10 +32,11 @@ import scipy.sparse as sp
 
 from .arrays import as_embeddings, resolve_device, to_numpy
 from .errors import InputError
-from .models import ERM, PEFAXL, PEFAXS
+from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .relevance import as_relevance
 from .splits import split_queries
-from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
+from .sweep import (DEFAULT_METHODS, METHODS, NUDGE_METHODS, PAPER_KS, PAPER_LAMS, Config,
+                    SweepResult, sweep_search)
 from .metrics import evaluate
 
 log = logging.getLogger("pefa_gpu")
@@ -97,7 +98,7 @@ def per_query_recall(ids: Any, Y: Any, ks: Sequence[int]) -> np.ndarray:
     return out / len(ks)
 
 
-def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
+def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = DEFAULT_METHODS,
          lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
          val_fraction: float = 0.2, seed: int = 0, metric: str = "recall@10,recall@100",
          min_z: float = 2.0, device: Any = None, test_queries: Any = None,
@@ -144,7 +145,7 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
         rows.append(row)
     ok = ~np.isnan(erm_vals)
     erm_obj = float(np.mean(erm_vals[ok]))
-    # the best by objective; on ties the earlier in grid order (ERM first, then XS, XL)
+    # the best by objective; on ties the earlier in grid order (ERM first, then the methods)
     best_row = max(rows, key=lambda r: r["objective"])
     best = Config(best_row["method"], best_row["lam"], best_row["k"])
     diff = gains[best][ok] - erm_vals[ok]
@@ -215,10 +216,13 @@ def match_coverage(P: Any, q_val: Any, y_fit: Any, y_val: Any, y_all: Any, test_
 
 def fit_config(config: Config, P: Any, Q: Any = None, Y: Any = None, device: Any = None,
                backend: str = "exact", candidates: int = 500, **params: Any) -> Any:
-    """A fitted ERM / PEFAXS / PEFAXL for ``config`` (``params``: other model params, e.g.
-    augment_docs, knn_norm, rescore)."""
+    """A fitted ERM / PEFAXS / PEFAXL / NUDGE for ``config`` (``params``: other model params,
+    e.g. augment_docs, knn_norm, rescore)."""
     if config.method == "erm":
         return ERM(backend=backend, device=device).fit(P)
+    if config.method in NUDGE_METHODS:
+        return NUDGE(variant=config.method[-1].upper(), backend=backend,
+                     device=device).fit(P, Q, Y)
     if config.method == "xs":
         return PEFAXS(lam=config.lam, backend=backend, device=device,
                       **{k: v for k, v in params.items() if k == "augment_docs"}).fit(P, Q, Y)
