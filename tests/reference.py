@@ -127,3 +127,77 @@ def mrr(ids: np.ndarray, Y, k: int) -> float:
                 break
         vals.append(rr)
     return float(np.mean(vals))
+
+
+# -- NUDGE (Zeighami et al., 2024), from the paper's closed forms, in float64 ---------------
+
+def nudge_sums(P, Q, Y):
+    """(unit documents D, query sums G = Yᵀ Q), float64."""
+    return normalize(np.asarray(P, np.float64)), dense(Y).T @ np.asarray(Q, np.float64)
+
+
+def nudge_m(D, G, gamma):
+    """argmax Σ_j <g_j, Δ_j> s.t. ‖Δ_j‖ <= γ: Δ_j = γ g_j / ‖g_j‖ (0 when g_j = 0)."""
+    return D + gamma * normalize(G)
+
+
+def nudge_n(D, G, gamma):
+    """argmax <g_j, e_j> over unit e_j with ‖e_j - d_j‖² <= γ, by angles: the allowed cap is
+    the angle θ = arccos(1 - γ/2) around d_j; e_j = ĝ_j inside it, else d_j turned by θ toward
+    g_j. Documents with g_j = 0, g_j ∥ d_j or <d_j, g_j> < 0 keep d_j unless ĝ_j is in reach
+    (the authors' code)."""
+    out = D.copy()
+    if gamma == 0:
+        return out
+    theta = np.arccos(np.clip(1 - gamma / 2, -1, 1))
+    for j in range(D.shape[0]):
+        d, g = D[j], G[j]
+        gn = np.linalg.norm(g)
+        if gn == 0:
+            continue
+        phi = np.arccos(np.clip(d @ g / gn, -1, 1))
+        if phi <= theta + 1e-12:
+            out[j] = g / gn
+            continue
+        perp = g - (d @ g) * d
+        if d @ g < 0 or np.linalg.norm(perp) < 1e-12 * gn:
+            continue
+        out[j] = np.cos(theta) * d + np.sin(theta) * perp / np.linalg.norm(perp)
+    return out
+
+
+def nudge_gamma_m(D, G, Qv, Yv, tol=1e-9):
+    """The smallest γ >= 0 maximising the validation pairs (q, x) whose x is a top-1 of
+    <q, d_j + γ ĝ_j> (ties win), by trying every γ where two scores cross."""
+    Qv, Gh, Yd = np.asarray(Qv, np.float64), normalize(G), dense(Yv)
+    S, T = Qv @ D.T, Qv @ Gh.T
+    pairs = np.argwhere(Yd > 0)
+    cands = {0.0}
+    for qi, x in pairs:
+        dt = T[qi] - T[qi, x]
+        ds = S[qi] - S[qi, x]
+        nz = dt != 0
+        cands.update(float(c) for c in (-ds[nz] / dt[nz]) if c >= 0)
+    best, best_count = 0.0, 0
+    for c in sorted(cands):
+        sc = S + c * T
+        wins = sum(sc[qi, x] >= sc[qi].max() - tol for qi, x in pairs)
+        if wins > best_count:
+            best, best_count = c, wins
+    return best
+
+
+def nudge_gamma_n(D, G, Qv, Yv, val_k=1):
+    """The first γ of 0, 0.02, ..., 0.48 with the best mean |top-val_k ∩ relevant| /
+    min(|relevant|, val_k) over validation queries with a relevant document."""
+    Qv, Yd = np.asarray(Qv, np.float64), dense(Yv) > 0
+    keep = Yd.sum(1) > 0
+    best, best_acc = 0.0, -1.0
+    for x in range(25):
+        gamma = 0.02 * x
+        _, ids = exact_search(nudge_n(D, G, gamma), Qv[keep], val_k)
+        hits = np.take_along_axis(Yd[keep], ids, 1).sum(1)
+        acc = np.mean(hits / np.minimum(Yd[keep].sum(1), val_k))
+        if acc > best_acc + 1e-12:
+            best, best_acc = gamma, acc
+    return best
