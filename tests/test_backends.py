@@ -696,7 +696,8 @@ def test_knn_graph_shape_and_edges():
 
 
 @pytest.mark.parametrize("method,kind", [("auto", "IndexHNSWFlat"), ("knn", "IndexHNSWCagra")])
-@pytest.mark.parametrize("cls,kw", [(pg.ERM, {}), (pg.PEFAXS, {"lam": 0.5})])
+@pytest.mark.parametrize("cls,kw", [(pg.ERM, {}), (pg.PEFAXS, {"lam": 0.5}),
+                                    (pg.NUDGE, {"variant": "M", "gamma": 0.3})])
 def test_export_hnsw_round_trip(cls, kw, method, kind, tmp_path):
     p, q, y, t = model_data(13)
     model = cls(device="cpu", **kw).fit(*((p,) if cls is pg.ERM else (p, q, y)))
@@ -706,7 +707,8 @@ def test_export_hnsw_round_trip(cls, kw, method, kind, tmp_path):
     d, i = index.search(t, 10)
     s_ref, i_ref = model.search(t, 10)
     assert recall(i, i_ref.numpy()) >= 0.95
-    vec = model.xs_embeddings().numpy() if cls is pg.PEFAXS else p
+    vec = {pg.PEFAXS: lambda: model.xs_embeddings().numpy(),
+           pg.NUDGE: lambda: model.nudge_embeddings().numpy()}.get(cls, lambda: p)()
     np.testing.assert_allclose(d, np.einsum("bd,bkd->bk", t, vec[i]), atol=1e-4)
 
 
