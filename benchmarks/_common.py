@@ -34,6 +34,7 @@ def stamp() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_avg_1_5_15": os.getloadavg(),
     }
     for mod in ("faiss", "cupy", "sentence_transformers", "pecos"):
         try:
@@ -60,6 +61,7 @@ def write_results(name: str, data: dict[str, Any], table_md: str) -> Path:
     (RESULTS / f"{name}.json").write_text(json.dumps({"stamp": st, **data}, indent=2) + "\n")
     head = (f"_{st['date']} · {st['processor']} ({st['cpus']} cpus) · "
             f"{'GPU ' + st['cuda_device'] if st['cuda_device'] else 'no GPU'} · "
+            f"load {st['load_avg_1_5_15'][0]:.1f} · "
             f"torch {st['torch']}, numpy {st['numpy']}, scipy {st['scipy']}"
             + (f", faiss {st['faiss']}" if "faiss" in st else "") + "_\n\n")
     (RESULTS / f"{name}.md").write_text(head + table_md.rstrip() + "\n")

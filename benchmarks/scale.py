@@ -6,20 +6,27 @@
 
 CPU section, per size n (m = 3n training queries, synthetic data from
 pefa_gpu.synthetic): wall time and peak RSS growth (VmHWM, reset per stage) of PIFA, exact
-index build, ERM search (top-Kp) and query-index search (top-k), and the XL fusion (fused
-kernel) next to the authors' scipy merge on the same candidates (knn_csr @ Y + lam-weighted
-ERM matrix, per-row top-k), their ratio, plus the general sort-based fusion. ANN build/search
-(hnsw) when faiss is installed and ``--ann``.
+index build, ERM search (top-Kp) and query-index search (top-k). ANN build/search (hnsw) when
+faiss is installed and ``--ann``.
+
+Fusion section, per synthetic size and for a product-search shape (54,667 documents, 7,800
+training queries with ~1.1 relevant documents each, ~6% of the documents with any, 1,949 test
+queries, d=384, Kp=500, k=16): ``PEFAXL.fuse`` on precomputed searches (passage top-Kp and
+``PEFAXL.neighbours``), without rescoring (the authors' semantics) and with it, next to the
+authors' scipy merge of the same searches (knn_csr @ Y + lam-weighted ERM matrix, per-row
+top-k), interleaved, best of several; the ids (row by row) and scores (bitwise) of the fusion
+without rescoring against the scipy merge's; the load average.
 
 GPU section (when torch sees CUDA): bf16 GEMM rate measured first, then exact bf16 search
 (n=1M, d=768, batch 4096) against half that rate; XL end-to-end vs ERM-alone throughput;
-streamed aggregation bandwidth vs measured host-to-device copy bandwidth; the fused fusion vs
-the CPU scipy merge. Results: benchmarks/results/scale.{json,md,png}.
+streamed aggregation bandwidth vs measured host-to-device copy bandwidth; PEFAXL.fuse (no
+rescoring) vs the CPU scipy merge, and their ids. Results: benchmarks/results/scale.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
@@ -34,8 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import RESULTS, md_table, write_results  # noqa: E402
 
 import pefa_gpu as pg  # noqa: E402
-from pefa_gpu.arrays import csr_tensors  # noqa: E402
-from pefa_gpu.fuse import fuse_scores  # noqa: E402
 from pefa_gpu.synthetic import make_synthetic  # noqa: E402
 
 
@@ -60,32 +65,82 @@ def measure(fn, repeats: int = 1):
 
 
 def scipy_merge(erm, knn, Y: sp.csr_matrix, lam: float, k: int, topk: int):
-    """The authors' merge: sparse kNN scores times Y rows, plus lam-weighted ERM candidates,
-    per-row top-k (vectorised lexsort)."""
+    """The authors' merge (PEFA's pefa_xl.py): sparse kNN scores times Y rows plus the
+    lam-weighted ERM candidates, then PECOS's ``smat_util.sorted_csr`` (column indices sorted,
+    then a stable argsort of each row by score: ties to the lower id), keeping the first
+    ``topk`` -> (B, topk) float32 scores and int64 ids, -inf / -1 padded. erm (B, Kp) and knn
+    (B, K) (scores, ids) CPU tensors, no padding in knn."""
     es, ei = erm[0].numpy(), erm[1].numpy()
     ks, ki = knn[0].numpy(), knn[1].numpy()
     b, kp = ei.shape
-    kc = sp.csr_matrix(((ks / k).ravel(), ki.ravel(), np.arange(0, b * k + 1, k)),
+    kk = ki.shape[1]
+    kc = sp.csr_matrix(((ks / k).ravel(), ki.ravel(), np.arange(0, b * kk + 1, kk)),
                        shape=(b, Y.shape[0]))
-    f_knn = kc @ Y
     ec = sp.csr_matrix((es.ravel(), ei.ravel(), np.arange(0, b * kp + 1, kp)),
                        shape=(b, Y.shape[1]))
-    fused = (lam * ec + (1 - lam) * f_knn).tocsr()
-    rows = np.repeat(np.arange(b), np.diff(fused.indptr))
-    o = np.lexsort((fused.indices, -fused.data, rows))
-    rank = np.arange(o.size) - fused.indptr[rows[o]]
-    keep = o[rank < topk]
-    return fused.data[keep], fused.indices[keep]
+    fused = (lam * ec + (1 - lam) * (kc @ Y)).tocsr()
+    fused.sort_indices()
+    scores = np.full((b, topk), -np.inf, np.float32)
+    ids = np.full((b, topk), -1, np.int64)
+    for r in range(b):
+        lo, hi = fused.indptr[r], fused.indptr[r + 1]
+        o = np.argsort(-fused.data[lo:hi], kind="stable")[:topk]
+        scores[r, :len(o)], ids[r, :len(o)] = fused.data[lo:hi][o], fused.indices[lo:hi][o]
+    return scores, ids
+
+
+def time_fusion(data, kp: int, k: int, topk: int, lam: float, repeats: int) -> dict:
+    """PEFAXL.fuse on a precomputed passage search and neighbour search of ``data.Q_test``
+    (model defaults otherwise: augment_docs on, exact backend, CPU), with and without
+    rescoring, next to :func:`scipy_merge` of the same searches: interleaved, best of
+    ``repeats`` (at least 5); and whether the results agree (ids row by row, scores bitwise)."""
+    xl = pg.PEFAXL(device="cpu", lam=lam, k=k, rescore=False).fit(data.P, data.Q, data.Y)
+    xl_r = pg.PEFAXL(device="cpu", lam=lam, k=k, rescore=True).fit(data.P, data.Q, data.Y)
+    T = torch.from_numpy(data.Q_test)
+    erm = xl.index.search(T, kp)
+    knn = xl.neighbours(T, k, erm)
+    Y = xl.relevance.csr
+    t_f, t_s, t_r = [], [], []
+    for _ in range(max(repeats, 5)):
+        for out, fn in ((t_f, lambda: xl.fuse(T, erm, knn, topk)),
+                        (t_s, lambda: scipy_merge(erm, knn, Y, lam, k, topk)),
+                        (t_r, lambda: xl_r.fuse(T, erm, knn, topk))):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    fs, fi = (x.numpy() for x in xl.fuse(T, erm, knn, topk))
+    ss, si = scipy_merge(erm, knn, Y, lam, k, topk)
+    return {"batch": len(T), "kp": kp, "k": k, "topk": topk, "lam": lam,
+            "votes": int(np.diff(Y.indptr)[knn[1].numpy()].sum()),
+            "fuse_s": min(t_f), "scipy_merge_s": min(t_s), "fuse_rescore_s": min(t_r),
+            "fuse_vs_scipy": min(t_f) / min(t_s),
+            "rows_ids_equal": int((fi == si).all(1).sum()),
+            "scores_equal": bool(np.array_equal(fs, ss)),
+            "load_avg": os.getloadavg()[0]}
+
+
+def fusion_row(name: str, data, f: dict) -> list:
+    y = data.Y.csr
+    return [name, y.shape[1], y.shape[0], f"{y.nnz / y.shape[0]:.2f}", data.P.shape[1],
+            f["batch"], f["kp"], f["k"], f["topk"], f"{f['fuse_s'] * 1e3:.1f}",
+            f"{f['scipy_merge_s'] * 1e3:.1f}", f"{f['fuse_vs_scipy']:.2f}",
+            f"{f['fuse_rescore_s'] * 1e3:.1f}", f"{f['rows_ids_equal']}/{f['batch']}",
+            "yes" if f["scores_equal"] else "no", f"{f['load_avg']:.1f}"]
+
+
+FUSION_HEAD = ["shape", "n docs", "m train queries", "pairs / query", "d", "B", "Kp", "k",
+               "topk", "XL fuse ms", "scipy merge ms", "fuse / scipy", "fuse+rescore ms",
+               "rows with equal ids", "scores bitwise equal", "load avg"]
 
 
 def cpu_section(sizes, d, b, kp, k, topk, lam, repeats, ann):
-    rows, recs = [], []
+    rows, recs, frows = [], [], []
     for n in sizes:
         m = 3 * n
         data = make_synthetic(n, m, d, b, seed=n)
         P, Q, T = (torch.from_numpy(x) for x in (data.P, data.Q, data.Q_test))
         Y = data.Y.csr
-        rec = {"n": n, "m": m, "d": d, "nnz": int(Y.nnz), "batch": b}
+        rec = {"shape": "synthetic", "n": n, "m": m, "d": d, "nnz": int(Y.nnz), "batch": b}
         _, rec["pifa_s"], rec["pifa_peak"] = measure(
             lambda: pg.pifa(data.Y, data.Q, device="cpu"), repeats)
         _, rec["pifa_stream_s"], rec["pifa_stream_peak"] = measure(
@@ -94,26 +149,11 @@ def cpu_section(sizes, d, b, kp, k, topk, lam, repeats, ann):
         pidx, rec["build_s"], rec["build_peak"] = measure(
             lambda: pg.make_index("exact", "cpu").build(P))
         qidx = pg.make_index("exact", "cpu").build(Q)
-        erm, rec["erm_search_s"], rec["erm_search_peak"] = measure(
+        _, rec["erm_search_s"], rec["erm_search_peak"] = measure(
             lambda: pidx.search(T, kp), repeats)
-        knn, rec["knn_search_s"], rec["knn_search_peak"] = measure(
+        _, rec["knn_search_s"], rec["knn_search_peak"] = measure(
             lambda: qidx.search(T, k), repeats)
-        yt = csr_tensors(Y, "cpu")
-        args = (T, P, *yt, erm[0], erm[1], knn[0], knn[1])
-        kw = dict(lam=lam, knn_weight_divisor=float(k), topk=topk)
-        # side by side, interleaved, best of `repeats`: fused (authors' semantics: no rescore),
-        # scipy merge, fused with rescoring, general path
-        t_f, t_s, t_r, t_g = [], [], [], []
-        for _ in range(max(repeats, 5)):
-            t_f.append(measure(lambda: fuse_scores(*args, rescore=False, **kw))[1])
-            t_s.append(measure(lambda: scipy_merge(erm, knn, Y, lam, k, topk))[1])
-            t_r.append(measure(lambda: fuse_scores(*args, rescore=True, erm_exact=True,
-                                                   **kw))[1])
-            t_g.append(measure(lambda: fuse_scores(*args, rescore=False, kernel="general",
-                                                   **kw))[1])
-        rec.update(fuse_s=min(t_f), scipy_merge_s=min(t_s), fuse_rescore_s=min(t_r),
-                   fuse_general_s=min(t_g), fuse_vs_scipy=min(t_f) / min(t_s),
-                   candidates=int(kp * b + (knn[1] >= 0).sum()))
+        rec.update(time_fusion(data, kp, k, topk, lam, repeats))
         if ann:
             try:
                 h, rec["hnsw_build_s"], rec["hnsw_build_peak"] = measure(
@@ -124,15 +164,26 @@ def cpu_section(sizes, d, b, kp, k, topk, lam, repeats, ann):
         recs.append(rec)
         rows.append([n, m, rec["nnz"], f"{rec['pifa_s']:.3f}", f"{rec['pifa_stream_s']:.3f}",
                      f"{rec['build_s']:.3f}", f"{rec['erm_search_s']:.3f}",
-                     f"{rec['knn_search_s']:.3f}", f"{rec['fuse_s']:.3f}",
-                     f"{rec['scipy_merge_s']:.3f}", f"{rec['fuse_vs_scipy']:.2f}",
-                     f"{rec['fuse_rescore_s']:.3f}", f"{rec['fuse_general_s']:.3f}",
+                     f"{rec['knn_search_s']:.3f}",
                      f"{max(rec['pifa_peak'], rec['erm_search_peak']) / 2**20:.0f}"])
-        print(rows[-1], flush=True)
+        frows.append(fusion_row("synthetic", data, rec))
+        print(frows[-1], flush=True)
     head = ["n", "m", "nnz(Y)", "PIFA s", "PIFA streamed s", "build s", "ERM search s",
-            "kNN search s", "XL fusion s", "scipy merge s", "fusion / scipy",
-            "fusion+rescore s", "general fusion s", "peak MiB"]
-    return recs, md_table(head, rows)
+            "kNN search s", "peak MiB"]
+    return recs, rows, head, frows
+
+
+def product_section(args) -> tuple[dict, list]:
+    """A product-search shape: many documents, about one relevant document per training
+    query, few documents with any training query."""
+    data = make_synthetic(args.product_n, args.product_m, args.product_d, args.product_test,
+                          rel_exponent=4.0, seed=7)
+    covered = float((np.diff(data.Y.csr.tocsc().indptr) > 0).mean())
+    rec = {"shape": "product search", "n": args.product_n, "m": args.product_m,
+           "d": args.product_d, "nnz": int(data.Y.nnz), "coverage": covered,
+           **time_fusion(data, args.kp, args.product_k, args.topk, args.lam, args.repeats)}
+    print(rec, flush=True)
+    return rec, fusion_row(f"product search ({covered:.0%} docs covered)", data, rec)
 
 
 def plot(recs, path: Path) -> None:
@@ -144,7 +195,6 @@ def plot(recs, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     nnz = [r["nnz"] for r in recs]
     n = [r["n"] for r in recs]
-    cand = [r["candidates"] for r in recs]
     ax = axes[0]
     ax.loglog(nnz, [r["pifa_s"] for r in recs], "o-", label="PIFA in memory")
     ax.loglog(nnz, [r["pifa_stream_s"] for r in recs], "s-", label="PIFA streamed")
@@ -161,11 +211,11 @@ def plot(recs, path: Path) -> None:
     ax.set(xlabel="n documents", ylabel="seconds", title="index")
     ax.legend()
     ax = axes[2]  # candidates per batch are ~B·Kp at every n: fusion should stay flat in n
-    ax.loglog(n, [r["fuse_s"] for r in recs], "o-", label="fused kernel")
+    ax.loglog(n, [r["fuse_s"] for r in recs], "o-", label="PEFAXL.fuse")
+    ax.loglog(n, [r["fuse_rescore_s"] for r in recs], "^-", label="PEFAXL.fuse, rescore")
     ax.loglog(n, [r["scipy_merge_s"] for r in recs], "s-", label="scipy merge (authors)")
-    ax.loglog(n, [r["fuse_general_s"] for r in recs], "^-", label="general (sort)")
-    ax.set(xlabel=f"n documents ({cand[0]:,}+ candidates per batch)", ylabel="seconds",
-           title="XL fusion")
+    ax.set(xlabel=f"n documents (B·Kp = {recs[0]['batch'] * recs[0]['kp']:,} ERM "
+           "candidates per batch)", ylabel="seconds", title="XL fusion")
     ax.legend()
     for a in axes:
         a.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
@@ -208,16 +258,20 @@ def gpu_section(args) -> tuple[dict, str]:
     t_erm = cuda_time(lambda: erm.search(qt, 100), reps=3)
     t_xl = cuda_time(lambda: xl.search(qt, 100), reps=3)
     out.update(erm_qps=b / t_erm, xl_qps=b / t_xl, xl_vs_erm=t_erm / t_xl)
-    # fusion alone on the GPU vs the CPU scipy merge on the same candidates
-    e = xl.index.search(qt, 100)
-    kn = xl.neighbours(qt, 32, e)
-    t_fuse = cuda_time(lambda: xl.fuse(qt, e, kn, 100), reps=3)
+    # fusion alone on the GPU (authors' semantics: no rescoring) vs the CPU scipy merge on
+    # the same candidates, and the same ids
+    xl_f = pg.PEFAXL(device=dev, lam=0.5, k=32, rescore=False).fit(data.P, data.Q, data.Y)
+    e = xl_f.index.search(qt, 100)
+    kn = xl_f.neighbours(qt, 32, e)
+    t_fuse = cuda_time(lambda: xl_f.fuse(qt, e, kn, 100), reps=3)
     ec = tuple(v.cpu() for v in e)
     kc = tuple(v.cpu() for v in kn)
     t0 = time.perf_counter()
-    scipy_merge(ec, kc, xl.relevance.csr, 0.5, 32, 100)
+    _, scipy_ids = scipy_merge(ec, kc, xl_f.relevance.csr, 0.5, 32, 100)
     out.update(gpu_fuse_s=t_fuse, cpu_scipy_merge_s=time.perf_counter() - t0)
     out["fuse_speedup_vs_cpu_scipy"] = out["cpu_scipy_merge_s"] / t_fuse
+    gpu_ids = xl_f.fuse(qt, e, kn, 100)[1].cpu().numpy()
+    out["gpu_rows_ids_equal_scipy"] = int((gpu_ids == scipy_ids).all(1).sum())
     # aggregation bandwidth vs host->device copy bandwidth
     host = torch.empty(1 << 28, dtype=torch.uint8).pin_memory()
     devbuf = torch.empty_like(host, device=dev)
@@ -239,6 +293,8 @@ def gpu_section(args) -> tuple[dict, str]:
             ["XL / ERM throughput", f"{out['xl_vs_erm']:.2f}", ">= 0.7"],
             ["GPU fusion speed-up vs CPU scipy merge", f"{out['fuse_speedup_vs_cpu_scipy']:.1f}",
              ">= 20"],
+            ["rows where GPU fusion ids = scipy merge ids",
+             f"{out['gpu_rows_ids_equal_scipy']}/{b}", f"{b}"],
             ["streamed aggregation GB/s (bytes touched)", f"{out['agg_gb_s']:.1f}",
              f">= {0.5 * out['h2d_gb_s']:.1f} (half of measured H2D copy)"]]
     return out, md_table(["GPU figure", "measured", "target"], rows)
@@ -255,6 +311,12 @@ def main() -> None:
     ap.add_argument("--lam", type=float, default=0.3)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ann", action="store_true", help="also time the faiss hnsw backend")
+    ap.add_argument("--product-n", type=int, default=54_667,
+                    help="documents of the product-search shape (0: skip it)")
+    ap.add_argument("--product-m", type=int, default=7_800)
+    ap.add_argument("--product-test", type=int, default=1_949)
+    ap.add_argument("--product-d", type=int, default=384)
+    ap.add_argument("--product-k", type=int, default=16)
     ap.add_argument("--gpu-only", action="store_true")
     ap.add_argument("--gpu-n", type=int, default=1_000_000)
     ap.add_argument("--gpu-xl-n", type=int, default=200_000)
@@ -264,13 +326,20 @@ def main() -> None:
     md = ""
     if not args.gpu_only:
         sizes = [int(s) for s in args.sizes.split(",")]
-        recs, table = cpu_section(sizes, args.d, args.batch, args.kp, args.k, args.topk,
-                                  args.lam, args.repeats, args.ann)
+        recs, rows, head, frows = cpu_section(sizes, args.d, args.batch, args.kp, args.k,
+                                              args.topk, args.lam, args.repeats, args.ann)
         data["cpu"] = recs
-        md += "## CPU\n\n" + table
-        md += ("\nfusion / scipy: the XL fusion (everything after the two searches, authors' "
-               "semantics: no rescoring) over the authors' scipy merge on the same candidates, "
-               "both timed interleaved in this run (target <= 1).\n")
+        if args.product_n:
+            data["product"], row = product_section(args)
+            frows.append(row)
+        md += "## CPU: stages\n\n" + md_table(head, rows)
+        md += "\n## CPU: XL fusion\n\n" + md_table(FUSION_HEAD, frows)
+        md += ("\nfuse / scipy: PEFAXL.fuse (everything after the two searches, authors' "
+               "semantics: no rescoring; numpy on the CPU) over the authors' scipy merge of "
+               "the same searches, both timed interleaved in this run, best of "
+               f"{max(args.repeats, 5)} (target <= 1). Equal ids / scores: the fusion without "
+               "rescoring against the scipy merge (ties to the lower id in both). Synthetic "
+               f"rows: lam={args.lam}, m = 3n.\n")
         RESULTS.mkdir(parents=True, exist_ok=True)
         plot(recs, RESULTS / "scale.png")
         md += "\n![scale](scale.png)\n"

@@ -84,8 +84,9 @@ class _Numpy:
         return np.sort(x.astype(np.int32) if fits_int32 else x, axis=1)  # int32: 2x faster
 
     @staticmethod
-    def kth_largest(x: np.ndarray, k: int) -> np.ndarray:
-        return np.partition(x, x.shape[1] - k, axis=1)[:, x.shape[1] - k]
+    def smallest(x: np.ndarray, k: int) -> np.ndarray:
+        """Per row, the ``k`` smallest values, ascending."""
+        return np.sort(np.partition(x, k - 1, axis=1)[:, :k], axis=1)
 
     @staticmethod
     def argsort_desc(x: np.ndarray) -> np.ndarray:
@@ -93,13 +94,12 @@ class _Numpy:
         return np.argsort(-x, axis=1, kind="stable")
 
     @staticmethod
-    def order_rows(scores: np.ndarray, ids: np.ndarray) -> np.ndarray:
-        """Per row, the column order by score descending, then id ascending."""
-        return np.lexsort((ids, -scores), axis=1)
-
-    @staticmethod
     def astype(x: np.ndarray, dtype: Any) -> np.ndarray:
         return x.astype(dtype)
+
+    @staticmethod
+    def view(x: np.ndarray, dtype: Any) -> np.ndarray:
+        return x.view(dtype)
 
 
 class _Torch:
@@ -147,22 +147,20 @@ class _Torch:
         return torch.sort(x, dim=1).values
 
     @staticmethod
-    def kth_largest(x: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.topk(x, k, dim=1, sorted=True).values[:, -1]
+    def smallest(x: torch.Tensor, k: int) -> torch.Tensor:
+        return torch.topk(x, k, dim=1, largest=False, sorted=True).values
 
     @staticmethod
     def argsort_desc(x: torch.Tensor) -> torch.Tensor:
         return torch.argsort(x, dim=1, descending=True, stable=True)
 
     @staticmethod
-    def order_rows(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        by_id = torch.argsort(ids, dim=1, stable=True)
-        by_score = torch.argsort(scores.gather(1, by_id), dim=1, descending=True, stable=True)
-        return by_id.gather(1, by_score)
-
-    @staticmethod
     def astype(x: torch.Tensor, dtype: Any) -> torch.Tensor:
         return x.to(dtype)
+
+    @staticmethod
+    def view(x: torch.Tensor, dtype: Any) -> torch.Tensor:
+        return x.view(dtype)
 
 
 def ops(x: Array) -> type[_Numpy] | type[_Torch]:
@@ -353,10 +351,12 @@ def _nonzero2(mask: Array) -> tuple[Array, Array]:
 
 def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
     """Top-``k`` of each row of a candidate table: scores (B, W) float32 (-inf: no
-    candidate), ids (B, W) int64 distinct per row -> (B, k) scores descending, equal scores by
-    ascending id, and ids; where several candidates tie at the k-th score, the lowest ids are
-    kept; -1 / -inf padded. One k-th-value pass over the table; only rows with more ties at the
-    k-th score than places left sort their tied ids."""
+    candidate), ids (B, W) int64 distinct per row, below 2**32 -> (B, k) scores descending,
+    equal scores by ascending id (at the k-th place too), and ids; -1 / -inf padded.
+
+    Each cell becomes one int64 key, the score's bits (ordered as the floats, descending) above
+    the id, so that the tie rule is the keys' order and one k-smallest per row selects; the
+    scores come back from their bits unchanged (-0.0 as 0.0, which it ties with)."""
     xp = ops(scores)
     b, w = scores.shape
     out_s = xp.full((b, k), float("-inf"), xp.float32, scores)
@@ -364,24 +364,13 @@ def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
     kk = min(k, w)
     if kk == 0 or b == 0:
         return out_s, out_i
-    kth = xp.kth_largest(scores, kk)[:, None]
-    take = scores > kth
-    tied = (scores == kth) & (scores > float("-inf"))
-    need = kk - take.sum(1)
-    crowded = xp.flatnonzero(tied.sum(1) > need)
-    if len(crowded):  # keep the ``need`` lowest tied ids of these rows
-        tid = xp.where(tied[crowded], ids[crowded], 2**62)
-        cut = xp.take_along(xp.sort_rows(tid, False), (need[crowded] - 1)[:, None])
-        tied[crowded] &= ids[crowded] <= cut
-    r, c = _nonzero2(take | tied)  # at most kk per row, row-major
-    first = xp.cumsum(xp.bincount(r, b))
-    rank = xp.arange(len(r), scores) - (first - xp.bincount(r, b))[r]
-    sel_s = xp.full((b, kk), float("-inf"), xp.float32, scores)
-    sel_i = xp.full((b, kk), -1, xp.int64, scores)
-    sel_s[r, rank], sel_i[r, rank] = scores[r, c], ids[r, c]
-    order = xp.order_rows(sel_s, xp.where(sel_i >= 0, sel_i, 2**62))
-    out_s[:, :kk] = xp.take_along(sel_s, order) + 0.0  # -0.0 -> 0.0
-    out_i[:, :kk] = xp.take_along(sel_i, order)
+    bits = xp.astype(xp.view(scores + 0.0, xp.int32), xp.int64)
+    key = ~xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ascending as the score descends
+    best = xp.smallest((key << 32) | xp.where(ids >= 0, ids, 2**32 - 1), kk)
+    bits = ~(best >> 32)
+    top = xp.view(xp.astype(xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), xp.int32), xp.float32)
+    out_s[:, :kk] = top
+    out_i[:, :kk] = xp.where(top > float("-inf"), best & (2**32 - 1), -1)
     return out_s, out_i
 
 
