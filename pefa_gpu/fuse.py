@@ -59,11 +59,15 @@ class _Numpy:
 
     @staticmethod
     def cumsum(x: np.ndarray) -> np.ndarray:
-        return np.cumsum(x)
+        return x.cumsum()
 
     @staticmethod
     def flatnonzero(mask: np.ndarray) -> np.ndarray:
-        return np.flatnonzero(mask)
+        return mask.reshape(-1).nonzero()[0]
+
+    @staticmethod
+    def clip_max(x: np.ndarray, bound: int) -> np.ndarray:
+        return np.minimum(x, bound)
 
     @staticmethod
     def bincount(x: np.ndarray, n: int) -> np.ndarray:
@@ -71,8 +75,15 @@ class _Numpy:
 
     @staticmethod
     def unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        u, inv = np.unique(x, return_inverse=True)
-        return u, inv.reshape(-1)
+        """Sorted distinct values and the inverse map (np.unique's, in fewer numpy calls)."""
+        order = x.argsort(kind="stable")
+        s = x[order]
+        first = np.empty(len(s), bool)
+        first[:1] = True
+        np.not_equal(s[1:], s[:-1], out=first[1:])
+        inv = np.empty(len(s), np.int64)
+        inv[order] = first.cumsum() - 1
+        return s[first], inv
 
     @staticmethod
     def index_add(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -128,6 +139,10 @@ class _Torch:
     @staticmethod
     def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
         return mask.reshape(-1).nonzero().squeeze(1)
+
+    @staticmethod
+    def clip_max(x: torch.Tensor, bound: int) -> torch.Tensor:
+        return x.clamp_max(bound)
 
     @staticmethod
     def bincount(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -240,8 +255,8 @@ def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
         return as_tensor(rowdots(*map(to_numpy, (queries, docs, batch, doc))))
     out = np.empty(len(batch), np.float32)
     step = max(1, (1 << 22) // max(1, docs.shape[1]))
-    cuts = np.flatnonzero(batch[1:] != batch[:-1]) + 1
-    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(batch)]):
+    cuts = [0, *((batch[1:] != batch[:-1]).nonzero()[0] + 1).tolist(), len(batch)]
+    for lo, hi in zip(cuts[:-1], cuts[1:]):
         for s in range(lo, hi, step):  # a query's row broadcast over its run
             e = min(s + step, hi)
             out[s:e] = np.multiply(docs[doc[s:e]], queries[batch[lo]]).sum(1, dtype=np.float32)
@@ -317,7 +332,7 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     # every voted (query, document) once: in C at its column, else an extra column after Kp
     key, entry_cell = xp.unique((slot // ki.shape[1]) * (n + 1) + doc)
     sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
-    at = xp.searchsorted(sorted_keys, key).clip(max=max(b * kp - 1, 0))
+    at = xp.clip_max(xp.searchsorted(sorted_keys, key), max(b * kp - 1, 0))
     extra = sorted_keys[at] != key if b * kp else xp.full(key.shape, True, bool, key)
     u_row, u_doc = key // (n + 1), key % (n + 1)
     x = xp.flatnonzero(extra)
