@@ -102,3 +102,27 @@ def test_numpy_scalars_are_accepted_as_params():
 def test_non_numeric_arrays_are_named(bad):
     with pytest.raises(ValueError, match=re.escape(f"P has dtype {bad.dtype}; pass a numeric")):
         pg.ERM(device="cpu").fit(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [0, 3, 40_000])
+def test_host_clone_is_an_equal_copy_in_its_own_memory(dtype, rows):
+    from pefa_gpu.arrays import host_clone
+
+    src = torch.randn(rows, 33, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    src = src[:, 1:]  # not contiguous
+    out = host_clone(src)
+    assert out.dtype == dtype and out.shape == src.shape and out.is_contiguous()
+    assert torch.equal(out, src)
+    if rows:
+        out[0, 0] += 1
+        assert not torch.equal(out, src)
+
+
+def test_a_fitted_model_keeps_its_own_copy_of_the_documents():
+    P = unit_rows(np.random.default_rng(3), 50, 8)
+    model = pg.ERM(device="cpu").fit(P)
+    before = model.search(P[:2], 3)
+    P[:] = 0.0
+    after = model.search(unit_rows(np.random.default_rng(3), 50, 8)[:2], 3)
+    assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
