@@ -73,7 +73,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def is_bfloat16(dtype: Any) -> bool:
     """True for a numpy bfloat16 dtype (ml_dtypes'; numpy has none of its own)."""
     dt = np.dtype(dtype)
-    return dt.name == "bfloat16" and dt.itemsize == 2
+    return dt.itemsize == 2 and dt.name == "bfloat16"  # itemsize first: .name costs ~5 us
 
 
 def torch_dtype(dtype: Any) -> torch.dtype:

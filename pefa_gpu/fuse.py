@@ -55,7 +55,10 @@ class _Numpy:
     repeat = staticmethod(np.repeat)
     where = staticmethod(np.where)
     searchsorted = staticmethod(np.searchsorted)
-    take_along = staticmethod(lambda x, i: np.take_along_axis(x, i, 1))
+    @staticmethod
+    def take_along(x: np.ndarray, i: np.ndarray) -> np.ndarray:
+        """x[r, i[r, j]] per row: np.take_along_axis by plain indexing (a third of its cost)."""
+        return x[np.arange(len(i))[:, None], i]
 
     @staticmethod
     def cumsum(x: np.ndarray) -> np.ndarray:
