@@ -353,6 +353,7 @@ def test_hnsw_scans_small_indices_exactly_and_walks_large_ones():
             index.search(q, 5, params={"full_scan_factor": bad})
 
 
+@pytest.mark.slow
 def test_ivf_pq_and_auto_sizes():
     from pefa_gpu.index.ivf import auto_nlist, auto_nprobe, auto_pq_m
 

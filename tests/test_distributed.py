@@ -356,6 +356,7 @@ class KillOnce:
         return self.fn(*args)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ray_worker_killed_mid_stage_is_retried(tmp_path, ray_runner):
     P, Q, Y, T, _ = make_data(8)
@@ -402,6 +403,7 @@ class DiesOnFirstBatch(BowEncoder):
         return super().__call__(batch)
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_ray_encode_killed_actor_and_cache(tmp_path, ray_runner):
     texts = [f"claim {i} about gene {i % 11} in tissue {i % 5}" for i in range(300)]
@@ -430,6 +432,7 @@ def _cli(capsys, *argv):
     return out.out
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 def test_cli_with_ray_prints_what_it_prints_without(tmp_path, capsys, ray_runner):
     from textdata import write_beir, write_embeddings

@@ -205,6 +205,7 @@ def test_ivf_gpu_search_path_equals_the_host_path(monkeypatch):
     assert (i == -1).any() and torch.equal(i, far[1]) and torch.equal(s, far[0])
 
 
+@pytest.mark.slow
 def test_ivf_gpu_reconstruct_copies_the_index_once(monkeypatch):
     """On the GPU, reconstruct reads a device copy of the rows made once (faiss GPU has no
     fast read-back), extended by later adds; IVF-PQ's copy is remade after an add."""
