@@ -49,7 +49,9 @@ class _Numpy:
 
     @staticmethod
     def full(shape: tuple, value: Any, dtype: Any, like: Any) -> np.ndarray:
-        return np.full(shape, value, dtype=dtype)
+        out = np.empty(shape, dtype)  # np.full's Python wrapper costs twice this
+        out.fill(value)
+        return out
 
     cat = staticmethod(np.concatenate)
     repeat = staticmethod(np.repeat)
@@ -275,7 +277,7 @@ class CandidateTable:
     f_erm (0 where the id is -1); cells (U,) the flat cell b * W + column of every voted
     candidate, extra (U,) whether it lies outside C; entry_cell (V,) the voted candidate
     (index into cells) of every vote entry, entry_rank / entry_score / entry_y its neighbour's
-    rank and score and its Y value.
+    rank and score and its Y value; n_neighbours: K, the neighbours per query.
     """
 
     ids: Array
@@ -286,15 +288,18 @@ class CandidateTable:
     entry_rank: Array
     entry_score: Array
     entry_y: Array
+    n_neighbours: int
 
     def knn_scores(self, k: int, divisor: float) -> tuple[Array, Array]:
         """f_knn from the first ``k`` neighbours: (U,) float32 sums of (s / divisor) * y in
         neighbour order, and (U,) whether any of them voted for the candidate."""
         xp = ops(self.cells)
-        use = xp.flatnonzero(self.entry_rank < k)
-        at = self.entry_cell[use]
+        at, score, y = self.entry_cell, self.entry_score, self.entry_y
+        if k < self.n_neighbours:
+            use = xp.flatnonzero(self.entry_rank < k)
+            at, score, y = at[use], score[use], y[use]
         f = xp.full((len(self.cells),), 0.0, xp.float32, self.cells)
-        f = xp.index_add(f, at, (self.entry_score[use] / divisor) * self.entry_y[use])
+        f = xp.index_add(f, at, (score / divisor) * y)
         voted = xp.full((len(self.cells),), False, bool, self.cells)
         voted[at] = True
         return f, voted
@@ -337,16 +342,18 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
     at = xp.clip_max(xp.searchsorted(sorted_keys, key), max(b * kp - 1, 0))
     extra = sorted_keys[at] != key if b * kp else xp.full(key.shape, True, bool, key)
-    u_row, u_doc = key // (n + 1), key % (n + 1)
+    u_row = key // (n + 1)
     x = xp.flatnonzero(extra)
-    counts = xp.bincount(u_row[x], b)
+    x_row, x_doc = u_row[x], key[x] % (n + 1)
+    counts = xp.bincount(x_row, b)
     width = kp + (int(counts.max()) if len(x) else 0)
     col = s_col.reshape(-1)[at]
-    col[x] = kp + xp.arange(len(x), ei) - (xp.cumsum(counts) - counts)[u_row[x]]
+    col[x] = kp + xp.arange(len(x), ei) - (xp.cumsum(counts) - counts)[x_row]
     cells = u_row * width + col
+    x_cells = cells[x]
     table_ids = xp.full((b, width), -1, xp.int64, ei)
     table_ids[:, :kp] = ids
-    table_ids.reshape(-1)[cells[x]] = u_doc[x]
+    table_ids.reshape(-1)[x_cells] = x_doc
     table_erm = xp.full((b, width), 0.0, xp.float32, ei)
     if rescore and not erm_exact:
         v = xp.flatnonzero(table_ids >= 0)
@@ -355,9 +362,9 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     else:
         table_erm[:, :kp] = xp.where(ids >= 0, xp.astype(es, xp.float32), 0.0)
         if rescore:
-            table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, u_row[x], u_doc[x])
+            table_erm.reshape(-1)[x_cells] = rowdots(queries, docs, x_row, x_doc)
     return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot % ki.shape[1],
-                          xp.astype(ks, xp.float32).reshape(-1)[slot], y)
+                          xp.astype(ks, xp.float32).reshape(-1)[slot], y, ki.shape[1])
 
 
 def _nonzero2(mask: Array) -> tuple[Array, Array]:
@@ -377,18 +384,21 @@ def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
     scores come back from their bits unchanged (-0.0 as 0.0, which it ties with)."""
     xp = ops(scores)
     b, w = scores.shape
-    out_s = xp.full((b, k), float("-inf"), xp.float32, scores)
-    out_i = xp.full((b, k), -1, xp.int64, scores)
     kk = min(k, w)
     if kk == 0 or b == 0:
-        return out_s, out_i
+        return (xp.full((b, k), float("-inf"), xp.float32, scores),
+                xp.full((b, k), -1, xp.int64, scores))
     bits = xp.astype(xp.view(scores + 0.0, xp.int32), xp.int64)
     key = ~xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ascending as the score descends
     best = xp.smallest((key << 32) | xp.where(ids >= 0, ids, 2**32 - 1), kk)
     bits = ~(best >> 32)
     top = xp.view(xp.astype(xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), xp.int32), xp.float32)
-    out_s[:, :kk] = top
-    out_i[:, :kk] = xp.where(top > float("-inf"), best & (2**32 - 1), -1)
+    top_i = xp.where(top > float("-inf"), best & (2**32 - 1), -1)
+    if kk == k:
+        return top, top_i
+    out_s = xp.full((b, k), float("-inf"), xp.float32, scores)
+    out_i = xp.full((b, k), -1, xp.int64, scores)
+    out_s[:, :kk], out_i[:, :kk] = top, top_i
     return out_s, out_i
 
 

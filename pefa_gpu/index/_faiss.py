@@ -93,14 +93,14 @@ def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndar
     """:func:`normalise_results` with numpy float32 / int64 arrays as the result."""
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
-    missing = ids < 0  # on the host, before the hand-off: cheaper than torch ops for small B
-    if missing.any():
+    if ids.size and ids.min() < 0:  # on the host: cheaper than torch ops for small B
+        missing = ids < 0
         scores = np.where(missing, np.float32(PAD_SCORE), scores)
         ids = np.where(missing, np.int64(PAD_ID), ids)
     if scores.shape[1] > 1:
-        tied = (scores[:, 1:] == scores[:, :-1]).any(1)
-        if tied.any():  # faiss leaves equal scores in any order: the rule is the lower id first
-            rows = np.flatnonzero(tied)
+        equal = scores[:, 1:] == scores[:, :-1]
+        if equal.any():  # faiss leaves equal scores in any order: the rule is the lower id first
+            rows = np.flatnonzero(equal.any(1))
             s, i = scores[rows], ids[rows]
             order = np.lexsort((np.where(i < 0, np.iinfo(np.int64).max, i), -s), axis=1)
             scores, ids = scores.copy(), ids.copy()  # never write into faiss' own arrays
