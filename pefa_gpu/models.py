@@ -662,7 +662,7 @@ class PEFAXL(_Model):
         # is below every document row, so one stable sort of [queries, documents] merges them
         xp = ops(knn[1])
         i_p = erm[1][:, :k]
-        scores = xp.cat([knn[0], xp.astype(erm[0][:, :k], xp.float32)], 1)
+        scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
         rows = xp.cat([knn[1], xp.where(i_p >= 0, i_p + m, -1)], 1)
         order = xp.argsort_desc(scores)[:, :k]
         return xp.take_along(scores, order), xp.take_along(rows, order)

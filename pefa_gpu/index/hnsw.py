@@ -108,16 +108,24 @@ class HNSWIndex(FaissBackend):
         ef = max(params.ef_search, k)
         if self.ntotal <= params.full_scan_factor * ef:  # a walk would visit it all
             with faiss_threads(self._faiss, self.params.threads):
-                return self._index.storage.search(q, k)
+                return self._storage().search(q, k)
         sp = faiss_search_parameters("SearchParametersHNSW", efSearch=ef)
         with faiss_threads(self._faiss, self.params.threads):
             return self._index.search(q, k, params=sp)
 
     def _stored_vectors(self) -> torch.Tensor:
-        return as_tensor(self._index.storage.reconstruct_n(0, self.ntotal), device=self.device)
+        return as_tensor(self._storage().reconstruct_n(0, self.ntotal), device=self.device)
 
     def _cpu_reader(self) -> Any:
-        return self._index.storage
+        return self._storage()
+
+    def _storage(self) -> Any:
+        """The flat storage under the graph: faiss makes a new SWIG proxy at each
+        ``index.storage`` (a few microseconds of a single-query search), so one is kept per
+        graph."""
+        if getattr(self, "_storage_of", None) is not self._index:
+            self._storage_proxy, self._storage_of = self._index.storage, self._index
+        return self._storage_proxy
 
     @property
     def faiss_index(self) -> Any:
