@@ -311,9 +311,10 @@ class CandidateTable:
         xp = ops(self.ids)
         f_knn, voted = knn
         fused = xp.where(self.ids >= 0, lam * self.erm, float("-inf"))
-        flat, erm = fused.reshape(-1), self.erm.reshape(-1)
-        flat[self.cells] = xp.where(voted, lam * erm[self.cells] + (1.0 - lam) * f_knn,
-                                    xp.where(self.extra, float("-inf"), flat[self.cells]))
+        flat = fused.reshape(-1)
+        at = flat[self.cells]  # lam f_erm: every voted candidate has an id
+        flat[self.cells] = xp.where(voted, at + (1.0 - lam) * f_knn,
+                                    xp.where(self.extra, float("-inf"), at))
         return select_topk(fused, self.ids, topk)
 
 
@@ -331,10 +332,11 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     slot, doc, y = votes(ki, rows)
     # the ERM ids sorted per row, each packed with its column: repeats and the votes' columns
     bits = max(1, (kp - 1).bit_length())
-    packed = (xp.where(ei >= 0, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
+    valid = ei >= 0
+    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
     packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
     s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
-    ids = xp.where(ei >= 0, ei, -1)
+    ids = xp.where(valid, ei, -1)
     r, c = (x.reshape(-1) for x in _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n)))
     ids[r, s_col[r, c + 1]] = -1  # a repeated id keeps its first column
     # every voted (query, document) once: in C at its column, else an extra column after Kp
