@@ -724,8 +724,6 @@ class PEFAXL(_Model):
         request to them.
         """
         p, host = self.params, q.device.type == "cpu"
-        if host:  # one numpy view of the queries for both searches and the fusion
-            q = to_numpy(q)
         kp = min(model_sp.candidates, self.index.ntotal)
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
@@ -736,12 +734,13 @@ class PEFAXL(_Model):
         if prunable:  # rows where pruning is not provably exact get all Kp candidates
             rest = _unprunable(erm, knn, topk, p.lam, self.index.ntotal <= erm[1].shape[1])
             if len(rest):
-                full = _index_search(self.index, q[rest], kp, index_sp, host, checked)
+                full = _index_search(self.index, q[as_tensor(rest)], kp, index_sp, host, checked)
                 if len(rest) == q.shape[0]:  # all of them (a single query, say): one fusion
                     erm, rest = full, rest[:0]
-        out = self._fuse(q, *erm, *knn, (p.lam,), (p.k,), topk)[(p.lam, p.k)]
+        qa = to_numpy(q) if host else q
+        out = self._fuse(qa, *erm, *knn, (p.lam,), (p.k,), topk)[(p.lam, p.k)]
         if len(rest):
-            s, i = self._fuse(q[rest], *full, knn[0][rest], knn[1][rest], (p.lam,), (p.k,),
+            s, i = self._fuse(qa[rest], *full, knn[0][rest], knn[1][rest], (p.lam,), (p.k,),
                               topk)[(p.lam, p.k)]
             out[0][rest], out[1][rest] = s, i
         return (torch.from_numpy(out[0]), torch.from_numpy(out[1])) if host else out
@@ -867,14 +866,13 @@ class PEFAXL(_Model):
         self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
 
-def _index_search(index: Index, q: Array, k: int, params: Params | dict | None,
+def _index_search(index: Index, q: torch.Tensor, k: int, params: Params | dict | None,
                   host: bool, checked: bool = True) -> tuple[Array, Array]:
-    """``index.search(q, k, params)``: numpy arrays when ``host`` (q: a numpy array or a CPU
-    tensor; faiss backends then skip the torch hand-off; ``checked``: q was tested for NaN /
-    inf already), else tensors."""
+    """``index.search(q, k, params)``: numpy arrays when ``host`` (faiss backends then skip the
+    torch hand-off; ``checked``: q was tested for NaN / inf already), else tensors."""
     if host and hasattr(index, "search_host"):
         return index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
-    scores, ids = index.search(as_tensor(q), k, params)
+    scores, ids = index.search(q, k, params)
     return (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
 
 
