@@ -64,6 +64,7 @@ class ExactIndex(Index):
     """Brute-force inner-product search. Ties go to the lower id."""
 
     name = "exact"
+    distinct_ids = True  # a top-k over the stored rows
     Params = ExactParams
     SearchParams = ExactSearchParams
 
@@ -143,14 +144,18 @@ class ExactIndex(Index):
                     torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device))
         kk = min(k, n)
         faiss, q_batch, chunk = self._plan(b, kk)
+        # the CPU score blocks of every batch share one buffer: allocated once, a block maps
+        # no fresh pages (and freeing one before the next could leave two resident)
+        buf = None if faiss or q.is_cuda else \
+            torch.empty(min(q_batch, b) * min(chunk, n), device=q.device)
         if q_batch >= b:  # one batch: no copy into a preallocated result
-            vals, ids, tied = self._first_pass(faiss, q, kk, chunk)
+            vals, ids, tied = self._first_pass(faiss, q, kk, chunk, buf)
         else:
             vals = torch.full((b, k), PAD_SCORE, device=self.device)
             ids = torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device)
             tied = torch.zeros(b, dtype=torch.bool, device=self.device) if kk < n else None
             for s in range(0, b, q_batch):
-                v, i, t = self._first_pass(faiss, q[s:s + q_batch], kk, chunk)
+                v, i, t = self._first_pass(faiss, q[s:s + q_batch], kk, chunk, buf)
                 vals[s:s + q_batch, :kk], ids[s:s + q_batch, :kk] = v, i
                 if t is not None:
                     tied[s:s + q_batch] = t
@@ -160,12 +165,15 @@ class ExactIndex(Index):
                 vals[rows, :kk], ids[rows, :kk] = self._exact_rows(q[rows], kk)
         return pad_topk(vals, ids, k)
 
-    def _first_pass(self, faiss: Any, q: torch.Tensor, kk: int, chunk: int
+    def _first_pass(self, faiss: Any, q: torch.Tensor, kk: int, chunk: int,
+                    buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(B, d) queries -> (B, kk) scores sorted descending, ids with equal scores in id
         order, and ``tied`` (B,) bool: rows whose kk-th score equals the (kk+1)-th, whose top-kk
-        set is not fixed by value (None when kk = n: every row holds the whole index)."""
-        vals, ids = self._faiss_pass(faiss, q, kk) if faiss else self._torch_pass(q, kk, chunk)
+        set is not fixed by value (None when kk = n: every row holds the whole index). ``buf``:
+        see :meth:`_torch_pass`."""
+        vals, ids = self._faiss_pass(faiss, q, kk) if faiss else \
+            self._torch_pass(q, kk, chunk, buf)
         tied = None
         if vals.shape[1] > kk:
             tied = boundary_tied(vals, kk)
@@ -173,15 +181,15 @@ class ExactIndex(Index):
         vals, ids = order_ties(vals, ids)
         return vals, ids, tied
 
-    def _torch_pass(self, q: torch.Tensor, kk: int, chunk: int
+    def _torch_pass(self, q: torch.Tensor, kk: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-(kk+1) by value (top-n when kk = n) of each query over the index: (B, w) scores
         sorted descending, equal values in any order, and their ids. Blocks of (B, chunk)
-        scores, each reduced by one ``torch.topk`` and merged by another."""
+        scores, each reduced by one ``torch.topk`` and merged by another; on the CPU written
+        into ``buf`` (at least B min(chunk, n) float32) when given."""
         n = self.ntotal
         w = kk + 1 if kk < n else kk
         q = q.float()
-        buf = None if q.is_cuda else torch.empty(q.shape[0] * min(chunk, n), device=q.device)
         if chunk >= n:
             return torch.topk(_scores(q, self.vectors, buf), w, dim=1)
         best_v = best_i = None
