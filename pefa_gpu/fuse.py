@@ -8,8 +8,9 @@ candidates C ∪ {documents in the neighbours' Y rows} (DESIGN §1). In three st
 1. :func:`candidate_table`: the batch's candidates as a (B, W) table: the ERM candidates (a
    repeated ERM id keeps its first entry), then the voted documents outside C; each with
    f_erm (the ERM score; <q, p_j> where ``rescore`` needs it; 0 outside C without rescore) and
-   the votes landing on it. The ERM ids are sorted once per row to find repeats and the votes'
-   columns: O(B (Kp log Kp + K deg)), never a B x n array.
+   the votes landing on it. The voted documents are sorted and the ERM ids looked up among
+   them (the ERM ids are sorted too only where they may repeat): O(B (Kp log(K deg) + K deg
+   log(K deg))), never a B x n array.
 2. :meth:`CandidateTable.knn_scores`: f_knn of every voted candidate for a k (the first k
    neighbours' votes, summed in neighbour order).
 3. :meth:`CandidateTable.topk`: lam f_erm + (1 - lam) f_knn and one top-k: equal scores go to
@@ -54,9 +55,15 @@ class _Numpy:
         return out
 
     cat = staticmethod(np.concatenate)
-    repeat = staticmethod(np.repeat)
     where = staticmethod(np.where)
-    searchsorted = staticmethod(np.searchsorted)
+
+    @staticmethod
+    def repeat(x: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        return x.repeat(counts)  # the method: a third of np.repeat's cost on small arrays
+
+    @staticmethod
+    def searchsorted(sorted_x: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return sorted_x.searchsorted(v)
     @staticmethod
     def take_along(x: np.ndarray, i: np.ndarray) -> np.ndarray:
         """x[r, i[r, j]] per row: np.take_along_axis by plain indexing (a third of its cost)."""
@@ -87,7 +94,7 @@ class _Numpy:
         first[:1] = True
         np.not_equal(s[1:], s[:-1], out=first[1:])
         inv = np.empty(len(s), np.int64)
-        inv[order] = first.cumsum() - 1
+        inv[order] = first.astype(np.int64).cumsum() - 1  # a bool cumsum costs twice this
         return s[first], inv
 
     @staticmethod
@@ -260,7 +267,8 @@ def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
         return as_tensor(rowdots(*map(to_numpy, (queries, docs, batch, doc))))
     out = np.empty(len(batch), np.float32)
     step = max(1, (1 << 22) // max(1, docs.shape[1]))
-    cuts = [0, *((batch[1:] != batch[:-1]).nonzero()[0] + 1).tolist(), len(batch)]
+    cuts = [0, len(batch)] if len(queries) == 1 else \
+        [0, *((batch[1:] != batch[:-1]).nonzero()[0] + 1).tolist(), len(batch)]
     for lo, hi in zip(cuts[:-1], cuts[1:]):
         for s in range(lo, hi, step):  # a query's row broadcast over its run
             e = min(s + step, hi)
@@ -320,60 +328,68 @@ class CandidateTable:
 
 def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
                     erm: tuple[Array, Array], knn: tuple[Array, Array], *,
-                    rescore: bool, erm_exact: bool) -> CandidateTable:
+                    rescore: bool, erm_exact: bool, distinct: bool = False) -> CandidateTable:
     """Step 1 of the module docstring. queries (B, d) float32; docs (n, d) the document
     embeddings; erm (B, Kp) scores / ids of a passage search, knn (B, K) scores / Y row ids
     (-1 padded). ``rescore``: f_erm = <q, p_j> for every candidate (``erm_exact``: the ERM
-    scores already are, so only the voted documents outside C get dot products)."""
+    scores already are, so only the voted documents outside C get dot products).
+    ``distinct``: no row of the ERM ids repeats an id (an index's own search result), so they
+    need not be sorted to find repeats."""
     (es, ei), (ks, ki) = erm, knn
     xp = ops(ei)
     b, kp = ei.shape
-    n = rows.shape[1]
+    n, kn = rows.shape[1], ki.shape[1]
     slot, doc, y = votes(ki, rows)
-    # the ERM ids sorted per row, each packed with its column: repeats and the votes' columns
-    bits = max(1, (kp - 1).bit_length())
-    valid = ei >= 0
-    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
-    packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
-    s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
-    ids = xp.where(valid, ei, -1)
-    r, c = (x.reshape(-1) for x in _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n)))
-    ids[r, s_col[r, c + 1]] = -1  # a repeated id keeps its first column
-    # every voted (query, document) once: in C at its column, else an extra column after Kp
-    key, entry_cell = xp.unique((slot // ki.shape[1]) * (n + 1) + doc)
-    sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
-    at = xp.clip_max(xp.searchsorted(sorted_keys, key), max(b * kp - 1, 0))
-    extra = sorted_keys[at] != key if b * kp else xp.full(key.shape, True, bool, key)
+    ids = xp.where(ei >= 0, ei, -1) if distinct else _first_entries(ei, n)
+    # every voted (query, document) once, sorted; the ERM candidates found among them
+    key, entry_cell = xp.unique((slot // kn) * (n + 1) + doc)
     u_row = key // (n + 1)
+    col = xp.full(key.shape, -1, xp.int64, key)
+    if len(key) and kp:
+        erm_keys = (xp.arange(b, ei)[:, None] * (n + 1) + xp.where(ids >= 0, ids, n)).reshape(-1)
+        at = xp.clip_max(xp.searchsorted(key, erm_keys), len(key) - 1)
+        hit = xp.flatnonzero(key[at] == erm_keys)  # (row, column) of C, row-major
+        col[at[hit]] = hit % kp
+    extra = col < 0  # voted documents outside C: columns kp, kp + 1, ... of their row
     x = xp.flatnonzero(extra)
-    x_row, x_doc = u_row[x], key[x] % (n + 1)
-    counts = xp.bincount(x_row, b)
-    width = kp + (int(counts.max()) if len(x) else 0)
-    col = s_col.reshape(-1)[at]
-    col[x] = kp + xp.arange(len(x), ei) - (xp.cumsum(counts) - counts)[x_row]
+    width = kp
+    if len(x):
+        x_row, x_doc = u_row[x], key[x] % (n + 1)
+        counts = xp.bincount(x_row, b)
+        width += int(counts.max())
+        col[x] = kp + xp.arange(len(x), ei) - (xp.cumsum(counts) - counts)[x_row]
     cells = u_row * width + col
-    x_cells = cells[x]
     table_ids = xp.full((b, width), -1, xp.int64, ei)
     table_ids[:, :kp] = ids
-    table_ids.reshape(-1)[x_cells] = x_doc
     table_erm = xp.full((b, width), 0.0, xp.float32, ei)
+    if len(x):
+        table_ids.reshape(-1)[cells[x]] = x_doc
     if rescore and not erm_exact:
         v = xp.flatnonzero(table_ids >= 0)
         table_erm.reshape(-1)[v] = rowdots(queries, docs, v // width,
                                            table_ids.reshape(-1)[v])
     else:
         table_erm[:, :kp] = xp.where(ids >= 0, xp.astype(es, xp.float32), 0.0)
-        if rescore:
-            table_erm.reshape(-1)[x_cells] = rowdots(queries, docs, x_row, x_doc)
-    return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot % ki.shape[1],
-                          xp.astype(ks, xp.float32).reshape(-1)[slot], y, ki.shape[1])
+        if rescore and len(x):
+            table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, x_row, x_doc)
+    return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot % kn,
+                          xp.astype(ks, xp.float32).reshape(-1)[slot], y, kn)
 
 
-def _nonzero2(mask: Array) -> tuple[Array, Array]:
-    """Row and column numbers of the True cells of a (B, C) mask, row-major."""
-    xp = ops(mask)
-    flat = xp.flatnonzero(mask)
-    return flat // max(mask.shape[1], 1), flat % max(mask.shape[1], 1)
+def _first_entries(ei: Array, n: int) -> Array:
+    """ERM ids (B, Kp) with every repeat of an id in its row set to -1 after its first column,
+    and the padding (any negative id) as -1: each row sorted once, packed with its columns."""
+    xp = ops(ei)
+    kp = ei.shape[1]
+    bits = max(1, (kp - 1).bit_length())
+    ids = xp.where(ei >= 0, ei, -1)
+    packed = (xp.where(ei >= 0, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
+    packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
+    s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
+    flat = xp.flatnonzero((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
+    r, c = flat // max(kp - 1, 1), flat % max(kp - 1, 1)
+    ids[r, s_col[r, c + 1]] = -1
+    return ids
 
 
 def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
@@ -392,7 +408,7 @@ def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
                 xp.full((b, k), -1, xp.int64, scores))
     bits = xp.astype(xp.view(scores + 0.0, xp.int32), xp.int64)
     key = ~xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ascending as the score descends
-    best = xp.smallest((key << 32) | xp.where(ids >= 0, ids, 2**32 - 1), kk)
+    best = xp.smallest((key << 32) | (ids & (2**32 - 1)), kk)  # id -1 sorts last
     bits = ~(best >> 32)
     top = xp.view(xp.astype(xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), xp.int32), xp.float32)
     top_i = xp.where(top > float("-inf"), best & (2**32 - 1), -1)
@@ -406,9 +422,10 @@ def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
 
 def fuse(queries: Array, docs: Array, rows: RelevanceRows, erm: tuple[Array, Array],
          knn: tuple[Array, Array], *, lam: float, divisor: float, rescore: bool,
-         erm_exact: bool, topk: int) -> tuple[Array, Array]:
+         erm_exact: bool, topk: int, distinct: bool = False) -> tuple[Array, Array]:
     """The fused top-``topk`` of each query (arguments as :func:`candidate_table`; every
     neighbour of ``knn`` votes with weight s / ``divisor``): (B, topk) float32 scores and int64
     ids of ``erm``'s kind, ties to the lower id, -1 / -inf padded."""
-    table = candidate_table(queries, docs, rows, erm, knn, rescore=rescore, erm_exact=erm_exact)
+    table = candidate_table(queries, docs, rows, erm, knn, rescore=rescore, erm_exact=erm_exact,
+                            distinct=distinct)
     return table.topk(lam, table.knn_scores(knn[1].shape[1], divisor), topk)

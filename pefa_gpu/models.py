@@ -738,10 +738,11 @@ class PEFAXL(_Model):
                 if len(rest) == q.shape[0]:  # all of them (a single query, say): one fusion
                     erm, rest = full, rest[:0]
         qa = to_numpy(q) if host else q
-        out = self._fuse(qa, *erm, *knn, (p.lam,), (p.k,), topk)[(p.lam, p.k)]
+        distinct = self.index.distinct_ids
+        out = self._fuse(qa, *erm, *knn, (p.lam,), (p.k,), topk, distinct=distinct)[(p.lam, p.k)]
         if len(rest):
             s, i = self._fuse(qa[rest], *full, knn[0][rest], knn[1][rest], (p.lam,), (p.k,),
-                              topk)[(p.lam, p.k)]
+                              topk, distinct=distinct)[(p.lam, p.k)]
             out[0][rest], out[1][rest] = s, i
         return (torch.from_numpy(out[0]), torch.from_numpy(out[1])) if host else out
 
@@ -790,10 +791,11 @@ class PEFAXL(_Model):
 
     def _fuse(self, q: Array, erm_scores: Array, erm_ids: Array, knn_scores: Array,
               knn_rows: Array, lams: Sequence[float], ks: Sequence[int], topk: int,
-              batch_size: int | None = None) -> dict[tuple[float, int], tuple[Array, Array]]:
+              batch_size: int | None = None, distinct: bool = False
+              ) -> dict[tuple[float, int], tuple[Array, Array]]:
         """The fusion core over a batch of arrays of one kind (numpy or torch; see
         :meth:`fuse_grid`), ``batch_size`` queries at a time (default 4096 for numpy, 256 for
-        torch)."""
+        torch). ``distinct``: no row of ``erm_ids`` repeats an id (see candidate_table)."""
         xp, p = ops(erm_ids), self.params
         step = batch_size or (4096 if isinstance(q, np.ndarray) else 256)
         docs = to_numpy(self.doc_embeddings) if isinstance(q, np.ndarray) else \
@@ -805,7 +807,8 @@ class PEFAXL(_Model):
             table = candidate_table(q[b], docs, self.relevance_rows,
                                     (erm_scores[b], erm_ids[b]),
                                     (knn_scores[b, :kmax], knn_rows[b, :kmax]),
-                                    rescore=p.rescore, erm_exact=self._erm_exact)
+                                    rescore=p.rescore, erm_exact=self._erm_exact,
+                                    distinct=distinct)
             for k in ks:
                 f_knn = table.knn_scores(k, float(k) if p.knn_norm == "k" else 1.0)
                 for lam in lams:

@@ -89,10 +89,12 @@ KINDS = [("numpy", "cpu"), ("torch", "cpu"), pytest.param("torch", "cuda", marks
 @pytest.mark.parametrize("rescore,erm_exact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("lam,div,topk", [(0.5, 4.0, 5), (0.25, 1.0, 30), (0.0, 2.0, 10),
                                           (1.0, 4.0, 7)])
-def test_fusion_equals_reference(kind, device, seed, rescore, erm_exact, lam, div, topk):
+@pytest.mark.parametrize("distinct", [False, True])  # True: the ERM rows are not sorted
+def test_fusion_equals_reference(kind, device, seed, rescore, erm_exact, lam, div, topk,
+                                 distinct):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(seed)
     got = run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device, lam=lam, divisor=div,
-                   rescore=rescore, erm_exact=erm_exact, topk=topk)
+                   rescore=rescore, erm_exact=erm_exact, topk=topk, distinct=distinct)
     ref_s, ref_i = ref_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, lam, div, rescore, topk,
                             erm_exact)
     np.testing.assert_array_equal(got[1], ref_i)
@@ -116,9 +118,11 @@ def test_numpy_and_torch_give_the_same_bits(seed, quantized):
     """The CPU runs the core on numpy, CUDA on torch: on the CPU both kinds agree to the bit."""
     q, P, Y, es, ei, ks, ki = fusion_inputs(seed, quantized=quantized, b=12, n=150, m=60,
                                             kp=30, k=8)
-    for rescore, exact in [(False, False), (True, False), (True, True)]:
+    for rescore, exact, distinct in [(False, False, False), (True, False, True),
+                                     (True, True, False), (True, True, True)]:
         for lam, div, topk in [(0.5, 4.0, 5), (0.1, 8.0, 40), (0.0, 2.0, 10), (1.0, 3.0, 7)]:
-            kw = dict(lam=lam, divisor=div, rescore=rescore, erm_exact=exact, topk=topk)
+            kw = dict(lam=lam, divisor=div, rescore=rescore, erm_exact=exact, topk=topk,
+                      distinct=distinct)
             a = run_fuse("numpy", q, P, Y, es, ei, ks, ki, **kw)
             b = run_fuse("torch", q, P, Y, es, ei, ks, ki, **kw)
             assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])

@@ -43,6 +43,9 @@ class Index(abc.ABC):
     name: ClassVar[str]
     Params: ClassVar[type[Params]]
     SearchParams: ClassVar[type[Params]] = NoSearchParams
+    # no result row repeats an id (the backend guarantees it): PEFA-XL's fusion then skips
+    # sorting each row of its passage search to find repeats
+    distinct_ids: ClassVar[bool] = False
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         if isinstance(params, dict):
