@@ -8,9 +8,9 @@ candidates C ∪ {documents in the neighbours' Y rows} (DESIGN §1). In three st
 1. :func:`candidate_table`: the batch's candidates as a (B, W) table: the ERM candidates (a
    repeated ERM id keeps its first entry), then the voted documents outside C; each with
    f_erm (the ERM score; <q, p_j> where ``rescore`` needs it; 0 outside C without rescore) and
-   the votes landing on it. The voted documents are sorted and the ERM ids looked up among
-   them (the ERM ids are sorted too only where they may repeat): O(B (Kp log(K deg) + K deg
-   log(K deg))), never a B x n array.
+   the votes landing on it. The ERM ids are sorted once per row to find the votes' columns
+   (and repeats, unless the ids are known distinct): O(B (Kp log Kp + K deg)), never a B x n
+   array.
 2. :meth:`CandidateTable.knn_scores`: f_knn of every voted candidate for a k (the first k
    neighbours' votes, summed in neighbour order).
 3. :meth:`CandidateTable.topk`: lam f_erm + (1 - lam) f_knn and one top-k: equal scores go to
@@ -333,27 +333,33 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     embeddings; erm (B, Kp) scores / ids of a passage search, knn (B, K) scores / Y row ids
     (-1 padded). ``rescore``: f_erm = <q, p_j> for every candidate (``erm_exact``: the ERM
     scores already are, so only the voted documents outside C get dot products).
-    ``distinct``: no row of the ERM ids repeats an id (an index's own search result), so they
-    need not be sorted to find repeats."""
+    ``distinct``: no row of the ERM ids repeats an id (an index's own search result), so
+    repeats are not looked for."""
     (es, ei), (ks, ki) = erm, knn
     xp = ops(ei)
     b, kp = ei.shape
     n, kn = rows.shape[1], ki.shape[1]
     slot, doc, y = votes(ki, rows)
-    ids = xp.where(ei >= 0, ei, -1) if distinct else _first_entries(ei, n)
-    # every voted (query, document) once, sorted; the ERM candidates found among them
+    # the ERM ids sorted per row, each packed with its column: repeats and the votes' columns
+    bits = max(1, (kp - 1).bit_length())
+    valid = ei >= 0
+    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
+    packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
+    s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
+    ids = xp.where(valid, ei, -1)
+    if not distinct:  # a repeated id keeps its first column
+        r, c = _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
+        ids[r, s_col[r, c + 1]] = -1
+    # every voted (query, document) once: in C at its column, else an extra column after Kp
     key, entry_cell = xp.unique((slot // kn) * (n + 1) + doc)
+    sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
+    at = xp.clip_max(xp.searchsorted(sorted_keys, key), max(b * kp - 1, 0))
+    extra = sorted_keys[at] != key if b * kp else xp.full(key.shape, True, bool, key)
     u_row = key // (n + 1)
-    col = xp.full(key.shape, -1, xp.int64, key)
-    if len(key) and kp:
-        erm_keys = (xp.arange(b, ei)[:, None] * (n + 1) + xp.where(ids >= 0, ids, n)).reshape(-1)
-        at = xp.clip_max(xp.searchsorted(key, erm_keys), len(key) - 1)
-        hit = xp.flatnonzero(key[at] == erm_keys)  # (row, column) of C, row-major
-        col[at[hit]] = hit % kp
-    extra = col < 0  # voted documents outside C: columns kp, kp + 1, ... of their row
+    col = s_col.reshape(-1)[at]
     x = xp.flatnonzero(extra)
     width = kp
-    if len(x):
+    if len(x):  # voted documents outside C: columns kp, kp + 1, ... of their row
         x_row, x_doc = u_row[x], key[x] % (n + 1)
         counts = xp.bincount(x_row, b)
         width += int(counts.max())
@@ -376,20 +382,11 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
                           xp.astype(ks, xp.float32).reshape(-1)[slot], y, kn)
 
 
-def _first_entries(ei: Array, n: int) -> Array:
-    """ERM ids (B, Kp) with every repeat of an id in its row set to -1 after its first column,
-    and the padding (any negative id) as -1: each row sorted once, packed with its columns."""
-    xp = ops(ei)
-    kp = ei.shape[1]
-    bits = max(1, (kp - 1).bit_length())
-    ids = xp.where(ei >= 0, ei, -1)
-    packed = (xp.where(ei >= 0, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
-    packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
-    s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
-    flat = xp.flatnonzero((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
-    r, c = flat // max(kp - 1, 1), flat % max(kp - 1, 1)
-    ids[r, s_col[r, c + 1]] = -1
-    return ids
+def _nonzero2(mask: Array) -> tuple[Array, Array]:
+    """Row and column numbers of the True cells of a (B, C) mask, row-major."""
+    xp = ops(mask)
+    flat = xp.flatnonzero(mask)
+    return flat // max(mask.shape[1], 1), flat % max(mask.shape[1], 1)
 
 
 def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
