@@ -132,17 +132,21 @@ def test_duplicated_documents_every_k(engine):
         np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
 
 
-def test_many_chunks_and_batches_and_the_exact_redo(engine, monkeypatch):
-    """A tiny budget splits queries and corpus; rows tied at the k-th place are searched again
-    (spied) and every row matches the reference."""
+@pytest.mark.parametrize("copies,rescanned", [(2, False), (12, True)])
+def test_many_chunks_and_batches_and_the_exact_redo(engine, monkeypatch, copies, rescanned):
+    """A tiny budget splits queries and corpus. Rows tied at the k-th place whose run of equal
+    scores fits in the TIE_MARGIN extra candidates (2 copies of each document) are settled
+    from them; longer runs (12 copies) are searched again (spied). Every row matches the
+    reference either way."""
     rng = np.random.default_rng(12)
-    X = duplicated_documents(rng, 6000, 8, copies=2, low=-20, high=21)
+    X = duplicated_documents(rng, 6000, 8, copies=copies, low=-20, high=21)
     T = rng.integers(-20, 21, (150, 8)).astype(np.float32) / 4
     index = ExactIndex({"memory_budget": 2**16}).build(X)
     redone = []
     real = index._exact_rows
     monkeypatch.setattr(index, "_exact_rows",
                         lambda q, kk: redone.append(q.shape[0]) or real(q, kk))
+    boundary_ties = 0
     for k in (1, 7, 100):
         faiss, q_batch, chunk = index._plan(150, k)
         assert q_batch < 150 and (faiss is not None or chunk < 6000)
@@ -150,7 +154,13 @@ def test_many_chunks_and_batches_and_the_exact_redo(engine, monkeypatch):
         rv, ri = ref.exact_search(X, T, k)
         np.testing.assert_array_equal(ids.numpy(), ri)
         np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
-    assert redone and min(redone) < 150  # the exact path ran, and (at k = 100) not for all rows
+        full = np.sort(T.astype(np.float64) @ X.T.astype(np.float64), axis=1)[:, ::-1]
+        boundary_ties += int((full[:, k - 1] == full[:, k]).sum())
+    assert boundary_ties > 0  # the data do tie at the k-th place
+    if rescanned:  # the exact path ran, and (at k = 100) not for all rows
+        assert redone and min(redone) < 150
+    else:
+        assert redone == []
 
 
 def test_random_unit_vectors_equal_reference_ids():
@@ -227,3 +237,27 @@ def test_empty_corpus_and_empty_batch(engine):
     index = ExactIndex().build(np.eye(4, dtype=np.float32))
     s, i = index.search(np.zeros((0, 4), np.float32), 5)
     assert s.shape == (0, 5) and i.shape == (0, 5) and i.dtype == torch.int64
+
+
+def test_settle_masked_equals_the_reference_on_tied_candidates():
+    """The CUDA branch of the first pass (run here on CPU tensors): rows tied at the kk-th
+    place take the lowest ids of the tied run from their candidates, the others keep their
+    first kk; against a float64 / id sort of the same candidates."""
+    rng = np.random.default_rng(21)
+    b, w, kk = 40, 18, 10
+    vals = np.sort(rng.integers(0, 6, (b, w)).astype(np.float32), axis=1)[:, ::-1].copy()
+    ids = np.stack([rng.permutation(1000)[:w] for _ in range(b)])
+    ids[::7, -1] = -1  # padding
+    vals[::7, -1] = -np.inf
+    settle = torch.from_numpy(vals[:, kk - 1] == vals[:, kk])
+    settle[::3] = False  # some tied rows not settled: they keep their first kk
+    v, i = exact_module.settle_masked(torch.from_numpy(vals), torch.from_numpy(ids), settle, kk)
+    for r in range(b):
+        if settle[r]:
+            order = sorted(range(w), key=lambda c: (-float(vals[r, c]),
+                                                    ids[r, c] if ids[r, c] >= 0 else 10**9))[:kk]
+        else:
+            order = list(range(kk))
+        np.testing.assert_array_equal(i[r].numpy(), ids[r, order])
+        np.testing.assert_array_equal(v[r].numpy(), vals[r, order])
+    assert settle.sum() > 3

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from pefa_gpu.index import ExactIndex
+from pefa_gpu.index.exact import TIE_MARGIN
 
 CHILD = r"""
 import json, re, sys
@@ -85,12 +86,12 @@ def test_peak_memory_within_budget(engine, n, d, b, k, budget, dtype):
 @pytest.mark.parametrize("budget", [2**16, 2**20, 64 * MiB, 256 * MiB])
 def test_block_shapes_fit_the_budget_model(dtype, budget):
     """The chosen (query batch, chunk) fit the working-memory model whenever the floor (one
-    query against max(k+1, 1024) rows) does; the faiss batch likewise."""
+    query against max(k + TIE_MARGIN, 1024) rows) does; the faiss batch likewise."""
     index = ExactIndex({"dtype": dtype, "memory_budget": budget})
     index.vectors = torch.empty(300_000, 384, dtype=index._dtype)  # shapes only
     for b in (1, 64, 2000, 100_000):
         for k in (1, 10, 100, 1000, 10_000):
-            w = k + 1
+            w = k + TIE_MARGIN  # the first pass's candidates per query
             for exact in (False, True):
                 q_batch, chunk = index._block_shape(b, k, exact)
                 assert 1 <= q_batch <= b and 1 <= chunk <= 300_000

@@ -3,16 +3,20 @@
 Every path returns the exact top-k of float32 inner products, ties to the lower id:
 
 - A first pass by value. Each (query batch x corpus chunk) block of scores is reduced to its
-  top-(k+1) by value alone (equal values in any order) and the per-chunk lists are merged the
-  same way. A row whose k-th and (k+1)-th scores differ then has its top-k set fixed by value;
-  equal scores inside it are put in id order on the (B, k) result.
+  top-(k + ``TIE_MARGIN``) by value alone (equal values in any order) and the per-chunk lists
+  are merged the same way. A row whose k-th and (k+1)-th scores differ then has its top-k set
+  fixed by value; equal scores inside it are put in id order on the (B, k) result. A row whose
+  k-th and (k+1)-th scores are equal, but whose last candidate scores lower, holds every column
+  of that score among its candidates: the tie rule picks from them (pefa_gpu.topk.merge_topk).
   * CPU, float32 storage, faiss installed: the pass is faiss' exhaustive inner-product search
-    (BLAS blocks and a heap, what ``faiss.IndexFlatIP`` runs) asked for k + 1 results.
+    (BLAS blocks and a heap, what ``faiss.IndexFlatIP`` runs) asked for k + ``TIE_MARGIN``
+    results.
   * Otherwise (CUDA, 16-bit storage, no faiss): torch matmul blocks and ``torch.topk``.
-- Rows whose k-th and (k+1)-th scores are equal are searched again from scratch with
-  :func:`pefa_gpu.topk.topk_rows` / :func:`merge_topk` (scores recomputed: BLAS results may
-  differ in the last bit with the batch shape, so the first pass's k-th value is not reused).
-  On CUDA, finding those rows is the one host synchronisation of a search.
+- Rows whose run of scores equal to the k-th reaches past the candidates (more than
+  ``TIE_MARGIN`` equal scores at the boundary: duplicated documents, say) are searched again
+  from scratch with :func:`pefa_gpu.topk.topk_rows` / :func:`merge_topk` (scores recomputed:
+  BLAS results may differ in the last bit with the batch shape, so the first pass's k-th value
+  is not reused). On CUDA, finding those rows is the one host synchronisation of a search.
 
 ``ExactParams.memory_budget`` bounds the working memory of a search besides its (B, k) result:
 score blocks, the float32 query batch, top-k lists and every top-k workspace (torch's CPU top-k
@@ -149,18 +153,18 @@ class ExactIndex(Index):
         buf = None if faiss or q.is_cuda else \
             torch.empty(min(q_batch, b) * min(chunk, n), device=q.device)
         if q_batch >= b:  # one batch: no copy into a preallocated result
-            vals, ids, tied = self._first_pass(faiss, q, kk, chunk, buf)
+            vals, ids, rescan = self._first_pass(faiss, q, kk, chunk, buf)
         else:
             vals = torch.full((b, k), PAD_SCORE, device=self.device)
             ids = torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device)
-            tied = torch.zeros(b, dtype=torch.bool, device=self.device) if kk < n else None
+            rescan = torch.zeros(b, dtype=torch.bool, device=self.device) if kk < n else None
             for s in range(0, b, q_batch):
                 v, i, t = self._first_pass(faiss, q[s:s + q_batch], kk, chunk, buf)
                 vals[s:s + q_batch, :kk], ids[s:s + q_batch, :kk] = v, i
                 if t is not None:
-                    tied[s:s + q_batch] = t
-        if tied is not None:
-            rows = tied.nonzero().squeeze(1)  # on CUDA: the one host synchronisation
+                    rescan[s:s + q_batch] = t
+        if rescan is not None:
+            rows = rescan.nonzero().squeeze(1)  # on CUDA: the one host synchronisation
             if rows.numel():
                 vals[rows, :kk], ids[rows, :kk] = self._exact_rows(q[rows], kk)
         return pad_topk(vals, ids, k)
@@ -168,18 +172,28 @@ class ExactIndex(Index):
     def _first_pass(self, faiss: Any, q: torch.Tensor, kk: int, chunk: int,
                     buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(B, d) queries -> (B, kk) scores sorted descending, ids with equal scores in id
-        order, and ``tied`` (B,) bool: rows whose kk-th score equals the (kk+1)-th, whose top-kk
-        set is not fixed by value (None when kk = n: every row holds the whole index). ``buf``:
-        see :meth:`_torch_pass`."""
+        """(B, d) queries -> (B, kk) scores sorted descending, ids with the tie rule, and
+        ``rescan`` (B,) bool: rows whose run of scores equal to the kk-th reaches past the
+        candidates, so that their top-kk needs another pass (None when kk = n: every row holds
+        the whole index). ``buf``: see :meth:`_torch_pass`."""
         vals, ids = self._faiss_pass(faiss, q, kk) if faiss else \
             self._torch_pass(q, kk, chunk, buf)
-        tied = None
-        if vals.shape[1] > kk:
-            tied = boundary_tied(vals, kk)
+        if vals.shape[1] == kk:
+            return (*order_ties(vals, ids), None)
+        tied = boundary_tied(vals, kk)
+        # a tied row whose last candidate scores lower holds every column of its kk-th score
+        rescan = tied & (vals[:, kk - 1] == vals[:, -1]) if vals.shape[1] < self.ntotal \
+            else torch.zeros_like(tied)
+        settle = tied & ~rescan
+        if vals.is_cuda:  # every row under a mask: no synchronisation
+            vals, ids = settle_masked(vals, ids, settle, kk)
+        else:
+            rows = settle.nonzero().squeeze(1)
+            v, i = merge_topk(vals[rows], ids[rows], kk) if rows.numel() else (None, None)
             vals, ids = vals[:, :kk], ids[:, :kk]
-        vals, ids = order_ties(vals, ids)
-        return vals, ids, tied
+            if v is not None:
+                vals, ids = vals.index_copy(0, rows, v), ids.index_copy(0, rows, i)
+        return (*order_ties(vals, ids), rescan)
 
     def _torch_pass(self, q: torch.Tensor, kk: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +202,7 @@ class ExactIndex(Index):
         scores, each reduced by one ``torch.topk`` and merged by another; on the CPU written
         into ``buf`` (at least B min(chunk, n) float32) when given."""
         n = self.ntotal
-        w = kk + 1 if kk < n else kk
+        w = self._pass_width(kk)
         q = q.float()
         if chunk >= n:
             return torch.topk(_scores(q, self.vectors, buf), w, dim=1)
@@ -210,7 +224,7 @@ class ExactIndex(Index):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_torch_pass` by faiss' exhaustive inner-product search (CPU, float32)."""
         n, d = self.ntotal, self.dim
-        w = kk + 1 if kk < n else kk
+        w = self._pass_width(kk)
         qn = np.ascontiguousarray(to_numpy(q), dtype=np.float32)
         xb = to_numpy(self.vectors)
         dist = np.empty((qn.shape[0], w), np.float32)
@@ -274,6 +288,10 @@ class ExactIndex(Index):
                 return faiss, q_batch, self.ntotal
         return (None, *self._block_shape(b, kk))
 
+    def _pass_width(self, kk: int) -> int:
+        """Candidates per query of a first pass: kk + ``TIE_MARGIN``, at most the index."""
+        return min(kk + TIE_MARGIN, self.ntotal)
+
     def _block_shape(self, b: int, kk: int, exact: bool = False) -> tuple[int, int]:
         """Query batch and corpus chunk of a torch pass whose working memory
         (:meth:`_work_bytes`) fits the budget. CPU: chunks of ``CPU_CHUNK`` rows, or
@@ -283,7 +301,7 @@ class ExactIndex(Index):
         fits. Floor: one query against min(n, max(k+1, ``MIN_CHUNK``)) rows, whatever the
         budget."""
         n, budget = self.ntotal, self.params.memory_budget
-        w = kk + 1 if kk < n else kk
+        w = self._pass_width(kk)
         cell, per_query, per_row = self._costs(w, exact)
         floor = min(n, max(w, MIN_CHUNK))
 
@@ -329,7 +347,7 @@ class ExactIndex(Index):
 
     def _faiss_batch(self, b: int, kk: int) -> int:
         """Queries per faiss call: the most whose :meth:`_faiss_bytes` fit the budget (>= 1)."""
-        w = kk + 1 if kk < self.ntotal else kk
+        w = self._pass_width(kk)
         budget = self.params.memory_budget
         if self._faiss_bytes(b, w) <= budget:
             return b
@@ -355,11 +373,22 @@ class ExactIndex(Index):
         return q_batch * (4 * self.dim + LIST_SLOT_BYTES * w) + tile * (scores + reservoir)
 
 
+def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """First-pass candidates (B, w) sorted descending -> (B, kk): the rows where ``settle``
+    (B,) bool by :func:`merge_topk` (the tie rule over the candidates), the others cut to kk;
+    computed for every row under the mask (CUDA: no host synchronisation)."""
+    v, i = merge_topk(vals, ids, kk)
+    return (torch.where(settle.unsqueeze(1), v, vals[:, :kk]),
+            torch.where(settle.unsqueeze(1), i, ids[:, :kk]))
+
+
 # Working-memory model of a search (ExactIndex._work_bytes, _faiss_bytes), checked against
 # measured peak resident memory in tests/test_exact_memory.py.
 LIST_SLOT_BYTES = 128  # per (query, top-k slot): ~10 float32 / int64 copies of the lists
 TOPK_QUEUE_BYTES = 16  # per chunk row and thread: torch's CPU top-k (value, int64 index) queue
 EXACT_CELL_BYTES = 16  # per score on the exact path: a copy of tied rows, masks, int32 keys
+TIE_MARGIN = 8         # first-pass candidates beyond k (see the module docstring)
 CPU_CHUNK = 4096       # corpus rows per CPU block ...
 CHUNK_PER_K = 8        # ... and at least 8 (k + 1)
 CPU_BATCH = 4096       # queries per CPU block, at most
