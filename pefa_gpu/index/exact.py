@@ -33,7 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int, resolve_dtype, to_numpy
+from ..arrays import as_tensor, check_positive_int, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
@@ -150,8 +150,7 @@ class ExactIndex(Index):
         faiss, q_batch, chunk = self._plan(b, kk)
         # the CPU score blocks of every batch share one buffer: allocated once, a block maps
         # no fresh pages (and freeing one before the next could leave two resident)
-        buf = None if faiss or q.is_cuda else \
-            torch.empty(min(q_batch, b) * min(chunk, n), device=q.device)
+        buf = None if faiss or q.is_cuda else host_empty(min(q_batch, b) * min(chunk, n))
         if q_batch >= b:  # one batch: no copy into a preallocated result
             vals, ids, rescan = self._first_pass(faiss, q, kk, chunk, buf)
         else:
