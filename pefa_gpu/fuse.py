@@ -64,6 +64,7 @@ class _Numpy:
     @staticmethod
     def searchsorted(sorted_x: np.ndarray, v: np.ndarray) -> np.ndarray:
         return sorted_x.searchsorted(v)
+
     @staticmethod
     def take_along(x: np.ndarray, i: np.ndarray) -> np.ndarray:
         """x[r, i[r, j]] per row: np.take_along_axis by plain indexing (a third of its cost)."""

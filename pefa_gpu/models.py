@@ -155,7 +155,8 @@ class _Model:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        persist.register_model(cls)  # pefa_gpu.load finds the class by its name
+        if not cls.__name__.startswith("_"):  # a shared base is never saved
+            persist.register_model(cls)  # pefa_gpu.load finds the class by its name
 
     def __init__(self, *, backend: str = "exact", device: Any = None,
                  index_params: Params | dict | None = None,
@@ -409,7 +410,42 @@ class ERM(_Model):
         return self
 
 
-class PEFAXS(_Model):
+class _AdaptedDocuments(_Model):
+    """A model with one index over document rows computed from P (``doc_embeddings``) and
+    each document's sum of training queries (``doc_sums``, g_j = sum_i Y[i, j] q_i): PEFA-XS
+    and NUDGE. Subclasses give those rows: :meth:`_adapted_rows` for some ids and
+    :meth:`_adapted_all` for every document, computed alike."""
+
+    def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _adapted_all(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return training.inner(q, self._adapted_rows(ids))
+
+    def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
+        """The pairs join ``doc_sums``; the index rows they touch are rewritten (a backend that
+        cannot update rows is rebuilt)."""
+        touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
+        if not touched.numel():
+            return
+        try:
+            self.index.update(touched, self._adapted_rows(touched))
+        except NotImplementedError:
+            log.info("backend %r cannot update rows: rebuilding the index of %d documents for "
+                     "%d changed ones", self.backend, self.n_docs, touched.numel())
+            self.index = self.new_index().build(self._adapted_all())
+
+    def _exported(self) -> Any:
+        return self._adapted_all(), self.index
+
+    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
+        return {**super()._saved_shapes(), "doc_sums": (self.n_docs, self.dim)}
+
+
+class PEFAXS(_AdaptedDocuments):
     """PEFA-XS: one index over e_j = lam p_j + (1 - lam) Π(a_j), a_j = sum_i Y[i, j] q_i
     (+ p_j with augment_docs)."""
 
@@ -445,8 +481,11 @@ class PEFAXS(_Model):
             self.doc_sums[flat])
         return e.reshape(*ids.shape, -1)
 
-    def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return training.inner(q, self.xs_rows(ids))
+    def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.xs_rows(ids)
+
+    def _adapted_all(self) -> torch.Tensor:
+        return self.xs_embeddings()
 
     def _append_documents(self, p: torch.Tensor) -> None:
         n0 = self.doc_embeddings.shape[0]
@@ -457,18 +496,8 @@ class PEFAXS(_Model):
         self.doc_sums = torch.cat([self.doc_sums, sums])
         self.index.add(self.xs_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
 
-    def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
-        touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
-        _update_rows(self, touched, self.xs_rows, self.xs_embeddings)
 
-    def _exported(self) -> Any:
-        return self.xs_embeddings(), self.index
-
-    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
-        return {**super()._saved_shapes(), "doc_sums": (self.n_docs, self.dim)}
-
-
-class NUDGE(_Model):
+class NUDGE(_AdaptedDocuments):
     """NUDGE (Zeighami et al., 2024): one index over the documents moved toward their training
     queries, e_j = NUDGE-M / NUDGE-N of (Π(p_j), g_j = sum_i Y[i, j] q_i) with a step gamma
     chosen on validation queries (see pefa_gpu.nudge)::
@@ -539,8 +568,11 @@ class NUDGE(_Model):
                         self.doc_sums[flat], self.fitted_gamma)
         return e.reshape(*ids.shape, -1)
 
-    def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return training.inner(q, self.nudge_rows(ids))
+    def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.nudge_rows(ids)
+
+    def _adapted_all(self) -> torch.Tensor:
+        return self.nudge_embeddings()  # new pairs keep fitted_gamma: a refit at that gamma
 
     def _append_documents(self, p: torch.Tensor) -> None:
         """New documents have no training query: they enter as Π(p_j)."""
@@ -549,37 +581,12 @@ class NUDGE(_Model):
         self.doc_sums = torch.cat([self.doc_sums, torch.zeros(p.shape, device=p.device)])
         self.index.add(self.nudge_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
 
-    def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
-        """The new pairs join g_j; gamma stays :attr:`fitted_gamma` (it is not re-chosen), so
-        this equals a refit with ``gamma=fitted_gamma``."""
-        touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
-        _update_rows(self, touched, self.nudge_rows, self.nudge_embeddings)
-
-    def _exported(self) -> Any:
-        return self.nudge_embeddings(), self.index
-
-    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
-        return {**super()._saved_shapes(), "doc_sums": (self.n_docs, self.dim)}
-
     def _restore(self) -> None:
         g = self.fitted_gamma
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
                 or g < 0:
             raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got "
                               f"{g!r}")
-
-
-def _update_rows(model: _Model, touched: torch.Tensor, rows: Any, everything: Any) -> None:
-    """Overwrite the index rows ``touched`` with ``rows(touched)``; a backend that cannot
-    update rows is rebuilt from ``everything()``."""
-    if not touched.numel():
-        return
-    try:
-        model.index.update(touched, rows(touched))
-    except NotImplementedError:
-        log.info("backend %r cannot update rows: rebuilding the index of %d documents for %d "
-                 "changed ones", model.backend, model.n_docs, touched.numel())
-        model.index = model.new_index().build(everything())
 
 
 class PEFAXL(_Model):

@@ -188,15 +188,16 @@ class ExactIndex(Index):
             vals, ids = settle_masked(vals, ids, settle, kk)
         else:
             rows = settle.nonzero().squeeze(1)
-            v, i = merge_topk(vals[rows], ids[rows], kk) if rows.numel() else (None, None)
-            vals, ids = vals[:, :kk], ids[:, :kk]
-            if v is not None:
-                vals, ids = vals.index_copy(0, rows, v), ids.index_copy(0, rows, i)
+            top_v, top_i = vals[:, :kk], ids[:, :kk]
+            if rows.numel():
+                v, i = merge_topk(vals[rows], ids[rows], kk)
+                top_v, top_i = top_v.index_copy(0, rows, v), top_i.index_copy(0, rows, i)
+            vals, ids = top_v, top_i
         return (*order_ties(vals, ids), rescan)
 
     def _torch_pass(self, q: torch.Tensor, kk: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-(kk+1) by value (top-n when kk = n) of each query over the index: (B, w) scores
+        """Top-w by value (w = :meth:`_pass_width`) of each query over the index: (B, w) scores
         sorted descending, equal values in any order, and their ids. Blocks of (B, chunk)
         scores, each reduced by one ``torch.topk`` and merged by another; on the CPU written
         into ``buf`` (at least B min(chunk, n) float32) when given."""
@@ -293,12 +294,12 @@ class ExactIndex(Index):
 
     def _block_shape(self, b: int, kk: int, exact: bool = False) -> tuple[int, int]:
         """Query batch and corpus chunk of a torch pass whose working memory
-        (:meth:`_work_bytes`) fits the budget. CPU: chunks of ``CPU_CHUNK`` rows, or
-        ``CHUNK_PER_K`` (k+1) for large k (GEMM blocks that stay in cache, per-chunk top-k rows
-        long enough to be cheap), as many queries as fit (up to ``CPU_BATCH``), and when every
-        query fits, longer chunks. CUDA: up to ``CUDA_BATCH`` queries and the longest chunk that
-        fits. Floor: one query against min(n, max(k+1, ``MIN_CHUNK``)) rows, whatever the
-        budget."""
+        (:meth:`_work_bytes`) fits the budget; w = :meth:`_pass_width`. CPU: chunks of
+        ``CPU_CHUNK`` rows, or ``CHUNK_PER_K`` w for large k (GEMM blocks that stay in cache,
+        per-chunk top-k rows long enough to be cheap), as many queries as fit (up to
+        ``CPU_BATCH``), and when every query fits, longer chunks. CUDA: up to ``CUDA_BATCH``
+        queries and the longest chunk that fits. Floor: one query against min(n, max(w,
+        ``MIN_CHUNK``)) rows, whatever the budget."""
         n, budget = self.ntotal, self.params.memory_budget
         w = self._pass_width(kk)
         cell, per_query, per_row = self._costs(w, exact)
@@ -389,7 +390,7 @@ TOPK_QUEUE_BYTES = 16  # per chunk row and thread: torch's CPU top-k (value, int
 EXACT_CELL_BYTES = 16  # per score on the exact path: a copy of tied rows, masks, int32 keys
 TIE_MARGIN = 8         # first-pass candidates beyond k (see the module docstring)
 CPU_CHUNK = 4096       # corpus rows per CPU block ...
-CHUNK_PER_K = 8        # ... and at least 8 (k + 1)
+CHUNK_PER_K = 8        # ... and at least 8 w (the first pass's candidates per query)
 CPU_BATCH = 4096       # queries per CPU block, at most
 CUDA_BATCH = 8192      # queries per CUDA block, at most
 MIN_CHUNK = 1024
