@@ -261,3 +261,86 @@ def test_settle_masked_equals_the_reference_on_tied_candidates():
         np.testing.assert_array_equal(i[r].numpy(), ids[r, order])
         np.testing.assert_array_equal(v[r].numpy(), vals[r, order])
     assert settle.sum() > 3
+
+
+def reference_with_copies(X, T, k, copies):
+    """The float64 reference where each group of ``copies`` (lists of equal rows of X) scores
+    exactly the same (a float64 GEMM, too, may give equal rows different last bits)."""
+    s = np.asarray(T, np.float64) @ np.asarray(X, np.float64).T
+    for group in copies:
+        s[:, group] = s[:, group[:1]]
+    return ref.topk(s, k)
+
+
+def copied_unit_rows(rng, n, d, groups):
+    """Random unit rows with, for each size in ``groups``, one row copied to that many
+    scattered ids; -> (X, list of the copies' ids)."""
+    X = unit_rows(rng, n, d)
+    ids = rng.permutation(n)
+    copies, at = [], 0
+    for size in groups:
+        group = np.sort(ids[at:at + size])
+        X[group] = X[group[0]]
+        copies.append(group)
+        at += size
+    return X, copies
+
+
+@pytest.mark.parametrize("groups,rescanned", [((2, 3, 5, 8), False), ((12, 20), True)])
+def test_real_valued_copies_tie(engine, monkeypatch, groups, rescanned):
+    """Copies of real-valued (not grid) documents tie, on every first pass: a BLAS GEMM gives
+    copies scores that differ in the last bits with their position (OpenBLAS: faiss' and
+    numpy's), so near-tied candidates are rescored pair by pair; runs longer than the
+    margin are searched again. Queries near a copied row put the copies at every rank."""
+    rng = np.random.default_rng(21)
+    X, copies = copied_unit_rows(rng, 3000, 48, groups)
+    T = unit_rows(rng, 400, 48)
+    for j, group in enumerate(copies):
+        T[j::len(copies)] = X[group[0]] + 0.15 * T[j::len(copies)]
+    index = ExactIndex().build(X)
+    redone = []
+    real = index._exact_rows
+    monkeypatch.setattr(index, "_exact_rows",
+                        lambda q, kk: redone.append(q.shape[0]) or real(q, kk))
+    for k in (1, 5, 17, 40):
+        scores, ids = index.search(T, k)
+        rv, ri = reference_with_copies(X, T, k, copies)
+        np.testing.assert_array_equal(ids.numpy(), ri)
+        np.testing.assert_allclose(scores.numpy(), rv, atol=1e-6)
+        assert uses_faiss(index, 400, k) == (engine == "faiss")
+    assert bool(redone) == rescanned
+
+
+def test_position_dependent_scores_still_tie(monkeypatch):
+    """A first pass whose last bits depend on a document's position (as BLAS kernels' edge
+    blocks do; here up to 2 ulps by id): copies still tie and ids equal the reference, at
+    every k. Without the pair-by-pair rescoring of near ties this fails (checked)."""
+    faiss = pytest.importorskip("faiss")
+    monkeypatch.setattr(exact_module, "_FAISS", [faiss])
+    monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 1)
+    rng = np.random.default_rng(22)
+    X, copies = copied_unit_rows(rng, 2000, 32, (3, 4, 6))
+    T = np.concatenate([X[[g[0] for g in copies]] + 0.1 * unit_rows(rng, 3, 32),
+                        unit_rows(rng, 60, 32)])
+    index = ExactIndex().build(X)
+    real = index._faiss_pass
+
+    def skewed(faiss_, q, kk):
+        v, i = real(faiss_, q, kk)
+        return v * (1 + ((i % 5) - 2).float() * 2.0**-23), i
+
+    monkeypatch.setattr(index, "_faiss_pass", skewed)
+    for k in (1, 4, 12):
+        scores, ids = index.search(T, k)
+        rv, ri = reference_with_copies(X, T, k, copies)
+        np.testing.assert_array_equal(ids.numpy(), ri)
+        np.testing.assert_allclose(scores.numpy(), rv, atol=1e-6)
+
+
+def test_canonical_scores_ignore_position():
+    rng = np.random.default_rng(23)
+    x = torch.from_numpy(unit_rows(rng, 1, 300)).expand(50, 300).contiguous()
+    q = torch.from_numpy(unit_rows(rng, 7, 300))
+    got = exact_module.canonical_scores(q[:, None, :], x[None])
+    assert (got == got[:, :1]).all()
+    np.testing.assert_allclose(got.numpy(), (q.double() @ x.double().T).numpy(), atol=1e-7)

@@ -4,19 +4,26 @@ Every path returns the exact top-k of float32 inner products, ties to the lower 
 
 - A first pass by value. Each (query batch x corpus chunk) block of scores is reduced to its
   top-(k + ``TIE_MARGIN``) by value alone (equal values in any order) and the per-chunk lists
-  are merged the same way. A row whose k-th and (k+1)-th scores differ then has its top-k set
-  fixed by value; equal scores inside it are put in id order on the (B, k) result. A row whose
-  k-th and (k+1)-th scores are equal, but whose last candidate scores lower, holds every column
-  of that score among its candidates: the tie rule picks from them (pefa_gpu.topk.merge_topk).
-  * CPU, float32 storage, faiss installed: the pass is faiss' exhaustive inner-product search
-    (BLAS blocks and a heap, what ``faiss.IndexFlatIP`` runs) asked for k + ``TIE_MARGIN``
-    results.
-  * Otherwise (CUDA, 16-bit storage, no faiss): torch matmul blocks and ``torch.topk``.
-- Rows whose run of scores equal to the k-th reaches past the candidates (more than
-  ``TIE_MARGIN`` equal scores at the boundary: duplicated documents, say) are searched again
-  from scratch with :func:`pefa_gpu.topk.topk_rows` / :func:`merge_topk` (scores recomputed:
-  BLAS results may differ in the last bit with the batch shape, so the first pass's k-th value
-  is not reused). On CUDA, finding those rows is the one host synchronisation of a search.
+  are merged the same way.
+  * CPU, float32 storage, faiss installed, and a batch large enough for faiss' BLAS path (or
+    a single query on one thread): faiss' exhaustive inner-product search (BLAS blocks and a
+    heap, what ``faiss.IndexFlatIP`` runs) asked for k + ``TIE_MARGIN`` results. On its BLAS
+    path, OpenBLAS gives copies of one document scores a few ulps apart, depending on where they
+    sit in its blocks, so candidates whose score lies within the scoring error
+    (:func:`tie_ulps`) of a neighbour's are rescored pair by pair (:func:`canonical_scores`,
+    a function of the two vectors alone) and the row is re-sorted.
+  * Otherwise (CUDA, 16-bit storage, no faiss, smaller CPU batches): torch matmul blocks and
+    ``torch.topk``; torch's GEMMs (MKL on the CPU) score copies alike.
+- The tie rule. A row whose k-th and (k+1)-th scores differ has its top-k set fixed by value;
+  equal scores inside it are put in id order on the (B, k) result. A row whose k-th and
+  (k+1)-th scores are equal, and whose last candidate scores lower (by more than twice the
+  scoring error after faiss), holds every column of that score among its candidates: the tie
+  rule picks from them (pefa_gpu.topk.merge_topk).
+- Other rows (more than ``TIE_MARGIN`` equal scores at the boundary: duplicated documents,
+  say) are searched again from scratch with torch blocks, :func:`pefa_gpu.topk.topk_rows` and
+  :func:`merge_topk` (scores recomputed: BLAS results may differ in the last bit with the
+  batch shape, so the first pass's k-th value is not reused). On CUDA, finding those rows is
+  the one host synchronisation of a search.
 
 ``ExactParams.memory_budget`` bounds the working memory of a search besides its (B, k) result:
 score blocks, the float32 query batch, top-k lists and every top-k workspace (torch's CPU top-k
@@ -81,6 +88,7 @@ class ExactIndex(Index):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)
         self.vectors = torch.empty(0, 0, dtype=self._dtype, device=self.device)
+        self._max_norm: float | None = None  # largest stored row norm, computed on first search
 
     @property
     def ntotal(self) -> int:
@@ -95,6 +103,7 @@ class ExactIndex(Index):
         if v.ndim != 2:
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
         self.vectors = v.to(self._dtype).contiguous()
+        self._max_norm = None
         self._owned = False  # may share memory with the caller's tensor: update() copies first
         return self
 
@@ -106,6 +115,7 @@ class ExactIndex(Index):
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
         self.vectors = torch.cat([self.vectors, v])
+        self._max_norm = None
         self._owned = True
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
@@ -128,6 +138,7 @@ class ExactIndex(Index):
             self.vectors = self.vectors.clone()
             self._owned = True
         self.vectors[i] = v.to(self._dtype)
+        self._max_norm = None
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, valid int64 ids, not checked: no host sync) ->
@@ -175,14 +186,23 @@ class ExactIndex(Index):
         ``rescan`` (B,) bool: rows whose run of scores equal to the kk-th reaches past the
         candidates, so that their top-kk needs another pass (None when kk = n: every row holds
         the whole index). ``buf``: see :meth:`_torch_pass`."""
-        vals, ids = self._faiss_pass(faiss, q, kk) if faiss else \
-            self._torch_pass(q, kk, chunk, buf)
+        tol = torch.zeros((), device=self.device)
+        if faiss is None:
+            vals, ids = self._torch_pass(q, kk, chunk, buf)  # torch's GEMMs score copies alike
+        else:
+            vals, ids = self._faiss_pass(faiss, q, kk)
+            if q.shape[0] * self.dim >= faiss.cvar.distance_compute_blas_threshold:
+                # faiss' BLAS blocks score copies of a document apart: rescore near ties
+                tol = self._tie_tolerance(q.float())
+                vals, ids = self._rescore_near_ties(q.float(), vals, ids, tol)
         if vals.shape[1] == kk:
             return (*order_ties(vals, ids), None)
         tied = boundary_tied(vals, kk)
-        # a tied row whose last candidate scores lower holds every column of its kk-th score
-        rescan = tied & (vals[:, kk - 1] == vals[:, -1]) if vals.shape[1] < self.ntotal \
-            else torch.zeros_like(tied)
+        # A row holds every column that may score its kk-th score or more when its last
+        # candidate scores lower by more than two scoring errors (torch: lower); a tied row
+        # that does is settled from its candidates, the others are searched again.
+        rescan = vals[:, kk - 1] - vals[:, -1] <= 2 * tol.squeeze(-1) \
+            if vals.shape[1] < self.ntotal else torch.zeros_like(tied)
         settle = tied & ~rescan
         if vals.is_cuda:  # every row under a mask: no synchronisation
             vals, ids = settle_masked(vals, ids, settle, kk)
@@ -194,6 +214,45 @@ class ExactIndex(Index):
                 top_v, top_i = top_v.index_copy(0, rows, v), top_i.index_copy(0, rows, i)
             vals, ids = top_v, top_i
         return (*order_ties(vals, ids), rescan)
+
+    def _tie_tolerance(self, q: torch.Tensor) -> torch.Tensor:
+        """(B, d) queries -> (B, 1) float32 bound on how far a first-pass score may lie from
+        another computation of the same inner product: ``tie_ulps(d)`` units in the last place
+        of |q| max |x| (a blocked BLAS sum differs from the float64 value by at most ~4 of
+        them on the shapes measured, OpenBLAS and MKL alike)."""
+        if self._max_norm is None:
+            step = max(1, self.params.memory_budget // (8 * self.dim))
+            self._max_norm = max(float(torch.linalg.vector_norm(
+                self.vectors[s:s + step].float(), dim=1).max()) for s in range(0, self.ntotal, step))
+        qn = torch.linalg.vector_norm(q, dim=1, keepdim=True)
+        return qn * (self._max_norm * tie_ulps(self.dim) * 2.0**-24)
+
+    def _rescore_near_ties(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
+                           tol: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """CPU first-pass candidates (B, w), sorted descending, of (B, d) float32 queries ->
+        the same, re-sorted, with every score within ``tol`` (B, 1) of a neighbour's replaced
+        by :func:`canonical_scores`, in groups of pairs within the memory budget.
+
+        A BLAS GEMM's score for a pair can depend in its last bits on where the pair sits in
+        the blocks (OpenBLAS, hence faiss' BLAS path, gives copies of one document scores up
+        to a few ulps apart), so equal vectors would not tie; a canonical score is a function
+        of the two vectors alone."""
+        if vals.shape[1] < 2:
+            return vals, ids
+        close = vals[:, :-1] - vals[:, 1:] <= tol
+        near = torch.zeros_like(vals, dtype=torch.bool)
+        near[:, :-1] |= close
+        near[:, 1:] |= close
+        rows, cols = near.nonzero(as_tuple=True)
+        if not rows.numel():
+            return vals, ids
+        vals = vals.clone()
+        step = max(1, self.params.memory_budget // (RESCORE_PAIR_BYTES * self.dim))
+        for s in range(0, rows.numel(), step):
+            r, c = rows[s:s + step], cols[s:s + step]
+            vals[r, c] = canonical_scores(q[r], self.vectors[ids[r, c]])
+        vals, pos = torch.sort(vals, dim=1, descending=True, stable=True)
+        return vals, ids.gather(1, pos)
 
     def _torch_pass(self, q: torch.Tensor, kk: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,8 +295,8 @@ class ExactIndex(Index):
 
     def _exact_rows(self, q: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(R, d) queries -> (R, kk) exact top-kk with the tie rule, every block reduced by
-        :func:`topk_rows` and merged by :func:`merge_topk` (for the few rows tied at the
-        kk-th place)."""
+        :func:`topk_rows` and merged by :func:`merge_topk` (for the few rows whose first pass
+        could not settle the kk-th place)."""
         n = self.ntotal
         q_batch, chunk = self._block_shape(q.shape[0], kk, exact=True)
         out_v, out_i = [], []
@@ -267,6 +326,7 @@ class ExactIndex(Index):
             raise FormatError(f"{Path(directory) / 'vectors.npy'} holds {v.dtype} shape "
                               f"{tuple(v.shape)}; expected a 2-D {out.params.dtype} matrix")
         out.vectors = v
+        out._max_norm = None
         return out
 
     def _plan(self, b: int, kk: int) -> tuple[Any, int, int]:
@@ -359,8 +419,8 @@ class ExactIndex(Index):
 
     def _faiss_bytes(self, q_batch: int, w: int) -> int:
         """Bytes one faiss first pass holds for ``q_batch`` queries and top-w lists: the float32
-        queries, ``LIST_SLOT_BYTES`` per list slot (faiss' (D, I) result, the tie check and
-        ordering), and faiss' own workspaces (``faiss/utils/distances.cpp``, 1.15): from
+        queries, ``LIST_SLOT_BYTES`` + ``RESCORE_SLOT_BYTES`` per list slot (faiss' (D, I)
+        result, near-tie rescoring, the tie check and ordering), and faiss' own workspaces (``faiss/utils/distances.cpp``, 1.15): from
         ``nq d >= distance_compute_blas_threshold`` on, a (tile x 1024) float32 score block for
         tiles of up to 4096 queries; from w >= 100 on, a reservoir of ((2 w + 15) & ~15)
         (score, id) pairs per query of a tile (per thread on the query-by-query path)."""
@@ -370,7 +430,21 @@ class ExactIndex(Index):
             torch.get_num_threads()
         reservoir = ((2 * w + 15) & ~15) * 12 if w >= cv.distance_compute_min_k_reservoir else 0
         scores = 4 * cv.distance_compute_blas_database_bs if blas else 0
-        return q_batch * (4 * self.dim + LIST_SLOT_BYTES * w) + tile * (scores + reservoir)
+        return q_batch * (4 * self.dim + (LIST_SLOT_BYTES + RESCORE_SLOT_BYTES) * w) + \
+            tile * (scores + reservoir)
+
+
+def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(..., d) queries and (..., d) stored rows (broadcast) -> (...) float32 inner products
+    computed pair by pair (float64 products and sum, rounded once): the same two vectors
+    always get the same score, wherever they sit in a batch."""
+    return (q.double() * x.double()).sum(-1).float()
+
+
+def tie_ulps(dim: int) -> float:
+    """Scoring-error allowance of :meth:`ExactIndex._tie_tolerance`, in ulps of |q| |x|: 32,
+    or 2 sqrt(d) for d > 256 (rounding errors of a sum grow like its square root)."""
+    return max(32.0, 2.0 * dim ** 0.5)
 
 
 def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
@@ -386,6 +460,9 @@ def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, k
 # Working-memory model of a search (ExactIndex._work_bytes, _faiss_bytes), checked against
 # measured peak resident memory in tests/test_exact_memory.py.
 LIST_SLOT_BYTES = 128  # per (query, top-k slot): ~10 float32 / int64 copies of the lists
+RESCORE_SLOT_BYTES = 40  # per slot of a faiss pass: near-tie masks, pairs, rescored copies
+RESCORE_PAIR_BYTES = 8 * 36  # per pair and dimension rescored at once: an eighth of the budget
+                             # for the gathered rows, their float64 copies and products
 TOPK_QUEUE_BYTES = 16  # per chunk row and thread: torch's CPU top-k (value, int64 index) queue
 EXACT_CELL_BYTES = 16  # per score on the exact path: a copy of tied rows, masks, int32 keys
 TIE_MARGIN = 8         # first-pass candidates beyond k (see the module docstring)
