@@ -9,9 +9,9 @@ Every path returns the exact top-k of float32 inner products, ties to the lower 
     a single query on one thread): faiss' exhaustive inner-product search (BLAS blocks and a
     heap, what ``faiss.IndexFlatIP`` runs) asked for k + ``TIE_MARGIN`` results. On its BLAS
     path, OpenBLAS gives copies of one document scores a few ulps apart, depending on where they
-    sit in its blocks, so candidates whose score lies within the scoring error
-    (:func:`tie_ulps`) of a neighbour's are rescored pair by pair (:func:`canonical_scores`,
-    a function of the two vectors alone) and the row is re-sorted.
+    sit in its blocks, so copies among the candidates whose scores lie within the scoring
+    error (:func:`tie_ulps`) of a neighbour's are rescored pair by pair
+    (:func:`canonical_scores`, a function of the two vectors alone) and the row re-sorted.
   * Otherwise (CUDA, 16-bit storage, no faiss, smaller CPU batches): torch matmul blocks and
     ``torch.topk``; torch's GEMMs (MKL on the CPU) score copies alike.
 - The tie rule. A row whose k-th and (k+1)-th scores differ has its top-k set fixed by value;
@@ -88,7 +88,7 @@ class ExactIndex(Index):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)
         self.vectors = torch.empty(0, 0, dtype=self._dtype, device=self.device)
-        self._max_norm: float | None = None  # largest stored row norm, computed on first search
+        self._stats: tuple[float, torch.Tensor] | None = None  # see _row_stats
 
     @property
     def ntotal(self) -> int:
@@ -103,7 +103,7 @@ class ExactIndex(Index):
         if v.ndim != 2:
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
         self.vectors = v.to(self._dtype).contiguous()
-        self._max_norm = None
+        self._stats = None
         self._owned = False  # may share memory with the caller's tensor: update() copies first
         return self
 
@@ -115,7 +115,7 @@ class ExactIndex(Index):
         if v.ndim != 2 or v.shape[1] != self.dim:
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
         self.vectors = torch.cat([self.vectors, v])
-        self._max_norm = None
+        self._stats = None
         self._owned = True
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
@@ -138,7 +138,7 @@ class ExactIndex(Index):
             self.vectors = self.vectors.clone()
             self._owned = True
         self.vectors[i] = v.to(self._dtype)
-        self._max_norm = None
+        self._stats = None
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, valid int64 ids, not checked: no host sync) ->
@@ -216,34 +216,58 @@ class ExactIndex(Index):
         return (*order_ties(vals, ids), rescan)
 
     def _tie_tolerance(self, q: torch.Tensor) -> torch.Tensor:
-        """(B, d) queries -> (B, 1) float32 bound on how far a first-pass score may lie from
-        another computation of the same inner product: ``tie_ulps(d)`` units in the last place
-        of |q| max |x| (a blocked BLAS sum differs from the float64 value by at most ~4 of
-        them on the shapes measured, OpenBLAS and MKL alike)."""
-        if self._max_norm is None:
-            step = max(1, self.params.memory_budget // (8 * self.dim))
-            self._max_norm = max(float(torch.linalg.vector_norm(
-                self.vectors[s:s + step].float(), dim=1).max()) for s in range(0, self.ntotal, step))
+        """(B, d) float32 queries -> (B, 1) float32 bound on how far a first-pass score may lie
+        from another computation of the same inner product: ``tie_ulps(d)`` units in the last
+        place of |q| max |x| (a blocked BLAS sum differed from the float64 value by at most ~4
+        of them on the shapes measured, OpenBLAS and MKL alike)."""
+        max_norm = self._row_stats()[0]
         qn = torch.linalg.vector_norm(q, dim=1, keepdim=True)
-        return qn * (self._max_norm * tie_ulps(self.dim) * 2.0**-24)
+        return qn * (max_norm * tie_ulps(self.dim) * 2.0**-24)
+
+    def _row_stats(self) -> tuple[float, torch.Tensor]:
+        """(largest stored row norm, (n,) int64 key of each row's bits: equal rows, equal
+        keys; an integer sum, so exact in any order), computed on first use in blocks within
+        the memory budget and kept with the index (8 bytes a row)."""
+        if self._stats is None:
+            step = max(1, self.params.memory_budget // (24 * self.dim))
+            weights = torch.randint(-2**62, 2**62, (self.dim,), device=self.device,
+                                    generator=torch.Generator(self.device).manual_seed(0))
+            norms, keys = [], []
+            for s in range(0, self.ntotal, step):
+                rows = self.vectors[s:s + step].float()
+                norms.append(float(torch.linalg.vector_norm(rows, dim=1).max()))
+                keys.append(((rows + 0.0).view(torch.int32).long() * weights).sum(1))  # -0.0 -> 0.0
+            self._stats = (max(norms), torch.cat(keys))
+        return self._stats
 
     def _rescore_near_ties(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
                            tol: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """CPU first-pass candidates (B, w), sorted descending, of (B, d) float32 queries ->
-        the same, re-sorted, with every score within ``tol`` (B, 1) of a neighbour's replaced
-        by :func:`canonical_scores`, in groups of pairs within the memory budget.
+        the same, re-sorted, with the scores of copies (equal rows) that lie within ``tol``
+        (B, 1) of a neighbour's replaced by :func:`canonical_scores`.
 
         A BLAS GEMM's score for a pair can depend in its last bits on where the pair sits in
         the blocks (OpenBLAS, hence faiss' BLAS path, gives copies of one document scores up
         to a few ulps apart), so equal vectors would not tie; a canonical score is a function
-        of the two vectors alone."""
+        of the two vectors alone. Copies always lie within ``tol`` of each other, and so of
+        every candidate between them; other near ties keep their first-pass order (float32
+        cannot order them either)."""
         if vals.shape[1] < 2:
             return vals, ids
         close = vals[:, :-1] - vals[:, 1:] <= tol
         near = torch.zeros_like(vals, dtype=torch.bool)
         near[:, :-1] |= close
         near[:, 1:] |= close
-        rows, cols = near.nonzero(as_tuple=True)
+        if not bool(near.any()):
+            return vals, ids
+        keys = self._row_stats()[1][ids] & (2**62 - 1)
+        keys = torch.where(near, keys, -1 - torch.arange(vals.shape[1]))  # others: unique
+        sk, pos = torch.sort(keys, dim=1)
+        same = sk[:, 1:] == sk[:, :-1]
+        copy = torch.zeros_like(near)
+        copy[:, 1:] |= same
+        copy[:, :-1] |= same
+        rows, cols = torch.zeros_like(near).scatter_(1, pos, copy).nonzero(as_tuple=True)
         if not rows.numel():
             return vals, ids
         vals = vals.clone()
@@ -326,7 +350,7 @@ class ExactIndex(Index):
             raise FormatError(f"{Path(directory) / 'vectors.npy'} holds {v.dtype} shape "
                               f"{tuple(v.shape)}; expected a 2-D {out.params.dtype} matrix")
         out.vectors = v
-        out._max_norm = None
+        out._stats = None
         return out
 
     def _plan(self, b: int, kk: int) -> tuple[Any, int, int]:
@@ -460,7 +484,7 @@ def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, k
 # Working-memory model of a search (ExactIndex._work_bytes, _faiss_bytes), checked against
 # measured peak resident memory in tests/test_exact_memory.py.
 LIST_SLOT_BYTES = 128  # per (query, top-k slot): ~10 float32 / int64 copies of the lists
-RESCORE_SLOT_BYTES = 40  # per slot of a faiss pass: near-tie masks, pairs, rescored copies
+RESCORE_SLOT_BYTES = 40  # per slot of a faiss pass: near-tie masks, row keys, their sort
 RESCORE_PAIR_BYTES = 8 * 36  # per pair and dimension rescored at once: an eighth of the budget
                              # for the gathered rows, their float64 copies and products
 TOPK_QUEUE_BYTES = 16  # per chunk row and thread: torch's CPU top-k (value, int64 index) queue
