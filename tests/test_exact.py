@@ -344,3 +344,27 @@ def test_canonical_scores_ignore_position():
     got = exact_module.canonical_scores(q[:, None, :], x[None])
     assert (got == got[:, :1]).all()
     np.testing.assert_allclose(got.numpy(), (q.double() @ x.double().T).numpy(), atol=1e-7)
+
+
+def test_rows_sharing_a_copy_key_still_match(monkeypatch):
+    """Rows that agree on every coordinate the copy key reads but differ elsewhere share a
+    key: they are rescored like copies, and results still equal the reference."""
+    faiss = pytest.importorskip("faiss")
+    monkeypatch.setattr(exact_module, "_FAISS", [faiss])
+    monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 1)
+    rng = np.random.default_rng(24)
+    X, copies = copied_unit_rows(rng, 1500, 64, (4, 9))
+    dims = np.linspace(0, 63, exact_module.KEY_DIMS).astype(int)
+    X[:300, dims] = X[0, dims]  # 300 rows share one key ...
+    for group in copies:  # ... and copies stay copies
+        X[group] = X[group[0]]
+    T = np.concatenate([X[[copies[0][0], copies[1][0], 5]] + 0.05 * unit_rows(rng, 3, 64),
+                        unit_rows(rng, 40, 64)])
+    index = ExactIndex().build(X)
+    keys = index._row_stats()[1]
+    shared = np.setdiff1d(np.arange(300), np.concatenate(copies))
+    assert (keys[shared] == keys[0]).all()
+    for k in (3, 10, 30):
+        scores, ids = index.search(T, k)
+        rv, ri = reference_with_copies(X, T, k, copies)
+        np.testing.assert_array_equal(ids.numpy(), ri)

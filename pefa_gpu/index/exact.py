@@ -225,18 +225,21 @@ class ExactIndex(Index):
         return qn * (max_norm * tie_ulps(self.dim) * 2.0**-24)
 
     def _row_stats(self) -> tuple[float, torch.Tensor]:
-        """(largest stored row norm, (n,) int64 key of each row's bits: equal rows, equal
-        keys; an integer sum, so exact in any order), computed on first use in blocks within
-        the memory budget and kept with the index (8 bytes a row)."""
+        """(largest stored row norm, (n,) int64 key of each row: an integer sum of the bits of
+        ``KEY_DIMS`` of its coordinates, so equal rows have equal keys and other rows almost
+        never do; a shared key only costs a rescoring), computed on first use in blocks
+        within the memory budget and kept with the index (8 bytes a row)."""
         if self._stats is None:
-            step = max(1, self.params.memory_budget // (24 * self.dim))
-            weights = torch.randint(-2**62, 2**62, (self.dim,), device=self.device,
+            step = max(1, self.params.memory_budget // (8 * self.dim))
+            dims = torch.linspace(0, self.dim - 1, min(KEY_DIMS, self.dim)).long().to(self.device)
+            weights = torch.randint(-2**62, 2**62, (dims.numel(),), device=self.device,
                                     generator=torch.Generator(self.device).manual_seed(0))
             norms, keys = [], []
             for s in range(0, self.ntotal, step):
                 rows = self.vectors[s:s + step].float()
                 norms.append(float(torch.linalg.vector_norm(rows, dim=1).max()))
-                keys.append(((rows + 0.0).view(torch.int32).long() * weights).sum(1))  # -0.0 -> 0.0
+                bits = (rows[:, dims] + 0.0).view(torch.int32).long()  # + 0.0: -0.0 -> 0.0
+                keys.append((bits * weights).sum(1))
             self._stats = (max(norms), torch.cat(keys))
         return self._stats
 
@@ -489,6 +492,7 @@ RESCORE_PAIR_BYTES = 8 * 36  # per pair and dimension rescored at once: an eight
                              # for the gathered rows, their float64 copies and products
 TOPK_QUEUE_BYTES = 16  # per chunk row and thread: torch's CPU top-k (value, int64 index) queue
 EXACT_CELL_BYTES = 16  # per score on the exact path: a copy of tied rows, masks, int32 keys
+KEY_DIMS = 16          # coordinates a row's copy key reads (ExactIndex._row_stats)
 TIE_MARGIN = 8         # first-pass candidates beyond k (see the module docstring)
 CPU_CHUNK = 4096       # corpus rows per CPU block ...
 CHUNK_PER_K = 8        # ... and at least 8 w (the first pass's candidates per query)
