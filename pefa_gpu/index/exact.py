@@ -447,8 +447,9 @@ class ExactIndex(Index):
     def _faiss_bytes(self, q_batch: int, w: int) -> int:
         """Bytes one faiss first pass holds for ``q_batch`` queries and top-w lists: the float32
         queries, ``LIST_SLOT_BYTES`` + ``RESCORE_SLOT_BYTES`` per list slot (faiss' (D, I)
-        result, near-tie rescoring, the tie check and ordering), and faiss' own workspaces (``faiss/utils/distances.cpp``, 1.15): from
-        ``nq d >= distance_compute_blas_threshold`` on, a (tile x 1024) float32 score block for
+        result, near-tie rescoring, the tie check and ordering), and faiss' own workspaces
+        (``faiss/utils/distances.cpp``, 1.15): from ``nq d >= distance_compute_blas_threshold``
+        on, a (tile x 1024) float32 score block for
         tiles of up to 4096 queries; from w >= 100 on, a reservoir of ((2 w + 15) & ~15)
         (score, id) pairs per query of a tile (per thread on the query-by-query path)."""
         cv = _faiss_module().cvar
