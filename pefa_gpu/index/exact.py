@@ -193,8 +193,9 @@ class ExactIndex(Index):
             vals, ids = self._faiss_pass(faiss, q, kk)
             if q.shape[0] * self.dim >= faiss.cvar.distance_compute_blas_threshold:
                 # faiss' BLAS blocks score copies of a document apart: rescore near ties
-                tol = self._tie_tolerance(q.float())
-                vals, ids = self._rescore_near_ties(q.float(), vals, ids, tol)
+                qf = q.float()
+                tol = self._tie_tolerance(qf)
+                vals, ids = self._rescore_near_ties(qf, vals, ids, tol)
         if vals.shape[1] == kk:
             return (*order_ties(vals, ids), None)
         tied = boundary_tied(vals, kk)
@@ -257,19 +258,13 @@ class ExactIndex(Index):
         cannot order them either)."""
         if vals.shape[1] < 2:
             return vals, ids
-        close = vals[:, :-1] - vals[:, 1:] <= tol
-        near = torch.zeros_like(vals, dtype=torch.bool)
-        near[:, :-1] |= close
-        near[:, 1:] |= close
+        near = _both_sides(vals[:, :-1] - vals[:, 1:] <= tol)
         if not bool(near.any()):
             return vals, ids
         keys = self._row_stats()[1][ids] & (2**62 - 1)
         keys = torch.where(near, keys, -1 - torch.arange(vals.shape[1]))  # others: unique
         sk, pos = torch.sort(keys, dim=1)
-        same = sk[:, 1:] == sk[:, :-1]
-        copy = torch.zeros_like(near)
-        copy[:, 1:] |= same
-        copy[:, :-1] |= same
+        copy = _both_sides(sk[:, 1:] == sk[:, :-1])
         rows, cols = torch.zeros_like(near).scatter_(1, pos, copy).nonzero(as_tuple=True)
         if not rows.numel():
             return vals, ids
@@ -449,9 +444,9 @@ class ExactIndex(Index):
         queries, ``LIST_SLOT_BYTES`` + ``RESCORE_SLOT_BYTES`` per list slot (faiss' (D, I)
         result, near-tie rescoring, the tie check and ordering), and faiss' own workspaces
         (``faiss/utils/distances.cpp``, 1.15): from ``nq d >= distance_compute_blas_threshold``
-        on, a (tile x 1024) float32 score block for
-        tiles of up to 4096 queries; from w >= 100 on, a reservoir of ((2 w + 15) & ~15)
-        (score, id) pairs per query of a tile (per thread on the query-by-query path)."""
+        on, a (tile x 1024) float32 score block for tiles of up to 4096 queries; from w >= 100
+        on, a reservoir of ((2 w + 15) & ~15) (score, id) pairs per query of a tile (per thread
+        on the query-by-query path)."""
         cv = _faiss_module().cvar
         blas = q_batch * self.dim >= cv.distance_compute_blas_threshold
         tile = min(q_batch, cv.distance_compute_blas_query_bs) if blas else \
@@ -467,6 +462,15 @@ def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     computed pair by pair (float64 products and sum, rounded once): the same two vectors
     always get the same score, wherever they sit in a batch."""
     return (q.double() * x.double()).sum(-1).float()
+
+
+def _both_sides(pairs: torch.Tensor) -> torch.Tensor:
+    """(B, w - 1) bool over neighbouring pairs -> (B, w) bool: both members of each marked
+    pair."""
+    out = torch.zeros((pairs.shape[0], pairs.shape[1] + 1), dtype=torch.bool, device=pairs.device)
+    out[:, :-1] |= pairs
+    out[:, 1:] |= pairs
+    return out
 
 
 def tie_ulps(dim: int) -> float:
