@@ -368,3 +368,91 @@ def test_rows_sharing_a_copy_key_still_match(monkeypatch):
         scores, ids = index.search(T, k)
         rv, ri = reference_with_copies(X, T, k, copies)
         np.testing.assert_array_equal(ids.numpy(), ri)
+
+
+def _spy_screen(monkeypatch):
+    """Count what exact_module._above returned: 'screened' (candidate lists), 'skipped' (no
+    group above any query's running threshold), 'topk' (too many: a plain top-k)."""
+    seen = {"screened": 0, "skipped": 0, "topk": 0}
+    real = exact_module._above
+
+    def spy(block, thr):
+        out = real(block, thr)
+        key = "topk" if out is None else "skipped" if out[0].shape[1] == 0 else "screened"
+        seen[key] += 1
+        return out
+    monkeypatch.setattr(exact_module, "_above", spy)
+    return seen
+
+
+@pytest.mark.parametrize("k", [1, 10, 100])
+def test_screened_cpu_blocks_equal_the_reference(monkeypatch, k):
+    """The CPU torch pass over many blocks (a short last one, 30,003 = 7 x 4096 + 1,331 rows,
+    not a multiple of GROUP_ROWS): later blocks are screened by group maxima against each
+    query's running threshold. Real-valued rows with copies spread over the blocks, and
+    queries near copied rows; ids equal the float64 reference, and blocks were screened."""
+    monkeypatch.setattr(exact_module, "_FAISS", [None])
+    seen = _spy_screen(monkeypatch)
+    rng = np.random.default_rng(31)
+    X, copies = copied_unit_rows(rng, 30003, 32, (2, 3, 5))
+    X[30000:] = X[copies[0][0]]  # copies in the short last group, too
+    copies[0] = np.concatenate([copies[0], [30000, 30001, 30002]])
+    T = unit_rows(rng, 64, 32)
+    T[:30] = X[copies[0][0]] + 0.2 * T[:30]
+    index = ExactIndex().build(X)
+    assert index._plan(64, k)[2] == 4096
+    scores, ids = index.search(T, k)
+    rv, ri = reference_with_copies(X, T, k, copies)
+    ids = ids.numpy()
+    np.testing.assert_allclose(scores.numpy(), rv, atol=1e-6)
+    # ids equal the reference's but where float32 cannot order two different rows
+    own = np.einsum("bd,bkd->bk", T.astype(np.float64), X[ids].astype(np.float64))
+    differ = ids != ri
+    assert differ.mean() < 0.01
+    np.testing.assert_allclose(own[differ], rv[differ], atol=1e-7)
+    for group in copies:  # copies: in id order wherever they rank
+        for row in ids:
+            found = row[np.isin(row, group)]
+            np.testing.assert_array_equal(found, np.sort(found))
+    assert seen["screened"] > 0
+
+
+@pytest.mark.parametrize("rising", [True, False])
+def test_rising_and_falling_scores(monkeypatch, rising):
+    """Scores that grow with the row id: every block beats the running top-w, the screen gives
+    way to a plain top-k per block; that fall with it: the first block holds the top-w, every
+    later one is skipped. Small-integer rows, so ties at the k-th place are real. Equal to
+    the reference."""
+    monkeypatch.setattr(exact_module, "_FAISS", [None])
+    seen = _spy_screen(monkeypatch)
+    rng = np.random.default_rng(32)
+    n = 12000
+    X = rng.integers(-2, 3, (n, 6)).astype(np.float32)
+    step = np.arange(n) // 40  # runs of 40 rows share the leading coordinate
+    X[:, 0] = step if rising else step.max() - step
+    T = rng.integers(-2, 3, (70, 6)).astype(np.float32)
+    T[:, 0] = 4
+    index = ExactIndex().build(X)
+    for k in (1, 16, 64):
+        scores, ids = index.search(T, k)
+        rv, ri = ref.exact_search(X, T, k)
+        np.testing.assert_array_equal(ids.numpy(), ri)
+        np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
+    assert seen["topk" if rising else "skipped"] > 0
+
+
+def test_screen_handles_queries_without_hits_and_ties_at_the_threshold():
+    """_above by itself: a query with no group above its threshold gets only -inf padding; a
+    score equal to the threshold is not above it; a hit in the short last group is found."""
+    block = torch.zeros(4096 + 5, 3)
+    block[9, 0] = 2.0           # group 1 for query 0
+    block[4096 + 4, 0] = 3.0    # the short last group
+    block[100, 1] = 1.0         # equal to query 1's threshold: not above
+    thr = torch.tensor([1.0, 1.0, 5.0])
+    vals, rows = exact_module._above(block, thr)
+    assert vals.shape == (3, 2 * exact_module.GROUP_ROWS)
+    got = sorted((int(r), float(v)) for v, r in zip(vals[0], rows[0]) if v > float("-inf"))
+    assert got == [(r, 2.0 if r == 9 else 3.0 if r == 4096 + 4 else 0.0)
+                   for r in [*range(8, 16), *range(4096, 4096 + 5)]]  # the two groups' rows
+    assert torch.isinf(vals[1:]).all()
+    assert exact_module._above(torch.arange(4096.).unsqueeze(1), torch.tensor([-1.0])) is None

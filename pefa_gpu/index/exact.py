@@ -13,7 +13,11 @@ Every path returns the exact top-k of float32 inner products, ties to the lower 
     error (:func:`tie_ulps`) of a neighbour's are rescored pair by pair
     (:func:`canonical_scores`, a function of the two vectors alone) and the row re-sorted.
   * Otherwise (CUDA, 16-bit storage, no faiss, smaller CPU batches): torch matmul blocks and
-    ``torch.topk``; torch's GEMMs (MKL on the CPU) score copies alike.
+    ``torch.topk``. On the CPU, batches of 16 or more queries are scored rows x queries in
+    GEMMs of one shape (:func:`_row_scores`: faster for few queries, and MKL then scores
+    copies alike in every block and shard), and over a long index each block after the first
+    is screened against the running top-w (:func:`_above`: one max pass, then only the groups
+    of rows that can enter it), instead of a full ``torch.topk`` per block.
 - The tie rule. A row whose k-th and (k+1)-th scores differ has its top-k set fixed by value;
   equal scores inside it are put in id order on the (B, k) result. A row whose k-th and
   (k+1)-th scores are equal, and whose last candidate scores lower (by more than twice the
@@ -188,7 +192,7 @@ class ExactIndex(Index):
         the whole index). ``buf``: see :meth:`_torch_pass`."""
         tol = torch.zeros((), device=self.device)
         if faiss is None:
-            vals, ids = self._torch_pass(q, kk, chunk, buf)  # torch's GEMMs score copies alike
+            vals, ids = self._torch_pass(q, kk, chunk, buf)  # MKL scores copies alike
         else:
             vals, ids = self._faiss_pass(faiss, q, kk)
             if q.shape[0] * self.dim >= faiss.cvar.distance_compute_blas_threshold:
@@ -280,11 +284,15 @@ class ExactIndex(Index):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-w by value (w = :meth:`_pass_width`) of each query over the index: (B, w) scores
         sorted descending, equal values in any order, and their ids. Blocks of (B, chunk)
-        scores, each reduced by one ``torch.topk`` and merged by another; on the CPU written
-        into ``buf`` (at least B min(chunk, n) float32) when given."""
+        scores, each reduced by one ``torch.topk`` and merged by another (CUDA: no host
+        synchronisation), or on the CPU, for an index long enough (:meth:`_screens`),
+        :meth:`_screened_pass`. CPU blocks are written into ``buf`` (at least B min(chunk, n)
+        float32) when given."""
         n = self.ntotal
         w = self._pass_width(kk)
         q = q.float()
+        if self._screens(w, q.shape[0]):
+            return self._screened_pass(q, w, chunk, buf)
         if chunk >= n:
             return torch.topk(_scores(q, self.vectors, buf), w, dim=1)
         best_v = best_i = None
@@ -292,12 +300,43 @@ class ExactIndex(Index):
             block = _scores(q, self.vectors[c:c + chunk], buf)
             v, i = torch.topk(block, min(w, block.shape[1]), dim=1, sorted=False)
             del block  # CUDA: freed before the next block is allocated
-            i += c
-            if best_v is not None:
-                v, pos = torch.topk(torch.cat([best_v, v], 1), min(w, best_v.shape[1] + v.shape[1]),
-                                    dim=1, sorted=False)
-                i = torch.cat([best_i, i], 1).gather(1, pos)
-            best_v, best_i = v, i
+            best_v, best_i = _merge_by_value(best_v, best_i, v, i + c, w)
+        best_v, pos = torch.sort(best_v, dim=1, descending=True)
+        return best_v, best_i.gather(1, pos)
+
+    def _screens(self, w: int, b: int) -> bool:
+        """Whether a CPU first pass of ``b`` queries for top-w lists screens its blocks
+        (:meth:`_screened_pass`): when its scores are computed rows x queries (``b`` >=
+        ``ROWS_FIRST_BATCH``) and the index holds at least ``SCREEN_ROWS_PER_W`` w rows, so
+        that most blocks come after the running top-w has settled."""
+        return self.device.type == "cpu" and b >= ROWS_FIRST_BATCH and \
+            self.ntotal >= SCREEN_ROWS_PER_W * w
+
+    def _screened_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_torch_pass` on the CPU for (B, d) float32 queries: blocks of (chunk, B)
+        scores (:func:`_row_scores`); the first reduced by ``torch.topk``, a later one only
+        where a group of ``GROUP_ROWS`` rows holds a score above the query's running w-th
+        best (one max pass over the block: for a query, later blocks rarely beat its running
+        top-w), or by ``torch.topk`` again when many groups do."""
+        b = q.shape[0]
+        best_v = best_i = thr = None
+        for c in range(0, self.ntotal, chunk):
+            rows = self.vectors[c:c + chunk]
+            m = rows.shape[0]
+            block = _row_scores(rows, q, torch.empty(m, b, device=q.device) if buf is None
+                                else buf)
+            found = None if thr is None else _above(block, thr)
+            if found is None:
+                v, i = torch.topk(block, min(w, m), dim=0, sorted=False)
+                v, i = v.T, i.T
+            elif found[0].numel() == 0:
+                continue
+            else:
+                v, i = found
+            best_v, best_i = _merge_by_value(best_v, best_i, v, i + c, w)
+            if best_v.shape[1] == w:
+                thr = best_v.amin(1)
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
         return best_v, best_i.gather(1, pos)
 
@@ -379,7 +418,8 @@ class ExactIndex(Index):
         (:meth:`_work_bytes`) fits the budget; w = :meth:`_pass_width`. CPU: chunks of
         ``CPU_CHUNK`` rows, or ``CHUNK_PER_K`` w for large k (GEMM blocks that stay in cache,
         per-chunk top-k rows long enough to be cheap), as many queries as fit (up to
-        ``CPU_BATCH``), and when every query fits, longer chunks. CUDA: up to ``CUDA_BATCH``
+        ``CPU_BATCH``); a screened pass takes at least ``CPU_BLOCK`` / B rows (one query:
+        one block), an unscreened one, when every query fits, longer chunks. CUDA: up to ``CUDA_BATCH``
         queries and the longest chunk that fits. Floor: one query against min(n, max(w,
         ``MIN_CHUNK``)) rows, whatever the budget."""
         n, budget = self.ntotal, self.params.memory_budget
@@ -398,11 +438,12 @@ class ExactIndex(Index):
             chunk = min(n, max(floor, chunk_for(q_batch)))
             q_batch = max(1, min(q_batch, batch_for(chunk)))
             return q_batch, chunk
-        chunk = min(n, max(CPU_CHUNK, CHUNK_PER_K * w))
+        screens = not exact and self._screens(w, b)
+        chunk = min(n, max(CPU_CHUNK, CHUNK_PER_K * w, CPU_BLOCK // b if screens else 0))
         if batch_for(chunk) < 1:
             chunk = max(floor, min(chunk, chunk_for(1)))
         q_batch = max(1, min(b, CPU_BATCH, batch_for(chunk)))
-        if q_batch == b:
+        if q_batch == b and not screens:
             chunk = min(n, max(chunk, chunk_for(b)))
         return q_batch, chunk
 
@@ -413,17 +454,19 @@ class ExactIndex(Index):
         return cell * q_batch * chunk + per_query * q_batch + per_row * chunk
 
     def _costs(self, w: int, exact: bool) -> tuple[int, int, int]:
-        """Bytes of a torch pass per score of a block (float32; ``exact``: plus
-        :func:`topk_rows`' scratch for tied rows, ``EXACT_CELL_BYTES``), per query (its float32
+        """Bytes of a torch pass per score of a block (float32; plus, screened,
+        ``FILTER_CELL_BYTES`` for :func:`_above`, or ``exact``, :func:`topk_rows`' scratch for
+        tied rows, ``EXACT_CELL_BYTES``), per query (its float32
         row and ``LIST_SLOT_BYTES`` per slot of its top-w lists: running, per chunk,
         concatenated, merged, sorted, tie-ordered; twice as many slots on the exact path, whose
-        merges take two full lists) and per corpus row of a chunk (CPU: torch's top-k queue of
+        merges take two full lists; CPU: two float32 columns of ``SUB_ROWS``) and per corpus row of a chunk (CPU: torch's top-k queue of
         each thread; 16-bit storage upcast to float32)."""
         cpu = self.device.type == "cpu"
         upcast = self._dtype != torch.float32 and (cpu or not _MM_OUT_DTYPE.get(
             str(self.device), True))
-        cell = 4 + (EXACT_CELL_BYTES if exact else 0)
-        per_query = 4 * self.dim + LIST_SLOT_BYTES * w * (2 if exact else 1)
+        cell = 4 + (EXACT_CELL_BYTES if exact else FILTER_CELL_BYTES * self._screens(w, 2**30))
+        per_query = 4 * self.dim + LIST_SLOT_BYTES * w * (2 if exact else 1) + \
+            8 * SUB_ROWS * cpu  # _scores' and _row_scores' (SUB_ROWS, B) parts
         per_row = 4 * self.dim * upcast + (TOPK_QUEUE_BYTES * torch.get_num_threads() if cpu else 0)
         return cell, per_query, per_row
 
@@ -464,6 +507,52 @@ def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (q.double() * x.double()).sum(-1).float()
 
 
+def _merge_by_value(best_v: torch.Tensor | None, best_i: torch.Tensor | None, v: torch.Tensor,
+                    i: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Running top-w (B, <= w) and new candidates (B, c) -> top-w of both by value (unsorted,
+    equal values in any order)."""
+    if best_v is None:
+        return v, i
+    v, pos = torch.topk(torch.cat([best_v, v], 1), min(w, best_v.shape[1] + v.shape[1]),
+                        dim=1, sorted=False)
+    return v, torch.cat([best_i, i], 1).gather(1, pos)
+
+
+def _above(block: torch.Tensor, thr: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A CPU score block (m, B) and each query's running w-th best score (B,) -> (B, c) scores
+    and block rows of every group of ``GROUP_ROWS`` rows that holds a score above it (-inf,
+    row 0 where a query has fewer; c = 0 when none does), or None when a query's groups would
+    cover more than 1 / ``FILTER_SHARE`` of the block's rows (then a plain top-k is cheaper,
+    and the (B, c) lists stay small)."""
+    m, b = block.shape
+    full = m - m % GROUP_ROWS
+    top = block[:full].view(-1, GROUP_ROWS, b).amax(1)
+    if full < m:
+        top = torch.cat([top, block[full:].amax(0, keepdim=True)])
+    hits = top > thr  # (groups, B)
+    per_query = hits.sum(0)
+    width = int(per_query.max()) * GROUP_ROWS
+    if width * FILTER_SHARE > m:
+        return None
+    if width == 0:
+        return block.new_empty(b, 0), block.new_empty(b, 0, dtype=torch.long)
+    query, group = hits.T.nonzero(as_tuple=True)  # by query, then group
+    span = torch.arange(GROUP_ROWS, device=block.device)
+    slot = torch.arange(query.numel(), device=block.device) - \
+        (torch.cumsum(per_query, 0) - per_query)[query]
+    rows = group.unsqueeze(1) * GROUP_ROWS + span  # (hits, GROUP_ROWS)
+    inside = rows < m
+    rows = torch.where(inside, rows, 0)
+    at = slot.unsqueeze(1) * GROUP_ROWS + span
+    query = query.unsqueeze(1)
+    vals = block.new_full((b, width), float("-inf"))
+    ids = block.new_zeros((b, width), dtype=torch.long)
+    vals[query, at] = torch.where(inside, block[rows, query], float("-inf"))
+    ids[query, at] = rows
+    return vals, ids
+
+
 def _both_sides(pairs: torch.Tensor) -> torch.Tensor:
     """(B, w - 1) bool over neighbouring pairs -> (B, w) bool: both members of each marked
     pair."""
@@ -495,12 +584,20 @@ LIST_SLOT_BYTES = 128  # per (query, top-k slot): ~10 float32 / int64 copies of 
 RESCORE_SLOT_BYTES = 40  # per slot of a faiss pass: near-tie masks, row keys, their sort
 RESCORE_PAIR_BYTES = 8 * 36  # per pair and dimension rescored at once: an eighth of the budget
                              # for the gathered rows, their float64 copies and products
+FILTER_CELL_BYTES = 5  # per score of a CPU block: the screen's group maxima, mask, candidates
+GROUP_ROWS = 8         # rows of a CPU block screened by one maximum (_above) ...
+FILTER_SHARE = 8       # ... while a query's screened groups cover at most 1/8 of its rows
 TOPK_QUEUE_BYTES = 16  # per chunk row and thread: torch's CPU top-k (value, int64 index) queue
 EXACT_CELL_BYTES = 16  # per score on the exact path: a copy of tied rows, masks, int32 keys
 KEY_DIMS = 16          # coordinates a row's copy key reads (ExactIndex._row_stats)
 TIE_MARGIN = 8         # first-pass candidates beyond k (see the module docstring)
+SUB_ROWS = 1024        # rows per CPU GEMM (_row_scores) ...
+ROWS_FIRST_BATCH = 16  # ... for batches of at least 16 queries (below, MKL's GEMV-like
+                       # kernels score a pair differently with the batch size anyway)
 CPU_CHUNK = 4096       # corpus rows per CPU block ...
 CHUNK_PER_K = 8        # ... and at least 8 w (the first pass's candidates per query)
+CPU_BLOCK = 2**18      # ... and a screened one at least 2^18 scores a block
+SCREEN_ROWS_PER_W = 256  # screened CPU passes: indices of at least 256 w rows
 CPU_BATCH = 4096       # queries per CPU block, at most
 CUDA_BATCH = 8192      # queries per CUDA block, at most
 MIN_CHUNK = 1024
@@ -541,11 +638,21 @@ def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None
     into ``buf`` (a flat float32 CPU buffer of at least B c elements, reused by every block so
     that each block does not map fresh pages) when given.
 
-    float32 storage, or the CPU: the rows are upcast and multiplied in float32. 16-bit storage
-    on CUDA: one GEMM that reads both operands in the storage dtype (queries rounded to it),
-    accumulates in float32 and writes float32 (``torch.mm(..., out_dtype=float32)``), where
-    this torch has it; otherwise the chunk is upcast.
+    CPU, at least ``ROWS_FIRST_BATCH`` queries: :func:`_row_scores`, each part transposed into
+    place. Fewer queries, or CUDA with float32 storage: one GEMM (rows upcast on the CPU).
+    16-bit storage on CUDA: one GEMM that reads both operands in the storage dtype
+    (queries rounded to it), accumulates in float32 and writes float32
+    (``torch.mm(..., out_dtype=float32)``), where this torch has it; otherwise the chunk is
+    upcast.
     """
+    if not rows.is_cuda and q.shape[0] >= ROWS_FIRST_BATCH:
+        b, c = q.shape[0], rows.shape[0]
+        out = torch.empty(b, c, device=q.device) if buf is None else buf[:b * c].view(b, c)
+        part = torch.empty(SUB_ROWS, b, device=q.device)
+        for s in range(0, c, SUB_ROWS):
+            got = _row_scores(rows[s:s + SUB_ROWS], q, part)
+            out[:, s:s + got.shape[0]] = got.T
+        return out
     if rows.dtype == torch.float32 or not rows.is_cuda:
         if buf is None:
             return q @ rows.float().T
@@ -558,3 +665,26 @@ def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None
         except (RuntimeError, TypeError, NotImplementedError):
             _MM_OUT_DTYPE[key] = False
     return q @ rows.float().T
+
+
+def _row_scores(rows: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """CPU (c, d) stored rows x (B, d) float32 queries -> (c, B) float32 inner products in
+    ``out`` (at least c B elements, contiguous): one GEMM of exactly ``SUB_ROWS`` rows (a
+    short tail zero-padded, rows upcast to float32) per ``SUB_ROWS`` rows.
+
+    Every CPU score of a batch of ``ROWS_FIRST_BATCH`` or more queries is computed here, so
+    a pair is scored by one GEMM shape for a given (d, B) whatever the pass, block or shard:
+    MKL scores a pair alike wherever its row sits in one shape, not always across shapes, so
+    copies of a document tie and sharded searches equal unsharded ones bit for bit. Rows x
+    queries is also the faster product for few queries (MKL: up to 2x at B = 64)."""
+    c, b = rows.shape[0], q.shape[0]
+    res = out.view(-1)[:c * b].view(c, b)
+    for s in range(0, c, SUB_ROWS):
+        part = rows[s:s + SUB_ROWS].float()
+        if part.shape[0] == SUB_ROWS:
+            torch.mm(part, q.T, out=res[s:s + SUB_ROWS])
+        else:
+            padded = torch.zeros(SUB_ROWS, part.shape[1], device=q.device)
+            padded[:part.shape[0]] = part
+            res[s:] = (padded @ q.T)[:part.shape[0]]
+    return res
