@@ -418,8 +418,9 @@ class ExactIndex(Index):
         (:meth:`_work_bytes`) fits the budget; w = :meth:`_pass_width`. CPU: chunks of
         ``CPU_CHUNK`` rows, or ``CHUNK_PER_K`` w for large k (GEMM blocks that stay in cache,
         per-chunk top-k rows long enough to be cheap), as many queries as fit (up to
-        ``CPU_BATCH``); a screened pass takes at least ``CPU_BLOCK`` / B rows (one query:
-        one block), an unscreened one, when every query fits, longer chunks. CUDA: up to ``CUDA_BATCH``
+        ``CPU_BATCH``); a screened pass takes at least ``SCREEN_CHUNK_PER_W`` w and
+        ``CPU_BLOCK`` / B rows (fewer blocks before the running top-w settles), an unscreened
+        one, when every query fits, longer chunks. CUDA: up to ``CUDA_BATCH``
         queries and the longest chunk that fits. Floor: one query against min(n, max(w,
         ``MIN_CHUNK``)) rows, whatever the budget."""
         n, budget = self.ntotal, self.params.memory_budget
@@ -439,7 +440,8 @@ class ExactIndex(Index):
             q_batch = max(1, min(q_batch, batch_for(chunk)))
             return q_batch, chunk
         screens = not exact and self._screens(w, b)
-        chunk = min(n, max(CPU_CHUNK, CHUNK_PER_K * w, CPU_BLOCK // b if screens else 0))
+        chunk = min(n, max(CPU_CHUNK, CHUNK_PER_K * w) if not screens else
+                    max(CPU_CHUNK, SCREEN_CHUNK_PER_W * w, CPU_BLOCK // b))
         if batch_for(chunk) < 1:
             chunk = max(floor, min(chunk, chunk_for(1)))
         q_batch = max(1, min(b, CPU_BATCH, batch_for(chunk)))
@@ -597,7 +599,8 @@ ROWS_FIRST_BATCH = 16  # ... for batches of at least 16 queries (below, MKL's GE
 CPU_CHUNK = 4096       # corpus rows per CPU block ...
 CHUNK_PER_K = 8        # ... and at least 8 w (the first pass's candidates per query)
 CPU_BLOCK = 2**18      # ... and a screened one at least 2^18 scores a block
-SCREEN_ROWS_PER_W = 256  # screened CPU passes: indices of at least 256 w rows
+SCREEN_ROWS_PER_W = 256  # screened CPU passes: indices of at least 256 w rows, ...
+SCREEN_CHUNK_PER_W = 32  # ... in chunks of at least 32 w rows
 CPU_BATCH = 4096       # queries per CPU block, at most
 CUDA_BATCH = 8192      # queries per CUDA block, at most
 MIN_CHUNK = 1024
