@@ -456,19 +456,21 @@ class ExactIndex(Index):
         return cell * q_batch * chunk + per_query * q_batch + per_row * chunk
 
     def _costs(self, w: int, exact: bool) -> tuple[int, int, int]:
-        """Bytes of a torch pass per score of a block (float32; plus, screened,
-        ``FILTER_CELL_BYTES`` for :func:`_above`, or ``exact``, :func:`topk_rows`' scratch for
-        tied rows, ``EXACT_CELL_BYTES``), per query (its float32
-        row and ``LIST_SLOT_BYTES`` per slot of its top-w lists: running, per chunk,
-        concatenated, merged, sorted, tie-ordered; twice as many slots on the exact path, whose
-        merges take two full lists; CPU: two float32 columns of ``SUB_ROWS``) and per corpus row of a chunk (CPU: torch's top-k queue of
-        each thread; 16-bit storage upcast to float32)."""
+        """Bytes of a torch pass per score of a block (float32; plus ``FILTER_CELL_BYTES`` for
+        :func:`_above` where a pass may be screened, or on the ``exact`` path
+        ``EXACT_CELL_BYTES`` for :func:`topk_rows`' scratch), per query (its float32 row,
+        ``LIST_SLOT_BYTES`` per slot of its top-w lists: running, per chunk, concatenated,
+        merged, sorted, tie-ordered, twice as many slots on the exact path, whose merges take
+        two full lists; CPU: two float32 columns of ``SUB_ROWS`` for :func:`_scores`) and per
+        corpus row of a chunk (CPU: torch's top-k queue of each thread; 16-bit storage upcast
+        to float32)."""
         cpu = self.device.type == "cpu"
         upcast = self._dtype != torch.float32 and (cpu or not _MM_OUT_DTYPE.get(
             str(self.device), True))
-        cell = 4 + (EXACT_CELL_BYTES if exact else FILTER_CELL_BYTES * self._screens(w, 2**30))
+        screens = self._screens(w, ROWS_FIRST_BATCH)  # for some batch size
+        cell = 4 + (EXACT_CELL_BYTES if exact else FILTER_CELL_BYTES * screens)
         per_query = 4 * self.dim + LIST_SLOT_BYTES * w * (2 if exact else 1) + \
-            8 * SUB_ROWS * cpu  # _scores' and _row_scores' (SUB_ROWS, B) parts
+            8 * SUB_ROWS * cpu
         per_row = 4 * self.dim * upcast + (TOPK_QUEUE_BYTES * torch.get_num_threads() if cpu else 0)
         return cell, per_query, per_row
 
