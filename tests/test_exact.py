@@ -456,3 +456,22 @@ def test_screen_handles_queries_without_hits_and_ties_at_the_threshold():
                    for r in [*range(8, 16), *range(4096, 4096 + 5)]]  # the two groups' rows
     assert torch.isinf(vals[1:]).all()
     assert exact_module._above(torch.arange(4096.).unsqueeze(1), torch.tensor([-1.0])) is None
+
+
+def test_screened_pass_ranks_nan_first():
+    """A NaN score ranks first on every path (as torch.topk has it), also when its row sits in
+    a later, screened block: a query's running threshold ignores NaN, and a group whose max is
+    NaN is taken. The other ids equal the reference without that row."""
+    rng = np.random.default_rng(33)
+    X = unit_rows(rng, 30003, 16)
+    X[21000, 3] = np.nan
+    T = unit_rows(rng, 40, 16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(exact_module, "_FAISS", [None])
+        seen = _spy_screen(mp)
+        scores, ids = ExactIndex().build(X).search(T, 10)
+    assert seen["screened"] > 0
+    assert (ids[:, 0] == 21000).all() and torch.isnan(scores[:, 0]).all()
+    rest = np.delete(np.arange(30003), 21000)
+    _, ri = ref.exact_search(X[rest], T, 9)
+    np.testing.assert_array_equal(ids[:, 1:].numpy(), rest[ri])

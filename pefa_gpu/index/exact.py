@@ -335,8 +335,8 @@ class ExactIndex(Index):
             else:
                 v, i = found
             best_v, best_i = _merge_by_value(best_v, best_i, v, i + c, w)
-            if best_v.shape[1] == w:
-                thr = best_v.amin(1)
+            if best_v.shape[1] == w:  # NaN ranks first (as in torch.topk): not a threshold
+                thr = torch.where(best_v.isnan(), float("inf"), best_v).amin(1)
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
         return best_v, best_i.gather(1, pos)
 
@@ -525,7 +525,7 @@ def _merge_by_value(best_v: torch.Tensor | None, best_i: torch.Tensor | None, v:
 def _above(block: torch.Tensor, thr: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A CPU score block (m, B) and each query's running w-th best score (B,) -> (B, c) scores
-    and block rows of every group of ``GROUP_ROWS`` rows that holds a score above it (-inf,
+    and block rows of every group of ``GROUP_ROWS`` rows that holds a score above it or NaN (-inf,
     row 0 where a query has fewer; c = 0 when none does), or None when a query's groups would
     cover more than 1 / ``FILTER_SHARE`` of the block's rows (then a plain top-k is cheaper,
     and the (B, c) lists stay small)."""
@@ -534,7 +534,7 @@ def _above(block: torch.Tensor, thr: torch.Tensor
     top = block[:full].view(-1, GROUP_ROWS, b).amax(1)
     if full < m:
         top = torch.cat([top, block[full:].amax(0, keepdim=True)])
-    hits = top > thr  # (groups, B)
+    hits = (top > thr) | top.isnan()  # (groups, B); a NaN score ranks first
     per_query = hits.sum(0)
     width = int(per_query.max()) * GROUP_ROWS
     if width * FILTER_SHARE > m:
