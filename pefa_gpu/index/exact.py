@@ -420,8 +420,9 @@ class ExactIndex(Index):
         per-chunk top-k rows long enough to be cheap), as many queries as fit (up to
         ``CPU_BATCH``); a screened pass takes at least ``SCREEN_CHUNK_PER_W`` w and
         ``CPU_BLOCK`` / B rows (fewer blocks before the running top-w settles), an unscreened
-        one, when every query fits, longer chunks. CUDA: up to ``CUDA_BATCH``
-        queries and the longest chunk that fits. Floor: one query against min(n, max(w,
+        one, when every query fits, longer chunks; for batches scored by :func:`_row_scores`
+        a multiple of ``SUB_ROWS`` rows. CUDA: up to ``CUDA_BATCH`` queries and the longest
+        chunk that fits. Floor: one query against min(n, max(w,
         ``MIN_CHUNK``)) rows, whatever the budget."""
         n, budget = self.ntotal, self.params.memory_budget
         w = self._pass_width(kk)
@@ -447,6 +448,8 @@ class ExactIndex(Index):
         q_batch = max(1, min(b, CPU_BATCH, batch_for(chunk)))
         if q_batch == b and not screens:
             chunk = min(n, max(chunk, chunk_for(b)))
+        if chunk < n and q_batch >= ROWS_FIRST_BATCH:  # whole GEMMs: no padded tail a chunk
+            chunk = max(floor, chunk - chunk % SUB_ROWS)
         return q_batch, chunk
 
     def _work_bytes(self, q_batch: int, chunk: int, w: int, exact: bool = False) -> int:
