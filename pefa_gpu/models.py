@@ -212,6 +212,18 @@ class _Model:
             value, f"{type(self).__name__}.search_params")
 
     @property
+    def doc_embeddings(self) -> torch.Tensor:
+        """(n, d) float32 document embeddings on the model's device."""
+        return self._doc_embeddings
+
+    @doc_embeddings.setter
+    def doc_embeddings(self, value: torch.Tensor) -> None:
+        self._doc_embeddings = value
+        # their numpy view for CPU fusion, made here once: on a single query, a torch call
+        # among the fusion's numpy calls costs ~20 us (the numpy calls after it run cold)
+        self._host_docs = to_numpy(value) if value.device.type == "cpu" else None
+
+    @property
     def index_search_params(self) -> Params:
         """The backend's search settings (e.g. HNSWSearchParams), the defaults of every index
         search the model makes (PEFA-XL: of both indices; read from the passage index once
@@ -651,13 +663,14 @@ class PEFAXL(_Model):
         host = q.device.type == "cpu"
         if erm is not None and host:
             erm = (to_numpy(erm[0]), to_numpy(erm[1]))
-        out = self._neighbours(q, k, erm, params, host)
+        out = self._neighbours(to_numpy(q) if host else q, k, erm, params, host)
         return (as_tensor(out[0]), as_tensor(out[1])) if host else out
 
-    def _neighbours(self, q: torch.Tensor, k: int, erm: tuple[Array, Array] | None,
+    def _neighbours(self, q: Array, k: int, erm: tuple[Array, Array] | None,
                     params: Params | dict | None, host: bool, checked: bool = True
                     ) -> tuple[Array, Array]:
-        """:meth:`neighbours` as numpy arrays when ``host``, else tensors (``erm`` alike)."""
+        """:meth:`neighbours` as numpy arrays when ``host``, else tensors (``q`` and ``erm``
+        alike)."""
         m, n = self.n_train_queries, self.n_docs
         knn = _index_search(self.query_index, q, min(k, m), params, host, checked)
         if not self.params.augment_docs:
@@ -735,20 +748,20 @@ class PEFAXL(_Model):
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
                     and self._erm_exact and self.relevance_rows.nonnegative)
+        q = to_numpy(q) if host else q  # one torch call: on a single query each costs ~20 us
         erm = _index_search(self.index, q, kt if prunable else kp, index_sp, host, checked)
         knn = self._neighbours(q, p.k, erm, index_sp, host, checked)
         rest = ops(erm[1]).arange(0, erm[1])
         if prunable:  # rows where pruning is not provably exact get all Kp candidates
             rest = _unprunable(erm, knn, topk, p.lam, self.index.ntotal <= erm[1].shape[1])
             if len(rest):
-                full = _index_search(self.index, q[as_tensor(rest)], kp, index_sp, host, checked)
+                full = _index_search(self.index, q[rest], kp, index_sp, host, checked)
                 if len(rest) == q.shape[0]:  # all of them (a single query, say): one fusion
                     erm, rest = full, rest[:0]
-        qa = to_numpy(q) if host else q
         distinct = self.index.distinct_ids
-        out = self._fuse(qa, *erm, *knn, (p.lam,), (p.k,), topk, distinct=distinct)[(p.lam, p.k)]
+        out = self._fuse(q, *erm, *knn, (p.lam,), (p.k,), topk, distinct=distinct)[(p.lam, p.k)]
         if len(rest):
-            s, i = self._fuse(qa[rest], *full, knn[0][rest], knn[1][rest], (p.lam,), (p.k,),
+            s, i = self._fuse(q[rest], *full, knn[0][rest], knn[1][rest], (p.lam,), (p.k,),
                               topk, distinct=distinct)[(p.lam, p.k)]
             out[0][rest], out[1][rest] = s, i
         return (torch.from_numpy(out[0]), torch.from_numpy(out[1])) if host else out
@@ -805,8 +818,9 @@ class PEFAXL(_Model):
         torch). ``distinct``: no row of ``erm_ids`` repeats an id (see candidate_table)."""
         xp, p = ops(erm_ids), self.params
         step = batch_size or (4096 if isinstance(q, np.ndarray) else 256)
-        docs = to_numpy(self.doc_embeddings) if isinstance(q, np.ndarray) else \
-            self.doc_embeddings
+        docs = self.doc_embeddings
+        if isinstance(q, np.ndarray):
+            docs = to_numpy(docs) if self._host_docs is None else self._host_docs
         kmax = max(ks)
         parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
         for s in range(0, len(erm_ids), step):
@@ -876,13 +890,14 @@ class PEFAXL(_Model):
         self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
 
-def _index_search(index: Index, q: torch.Tensor, k: int, params: Params | dict | None,
+def _index_search(index: Index, q: Array, k: int, params: Params | dict | None,
                   host: bool, checked: bool = True) -> tuple[Array, Array]:
-    """``index.search(q, k, params)``: numpy arrays when ``host`` (faiss backends then skip the
-    torch hand-off; ``checked``: q was tested for NaN / inf already), else tensors."""
+    """``index.search(q, k, params)``: numpy arrays when ``host`` (``q`` a numpy array or a
+    CPU tensor; faiss backends then skip the torch hand-off; ``checked``: q was tested for
+    NaN / inf already), else tensors."""
     if host and hasattr(index, "search_host"):
         return index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
-    scores, ids = index.search(q, k, params)
+    scores, ids = index.search(as_tensor(q), k, params)
     return (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
 
 
