@@ -83,10 +83,6 @@ class _Numpy:
         return np.minimum(x, bound)
 
     @staticmethod
-    def bincount(x: np.ndarray, n: int) -> np.ndarray:
-        return np.bincount(x, minlength=n)
-
-    @staticmethod
     def unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sorted distinct values and the inverse map (np.unique's, in fewer numpy calls)."""
         order = x.argsort(kind="stable")
@@ -156,10 +152,6 @@ class _Torch:
     @staticmethod
     def clip_max(x: torch.Tensor, bound: int) -> torch.Tensor:
         return x.clamp_max(bound)
-
-    @staticmethod
-    def bincount(x: torch.Tensor, n: int) -> torch.Tensor:
-        return torch.bincount(x, minlength=n)
 
     @staticmethod
     def unique(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,15 +258,13 @@ def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
             from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
             return triton_rowdots.rowdots(queries, docs, batch, doc)
         return as_tensor(rowdots(*map(to_numpy, (queries, docs, batch, doc))))
-    out = np.empty(len(batch), np.float32)
     step = max(1, (1 << 22) // max(1, docs.shape[1]))
     cuts = [0, len(batch)] if len(queries) == 1 else \
         [0, *((batch[1:] != batch[:-1]).nonzero()[0] + 1).tolist(), len(batch)]
-    for lo, hi in zip(cuts[:-1], cuts[1:]):
-        for s in range(lo, hi, step):  # a query's row broadcast over its run
-            e = min(s + step, hi)
-            out[s:e] = np.multiply(docs[doc[s:e]], queries[batch[lo]]).sum(1, dtype=np.float32)
-    return out
+    parts = [np.multiply(docs[doc[s:min(s + step, hi)]], queries[batch[lo]]).sum(1, np.float32)
+             for lo, hi in zip(cuts[:-1], cuts[1:])
+             for s in range(lo, hi, step)]  # a query's row broadcast over its run
+    return parts[0] if len(parts) == 1 else np.concatenate([np.empty(0, np.float32), *parts])
 
 
 @dataclasses.dataclass
@@ -285,8 +275,9 @@ class CandidateTable:
     -1 where there is none (ERM padding, a repeated ERM id, unused slots); erm (B, W) float32
     f_erm (0 where the id is -1); cells (U,) the flat cell b * W + column of every voted
     candidate, extra (U,) whether it lies outside C; entry_cell (V,) the voted candidate
-    (index into cells) of every vote entry, entry_rank / entry_score / entry_y its neighbour's
-    rank and score and its Y value; n_neighbours: K, the neighbours per query.
+    (index into cells) of every vote entry, entry_slot its neighbour's slot b * K + rank,
+    entry_score / entry_y the neighbour's score and the Y value; n_neighbours: K, the
+    neighbours per query.
     """
 
     ids: Array
@@ -294,36 +285,37 @@ class CandidateTable:
     cells: Array
     extra: Array
     entry_cell: Array
-    entry_rank: Array
+    entry_slot: Array
     entry_score: Array
     entry_y: Array
     n_neighbours: int
 
     def knn_scores(self, k: int, divisor: float) -> tuple[Array, Array]:
         """f_knn from the first ``k`` neighbours: (U,) float32 sums of (s / divisor) * y in
-        neighbour order, and (U,) whether any of them voted for the candidate."""
+        neighbour order (0 where none of them votes), and (U,) ``dead``: a candidate outside C
+        that none of them votes for."""
         xp = ops(self.cells)
         at, score, y = self.entry_cell, self.entry_score, self.entry_y
         if k < self.n_neighbours:
-            use = xp.flatnonzero(self.entry_rank < k)
+            use = xp.flatnonzero(self.entry_slot % self.n_neighbours < k)
             at, score, y = at[use], score[use], y[use]
         f = xp.full((len(self.cells),), 0.0, xp.float32, self.cells)
         f = xp.index_add(f, at, (score / divisor) * y)
-        voted = xp.full((len(self.cells),), False, bool, self.cells)
-        voted[at] = True
-        return f, voted
+        dead = self.extra.clone() if isinstance(at, torch.Tensor) else self.extra.copy()
+        dead[at] = False
+        return f, dead
 
     def topk(self, lam: float, knn: tuple[Array, Array], topk: int) -> tuple[Array, Array]:
         """The best ``topk`` of lam f_erm + (1 - lam) f_knn (``knn``: :meth:`knn_scores`):
         (B, topk) float32 scores and int64 ids, ties to the lower id, -1 / -inf padded.
         Candidates outside C that no neighbour of ``knn`` voted for are left out."""
         xp = ops(self.ids)
-        f_knn, voted = knn
+        f_knn, dead = knn
         fused = xp.where(self.ids >= 0, lam * self.erm, float("-inf"))
         flat = fused.reshape(-1)
-        at = flat[self.cells]  # lam f_erm: every voted candidate has an id
-        flat[self.cells] = xp.where(voted, at + (1.0 - lam) * f_knn,
-                                    xp.where(self.extra, float("-inf"), at))
+        # lam f_erm + (1 - lam) f_knn on every voted candidate (f_knn = 0 where nobody voted
+        # in C: adding 0 changes no score, -0.0 aside, which select_topk reads as 0.0)
+        flat[self.cells] = xp.where(dead, float("-inf"), flat[self.cells] + (1.0 - lam) * f_knn)
         return select_topk(fused, self.ids, topk)
 
 
@@ -341,30 +333,28 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     b, kp = ei.shape
     n, kn = rows.shape[1], ki.shape[1]
     slot, doc, y = votes(ki, rows)
-    # the ERM ids sorted per row, each packed with its column: repeats and the votes' columns
-    bits = max(1, (kp - 1).bit_length())
-    valid = ei >= 0
-    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, ei)  # padding sorts last
-    packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
-    s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
-    ids = xp.where(valid, ei, -1)
-    if not distinct:  # a repeated id keeps its first column
-        r, c = _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
-        ids[r, s_col[r, c + 1]] = -1
-    # every voted (query, document) once: in C at its column, else an extra column after Kp
+    ids = xp.where(ei >= 0, ei, -1)
+    if not distinct:
+        _drop_repeats(ids, n)
+    # every voted (query, document) once, in (query, document) order
     key, entry_cell = xp.unique((slot // kn) * (n + 1) + doc)
-    sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
-    at = xp.clip_max(xp.searchsorted(sorted_keys, key), max(b * kp - 1, 0))
-    extra = sorted_keys[at] != key if b * kp else xp.full(key.shape, True, bool, key)
     u_row = key // (n + 1)
-    col = s_col.reshape(-1)[at]
+    # the voted documents in C: their column there (-1: outside C). Padding's key b (n + 1) - 1
+    # is document n of the row before: never voted for
+    col = xp.full(key.shape, -1, xp.int64, key)
+    if len(key) and kp:
+        erm_key = (xp.arange(b, ei)[:, None] * (n + 1) + ids).reshape(-1)
+        at = xp.clip_max(xp.searchsorted(key, erm_key), len(key) - 1)
+        hit = xp.flatnonzero(key[at] == erm_key)  # cells b * kp + column of C
+        col[at[hit]] = hit % kp
+    extra = col < 0
     x = xp.flatnonzero(extra)
     width = kp
     if len(x):  # voted documents outside C: columns kp, kp + 1, ... of their row
         x_row, x_doc = u_row[x], key[x] % (n + 1)
-        counts = xp.bincount(x_row, b)
-        width += int(counts.max())
-        col[x] = kp + xp.arange(len(x), ei) - (xp.cumsum(counts) - counts)[x_row]
+        rank = xp.arange(len(x), ei) - xp.searchsorted(x_row, x_row)  # among its row's extras
+        width += int(rank.max()) + 1
+        col[x] = kp + rank
     cells = u_row * width + col
     table_ids = xp.full((b, width), -1, xp.int64, ei)
     table_ids[:, :kp] = ids
@@ -379,8 +369,22 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
         table_erm[:, :kp] = xp.where(ids >= 0, xp.astype(es, xp.float32), 0.0)
         if rescore and len(x):
             table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, x_row, x_doc)
-    return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot % kn,
+    return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot,
                           xp.astype(ks, xp.float32).reshape(-1)[slot], y, kn)
+
+
+def _drop_repeats(ids: Array, n: int) -> None:
+    """ids (B, Kp) int64, -1 padded, values < n: in place, a repeated id of a row keeps its
+    first column and the later ones become -1. Each row sorted once, an id packed with its
+    column."""
+    xp = ops(ids)
+    kp = ids.shape[1]
+    bits = max(1, (kp - 1).bit_length())
+    packed = (xp.where(ids >= 0, ids, n) << bits) | xp.arange(kp, ids)  # padding sorts last
+    packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
+    s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
+    r, c = _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
+    ids[r, s_col[r, c + 1]] = -1
 
 
 def _nonzero2(mask: Array) -> tuple[Array, Array]:
