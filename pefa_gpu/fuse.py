@@ -8,9 +8,9 @@ candidates C ∪ {documents in the neighbours' Y rows} (DESIGN §1). In three st
 1. :func:`candidate_table`: the batch's candidates as a (B, W) table: the ERM candidates (a
    repeated ERM id keeps its first entry), then the voted documents outside C; each with
    f_erm (the ERM score; <q, p_j> where ``rescore`` needs it; 0 outside C without rescore) and
-   the votes landing on it. The ERM ids are sorted once per row to find the votes' columns
-   (and repeats, unless the ids are known distinct): O(B (Kp log Kp + K deg)), never a B x n
-   array.
+   the votes landing on it. The votes' columns in C come from one search between the ERM
+   ids and the sorted vote keys (the ERM rows sorted first where ids may repeat or the batch
+   is large): O(B (Kp log Kp + K deg)), never a B x n array.
 2. :meth:`CandidateTable.knn_scores`: f_knn of every voted candidate for a k (the first k
    neighbours' votes, summed in neighbour order).
 3. :meth:`CandidateTable.topk`: lam f_erm + (1 - lam) f_knn and one top-k: equal scores go to
@@ -238,11 +238,11 @@ def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
     document and its Y value."""
     xp = ops(knn_rows)
     starts, lengths, indices, data = rows.arrays(knn_rows)
-    n_entries = lengths[knn_rows].reshape(-1)
+    flat = knn_rows.reshape(-1)
+    n_entries = lengths[flat]
     ends = xp.cumsum(n_entries)
     total = int(ends[-1]) if len(ends) else 0
-    pos = xp.repeat(starts[knn_rows].reshape(-1) - (ends - n_entries), n_entries) + \
-        xp.arange(total, knn_rows)
+    pos = xp.repeat(starts[flat] - (ends - n_entries), n_entries) + xp.arange(total, knn_rows)
     slot = xp.repeat(xp.arange(len(n_entries), knn_rows), n_entries)
     return slot, indices[pos], data[pos]
 
@@ -333,20 +333,10 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     b, kp = ei.shape
     n, kn = rows.shape[1], ki.shape[1]
     slot, doc, y = votes(ki, rows)
-    ids = xp.where(ei >= 0, ei, -1)
-    if not distinct:
-        _drop_repeats(ids, n)
-    # every voted (query, document) once, in (query, document) order
+    # every voted (query, document) once, in (query, document) order, and its column in C
     key, entry_cell = xp.unique((slot // kn) * (n + 1) + doc)
     u_row = key // (n + 1)
-    # the voted documents in C: their column there (-1: outside C). Padding's key b (n + 1) - 1
-    # is document n of the row before: never voted for
-    col = xp.full(key.shape, -1, xp.int64, key)
-    if len(key) and kp:
-        erm_key = (xp.arange(b, ei)[:, None] * (n + 1) + ids).reshape(-1)
-        at = xp.clip_max(xp.searchsorted(key, erm_key), len(key) - 1)
-        hit = xp.flatnonzero(key[at] == erm_key)  # cells b * kp + column of C
-        col[at[hit]] = hit % kp
+    ids, col = _columns_in_c(ei, key, n, distinct)
     extra = col < 0
     x = xp.flatnonzero(extra)
     width = kp
@@ -373,18 +363,41 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
                           xp.astype(ks, xp.float32).reshape(-1)[slot], y, kn)
 
 
-def _drop_repeats(ids: Array, n: int) -> None:
-    """ids (B, Kp) int64, -1 padded, values < n: in place, a repeated id of a row keeps its
-    first column and the later ones become -1. Each row sorted once, an id packed with its
-    column."""
-    xp = ops(ids)
-    kp = ids.shape[1]
+# at most this many ERM candidates in a batch of distinct ids: each is searched in the vote
+# keys (fewest array calls: a single query); above, the rows are sorted (far less work)
+SEARCH_ERM_IDS = 4096
+
+
+def _columns_in_c(ei: Array, key: Array, n: int, distinct: bool) -> tuple[Array, Array]:
+    """ERM ids ei (B, Kp) (-1 = padding, values < n) and the sorted keys b (n + 1) + doc of the
+    voted (query, document) pairs (U,) -> ids (B, Kp) int64 with -1 at padding and at every
+    repeat of an id but its first column, and col (U,) int64: each pair's column in C, -1
+    where the document is not an ERM candidate of its query."""
+    xp = ops(ei)
+    b, kp = ei.shape
+    valid = ei >= 0
+    ids = xp.where(valid, ei, -1)
+    if not (len(key) and kp):
+        return ids, xp.full(key.shape, -1, xp.int64, key)
+    if distinct and b * kp <= SEARCH_ERM_IDS:  # padding's key b (n + 1) - 1: never a vote's
+        col = xp.full(key.shape, -1, xp.int64, key)
+        erm_key = (xp.arange(b, ei)[:, None] * (n + 1) + ids).reshape(-1)
+        at = xp.clip_max(xp.searchsorted(key, erm_key), len(key) - 1)
+        hit = xp.flatnonzero(key[at] == erm_key)  # cells b * Kp + column
+        col[at[hit]] = hit % kp
+        return ids, col
+    # each row's ids sorted, packed with their column (padding last): repeats sit side by
+    # side, and the keys are searched in them
     bits = max(1, (kp - 1).bit_length())
-    packed = (xp.where(ids >= 0, ids, n) << bits) | xp.arange(kp, ids)  # padding sorts last
+    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, ei)
     packed = xp.astype(xp.sort_rows(packed, ((n + 1) << bits) < 2**31), xp.int64)
     s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
-    r, c = _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
-    ids[r, s_col[r, c + 1]] = -1
+    if not distinct:  # a repeated id keeps its first column
+        r, c = _nonzero2((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
+        ids[r, s_col[r, c + 1]] = -1
+    sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
+    at = xp.clip_max(xp.searchsorted(sorted_keys, key), b * kp - 1)
+    return ids, xp.where(sorted_keys[at] == key, s_col.reshape(-1)[at], -1)
 
 
 def _nonzero2(mask: Array) -> tuple[Array, Array]:

@@ -824,7 +824,7 @@ class PEFAXL(_Model):
         kmax = max(ks)
         parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
         for s in range(0, len(erm_ids), step):
-            b = slice(s, s + step)
+            b = slice(s, s + step) if len(erm_ids) > step else slice(None)
             table = candidate_table(q[b], docs, self.relevance_rows,
                                     (erm_scores[b], erm_ids[b]),
                                     (knn_scores[b, :kmax], knn_rows[b, :kmax]),
@@ -908,7 +908,9 @@ def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, l
     it (float32 lam times the float32 score)."""
     (scores, ids), xp = erm, ops(erm[1])
     found = ids[:, -1] >= 0
-    bound = (found & (lam * scores[:, -1] < lam * scores[:, topk - 1])) | (~found & found_all)
+    bound = found & (lam * scores[:, -1] < lam * scores[:, topk - 1])
+    if found_all:
+        bound |= ~found
     return xp.flatnonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))
 
 

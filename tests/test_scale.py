@@ -89,9 +89,12 @@ KINDS = [("numpy", "cpu"), ("torch", "cpu"), pytest.param("torch", "cuda", marks
 @pytest.mark.parametrize("rescore,erm_exact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("lam,div,topk", [(0.5, 4.0, 5), (0.25, 1.0, 30), (0.0, 2.0, 10),
                                           (1.0, 4.0, 7)])
-@pytest.mark.parametrize("distinct", [False, True])  # True: the ERM rows are not sorted
+# distinct ids: each searched in the vote keys (small batches), or the rows sorted (large)
+@pytest.mark.parametrize("distinct,search_limit", [(False, None), (True, None), (True, 0)])
 def test_fusion_equals_reference(kind, device, seed, rescore, erm_exact, lam, div, topk,
-                                 distinct):
+                                 distinct, search_limit, monkeypatch):
+    if search_limit is not None:
+        monkeypatch.setattr(pg.fuse, "SEARCH_ERM_IDS", search_limit)
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(seed)
     got = run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device, lam=lam, divisor=div,
                    rescore=rescore, erm_exact=erm_exact, topk=topk, distinct=distinct)
