@@ -85,14 +85,12 @@ class _Numpy:
     @staticmethod
     def unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sorted distinct values and the inverse map (np.unique's, in fewer numpy calls)."""
-        order = x.argsort(kind="stable")
-        s = x[order]
+        s = np.sort(x)
         first = np.empty(len(s), bool)
         first[:1] = True
         np.not_equal(s[1:], s[:-1], out=first[1:])
-        inv = np.empty(len(s), np.int64)
-        inv[order] = first.astype(np.int64).cumsum() - 1  # a bool cumsum costs twice this
-        return s[first], inv
+        u = s[first]
+        return u, u.searchsorted(x)
 
     @staticmethod
     def index_add(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
