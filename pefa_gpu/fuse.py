@@ -348,15 +348,16 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     table_ids[:, :kp] = ids
     table_erm = xp.full((b, width), 0.0, xp.float32, ei)
     if len(x):
-        table_ids.reshape(-1)[cells[x]] = x_doc
+        x_cell = cells[x]
+        table_ids.reshape(-1)[x_cell] = x_doc
     if rescore and not erm_exact:
         v = xp.flatnonzero(table_ids >= 0)
         table_erm.reshape(-1)[v] = rowdots(queries, docs, v // width,
                                            table_ids.reshape(-1)[v])
     else:
-        table_erm[:, :kp] = xp.where(ids >= 0, xp.astype(es, xp.float32), 0.0)
+        table_erm[:, :kp] = xp.where(ids >= 0, es, 0.0)  # cast to float32 on assignment
         if rescore and len(x):
-            table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, x_row, x_doc)
+            table_erm.reshape(-1)[x_cell] = rowdots(queries, docs, x_row, x_doc)
     return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot,
                           xp.astype(ks, xp.float32).reshape(-1)[slot], y, kn)
 
