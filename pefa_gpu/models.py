@@ -219,9 +219,11 @@ class _Model:
     @doc_embeddings.setter
     def doc_embeddings(self, value: torch.Tensor) -> None:
         self._doc_embeddings = value
-        # their numpy view for CPU fusion, made here once: on a single query, a torch call
-        # among the fusion's numpy calls costs ~20 us (the numpy calls after it run cold)
-        self._host_docs = to_numpy(value) if value.device.type == "cpu" else None
+        # their numpy view for CPU fusion, made here once (a view only, never a copy): on a
+        # single query, a torch call among the fusion's numpy calls costs ~20 us (the numpy
+        # calls after it run cold)
+        view = value.device.type == "cpu" and value.dtype == torch.float32
+        self._host_docs = value.detach().numpy() if view else None
 
     @property
     def index_search_params(self) -> Params:
