@@ -201,13 +201,23 @@ def _xs_per_lam(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int
     return out
 
 
+# bytes a cell of a score block costs in _xs_all_lams: its two float32 scores, their maximum
+# and the kept mask (13), with room for the mixed tables of the kept cells (a quarter cell)
+XS_CELL_BYTES = 16
+
+
 def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
-                 block_cells: int = 2**22) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                 block_cells: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Exact top-k of ``λ <q,P> + (1-λ) <q,Π(A)>`` for every λ from two score passes.
 
     Scores are formed in (query batch x document chunk) blocks of at most ``block_cells``
-    float32 cells each; the per-chunk top-k are merged with ties to the lower id.
+    float32 cells each (default: the exact index's ``memory_budget`` / XS_CELL_BYTES, 16M
+    cells at 256 MiB: fewer blocks, fewer merges); the per-chunk top-k are merged with ties to
+    the lower id.
     """
+    if block_cells is None:
+        budget = getattr(getattr(xs.index, "params", None), "memory_budget", 256 * 2**20)
+        block_cells = max(1, budget // XS_CELL_BYTES)
     p = xs.doc_embeddings.float()
     a = normalize_rows(xs.doc_sums)
     b, n = q.shape[0], p.shape[0]
@@ -221,7 +231,8 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
         for c in range(0, n, chunk):
             sp_ = qb @ p[c:c + chunk].T
             sa_ = qb @ a[c:c + chunk].T
-            for li, (v, i) in enumerate(_xs_block_topk(sp_, sa_, lams, topk)):
+            for li, (v, i) in enumerate(_xs_block_topk(sp_, sa_, lams, topk,
+                                                       max(1, block_cells // 4))):
                 i = torch.where(i >= 0, i + c, -1)
                 if best[li] is not None:
                     v, i = merge_topk(torch.cat([best[li][0], v], 1),
@@ -237,9 +248,10 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     return [(torch.cat(v), torch.cat(i)) for v, i in zip(vals, ids)]
 
 
-def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int
-                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Top-k columns of ``λ sp_ + (1-λ) sa_`` (B, N) for every λ, ties to the lower column.
+def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,
+                   table_cells: int = 2**24) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Top-k columns of ``λ sp_ + (1-λ) sa_`` (B, N) for every λ, ties to the lower column;
+    the kept columns' mixes in tables of at most ``table_cells`` cells (one λ at least).
 
     Prunes before the per-λ top-k: the k-th best mix over the distinct columns of
     top-k(sp_) ∪ top-k(sa_) is a lower bound L_λ of the true k-th best, and a mix never
@@ -270,7 +282,7 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     w_p, w_a = _mix_weights(lams, sp_.device)
     a_k, b_k = sp_[rows, cols], sa_[rows, cols]
     out = []
-    group = max(1, min(len(lams), 2**24 // max(b * width, 1)))  # cells per mixed table
+    group = max(1, min(len(lams), table_cells // max(b * width, 1)))  # λs per mixed table
     for g in range(0, len(lams), group):
         n_g = len(lams[g:g + group])
         table = torch.full((n_g, b, width), float("-inf"), device=sp_.device)
