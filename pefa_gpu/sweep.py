@@ -254,9 +254,10 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     the kept columns' mixes in tables of at most ``table_cells`` cells (one λ at least).
 
     Prunes before the per-λ top-k: the k-th best mix over the distinct columns of
-    top-k(sp_) ∪ top-k(sa_) is a lower bound L_λ of the true k-th best, and a mix never
-    exceeds max(sp_, sa_), so columns with max(sp_, sa_) < min_λ L_λ cannot be in any top-k.
-    The mixes of the remaining columns are the same float32 values as on the full block.
+    top-k(sp_) ∪ top-k(sa_) is a lower bound L_λ of the true k-th best, and a float32 mix
+    exceeds max(sp_, sa_) by at most ~4 units in its last place, so columns with
+    max(sp_, sa_) < L - |L| 2^-20 (L = min_λ L_λ) cannot be in any top-k. The mixes of the
+    remaining columns are the same float32 values as on the full block.
     """
     b, n = sp_.shape
     kk = min(topk, n)
@@ -272,7 +273,7 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
         mix = (lam * a_s + (1.0 - lam) * b_s).masked_fill_(dup, float("-inf"))
         kth = torch.topk(mix, kk, dim=1).values[:, -1:]
         low = kth if low is None else torch.minimum(low, kth)
-    keep = torch.maximum(sp_, sa_) >= low
+    keep = torch.maximum(sp_, sa_) >= low - low.abs() * 2**-20  # the mixes' rounding
     rows, cols = keep.nonzero(as_tuple=True)          # row-major: columns ascend per row
     counts = keep.sum(1)
     pos = torch.arange(rows.numel(), device=sp_.device) - (torch.cumsum(counts, 0) - counts)[rows]
