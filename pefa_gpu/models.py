@@ -826,7 +826,7 @@ class PEFAXL(_Model):
         kmax = max(ks)
         parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
         for s in range(0, len(erm_ids), step):
-            b = slice(s, s + step) if len(erm_ids) > step else slice(None)
+            b = slice(s, s + step)
             table = candidate_table(q[b], docs, self.relevance_rows,
                                     (erm_scores[b], erm_ids[b]),
                                     (knn_scores[b, :kmax], knn_rows[b, :kmax]),

@@ -215,9 +215,8 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     cells at 256 MiB: fewer blocks, fewer merges); the per-chunk top-k are merged with ties to
     the lower id.
     """
-    if block_cells is None:
-        budget = getattr(getattr(xs.index, "params", None), "memory_budget", 256 * 2**20)
-        block_cells = max(1, budget // XS_CELL_BYTES)
+    if block_cells is None:  # xs has the exact backend here
+        block_cells = max(1, xs.index.params.memory_budget // XS_CELL_BYTES)
     p = xs.doc_embeddings.float()
     a = normalize_rows(xs.doc_sums)
     b, n = q.shape[0], p.shape[0]
