@@ -392,6 +392,7 @@ def test_screened_cpu_blocks_equal_the_reference(monkeypatch, k):
     query's running threshold. Real-valued rows with copies spread over the blocks, and
     queries near copied rows; ids equal the float64 reference, and blocks were screened."""
     monkeypatch.setattr(exact_module, "_FAISS", [None])
+    monkeypatch.setattr(exact_module, "CPU_BLOCK", 2**18)  # 4096-row blocks at B = 64
     seen = _spy_screen(monkeypatch)
     rng = np.random.default_rng(31)
     X, copies = copied_unit_rows(rng, 30003, 32, (2, 3, 5))
@@ -424,6 +425,7 @@ def test_rising_and_falling_scores(monkeypatch, rising):
     later one is skipped. Small-integer rows, so ties at the k-th place are real. Equal to
     the reference."""
     monkeypatch.setattr(exact_module, "_FAISS", [None])
+    monkeypatch.setattr(exact_module, "CPU_BLOCK", 2**18)  # 3 blocks of 4096 rows
     seen = _spy_screen(monkeypatch)
     rng = np.random.default_rng(32)
     n = 12000
@@ -468,6 +470,7 @@ def test_screened_pass_ranks_nan_first():
     T = unit_rows(rng, 40, 16)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(exact_module, "_FAISS", [None])
+        mp.setattr(exact_module, "CPU_BLOCK", 2**18)  # blocks of 6553 rows: 21000 in the 4th
         seen = _spy_screen(mp)
         scores, ids = ExactIndex().build(X).search(T, 10)
     assert seen["screened"] > 0

@@ -603,7 +603,7 @@ ROWS_FIRST_BATCH = 16  # ... for batches of at least 16 queries (below, MKL's GE
                        # kernels score a pair differently with the batch size anyway)
 CPU_CHUNK = 4096       # corpus rows per CPU block ...
 CHUNK_PER_K = 8        # ... and at least 8 w (the first pass's candidates per query)
-CPU_BLOCK = 2**18      # ... and a screened one at least 2^18 scores a block
+CPU_BLOCK = 2**20      # ... and a screened one at least 2^20 scores a block
 SCREEN_ROWS_PER_W = 256  # screened CPU passes: indices of at least 256 w rows, ...
 SCREEN_CHUNK_PER_W = 32  # ... in chunks of at least 32 w rows
 CPU_BATCH = 4096       # queries per CPU block, at most
