@@ -5,8 +5,11 @@
 
 CPU (``--threads``, default 2): n in {50k, 200k} random unit documents, d in {384, 768},
 B in {1, 64, 2000} random unit queries, k in {10, 100, 500}; then a single query on 1 thread.
-Per shape, in alternation, best of ``--repeats`` (B = 1: 5x as many, B = 64: 3x: a 30 ms
-shape moves by 10% between runs on a shared 2-core machine):
+Per shape, in alternation (the order rotated every repeat, so that no method always runs
+after the same one), best of ``--repeats`` (B = 64: 3x as many: a 30 ms shape moves by 10%
+between runs on a shared 2-core machine). B = 1 is single-query latency: each timed sample
+searches ``SINGLE_QUERIES`` distinct queries one at a time and reports the time per query,
+best of 2x ``--repeats`` samples:
 
 - pefa_gpu: ``pg.ERM(device="cpu").fit(P).search(q, k)`` (the exact backend; ties to the
   lower id),
@@ -43,6 +46,7 @@ from _common import RESULTS, md_table, write_results  # noqa: E402
 import pefa_gpu as pg  # noqa: E402
 
 METHODS = ("pefa_gpu", "faiss", "torch", "st")
+SINGLE_QUERIES = 8  # B = 1: queries per timed sample, searched one at a time
 
 
 def unit_rows(rng: np.random.Generator, rows: int, d: int) -> np.ndarray:
@@ -52,12 +56,14 @@ def unit_rows(rng: np.random.Generator, rows: int, d: int) -> np.ndarray:
 
 
 def best_times(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[str, float], dict]:
-    """Each function ``repeats`` times in alternation; the best wall time of each (seconds)
-    and the last result of each."""
+    """Each function ``repeats`` times in alternation, the order rotated every repeat; the best
+    wall time of each (seconds) and the last result of each."""
     times: dict[str, list[float]] = {m: [] for m in fns}
     out: dict[str, Any] = {}
-    for _ in range(repeats):
-        for m, f in fns.items():
+    names = list(fns)
+    for r in range(repeats):
+        for m in names[r % len(names):] + names[:r % len(names)]:
+            f = fns[m]
             t = time.perf_counter()
             out[m] = f()
             times[m].append(time.perf_counter() - t)
@@ -65,18 +71,26 @@ def best_times(fns: dict[str, Callable[[], Any]], repeats: int) -> tuple[dict[st
 
 
 def cpu_shape(P: np.ndarray, Pt: torch.Tensor, erm: pg.ERM, flat: Any, Q: np.ndarray, k: int,
-              repeats: int) -> dict[str, Any]:
+              repeats: int, single: bool) -> dict[str, Any]:
+    """Times of one (n, d, B, k) shape: ``Q`` (B, d) searched in one call, or when ``single``,
+    its rows one at a time (time per query)."""
     from sentence_transformers import util
 
     Qt = torch.from_numpy(Q)
     fns = {
-        "pefa_gpu": lambda: erm.search(Qt, k),
-        "faiss": lambda: flat.search(Q, k),
-        "torch": lambda: torch.topk(Qt @ Pt.T, k, dim=1),
-        "st": lambda: util.semantic_search(Qt, Pt, top_k=k),
+        "pefa_gpu": lambda q, qt: erm.search(qt, k)[1].numpy(),
+        "faiss": lambda q, qt: flat.search(q, k)[1],
+        "torch": lambda q, qt: torch.topk(qt @ Pt.T, k, dim=1),
+        "st": lambda q, qt: util.semantic_search(qt, Pt, top_k=k),
     }
-    secs, out = best_times(fns, repeats)
-    same = float((out["pefa_gpu"][1].numpy() == out["faiss"][1]).mean())
+    if single:  # one query at a time: (SINGLE_QUERIES, d) queries, seconds per query
+        calls = {m: (lambda f=f: [f(Q[i:i + 1], Qt[i:i + 1]) for i in range(len(Q))])
+                 for m, f in fns.items()}
+    else:
+        calls = {m: (lambda f=f: [f(Q, Qt)]) for m, f in fns.items()}
+    secs, out = best_times(calls, repeats)
+    secs = {m: t / len(out[m]) for m, t in secs.items()}
+    same = float((np.concatenate(out["pefa_gpu"]) == np.concatenate(out["faiss"])).mean())
     rec: dict[str, Any] = {f"{m}_ms": secs[m] * 1e3 for m in METHODS}
     rec.update({f"vs_{m}": secs["pefa_gpu"] / secs[m] for m in METHODS[1:]})
     rec["ids_equal_faiss"] = same
@@ -100,10 +114,11 @@ def run_cpu(ns, ds, bs, ks, threads: int, repeats: int, single_thread: bool,
             for th, b in plan:
                 torch.set_num_threads(th)
                 faiss.omp_set_num_threads(th)
-                Q = unit_rows(rng, b, d)
+                Q = unit_rows(rng, SINGLE_QUERIES if b == 1 else b, d)
+                reps = repeats * (2 if b == 1 else 3 if b <= 64 else 1)
                 for k in ks:
                     rec = {"n": n, "d": d, "B": b, "k": k, "threads": th,
-                           **cpu_shape(P, Pt, erm, flat, Q, k, repeats * (5 if b == 1 else 3 if b <= 64 else 1))}
+                           **cpu_shape(P, Pt, erm, flat, Q, k, reps, b == 1)}
                     rows.append(rec)
                     log(f"n={n} d={d} B={b} k={k} threads={th}: " + " ".join(
                         f"{m}={rec[m + '_ms']:.1f}ms" for m in METHODS)
@@ -202,7 +217,9 @@ def main() -> None:
 
     md = (f"CPU: pefa_gpu exact (`ERM(device='cpu').fit(P).search(q, k)`) vs faiss IndexFlatIP,"
           f" torch mm + topk, sentence-transformers util.semantic_search; random unit vectors;"
-          f" best of {args.repeats} in alternation (B = 1: {5 * args.repeats}, B = 64: {3 * args.repeats}); ratios < 1: "
+          f" best of {args.repeats} in alternation, order rotated every repeat (B = 64:"
+          f" {3 * args.repeats}; B = 1: time per query of {SINGLE_QUERIES} searched one at a time,"
+          f" best of {2 * args.repeats}); ratios < 1: "
           f"pefa_gpu faster. Load average (1, 5, 15 min) before {load_before[0]:.2f} "
           f"{load_before[1]:.2f} {load_before[2]:.2f}, after {load_after[0]:.2f} "
           f"{load_after[1]:.2f} {load_after[2]:.2f}; wall {time.perf_counter() - t0:.0f} s.\n\n")
