@@ -311,6 +311,42 @@ def test_real_valued_copies_tie(engine, monkeypatch, groups, rescanned):
     assert bool(redone) == rescanned
 
 
+@pytest.mark.parametrize("b", [2, 3, 5, 9, 13, 15])
+def test_small_batches_scored_rows_first_tie_copies(monkeypatch, b):
+    """Batches of 2-15 queries on the CPU torch pass: rows x queries GEMMs with the batch
+    zero-padded to a power of two. Real-valued copies scattered over five 1024-row GEMMs tie,
+    ids equal the float64 reference with the tie rule, and the padded queries' scores are
+    dropped (every row a real query's)."""
+    monkeypatch.setattr(exact_module, "_FAISS", [None])
+    padded = []
+    real = exact_module._pad_batch
+    monkeypatch.setattr(exact_module, "_pad_batch",
+                        lambda q: padded.append(q.shape[0]) or real(q))
+    rng = np.random.default_rng(40 + b)
+    X, copies = copied_unit_rows(rng, 5000, 48, (2, 5, 9))
+    T = unit_rows(rng, b, 48)
+    for j in range(b):
+        group = copies[j % len(copies)]
+        T[j] = X[group[0]] + 0.1 * T[j]
+    index = ExactIndex().build(X)
+    for k in (1, 4, 10):
+        scores, ids = index.search(T, k)
+        rv, ri = reference_with_copies(X, T, k, copies)
+        np.testing.assert_array_equal(ids.numpy(), ri)
+        np.testing.assert_allclose(scores.numpy(), rv, atol=1e-6)
+    assert b in padded  # the first pass (rows searched again are padded by their own count)
+
+
+def test_pad_batch_adds_zero_queries_up_to_a_power_of_two():
+    q = torch.arange(1.0, 1.0 + 5 * 3).view(5, 3)
+    p = exact_module._pad_batch(q)
+    assert p.shape == (8, 3)
+    assert torch.equal(p[:5], q) and not p[5:].any()
+    for b in (1, 2, 4, 8, 16, 17, 40):
+        assert exact_module._pad_batch(torch.ones(b, 3)).shape == (b, 3)
+    assert exact_module._pad_batch(torch.ones(9, 3)).shape == (16, 3)
+
+
 def test_position_dependent_scores_still_tie(monkeypatch):
     """A first pass whose last bits depend on a document's position (as BLAS kernels' edge
     blocks do; here up to 2 ulps by id): copies still tie and ids equal the reference, at

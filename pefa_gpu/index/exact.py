@@ -13,11 +13,12 @@ Every path returns the exact top-k of float32 inner products, ties to the lower 
     error (:func:`tie_ulps`) of a neighbour's are rescored pair by pair
     (:func:`canonical_scores`, a function of the two vectors alone) and the row re-sorted.
   * Otherwise (CUDA, 16-bit storage, no faiss, smaller CPU batches): torch matmul blocks and
-    ``torch.topk``. On the CPU, batches of 16 or more queries are scored rows x queries in
+    ``torch.topk``. On the CPU, batches of 2 or more queries are scored rows x queries in
     GEMMs of one shape (:func:`_row_scores`: faster for few queries, and MKL then scores
-    copies alike in every block and shard), and over a long index each block after the first
-    is screened against the running top-w (:func:`_above`: one max pass, then only the groups
-    of rows that can enter it), instead of a full ``torch.topk`` per block.
+    copies alike in every block and shard; fewer than 16 queries padded to a power of two),
+    and for 16 queries or more over a long index each block after the first is screened
+    against the running top-w (:func:`_above`: one max pass, then only the groups of rows
+    that can enter it), instead of a full ``torch.topk`` per block.
 - The tie rule. A row whose k-th and (k+1)-th scores differ has its top-k set fixed by value;
   equal scores inside it are put in id order on the (B, k) result. A row whose k-th and
   (k+1)-th scores are equal, and whose last candidate scores lower (by more than twice the
@@ -306,10 +307,10 @@ class ExactIndex(Index):
 
     def _screens(self, w: int, b: int) -> bool:
         """Whether a CPU first pass of ``b`` queries for top-w lists screens its blocks
-        (:meth:`_screened_pass`): when its scores are computed rows x queries (``b`` >=
-        ``ROWS_FIRST_BATCH``) and the index holds at least ``SCREEN_ROWS_PER_W`` w rows, so
-        that most blocks come after the running top-w has settled."""
-        return self.device.type == "cpu" and b >= ROWS_FIRST_BATCH and \
+        (:meth:`_screened_pass`): for ``SCREEN_MIN_BATCH`` queries or more (scored rows x
+        queries) over an index of at least ``SCREEN_ROWS_PER_W`` w rows, so that most blocks
+        come after the running top-w has settled."""
+        return self.device.type == "cpu" and b >= SCREEN_MIN_BATCH and \
             self.ntotal >= SCREEN_ROWS_PER_W * w
 
     def _screened_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
@@ -470,7 +471,7 @@ class ExactIndex(Index):
         cpu = self.device.type == "cpu"
         upcast = self._dtype != torch.float32 and (cpu or not _MM_OUT_DTYPE.get(
             str(self.device), True))
-        screens = self._screens(w, ROWS_FIRST_BATCH)  # for some batch size
+        screens = self._screens(w, SCREEN_MIN_BATCH)  # for some batch size
         cell = 4 + (EXACT_CELL_BYTES if exact else FILTER_CELL_BYTES * screens)
         per_query = 4 * self.dim + LIST_SLOT_BYTES * w * (2 if exact else 1) + \
             8 * SUB_ROWS * cpu
@@ -599,12 +600,13 @@ EXACT_CELL_BYTES = 16  # per score on the exact path: a copy of tied rows, masks
 KEY_DIMS = 16          # coordinates a row's copy key reads (ExactIndex._row_stats)
 TIE_MARGIN = 8         # first-pass candidates beyond k (see the module docstring)
 SUB_ROWS = 1024        # rows per CPU GEMM (_row_scores) ...
-ROWS_FIRST_BATCH = 16  # ... for batches of at least 16 queries (below, MKL's GEMV-like
-                       # kernels score a pair differently with the batch size anyway)
+ROWS_FIRST_BATCH = 2   # ... for batches of at least 2 queries (one query: a GEMV) ...
+PAD_BATCH = 16         # ... padded to a power of two below 16 queries (_pad_batch)
 CPU_CHUNK = 4096       # corpus rows per CPU block ...
 CHUNK_PER_K = 8        # ... and at least 8 w (the first pass's candidates per query)
 CPU_BLOCK = 2**20      # ... and a screened one at least 2^20 scores a block
-SCREEN_ROWS_PER_W = 256  # screened CPU passes: indices of at least 256 w rows, ...
+SCREEN_MIN_BATCH = 16  # screened CPU passes: batches of at least 16 queries, ...
+SCREEN_ROWS_PER_W = 256  # ... indices of at least 256 w rows, ...
 SCREEN_CHUNK_PER_W = 32  # ... in chunks of at least 32 w rows
 CPU_BATCH = 4096       # queries per CPU block, at most
 CUDA_BATCH = 8192      # queries per CUDA block, at most
@@ -647,7 +649,9 @@ def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None
     that each block does not map fresh pages) when given.
 
     CPU, at least ``ROWS_FIRST_BATCH`` queries: :func:`_row_scores`, each part transposed into
-    place. Fewer queries, or CUDA with float32 storage: one GEMM (rows upcast on the CPU).
+    place; a batch of fewer than ``PAD_BATCH`` queries is scored as the next power of two
+    (zero queries added, their scores dropped). One query, or CUDA with float32 storage: one
+    GEMM (rows upcast on the CPU).
     16-bit storage on CUDA: one GEMM that reads both operands in the storage dtype
     (queries rounded to it), accumulates in float32 and writes float32
     (``torch.mm(..., out_dtype=float32)``), where this torch has it; otherwise the chunk is
@@ -656,10 +660,11 @@ def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None
     if not rows.is_cuda and q.shape[0] >= ROWS_FIRST_BATCH:
         b, c = q.shape[0], rows.shape[0]
         out = torch.empty(b, c, device=q.device) if buf is None else buf[:b * c].view(b, c)
-        part = torch.empty(SUB_ROWS, b, device=q.device)
+        qp = _pad_batch(q)
+        part = torch.empty(SUB_ROWS, qp.shape[0], device=q.device)
         for s in range(0, c, SUB_ROWS):
-            got = _row_scores(rows[s:s + SUB_ROWS], q, part)
-            out[:, s:s + got.shape[0]] = got.T
+            got = _row_scores(rows[s:s + SUB_ROWS], qp, part)
+            out[:, s:s + got.shape[0]] = got[:, :b].T
         return out
     if rows.dtype == torch.float32 or not rows.is_cuda:
         if buf is None:
@@ -675,6 +680,17 @@ def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None
     return q @ rows.float().T
 
 
+def _pad_batch(q: torch.Tensor) -> torch.Tensor:
+    """(B, d) float32 CPU queries -> the same with zero rows added up to the next power of two
+    when B < ``PAD_BATCH`` (MKL's rows x queries GEMM ran up to 1.9x slower for 12-15 or 3
+    queries than for 16 or 4, 2 threads, AMD EPYC); other batches as they are."""
+    b = q.shape[0]
+    target = 1 << (b - 1).bit_length()
+    if b >= PAD_BATCH or target == b:
+        return q
+    return torch.cat([q, q.new_zeros(target - b, q.shape[1])])
+
+
 def _row_scores(rows: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """CPU (c, d) stored rows x (B, d) float32 queries -> (c, B) float32 inner products in
     ``out`` (at least c B elements, contiguous): one GEMM of exactly ``SUB_ROWS`` rows (a
@@ -684,7 +700,8 @@ def _row_scores(rows: torch.Tensor, q: torch.Tensor, out: torch.Tensor) -> torch
     a pair is scored by one GEMM shape for a given (d, B) whatever the pass, block or shard:
     MKL scores a pair alike wherever its row sits in one shape, not always across shapes, so
     copies of a document tie and sharded searches equal unsharded ones bit for bit. Rows x
-    queries is also the faster product for few queries (MKL: up to 2x at B = 64)."""
+    queries is also the faster product for few queries (MKL, 2 threads: up to 2x at B = 64,
+    2-3.5x at B = 2-11 over 200k x 384)."""
     c, b = rows.shape[0], q.shape[0]
     res = out.view(-1)[:c * b].view(c, b)
     for s in range(0, c, SUB_ROWS):
