@@ -4,9 +4,9 @@
     .venv/bin/python benchmarks/exact.py --quick    # a small grid, to check the script
 
 CPU (``--threads``, default 2): n in {50k, 200k} random unit documents, d in {384, 768},
-B in {1, 64, 2000} random unit queries, k in {10, 100, 500}; then a single query on 1 thread.
+B in {1, 4, 64, 2000} random unit queries, k in {10, 100, 500}; then a single query on 1 thread.
 Per shape, in alternation (the order rotated every repeat, so that no method always runs
-after the same one), best of ``--repeats`` (B = 64: 3x as many: a 30 ms shape moves by 10%
+after the same one), best of ``--repeats`` (B = 4 and 64: 3x as many: a 30 ms shape moves by 10%
 between runs on a shared 2-core machine). B = 1 is single-query latency: each timed sample
 searches ``SINGLE_QUERIES`` distinct queries one at a time and reports the time per query,
 best of 2x ``--repeats`` samples:
@@ -194,16 +194,16 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="n=20k, d=384, B in {1, 64, 500}, "
+    ap.add_argument("--quick", action="store_true", help="n=20k, d=384, B in {1, 4, 64, 500}, "
                     "k in {10, 100}: checks the script in about a minute")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-gpu", action="store_true")
     args = ap.parse_args()
     if args.quick:
-        ns, ds, bs, ks, name = [20_000], [384], [1, 64, 500], [10, 100], "exact_quick"
+        ns, ds, bs, ks, name = [20_000], [384], [1, 4, 64, 500], [10, 100], "exact_quick"
     else:
-        ns, ds, bs, ks, name = [50_000, 200_000], [384, 768], [1, 64, 2000], [10, 100, 500], \
+        ns, ds, bs, ks, name = [50_000, 200_000], [384, 768], [1, 4, 64, 2000], [10, 100, 500], \
             "exact"
     load_before = os.getloadavg()
     t0 = time.perf_counter()
@@ -217,7 +217,7 @@ def main() -> None:
 
     md = (f"CPU: pefa_gpu exact (`ERM(device='cpu').fit(P).search(q, k)`) vs faiss IndexFlatIP,"
           f" torch mm + topk, sentence-transformers util.semantic_search; random unit vectors;"
-          f" best of {args.repeats} in alternation, order rotated every repeat (B = 64:"
+          f" best of {args.repeats} in alternation, order rotated every repeat (B = 4, 64:"
           f" {3 * args.repeats}; B = 1: time per query of {SINGLE_QUERIES} searched one at a time,"
           f" best of {2 * args.repeats}); ratios < 1: "
           f"pefa_gpu faster. Load average (1, 5, 15 min) before {load_before[0]:.2f} "
