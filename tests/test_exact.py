@@ -397,9 +397,14 @@ def test_rows_sharing_a_copy_key_still_match(monkeypatch):
     T = np.concatenate([X[[copies[0][0], copies[1][0], 5]] + 0.05 * unit_rows(rng, 3, 64),
                         unit_rows(rng, 40, 64)])
     index = ExactIndex().build(X)
-    keys = index._row_stats()[1]
+    _, keys, flagged = index._row_stats()
     shared = np.setdiff1d(np.arange(300), np.concatenate(copies))
     assert (keys[shared] == keys[0]).all()
+    # rows whose key another row shares: the copies and the 300; no other row
+    expect = np.zeros(1500, bool)
+    expect[:300] = True
+    expect[np.concatenate(copies)] = True
+    np.testing.assert_array_equal(flagged.numpy(), expect)
     for k in (3, 10, 30):
         scores, ids = index.search(T, k)
         rv, ri = reference_with_copies(X, T, k, copies)

@@ -93,7 +93,7 @@ class ExactIndex(Index):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)
         self.vectors = torch.empty(0, 0, dtype=self._dtype, device=self.device)
-        self._stats: tuple[float, torch.Tensor] | None = None  # see _row_stats
+        self._stats: tuple[float, torch.Tensor, torch.Tensor] | None = None  # see _row_stats
 
     @property
     def ntotal(self) -> int:
@@ -230,23 +230,30 @@ class ExactIndex(Index):
         qn = torch.linalg.vector_norm(q, dim=1, keepdim=True)
         return qn * (max_norm * tie_ulps(self.dim) * 2.0**-24)
 
-    def _row_stats(self) -> tuple[float, torch.Tensor]:
+    def _row_stats(self) -> tuple[float, torch.Tensor, torch.Tensor]:
         """(largest stored row norm, (n,) int64 key of each row: an integer sum of the bits of
         ``KEY_DIMS`` of its coordinates, so equal rows have equal keys and other rows almost
-        never do; a shared key only costs a rescoring), computed on first use in blocks
-        within the memory budget and kept with the index (8 bytes a row)."""
+        never do; a shared key only costs a rescoring, (n,) bool: the rows whose key another
+        row shares), computed on first use in blocks within the memory budget (besides a
+        sorted copy of the keys) and kept with the index (9 bytes a row)."""
         if self._stats is None:
             step = max(1, self.params.memory_budget // (8 * self.dim))
             dims = torch.linspace(0, self.dim - 1, min(KEY_DIMS, self.dim)).long().to(self.device)
             weights = torch.randint(-2**62, 2**62, (dims.numel(),), device=self.device,
                                     generator=torch.Generator(self.device).manual_seed(0))
-            norms, keys = [], []
+            norms, parts = [], []
             for s in range(0, self.ntotal, step):
                 rows = self.vectors[s:s + step].float()
                 norms.append(float(torch.linalg.vector_norm(rows, dim=1).max()))
                 bits = (rows[:, dims] + 0.0).view(torch.int32).long()  # + 0.0: -0.0 -> 0.0
-                keys.append((bits * weights).sum(1))
-            self._stats = (max(norms), torch.cat(keys))
+                parts.append((bits * weights).sum(1))
+            keys = torch.cat(parts)
+            sk = torch.sort(keys).values
+            repeated = sk[1:][sk[1:] == sk[:-1]].unique()
+            del sk
+            shared = torch.cat([torch.isin(keys[s:s + step], repeated)
+                                for s in range(0, self.ntotal, step)])
+            self._stats = (max(norms), keys, shared)
         return self._stats
 
     def _rescore_near_ties(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
@@ -266,7 +273,11 @@ class ExactIndex(Index):
         near = _both_sides(vals[:, :-1] - vals[:, 1:] <= tol)
         if not bool(near.any()):
             return vals, ids
-        keys = self._row_stats()[1][ids] & (2**62 - 1)
+        _, row_keys, shared = self._row_stats()
+        near &= shared[ids]  # only a row whose key another row shares can have a copy
+        if not bool(near.any()):
+            return vals, ids
+        keys = row_keys[ids] & (2**62 - 1)
         keys = torch.where(near, keys, -1 - torch.arange(vals.shape[1]))  # others: unique
         sk, pos = torch.sort(keys, dim=1)
         copy = _both_sides(sk[:, 1:] == sk[:, :-1])
