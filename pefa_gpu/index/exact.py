@@ -234,8 +234,8 @@ class ExactIndex(Index):
         """(largest stored row norm, (n,) int64 key of each row: an integer sum of the bits of
         ``KEY_DIMS`` of its coordinates, so equal rows have equal keys and other rows almost
         never do; a shared key only costs a rescoring, (n,) bool: the rows whose key another
-        row shares), computed on first use in blocks within the memory budget (besides a
-        sorted copy of the keys) and kept with the index (9 bytes a row)."""
+        row shares), computed on first use in blocks within the memory budget (besides one
+        sort of the keys: 16 bytes a row, once) and kept with the index (9 bytes a row)."""
         if self._stats is None:
             step = max(1, self.params.memory_budget // (8 * self.dim))
             dims = torch.linspace(0, self.dim - 1, min(KEY_DIMS, self.dim)).long().to(self.device)
@@ -693,8 +693,9 @@ def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None
 
 def _pad_batch(q: torch.Tensor) -> torch.Tensor:
     """(B, d) float32 CPU queries -> the same with zero rows added up to the next power of two
-    when B < ``PAD_BATCH`` (MKL's rows x queries GEMM ran up to 1.9x slower for 12-15 or 3
-    queries than for 16 or 4, 2 threads, AMD EPYC); other batches as they are."""
+    when B < ``PAD_BATCH`` (MKL's rows x queries GEMM, 2 threads, AMD EPYC, 200k x 384: 12-15
+    queries took 1.4-1.8x the time of 16, 3 queries 1.2x that of 4); other batches as they
+    are."""
     b = q.shape[0]
     target = 1 << (b - 1).bit_length()
     if b >= PAD_BATCH or target == b:
