@@ -136,6 +136,9 @@ def _common(p: argparse.ArgumentParser, data: bool = True, evaluate: bool = True
                    help="CPU threads for torch (default: torch's choice)")
     g.add_argument("--quiet", "-q", action="store_true",
                    help="no progress bars and no log lines, only results")
+    g.add_argument("--verbose", "-v", action="store_true",
+                   help="also the INFO lines of the libraries underneath (faiss, Ray, "
+                        "transformers, ...)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -400,14 +403,23 @@ def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
     return out
 
 
+THIRD_PARTY_LOGGERS = ("faiss", "ray", "transformers", "sentence_transformers", "absl",
+                       "urllib3", "httpx", "huggingface_hub", "filelock", "matplotlib")
+
+
 def _setup(args: argparse.Namespace) -> None:
+    """Log lines on stderr: the library's at INFO (none with --quiet), other libraries' from
+    WARNING (from INFO with --verbose)."""
     if args.quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+    if not args.verbose:
+        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # Ray's C++ core's own lines
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s", stream=sys.stderr)
-    if args.quiet:
-        for name in ("sentence_transformers", "transformers", "pefa_gpu"):
+    logging.getLogger("pefa_gpu").setLevel(logging.WARNING if args.quiet else logging.INFO)
+    if not args.verbose:
+        for name in THIRD_PARTY_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
     if args.threads is not None:
         import torch
@@ -537,7 +549,8 @@ def _cluster(args: argparse.Namespace):
     from .distributed import connect
 
     with contextlib.ExitStack() as stack:
-        args.runner = stack.enter_context(connect(args.ray, args.workers))
+        loud = {"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else {}
+        args.runner = stack.enter_context(connect(args.ray, args.workers, **loud))
         args.work = Path(args.work_dir) if args.work_dir else Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
         yield
@@ -967,6 +980,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    try:
+        return _run(args)
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line (encode says what it kept), no trace
+        print(f"pefa-gpu {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
         _setup(args)

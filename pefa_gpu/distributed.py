@@ -32,6 +32,7 @@ Ray (``pip install 'pefa_gpu[ray]'``) is imported only when this module is used.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -78,6 +79,9 @@ def connect(address: str = "local", workers: int | None = None,
         raise InputError(f"workers must be a positive integer, got {workers!r}")
     started = False
     if not ray.is_initialized():
+        # the workers' output and Ray's INFO lines stay in Ray's log files (pass
+        # log_to_driver=True, logging_level=logging.INFO to see them)
+        init_kwargs = {"log_to_driver": False, "logging_level": logging.WARNING, **init_kwargs}
         if address == "local":
             ray.init(num_cpus=workers, include_dashboard=False, **init_kwargs)
         else:

