@@ -7,6 +7,8 @@ A build folder is a save in :mod:`pefa_gpu.storage`'s layout with its own manife
     pefa-data-<16 hex>/
         model/                 model.save() (a save of its own)
         doc_ids.json           {"doc_ids": [...]}: the corpus ids of the model's rows
+        doc_text.json          {"titles": [...], "snippets": [...]}: per document its title and
+                               the start of its text, on one line each (what search shows)
 
 The encoder record says what made the embeddings: ``{"kind", "name"}`` with kind ``default``
 (the offline all-MiniLM-L6-v2), ``hub`` (a sentence-transformers hub name), ``folder``,
@@ -32,19 +34,65 @@ log = logging.getLogger("pefa_gpu")
 
 BUILD_MANIFEST = "pefa_build.json"
 BUILD_FORMAT = "pefa-gpu-build"
+SNIPPET_CHARS = 200  # characters of a document's text a build keeps for search to show
 _HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")
 
 
-def save_build(model: Any, out: str | Path, doc_ids: Sequence[str], info: dict) -> Path:
-    """Write a build folder at ``out`` (``info``: the manifest's fields). An earlier build there
-    is replaced only once this one is complete; other files there are kept (see
-    :func:`pefa_gpu.storage.writing_save`)."""
+def save_build(model: Any, out: str | Path, doc_ids: Sequence[str], info: dict,
+               titles: Sequence[str] | None = None, texts: Sequence[str] | None = None
+               ) -> Path:
+    """Write a build folder at ``out`` (``info``: the manifest's fields; ``titles`` / ``texts``:
+    the documents' titles and texts, of which the build keeps the titles and a snippet). An
+    earlier build there is replaced only once this one is complete; other files there are kept
+    (see :func:`pefa_gpu.storage.writing_save`)."""
     with writing_save(out, BUILD_MANIFEST, BUILD_FORMAT) as w:
         model.save(w.data / "model")
         (w.data / "doc_ids.json").write_text(json.dumps({"doc_ids": list(doc_ids)}) + "\n",
                                              encoding="utf-8")
-        w.commit({**info, "model": "model", "doc_ids": "doc_ids.json"})
+        fields = {**info, "model": "model", "doc_ids": "doc_ids.json"}
+        if titles is not None and texts is not None:
+            table = {"titles": [one_line(t) for t in titles],
+                     "snippets": [one_line(t, SNIPPET_CHARS) for t in texts]}
+            (w.data / "doc_text.json").write_text(json.dumps(table) + "\n", encoding="utf-8")
+            fields["doc_text"] = "doc_text.json"
+        w.commit(fields)
     return Path(out)
+
+
+def one_line(text: str, limit: int | None = None) -> str:
+    """``text`` with each run of whitespace (tabs, newlines) as one space; cut to ``limit``
+    characters, "…" marking the cut."""
+    flat = " ".join(text.split())
+    return flat if limit is None or len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
+
+
+def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] | None:
+    """(titles, snippets) of a build's ``n_docs`` documents, or None for a build without them
+    (made from embeddings alone, or before builds kept them). The file is checked against the
+    build's manifest."""
+    from .storage import sha256_file
+
+    root = Path(path)
+    if _legacy(root / BUILD_MANIFEST):
+        return None
+    save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT, checksums=False)
+    rel = save.manifest.get("doc_text")
+    if rel is None:
+        return None
+    file = save.file(rel)
+    if sha256_file(file) != save.manifest["files"][rel]["sha256"]:
+        raise FormatError(f"{file} is corrupted: its sha256 does not match the manifest")
+    try:
+        table = json.loads(file.read_text(encoding="utf-8"))
+        titles, snippets = table["titles"], table["snippets"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{file} is not a document text table ({type(exc).__name__}: {exc})"
+                          ) from None
+    for name, col in (("titles", titles), ("snippets", snippets)):
+        if not isinstance(col, list) or len(col) != n_docs \
+                or not all(isinstance(t, str) for t in col):
+            raise FormatError(f'{file}: "{name}" must be a list of {n_docs} strings')
+    return [one_line(t) for t in titles], [one_line(t) for t in snippets]
 
 
 def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], dict]:

@@ -34,6 +34,7 @@ log = logging.getLogger("pefa_gpu")
 
 METRICS = ("recall@10", "recall@100", "ndcg@10", "mrr@10")
 SEARCH_FORMATS = ("tsv", "json", "trec")
+BUILD_METHODS = ("erm", "xs", "xl", "nudge-m", "nudge-n", "auto")
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -270,8 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--out, for `pefa-gpu search`. Nothing is evaluated.")
     _common(p, evaluate=False)
     _model_args(p)
-    p.add_argument("--method", default="xs", choices=("erm", "xs", "xl", "auto"),
-                   help="model to build; auto = the choice of `tune` (default: xs)")
+    p.add_argument("--method", default="xs", choices=BUILD_METHODS,
+                   help="model to build; auto = the choice of `tune`; NUDGE chooses its step "
+                        "on 20%% of the training queries (default: xs)")
     p.add_argument("--lam", type=_lam, default=None, metavar="L",
                    help="λ in [0, 1], weight of the ERM score (default: 0.5 XS, 0.1 XL)")
     p.add_argument("--k", type=_positive_int, default=None,
@@ -303,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="output format (default: from --out's suffix: .json, .trec / .run, "
                         "else tsv); trec writes 'qid Q0 doc_id rank score tag' lines")
     p.add_argument("--tag", default=None, help="TREC run tag (default: pefa_gpu)")
+    p.add_argument("--no-text", action="store_true",
+                   help="leave out each document's title and text snippet (TSV columns "
+                        "title, text; JSON fields title, text)")
     _common(p, data=False)
     return parser
 
@@ -319,6 +324,7 @@ class _Data:
     Q_test: Any = None
     Y_test: Any = None
     n_pairs: int = 0
+    corpus: Any = None  # the BeirDataset, when the data came from one
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -357,7 +363,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if cmd == "build":
         m = args.method
         _refuse_unused(args, {"lam": m in ("xs", "xl"), "k": m == "xl",
-                              "candidates": m in ("xl", "auto"), "no_augment": m != "erm",
+                              "candidates": m in ("xl", "auto"),
+                              "no_augment": m in ("xs", "xl", "auto"),
                               "seed": m == "auto"}, f"--method {m}")
         from .builds import BUILD_FORMAT, BUILD_MANIFEST
         from .storage import check_save_target
@@ -510,7 +517,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         q_test = q_test[0] if test else None
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test, y_test,
-                 n_pairs=y_train.nnz)
+                 n_pairs=y_train.nnz, corpus=ds)
 
 
 def _load_xmc_data(args: argparse.Namespace) -> _Data:
@@ -593,9 +600,13 @@ def _cluster_rows(args: argparse.Namespace, data: _Data, configs: list) -> tuple
 
 # ------------------------------------------------------------------------------ output
 
-def _result_row(method: str, lam: float | None, k: int | None, metrics: dict) -> dict:
+def _result_row(method: str, lam: float | None, k: int | None, metrics: dict,
+                gamma: float | None = None) -> dict:
+    """A table / JSON row; NUDGE rows add the step their fit chose ("gamma")."""
     return {"method": method, "lam": None if lam is None else float(lam),
-            "k": None if k is None else int(k), **{m: float(metrics[m]) for m in METRICS}}
+            "k": None if k is None else int(k),
+            **({} if gamma is None else {"gamma": float(gamma)}),
+            **{m: float(metrics[m]) for m in METRICS}}
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -647,7 +658,7 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
                                             methods, lams, ks, topk=100, timings=timings,
                                             **kw):
                 last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
-                rows.append(_result_row(cfg.method, cfg.lam, cfg.k, last))
+                rows.append(_result_row(cfg.method, cfg.lam, cfg.k, last, cfg.gamma))
                 bar.update(1)
     return rows, last, timings
 
@@ -785,7 +796,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         _, ids = model.search(data.Q_test, 100)
         last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
         lam = None if cfg.method == "erm" else cfg.lam
-        rows.append(_result_row(cfg.method, lam, cfg.k, last))
+        rows.append(_result_row(cfg.method, lam, cfg.k, last,
+                                getattr(model, "fitted_gamma", None)))
     print("test (refitted on all training pairs):")
     print(_header(args, data, last))
     print()
@@ -796,7 +808,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
             "chosen": {"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
             "reason": res.reason, "coverage": res.coverage,
             "validation": [{k: v for k, v in r.items() if k in ("method", "lam", "k",
-                                                                "objective", *METRICS)}
+                                                                "objective", *METRICS)
+                            or k == "gamma" and v is not None}
                            for r in res.validation.rows]})
     return 0
 
@@ -821,17 +834,31 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"chosen: {cfg.label()} — {res.reason}")
     elif args.method == "erm":
         cfg = Config("erm", 1.0, None)
+    elif args.method.startswith("nudge"):
+        cfg = Config(args.method)
     elif args.method == "xs":
         cfg = Config("xs", 0.5 if args.lam is None else args.lam, None)
     else:
         cfg = Config("xl", 0.1 if args.lam is None else args.lam, args.k or 16)
     model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device, **kw)
+    cfg = dataclasses.replace(cfg, gamma=getattr(model, "fitted_gamma", None))
     save_build(model, args.out, data.doc_ids, {
         "encoder": encoder_record(args.model, args.embeddings),
         "dataset": data.name, "method": cfg.method, "lam": cfg.lam, "k": cfg.k,
-        "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.n_pairs})
+        **({} if cfg.gamma is None else {"gamma": cfg.gamma}),
+        "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.n_pairs},
+        *_titles_and_texts(data))
     print(f"built {cfg.label()} on {data.name} ({len(data.doc_ids)} documents) -> {args.out}")
     return 0
+
+
+def _titles_and_texts(data: _Data) -> tuple[list[str] | None, list[str] | None]:
+    """The documents' titles and texts (without the title) for a build to keep."""
+    ds = data.corpus
+    if ds is None or ds.corpus_titles is None:
+        return None, None
+    return ds.corpus_titles, [t.removeprefix(f"{h} ") if h else t
+                              for h, t in zip(ds.corpus_titles, ds.corpus_texts)]
 
 
 # ------------------------------------------------------------------------------ search
@@ -920,28 +947,38 @@ def _search_format(args: argparse.Namespace) -> str:
 
 
 def _format_results(fmt: str, queries: list[tuple[str, str]], scores: np.ndarray,
-                    ids: np.ndarray, doc_ids: list[str], tag: str) -> str:
+                    ids: np.ndarray, doc_ids: list[str], tag: str,
+                    doc_text: tuple[list[str], list[str]] | None = None) -> str:
+    """doc_text: (titles, snippets) per document, shown in TSV columns / JSON fields."""
     from .errors import InputError
 
-    hits = [[(r + 1, doc_ids[int(i)], float(s)) for r, (i, s) in enumerate(zip(ids[b], scores[b]))
-             if i >= 0] for b in range(len(queries))]
+    hits = [[(r + 1, doc_ids[int(i)], float(s), int(i))
+             for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0]
+            for b in range(len(queries))]
     if fmt == "json":
         return json.dumps([{"query_id": qid, "query": t, "results": [
-            {"rank": r, "doc_id": d, "score": s} for r, d, s in hits[b]]}
+            {"rank": r, "doc_id": d, "score": s, **_doc_fields(doc_text, j)}
+            for r, d, s, j in hits[b]]}
             for b, (qid, t) in enumerate(queries)], indent=2) + "\n"
     if fmt == "trec":
         lines = []
         for b, (qid, _) in enumerate(queries):
-            for r, d, s in hits[b]:
+            for r, d, s, _ in hits[b]:
                 if any(c.isspace() for c in qid + d):
                     raise InputError(f"the TREC run format cannot hold ids with spaces "
                                      f"({qid!r}, {d!r})")
                 lines.append(f"{qid} Q0 {d} {r} {s:.6f} {tag}")
         return "".join(line + "\n" for line in lines)
-    lines = ["query_id\trank\tdoc_id\tscore"]
+    lines = ["query_id\trank\tdoc_id\tscore" + ("\ttitle\ttext" if doc_text else "")]
     for b, (qid, _) in enumerate(queries):
-        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" for r, d, s in hits[b]]
+        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(
+            f"\t{v}" for v in _doc_fields(doc_text, j).values()) for r, d, s, j in hits[b]]
     return "\n".join(lines) + "\n"
+
+
+def _doc_fields(doc_text: tuple[list[str], list[str]] | None, row: int) -> dict[str, str]:
+    """{"title", "text"} of document ``row`` (one line each), or {} without doc_text."""
+    return {} if doc_text is None else {"title": doc_text[0][row], "text": doc_text[1][row]}
 
 
 def cmd_search(args: argparse.Namespace) -> int:
@@ -959,13 +996,26 @@ def cmd_search(args: argparse.Namespace) -> int:
     params = None if args.candidates is None else {"candidates": args.candidates}
     scores, ids = model.search(q, args.topk, params=params)
     text = _format_results(_search_format(args), queries, to_numpy(scores), to_numpy(ids),
-                           doc_ids, args.tag or "pefa_gpu")
+                           doc_ids, args.tag or "pefa_gpu", _search_doc_text(args, doc_ids))
     if args.out:
         write_output_file(args.out, text, "--out")
         log.info("wrote %s", args.out)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _search_doc_text(args: argparse.Namespace, doc_ids: list[str]
+                     ) -> tuple[list[str], list[str]] | None:
+    """The build's document titles and snippets, unless --no-text or the build has none."""
+    from .builds import load_doc_text
+
+    if args.no_text:
+        return None
+    doc_text = load_doc_text(args.model_dir, len(doc_ids))
+    if doc_text is None:
+        log.info("this build keeps no document text (an older build): ids and scores only")
+    return doc_text
 
 
 COMMANDS = {"eval": cmd_eval, "sweep": cmd_sweep, "tune": cmd_tune, "build": cmd_build,

@@ -24,13 +24,15 @@ from .storage import read_npy
 
 @dataclasses.dataclass
 class BeirDataset:
-    """A BEIR-layout dataset held in memory. Documents are encoded as ``title + " " + text``."""
+    """A BEIR-layout dataset held in memory. Documents are encoded as ``title + " " + text``
+    (``corpus_titles``: the titles alone, "" where a document has none)."""
 
     root: Path
     corpus_ids: list[str]
     corpus_texts: list[str]
     query_ids: list[str]
     query_texts: list[str]
+    corpus_titles: list[str] | None = None
 
     def __post_init__(self) -> None:
         self.doc_index = {d: i for i, d in enumerate(self.corpus_ids)}
@@ -99,7 +101,9 @@ class BeirDataset:
         for part, rows in (("corpus", len(self.corpus_ids)), ("queries", len(self.query_ids))):
             path = folder / f"{part}.npy"
             if not path.exists():
-                raise InputError(f"{path} not found: no precomputed embeddings for {model!r}")
+                raise InputError(f"{path} not found: no precomputed embeddings for {model!r}; "
+                                 f"encode the texts instead: pg.encode(ds.corpus_texts) and "
+                                 f"pg.encode(ds.query_texts)")
             arr = read_npy(path, mmap_mode="r")  # names the file: text, truncated, objects
             if arr.ndim != 2 or arr.shape[0] != rows:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
@@ -124,11 +128,12 @@ def text_lines(path: Path):
             yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
 
 
-def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str]]:
+def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]:
+    """ids, texts (a document's title + " " + text) and titles of a .jsonl file."""
     if not path.exists():
         raise InputError(f"{path} not found (a BEIR folder has corpus.jsonl, queries.jsonl and "
                          f"qrels/)")
-    ids, texts, seen = [], [], set()
+    ids, texts, titles, seen = [], [], [], set()
     for lineno, line in text_lines(path):
         if not line.strip():
             continue
@@ -149,14 +154,15 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str]]:
             raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
         seen.add(rid)
         text = rec.get("text") or ""
+        title = str(rec.get("title", "") or "")
         if kind == "document":
-            title = str(rec.get("title", "") or "")
             text = f"{title} {text}" if title else text
         ids.append(rid)
         texts.append(text)
+        titles.append(title)
     if not ids:
         raise InputError(f"{path}: no records")
-    return ids, texts
+    return ids, texts, titles
 
 
 def load_beir(data_dir: str | Path) -> BeirDataset:
@@ -164,9 +170,9 @@ def load_beir(data_dir: str | Path) -> BeirDataset:
     root = Path(data_dir)
     if not root.is_dir():
         raise InputError(f"{root} is not a directory")
-    cids, ctexts = _read_jsonl(root / "corpus.jsonl", "document")
-    qids, qtexts = _read_jsonl(root / "queries.jsonl", "query")
-    return BeirDataset(root, cids, ctexts, qids, qtexts)
+    cids, ctexts, titles = _read_jsonl(root / "corpus.jsonl", "document")
+    qids, qtexts, _ = _read_jsonl(root / "queries.jsonl", "query")
+    return BeirDataset(root, cids, ctexts, qids, qtexts, titles)
 
 
 _QUERY_COLS = ("query", "query_text", "query-text", "query_id", "query-id", "qid", "text")

@@ -34,6 +34,7 @@ searches as it did.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -234,6 +235,8 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
 
 def _model_class(name: Any, where: Path) -> type:
     """The registered model class called ``name`` (never imports anything a manifest names)."""
+    if not _MODELS:  # the classes register as pefa_gpu.models defines them; models imports
+        importlib.import_module(f"{__package__}.models")  # this module, so not at the top
     if not isinstance(name, str) or name not in _MODELS:
         raise FormatError(f"{where} holds class {name!r}, which is not a pefa_gpu model "
                           f"(known: {sorted(_MODELS)})")

@@ -48,11 +48,13 @@ METHODS: tuple[str, ...] = DEFAULT_METHODS + NUDGE_METHODS  # every method a gri
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One point of the grid: method 'erm', 'nudge-m', 'nudge-n' (lam, k None), 'xs' (k None)
-    or 'xl'."""
+    or 'xl'. gamma: the step a NUDGE fit chose (set on the configs a sweep yields; not part of
+    a config's identity)."""
 
     method: str
     lam: float | None = None
     k: int | None = None
+    gamma: float | None = dataclasses.field(default=None, compare=False)
 
     def label(self) -> str:
         parts = [self.method.upper()]
@@ -60,6 +62,8 @@ class Config:
             parts.append(f"λ={self.lam:g}")
         if self.k is not None:
             parts.append(f"k={self.k}")
+        if self.gamma is not None:
+            parts.append(f"γ={self.gamma:.4g}")
         return " ".join(parts)
 
 
@@ -87,12 +91,16 @@ class SweepResult:
 
 def markdown_table(rows: Sequence[dict[str, Any]],
                    metrics: Sequence[str] = ("recall@10", "recall@100", "ndcg@10")) -> str:
-    """Rows of method / lam / k / metrics as a markdown table (4 decimals)."""
-    head = ["method", "λ", "k", *metrics]
+    """Rows of method / lam / k / metrics as a markdown table (4 decimals); a γ column when a
+    row has a NUDGE step ("gamma")."""
+    gamma = any(r.get("gamma") is not None for r in rows)
+    head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["method"].upper(), "" if r.get("lam") is None else f"{r['lam']:g}",
                  "" if r.get("k") is None else str(r["k"])]
+        if gamma:
+            cells.append("" if r.get("gamma") is None else f"{r['gamma']:.4g}")
         cells += [f"{r[m]:.4f}" if m in r else "" for m in metrics]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -162,10 +170,11 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
                 bar.update(1)
                 yield Config("erm"), s, i
             elif method in NUDGE_METHODS:
-                s, i = NUDGE(variant=method[-1].upper(), **common).fit(P, Q, Y).search(q, topk)
+                nudge = NUDGE(variant=method[-1].upper(), **common).fit(P, Q, Y)
+                s, i = nudge.search(q, topk)
                 _tick(timings, method, t0)
                 bar.update(1)
-                yield Config(method), s, i
+                yield Config(method, gamma=nudge.fitted_gamma), s, i
             elif method == "xs":
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
                 results = (_xs_all_lams(xs, q, lams, topk) if backend == "exact"
@@ -318,7 +327,7 @@ def sweep(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
     for cfg, _, ids in sweep_search(P, Q, Y, queries, methods, lams, ks,
                                     topk=max(metric_ks), device=device, timings=timings,
                                     **kwargs):
-        rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k,
+        rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
                      **evaluate(ids, Y_test, metric_ks)})
     return SweepResult(rows, timings)
 

@@ -139,7 +139,7 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = DEFAULT_METHODS,
         if cfg.method == "erm":
             erm_vals = per_q
         gains[cfg] = per_q
-        row = {"method": cfg.method, "lam": cfg.lam, "k": cfg.k,
+        row = {"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
                **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
                "objective": float(np.nanmean(per_q))}
         rows.append(row)
@@ -147,7 +147,7 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = DEFAULT_METHODS,
     erm_obj = float(np.mean(erm_vals[ok]))
     # the best by objective; on ties the earlier in grid order (ERM first, then the methods)
     best_row = max(rows, key=lambda r: r["objective"])
-    best = Config(best_row["method"], best_row["lam"], best_row["k"])
+    best = Config(best_row["method"], best_row["lam"], best_row["k"], best_row["gamma"])
     diff = gains[best][ok] - erm_vals[ok]
     gain = float(diff.mean())
     se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else float("inf")
@@ -164,7 +164,7 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = DEFAULT_METHODS,
         chosen = best
         reason = (f"{best.label()} gains {gain:+.4f} ± {se:.4f} (s.e.) over ERM on validation "
                   f"({metric}: {erm_obj:.4f} -> {erm_obj + gain:.4f})")
-    log.info("tune: %s", reason)
+    log.debug("tune: %s", reason)
     return TuneResult(chosen, metric, SweepResult(rows, {}), erm_obj, best, erm_obj + gain, se,
                       reason, int(fit_rows.size), int(val_rows.size), seed, coverage)
 

@@ -170,7 +170,8 @@ def test_build_and_search(data, tmp_path, capsys):
     text = ds.corpus_texts[5]
     out_tsv = tmp_path / "r.tsv"
     _run(capsys, "search", model_dir, text, "another query", "--topk", "3", "--device", "cpu",
-         "--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c", "--out", out_tsv, "-q")
+         "--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c", "--out", out_tsv, "-q",
+         "--no-text")
     lines = out_tsv.read_text().splitlines()
     assert lines[0] == "query_id\trank\tdoc_id\tscore" and len(lines) == 1 + 2 * 3
     model, doc_ids, _ = load_build(model_dir, device="cpu")
@@ -185,7 +186,7 @@ def test_build_and_search(data, tmp_path, capsys):
     qfile.write_text(json.dumps({"_id": "x1", "text": text}) + "\n")
     out = _run(capsys, "search", model_dir, "--queries", qfile, "--format", "json",
                "--topk", "2", "--device", "cpu", "--cache-dir", tmp_path / "c",
-               "--model", "textdata:BowEncoder", "-q")
+               "--model", "textdata:BowEncoder", "-q", "--no-text")
     res = json.loads(out.out)
     assert res[0]["query_id"] == "x1" and len(res[0]["results"]) == 2
     assert set(res[0]["results"][0]) == {"rank", "doc_id", "score"}

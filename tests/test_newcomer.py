@@ -99,3 +99,32 @@ def test_interrupted_encoding_resumes_byte_identical(tmp_path):
     assert a.shape == (len(texts), 48) and torch.equal(a, b)
     assert sorted(p.name for p in cache.rglob("*.npy")) == sorted(
         p.name for p in fresh.rglob("*.npy"))  # the same chunks, named by their keys
+
+
+def _imported(stderr: str) -> set[str]:
+    """Module names from PYTHONPROFILEIMPORTTIME's lines."""
+    return {line.rsplit("|", 1)[-1].strip() for line in stderr.splitlines()
+            if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["eval", "--help"],
+                                  ["sweep", "x", "--lam", "0.5,7"], ["search"]])
+def test_help_and_argument_errors_do_not_import_torch(argv):
+    res = _pefa(*argv, env=_env(PYTHONPROFILEIMPORTTIME="1"), check=False)
+    assert res.returncode == (0 if "--help" in argv else 2)
+    mods = _imported(res.stderr)
+    assert "argparse" in mods and "pefa_gpu.cli" in mods  # the listing works
+    assert not {m for m in mods if m.split(".")[0] in ("torch", "scipy", "faiss")}
+
+
+def test_default_run_prints_no_third_party_log_lines(tmp_path):
+    from textdata import write_embeddings
+
+    data = write_beir(tmp_path / "toy", n_topics=4, docs_per_topic=5, seed=1)
+    write_embeddings(data, "bow")
+    run = ["eval", data, "--embeddings", "bow", "--methods", "erm,xl", "--k", "4",
+           "--device", "cpu"]
+    err = _pefa(*run).stderr
+    assert "faiss" not in err and "ModuleNotFoundError" not in err, err
+    loud = _pefa(*run, "--verbose").stderr  # faiss is imported on this path: its lines show
+    assert "faiss.loader" in loud or "faiss" not in sys.modules
