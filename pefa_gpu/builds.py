@@ -102,6 +102,8 @@ def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], di
 
     root = Path(path)
     marker = root / BUILD_MANIFEST
+    if not root.exists():
+        raise InputError(f"{root} does not exist (give the folder `pefa-gpu build --out` wrote)")
     if not marker.is_file():
         raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
                           f"the build is incomplete or this is another kind of folder)")

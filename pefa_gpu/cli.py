@@ -56,8 +56,10 @@ def _numbers(text: str, kind: type, what: str) -> tuple:
 def _lams(text: str) -> tuple[float, ...]:
     """--lam L[,L...]: each in [0, 1] (the same rule and message in every subcommand)."""
     vals = _numbers(text, float, "numbers")
-    if any(not 0.0 <= v <= 1.0 for v in vals):
-        raise argparse.ArgumentTypeError(f"{LAM_RULE}, got {text!r}")
+    given = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x, v in zip(given, vals) if not 0.0 <= v <= 1.0]
+    if bad:  # the bad value alone, as given
+        raise argparse.ArgumentTypeError(f"{LAM_RULE}, got {bad[0]!r}")
     return vals
 
 
