@@ -95,7 +95,9 @@ def encode(texts: Sequence[str] | str, model: Any = None, batch_size: int = 64,
     rows: dict[bytes, np.ndarray] = cache.lookup(set(keys)) if cache else {}
     distinct = dict(zip(keys, texts))
     n_todo = len(distinct) - len(rows)
-    if cache is not None and n_todo < len(distinct):
+    if cache is not None and not n_todo:
+        log.info("encode: all %d distinct texts read from the cache", len(distinct))
+    elif cache is not None and n_todo < len(distinct):
         log.info("encode: %d distinct texts, %d of them to encode (%d found in the cache)",
                  len(distinct), n_todo, len(distinct) - n_todo)
     if n_todo:

@@ -252,6 +252,11 @@ def test_encode_cache_message_on_a_partly_filled_cache(tmp_path, caplog):
         encode(["a b", "c d", "e f", "g h", "a b"], model=BowEncoder(), cache_dir=tmp_path,
                device="cpu", show_progress=False)
     assert "encode: 4 distinct texts, 2 of them to encode (2 found in the cache)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pefa_gpu"):
+        encode(["e f", "a b"], model=BowEncoder(), cache_dir=tmp_path, device="cpu",
+               show_progress=False)
+    assert "encode: all 2 distinct texts read from the cache" in caplog.text
 
 
 def test_messages(toy, tmp_path):
