@@ -3,9 +3,10 @@
     pefa-gpu eval   DATA_DIR [--methods erm,xs,xl,nudge-m,nudge-n] [--lam L] [--k K] [--json OUT]
     pefa-gpu sweep  DATA_DIR [--lam 0.1,...,0.9] [--k 16,32,64] [--json OUT] [--plot PNG]
     pefa-gpu tune   DATA_DIR [--val-fraction 0.2] [--seed 0] [--json OUT]
-    pefa-gpu build  DATA_DIR --method xs|xl|erm|auto [--lam L] [--k K] --out MODEL_DIR
+    pefa-gpu build  DATA_DIR --method xs|xl|erm|nudge-m|nudge-n|auto [--lam L] [--k K]
+                    --out MODEL_DIR
     pefa-gpu search MODEL_DIR "query text" ... [--queries FILE] [--topk 10] [--out FILE]
-                    [--format tsv|json|trec]
+                    [--format tsv|json|trec] [--no-text]
 
 Tables go to stdout (markdown), progress bars and log lines to stderr. Every check on the
 arguments runs before any data is read (``_check_args``); outputs are checked for writability
@@ -422,8 +423,6 @@ def _setup(args: argparse.Namespace) -> None:
     if args.quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if not args.verbose:
-        os.environ.setdefault("RAY_BACKEND_LOG_LEVEL", "fatal")  # Ray's C++ core's own lines
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("pefa_gpu").setLevel(logging.WARNING if args.quiet else logging.INFO)
@@ -558,8 +557,9 @@ def _cluster(args: argparse.Namespace):
     from .distributed import connect
 
     with contextlib.ExitStack() as stack:
-        loud = {"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else {}
-        args.runner = stack.enter_context(connect(args.ray, args.workers, **loud))
+        noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
+                 {"logging_level": logging.ERROR})
+        args.runner = stack.enter_context(connect(args.ray, args.workers, **noise))
         args.work = Path(args.work_dir) if args.work_dir else Path(
             stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
         yield
