@@ -16,6 +16,7 @@ from .metrics import evaluate, mrr_at_k, ndcg_at_k, recall_at_k
 from .models import (ERM, NUDGE, PEFAXL, PEFAXS, ERMParams, ERMSearchParams, NUDGEParams,
                      NUDGESearchParams, XLParams, XLSearchParams, XSParams, XSSearchParams)
 from .persist import load
+from .query import QueryAdapter, QueryModel, VectorPRF
 from .relevance import Relevance, as_relevance
 from .sweep import Config, SweepResult, sweep
 from .synthetic import SyntheticData, make_synthetic
@@ -27,6 +28,7 @@ __all__ = [
     "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
     "ERMSearchParams", "XSSearchParams", "XLSearchParams",
     "NUDGE", "NUDGEParams", "NUDGESearchParams",
+    "QueryAdapter", "VectorPRF", "QueryModel",
     "pifa", "normalize_rows", "Relevance", "as_relevance",
     "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
     "load", "Index", "make_index",

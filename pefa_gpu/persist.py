@@ -98,6 +98,8 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
     cls = _model_class(manifest.get("class"), where)
     if expect is not None and not issubclass(cls, expect):
         raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
+    if hasattr(cls, "_from_save"):  # a query-side part (pefa_gpu.query): its own layout
+        return cls._from_save(save, device=resolve_device(device), mmap=mmap)
     state = _state_table(manifest, cls, where)
     backend = manifest.get("backend")
     _backend(backend, where)

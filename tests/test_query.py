@@ -1,0 +1,232 @@
+"""QueryAdapter and VectorPRF against float64 references written here, their saves, bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu.errors import FormatError, InputError
+from pefa_gpu.query import ALPHAS
+from pefa_gpu.splits import split_queries
+import reference as ref
+from conftest import DEVICES
+
+
+def problem(seed, n=30, m=120, d=10, noise=0.7):
+    """Queries around their relevant document; documents 1 and 2 copy document 0 (ties);
+    document 4 is -document 3 (a query relevant to both has a zero target); queries 0..2 have no
+    relevant document; a few pairs weigh 2."""
+    rng = np.random.default_rng(seed)
+
+    def unit(x):
+        return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+    P = unit(rng.standard_normal((n, d)))
+    P[1] = P[2] = P[0]
+    P[4] = -P[3]
+    ans = rng.integers(0, n, m)
+    Q = unit(P[ans] @ rng.standard_normal((d, d)) * 0.3 + P[ans] + noise * rng.standard_normal(
+        (m, d)))
+    rows, cols, vals = list(range(3, m)), list(ans[3:]), [1.0] * (m - 3)
+    rows += [5, 6, 7, 7]
+    cols += [3, 4, 3, 4]                       # query 7: documents 3 and -3 sum to zero ...
+    vals += [2.0, 1.0, 1.0, 1.0]
+    Y = sp.csr_matrix((np.asarray(vals, np.float32), (rows, cols)), shape=(m, n))
+    Y = Y.tolil()
+    Y[7, :] = 0
+    Y[7, 3] = Y[7, 4] = 1.0                    # ... and nothing else
+    T = unit(P[rng.integers(0, n, 25)] + noise * rng.standard_normal((25, d)))
+    return P, Q, Y.tocsr(), T
+
+
+def ref_targets(P, Y):
+    return ref.normalize(ref.dense(Y) @ np.asarray(P, np.float64))
+
+
+def ref_W(P, Q, Y, alpha):
+    """W = I + (QᵀQ + αI)⁻¹ Qᵀ(T − Q) over the queries with a nonzero target."""
+    T = ref_targets(P, Y)
+    keep = np.linalg.norm(T, axis=1) > 0
+    Qk, Tk = np.asarray(Q, np.float64)[keep], T[keep]
+    d = Qk.shape[1]
+    return np.eye(d) + np.linalg.solve(Qk.T @ Qk + alpha * np.eye(d), Qk.T @ (Tk - Qk))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("alpha", [0.05, 1.0, 10.0])
+@pytest.mark.parametrize("seed", [0, 3])
+def test_adapter_matches_float64_reference(seed, alpha, device):
+    P, Q, Y, T = problem(seed)
+    P0, Q0, Y0 = P.copy(), Q.copy(), Y.copy()
+    a = pg.QueryAdapter(alpha=alpha, device=device).fit(Q, Y, P)
+    W = ref_W(P, Q, Y, alpha)
+    np.testing.assert_allclose(a.W.cpu().numpy(), W, atol=2e-5)
+    assert a.fitted_alpha == alpha and a.validation == {}
+    want = ref.normalize(np.asarray(T, np.float64) @ W)
+    got = a(T)
+    assert got.device.type == device and got.dtype == torch.float32
+    np.testing.assert_allclose(got.cpu().numpy(), want, atol=2e-5)
+    # searched: the ids of the float64 reference, ties (documents 0, 1, 2) to the lower id;
+    # normalising after the map changes no ranking (the plain qW gives the same ids)
+    _, ids = pg.ERM(device=device).fit(P).search(got, 8)
+    _, want_ids = ref.exact_search(P, want, 8)
+    _, plain_ids = ref.exact_search(P, np.asarray(T, np.float64) @ W, 8)
+    np.testing.assert_array_equal(ids.cpu().numpy(), want_ids)
+    np.testing.assert_array_equal(plain_ids, want_ids)
+    assert np.isin([1, 2], want_ids).any()  # the copies of document 0 are found: ties tested
+    np.testing.assert_array_equal(P, P0)  # inputs are read, never written
+    np.testing.assert_array_equal(Q, Q0)
+    assert (Y != Y0).nnz == 0
+
+
+def test_queries_without_a_target_are_left_out():
+    """Queries 0..2 (no relevant document) and 7 (documents summing to 0) change nothing: W
+    equals a fit without them, and adding more such queries keeps it equal."""
+    P, Q, Y, _ = problem(1)
+    keep = np.r_[3:7, 8:Q.shape[0]]
+    a = pg.QueryAdapter(alpha=0.5, device="cpu").fit(Q, Y, P)
+    b = pg.QueryAdapter(alpha=0.5, device="cpu").fit(Q[keep], Y[keep], P)
+    extra = np.random.default_rng(9).standard_normal((6, Q.shape[1])).astype(np.float32)
+    c = pg.QueryAdapter(alpha=0.5, device="cpu").fit(
+        np.vstack([Q, extra]), sp.vstack([Y, sp.csr_matrix((6, P.shape[0]))]), P)
+    np.testing.assert_array_equal(a.W.numpy(), b.W.numpy())
+    np.testing.assert_array_equal(a.W.numpy(), c.W.numpy())
+    assert not np.allclose(a.W.numpy(), np.eye(Q.shape[1]), atol=1e-3)
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_alpha_chosen_on_held_out_queries(seed):
+    P, Q, Y, T = problem(seed, noise=1.0)
+    a = pg.QueryAdapter(device="cpu", seed=seed).fit(Q, Y, P)
+    fit, val = split_queries(Q.shape[0], 0.2, seed)
+    Yv = ref.dense(Y[val]) > 0
+    has = Yv.any(1)
+    recalls = {}
+    for alpha in ALPHAS:
+        W = ref_W(P, Q[fit], Y[fit], alpha)
+        _, ids = ref.exact_search(P, np.asarray(Q[val], np.float64) @ W, 10)
+        hits = np.array([Yv[i, ids[i]].sum() for i in range(len(val))])
+        recalls[alpha] = float(np.mean(hits[has] / Yv[has].sum(1)))
+    best = max(ALPHAS, key=lambda x: recalls[x])
+    assert a.fitted_alpha == best
+    assert a.validation == pytest.approx(recalls, abs=1e-12)
+    assert len(set(recalls.values())) > 1  # the grid matters on this data
+    np.testing.assert_allclose(a.W.numpy(), ref_W(P, Q, Y, best), atol=2e-5)  # refit on all
+
+
+def ref_prf(E, P, T, k, beta):
+    """q + β mean(P of the top-k of <q, e_j>), ties to the lower id."""
+    _, ids = ref.exact_search(E, T, k)
+    T = np.asarray(T, np.float64)
+    out = T.copy()
+    for i in range(len(T)):
+        found = ids[i][ids[i] >= 0]
+        out[i] += beta * np.asarray(P, np.float64)[found].mean(0)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("k,beta", [(1, 0.5), (3, 0.2), (40, 1.0)])  # 40 > n: all documents
+def test_prf_matches_reference(k, beta, device):
+    P, Q, Y, T = problem(4)
+    erm = pg.ERM(device=device).fit(P)
+    want = ref_prf(P, P, T, k, beta)
+    got = pg.VectorPRF(k=k, beta=beta)(T, erm)
+    np.testing.assert_allclose(got.cpu().numpy(), want, atol=2e-6)
+    _, ids = erm.search(got, 8)
+    np.testing.assert_array_equal(ids.cpu().numpy(), ref.exact_search(P, want, 8)[1])
+    # under PEFA-XS: the top-k of the XS embeddings, the mean of the plain documents
+    xs = pg.PEFAXS(lam=0.4, device=device).fit(P, Q, Y)
+    E = ref.xs_embeddings(P, Q, Y, 0.4)
+    want = ref_prf(E, P, T, k, beta)
+    np.testing.assert_allclose(pg.VectorPRF(k=k, beta=beta)(T, xs).cpu().numpy(), want,
+                               atol=2e-6)
+    assert not np.allclose(want, ref_prf(P, P, T, k, beta)) or k == 40
+
+
+def test_query_model_composes_and_round_trips(tmp_path):
+    P, Q, Y, T = problem(5)
+    a = pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P)
+    xs = pg.PEFAXS(lam=0.5, device="cpu").fit(P, Q, Y)
+    prf = pg.VectorPRF(k=2, beta=0.3)
+    qm = pg.QueryModel(xs, a, prf)
+    E = ref.xs_embeddings(P, Q, Y, 0.5)
+    q = ref_prf(E, P, ref.normalize(np.asarray(T, np.float64) @ ref_W(P, Q, Y, 1.0)), 2, 0.3)
+    s, ids = qm.search(T, 6)
+    ws, wi = ref.exact_search(E, q, 6)
+    np.testing.assert_array_equal(ids.numpy(), wi)
+    np.testing.assert_allclose(s.numpy(), ws, atol=1e-5)
+    for obj in (a, prf, qm):
+        obj.save(tmp_path / type(obj).__name__)
+    a2 = pg.load(tmp_path / "QueryAdapter")
+    assert isinstance(a2, pg.QueryAdapter) and a2.fitted_alpha == 1.0
+    assert torch.equal(a2.W, a.W) and torch.equal(a2(T), a(T))
+    assert pg.VectorPRF.load(tmp_path / "VectorPRF").params == prf.params
+    qm2 = pg.QueryModel.load(tmp_path / "QueryModel")
+    assert isinstance(qm2.model, pg.PEFAXS) and qm2.prf.params == prf.params
+    s2, i2 = qm2.search(T, 6)
+    assert torch.equal(i2, ids) and torch.equal(s2, s)
+    with pytest.raises(FormatError, match="not a QueryAdapter"):
+        pg.QueryAdapter.load(tmp_path / "VectorPRF")
+    xs.save(tmp_path / "xs")
+    with pytest.raises(FormatError, match="not a QueryModel"):
+        pg.QueryModel.load(tmp_path / "xs")
+
+
+def test_saves_are_verified(tmp_path):
+    P, Q, Y, _ = problem(6)
+    pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P).save(tmp_path / "a")
+    man = tmp_path / "a" / "manifest.json"
+    data = json.loads(man.read_text())
+    edited = dict(data, fitted_alpha=-1.0)
+    man.write_text(json.dumps(edited))
+    with pytest.raises(FormatError, match="changed after it was written"):
+        pg.load(tmp_path / "a")
+    man.write_text(json.dumps(data))
+    w = next((tmp_path / "a").glob("pefa-data-*/W.npy"))
+    raw = bytearray(w.read_bytes())
+    raw[-1] ^= 0xFF
+    w.write_bytes(bytes(raw))
+    with pytest.raises(FormatError):
+        pg.load(tmp_path / "a")
+
+
+def test_bad_input():
+    P, Q, Y, T = problem(7)
+    for alpha in (0, -1.0, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(InputError, match="alpha"):
+            pg.QueryAdapter(alpha=alpha)
+    for kw in ({"k": 0}, {"k": 1.5}, {"beta": -0.1}, {"beta": float("nan")}):
+        with pytest.raises(InputError):
+            pg.VectorPRF(**kw)
+    a = pg.QueryAdapter(alpha=1.0, device="cpu")
+    with pytest.raises(InputError, match="not fitted"):
+        a(T)
+    with pytest.raises(InputError, match="dimension"):
+        a.fit(Q[:, :5], Y, P)
+    with pytest.raises(InputError, match="rows"):
+        a.fit(Q[:10], Y, P)
+    with pytest.raises(InputError, match="columns"):
+        a.fit(Q, Y[:, :10], P)
+    bad = Q.copy()
+    bad[3, 2] = np.nan
+    with pytest.raises(InputError, match="NaN"):
+        a.fit(bad, Y, P)
+    with pytest.raises(InputError, match="no nonzero"):
+        a.fit(Q, sp.csr_matrix(Y.shape, dtype=np.float32), P)
+    a.fit(Q, Y, P)
+    with pytest.raises(InputError, match="dimension"):
+        a(T[:, :4])
+    bad = T.copy()
+    bad[0, 0] = np.inf
+    with pytest.raises(InputError, match="NaN or inf"):
+        a(bad)
+    with pytest.raises(InputError, match="at least 2"):
+        pg.QueryAdapter(device="cpu").fit(Q[3:4], Y[3:4], P)
+    with pytest.raises(InputError, match="dimension"):
+        pg.QueryModel(pg.ERM(device="cpu").fit(P[:, :5]), a)
+    with pytest.raises(InputError, match="not fitted"):
+        pg.QueryModel(pg.ERM(device="cpu").fit(P), pg.QueryAdapter(alpha=1.0))
