@@ -10,7 +10,10 @@ The grid holds every family by default: ERM, PEFA-XS / -XL, NUDGE-M / -N and the
 (adapter, prf, adapter+xs; see :mod:`pefa_gpu.query`).
 The objective is the per-query mean of the recalls named in ``metric``. The best configuration
 is kept only when its mean gain over ERM on those queries is positive and at least ``min_z``
-standard errors (a paired test); otherwise ERM (λ = 1) is kept and the reason says why.
+standard errors (a paired test), and the queries it improves outnumber those it worsens at the
+same one-sided level (an exact sign test, P(z > min_z)): with few queries that change, the
+standard error alone is no guard (four queries up and none down pass 2 s.e.); otherwise ERM
+(λ = 1) is kept and the reason says why.
 
 Coverage matching (when the queries to be served, ``test_queries``, are given; no labels):
 PEFA helps a query only when training pairs point to its relevant documents. A random
@@ -31,6 +34,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import scipy.sparse as sp
+from scipy import stats
 
 from .arrays import as_embeddings, resolve_device, to_numpy
 from .errors import InputError
@@ -155,15 +159,19 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
     diff = gains[best][ok] - erm_vals[ok]
     gain = float(diff.mean())
     se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else float("inf")
+    up, down = int((diff > 0).sum()), int((diff < 0).sum())
+    p_sign = float(stats.binomtest(up, up + down, alternative="greater").pvalue) \
+        if up + down else 1.0
     if best.method == "erm" or gain <= 0:
         chosen = Config("erm", 1.0, None)
         reason = (f"no configuration beats ERM on validation ({metric} {erm_obj:.4f}); the "
                   f"training signal does not help here, so ERM (λ = 1) is kept")
-    elif gain < min_z * se:
+    elif gain < min_z * se or p_sign > stats.norm.sf(min_z):
         chosen = Config("erm", 1.0, None)
         reason = (f"the best configuration, {best.label()}, gains only {gain:+.4f} ± {se:.4f} "
-                  f"(s.e.) over ERM on validation ({metric}), below {min_z:g} standard errors; "
-                  f"ERM (λ = 1) is kept")
+                  f"(s.e.) over ERM on validation ({metric}; {up} queries up, {down} down, sign "
+                  f"test p = {p_sign:.3g}): not significant at {min_z:g} standard errors; ERM "
+                  f"(λ = 1) is kept")
     else:
         chosen = best
         reason = (f"{best.label()} gains {gain:+.4f} ± {se:.4f} (s.e.) over ERM on validation "
