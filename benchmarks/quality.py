@@ -13,7 +13,8 @@ chosen on a seeded 20% of the training queries); PRF over ERM, k ∈ {3, 5, 10} 
 queries' coverage matched (as `pefa-gpu tune`), refitted on all training pairs.
 
 Held out (no test labels used for any choice): every method fitted on a seeded 80% of the
-training queries, λ / k / γ / α chosen on the other 20% by Recall@10, evaluated on the test split.
+training queries, λ / k / γ / α chosen on the other 20% by Recall@10, evaluated on the test
+split.
 """
 
 from __future__ import annotations
@@ -115,8 +116,8 @@ def main() -> None:
              + f"\n{len(test_rows)} test queries, {len(train_rows)} training queries, "
                f"{Ytr.nnz} training pairs, {P.shape[0]} documents, embeddings "
                f"{args.embeddings}. NUDGE's γ is chosen on held-out training queries here "
-               f"too (never on the test split), the adapter's α too; the tune row chooses on validation only "
-               f"({tuned.reason}).\n\n"
+               f"too (never on the test split), the adapter's α too; the tune row chooses on "
+               f"validation only ({tuned.reason}).\n\n"
                f"## {ds.name}: every choice on held-out training queries (fit on a seeded 80% "
                f"of the training queries, λ / k / γ / α by Recall@10 on the other 20%)\n\n"
              + held_table

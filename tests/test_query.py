@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
+from hypothesis import given, settings, strategies as st
 
 import pefa_gpu as pg
 from pefa_gpu.errors import FormatError, InputError
@@ -19,7 +20,7 @@ from conftest import DEVICES
 def problem(seed, n=30, m=120, d=10, noise=0.7):
     """Queries around their relevant document; documents 1 and 2 copy document 0 (ties);
     document 4 is -document 3 (a query relevant to both has a zero target); queries 0..2 have no
-    relevant document; a few pairs weigh 2."""
+    relevant document; query 11 repeats query 10; a few pairs weigh 2."""
     rng = np.random.default_rng(seed)
 
     def unit(x):
@@ -29,8 +30,10 @@ def problem(seed, n=30, m=120, d=10, noise=0.7):
     P[1] = P[2] = P[0]
     P[4] = -P[3]
     ans = rng.integers(0, n, m)
+    ans[11] = ans[10]
     Q = unit(P[ans] @ rng.standard_normal((d, d)) * 0.3 + P[ans] + noise * rng.standard_normal(
         (m, d)))
+    Q[11] = Q[10]
     rows, cols, vals = list(range(3, m)), list(ans[3:]), [1.0] * (m - 3)
     rows += [5, 6, 7, 7]
     cols += [3, 4, 3, 4]                       # query 7: documents 3 and -3 sum to zero ...
@@ -81,6 +84,29 @@ def test_adapter_matches_float64_reference(seed, alpha, device):
     np.testing.assert_array_equal(P, P0)  # inputs are read, never written
     np.testing.assert_array_equal(Q, Q0)
     assert (Y != Y0).nnz == 0
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), alpha=st.floats(1e-2, 1e3), d=st.integers(1, 12),
+       m=st.integers(1, 40))
+def test_adapter_property_matches_reference(seed, alpha, d, m):
+    """Any shape (m < d too: the ridge term keeps the system definite), any α: W and the mapped
+    queries equal the float64 reference; mapped rows are unit or zero."""
+    rng = np.random.default_rng(seed)
+    P = rng.standard_normal((15, d)).astype(np.float32)
+    Q = rng.standard_normal((m, d)).astype(np.float32)
+    Y = sp.random(m, 15, density=0.15, random_state=seed % 1000, format="csr",
+                  dtype=np.float32)
+    if Y.nnz == 0:
+        Y = sp.csr_matrix(([1.0], ([0], [0])), shape=(m, 15), dtype=np.float32)
+    a = pg.QueryAdapter(alpha=alpha, device="cpu").fit(Q, Y, P)
+    W = ref_W(P, Q, Y, alpha)
+    np.testing.assert_allclose(a.W.numpy(), W, atol=2e-4 * max(1.0, np.abs(W).max()))
+    got, mapped = a(Q).numpy(), Q.astype(np.float64) @ W
+    clear = np.linalg.norm(mapped, axis=1) > 1e-2  # Π of a near-zero row is ill-conditioned
+    np.testing.assert_allclose(got[clear], ref.normalize(mapped)[clear], atol=5e-4)
+    norms = np.linalg.norm(got, axis=1)
+    assert np.all((np.abs(norms - 1) < 1e-5) | (norms == 0))
 
 
 def test_queries_without_a_target_are_left_out():
