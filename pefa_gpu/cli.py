@@ -160,7 +160,7 @@ def _grid_args(p: argparse.ArgumentParser, every_family: bool = False) -> None:
     p.add_argument("--methods", type=_methods,
                    default=None if every_family else ("erm", "xs", "xl"),
                    help="comma-separated subset of " + ",".join(ALL_METHODS) + " (default: "
-                        + ("every one; erm,xs,xl with --ray" if every_family else "erm,xs,xl")
+                        + ("every one" if every_family else "erm,xs,xl")
                         + "; NUDGE and the adapter choose their step / alpha on 20%% of the "
                           "training queries)")
     p.add_argument("--lam", type=_lams, metavar="L,L...", default=None,
@@ -353,16 +353,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InputError("no data: give DATA_DIR (a BEIR folder)"
                          + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
     if cmd in ("eval", "sweep", "tune"):
-        if args.methods is None:  # tune: every family (the pipeline runs erm, xs, xl only)
-            args.methods = ("erm", "xs", "xl") if getattr(args, "ray", None) else ALL_METHODS
+        if args.methods is None:  # tune: every family
+            args.methods = ALL_METHODS
         methods = set(args.methods)
         xs_like = bool(methods & {"xs", "xl", "adapter+xs"})
         _refuse_unused(args, {"lam": xs_like, "k": "xl" in methods,
                               "candidates": "xl" in methods, "no_augment": xs_like},
                        f"--methods {','.join(args.methods)}")
-        if getattr(args, "ray", None) is not None and any(m.startswith("nudge") for m in methods):
+        # (tune validates in one process; its test run uses the cluster for erm / xs / xl only)
+        ray = getattr(args, "ray", None) is not None and cmd != "tune"
+        if ray and any(m.startswith("nudge") for m in methods):
             raise InputError("NUDGE runs in one process: drop --ray or nudge-m / nudge-n")
-        if getattr(args, "ray", None) is not None and methods & set(QUERY_METHODS):
+        if ray and methods & set(QUERY_METHODS):
             raise InputError(f"the query side runs in one process: drop --ray or "
                              f"{', '.join(QUERY_METHODS)}")
     if cmd == "tune" and not 0.0 < args.val_fraction < 1.0:
@@ -781,7 +783,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print()
     configs = [res.chosen] if res.chosen.method == "erm" else [_erm(), res.chosen]
     rows, last = [], {}
-    if args.runner is not None:  # the test run goes through the pipeline's stages
+    if args.runner is not None and all(c.method in ("erm", "xs", "xl") for c in configs):
+        # the test run goes through the pipeline's stages (NUDGE and the query side: here)
         rows, last = _cluster_rows(args, data, configs)
         configs = []
     for cfg in configs:

@@ -90,7 +90,7 @@ def test_build_and_search_adapter_xs(data, tmp_path, capsys):
 @pytest.mark.parametrize("argv", [
     ["eval", "--methods", "adapter,prf", "--lam", "0.5"],
     ["eval", "--methods", "adapter", "--no-augment"],
-    ["tune", "--methods", "adapter", "--ray", "local"],
+    ["eval", "--methods", "erm,prf", "--ray", "local"],
     ["build", "--method", "prf", "--lam", "0.3", "--out", "m"],
     ["eval", "--methods", "adapter+xx"],
 ])
