@@ -17,8 +17,8 @@ VectorPRF's β keeps its meaning after it; every model's ranking (ERM, PEFA-XS, 
 PEFA-XL, whose fused score is linear in q) is the same for qW and Π(qW).
 ``alpha=None`` chooses α from ``ALPHAS`` on a seeded ``val_fraction`` of the training queries
 (W fitted on the rest): the best mean Recall@10 of exact inner-product search over P on the
-held-out queries that have a relevant document, the first of ``ALPHAS`` on ties; then W is
-refitted on every training query with that α.
+held-out queries that have a relevant document, the largest such α on ties (the map closest to
+the identity); then W is refitted on every training query with that α.
 
 **VectorPRF** (Rocchio in embedding space, no labels): q' = q + β mean(p_j, j in the top-k
 documents of q under the base model), the mean over the documents found (fewer than k when
@@ -158,12 +158,16 @@ class QueryAdapter:
         fit_t, val_t = (as_tensor(r, device=self.device) for r in (fit_rows, val_rows))
         gram, cross = _normal_equations(q[fit_t], t[fit_t])
         y_val = rel.rows(val_rows)
+        if not y_val.nnz:
+            raise InputError(f"QueryAdapter: none of the {len(val_rows)} held-out training "
+                             f"queries has a relevant document, so alpha cannot be chosen: set "
+                             f"alpha or change seed / val_fraction")
         index = make_index("exact", self.device).build(p)
         for alpha in ALPHAS:
             w = _solve(gram, cross, alpha).float()
             _, ids = index.search(q[val_t] @ w, 10)
             self.validation[alpha] = float(recall_at_k(ids, y_val, ks=(10,))[10])
-        return max(ALPHAS, key=lambda a: self.validation[a])  # first of the best
+        return max(reversed(ALPHAS), key=lambda a: self.validation[a])  # largest of the best
 
     def __call__(self, queries: Any, check: bool | None = None) -> torch.Tensor:
         """(B, d) queries -> Π(q W): (B, d) float32 on the adapter's device. ``check`` tests
