@@ -1,9 +1,11 @@
 """The ``pefa-gpu`` command: from a BEIR folder (or a pairs file) to evaluated, tuned models.
 
-    pefa-gpu eval   DATA_DIR [--methods erm,xs,xl,nudge-m,nudge-n] [--lam L] [--k K] [--json OUT]
+    pefa-gpu eval   DATA_DIR [--methods erm,xs,xl,nudge-m,nudge-n,adapter,prf,adapter+xs]
+                    [--lam L] [--k K] [--json OUT]
     pefa-gpu sweep  DATA_DIR [--lam 0.1,...,0.9] [--k 16,32,64] [--json OUT] [--plot PNG]
     pefa-gpu tune   DATA_DIR [--val-fraction 0.2] [--seed 0] [--json OUT]
-    pefa-gpu build  DATA_DIR --method xs|xl|erm|nudge-m|nudge-n|auto [--lam L] [--k K]
+    pefa-gpu build  DATA_DIR --method xs|xl|erm|nudge-m|nudge-n|adapter|prf|adapter+xs|auto
+                    [--lam L] [--k K]
                     --out MODEL_DIR
     pefa-gpu search MODEL_DIR "query text" ... [--queries FILE] [--topk 10] [--out FILE]
                     [--format tsv|json|trec] [--no-text]
@@ -35,7 +37,7 @@ log = logging.getLogger("pefa_gpu")
 
 METRICS = ("recall@10", "recall@100", "ndcg@10", "mrr@10")
 SEARCH_FORMATS = ("tsv", "json", "trec")
-BUILD_METHODS = ("erm", "xs", "xl", "nudge-m", "nudge-n", "auto")
+BUILD_METHODS = ("erm", "xs", "xl", "nudge-m", "nudge-n", "adapter", "prf", "adapter+xs", "auto")
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -89,11 +91,15 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
+ALL_METHODS = ("erm", "xs", "xl", "nudge-m", "nudge-n", "adapter", "prf", "adapter+xs")
+QUERY_METHODS = ("adapter", "prf", "adapter+xs")  # the query side (pefa_gpu.query)
+
+
 def _methods(text: str) -> tuple[str, ...]:
     vals = tuple(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
-    bad = [m for m in vals if m not in ("erm", "xs", "xl", "nudge-m", "nudge-n")]
+    bad = [m for m in vals if m not in ALL_METHODS]
     if bad or not vals:
-        raise argparse.ArgumentTypeError(f"methods are erm, xs, xl, nudge-m, nudge-n "
+        raise argparse.ArgumentTypeError(f"methods are {', '.join(ALL_METHODS)} "
                                          f"(comma-separated), got {text!r}")
     return vals
 
@@ -155,11 +161,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="do not count each document as a training query for itself")
 
 
-def _grid_args(p: argparse.ArgumentParser) -> None:
-    """--methods, --lam, --k as grids (sweep, tune)."""
-    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of erm,xs,xl,nudge-m,nudge-n (default: "
-                        "erm,xs,xl; NUDGE chooses its step on 20%% of the training queries)")
+def _grid_args(p: argparse.ArgumentParser, every_family: bool = False) -> None:
+    """--methods, --lam, --k as grids (sweep, tune; tune's default: every family, resolved in
+    _check_args)."""
+    p.add_argument("--methods", type=_methods,
+                   default=None if every_family else ("erm", "xs", "xl"),
+                   help="comma-separated subset of " + ",".join(ALL_METHODS) + " (default: "
+                        + ("every one" if every_family else "erm,xs,xl")
+                        + "; NUDGE and the adapter choose their step / alpha on 20%% of the "
+                          "training queries)")
     p.add_argument("--lam", type=_lams, metavar="L,L...", default=None,
                    help="λ grid, each in [0, 1] (default: 0.1,0.2,...,0.9)")
     p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
@@ -222,11 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
     _xmc_args(p)
     _model_args(p)
     p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of erm,xs,xl,nudge-m,nudge-n (default: "
-                        "erm,xs,xl; NUDGE chooses its step on 20%% of the training queries)")
+                   help="comma-separated subset of " + ",".join(ALL_METHODS) + " (default: "
+                        "erm,xs,xl; NUDGE and the adapter choose their step / alpha on 20%% of "
+                        "the training queries)")
     p.add_argument("--lam", type=_lams, metavar="L[,L...]",
-                   help="λ in [0, 1], weight of the ERM score (default: 0.5 for XS, 0.1 for "
-                        "XL)")
+                   help="λ in [0, 1], weight of the ERM score (default: 0.5 for XS and "
+                        "adapter+xs, 0.1 for XL)")
     p.add_argument("--k", type=_ints, metavar="K[,K...]",
                    help="XL neighbours (default: 16)")
     _out_args(p)
@@ -251,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _xmc_args(p)
     _model_args(p)
-    _grid_args(p)
+    _grid_args(p, every_family=True)
     p.add_argument("--val-fraction", type=float, default=0.2, metavar="F",
                    help="share of training queries held out for validation (default: 0.2)")
     p.add_argument("--seed", type=int, default=0, help="seed of the split (default: 0)")
@@ -352,21 +363,28 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InputError("no data: give DATA_DIR (a BEIR folder)"
                          + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
     if cmd in ("eval", "sweep", "tune"):
+        if args.methods is None:  # tune: every family
+            args.methods = ALL_METHODS
         methods = set(args.methods)
-        _refuse_unused(args, {"lam": "xs" in methods or "xl" in methods,
-                              "k": "xl" in methods, "candidates": "xl" in methods,
-                              "no_augment": "xs" in methods or "xl" in methods},
+        xs_like = bool(methods & {"xs", "xl", "adapter+xs"})
+        _refuse_unused(args, {"lam": xs_like, "k": "xl" in methods,
+                              "candidates": "xl" in methods, "no_augment": xs_like},
                        f"--methods {','.join(args.methods)}")
-        if getattr(args, "ray", None) is not None and any(m.startswith("nudge") for m in methods):
+        # (tune validates in one process; its test run uses the cluster for erm / xs / xl only)
+        ray = getattr(args, "ray", None) is not None and cmd != "tune"
+        if ray and any(m.startswith("nudge") for m in methods):
             raise InputError("NUDGE runs in one process: drop --ray or nudge-m / nudge-n")
+        if ray and methods & set(QUERY_METHODS):
+            raise InputError(f"the query side runs in one process: drop --ray or "
+                             f"{', '.join(QUERY_METHODS)}")
     if cmd == "tune" and not 0.0 < args.val_fraction < 1.0:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")
     if cmd == "build":
         m = args.method
-        _refuse_unused(args, {"lam": m in ("xs", "xl"), "k": m == "xl",
+        _refuse_unused(args, {"lam": m in ("xs", "xl", "adapter+xs"), "k": m == "xl",
                               "candidates": m in ("xl", "auto"),
-                              "no_augment": m in ("xs", "xl", "auto"),
+                              "no_augment": m in ("xs", "xl", "adapter+xs", "auto"),
                               "seed": m == "auto"}, f"--method {m}")
         from .builds import BUILD_FORMAT, BUILD_MANIFEST
         from .storage import check_save_target
@@ -672,10 +690,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data = _load_data(args)
     groups = []
     for m in args.methods:
-        if m == "erm" or m.startswith("nudge"):
+        if m in ("erm", "adapter", "prf") or m.startswith("nudge"):
             groups.append(((m,), (), ()))
-        elif m == "xs":
-            groups.append((("xs",), args.lam or (0.5,), ()))
+        elif m in ("xs", "adapter+xs"):
+            groups.append(((m,), args.lam or (0.5,), ()))
         else:
             groups.append((("xl",), args.lam or (0.1,), args.k or (16,)))
     if args.runner is not None:
@@ -740,11 +758,12 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
             if r["method"] == "erm":
                 ax.axhline(r[metric], color="black", linestyle="--", label="ERM")
                 continue
-            if r["lam"] is None:  # NUDGE-M / NUDGE-N: no λ
+            if r["lam"] is None:  # NUDGE-M / -N, adapter, prf: no λ
                 ax.axhline(r[metric], linestyle=":", color="C9" if r["method"] == "nudge-n"
                            else "C8", label=r["method"].upper())
                 continue
-            label = "PEFA-XS" if r["method"] == "xs" else f"PEFA-XL k={r['k']}"
+            label = {"xs": "PEFA-XS", "adapter+xs": "ADAPTER+XS"}.get(r["method"],
+                                                                     f"PEFA-XL k={r['k']}")
             groups.setdefault(label, []).append(r)
         for label, rs in groups.items():
             rs = sorted(rs, key=lambda r: r["lam"])
@@ -789,7 +808,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print()
     configs = [res.chosen] if res.chosen.method == "erm" else [_erm(), res.chosen]
     rows, last = [], {}
-    if args.runner is not None:  # the test run goes through the pipeline's stages
+    if args.runner is not None and all(c.method in ("erm", "xs", "xl") for c in configs):
+        # the test run goes through the pipeline's stages (NUDGE and the query side: here)
         rows, last = _cluster_rows(args, data, configs)
         configs = []
     for cfg in configs:
@@ -837,10 +857,10 @@ def cmd_build(args: argparse.Namespace) -> int:
         print(f"chosen: {cfg.label()} — {res.reason}")
     elif args.method == "erm":
         cfg = Config("erm", 1.0, None)
-    elif args.method.startswith("nudge"):
+    elif args.method in ("nudge-m", "nudge-n", "adapter", "prf"):
         cfg = Config(args.method)
-    elif args.method == "xs":
-        cfg = Config("xs", 0.5 if args.lam is None else args.lam, None)
+    elif args.method in ("xs", "adapter+xs"):
+        cfg = Config(args.method, 0.5 if args.lam is None else args.lam, None)
     else:
         cfg = Config("xl", 0.1 if args.lam is None else args.lam, args.k or 16)
     model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device, **kw)

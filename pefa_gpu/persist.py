@@ -99,6 +99,8 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
     cls = _model_class(manifest.get("class"), where)
     if expect is not None and not issubclass(cls, expect):
         raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
+    if hasattr(cls, "_from_save"):  # a query-side part (pefa_gpu.query): its own layout
+        return cls._from_save(save, device=resolve_device(device), mmap=mmap)
     state = _state_table(manifest, cls, where)
     backend = manifest.get("backend")
     _backend(backend, where)
@@ -235,8 +237,8 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
 
 def _model_class(name: Any, where: Path) -> type:
     """The registered model class called ``name`` (never imports anything a manifest names)."""
-    if not _MODELS:  # the classes register as pefa_gpu.models defines them; models imports
-        importlib.import_module(f"{__package__}.models")  # this module, so not at the top
+    for module in ("models", "query"):  # the classes register as these modules define them;
+        importlib.import_module(f"{__package__}.{module}")  # both import this one: not at the top
     if not isinstance(name, str) or name not in _MODELS:
         raise FormatError(f"{where} holds class {name!r}, which is not a pefa_gpu model "
                           f"(known: {sorted(_MODELS)})")

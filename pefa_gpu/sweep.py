@@ -14,6 +14,10 @@ searches.
   votes once per k, and each λ only mixes and takes a top-k (the fusion core of search).
 - NUDGE-M / NUDGE-N ('nudge-m', 'nudge-n', not in the default methods): one point each, no λ
   or k; each fit chooses its own step on held-out training queries (see :class:`NUDGE`).
+- The query side (see :mod:`pefa_gpu.query`; not in the default methods): 'adapter' (ERM
+  searched with Π(qW), α chosen on held-out training queries) and 'prf' (ERM searched with
+  VectorPRF's defaults) one point each; 'adapter+xs' one point per λ (PEFA-XS searched with
+  the adapted queries, every λ from the same two score passes as 'xs').
 
 Each configuration gives the same ranking as fitting and searching it on its own (up to float32
 rounding in XS, where λ multiplies scores instead of embeddings).
@@ -33,6 +37,7 @@ from .arrays import as_embeddings, check_positive_int, resolve_device
 from .errors import InputError
 from .metrics import evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
+from .query import QueryAdapter, VectorPRF
 from .params import check_positive, check_unit_interval
 from .topk import merge_topk, topk_rows
 
@@ -42,14 +47,16 @@ PAPER_LAMS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PAPER_KS: tuple[int, ...] = (16, 32, 64)
 DEFAULT_METHODS: tuple[str, ...] = ("erm", "xs", "xl")
 NUDGE_METHODS: tuple[str, ...] = ("nudge-m", "nudge-n")
-METHODS: tuple[str, ...] = DEFAULT_METHODS + NUDGE_METHODS  # every method a grid can name
+QUERY_METHODS: tuple[str, ...] = ("adapter", "prf", "adapter+xs")
+# every method a grid can name (and tune's default: every family)
+METHODS: tuple[str, ...] = DEFAULT_METHODS + NUDGE_METHODS + QUERY_METHODS
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One point of the grid: method 'erm', 'nudge-m', 'nudge-n' (lam, k None), 'xs' (k None)
-    or 'xl'. gamma: the step a NUDGE fit chose (set on the configs a sweep yields; not part of
-    a config's identity)."""
+    """One point of the grid: method 'erm', 'nudge-m', 'nudge-n', 'adapter', 'prf' (lam, k
+    None), 'xs', 'adapter+xs' (k None) or 'xl'. gamma: the step a NUDGE fit chose (set on the
+    configs a sweep yields; not part of a config's identity)."""
 
     method: str
     lam: float | None = None
@@ -112,10 +119,10 @@ def grid(methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER
     methods, lams, ks = _check_grid(methods, lams, ks)
     out: list[Config] = []
     for m in methods:
-        if m == "erm" or m in NUDGE_METHODS:
+        if m in ("erm", "adapter", "prf") or m in NUDGE_METHODS:
             out.append(Config(m))
-        elif m == "xs":
-            out += [Config("xs", lam) for lam in lams]
+        elif m in ("xs", "adapter+xs"):
+            out += [Config(m, lam) for lam in lams]
         else:
             out += [Config("xl", lam, k) for k in ks for lam in lams]
     return out
@@ -148,6 +155,13 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
     # rule), so with both methods the passage index is built and searched once
     reuse = "erm" in methods and "xl" in methods and backend == "exact" and candidates >= topk
     shared: dict[str, Any] = {}
+    side: dict[str, Any] = {}  # the query side's ERM and adapter, made once
+
+    def query_side(name: str) -> Any:
+        if name not in side:
+            side[name] = (ERM(**common).fit(P) if name == "erm" else
+                          QueryAdapter(device=dev).fit(Q, Y, P))
+        return side[name]
 
     def passage() -> dict[str, Any]:
         if not shared:
@@ -183,6 +197,22 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
                 for lam, (s, i) in zip(lams, results):
                     bar.update(1)
                     yield Config("xs", lam), s, i
+            elif method in ("adapter", "prf"):
+                erm = query_side("erm")
+                qq = query_side("adapter")(q) if method == "adapter" else VectorPRF()(q, erm)
+                s, i = erm.search(qq, topk)
+                _tick(timings, method, t0)
+                bar.update(1)
+                yield Config(method), s, i
+            elif method == "adapter+xs":
+                xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
+                qq = query_side("adapter")(q)
+                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact"
+                           else _xs_per_lam(xs, qq, lams, topk))
+                _tick(timings, method, t0)
+                for lam, (s, i) in zip(lams, results):
+                    bar.update(1)
+                    yield Config(method, lam), s, i
             else:
                 sh = passage()
                 xl, qq = sh["xl"], sh["q"]
@@ -343,7 +373,7 @@ def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
                          f"{list(methods)}")
     lams = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x
                  for x in lams)
-    if ("xs" in methods or "xl" in methods) and not lams:
+    if {"xs", "xl", "adapter+xs"} & set(methods) and not lams:
         raise InputError("lams is empty: give at least one λ in [0, 1]")
     for lam in lams:
         check_unit_interval(lam, "lam")

@@ -6,9 +6,14 @@
 
 A seeded, query-disjoint part of the training queries (``val_fraction``) is held out; every
 configuration of the grid is fitted on the rest and scored on it (one :func:`pefa_gpu.sweep`).
+The grid holds every family by default: ERM, PEFA-XS / -XL, NUDGE-M / -N and the query side
+(adapter, prf, adapter+xs; see :mod:`pefa_gpu.query`).
 The objective is the per-query mean of the recalls named in ``metric``. The best configuration
 is kept only when its mean gain over ERM on those queries is positive and at least ``min_z``
-standard errors (a paired test); otherwise ERM (λ = 1) is kept and the reason says why.
+standard errors (a paired test), and the queries it improves outnumber those it worsens at the
+same one-sided level (an exact sign test, P(z > min_z)): with few queries that change, the
+standard error alone is no guard (four queries up and none down pass 2 s.e.); otherwise ERM
+(λ = 1) is kept and the reason says why.
 
 Coverage matching (when the queries to be served, ``test_queries``, are given; no labels):
 PEFA helps a query only when training pairs point to its relevant documents. A random
@@ -29,14 +34,16 @@ from typing import Any, Sequence
 
 import numpy as np
 import scipy.sparse as sp
+from scipy import stats
 
 from .arrays import as_embeddings, resolve_device, to_numpy
 from .errors import InputError
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
+from .query import QueryAdapter, QueryModel, VectorPRF
 from .relevance import as_relevance
 from .splits import split_queries
-from .sweep import (DEFAULT_METHODS, METHODS, NUDGE_METHODS, PAPER_KS, PAPER_LAMS, Config,
-                    SweepResult, sweep_search)
+from .sweep import (METHODS, NUDGE_METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult,
+                    sweep_search)
 from .metrics import evaluate
 
 log = logging.getLogger("pefa_gpu")
@@ -98,7 +105,7 @@ def per_query_recall(ids: Any, Y: Any, ks: Sequence[int]) -> np.ndarray:
     return out / len(ks)
 
 
-def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = DEFAULT_METHODS,
+def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
          lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
          val_fraction: float = 0.2, seed: int = 0, metric: str = "recall@10,recall@100",
          min_z: float = 2.0, device: Any = None, test_queries: Any = None,
@@ -107,7 +114,8 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = DEFAULT_METHODS,
 
     test_queries: (t, d) embeddings of the queries the model will serve (never their labels),
     for coverage matching (module docstring); None skips it.
-    ERM is always a candidate, whatever ``methods`` says. ``sweep_kwargs`` go to
+    ``methods``: the families to choose among (default: every one, PEFA, NUDGE and the query
+    side). ERM is always a candidate, whatever ``methods`` says. ``sweep_kwargs`` go to
     :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, knn_norm, rescore,
     augment_docs, show_progress).
     """
@@ -151,15 +159,19 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = DEFAULT_METHODS,
     diff = gains[best][ok] - erm_vals[ok]
     gain = float(diff.mean())
     se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else float("inf")
+    up, down = int((diff > 0).sum()), int((diff < 0).sum())
+    p_sign = float(stats.binomtest(up, up + down, alternative="greater").pvalue) \
+        if up + down else 1.0
     if best.method == "erm" or gain <= 0:
         chosen = Config("erm", 1.0, None)
         reason = (f"no configuration beats ERM on validation ({metric} {erm_obj:.4f}); the "
                   f"training signal does not help here, so ERM (λ = 1) is kept")
-    elif gain < min_z * se:
+    elif gain < min_z * se or p_sign > stats.norm.sf(min_z):
         chosen = Config("erm", 1.0, None)
         reason = (f"the best configuration, {best.label()}, gains only {gain:+.4f} ± {se:.4f} "
-                  f"(s.e.) over ERM on validation ({metric}), below {min_z:g} standard errors; "
-                  f"ERM (λ = 1) is kept")
+                  f"(s.e.) over ERM on validation ({metric}; {up} queries up, {down} down, sign "
+                  f"test p = {p_sign:.3g}): not significant at {min_z:g} standard errors; ERM "
+                  f"(λ = 1) is kept")
     else:
         chosen = best
         reason = (f"{best.label()} gains {gain:+.4f} ± {se:.4f} (s.e.) over ERM on validation "
@@ -216,10 +228,17 @@ def match_coverage(P: Any, q_val: Any, y_fit: Any, y_val: Any, y_all: Any, test_
 
 def fit_config(config: Config, P: Any, Q: Any = None, Y: Any = None, device: Any = None,
                backend: str = "exact", candidates: int = 500, **params: Any) -> Any:
-    """A fitted ERM / PEFAXS / PEFAXL / NUDGE for ``config`` (``params``: other model params,
-    e.g. augment_docs, knn_norm, rescore)."""
+    """A fitted ERM / PEFAXS / PEFAXL / NUDGE, or a QueryModel over ERM / PEFAXS for the query
+    side, for ``config`` (``params``: other model params, e.g. augment_docs, knn_norm,
+    rescore)."""
     if config.method == "erm":
         return ERM(backend=backend, device=device).fit(P)
+    if config.method in ("adapter", "prf", "adapter+xs"):
+        base = fit_config(Config("erm") if config.method != "adapter+xs" else
+                          Config("xs", config.lam), P, Q, Y, device, backend, **params)
+        adapter = None if config.method == "prf" else \
+            QueryAdapter(device=base.device).fit(Q, Y, P)
+        return QueryModel(base, adapter, VectorPRF() if config.method == "prf" else None)
     if config.method in NUDGE_METHODS:
         return NUDGE(variant=config.method[-1].upper(), backend=backend,
                      device=device).fit(P, Q, Y)

@@ -1,0 +1,347 @@
+"""Query-side families: a closed-form linear query adapter and vector pseudo-relevance feedback.
+
+Both change the query, never the documents, so they compose with any model::
+
+    adapter = pg.QueryAdapter().fit(Q, Y, P)        # alpha chosen on held-out training queries
+    prf = pg.VectorPRF(k=3, beta=0.5)               # no labels
+    scores, ids = model.search(prf(adapter(q), model), 100)
+    pg.QueryModel(model, adapter, prf).search(q, 100)   # the same, as one object that saves
+
+**QueryAdapter** (ridge regression of the targets on the queries). T_i = Π(Σ_j Y[i, j] p_j),
+Π the row L2 normalisation with Π(0) = 0. Training queries whose T_i is 0 (no relevant
+document, or relevant documents that sum to 0) carry no target and are left out of the solve.
+Over the m' queries kept, W = I + (QᵀQ + αI)⁻¹ Qᵀ(T − Q) (d x d: QᵀQ and Qᵀ(T − Q)
+accumulated in float64 by row blocks, one Cholesky of the SPD matrix on the model's device,
+W stored as float32). A query maps to Π(qW): a unit vector like the encoder's, so that
+VectorPRF's β keeps its meaning after it; every model's ranking (ERM, PEFA-XS, NUDGE, and
+PEFA-XL, whose fused score is linear in q) is the same for qW and Π(qW).
+``alpha=None`` chooses α from ``ALPHAS`` on a seeded ``val_fraction`` of the training queries
+(W fitted on the rest): the best mean Recall@10 of exact inner-product search over P on the
+held-out queries that have a relevant document, the largest such α on ties (the map closest to
+the identity); then W is refitted on every training query with that α.
+
+**VectorPRF** (Rocchio in embedding space, no labels): q' = q + β mean(p_j, j in the top-k
+documents of q under the base model), the mean over the documents found (fewer than k when
+the model holds fewer); q' is not renormalised.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import persist, storage
+from ._version import __version__
+from .aggregate import normalize_rows, pifa
+from .arrays import as_embeddings, as_tensor, resolve_device
+from .errors import FormatError, InputError
+from .index import make_index
+from .metrics import recall_at_k
+from .params import Params, check_positive
+from .relevance import as_relevance
+from .splits import split_queries
+
+ALPHAS: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)  # QueryAdapter's α grid
+GRAM_ROWS = 1 << 16  # query rows per float64 block of QᵀQ
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdapterParams(Params):
+    """alpha: the ridge term (> 0); None chooses it from ALPHAS on a seeded ``val_fraction``
+    of the training queries (``seed``)."""
+
+    alpha: float | None = None
+    val_fraction: float = 0.2
+    seed: int = 0
+
+    def validate(self) -> None:
+        a = self.alpha
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float))
+                              or not math.isfinite(a) or a <= 0):
+            raise InputError(f"alpha must be None or a finite number > 0, got {a!r}")
+        v = self.val_fraction
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < 1.0:
+            raise InputError(f"val_fraction must lie strictly between 0 and 1, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InputError(f"seed must be an int, got {self.seed!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PRFParams(Params):
+    """k: feedback documents per query; beta: their mean's weight (a finite number >= 0)."""
+
+    k: int = 3
+    beta: float = 0.5
+
+    def validate(self) -> None:
+        check_positive(self.k, "k")
+        b = self.beta
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
+                or b < 0:
+            raise InputError(f"beta must be a finite number >= 0, got {b!r}")
+
+
+def adapter_targets(Y: Any, P: torch.Tensor) -> torch.Tensor:
+    """T = Π(Y P): (m x n) relevance, (n, d) documents -> (m, d) float32 on P's device."""
+    return pifa(as_relevance(Y, allow_empty=True).transpose(), P, device=P.device)
+
+
+def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(QₖᵀQₖ, Qₖᵀ(Tₖ − Qₖ)) in float64 over the rows k whose target is nonzero."""
+    keep = (t != 0).any(1)
+    q, t = q[keep], t[keep]
+    d = q.shape[1]
+    gram = torch.zeros(d, d, dtype=torch.float64, device=q.device)
+    cross = torch.zeros(d, d, dtype=torch.float64, device=q.device)
+    for s in range(0, q.shape[0], GRAM_ROWS):
+        qb, tb = q[s:s + GRAM_ROWS].double(), t[s:s + GRAM_ROWS].double()
+        gram += qb.T @ qb
+        cross += qb.T @ (tb - qb)
+    return gram, cross
+
+
+def _solve(gram: torch.Tensor, cross: torch.Tensor, alpha: float) -> torch.Tensor:
+    """W = I + (gram + αI)⁻¹ cross: (d, d) float64 (Cholesky of the SPD matrix)."""
+    eye = torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
+    chol = torch.linalg.cholesky(gram + alpha * eye)
+    return eye + torch.cholesky_solve(cross, chol)
+
+
+class QueryAdapter:
+    """A linear map of the queries, W = I + (QᵀQ + αI)⁻¹ Qᵀ(T − Q) (module docstring)::
+
+        adapter = pg.QueryAdapter(alpha=None, device=None).fit(Q, Y, P)
+        adapter(queries)            # (B, d) float32 unit rows on the adapter's device
+        adapter.W, adapter.fitted_alpha, adapter.validation   # {alpha: held-out Recall@10}
+    """
+
+    Params = AdapterParams
+
+    def __init__(self, alpha: float | None = None, *, val_fraction: float = 0.2, seed: int = 0,
+                 device: Any = None):
+        self.params = AdapterParams(alpha=alpha, val_fraction=val_fraction, seed=seed)
+        self.device = resolve_device(device)
+        self.W: torch.Tensor | None = None
+        self.fitted_alpha: float | None = None
+        self.validation: dict[float, float] = {}
+
+    def __repr__(self) -> str:
+        return (f"QueryAdapter(alpha={self.params.alpha!r}, fitted_alpha={self.fitted_alpha!r},"
+                f" device='{self.device}')")
+
+    def fit(self, Q: Any, Y: Any, P: Any) -> "QueryAdapter":
+        """Q: (m, d) training queries, Y: (m x n) relevance, P: (n, d) documents."""
+        p = as_embeddings(P, self.device, "P", check_norm=False).detach()
+        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
+        rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
+        t = adapter_targets(rel, p)
+        alpha = self.params.alpha
+        self.validation = {}
+        if alpha is None:
+            alpha = self._choose_alpha(p, q, t, rel)
+        self.W = _solve(*_normal_equations(q, t), alpha).float()
+        self.fitted_alpha = float(alpha)
+        return self
+
+    def _choose_alpha(self, p: torch.Tensor, q: torch.Tensor, t: torch.Tensor, rel: Any
+                      ) -> float:
+        if q.shape[0] < 2:
+            raise InputError(f"QueryAdapter chooses alpha on held-out training queries and needs"
+                             f" at least 2 of them, got {q.shape[0]}: set alpha")
+        fit_rows, val_rows = split_queries(q.shape[0], self.params.val_fraction,
+                                           self.params.seed)
+        fit_t, val_t = (as_tensor(r, device=self.device) for r in (fit_rows, val_rows))
+        gram, cross = _normal_equations(q[fit_t], t[fit_t])
+        y_val = rel.rows(val_rows)
+        if not y_val.nnz:
+            raise InputError(f"QueryAdapter: none of the {len(val_rows)} held-out training "
+                             f"queries has a relevant document, so alpha cannot be chosen: set "
+                             f"alpha or change seed / val_fraction")
+        index = make_index("exact", self.device).build(p)
+        for alpha in ALPHAS:
+            w = _solve(gram, cross, alpha).float()
+            _, ids = index.search(q[val_t] @ w, 10)
+            self.validation[alpha] = float(recall_at_k(ids, y_val, ks=(10,))[10])
+        return max(reversed(ALPHAS), key=lambda a: self.validation[a])  # largest of the best
+
+    def __call__(self, queries: Any, check: bool | None = None) -> torch.Tensor:
+        """(B, d) queries -> Π(q W): (B, d) float32 on the adapter's device. ``check`` tests
+        the queries for NaN / inf (default: unless they are a CUDA tensor)."""
+        if self.W is None:
+            raise InputError("QueryAdapter is not fitted: call fit() first")
+        if check is None:
+            check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
+        q = as_embeddings(queries, self.device, "queries", dim=self.W.shape[0],
+                          check_norm=False, check_finite=check).detach()
+        return normalize_rows(q @ self.W)
+
+    def save(self, directory: str | Path) -> None:
+        """Write W and the settings to ``directory`` (a checksummed save; see
+        :func:`pefa_gpu.storage.writing_save`); read back with :func:`pefa_gpu.load`."""
+        if self.W is None:
+            raise InputError("QueryAdapter is not fitted: call fit() first")
+        with storage.writing_save(directory) as w:
+            meta = storage.save_tensor(w.data / "W", self.W)
+            w.commit({**_header(self), "fitted_alpha": self.fitted_alpha,
+                      "validation": [[a, v] for a, v in self.validation.items()], "W": meta})
+
+    @classmethod
+    def load(cls, directory: str | Path, device: Any = None) -> "QueryAdapter":
+        """A save written by :meth:`save` (else FormatError)."""
+        return persist.load_model(directory, device=device, expect=cls)
+
+    @classmethod
+    def _from_save(cls, save: storage.SaveDir, device: Any, mmap: bool) -> "QueryAdapter":
+        m = save.manifest
+        out = cls(device=device, **_saved_params(cls, m, save.where))
+        meta = m.get("W") if isinstance(m.get("W"), dict) else {}
+        w = storage.load_tensor(save.file(meta.get("file")), out.device, meta=meta)
+        a = m.get("fitted_alpha")
+        if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] \
+                or isinstance(a, bool) or not isinstance(a, (int, float)) \
+                or not math.isfinite(a) or a <= 0 or not bool(torch.isfinite(w).all()):
+            raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix and "
+                              f"fitted_alpha a number > 0, got {w.dtype} {tuple(w.shape)}, "
+                              f"{a!r}")
+        out.W, out.fitted_alpha = w, float(a)
+        out.validation = {float(x): float(v) for x, v in m.get("validation") or []}
+        return out
+
+
+class VectorPRF:
+    """Vector pseudo-relevance feedback, q' = q + β mean(top-k documents of q under the base
+    model) (module docstring); holds no data::
+
+        prf = pg.VectorPRF(k=3, beta=0.5)
+        prf(queries, model)         # (B, d) float32 on the model's device
+    """
+
+    Params = PRFParams
+
+    def __init__(self, k: int = 3, beta: float = 0.5):
+        self.params = PRFParams(k=k, beta=beta)
+
+    def __repr__(self) -> str:
+        return f"VectorPRF(k={self.params.k}, beta={self.params.beta!r})"
+
+    def __call__(self, queries: Any, model: Any) -> torch.Tensor:
+        """(B, d) queries and a fitted model (its ``search`` and ``doc_embeddings``) ->
+        (B, d) float32 on the model's device."""
+        q = model.as_queries(queries)
+        _, ids = model.search(q, self.params.k, check=False)
+        valid = (ids >= 0).unsqueeze(2)
+        docs = model.doc_embeddings[ids.clamp_min(0)].float() * valid
+        found = valid.sum(1).clamp_min(1)
+        return q + self.params.beta * (docs.sum(1) / found)
+
+    def save(self, directory: str | Path) -> None:
+        """Write the settings to ``directory``; read back with :func:`pefa_gpu.load`."""
+        with storage.writing_save(directory) as w:
+            w.commit(_header(self))
+
+    @classmethod
+    def load(cls, directory: str | Path, device: Any = None) -> "VectorPRF":
+        return persist.load_model(directory, device=device, expect=cls)
+
+    @classmethod
+    def _from_save(cls, save: storage.SaveDir, device: Any, mmap: bool) -> "VectorPRF":
+        return cls(**_saved_params(cls, save.manifest, save.where))
+
+
+class QueryModel:
+    """A model searched with adapted queries: ``search(q)`` is
+    ``model.search(prf(adapter(q), model))`` (either part may be None). Saves and loads as
+    one folder (the model's save inside it), as the models do."""
+
+    def __init__(self, model: Any, adapter: QueryAdapter | None = None,
+                 prf: VectorPRF | None = None):
+        if adapter is not None and adapter.W is None:
+            raise InputError("QueryModel: the adapter is not fitted")
+        if adapter is not None and adapter.W.shape[0] != model.dim:
+            raise InputError(f"QueryModel: the adapter maps dimension {adapter.W.shape[0]}, the "
+                             f"model holds dimension {model.dim}")
+        if adapter is not None and adapter.device != model.device:  # a copy: inputs are read
+            adapter = copy.copy(adapter)
+            adapter.W, adapter.device = adapter.W.to(model.device), model.device
+        self.model, self.adapter, self.prf = model, adapter, prf
+
+    def __repr__(self) -> str:
+        return f"QueryModel({self.model!r}, adapter={self.adapter!r}, prf={self.prf!r})"
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def n_docs(self) -> int:
+        return self.model.n_docs
+
+    @property
+    def dim(self) -> int:
+        return self.model.dim
+
+    def queries(self, queries: Any) -> torch.Tensor:
+        """The queries as the model searches them: (B, d) float32 on its device."""
+        q = self.model.as_queries(queries)
+        if self.adapter is not None:
+            q = self.adapter(q, check=False)
+        return q if self.prf is None else self.prf(q, self.model)
+
+    def search(self, queries: Any, topk: int = 100, check: bool | None = None, *,
+               params: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the model's ``search``, on :meth:`queries`."""
+        self.model.check_fitted()
+        return self.model.search(self.queries(queries), topk, check=False, params=params)
+
+    def save(self, directory: str | Path) -> None:
+        """Write the model, adapter and feedback settings into ``directory`` atomically."""
+        with storage.writing_save(directory) as w:
+            parts = {"model": self.model, "adapter": self.adapter, "prf": self.prf}
+            for name, part in parts.items():
+                if part is not None:
+                    part.save(w.data / name)
+            w.commit({**_header(self), "parts": {k: k for k, v in parts.items()
+                                                 if v is not None}})
+
+    @classmethod
+    def load(cls, directory: str | Path, device: Any = None) -> "QueryModel":
+        return persist.load_model(directory, device=device, expect=cls)
+
+    @classmethod
+    def _from_save(cls, save: storage.SaveDir, device: Any, mmap: bool) -> "QueryModel":
+        parts = save.manifest.get("parts")
+        if not isinstance(parts, dict) or "model" not in parts \
+                or not set(parts) <= {"model", "adapter", "prf"}:
+            raise FormatError(f"{save.where}: 'parts' must name the model and optionally the "
+                              f"adapter and prf, got {parts!r}")
+        want = {"model": None, "adapter": QueryAdapter, "prf": VectorPRF}
+        loaded = {}
+        for name, rel in parts.items():  # every file was checked against the outer manifest
+            part = persist.load_model(save.folder(rel), device=device, mmap=mmap, verify=False)
+            if want[name] is not None and not isinstance(part, want[name]) or \
+                    want[name] is None and isinstance(part, (QueryModel, QueryAdapter, VectorPRF)):
+                raise FormatError(f"{save.where}: part {name!r} holds a {type(part).__name__}")
+            loaded[name] = part
+        return cls(loaded["model"], loaded.get("adapter"), loaded.get("prf"))
+
+
+def _header(obj: Any) -> dict[str, Any]:
+    return {"library_version": __version__, "class": type(obj).__name__,
+            "params": obj.params.to_dict() if hasattr(obj, "params") else {}}
+
+
+def _saved_params(cls: type, manifest: dict, where: Path) -> dict[str, Any]:
+    try:
+        return cls.Params.from_dict(manifest.get("params") or {}).to_dict()
+    except (InputError, TypeError) as exc:
+        raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
+
+
+for _cls in (QueryAdapter, VectorPRF, QueryModel):
+    persist.register_model(_cls)  # pefa_gpu.load finds them by name
+
