@@ -137,3 +137,42 @@ def test_knn_graph_gathers_no_rows_for_its_reverse_edges(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "__getitem__", spy)
     export.knn_graph(x, 8, "cpu")
     assert gathered == []
+
+
+# -- 3. cupy's SpMM takes its memory from torch ----------------------------------------------
+
+def test_the_cupy_allocator_hands_out_torch_memory_kept_alive_by_the_block():
+    import types
+
+    from pefa_gpu.aggregate import _torch_allocator
+
+    made = []
+    cuda = types.SimpleNamespace(
+        UnownedMemory=lambda ptr, size, owner, dev: made.append((ptr, size, owner, dev)) or
+        (ptr, size, owner, dev),
+        MemoryPointer=lambda mem, offset: (mem, offset))
+    alloc = _torch_allocator(types.SimpleNamespace(cuda=cuda), torch.device("cpu"), 3)
+    for size in (0, 1, 4096):
+        (ptr, n, owner, dev), offset = alloc(size)
+        assert isinstance(owner, torch.Tensor) and owner.dtype == torch.uint8
+        assert ptr == owner.data_ptr() and n == owner.numel() >= max(size, 1)
+        assert dev == 3 and offset == 0
+
+
+@pytest.mark.gpu
+def test_cuda_pifa_through_cupy_leaves_nothing_in_cupys_pool():
+    cupy = pytest.importorskip("cupy")
+    import scipy.sparse as sp
+
+    from reference import pifa as ref_pifa
+
+    rng = np.random.default_rng(4)
+    q = unit_rows(rng, 300, 64)
+    y = sp.random(300, 500, density=0.02, random_state=4, format="csr", dtype=np.float32)
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = pool.total_bytes()
+    got = pg.pifa(y, q, device="cuda")
+    torch.cuda.synchronize()
+    assert pool.total_bytes() == before == 0
+    np.testing.assert_allclose(got.cpu().numpy(), ref_pifa(y, q), atol=1e-5)
