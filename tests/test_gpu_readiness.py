@@ -176,3 +176,65 @@ def test_cuda_pifa_through_cupy_leaves_nothing_in_cupys_pool():
     torch.cuda.synchronize()
     assert pool.total_bytes() == before == 0
     np.testing.assert_allclose(got.cpu().numpy(), ref_pifa(y, q), atol=1e-5)
+
+
+# -- 4. the fusion's vote sums: the same bits on numpy and torch, any device -----------------
+
+def _vote_table(device, seed=5, b=5, kp=6, kn=12, n=60, m=40, d=8):
+    """A candidate table with many votes per cell (dense Y, real-valued entries)."""
+    import scipy.sparse as sp
+
+    from pefa_gpu import fuse
+    from pefa_gpu.relevance import as_relevance
+
+    rng = np.random.default_rng(seed)
+    y = sp.random(m, n, density=0.6, random_state=seed, format="csr", dtype=np.float32)
+    y.data = rng.uniform(0.1, 3.0, y.nnz).astype(np.float32)
+    q, docs = unit_rows(rng, b, d), unit_rows(rng, n, d)
+    ei = np.stack([rng.choice(n, kp, replace=False) for _ in range(b)])
+    es = np.sort(rng.standard_normal((b, kp)).astype(np.float32), 1)[:, ::-1].copy()
+    ki = np.stack([rng.choice(m, kn, replace=False) for _ in range(b)])
+    ks = rng.uniform(0.2, 1.0, (b, kn)).astype(np.float32)
+    arrays_ = [q, docs, es, ei, ks, ki]
+    if device is not None:
+        arrays_ = [torch.from_numpy(a).to(device) for a in arrays_]
+    q, docs, es, ei, ks, ki = arrays_
+    rows = fuse.RelevanceRows(as_relevance(y), device or "cpu")
+    table = fuse.candidate_table(q, docs, rows, (es, ei), (ks, ki), rescore=True,
+                                 erm_exact=False)
+    return table, y.toarray().astype(np.float64), ki, ks
+
+
+@pytest.mark.parametrize("k,divisor", [(12, 12.0), (7, 7.0), (3, 1.0)])
+def test_vote_sums_equal_numpy_to_the_bit_on_torch(k, divisor):
+    t_np, y, ki, ks = _vote_table(None)
+    t_t, _, _, _ = _vote_table("cpu")
+    f_np, dead_np = t_np.knn_scores(k, divisor)
+    f_t, dead_t = t_t.knn_scores(k, divisor)
+    np.testing.assert_array_equal(f_t.numpy().view(np.int32), f_np.view(np.int32))
+    np.testing.assert_array_equal(dead_t.numpy(), dead_np)
+    # float32 sums in neighbour order, and the float64 value, written here
+    width = t_np.ids.shape[1]
+    row, doc = t_np.cells // width, t_np.ids.reshape(-1)[t_np.cells]
+    assert (f_np > 0).sum() > len(f_np) // 2  # most candidates are voted for, many thrice
+    for u in range(len(f_np)):
+        acc, exact = np.float32(0.0), 0.0
+        for r in range(k):
+            v = y[ki[row[u], r], doc[u]]
+            if v:
+                acc = np.float32(acc + np.float32(np.float32(ks[row[u], r]) /
+                                                  np.float32(divisor)) * np.float32(v))
+                exact += ks[row[u], r] / divisor * v
+        assert f_np[u] == acc
+        assert abs(f_np[u] - exact) <= 1e-5 * max(1.0, exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,divisor", [(12, 12.0), (7, 7.0)])
+def test_cuda_vote_sums_equal_numpy_to_the_bit_run_after_run(k, divisor):
+    t_np, _, _, _ = _vote_table(None)
+    f_np = t_np.knn_scores(k, divisor)[0]
+    for _ in range(3):
+        t_c, _, _, _ = _vote_table("cuda")
+        f_c = t_c.knn_scores(k, divisor)[0].cpu().numpy()
+        np.testing.assert_array_equal(f_c.view(np.int32), f_np.view(np.int32))
