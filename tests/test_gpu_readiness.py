@@ -238,3 +238,72 @@ def test_cuda_vote_sums_equal_numpy_to_the_bit_run_after_run(k, divisor):
         t_c, _, _, _ = _vote_table("cuda")
         f_c = t_c.knn_scores(k, divisor)[0].cpu().numpy()
         np.testing.assert_array_equal(f_c.view(np.int32), f_np.view(np.int32))
+
+
+# -- 5. the CUDA memory budget is a share of the free memory ---------------------------------
+
+def _fake_cuda_memory(monkeypatch, free, reserved, allocated):
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+
+
+def test_default_budget_is_256_mib_on_cpu_and_a_quarter_of_free_cuda_memory(monkeypatch):
+    _fake_cuda_memory(monkeypatch, 40 * 2**30, 6 * 2**30, 2 * 2**30)
+    cuda = torch.device("cuda")
+    assert exact_mod.default_memory_budget(torch.device("cpu")) == 256 * 2**20
+    assert exact_mod.default_memory_budget(cuda) == (40 + 4) * 2**30 // 4
+    _fake_cuda_memory(monkeypatch, 1000, 0, 0)
+    assert exact_mod.default_memory_budget(cuda) == 2**16
+    index = ExactIndex(device="cpu")
+    assert index.params.memory_budget is None and index.memory_budget == 256 * 2**20
+    assert ExactIndex({"memory_budget": 2**20}).memory_budget == 2**20
+    with pytest.raises(pg.InputError, match="memory_budget"):
+        ExactIndex({"memory_budget": 100})
+    with pytest.raises(pg.InputError, match="memory_budget"):
+        ExactIndex({"memory_budget": True})
+
+
+def test_cuda_block_plan_at_1m_rows_uses_the_free_memory(monkeypatch):
+    """The CUDA block plan, run on the CPU: 1M x 768 bf16 rows, B = 4096, k = 100."""
+    index = ExactIndex({"dtype": "bfloat16"}, device="cpu")
+    index.vectors = torch.zeros(1, 768, dtype=torch.bfloat16).expand(1_000_000, 768)
+    index.device = torch.device("cuda")
+    _fake_cuda_memory(monkeypatch, 70 * 2**30, 0, 0)
+    q_batch, chunk = index._block_shape(4096, 100)
+    assert q_batch == 4096 and chunk >= 500_000
+    assert index._work_bytes(q_batch, chunk, 108) <= index.memory_budget
+    fixed = ExactIndex({"dtype": "bfloat16", "memory_budget": 256 * 2**20}, device="cpu")
+    fixed.vectors, fixed.device = index.vectors, index.device
+    assert fixed._block_shape(4096, 100)[1] < 20_000  # the old fixed default: 80+ rounds
+
+
+def _cuda_syncs(fn):
+    """(fn(), the host synchronisations it made: torch's sync debug mode warns once each)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchronizing" in str(w.message) for w in caught)
+
+
+@pytest.mark.gpu
+def test_cuda_votes_synchronise_once_and_vote_sums_never():
+    import scipy.sparse as sp
+
+    from pefa_gpu import fuse
+    from pefa_gpu.relevance import as_relevance
+
+    table, _, ki, _ = _vote_table("cuda")
+    y = sp.random(40, 60, density=0.6, random_state=5, format="csr", dtype=np.float32)
+    rows = fuse.RelevanceRows(as_relevance(y), "cuda")
+    torch.cuda.synchronize()
+    (slot, doc, _), syncs = _cuda_syncs(lambda: fuse.votes(ki, rows))
+    assert syncs == 1 and slot.numel() == doc.numel() > 0  # reading the number of entries
+    _, syncs = _cuda_syncs(lambda: table.knn_scores(table.n_neighbours, 4.0))
+    assert syncs == 0
