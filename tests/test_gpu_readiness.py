@@ -307,3 +307,15 @@ def test_cuda_votes_synchronise_once_and_vote_sums_never():
     assert syncs == 1 and slot.numel() == doc.numel() > 0  # reading the number of entries
     _, syncs = _cuda_syncs(lambda: table.knn_scores(table.n_neighbours, 4.0))
     assert syncs == 0
+
+
+# -- 7. tests mean the CPU unless marked gpu -------------------------------------------------
+
+def test_the_default_device_is_the_cpu_in_a_test_without_the_gpu_marker():
+    assert pg.ERM().fit(unit_rows(np.random.default_rng(6), 20, 4)).device.type == "cpu"
+    assert arrays.resolve_device(None) == torch.device("cpu")
+
+
+@pytest.mark.gpu
+def test_the_default_device_is_cuda_in_a_gpu_test():
+    assert arrays.resolve_device(None).type == "cuda"
