@@ -53,6 +53,28 @@ def test_a_second_pass_is_looked_for_only_when_candidates_miss_part_of_the_index
     assert second_pass == (k + TIE_MARGIN < n)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,atol", [("float16", 5e-4), ("bfloat16", 3e-3)])
+def test_cuda_exact_16bit_storage_against_a_float64_reference(dtype, atol):
+    """fp16 / bf16 storage on CUDA (a GEMM reading the 16-bit rows, float32 accumulation):
+    scores within the queries' rounding of the float64 scores of the stored rows, the same
+    top-k wherever the k-th and (k+1)-th reference scores are further apart than that."""
+    rng = np.random.default_rng(8)
+    x, q, k = unit_rows(rng, 3000, 64), unit_rows(rng, 50, 64), 10
+    index = ExactIndex({"dtype": dtype}, device="cuda").build(torch.from_numpy(x).cuda())
+    s, i = index.search(torch.from_numpy(q).cuda(), k)
+    s, i = s.cpu().numpy(), i.cpu().numpy()
+    ref = q.astype(np.float64) @ index.vectors.float().cpu().numpy().astype(np.float64).T
+    order = np.argsort(-ref, axis=1, kind="stable")
+    clear = 0
+    for r in range(len(q)):
+        np.testing.assert_allclose(s[r], ref[r, i[r]], atol=atol)
+        if ref[r, order[r, k - 1]] - ref[r, order[r, k]] > 2 * atol:
+            clear += 1
+            assert set(i[r]) == set(order[r, :k])
+    assert clear >= 5
+
+
 # -- 6. foreign arrays are copied with copy=True ---------------------------------------------
 
 def test_a_dlpack_array_on_any_device_counts_as_shared_memory():
