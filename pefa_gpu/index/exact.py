@@ -50,8 +50,8 @@ from ..arrays import as_tensor, check_positive_int, host_empty, resolve_dtype, t
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
-from ..topk import (PAD_ID, PAD_SCORE, boundary_tied, merge_topk, order_ties, pad_topk,
-                    topk_rows)
+from ..topk import (PAD_ID, PAD_SCORE, boundary_tied, masked, merge_topk, order_ties,
+                    pad_topk, topk_rows)
 from .base import Index
 
 
@@ -222,7 +222,7 @@ class ExactIndex(Index):
         rescan = vals[:, kk - 1] - vals[:, -1] <= 2 * tol.squeeze(-1) \
             if vals.shape[1] < self.ntotal else None
         settle = tied if rescan is None else tied & ~rescan
-        if vals.is_cuda:  # every row under a mask: no synchronisation
+        if masked(vals):  # every row under a mask (CUDA): no synchronisation
             vals, ids = settle_masked(vals, ids, settle, kk)
         else:
             rows = settle.nonzero().squeeze(1)
