@@ -21,7 +21,7 @@ Stages, in this order (``--dry-run`` prints them):
 Each stage runs in its own process with a time limit, so a crash or hang (a CUDA fault, say) is
 reported and the rest still run. DIR gets ``gpu.json`` (everything) and ``gpu.md`` (the
 summary) after every stage, so a cut run still returns what it measured, and
-``gpu_pytest.xml``. Nothing is installed and no network is used; the repository is imported
+``gpu_pytest.xml`` / ``gpu_pytest.log`` (pytest's report and its log, written as it runs). Nothing is installed and no network is used; the repository is imported
 from its folder.
 """
 
@@ -423,25 +423,27 @@ def ratios(name: str, res: dict[str, Any], card: dict[str, Any]) -> None:
 
 def run_tests(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
     """pytest -m "gpu or triton" (dry run: -m gpu, which skips on the CPU) with a JUnit
-    report in the output folder, parsed."""
-    junit = Path(args.out) / "gpu_pytest.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
+    report in the output folder, parsed; its verbose log goes to ``gpu_pytest.log`` there as it
+    runs, so that a run cut by the time box still reports the cases it finished."""
+    junit, log = Path(args.out) / "gpu_pytest.xml", Path(args.out) / "gpu_pytest.log"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider",
            f"--junitxml={junit}", "-m", "gpu" if args.dry_run else "gpu or triton"]
-    t = time.perf_counter()
     if timeout < 30:
         return {"failed": f"not run: {timeout:.0f} s left for the tests"}
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                             env=_env(args))
-    except subprocess.TimeoutExpired:
-        return {"failed": f"pytest timed out after {timeout:.0f} s (time box)", "command": cmd}
-    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "exit_code": res.returncode,
-                           "wall_s": time.perf_counter() - t,
-                           "tail": res.stdout.strip().splitlines()[-5:]}
-    if not junit.is_file():
-        out["failed"] = "pytest wrote no report"
-        out["log_tail"] = (res.stderr or res.stdout).strip().splitlines()[-20:]
-        return out
+    t = time.perf_counter()
+    out: dict[str, Any] = {"command": " ".join(cmd[1:])}
+    with open(log, "w") as sink:
+        try:
+            out["exit_code"] = subprocess.run(cmd, cwd=ROOT, stdout=sink,
+                                              stderr=subprocess.STDOUT, timeout=timeout,
+                                              env=_env(args)).returncode
+        except subprocess.TimeoutExpired:
+            out["cut"] = f"pytest stopped by the {timeout:.0f} s time box"
+    out["wall_s"] = time.perf_counter() - t
+    lines = log.read_text(errors="replace").splitlines()
+    out["tail"] = lines[-5:]
+    if "cut" in out or not junit.is_file():
+        return _cases_from_log(out, lines)
     cases = []
     for tc in ET.parse(junit).getroot().iter("testcase"):
         file = tc.get("classname", "").replace(".", "/").rsplit("/", 1)[-1] + ".py"
@@ -455,6 +457,26 @@ def run_tests(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
                 break
         cases.append({"id": f"{file}::{tc.get('name')}", "outcome": outcome,
                       "message": message})
+    out["cases"] = cases
+    out["counts"] = {k: sum(c["outcome"] == k for c in cases)
+                     for k in ("passed", "failed", "error", "skipped")}
+    return out
+
+
+def _cases_from_log(out: dict[str, Any], lines: list[str]) -> dict[str, Any]:
+    """The cases pytest -v logged (``tests/f.py::name PASSED``) when it left no report."""
+    kinds = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+             "XFAIL": "skipped", "XPASS": "passed"}
+    cases = []
+    for line in lines:
+        parts = line.split(" ")
+        if len(parts) >= 2 and "::" in parts[0] and parts[1] in kinds:
+            cases.append({"id": parts[0].split("/")[-1], "outcome": kinds[parts[1]],
+                          "message": "(from the log)"})
+    if not cases:
+        out["failed"] = out.get("cut", "pytest wrote no report")
+        out["log_tail"] = lines[-20:]
+        return out
     out["cases"] = cases
     out["counts"] = {k: sum(c["outcome"] == k for c in cases)
                      for k in ("passed", "failed", "error", "skipped")}
@@ -528,8 +550,9 @@ def summary_md(data: dict[str, Any]) -> str:
         if "counts" in tests:
             c = tests["counts"]
             lines += [f"`{tests['command']}`: {c['passed']} passed, {c['failed']} failed, "
-                      f"{c['error']} errors, {c['skipped']} skipped ({tests['wall_s']:.0f} s).",
-                      "", md_table(["CUDA path", "status", "passed", "failed", "skipped"],
+                      f"{c['error']} errors, {c['skipped']} skipped ({tests['wall_s']:.0f} s)"
+                      + (f"; {tests['cut']}, the cases read from its log." if "cut" in tests
+                         else "."), "", md_table(["CUDA path", "status", "passed", "failed", "skipped"],
                                    data["paths"])]
             bad = [x for x in tests["cases"] if x["outcome"] in ("failed", "error")]
             if bad:

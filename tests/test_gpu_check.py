@@ -45,7 +45,8 @@ def test_dry_run_runs_every_stage_and_writes_both_files(tmp_path):
     assert data["benchmarks"]["stream"]["dtypes"]["float32"]["max_rel_diff_vs_cpu"] < 1e-5
     assert "cagra" in data["benchmarks"]["ann"]  # skipped with a reason on the CPU
     assert "## The card" in md and "### ann" in md and (out / "gpu_pytest.xml").is_file()
-    assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md", "gpu_pytest.xml"]
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md", "gpu_pytest.log",
+                                                     "gpu_pytest.xml"]
 
 
 def test_median_seconds_warms_up_then_takes_the_median(gpu_check):
@@ -84,3 +85,14 @@ def test_summary_from_a_junit_report(gpu_check, tmp_path):
     assert "700.0 TFLOP/s" in md and "| vs_card_gemm | 0.5000 |" in md
     assert "| cagra.skipped | no cuVS |" in md and "failed: exit code 1" in md
     assert json.loads((tmp_path / "gpu.json").read_text())["card"]["d2d_gb_s"] == 3000.0
+
+
+def test_a_test_run_cut_by_the_time_box_reports_the_cases_it_logged(gpu_check):
+    lines = ["============ test session starts ============",
+             "tests/test_exact.py::test_search[cuda] PASSED                  [  1%]",
+             "tests/test_triton_rowdots.py::test_kernel[cuda] FAILED         [  2%]",
+             "tests/test_backends.py::test_agrees[ivf-cuda] SKIPPED (no faiss) [  3%]"]
+    out = gpu_check._cases_from_log({"cut": "pytest stopped by the 9 s time box"}, lines)
+    assert out["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert out["cases"][0]["id"] == "test_exact.py::test_search[cuda]"
+    assert gpu_check._cases_from_log({"cut": "x"}, lines[:1])["failed"] == "x"
