@@ -71,7 +71,7 @@ def test_summary_from_a_junit_report(gpu_check, tmp_path):
     assert paths[triton] == "FAILED"
     ivf = next(p for p in paths if p.startswith("faiss GPU"))
     assert paths[ivf].startswith("not run: faiss is not installed")
-    card = {"gemm": "8192^3 bf16 -> float32", "bf16_tflops": 700.0, "d2d_gb_s": 3000.0}
+    card = {"gemm": "8192^3 bf16 GEMM", "bf16_tflops": 700.0, "d2d_gb_s": 3000.0}
     exact = {"tflops": 350.0, "search_s": 0.1}
     gpu_check.ratios("exact", exact, card)
     assert exact["vs_card_gemm"] == 0.5
