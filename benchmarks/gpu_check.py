@@ -1,19 +1,28 @@
-"""Every CUDA check in one call, for a GPU machine: the tests marked gpu (and triton), the GPU
-sections of the benchmarks, and a summary of which CUDA paths ran, passed, failed or were
-skipped (with the reason).
+"""Every CUDA check in one call, for a GPU machine: the card's own rates, the tests marked gpu
+(and triton), and the benchmarks as ratios against those rates and against torch.
 
-    python3 benchmarks/gpu_check.py            # from the repository root; <= 540 s
-    python3 benchmarks/gpu_check.py --quick    # smaller benchmark sizes
-    python3 benchmarks/gpu_check.py --all-tests --time-limit 1500   # the whole suite too
+    python3 benchmarks/gpu_check.py --out DIR            # from the repository root; <= 540 s
+    python3 benchmarks/gpu_check.py --out DIR --dry-run  # on the CPU: every stage, tiny shapes
 
-Needs torch with CUDA; uses what is there: cupy, triton, faiss (a faiss-cpu wheel may be
-carried in; faiss-gpu / cuVS parts are reported as skipped, with the reason, where they are
-missing), pytest, ml_dtypes. Nothing is installed and no network is used; the repository is
-imported from its folder (no pip install needed). Each stage runs in its own process with a
-time limit, so a crash or hang in one (a CUDA fault, say) is reported and the rest still run.
+Stages, in this order (``--dry-run`` prints them):
+1. ``env``: versions, GPUs, what is installed (cupy, triton, faiss GPU, cuVS).
+2. ``card``: an 8192^3 bf16 GEMM (torch.mm) and a 1 GiB device-to-device copy,
+   timed with CUDA events: 3 warm-ups, the median of 10. Every rate below is a share of these.
+3. ``tests``: pytest -m "gpu or triton", in a time box that leaves ``--bench-reserve`` seconds
+   for the benchmarks; pytest's JUnit report is parsed into one line per CUDA path.
+4. Benchmarks (3 warm-ups, median of 10, CUDA events): ``exact`` (n = 1M, d = 768, bf16
+   storage, B = 4096, k = 100) against torch ``mm + topk`` and the card's GEMM rate; ``xl``
+   (PEFA-XL search and its host synchronisations against ERM); ``pifa`` (in memory: cupy or
+   torch sparse) and ``stream`` (out of core, warm) against the card's and the host's copy
+   rates; ``triton`` (XL re-scoring) against the copy rate and its torch path; ``ann`` (the
+   exact knn export graph against the GEMM rate; faiss GPU IVF and CAGRA where faiss GPU or
+   cuVS is present, else skipped with the reason).
 
-Writes benchmarks/results/gpu.json (everything) and gpu.md (the summary), and
-benchmarks/results/gpu_pytest.xml (pytest's JUnit report).
+Each stage runs in its own process with a time limit, so a crash or hang (a CUDA fault, say) is
+reported and the rest still run. DIR gets ``gpu.json`` (everything) and ``gpu.md`` (the
+summary) after every stage, so a cut run still returns what it measured, and
+``gpu_pytest.xml`` / ``gpu_pytest.log`` (pytest's report and its log, written as it runs). Nothing is installed and no network is used; the repository is imported
+from its folder.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,18 +43,28 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
-from _common import RESULTS, md_table, write_results  # noqa: E402
+from _common import md_table, stamp  # noqa: E402
+
+# sizes of a real run and of a dry run (CPU, seconds)
+FULL = dict(gemm=8192, copy_bytes=1 << 30, exact_n=1_000_000, d=768, batch=4096, k=100,
+            xl_n=200_000, xl_d=128, pifa_m=1_000_000, stream_m=1_000_000, triton_n=1_000_000,
+            triton_per_query=500, ann_n=200_000, ann_d=384, export_m=32)
+DRY = dict(gemm=256, copy_bytes=1 << 20, exact_n=5000, d=32, batch=64, k=10, xl_n=2000,
+           xl_d=16, pifa_m=3000, stream_m=3000, triton_n=400, triton_per_query=20, ann_n=1500,
+           ann_d=16, export_m=4)
+WARMUPS, REPS = 3, 10
 
 # CUDA paths of the library and the tests that run them (node id patterns: file::name)
 CUDA_PATHS: list[tuple[str, list[str]]] = [
     ("exact search on CUDA (fp32 / fp16 / bf16 storage, one GEMM per block)",
-     ["test_exact.py::"]),
-    ("PIFA on CUDA in memory (cuSPARSE through cupy, else torch sparse; torch's stream)",
-     ["test_aggregate.py::", "test_gpu_paths.py::test_pifa_in_memory"]),
+     ["test_exact.py::", "test_gpu_readiness.py::test_cuda_exact"]),
+    ("PIFA on CUDA in memory (cuSPARSE through cupy in torch's memory, else torch sparse)",
+     ["test_aggregate.py::", "test_gpu_paths.py::test_pifa_in_memory",
+      "test_gpu_readiness.py::test_cuda_pifa"]),
     ("streamed PIFA (pinned staging slots, copy stream, entry batches)",
      ["test_out_of_core.py::"]),
     ("models on CUDA: ERM / PEFA-XS / PEFA-XL search and XL fusion (fuse)",
-     ["test_models.py::", "test_scale.py::"]),
+     ["test_models.py::", "test_scale.py::", "test_gpu_readiness.py::test_cuda_vote"]),
     ("Triton re-scoring kernel (triton_rowdots: device guard, current stream)",
      ["test_triton_rowdots.py::"]),
     ("faiss GPU IVF (device pointers, torch's stream, reconstruct, nprobe limit)",
@@ -56,14 +76,80 @@ CUDA_PATHS: list[tuple[str, list[str]]] = [
       "test_backends.py::*scann-tree-cuda"]),
     ("saves: CUDA -> CPU -> CUDA", ["test_persist.py::test_save_on_cuda"]),
     ("several GPUs: sharded index", ["test_sharded.py::"]),
-    ("training helpers on CUDA (score, mine_negatives)", ["test_training.py::"]),
+    ("training helpers on CUDA (score, mine_negatives, counted syncs)",
+     ["test_training.py::"]),
+    ("foreign CUDA arrays copied (cupy, DLPack); default device",
+     ["test_gpu_readiness.py::test_cuda_foreign", "test_gpu_readiness.py::test_the_default"]),
     ("HNSW export of a graph built on the GPU", ["test_backends.py::test_export_graph"]),
 ]
 
 
-# -- stages (each runs in a child process: --stage NAME --out FILE) ------------------------------
+# -- timing ------------------------------------------------------------------------------------
 
-def stage_env(args: argparse.Namespace) -> dict[str, Any]:
+def median_seconds(fn: Callable[[], Any], device: Any, reps: int = REPS) -> float:
+    """Median seconds of ``fn`` over ``reps`` calls after ``WARMUPS`` calls: CUDA events
+    around each call on CUDA (the device's time, its queue drained after each), wall time on
+    the CPU."""
+    import torch
+
+    for _ in range(WARMUPS):
+        fn()
+    times = []
+    for _ in range(reps):
+        if torch.device(device).type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def mm_f32(a: Any, b: Any) -> Any:
+    """(B, d) x (n, d) in their dtype -> (B, n) float32 (torch's bf16 GEMM with float32 output
+    where it has one)."""
+    import torch
+
+    try:
+        return torch.mm(a, b.T, out_dtype=torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return a.float() @ b.float().T
+
+
+def unit(rows: int, d: int, device: Any, seed: int) -> Any:
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(rows, d, device=device, generator=g), dim=1)
+
+
+def count_syncs(fn: Callable[[], Any], device: Any) -> int | None:
+    """Host synchronisations ``fn`` makes on CUDA (torch's sync debug mode), None elsewhere."""
+    import warnings
+
+    import torch
+
+    if torch.device(device).type != "cuda":
+        fn()
+        return None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
+# -- stages (each runs in a child process) -----------------------------------------------------
+
+def stage_env(s: dict, device: str) -> dict[str, Any]:
     import platform
 
     import torch
@@ -76,208 +162,236 @@ def stage_env(args: argparse.Namespace) -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         out["capability"] = list(torch.cuda.get_device_capability(0))
-    for mod in ("numpy", "scipy", "cupy", "triton", "faiss", "cuvs", "ml_dtypes", "pytest",
-                "sentence_transformers"):
+        out["free_bytes"], out["total_bytes"] = torch.cuda.mem_get_info(0)
+    for mod in ("numpy", "scipy", "cupy", "triton", "faiss", "cuvs", "ml_dtypes", "pytest"):
         try:
             out[mod] = getattr(__import__(mod), "__version__", "installed")
         except Exception as exc:  # noqa: BLE001 (any import failure is a finding)
             out[mod] = None
             out[mod + "_error"] = f"{type(exc).__name__}: {exc}"
-    if out["cupy"]:
-        try:
-            import cupy
-
-            out["cupy_ok"] = float(cupy.arange(4, dtype=cupy.float32).sum()) == 6.0
-        except Exception as exc:  # noqa: BLE001
-            out["cupy_ok"] = False
-            out["cupy_error"] = f"{type(exc).__name__}: {exc}"
+    out["faiss_gpu"] = False
     if out["faiss"]:
         from pefa_gpu.index._faiss import faiss_has_gpu, import_faiss
 
-        faiss = import_faiss()
-        out["faiss_gpu"] = faiss_has_gpu(faiss)
-        out["faiss_cagra"] = hasattr(faiss, "GpuIndexCagra") and out["faiss_gpu"]
-    else:
-        out["faiss_gpu"] = out["faiss_cagra"] = False
+        out["faiss_gpu"] = bool(faiss_has_gpu(import_faiss()))
     return out
 
 
-def stage_scale(args: argparse.Namespace) -> dict[str, Any]:
-    """benchmarks/scale.py's GPU section, as it is."""
-    import scale
-
-    ns = argparse.Namespace(gpu_n=args.gpu_n, gpu_xl_n=args.gpu_xl_n, gpu_agg_m=args.gpu_agg_m)
-    figures, table = scale.gpu_section(ns)
-    return {"figures": figures, "table_md": table}
-
-
-def _timed(fn: Callable[[], Any], reps: int = 3) -> float:
-    """Seconds per call of ``fn`` after one warm-up, the GPU's queue drained around it."""
+def stage_card(s: dict, device: str) -> dict[str, Any]:
+    """The card's bf16 GEMM rate and device-to-device copy rate."""
     import torch
 
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    sync()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    sync()
-    return (time.perf_counter() - t) / reps
+    n = s["gemm"]
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    t_mm = median_seconds(lambda: torch.mm(a, b), device)
+    del a, b
+    src = torch.empty(s["copy_bytes"], dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    t_cp = median_seconds(lambda: dst.copy_(src), device)
+    return {"gemm": f"{n}^3 bf16 GEMM", "gemm_s": t_mm,
+            "bf16_tflops": 2 * n ** 3 / t_mm / 1e12, "copy_bytes": src.numel(),
+            "copy_s": t_cp, "d2d_gb_s": 2 * src.numel() / t_cp / 1e9}  # read + write
 
 
-def stage_stream(args: argparse.Namespace) -> dict[str, Any]:
-    """The staged PIFA pipeline on CUDA with float32 / float16 / bfloat16 memory maps, against
-    the CPU scipy kernel on the same file, and the measured host-to-device copy rate."""
-    import numpy as np
-    import scipy.sparse as sp
+def stage_exact(s: dict, device: str) -> dict[str, Any]:
+    """ExactIndex, bf16 storage, against torch mm + topk on the same bf16 rows."""
     import torch
 
     import pefa_gpu as pg
 
-    m, n, d = args.stream_m, 100_000, 128
-    rng = np.random.default_rng(0)
-    per = 3
-    Y = sp.csr_matrix((np.ones(m * per, np.float32),
-                       (np.repeat(np.arange(m), per), rng.integers(0, n, m * per))),
-                      shape=(m, n))
-    dev = torch.device(args.device)
-    host = torch.empty(1 << 28, dtype=torch.uint8, pin_memory=dev.type == "cuda")
-    devbuf = torch.empty_like(host, device=dev)
-    h2d = host.numel() / _timed(lambda: devbuf.copy_(host, non_blocking=True)) / 1e9
-    out: dict[str, Any] = {"m": m, "n": n, "d": d, "nnz": int(Y.nnz), "h2d_gb_s": h2d,
-                           "budget_bytes": 512 << 20, "dtypes": {}}
-    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
-        q32 = rng.standard_normal((m, d), dtype=np.float32)
-        for name in ("float32", "float16", "bfloat16"):
-            if name == "bfloat16":
-                try:
-                    import ml_dtypes
-                except ImportError:
-                    out["dtypes"][name] = {"skipped": "ml_dtypes is not installed"}
-                    continue
-                dt = ml_dtypes.bfloat16
-            else:
-                dt = np.dtype(name)
+    n, d, b, k = s["exact_n"], s["d"], s["batch"], s["k"]
+    x = unit(n, d, device, 0).to(torch.bfloat16)
+    q = unit(b, d, device, 1)
+    index = pg.make_index("exact", device, {"dtype": "bfloat16"}).build(x)
+    t = median_seconds(lambda: index.search(q, k), device)
+    syncs = count_syncs(lambda: index.search(q, k), device)
+    ids = index.search(q, k)[1]
+    qb = q.to(torch.bfloat16)
+    t_ref = median_seconds(lambda: torch.topk(mm_f32(qb, x), k, dim=1), device)
+    ref = torch.topk(mm_f32(qb, x), k, dim=1).indices
+    same = (torch.sort(ids, 1).values == torch.sort(ref, 1).values).float().mean()
+    return {"n": n, "d": d, "batch": b, "k": k, "search_s": t, "torch_mm_topk_s": t_ref,
+            "vs_torch_mm_topk": t_ref / t, "tflops": 2 * b * n * d / t / 1e12,
+            "budget_bytes": index.memory_budget, "host_syncs": syncs,
+            "same_id_sets_share": float(same)}
+
+
+def stage_xl(s: dict, device: str) -> dict[str, Any]:
+    """PEFA-XL search (exact backend) against ERM on synthetic data; XL's host syncs."""
+    import torch
+
+    import pefa_gpu as pg
+    from pefa_gpu.synthetic import make_synthetic
+
+    n, b, k = s["xl_n"], s["batch"], s["k"]
+    data = make_synthetic(n, 3 * n, s["xl_d"], b, seed=1)
+    erm = pg.ERM(device=device).fit(data.P)
+    xl = pg.PEFAXL(device=device, lam=0.5, k=32, candidates=2 * k).fit(data.P, data.Q, data.Y)
+    q = torch.from_numpy(data.Q_test).to(device)
+    t_erm = median_seconds(lambda: erm.search(q, k), device)
+    t_xl = median_seconds(lambda: xl.search(q, k), device)
+    return {"n": n, "queries": b, "k": k, "erm_s": t_erm, "xl_s": t_xl,
+            "xl_vs_erm": t_erm / t_xl, "xl_qps": b / t_xl,
+            "xl_host_syncs": count_syncs(lambda: xl.search(q, k), device)}
+
+
+def _relevance(m: int, n: int, per: int, seed: int) -> Any:
+    import numpy as np
+    import scipy.sparse as sp
+
+    rng = np.random.default_rng(seed)
+    return sp.csr_matrix((np.ones(m * per, np.float32),
+                          (np.repeat(np.arange(m), per), rng.integers(0, n, m * per))),
+                         shape=(m, n))
+
+
+def stage_pifa(s: dict, device: str) -> dict[str, Any]:
+    """In-memory PIFA (Y^T Q) against the card's copy rate; cupy's pool afterwards."""
+    import pefa_gpu as pg
+
+    m, n, d = s["pifa_m"], s["pifa_m"] // 4, s["d"]
+    y = _relevance(m, n, 3, 0)
+    q = unit(m, d, device, 2)
+    t = median_seconds(lambda: pg.pifa(y, q, normalize=False, device=device), device)
+    out = {"m": m, "n": n, "d": d, "nnz": int(y.nnz), "s": t,
+           "gb_s": (y.nnz + n) * d * 4 / t / 1e9}  # rows of Q gathered, rows of A written
+    try:
+        import cupy
+
+        out["cupy_pool_bytes_after"] = int(cupy.get_default_memory_pool().total_bytes())
+    except ImportError:
+        out["cupy"] = "not installed: torch sparse ran"
+    return out
+
+
+def stage_stream(s: dict, device: str) -> dict[str, Any]:
+    """Out-of-core PIFA from a .npy memory map (warm: the file in the page cache) against the
+    pinned host-to-device copy rate, float32 and bfloat16 files."""
+    import numpy as np
+    import torch
+
+    import pefa_gpu as pg
+
+    m, d, budget = s["stream_m"], 128, 512 << 20
+    n = max(1, m // 10)
+    y = _relevance(m, n, 3, 1)
+    host = torch.empty(s["copy_bytes"], dtype=torch.uint8,
+                       pin_memory=torch.device(device).type == "cuda")
+    dev = torch.empty_like(host, device=device)
+    h2d = host.numel() / median_seconds(lambda: dev.copy_(host, non_blocking=True), device) / 1e9
+    del dev
+    out: dict[str, Any] = {"m": m, "n": n, "d": d, "h2d_gb_s": h2d, "dtypes": {}}
+    q32 = np.random.default_rng(0).standard_normal((m, d), dtype=np.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("float32", "bfloat16"):
+            try:
+                dt = np.dtype(name) if name == "float32" else __import__("ml_dtypes").bfloat16
+            except ImportError:
+                out["dtypes"][name] = {"skipped": "ml_dtypes is not installed"}
+                continue
             path = Path(tmp) / f"q_{name}.npy"
             np.save(path, q32.astype(dt))
             mm = np.load(path, mmap_mode="r")
-            if name == "bfloat16":
-                mm = mm.view(dt)
-            t = time.perf_counter()
-            a = pg.pifa(Y, mm, normalize=False, device=dev, memory_budget=512 << 20)
-            float(a[0, 0])  # waits for the device
-            t_gpu = time.perf_counter() - t
-            t = time.perf_counter()
-            ref = pg.pifa(Y, mm, normalize=False, device="cpu", memory_budget=512 << 20)
-            t_cpu = time.perf_counter() - t
-            err = float((a.cpu() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-            out["dtypes"][name] = {"gpu_s": t_gpu, "cpu_scipy_s": t_cpu,
-                                   "file_gb_s": path.stat().st_size / t_gpu / 1e9,
-                                   "vs_h2d": path.stat().st_size / t_gpu / 1e9 / h2d,
-                                   "max_rel_diff_vs_cpu": err, "ok": err < 1e-5}
+            mm = mm.view(dt) if name == "bfloat16" else mm
+            t = median_seconds(lambda: pg.pifa(y, mm, normalize=False, device=device,
+                                               memory_budget=budget), device, reps=3)
+            ref = pg.pifa(y, mm, normalize=False, device="cpu", memory_budget=budget)
+            got = pg.pifa(y, mm, normalize=False, device=device, memory_budget=budget).cpu()
+            err = float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            gb_s = path.stat().st_size / t / 1e9
+            out["dtypes"][name] = {"s": t, "file_gb_s": gb_s, "vs_h2d": gb_s / h2d,
+                                   "max_rel_diff_vs_cpu": err}
             del mm
     return out
 
 
-def stage_triton(args: argparse.Namespace) -> dict[str, Any]:
-    """triton_rowdots on CUDA against its torch path and a float64 sample."""
-    import numpy as np
+def stage_triton(s: dict, device: str) -> dict[str, Any]:
+    """XL's re-scoring dot products (Triton on CUDA) against its torch path."""
     import torch
 
     from pefa_gpu import triton_rowdots as tr
 
-    dev = torch.device(args.device)
-    out: dict[str, Any] = {"available": tr.available(dev)}
-    n, d, b, c = args.triton_n, 768, args.queries, 500
-    g = torch.Generator(device=dev).manual_seed(0)
-    docs = torch.randn(n, d, device=dev, generator=g).to(torch.bfloat16)
-    q = torch.randn(b, d, device=dev, generator=g)
-    batch = torch.arange(b, device=dev).repeat_interleave(c)
-    doc = torch.randint(0, n, (b * c,), device=dev, generator=g)
-    got = tr.rowdots(q, docs, batch, doc)
-    out["fell_back"] = dict((f"{k[0]} {k[1]} {k[2]}", v) for k, v in tr._FAILED.items())
-    sample = torch.randint(0, b * c, (2000,), device=dev, generator=g)
-    ref = np.einsum("id,id->i", q[batch[sample]].double().cpu().numpy(),
-                    docs[doc[sample]].double().cpu().numpy())
-    out["max_abs_err_vs_float64"] = float(np.abs(got[sample].cpu().numpy() - ref).max())
-    t_k = _timed(lambda: tr.rowdots(q, docs, batch, doc))
-    t_t = _timed(lambda: tr.torch_rowdots(q, docs, batch, doc))
-    out.update(pairs=b * c, d=d, n_docs=n, kernel_s=t_k, torch_s=t_t,
-               speedup_vs_torch=t_t / t_k,
-               kernel_gb_s=b * c * d * 2 / t_k / 1e9)  # document bytes read
-    return out
+    n, d, b, c = s["triton_n"], s["d"], s["batch"], s["triton_per_query"]
+    docs = unit(n, d, device, 3).to(torch.bfloat16)
+    q = unit(b, d, device, 4)
+    batch = torch.arange(b, device=device).repeat_interleave(c)
+    g = torch.Generator(device=device).manual_seed(5)
+    doc = torch.randint(0, n, (b * c,), device=device, generator=g)
+    t = median_seconds(lambda: tr.rowdots(q, docs, batch, doc), device)
+    t_torch = median_seconds(lambda: tr.torch_rowdots(q, docs, batch, doc), device)
+    got, ref = tr.rowdots(q, docs, batch, doc), tr.torch_rowdots(q, docs, batch, doc)
+    return {"available": tr.available(torch.device(device)), "pairs": b * c, "d": d,
+            "s": t, "torch_s": t_torch, "vs_torch": t_torch / t,
+            "gb_s": b * c * d * 2 / t / 1e9,  # document rows read
+            "max_abs_diff_vs_torch": float((got - ref).abs().max()),
+            "fell_back": [" ".join(map(str, key)) for key in tr._FAILED]}
 
 
-def stage_faiss(args: argparse.Namespace) -> dict[str, Any]:
-    """faiss GPU IVF through device pointers vs faiss' numpy API (host round trip), and
-    CAGRA; skipped with the reason where faiss-gpu / cuVS are missing."""
+def stage_ann(s: dict, device: str) -> dict[str, Any]:
+    """The exact knn export graph (always), faiss GPU IVF and CAGRA (where present)."""
     import numpy as np
     import torch
 
     import pefa_gpu as pg
+    from pefa_gpu.export import knn_graph
 
-    out: dict[str, Any] = {}
-    try:
-        from pefa_gpu.index._faiss import faiss_has_gpu, import_faiss
+    n, d, b, k = s["ann_n"], s["ann_d"], s["batch"], s["k"]
+    x = unit(n, d, device, 6)
+    q = unit(b, d, device, 7)
+    t = median_seconds(lambda: knn_graph(x, 2 * s["export_m"], device), device, reps=3)
+    out: dict[str, Any] = {"knn_export": {"n": n, "d": d, "M": s["export_m"], "s": t,
+                                          "tflops": 2 * n * n * d / t / 1e12}}
+    truth = pg.make_index("exact", device).build(x).search(q, k)[1].cpu().numpy()
 
-        faiss = import_faiss()
-    except pg.MissingDependencyError as exc:
-        faiss = None
-        out["ivf"] = {"skipped": f"faiss is not installed: {exc}"}
-    dev = torch.device(args.device)
-    rng = np.random.default_rng(0)
-    n, d, b, k = args.faiss_n, 128, args.queries, 100
-    x = rng.standard_normal((n, d), dtype=np.float32)
-    x /= np.linalg.norm(x, axis=1, keepdims=True)
-    q = torch.from_numpy(x[rng.choice(n, b, replace=False)]).to(dev)
-    if faiss is not None and not faiss_has_gpu(faiss):
-        out["ivf"] = {"skipped": f"faiss {faiss.__version__} has no GPU support here "
-                                 f"(faiss-cpu): the faiss GPU IVF path was not run"}
-    elif faiss is not None:
-        index = pg.make_index("ivf", dev, {"nlist": 1024}, {"nprobe": 32}).build(x)
-        fp = faiss.SearchParametersIVF()
-        fp.nprobe = 32
-        t_dev = _timed(lambda: index.search(q, k))
-        t_host = _timed(lambda: index._index.search(q.cpu().numpy(), k, params=fp))
-        ids_dev = index.search(q, k)[1].cpu().numpy()
-        ids_host = index._index.search(q.cpu().numpy(), k, params=fp)[1]
-        out["ivf"] = {"on_gpu": index.on_gpu, "n": n, "queries": b, "k": k,
-                      "device_path_s": t_dev, "numpy_path_s": t_host,
-                      "speedup": t_host / t_dev,
-                      "same_ids_share": float(np.mean([len(set(a) & set(c)) / k for a, c in
-                                                       zip(ids_dev, ids_host)]))}
-    try:
-        cagra = pg.make_index("cagra", dev)
-    except pg.MissingDependencyError as exc:
-        out["cagra"] = {"skipped": str(exc)}
-        return out
-    xt = torch.from_numpy(x).to(dev)
-    build_s = _timed(lambda: cagra.build(xt), reps=1)
-    t = _timed(lambda: cagra.search(q, k))
-    exact = pg.make_index("exact", dev).build(xt)
-    truth = exact.search(q, k)[1].cpu().numpy()
-    got = cagra.search(q, k)[1].cpu().numpy()
-    out["cagra"] = {"engine": cagra.engine, "build_s": build_s, "search_s": t,
-                    "qps": b / t, "recall": float(np.mean([len(set(a) & set(c)) / k
-                                                           for a, c in zip(got, truth)]))}
+    def recall(ids: Any) -> float:
+        ids = ids.cpu().numpy()
+        return float(np.mean([len(set(a) & set(c)) / k for a, c in zip(ids, truth)]))
+
+    for name, params, search in (("ivf", {"nlist": 1024}, {"nprobe": 32}),
+                                 ("cagra", None, None)):
+        try:
+            index = pg.make_index(name, device, params, search_params=search)
+            if name == "ivf" and not getattr(index, "on_gpu", False):
+                out[name] = {"skipped": "faiss has no GPU support here"}
+                continue
+            build = time.perf_counter()
+            index.build(x)
+            build = time.perf_counter() - build
+        except (pg.MissingDependencyError, pg.InputError) as exc:
+            out[name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+            continue
+        except Exception as exc:  # noqa: BLE001 (a faiss / cuVS failure is a finding)
+            out[name] = {"failed_build": f"{type(exc).__name__}: {exc}"}
+            continue
+        try:
+            ts = median_seconds(lambda: index.search(q, k), device)
+            out[name] = {"build_s": build, "search_s": ts, "qps": b / ts,
+                         "recall": recall(index.search(q, k)[1]),
+                         "engine": str(getattr(index, "engine", ""))}
+        except Exception as exc:  # noqa: BLE001
+            out[name] = {"failed_search": f"{type(exc).__name__}: {exc}"}
     return out
 
 
-STAGES = {"env": stage_env, "scale": stage_scale, "stream": stage_stream,
-          "triton": stage_triton, "faiss": stage_faiss}
+STAGES: dict[str, Callable[[dict, str], dict[str, Any]]] = {
+    "env": stage_env, "card": stage_card, "exact": stage_exact, "xl": stage_xl,
+    "pifa": stage_pifa, "stream": stage_stream, "triton": stage_triton, "ann": stage_ann}
+BENCHMARKS = ["exact", "xl", "pifa", "stream", "triton", "ann"]
 
 
-def run_stage(name: str, args: argparse.Namespace, timeout: int) -> dict[str, Any]:
-    """Run one stage in a child process; its JSON, or {'failed': why}."""
+def run_stage(name: str, args: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """One stage in a child process: its JSON, or {'failed': why, 'log_tail': [...]}."""
     with tempfile.TemporaryDirectory() as tmp:
         dest = Path(tmp) / "out.json"
-        cmd = [sys.executable, __file__, "--stage", name, "--out", str(dest), *_size_args(args)]
+        cmd = [sys.executable, __file__, "--stage", name, "--stage-out", str(dest),
+               "--device", args.device] + (["--dry-run"] if args.dry_run else [])
         t = time.perf_counter()
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                                 env=_env())
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1, timeout),
+                                 env=_env(args))
         except subprocess.TimeoutExpired:
-            return {"failed": f"timed out after {timeout} s"}
+            return {"failed": f"timed out after {timeout:.0f} s"}
         took = time.perf_counter() - t
         if res.returncode != 0 or not dest.is_file():
             tail = (res.stderr or res.stdout).strip().splitlines()[-15:]
@@ -287,54 +401,88 @@ def run_stage(name: str, args: argparse.Namespace, timeout: int) -> dict[str, An
         return out
 
 
-def _size_args(args: argparse.Namespace) -> list[str]:
-    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
-            ("gpu_n", "gpu_xl_n", "gpu_agg_m", "stream_m", "triton_n", "faiss_n", "queries",
-             "tmp", "device")]
-
-
-def _env() -> dict[str, str]:
+def _env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in
-                                                       env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env.pop("TRITON_INTERPRET", None)  # compiled kernels here
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if not args.dry_run:
+        env.pop("TRITON_INTERPRET", None)  # compiled kernels here
     return env
 
 
-# -- the tests -------------------------------------------------------------------------------------
+def ratios(name: str, res: dict[str, Any], card: dict[str, Any]) -> None:
+    """Add each benchmark's shares of the card's measured rates to ``res``."""
+    tf, cp = card.get("bf16_tflops"), card.get("d2d_gb_s")
+    if not tf or not cp or "failed" in res:
+        return
+    if name == "exact":
+        res["vs_card_gemm"] = res["tflops"] / tf
+    elif name == "pifa":
+        res["vs_card_copy"] = res["gb_s"] / cp
+    elif name == "triton":
+        res["vs_card_copy"] = res["gb_s"] / cp
+    elif name == "ann":
+        res["knn_export"]["vs_card_gemm"] = res["knn_export"]["tflops"] / tf
 
-def run_tests(args: argparse.Namespace) -> dict[str, Any]:
-    """pytest (``-m "gpu or triton"``, or everything) with a JUnit report, parsed."""
-    junit = RESULTS / "gpu_pytest.xml"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-           f"--junitxml={junit}", *([] if args.all_tests else ["-m", "gpu or triton"])]
+
+# -- the tests -----------------------------------------------------------------------------------
+
+def run_tests(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
+    """pytest -m "gpu or triton" (dry run: -m gpu, which skips on the CPU) with a JUnit
+    report in the output folder, parsed; its verbose log goes to ``gpu_pytest.log`` there as it
+    runs, so that a run cut by the time box still reports the cases it finished."""
+    junit, log = Path(args.out) / "gpu_pytest.xml", Path(args.out) / "gpu_pytest.log"
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider",
+           f"--junitxml={junit}", "-m", "gpu" if args.dry_run else "gpu or triton"]
+    if timeout < 30:
+        return {"failed": f"not run: {timeout:.0f} s left for the tests"}
     t = time.perf_counter()
-    try:
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                             timeout=args.test_timeout, env=_env())
-    except subprocess.TimeoutExpired:
-        return {"failed": f"pytest timed out after {args.test_timeout} s", "command": cmd}
-    out: dict[str, Any] = {"command": " ".join(cmd[1:]), "exit_code": res.returncode,
-                           "wall_s": time.perf_counter() - t,
-                           "tail": res.stdout.strip().splitlines()[-5:]}
-    if not junit.is_file():
-        out["failed"] = "pytest wrote no report"
-        out["log_tail"] = (res.stderr or res.stdout).strip().splitlines()[-20:]
-        return out
+    out: dict[str, Any] = {"command": " ".join(cmd[1:])}
+    with open(log, "w") as sink:
+        try:
+            out["exit_code"] = subprocess.run(cmd, cwd=ROOT, stdout=sink,
+                                              stderr=subprocess.STDOUT, timeout=timeout,
+                                              env=_env(args)).returncode
+        except subprocess.TimeoutExpired:
+            out["cut"] = f"pytest stopped by the {timeout:.0f} s time box"
+    out["wall_s"] = time.perf_counter() - t
+    lines = log.read_text(errors="replace").splitlines()
+    out["tail"] = lines[-5:]
+    if "cut" in out or not junit.is_file():
+        return _cases_from_log(out, lines)
     cases = []
     for tc in ET.parse(junit).getroot().iter("testcase"):
         file = tc.get("classname", "").replace(".", "/").rsplit("/", 1)[-1] + ".py"
-        node = f"{file}::{tc.get('name')}"
         outcome, message = "passed", ""
         for kind in ("failure", "error", "skipped"):
             el = tc.find(kind)
             if el is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
-                message = (el.get("message") or el.text or "").strip().splitlines()
-                message = message[0][:300] if message else ""
+                lines = (el.get("message") or el.text or "").strip().splitlines()
+                message = lines[0][:300] if lines else ""
                 break
-        cases.append({"id": node, "outcome": outcome, "message": message})
+        cases.append({"id": f"{file}::{tc.get('name')}", "outcome": outcome,
+                      "message": message})
+    out["cases"] = cases
+    out["counts"] = {k: sum(c["outcome"] == k for c in cases)
+                     for k in ("passed", "failed", "error", "skipped")}
+    return out
+
+
+def _cases_from_log(out: dict[str, Any], lines: list[str]) -> dict[str, Any]:
+    """The cases pytest -v logged (``tests/f.py::name PASSED``) when it left no report."""
+    kinds = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "SKIPPED": "skipped",
+             "XFAIL": "skipped", "XPASS": "passed"}
+    cases = []
+    for line in lines:
+        parts = line.split(" ")
+        if len(parts) >= 2 and "::" in parts[0] and parts[1] in kinds:
+            cases.append({"id": parts[0].split("/")[-1], "outcome": kinds[parts[1]],
+                          "message": "(from the log)"})
+    if not cases:
+        out["failed"] = out.get("cut", "pytest wrote no report")
+        out["log_tail"] = lines[-20:]
+        return out
     out["cases"] = cases
     out["counts"] = {k: sum(c["outcome"] == k for c in cases)
                      for k in ("passed", "failed", "error", "skipped")}
@@ -349,14 +497,14 @@ def _matches(node: str, pattern: str) -> bool:
     return rest[1:] in name if rest.startswith("*") else name.startswith(rest)
 
 
-def path_status(tests: dict[str, Any], env: dict[str, Any]) -> list[list[str]]:
+def path_status(tests: dict[str, Any], env: dict[str, Any]) -> list[list[Any]]:
     """One row per CUDA path: what its tests did here."""
     cases = tests.get("cases", [])
     rows = []
     for path, patterns in CUDA_PATHS:
         mine = [c for c in cases if any(_matches(c["id"], p) for p in patterns)]
-        n = {k: sum(c["outcome"] == k for c in mine) for k in ("passed", "failed", "error",
-                                                                "skipped")}
+        n = {k: sum(c["outcome"] == k for c in mine)
+             for k in ("passed", "failed", "error", "skipped")}
         if n["failed"] or n["error"]:
             status = "FAILED"
         elif n["passed"]:
@@ -373,111 +521,147 @@ def path_status(tests: dict[str, Any], env: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
-# -- the summary ------------------------------------------------------------------------------------
+# -- the summary ---------------------------------------------------------------------------------
+
+def _scalars(res: dict[str, Any], prefix: str = "") -> list[list[Any]]:
+    rows = []
+    for key, value in res.items():
+        if isinstance(value, dict):
+            rows += _scalars(value, f"{prefix}{key}.")
+        elif key not in ("log_tail", "cases") and not isinstance(value, list):
+            rows.append([prefix + key, value])
+    return rows
+
 
 def summary_md(data: dict[str, Any]) -> str:
-    env, tests, bench = data["env"], data["tests"], data["benchmarks"]
-    lines = ["# GPU check", ""]
+    env, card = data.get("env", {}), data.get("card", {})
+    lines = ["# GPU check" + (" (dry run on the CPU: tiny shapes, no meaning)"
+                              if data["args"]["dry_run"] else ""), ""]
     if "failed" in env:
         lines += [f"The environment stage failed: {env['failed']}", ""]
-    else:
-        lines += [f"GPUs: {', '.join(env['gpus']) or 'none'} · torch {env['torch']} (CUDA "
-                  f"{env['torch_cuda']}) · cupy {env.get('cupy')} · triton {env.get('triton')}"
-                  f" · faiss {env.get('faiss')} (GPU: {env.get('faiss_gpu')}) · cuVS "
-                  f"{env.get('cuvs')} · ml_dtypes {env.get('ml_dtypes')}", ""]
-    lines += ["## Tests", ""]
-    if "counts" in tests:
-        c = tests["counts"]
-        lines += [f"`{tests['command']}`: {c['passed']} passed, {c['failed']} failed, "
-                  f"{c['error']} errors, {c['skipped']} skipped ({tests['wall_s']:.0f} s).", ""]
-        lines += [md_table(["CUDA path", "status", "passed", "failed", "skipped"],
-                           data["paths"])]
-        bad = [x for x in tests["cases"] if x["outcome"] in ("failed", "error")]
-        if bad:
-            lines += ["### Failures", ""] + [f"- `{x['id']}`: {x['message']}" for x in bad] + [""]
-        reasons: dict[str, int] = {}
-        for x in tests["cases"]:
-            if x["outcome"] == "skipped":
-                reasons[x["message"]] = reasons.get(x["message"], 0) + 1
-        if reasons:
-            lines += ["### Skipped (reason: count)", ""]
-            lines += [f"- {r or '(no reason given)'}: {k}" for r, k in
-                      sorted(reasons.items(), key=lambda kv: -kv[1])] + [""]
-    elif "skipped" in tests:
-        lines += [f"Not run ({tests['skipped']}).", ""]
-    else:
-        lines += [f"pytest did not report: {tests.get('failed')}", "", "```",
-                  *tests.get("log_tail", []), "```", ""]
-    lines += ["## Benchmarks", ""]
+    elif env:
+        lines += [f"GPUs: {', '.join(env.get('gpus', [])) or 'none'} · torch {env.get('torch')}"
+                  f" (CUDA {env.get('torch_cuda')}) · cupy {env.get('cupy')} · triton "
+                  f"{env.get('triton')} · faiss {env.get('faiss')} (GPU: {env.get('faiss_gpu')})"
+                  f" · cuVS {env.get('cuvs')}", ""]
+    if card:
+        lines += ["## The card", ""]
+        lines += ([f"failed: {card['failed']}", ""] if "failed" in card else
+                  [f"{card['gemm']}: {card['bf16_tflops']:.1f} TFLOP/s · device-to-device copy "
+                   f"{card['d2d_gb_s']:.0f} GB/s (read + write; median of {REPS} after "
+                   f"{WARMUPS} warm-ups)", ""])
+    tests = data.get("tests")
+    if tests is not None:
+        lines += ["## Tests", ""]
+        if "counts" in tests:
+            c = tests["counts"]
+            lines += [f"`{tests['command']}`: {c['passed']} passed, {c['failed']} failed, "
+                      f"{c['error']} errors, {c['skipped']} skipped ({tests['wall_s']:.0f} s)"
+                      + (f"; {tests['cut']}, the cases read from its log." if "cut" in tests
+                         else "."), "", md_table(["CUDA path", "status", "passed", "failed", "skipped"],
+                                   data["paths"])]
+            bad = [x for x in tests["cases"] if x["outcome"] in ("failed", "error")]
+            if bad:
+                lines += ["### Failures", ""]
+                lines += [f"- `{x['id']}`: {x['message']}" for x in bad] + [""]
+            reasons: dict[str, int] = {}
+            for x in tests["cases"]:
+                if x["outcome"] == "skipped":
+                    reasons[x["message"]] = reasons.get(x["message"], 0) + 1
+            if reasons:
+                lines += ["### Skipped (reason: count)", ""]
+                lines += [f"- {r or '(no reason given)'}: {k}" for r, k in
+                          sorted(reasons.items(), key=lambda kv: -kv[1])] + [""]
+        else:
+            lines += [f"pytest did not report: {tests.get('failed')}", "", "```",
+                      *tests.get("log_tail", []), "```", ""]
+    bench = data.get("benchmarks", {})
+    if bench:
+        lines += ["## Benchmarks", "",
+                  "Ratios: vs_card_* = a share of the card's measured rate above; vs_torch* = "
+                  "torch's time / ours (above 1: faster than torch); xl_vs_erm = ERM's time / "
+                  "XL's.", ""]
     for name, res in bench.items():
         lines += [f"### {name}", ""]
         if "failed" in res:
             lines += [f"failed: {res['failed']}", "", "```", *res.get("log_tail", []), "```", ""]
-        elif name == "scale":
-            lines += [res["table_md"], ""]
         else:
-            lines += ["```json", json.dumps({k: v for k, v in res.items() if k != "wall_s"},
-                                            indent=1), "```", ""]
+            lines += [md_table(["measure", "value"], _scalars(res))]
     return "\n".join(lines)
+
+
+def write(out: Path, data: dict[str, Any]) -> None:
+    """gpu.json and gpu.md into ``out``, each written to a temporary file and renamed."""
+    for name, text in (("gpu.json", json.dumps(data, indent=2, default=str) + "\n"),
+                       ("gpu.md", summary_md(data) + "\n")):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, out / name)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stage", choices=sorted(STAGES), help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
-    ap.add_argument("--quick", action="store_true", help="smaller benchmark sizes")
-    ap.add_argument("--all-tests", action="store_true", help="the whole suite, not only gpu")
+    ap.add_argument("--out", help="folder for gpu.json, gpu.md, gpu_pytest.xml (created)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="on the CPU: list the stages and run each with tiny shapes")
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-bench", action="store_true")
-    ap.add_argument("--test-timeout", type=int, default=300)
-    ap.add_argument("--stage-timeout", type=int, default=180)
     ap.add_argument("--time-limit", type=int, default=540,
-                    help="seconds for the whole check (stages left over are reported as not "
-                         "run); a device machine's command limit is 600")
-    ap.add_argument("--gpu-n", type=int, default=1_000_000)
-    ap.add_argument("--gpu-xl-n", type=int, default=200_000)
-    ap.add_argument("--gpu-agg-m", type=int, default=4_000_000)
-    ap.add_argument("--stream-m", type=int, default=2_000_000)
-    ap.add_argument("--triton-n", type=int, default=1_000_000)
-    ap.add_argument("--faiss-n", type=int, default=1_000_000)
-    ap.add_argument("--queries", type=int, default=4096, help="query batch (triton, faiss)")
-    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: a dry run
-    ap.add_argument("--tmp", default=tempfile.gettempdir(), help="folder for streamed files")
+                    help="seconds for the whole check (a device machine's command limit is 600)")
+    ap.add_argument("--bench-reserve", type=int, default=260,
+                    help="seconds the test stage leaves for the benchmarks")
+    ap.add_argument("--stage-timeout", type=int, default=120)
+    ap.add_argument("--stage", choices=sorted(STAGES), help=argparse.SUPPRESS)
+    ap.add_argument("--stage-out", help=argparse.SUPPRESS)
+    ap.add_argument("--device", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.stage:  # a child: run one stage, write its JSON
-        Path(args.out).write_text(json.dumps(STAGES[args.stage](args), default=str))
+    args.device = args.device or ("cpu" if args.dry_run else "cuda")
+    sizes = DRY if args.dry_run else FULL
+    if args.stage:  # a child: one stage, its JSON
+        Path(args.stage_out).write_text(json.dumps(STAGES[args.stage](sizes, args.device),
+                                                   default=str))
         return
-    if args.quick:
-        args.gpu_n, args.gpu_xl_n, args.gpu_agg_m = 200_000, 50_000, 1_000_000
-        args.stream_m, args.triton_n, args.faiss_n = 500_000, 200_000, 200_000
+    if not args.out:
+        ap.error("--out DIR is required")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.time_limit
+    plan = ["env", "card"] + ([] if args.skip_tests else ["tests"]) + \
+        ([] if args.skip_bench else BENCHMARKS)
+    print("gpu_check stages: " + ", ".join(plan) + (" (dry run: CPU, tiny shapes)"
+                                                   if args.dry_run else ""), flush=True)
     data: dict[str, Any] = {"args": {k: v for k, v in vars(args).items()
-                                     if k not in ("stage", "out")}}
-    print("gpu_check: environment", flush=True)
-    data["env"] = run_stage("env", args, 120)
-    if not data["env"].get("cuda_available"):
-        print("gpu_check: torch sees no CUDA device; the checks below will skip", flush=True)
-    data["tests"] = {"skipped": "--skip-tests"} if args.skip_tests else None
-    if data["tests"] is None:
-        print("gpu_check: tests", flush=True)
-        args.test_timeout = int(min(args.test_timeout, deadline - time.monotonic() - 60))
-        data["tests"] = run_tests(args)
-    data["paths"] = path_status(data["tests"], data["env"])
-    data["benchmarks"] = {}
-    if not args.skip_bench and data["env"].get("cuda_available"):
-        for name in ("stream", "triton", "faiss", "scale"):
-            left = int(min(args.stage_timeout, deadline - time.monotonic()))
-            if left < 20:
-                data["benchmarks"][name] = {"failed": f"not run: --time-limit "
-                                                      f"{args.time_limit} s reached"}
-                continue
-            print(f"gpu_check: benchmark {name} (at most {left} s)", flush=True)
-            data["benchmarks"][name] = run_stage(name, args, left)
-            write_results("gpu", data, summary_md(data))  # kept up to date as stages end
-    path = write_results("gpu", data, summary_md(data))
-    print((RESULTS / "gpu.md").read_text())
-    print(f"gpu_check: wrote {path} and {RESULTS / 'gpu.md'}", flush=True)
+                                     if k not in ("stage", "stage_out")},
+                            "sizes": sizes, "stamp": stamp(), "benchmarks": {}}
+
+    def left() -> float:
+        return deadline - time.monotonic()
+
+    for name in ("env", "card"):
+        print(f"gpu_check: {name}", flush=True)
+        data[name] = run_stage(name, args, min(args.stage_timeout, left()))
+        write(out, data)
+    if not data["env"].get("cuda_available") and not args.dry_run:
+        print("gpu_check: torch sees no CUDA device; the stages below report that", flush=True)
+    if "tests" in plan:
+        box = min(left() - (0 if args.skip_bench else args.bench_reserve), left() - 10)
+        print(f"gpu_check: tests (at most {box:.0f} s)", flush=True)
+        data["tests"] = run_tests(args, box)
+        data["paths"] = path_status(data["tests"], data["env"])
+        write(out, data)
+    for name in BENCHMARKS if "exact" in plan else []:
+        budget = min(args.stage_timeout, left())
+        if budget < 15:
+            data["benchmarks"][name] = {"failed": f"not run: --time-limit {args.time_limit} s "
+                                                  f"reached"}
+        else:
+            print(f"gpu_check: benchmark {name} (at most {budget:.0f} s)", flush=True)
+            data["benchmarks"][name] = res = run_stage(name, args, budget)
+            ratios(name, res, data.get("card", {}))
+        write(out, data)
+    print((out / "gpu.md").read_text())
+    print(f"gpu_check: wrote {out / 'gpu.json'} and {out / 'gpu.md'}", flush=True)
 
 
 if __name__ == "__main__":

@@ -62,10 +62,11 @@ def _spmm_transpose(y_csr, q: torch.Tensor) -> torch.Tensor:
         import cupyx.scipy.sparse as csp
     except ImportError:
         cupy = None
-    if cupy is not None:  # on q's device and torch's current stream there (no hand-off)
-        dev = cuda_index(q.device)
+    if cupy is not None:  # on q's device and torch's current stream there (no hand-off),
+        dev = cuda_index(q.device)  # in memory from torch's allocator (see _torch_allocator)
         with cupy.cuda.Device(dev), \
-                cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream):
+                cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream), \
+                cupy.cuda.using_allocator(_torch_allocator(cupy, q.device, dev)):
             yt_gpu = csp.csr_matrix((cupy.asarray(yt.data, dtype=cupy.float32),
                                      cupy.asarray(yt.indices), cupy.asarray(yt.indptr)),
                                     shape=yt.shape)
@@ -77,3 +78,16 @@ def _spmm_transpose(y_csr, q: torch.Tensor) -> torch.Tensor:
                                    size=yt.shape, device=q.device)
     out = yt_t @ q
     return out.to_dense() if out.is_sparse else out
+
+
+def _torch_allocator(cupy: Any, device: torch.device, device_id: int) -> Any:
+    """A cupy allocator (bytes -> ``cupy.cuda.MemoryPointer``) that takes each block from
+    torch's caching allocator on ``device`` (a uint8 tensor the block keeps alive), so that
+    what cupy frees (its Fortran-order copies of Q and of the product, cuSPARSE's workspace)
+    goes back to torch instead of staying in cupy's own pool. Blocks belong to torch's
+    current stream, the stream cupy runs on here."""
+    def alloc(size: int) -> Any:
+        buf = torch.empty(max(int(size), 1), dtype=torch.uint8, device=device)
+        return cupy.cuda.MemoryPointer(
+            cupy.cuda.UnownedMemory(buf.data_ptr(), buf.numel(), buf, device_id), 0)
+    return alloc

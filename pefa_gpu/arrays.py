@@ -220,11 +220,12 @@ def host_empty(numel: int) -> torch.Tensor:
 
 
 def _same_memory(x: Any, t: torch.Tensor) -> bool:
+    """Whether ``t`` (made from ``x`` by :func:`as_tensor`) may share ``x``'s memory."""
     if isinstance(x, torch.Tensor):
         return x.device == t.device and x.data_ptr() == t.data_ptr()
     if isinstance(x, np.ndarray):
         return t.device.type == "cpu" and x.__array_interface__["data"][0] == t.data_ptr()
-    return t.device.type == "cpu"  # DLPack and others: copy to be safe
+    return True  # cupy, DLPack and others (on any device, CUDA included): copy to be safe
 
 
 def check_positive_int(value: Any, name: str) -> int:

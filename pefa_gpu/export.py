@@ -55,18 +55,18 @@ def knn_graph(vectors: Any, degree: int, device: Any = None) -> torch.Tensor:
     v = as_tensor(vectors, device=dev, dtype=torch.float32, name="vectors")
     n = v.shape[0]
     width = min(degree + 1, n)
-    _, fwd = ExactIndex(device=dev).build(v).search(v, width)
+    fwd_s, fwd = ExactIndex(device=dev).build(v).search(v, width)
     rows = torch.arange(n, device=dev).unsqueeze(1)
     # drop self (wherever it sits among ties) and keep `degree` forward neighbours
     fwd = torch.where(fwd == rows, torch.full_like(fwd, -1), fwd)
-    fwd = _compact(fwd, degree)
+    fwd, fwd_s = _compact(fwd, degree, fwd_s)
     half = max(1, degree // 2)
-    # reverse edges i -> j for every forward edge j -> i among j's `half` nearest
+    # reverse edges i -> j for every forward edge j -> i among j's `half` nearest, ranked by
+    # the search's own score of the pair (no (n half, d) gather of the rows)
     src = rows.expand(n, min(half, fwd.shape[1]))
     dst = fwd[:, :half]
     ok = dst >= 0
-    src, dst = src[ok], dst[ok]
-    score = (v[src] * v[dst]).sum(1)
+    src, dst, score = src[ok], dst[ok], fwd_s[:, :half][ok]
     order = torch.argsort(score, descending=True, stable=True)
     order = order[torch.argsort(dst[order], stable=True)]  # by target, closest first
     src, dst = src[order], dst[order]
@@ -88,8 +88,10 @@ def _dedup(ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(mask, -1)
 
 
-def _compact(ids: torch.Tensor, width: int) -> torch.Tensor:
-    """Move the valid (>= 0) ids of each row to the front, in order; (n, width), -1 padded."""
+def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None) -> Any:
+    """Move the valid (>= 0) ids of each row to the front, in order; (n, width), -1 padded.
+    With ``scores`` (n, w) float32 beside the ids: (ids, their scores moved alike, -inf
+    padded)."""
     n, w = ids.shape
     pos = torch.arange(w, 0, -1, device=ids.device).expand(n, w)
     key = torch.where(ids >= 0, pos, torch.zeros_like(pos))
@@ -98,7 +100,12 @@ def _compact(ids: torch.Tensor, width: int) -> torch.Tensor:
     out = torch.where(kv > 0, ids.gather(1, kp), torch.full_like(kp, -1))
     if take < width:
         out = torch.cat([out, out.new_full((n, width - take), -1)], dim=1)
-    return out
+    if scores is None:
+        return out
+    s = torch.where(kv > 0, scores.gather(1, kp), float("-inf"))
+    if take < width:
+        s = torch.cat([s, s.new_full((n, width - take), float("-inf"))], dim=1)
+    return out, s
 
 
 def hnsw_from_graph(vectors: Any, graph: Any, *, ef_search: int = 300,

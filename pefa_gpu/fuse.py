@@ -21,7 +21,11 @@ per k and step 3 per (lam, k). Each step is written once against operations nump
 both provide (:class:`_Numpy`, :class:`_Torch`): CPU batches run on numpy, where an operation
 costs about a microsecond against torch's five to ten (a single query's fusion is ~40 of
 them; on large batches numpy is as fast, see benchmarks/scale.py), CUDA batches on torch.
-Both make the same float32 operations in the same order, so their results are equal to the bit.
+Both make the same float32 operations in the same order (votes summed in neighbour order
+without atomics, :meth:`_Torch.index_add`; divisions by a value, never by its reciprocal), so
+from equal inputs their results are equal to the bit, run after run. The inputs differ in the
+last bits between devices where a dot product is summed in another order (the CUDA
+re-scoring, the ERM search's GEMM).
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ class _Numpy:
     where = staticmethod(np.where)
 
     @staticmethod
-    def repeat(x: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def repeat(x: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
         return x.repeat(counts)  # the method: a third of np.repeat's cost on small arrays
 
     @staticmethod
@@ -93,9 +97,14 @@ class _Numpy:
         return u, u.searchsorted(x)
 
     @staticmethod
-    def index_add(target: np.ndarray, index: np.ndarray, values: np.ndarray) -> np.ndarray:
-        np.add.at(target, index, values)  # in the order of ``index``, as torch's index_add_
+    def index_add(target: np.ndarray, index: np.ndarray, values: np.ndarray,
+                  most: int) -> np.ndarray:
+        np.add.at(target, index, values)  # in the order of ``index``
         return target
+
+    @staticmethod
+    def divide(x: np.ndarray, value: float) -> np.ndarray:
+        return x / value
 
     @staticmethod
     def sort_rows(x: np.ndarray, fits_int32: bool) -> np.ndarray:
@@ -134,10 +143,14 @@ class _Torch:
         return torch.full(shape, value, dtype=dtype, device=like.device)
 
     cat = staticmethod(torch.cat)
-    repeat = staticmethod(torch.repeat_interleave)
     where = staticmethod(torch.where)
     searchsorted = staticmethod(torch.searchsorted)
     take_along = staticmethod(lambda x, i: torch.gather(x, 1, i))
+
+    @staticmethod
+    def repeat(x: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
+        """x[i] repeated counts[i] times; ``total`` = counts.sum() (no host sync to find it)."""
+        return torch.repeat_interleave(x, counts, output_size=total)
 
     @staticmethod
     def cumsum(x: torch.Tensor) -> torch.Tensor:
@@ -156,9 +169,29 @@ class _Torch:
         return torch.unique(x, sorted=True, return_inverse=True)
 
     @staticmethod
-    def index_add(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor
-                  ) -> torch.Tensor:
-        return target.index_add_(0, index, values)
+    def index_add(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+                  most: int) -> torch.Tensor:
+        """target (U,) float32 with values (V,) added at index (V,) in the order of ``index``,
+        as numpy's ``add.at`` (the same bits; CUDA's ``index_add_`` adds with atomics, in any
+        order): the entries sorted by target (stably), then ``most`` rounds, round r adding
+        each target's r-th entry. ``most``: no target has more entries. No host sync."""
+        if index.numel() == 0:
+            return target
+        order = torch.argsort(index, stable=True)
+        at, val = index[order], values[order]
+        cell = torch.arange(target.numel(), device=target.device)
+        start = torch.searchsorted(at, cell)
+        end = torch.searchsorted(at, cell, right=True)
+        for r in range(most):  # + 0.0 where a target has no r-th entry: unchanged (never -0.0)
+            pos = start + r
+            target = target + torch.where(pos < end, val[pos.clamp_max(at.numel() - 1)], 0.0)
+        return target
+
+    @staticmethod
+    def divide(x: torch.Tensor, value: float) -> torch.Tensor:
+        """x / value in x's dtype (CUDA divides by a host scalar as x times its reciprocal,
+        which may differ in the last bit)."""
+        return x / torch.full((), value, dtype=x.dtype, device=x.device)
 
     @staticmethod
     def sort_rows(x: torch.Tensor, fits_int32: bool) -> torch.Tensor:
@@ -240,8 +273,9 @@ def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
     n_entries = lengths[flat]
     ends = xp.cumsum(n_entries)
     total = int(ends[-1]) if len(ends) else 0
-    pos = xp.repeat(starts[flat] - (ends - n_entries), n_entries) + xp.arange(total, knn_rows)
-    slot = xp.repeat(xp.arange(len(n_entries), knn_rows), n_entries)
+    pos = xp.repeat(starts[flat] - (ends - n_entries), n_entries, total) + \
+        xp.arange(total, knn_rows)
+    slot = xp.repeat(xp.arange(len(n_entries), knn_rows), n_entries, total)
     return slot, indices[pos], data[pos]
 
 
@@ -298,7 +332,8 @@ class CandidateTable:
             use = xp.flatnonzero(self.entry_slot % self.n_neighbours < k)
             at, score, y = at[use], score[use], y[use]
         f = xp.full((len(self.cells),), 0.0, xp.float32, self.cells)
-        f = xp.index_add(f, at, (score / divisor) * y)
+        # a candidate gets at most one vote per neighbour (Y has one entry per row and column)
+        f = xp.index_add(f, at, xp.divide(score, divisor) * y, min(k, self.n_neighbours))
         dead = self.extra.clone() if isinstance(at, torch.Tensor) else self.extra.copy()
         dead[at] = False
         return f, dead

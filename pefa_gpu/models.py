@@ -325,8 +325,10 @@ class _Model:
         valid ones. PEFA-XL applies the backend's settings to both its indices.
 
         The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
-        inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS then search
-        a CUDA batch with no device-to-host synchronisation at all. PEFAXL's fusion does
+        inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS on the exact
+        backend then search a CUDA batch with one device-to-host synchronisation when topk + 8
+        < n (finding the rows tied past the candidates, :mod:`pefa_gpu.index.exact`) and none
+        otherwise. PEFAXL's fusion does
         synchronise (candidate sets of data-dependent size), a few times per batch; its
         :meth:`score` does not.
         """

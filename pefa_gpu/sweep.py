@@ -255,7 +255,7 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     the lower id.
     """
     if block_cells is None:  # xs has the exact backend here
-        block_cells = max(1, xs.index.params.memory_budget // XS_CELL_BYTES)
+        block_cells = max(1, xs.index.memory_budget // XS_CELL_BYTES)
     p = xs.doc_embeddings.float()
     a = normalize_rows(xs.doc_sums)
     b, n = q.shape[0], p.shape[0]

@@ -24,6 +24,16 @@ PAD_SCORE = float("-inf")
 
 _ID_LAST = torch.iinfo(torch.long).max  # the tie key of padding: after every real id
 
+# The tie passes' strategy: every row under a mask (no host synchronisation) or the tied rows
+# picked out on the host. None: masks on CUDA, picked rows elsewhere; tests set True to run the
+# CUDA strategy on CPU tensors.
+MASKED: bool | None = None
+
+
+def masked(t: torch.Tensor) -> bool:
+    """Whether tie passes over ``t`` run every row under a mask (see ``MASKED``)."""
+    return t.is_cuda if MASKED is None else MASKED
+
 
 def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of each row of ``scores`` (B, N) float; ids are column + ``offset``.
@@ -64,7 +74,7 @@ def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     if w < 2 or b == 0:
         return vals.contiguous(), ids.contiguous()
     same = _same(vals[:, 1:], vals[:, :-1])
-    if vals.is_cuda:
+    if masked(vals):
         return _order_runs(vals, ids, same)
     rows = same.any(1).nonzero().squeeze(1)
     if rows.numel() == 0:
@@ -99,7 +109,7 @@ def _select(table: torch.Tensor, kk: int,
     vals, cols = torch.topk(table, kk + 1, dim=1)
     tied = boundary_tied(vals, kk)
     vals, cols = vals[:, :kk], cols[:, :kk]
-    if table.is_cuda:  # every row under a mask: no synchronisation
+    if masked(table):  # every row under a mask: no synchronisation
         new_v, new_c = _lowest_equal(table, vals, cols, keys)
         t = tied.unsqueeze(1)
         return torch.where(t, new_v, vals), torch.where(t, new_c, cols)

@@ -128,7 +128,9 @@ def mine_negatives(model: Any, queries: Any, positives: Any, n: int = 8, skip_to
     :func:`as_positive_ids`. Ranks by ``model.search``, drops the positives, skips the first
     ``skip_top`` remaining documents (likely false negatives), keeps the next ``n``. Returns
     (B, n) int64 document ids on the model's device, best first, -1 where there are not enough.
-    A positive is never returned. Sync-free on CUDA whenever ``model.search`` is (ERM, XS).
+    A positive is never returned. On CUDA it synchronises only where ``model.search`` does (ERM
+    and XS on the exact backend: once per batch of ``batch_size`` queries when the search depth
+    + 8 < n, see :mod:`pefa_gpu.index.exact`).
     """
     n = check_positive_int(n, "n")
     if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:

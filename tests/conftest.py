@@ -18,6 +18,20 @@ SCIFACT = SHARED / "datasets" / "scifact"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test without the ``gpu`` marker means the CPU: there the default device (device=None,
+    CUDA when torch sees one) is the CPU, fixtures included, so that a GPU machine runs it as
+    CI does (and a CPU result's ``.numpy()`` works)."""
+    pin = pytest.MonkeyPatch()
+    if "gpu" not in item.keywords:
+        pin.setattr(torch.cuda, "is_available", lambda: False)
+    try:
+        yield
+    finally:
+        pin.undo()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,10 +1,11 @@
-"""benchmarks/gpu_check.py, the one-call GPU check, dry-run on the CPU: its stages and its
+"""benchmarks/gpu_check.py, the one-call GPU check, dry-run on the CPU: every stage and the
 summary work before they first meet a GPU (the numbers themselves come from a GPU run)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,25 +23,36 @@ def gpu_check():
     return mod
 
 
-def tiny(tmp_path) -> argparse.Namespace:
-    return argparse.Namespace(device="cpu", stream_m=3000, triton_n=400, faiss_n=3000,
-                              queries=1, tmp=str(tmp_path), gpu_n=0, gpu_xl_n=0, gpu_agg_m=0)
+@pytest.mark.slow  # ~1-2 min: every stage in its own process, and pytest -m gpu collecting
+def test_dry_run_runs_every_stage_and_writes_both_files(tmp_path):
+    out = tmp_path / "out"
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
+                          "--dry-run", "--out", str(out)], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "gpu_check stages: env, card, tests, exact, xl, pifa, stream, triton, ann" in res.stdout
+    data = json.loads((out / "gpu.json").read_text())
+    md = (out / "gpu.md").read_text()
+    for name in ("env", "card", "tests"):
+        assert "failed" not in data[name], data[name]
+    assert data["card"]["bf16_tflops"] > 0 and data["card"]["d2d_gb_s"] > 0
+    assert data["tests"]["counts"]["failed"] == data["tests"]["counts"]["error"] == 0
+    assert list(data["benchmarks"]) == ["exact", "xl", "pifa", "stream", "triton", "ann"]
+    for name, bench in data["benchmarks"].items():
+        assert "failed" not in bench, (name, bench)
+    assert data["benchmarks"]["exact"]["same_id_sets_share"] > 0.99
+    assert data["benchmarks"]["exact"]["vs_card_gemm"] > 0
+    assert data["benchmarks"]["stream"]["dtypes"]["float32"]["max_rel_diff_vs_cpu"] < 1e-5
+    assert "cagra" in data["benchmarks"]["ann"]  # skipped with a reason on the CPU
+    assert "## The card" in md and "### ann" in md and (out / "gpu_pytest.xml").is_file()
+    assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md", "gpu_pytest.log",
+                                                     "gpu_pytest.xml"]
 
 
-@pytest.mark.slow  # ~10 s: imports everything the GPU machine may have; Triton's interpreter
-def test_stages_run_on_the_cpu(gpu_check, tmp_path):
-    args = tiny(tmp_path)
-    env = gpu_check.stage_env(args)
-    assert env["torch"] and "faiss_gpu" in env
-    stream = gpu_check.stage_stream(args)
-    for name in ("float32", "float16"):
-        assert stream["dtypes"][name]["ok"], stream
-    tri = gpu_check.stage_triton(args)
-    assert tri["max_abs_err_vs_float64"] < 1e-3 and tri["pairs"] == 500
-    fa = gpu_check.stage_faiss(args)
-    assert "skipped" in fa["cagra"]  # no CAGRA on the CPU
-    assert "skipped" in fa["ivf"] or fa["ivf"]["on_gpu"]
-    assert list(tmp_path.iterdir()) == []  # streamed files removed
+def test_median_seconds_warms_up_then_takes_the_median(gpu_check):
+    calls = []
+    t = gpu_check.median_seconds(lambda: calls.append(1), "cpu")
+    assert len(calls) == gpu_check.WARMUPS + gpu_check.REPS >= 13 and t >= 0
 
 
 def test_summary_from_a_junit_report(gpu_check, tmp_path):
@@ -59,9 +71,28 @@ def test_summary_from_a_junit_report(gpu_check, tmp_path):
     assert paths[triton] == "FAILED"
     ivf = next(p for p in paths if p.startswith("faiss GPU"))
     assert paths[ivf].startswith("not run: faiss is not installed")
-    md = gpu_check.summary_md({"env": env, "tests": tests, "benchmarks": {
-        "faiss": {"ivf": {"skipped": "no faiss"}}, "scale": {"failed": "exit code 1",
-                                                             "log_tail": ["Traceback"]}},
-        "paths": gpu_check.path_status(tests, env)})
+    card = {"gemm": "8192^3 bf16 GEMM", "bf16_tflops": 700.0, "d2d_gb_s": 3000.0}
+    exact = {"tflops": 350.0, "search_s": 0.1}
+    gpu_check.ratios("exact", exact, card)
+    assert exact["vs_card_gemm"] == 0.5
+    data = {"args": {"dry_run": False}, "env": env, "card": card, "tests": tests,
+            "paths": gpu_check.path_status(tests, env),
+            "benchmarks": {"exact": exact, "ann": {"cagra": {"skipped": "no cuVS"}},
+                           "xl": {"failed": "exit code 1", "log_tail": ["Traceback"]}}}
+    gpu_check.write(tmp_path, data)
+    md = (tmp_path / "gpu.md").read_text()
     assert "AssertionError: boom" in md and "could not import 'faiss': 1" in md
-    assert "failed: exit code 1" in md
+    assert "700.0 TFLOP/s" in md and "| vs_card_gemm | 0.5000 |" in md
+    assert "| cagra.skipped | no cuVS |" in md and "failed: exit code 1" in md
+    assert json.loads((tmp_path / "gpu.json").read_text())["card"]["d2d_gb_s"] == 3000.0
+
+
+def test_a_test_run_cut_by_the_time_box_reports_the_cases_it_logged(gpu_check):
+    lines = ["============ test session starts ============",
+             "tests/test_exact.py::test_search[cuda] PASSED                  [  1%]",
+             "tests/test_triton_rowdots.py::test_kernel[cuda] FAILED         [  2%]",
+             "tests/test_backends.py::test_agrees[ivf-cuda] SKIPPED (no faiss) [  3%]"]
+    out = gpu_check._cases_from_log({"cut": "pytest stopped by the 9 s time box"}, lines)
+    assert out["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert out["cases"][0]["id"] == "test_exact.py::test_search[cuda]"
+    assert gpu_check._cases_from_log({"cut": "x"}, lines[:1])["failed"] == "x"

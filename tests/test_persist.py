@@ -419,8 +419,14 @@ def test_save_on_cuda_load_on_cpu_and_back(tmp_path, data, cls):
     assert torch.equal(i_g.cpu(), i_c) and torch.allclose(s_g.cpu(), s_c, atol=1e-5)
     on_cpu.save(tmp_path / "c")
     again = pg.load(tmp_path / "c", device="cuda")
-    assert again.device.type == "cuda" and again.search(data[3], 10)[1].device.type == "cuda"
-    assert torch.equal(again.search(data[3], 10)[1].cpu(), i_c)
+    s1, i1 = again.search(data[3], 10)
+    s2, i2 = again.search(data[3], 10)
+    assert i1.device.type == "cuda"
+    # one device: the same bits run after run (XL's votes are summed without atomics);
+    # CUDA against CPU: scores within rounding (cuBLAS / Triton sum in their own order), and
+    # the same ids (the data has no near ties)
+    assert torch.equal(s1, s2) and torch.equal(i1, i2)
+    assert torch.equal(i1.cpu(), i_c) and torch.allclose(s1.cpu(), s_c, atol=1e-5)
 
 
 @pytest.mark.gpu

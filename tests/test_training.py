@@ -1,7 +1,10 @@
 """Training-loop helpers: differentiable scores (against finite differences and a float64
-numpy reference), hard-negative mining (never a positive), sync-free CUDA search."""
+numpy reference), hard-negative mining (never a positive), CUDA searches' counted host
+synchronisations."""
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import pytest
@@ -205,8 +208,21 @@ def test_mine_negatives_errors():
         pg.mine_negatives(xs, T, np.zeros((B, 2)), n=2)
 
 
+def _cuda_syncs(fn):
+    """(fn(), the number of host synchronisations it made), counted by torch's sync debug
+    mode (one warning per synchronising call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchronizing" in str(w.message) for w in caught)
+
+
 @pytest.mark.gpu
-def test_cuda_search_score_and_mining_do_not_synchronise():
+def test_cuda_search_synchronises_once_score_and_backward_never():
     P, Q, Y, T = _data(11)
     erm = _fit("erm", {}, P, Q, Y, device="cuda")
     xs = _fit("xs", {"lam": 0.4}, P, Q, Y, device="cuda")
@@ -216,21 +232,25 @@ def test_cuda_search_score_and_mining_do_not_synchronise():
     pos = torch.from_numpy(np.arange(B)[:, None]).cuda()
     xl.score(x, pos)  # warm-up: caches the Y keys
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        q = torch.nn.functional.normalize(enc(x), dim=1)
-        assert q.requires_grad
-        for model in (erm, xs):
-            s, ids = model.search(q, topk=5)
-            assert not s.requires_grad
-            neg = pg.mine_negatives(model, q, pos, n=3)
-            cand = torch.cat([pos, neg], 1)
+    q = torch.nn.functional.normalize(enc(x), dim=1)
+    assert q.requires_grad
+    for model in (erm, xs):
+        # exact backend: one synchronisation when k + TIE_MARGIN (8) < n, none otherwise
+        (s, ids), syncs = _cuda_syncs(lambda: model.search(q, topk=5))
+        assert syncs == 1 and not s.requires_grad and ids.device.type == "cuda"
+        _, syncs = _cuda_syncs(lambda: model.search(q, topk=N - 8))
+        assert syncs == 0
+        neg, syncs = _cuda_syncs(lambda: pg.mine_negatives(model, q, pos, n=3))
+        assert syncs == 1  # its one search (one batch)
+        cand = torch.cat([pos, neg], 1)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             loss = torch.nn.functional.cross_entropy(model.score(q, cand) / 0.05,
                                                      torch.zeros(B, dtype=torch.long,
                                                                  device="cuda"))
             loss.backward(retain_graph=True)
-        xl.score(q, cand).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+            xl.score(q, cand).sum().backward(retain_graph=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
-    assert ids.device.type == "cuda" and enc.weight.grad is not None
+    assert enc.weight.grad is not None

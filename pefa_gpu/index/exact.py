@@ -28,7 +28,8 @@ Every path returns the exact top-k of float32 inner products, ties to the lower 
   say) are searched again from scratch with torch blocks, :func:`pefa_gpu.topk.topk_rows` and
   :func:`merge_topk` (scores recomputed: BLAS results may differ in the last bit with the
   batch shape, so the first pass's k-th value is not reused). On CUDA, finding those rows is
-  the one host synchronisation of a search.
+  the one host synchronisation of a search: exactly one when k + ``TIE_MARGIN`` < n, none
+  otherwise (the candidates then hold the whole index).
 
 ``ExactParams.memory_budget`` bounds the working memory of a search besides its (B, k) result:
 score blocks, the float32 query batch, top-k lists and every top-k workspace (torch's CPU top-k
@@ -49,8 +50,8 @@ from ..arrays import as_tensor, check_positive_int, host_empty, resolve_dtype, t
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
-from ..topk import (PAD_ID, PAD_SCORE, boundary_tied, merge_topk, order_ties, pad_topk,
-                    topk_rows)
+from ..topk import (PAD_ID, PAD_SCORE, boundary_tied, masked, merge_topk, order_ties,
+                    pad_topk, topk_rows)
 from .base import Index
 
 
@@ -59,15 +60,18 @@ class ExactParams(Params):
     """dtype: storage of the vectors ('float32', 'float16', 'bfloat16'); scores are always
     accumulated in float32. memory_budget: bytes a search may hold besides its (B, k) result
     (score blocks, query batch, top-k lists and workspaces); the B x n score matrix is never
-    materialised beyond it."""
+    materialised beyond it. None: :func:`default_memory_budget` of the index's device at each
+    search (256 MiB on the CPU, a share of the free memory on CUDA)."""
 
     dtype: str = "float32"
-    memory_budget: int = 256 * 2**20
+    memory_budget: int | None = None
 
     def validate(self) -> None:
         check_choice(self.dtype, "dtype", ("float32", "float16", "bfloat16"))
-        if not isinstance(self.memory_budget, int) or self.memory_budget < 2**16:
-            raise InputError(f"memory_budget must be an int >= 65536 bytes, "
+        if self.memory_budget is not None and (
+                isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int)
+                or self.memory_budget < 2**16):
+            raise InputError(f"memory_budget must be None or an int >= 65536 bytes, "
                              f"got {self.memory_budget!r}")
 
 
@@ -98,6 +102,13 @@ class ExactIndex(Index):
     @property
     def ntotal(self) -> int:
         return int(self.vectors.shape[0])
+
+    @property
+    def memory_budget(self) -> int:
+        """The working-memory budget of a search now: ``params.memory_budget``, or when that is
+        None :func:`default_memory_budget` of the device."""
+        given = self.params.memory_budget
+        return default_memory_budget(self.device) if given is None else given
 
     @property
     def dim(self) -> int:
@@ -172,7 +183,8 @@ class ExactIndex(Index):
         else:
             vals = torch.full((b, k), PAD_SCORE, device=self.device)
             ids = torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device)
-            rescan = torch.zeros(b, dtype=torch.bool, device=self.device) if kk < n else None
+            rescan = torch.zeros(b, dtype=torch.bool, device=self.device) \
+                if self._pass_width(kk) < n else None
             for s in range(0, b, q_batch):
                 v, i, t = self._first_pass(faiss, q[s:s + q_batch], kk, chunk, buf)
                 vals[s:s + q_batch, :kk], ids[s:s + q_batch, :kk] = v, i
@@ -189,8 +201,8 @@ class ExactIndex(Index):
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(B, d) queries -> (B, kk) scores sorted descending, ids with the tie rule, and
         ``rescan`` (B,) bool: rows whose run of scores equal to the kk-th reaches past the
-        candidates, so that their top-kk needs another pass (None when kk = n: every row holds
-        the whole index). ``buf``: see :meth:`_torch_pass`."""
+        candidates, so that their top-kk needs another pass (None when the candidates
+        hold the whole index: no row needs it). ``buf``: see :meth:`_torch_pass`."""
         tol = torch.zeros((), device=self.device)
         if faiss is None:
             vals, ids = self._torch_pass(q, kk, chunk, buf)  # MKL scores copies alike
@@ -208,9 +220,9 @@ class ExactIndex(Index):
         # candidate scores lower by more than two scoring errors (torch: lower); a tied row
         # that does is settled from its candidates, the others are searched again.
         rescan = vals[:, kk - 1] - vals[:, -1] <= 2 * tol.squeeze(-1) \
-            if vals.shape[1] < self.ntotal else torch.zeros_like(tied)
-        settle = tied & ~rescan
-        if vals.is_cuda:  # every row under a mask: no synchronisation
+            if vals.shape[1] < self.ntotal else None
+        settle = tied if rescan is None else tied & ~rescan
+        if masked(vals):  # every row under a mask (CUDA): no synchronisation
             vals, ids = settle_masked(vals, ids, settle, kk)
         else:
             rows = settle.nonzero().squeeze(1)
@@ -237,7 +249,7 @@ class ExactIndex(Index):
         row shares), computed on first use in blocks within the memory budget (besides one
         sort of the keys: 16 bytes a row, once) and kept with the index (9 bytes a row)."""
         if self._stats is None:
-            step = max(1, self.params.memory_budget // (8 * self.dim))
+            step = max(1, self.memory_budget // (8 * self.dim))
             dims = torch.linspace(0, self.dim - 1, min(KEY_DIMS, self.dim)).long().to(self.device)
             weights = torch.randint(-2**62, 2**62, (dims.numel(),), device=self.device,
                                     generator=torch.Generator(self.device).manual_seed(0))
@@ -285,7 +297,7 @@ class ExactIndex(Index):
         if not rows.numel():
             return vals, ids
         vals = vals.clone()
-        step = max(1, self.params.memory_budget // (RESCORE_PAIR_BYTES * self.dim))
+        step = max(1, self.memory_budget // (RESCORE_PAIR_BYTES * self.dim))
         for s in range(0, rows.numel(), step):
             r, c = rows[s:s + step], cols[s:s + step]
             vals[r, c] = canonical_scores(q[r], self.vectors[ids[r, c]])
@@ -436,7 +448,7 @@ class ExactIndex(Index):
         a multiple of ``SUB_ROWS`` rows. CUDA: up to ``CUDA_BATCH`` queries and the longest
         chunk that fits. Floor: one query against min(n, max(w,
         ``MIN_CHUNK``)) rows, whatever the budget."""
-        n, budget = self.ntotal, self.params.memory_budget
+        n, budget = self.ntotal, self.memory_budget
         w = self._pass_width(kk)
         cell, per_query, per_row = self._costs(w, exact)
         floor = min(n, max(w, MIN_CHUNK))
@@ -492,7 +504,7 @@ class ExactIndex(Index):
     def _faiss_batch(self, b: int, kk: int) -> int:
         """Queries per faiss call: the most whose :meth:`_faiss_bytes` fit the budget (>= 1)."""
         w = self._pass_width(kk)
-        budget = self.params.memory_budget
+        budget = self.memory_budget
         if self._faiss_bytes(b, w) <= budget:
             return b
         lo, hi = 1, b  # _faiss_bytes grows with the batch
@@ -517,6 +529,18 @@ class ExactIndex(Index):
         scores = 4 * cv.distance_compute_blas_database_bs if blas else 0
         return q_batch * (4 * self.dim + (LIST_SLOT_BYTES + RESCORE_SLOT_BYTES) * w) + \
             tile * (scores + reservoir)
+
+
+def default_memory_budget(device: torch.device) -> int:
+    """Bytes a search may use when ``ExactParams.memory_budget`` is None: ``CPU_BUDGET`` on the
+    CPU; on CUDA 1 / ``CUDA_BUDGET_SHARE`` of what the device has free now (its free memory
+    plus the blocks torch's allocator holds unused), at least 64 KiB (a fixed 256 MiB held a
+    CUDA block of 4096 queries to ~12k rows of a 768-d index: 80 GEMM + top-k rounds at 1M)."""
+    if device.type != "cuda":
+        return CPU_BUDGET
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(2**16, (free + cached) // CUDA_BUDGET_SHARE)
 
 
 def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -622,6 +646,8 @@ SCREEN_CHUNK_PER_W = 32  # ... in chunks of at least 32 w rows
 CPU_BATCH = 4096       # queries per CPU block, at most
 CUDA_BATCH = 8192      # queries per CUDA block, at most
 MIN_CHUNK = 1024
+CPU_BUDGET = 256 * 2**20  # default search budget on the CPU (default_memory_budget) ...
+CUDA_BUDGET_SHARE = 4     # ... and on CUDA: a quarter of the free device memory
 
 @contextlib.contextmanager
 def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:

@@ -132,7 +132,9 @@ class ShardedIndex(Index):
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
         vals, ids = [], []
-        # launch every shard before gathering: work on different GPUs runs concurrently
+        # shards are searched in turn, each launched before any result is gathered; an exact
+        # shard synchronises once a search (k + 8 < its rows), so work on different GPUs
+        # overlaps only where a shard's search does not wait for its device
         for shard, off in zip(self.shards, self.offsets):
             if shard.ntotal == 0:
                 continue
