@@ -480,7 +480,24 @@ def _ours(root: Path, entry: str, name: str) -> bool:
     manifest being written (name)."""
     if entry.startswith(f".{name}{_TMP_TAG}"):
         return os.path.isfile(root / entry) and not os.path.islink(root / entry)
-    return _marker_ok(root / entry)
+    return _marker_ok(root / entry) or _unmarked(root / entry)
+
+
+def _unmarked(folder: Path) -> bool:
+    """A data folder whose marker was never fully written (a save killed or out of space right
+    after creating it): named ``pefa-data-<16 hex>``, empty or holding only a part of its
+    marker."""
+    marker = folder / DATA_MARKER
+    try:
+        if not _DATA_NAME.match(folder.name) or not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return False
+        entries = os.listdir(folder)
+        if not entries:
+            return True
+        return entries == [DATA_MARKER] and stat.S_ISREG(os.lstat(marker).st_mode) and \
+            (folder.name + "\n").startswith(marker.read_text(encoding="ascii"))
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _save_root(target: PathLike) -> Path:
@@ -608,19 +625,22 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     manifest, renamed over the old one, is the commit point, and only then is the previous
     save's data folder removed. A crash at any point leaves a complete save: the old one
     before the rename, the new one after it. Leftovers of crashed saves (data folders proven
-    ours by their name and marker file) are removed by the next save. Only a folder that is
+    ours by their name and marker file, or data-named folders holding no more than a cut-short
+    marker) are removed by the next save. Only a folder that is
     empty or holds a save of the same kind is written into, and nothing there but pefa_gpu's
-    own entries is touched. On an error nothing is replaced and the new data folder is
-    removed. Concurrent saves to one folder are not supported.
+    own entries is touched. On an error (a full disk included) nothing is replaced and the new
+    data folder is removed, and so is ``target`` when this save created it. Concurrent saves to one folder are not supported.
     """
     root = _save_root(target)
     current = _current_data(root, name, fmt)
-    pending = None
+    pending = data = None
+    made_root = not os.path.lexists(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale(root, name, keep=current)
-        data = root / f"{DATA_PREFIX}{secrets.token_hex(8)}"
-        data.mkdir()
+        fresh = root / f"{DATA_PREFIX}{secrets.token_hex(8)}"
+        fresh.mkdir()
+        data = fresh  # ours from here on: removed on any error, the marker write's included
         (data / DATA_MARKER).write_text(data.name + "\n", encoding="ascii")
         pending = PendingSave(root, data, name, fmt)
         yield pending
@@ -631,8 +651,12 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
                f"save there is intact)")
         raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
     finally:
-        if pending is not None and not pending.committed:
-            shutil.rmtree(pending.data, ignore_errors=True)
+        if not (pending is not None and pending.committed):
+            if data is not None:
+                shutil.rmtree(data, ignore_errors=True)
+            if made_root:  # the folder this save made, if nothing else was put there
+                with contextlib.suppress(OSError):
+                    root.rmdir()
 
 
 def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:
