@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 from .encode import DEFAULT_MODEL, is_default_model
 from .errors import FormatError, InputError
-from .storage import open_save, safe_path, writing_save
+from .storage import open_save, read_unchanged, safe_path, writing_save
 
 log = logging.getLogger("pefa_gpu")
 
@@ -49,7 +49,12 @@ def save_build(model: Any, out: str | Path, doc_ids: Sequence[str], info: dict) 
 
 def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], dict]:
     """(model, document ids, build info) from a build folder: every file checked against the
-    build's manifest (hashed once), every path inside the folder."""
+    build's manifest (hashed once), every path inside the folder; read again once when
+    another process replaces the build meanwhile."""
+    return read_unchanged(path, lambda: _load_build(path, device), BUILD_MANIFEST)
+
+
+def _load_build(path: str | Path, device: Any) -> tuple[Any, list[str], dict]:
     from .persist import load_model
 
     root = Path(path)

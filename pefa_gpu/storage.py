@@ -419,6 +419,29 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
     return SaveDir(root, data, manifest, where)
 
 
+def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MANIFEST) -> Any:
+    """``read()``, a function reading the save at ``directory``, retried once when it fails
+    while the save there is replaced (its manifest changed: another process saved again); when
+    that happens twice, :class:`FormatError` says the folder changed while it was read. A save
+    is replaced file by file never: a read that succeeds read one save."""
+    def stamp() -> bytes | None:
+        try:
+            return (Path(directory) / name).read_bytes()
+        except OSError:
+            return None
+
+    for _ in range(2):
+        before = stamp()
+        try:
+            return read()
+        except Exception as exc:
+            if stamp() == before:  # nothing changed: the error is the save's own
+                raise
+            error = exc
+    raise FormatError(f"{directory} changed while it was read (saved again by another process, "
+                      f"twice in a row); load it again ({error})") from error
+
+
 def resolve_save(directory: PathLike, name: str = MANIFEST) -> Path:
     """The directory to read for a save at ``directory`` (links resolved): itself, or the
     ``.pefa-backup`` a crash of a format_version 1 save could leave (logged as a warning)."""

@@ -4,10 +4,11 @@ racing a re-save gets a consistent model or one clear error."""
 from __future__ import annotations
 
 import errno
-import multiprocessing
+import json
 import os
 import pathlib
-import time
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,75 @@ def test_a_folder_that_is_not_a_cut_short_data_folder_is_kept(tmp_path, data, co
     with pytest.raises(pg.InputError, match="not a pefa_gpu save"):
         pg.ERM(device="cpu").fit(P).save(tmp_path / "m")
     assert (other / storage.DATA_MARKER).read_text() == content
+
+
+# ---------------------------------------------------------------------------- loads racing saves
+
+SETUP = r"""
+import json, sys, time
+import numpy as np, scipy.sparse as sp
+import pefa_gpu as pg
+from conftest import unit_rows
+rng = np.random.default_rng(5)
+n, m, d = map(int, sys.argv[3:6])
+P, Q = unit_rows(rng, n, d), unit_rows(rng, m, d)
+y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), rng.integers(0, n, m))), shape=(m, n))
+end = time.monotonic() + float(sys.argv[1])
+target = sys.argv[2]
+"""
+WRITER = SETUP + r"""
+models = [pg.PEFAXS(device="cpu", lam=lam).fit(P, Q, y) for lam in (0.2, 0.8)]
+i = 0
+while time.monotonic() < end:
+    models[i % 2].save(target)
+    i += 1
+print(i)
+"""
+READER = SETUP + r"""
+want = {}
+for lam in (0.2, 0.8):
+    s, i = pg.PEFAXS(device="cpu", lam=lam).fit(P, Q, y).search(Q[:5], 10)
+    want[lam] = (s.numpy(), i.numpy())
+out = {"loaded": 0, "changed": 0, "wrong": []}
+while time.monotonic() < end:
+    try:
+        model = pg.load(target, device="cpu")
+    except pg.FormatError as exc:
+        if "changed while it was read" in str(exc):
+            out["changed"] += 1
+        else:
+            out["wrong"].append(repr(exc))
+        continue
+    except Exception as exc:  # a raw FileNotFoundError & co
+        out["wrong"].append(repr(exc))
+        continue
+    s, i = model.search(Q[:5], 10)
+    ref = want[model.params.lam]
+    if np.array_equal(i.numpy(), ref[1]) and np.array_equal(s.numpy(), ref[0]):
+        out["loaded"] += 1
+    else:
+        out["wrong"].append(f"lam={model.params.lam}: results differ")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_loads_while_another_process_saves_get_a_model_or_one_clear_error(tmp_path, data):
+    """One writer re-saving and two readers loading, each its own process, for 4 seconds."""
+    P, Q, y = data
+    target = tmp_path / "m"
+    pg.PEFAXS(device="cpu", lam=0.2).fit(P, Q, y).save(target)
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", code, "4", str(target), str(N),
+                               str(M), str(D)], cwd=tests, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for code in (WRITER, READER, READER)]
+    results = [p.communicate(timeout=180) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err
+    saves = int(results[0][0].strip())
+    reads = [json.loads(out.strip().splitlines()[-1]) for out, _ in results[1:]]
+    assert saves > 10 and all(r["loaded"] > 10 for r in reads), (saves, reads)
+    assert not any(r["wrong"] for r in reads), [(len(r["wrong"]), r["wrong"][:3]) for r in reads]
