@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -193,16 +194,29 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
 
 
 def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matrix:
-    """Read a matrix written by :func:`save_csr`; malformed files raise :class:`FormatError`."""
+    """Read a matrix written by :func:`save_csr`; malformed files raise :class:`FormatError`.
+    With ``meta`` (its manifest entry: shape, nnz) no member is decompressed past the bytes
+    that shape and nnz allow (a small file inflating to gigabytes is refused as it is read)."""
     p = _npz(path)
     if not p.is_file():
         raise FormatError(f"{p} is missing")
+    limits = dict.fromkeys(("indptr", "indices", "data", "shape"))
+    if meta is not None:
+        try:
+            rows, nnz = int(meta["shape"][0]), int(meta["nnz"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise FormatError(f"{p}: its manifest entry has no shape and nnz") from None
+        # npy header (at most 64 KiB) + elements of at most 16 bytes (complex128)
+        limits.update(indptr=2**16 + 8 * (rows + 1), indices=2**16 + 8 * nnz,
+                      data=2**16 + 16 * nnz, shape=2**16 + 16)
     try:
-        with np.load(p, allow_pickle=False) as z:
-            parts = {k: z[k] for k in ("indptr", "indices", "data", "shape")}
+        with zipfile.ZipFile(p) as z:
+            parts = {k: _npz_member(z, k, limit, p) for k, limit in limits.items()}
         csr = sp.csr_matrix((parts["data"], parts["indices"], parts["indptr"]),
                             shape=tuple(int(s) for s in parts["shape"]))
         csr.check_format(full_check=True)
+    except FormatError:
+        raise
     except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
     if meta is not None and (list(csr.shape) != list(meta.get("shape", [])) or
@@ -210,6 +224,21 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
         raise FormatError(f"{p} holds shape {csr.shape} nnz {csr.nnz}, but the manifest says "
                           f"shape {tuple(meta.get('shape', []))} nnz {meta.get('nnz')}")
     return csr
+
+
+def _npz_member(z: zipfile.ZipFile, name: str, limit: int | None, p: Path) -> np.ndarray:
+    """The array ``name`` of an open .npz, decompressing at most ``limit`` bytes (None: what
+    the zip directory declares)."""
+    info = z.getinfo(f"{name}.npy")
+    if limit is not None and info.file_size > limit:
+        raise FormatError(f"{p}: member {name} declares {info.file_size} bytes, more than its "
+                          f"manifest entry allows ({limit})")
+    with z.open(info) as fh:
+        raw = fh.read(info.file_size if limit is None else limit + 1)
+    if limit is not None and len(raw) > limit:
+        raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its manifest "
+                          f"entry allows")
+    return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
 
 
 # ---------------------------------------------------------------------------- checksums
