@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from .datasets import record_id
 from .encode import DEFAULT_MODEL, is_default_model
 from .errors import FormatError, InputError
 from .storage import open_save, read_unchanged, safe_path, writing_save
@@ -100,6 +101,11 @@ def _read_doc_ids(path: Path) -> list[str]:
         raise FormatError(f'{path}: "doc_ids" must be a list of strings')
     if len(set(doc_ids)) != len(doc_ids):
         raise FormatError(f"{path}: the document ids are not unique")
+    try:
+        for i, d in enumerate(doc_ids):
+            record_id(d, f"{path}: entry {i}", "document")
+    except InputError as exc:
+        raise FormatError(str(exc)) from None
     return doc_ids
 
 
