@@ -105,6 +105,9 @@ def load_tensor(path: PathLike, device: Any = None, mmap: bool = False,
     """
     p = _npy(path)
     arr = read_npy(p, mmap_mode="c" if mmap else None)
+    if not arr.dtype.isnative:
+        raise FormatError(f"{p} holds {arr.dtype} in non-native byte order; pefa_gpu writes "
+                          f"native (little-endian) arrays")
     if arr.dtype.names:  # a wrapped dtype
         field = arr.dtype.names[0]
         if len(arr.dtype.names) != 1 or field not in _BY_FIELD:
@@ -352,6 +355,14 @@ def _unlisted(root: Path, files: dict[str, Any], under: str = "") -> list[str]:
 
 # ---------------------------------------------------------------------------- manifest
 
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses NaN and Infinity (ValueError), as the writers never write
+    them; nesting too deep raises RecursionError."""
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+    return json.loads(text, parse_constant=refuse)
+
+
 def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
                   warn_unchecked: bool = True) -> dict[str, Any]:
     """Read and check ``root / name``: a ``fmt`` manifest of a format version this library
@@ -366,9 +377,11 @@ def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
     if not stat.S_ISREG(mode):
         raise FormatError(f"{path} is not a regular file (links are never followed)")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): {exc}") from exc
+        manifest = strict_json(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): "
+                          f"{'nested too deeply' if isinstance(exc, RecursionError) else exc}"
+                          ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise FormatError(f"{path} is not a {fmt} manifest (format="
                           f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")

@@ -116,3 +116,37 @@ def test_a_relevance_npz_inflating_past_its_declared_size_is_refused_early(tmp_p
     finally:
         tracemalloc.stop()
     assert peak < 8 * MiB, peak / MiB  # d6866eb: the 48 MiB member inflated whole, then refused
+
+
+# ---------------------------------------------------------------------------- malformed manifests
+
+@pytest.fixture
+def erm_save(tmp_path, data):
+    save = tmp_path / "m"
+    pg.ERM(device="cpu").fit(data[0]).save(save)
+    return save
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_nan_literal_in_the_manifest_is_refused_naming_it(erm_save, literal):
+    path = erm_save / "manifest.json"
+    path.write_text(path.read_text().replace('"created": ', f'"created": {literal}, "x": ', 1))
+    with pytest.raises(FormatError, match=rf"manifest\.json .*{literal.lstrip('-')}"):
+        pg.load(erm_save, device="cpu")
+
+
+def test_a_deeply_nested_manifest_is_refused(erm_save):
+    (erm_save / "manifest.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(FormatError, match=r"manifest\.json .*nested too deeply"):
+        pg.load(erm_save, device="cpu")
+
+
+def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
+    m = manifest(erm_save)
+    path = data_file(erm_save, m["state"]["doc_embeddings"]["file"])
+    arr = np.load(path)
+    path.unlink()  # it may be hard-linked to the index's copy: write a new file
+    np.save(path, arr.astype(">f4"))
+    resign(erm_save)
+    with pytest.raises(FormatError, match=r"doc_embeddings\.npy holds >f4 in non-native"):
+        pg.load(erm_save, device="cpu")
