@@ -898,9 +898,14 @@ def _index_search(index: Index, q: Array, k: int, params: Params | dict | None,
     CPU tensor; faiss backends then skip the torch hand-off; ``checked``: q was tested for
     NaN / inf already), else tensors."""
     if host and hasattr(index, "search_host"):
-        return index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
-    scores, ids = index.search(as_tensor(q), k, params)
-    return (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
+        scores, ids = index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
+    else:
+        scores, ids = index.search(as_tensor(q), k, params)
+        scores, ids = (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
+    if bool(((ids < -1) | (ids >= index.ntotal)).any()):  # a corrupted index
+        raise FormatError(f"the {index.name!r} index returned ids outside [0, {index.ntotal}) "
+                          f"(a corrupted or forged index)")
+    return scores, ids
 
 
 def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, lam: float,

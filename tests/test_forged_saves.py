@@ -150,3 +150,145 @@ def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
     resign(erm_save)
     with pytest.raises(FormatError, match=r"doc_embeddings\.npy holds >f4 in non-native"):
         pg.load(erm_save, device="cpu")
+
+
+# ---------------------------------------------------------------------------- forged graphs and lists
+
+LOAD_AND_SEARCH = r"""
+import sys
+import numpy as np
+from pefa_gpu.index import backend_class
+from pefa_gpu.errors import FormatError
+name, folder, params = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+q = np.random.default_rng(0).standard_normal((20, int(sys.argv[4])), dtype=np.float32)
+try:
+    index = backend_class(name).load(folder, params)
+except FormatError as exc:
+    print("refused:", exc)
+    sys.exit(0)
+s, i = index.search(q, 10)
+print("searched", int(i.max()), int(i.min()))
+"""
+
+
+def load_and_search(backend: str, folder: Path, params: dict) -> subprocess.CompletedProcess:
+    """Load and search in a child process: a forged file may crash a native library."""
+    return subprocess.run([sys.executable, "-c", LOAD_AND_SEARCH, backend, str(folder),
+                           repr(params), str(D)], capture_output=True, text=True, timeout=120)
+
+
+HNSW_HEADER = struct.Struct("<6QiI3QdQ")  # hnswlib's saveIndex header (hnswalg.h)
+
+
+def hnswlib_nodes(raw: bytes) -> tuple[tuple, list[tuple[int, int, int]]]:
+    """The header and (node, offset of its upper lists, levels) of nodes above level 0."""
+    head = HNSW_HEADER.unpack_from(raw)
+    count, per_element, max_m = head[2], head[3], head[8]
+    pos, upper = HNSW_HEADER.size + count * per_element, []
+    for node in range(count):
+        nbytes = struct.unpack_from("<I", raw, pos)[0]
+        if nbytes:
+            upper.append((node, pos + 4, nbytes // (4 + 4 * max_m)))
+        pos += 4 + nbytes
+    return head, upper
+
+
+def forge_hnswlib(folder: Path, how: str) -> None:
+    path = folder / "index.bin"
+    raw = bytearray(path.read_bytes())
+    head, upper = hnswlib_nodes(bytes(raw))
+    count, per_element, label_offset = head[2], head[3], head[4]
+    level0 = HNSW_HEADER.size + 3 * per_element  # node 3's level-0 list
+    if how == "level0 id beyond the nodes":
+        struct.pack_into("<H", raw, level0, 2)
+        struct.pack_into("<I", raw, level0 + 8, 10**6)
+    elif how == "level0 count beyond maxM0":
+        struct.pack_into("<H", raw, level0, 60000)
+    elif how == "upper link to a level-0 node":
+        zero = next(n for n in range(count) if n not in {u[0] for u in upper})
+        node, at, _ = upper[0]
+        struct.pack_into("<HxxI", raw, at, 1, zero)
+    elif how == "label beyond the nodes":
+        struct.pack_into("<Q", raw, level0 + label_offset, 10**6)
+    elif how == "entry point beyond the nodes":
+        struct.pack_into("<I", raw, 6 * 8 + 4, count + 5)
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["level0 id beyond the nodes", "level0 count beyond maxM0",
+                                 "upper link to a level-0 node", "label beyond the nodes",
+                                 "entry point beyond the nodes"])
+def test_a_forged_hnswlib_graph_is_refused_at_load(tmp_path, data, how):
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    index = make_index("hnswlib", "cpu", params).build(np.tile(data[0], (10, 1)))
+    (tmp_path / "ix").mkdir()
+    index.save(tmp_path / "ix")
+    assert hnswlib_nodes((tmp_path / "ix" / "index.bin").read_bytes())[1], "no upper levels"
+    forge_hnswlib(tmp_path / "ix", how)
+    res = load_and_search("hnswlib", tmp_path / "ix", params)
+    assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
+                                                                      res.stdout, res.stderr[-500:])
+    assert "index.bin" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asset,value", [("datapoint_to_token.npy", 10**6),
+                                         ("datapoint_to_token.npy", -1),
+                                         ("datapoint_to_token.npy", None),
+                                         ("hashed_dataset.npy", 200)])
+def test_a_forged_scann_token_or_code_file_is_refused_at_load(tmp_path, asset, value):
+    pytest.importorskip("scann")
+    from pefa_gpu.index import make_index
+
+    rng = np.random.default_rng(3)
+    params = {"brute_force_below": 0, "num_leaves": 6}
+    index = make_index("scann", "cpu", params).build(unit_rows(rng, 400, D))
+    (tmp_path / "ix").mkdir()
+    index.save(tmp_path / "ix")
+    path = tmp_path / "ix" / asset
+    arr = np.load(path)
+    if value is None:
+        arr = arr[:-3]  # rows without a leaf: unreachable, silently
+    else:
+        arr.flat[7] = value
+    np.save(path, arr)
+    res = load_and_search("scann", tmp_path / "ix", params)
+    assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
+                                                                      res.stdout, res.stderr[-500:])
+    assert asset in res.stdout
+
+
+def test_a_forged_ivf_save_returning_ids_beyond_the_documents_is_refused(tmp_path, data):
+    faiss = pytest.importorskip("faiss")
+    P, Q, y, queries = data
+    save = tmp_path / "m"
+    pg.PEFAXL(device="cpu", k=2, backend="ivf", index_params={"nlist": 2}).fit(P, Q, y).save(save)
+    path = data_file(save, "index/index.faiss")
+    index = faiss.read_index(str(path))
+    lists = index.invlists
+    first = next(i for i in range(index.nlist) if lists.list_size(i))
+    faiss.rev_swig_ptr(lists.get_ids(first), lists.list_size(first))[0] = N + 7
+    path.unlink()
+    faiss.write_index(index, str(path))
+    resign(save)
+    with pytest.raises(FormatError, match=r"index.*0\.\.59 once"):
+        pg.load(save, device="cpu")
+
+
+def test_ids_beyond_the_index_from_any_backend_search_are_a_clear_error(data, monkeypatch):
+    P, Q, y, queries = data
+    xl = pg.PEFAXL(device="cpu", k=2).fit(P, Q, y)
+    real = xl.index.search
+
+    def forged(q, k, params=None):
+        s, i = real(q, k, params)
+        i = i.clone()
+        i[0, 0] = xl.index.ntotal + 3
+        return s, i
+    monkeypatch.setattr(xl.index, "search", forged)
+    with pytest.raises(FormatError, match=r"returned ids outside \[0, "):
+        xl.search(queries, 5)
