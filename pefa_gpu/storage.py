@@ -691,10 +691,10 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     save's data folder removed. A crash at any point leaves a complete save: the old one
     before the rename, the new one after it. Leftovers of crashed saves (data folders proven
     ours by their name and marker file, or data-named folders holding no more than a cut-short
-    marker) are removed by the next save. Only a folder that is
-    empty or holds a save of the same kind is written into, and nothing there but pefa_gpu's
-    own entries is touched. On an error (a full disk included) nothing is replaced and the new
-    data folder is removed, and so is ``target`` when this save created it. Concurrent saves to one folder are not supported.
+    marker) are removed by the next save. Only a folder that is empty or holds a save of the
+    same kind is written into, and nothing there but pefa_gpu's own entries is touched. On an
+    error (a full disk included) nothing is replaced and the new data folder is removed, and so
+    is ``target`` when this save created it. Concurrent saves to one folder are not supported.
     """
     root = _save_root(target)
     current = _current_data(root, name, fmt)

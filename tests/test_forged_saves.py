@@ -152,7 +152,7 @@ def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
         pg.load(erm_save, device="cpu")
 
 
-# ---------------------------------------------------------------------------- forged graphs and lists
+# ---------------------------------------------------------------------------- forged graphs, lists
 
 LOAD_AND_SEARCH = r"""
 import sys

@@ -204,7 +204,8 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
     itself: a layout hnswlib would read past, a neighbour id >= the row count, a link to a
     node on a level it does not reach, labels that are not 0..n-1 raise FormatError before
     hnswlib reads the file (hnswlib itself trusts it: such a file crashes the search)."""
-    raw = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, np.uint8)
+    size = path.stat().st_size
+    raw = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     if raw.size < _HEADER.size:
         raise FormatError(f"{path} is truncated: {raw.size} bytes, shorter than hnswlib's "
                           f"header")
@@ -228,7 +229,7 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
     # upper levels: per node a uint32 byte count, then `level` lists of count + max_m ids
     links = 4 + 4 * max_m
     levels = np.zeros(count, np.int64)
-    blocks, pos, size = [], end0, raw.size
+    blocks, pos = [], end0
     view = memoryview(raw)
     for node in range(count):
         if pos + 4 > size:
