@@ -171,5 +171,5 @@ def test_loads_while_another_process_saves_get_a_model_or_one_clear_error(tmp_pa
         assert p.returncode == 0, err
     saves = int(results[0][0].strip())
     reads = [json.loads(out.strip().splitlines()[-1]) for out, _ in results[1:]]
-    assert saves > 10 and all(r["loaded"] > 10 for r in reads), (saves, reads)
+    assert saves > 5 and all(r["loaded"] > 5 for r in reads), (saves, reads)
     assert not any(r["wrong"] for r in reads), [(len(r["wrong"]), r["wrong"][:3]) for r in reads]
