@@ -26,9 +26,10 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
+from .datasets import record_id
 from .encode import DEFAULT_MODEL, is_default_model
 from .errors import FormatError, InputError
-from .storage import open_save, safe_path, writing_save
+from .storage import open_save, read_unchanged, safe_path, writing_save
 
 log = logging.getLogger("pefa_gpu")
 
@@ -97,7 +98,12 @@ def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] 
 
 def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], dict]:
     """(model, document ids, build info) from a build folder: every file checked against the
-    build's manifest (hashed once), every path inside the folder."""
+    build's manifest (hashed once), every path inside the folder; read again once when
+    another process replaces the build meanwhile."""
+    return read_unchanged(path, lambda: _load_build(path, device), BUILD_MANIFEST)
+
+
+def _load_build(path: str | Path, device: Any) -> tuple[Any, list[str], dict]:
     from .persist import load_model
 
     root = Path(path)
@@ -145,6 +151,11 @@ def _read_doc_ids(path: Path) -> list[str]:
         raise FormatError(f'{path}: "doc_ids" must be a list of strings')
     if len(set(doc_ids)) != len(doc_ids):
         raise FormatError(f"{path}: the document ids are not unique")
+    try:
+        for i, d in enumerate(doc_ids):
+            record_id(d, f"{path}: entry {i}", "document")
+    except InputError as exc:
+        raise FormatError(str(exc)) from None
     return doc_ids
 
 

@@ -74,6 +74,9 @@ def _lam(text: str) -> float:
     return vals[0]
 
 
+MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option takes
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -81,6 +84,8 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    if v > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {text!r}")
     return v
 
 
@@ -910,7 +915,7 @@ def _query_id(text: str) -> str:
 def _read_queries(path: str) -> list[tuple[str, str]]:
     """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines; texts
     without an id get :func:`_query_id`."""
-    from .datasets import text_lines
+    from .datasets import record_id, text_lines
     from .errors import InputError
 
     p = Path(path)
@@ -927,16 +932,17 @@ def _read_queries(path: str) -> list[tuple[str, str]]:
                 text = rec["text"]
                 if not isinstance(text, str):
                     raise TypeError("text is not a string")
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 raise InputError(f"{p}:{lineno}: expected a JSON object with a 'text' string"
                                  ) from None
-            out.append((str(rec["_id"]) if "_id" in rec else _query_id(text), text))
+            out.append((record_id(rec["_id"], f"{p}:{lineno}", "query") if "_id" in rec
+                        else _query_id(text), text))
         elif p.suffix == ".tsv":
             parts = line.split("\t")
             if len(parts) != 2:
                 raise InputError(f"{p}:{lineno}: expected 'id<TAB>text', got {len(parts)} "
                                  f"fields")
-            out.append((parts[0], parts[1]))
+            out.append((record_id(parts[0], f"{p}:{lineno}", "query"), parts[1]))
         else:
             out.append((_query_id(line), line))
     return out
@@ -1017,7 +1023,8 @@ def cmd_search(args: argparse.Namespace) -> int:
                batch_size=args.batch_size, device=model.device, cache_dir=_cache_dir(args),
                show_progress=not args.quiet)
     params = None if args.candidates is None else {"candidates": args.candidates}
-    scores, ids = model.search(q, args.topk, params=params)
+    # no more results than documents: the rows beyond them would be padding, never printed
+    scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
     text = _format_results(_search_format(args), queries, to_numpy(scores), to_numpy(ids),
                            doc_ids, args.tag or "pefa_gpu", _search_doc_text(args, doc_ids))
     if args.out:
@@ -1071,6 +1078,10 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     except OSError as exc:
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except MemoryError as exc:
+        print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
+              f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)
         return 1
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +73,8 @@ class BeirDataset:
                 score = float(raw)
             except ValueError:
                 raise InputError(f"{path}:{lineno}: score {raw!r} is not a number") from None
+            if not math.isfinite(score):
+                raise InputError(f"{path}:{lineno}: score {raw!r} is not a finite number")
             if qid not in self.query_index:
                 raise InputError(f"{path}:{lineno}: query id {qid!r} is not in queries.jsonl")
             if did not in self.doc_index:
@@ -128,6 +132,24 @@ def text_lines(path: Path):
             yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
 
 
+def record_id(value: object, where: str, kind: str) -> str:
+    """A query or document id as the outputs write it: a non-empty string (JSON integers are
+    taken as their digits) without tabs, line breaks or other control characters, which would
+    break TSV / TREC lines; else InputError naming ``where`` (file:line) and the id."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise InputError(f"{where}: the {kind} id must be a string, got {value!r}")
+    if not value.strip():
+        raise InputError(f"{where}: empty {kind} id {value!r}")
+    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")]
+    if bad:
+        raise InputError(f"{where}: the {kind} id {value!r} holds {bad[0]!r}; ids with tabs, "
+                         f"line breaks or control characters are refused (they would break "
+                         f"the TSV / TREC outputs)")
+    return value
+
+
 def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]:
     """ids, texts (a document's title + " " + text) and titles of a .jsonl file."""
     if not path.exists():
@@ -141,11 +163,11 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
             raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
         if not isinstance(rec, dict) or "_id" not in rec:
             raise InputError(f"{path}:{lineno}: a record needs an '_id' field")
-        rid = str(rec["_id"])
-        if not rid.strip():
-            raise InputError(f"{path}:{lineno}: empty {kind} id")
+        rid = record_id(rec["_id"], f"{path}:{lineno}", kind)
         for field in ("text", "title"):
             if rec.get(field) is not None and not isinstance(rec[field], str):
                 raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "

@@ -146,7 +146,8 @@ class RayRunner:
 
         shared = {k: v for k, v in calls[0].items()
                   if k not in ("texts", "index", "lo", "fingerprint")}
-        rows = [{"index": c["index"], "lo": c["lo"], "fingerprint": c["fingerprint"],
+        # "" for no fingerprint: Ray Data would hand a None column back as NaN
+        rows = [{"index": c["index"], "lo": c["lo"], "fingerprint": c["fingerprint"] or "",
                  "texts": list(c["texts"])} for c in calls]
         ctx = ray.data.DataContext.get_current()
         bars = ctx.enable_progress_bars
@@ -219,7 +220,7 @@ class _ShardEncoder:
         for index, lo, fp, texts in zip(batch["index"], batch["lo"], batch["fingerprint"],
                                         batch["texts"]):
             pipeline.encode_shard([str(t) for t in texts], index=int(index), lo=int(lo),
-                                  fingerprint=None if fp is None else str(fp), **self.shared)
+                                  fingerprint=str(fp) or None, **self.shared)
         return {"index": batch["index"]}
 
 

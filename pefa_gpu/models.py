@@ -40,6 +40,8 @@ from .splits import split_queries
 
 log = logging.getLogger("pefa_gpu")
 
+DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes: ExactParams.memory_budget's default
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ERMParams(Params):
@@ -337,11 +339,34 @@ class _Model:
             self._split_search_params(params)
         if check is None:  # reading the values would synchronise a CUDA device: not there
             check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
+        self.check_fitted()
+        rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
+        if isinstance(queries, (np.ndarray, torch.Tensor)) and queries.ndim == 2 \
+                and queries.shape[0] > rows:  # query blocks: conversion, checks, fusion
+            b = queries.shape[0]
+            scores = torch.empty((b, topk), device=self.device)
+            ids = torch.empty((b, topk), dtype=torch.long, device=self.device)
+            for lo in range(0, b, rows):
+                q = as_embeddings(queries[lo:lo + rows], self.device, f"queries[{lo}:]",
+                                  dim=self.dim, check_norm=False, check_finite=check).detach()
+                scores[lo:lo + rows], ids[lo:lo + rows] = self._search(
+                    q, topk, model_sp, index_sp, checked=check)
+            return scores, ids
         q = self.as_queries(queries, check)
         if q.shape[0] == 0:
             return (torch.full((0, topk), float("-inf"), device=self.device),
                     torch.full((0, topk), -1, dtype=torch.long, device=self.device))
         return self._search(q, topk, model_sp, index_sp, checked=check)
+
+    def _memory_budget(self) -> int:
+        """Bytes a search may hold besides its result: the index's ``memory_budget`` (exact,
+        cagra), else the exact backend's default."""
+        return getattr(self.index.params, "memory_budget", None) or DEFAULT_MEMORY_BUDGET
+
+    def _query_bytes(self, topk: int, model_sp: Params) -> int:
+        """Working bytes per query of a search, besides the index's own (which keeps to the
+        budget itself): the query's float32 copy and the NaN / inf check's temporaries."""
+        return 16 * self.dim
 
     def _search(self, q: torch.Tensor, topk: int, model_sp: Params, index_sp: Params | None,
                 checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -770,6 +795,15 @@ class PEFAXL(_Model):
             out[0][rest], out[1][rest] = s, i
         return (torch.from_numpy(out[0]), torch.from_numpy(out[1])) if host else out
 
+    def _query_bytes(self, topk: int, model_sp: Params) -> int:
+        """Besides the query itself: its Kp passage results, neighbours and the fusion's
+        candidate table (~48 bytes an entry: Kp + k x the mean row length of Y entries,
+        measured 40-50) and top-k (24 bytes an entry)."""
+        kp = min(model_sp.candidates, self.index.ntotal)
+        rows = max(1, self.relevance.shape[0])
+        votes = self.params.k * self.relevance.nnz / rows
+        return super()._query_bytes(topk, model_sp) + int(48 * (kp + votes) + 24 * topk)
+
     @property
     def _erm_exact(self) -> bool:
         """The passage index's scores are exact fp32 inner products."""
@@ -900,9 +934,14 @@ def _index_search(index: Index, q: Array, k: int, params: Params | dict | None,
     CPU tensor; faiss backends then skip the torch hand-off; ``checked``: q was tested for
     NaN / inf already), else tensors."""
     if host and hasattr(index, "search_host"):
-        return index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
-    scores, ids = index.search(as_tensor(q), k, params)
-    return (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
+        scores, ids = index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
+    else:
+        scores, ids = index.search(as_tensor(q), k, params)
+        scores, ids = (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
+    if bool(((ids < -1) | (ids >= index.ntotal)).any()):  # a corrupted index
+        raise FormatError(f"the {index.name!r} index returned ids outside [0, {index.ntotal}) "
+                          f"(a corrupted or forged index)")
+    return scores, ids
 
 
 def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, lam: float,

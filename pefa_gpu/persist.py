@@ -93,7 +93,14 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
     with it (sizes, headers, shapes and the manifest's own checksum are always checked;
     hashing would read every mapped page).
     expect: a model class the save must be (a subclass of); else FormatError.
+    A save replaced while it is read (another process saving there) is read again once.
     """
+    return storage.read_unchanged(directory, lambda: _load_model(directory, device, mmap,
+                                                                 verify, expect))
+
+
+def _load_model(directory: str | Path, device: Any, mmap: bool, verify: bool | None,
+                expect: type | None) -> Any:
     save = storage.open_save(directory, checksums=not mmap if verify is None else verify)
     manifest, where = save.manifest, save.where
     cls = _model_class(manifest.get("class"), where)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import io
 import json
 import logging
 import os
@@ -104,6 +105,9 @@ def load_tensor(path: PathLike, device: Any = None, mmap: bool = False,
     """
     p = _npy(path)
     arr = read_npy(p, mmap_mode="c" if mmap else None)
+    if not arr.dtype.isnative:
+        raise FormatError(f"{p} holds {arr.dtype} in non-native byte order; pefa_gpu writes "
+                          f"native (little-endian) arrays")
     if arr.dtype.names:  # a wrapped dtype
         field = arr.dtype.names[0]
         if len(arr.dtype.names) != 1 or field not in _BY_FIELD:
@@ -193,16 +197,29 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
 
 
 def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matrix:
-    """Read a matrix written by :func:`save_csr`; malformed files raise :class:`FormatError`."""
+    """Read a matrix written by :func:`save_csr`; malformed files raise :class:`FormatError`.
+    With ``meta`` (its manifest entry: shape, nnz) no member is decompressed past the bytes
+    that shape and nnz allow (a small file inflating to gigabytes is refused as it is read)."""
     p = _npz(path)
     if not p.is_file():
         raise FormatError(f"{p} is missing")
+    limits = dict.fromkeys(("indptr", "indices", "data", "shape"))
+    if meta is not None:
+        try:
+            rows, nnz = int(meta["shape"][0]), int(meta["nnz"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise FormatError(f"{p}: its manifest entry has no shape and nnz") from None
+        # npy header (at most 64 KiB) + elements of at most 16 bytes (complex128)
+        limits.update(indptr=2**16 + 8 * (rows + 1), indices=2**16 + 8 * nnz,
+                      data=2**16 + 16 * nnz, shape=2**16 + 16)
     try:
-        with np.load(p, allow_pickle=False) as z:
-            parts = {k: z[k] for k in ("indptr", "indices", "data", "shape")}
+        with zipfile.ZipFile(p) as z:
+            parts = {k: _npz_member(z, k, limit, p) for k, limit in limits.items()}
         csr = sp.csr_matrix((parts["data"], parts["indices"], parts["indptr"]),
                             shape=tuple(int(s) for s in parts["shape"]))
         csr.check_format(full_check=True)
+    except FormatError:
+        raise
     except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
     if meta is not None and (list(csr.shape) != list(meta.get("shape", [])) or
@@ -210,6 +227,21 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
         raise FormatError(f"{p} holds shape {csr.shape} nnz {csr.nnz}, but the manifest says "
                           f"shape {tuple(meta.get('shape', []))} nnz {meta.get('nnz')}")
     return csr
+
+
+def _npz_member(z: zipfile.ZipFile, name: str, limit: int | None, p: Path) -> np.ndarray:
+    """The array ``name`` of an open .npz, decompressing at most ``limit`` bytes (None: what
+    the zip directory declares)."""
+    info = z.getinfo(f"{name}.npy")
+    if limit is not None and info.file_size > limit:
+        raise FormatError(f"{p}: member {name} declares {info.file_size} bytes, more than its "
+                          f"manifest entry allows ({limit})")
+    with z.open(info) as fh:
+        raw = fh.read(info.file_size if limit is None else limit + 1)
+    if limit is not None and len(raw) > limit:
+        raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its manifest "
+                          f"entry allows")
+    return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
 
 
 # ---------------------------------------------------------------------------- checksums
@@ -323,6 +355,14 @@ def _unlisted(root: Path, files: dict[str, Any], under: str = "") -> list[str]:
 
 # ---------------------------------------------------------------------------- manifest
 
+def strict_json(text: str) -> Any:
+    """``json.loads`` that refuses NaN and Infinity (ValueError), as the writers never write
+    them; nesting too deep raises RecursionError."""
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not a JSON number")
+    return json.loads(text, parse_constant=refuse)
+
+
 def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
                   warn_unchecked: bool = True) -> dict[str, Any]:
     """Read and check ``root / name``: a ``fmt`` manifest of a format version this library
@@ -337,9 +377,11 @@ def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
     if not stat.S_ISREG(mode):
         raise FormatError(f"{path} is not a regular file (links are never followed)")
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): {exc}") from exc
+        manifest = strict_json(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): "
+                          f"{'nested too deeply' if isinstance(exc, RecursionError) else exc}"
+                          ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != fmt:
         raise FormatError(f"{path} is not a {fmt} manifest (format="
                           f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
@@ -419,6 +461,29 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
     return SaveDir(root, data, manifest, where)
 
 
+def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MANIFEST) -> Any:
+    """``read()``, a function reading the save at ``directory``, retried once when it fails
+    while the save there is replaced (its manifest changed: another process saved again); when
+    that happens twice, :class:`FormatError` says the folder changed while it was read. A save
+    is replaced file by file never: a read that succeeds read one save."""
+    def stamp() -> bytes | None:
+        try:
+            return (Path(directory) / name).read_bytes()
+        except OSError:
+            return None
+
+    for _ in range(2):
+        before = stamp()
+        try:
+            return read()
+        except Exception as exc:
+            if stamp() == before:  # nothing changed: the error is the save's own
+                raise
+            error = exc
+    raise FormatError(f"{directory} changed while it was read (saved again by another process, "
+                      f"twice in a row); load it again ({error})") from error
+
+
 def resolve_save(directory: PathLike, name: str = MANIFEST) -> Path:
     """The directory to read for a save at ``directory`` (links resolved): itself, or the
     ``.pefa-backup`` a crash of a format_version 1 save could leave (logged as a warning)."""
@@ -480,7 +545,24 @@ def _ours(root: Path, entry: str, name: str) -> bool:
     manifest being written (name)."""
     if entry.startswith(f".{name}{_TMP_TAG}"):
         return os.path.isfile(root / entry) and not os.path.islink(root / entry)
-    return _marker_ok(root / entry)
+    return _marker_ok(root / entry) or _unmarked(root / entry)
+
+
+def _unmarked(folder: Path) -> bool:
+    """A data folder whose marker was never fully written (a save killed or out of space right
+    after creating it): named ``pefa-data-<16 hex>``, empty or holding only a part of its
+    marker."""
+    marker = folder / DATA_MARKER
+    try:
+        if not _DATA_NAME.match(folder.name) or not stat.S_ISDIR(os.lstat(folder).st_mode):
+            return False
+        entries = os.listdir(folder)
+        if not entries:
+            return True
+        return entries == [DATA_MARKER] and stat.S_ISREG(os.lstat(marker).st_mode) and \
+            (folder.name + "\n").startswith(marker.read_text(encoding="ascii"))
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _save_root(target: PathLike) -> Path:
@@ -608,19 +690,22 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     manifest, renamed over the old one, is the commit point, and only then is the previous
     save's data folder removed. A crash at any point leaves a complete save: the old one
     before the rename, the new one after it. Leftovers of crashed saves (data folders proven
-    ours by their name and marker file) are removed by the next save. Only a folder that is
-    empty or holds a save of the same kind is written into, and nothing there but pefa_gpu's
-    own entries is touched. On an error nothing is replaced and the new data folder is
-    removed. Concurrent saves to one folder are not supported.
+    ours by their name and marker file, or data-named folders holding no more than a cut-short
+    marker) are removed by the next save. Only a folder that is empty or holds a save of the
+    same kind is written into, and nothing there but pefa_gpu's own entries is touched. On an
+    error (a full disk included) nothing is replaced and the new data folder is removed, and so
+    is ``target`` when this save created it. Concurrent saves to one folder are not supported.
     """
     root = _save_root(target)
     current = _current_data(root, name, fmt)
-    pending = None
+    pending = data = None
+    made_root = not os.path.lexists(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
         _remove_stale(root, name, keep=current)
-        data = root / f"{DATA_PREFIX}{secrets.token_hex(8)}"
-        data.mkdir()
+        fresh = root / f"{DATA_PREFIX}{secrets.token_hex(8)}"
+        fresh.mkdir()
+        data = fresh  # ours from here on: removed on any error, the marker write's included
         (data / DATA_MARKER).write_text(data.name + "\n", encoding="ascii")
         pending = PendingSave(root, data, name, fmt)
         yield pending
@@ -631,8 +716,12 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
                f"save there is intact)")
         raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
     finally:
-        if pending is not None and not pending.committed:
-            shutil.rmtree(pending.data, ignore_errors=True)
+        if not (pending is not None and pending.committed):
+            if data is not None:
+                shutil.rmtree(data, ignore_errors=True)
+            if made_root:  # the folder this save made, if nothing else was put there
+                with contextlib.suppress(OSError):
+                    root.rmdir()
 
 
 def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:

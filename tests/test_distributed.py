@@ -421,6 +421,22 @@ def test_ray_encode_killed_actor_and_cache(tmp_path, ray_runner):
     assert enc.seen == 0 and np.array_equal(got.numpy(), want)
 
 
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ray_encode_with_a_plain_function_encoder(tmp_path, ray_runner):
+    """A module-level function without a cache_key (no fingerprint): encoded every run, and
+    the run completes (its shard manifests record no fingerprint, as the driver expects)."""
+    from textdata import bow_unit
+
+    texts = [f"claim {i} about gene {i % 7}" for i in range(150)]
+    want = pg.encode(texts, model=bow_unit, show_progress=False).numpy()
+    for _ in range(2):  # the second run encodes again (nothing identifies the model)
+        out = pp.encode(texts, tmp_path / "enc", model=bow_unit, rows=100, runner=ray_runner,
+                        show_progress=False)
+        np.testing.assert_array_equal(pp.read_rows(out), want)
+        assert len(pp.read_stage(out)["shards"]) == 2
+
+
 # ------------------------------------------------------------------------------ CLI, SciFact
 
 def _cli(capsys, *argv):

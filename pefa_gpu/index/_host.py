@@ -22,6 +22,7 @@ import torch
 from ..arrays import as_tensor, check_positive_int
 from ..errors import FormatError, InputError
 from ..params import Params
+from ..storage import strict_json
 from ..topk import PAD_ID, PAD_SCORE
 from ._faiss import host_float32, normalise_results_host
 from .base import Index
@@ -43,12 +44,12 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
     if not path.is_file():
         raise FormatError(f"{path} is missing: not a saved index of this backend")
     try:
-        meta = json.loads(path.read_text())
+        meta = strict_json(path.read_text())
         ok = (isinstance(meta, dict) and meta.get("format") == fmt
               and meta.get("format_version") == 1
               and all(type(meta.get(k)) is int and meta[k] > 0 for k in ("dim", "ntotal"))
               and all(meta.get(k) == v for k, v in expected.items()))
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         ok = False
     if not ok:
         want = ", ".join(["dim", "ntotal", *(f"{k}={v!r}" for k, v in expected.items())])

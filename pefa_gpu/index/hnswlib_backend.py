@@ -200,19 +200,84 @@ class HnswlibIndex(HostBackend):
 
 
 def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
-    """The hnswlib file header against the description: row count, vector size, M."""
-    with open(path, "rb") as fh:
-        raw = fh.read(_HEADER.size)
-    if len(raw) < _HEADER.size:
-        raise FormatError(f"{path} is truncated: {len(raw)} bytes, shorter than hnswlib's "
+    """The hnswlib file against the description (row count, vector size, M) and against
+    itself: a layout hnswlib would read past, a neighbour id >= the row count, a link to a
+    node on a level it does not reach, labels that are not 0..n-1 raise FormatError before
+    hnswlib reads the file (hnswlib itself trusts it: such a file crashes the search)."""
+    size = path.stat().st_size
+    raw = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    if raw.size < _HEADER.size:
+        raise FormatError(f"{path} is truncated: {raw.size} bytes, shorter than hnswlib's "
                           f"header")
-    (_, _, count, per_element, label_offset, data_offset, _, _, _, _, m,
-     _, _) = _HEADER.unpack(raw)
+    (offset0, _, count, per_element, label_offset, data_offset, maxlevel, enter, max_m, max_m0,
+     m, _, _) = _HEADER.unpack(raw[:_HEADER.size].tobytes())
     if count != ntotal or label_offset - data_offset != 4 * dim:
         raise FormatError(f"{path} holds {count} vectors of {(label_offset - data_offset) / 4:g}"
                           f" floats; {path.parent / META_FILE} says {ntotal} of {dim}")
     if m != M:
         raise FormatError(f"{path}: the saved graph has M={m}, params say M={M}")
-    if path.stat().st_size < _HEADER.size + count * per_element:
-        raise FormatError(f"{path} is truncated ({path.stat().st_size} bytes for {count} "
-                          f"vectors of {per_element} bytes)")
+    links0 = 4 + 4 * max_m0  # a level-0 list: count (uint16 + 2 bytes), max_m0 uint32 ids
+    if (offset0, max_m, max_m0, data_offset, per_element) != \
+            (0, M, 2 * M, links0, links0 + 4 * dim + 8) or not 0 <= maxlevel or enter >= count:
+        raise FormatError(f"{path}: hnswlib's header is inconsistent (offsets, M, maxM, maxM0, "
+                          f"entry point or top level do not fit {count} vectors of {dim} "
+                          f"floats with M={M})")
+    end0 = _HEADER.size + count * per_element
+    if raw.size < end0:
+        raise FormatError(f"{path} is truncated ({raw.size} bytes for {count} vectors of "
+                          f"{per_element} bytes)")
+    # upper levels: per node a uint32 byte count, then `level` lists of count + max_m ids
+    links = 4 + 4 * max_m
+    levels = np.zeros(count, np.int64)
+    blocks, pos = [], end0
+    view = memoryview(raw)
+    for node in range(count):
+        if pos + 4 > size:
+            raise FormatError(f"{path} is truncated in the link lists of node {node}")
+        nbytes = struct.unpack_from("<I", view, pos)[0]
+        pos += 4
+        if nbytes:
+            if nbytes % links or pos + nbytes > size:
+                raise FormatError(f"{path}: node {node} has a malformed upper-level link list")
+            levels[node] = nbytes // links
+            blocks.append((node, pos))
+            pos += nbytes
+    if pos != size:
+        raise FormatError(f"{path} is longer than its link lists ({size - pos} bytes more)")
+    if levels[enter] != maxlevel:
+        raise FormatError(f"{path}: the entry point {enter} is on level {levels[enter]}, the "
+                          f"header says the top level is {maxlevel}")
+    level0 = raw[_HEADER.size:end0].reshape(count, per_element)
+    labels = np.ascontiguousarray(level0[:, label_offset:label_offset + 8]).view("<u8").ravel()
+    if labels.size and (labels.max() >= count or np.unique(labels).size != count):
+        raise FormatError(f"{path}: the labels are not the ids 0..{count - 1}")
+    step = 1 << 16
+    for start in range(0, count, step):
+        _check_lists(path, level0[start:start + step, :links0], max_m0, 0, levels, start)
+    if blocks:
+        rows = np.concatenate([np.asarray(raw[at:at + levels[node] * links]).reshape(-1, links)
+                               for node, at in blocks])
+        level = np.concatenate([np.arange(1, levels[node] + 1) for node, _ in blocks])
+        _check_lists(path, rows, max_m, level, levels, None)
+
+
+def _check_lists(path: Path, lists: np.ndarray, width: int, level: Any, levels: np.ndarray,
+                 first: int | None) -> None:
+    """(rows, 4 + 4 * width) uint8 link lists (uint16 count, 2 bytes, width uint32 ids) on
+    ``level`` (an int or one per row): count <= width, every listed id a node reaching that
+    level."""
+    lists = np.ascontiguousarray(lists)
+    counts = lists[:, :2].view("<u2").ravel()
+    ids = lists[:, 4:].view("<u4")
+    if counts.size and counts.max() > width:
+        raise FormatError(f"{path}: a link list holds {counts.max()} links, more than {width}")
+    listed = np.arange(width) < counts[:, None]
+    bad = listed & (ids >= levels.size)
+    if not bad.any():
+        reach = levels[np.where(listed, ids, 0)]
+        bad = listed & (reach < np.asarray(level).reshape(-1, 1))
+    if bad.any():
+        row, col = np.argwhere(bad)[0]
+        where = f"node {first + row}" if first is not None else "an upper-level list"
+        raise FormatError(f"{path}: {where} links to {int(ids[row, col])}, which is not a node "
+                          f"of that level ({levels.size} nodes): a forged or corrupted graph")

@@ -300,5 +300,20 @@ class IVFIndex(FaissBackend):
         if kind != out.params.kind:
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={out.params.kind!r}")
+        _check_list_ids(faiss, index, directory)
         out._index, out._dim = out._to_device(index), int(index.d)
         return out
+
+
+def _check_list_ids(faiss: Any, index: Any, directory: str | Path) -> None:
+    """The ids in a saved IVF index's lists are 0..ntotal-1, each once (a search would return
+    whatever they say); else FormatError."""
+    lists, n = index.invlists, int(index.ntotal)
+    ids = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
+           for i in range(index.nlist) if lists.list_size(i)]
+    ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+    if ids.size != n or (n and (ids.min() < 0 or ids.max() >= n
+                                or np.bincount(ids, minlength=n).max() > 1)):
+        raise FormatError(f"{directory}: the IVF lists hold {ids.size} ids "
+                          f"({ids.min() if ids.size else '-'}..{ids.max() if ids.size else '-'})"
+                          f", not each of 0..{n - 1} once: a forged or corrupted index")

@@ -225,11 +225,11 @@ class ScannIndex(HostBackend):
         if (directory / PICKLE_FILE).exists():
             raise FormatError(f"{directory / PICKLE_FILE} is a pickle: a saved index is data, "
                               f"never code; refusing to load {directory}")
-        _check_assets(directory)
+        _check_arrays(_check_assets(directory), dim, ntotal, leaves)
         out = cls(params, device)
         try:
             searcher = out._scann.load_searcher(str(directory), assets_backcompat_shim=False)
-        except (RuntimeError, ValueError) as exc:
+        except (RuntimeError, ValueError, IndexError) as exc:  # IndexError: a C++ range check
             raise FormatError(f"{directory} could not be read by ScaNN: {exc}") from exc
         if searcher.size() != ntotal:
             raise FormatError(f"{directory} holds {searcher.size()} vectors; {meta_path} says "
@@ -239,8 +239,9 @@ class ScannIndex(HostBackend):
         return out
 
 
-def _check_assets(directory: Path) -> None:
-    """Every asset ``scann_assets.pbtxt`` lists is a plain file name inside ``directory``."""
+def _check_assets(directory: Path) -> dict[str, Path]:
+    """Every asset ``scann_assets.pbtxt`` lists is a plain file name inside ``directory``;
+    returns {asset type name (e.g. "TOKENIZATION_NPY"): path}."""
     path = directory / ASSETS_FILE
     if not path.is_file():
         raise FormatError(f"{path} is missing: not a saved 'scann' index")
@@ -252,6 +253,7 @@ def _check_assets(directory: Path) -> None:
     except (text_format.ParseError, UnicodeDecodeError) as exc:
         raise FormatError(f"{path} is not a ScaNN asset list: {exc}") from exc
     root = directory.resolve()
+    found = {}
     for asset in assets.assets:
         name = asset.asset_path
         target = (directory / name).resolve()
@@ -259,3 +261,33 @@ def _check_assets(directory: Path) -> None:
                 or target.parent != root or not target.is_file()):
             raise FormatError(f"{path} lists asset {name!r}, which is not a file inside "
                               f"{directory}")
+        kind = asset.DESCRIPTOR.fields_by_name["asset_type"].enum_type
+        found[kind.values_by_number[asset.asset_type].name] = directory / name
+    return found
+
+
+def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -> None:
+    """The arrays ScaNN indexes with, before it reads them (it trusts them): the vectors
+    (ntotal, dim) float32; with a tree, every row's leaf in [0, num_leaves) and every 4-bit
+    code below the codebook's size; else FormatError naming the file."""
+    from ..storage import read_npy  # noqa: PLC0415
+
+    def array(kind: str, dtype: str, shape: tuple) -> np.ndarray | None:
+        if kind not in assets:
+            return None
+        a = read_npy(assets[kind], mmap_mode="r")
+        if a.dtype != np.dtype(dtype) or a.shape[:len(shape)] != shape or a.ndim < len(shape):
+            want = ", ".join([*map(str, shape), *["..."] * (a.ndim > len(shape))])
+            raise FormatError(f"{assets[kind]} holds {a.dtype} of shape {a.shape}, expected "
+                              f"{dtype} of shape ({want})")
+        return a
+
+    array("DATASET_NPY", "float32", (ntotal, dim))
+    tokens = array("TOKENIZATION_NPY", "int32", (ntotal,))
+    if tokens is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= leaves):
+        raise FormatError(f"{assets['TOKENIZATION_NPY']} assigns rows to leaves "
+                          f"{tokens.min()}..{tokens.max()}; the tree has {leaves}")
+    codes = array("AH_DATASET_NPY", "uint8", (ntotal,))
+    if codes is not None and codes.size and codes.max() >= 16:
+        raise FormatError(f"{assets['AH_DATASET_NPY']} holds code {codes.max()}; 4-bit codes "
+                          f"are below 16")

@@ -1,0 +1,294 @@
+"""Forged or hostile saves (checksums recomputed, so only the content checks stand) are refused
+with a FormatError naming the file: no crash, no gigabytes read, no raw library error."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+import textwrap
+import tracemalloc
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import pefa_gpu as pg
+from pefa_gpu import storage
+from pefa_gpu.errors import FormatError
+
+from conftest import unit_rows
+
+N, M, D = 60, 30, 8
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(11)
+    P, Q = unit_rows(rng, N, D), unit_rows(rng, M, D)
+    y = sp.csr_matrix((np.ones(M, np.float32), (np.arange(M), rng.integers(0, N, M))),
+                      shape=(M, N))
+    return P, Q, y, unit_rows(rng, 4, D)
+
+
+def manifest(save: Path) -> dict:
+    return json.loads((save / "manifest.json").read_text())
+
+
+def data_file(save: Path, rel: str) -> Path:
+    return save / manifest(save)["data"] / rel
+
+
+def resign(save: Path) -> None:
+    """Recompute every size, sha256 and the manifest checksum after editing files (a forger
+    can: they detect corruption, not forgery)."""
+    m = manifest(save)
+    files = storage.describe_files(save / m["data"])
+    m["files"] = files
+    m["manifest_sha256"] = storage.manifest_checksum(m)
+    (save / "manifest.json").write_text(json.dumps(m))
+
+
+# ---------------------------------------------------------------------------- sizes while streaming
+
+def npy_of_zeros(n: int) -> bytes:
+    """The .npy header of n float32 zeros (the body is streamed separately)."""
+    fh = io.BytesIO()
+    np.lib.format.write_array_header_1_0(fh, {"descr": "<f4", "fortran_order": False,
+                                             "shape": (n,)})
+    return fh.getvalue()
+
+
+def bomb_npz(path: Path, csr: sp.csr_matrix, n: int, lie: bool) -> None:
+    """A CSR .npz whose ``data`` member inflates to ``n`` float32 zeros (deflated: a few
+    hundred KB). ``lie``: its zip directory declares the size of the honest member instead."""
+    honest = io.BytesIO()
+    np.save(honest, csr.data)
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, arr in (("indptr", csr.indptr), ("indices", csr.indices)):
+            buf = io.BytesIO()
+            np.save(buf, arr)
+            z.writestr(f"{name}.npy", buf.getvalue())
+        with z.open("data.npy", "w") as fh:
+            fh.write(npy_of_zeros(n))
+            zeros = bytes(MiB)
+            for _ in range(n * 4 // MiB):
+                fh.write(zeros)
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(csr.shape, np.int64))
+        z.writestr("shape.npy", buf.getvalue())
+    if lie:  # patch the uncompressed size in the local header and the central directory
+        raw = bytearray(path.read_bytes())
+        with zipfile.ZipFile(path) as z:
+            info = z.getinfo("data.npy")
+        small = struct.pack("<I", len(honest.getvalue()))
+        raw[info.header_offset + 22: info.header_offset + 26] = small
+        at = raw.find(b"PK\x01\x02")
+        while at >= 0:
+            name_len = struct.unpack_from("<H", raw, at + 28)[0]
+            if raw[at + 46: at + 46 + name_len] == b"data.npy":
+                raw[at + 24: at + 28] = small
+            at = raw.find(b"PK\x01\x02", at + 4)
+        path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("lie", [False, True])
+def test_a_relevance_npz_inflating_past_its_declared_size_is_refused_early(tmp_path, data, lie):
+    P, Q, y, _ = data
+    save = tmp_path / "m"
+    pg.PEFAXL(device="cpu", k=2).fit(P, Q, y).save(save)
+    entry = manifest(save)["state"]["relevance"]
+    path = data_file(save, entry["file"])
+    csr = storage.load_csr(path)
+    bomb_npz(path, csr, 48 * MiB // 4, lie)
+    assert path.stat().st_size < 2 * MiB
+    resign(save)
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=r"relevance\.npz"):
+            pg.load(save, device="cpu")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * MiB, peak / MiB  # d6866eb: the 48 MiB member inflated whole, then refused
+
+
+# ---------------------------------------------------------------------------- malformed manifests
+
+@pytest.fixture
+def erm_save(tmp_path, data):
+    save = tmp_path / "m"
+    pg.ERM(device="cpu").fit(data[0]).save(save)
+    return save
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_a_nan_literal_in_the_manifest_is_refused_naming_it(erm_save, literal):
+    path = erm_save / "manifest.json"
+    path.write_text(path.read_text().replace('"created": ', f'"created": {literal}, "x": ', 1))
+    with pytest.raises(FormatError, match=rf"manifest\.json .*{literal.lstrip('-')}"):
+        pg.load(erm_save, device="cpu")
+
+
+def test_a_deeply_nested_manifest_is_refused(erm_save):
+    (erm_save / "manifest.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(FormatError, match=r"manifest\.json .*nested too deeply"):
+        pg.load(erm_save, device="cpu")
+
+
+def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
+    m = manifest(erm_save)
+    path = data_file(erm_save, m["state"]["doc_embeddings"]["file"])
+    arr = np.load(path)
+    path.unlink()  # it may be hard-linked to the index's copy: write a new file
+    np.save(path, arr.astype(">f4"))
+    resign(erm_save)
+    with pytest.raises(FormatError, match=r"doc_embeddings\.npy holds >f4 in non-native"):
+        pg.load(erm_save, device="cpu")
+
+
+# ---------------------------------------------------------------------------- forged graphs, lists
+
+LOAD_AND_SEARCH = r"""
+import sys
+import numpy as np
+from pefa_gpu.index import backend_class
+from pefa_gpu.errors import FormatError
+name, folder, params = sys.argv[1], sys.argv[2], eval(sys.argv[3])
+q = np.random.default_rng(0).standard_normal((20, int(sys.argv[4])), dtype=np.float32)
+try:
+    index = backend_class(name).load(folder, params)
+except FormatError as exc:
+    print("refused:", exc)
+    sys.exit(0)
+s, i = index.search(q, 10)
+print("searched", int(i.max()), int(i.min()))
+"""
+
+
+def load_and_search(backend: str, folder: Path, params: dict) -> subprocess.CompletedProcess:
+    """Load and search in a child process: a forged file may crash a native library."""
+    return subprocess.run([sys.executable, "-c", LOAD_AND_SEARCH, backend, str(folder),
+                           repr(params), str(D)], capture_output=True, text=True, timeout=120)
+
+
+HNSW_HEADER = struct.Struct("<6QiI3QdQ")  # hnswlib's saveIndex header (hnswalg.h)
+
+
+def hnswlib_nodes(raw: bytes) -> tuple[tuple, list[tuple[int, int, int]]]:
+    """The header and (node, offset of its upper lists, levels) of nodes above level 0."""
+    head = HNSW_HEADER.unpack_from(raw)
+    count, per_element, max_m = head[2], head[3], head[8]
+    pos, upper = HNSW_HEADER.size + count * per_element, []
+    for node in range(count):
+        nbytes = struct.unpack_from("<I", raw, pos)[0]
+        if nbytes:
+            upper.append((node, pos + 4, nbytes // (4 + 4 * max_m)))
+        pos += 4 + nbytes
+    return head, upper
+
+
+def forge_hnswlib(folder: Path, how: str) -> None:
+    path = folder / "index.bin"
+    raw = bytearray(path.read_bytes())
+    head, upper = hnswlib_nodes(bytes(raw))
+    count, per_element, label_offset = head[2], head[3], head[4]
+    level0 = HNSW_HEADER.size + 3 * per_element  # node 3's level-0 list
+    if how == "level0 id beyond the nodes":
+        struct.pack_into("<H", raw, level0, 2)
+        struct.pack_into("<I", raw, level0 + 8, 10**6)
+    elif how == "level0 count beyond maxM0":
+        struct.pack_into("<H", raw, level0, 60000)
+    elif how == "upper link to a level-0 node":
+        zero = next(n for n in range(count) if n not in {u[0] for u in upper})
+        node, at, _ = upper[0]
+        struct.pack_into("<HxxI", raw, at, 1, zero)
+    elif how == "label beyond the nodes":
+        struct.pack_into("<Q", raw, level0 + label_offset, 10**6)
+    elif how == "entry point beyond the nodes":
+        struct.pack_into("<I", raw, 6 * 8 + 4, count + 5)
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["level0 id beyond the nodes", "level0 count beyond maxM0",
+                                 "upper link to a level-0 node", "label beyond the nodes",
+                                 "entry point beyond the nodes"])
+def test_a_forged_hnswlib_graph_is_refused_at_load(tmp_path, data, how):
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    index = make_index("hnswlib", "cpu", params).build(np.tile(data[0], (10, 1)))
+    (tmp_path / "ix").mkdir()
+    index.save(tmp_path / "ix")
+    assert hnswlib_nodes((tmp_path / "ix" / "index.bin").read_bytes())[1], "no upper levels"
+    forge_hnswlib(tmp_path / "ix", how)
+    res = load_and_search("hnswlib", tmp_path / "ix", params)
+    assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
+                                                                      res.stdout, res.stderr[-500:])
+    assert "index.bin" in res.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("asset,value", [("datapoint_to_token.npy", 10**6),
+                                         ("datapoint_to_token.npy", -1),
+                                         ("datapoint_to_token.npy", None),
+                                         ("hashed_dataset.npy", 200)])
+def test_a_forged_scann_token_or_code_file_is_refused_at_load(tmp_path, asset, value):
+    pytest.importorskip("scann")
+    from pefa_gpu.index import make_index
+
+    rng = np.random.default_rng(3)
+    params = {"brute_force_below": 0, "num_leaves": 6}
+    index = make_index("scann", "cpu", params).build(unit_rows(rng, 400, D))
+    (tmp_path / "ix").mkdir()
+    index.save(tmp_path / "ix")
+    path = tmp_path / "ix" / asset
+    arr = np.load(path)
+    if value is None:
+        arr = arr[:-3]  # rows without a leaf: unreachable, silently
+    else:
+        arr.flat[7] = value
+    np.save(path, arr)
+    res = load_and_search("scann", tmp_path / "ix", params)
+    assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
+                                                                      res.stdout, res.stderr[-500:])
+    assert asset in res.stdout
+
+
+def test_a_forged_ivf_save_returning_ids_beyond_the_documents_is_refused(tmp_path, data):
+    faiss = pytest.importorskip("faiss")
+    P, Q, y, queries = data
+    save = tmp_path / "m"
+    pg.PEFAXL(device="cpu", k=2, backend="ivf", index_params={"nlist": 2}).fit(P, Q, y).save(save)
+    path = data_file(save, "index/index.faiss")
+    index = faiss.read_index(str(path))
+    lists = index.invlists
+    first = next(i for i in range(index.nlist) if lists.list_size(i))
+    faiss.rev_swig_ptr(lists.get_ids(first), lists.list_size(first))[0] = N + 7
+    path.unlink()
+    faiss.write_index(index, str(path))
+    resign(save)
+    with pytest.raises(FormatError, match=r"index.*0\.\.59 once"):
+        pg.load(save, device="cpu")
+
+
+def test_ids_beyond_the_index_from_any_backend_search_are_a_clear_error(data, monkeypatch):
+    P, Q, y, queries = data
+    xl = pg.PEFAXL(device="cpu", k=2).fit(P, Q, y)
+    real = xl.index.search
+
+    def forged(q, k, params=None):
+        s, i = real(q, k, params)
+        i = i.clone()
+        i[0, 0] = xl.index.ntotal + 3
+        return s, i
+    monkeypatch.setattr(xl.index, "search", forged)
+    with pytest.raises(FormatError, match=r"returned ids outside \[0, "):
+        xl.search(queries, 5)

@@ -1,0 +1,175 @@
+"""A save that fails (disk full) leaves the target as it was, and the next save works; a load
+racing a re-save gets a consistent model or one clear error."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+
+import pefa_gpu as pg
+from pefa_gpu import storage
+from pefa_gpu.builds import save_build
+from pefa_gpu.errors import FormatError
+
+from conftest import unit_rows
+
+N, M, D = 40, 20, 8
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(5)
+    P, Q = unit_rows(rng, N, D), unit_rows(rng, M, D)
+    y = sp.csr_matrix((np.ones(M, np.float32), (np.arange(M), rng.integers(0, N, M))),
+                      shape=(M, N))
+    return P, Q, y
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*"))
+
+
+def full_disk_on_marker(monkeypatch):
+    """Every write of a data folder's marker fails with ENOSPC (after creating the file)."""
+    real = pathlib.Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if self.name == storage.DATA_MARKER:
+            self.touch()
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return real(self, text, *args, **kwargs)
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_save_out_of_space_leaves_the_target_as_it_was_and_the_retry_works(
+        tmp_path, data, monkeypatch, existing):
+    P, Q, y = data
+    model = pg.PEFAXS(device="cpu", lam=0.3).fit(P, Q, y)
+    target = tmp_path / "m"
+    if existing:
+        pg.ERM(device="cpu").fit(P).save(target)
+    before = tree(tmp_path)
+    full_disk_on_marker(monkeypatch)
+    for _ in range(3):  # no leak per failure
+        with pytest.raises(OSError, match="No space left.*nothing was replaced"):
+            model.save(target)
+        assert tree(tmp_path) == before
+    monkeypatch.undo()
+    model.save(target)
+    assert type(pg.load(target, device="cpu")) is pg.PEFAXS
+
+
+def test_a_build_folder_out_of_space_leaves_nothing(tmp_path, data, monkeypatch):
+    P, _, _ = data
+    model = pg.ERM(device="cpu").fit(P)
+    full_disk_on_marker(monkeypatch)
+    with pytest.raises(OSError, match="No space left"):
+        save_build(model, tmp_path / "b", [str(i) for i in range(N)], {"encoder": "x"})
+    assert tree(tmp_path) == []
+    monkeypatch.undo()
+    save_build(model, tmp_path / "b", [str(i) for i in range(N)], {"encoder": "x"})
+
+
+@pytest.mark.parametrize("marker", [None, "", "pefa-data-01"])
+def test_a_data_folder_killed_before_its_marker_is_removed_by_the_next_save(
+        tmp_path, data, marker):
+    P, _, _ = data
+    left = tmp_path / "m" / ("pefa-data-" + "0123456789abcdef")
+    left.mkdir(parents=True)
+    if marker is not None:
+        (left / storage.DATA_MARKER).write_text(marker)
+    pg.ERM(device="cpu").fit(P).save(tmp_path / "m")
+    assert not left.exists()
+
+
+@pytest.mark.parametrize("content", ["pefa-data-ff", "x"])
+def test_a_folder_that_is_not_a_cut_short_data_folder_is_kept(tmp_path, data, content):
+    P, _, _ = data
+    other = tmp_path / "m" / ("pefa-data-" + "0123456789abcdef")
+    other.mkdir(parents=True)
+    (other / storage.DATA_MARKER).write_text(content)
+    with pytest.raises(pg.InputError, match="not a pefa_gpu save"):
+        pg.ERM(device="cpu").fit(P).save(tmp_path / "m")
+    assert (other / storage.DATA_MARKER).read_text() == content
+
+
+# ---------------------------------------------------------------------------- loads racing saves
+
+SETUP = r"""
+import json, sys, time
+import numpy as np, scipy.sparse as sp
+import pefa_gpu as pg
+from conftest import unit_rows
+rng = np.random.default_rng(5)
+n, m, d = map(int, sys.argv[3:6])
+P, Q = unit_rows(rng, n, d), unit_rows(rng, m, d)
+y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), rng.integers(0, n, m))), shape=(m, n))
+end = time.monotonic() + float(sys.argv[1])
+target = sys.argv[2]
+"""
+WRITER = SETUP + r"""
+models = [pg.PEFAXS(device="cpu", lam=lam).fit(P, Q, y) for lam in (0.2, 0.8)]
+i = 0
+while time.monotonic() < end:
+    models[i % 2].save(target)
+    i += 1
+print(i)
+"""
+READER = SETUP + r"""
+want = {}
+for lam in (0.2, 0.8):
+    s, i = pg.PEFAXS(device="cpu", lam=lam).fit(P, Q, y).search(Q[:5], 10)
+    want[lam] = (s.numpy(), i.numpy())
+out = {"loaded": 0, "changed": 0, "wrong": []}
+while time.monotonic() < end:
+    try:
+        model = pg.load(target, device="cpu")
+    except pg.FormatError as exc:
+        if "changed while it was read" in str(exc):
+            out["changed"] += 1
+        else:
+            out["wrong"].append(repr(exc))
+        continue
+    except Exception as exc:  # a raw FileNotFoundError & co
+        out["wrong"].append(repr(exc))
+        continue
+    s, i = model.search(Q[:5], 10)
+    ref = want[model.params.lam]
+    if np.array_equal(i.numpy(), ref[1]) and np.array_equal(s.numpy(), ref[0]):
+        out["loaded"] += 1
+    else:
+        out["wrong"].append(f"lam={model.params.lam}: results differ")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_loads_while_another_process_saves_get_a_model_or_one_clear_error(tmp_path, data):
+    """One writer re-saving and two readers loading, each its own process, for 4 seconds."""
+    P, Q, y = data
+    target = tmp_path / "m"
+    pg.PEFAXS(device="cpu", lam=0.2).fit(P, Q, y).save(target)
+    tests = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    procs = [subprocess.Popen([sys.executable, "-c", code, "4", str(target), str(N),
+                               str(M), str(D)], cwd=tests, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for code in (WRITER, READER, READER)]
+    results = [p.communicate(timeout=180) for p in procs]
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 0, err
+    saves = int(results[0][0].strip())
+    reads = [json.loads(out.strip().splitlines()[-1]) for out, _ in results[1:]]
+    assert saves > 5 and all(r["loaded"] > 5 for r in reads), (saves, reads)
+    assert not any(r["wrong"] for r in reads), [(len(r["wrong"]), r["wrong"][:3]) for r in reads]
