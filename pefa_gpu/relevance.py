@@ -172,6 +172,8 @@ def _own_csr(y: Any, name: str) -> sp.csr_matrix:
                         shape=(m, n))
     csr = coo.tocsr()  # new arrays, duplicates summed, column ids sorted
     csr.eliminate_zeros()
+    if y.dtype == bool:  # a bool matrix's duplicates are one True (as scipy reads it)
+        csr.data[:] = 1.0
     return _finite(csr, name)
 
 
