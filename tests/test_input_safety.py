@@ -84,6 +84,7 @@ def _calls():
         ("Relevance", lambda P, Q, T, Y: pg.Relevance(Y)),
         ("as_relevance", lambda P, Q, T, Y: pg.as_relevance(Y)),
         ("pifa", lambda P, Q, T, Y: pg.pifa(Y, Q, device="cpu")),
+        ("pifa streamed", lambda P, Q, T, Y: pg.pifa(Y, Q, device="cpu", memory_budget=1 << 20)),
         ("PEFAXS.fit", xs),
         ("PEFAXL.fit", lambda P, Q, T, Y: pg.PEFAXL(device="cpu", k=4, candidates=8).fit(P, Q, Y)),
         ("NUDGE.fit", lambda P, Q, T, Y: pg.NUDGE(device="cpu", gamma=0.1).fit(P, Q, Y)),
