@@ -147,10 +147,11 @@ def _own_csr(y: Any, name: str) -> sp.csr_matrix:
                 or nnz > min(indices.shape[0], y.data.shape[0]):
             raise InputError(f"{name} ({y.format}): indptr must rise from 0 to at most the "
                              f"{indices.shape[0]} stored entries, got {indptr[:5].tolist()}...")
-        minor_ids = indices[:nnz]
-        major_ids = np.repeat(np.arange(major, dtype=np.int64), np.diff(indptr))
-        rows, cols = (major_ids, minor_ids) if y.format == "csr" else (minor_ids, major_ids)
-        data = y.data[:nnz]
+        _check_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
+                   else "row (query)")
+        cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
+        csr = cls((np.array(y.data[:nnz], dtype=np.float32), _int_copy(indices[:nnz]),
+                   _int_copy(indptr)), shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
     else:
         try:
             coo = y if y.format == "coo" else y.tocoo()
@@ -160,21 +161,30 @@ def _own_csr(y: Any, name: str) -> sp.csr_matrix:
         if not rows.shape == cols.shape == data.shape:
             raise InputError(f"{name} (coo): row, col and data must have one length each, got "
                              f"{rows.shape}, {cols.shape}, {data.shape}")
-    for ids, size, what in ((rows, m, "row (query)"), (cols, n, "column (document)")):
-        if ids.dtype.kind not in "iu":
-            raise InputError(f"{name}: {what} ids must be integers, got {ids.dtype}")
-        bad = (ids < 0) | (ids >= size)
-        if bad.any():
-            raise InputError(f"{name} holds {what} ids out of range [0, {size}): "
-                             f"{ids[bad][:5].tolist()}")
-    coo = sp.coo_matrix((np.array(data, dtype=np.float32), (rows.astype(np.int64),
-                                                             cols.astype(np.int64))),
-                        shape=(m, n))
-    csr = coo.tocsr()  # new arrays, duplicates summed, column ids sorted
+        _check_ids(rows, m, name, "row (query)")
+        _check_ids(cols, n, name, "column (document)")
+        csr = sp.coo_matrix((np.array(data, dtype=np.float32), (_int_copy(rows),
+                                                                 _int_copy(cols))),
+                            shape=(m, n)).tocsr()  # new arrays
+    csr.sum_duplicates()  # sorts the column ids too
     csr.eliminate_zeros()
     if y.dtype == bool:  # a bool matrix's duplicates are one True (as scipy reads it)
         csr.data[:] = 1.0
     return _finite(csr, name)
+
+
+def _check_ids(ids: np.ndarray, size: int, name: str, what: str) -> None:
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"{name}: {what} ids must be integers, got {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
+        bad = ids[(ids < 0) | (ids >= size)]
+        raise InputError(f"{name} holds {what} ids out of range [0, {size}): "
+                         f"{bad[:5].tolist()}")
+
+
+def _int_copy(ids: np.ndarray) -> np.ndarray:
+    """A copy of an index array, as signed integers (scipy's index dtypes)."""
+    return np.array(ids, dtype=ids.dtype if ids.dtype.kind == "i" else np.int64)
 
 
 def _real(y: Any, name: str) -> Any:
