@@ -314,6 +314,8 @@ class _Model:
                params: Params | dict | list | tuple | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device.
+        ``topk`` beyond the documents is padded, up to max(n_docs, 10,000); more is an
+        InputError (``pefa_gpu.arrays.check_topk``).
 
         ``params``: search settings for this call only (the defaults, :attr:`search_params`
         and :attr:`index_search_params`, stay as they are): a dict of the model's keys (PEFA-XL
