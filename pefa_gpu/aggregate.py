@@ -15,10 +15,9 @@ from .stream import array_source, row_source
 
 
 def normalize_rows(x: torch.Tensor) -> torch.Tensor:
-    """Π(x) = x / ‖x‖ row-wise, with Π(0) = 0. (rows, d) float -> same shape, float32."""
-    x = x.float()
-    norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-    return torch.where(norms > 0, x / norms.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    """Π(x) = x / ‖x‖ row-wise, with Π(0) = 0. (rows, d) float -> same shape, float32 (a new
+    tensor). Safe at any magnitude float32 holds (see :func:`normalize_rows_`)."""
+    return normalize_rows_(x.float().clone(memory_format=torch.contiguous_format))
 
 
 def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,

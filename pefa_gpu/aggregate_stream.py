@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Any, Iterator
 
 import numpy as np
@@ -95,10 +96,28 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     return a
 
 
+_NORM_BLOCK = 1 << 14  # rows per step of normalize_rows_ (its temporaries: one such block)
+
+
 def normalize_rows_(a: torch.Tensor) -> torch.Tensor:
-    """In-place Π on a (rows, d) float32 tensor (same values as ``normalize_rows``, Π(0) = 0)."""
-    norms = torch.linalg.vector_norm(a, dim=1, keepdim=True)
-    return a.div_(norms.clamp_min_(torch.finfo(torch.float32).tiny))
+    """In-place Π on a (rows, d) float32 tensor: a_i / ‖a_i‖, Π(0) = 0. Each row is first
+    divided by its largest |entry|, so that the sum of squares neither overflows (entries up
+    to float32's maximum) nor underflows (subnormal rows); rows holding inf or NaN come out
+    NaN, with a warning naming them (on the CPU)."""
+    for s in range(0, a.shape[0], _NORM_BLOCK):
+        b = a[s:s + _NORM_BLOCK]
+        top = b.abs().amax(dim=1, keepdim=True) if b.shape[1] else b[:, :1]
+        b.div_(torch.where(top > 0, top, 1.0))
+        norms = torch.linalg.vector_norm(b, dim=1, keepdim=True)
+        b.div_(torch.where(norms > 0, norms, 1.0))
+        bad = ~torch.isfinite(norms)
+        b.masked_fill_(bad, float("nan"))
+        if not a.is_cuda and bool(bad.any()):  # (on CUDA the test would synchronise)
+            rows = (bad.squeeze(1).nonzero().squeeze(1) + s)[:10].tolist()
+            warnings.warn(f"normalising rows {rows}... (of {a.shape[0]}): they hold inf or NaN "
+                          f"(a float32 overflow of their sums?), so their direction is lost: "
+                          f"NaN rows", RuntimeWarning, stacklevel=2)
+    return a
 
 
 def _check_budget(budget: Any) -> int:

@@ -235,6 +235,22 @@ def check_positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
+MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the documents it holds
+
+
+def check_topk(k: Any, n: int, name: str = "topk") -> int:
+    """``k`` as an int > 0 that a search over ``n`` rows can return: at most max(n,
+    MAX_PADDED_TOPK), the ranks beyond the n rows being -1 / -inf padding; else InputError
+    (before anything of size k is allocated)."""
+    k = check_positive_int(k, name)
+    if k > max(int(n), MAX_PADDED_TOPK):
+        raise InputError(f"{name}={k} but there are only {n} documents to rank: ask for at most "
+                         f"{max(int(n), MAX_PADDED_TOPK)} ({MAX_PADDED_TOPK} or the number of "
+                         f"documents, whichever is larger; ranks beyond the documents are -1 "
+                         f"padded)")
+    return k
+
+
 def csr_tensors(csr: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A scipy CSR matrix -> (indptr int64, indices int64, data float32) tensors on ``device``."""
     dev = resolve_device(device)

@@ -30,7 +30,7 @@ import torch
 
 from . import export, nudge, persist, training, updates
 from .aggregate import normalize_rows, pifa
-from .arrays import as_embeddings, as_tensor, check_positive_int, resolve_device, to_numpy
+from .arrays import as_embeddings, as_tensor, check_topk, resolve_device, to_numpy
 from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, candidate_table, ops
 from .index import Index, backend_class, make_index
@@ -316,6 +316,8 @@ class _Model:
                params: Params | dict | list | tuple | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device.
+        ``topk`` beyond the documents is padded, up to max(n_docs, 10,000); more is an
+        InputError (``pefa_gpu.arrays.check_topk``).
 
         ``params``: search settings for this call only (the defaults, :attr:`search_params`
         and :attr:`index_search_params`, stay as they are): a dict of the model's keys (PEFA-XL
@@ -334,7 +336,7 @@ class _Model:
         synchronise (candidate sets of data-dependent size), a few times per batch; its
         :meth:`score` does not.
         """
-        topk = check_positive_int(topk, "topk")
+        topk = check_topk(topk, self.n_docs)
         model_sp, index_sp = (self.search_params, None) if params is None else \
             self._split_search_params(params)
         if check is None:  # reading the values would synchronise a CUDA device: not there
@@ -832,7 +834,7 @@ class PEFAXL(_Model):
         (``knn`` with max(ks) neighbours): per batch the candidate table is built once, the
         kNN scores once per k and only the mix and top-k per (lam, k) (see pefa_gpu.fuse).
         Returns {(lam, k): ((B, topk) float32 scores, int64 ids)} on q's device."""
-        topk = check_positive_int(topk, "topk")
+        topk = check_topk(topk, self.n_docs)
         self.check_fitted()
         if knn[1].shape[1] < min(max(ks), self._neighbour_rows):
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")

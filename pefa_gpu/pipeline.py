@@ -57,7 +57,7 @@ import scipy.sparse as sp
 import torch
 
 from .aggregate import normalize_rows, pifa
-from .arrays import as_embeddings, as_tensor, check_positive_int, to_numpy
+from .arrays import as_embeddings, as_tensor, check_positive_int, check_topk, to_numpy
 from .errors import FormatError, InputError
 from .relevance import as_relevance
 from .storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
@@ -710,7 +710,7 @@ def _merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None],
            k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of several shards' (B, *) results (global ids), ties to the lower id."""
     parts = [p for p in parts if p is not None]
-    if len(parts) == 1:
+    if len(parts) == 1 and parts[0][1].shape[1] >= k:
         return parts[0][0][:, :k], parts[0][1][:, :k]
     return merge_topk(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), k)
 
@@ -756,15 +756,17 @@ class ShardServer:
         parts = []
         for lo, _, model, rows in self.docs:
             qq = q.to(model.device)
-            parts.append(_offset(model.index.search(qq, k, params) if rows is not None
-                                 else model.search(qq, k, params=params), lo))
+            kk = min(k, model.index.ntotal)  # _merge pads to k
+            parts.append(_offset(model.index.search(qq, kk, params) if rows is not None
+                                 else model.search(qq, kk, params=params), lo))
         return _merge(parts, k)
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None):
         """Top-k training queries over this server's query shards (global rows)."""
         if not self.queries:
             return None
-        return _merge([_offset(model.search(q.to(model.device), k, params=params), lo)
+        return _merge([_offset(model.search(q.to(model.device), min(k, model.n_docs),
+                                            params=params), lo)
                        for lo, model in self.queries], k)
 
     def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
@@ -785,8 +787,8 @@ class ShardServer:
             e_local = _compact(erm[0].to(dev), torch.where(mine, e_ids - lo, -1))
             k_local = _compact(knn[0].to(dev), self._local_rows(knn[1].to(dev), m, lo, hi,
                                                                   rows, model))
-            parts.append(_offset(model.fuse(q.to(dev), e_local, k_local, topk, lam=lam, k=k),
-                                 lo))
+            parts.append(_offset(model.fuse(q.to(dev), e_local, k_local, min(topk, model.n_docs),
+                                            lam=lam, k=k), lo))
         return _merge(parts, topk)
 
     @staticmethod
@@ -832,13 +834,20 @@ def search_batch(fan: Any, info: dict[str, Any], q: torch.Tensor, topk: int,
     p = info["params"]
     lam = p["lam"] if lam is None else lam
     k = p["k"] if k is None else k
-    kp = info["candidates"] if candidates is None else candidates
-    width = max(kp, k) if p["augment_docs"] else kp
-    erm_parts, knn_parts = fan.call(("erm", (q, width, params)), ("knn", (q, k, params)))
+    n, m = _n_docs(info), int(info["m"])
+    kp = min(info["candidates"] if candidates is None else candidates, n)
+    kn = min(k, m + n if p["augment_docs"] else m)  # the neighbours there are (fused with k)
+    width = max(kp, kn) if p["augment_docs"] else kp
+    erm_parts, knn_parts = fan.call(("erm", (q, width, params)), ("knn", (q, min(kn, m), params)))
     erm = _merge(erm_parts, width)
-    knn = neighbours(_merge(knn_parts, k), erm, info["m"], k, p["augment_docs"])
+    knn = neighbours(_merge(knn_parts, min(kn, m)), erm, m, kn, p["augment_docs"])
     (parts,) = fan.call(("fuse", (q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk, lam, k)))
     return _merge(parts, topk)
+
+
+def _n_docs(info: dict[str, Any]) -> int:
+    """The documents a build stage holds (its document shards' rows)."""
+    return sum(int(e["rows"][1]) - int(e["rows"][0]) for e in info["shards"])
 
 
 def server_groups(info: dict[str, Any], workers: int) -> list[tuple[list[int], list[int]]]:
@@ -868,9 +877,9 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     backend's search settings for every shard's index (e.g. ``{"ef_search": 500}``)."""
     from tqdm.auto import tqdm
 
-    topk = check_positive_int(topk, "topk")
     batch_size = check_positive_int(batch_size, "batch_size")
     info = read_stage(build, "build")
+    topk = check_topk(topk, _n_docs(info))
     if lam is not None:
         from .params import check_unit_interval
         check_unit_interval(lam, "lam")

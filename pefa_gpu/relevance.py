@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
+import torch
 
 from .errors import InputError
 
@@ -16,17 +17,13 @@ class Relevance:
     """A (m queries x n documents) sparse relevance matrix, stored as float32 CSR.
 
     Build it from index pairs with :meth:`from_pairs`, or wrap any scipy sparse matrix with
-    :func:`as_relevance`. Entries are the weights ``Y[i, j]``; explicit zeros are dropped.
+    :func:`as_relevance`. Entries are the weights ``Y[i, j]``; explicit zeros are dropped,
+    duplicates summed. The matrix is copied (the caller's arrays are never written) and its
+    index arrays checked first: ids out of range are an InputError, complex weights a TypeError.
     """
 
-    def __init__(self, csr: sp.csr_matrix):
-        csr = sp.csr_matrix(csr, dtype=np.float32)
-        csr.sum_duplicates()
-        csr.eliminate_zeros()
-        csr.sort_indices()
-        if csr.nnz and not np.isfinite(csr.data).all():
-            raise InputError("relevance matrix contains NaN or inf weights")
-        self.csr = csr
+    def __init__(self, csr: Any, name: str = "Y"):
+        self.csr = _own_csr(csr, name)
 
     @classmethod
     def from_pairs(cls, query_ids: Any, doc_ids: Any, weights: Any = None,
@@ -42,6 +39,9 @@ class Relevance:
             raise InputError(f"query_ids has {qi.size} entries but doc_ids has {di.size}")
         if shape is None:
             shape = (_inferred_size(qi, "query_ids"), _inferred_size(di, "doc_ids"))
+        if len(shape) != 2 or any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
+                                  for s in shape):
+            raise InputError(f"shape must be two integers (queries, documents), got {shape!r}")
         m, n = int(shape[0]), int(shape[1])
         if m < 0 or n < 0 or m > MAX_ROWS:
             raise InputError(f"shape={tuple(shape)} is not a usable (queries, documents) shape "
@@ -59,7 +59,7 @@ class Relevance:
             coo.sum_duplicates()
             coo.data[:] = 1.0
             return cls(coo)
-        w = np.asarray(weights, dtype=np.float32).ravel()
+        w = np.asarray(_real(np.asarray(weights), "weights"), dtype=np.float32).ravel()
         if w.shape != qi.shape:
             raise InputError(f"weights has {w.size} entries but there are {qi.size} pairs")
         return cls(sp.coo_matrix((w, (qi, di)), shape=(m, n)).tocsr())
@@ -76,8 +76,17 @@ class Relevance:
         return f"Relevance(shape={self.shape}, nnz={self.nnz})"
 
     def rows(self, index: Any) -> "Relevance":
-        """The sub-matrix of the given query rows."""
-        return Relevance(self.csr[np.asarray(index)])
+        """The sub-matrix of the given query rows (0-based positions, or a boolean mask)."""
+        m = self.shape[0]
+        idx = np.asarray(index)
+        if idx.dtype == bool and idx.shape == (m,):
+            idx = np.flatnonzero(idx)
+        if idx.size and idx.dtype.kind not in "iu":
+            raise InputError(f"rows takes integer row positions, got dtype {idx.dtype}")
+        bad = idx[(idx < 0) | (idx >= m)] if idx.size else idx
+        if bad.size:
+            raise InputError(f"rows {bad[:5].tolist()} out of range: Y has {m} rows (queries)")
+        return Relevance(self.csr[idx.astype(np.int64)])
 
     def transpose(self) -> sp.csr_matrix:
         """Yᵀ as (n x m) float32 CSR."""
@@ -92,18 +101,11 @@ def as_relevance(y: Any, shape: tuple[int | None, int | None] = (None, None),
     """
     if isinstance(y, Relevance):
         rel = y
-    elif sp.issparse(y):
-        if y.ndim != 2:
-            raise InputError(f"{name} must be 2-D, got shape {y.shape}")
-        rel = Relevance(y)
-    elif isinstance(y, np.ndarray) and y.ndim == 2:
-        if y.dtype.kind not in "biuf":
-            raise InputError(f"{name} has dtype {y.dtype}; a dense Y must hold numbers (0/1 or "
-                             f"weights)")
-        rel = Relevance(sp.csr_matrix(y))
+    elif sp.issparse(y) or (isinstance(y, (np.ndarray, torch.Tensor)) and y.ndim == 2):
+        rel = Relevance(y, name)
     else:
         raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a 2-D "
-                         f"numpy array, got {type(y).__name__}")
+                         f"numpy array or torch tensor, got {type(y).__name__}")
     m, n = rel.shape
     if shape[0] is not None and m != shape[0]:
         raise InputError(f"{name} has {m} rows (queries) but there are {shape[0]} query "
@@ -115,6 +117,92 @@ def as_relevance(y: Any, shape: tuple[int | None, int | None] = (None, None),
         raise InputError(f"{name} has no nonzero entries: PEFA needs at least one (query, "
                          f"document) pair")
     return rel
+
+
+def _own_csr(y: Any, name: str) -> sp.csr_matrix:
+    """A new float32 CSR matrix from a scipy sparse matrix or a dense 2-D numpy array / torch
+    tensor: duplicates summed, explicit zeros dropped, column ids sorted. Its buffers are its
+    own (the caller's are only read), and the index arrays are checked (one vectorised pass)
+    before scipy's native code sees them."""
+    if not sp.issparse(y):
+        if isinstance(y, torch.Tensor):
+            y = y.detach().cpu().numpy() if y.layout == torch.strided else y
+        if not isinstance(y, np.ndarray) or y.ndim != 2:
+            raise InputError(f"{name} must be a 2-D matrix, got {type(y).__name__} of shape "
+                             f"{getattr(y, 'shape', '?')}")
+        _real(y, name)
+        return _finite(sp.csr_matrix(y, dtype=np.float32), name)  # csr_matrix(dense) copies
+    if y.ndim != 2:
+        raise InputError(f"{name} must be 2-D, got shape {y.shape}")
+    _real(y, name)
+    m, n = (int(s) for s in y.shape)
+    if y.format in ("csr", "csc"):
+        major, minor = (m, n) if y.format == "csr" else (n, m)
+        indptr, indices = np.asarray(y.indptr), np.asarray(y.indices)
+        if indptr.ndim != 1 or indptr.shape[0] != major + 1 or indptr.dtype.kind not in "iu":
+            raise InputError(f"{name} ({y.format}): indptr must be {major + 1} integers, got "
+                             f"{indptr.dtype} shape {indptr.shape}")
+        nnz = int(indptr[-1])
+        if int(indptr[0]) != 0 or np.any(indptr[1:] < indptr[:-1]) \
+                or nnz > min(indices.shape[0], y.data.shape[0]):
+            raise InputError(f"{name} ({y.format}): indptr must rise from 0 to at most the "
+                             f"{indices.shape[0]} stored entries, got {indptr[:5].tolist()}...")
+        _check_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
+                   else "row (query)")
+        cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
+        csr = cls((np.array(y.data[:nnz], dtype=np.float32), _int_copy(indices[:nnz]),
+                   _int_copy(indptr)), shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
+    else:
+        try:
+            coo = y if y.format == "coo" else y.tocoo()
+        except (ValueError, IndexError) as exc:
+            raise InputError(f"{name} ({y.format}) is malformed: {exc}") from None
+        rows, cols, data = np.asarray(coo.row), np.asarray(coo.col), coo.data
+        if not rows.shape == cols.shape == data.shape:
+            raise InputError(f"{name} (coo): row, col and data must have one length each, got "
+                             f"{rows.shape}, {cols.shape}, {data.shape}")
+        _check_ids(rows, m, name, "row (query)")
+        _check_ids(cols, n, name, "column (document)")
+        csr = sp.coo_matrix((np.array(data, dtype=np.float32), (_int_copy(rows),
+                                                                 _int_copy(cols))),
+                            shape=(m, n)).tocsr()  # new arrays
+    csr.sum_duplicates()  # sorts the column ids too
+    csr.eliminate_zeros()
+    if y.dtype == bool:  # a bool matrix's duplicates are one True (as scipy reads it)
+        csr.data[:] = 1.0
+    return _finite(csr, name)
+
+
+def _check_ids(ids: np.ndarray, size: int, name: str, what: str) -> None:
+    if ids.dtype.kind not in "iu":
+        raise InputError(f"{name}: {what} ids must be integers, got {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
+        bad = ids[(ids < 0) | (ids >= size)]
+        raise InputError(f"{name} holds {what} ids out of range [0, {size}): "
+                         f"{bad[:5].tolist()}")
+
+
+def _int_copy(ids: np.ndarray) -> np.ndarray:
+    """A copy of an index array, as signed integers (scipy's index dtypes)."""
+    return np.array(ids, dtype=ids.dtype if ids.dtype.kind == "i" else np.int64)
+
+
+def _real(y: Any, name: str) -> Any:
+    """``y`` (anything with a numpy dtype) if it holds bools, integers or floats; complex is a
+    TypeError (its imaginary part would be dropped), anything else an InputError."""
+    kind = np.dtype(y.dtype).kind
+    if kind not in "biuf":
+        err = TypeError if kind == "c" else InputError
+        raise err(f"{name} has dtype {y.dtype}; relevance weights must be real numbers (bool, "
+                  f"integer or float)")
+    return y
+
+
+def _finite(csr: sp.csr_matrix, name: str) -> sp.csr_matrix:
+    if csr.nnz and not np.isfinite(csr.data).all():
+        raise InputError(f"{name} contains NaN or inf weights (or weights beyond float32's "
+                         f"range, ±3.4e38)")
+    return csr
 
 
 def _inferred_size(ids: np.ndarray, name: str) -> int:

@@ -26,9 +26,9 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import as_embeddings, as_tensor, check_positive_int
+from .arrays import as_embeddings, as_tensor, check_positive_int, check_topk
 from .errors import InputError
-from .relevance import Relevance
+from .relevance import Relevance, as_relevance
 
 
 def _check_default(x: Any, check: bool | None) -> bool:
@@ -87,16 +87,25 @@ def score(model: Any, queries: Any, ids: Any, check: bool | None = None) -> torc
                                                  device=out.device))
 
 
-def as_positive_ids(positives: Any, batch: int, device: torch.device) -> torch.Tensor:
+def as_positive_ids(positives: Any, batch: int, device: torch.device,
+                    n_docs: int | None = None) -> torch.Tensor:
     """Positives as a (B, P) int64 tensor on ``device``, -1 padded (P >= 1).
 
     Accepts a Relevance / scipy sparse matrix (B x n_docs: the nonzero columns of each row), a
-    list of lists of document ids, or a (B, P) integer array / tensor with -1 padding.
+    list of lists of document ids, or a (B, P) integer array / tensor with -1 padding. With
+    ``n_docs``, ids outside [-1, n_docs) are an InputError.
     """
+    out = _positive_ids(positives, batch, device)
+    if n_docs is not None and out.numel() and (int(out.min()) < -1 or int(out.max()) >= n_docs):
+        bad = out[(out < -1) | (out >= n_docs)][:5].tolist()
+        raise InputError(f"positives hold document ids out of range [0, {n_docs}) (-1 is "
+                         f"padding): {bad}")
+    return out
+
+
+def _positive_ids(positives: Any, batch: int, device: torch.device) -> torch.Tensor:
     if isinstance(positives, Relevance) or sp.issparse(positives):
-        csr = (positives.csr if isinstance(positives, Relevance) else sp.csr_matrix(positives))
-        csr = csr.copy()
-        csr.eliminate_zeros()
+        csr = as_relevance(positives, name="positives", allow_empty=True).csr
         rows = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
     elif isinstance(positives, (list, tuple)) and all(
             isinstance(r, (list, tuple, np.ndarray)) for r in positives):
@@ -126,20 +135,24 @@ def mine_negatives(model: Any, queries: Any, positives: Any, n: int = 8, skip_to
 
     queries (B, d) (may require grad: it is detached); positives as in
     :func:`as_positive_ids`. Ranks by ``model.search``, drops the positives, skips the first
-    ``skip_top`` remaining documents (likely false negatives), keeps the next ``n``. Returns
-    (B, n) int64 document ids on the model's device, best first, -1 where there are not enough.
-    A positive is never returned. On CUDA it synchronises only where ``model.search`` does (ERM
-    and XS on the exact backend: once per batch of ``batch_size`` queries when the search depth
-    + 8 < n, see :mod:`pefa_gpu.index.exact`).
+    ``skip_top`` remaining documents (likely false negatives; more than the documents counts as
+    all of them), keeps the next ``n`` (at most max(n_docs, MAX_PADDED_TOPK), as a search's
+    topk). Returns (B, n) int64 document ids on the model's device, best first, -1 where there
+    are not enough. Positive ids outside [0, n_docs) are an InputError. A positive is never
+    returned. On CUDA it synchronises only where ``model.search`` does (ERM and XS on the exact
+    backend: once per batch of ``batch_size`` queries when the search depth + 8 < n, see
+    :mod:`pefa_gpu.index.exact`).
     """
-    n = check_positive_int(n, "n")
     if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
         raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
     batch_size = check_positive_int(batch_size, "batch_size")
     chk = _check_default(queries, check)
     q = model.as_queries(queries, check=chk)
-    pos = as_positive_ids(positives, q.shape[0], model.device)
-    depth = n + int(skip_top) + pos.shape[1]  # enough that n non-positives survive if they exist
+    n = check_topk(n, model.n_docs, "n")
+    skip_top = min(int(skip_top), model.n_docs)
+    pos = as_positive_ids(positives, q.shape[0], model.device, model.n_docs if chk else None)
+    # enough that n non-positives survive if they exist; never more than every document
+    depth = min(n + skip_top + pos.shape[1], model.n_docs)
     out = []
     for s in range(0, q.shape[0], batch_size):
         _, ids = model.search(q[s:s + batch_size], topk=depth, check=False)

@@ -75,5 +75,5 @@ def test_huge_ids_without_a_shape_are_a_clear_error():
 
 @pytest.mark.parametrize("dense", [np.array([[1, None]], dtype=object), np.array([["a", "b"]])])
 def test_dense_y_of_objects_or_strings_is_a_clear_error(dense):
-    with pytest.raises(ValueError, match=f"Y has dtype {dense.dtype}; a dense Y must hold"):
+    with pytest.raises(ValueError, match=f"Y has dtype {dense.dtype}; relevance weights must"):
         pg.as_relevance(dense)

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Iterator
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int, cuda_index, to_numpy
+from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
@@ -210,7 +210,7 @@ class FaissBackend(Index):
         """(B, d) queries -> (B, k) float32 similarities, int64 ids (-1 / -inf padded).
         ``params``: this call's search settings (None: ``search_params``)."""
         sp = self.resolve_search_params(params)
-        k = check_positive_int(k, "k")
+        k = check_topk(k, self.ntotal, "k")
         if self.on_gpu:  # faiss reads the tensor where it is: no host copy, values not read
             q = as_tensor(queries, device=self.device, dtype=torch.float32,
                           name="queries").detach()
@@ -234,7 +234,7 @@ class FaissBackend(Index):
         hand-off). ``check_finite=False``: the caller has already tested the queries for NaN /
         inf."""
         sp = self.resolve_search_params(params)
-        k = check_positive_int(k, "k")
+        k = check_topk(k, self.ntotal, "k")
         q = host_float32(queries, "queries", check_finite=check_finite)
         if self.ntotal and q.shape[1] != self.dim:
             raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")

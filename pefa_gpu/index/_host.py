@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int
+from ..arrays import as_tensor, check_topk
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..storage import strict_json
@@ -79,7 +79,7 @@ class HostBackend(Index):
                     params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`search` with numpy results (no torch hand-off: small CPU batches).
         ``check_finite=False``: the caller has tested the queries for NaN / inf already."""
-        k = check_positive_int(k, "k")
+        k = check_topk(k, self.ntotal, "k")
         sp = self.resolve_search_params(params)
         q = host_float32(queries, "queries", check_finite=check_finite)
         if self.ntotal and q.shape[1] != self.dim:

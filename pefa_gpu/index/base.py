@@ -98,7 +98,8 @@ class Index(abc.ABC):
     @abc.abstractmethod
     def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, k) float32 scores, (B, k) int64 ids, on ``self.device``.
+        """(B, d) queries -> (B, k) float32 scores, (B, k) int64 ids, on ``self.device``,
+        -1 / -inf padded; k at most max(ntotal, 10,000) (``arrays.check_topk``).
         ``params``: search settings for this call (see :meth:`resolve_search_params`)."""
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:

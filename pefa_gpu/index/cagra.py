@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int, cuda_index, to_numpy
+from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params, check_positive
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
@@ -258,7 +258,7 @@ class CagraIndex(Index):
         """(B, d) queries -> (B, k) float32 scores, int64 ids; ``params``: this call's search
         settings (None: ``search_params``)."""
         sp = self.resolve_search_params(params)
-        k = check_positive_int(k, "k")
+        k = check_topk(k, self.ntotal, "k")
         q = as_tensor(queries, device=self.device, dtype=torch.float32,
                       name="queries").detach()  # (cuVS reads no tensor that needs grad)
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):

@@ -46,7 +46,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_positive_int, host_empty, resolve_dtype, to_numpy
+from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
@@ -165,7 +165,7 @@ class ExactIndex(Index):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``params``: exact search has no search settings (only ``{}`` or None)."""
         self.resolve_search_params(params)
-        k = check_positive_int(k, "k")
+        k = check_topk(k, self.ntotal, "k")
         q = as_tensor(queries, device=self.device, name="queries").detach()
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")

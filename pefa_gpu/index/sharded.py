@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..arrays import as_tensor, check_positive_int, resolve_device
+from ..arrays import as_tensor, check_topk, resolve_device
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..topk import merge_topk
@@ -127,7 +127,7 @@ class ShardedIndex(Index):
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``params``: the shard backend's search settings for this call."""
         sp = self.resolve_search_params(params)
-        k = check_positive_int(k, "k")
+        k = check_topk(k, self.ntotal, "k")
         q = as_tensor(queries, name="queries").detach()
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
@@ -138,7 +138,7 @@ class ShardedIndex(Index):
         for shard, off in zip(self.shards, self.offsets):
             if shard.ntotal == 0:
                 continue
-            s, i = shard.search(q.to(shard.device, non_blocking=True), k, sp)
+            s, i = shard.search(q.to(shard.device, non_blocking=True), min(k, shard.ntotal), sp)
             vals.append(s)
             ids.append(torch.where(i >= 0, i + off, i))
         b = q.shape[0]
@@ -147,7 +147,7 @@ class ShardedIndex(Index):
                     torch.full((b, k), -1, dtype=torch.long, device=self.device))
         vals = [v.to(self.device, torch.float32) for v in vals]
         ids = [i.to(self.device) for i in ids]
-        if len(vals) == 1:
+        if len(vals) == 1 and vals[0].shape[1] == k:
             return vals[0], ids[0]
         return merge_topk(torch.cat(vals, 1), torch.cat(ids, 1), k)
 
