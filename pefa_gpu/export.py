@@ -227,19 +227,11 @@ def index_vectors(index: Any) -> torch.Tensor:
     return stored()
 
 
-def export_model(model: Any, path: str | Path, **kwargs: Any) -> Path:
-    """ERM / PEFAXS: one file at ``path`` (for XS: over the E embeddings). PEFAXL: ``path`` is
-    a new directory with ``passages.faiss``, ``queries.faiss`` (the m training queries),
-    ``relevance.npz`` (scipy CSR, rows x documents: the m training queries, then with
-    augment_docs one identity row per document, whose neighbours come from ``passages.faiss``:
-    document j is row m + j) and ``export.json`` describing them. A model's ``hnsw`` indices
-    are written as they are (see :func:`export_hnsw`).
-
-    What is written is the model's ``_exported()``: (vectors, index) for one file, or a dict of
-    file names to (vectors, index), scipy sparse matrices or JSON tables for a directory."""
-    model.check_fitted()
-    kwargs.setdefault("device", model.device)
-    parts = model._exported()
+def export_parts(parts: tuple[Any, Any] | dict[str, Any], path: str | Path,
+                 **kwargs: Any) -> Path:
+    """Write a model's export (its ``_exported()``; see ``model.export_hnsw``): ``parts`` =
+    (vectors, index) writes one file at ``path`` (:func:`export_hnsw`); a dict of file names
+    to (vectors, index), scipy sparse matrices or JSON tables writes a new directory."""
     if isinstance(parts, tuple):
         return export_hnsw(parts[0], path, index=parts[1], **kwargs)
     import scipy.sparse as sp  # noqa: PLC0415

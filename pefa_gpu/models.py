@@ -377,24 +377,65 @@ class _Model:
         return self.index.search(q, topk, index_sp)
 
     def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
-        """(B, d) queries (may require grad), (B, K) int64 ids (-1 = padding) -> (B, K) PEFA
-        scores, differentiable w.r.t. the queries, -inf at padding. See pefa_gpu.training."""
-        return training.score(self, queries, ids, check=check)
+        """PEFA scores of the documents ``ids`` for ``queries``, differentiable w.r.t. queries.
+
+        queries (B, d) float32 or float64 (kept: float64 in, float64 out), may require grad;
+        ids (B, K) int64 document ids, -1 = padding. Returns (B, K) in the queries' dtype on the
+        model's device, ``-inf`` where the id is -1. The value is the model's formula for every
+        id (DESIGN §1, see pefa_gpu.training); for ids that ``search`` returns it equals the
+        search score up to rounding. ``check`` (default: unless the data is already on CUDA)
+        validates NaN / id ranges, which synchronises. No step here synchronises on CUDA
+        otherwise."""
+        self.check_fitted()
+        chk = training.check_default(queries, check)
+        dtype = torch.float64 if (isinstance(queries, torch.Tensor)
+                                  and queries.dtype == torch.float64) else torch.float32
+        q = as_embeddings(queries, self.device, "queries", dim=self.dim, dtype=dtype,
+                          check_norm=False, check_finite=chk)
+        i = training.as_ids(ids, q.shape[0], self.n_docs, self.device, chk)
+        if q.shape[0] == 0:
+            return torch.empty(i.shape, dtype=q.dtype, device=q.device)
+        out = self._score(q, i.clamp_min(0))
+        return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
+                                                     device=out.device))
+
+    def _new_rows(self, X: Any, name: str) -> torch.Tensor:
+        self.check_fitted()
+        return as_embeddings(X, self.device, name, dim=self.dim, copy=True).detach()
 
     def add_documents(self, P_new: Any) -> "_Model":
-        """Append (r, d) documents (ids n .. n+r-1) without a refit. See pefa_gpu.updates."""
-        return updates.add_documents(self, P_new)
+        """Append (r, d) documents without a refit; their ids continue after the existing
+        ones (n .. n+r-1). Returns the model. See pefa_gpu.updates."""
+        p = self._new_rows(P_new, "P_new")
+        if p.shape[0]:
+            self._append_documents(p)
+            self.n_docs += p.shape[0]
+        return self
 
     def add_pairs(self, Q_new: Any, Y_new: Any) -> "_Model":
-        """PEFAXS / PEFAXL: add training queries (m', d) with relevance (m' x n) without a
-        refit; equal to refitting on all the data. See pefa_gpu.updates."""
-        return updates.add_pairs(self, Q_new, Y_new)
+        """PEFAXS / PEFAXL / NUDGE: add training queries Q_new (m', d) with relevance Y_new
+        (m' x n) over the current documents (add new documents first) without a refit; equal
+        to refitting on all the data. Returns the model. See pefa_gpu.updates."""
+        q = self._new_rows(Q_new, "Q_new")
+        rel = as_relevance(Y_new, shape=(q.shape[0], self.n_docs), name="Y_new",
+                           allow_empty=True)
+        if q.shape[0]:
+            self._append_pairs(q, rel)
+        return self
 
     def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path:
-        """Write a faiss HNSW index that a CPU-only machine opens with ``faiss.read_index``;
-        PEFAXL writes a directory with both indices. See :func:`pefa_gpu.export.export_model`
-        (kwargs: M, method, ef_search, ...)."""
-        return export.export_model(self, path, **kwargs)
+        """Write a faiss HNSW index that a CPU-only machine opens with ``faiss.read_index``
+        (kwargs: M, method, ef_search, ...: see :func:`pefa_gpu.export.export_hnsw`).
+
+        ERM / PEFAXS / NUDGE: one file at ``path`` (XS, NUDGE: over the adapted embeddings).
+        PEFAXL: ``path`` is a new directory with ``passages.faiss``, ``queries.faiss`` (the m
+        training queries), ``relevance.npz`` (scipy CSR, rows x documents: the m training
+        queries, then with augment_docs one identity row per document, whose neighbours come
+        from ``passages.faiss``: document j is row m + j) and ``export.json`` describing them.
+        A model's ``hnsw`` indices are written as they are."""
+        self.check_fitted()
+        kwargs.setdefault("device", self.device)
+        return export.export_parts(self._exported(), path, **kwargs)
 
     def save(self, directory: str | Path) -> None:
         """Write the fitted model into ``directory`` atomically (replacing an earlier save
@@ -406,7 +447,7 @@ class _Model:
         """Like :func:`pefa_gpu.load`, but the save must hold this class (else FormatError)."""
         return persist.load_model(directory, device=device, mmap=mmap, expect=cls)
 
-    # -- hooks: what each model does its own way (training, updates, export, persist call them)
+    # -- hooks: what each model does its own way
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The model's score of documents ``ids`` (B, K) (valid ids) for ``q`` (B, d),
@@ -423,9 +464,9 @@ class _Model:
         raise InputError(f"add_pairs() needs a PEFAXS, PEFAXL or NUDGE model, got "
                          f"{type(self).__name__} (ERM has no training pairs)")
 
-    def _exported(self) -> Any:
-        """What :func:`pefa_gpu.export.export_model` writes: (vectors, index) for one file, or
-        a dict of file names to (vectors, index), scipy matrices or JSON tables."""
+    def _exported(self) -> tuple[torch.Tensor, Index] | dict[str, Any]:
+        """What :meth:`export_hnsw` writes: (vectors, index) for one file, or a dict of file
+        names to (vectors, index), scipy matrices or JSON tables."""
         return export.index_vectors(self.index), self.index
 
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
@@ -481,7 +522,7 @@ class _AdaptedDocuments(_Model):
                      "%d changed ones", self.backend, self.n_docs, touched.numel())
             self.index = self.new_index().build(self._adapted_all())
 
-    def _exported(self) -> Any:
+    def _exported(self) -> tuple[torch.Tensor, Index] | dict[str, Any]:
         return self._adapted_all(), self.index
 
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
@@ -908,7 +949,7 @@ class PEFAXL(_Model):
         self.query_index.add(q)
         self._set_relevance(y_train)
 
-    def _exported(self) -> Any:
+    def _exported(self) -> tuple[torch.Tensor, Index] | dict[str, Any]:
         return {"passages.faiss": (self.doc_embeddings, self.index),
                 "queries.faiss": (export.index_vectors(self.query_index), self.query_index),
                 "relevance.npz": self.relevance.csr,

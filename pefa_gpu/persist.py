@@ -48,6 +48,7 @@ from ._version import __version__
 from .arrays import resolve_device
 from .errors import FormatError, InputError, MissingDependencyError
 from .index import Index, backend_class, backend_names
+from .protocol import Model
 from .relevance import Relevance
 
 log = logging.getLogger("pefa_gpu")
@@ -60,7 +61,7 @@ def register_model(cls: type) -> None:
     _MODELS.setdefault(cls.__name__, cls)
 
 
-def save_model(model: Any, directory: str | Path) -> None:
+def save_model(model: Model, directory: str | Path) -> None:
     """Write a fitted model to ``directory`` atomically (see :func:`storage.writing_save`: an
     existing save there is replaced only once the new one is complete on disk, and nothing else
     in the folder is touched)."""
@@ -146,7 +147,7 @@ def _state_table(manifest: dict, cls: type, where: Path) -> dict[str, Any]:
     return state
 
 
-def _check_shapes(model: Any, where: Path) -> None:
+def _check_shapes(model: Model, where: Path) -> None:
     """Cross-check the loaded attributes: n_docs and dim against the document arrays, the
     indices and Y, so that a save whose parts disagree fails here, not inside a search."""
     n, d = model.n_docs, model.dim
@@ -165,7 +166,7 @@ def _check_shapes(model: Any, where: Path) -> None:
 
 # ---------------------------------------------------------------------------- one attribute
 
-def _attribute(model: Any, name: str) -> Any:
+def _attribute(model: Model, name: str) -> Any:
     try:
         return getattr(model, name)
     except AttributeError:

@@ -13,9 +13,8 @@ scores ``-inf`` (no gradient flows there; softmax gives it weight 0). PEFA-XL's 
 the neighbours' vectors back from the query index (``Index.reconstruct``: exact and the faiss
 backends have it). Memory: a (B, K, d) gather of document rows, and (B, k, K) for XL.
 
-What a model gives these helpers: ``check_fitted()``, ``as_queries()``, ``search()``,
-``device``, ``dim``, ``n_docs`` and ``_score(q, ids)``, its own score of valid ids (each model
-class says what it scores).
+``model.score`` checks the queries and ids (:func:`as_ids`) and asks the model's ``_score(q,
+ids)`` for its own formula on the valid ids (each model class says what it scores).
 """
 
 from __future__ import annotations
@@ -28,10 +27,11 @@ import torch
 
 from .arrays import as_embeddings, as_tensor, check_positive_int, check_topk
 from .errors import InputError
+from .protocol import Model
 from .relevance import Relevance, as_relevance
 
 
-def _check_default(x: Any, check: bool | None) -> bool:
+def check_default(x: Any, check: bool | None) -> bool:
     """Value checks (NaN, id range) read the data; on CUDA tensors they would sync, so the
     default is to run them only for data that is not already on a CUDA device."""
     if check is not None:
@@ -39,16 +39,11 @@ def _check_default(x: Any, check: bool | None) -> bool:
     return not (isinstance(x, torch.Tensor) and x.is_cuda)
 
 
-def _score_queries(model: Any, queries: Any, check: bool) -> torch.Tensor:
-    model.check_fitted()
-    dtype = torch.float64 if (isinstance(queries, torch.Tensor)
-                              and queries.dtype == torch.float64) else torch.float32
-    return as_embeddings(queries, model.device, "queries", dim=model.dim, dtype=dtype,
-                         check_norm=False, check_finite=check)
-
-
-def _score_ids(model: Any, ids: Any, batch: int, check: bool) -> torch.Tensor:
-    i = as_tensor(ids, device=model.device, name="ids")
+def as_ids(ids: Any, batch: int, n_docs: int, device: torch.device, check: bool
+           ) -> torch.Tensor:
+    """Document ids to score as a (B, K) int64 tensor on ``device`` (a (B,) array is one
+    column); with ``check``, ids outside [-1, n_docs) are an InputError."""
+    i = as_tensor(ids, device=device, name="ids")
     if i.ndim == 1:
         i = i.unsqueeze(1)
     if i.ndim != 2 or i.shape[0] != batch:
@@ -56,35 +51,15 @@ def _score_ids(model: Any, ids: Any, batch: int, check: bool) -> torch.Tensor:
     if i.is_floating_point():
         raise InputError(f"ids must be integers, got dtype {i.dtype}")
     i = i.long()
-    if check and i.numel() and (int(i.min()) < -1 or int(i.max()) >= model.n_docs):
-        bad = i[(i < -1) | (i >= model.n_docs)][:5].tolist()
-        raise InputError(f"ids out of range [-1, {model.n_docs}): {bad}")
+    if check and i.numel() and (int(i.min()) < -1 or int(i.max()) >= n_docs):
+        bad = i[(i < -1) | (i >= n_docs)][:5].tolist()
+        raise InputError(f"ids out of range [-1, {n_docs}): {bad}")
     return i
 
 
 def inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """(B, d) queries, (B, K, d) rows -> (B, K) inner products in q's dtype."""
     return torch.bmm(rows.to(q.dtype), q.unsqueeze(2)).squeeze(2)
-
-
-def score(model: Any, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
-    """PEFA scores of the documents ``ids`` for ``queries``, differentiable w.r.t. queries.
-
-    queries (B, d) float32 or float64 (kept: float64 in, float64 out), may require grad;
-    ids (B, K) int64 document ids, -1 = padding. Returns (B, K) in the queries' dtype on the
-    model's device, ``-inf`` where the id is -1. The value is the model's formula for every id
-    (DESIGN §1); for ids that ``search`` returns it equals the search score up to rounding.
-    ``check`` (default: unless the data is already on CUDA) validates NaN / id ranges, which
-    synchronises. No step here synchronises on CUDA otherwise.
-    """
-    chk = _check_default(queries, check)
-    q = _score_queries(model, queries, chk)
-    i = _score_ids(model, ids, q.shape[0], chk)
-    if q.shape[0] == 0:
-        return torch.empty(i.shape, dtype=q.dtype, device=q.device)
-    out = model._score(q, i.clamp_min(0))
-    return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
-                                                 device=out.device))
 
 
 def as_positive_ids(positives: Any, batch: int, device: torch.device,
@@ -129,7 +104,7 @@ def _positive_ids(positives: Any, batch: int, device: torch.device) -> torch.Ten
     return as_tensor(out, device=device, name="positives")
 
 
-def mine_negatives(model: Any, queries: Any, positives: Any, n: int = 8, skip_top: int = 0,
+def mine_negatives(model: Model, queries: Any, positives: Any, n: int = 8, skip_top: int = 0,
                    batch_size: int = 1024, check: bool | None = None) -> torch.Tensor:
     """Hard negatives: for each query the best-scoring documents that are not its positives.
 
@@ -146,7 +121,7 @@ def mine_negatives(model: Any, queries: Any, positives: Any, n: int = 8, skip_to
     if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
         raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
     batch_size = check_positive_int(batch_size, "batch_size")
-    chk = _check_default(queries, check)
+    chk = check_default(queries, check)
     q = model.as_queries(queries, check=chk)
     n = check_topk(n, model.n_docs, "n")
     skip_top = min(int(skip_top), model.n_docs)

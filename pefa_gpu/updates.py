@@ -20,28 +20,20 @@ What each update costs and re-indexes:
   queries only: documents are found as neighbours through the passage index) and rebuilds Y on
   the host, O(nnz).
 
-Each model appends in its own way (its ``_append_documents`` / ``_append_pairs`` hooks); this
-module checks the new rows, calls the hook and keeps ``n_docs``, and holds the sparse update of
-the PIFA sums (:func:`accumulate_pairs`).
+Each model appends in its own way (its ``_append_documents`` / ``_append_pairs``); this module
+holds the sparse update of the PIFA sums that PEFA-XS and NUDGE share (:func:`accumulate_pairs`).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import as_embeddings, as_tensor
-from .relevance import as_relevance
-
-def _new_rows(model: Any, X: Any, name: str) -> torch.Tensor:
-    model.check_fitted()
-    return as_embeddings(X, model.device, name, dim=model.dim, copy=True).detach()
+from .arrays import as_tensor
 
 
-def accumulate_pairs(sums: torch.Tensor, Y: Any, Q: torch.Tensor) -> torch.Tensor:
+def accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> torch.Tensor:
     """sums[j] += Y[i, j] * Q[i] for every entry of Y, in place, pair by pair in ascending i for
     each document, in float32: the order and rounding of scipy's sparse product that ``fit``
     uses on the CPU, so that updating equals refitting to the bit there. sums (n, d) float32,
@@ -65,22 +57,3 @@ def accumulate_pairs(sums: torch.Tensor, Y: Any, Q: torch.Tensor) -> torch.Tenso
         sums[d] = sums[d] + vals[sl].unsqueeze(1) * Q[rows[sl]].float()
     return as_tensor(touched.astype(np.int64), device=sums.device)
 
-
-def add_documents(model: Any, P_new: Any) -> Any:
-    """Append documents (r, d) to a fitted ERM / PEFAXS / PEFAXL; their ids continue after the
-    existing ones (n, ..., n + r - 1). Returns the model."""
-    p = _new_rows(model, P_new, "P_new")
-    if p.shape[0]:
-        model._append_documents(p)
-        model.n_docs += p.shape[0]
-    return model
-
-
-def add_pairs(model: Any, Q_new: Any, Y_new: Any) -> Any:
-    """Add training queries Q_new (m', d) with relevance Y_new (m' x n) over the current
-    documents to a fitted PEFAXS / PEFAXL (add new documents first). Returns the model."""
-    q = _new_rows(model, Q_new, "Q_new")
-    rel = as_relevance(Y_new, shape=(q.shape[0], model.n_docs), name="Y_new", allow_empty=True)
-    if q.shape[0]:
-        model._append_pairs(q, rel)
-    return model

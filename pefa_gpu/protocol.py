@@ -1,0 +1,53 @@
+"""What the modules around the models (training, persist) read of a model: the ``Model``
+protocol, which ERM, PEFAXS, PEFAXL and NUDGE satisfy (see pefa_gpu.models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from .index import Index
+    from .params import Params
+
+
+class Model(Protocol):
+    """A fitted retrieval model: settings, an index over n_docs documents of dimension dim,
+    search, score, updates, export and save."""
+
+    _saved: ClassVar[tuple[str, ...]]  # attributes save() writes and load() restores
+    params: Params
+    backend: str
+    device: torch.device
+    dim: int
+    n_docs: int
+    index: Index
+
+    @property
+    def search_params(self) -> Params: ...
+
+    @property
+    def index_search_params(self) -> Params: ...
+
+    def check_fitted(self) -> None: ...
+
+    def as_queries(self, queries: Any, check: bool | None = None) -> torch.Tensor: ...
+
+    def search(self, queries: Any, topk: int = 100, check: bool | None = None, *,
+               params: Any = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor: ...
+
+    def add_documents(self, P_new: Any) -> Model: ...
+
+    def add_pairs(self, Q_new: Any, Y_new: Any) -> Model: ...
+
+    def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path: ...
+
+    def save(self, directory: str | Path) -> None: ...
+
+    def _saved_shapes(self) -> dict[str, tuple[int | None, int]]: ...
+
+    def _restore(self) -> None: ...
