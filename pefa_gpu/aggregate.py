@@ -20,6 +20,13 @@ def normalize_rows(x: torch.Tensor) -> torch.Tensor:
     return normalize_rows_(x.float().clone(memory_format=torch.contiguous_format))
 
 
+def pefa_xs(p: torch.Tensor, sums: torch.Tensor, lam: float) -> torch.Tensor:
+    """The PEFA-XS documents e_j = lam p_j + (1 - lam) Π(a_j): p (r, d), a (r, d) each
+    document's unnormalised sum of training queries (with augment_docs it holds p_j too) ->
+    (r, d) float32, row by row (a subset of the rows gives those rows of the whole)."""
+    return lam * p.float() + (1.0 - lam) * normalize_rows(sums)
+
+
 def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
          memory_budget: int | None = None) -> torch.Tensor:
     """Yᵀ Q: (m x n) relevance, (m x d) query embeddings -> (n x d) float32 tensor on ``device``.

@@ -29,7 +29,7 @@ import scipy.sparse as sp
 import torch
 
 from . import export, nudge, persist, training, updates
-from .aggregate import normalize_rows, pifa
+from .aggregate import normalize_rows, pefa_xs, pifa
 from .arrays import as_embeddings, as_tensor, check_topk, resolve_device, to_numpy
 from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, candidate_table, ops
@@ -554,15 +554,13 @@ class PEFAXS(_AdaptedDocuments):
         """E = lam P + (1 - lam) Π(A): (n, d) float32; ``lam`` defaults to the model's."""
         lam = self.params.lam if lam is None else lam
         check_unit_interval(lam, "lam")
-        return lam * self.doc_embeddings.float() + (1.0 - lam) * normalize_rows(self.doc_sums)
+        return pefa_xs(self.doc_embeddings, self.doc_sums, lam)
 
     def xs_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The rows ``ids`` (any shape, valid) of :meth:`xs_embeddings` -> (*ids.shape, d)
         float32, computed row by row exactly as there."""
         flat = ids.reshape(-1)
-        lam = self.params.lam
-        e = lam * self.doc_embeddings[flat].float() + (1.0 - lam) * normalize_rows(
-            self.doc_sums[flat])
+        e = pefa_xs(self.doc_embeddings[flat], self.doc_sums[flat], self.params.lam)
         return e.reshape(*ids.shape, -1)
 
     def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:

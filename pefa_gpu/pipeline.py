@@ -56,7 +56,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .aggregate import normalize_rows, pifa
+from .aggregate import pefa_xs, pifa
 from .arrays import as_embeddings, as_tensor, check_positive_int, check_topk, to_numpy
 from .errors import FormatError, InputError
 from .relevance import as_relevance
@@ -505,9 +505,9 @@ def reduce_sums(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int, i
                 out: str | Path, index: int, lam: float | None,
                 augment_docs: bool) -> dict[str, Any]:
     """Reduce task of one document range: P (with ``augment_docs``) plus the partial sums of
-    every query shard, added in query-shard order; then E = lam P + (1 - lam) Π(sums) as
-    :meth:`PEFAXS.xs_embeddings <pefa_gpu.models.PEFAXS.xs_embeddings>` computes it. Writes
-    ``out/doc-<index>`` and returns its stage entry."""
+    every query shard, added in query-shard order; then E = ``pefa_xs(P, sums, lam)``
+    (:mod:`pefa_gpu.aggregate`), as PEFAXS computes it. Writes ``out/doc-<index>`` and
+    returns its stage entry."""
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)
     acc = p.copy() if augment_docs else np.zeros_like(p)
@@ -517,8 +517,7 @@ def reduce_sums(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int, i
     sums = torch.from_numpy(acc)
     tensors = {"sums": sums}
     if lam is not None:
-        pt = torch.from_numpy(p)
-        tensors["embeddings"] = lam * pt.float() + (1.0 - lam) * normalize_rows(sums)
+        tensors["embeddings"] = pefa_xs(torch.from_numpy(p), sums, lam)
     path = Path(out) / _name("doc", index)
     sha = write_shard(path, {"stage": "aggregate", "rows": [lo, hi], "lam": lam,
                              "augment_docs": augment_docs}, tensors)
