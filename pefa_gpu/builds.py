@@ -14,14 +14,12 @@ The encoder record says what made the embeddings: ``{"kind", "name"}`` with kind
 (the offline all-MiniLM-L6-v2), ``hub`` (a sentence-transformers hub name), ``folder``,
 ``callable`` (``module:function``) or ``precomputed`` (``--embeddings NAME``). A build folder
 is data: search loads the default model or a hub name from it, never code or a folder, which
-must be given again with ``--model``. Builds of format_version 1 (flat, no checksums, the
-encoder a bare string) still load, with their paths held inside the folder.
+must be given again with ``--model``. Only builds of this version's format load.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any, Sequence
@@ -29,9 +27,7 @@ from typing import Any, Sequence
 from .datasets import record_id
 from .encode import DEFAULT_MODEL, is_default_model
 from .errors import FormatError, InputError
-from .storage import open_save, read_unchanged, safe_path, writing_save
-
-log = logging.getLogger("pefa_gpu")
+from .storage import open_save, read_unchanged, writing_save
 
 BUILD_MANIFEST = "pefa_build.json"
 BUILD_FORMAT = "pefa-gpu-build"
@@ -73,10 +69,7 @@ def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] 
     build's manifest."""
     from .storage import sha256_file
 
-    root = Path(path)
-    if _legacy(root / BUILD_MANIFEST):
-        return None
-    save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT, checksums=False)
+    save = open_save(Path(path), BUILD_MANIFEST, BUILD_FORMAT, checksums=False)
     rel = save.manifest.get("doc_text")
     if rel is None:
         return None
@@ -113,32 +106,15 @@ def _load_build(path: str | Path, device: Any) -> tuple[Any, list[str], dict]:
     if not marker.is_file():
         raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
                           f"the build is incomplete or this is another kind of folder)")
-    if _legacy(marker):  # format_version 1: flat, no files table; paths still checked
-        info = json.loads(marker.read_text(encoding="utf-8"))
-        log.warning("%s is a build of format_version 1, without checksums; run `pefa-gpu "
-                    "build` again into a new folder to upgrade it", marker)
-        model_dir = safe_path(root, info.get("model"), marker, kind="dir")
-        ids_file = safe_path(root, info.get("doc_ids"), marker, kind="file")
-        model = load_model(model_dir, device=device)
-    else:
-        save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)
-        info = save.manifest
-        ids_file = save.file(info.get("doc_ids"))
-        model = load_model(save.folder(info.get("model")), device=device, verify=False)
+    save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)
+    info = save.manifest
+    ids_file = save.file(info.get("doc_ids"))
+    model = load_model(save.folder(info.get("model")), device=device, verify=False)
     doc_ids = _read_doc_ids(ids_file)
     if len(doc_ids) != model.n_docs:
         raise FormatError(f"{ids_file}: {len(doc_ids)} document ids for a model of "
                           f"{model.n_docs} documents")
     return model, doc_ids, info
-
-
-def _legacy(marker: Path) -> bool:
-    try:
-        info = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False  # open_save says what is wrong
-    return isinstance(info, dict) and info.get("format") == BUILD_FORMAT \
-        and info.get("format_version") == 1
 
 
 def _read_doc_ids(path: Path) -> list[str]:
@@ -175,8 +151,6 @@ def encoder_record(model: str | None, embeddings: str | None) -> dict[str, str]:
 def encoder_from_record(record: Any, where: Path) -> str | None:
     """The encoder search may take from a build's record: None (the default model) or a hub
     name. Code, folders and precomputed embeddings raise InputError asking for --model."""
-    if isinstance(record, str):  # format_version 1 builds: a bare string
-        record = {"kind": "default" if is_default_model(record) else "unknown", "name": record}
     if not isinstance(record, dict) or not isinstance(record.get("name"), str):
         raise FormatError(f"{where}: no valid 'encoder' record (got {record!r})")
     kind, name = record.get("kind"), record["name"]

@@ -18,17 +18,8 @@ load, their shapes are cross-checked against the model's ``_saved_shapes()`` and
 ``_restore()`` rebuilds derived state (e.g. PEFA-XL's Y rows). To save a new attribute, add its
 name to ``_saved``; to change how an old one is stored, bump ``storage.FORMAT_VERSION``. A model
 class is found by the name its save records, among the classes given to
-:func:`register_model` (every model class registers itself when it is defined).
-
-Loads of format_version 1 (a flat folder from pefa_gpu before the manifest checksum) still
-work, with a warning: their files are verified and their shapes checked, but an edit to their
-manifest cannot be detected. Such a folder is never saved over in place.
-
-Saves from before build and search settings were apart (format_version <= 2, no
-``search_params`` in the manifest) hold the search settings inside the build params (PEFA-XL
-``candidates`` in ``params``, hnsw ``ef_search`` / ``full_scan_factor``, ivf ``nprobe``, cagra
-``itopk_size`` in the index params); they are taken as search settings on load, so such a save
-searches as it did.
+:func:`register_model` (every model class registers itself when it is defined). Only saves of
+this format version load (see :func:`pefa_gpu.storage.read_manifest`).
 """
 
 from __future__ import annotations
@@ -116,12 +107,10 @@ def _load_model(directory: str | Path, device: Any, mmap: bool, verify: bool | N
     params = manifest.get("params")
     if not isinstance(params, dict):
         raise FormatError(f"{where} has no 'params' table")
-    try:  # an older save's search settings inside params / index_params: the model routes them
+    try:
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
-                    **params)
-        if "search_params" in manifest:
-            model.search_params = manifest["search_params"]
-            model.index_search_params = manifest.get("index_search_params")
+                    search_params=manifest.get("search_params"), **params)
+        model.index_search_params = manifest.get("index_search_params")
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
     for name in cls._saved:
@@ -220,18 +209,15 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
     where = save.where
     sub = save.folder(entry.get("dir"))  # inside the save, every file in it listed
     cls = _backend(entry.get("backend"), where)
-    params, search = entry.get("params") or {}, entry.get("search_params")
-    if search is None and isinstance(params, dict):  # an older save: one params table
-        params, search = cls.split_params(params)
     try:
-        params = cls.Params.from_dict(params)
+        params = cls.Params.from_dict(entry.get("params") or {})
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: params of index {name!r} do not fit backend "
                           f"{cls.name!r}: {exc}") from exc
     options = {"mmap": mmap} if mmap and _accepts(cls.load, "mmap") else {}
     index = cls.load(sub, params, device, **options)
     try:
-        index.search_params = search
+        index.search_params = entry.get("search_params")
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: search params of index {name!r} do not fit backend "
                           f"{cls.name!r}: {exc}") from exc

@@ -47,14 +47,13 @@ from .errors import FormatError, InputError
 log = logging.getLogger("pefa_gpu")
 
 FORMAT = "pefa_gpu"
-# 3: search settings apart from build settings (an older reader would drop them silently);
-# 2: files in a data folder, manifest checksummed; 1 (flat, unchecked); all three load
+# 3: files in a data folder, manifest checksummed, search settings apart from build settings;
+# only this version loads (older ones: 2 without the search settings, 1 flat and unchecked)
 FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 CHECKSUM_KEY = "manifest_sha256"
 DATA_PREFIX = "pefa-data-"
 DATA_MARKER = ".pefa-data"  # in every data folder, holding its name: proof that it is ours
-BACKUP_SUFFIX = ".pefa-backup"  # only read: what a crashed format_version 1 save could leave
 _TMP_TAG = ".pefa-tmp-"
 _DATA_NAME = re.compile(r"pefa-data-[0-9a-f]{16}\Z")
 
@@ -363,11 +362,10 @@ def strict_json(text: str) -> Any:
     return json.loads(text, parse_constant=refuse)
 
 
-def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
-                  warn_unchecked: bool = True) -> dict[str, Any]:
-    """Read and check ``root / name``: a ``fmt`` manifest of a format version this library
-    reads, whose ``manifest_sha256`` matches its contents (format_version 1 had none: loaded
-    with a warning). Raises :class:`FormatError` for a foreign, malformed, edited or newer one."""
+def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> dict[str, Any]:
+    """Read and check ``root / name``: a ``fmt`` manifest of the format version this library
+    writes, whose ``manifest_sha256`` matches its contents. Raises :class:`FormatError` for a
+    foreign, malformed, edited, older or newer one."""
     root = Path(root)
     path = root / name
     try:
@@ -391,22 +389,17 @@ def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
     if version > FORMAT_VERSION:
         raise FormatError(f"{path} has format_version {version}, newer than this pefa_gpu reads "
                           f"({FORMAT_VERSION}); upgrade pefa_gpu to load it")
-    if version < 1:
-        raise FormatError(f"{path} has an invalid format_version {version}")
+    if version < FORMAT_VERSION:
+        raise FormatError(f"{path} has format_version {version}, older than this pefa_gpu reads "
+                          f"({FORMAT_VERSION}); build or save it again with this version")
     if not isinstance(manifest.get("files"), dict):
         raise FormatError(f"{path} has no 'files' table")
-    if version >= 2:
-        if manifest.get(CHECKSUM_KEY) != manifest_checksum(manifest):
-            raise FormatError(f"{path} was changed after it was written: its {CHECKSUM_KEY} "
-                              f"does not match its contents (an edited class, params, state or "
-                              f"file table would change what loads); restore it or save again")
-        if not isinstance(manifest.get("data"), str) or not _DATA_NAME.match(manifest["data"]):
-            raise FormatError(f"{path} names no valid data folder (got "
-                              f"{manifest.get('data')!r})")
-    elif warn_unchecked:
-        log.warning("%s has format_version 1, which has no manifest checksum: edits to its "
-                    "params or state cannot be detected (file sizes, sha256s and shapes are "
-                    "still checked); load it and save it to a new directory to upgrade", path)
+    if manifest.get(CHECKSUM_KEY) != manifest_checksum(manifest):
+        raise FormatError(f"{path} was changed after it was written: its {CHECKSUM_KEY} does "
+                          f"not match its contents (an edited class, params, state or file "
+                          f"table would change what loads); restore it or save again")
+    if not isinstance(manifest.get("data"), str) or not _DATA_NAME.match(manifest["data"]):
+        raise FormatError(f"{path} names no valid data folder (got {manifest.get('data')!r})")
     return manifest
 
 
@@ -414,8 +407,8 @@ def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
 
 @dataclasses.dataclass
 class SaveDir:
-    """A verified save: ``root`` holds the manifest, ``data`` the files it lists (``root``
-    itself for format_version 1). Paths into it go through :meth:`file` and :meth:`folder`."""
+    """A verified save: ``root`` holds the manifest, ``data`` the files it lists. Paths into
+    it go through :meth:`file` and :meth:`folder`."""
 
     root: Path
     data: Path
@@ -441,23 +434,19 @@ class SaveDir:
 def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
               checksums: bool = True) -> SaveDir:
     """Find, read and verify a save: manifest checksum, data folder, every listed file (size,
-    and sha256 with ``checksums``), and (format_version >= 2) no unlisted file in the data
-    folder. Raises :class:`FormatError` naming what is wrong."""
-    root = resolve_save(directory, name)
+    and sha256 with ``checksums``), and no unlisted file in the data folder. Raises
+    :class:`FormatError` naming what is wrong."""
+    root = resolve_save(directory)
     manifest = read_manifest(root, name, fmt)
     where = root / name
-    data = root
-    if manifest["format_version"] >= 2:
-        data = safe_path(root, manifest["data"], where, kind="dir")
-        marker = data / DATA_MARKER
-        if not _marker_ok(data):
-            raise FormatError(f"{marker} is missing or wrong: {data} is not a pefa_gpu data "
-                              f"folder")
+    data = safe_path(root, manifest["data"], where, kind="dir")
+    if not _marker_ok(data):
+        raise FormatError(f"{data / DATA_MARKER} is missing or wrong: {data} is not a pefa_gpu "
+                          f"data folder")
     verify_files(data, manifest["files"], checksums=checksums, where=where)
-    if manifest["format_version"] >= 2:
-        extra = _unlisted(data, manifest["files"])
-        if extra:
-            raise FormatError(f"{data} holds {extra[:5]}, which {where} does not list")
+    extra = _unlisted(data, manifest["files"])
+    if extra:
+        raise FormatError(f"{data} holds {extra[:5]}, which {where} does not list")
     return SaveDir(root, data, manifest, where)
 
 
@@ -484,17 +473,11 @@ def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MAN
                       f"twice in a row); load it again ({error})") from error
 
 
-def resolve_save(directory: PathLike, name: str = MANIFEST) -> Path:
-    """The directory to read for a save at ``directory`` (links resolved): itself, or the
-    ``.pefa-backup`` a crash of a format_version 1 save could leave (logged as a warning)."""
+def resolve_save(directory: PathLike) -> Path:
+    """The directory to read for a save at ``directory``, links resolved."""
     path = Path(directory)
     if path.is_dir():
         return Path(os.path.realpath(path))
-    backup = path.with_name(path.name + BACKUP_SUFFIX)
-    if not os.path.lexists(path) and (backup / name).is_file():
-        log.warning("%s is missing but %s exists (a format_version 1 save was interrupted); "
-                    "loading the previous save from the backup", path, backup)
-        return Path(os.path.realpath(backup))
     if os.path.lexists(path):
         raise FormatError(f"{path} is not a directory: a pefa_gpu save is a directory")
     raise FileNotFoundError(f"no pefa_gpu save at {path}")
@@ -583,15 +566,11 @@ def _current_data(root: Path, name: str, fmt: str) -> str | None:
         raise InputError(f"cannot save to {root}: it exists and is not a directory")
     if os.path.lexists(root / name):
         try:
-            manifest = read_manifest(root, name, fmt, warn_unchecked=False)
+            manifest = read_manifest(root, name, fmt)
         except FormatError as exc:
             raise InputError(f"refusing to save into {root}: its {name} is not an intact "
-                             f"{fmt} manifest ({exc}); move it away or choose another "
-                             f"directory") from None
-        if manifest["format_version"] < 2:
-            raise InputError(f"refusing to replace {root}: it holds a save of format_version "
-                             f"1, which cannot be replaced in place safely; save to a new "
-                             f"directory, then delete the old one yourself")
+                             f"{fmt} manifest of this version ({exc}); move it away or choose "
+                             f"another directory") from None
         return manifest["data"]
     others = sorted(e for e in os.listdir(root) if not _ours(root, e, name))
     if others:

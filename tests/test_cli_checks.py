@@ -58,28 +58,17 @@ def resign(path: Path, edit) -> None:
     path.write_text(json.dumps(manifest))
 
 
-def flatten(save: Path, manifest_name: str) -> None:
-    """Rewrite a save in the flat, unchecked layout of format_version 1."""
-    manifest = json.loads((save / manifest_name).read_text())
-    if "data" not in manifest:
-        return  # flat already
-    folder = save / manifest.pop("data")
-    manifest.pop("manifest_sha256")
-    for entry in folder.iterdir():
-        if entry.name != ".pefa-data":
-            entry.rename(save / entry.name)
-    shutil.rmtree(folder)
-    (save / manifest_name).write_text(json.dumps({**manifest, "format_version": 1}))
-
-
-def legacy_build(build: Path, **changes) -> None:
-    """A build as `pefa-gpu build` wrote it before (format_version 1, a bare encoder string)."""
-    flatten(build, "pefa_build.json")
-    flatten(build / "model", "manifest.json")
-    info = json.loads((build / "pefa_build.json").read_text())
-    info.pop("files", None)
-    info.update(changes)
-    (build / "pefa_build.json").write_text(json.dumps(info))
+def forge_file(build: Path, field: str, content: str) -> None:
+    """Replace the build's file named by ``field`` with ``content``, its size, sha256 and the
+    manifest checksum made to match (a forged build that passes the integrity checks)."""
+    path = build / "pefa_build.json"
+    info = json.loads(path.read_text())
+    file = build / info["data"] / info[field]
+    file.write_text(content)
+    info["files"][info[field]] = {"bytes": file.stat().st_size,
+                                  "sha256": storage.sha256_file(file)}
+    path.write_text(json.dumps(info))
+    resign(path, lambda m: None)
 
 
 # ---------------------------------------------------------------------------- item 1: no code
@@ -96,9 +85,11 @@ def shell(texts):
 def test_a_build_folder_never_makes_search_import_code(built, tmp_path, capsys, monkeypatch):
     (tmp_path / "evilmod.py").write_text(SIDE_EFFECT)
     monkeypatch.syspath_prepend(str(tmp_path))
-    legacy_build(built, encoder="evilmod:shell")
-    code, _, err = run(capsys, "search", built, "a query", "--device", "cpu", "-q")
-    assert code == 2 and "pass --model to search from text" in err
+    for record in ({"kind": "callable", "name": "evilmod:shell"},
+                   {"kind": "unknown", "name": "evilmod:shell"}):
+        resign(built / "pefa_build.json", lambda m: m.update(encoder=record))
+        code, _, err = run(capsys, "search", built, "a query", "--device", "cpu", "-q")
+        assert code == 2 and "pass --model" in err
     assert not (tmp_path / "IMPORTED").exists() and not (tmp_path / "CALLED").exists()
 
 
@@ -179,13 +170,12 @@ def test_build_never_touches_a_users_files(data, tmp_path, capsys):
 
 @pytest.mark.parametrize("field,value", [("model", "../elsewhere"), ("model", "/abs/model"),
                                          ("doc_ids", "../ids.json")])
-def test_legacy_build_paths_must_stay_inside(built, tmp_path, field, value, capsys):
-    legacy_build(built, encoder="all-MiniLM-L6-v2")
-    load_build(built, device="cpu")  # format 1 builds still load
-    shutil.copytree(built / "model", tmp_path / "elsewhere")
-    shutil.copy(built / "doc_ids.json", tmp_path / "ids.json")
-    info = json.loads((built / "pefa_build.json").read_text())
-    (built / "pefa_build.json").write_text(json.dumps({**info, field: value}))
+def test_build_paths_must_stay_inside(built, tmp_path, field, value, capsys):
+    load_build(built, device="cpu")
+    data = built / json.loads((built / "pefa_build.json").read_text())["data"]
+    shutil.copytree(data / "model", tmp_path / "elsewhere")
+    shutil.copy(data / "doc_ids.json", tmp_path / "ids.json")
+    resign(built / "pefa_build.json", lambda m: m.update({field: value}))
     with pytest.raises(pg.FormatError, match="unsafe path"):
         load_build(built, device="cpu")
 
@@ -195,8 +185,7 @@ def test_legacy_build_paths_must_stay_inside(built, tmp_path, field, value, caps
     ('{"doc_ids": [1, 2]}', "must be a list of strings"),
     ('{"doc_ids": ["a", "a"]}', "not unique")])
 def test_a_malformed_doc_ids_file_is_named(built, content, match):
-    legacy_build(built, encoder="all-MiniLM-L6-v2")
-    (built / "doc_ids.json").write_text(content)
+    forge_file(built, "doc_ids", content)
     with pytest.raises(pg.FormatError, match=f"doc_ids.json.*{match}|{match}"):
         load_build(built, device="cpu")
 

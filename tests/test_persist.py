@@ -4,7 +4,6 @@ corrupt / foreign / future saves, device moves, memory mapping, params JSON."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -260,29 +259,6 @@ def test_save_unfitted_or_unsaveable(tmp_path):
     with pytest.raises(InputError, match="not fitted"):
         pg.PEFAXS(device="cpu").save(tmp_path / "x")
     assert not (tmp_path / "x").exists()
-
-
-# ---------------------------------------------------------------------------- interrupted old saves
-
-def test_backup_of_an_interrupted_format_1_save_is_loaded(tmp_path, data, caplog):
-    old = fit(pg.PEFAXS, data, lam=0.2)
-    old.save(tmp_path / "m")
-    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
-    backup = tmp_path / "m.pefa-backup"  # what a crash of a format 1 save could leave
-    files_of(tmp_path / "m").rename(backup)
-    (backup / ".pefa-data").unlink()
-    for key in ("data", "manifest_sha256"):
-        manifest.pop(key)
-    (backup / "manifest.json").write_text(json.dumps({**manifest, "format_version": 1}))
-    (tmp_path / "m" / "manifest.json").unlink()
-    (tmp_path / "m").rmdir()
-    with caplog.at_level(logging.WARNING, logger="pefa_gpu"):
-        back = pg.load(tmp_path / "m", device="cpu")
-    assert "backup" in caplog.text
-    same_results(old, back, data[3])
-    fit(pg.PEFAXS, data, lam=0.7).save(tmp_path / "m")  # a new save; the backup stays
-    assert pg.load(tmp_path / "m", device="cpu").params.lam == 0.7
-    assert (backup / "manifest.json").is_file()
 
 
 # ---------------------------------------------------------------------------- verified loads

@@ -4,7 +4,6 @@ itself, and always leave a complete save (old or new), also when killed mid-save
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -50,8 +49,8 @@ def same(a, b, queries):
 
 
 def data_folder(save: Path) -> Path:
-    """Where a save's files are (the save itself in the flat layout of format_version 1)."""
-    return save / json.loads((save / "manifest.json").read_text()).get("data", ".")
+    """Where a save's files are."""
+    return save / json.loads((save / "manifest.json").read_text())["data"]
 
 
 def edit_manifest(save: Path, sign: bool = True, edit=None, **changes) -> None:
@@ -394,33 +393,17 @@ def test_relevance_columns_must_match_the_documents(tmp_path, data):
         pg.load(tmp_path / "bad", device="cpu")
 
 
-def _as_format_1(path: Path) -> None:
-    """Rewrite a save in the flat, unchecked layout of format_version 1."""
-    manifest = json.loads((path / "manifest.json").read_text())
-    folder = path / manifest.pop("data")
-    manifest.pop("manifest_sha256")
-    manifest["format_version"] = 1
-    for entry in folder.iterdir():
-        if entry.name != ".pefa-data":
-            entry.rename(path / entry.name)
-    shutil.rmtree(folder)
-    (path / "manifest.json").write_text(json.dumps(manifest))
-
-
-def test_format_1_saves_still_load_with_a_warning_and_their_checks(xl_save, caplog, data):
+@pytest.mark.parametrize("version", [1, 2])
+def test_saves_of_older_format_versions_are_refused_and_never_replaced(xl_save, version):
     model, path = xl_save
-    _as_format_1(path)
-    with caplog.at_level(logging.WARNING, logger="pefa_gpu"):
-        back = pg.load(path, device="cpu")
-    assert "no manifest checksum" in caplog.text
-    same(model, back, data[3])
-    (path / "notes.txt").write_text("mine")  # format 1 saves shared their folder
-    edit_manifest(path, edit=lambda m: m["files"].pop("relevance.npz"))
-    with pytest.raises(FormatError, match="relevance.npz.*does not list"):
+    edit_manifest(path, format_version=version)  # re-signed: intact, but of an older version
+    with pytest.raises(FormatError, match=f"format_version {version}, older than this pefa_gpu "
+                                          f"reads \\(3\\)"):
         pg.load(path, device="cpu")
-    with pytest.raises(InputError, match="format_version 1"):  # never replaced in place
+    before = tree(path)
+    with pytest.raises(InputError, match=f"not an intact.*format_version {version}"):
         model.save(path)
-    assert (path / "notes.txt").read_text() == "mine"
+    assert tree(path) == before
 
 
 # ---------------------------------------------------------------------------- item 6: paths

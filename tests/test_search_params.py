@@ -1,5 +1,5 @@
 """Models' search settings apart from their build settings: per-call params equal a model built
-with those settings, defaults stay, bad keys are named, saves record both, older saves load."""
+with those settings, defaults stay, bad keys are named, saves record both."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
-from pefa_gpu import storage
 from pefa_gpu.errors import InputError
 
 from conftest import unit_rows
@@ -170,46 +169,3 @@ def test_saves_record_both_and_load_them(data, tmp_path):
     assert back.index.search_params == model.index.search_params
     assert back.query_index.search_params.ef_search == 40
     equal(back.search(T, 10), model.search(T, 10))
-
-
-def _as_older_save(path, index_keys):
-    """Rewrite a save in the layout pefa_gpu wrote before build and search settings were apart
-    (format_version 2): search settings inside params / index_params / each index's params."""
-    manifest = json.loads((path / "manifest.json").read_text())
-    manifest["params"].update(manifest.pop("search_params"))
-    index_search = manifest.pop("index_search_params")
-    manifest["index_params"].update({k: index_search[k] for k in index_keys})
-    for entry in manifest["state"].values():
-        if entry.get("kind") == "index":
-            search = entry.pop("search_params")
-            entry["params"].update({k: search[k] for k in index_keys})
-    manifest["format_version"] = 2
-    manifest["manifest_sha256"] = storage.manifest_checksum(manifest)
-    (path / "manifest.json").write_text(json.dumps(manifest))
-    return manifest
-
-
-@pytest.mark.parametrize("backend,index_params,search,keys", [
-    pytest.param("hnsw", {"M": 8, "threads": 1}, {"ef_search": 9, "full_scan_factor": 0.0},
-                 ("ef_search", "full_scan_factor"), marks=FAISS),
-    pytest.param("ivf", {"nlist": 8, "threads": 1}, {"nprobe": 1}, ("nprobe",), marks=FAISS),
-    ("exact", {}, {}, ()),
-])
-def test_older_saves_load_to_the_same_behaviour(data, tmp_path, backend, index_params, search,
-                                                keys):
-    T = data[3]
-    model = xl(data, backend=backend, index_params=index_params,
-               search_params={"candidates": 7, **search})
-    expected = model.search(T, 10)
-    assert not torch.equal(xl(data, backend=backend, index_params=index_params).search(
-        T, 10)[1], expected[1]), "the settings must matter here, else this test shows nothing"
-    model.save(tmp_path / "m")
-    old = _as_older_save(tmp_path / "m", keys)
-    assert old["params"]["candidates"] == 7 and "search_params" not in old
-    assert all(old["state"]["index"]["params"][k] == v for k, v in search.items())
-    back = pg.load(tmp_path / "m", device="cpu")
-    assert back.search_params.candidates == 7
-    assert back.index.search_params.to_dict() == {**back.index.SearchParams().to_dict(), **search}
-    assert back.query_index.search_params == back.index.search_params
-    assert "ef_search" not in back.index.params.to_dict()
-    equal(back.search(T, 10), expected)
