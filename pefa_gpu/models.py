@@ -33,7 +33,7 @@ from .aggregate import normalize_rows, pefa_xs, pifa
 from .arrays import as_embeddings, as_tensor, check_topk, resolve_device, to_numpy
 from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, candidate_table, ops
-from .index import Index, backend_class, make_index
+from .index import Index, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
 from .relevance import Relevance, as_relevance
 from .splits import split_queries
@@ -144,9 +144,7 @@ class _Model:
     Constructor: the model's build settings as keywords (``Params``); ``backend`` and
     ``index_params`` (its build settings); ``search_params``: the defaults of :meth:`search`,
     in any form :meth:`search` takes as ``params``. Keywords of the model's ``SearchParams``
-    (``PEFAXL(candidates=300)``) and search keys inside a dict ``index_params``
-    (``index_params={"ef_search": 500}`` for hnsw) are taken as search settings too, as before
-    build and search settings were apart.
+    (``PEFAXL(candidates=300)``) are taken as search settings too.
     """
 
     Params: type[Params] = ERMParams
@@ -170,9 +168,6 @@ class _Model:
             raise InputError(f"{type(self).__name__}: {exc}") from exc
         self.backend = backend
         self.device = resolve_device(device)
-        if isinstance(index_params, dict):
-            index_params, index_search = backend_class(backend).split_params(index_params)
-            legacy.update(index_search)
         self.index_params = index_params
         probe = make_index(backend, self.device, index_params)  # fail early on bad settings
         self._index_search_class = probe.SearchParams
@@ -180,8 +175,8 @@ class _Model:
         if legacy:
             twice = sorted(set(legacy) & _search_keys(search_params))
             if twice:
-                raise InputError(f"{type(self).__name__}: {twice} given twice (as keywords or "
-                                 f"in index_params, and in search_params)")
+                raise InputError(f"{type(self).__name__}: {twice} given twice (as keywords and "
+                                 f"in search_params)")
             search_params = [legacy, *(search_params if isinstance(search_params, (list, tuple))
                                        else [search_params])]
         self.search_params, index_search = self._split_search_params(search_params)

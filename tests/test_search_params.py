@@ -72,10 +72,9 @@ def test_xl_index_settings_apply_to_both_indices(data):
     typed = model.search(T, 10, params=[pg.XLSearchParams(candidates=30),
                                         HNSWSearchParams(ef_search=8)])
     equal(per_call, typed)
-    # the same settings as a model's defaults, given the old way (keywords, index_params) and
-    # the new way (search_params): the same graph (one thread builds it deterministically)
-    old = xl(data, candidates=30, backend="hnsw",
-             index_params={**opts["index_params"], "ef_search": 8})
+    # the same settings as a model's defaults, given as a keyword and in search_params: the
+    # same graph (one thread builds it deterministically)
+    old = xl(data, candidates=30, search_params={"ef_search": 8}, **opts)
     new = xl(data, search_params={"candidates": 30, "ef_search": 8}, **opts)
     for m in (old, new):
         assert m.search_params.candidates == 30 and m.index_params == opts["index_params"]
@@ -140,8 +139,9 @@ def test_bad_search_settings_are_named(data):
         erm.search(T, 10, params={"candidates": 3})
     with pytest.raises(InputError, match="given twice"):
         pg.PEFAXL(candidates=3, search_params={"candidates": 4})
-    with pytest.raises(InputError, match="given twice"):
-        pg.ERM(backend="hnsw", index_params={"ef_search": 3}, search_params={"ef_search": 4})
+    with pytest.raises(InputError, match=r"\['ef_search'\] are search settings of backend "
+                                         r"'hnsw', not build settings"):
+        pg.ERM(backend="hnsw", index_params={"ef_search": 3})  # a search setting
     with pytest.raises(TypeError):
         pg.XLParams(candidates=3)  # a search setting, no longer among the build settings
     with pytest.raises(InputError, match="unknown keys"):
