@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from .datasets import record_id
 from .encode import DEFAULT_MODEL, is_default_model
 from .errors import FormatError, InputError
+from .protocol import Model
 from .storage import open_save, read_unchanged, writing_save
 
 BUILD_MANIFEST = "pefa_build.json"
@@ -89,14 +90,14 @@ def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] 
     return [one_line(t) for t in titles], [one_line(t) for t in snippets]
 
 
-def load_build(path: str | Path, device: Any = None) -> tuple[Any, list[str], dict]:
+def load_build(path: str | Path, device: Any = None) -> tuple[Model, list[str], dict]:
     """(model, document ids, build info) from a build folder: every file checked against the
     build's manifest (hashed once), every path inside the folder; read again once when
     another process replaces the build meanwhile."""
     return read_unchanged(path, lambda: _load_build(path, device), BUILD_MANIFEST)
 
 
-def _load_build(path: str | Path, device: Any) -> tuple[Any, list[str], dict]:
+def _load_build(path: str | Path, device: Any) -> tuple[Model, list[str], dict]:
     from .persist import load_model
 
     root = Path(path)

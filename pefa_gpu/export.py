@@ -39,6 +39,7 @@ import torch
 
 from .arrays import as_tensor, cuda_index, resolve_device, to_numpy
 from .errors import InputError
+from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
 from .params import check_choice, check_positive
@@ -88,7 +89,8 @@ def _dedup(ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(mask, -1)
 
 
-def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None) -> Any:
+def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Move the valid (>= 0) ids of each row to the front, in order; (n, width), -1 padded.
     With ``scores`` (n, w) float32 beside the ids: (ids, their scores moved alike, -inf
     padded)."""
@@ -180,7 +182,8 @@ def build_hnsw(vectors: Any, *, M: int = 32, device: Any = None, method: str = "
     return hnsw_from_graph(vectors, graph, ef_search=ef_search, entrypoints=entrypoints)
 
 
-def export_hnsw(vectors: Any, path: str | Path, *, index: Any = None, **kwargs: Any) -> Path:
+def export_hnsw(vectors: Any, path: str | Path, *, index: Index | None = None,
+                **kwargs: Any) -> Path:
     """Build with :func:`build_hnsw` and write the index to the file ``path`` (replacing a
     regular file there atomically; links, folders and devices are refused before the build).
 
@@ -206,7 +209,7 @@ def export_hnsw(vectors: Any, path: str | Path, *, index: Any = None, **kwargs: 
         graph.hnsw.efSearch = ef
 
 
-def _reusable_hnsw(index: Any, kwargs: dict[str, Any]) -> Any:
+def _reusable_hnsw(index: Index | None, kwargs: dict[str, Any]) -> Any:
     """The faiss HNSW graph of a pefa_gpu ``hnsw`` index that export may write as it is."""
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
         else None
@@ -217,7 +220,7 @@ def _reusable_hnsw(index: Any, kwargs: dict[str, Any]) -> Any:
     return graph
 
 
-def index_vectors(index: Any) -> torch.Tensor:
+def index_vectors(index: Index) -> torch.Tensor:
     """The rows held by a pefa_gpu index (for IVF-PQ: their decoded approximations)."""
     if isinstance(getattr(index, "vectors", None), torch.Tensor):
         return index.vectors
@@ -227,7 +230,7 @@ def index_vectors(index: Any) -> torch.Tensor:
     return stored()
 
 
-def export_parts(parts: tuple[Any, Any] | dict[str, Any], path: str | Path,
+def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str | Path,
                  **kwargs: Any) -> Path:
     """Write a model's export (its ``_exported()``; see ``model.export_hnsw``): ``parts`` =
     (vectors, index) writes one file at ``path`` (:func:`export_hnsw`); a dict of file names
