@@ -291,8 +291,7 @@ class _Model:
         """Queries as the model searches them: (B, d) float32 on its device, detached; ``check``
         as in :meth:`search`."""
         self.check_fitted()
-        if check is None:  # reading the values would synchronise a CUDA device: not there
-            check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
+        check = training.check_default(queries, check)
         q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
                           check_finite=check)
         return q.detach()
@@ -334,8 +333,7 @@ class _Model:
         topk = check_topk(topk, self.n_docs)
         model_sp, index_sp = (self.search_params, None) if params is None else \
             self._split_search_params(params)
-        if check is None:  # reading the values would synchronise a CUDA device: not there
-            check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
+        check = training.check_default(queries, check)
         self.check_fitted()
         rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
         if isinstance(queries, (np.ndarray, torch.Tensor)) and queries.ndim == 2 \

@@ -45,6 +45,7 @@ from .metrics import recall_at_k
 from .params import Params, check_positive
 from .relevance import as_relevance
 from .splits import split_queries
+from .training import check_default
 
 ALPHAS: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)  # QueryAdapter's α grid
 GRAM_ROWS = 1 << 16  # query rows per float64 block of QᵀQ
@@ -174,10 +175,8 @@ class QueryAdapter:
         the queries for NaN / inf (default: unless they are a CUDA tensor)."""
         if self.W is None:
             raise InputError("QueryAdapter is not fitted: call fit() first")
-        if check is None:
-            check = not (isinstance(queries, torch.Tensor) and queries.is_cuda)
         q = as_embeddings(queries, self.device, "queries", dim=self.W.shape[0],
-                          check_norm=False, check_finite=check).detach()
+                          check_norm=False, check_finite=check_default(queries, check)).detach()
         return normalize_rows(q @ self.W)
 
     def save(self, directory: str | Path) -> None:
