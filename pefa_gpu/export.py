@@ -233,8 +233,13 @@ def index_vectors(index: Index) -> torch.Tensor:
 def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str | Path,
                  **kwargs: Any) -> Path:
     """Write a model's export (its ``_exported()``; see ``model.export_hnsw``): ``parts`` =
-    (vectors, index) writes one file at ``path`` (:func:`export_hnsw`); a dict of file names
-    to (vectors, index), scipy sparse matrices or JSON tables writes a new directory."""
+    (vectors, index) writes one file at ``path`` (:func:`export_hnsw`; ERM, and PEFAXS / NUDGE
+    over their adapted embeddings); a dict of file names to (vectors, index), scipy sparse
+    matrices or JSON tables writes a new directory. PEFAXL's: ``passages.faiss``,
+    ``queries.faiss`` (the m training queries), ``relevance.npz`` (scipy CSR, rows x
+    documents: the m training queries, then with augment_docs one identity row per document,
+    whose neighbours come from ``passages.faiss``: document j is row m + j) and
+    ``export.json`` describing them. A model's ``hnsw`` indices are written as they are."""
     if isinstance(parts, tuple):
         return export_hnsw(parts[0], path, index=parts[1], **kwargs)
     import scipy.sparse as sp  # noqa: PLC0415

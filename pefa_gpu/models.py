@@ -370,15 +370,11 @@ class _Model:
         return self.index.search(q, topk, index_sp)
 
     def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
-        """PEFA scores of the documents ``ids`` for ``queries``, differentiable w.r.t. queries.
-
-        queries (B, d) float32 or float64 (kept: float64 in, float64 out), may require grad;
-        ids (B, K) int64 document ids, -1 = padding. Returns (B, K) in the queries' dtype on the
-        model's device, ``-inf`` where the id is -1. The value is the model's formula for every
-        id (DESIGN §1, see pefa_gpu.training); for ids that ``search`` returns it equals the
-        search score up to rounding. ``check`` (default: unless the data is already on CUDA)
-        validates NaN / id ranges, which synchronises. No step here synchronises on CUDA
-        otherwise."""
+        """(B, d) queries (float32, or float64 kept; may require grad), (B, K) int64 ids (-1 =
+        padding) -> (B, K) scores in the queries' dtype on the device, differentiable w.r.t.
+        the queries, -inf at padding: the model's formula for every id (DESIGN §1, see
+        pefa_gpu.training), the search score up to rounding. ``check`` (default: unless on
+        CUDA) tests NaN / id ranges, which synchronises; nothing else here does."""
         self.check_fitted()
         chk = training.check_default(queries, check)
         dtype = torch.float64 if (isinstance(queries, torch.Tensor)
@@ -417,15 +413,9 @@ class _Model:
         return self
 
     def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path:
-        """Write a faiss HNSW index that a CPU-only machine opens with ``faiss.read_index``
-        (kwargs: M, method, ef_search, ...: see :func:`pefa_gpu.export.export_hnsw`).
-
-        ERM / PEFAXS / NUDGE: one file at ``path`` (XS, NUDGE: over the adapted embeddings).
-        PEFAXL: ``path`` is a new directory with ``passages.faiss``, ``queries.faiss`` (the m
-        training queries), ``relevance.npz`` (scipy CSR, rows x documents: the m training
-        queries, then with augment_docs one identity row per document, whose neighbours come
-        from ``passages.faiss``: document j is row m + j) and ``export.json`` describing them.
-        A model's ``hnsw`` indices are written as they are."""
+        """Write a faiss HNSW index that a CPU-only machine opens with ``faiss.read_index``:
+        one file, or for PEFAXL a directory with both indices and Y (see
+        :func:`pefa_gpu.export.export_parts`; kwargs: M, method, ef_search, ...)."""
         self.check_fitted()
         kwargs.setdefault("device", self.device)
         return export.export_parts(self._exported(), path, **kwargs)
