@@ -165,19 +165,22 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="do not count each document as a training query for itself")
 
 
-def _grid_args(p: argparse.ArgumentParser, every_family: bool = False) -> None:
-    """--methods, --lam, --k as grids (sweep, tune; tune's default: every family, resolved in
-    _check_args)."""
+def _grid_args(p: argparse.ArgumentParser, every_family: bool = False, point: bool = False
+               ) -> None:
+    """--methods, --lam, --k: sweep's and tune's grids (tune's default: every family, resolved
+    in _check_args), or with ``point`` eval's λ / k (default: each method's own)."""
     p.add_argument("--methods", type=_methods,
                    default=None if every_family else ("erm", "xs", "xl"),
                    help="comma-separated subset of " + ",".join(REGISTRY) + " (default: "
                         + ("every one" if every_family else "erm,xs,xl")
                         + "; NUDGE and the adapter choose their step / alpha on 20%% of the "
                           "training queries)")
-    p.add_argument("--lam", type=_lams, metavar="L,L...", default=None,
-                   help="λ grid, each in [0, 1] (default: 0.1,0.2,...,0.9)")
-    p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
-                   help="XL k grid (default: 16,32,64)")
+    p.add_argument("--lam", type=_lams, metavar="L[,L...]" if point else "L,L...",
+                   help=LAM_HELP if point else "λ grid, each in [0, 1] (default: "
+                                               "0.1,0.2,...,0.9)")
+    p.add_argument("--k", type=_ints, metavar="K[,K...]" if point else "K,K...",
+                   help="XL neighbours (default: XLParams.k)" if point else
+                        "XL k grid (default: 16,32,64)")
 
 
 def _ray_args(p: argparse.ArgumentParser) -> None:
@@ -235,14 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _xmc_args(p)
     _model_args(p)
-    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of " + ",".join(REGISTRY) + " (default: "
-                        "erm,xs,xl; NUDGE and the adapter choose their step / alpha on 20%% of "
-                        "the training queries)")
-    p.add_argument("--lam", type=_lams, metavar="L[,L...]",
-                   help=LAM_HELP)
-    p.add_argument("--k", type=_ints, metavar="K[,K...]",
-                   help="XL neighbours (default: XLParams.k)")
+    _grid_args(p, point=True)
     _out_args(p)
     _ray_args(p)
 
@@ -562,14 +558,11 @@ def _load_xmc_data(args: argparse.Namespace) -> _Data:
                  data.Q_test, data.Y_test, n_pairs=data.Y.nnz)
 
 
-def _sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(backend=args.backend, candidates=_candidates(args),
-                augment_docs=not args.no_augment, device=args.device,
-                show_progress=not args.quiet)
-
-
-def _candidates(args: argparse.Namespace) -> int:
-    return args.candidates or defaults("xl")["candidates"]
+def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """The model options as keywords of sweep, tune, fit_config and the pipeline (--candidates
+    by default: XLSearchParams')."""
+    return dict(backend=args.backend, candidates=args.candidates or defaults("xl")["candidates"],
+                augment_docs=not args.no_augment, device=args.device, **more)
 
 
 # ------------------------------------------------------------------------------ --ray
@@ -622,9 +615,8 @@ def _cluster_rows(args: argparse.Namespace, data: _Data, configs: list) -> tuple
 
     results = evaluate_configs(
         data.P, data.Q_train, data.Y_train, data.Q_test, data.Y_test, configs,
-        args.work / "pipeline", backend=args.backend, candidates=_candidates(args),
-        augment_docs=not args.no_augment, device=args.device, ks=(10, 100),
-        count_empty=args.count_empty, runner=args.runner, show_progress=not args.quiet)
+        args.work / "pipeline", ks=(10, 100), count_empty=args.count_empty,
+        runner=args.runner, **_model_kwargs(args, show_progress=not args.quiet))
     rows = [_result_row(c.method, None if c.method == "erm" else c.lam, c.k, r)
             for c, r in zip(configs, results)]
     return rows, results[-1]
@@ -682,7 +674,7 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
     from .sweep import grid
 
     rows, last, timings = [], {}, {}
-    kw = {**_sweep_kwargs(args), "show_progress": False}
+    kw = _model_kwargs(args, show_progress=False)
     total = sum(len(grid(methods, lams, ks)) for methods, lams, ks in groups)
     with tqdm(total=total, desc=args.command, unit="config", disable=args.quiet) as bar:
         for methods, lams, ks in groups:
@@ -794,12 +786,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from .tune import tune
 
     data = _load_data(args)
-    kw = _sweep_kwargs(args)
     res = tune(data.P, data.Q_train, data.Y_train, methods=args.methods,
                lams=args.lam or PAPER_LAMS, ks=args.k or PAPER_KS,
                val_fraction=args.val_fraction, seed=args.seed, metric=args.metric,
                min_z=args.min_z, test_queries=None if args.no_coverage_match else data.Q_test,
-               **kw)
+               **_model_kwargs(args, show_progress=not args.quiet))
     print(f"validation: {res.n_val} held-out training queries (seed {args.seed}), fitted on "
           f"the other {res.n_fit}; objective = mean of {res.metric}")
     if res.coverage:
@@ -819,9 +810,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         rows, last = _cluster_rows(args, data, configs)
         configs = []
     for cfg in configs:
-        model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device,
-                           backend=args.backend, candidates=_candidates(args),
-                           augment_docs=not args.no_augment)
+        model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **_model_kwargs(args))
         _, ids = model.search(data.Q_test, 100)
         last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
         lam = None if cfg.method == "erm" else cfg.lam
@@ -854,10 +843,9 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .tune import tune
 
     data = _load_data(args, test=False)
-    kw = dict(backend=args.backend, candidates=_candidates(args),
-              augment_docs=not args.no_augment)
+    kw = _model_kwargs(args)
     if args.method == "auto":
-        res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0, device=args.device,
+        res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0,
                    show_progress=not args.quiet, **kw)
         cfg = res.chosen
         print(f"chosen: {cfg.label()} — {res.reason}")
@@ -867,7 +855,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         d = {**defaults(args.method), **{a: v for a, v in (("lam", args.lam), ("k", args.k))
                                          if v is not None}}
         cfg = Config(args.method, d.get("lam"), d.get("k"))
-    model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device, **kw)
+    model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **kw)
     cfg = dataclasses.replace(cfg, gamma=getattr(model, "fitted_gamma", None))
     save_build(model, args.out, data.doc_ids, {
         "encoder": encoder_record(args.model, args.embeddings),
