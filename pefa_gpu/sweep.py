@@ -186,14 +186,15 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
                 _tick(timings, method, t0)
                 bar.update(1)
                 yield Config(method, gamma=nudge.fitted_gamma), s, i
-            elif method == "xs":
+            elif method in ("xs", "adapter+xs"):  # the plain or the adapted queries
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
-                results = (_xs_all_lams(xs, q, lams, topk) if backend == "exact"
-                           else _xs_per_lam(xs, q, lams, topk))
-                _tick(timings, "xs", t0)
+                qq = query_side("adapter")(q) if REGISTRY[method].query else q
+                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact"
+                           else _xs_per_lam(xs, qq, lams, topk))
+                _tick(timings, method, t0)
                 for lam, (s, i) in zip(lams, results):
                     bar.update(1)
-                    yield Config("xs", lam), s, i
+                    yield Config(method, lam), s, i
             elif method in ("adapter", "prf"):
                 erm = query_side("erm")
                 qq = query_side("adapter")(q) if method == "adapter" else VectorPRF()(q, erm)
@@ -201,15 +202,6 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
                 _tick(timings, method, t0)
                 bar.update(1)
                 yield Config(method), s, i
-            elif method == "adapter+xs":
-                xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
-                qq = query_side("adapter")(q)
-                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact"
-                           else _xs_per_lam(xs, qq, lams, topk))
-                _tick(timings, method, t0)
-                for lam, (s, i) in zip(lams, results):
-                    bar.update(1)
-                    yield Config(method, lam), s, i
             else:
                 sh = passage()
                 xl, qq = sh["xl"], sh["q"]
