@@ -390,8 +390,8 @@ def _check_methods(args: argparse.Namespace) -> None:
     _refuse_unused(args, taken, f"--methods {','.join(args.methods)}")
     one_process = [m for m in args.methods if not REGISTRY[m].pipeline]
     if getattr(args, "ray", None) is not None and args.command != "tune" and one_process:
-        raise InputError(f"{', '.join(one_process)} run in one process, not on the pipeline's "
-                         f"stages: drop --ray or those methods")
+        raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
+                         f"pipeline's stages; drop --ray or these methods")
     if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")

@@ -68,10 +68,10 @@ def model_class(name: str) -> type:
 
 
 def defaults(name: str) -> dict[str, Any]:
-    """Method ``name``'s defaults of the settings it takes, from its params classes."""
+    """The defaults of the settings method ``name`` takes, from its params classes."""
     cls = model_class(name)
     both = {**cls.Params().to_dict(), **cls.SearchParams().to_dict()}
-    return {key: both[key] for key in method(name).takes}
+    return {key: both[key] for key in REGISTRY[name].takes}
 
 
 def fit_config(config: Any, P: Any, Q: Any = None, Y: Any = None, device: Any = None,
