@@ -4,6 +4,7 @@ fits what a hand-built model is, and no function of the package is above complex
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -99,3 +100,30 @@ def test_no_function_is_above_complexity_20():
     over = [f"{p.relative_to(root)}:{b.name} ({b.complexity})" for p, b in blocks
             if b.complexity > 20]
     assert not over
+
+
+@pytest.fixture
+def beir(tmp_path):
+    from textdata import write_beir, write_embeddings
+
+    root = write_beir(tmp_path / "toy", n_topics=4, docs_per_topic=5, train_per_doc=2, seed=5)
+    write_embeddings(root, "bow")
+    return root
+
+
+def test_cli_defaults_are_the_params_classes(beir, tmp_path, capsys):
+    from pefa_gpu.builds import load_build
+    from pefa_gpu.cli import main
+
+    common = [str(beir), "--embeddings", "bow", "--device", "cpu", "-q"]
+    assert main(["eval", *common, "--methods", "xs,xl,adapter+xs", "--json",
+                 str(tmp_path / "e.json")]) == 0
+    rows = json.loads((tmp_path / "e.json").read_text())["results"]
+    xs, xl = pg.XSParams(), pg.XLParams()
+    assert [(r["method"], r["lam"], r["k"]) for r in rows] == [
+        ("xs", xs.lam, None), ("xl", xl.lam, xl.k), ("adapter+xs", xs.lam, None)]
+    assert main(["build", *common, "--method", "xl", "--out", str(tmp_path / "m")]) == 0
+    model, _, info = load_build(tmp_path / "m", device="cpu")
+    assert (info["lam"], info["k"]) == (xl.lam, xl.k)
+    assert model.params == xl and model.search_params == pg.XLSearchParams()
+    capsys.readouterr()
