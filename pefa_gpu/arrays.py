@@ -108,35 +108,39 @@ def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
     carries autograd history unless ``x`` is a torch tensor that has it.
     """
     dev = resolve_device(device) if device is not None else None
-    if isinstance(x, torch.Tensor):
-        t = x
-    elif isinstance(x, np.ndarray):
-        bf16 = is_bfloat16(x.dtype)
-        if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
-            raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
-        # read-only arrays (np.load(mmap_mode="r")) are copied: torch tensors are writable
-        a = np.ascontiguousarray(x) if x.flags.writeable else np.array(x)
-        t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 \
-            else torch.from_numpy(a)
-    elif hasattr(x, "__dlpack__"):
-        try:
-            t = torch.from_dlpack(x)
-        except Exception as exc:  # foreign producer that torch cannot read
-            raise InputError(f"{name} ({type(x).__name__}) could not be read through DLPack: "
-                             f"{exc}") from exc
-    elif hasattr(x, "__array__") or isinstance(x, (list, tuple)):
-        try:
-            t = torch.as_tensor(np.asarray(x))
-        except (TypeError, ValueError) as exc:
-            raise InputError(f"{name} could not be turned into a numeric array: {exc}") from exc
-    else:
-        raise InputError(f"{name} must be an array (numpy, torch, cupy or DLPack), "
-                         f"got {type(x).__name__}")
+    t = _as_torch(x, name)
     if t.dtype == torch.bool or t.is_complex():
         raise InputError(f"{name} has dtype {t.dtype}; a real-valued array is needed")
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
         return t  # nothing to move (skips a torch dispatch: this runs on every search)
     return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype)
+
+
+def _as_torch(x: Any, name: str) -> torch.Tensor:
+    """``x`` as a torch tensor where it lies (zero-copy where possible); see :func:`as_tensor`."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        bf16 = is_bfloat16(x.dtype)
+        if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
+            raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
+        # read-only arrays (np.load(mmap_mode="r")) are copied: torch tensors are writable
+        a = np.ascontiguousarray(x) if x.flags.writeable else np.array(x)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 \
+            else torch.from_numpy(a)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return torch.from_dlpack(x)
+        except Exception as exc:  # foreign producer that torch cannot read
+            raise InputError(f"{name} ({type(x).__name__}) could not be read through DLPack: "
+                             f"{exc}") from exc
+    if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
+        try:
+            return torch.as_tensor(np.asarray(x))
+        except (TypeError, ValueError) as exc:
+            raise InputError(f"{name} could not be turned into a numeric array: {exc}") from exc
+    raise InputError(f"{name} must be an array (numpy, torch, cupy or DLPack), "
+                     f"got {type(x).__name__}")
 
 
 def to_numpy(x: Any) -> np.ndarray:

@@ -31,18 +31,20 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import PefaError
+from .errors import InputError, PefaError
+from .methods import REGISTRY, defaults, fit_config
 
 log = logging.getLogger("pefa_gpu")
 
 METRICS = ("recall@10", "recall@100", "ndcg@10", "mrr@10")
 SEARCH_FORMATS = ("tsv", "json", "trec")
-BUILD_METHODS = ("erm", "xs", "xl", "nudge-m", "nudge-n", "adapter", "prf", "adapter+xs", "auto")
 
 
 # ------------------------------------------------------------------------------ arguments
 
 LAM_RULE = "λ must lie in [0, 1]"
+LAM_HELP = ("λ in [0, 1], weight of the ERM score (default: the method's, XSParams.lam or "
+            "XLParams.lam)")
 
 
 def _numbers(text: str, kind: type, what: str) -> tuple:
@@ -96,15 +98,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return vals
 
 
-ALL_METHODS = ("erm", "xs", "xl", "nudge-m", "nudge-n", "adapter", "prf", "adapter+xs")
-QUERY_METHODS = ("adapter", "prf", "adapter+xs")  # the query side (pefa_gpu.query)
-
-
 def _methods(text: str) -> tuple[str, ...]:
     vals = tuple(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
-    bad = [m for m in vals if m not in ALL_METHODS]
+    bad = [m for m in vals if m not in REGISTRY]
     if bad or not vals:
-        raise argparse.ArgumentTypeError(f"methods are {', '.join(ALL_METHODS)} "
+        raise argparse.ArgumentTypeError(f"methods are {', '.join(REGISTRY)} "
                                          f"(comma-separated), got {text!r}")
     return vals
 
@@ -161,24 +159,28 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="exact",
                    help="index backend: exact (default), or hnsw / ivf / ... when installed")
     g.add_argument("--candidates", type=_positive_int, default=None, metavar="KP",
-                   help="PEFA-XL: ERM candidates taken from the passage index (default: 500)")
+                   help="PEFA-XL: ERM candidates taken from the passage index (default: "
+                        "XLSearchParams.candidates)")
     g.add_argument("--no-augment", action="store_true",
                    help="do not count each document as a training query for itself")
 
 
-def _grid_args(p: argparse.ArgumentParser, every_family: bool = False) -> None:
-    """--methods, --lam, --k as grids (sweep, tune; tune's default: every family, resolved in
-    _check_args)."""
+def _grid_args(p: argparse.ArgumentParser, every_family: bool = False, point: bool = False
+               ) -> None:
+    """--methods, --lam, --k: sweep's and tune's grids (tune's default: every family, resolved
+    in _check_args), or with ``point`` eval's λ / k (default: each method's own)."""
     p.add_argument("--methods", type=_methods,
                    default=None if every_family else ("erm", "xs", "xl"),
-                   help="comma-separated subset of " + ",".join(ALL_METHODS) + " (default: "
+                   help="comma-separated subset of " + ",".join(REGISTRY) + " (default: "
                         + ("every one" if every_family else "erm,xs,xl")
                         + "; NUDGE and the adapter choose their step / alpha on 20%% of the "
                           "training queries)")
-    p.add_argument("--lam", type=_lams, metavar="L,L...", default=None,
-                   help="λ grid, each in [0, 1] (default: 0.1,0.2,...,0.9)")
-    p.add_argument("--k", type=_ints, metavar="K,K...", default=None,
-                   help="XL k grid (default: 16,32,64)")
+    p.add_argument("--lam", type=_lams, metavar="L[,L...]" if point else "L,L...",
+                   help=LAM_HELP if point else "λ grid, each in [0, 1] (default: "
+                                               "0.1,0.2,...,0.9)")
+    p.add_argument("--k", type=_ints, metavar="K[,K...]" if point else "K,K...",
+                   help="XL neighbours (default: XLParams.k)" if point else
+                        "XL k grid (default: 16,32,64)")
 
 
 def _ray_args(p: argparse.ArgumentParser) -> None:
@@ -236,15 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     _xmc_args(p)
     _model_args(p)
-    p.add_argument("--methods", type=_methods, default=("erm", "xs", "xl"),
-                   help="comma-separated subset of " + ",".join(ALL_METHODS) + " (default: "
-                        "erm,xs,xl; NUDGE and the adapter choose their step / alpha on 20%% of "
-                        "the training queries)")
-    p.add_argument("--lam", type=_lams, metavar="L[,L...]",
-                   help="λ in [0, 1], weight of the ERM score (default: 0.5 for XS and "
-                        "adapter+xs, 0.1 for XL)")
-    p.add_argument("--k", type=_ints, metavar="K[,K...]",
-                   help="XL neighbours (default: 16)")
+    _grid_args(p, point=True)
     _out_args(p)
     _ray_args(p)
 
@@ -290,13 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--out, for `pefa-gpu search`. Nothing is evaluated.")
     _common(p, evaluate=False)
     _model_args(p)
-    p.add_argument("--method", default="xs", choices=BUILD_METHODS,
+    p.add_argument("--method", default="xs", choices=(*REGISTRY, "auto"),
                    help="model to build; auto = the choice of `tune`; NUDGE chooses its step "
                         "on 20%% of the training queries (default: xs)")
     p.add_argument("--lam", type=_lam, default=None, metavar="L",
-                   help="λ in [0, 1], weight of the ERM score (default: 0.5 XS, 0.1 XL)")
+                   help=LAM_HELP)
     p.add_argument("--k", type=_positive_int, default=None,
-                   help="XL neighbours (default: 16)")
+                   help="XL neighbours (default: XLParams.k)")
     p.add_argument("--seed", type=int, default=None,
                    help="--method auto: seed of the validation split (default: 0)")
     p.add_argument("--out", required=True, metavar="MODEL_DIR",
@@ -350,9 +344,27 @@ def _check_args(args: argparse.Namespace) -> None:
     """Every rule that involves more than one option, and the outputs' writability, in one
     place, before any data is read. Raises InputError; options that would do nothing for the
     chosen method are refused (they are likely a mistake)."""
-    from .errors import InputError
+    _check_data(args)
+    if args.command in ("eval", "sweep", "tune"):
+        _check_methods(args)
+    if args.command == "build":
+        taken = TUNE_TAKES if args.method == "auto" else set(REGISTRY[args.method].takes)
+        _refuse_unused(args, taken, f"--method {args.method}")
+        from .builds import BUILD_FORMAT, BUILD_MANIFEST
+        from .storage import check_save_target
+        check_save_target(args.out, BUILD_MANIFEST, BUILD_FORMAT)
+    if args.command == "search":
+        _check_search(args)
+    _check_ray(args)
+    from .storage import check_output_file  # imports torch: after the checks above
 
-    cmd = args.command
+    for option, path in _outputs(args):
+        check_output_file(path, option)
+
+
+def _check_data(args: argparse.Namespace) -> None:
+    """DATA_DIR, or --xmc with --emb (and nothing else that names data); --embeddings or
+    --model."""
     if getattr(args, "embeddings", None) and args.model:
         raise InputError("give either --embeddings (precomputed) or --model (encode), not both")
     if getattr(args, "xmc", None) or getattr(args, "emb", None):
@@ -367,41 +379,35 @@ def _check_args(args: argparse.Namespace) -> None:
     elif hasattr(args, "data_dir") and args.data_dir is None:
         raise InputError("no data: give DATA_DIR (a BEIR folder)"
                          + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
-    if cmd in ("eval", "sweep", "tune"):
-        if args.methods is None:  # tune: every family
-            args.methods = ALL_METHODS
-        methods = set(args.methods)
-        xs_like = bool(methods & {"xs", "xl", "adapter+xs"})
-        _refuse_unused(args, {"lam": xs_like, "k": "xl" in methods,
-                              "candidates": "xl" in methods, "no_augment": xs_like},
-                       f"--methods {','.join(args.methods)}")
-        # (tune validates in one process; its test run uses the cluster for erm / xs / xl only)
-        ray = getattr(args, "ray", None) is not None and cmd != "tune"
-        if ray and any(m.startswith("nudge") for m in methods):
-            raise InputError("NUDGE runs in one process: drop --ray or nudge-m / nudge-n")
-        if ray and methods & set(QUERY_METHODS):
-            raise InputError(f"the query side runs in one process: drop --ray or "
-                             f"{', '.join(QUERY_METHODS)}")
-    if cmd == "tune" and not 0.0 < args.val_fraction < 1.0:
+
+
+def _check_methods(args: argparse.Namespace) -> None:
+    """eval / sweep / tune: the model options the methods take; --ray with the methods the
+    pipeline runs (tune validates in one process; its test run uses the cluster where it can)."""
+    if args.methods is None:  # tune: every family
+        args.methods = tuple(REGISTRY)
+    taken = {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)}
+    _refuse_unused(args, taken, f"--methods {','.join(args.methods)}")
+    one_process = [m for m in args.methods if not REGISTRY[m].pipeline]
+    if getattr(args, "ray", None) is not None and args.command != "tune" and one_process:
+        raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
+                         f"pipeline's stages; drop --ray or these methods")
+    if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")
-    if cmd == "build":
-        m = args.method
-        _refuse_unused(args, {"lam": m in ("xs", "xl", "adapter+xs"), "k": m == "xl",
-                              "candidates": m in ("xl", "auto"),
-                              "no_augment": m in ("xs", "xl", "adapter+xs", "auto"),
-                              "seed": m == "auto"}, f"--method {m}")
-        from .builds import BUILD_FORMAT, BUILD_MANIFEST
-        from .storage import check_save_target
-        check_save_target(args.out, BUILD_MANIFEST, BUILD_FORMAT)
-    if cmd == "search":
-        if not args.texts and not args.queries:
-            raise InputError("no queries: give query texts or --queries FILE")
-        if args.tag is not None and _search_format(args) != "trec":
-            raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
-                             "ending in .trec / .run)")
-        if args.tag is not None and (not args.tag or any(c.isspace() for c in args.tag)):
-            raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
+
+
+def _check_search(args: argparse.Namespace) -> None:
+    if not args.texts and not args.queries:
+        raise InputError("no queries: give query texts or --queries FILE")
+    if args.tag is not None and _search_format(args) != "trec":
+        raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
+                         "ending in .trec / .run)")
+    if args.tag is not None and (not args.tag or any(c.isspace() for c in args.tag)):
+        raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
+
+
+def _check_ray(args: argparse.Namespace) -> None:
     if getattr(args, "ray", None) is None:
         for name in ("workers", "work_dir"):
             if getattr(args, name, None) is not None:
@@ -409,18 +415,18 @@ def _check_args(args: argparse.Namespace) -> None:
     elif args.ray != "local" and not args.work_dir:
         raise InputError(f"--ray {args.ray} needs --work-dir: a folder every node of the "
                          f"cluster sees")
-    from .storage import check_output_file  # imports torch: after the checks above
-
-    for option, path in _outputs(args):
-        check_output_file(path, option)
 
 
-def _refuse_unused(args: argparse.Namespace, used: dict[str, bool], why: str) -> None:
-    from .errors import InputError
+# the model options and the params fields they set: a method takes an option when it takes
+# the field (pefa_gpu.methods); --seed is the seed of `tune`'s split
+OPTION_FIELDS = {"lam": "lam", "k": "k", "candidates": "candidates",
+                 "no_augment": "augment_docs", "seed": "seed"}
+TUNE_TAKES = {"candidates", "augment_docs", "seed"}  # build --method auto: tune's options
 
-    for name, is_used in used.items():
-        value = getattr(args, name, None)
-        if value not in (None, False) and not is_used:
+
+def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
+    for name, field in OPTION_FIELDS.items():
+        if getattr(args, name, None) not in (None, False) and field not in taken:
             raise InputError(f"--{name.replace('_', '-')} has no effect with {why}; drop it "
                              f"(λ weighs ERM in xs / xl, k and --candidates are PEFA-XL's)")
 
@@ -470,8 +476,6 @@ def resolve_model_arg(spec: str | None) -> Any:
     a callable texts -> array (a class is instantiated with no arguments)."""
     import importlib
 
-    from .errors import InputError
-
     if spec is None or ":" not in spec or Path(spec).exists():
         return spec
     module, _, attr = spec.partition(":")
@@ -503,8 +507,6 @@ def _encoder(args: argparse.Namespace):
 def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     """Embeddings and relevance of the training pairs (and of the test split)."""
     from .datasets import load_beir, load_pairs
-    from .errors import InputError
-
     if getattr(args, "xmc", None):
         return _load_xmc_data(args)
     ds = load_beir(args.data_dir)
@@ -556,14 +558,11 @@ def _load_xmc_data(args: argparse.Namespace) -> _Data:
                  data.Q_test, data.Y_test, n_pairs=data.Y.nnz)
 
 
-def _sweep_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(backend=args.backend, candidates=_candidates(args),
-                augment_docs=not args.no_augment, device=args.device,
-                show_progress=not args.quiet)
-
-
-def _candidates(args: argparse.Namespace) -> int:
-    return 500 if args.candidates is None else args.candidates
+def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
+    """The model options as keywords of sweep, tune, fit_config and the pipeline (--candidates
+    by default: XLSearchParams')."""
+    return dict(backend=args.backend, candidates=args.candidates or defaults("xl")["candidates"],
+                augment_docs=not args.no_augment, device=args.device, **more)
 
 
 # ------------------------------------------------------------------------------ --ray
@@ -616,9 +615,8 @@ def _cluster_rows(args: argparse.Namespace, data: _Data, configs: list) -> tuple
 
     results = evaluate_configs(
         data.P, data.Q_train, data.Y_train, data.Q_test, data.Y_test, configs,
-        args.work / "pipeline", backend=args.backend, candidates=_candidates(args),
-        augment_docs=not args.no_augment, device=args.device, ks=(10, 100),
-        count_empty=args.count_empty, runner=args.runner, show_progress=not args.quiet)
+        args.work / "pipeline", ks=(10, 100), count_empty=args.count_empty,
+        runner=args.runner, **_model_kwargs(args, show_progress=not args.quiet))
     rows = [_result_row(c.method, None if c.method == "erm" else c.lam, c.k, r)
             for c, r in zip(configs, results)]
     return rows, results[-1]
@@ -676,7 +674,7 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
     from .sweep import grid
 
     rows, last, timings = [], {}, {}
-    kw = {**_sweep_kwargs(args), "show_progress": False}
+    kw = _model_kwargs(args, show_progress=False)
     total = sum(len(grid(methods, lams, ks)) for methods, lams, ks in groups)
     with tqdm(total=total, desc=args.command, unit="config", disable=args.quiet) as bar:
         for methods, lams, ks in groups:
@@ -693,14 +691,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from .sweep import markdown_table
 
     data = _load_data(args)
-    groups = []
-    for m in args.methods:
-        if m in ("erm", "adapter", "prf") or m.startswith("nudge"):
-            groups.append(((m,), (), ()))
-        elif m in ("xs", "adapter+xs"):
-            groups.append(((m,), args.lam or (0.5,), ()))
-        else:
-            groups.append((("xl",), args.lam or (0.1,), args.k or (16,)))
+    groups = [((m,), *[(given or (defaults(m)[axis],)) if axis in REGISTRY[m].axes else ()
+                       for axis, given in (("lam", args.lam), ("k", args.k))])
+              for m in args.methods]  # each method at the given λ / k, else its defaults
     if args.runner is not None:
         from .sweep import grid
         rows, last = _cluster_rows(args, data, [c for g in groups for c in grid(*g)])
@@ -790,15 +783,14 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
 def cmd_tune(args: argparse.Namespace) -> int:
     from .metrics import evaluate
     from .sweep import PAPER_KS, PAPER_LAMS, markdown_table
-    from .tune import fit_config, tune
+    from .tune import tune
 
     data = _load_data(args)
-    kw = _sweep_kwargs(args)
     res = tune(data.P, data.Q_train, data.Y_train, methods=args.methods,
                lams=args.lam or PAPER_LAMS, ks=args.k or PAPER_KS,
                val_fraction=args.val_fraction, seed=args.seed, metric=args.metric,
                min_z=args.min_z, test_queries=None if args.no_coverage_match else data.Q_test,
-               **kw)
+               **_model_kwargs(args, show_progress=not args.quiet))
     print(f"validation: {res.n_val} held-out training queries (seed {args.seed}), fitted on "
           f"the other {res.n_fit}; objective = mean of {res.metric}")
     if res.coverage:
@@ -813,14 +805,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print()
     configs = [res.chosen] if res.chosen.method == "erm" else [_erm(), res.chosen]
     rows, last = [], {}
-    if args.runner is not None and all(c.method in ("erm", "xs", "xl") for c in configs):
+    if args.runner is not None and all(REGISTRY[c.method].pipeline for c in configs):
         # the test run goes through the pipeline's stages (NUDGE and the query side: here)
         rows, last = _cluster_rows(args, data, configs)
         configs = []
     for cfg in configs:
-        model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device,
-                           backend=args.backend, candidates=_candidates(args),
-                           augment_docs=not args.no_augment)
+        model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **_model_kwargs(args))
         _, ids = model.search(data.Q_test, 100)
         last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
         lam = None if cfg.method == "erm" else cfg.lam
@@ -850,25 +840,22 @@ def _erm():
 def cmd_build(args: argparse.Namespace) -> int:
     from .builds import encoder_record, save_build
     from .sweep import Config
-    from .tune import fit_config, tune
+    from .tune import tune
 
     data = _load_data(args, test=False)
-    kw = dict(backend=args.backend, candidates=_candidates(args),
-              augment_docs=not args.no_augment)
+    kw = _model_kwargs(args)
     if args.method == "auto":
-        res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0, device=args.device,
+        res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0,
                    show_progress=not args.quiet, **kw)
         cfg = res.chosen
         print(f"chosen: {cfg.label()} — {res.reason}")
     elif args.method == "erm":
-        cfg = Config("erm", 1.0, None)
-    elif args.method in ("nudge-m", "nudge-n", "adapter", "prf"):
-        cfg = Config(args.method)
-    elif args.method in ("xs", "adapter+xs"):
-        cfg = Config(args.method, 0.5 if args.lam is None else args.lam, None)
-    else:
-        cfg = Config("xl", 0.1 if args.lam is None else args.lam, args.k or 16)
-    model = fit_config(cfg, data.P, data.Q_train, data.Y_train, device=args.device, **kw)
+        cfg = _erm()
+    else:  # the λ / k given, else the method's defaults
+        d = {**defaults(args.method), **{a: v for a, v in (("lam", args.lam), ("k", args.k))
+                                         if v is not None}}
+        cfg = Config(args.method, d.get("lam"), d.get("k"))
+    model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **kw)
     cfg = dataclasses.replace(cfg, gamma=getattr(model, "fitted_gamma", None))
     save_build(model, args.out, data.doc_ids, {
         "encoder": encoder_record(args.model, args.embeddings),
@@ -916,8 +903,6 @@ def _read_queries(path: str) -> list[tuple[str, str]]:
     """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines; texts
     without an id get :func:`_query_id`."""
     from .datasets import record_id, text_lines
-    from .errors import InputError
-
     p = Path(path)
     if not p.is_file():
         raise InputError(f"queries file {p} not found")
@@ -951,8 +936,6 @@ def _read_queries(path: str) -> list[tuple[str, str]]:
 def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The command line's queries, then the file's; a repeated (id, text) is searched once,
     one id with two texts is an error."""
-    from .errors import InputError
-
     queries = [(_query_id(t), t) for t in args.texts]
     if args.queries:
         queries += _read_queries(args.queries)
@@ -979,8 +962,6 @@ def _format_results(fmt: str, queries: list[tuple[str, str]], scores: np.ndarray
                     ids: np.ndarray, doc_ids: list[str], tag: str,
                     doc_text: tuple[list[str], list[str]] | None = None) -> str:
     """doc_text: (titles, snippets) per document, shown in TSV columns / JSON fields."""
-    from .errors import InputError
-
     hits = [[(r + 1, doc_ids[int(i)], float(s), int(i))
              for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0]
             for b in range(len(queries))]

@@ -16,6 +16,7 @@ import json
 import math
 import unicodedata
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -250,16 +251,7 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
                              f"queries")
         if d not in index:
             raise InputError(f"{where}: document id {d!r} is not in the corpus")
-        if w is None:
-            w = 1.0
-        elif isinstance(w, str):
-            try:
-                w = float(w)
-            except ValueError:
-                raise InputError(f"{where}: weight {w!r} is not a number") from None
-        w = float(w)
-        if not np.isfinite(w) or w < 0:
-            raise InputError(f"{where}: weight {w!r} must be a finite number >= 0")
+        w = _weight(w, where)
         if (min_score is not None and w < min_score) or w == 0:
             continue
         qrows.append(keys.setdefault(q, len(keys)))
@@ -275,6 +267,20 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     qkeys = list(keys)
     texts = [queries[k] for k in qkeys] if queries is not None else qkeys
     return Pairs(path, qkeys, texts, y)
+
+
+def _weight(w: Any, where: str) -> float:
+    """A pair's weight: 1 when absent, else a finite number >= 0 (InputError naming ``where``)."""
+    if w is None:
+        return 1.0
+    try:
+        w = float(w) if isinstance(w, str) else w
+    except ValueError:
+        raise InputError(f"{where}: weight {w!r} is not a number") from None
+    w = float(w)
+    if not np.isfinite(w) or w < 0:
+        raise InputError(f"{where}: weight {w!r} must be a finite number >= 0")
+    return w
 
 
 def _tsv_records(path: Path):

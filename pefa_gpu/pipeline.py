@@ -59,6 +59,7 @@ import torch
 from .aggregate import pefa_xs, pifa
 from .arrays import as_embeddings, as_tensor, check_positive_int, check_topk, to_numpy
 from .errors import FormatError, InputError
+from .methods import REGISTRY
 from .relevance import as_relevance
 from .storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
                       write_output_file, writing_save)
@@ -70,7 +71,7 @@ STAGE_FILE = "stage.json"
 STAGE_FORMAT = "pefa-gpu-stage"
 SHARD_MANIFEST = "pefa_shard.json"
 SHARD_FORMAT = "pefa-gpu-shard"
-METHODS = ("erm", "xs", "xl")
+METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
 DEFAULT_ROWS = 100_000      # rows per shard (documents, queries, texts)
 DEFAULT_BATCH = 1024        # test queries per search round
 

@@ -137,21 +137,7 @@ def _own_csr(y: Any, name: str) -> sp.csr_matrix:
     _real(y, name)
     m, n = (int(s) for s in y.shape)
     if y.format in ("csr", "csc"):
-        major, minor = (m, n) if y.format == "csr" else (n, m)
-        indptr, indices = np.asarray(y.indptr), np.asarray(y.indices)
-        if indptr.ndim != 1 or indptr.shape[0] != major + 1 or indptr.dtype.kind not in "iu":
-            raise InputError(f"{name} ({y.format}): indptr must be {major + 1} integers, got "
-                             f"{indptr.dtype} shape {indptr.shape}")
-        nnz = int(indptr[-1])
-        if int(indptr[0]) != 0 or np.any(indptr[1:] < indptr[:-1]) \
-                or nnz > min(indices.shape[0], y.data.shape[0]):
-            raise InputError(f"{name} ({y.format}): indptr must rise from 0 to at most the "
-                             f"{indices.shape[0]} stored entries, got {indptr[:5].tolist()}...")
-        _check_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
-                   else "row (query)")
-        cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
-        csr = cls((np.array(y.data[:nnz], dtype=np.float32), _int_copy(indices[:nnz]),
-                   _int_copy(indptr)), shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
+        csr = _compressed_csr(y, m, n, name)
     else:
         try:
             coo = y if y.format == "coo" else y.tocoo()
@@ -171,6 +157,25 @@ def _own_csr(y: Any, name: str) -> sp.csr_matrix:
     if y.dtype == bool:  # a bool matrix's duplicates are one True (as scipy reads it)
         csr.data[:] = 1.0
     return _finite(csr, name)
+
+
+def _compressed_csr(y: Any, m: int, n: int, name: str) -> sp.csr_matrix:
+    """A new float32 CSR matrix from a CSR / CSC matrix whose index arrays are checked first."""
+    major, minor = (m, n) if y.format == "csr" else (n, m)
+    indptr, indices = np.asarray(y.indptr), np.asarray(y.indices)
+    if indptr.ndim != 1 or indptr.shape[0] != major + 1 or indptr.dtype.kind not in "iu":
+        raise InputError(f"{name} ({y.format}): indptr must be {major + 1} integers, got "
+                         f"{indptr.dtype} shape {indptr.shape}")
+    nnz = int(indptr[-1])
+    if int(indptr[0]) != 0 or np.any(indptr[1:] < indptr[:-1]) \
+            or nnz > min(indices.shape[0], y.data.shape[0]):
+        raise InputError(f"{name} ({y.format}): indptr must rise from 0 to at most the "
+                         f"{indices.shape[0]} stored entries, got {indptr[:5].tolist()}...")
+    _check_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
+               else "row (query)")
+    cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
+    return cls((np.array(y.data[:nnz], dtype=np.float32), _int_copy(indices[:nnz]),
+                _int_copy(indptr)), shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
 
 
 def _check_ids(ids: np.ndarray, size: int, name: str, what: str) -> None:

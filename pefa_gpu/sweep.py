@@ -35,6 +35,7 @@ import torch
 from .aggregate import normalize_rows
 from .arrays import as_embeddings, check_positive_int, resolve_device
 from .errors import InputError
+from .methods import REGISTRY, takes
 from .metrics import evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
@@ -46,10 +47,9 @@ log = logging.getLogger("pefa_gpu")
 PAPER_LAMS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PAPER_KS: tuple[int, ...] = (16, 32, 64)
 DEFAULT_METHODS: tuple[str, ...] = ("erm", "xs", "xl")
-NUDGE_METHODS: tuple[str, ...] = ("nudge-m", "nudge-n")
-QUERY_METHODS: tuple[str, ...] = ("adapter", "prf", "adapter+xs")
-# every method a grid can name (and tune's default: every family)
-METHODS: tuple[str, ...] = DEFAULT_METHODS + NUDGE_METHODS + QUERY_METHODS
+NUDGE_METHODS: tuple[str, ...] = tuple(m for m in REGISTRY if REGISTRY[m].model == "NUDGE")
+QUERY_METHODS: tuple[str, ...] = tuple(m for m in REGISTRY if REGISTRY[m].query)
+METHODS: tuple[str, ...] = tuple(REGISTRY)  # every method a grid can name (tune's default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,12 +119,9 @@ def grid(methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER
     methods, lams, ks = _check_grid(methods, lams, ks)
     out: list[Config] = []
     for m in methods:
-        if m in ("erm", "adapter", "prf") or m in NUDGE_METHODS:
-            out.append(Config(m))
-        elif m in ("xs", "adapter+xs"):
-            out += [Config(m, lam) for lam in lams]
-        else:
-            out += [Config("xl", lam, k) for k in ks for lam in lams]
+        axes = REGISTRY[m].axes
+        out += ([Config(m, lam, k) for k in ks for lam in lams] if "k" in axes else
+                [Config(m, lam) for lam in lams] if axes else [Config(m)])
     return out
 
 
@@ -189,14 +186,15 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
                 _tick(timings, method, t0)
                 bar.update(1)
                 yield Config(method, gamma=nudge.fitted_gamma), s, i
-            elif method == "xs":
+            elif method in ("xs", "adapter+xs"):  # the plain or the adapted queries
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
-                results = (_xs_all_lams(xs, q, lams, topk) if backend == "exact"
-                           else _xs_per_lam(xs, q, lams, topk))
-                _tick(timings, "xs", t0)
+                qq = query_side("adapter")(q) if REGISTRY[method].query else q
+                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact"
+                           else _xs_per_lam(xs, qq, lams, topk))
+                _tick(timings, method, t0)
                 for lam, (s, i) in zip(lams, results):
                     bar.update(1)
-                    yield Config("xs", lam), s, i
+                    yield Config(method, lam), s, i
             elif method in ("adapter", "prf"):
                 erm = query_side("erm")
                 qq = query_side("adapter")(q) if method == "adapter" else VectorPRF()(q, erm)
@@ -204,15 +202,6 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
                 _tick(timings, method, t0)
                 bar.update(1)
                 yield Config(method), s, i
-            elif method == "adapter+xs":
-                xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
-                qq = query_side("adapter")(q)
-                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact"
-                           else _xs_per_lam(xs, qq, lams, topk))
-                _tick(timings, method, t0)
-                for lam, (s, i) in zip(lams, results):
-                    bar.update(1)
-                    yield Config(method, lam), s, i
             else:
                 sh = passage()
                 xl, qq = sh["xl"], sh["q"]
@@ -373,12 +362,12 @@ def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
                          f"{list(methods)}")
     lams = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x
                  for x in lams)
-    if {"xs", "xl", "adapter+xs"} & set(methods) and not lams:
+    if takes(methods, "lam") and not lams:
         raise InputError("lams is empty: give at least one λ in [0, 1]")
     for lam in lams:
         check_unit_interval(lam, "lam")
     ks = tuple(ks)
-    if "xl" in methods and not ks:
+    if takes(methods, "k") and not ks:
         raise InputError("ks is empty: give at least one k > 0 for XL")
     for k in ks:
         check_positive(k, "k")

@@ -38,12 +38,11 @@ from scipy import stats
 
 from .arrays import as_embeddings, resolve_device, to_numpy
 from .errors import InputError
-from .models import ERM, NUDGE, PEFAXL, PEFAXS
-from .query import QueryAdapter, QueryModel, VectorPRF
+from .methods import fit_config  # noqa: F401 (pefa_gpu.fit_config)
+from .models import ERM
 from .relevance import as_relevance
 from .splits import split_queries
-from .sweep import (METHODS, NUDGE_METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult,
-                    sweep_search)
+from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
 from .metrics import evaluate
 
 log = logging.getLogger("pefa_gpu")
@@ -224,28 +223,3 @@ def match_coverage(P: Any, q_val: Any, y_fit: Any, y_val: Any, y_all: Any, test_
     info["matched_coverage"] = covered / total
     keep_cols = sp.diags((~drop).astype(np.float32))
     return Relevance(yf @ keep_cols), info
-
-
-def fit_config(config: Config, P: Any, Q: Any = None, Y: Any = None, device: Any = None,
-               backend: str = "exact", candidates: int = 500, **params: Any) -> Any:
-    """A fitted ERM / PEFAXS / PEFAXL / NUDGE, or a QueryModel over ERM / PEFAXS for the query
-    side, for ``config`` (``params``: other model params, e.g. augment_docs, knn_norm,
-    rescore)."""
-    if config.method == "erm":
-        return ERM(backend=backend, device=device).fit(P)
-    if config.method in ("adapter", "prf", "adapter+xs"):
-        base = fit_config(Config("erm") if config.method != "adapter+xs" else
-                          Config("xs", config.lam), P, Q, Y, device, backend, **params)
-        adapter = None if config.method == "prf" else \
-            QueryAdapter(device=base.device).fit(Q, Y, P)
-        return QueryModel(base, adapter, VectorPRF() if config.method == "prf" else None)
-    if config.method in NUDGE_METHODS:
-        return NUDGE(variant=config.method[-1].upper(), backend=backend,
-                     device=device).fit(P, Q, Y)
-    if config.method == "xs":
-        return PEFAXS(lam=config.lam, backend=backend, device=device,
-                      **{k: v for k, v in params.items() if k == "augment_docs"}).fit(P, Q, Y)
-    if config.method == "xl":
-        return PEFAXL(lam=config.lam, k=config.k, search_params={"candidates": candidates},
-                      backend=backend, device=device, **params).fit(P, Q, Y)
-    raise InputError(f"unknown method {config.method!r}; choose one of {list(METHODS)}")

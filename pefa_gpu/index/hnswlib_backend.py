@@ -228,22 +228,7 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
                           f"{per_element} bytes)")
     # upper levels: per node a uint32 byte count, then `level` lists of count + max_m ids
     links = 4 + 4 * max_m
-    levels = np.zeros(count, np.int64)
-    blocks, pos = [], end0
-    view = memoryview(raw)
-    for node in range(count):
-        if pos + 4 > size:
-            raise FormatError(f"{path} is truncated in the link lists of node {node}")
-        nbytes = struct.unpack_from("<I", view, pos)[0]
-        pos += 4
-        if nbytes:
-            if nbytes % links or pos + nbytes > size:
-                raise FormatError(f"{path}: node {node} has a malformed upper-level link list")
-            levels[node] = nbytes // links
-            blocks.append((node, pos))
-            pos += nbytes
-    if pos != size:
-        raise FormatError(f"{path} is longer than its link lists ({size - pos} bytes more)")
+    levels, blocks = _upper_levels(path, raw, count, end0, links)
     if levels[enter] != maxlevel:
         raise FormatError(f"{path}: the entry point {enter} is on level {levels[enter]}, the "
                           f"header says the top level is {maxlevel}")
@@ -259,6 +244,30 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
                                for node, at in blocks])
         level = np.concatenate([np.arange(1, levels[node] + 1) for node, _ in blocks])
         _check_lists(path, rows, max_m, level, levels, None)
+
+
+def _upper_levels(path: Path, raw: np.ndarray, count: int, start: int, links: int
+                  ) -> tuple[np.ndarray, list[tuple[int, int]]]:
+    """Each node's top level and (node, offset) of its upper-level lists, read from the per-node
+    blocks from ``start`` to the end of the file (FormatError where they do not fit)."""
+    size = raw.size
+    levels = np.zeros(count, np.int64)
+    blocks, pos = [], start
+    view = memoryview(raw)
+    for node in range(count):
+        if pos + 4 > size:
+            raise FormatError(f"{path} is truncated in the link lists of node {node}")
+        nbytes = struct.unpack_from("<I", view, pos)[0]
+        pos += 4
+        if nbytes:
+            if nbytes % links or pos + nbytes > size:
+                raise FormatError(f"{path}: node {node} has a malformed upper-level link list")
+            levels[node] = nbytes // links
+            blocks.append((node, pos))
+            pos += nbytes
+    if pos != size:
+        raise FormatError(f"{path} is longer than its link lists ({size - pos} bytes more)")
+    return levels, blocks
 
 
 def _check_lists(path: Path, lists: np.ndarray, width: int, level: Any, levels: np.ndarray,
