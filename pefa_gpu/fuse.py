@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -469,12 +469,47 @@ def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
     return out_s, out_i
 
 
-def fuse(queries: Array, docs: Array, rows: RelevanceRows, erm: tuple[Array, Array],
-         knn: tuple[Array, Array], *, lam: float, divisor: float, rescore: bool,
-         erm_exact: bool, topk: int, distinct: bool = False) -> tuple[Array, Array]:
-    """The fused top-``topk`` of each query (arguments as :func:`candidate_table`; every
-    neighbour of ``knn`` votes with weight s / ``divisor``): (B, topk) float32 scores and int64
-    ids of ``erm``'s kind, ties to the lower id, -1 / -inf padded."""
-    table = candidate_table(queries, docs, rows, erm, knn, rescore=rescore, erm_exact=erm_exact,
-                            distinct=distinct)
-    return table.topk(lam, table.knn_scores(knn[1].shape[1], divisor), topk)
+def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+         rows: RelevanceRows, docs: Array, *, lams: Sequence[float], ks: Sequence[int],
+         knn_norm: str, rescore: bool, erm_exact: bool, topk: int, distinct: bool = False,
+         batch_size: int | None = None) -> dict[tuple[float, int], tuple[Array, Array]]:
+    """The fused top-``topk`` of each query for every (lam, k) of ``lams`` x ``ks``
+    (arguments as :func:`candidate_table`; ``knn`` with >= max(ks) neighbours; the first k
+    vote with w(s) = s / k for ``knn_norm`` "k", else s): {(lam, k): ((B, topk) float32
+    scores, int64 ids)} of ``erm``'s kind, ties to the lower id, -1 / -inf padded. Per
+    ``batch_size`` queries (default 4096 on numpy, 256 on torch) the candidate table is built
+    once, the kNN scores once per k, the mix and top-k once per (lam, k)."""
+    xp, n_queries = ops(erm[1]), len(erm[1])
+    step = batch_size or (4096 if isinstance(queries, np.ndarray) else 256)
+    kmax = max(ks)
+    parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
+    for s in range(0, n_queries, step):
+        b = slice(s, s + step)
+        table = candidate_table(queries[b], docs, rows, (erm[0][b], erm[1][b]),
+                                (knn[0][b, :kmax], knn[1][b, :kmax]), rescore=rescore,
+                                erm_exact=erm_exact, distinct=distinct)
+        for k in ks:
+            f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
+            for lam in lams:
+                parts[(lam, k)].append(table.topk(lam, f_knn, topk))
+    if not n_queries:
+        return {key: (xp.full((0, topk), float("-inf"), xp.float32, erm[1]),
+                      xp.full((0, topk), -1, xp.int64, erm[1])) for key in parts}
+    return {key: v[0] if len(v) == 1 else
+            (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v])) for key, v in parts.items()}
+
+
+def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,
+               augment_docs: bool) -> tuple[Array, Array]:
+    """PEFA-XL's neighbours from a query index top-k ``knn`` (rows < m) and, with
+    ``augment_docs``, a passage top-k ``erm`` (document j as row m + j): their top-k, ties to
+    the lower row. Both lists are sorted (score descending, ties to the lower id) and every
+    query row is below every document row, so one stable sort of the two side by side merges
+    them."""
+    if not augment_docs:
+        return knn
+    xp, ids = ops(knn[1]), erm[1][:, :k]
+    scores = xp.cat([xp.astype(knn[0], xp.float32), xp.astype(erm[0][:, :k], xp.float32)], 1)
+    rows = xp.cat([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
+    order = xp.argsort_desc(scores)[:, :k]
+    return xp.take_along(scores, order), xp.take_along(rows, order)
