@@ -71,12 +71,6 @@ class _Numpy:
         u = s[first]
         return u, u.searchsorted(x)
 
-    @staticmethod
-    def index_add(target: np.ndarray, index: np.ndarray, values: np.ndarray,
-                  most: int) -> np.ndarray:
-        np.add.at(target, index, values)  # in the order of ``index``
-        return target
-
 
 class _Torch:
     """The same operations on torch tensors (any device)."""
@@ -98,25 +92,6 @@ class _Torch:
     full = staticmethod(lambda shape, value, dtype, like: torch.full(shape, value, dtype=dtype,
                                                                      device=like.device))
     unique = staticmethod(lambda x: torch.unique(x, sorted=True, return_inverse=True))
-
-    @staticmethod
-    def index_add(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
-                  most: int) -> torch.Tensor:
-        """target (U,) float32 with values (V,) added at index (V,) in the order of ``index``,
-        as numpy's ``add.at`` (the same bits; CUDA's ``index_add_`` adds with atomics, in any
-        order): the entries sorted by target (stably), then ``most`` rounds, round r adding
-        each target's r-th entry. ``most``: no target has more entries. No host sync."""
-        if index.numel() == 0:
-            return target
-        order = torch.argsort(index, stable=True)
-        at, val = index[order], values[order]
-        cell = torch.arange(target.numel(), device=target.device)
-        start = torch.searchsorted(at, cell)
-        end = torch.searchsorted(at, cell, right=True)
-        for r in range(most):  # + 0.0 where a target has no r-th entry: unchanged (never -0.0)
-            pos = start + r
-            target = target + torch.where(pos < end, val[pos.clamp_max(at.numel() - 1)], 0.0)
-        return target
 
     @staticmethod
     def divide(x: torch.Tensor, value: float) -> torch.Tensor:
@@ -237,17 +212,25 @@ class CandidateTable:
         """f_knn from the first ``k`` neighbours: (U,) float32 sums of (s / divisor) * y in
         neighbour order (0 where none of them votes), and (U,) ``dead``: a candidate outside C
         that none of them votes for."""
-        xp = ops(self.cells)
-        at, score, y = self.entry_cell, self.entry_score, self.entry_y
-        if k < self.n_neighbours:
-            use = xp.flatnonzero(self.entry_slot % self.n_neighbours < k)
-            at, score, y = at[use], score[use], y[use]
-        f = xp.full((len(self.cells),), 0.0, xp.float32, self.cells)
-        # a candidate gets at most one vote per neighbour (Y has one entry per row and column)
-        f = xp.index_add(f, at, xp.divide(score, divisor) * y, min(k, self.n_neighbours))
-        dead = self.extra.clone() if isinstance(at, torch.Tensor) else self.extra.copy()
-        dead[at] = False
-        return f, dead
+        at, rank = self.entry_cell, self.entry_slot % max(self.n_neighbours, 1)
+        vote = ops(at).divide(self.entry_score, divisor) * self.entry_y
+        if isinstance(at, np.ndarray):
+            if k < self.n_neighbours:
+                use = (rank < k).nonzero()[0]
+                at, vote = at[use], vote[use]
+            f = np.zeros(len(self.cells), np.float32)
+            np.add.at(f, at, vote)  # in the order of ``at``: by rank per candidate
+            dead = self.extra.copy()
+            dead[at] = False
+            return f, dead
+        # torch: one round per rank; a candidate gets at most one vote a round (Y has one entry
+        # per row and column), so CUDA's atomics cannot reorder the sums, and the + 0.0 the
+        # others get changes nothing (f is never -0.0). No host synchronisation.
+        f = torch.zeros(len(self.cells), device=at.device)
+        for r in range(min(k, self.n_neighbours)):
+            f.index_add_(0, at, torch.where(rank == r, vote, 0.0))
+        voted = torch.zeros_like(f).index_add_(0, at, (rank < k).float())
+        return f, self.extra & (voted == 0)
 
     def topk(self, lam: float, knn: tuple[Array, Array], topk: int) -> tuple[Array, Array]:
         """The best ``topk`` of lam f_erm + (1 - lam) f_knn (``knn``: :meth:`knn_scores`):

@@ -687,9 +687,9 @@ class PEFAXL(_Model):
         Without ``augment_docs`` this is the query index's top-k. With it, the documents (row
         m + j) are candidates too: the merge of the query index's top-k and the passage
         index's top-k (:func:`pefa_gpu.fuse.neighbours`), the top-k of one index over [Q; P].
-        ``erm``: a passage search already made with
-        at least k results (its first k are used), else one is made here. ``params``: the
-        backend's search settings for both indices (None: their defaults).
+        ``erm``: a passage search already made with at least k results (its first k are
+        used), else one is made here. ``params``: the backend's search settings for both
+        indices (None: their defaults).
         """
         host = q.device.type == "cpu"
         if erm is not None and host:
@@ -801,17 +801,12 @@ class PEFAXL(_Model):
         Returns {(lam, k): ((B, topk) float32 scores, int64 ids)} on q's device."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
-        if knn[1].shape[1] < min(max(ks), self._neighbour_rows):
+        if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
         if q.device.type == "cpu":
             q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
         out = self._fuse(q, erm, knn, lams, ks, topk, batch_size)
         return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
-
-    @property
-    def _neighbour_rows(self) -> int:
-        """The rows a neighbour search can find: m training queries (+ n documents)."""
-        return self.relevance.shape[0]
 
     def _fuse(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
               lams: Sequence[float], ks: Sequence[int], topk: int,
