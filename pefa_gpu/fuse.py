@@ -403,7 +403,7 @@ def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: in
     if not augment_docs:
         return knn
     xp, ids = ops(knn[1]), erm[1][:, :k]
-    scores = xp.cat([xp.astype(knn[0], xp.float32), xp.astype(erm[0][:, :k], xp.float32)], 1)
+    scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
     rows = xp.cat([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
     order = xp.argsort_desc(scores)[:, :k]
     return xp.take_along(scores, order), xp.take_along(rows, order)
