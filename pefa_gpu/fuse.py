@@ -1,90 +1,65 @@
-"""PEFA-XL fusion: the one core behind search, fuse, sweep and tune (and Y's lookups for score).
+"""PEFA-XL fusion: the one core (:func:`fuse`) behind search, fuse, sweep, tune and the
+pipeline's shard servers, and Y's lookups for score.
 
-For a batch of B queries with ERM candidates C (a passage search, (B, Kp)) and neighbours N
-(rows of Y, (B, K), from PEFAXL.neighbours), the fused score of a candidate document j is
-``lam f_erm(q, j) + (1 - lam) sum_{i in N} w(s_i) Y[i, j]``, w(s) = s / divisor, over the
-candidates C ∪ {documents in the neighbours' Y rows} (DESIGN §1). In three steps:
+For queries with ERM candidates C (a passage search, (B, Kp)) and neighbours N (rows of Y,
+(B, K), :func:`neighbours`), the fused score of a document j is ``lam f_erm(q, j) + (1 - lam)
+sum_{i in N} w(s_i) Y[i, j]``, w(s) = s / divisor, over C ∪ {documents in the neighbours' Y
+rows} (DESIGN §1). Per batch: :func:`candidate_table` once (the ERM candidates, a repeated id
+keeping its first entry, then the voted documents outside C, each with f_erm: the ERM score,
+<q, p_j> where ``rescore`` needs it, 0 outside C without; never a B x n array),
+:meth:`CandidateTable.knn_scores` once per k (votes summed in neighbour order), and
+:meth:`CandidateTable.topk` once per (lam, k) (ties to the lower id, -1 / -inf padding).
 
-1. :func:`candidate_table`: the batch's candidates as a (B, W) table: the ERM candidates (a
-   repeated ERM id keeps its first entry), then the voted documents outside C; each with
-   f_erm (the ERM score; <q, p_j> where ``rescore`` needs it; 0 outside C without rescore) and
-   the votes landing on it. The votes' columns in C come from one search between the ERM
-   ids and the sorted vote keys (the ERM rows sorted first where ids may repeat or the batch
-   is large): O(B (Kp log Kp + K deg)), never a B x n array.
-2. :meth:`CandidateTable.knn_scores`: f_knn of every voted candidate for a k (the first k
-   neighbours' votes, summed in neighbour order).
-3. :meth:`CandidateTable.topk`: lam f_erm + (1 - lam) f_knn and one top-k: equal scores go to
-   the lower id, at the k-th place too; -1 / -inf padding.
-
-Search and ``fuse`` run each step once; a sweep builds the table once per batch and runs step 2
-per k and step 3 per (lam, k). Each step is written once against operations numpy and torch
-both provide (:class:`_Numpy`, :class:`_Torch`): CPU batches run on numpy, where an operation
-costs about a microsecond against torch's five to ten (a single query's fusion is ~40 of
-them; on large batches numpy is as fast, see benchmarks/scale.py), CUDA batches on torch.
-Both make the same float32 operations in the same order (votes summed in neighbour order
-without atomics, :meth:`_Torch.index_add`; divisions by a value, never by its reciprocal), so
-from equal inputs their results are equal to the bit, run after run. The inputs differ in the
-last bits between devices where a dot product is summed in another order (the CUDA
-re-scoring, the ERM search's GEMM).
+Each step is written once against operations numpy and torch both provide (:class:`_Numpy`,
+:class:`_Torch`): CPU batches run on numpy (an operation costs about a microsecond against
+torch's five to ten, and torch's CPU sorts are far slower), CUDA batches on torch. Both make
+the same float32 operations in the same order (votes summed without atomics; divisions by a
+value, never by its reciprocal), so from equal inputs their results are equal to the bit, run
+after run. The inputs differ in the last bits between devices where a dot product is summed in
+another order (the CUDA re-scoring, the ERM search's GEMM).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 from .arrays import as_tensor, resolve_device, to_numpy
 from .relevance import Relevance
+from .topk import merge_topk
 
 Array = Any  # a numpy array or a torch tensor (one kind per call)
 
 
 class _Numpy:
-    """The array operations of the fusion on numpy arrays."""
+    """The array operations of the fusion on numpy arrays (methods and plain indexing where
+    numpy's functions cost more on small arrays)."""
 
     float32, int32, int64 = np.float32, np.int32, np.int64
-
-    @staticmethod
-    def arange(n: int, like: Any) -> np.ndarray:
-        return np.arange(n, dtype=np.int64)
+    cat, where = staticmethod(np.concatenate), staticmethod(np.where)
+    arange = staticmethod(lambda n, like: np.arange(n, dtype=np.int64))
+    repeat = staticmethod(lambda x, counts, total: x.repeat(counts))
+    searchsorted = staticmethod(lambda sorted_x, v: sorted_x.searchsorted(v))
+    take_along = staticmethod(lambda x, i: x[np.arange(len(i))[:, None], i])  # per row
+    cumsum = staticmethod(lambda x: x.cumsum())
+    flatnonzero = staticmethod(lambda mask: mask.reshape(-1).nonzero()[0])
+    clip_max = staticmethod(np.minimum)
+    divide = staticmethod(np.divide)
+    argsort_desc = staticmethod(lambda x: np.argsort(-x, axis=1, kind="stable"))
+    astype = staticmethod(lambda x, dtype: x.astype(dtype))
+    # int32 where the values fit: twice as fast
+    sort_rows = staticmethod(lambda x, fits_int32: np.sort(x.astype(np.int32) if fits_int32
+                                                           else x, axis=1))
 
     @staticmethod
     def full(shape: tuple, value: Any, dtype: Any, like: Any) -> np.ndarray:
         out = np.empty(shape, dtype)  # np.full's Python wrapper costs twice this
         out.fill(value)
         return out
-
-    cat = staticmethod(np.concatenate)
-    where = staticmethod(np.where)
-
-    @staticmethod
-    def repeat(x: np.ndarray, counts: np.ndarray, total: int) -> np.ndarray:
-        return x.repeat(counts)  # the method: a third of np.repeat's cost on small arrays
-
-    @staticmethod
-    def searchsorted(sorted_x: np.ndarray, v: np.ndarray) -> np.ndarray:
-        return sorted_x.searchsorted(v)
-
-    @staticmethod
-    def take_along(x: np.ndarray, i: np.ndarray) -> np.ndarray:
-        """x[r, i[r, j]] per row: np.take_along_axis by plain indexing (a third of its cost)."""
-        return x[np.arange(len(i))[:, None], i]
-
-    @staticmethod
-    def cumsum(x: np.ndarray) -> np.ndarray:
-        return x.cumsum()
-
-    @staticmethod
-    def flatnonzero(mask: np.ndarray) -> np.ndarray:
-        return mask.reshape(-1).nonzero()[0]
-
-    @staticmethod
-    def clip_max(x: np.ndarray, bound: int) -> np.ndarray:
-        return np.minimum(x, bound)
 
     @staticmethod
     def unique(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -96,122 +71,33 @@ class _Numpy:
         u = s[first]
         return u, u.searchsorted(x)
 
-    @staticmethod
-    def index_add(target: np.ndarray, index: np.ndarray, values: np.ndarray,
-                  most: int) -> np.ndarray:
-        np.add.at(target, index, values)  # in the order of ``index``
-        return target
-
-    @staticmethod
-    def divide(x: np.ndarray, value: float) -> np.ndarray:
-        return x / value
-
-    @staticmethod
-    def sort_rows(x: np.ndarray, fits_int32: bool) -> np.ndarray:
-        return np.sort(x.astype(np.int32) if fits_int32 else x, axis=1)  # int32: 2x faster
-
-    @staticmethod
-    def smallest(x: np.ndarray, k: int) -> np.ndarray:
-        """Per row, the ``k`` smallest values, ascending."""
-        return np.sort(np.partition(x, k - 1, axis=1)[:, :k], axis=1)
-
-    @staticmethod
-    def argsort_desc(x: np.ndarray) -> np.ndarray:
-        """Per row, descending, equal values in column order."""
-        return np.argsort(-x, axis=1, kind="stable")
-
-    @staticmethod
-    def astype(x: np.ndarray, dtype: Any) -> np.ndarray:
-        return x.astype(dtype)
-
-    @staticmethod
-    def view(x: np.ndarray, dtype: Any) -> np.ndarray:
-        return x.view(dtype)
-
 
 class _Torch:
     """The same operations on torch tensors (any device)."""
 
     float32, int32, int64 = torch.float32, torch.int32, torch.int64
-
-    @staticmethod
-    def arange(n: int, like: torch.Tensor) -> torch.Tensor:
-        return torch.arange(n, device=like.device)
-
-    @staticmethod
-    def full(shape: tuple, value: Any, dtype: Any, like: torch.Tensor) -> torch.Tensor:
-        return torch.full(shape, value, dtype=dtype, device=like.device)
-
-    cat = staticmethod(torch.cat)
-    where = staticmethod(torch.where)
+    cat, where = staticmethod(torch.cat), staticmethod(torch.where)
+    arange = staticmethod(lambda n, like: torch.arange(n, device=like.device))
+    # ``total`` = counts.sum(): no host sync to find it
+    repeat = staticmethod(lambda x, counts, total: torch.repeat_interleave(x, counts,
+                                                                           output_size=total))
     searchsorted = staticmethod(torch.searchsorted)
     take_along = staticmethod(lambda x, i: torch.gather(x, 1, i))
-
-    @staticmethod
-    def repeat(x: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
-        """x[i] repeated counts[i] times; ``total`` = counts.sum() (no host sync to find it)."""
-        return torch.repeat_interleave(x, counts, output_size=total)
-
-    @staticmethod
-    def cumsum(x: torch.Tensor) -> torch.Tensor:
-        return torch.cumsum(x, 0)
-
-    @staticmethod
-    def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
-        return mask.reshape(-1).nonzero().squeeze(1)
-
-    @staticmethod
-    def clip_max(x: torch.Tensor, bound: int) -> torch.Tensor:
-        return x.clamp_max(bound)
-
-    @staticmethod
-    def unique(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.unique(x, sorted=True, return_inverse=True)
-
-    @staticmethod
-    def index_add(target: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
-                  most: int) -> torch.Tensor:
-        """target (U,) float32 with values (V,) added at index (V,) in the order of ``index``,
-        as numpy's ``add.at`` (the same bits; CUDA's ``index_add_`` adds with atomics, in any
-        order): the entries sorted by target (stably), then ``most`` rounds, round r adding
-        each target's r-th entry. ``most``: no target has more entries. No host sync."""
-        if index.numel() == 0:
-            return target
-        order = torch.argsort(index, stable=True)
-        at, val = index[order], values[order]
-        cell = torch.arange(target.numel(), device=target.device)
-        start = torch.searchsorted(at, cell)
-        end = torch.searchsorted(at, cell, right=True)
-        for r in range(most):  # + 0.0 where a target has no r-th entry: unchanged (never -0.0)
-            pos = start + r
-            target = target + torch.where(pos < end, val[pos.clamp_max(at.numel() - 1)], 0.0)
-        return target
+    cumsum = staticmethod(lambda x: torch.cumsum(x, 0))
+    flatnonzero = staticmethod(lambda mask: mask.reshape(-1).nonzero().squeeze(1))
+    clip_max = staticmethod(torch.clamp_max)
+    argsort_desc = staticmethod(lambda x: torch.argsort(x, dim=1, descending=True, stable=True))
+    astype = staticmethod(lambda x, dtype: x.to(dtype))
+    sort_rows = staticmethod(lambda x, fits_int32: torch.sort(x, dim=1).values)
+    full = staticmethod(lambda shape, value, dtype, like: torch.full(shape, value, dtype=dtype,
+                                                                     device=like.device))
+    unique = staticmethod(lambda x: torch.unique(x, sorted=True, return_inverse=True))
 
     @staticmethod
     def divide(x: torch.Tensor, value: float) -> torch.Tensor:
         """x / value in x's dtype (CUDA divides by a host scalar as x times its reciprocal,
         which may differ in the last bit)."""
         return x / torch.full((), value, dtype=x.dtype, device=x.device)
-
-    @staticmethod
-    def sort_rows(x: torch.Tensor, fits_int32: bool) -> torch.Tensor:
-        return torch.sort(x, dim=1).values
-
-    @staticmethod
-    def smallest(x: torch.Tensor, k: int) -> torch.Tensor:
-        return torch.topk(x, k, dim=1, largest=False, sorted=True).values
-
-    @staticmethod
-    def argsort_desc(x: torch.Tensor) -> torch.Tensor:
-        return torch.argsort(x, dim=1, descending=True, stable=True)
-
-    @staticmethod
-    def astype(x: torch.Tensor, dtype: Any) -> torch.Tensor:
-        return x.to(dtype)
-
-    @staticmethod
-    def view(x: torch.Tensor, dtype: Any) -> torch.Tensor:
-        return x.view(dtype)
 
 
 def ops(x: Array) -> type[_Numpy] | type[_Torch]:
@@ -326,17 +212,25 @@ class CandidateTable:
         """f_knn from the first ``k`` neighbours: (U,) float32 sums of (s / divisor) * y in
         neighbour order (0 where none of them votes), and (U,) ``dead``: a candidate outside C
         that none of them votes for."""
-        xp = ops(self.cells)
-        at, score, y = self.entry_cell, self.entry_score, self.entry_y
-        if k < self.n_neighbours:
-            use = xp.flatnonzero(self.entry_slot % self.n_neighbours < k)
-            at, score, y = at[use], score[use], y[use]
-        f = xp.full((len(self.cells),), 0.0, xp.float32, self.cells)
-        # a candidate gets at most one vote per neighbour (Y has one entry per row and column)
-        f = xp.index_add(f, at, xp.divide(score, divisor) * y, min(k, self.n_neighbours))
-        dead = self.extra.clone() if isinstance(at, torch.Tensor) else self.extra.copy()
-        dead[at] = False
-        return f, dead
+        at, rank = self.entry_cell, self.entry_slot % max(self.n_neighbours, 1)
+        vote = ops(at).divide(self.entry_score, divisor) * self.entry_y
+        if isinstance(at, np.ndarray):
+            if k < self.n_neighbours:
+                use = (rank < k).nonzero()[0]
+                at, vote = at[use], vote[use]
+            f = np.zeros(len(self.cells), np.float32)
+            np.add.at(f, at, vote)  # in the order of ``at``: by rank per candidate
+            dead = self.extra.copy()
+            dead[at] = False
+            return f, dead
+        # torch: one round per rank; a candidate gets at most one vote a round (Y has one entry
+        # per row and column), so CUDA's atomics cannot reorder the sums, and the + 0.0 the
+        # others get changes nothing (f is never -0.0). No host synchronisation.
+        f = torch.zeros(len(self.cells), device=at.device)
+        for r in range(min(k, self.n_neighbours)):
+            f.index_add_(0, at, torch.where(rank == r, vote, 0.0))
+        voted = torch.zeros_like(f).index_add_(0, at, (rank < k).float())
+        return f, self.extra & (voted == 0)
 
     def topk(self, lam: float, knn: tuple[Array, Array], topk: int) -> tuple[Array, Array]:
         """The best ``topk`` of lam f_erm + (1 - lam) f_knn (``knn``: :meth:`knn_scores`):
@@ -349,7 +243,10 @@ class CandidateTable:
         # lam f_erm + (1 - lam) f_knn on every voted candidate (f_knn = 0 where nobody voted
         # in C: adding 0 changes no score, -0.0 aside, which select_topk reads as 0.0)
         flat[self.cells] = xp.where(dead, float("-inf"), flat[self.cells] + (1.0 - lam) * f_knn)
-        return select_topk(fused, self.ids, topk)
+        if isinstance(fused, np.ndarray):
+            return select_topk(fused, self.ids, topk)
+        top, ids = merge_topk(fused + 0.0, self.ids, topk)
+        return top, torch.where(top > float("-inf"), ids, -1)
 
 
 def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
@@ -441,40 +338,72 @@ def _nonzero2(mask: Array) -> tuple[Array, Array]:
     return flat // max(mask.shape[1], 1), flat % max(mask.shape[1], 1)
 
 
-def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
-    """Top-``k`` of each row of a candidate table: scores (B, W) float32 (-inf: no
-    candidate), ids (B, W) int64 distinct per row, below 2**32 -> (B, k) scores descending,
-    equal scores by ascending id (at the k-th place too), and ids; -1 / -inf padded.
+def select_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Top-``k`` of each row of a numpy candidate table (torch tables use
+    :func:`pefa_gpu.topk.merge_topk`): scores (B, W) float32 (-inf: no candidate), ids (B, W)
+    int64 distinct per row, below 2**32 -> (B, k) scores descending, equal scores by ascending
+    id (at the k-th place too), and ids; -1 / -inf padded.
 
     Each cell becomes one int64 key, the score's bits (ordered as the floats, descending) above
     the id, so that the tie rule is the keys' order and one k-smallest per row selects; the
     scores come back from their bits unchanged (-0.0 as 0.0, which it ties with)."""
-    xp = ops(scores)
     b, w = scores.shape
     kk = min(k, w)
+    out_s, out_i = _Numpy.full((b, k), -np.inf, np.float32, None), _Numpy.full((b, k), -1,
+                                                                               np.int64, None)
     if kk == 0 or b == 0:
-        return (xp.full((b, k), float("-inf"), xp.float32, scores),
-                xp.full((b, k), -1, xp.int64, scores))
-    bits = xp.astype(xp.view(scores + 0.0, xp.int32), xp.int64)
-    key = ~xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ascending as the score descends
-    best = xp.smallest((key << 32) | (ids & (2**32 - 1)), kk)  # id -1 sorts last
+        return out_s, out_i
+    bits = (scores + 0.0).view(np.int32).astype(np.int64)
+    key = ~np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ascending as the score descends
+    best = np.partition((key << 32) | (ids & (2**32 - 1)), kk - 1, axis=1)[:, :kk]
+    best.sort(axis=1)  # id -1 sorts last
     bits = ~(best >> 32)
-    top = xp.view(xp.astype(xp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), xp.int32), xp.float32)
-    top_i = xp.where(top > float("-inf"), best & (2**32 - 1), -1)
-    if kk == k:
-        return top, top_i
-    out_s = xp.full((b, k), float("-inf"), xp.float32, scores)
-    out_i = xp.full((b, k), -1, xp.int64, scores)
-    out_s[:, :kk], out_i[:, :kk] = top, top_i
+    top = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).astype(np.int32).view(np.float32)
+    out_s[:, :kk], out_i[:, :kk] = top, np.where(top > -np.inf, best & (2**32 - 1), -1)
     return out_s, out_i
 
 
-def fuse(queries: Array, docs: Array, rows: RelevanceRows, erm: tuple[Array, Array],
-         knn: tuple[Array, Array], *, lam: float, divisor: float, rescore: bool,
-         erm_exact: bool, topk: int, distinct: bool = False) -> tuple[Array, Array]:
-    """The fused top-``topk`` of each query (arguments as :func:`candidate_table`; every
-    neighbour of ``knn`` votes with weight s / ``divisor``): (B, topk) float32 scores and int64
-    ids of ``erm``'s kind, ties to the lower id, -1 / -inf padded."""
-    table = candidate_table(queries, docs, rows, erm, knn, rescore=rescore, erm_exact=erm_exact,
-                            distinct=distinct)
-    return table.topk(lam, table.knn_scores(knn[1].shape[1], divisor), topk)
+def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+         rows: RelevanceRows, docs: Array, *, lams: Sequence[float], ks: Sequence[int],
+         knn_norm: str, rescore: bool, erm_exact: bool, topk: int, distinct: bool = False,
+         batch_size: int | None = None) -> dict[tuple[float, int], tuple[Array, Array]]:
+    """The fused top-``topk`` of each query for every (lam, k) of ``lams`` x ``ks``
+    (arguments as :func:`candidate_table`; ``knn`` with >= max(ks) neighbours; the first k
+    vote with w(s) = s / k for ``knn_norm`` "k", else s): {(lam, k): ((B, topk) float32
+    scores, int64 ids)} of ``erm``'s kind, ties to the lower id, -1 / -inf padded. Per
+    ``batch_size`` queries (default 4096 on numpy, 256 on torch) the candidate table is built
+    once, the kNN scores once per k, the mix and top-k once per (lam, k)."""
+    xp, n_queries = ops(erm[1]), len(erm[1])
+    step = batch_size or (4096 if isinstance(queries, np.ndarray) else 256)
+    kmax = max(ks)
+    parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
+    for s in range(0, n_queries, step):
+        b = slice(s, s + step)
+        table = candidate_table(queries[b], docs, rows, (erm[0][b], erm[1][b]),
+                                (knn[0][b, :kmax], knn[1][b, :kmax]), rescore=rescore,
+                                erm_exact=erm_exact, distinct=distinct)
+        for k in ks:
+            f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
+            for lam in lams:
+                parts[(lam, k)].append(table.topk(lam, f_knn, topk))
+    if not n_queries:
+        return {key: (xp.full((0, topk), float("-inf"), xp.float32, erm[1]),
+                      xp.full((0, topk), -1, xp.int64, erm[1])) for key in parts}
+    return {key: v[0] if len(v) == 1 else
+            (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v])) for key, v in parts.items()}
+
+
+def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,
+               augment_docs: bool) -> tuple[Array, Array]:
+    """PEFA-XL's neighbours from a query index top-k ``knn`` (rows < m) and, with
+    ``augment_docs``, a passage top-k ``erm`` (document j as row m + j): their top-k, ties to
+    the lower row. Both lists are sorted (score descending, ties to the lower id) and every
+    query row is below every document row, so one stable sort of the two side by side merges
+    them."""
+    if not augment_docs:
+        return knn
+    xp, ids = ops(knn[1]), erm[1][:, :k]
+    scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
+    rows = xp.cat([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
+    order = xp.argsort_desc(scores)[:, :k]
+    return xp.take_along(scores, order), xp.take_along(rows, order)

@@ -32,7 +32,7 @@ from . import export, nudge, persist, training, updates
 from .aggregate import normalize_rows, pefa_xs, pifa
 from .arrays import as_embeddings, as_tensor, check_topk, resolve_device, to_numpy
 from .errors import FormatError, InputError
-from .fuse import Array, RelevanceRows, candidate_table, ops
+from .fuse import Array, RelevanceRows, fuse, neighbours, ops
 from .index import Index, make_index
 from .params import Params, check_choice, check_positive, check_unit_interval
 from .relevance import Relevance, as_relevance
@@ -706,12 +706,12 @@ class PEFAXL(_Model):
         """The k nearest training queries N of each query: (B, K) scores and ``relevance`` row
         ids (-1 padded), ties to the lower row; K = min(k, the rows the indices hold).
 
-        Without ``augment_docs`` this is the query index's top-k. With it, the candidate rows
-        are the training queries (rows < m) and the documents (row m + j), and the top-k over
-        both is the merge of the query index's top-k and the passage index's top-k, which is
-        exactly the top-k of one index over [Q; P]. ``erm``: a passage search already made with
-        at least k results (its first k are used), else one is made here. ``params``: the
-        backend's search settings for both indices (None: their defaults).
+        Without ``augment_docs`` this is the query index's top-k. With it, the documents (row
+        m + j) are candidates too: the merge of the query index's top-k and the passage
+        index's top-k (:func:`pefa_gpu.fuse.neighbours`), the top-k of one index over [Q; P].
+        ``erm``: a passage search already made with at least k results (its first k are
+        used), else one is made here. ``params``: the backend's search settings for both
+        indices (None: their defaults).
         """
         host = q.device.type == "cpu"
         if erm is not None and host:
@@ -731,14 +731,7 @@ class PEFAXL(_Model):
         k = min(k, m + n)
         if erm is None or erm[1].shape[1] < min(k, n):
             erm = _index_search(self.index, q, min(k, n), params, host, checked)
-        # both lists are sorted (score descending, ties to the lower row) and every query row
-        # is below every document row, so one stable sort of [queries, documents] merges them
-        xp = ops(knn[1])
-        i_p = erm[1][:, :k]
-        scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
-        rows = xp.cat([knn[1], xp.where(i_p >= 0, i_p + m, -1)], 1)
-        order = xp.argsort_desc(scores)[:, :k]
-        return xp.take_along(scores, order), xp.take_along(rows, order)
+        return neighbours(knn, erm, m, k, True)
 
     def neighbour_vectors(self, rows: torch.Tensor) -> torch.Tensor:
         """Embeddings of ``relevance`` rows (any shape, valid ids) -> (*rows.shape, d) float32:
@@ -759,43 +752,15 @@ class PEFAXL(_Model):
     def _search(self, q: torch.Tensor, topk: int, model_sp: XLSearchParams,
                 index_sp: Params | None, checked: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        r"""Passage search, neighbours, fusion, with exact candidate pruning. ``model_sp``: the
-        model's search settings (``candidates``); ``index_sp``: the backend's, for both indices
-        (None: their defaults). A CPU batch is searched and fused as numpy arrays.
+        """Passage search, neighbours, fusion. ``model_sp``: the model's search settings
+        (``candidates``); ``index_sp``: the backend's, for both indices (None: their
+        defaults). A CPU batch is searched and fused as numpy arrays.
 
-        Let Kp = min(``candidates``, the documents) and K' = max(topk + PRUNE_MARGIN, k);
-        pruning is tried only when K' < Kp. Let C' be the first K' results of the passage
-        search (a prefix of its top-Kp list C: ERM score descending, ties to the lower id).
-        Claim: when (a) ``rescore`` is on, (b) lam > 0 and (c) every kNN
-        contribution w(s_i) Y[i, j] of the neighbours found is >= 0 (neighbour scores >= 0 and
-        Y >= 0), and (d) fl(lam e_K') < fl(lam e_topk) for the ERM scores e at positions K'
-        and topk of C' (or the index holds fewer than K' rows, all in C'), fusing with C' in
-        place of C gives the same top-``topk`` ids, tie rule included, and the same scores up
-        to the last float32 bit (a voted document of C \ C' is re-scored by the fusion's own dot
-        product instead of taking the index's matmul score; the two may round differently).
-
-        Proof. Both runs have the same candidates except the documents j in C \ C' that no
-        neighbour votes for, and give every common candidate the same fused score (rescore:
-        f_erm = <q, p_j> whether or not j is an ERM candidate; f_knn does not depend on C). Such
-        a j scores fl(lam e_j) (f_knn = 0; the fusion computes exactly fl(lam * e)), and
-        e_j <= e_K' since C' is a prefix of C. Every one of the first topk documents j' of C'
-        has e_j' >= e_topk and fused score fl(fl(lam e_j') + fl((1 - lam) f_knn(j'))) >=
-        fl(lam e_j') >= fl(lam e_topk) > fl(lam e_K') >= fl(lam e_j): rounding is monotone,
-        fl((1 - lam) v) >= 0 for v >= 0 (c), and fl(a + b) >= a for b >= 0. So topk
-        candidates beat j strictly (no tie, whatever the ids), j is not in the unpruned top-
-        ``topk``, and dropping it changes nothing. (d) is where float rounding bites: lam e
-        for two close e may round to one value, and a tie would go to the lower id, which
-        need not be the better ERM document; (d) is checked on the values themselves. With
-        lam = 0, (d) always fails. Where (c) or (d) fails for a query, that query is searched
-        with Kp candidates as before (rescore off never prunes: f_erm would drop to 0 for a
-        voted document of C \ C').
-
-        Pruning needs the passage index's scores to be f_erm itself (``exact_scores``: exact
-        fp32, hnsw, ivf-flat, cagra), else it is off. The claim holds for an exact backend
-        (whose top-K' is the prefix of its top-Kp). ANN backends answer the K' search at their
-        own settings (HNSW: ef = max(ef_search, K')), the same approximation as any top-K'
-        request to them.
-        """
+        Pruning, where it provably changes no result: with ``rescore``, lam > 0, votes >= 0
+        and exact ERM scores (``exact_scores``), the passage index is searched for K' =
+        max(topk + PRUNE_MARGIN, k) < Kp candidates; a query keeps them where fl(lam e_K') <
+        fl(lam e_topk) (no dropped candidate can reach its top-k), else it is searched and
+        fused with all Kp."""
         p, host = self.params, q.device.type == "cpu"
         kp = min(model_sp.candidates, self.index.ntotal)
         kt = max(topk + self.PRUNE_MARGIN, p.k)
@@ -812,9 +777,9 @@ class PEFAXL(_Model):
                 if len(rest) == q.shape[0]:  # all of them (a single query, say): one fusion
                     erm, rest = full, rest[:0]
         distinct = self.index.distinct_ids
-        out = self._fuse(q, *erm, *knn, (p.lam,), (p.k,), topk, distinct=distinct)[(p.lam, p.k)]
+        out = self._fuse(q, erm, knn, (p.lam,), (p.k,), topk, distinct=distinct)[(p.lam, p.k)]
         if len(rest):
-            s, i = self._fuse(q[rest], *full, knn[0][rest], knn[1][rest], (p.lam,), (p.k,),
+            s, i = self._fuse(q[rest], full, (knn[0][rest], knn[1][rest]), (p.lam,), (p.k,),
                               topk, distinct=distinct)[(p.lam, p.k)]
             out[0][rest], out[1][rest] = s, i
         return (torch.from_numpy(out[0]), torch.from_numpy(out[1])) if host else out
@@ -858,49 +823,25 @@ class PEFAXL(_Model):
         Returns {(lam, k): ((B, topk) float32 scores, int64 ids)} on q's device."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
-        if knn[1].shape[1] < min(max(ks), self._neighbour_rows):
+        if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
-        host = q.device.type == "cpu"
-        arrays = [q, *erm, *knn]
-        out = self._fuse(*[to_numpy(x) if host else x for x in arrays], lams, ks, topk,
-                         batch_size)
+        if q.device.type == "cpu":
+            q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
+        out = self._fuse(q, erm, knn, lams, ks, topk, batch_size)
         return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
 
-    @property
-    def _neighbour_rows(self) -> int:
-        """The rows a neighbour search can find: m training queries (+ n documents)."""
-        return self.relevance.shape[0]
-
-    def _fuse(self, q: Array, erm_scores: Array, erm_ids: Array, knn_scores: Array,
-              knn_rows: Array, lams: Sequence[float], ks: Sequence[int], topk: int,
+    def _fuse(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+              lams: Sequence[float], ks: Sequence[int], topk: int,
               batch_size: int | None = None, distinct: bool = False
               ) -> dict[tuple[float, int], tuple[Array, Array]]:
-        """The fusion core over a batch of arrays of one kind (numpy or torch; see
-        :meth:`fuse_grid`), ``batch_size`` queries at a time (default 4096 for numpy, 256 for
-        torch). ``distinct``: no row of ``erm_ids`` repeats an id (see candidate_table)."""
-        xp, p = ops(erm_ids), self.params
-        step = batch_size or (4096 if isinstance(q, np.ndarray) else 256)
-        docs = self.doc_embeddings
+        """:func:`pefa_gpu.fuse.fuse` with this model's Y, documents and settings, on arrays
+        of one kind (numpy or torch)."""
+        p, docs = self.params, self.doc_embeddings
         if isinstance(q, np.ndarray):
             docs = to_numpy(docs) if self._host_docs is None else self._host_docs
-        kmax = max(ks)
-        parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
-        for s in range(0, len(erm_ids), step):
-            b = slice(s, s + step)
-            table = candidate_table(q[b], docs, self.relevance_rows,
-                                    (erm_scores[b], erm_ids[b]),
-                                    (knn_scores[b, :kmax], knn_rows[b, :kmax]),
-                                    rescore=p.rescore, erm_exact=self._erm_exact,
-                                    distinct=distinct)
-            for k in ks:
-                f_knn = table.knn_scores(k, float(k) if p.knn_norm == "k" else 1.0)
-                for lam in lams:
-                    parts[(lam, k)].append(table.topk(lam, f_knn, topk))
-        if not len(erm_ids):
-            return {key: (xp.full((0, topk), float("-inf"), xp.float32, erm_ids),
-                          xp.full((0, topk), -1, xp.int64, erm_ids)) for key in parts}
-        return {key: v[0] if len(v) == 1 else
-                (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v])) for key, v in parts.items()}
+        return fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks,
+                    knn_norm=p.knn_norm, rescore=p.rescore, erm_exact=self._erm_exact,
+                    topk=topk, distinct=distinct, batch_size=batch_size)
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """lam f_erm + (1 - lam) f_knn: the k neighbours (and, without rescore, the ERM
@@ -970,9 +911,9 @@ def _index_search(index: Index, q: Array, k: int, params: Params | dict | None,
 
 def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, lam: float,
                 found_all: bool) -> Array:
-    """Row numbers where (c) or (d) of :meth:`PEFAXL._search` fails on a top-K' passage
-    search ``erm`` and the neighbours ``knn``. (d) compares fl(lam e) as the fusion computes
-    it (float32 lam times the float32 score)."""
+    """Row numbers where pruning (:meth:`PEFAXL._search`) is not provably exact on a top-K'
+    passage search ``erm`` and the neighbours ``knn``: a negative neighbour score, or
+    fl(lam e_K') not below fl(lam e_topk) (float32, as the fusion computes it)."""
     (scores, ids), xp = erm, ops(erm[1])
     found = ids[:, -1] >= 0
     bound = found & (lam * scores[:, -1] < lam * scores[:, topk - 1])

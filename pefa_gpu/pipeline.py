@@ -59,6 +59,7 @@ import torch
 from .aggregate import pefa_xs, pifa
 from .arrays import as_embeddings, as_tensor, check_positive_int, check_topk, to_numpy
 from .errors import FormatError, InputError
+from .fuse import neighbours
 from .methods import REGISTRY
 from .relevance import as_relevance
 from .storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
@@ -649,7 +650,6 @@ def build(method: str, out: str | Path, docs: str | Path, *,
     run = _runner(runner)
     out = Path(out)
     prows = Rows(docs)
-    common = dict(backend=backend, index_params=index_params, device=device)
     fields: dict[str, Any] = dict(method=method, n=prows.n, dim=prows.dim, backend=backend,
                                   index_params=_jsonable(index_params))
     query_entries: list[dict[str, Any]] = []
@@ -807,18 +807,6 @@ class ShardServer:
             mine = (r >= m) & (doc >= lo) & (doc < hi)
             local = torch.where(mine, model.n_train_queries + doc - lo, local)
         return local
-
-
-def neighbours(knn: tuple[torch.Tensor, torch.Tensor], erm: tuple[torch.Tensor, torch.Tensor],
-               m: int, k: int, augment_docs: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFA-XL's neighbours from merged searches, as :meth:`PEFAXL.neighbours`: the query
-    index's top-k, and with ``augment_docs`` the passage top-k as relevance rows m + j,
-    merged (ties to the lower row: training queries first)."""
-    if not augment_docs:
-        return knn
-    ids = erm[1][:, :k]
-    rows = torch.cat([knn[1], torch.where(ids >= 0, ids + m, -1)], 1)
-    return merge_topk(torch.cat([knn[0], erm[0][:, :k].float()], 1), rows, k)
 
 
 def search_batch(fan: Any, info: dict[str, Any], q: torch.Tensor, topk: int,

@@ -1,17 +1,12 @@
 """Row-pair dot products for the PEFA-XL re-scoring: ``out[i] = <q[batch[i]], p[doc[i]]>``.
 
-On CUDA a Triton kernel gathers both rows and accumulates in float32, reading the stored
-dtype of each (float32, float16, bfloat16, ...) with no converted copy of the corpus. It is
-launched under a device guard for the tensors' GPU (not whichever device is current) and on
-torch's current stream there (Triton's launcher takes that stream), so it is ordered with the
-torch work around it. Elsewhere, and wherever Triton is missing or the kernel fails to compile
-or launch, the same numbers come from torch (:func:`torch_rowdots`); a failure is reported
-once, with a warning, and that device and dtype pair stays on torch for the process.
-
-On the CPU the kernel runs only under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-triton is imported): that is how tests check it without a GPU.
-
-This module imports triton; import it only where the kernel may run (a CUDA path, tests).
+On CUDA a Triton kernel gathers both rows and accumulates in float32, reading each stored
+dtype with no converted copy of the corpus, under a device guard for the tensors' GPU and on
+torch's current stream there. Elsewhere, and wherever Triton is missing or the kernel fails to
+compile or launch, torch gives the same numbers (:func:`torch_rowdots`); a failure warns once
+and keeps that device and dtype pair on torch. On the CPU the kernel runs only under Triton's
+interpreter (``TRITON_INTERPRET=1`` before triton is imported: the tests). Importing this
+module imports triton: only where the kernel may run.
 """
 
 from __future__ import annotations
@@ -125,14 +120,11 @@ def _launch(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
 def _check(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
            doc: torch.Tensor) -> None:
     """Shapes, dtypes and devices (never values: that would synchronise)."""
-    if queries.ndim != 2 or docs.ndim != 2 or queries.shape[1] != docs.shape[1]:
-        raise InputError(f"rowdots needs queries (B, d) and docs (n, d), got "
-                         f"{tuple(queries.shape)} and {tuple(docs.shape)}")
-    if not (queries.is_floating_point() and docs.is_floating_point()):
-        raise InputError(f"rowdots needs float queries and docs, got {queries.dtype} and "
-                         f"{docs.dtype}")
-    if batch.shape != doc.shape or batch.ndim != 1 or batch.dtype != torch.int64 \
-            or doc.dtype != torch.int64:
+    shapes = f"{tuple(queries.shape)} {queries.dtype} and {tuple(docs.shape)} {docs.dtype}"
+    if queries.ndim != 2 or docs.ndim != 2 or queries.shape[1] != docs.shape[1] \
+            or not (queries.is_floating_point() and docs.is_floating_point()):
+        raise InputError(f"rowdots needs float queries (B, d) and docs (n, d), got {shapes}")
+    if batch.shape != doc.shape or batch.ndim != 1 or {batch.dtype, doc.dtype} != {torch.int64}:
         raise InputError(f"rowdots needs batch and doc of one shape (N,), int64, got "
                          f"{tuple(batch.shape)} {batch.dtype} and {tuple(doc.shape)} {doc.dtype}")
     devices = {t.device for t in (queries, docs, batch, doc)}
