@@ -25,7 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import as_embeddings, as_tensor, check_positive_int, check_topk
+from .arrays import as_tensor, check_positive_int, check_topk
 from .errors import InputError
 from .protocol import Model
 from .relevance import Relevance, as_relevance

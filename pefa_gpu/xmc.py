@@ -32,7 +32,6 @@ import dataclasses
 import logging
 import zipfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
