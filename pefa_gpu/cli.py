@@ -33,6 +33,7 @@ import numpy as np
 
 from .errors import InputError, PefaError
 from .methods import REGISTRY, defaults, fit_config
+from .params import XLParams, XLSearchParams, XSParams
 
 log = logging.getLogger("pefa_gpu")
 
@@ -43,8 +44,9 @@ SEARCH_FORMATS = ("tsv", "json", "trec")
 # ------------------------------------------------------------------------------ arguments
 
 LAM_RULE = "λ must lie in [0, 1]"
-LAM_HELP = ("λ in [0, 1], weight of the ERM score (default: the method's, XSParams.lam or "
-            "XLParams.lam)")
+LAM_HELP = (f"λ in [0, 1], weight of the ERM score (default: {XSParams.lam} for xs, "
+            f"{XLParams.lam} for xl)")
+K_HELP = f"XL neighbours (default: {XLParams.k})"
 
 
 def _numbers(text: str, kind: type, what: str) -> tuple:
@@ -160,7 +162,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="index backend: exact (default), or hnsw / ivf / ... when installed")
     g.add_argument("--candidates", type=_positive_int, default=None, metavar="KP",
                    help="PEFA-XL: ERM candidates taken from the passage index (default: "
-                        "XLSearchParams.candidates)")
+                        f"{XLSearchParams.candidates})")
     g.add_argument("--no-augment", action="store_true",
                    help="do not count each document as a training query for itself")
 
@@ -179,7 +181,7 @@ def _grid_args(p: argparse.ArgumentParser, every_family: bool = False, point: bo
                    help=LAM_HELP if point else "λ grid, each in [0, 1] (default: "
                                                "0.1,0.2,...,0.9)")
     p.add_argument("--k", type=_ints, metavar="K[,K...]" if point else "K,K...",
-                   help="XL neighbours (default: XLParams.k)" if point else
+                   help=K_HELP if point else
                         "XL k grid (default: 16,32,64)")
 
 
@@ -290,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lam", type=_lam, default=None, metavar="L",
                    help=LAM_HELP)
     p.add_argument("--k", type=_positive_int, default=None,
-                   help="XL neighbours (default: XLParams.k)")
+                   help=K_HELP)
     p.add_argument("--seed", type=int, default=None,
                    help="--method auto: seed of the validation split (default: 0)")
     p.add_argument("--out", required=True, metavar="MODEL_DIR",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from . import params as p
 from .errors import InputError
 
 
@@ -67,10 +68,16 @@ def model_class(name: str) -> type:
     return getattr(models, method(name).model)
 
 
+# model class name -> its (Params, SearchParams), read without importing the models (torch)
+PARAMS: dict[str, tuple[type[p.Params], type[p.Params]]] = {
+    "ERM": (p.ERMParams, p.ERMSearchParams), "PEFAXS": (p.XSParams, p.XSSearchParams),
+    "PEFAXL": (p.XLParams, p.XLSearchParams), "NUDGE": (p.NUDGEParams, p.NUDGESearchParams)}
+
+
 def defaults(name: str) -> dict[str, Any]:
     """The defaults of the settings method ``name`` takes, from its params classes."""
-    cls = model_class(name)
-    both = {**cls.Params().to_dict(), **cls.SearchParams().to_dict()}
+    build, search = PARAMS[method(name).model]
+    both = {**build().to_dict(), **search().to_dict()}
     return {key: both[key] for key in REGISTRY[name].takes}
 
 

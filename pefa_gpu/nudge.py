@@ -36,9 +36,10 @@ import torch
 
 from .aggregate import normalize_rows
 from .errors import InputError
+from .params import NUDGE_VARIANTS
 
 N_GAMMAS: tuple[float, ...] = tuple(0.02 * x for x in range(25))  # NUDGE-N's γ grid
-VARIANTS: tuple[str, ...] = ("M", "N")
+VARIANTS = NUDGE_VARIANTS
 BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
 
 

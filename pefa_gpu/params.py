@@ -90,3 +90,103 @@ def check_nonnegative(value: Any, name: str, zero: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, "
                          f"got {value!r}")
+
+
+# The models' own settings (pefa_gpu.models): here, so that the CLI reads their defaults
+# without importing torch.
+NUDGE_VARIANTS: tuple[str, ...] = ("M", "N")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ERMParams(Params):
+    """The plain embedding model: no parameters of its own."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XSParams(Params):
+    """lam: weight of the ERM embedding (1 = plain ERM). augment_docs: each document also counts
+    as a training query for itself (a_j += p_j)."""
+
+    lam: float = 0.5
+    augment_docs: bool = True
+
+    def validate(self) -> None:
+        check_unit_interval(self.lam, "lam")
+        check_choice(self.augment_docs, "augment_docs", (True, False))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XLParams(Params):
+    """lam: weight of the ERM score. k: training-query neighbours. knn_norm: 'k' weighs a
+    neighbour by s/k, 'none' by s. rescore: exact <q, p_j> for every candidate (else 0 outside
+    the ERM candidates). augment_docs: documents join the query index as queries labelled with
+    themselves."""
+
+    lam: float = 0.1
+    k: int = 16
+    knn_norm: str = "k"
+    rescore: bool = True
+    augment_docs: bool = True
+
+    def validate(self) -> None:
+        check_unit_interval(self.lam, "lam")
+        check_positive(self.k, "k")
+        check_choice(self.knn_norm, "knn_norm", ("k", "none"))
+        check_choice(self.rescore, "rescore", (True, False))
+        check_choice(self.augment_docs, "augment_docs", (True, False))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NUDGEParams(Params):
+    """variant: 'M' (each document moves by gamma along the normalised sum of its training
+    queries) or 'N' (the same on the unit sphere, ||move||^2 <= gamma); see pefa_gpu.nudge.
+    gamma: the step; None chooses it on validation queries: fit's Q_val / Y_val, else a seeded
+    ``val_fraction`` of the training queries (``seed``) held out. val_k: NUDGE-N chooses gamma
+    by validation accuracy in the top val_k (nudge-ft's default 1)."""
+
+    variant: str = "N"
+    gamma: float | None = None
+    val_fraction: float = 0.2
+    seed: int = 0
+    val_k: int = 1
+
+    def validate(self) -> None:
+        check_choice(self.variant, "variant", NUDGE_VARIANTS)
+        top = 4.0 if self.variant == "N" else float("inf")
+        if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(
+                self.gamma, (int, float)) or not 0.0 <= self.gamma <= top):
+            raise InputError(f"gamma must be None or a number in [0, {top:g}] for NUDGE-"
+                             f"{self.variant}, got {self.gamma!r}")
+        if isinstance(self.val_fraction, bool) or not isinstance(
+                self.val_fraction, (int, float)) or not 0.0 < self.val_fraction < 1.0:
+            raise InputError(f"val_fraction must lie strictly between 0 and 1, got "
+                             f"{self.val_fraction!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise InputError(f"seed must be an int, got {self.seed!r}")
+        check_positive(self.val_k, "val_k")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ERMSearchParams(Params):
+    """ERM's own search settings: none (its index's are the backend's SearchParams)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XSSearchParams(Params):
+    """PEFA-XS's own search settings: none (its index's are the backend's SearchParams)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NUDGESearchParams(Params):
+    """NUDGE's own search settings: none (its index's are the backend's SearchParams)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XLSearchParams(Params):
+    """PEFA-XL's own search settings. candidates: ERM candidates Kp taken from the passage
+    index."""
+
+    candidates: int = 500
+
+    def validate(self) -> None:
+        check_positive(self.candidates, "candidates")

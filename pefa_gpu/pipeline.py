@@ -673,7 +673,7 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         if queries is None or relevance is None:
             raise InputError("build('xl') needs queries= and relevance= (the training queries "
                              "and their pairs)")
-        from .models import XLParams, XLSearchParams
+        from .params import XLParams, XLSearchParams
 
         params = XLParams(lam=lam, k=k, knn_norm=knn_norm, rescore=rescore,
                           augment_docs=augment_docs).to_dict()

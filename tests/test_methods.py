@@ -33,6 +33,18 @@ def test_what_a_method_takes_follows_from_its_params_classes(name):
     assert defaults(name) == {f: both[f] for f in m.takes}
 
 
+def test_cli_help_shows_the_params_defaults(capsys):
+    from pefa_gpu import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["build", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    xs, xl = pg.XSParams(), pg.XLParams()
+    assert f"(default: {xs.lam} for xs, {xl.lam} for xl)" in text
+    assert f"XL neighbours (default: {xl.k})" in text
+    assert f"(default: {pg.XLSearchParams().candidates})" in text
+
+
 def test_the_registry_names_the_grid_and_the_pipeline():
     from pefa_gpu.sweep import METHODS, NUDGE_METHODS, QUERY_METHODS
 
