@@ -2,14 +2,12 @@
 of float32 inner products, ties to the lower id.
 
 1. Each query's top-w by value, w = k + ``TIE_MARGIN``: torch GEMM blocks sized from
-   ``memory_budget`` (:meth:`ExactIndex._work_bytes`) and ``torch.topk``, or on the CPU where
-   it is faster, faiss' exhaustive search (what ``faiss.IndexFlatIP`` runs).
-2. faiss' BLAS path scores copies of a document a few ulps apart: its near ties are rescored
-   pair by pair (:func:`canonical_scores`).
-3. The tie rule (:func:`pefa_gpu.topk.merge_topk`) over the candidates of rows tied at the
-   k-th place. Rows whose run of equal scores may reach past the candidates are searched
-   again, 4x as wide until settled. On CUDA, finding them is the one host synchronisation of
-   a search: exactly one when k + ``TIE_MARGIN`` < n, none otherwise.
+   ``memory_budget`` and ``torch.topk``, or on the CPU where it is faster, faiss' exhaustive
+   search; near ties on faiss' BLAS path rescored pair by pair (:func:`canonical_scores`).
+2. The tie rule (:func:`pefa_gpu.topk.merge_topk`) over the candidates of rows tied at the
+   k-th place; rows whose run of equal scores may reach past them are searched again, 4x as
+   wide until settled. On CUDA, finding them is the one host synchronisation of a search:
+   exactly one when k + ``TIE_MARGIN`` < n, none otherwise.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -70,7 +68,7 @@ class ExactIndex(Index):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)
         self.vectors = torch.empty(0, 0, dtype=self._dtype, device=self.device)
-        self._max_norm: float | None = None  # largest stored row norm, see _tie_tolerance
+        self._max_norm: float | None = None  # largest stored row norm (_rescore_near_ties)
 
     @property
     def ntotal(self) -> int:
@@ -129,8 +127,7 @@ class ExactIndex(Index):
         self._max_norm = None
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape, valid int64 ids, not checked: no host sync) ->
-        (*ids.shape, d) float32."""
+        """Stored rows ``ids`` (any shape, valid ids, not checked) -> (*ids.shape, d) float32."""
         return self.vectors[ids].float()
 
     def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
@@ -177,8 +174,7 @@ class ExactIndex(Index):
         top-w candidates (None when w = n)."""
         b = q.shape[0]
         faiss, q_batch, chunk = self._plan(b, kk, w)
-        # CPU score blocks share one buffer: freeing one before the next could leave several
-        # resident
+        # CPU score blocks share one buffer (a block freed before the next may stay resident)
         buf = None if faiss or q.is_cuda else \
             host_empty(min(q_batch, b) * (min(chunk, self.ntotal) + SUB_ROWS))
         if q_batch >= b:  # one batch: no copy into a preallocated result
@@ -196,17 +192,15 @@ class ExactIndex(Index):
 
     def _candidates(self, faiss: Any, q: torch.Tensor, w: int, chunk: int,
                     buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, w) top-w scores sorted descending (equal values in any order),
-        their ids, and the (B, 1) scoring error of a score: on faiss' BLAS path, whose near
-        ties are rescored; 0 elsewhere (each GEMM shape scores copies alike)."""
+        """(B, d) queries -> (B, w) top-w scores sorted descending, ids, and the (B, 1) scoring
+        error: on faiss' BLAS path, whose near ties are rescored; 0 elsewhere."""
         if faiss is None:
             return (*self._torch_pass(q.float(), w, chunk, buf),
                     torch.zeros((), device=self.device))
         vals, ids = self._faiss_pass(faiss, q, w)
         if q.shape[0] * self.dim < faiss.cvar.distance_compute_blas_threshold:
             return vals, ids, torch.zeros(())
-        tol = self._tie_tolerance(q.float())
-        return (*self._rescore_near_ties(q.float(), vals, ids, tol), tol)
+        return self._rescore_near_ties(q.float(), vals, ids)
 
     def _settle(self, vals: torch.Tensor, ids: torch.Tensor, tol: torch.Tensor, kk: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -221,35 +215,32 @@ class ExactIndex(Index):
         settle = tied if rescan is None else tied & ~rescan
         return (*order_ties(*settle_masked(vals, ids, settle, kk)), rescan)
 
-    def _tie_tolerance(self, q: torch.Tensor) -> torch.Tensor:
-        """(B, d) float32 queries -> (B, 1) bound on how far a BLAS score may lie from another
-        computation of the same inner product: ``tie_ulps(d)`` ulps of |q| max |x|."""
+    def _rescore_near_ties(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """faiss BLAS candidates (B, w) sorted descending of (B, d) float32 queries -> the same,
+        re-sorted, with every score within the scoring error ``tol`` (B, 1) of a neighbour's
+        replaced by :func:`canonical_scores` (copies then tie), and ``tol``: 32 ulps of
+        |q| max |x|, or 2 sqrt(d) for d > 256 (a sum's rounding error grows like sqrt(d))."""
         if self._max_norm is None:
             step = max(1, self.memory_budget // (8 * self.dim))
             self._max_norm = max(float(torch.linalg.vector_norm(
                 self.vectors[s:s + step].float(), dim=1).max()) for s in range(0, self.ntotal, step))
-        qn = torch.linalg.vector_norm(q, dim=1, keepdim=True)
-        return qn * (self._max_norm * tie_ulps(self.dim) * 2.0**-24)
-
-    def _rescore_near_ties(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
-                           tol: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """CPU candidates (B, w) sorted descending of (B, d) float32 queries -> the same,
-        re-sorted, with every score within ``tol`` (B, 1) of a neighbour's replaced by
-        :func:`canonical_scores` (copies lie that close, and then tie)."""
+        ulps = max(32.0, 2.0 * self.dim ** 0.5) * 2.0**-24
+        tol = torch.linalg.vector_norm(q, dim=1, keepdim=True) * (self._max_norm * ulps)
         near = torch.zeros_like(vals, dtype=torch.bool)
         pairs = vals[:, :-1] - vals[:, 1:] <= tol
         near[:, :-1] |= pairs
         near[:, 1:] |= pairs
         rows, cols = near.nonzero(as_tuple=True)
         if not rows.numel():
-            return vals, ids
+            return vals, ids, tol
         vals = vals.clone()
         step = max(1, self.memory_budget // (RESCORE_PAIR_BYTES * self.dim))
         for s in range(0, rows.numel(), step):
             r, c = rows[s:s + step], cols[s:s + step]
             vals[r, c] = canonical_scores(q[r], self.vectors[ids[r, c]])
         vals, pos = torch.sort(vals, dim=1, descending=True, stable=True)
-        return vals, ids.gather(1, pos)
+        return vals, ids.gather(1, pos), tol
 
     def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,7 +275,7 @@ class ExactIndex(Index):
         return as_tensor(dist), as_tensor(ids)
 
     def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (ntotal, dim) in the storage dtype into ``directory``."""
+        """Write ``vectors.npy`` (ntotal, dim), storage dtype, into ``directory``."""
         save_tensor(Path(directory) / "vectors", self.vectors)
 
     @classmethod
@@ -301,16 +292,13 @@ class ExactIndex(Index):
         return out
 
     def _plan(self, b: int, kk: int, w: int | None = None) -> tuple[Any, int, int]:
-        """(faiss module or None, query batch, corpus chunk) of a pass for top-w lists. faiss
-        on the CPU for float32 storage when installed and either its BLAS path applies (its
-        heap beats ``torch.topk`` after the same GEMM) or a single query runs on one thread
-        (its SIMD loop beats a GEMV); in between torch blocks are several times faster
-        (benchmarks/results/exact.md)."""
+        """(faiss or None, query batch, corpus chunk) of a pass for top-w lists: faiss on the
+        CPU (float32) for its BLAS path or one query on one thread, where it is faster."""
         w = w or self._pass_width(kk)
         faiss = _faiss_module() if self.device.type == "cpu" and \
             self._dtype == torch.float32 else None
         if faiss is not None:
-            q_batch = _most(b, lambda m: self._work_bytes(m, 0, w, faiss=True), self.memory_budget)
+            q_batch = max(1, min(b, self.memory_budget // self._work_bytes(1, 0, w, faiss=True)))
             if q_batch * self.dim >= faiss.cvar.distance_compute_blas_threshold or \
                     (q_batch == 1 and torch.get_num_threads() == 1):
                 return faiss, q_batch, self.ntotal
@@ -321,24 +309,21 @@ class ExactIndex(Index):
         return min(kk + TIE_MARGIN, self.ntotal)
 
     def _block_shape(self, b: int, kk: int, w: int | None = None) -> tuple[int, int]:
-        """Query batch and corpus chunk of a torch pass: up to ``MAX_BATCH`` queries and the
-        longest chunk that fits the budget; below min(n, max(w, ``MIN_CHUNK``)) rows, that
-        many rows and as many queries as fit (at least one, whatever the budget)."""
+        """Up to ``MAX_BATCH`` queries and the longest chunk within the budget; if shorter than
+        min(n, max(w, ``MIN_CHUNK``)) rows, that many and as many queries as fit (>= 1)."""
         n, budget = self.ntotal, self.memory_budget
         w = w or self._pass_width(kk)
-        q_batch = min(b, MAX_BATCH)
-        chunk = _most(n, lambda c: self._work_bytes(q_batch, c, w), budget)
-        floor = min(n, max(w, MIN_CHUNK))
-        if self._work_bytes(q_batch, floor, w) > budget:
-            chunk = floor
-            q_batch = _most(q_batch, lambda m: self._work_bytes(m, floor, w), budget)
-        return q_batch, max(chunk, floor)
+        q_batch, floor = min(b, MAX_BATCH), min(n, max(w, MIN_CHUNK))
+        fixed, per_row = self._work_bytes(q_batch, 0, w), self._work_bytes(q_batch, 1, w)
+        chunk = min(n, (budget - fixed) // (per_row - fixed))  # the cost is linear in both
+        if chunk < floor:
+            fixed, per_query = self._work_bytes(0, floor, w), self._work_bytes(1, floor, w)
+            return max(1, min(q_batch, (budget - fixed) // (per_query - fixed))), floor
+        return q_batch, chunk
 
     def _work_bytes(self, q_batch: int, chunk: int, w: int, faiss: bool = False) -> int:
-        """Bytes a pass holds at once: per query its float32 row and ``LIST_SLOT_BYTES`` per
-        top-w slot, faiss' workspaces (``FAISS_*``) or a torch pass's (q_batch, chunk) float32
-        block, ``SUB_ROWS`` scores per query on the CPU (:func:`_scores`), per chunk row its
-        float32 upcast (16-bit storage the GEMM cannot read) and CPU top-k queues."""
+        """Bytes a pass holds: per query its row, top-w lists and faiss' workspaces, or a torch
+        pass's block, ``SUB_ROWS`` scores (CPU) and per chunk row upcasts and top-k queues."""
         per_query = 4 * self.dim + LIST_SLOT_BYTES * w
         if faiss:
             return q_batch * (per_query + FAISS_QUERY_BYTES + FAISS_SLOT_BYTES * w)
@@ -349,18 +334,9 @@ class ExactIndex(Index):
         return 4 * q_batch * chunk + (per_query + 4 * SUB_ROWS * cpu) * q_batch + per_row * chunk
 
 
-def _most(limit: int, cost: Callable[[int], int], budget: int) -> int:
-    """The largest m in [1, limit] with cost(m) <= budget (cost grows with m), or 1."""
-    lo, hi = 1, limit
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if cost(mid) <= budget else (lo, mid - 1)
-    return lo
-
-
 def default_memory_budget(device: torch.device) -> int:
-    """``CPU_BUDGET`` on the CPU; on CUDA 1 / ``CUDA_BUDGET_SHARE`` of what the device has free
-    now (free memory plus the blocks torch's allocator holds unused), at least 64 KiB."""
+    """``CPU_BUDGET``; on CUDA 1 / ``CUDA_BUDGET_SHARE`` of the free memory (with the blocks
+    torch's allocator holds unused), at least 64 KiB."""
     if device.type != "cuda":
         return CPU_BUDGET
     free, _ = torch.cuda.mem_get_info(device)
@@ -374,16 +350,10 @@ def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return (q.double() * x.double()).sum(-1).float()
 
 
-def tie_ulps(dim: int) -> float:
-    """Scoring error of a BLAS score, in ulps of |q| |x|: 32, or 2 sqrt(d) for d > 256."""
-    return max(32.0, 2.0 * dim ** 0.5)
-
-
 def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates (B, w) sorted descending -> (B, kk): :func:`merge_topk` where ``settle``
-    (B,) bool, the first kk elsewhere; every row under the mask (no host synchronisation: the
-    candidate lists are short)."""
+    (B,) bool, the first kk elsewhere (every row under the mask: no host synchronisation)."""
     v, i = merge_topk(vals, ids, kk)
     return (torch.where(settle.unsqueeze(1), v, vals[:, :kk]),
             torch.where(settle.unsqueeze(1), i, ids[:, :kk]))
@@ -406,11 +376,8 @@ CUDA_BUDGET_SHARE = 4     # ... and on CUDA: a quarter of the free device memory
 @contextlib.contextmanager
 def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
     """Run the block with faiss' OpenMP pool set to ``threads`` (0 = leave as is)."""
-    if not threads:
-        yield
-        return
     before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(int(threads))
+    faiss.omp_set_num_threads(int(threads) or before)
     try:
         yield
     finally:
