@@ -312,16 +312,10 @@ def test_real_valued_copies_tie(engine, monkeypatch, groups, rescanned):
 
 
 @pytest.mark.parametrize("b", [2, 3, 5, 9, 13, 15])
-def test_small_batches_scored_rows_first_tie_copies(monkeypatch, b):
-    """Batches of 2-15 queries on the CPU torch pass: rows x queries GEMMs with the batch
-    zero-padded to a power of two. Real-valued copies scattered over five 1024-row GEMMs tie,
-    ids equal the float64 reference with the tie rule, and the padded queries' scores are
-    dropped (every row a real query's)."""
+def test_small_batches_tie_copies(monkeypatch, b):
+    """Batches of 2-15 queries on the CPU torch pass: real-valued copies scattered over the
+    index tie, and ids equal the float64 reference with the tie rule."""
     monkeypatch.setattr(exact_module, "_FAISS", [None])
-    padded = []
-    real = exact_module._pad_batch
-    monkeypatch.setattr(exact_module, "_pad_batch",
-                        lambda q: padded.append(q.shape[0]) or real(q))
     rng = np.random.default_rng(40 + b)
     X, copies = copied_unit_rows(rng, 5000, 48, (2, 5, 9))
     T = unit_rows(rng, b, 48)
@@ -334,17 +328,6 @@ def test_small_batches_scored_rows_first_tie_copies(monkeypatch, b):
         rv, ri = reference_with_copies(X, T, k, copies)
         np.testing.assert_array_equal(ids.numpy(), ri)
         np.testing.assert_allclose(scores.numpy(), rv, atol=1e-6)
-    assert b in padded  # the first pass (rows searched again are padded by their own count)
-
-
-def test_pad_batch_adds_zero_queries_up_to_a_power_of_two():
-    q = torch.arange(1.0, 1.0 + 5 * 3).view(5, 3)
-    p = exact_module._pad_batch(q)
-    assert p.shape == (8, 3)
-    assert torch.equal(p[:5], q) and not p[5:].any()
-    for b in (1, 2, 4, 8, 16, 17, 40):
-        assert exact_module._pad_batch(torch.ones(b, 3)).shape == (b, 3)
-    assert exact_module._pad_batch(torch.ones(9, 3)).shape == (16, 3)
 
 
 def test_position_dependent_scores_still_tie(monkeypatch):
@@ -382,72 +365,45 @@ def test_canonical_scores_ignore_position():
     np.testing.assert_allclose(got.numpy(), (q.double() @ x.double().T).numpy(), atol=1e-7)
 
 
-def test_rows_sharing_a_copy_key_still_match(monkeypatch):
-    """Rows that agree on every coordinate the copy key reads but differ elsewhere share a
-    key: they are rescored like copies, and results still equal the reference."""
+def test_rows_equal_on_most_coordinates_still_match(monkeypatch):
+    """Rows that agree on most coordinates (near ties that are not copies) are rescored like
+    copies, and results still equal the reference."""
     faiss = pytest.importorskip("faiss")
     monkeypatch.setattr(exact_module, "_FAISS", [faiss])
     monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 1)
     rng = np.random.default_rng(24)
     X, copies = copied_unit_rows(rng, 1500, 64, (4, 9))
-    dims = np.linspace(0, 63, exact_module.KEY_DIMS).astype(int)
-    X[:300, dims] = X[0, dims]  # 300 rows share one key ...
+    dims = np.linspace(0, 63, 16).astype(int)
+    X[:300, dims] = X[0, dims]  # 300 rows share 16 coordinates ...
     for group in copies:  # ... and copies stay copies
         X[group] = X[group[0]]
     T = np.concatenate([X[[copies[0][0], copies[1][0], 5]] + 0.05 * unit_rows(rng, 3, 64),
                         unit_rows(rng, 40, 64)])
     index = ExactIndex().build(X)
-    _, keys, flagged = index._row_stats()
-    shared = np.setdiff1d(np.arange(300), np.concatenate(copies))
-    assert (keys[shared] == keys[0]).all()
-    # rows whose key another row shares: the copies and the 300; no other row
-    expect = np.zeros(1500, bool)
-    expect[:300] = True
-    expect[np.concatenate(copies)] = True
-    np.testing.assert_array_equal(flagged.numpy(), expect)
     for k in (3, 10, 30):
         scores, ids = index.search(T, k)
         rv, ri = reference_with_copies(X, T, k, copies)
         np.testing.assert_array_equal(ids.numpy(), ri)
 
 
-def _spy_screen(monkeypatch):
-    """Count what exact_module._above returned: 'screened' (candidate lists), 'skipped' (no
-    group above any query's running threshold), 'topk' (too many: a plain top-k)."""
-    seen = {"screened": 0, "skipped": 0, "topk": 0}
-    real = exact_module._above
-
-    def spy(block, thr):
-        out = real(block, thr)
-        key = "topk" if out is None else "skipped" if out[0].shape[1] == 0 else "screened"
-        seen[key] += 1
-        return out
-    monkeypatch.setattr(exact_module, "_above", spy)
-    return seen
-
-
 @pytest.mark.parametrize("k", [1, 10, 100])
-def test_screened_cpu_blocks_equal_the_reference(monkeypatch, k):
-    """The CPU torch pass over many blocks (a short last one, 30,003 = 7 x 4096 + 1,331 rows,
-    not a multiple of GROUP_ROWS): later blocks are screened by group maxima against each
-    query's running threshold. Real-valued rows with copies spread over the blocks, and
-    queries near copied rows; ids equal the float64 reference, and blocks were screened."""
+def test_many_cpu_blocks_equal_the_reference(monkeypatch, k):
+    """The CPU torch pass over many blocks (a short last one: 30,003 rows in blocks of 4096).
+    Real-valued rows with copies spread over the blocks, and queries near copied rows; ids
+    equal the float64 reference but where float32 cannot order two different rows."""
     monkeypatch.setattr(exact_module, "_FAISS", [None])
-    monkeypatch.setattr(exact_module, "CPU_BLOCK", 2**18)  # 4096-row blocks at B = 64
-    seen = _spy_screen(monkeypatch)
     rng = np.random.default_rng(31)
     X, copies = copied_unit_rows(rng, 30003, 32, (2, 3, 5))
-    X[30000:] = X[copies[0][0]]  # copies in the short last group, too
+    X[30000:] = X[copies[0][0]]  # copies in the short last block, too
     copies[0] = np.concatenate([copies[0], [30000, 30001, 30002]])
     T = unit_rows(rng, 64, 32)
     T[:30] = X[copies[0][0]] + 0.2 * T[:30]
-    index = ExactIndex().build(X)
-    assert index._plan(64, k)[2] == 4096
+    index = ExactIndex({"memory_budget": 64 * 4096 * 4 + 2**17}).build(X)
+    assert index._plan(64, k)[2] < 30003
     scores, ids = index.search(T, k)
     rv, ri = reference_with_copies(X, T, k, copies)
     ids = ids.numpy()
     np.testing.assert_allclose(scores.numpy(), rv, atol=1e-6)
-    # ids equal the reference's but where float32 cannot order two different rows
     own = np.einsum("bd,bkd->bk", T.astype(np.float64), X[ids].astype(np.float64))
     differ = ids != ri
     assert differ.mean() < 0.01
@@ -456,18 +412,14 @@ def test_screened_cpu_blocks_equal_the_reference(monkeypatch, k):
         for row in ids:
             found = row[np.isin(row, group)]
             np.testing.assert_array_equal(found, np.sort(found))
-    assert seen["screened"] > 0
 
 
 @pytest.mark.parametrize("rising", [True, False])
 def test_rising_and_falling_scores(monkeypatch, rising):
-    """Scores that grow with the row id: every block beats the running top-w, the screen gives
-    way to a plain top-k per block; that fall with it: the first block holds the top-w, every
-    later one is skipped. Small-integer rows, so ties at the k-th place are real. Equal to
-    the reference."""
+    """Scores that grow with the row id (every block beats the running top-w) or fall with it
+    (the first block holds it), over several blocks. Small-integer rows, so ties at the k-th
+    place are real. Equal to the reference."""
     monkeypatch.setattr(exact_module, "_FAISS", [None])
-    monkeypatch.setattr(exact_module, "CPU_BLOCK", 2**18)  # 3 blocks of 4096 rows
-    seen = _spy_screen(monkeypatch)
     rng = np.random.default_rng(32)
     n = 12000
     X = rng.integers(-2, 3, (n, 6)).astype(np.float32)
@@ -475,46 +427,27 @@ def test_rising_and_falling_scores(monkeypatch, rising):
     X[:, 0] = step if rising else step.max() - step
     T = rng.integers(-2, 3, (70, 6)).astype(np.float32)
     T[:, 0] = 4
-    index = ExactIndex().build(X)
+    index = ExactIndex({"memory_budget": 2**21}).build(X)
+    assert index._plan(70, 64)[2] < n
     for k in (1, 16, 64):
         scores, ids = index.search(T, k)
         rv, ri = ref.exact_search(X, T, k)
         np.testing.assert_array_equal(ids.numpy(), ri)
         np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
-    assert seen["topk" if rising else "skipped"] > 0
 
 
-def test_screen_handles_queries_without_hits_and_ties_at_the_threshold():
-    """_above by itself: a query with no group above its threshold gets only -inf padding; a
-    score equal to the threshold is not above it; a hit in the short last group is found."""
-    block = torch.zeros(4096 + 5, 3)
-    block[9, 0] = 2.0           # group 1 for query 0
-    block[4096 + 4, 0] = 3.0    # the short last group
-    block[100, 1] = 1.0         # equal to query 1's threshold: not above
-    thr = torch.tensor([1.0, 1.0, 5.0])
-    vals, rows = exact_module._above(block, thr)
-    assert vals.shape == (3, 2 * exact_module.GROUP_ROWS)
-    got = sorted((int(r), float(v)) for v, r in zip(vals[0], rows[0]) if v > float("-inf"))
-    assert got == [(r, 2.0 if r == 9 else 3.0 if r == 4096 + 4 else 0.0)
-                   for r in [*range(8, 16), *range(4096, 4096 + 5)]]  # the two groups' rows
-    assert torch.isinf(vals[1:]).all()
-    assert exact_module._above(torch.arange(4096.).unsqueeze(1), torch.tensor([-1.0])) is None
-
-
-def test_screened_pass_ranks_nan_first():
+def test_nan_ranks_first():
     """A NaN score ranks first on every path (as torch.topk has it), also when its row sits in
-    a later, screened block: a query's running threshold ignores NaN, and a group whose max is
-    NaN is taken. The other ids equal the reference without that row."""
+    a later block. The other ids equal the reference without that row."""
     rng = np.random.default_rng(33)
     X = unit_rows(rng, 30003, 16)
     X[21000, 3] = np.nan
     T = unit_rows(rng, 40, 16)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(exact_module, "_FAISS", [None])
-        mp.setattr(exact_module, "CPU_BLOCK", 2**18)  # blocks of 6553 rows: 21000 in the 4th
-        seen = _spy_screen(mp)
-        scores, ids = ExactIndex().build(X).search(T, 10)
-    assert seen["screened"] > 0
+        index = ExactIndex({"memory_budget": 2**20}).build(X)
+        assert index._plan(40, 10)[2] < 21000
+        scores, ids = index.search(T, 10)
     assert (ids[:, 0] == 21000).all() and torch.isnan(scores[:, 0]).all()
     rest = np.delete(np.arange(30003), 21000)
     _, ri = ref.exact_search(X[rest], T, 9)

@@ -92,14 +92,15 @@ def test_block_shapes_fit_the_budget_model(dtype, budget):
     for b in (1, 64, 2000, 100_000):
         for k in (1, 10, 100, 1000, 10_000):
             w = k + TIE_MARGIN  # the first pass's candidates per query
-            for exact in (False, True):
-                q_batch, chunk = index._block_shape(b, k, exact)
+            for width in (w, 4 * w):  # a first pass, a wider one
+                q_batch, chunk = index._block_shape(b, k, width)
                 assert 1 <= q_batch <= b and 1 <= chunk <= 300_000
-                floor = index._work_bytes(1, max(w, 1024), w, exact)
+                floor = index._work_bytes(1, max(width, 1024), width)
                 if floor <= budget:
-                    assert index._work_bytes(q_batch, chunk, w, exact) <= budget
+                    assert index._work_bytes(q_batch, chunk, width) <= budget
                 else:
-                    assert q_batch == 1 and chunk == max(w, 1024)
-            if dtype == "float32" and index._plan(b, k)[0] is not None:
-                q_batch = index._faiss_batch(b, k)
-                assert q_batch == 1 or index._faiss_bytes(q_batch, w) <= budget
+                    assert q_batch == 1 and chunk == max(width, 1024)
+            faiss, q_batch, chunk = index._plan(b, k)
+            if faiss is not None:
+                assert chunk == 300_000
+                assert q_batch == 1 or index._work_bytes(q_batch, 0, w, faiss=True) <= budget

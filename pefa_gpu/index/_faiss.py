@@ -27,7 +27,7 @@ import torch
 from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params
-from ..topk import PAD_ID, PAD_SCORE, merge_topk
+from ..topk import PAD_ID, PAD_SCORE, merge_topk, order_ties
 from .base import Index
 from .exact import ExactIndex, faiss_threads  # exact search: the k-limit fallback
 
@@ -97,16 +97,9 @@ def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndar
         missing = ids < 0
         scores = np.where(missing, np.float32(PAD_SCORE), scores)
         ids = np.where(missing, np.int64(PAD_ID), ids)
-    if scores.shape[1] > 1:
-        equal = scores[:, 1:] == scores[:, :-1]
-        if equal.any():  # faiss leaves equal scores in any order: the rule is the lower id first
-            rows = np.flatnonzero(equal.any(1))
-            s, i = scores[rows], ids[rows]
-            order = np.lexsort((np.where(i < 0, np.iinfo(np.int64).max, i), -s), axis=1)
-            scores, ids = scores.copy(), ids.copy()  # never write into faiss' own arrays
-            scores[rows] = np.take_along_axis(s, order, 1)
-            ids[rows] = np.take_along_axis(i, order, 1)
-    return scores, ids
+    # faiss leaves equal scores in any order: the tie rule lists them by id
+    scores, ids = order_ties(torch.from_numpy(scores), torch.from_numpy(ids))
+    return scores.numpy(), ids.numpy()
 
 
 def normalise_results_tensors(scores: torch.Tensor, ids: torch.Tensor
