@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 
 if not torch.cuda.is_available():  # Triton kernels (tests marked triton) run in Triton's
@@ -52,6 +54,28 @@ def unit_rows(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:
     """Random L2-normalised float32 rows."""
     x = rng.standard_normal((rows, dim))
     return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def small_problem(seed: int, n: int, m: int, d: int, tests: int) -> tuple:
+    """(P (n, d), Q (m, d), Y (m x n) CSR with one relevant document per query, T (tests, d))."""
+    rng = np.random.default_rng(seed)
+    P, Q = unit_rows(rng, n, d), unit_rows(rng, m, d)
+    y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), rng.integers(0, n, m))),
+                      shape=(m, n))
+    return P, Q, y, unit_rows(rng, tests, d)
+
+
+def cuda_syncs(fn) -> tuple:
+    """(fn(), the number of host synchronisations it made), counted by torch's sync debug
+    mode (one warning per synchronising call)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, sum("synchronizing" in str(w.message) for w in caught)
 
 
 @pytest.fixture(autouse=True)

@@ -12,22 +12,8 @@ from pefa_gpu.builds import load_build
 from pefa_gpu.cli import main
 from pefa_gpu.methods import REGISTRY
 from pefa_gpu.sweep import Config
-from textdata import bow_unit, write_beir, write_embeddings
-
-
-@pytest.fixture
-def data(tmp_path):
-    root = write_beir(tmp_path / "toy", n_topics=6, docs_per_topic=6, train_per_doc=2,
-                      seed=3, mismatch=True)
-    write_embeddings(root, "bow")
-    return root
-
-
-def _run(capsys, *argv):
-    code = main([str(a) for a in argv])
-    out = capsys.readouterr()
-    assert code == 0, out.err
-    return out
+from test_cli import _run, data  # noqa: F401 (data: the toy BEIR folder fixture)
+from textdata import bow_unit
 
 
 def _arrays(root):

@@ -8,7 +8,6 @@ import json
 import struct
 import subprocess
 import sys
-import textwrap
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -21,7 +20,7 @@ import pefa_gpu as pg
 from pefa_gpu import storage
 from pefa_gpu.errors import FormatError
 
-from conftest import unit_rows
+from conftest import small_problem, unit_rows
 
 N, M, D = 60, 30, 8
 MiB = 2**20
@@ -29,11 +28,7 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(11)
-    P, Q = unit_rows(rng, N, D), unit_rows(rng, M, D)
-    y = sp.csr_matrix((np.ones(M, np.float32), (np.arange(M), rng.integers(0, N, M))),
-                      shape=(M, N))
-    return P, Q, y, unit_rows(rng, 4, D)
+    return small_problem(11, N, M, D, 4)
 
 
 def manifest(save: Path) -> dict:

@@ -13,7 +13,7 @@ import pefa_gpu as pg
 from pefa_gpu import arrays
 from pefa_gpu.index import exact as exact_mod
 from pefa_gpu.index.exact import ExactIndex, TIE_MARGIN
-from conftest import unit_rows
+from conftest import cuda_syncs, unit_rows
 
 
 class DLPackOnly:
@@ -300,20 +300,6 @@ def test_cuda_block_plan_at_1m_rows_uses_the_free_memory(monkeypatch):
     assert fixed._block_shape(4096, 100)[1] < 20_000  # the old fixed default: 80+ rounds
 
 
-def _cuda_syncs(fn):
-    """(fn(), the host synchronisations it made: torch's sync debug mode warns once each)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return out, sum("synchronizing" in str(w.message) for w in caught)
-
-
 @pytest.mark.gpu
 def test_cuda_votes_synchronise_once_and_vote_sums_never():
     import scipy.sparse as sp
@@ -325,9 +311,9 @@ def test_cuda_votes_synchronise_once_and_vote_sums_never():
     y = sp.random(40, 60, density=0.6, random_state=5, format="csr", dtype=np.float32)
     rows = fuse.RelevanceRows(as_relevance(y), "cuda")
     torch.cuda.synchronize()
-    (slot, doc, _), syncs = _cuda_syncs(lambda: fuse.votes(ki, rows))
+    (slot, doc, _), syncs = cuda_syncs(lambda: fuse.votes(ki, rows))
     assert syncs == 1 and slot.numel() == doc.numel() > 0  # reading the number of entries
-    _, syncs = _cuda_syncs(lambda: table.knn_scores(table.n_neighbours, 4.0))
+    _, syncs = cuda_syncs(lambda: table.knn_scores(table.n_neighbours, 4.0))
     assert syncs == 0
 
 

@@ -11,27 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import scipy.sparse as sp
 
 import pefa_gpu as pg
 from pefa_gpu import storage
 from pefa_gpu.builds import save_build
-from pefa_gpu.errors import FormatError
 
-from conftest import unit_rows
+from conftest import small_problem
 
 N, M, D = 40, 20, 8
 
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(5)
-    P, Q = unit_rows(rng, N, D), unit_rows(rng, M, D)
-    y = sp.csr_matrix((np.ones(M, np.float32), (np.arange(M), rng.integers(0, N, M))),
-                      shape=(M, N))
-    return P, Q, y
+    return small_problem(5, N, M, D, 0)[:3]
 
 
 def tree(root: Path) -> list[str]:
@@ -107,13 +100,11 @@ def test_a_folder_that_is_not_a_cut_short_data_folder_is_kept(tmp_path, data, co
 
 SETUP = r"""
 import json, sys, time
-import numpy as np, scipy.sparse as sp
+import numpy as np
 import pefa_gpu as pg
-from conftest import unit_rows
-rng = np.random.default_rng(5)
+from conftest import small_problem
 n, m, d = map(int, sys.argv[3:6])
-P, Q = unit_rows(rng, n, d), unit_rows(rng, m, d)
-y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), rng.integers(0, n, m))), shape=(m, n))
+P, Q, y, _ = small_problem(5, n, m, d, 0)
 end = time.monotonic() + float(sys.argv[1])
 target = sys.argv[2]
 """

@@ -21,18 +21,14 @@ from pefa_gpu import storage
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index import exact as exact_module
 
-from conftest import unit_rows
+from conftest import small_problem
 
 N, M, D = 50, 30, 8
 
 
 @pytest.fixture(scope="module")
 def data():
-    rng = np.random.default_rng(21)
-    P, Q = unit_rows(rng, N, D), unit_rows(rng, M, D)
-    y = sp.csr_matrix((np.ones(M, np.float32), (np.arange(M), rng.integers(0, N, M))),
-                      shape=(M, N))
-    return P, Q, y, unit_rows(rng, 5, D)
+    return small_problem(21, N, M, D, 5)
 
 
 def fit(cls, data, **params):

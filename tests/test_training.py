@@ -4,7 +4,6 @@ synchronisations."""
 
 from __future__ import annotations
 
-import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +11,7 @@ import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
-from conftest import unit_rows
+from conftest import cuda_syncs, unit_rows
 
 N, M, D, B = 40, 30, 8, 6
 
@@ -208,19 +207,6 @@ def test_mine_negatives_errors():
         pg.mine_negatives(xs, T, np.zeros((B, 2)), n=2)
 
 
-def _cuda_syncs(fn):
-    """(fn(), the number of host synchronisations it made), counted by torch's sync debug
-    mode (one warning per synchronising call)."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return out, sum("synchronizing" in str(w.message) for w in caught)
-
-
 @pytest.mark.gpu
 def test_cuda_search_synchronises_once_score_and_backward_never():
     P, Q, Y, T = _data(11)
@@ -236,11 +222,11 @@ def test_cuda_search_synchronises_once_score_and_backward_never():
     assert q.requires_grad
     for model in (erm, xs):
         # exact backend: one synchronisation when k + TIE_MARGIN (8) < n, none otherwise
-        (s, ids), syncs = _cuda_syncs(lambda: model.search(q, topk=5))
+        (s, ids), syncs = cuda_syncs(lambda: model.search(q, topk=5))
         assert syncs == 1 and not s.requires_grad and ids.device.type == "cuda"
-        _, syncs = _cuda_syncs(lambda: model.search(q, topk=N - 8))
+        _, syncs = cuda_syncs(lambda: model.search(q, topk=N - 8))
         assert syncs == 0
-        neg, syncs = _cuda_syncs(lambda: pg.mine_negatives(model, q, pos, n=3))
+        neg, syncs = cuda_syncs(lambda: pg.mine_negatives(model, q, pos, n=3))
         assert syncs == 1  # its one search (one batch)
         cand = torch.cat([pos, neg], 1)
         torch.cuda.set_sync_debug_mode("error")
