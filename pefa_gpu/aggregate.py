@@ -13,6 +13,8 @@ from .relevance import as_relevance
 from .aggregate_stream import normalize_rows_, pifa_streamed
 from .stream import array_source, row_source
 
+_BLOCK = 1 << 14  # rows per step of pefa_xs (its temporaries: one such block)
+
 
 def normalize_rows(x: torch.Tensor) -> torch.Tensor:
     """Π(x) = x / ‖x‖ row-wise, with Π(0) = 0. (rows, d) float -> same shape, float32 (a new
@@ -23,12 +25,16 @@ def normalize_rows(x: torch.Tensor) -> torch.Tensor:
 def pefa_xs(p: torch.Tensor, sums: torch.Tensor, lam: float) -> torch.Tensor:
     """The PEFA-XS documents e_j = lam p_j + (1 - lam) Π(a_j): p (r, d), a (r, d) each
     document's unnormalised sum of training queries (with augment_docs it holds p_j too) ->
-    (r, d) float32, row by row (a subset of the rows gives those rows of the whole)."""
-    return lam * p.float() + (1.0 - lam) * normalize_rows(sums)
+    (r, d) float32, row by row (a subset of the rows gives those rows of the whole). Holds
+    one (r, d) result and a block of temporaries."""
+    e = normalize_rows(sums).mul_(1.0 - lam)
+    for s in range(0, e.shape[0], _BLOCK):
+        e[s:s + _BLOCK] += lam * p[s:s + _BLOCK].float()
+    return e
 
 
 def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
-         memory_budget: int | None = None) -> torch.Tensor:
+         memory_budget: int | None = None, initial: torch.Tensor | None = None) -> torch.Tensor:
     """Yᵀ Q: (m x n) relevance, (m x d) query embeddings -> (n x d) float32 tensor on ``device``.
 
     Accumulates in float32. On CUDA the product runs as a cuSPARSE SpMM through cupy when cupy
@@ -40,20 +46,29 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
     in row chunks (see :mod:`pefa_gpu.aggregate_stream`) with the output and all buffers within
     ``memory_budget`` bytes (default 512 MiB plus the output). A host array with a
     ``memory_budget`` is streamed the same way.
+
+    ``initial``: a contiguous (n, d) float32 tensor on ``device`` the sums start from
+    (PEFA-XS: P with augment_docs); it is accumulated into in place, in the order of Y's rows
+    on the CPU (a host Q is then streamed, never copied whole), and returned.
     """
     dev = resolve_device(device)
     rel = as_relevance(Y, allow_empty=True)
     m, n = rel.shape
     src = row_source(Q, "Q")
-    if src is None and memory_budget is not None and isinstance(Q, np.ndarray):
-        src = array_source(Q, "Q")
+    host = isinstance(Q, torch.Tensor) and Q.device.type == "cpu" and \
+        Q.dtype in (torch.float16, torch.float32, torch.float64)
+    if src is None and (memory_budget is not None or initial is not None) and \
+            dev.type == "cpu" and (isinstance(Q, np.ndarray) or host):
+        src = array_source(Q.detach().numpy() if host else Q, "Q")
     if src is not None:
-        a = pifa_streamed(rel, src, dev, memory_budget)
+        a = pifa_streamed(rel, src, dev, memory_budget, initial=initial)
         return normalize_rows_(a) if normalize else a
     q = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach()
     if q.shape[0] != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")
     a = _spmm_transpose(rel.csr, q)
+    if initial is not None:
+        a = initial.add_(a)
     return normalize_rows(a) if normalize else a
 
 

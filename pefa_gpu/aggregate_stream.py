@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .arrays import as_tensor, cuda_index, host_view, torch_dtype
+from .arrays import cuda_index, host_view, torch_dtype
 from .errors import InputError
 from .relevance import Relevance
 from .stream import RowSource
@@ -60,11 +60,14 @@ def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int
 
 
 def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
-                  memory_budget: int | None, kernel: str = "auto") -> torch.Tensor:
+                  memory_budget: int | None, kernel: str = "auto",
+                  initial: torch.Tensor | None = None) -> torch.Tensor:
     """Yᵀ Q for a streamed Q: (m x n) relevance, ``src`` (m, d) -> (n, d) float32 on ``device``.
 
     ``kernel``: 'auto' (scipy on the CPU, the staged index_add pipeline on CUDA), 'scipy' or
     'index_add' (the CUDA pipeline, which also runs on the CPU: how tests check it there).
+    ``initial``: a contiguous (n, d) float32 tensor on ``device`` the sums start from; it is
+    accumulated into in place and returned.
     """
     m, n = rel.shape
     d = src.dim
@@ -87,10 +90,18 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     csr = rel.csr
     indices = csr.indices
     indptr = csr.indptr.astype(indices.dtype, copy=False)
-    if kernel == "index_add":
-        a, seen = _stream_staged(src, rows, indptr, indices, csr.data, n, m, device)
+    if initial is None:
+        a = torch.zeros((n, d), dtype=torch.float32, device=device)
+    elif tuple(initial.shape) != (n, d) or initial.dtype != torch.float32 or \
+            initial.device.type != device.type or not initial.is_contiguous():
+        raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device}, "
+                         f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
     else:
-        a, seen = _stream_scipy(src, rows, indptr, indices, csr.data, n, m)
+        a = initial
+    if kernel == "index_add":
+        seen = _stream_staged(src, rows, indptr, indices, csr.data, m, a)
+    else:
+        seen = _stream_scipy(src, rows, indptr, indices, csr.data, m, a.numpy())
     if seen != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {seen} rows")
     return a
@@ -140,10 +151,10 @@ def _check_rows(start: int, r: int, m: int) -> None:
 
 
 def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                  data: np.ndarray, n: int, m: int) -> tuple[torch.Tensor, int]:
-    """The CPU kernel: scipy's CSC product accumulates each chunk into A in place."""
-    d = src.dim
-    a = np.zeros((n, d), dtype=np.float32)
+                  data: np.ndarray, m: int, a: np.ndarray) -> int:
+    """The CPU kernel: scipy's CSC product accumulates each chunk into ``a`` (n, d) in place.
+    Returns the rows of Q read."""
+    n, d = a.shape
     buffers = [np.empty((rows, d), dtype=src.dtype)] if src.owns_reads else []
     conv = np.empty((rows, d), dtype=np.float32) if src.dtype != np.float32 else None
     matvecs = _csc_matvecs()
@@ -165,7 +176,7 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
         # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
         matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
         seen = start + r
-    return as_tensor(a), seen
+    return seen
 
 
 class Staging:
@@ -238,12 +249,12 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager:
 
 
 def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                   data: np.ndarray, n: int, m: int,
-                   device: torch.device) -> tuple[torch.Tensor, int]:
+                   data: np.ndarray, m: int, a: torch.Tensor) -> int:
     """The staged pipeline (module docstring): host read -> staging slot -> device (a side
-    stream on CUDA) -> gather + index_add on the current stream. Entries are batched by
-    ``rows`` (the gather workspace is two (rows, d) float32 arrays)."""
-    d = src.dim
+    stream on CUDA) -> gather + index_add into ``a`` (n, d) on the current stream. Entries are
+    batched by ``rows`` (the gather workspace is two (rows, d) float32 arrays). Returns the
+    rows of Q read."""
+    d, device = src.dim, a.device
     if device.type == "cuda":
         device = torch.device("cuda", cuda_index(device))
     with _on_device(device):
@@ -251,7 +262,6 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
         q = Staging(rows, {"q": (d, src.dtype)}, device, copier)
         entries = Staging(rows, {"doc": (0, np.int64), "row": (0, np.int64),
                                  "w": (0, np.float32)}, device, copier)
-        a = torch.zeros((n, d), dtype=torch.float32, device=device)
         finite = torch.ones((), dtype=torch.bool, device=device)
         try:
             seen = _staged_chunks(src, rows, indptr, indices, data, m, q, entries, a, finite)
@@ -260,7 +270,7 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
                 copier.synchronize()
         if not bool(finite):
             raise InputError("Q contains NaN or inf")
-    return a, seen
+    return seen
 
 
 def _staged_chunks(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,

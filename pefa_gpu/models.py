@@ -203,13 +203,18 @@ class _Model:
                           check_finite=check)
         return q.detach()
 
-    def _embeddings(self, P: Any, Q: Any = None, Y: Any = None):
+    def _embeddings(self, P: Any, Q: Any = None, Y: Any = None, copy_queries: bool = True):
+        """(p, q, relevance) checked, p a copy; q a copy too with ``copy_queries``, else Q as
+        given where it is a host array that is only read (a memory map stays one)."""
         p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
         if Q is None:
             return p, None, None
-        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], copy=True).detach()
+        if not copy_queries and self.device.type == "cpu" and isinstance(Q, np.ndarray) \
+                and Q.ndim == 2 and Q.shape[1] == p.shape[1]:
+            return p, Q, as_relevance(Y, shape=(Q.shape[0], p.shape[0]))
+        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], copy=copy_queries).detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         return p, q, rel
 
@@ -429,12 +434,11 @@ class PEFAXS(_AdaptedDocuments):
 
     def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXS":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
-        p, q, rel = self._embeddings(P, Q, Y)
-        if self.params.augment_docs:  # p_j as the first query of document j: add_pairs then
-            # continues each sum in the same order and equals a refit to the bit (CPU)
-            eye = sp.identity(p.shape[0], dtype="float32", format="csr")
-            rel, q = Relevance(sp.vstack([eye, rel.csr], format="csr")), torch.cat([p, q])
-        sums = pifa(rel, q, normalize=False, device=self.device)
+        p, q, rel = self._embeddings(P, Q, Y, copy_queries=False)
+        # p_j as the first query of document j: add_pairs then continues each sum in the same
+        # order and equals a refit to the bit (CPU)
+        start = p.clone() if self.params.augment_docs else torch.zeros_like(p)
+        sums = pifa(rel, q, normalize=False, device=self.device, initial=start)
         self.doc_embeddings, self.doc_sums = p, sums
         self.index = self.new_index().build(self.xs_embeddings())
         self.dim, self.n_docs = p.shape[1], p.shape[0]

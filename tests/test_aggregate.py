@@ -69,3 +69,33 @@ def test_pifa_rejects_nan():
     Q[1, 0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
         pg.pifa(pg.Relevance.from_pairs([0], [0], shape=(2, 1)), Q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("q_kind", ["numpy", "torch", "float64"])
+def test_pifa_from_initial_sums(device, q_kind):
+    """``initial`` (PEFA-XS: P) plus Yᵀ Q, accumulated into it in place; Q never written."""
+    rng = np.random.default_rng(23)
+    m, n, d = 70, 30, 8
+    Q = unit_rows(rng, m, d)
+    Y = random_relevance(rng, m, n, 120, weighted=True)
+    start = rng.standard_normal((n, d)).astype(np.float32)
+    q = {"numpy": Q, "torch": torch.from_numpy(Q), "float64": Q.astype(np.float64)}[q_kind]
+    q_before = np.array(q)
+    initial = torch.from_numpy(start.copy()).to(device)
+    got = pg.pifa(Y, q, normalize=False, device=device, initial=initial)
+    assert got.data_ptr() == initial.data_ptr()
+    want = start.astype(np.float64) + ref.pifa(Y, Q, False)
+    np.testing.assert_allclose(got.cpu().numpy(), want, atol=1e-5)
+    np.testing.assert_array_equal(np.array(q), q_before)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dim", "dtype"])
+def test_pifa_initial_of_the_wrong_shape_is_refused(bad):
+    rng = np.random.default_rng(5)
+    Q = unit_rows(rng, 10, 6)
+    Y = random_relevance(rng, 10, 4, 12)
+    initial = {"shape": torch.zeros(5, 6), "dim": torch.zeros(4, 7),
+               "dtype": torch.zeros(4, 6, dtype=torch.float64)}[bad]
+    with pytest.raises(pg.InputError, match="initial"):
+        pg.pifa(Y, Q, normalize=False, initial=initial)
