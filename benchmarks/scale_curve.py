@@ -1,0 +1,501 @@
+"""How cost grows from 100k to 5M documents on one machine, next to the authors' PECOS path.
+
+    python benchmarks/scale_curve.py all [--sizes 100000,300000,...] [--data DIR]
+    python benchmarks/scale_curve.py point --n 1000000 --path model   # one point, one process
+    python benchmarks/scale_curve.py report                           # json / md / png only
+
+Data (written chunk by chunk under ``--data``, outside the repository, deleted after each point):
+n documents (clustered unit vectors, sqrt(n) clusters), m = n training queries, each its target
+document plus noise, targets drawn with Zipf popularity (exponent 1.1) over the documents, so
+that few documents have queries (the product-search shape); 2,000 test queries alike; d = 384.
+Two relevance shapes: ``product`` (each query: its target) and ``dense`` (its target and 4
+more documents of the target's cluster).
+
+Paths, each a process of its own per n (the peak RSS of one never counts in another):
+- ``model``: the library in memory (``pg.pifa``, ``ERM`` / ``PEFAXS`` / ``PEFAXL`` fit and a
+  batch search of the test queries, top-100, XL with k = 16 and 500 candidates), on the exact
+  backend (float32, and float16 storage as a second row), and on the hnsw backend (M = 32,
+  efConstruction = 500, efSearch = 300; up to ``--hnsw-max`` documents for ERM and
+  ``--hnsw-xl-max`` for XS / XL); the save's bytes on disk. A stage whose arrays would not fit
+  in this machine's memory is skipped and said so.
+- ``dense``: PIFA, PEFA-XS and PEFA-XL fit and exact search on the dense shape.
+- ``pipeline``: the out-of-core path (``pefa_gpu.pipeline``: shards on disk, aggregation
+  streamed), PEFA-XS and PEFA-XL from the row files to the test queries' top-100.
+- ``pecos``: the authors' path (libpecos HNSW, scipy PIFA and the scipy merge, as in
+  ``benchmarks/peers.py``), run in its own virtual environment (``--pecos-python``).
+
+Per stage: wall seconds, peak RSS growth (VmHWM, reset before the stage) and the peak of
+anonymous memory (RssAnon, sampled every 20 ms: memory-mapped input files do not count), the
+bytes of the arrays the stage must hold, and the load average. ``report`` fits the exponent of
+time and memory in n per stage (least squares on log-log over the points measured) and writes
+results/scale_curve.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+RAW = RESULTS / "scale_curve.json"
+SIZES = (100_000, 300_000, 1_000_000, 3_000_000, 5_000_000)
+D, N_TEST, TOPK, CHUNK = 384, 2000, 100, 250_000
+M, EFC, EFS = 32, 500, 300
+XS_LAM, XL_LAM, XL_K, XL_KP = 0.5, 0.1, 16, 500
+DENSE_EXTRA = 4  # dense shape: relevant documents besides the target
+F16_MAX = 1_000_000  # float16 rows up to this n (on the CPU a 16-bit search is several times
+# slower than float32: it converts each block)
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    x /= np.linalg.norm(x, axis=1, keepdims=True)
+    return x
+
+
+def make_data(n: int, folder: Path, seed: int = 0) -> None:
+    """Write P.npy (n, d), Q.npy (n, d), T.npy (N_TEST, d) float32 unit rows and the two
+    relevance matrices Y_product.npz / Y_dense.npz (n x n CSR) into ``folder``, a chunk of
+    CHUNK rows at a time."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    c = int(np.sqrt(n))
+    centres = _unit(rng.standard_normal((c, D), dtype=np.float32))
+    lo = np.arange(c + 1) * n // c                       # cluster j: documents lo[j]..lo[j+1]-1
+    P = np.lib.format.open_memmap(folder / "P.npy", "w+", np.float32, (n, D))
+    for s in range(0, n, CHUNK):
+        r = np.arange(s, min(s + CHUNK, n))
+        noise = rng.standard_normal((len(r), D), dtype=np.float32) * (0.6 / np.sqrt(D))
+        P[r[0]:r[-1] + 1] = _unit(centres[np.searchsorted(lo, r, side="right") - 1] + noise)
+    P.flush()
+    pop = 1.0 / np.arange(1, n + 1) ** 1.1
+    cum = np.cumsum(rng.permutation(pop))
+    cum /= cum[-1]
+
+    def queries(count: int, out: np.ndarray) -> np.ndarray:
+        targets = np.minimum(np.searchsorted(cum, rng.random(count)), n - 1)
+        for s in range(0, count, CHUNK):
+            t = targets[s:s + CHUNK]
+            order = np.argsort(t, kind="stable")           # read P in file order
+            rows = np.empty((len(t), D), dtype=np.float32)
+            rows[order] = P[t[order]]
+            noise = rng.standard_normal(rows.shape, dtype=np.float32) * (0.8 / np.sqrt(D))
+            out[s:s + len(t)] = _unit(rows + noise)
+        return targets
+
+    Q = np.lib.format.open_memmap(folder / "Q.npy", "w+", np.float32, (n, D))
+    targets = queries(n, Q)
+    Q.flush()
+    T = np.lib.format.open_memmap(folder / "T.npy", "w+", np.float32, (N_TEST, D))
+    queries(N_TEST, T)
+    T.flush()
+    ones = np.ones(n, dtype=np.float32)
+    sp.save_npz(folder / "Y_product.npz", sp.csr_matrix(
+        (ones, targets, np.arange(n + 1)), shape=(n, n)), compressed=False)
+    cl = np.searchsorted(lo, targets, side="right") - 1
+    size = lo[cl + 1] - lo[cl]
+    steps = np.arange(DENSE_EXTRA + 1)
+    cols = lo[cl, None] + (targets[:, None] - lo[cl, None] + steps) % size[:, None]
+    cols.sort(axis=1)
+    k = DENSE_EXTRA + 1
+    sp.save_npz(folder / "Y_dense.npz", sp.csr_matrix(
+        (np.ones(n * k, dtype=np.float32), cols.ravel(), np.arange(0, n * k + 1, k)),
+        shape=(n, n)), compressed=False)
+
+
+def load_data(folder: Path, shape: str = "product"):
+    """(P, Q, T) read-only memory maps and Y (scipy CSR)."""
+    P, Q, T = (np.load(folder / f"{x}.npy", mmap_mode="r") for x in "PQT")
+    return P, Q, T, sp.load_npz(folder / f"Y_{shape}.npz").tocsr()
+
+
+# -- measuring ----------------------------------------------------------------------------------
+
+def _status(key: str) -> int:
+    text = open("/proc/self/status").read()
+    return int(re.search(key + r":\s+(\d+)", text).group(1)) * 1024
+
+
+def available_bytes() -> int:
+    text = open("/proc/meminfo").read()
+    return int(re.search(r"MemAvailable:\s+(\d+)", text).group(1)) * 1024
+
+
+class Stage:
+    """``with Stage(rec, name, holds=bytes): ...`` records wall seconds, VmHWM growth and the
+    sampled peak of RssAnon growth of the block into ``rec`` (a list of dicts)."""
+
+    def __init__(self, rec: list, name: str, holds: int, **extra):
+        self.rec, self.name, self.holds, self.extra = rec, name, int(holds), extra
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.02):
+            self.anon = max(self.anon, _status("RssAnon"))
+
+    def __enter__(self) -> "Stage":
+        try:
+            open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.rss0, self.anon0 = _status("VmRSS"), _status("RssAnon")
+        self.anon, self.done = self.anon0, threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        self.load = os.getloadavg()[0]
+        self.t = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        seconds = time.perf_counter() - self.t
+        self.done.set()
+        self.thread.join()
+        self.anon = max(self.anon, _status("RssAnon"))
+        if exc[0] is None:
+            row = dict(stage=self.name, seconds=round(seconds, 3),
+                       peak_rss=_status("VmHWM") - self.rss0, peak_anon=self.anon - self.anon0,
+                       holds=self.holds, load=round(self.load, 2), **self.extra)
+            record(self.rec, row)
+
+
+POINT: dict = {}  # n, path and the output file of the point this process measures
+
+
+def record(rec: list, row: dict) -> None:
+    """Keep ``row``, print it, and append it to the point's output file at once (a point
+    killed later, e.g. for memory, keeps the stages it finished)."""
+    rec.append(row)
+    print(json.dumps(row), flush=True)
+    if POINT:
+        with open(POINT["out"], "a") as f:
+            f.write(json.dumps({**row, "n": POINT["n"], "path": POINT["path"]}) + "\n")
+
+
+def skip(rec: list, name: str, why: str, **extra) -> None:
+    record(rec, dict(stage=name, skipped=why, **extra))
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def fits(holds: int) -> bool:
+    """Whether ``holds`` bytes fit in the memory available now, with 15% to spare."""
+    return holds * 1.15 < available_bytes()
+
+
+# -- the library in memory ------------------------------------------------------------------------
+
+def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Path) -> list:
+    import torch
+
+    import pefa_gpu as pg
+
+    P, Q, T, Y = load_data(folder, shape)
+    n, row = P.shape[0], P.shape[1] * 4
+    y_bytes = Y.data.nbytes + Y.indices.nbytes + Y.indptr.nbytes
+    t = torch.from_numpy(np.array(T))
+    rec: list = []
+    with Stage(rec, "pifa", n * row + y_bytes):
+        pg.pifa(Y, Q, normalize=False, device="cpu", memory_budget=n * row + 2**28)
+    backends = [("exact", "float32", {})]
+    if shape == "product" and n <= F16_MAX:
+        backends.append(("exact", "float16", {"dtype": "float16"}))
+    if shape == "product" and n <= hnsw_max:
+        backends.append(("hnsw", "float32", {"M": M, "ef_construction": EFC}))
+    for backend, dtype, iparams in backends:
+        # arrays each fitted model must hold: ERM P; XS P, the sums and E; XL P, Q and Y (the
+        # index of P is P itself for exact float32; float16 adds a half copy per index)
+        half = dtype == "float16"
+        graph = n * M * 2 * 4 if backend == "hnsw" else 0
+        holds = {"erm": n * row * (1.5 if half else 1) + graph,
+                 "xs": n * row * (2.5 if half else 3) + graph + y_bytes,
+                 "xl": 2 * n * row * (1.5 if half else 1) + 2 * graph + 2 * y_bytes}
+        if shape != "product":
+            holds.pop("erm")
+        for method, holding in holds.items():
+            tag = dict(method=method, backend=backend, dtype=dtype)
+            if backend == "hnsw" and method != "erm" and n > hnsw_xl_max:
+                skip(rec, "fit", f"n > --hnsw-xl-max={hnsw_xl_max} (build time)", **tag)
+                continue
+            if not fits(holding):
+                skip(rec, "fit", f"needs {holding / 2**30:.1f} GiB, "
+                     f"{available_bytes() / 2**30:.1f} GiB available", **tag)
+                continue
+            kw = dict(backend=backend, device="cpu", index_params=iparams)
+            with Stage(rec, "fit", holding, **tag):
+                if method == "erm":
+                    model = pg.ERM(**kw).fit(P)
+                elif method == "xs":
+                    model = pg.PEFAXS(lam=XS_LAM, **kw).fit(P, Q, Y)
+                else:
+                    model = pg.PEFAXL(lam=XL_LAM, k=XL_K, **kw).fit(P, Q, Y)
+            if backend == "hnsw":
+                model.index_search_params = {"ef_search": EFS}
+            model.search(t[:10], TOPK)  # warm-up
+            with Stage(rec, "search", holding + N_TEST * (XL_KP + XL_K) * 12, **tag):
+                model.search(t, TOPK)
+            if shape == "product" and dtype == "float32" and backend == "exact":
+                out = tmp / "save"
+                model.save(out)
+                skip(rec, "save", "", bytes_on_disk=dir_bytes(out), **tag)
+                shutil.rmtree(out)
+            del model
+    return rec
+
+
+# -- the out-of-core pipeline -------------------------------------------------------------------
+
+def run_pipeline(folder: Path, tmp: Path) -> list:
+    from pefa_gpu import pipeline as pp
+
+    P, Q, T, Y = load_data(folder, "product")
+    row, rows = P.shape[1] * 4, 250_000
+    rec: list = []
+    work = tmp / "pipeline"
+    with Stage(rec, "write", rows * row * 2):
+        pp.write_rows(P, work / "docs", rows=rows)
+        pp.write_rows(Q, work / "queries", rows=rows)
+        pp.write_relevance(Y, work / "pairs", rows=rows)
+    for method in ("xs", "xl"):
+        tag = dict(method=method, backend="exact", dtype="float32")
+        if method == "xs":
+            with Stage(rec, "aggregate", rows * row * 4, **tag):
+                pp.aggregate(work / "queries", work / "pairs", work / "docs", work / "xs",
+                             lam=XS_LAM, doc_rows=rows)
+            with Stage(rec, "build", rows * row, **tag):
+                pp.build("xs", work / "build-xs", work / "docs", embeddings=work / "xs",
+                         doc_rows=rows)
+        else:
+            with Stage(rec, "build", rows * row * 2, **tag):
+                pp.build("xl", work / "build-xl", work / "docs", queries=work / "queries",
+                         relevance=work / "pairs", doc_rows=rows, lam=XL_LAM, k=XL_K,
+                         candidates=XL_KP)
+        with Stage(rec, "search", rows * row * 2, **tag):
+            pp.search(work / f"build-{method}", np.array(T), topk=TOPK)
+        skip(rec, "save", "", bytes_on_disk=dir_bytes(work / f"build-{method}"), **tag)
+        shutil.rmtree(work / f"build-{method}")
+        shutil.rmtree(work / "xs", ignore_errors=True)
+    shutil.rmtree(work)
+    return rec
+
+
+# -- the authors' path (libpecos; runs in its own virtual environment) --------------------------
+
+def run_pecos(folder: Path, methods: list[str]) -> list:
+    from pecos.ann.hnsw import HNSW
+
+    P, Q, T, Y = load_data(folder, "product")
+    n, row = P.shape[0], P.shape[1] * 4
+    threads = os.cpu_count() or 1
+    graph = n * M * 2 * 4
+    rec: list = []
+
+    def train(X):
+        tp = HNSW.TrainParams(M=M, efC=EFC, metric_type="ip", threads=threads)
+        return HNSW.train(X, tp)
+
+    def knn(model, k, searchers):
+        ids, dist = model.predict(np.array(T), HNSW.PredParams(efS=max(EFS, k), topk=k),
+                                  searchers=searchers, ret_csr=False)
+        return ids.astype(np.int64), 1.0 - dist              # "ip" distance is 1 - <q, x>
+
+    for method in methods:
+        tag = dict(method=method, backend="pecos-hnsw", dtype="float32")
+        with Stage(rec, "fit", n * row * (2 if method == "xl" else 1) + graph, **tag):
+            Pm = np.array(P)
+            if method == "xs":
+                A = np.asarray(Y.T @ np.array(Q)) + Pm                # PIFA, augment_docs
+                A /= np.maximum(np.linalg.norm(A, axis=1, keepdims=True), 1e-12)
+                Pm = XS_LAM * Pm + (1 - XS_LAM) * A
+                del A
+            passages = train(Pm)
+            del Pm
+            if method == "xl":
+                queries = train(np.vstack([np.asarray(Q), np.asarray(P)]))
+                Yx = sp.vstack([Y, sp.identity(n, format="csr", dtype=np.float32)],
+                               format="csr").astype(np.float32)
+        with Stage(rec, "search", n * row + graph, **tag):
+            ps = passages.searchers_create(threads)
+            if method != "xl":
+                knn(passages, TOPK, ps)
+            else:
+                qs = queries.searchers_create(threads)
+                b = N_TEST
+                ip, sp_ = knn(passages, XL_KP, ps)
+                iq, sq = knn(queries, XL_K, qs)
+                erm = sp.csr_matrix((sp_.ravel(), ip.ravel(), np.arange(0, b * XL_KP + 1, XL_KP)),
+                                    shape=(b, n))
+                w = sp.csr_matrix(((sq / XL_K).ravel(), iq.ravel(),
+                                   np.arange(0, b * XL_K + 1, XL_K)), shape=(b, Yx.shape[0]))
+                fused = (XL_LAM * erm + (1 - XL_LAM) * (w @ Yx)).tocsr()
+                for r in range(b):                               # per-row top-k
+                    vals = fused.data[fused.indptr[r]:fused.indptr[r + 1]]
+                    if len(vals) > TOPK:
+                        np.argpartition(-vals, TOPK - 1)
+        del passages
+        if method == "xl":
+            del queries
+    return rec
+
+
+# -- driver -------------------------------------------------------------------------------------
+
+def point(args) -> None:
+    """One (n, path) point in this process: its stage rows appended to the raw results."""
+    folder = Path(args.data) / f"n{args.n}"
+    tmp = Path(tempfile.mkdtemp(dir=args.data))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    POINT.update(n=args.n, path=args.path, out=args.out)
+    try:
+        if args.path == "model":
+            run_model(folder, "product", args.hnsw_max, args.hnsw_xl_max, tmp)
+        elif args.path == "dense":
+            run_model(folder, "dense", 0, 0, tmp)
+        elif args.path == "pipeline":
+            run_pipeline(folder, tmp)
+        else:
+            methods = ["erm"] + (["xs", "xl"] if args.n <= args.hnsw_xl_max else [])
+            run_pecos(folder, methods if args.n <= args.hnsw_max else [])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run_all(args) -> None:
+    common = ["--data", args.data, "--out", args.out, "--hnsw-max", str(args.hnsw_max),
+              "--hnsw-xl-max", str(args.hnsw_xl_max)]
+    for n in args.sizes:
+        folder = Path(args.data) / f"n{n}"
+        t = time.perf_counter()
+        make_data(n, folder)
+        print(json.dumps(dict(n=n, stage="data", seconds=round(time.perf_counter() - t, 1),
+                              bytes=dir_bytes(folder))), flush=True)
+        for path in args.paths:
+            python = args.pecos_python if path == "pecos" else sys.executable
+            if path == "pecos" and not (python and Path(python).exists()):
+                print(f"no --pecos-python: skipping the authors' path at n={n}")
+                continue
+            cmd = [python, __file__, "point", "--n", str(n), "--path", path, *common]
+            print(" ".join(cmd), flush=True)
+            subprocess.run(cmd, check=False)
+        shutil.rmtree(folder)
+
+
+# -- report -------------------------------------------------------------------------------------
+
+def exponent(rows: list[dict], key: str) -> float | None:
+    """Least-squares slope of log(key) against log(n) over the rows (None below 2 points)."""
+    pts = [(r["n"], r[key]) for r in rows if r.get(key, 0) > 0]
+    if len({n for n, _ in pts}) < 2:
+        return None
+    x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
+    return float(np.polyfit(x, y, 1)[0])
+
+
+def report(args) -> None:
+    sys.path.insert(0, str(HERE))
+    from _common import md_table, write_results
+
+    rows = [json.loads(line) for line in open(args.out) if line.strip()]
+    done = [r for r in rows if "seconds" in r and r["stage"] != "data"]
+    key = lambda r: (r["path"], r["stage"], r.get("method", ""), r.get("backend", ""),
+                     r.get("dtype", ""))
+    groups: dict = {}
+    for r in done:
+        groups.setdefault(key(r), []).append(r)
+    fits_ = []
+    for k, rs in sorted(groups.items()):
+        rs.sort(key=lambda r: r["n"])
+        fits_.append(dict(path=k[0], stage=k[1], method=k[2], backend=k[3], dtype=k[4],
+                          n=[r["n"] for r in rs], seconds=[r["seconds"] for r in rs],
+                          time_exponent=exponent(rs, "seconds"),
+                          memory_exponent=exponent(rs, "peak_anon"),
+                          anon_over_holds=[round(r["peak_anon"] / max(r["holds"], 1), 2)
+                                           for r in rs]))
+    skipped = [r for r in rows if "skipped" in r]
+    table = [[f["path"], f["stage"], f["method"], f["backend"], f["dtype"],
+              ", ".join(f"{n // 1000}k: {s:.1f}" for n, s in zip(f["n"], f["seconds"])),
+              "" if f["time_exponent"] is None else f"{f['time_exponent']:.2f}",
+              "" if f["memory_exponent"] is None else f"{f['memory_exponent']:.2f}",
+              ", ".join(map(str, f["anon_over_holds"]))] for f in fits_]
+    md = ["## Stages: seconds per n, fitted exponents, peak anonymous memory / bytes held\n",
+          md_table(["path", "stage", "method", "backend", "dtype", "seconds (n: s)",
+                    "time exp.", "memory exp.", "peak anon / held"], table)]
+    if skipped:
+        md += ["\n## Skipped\n", md_table(["path", "n", "stage", "method", "backend", "why"],
+               [[r["path"], r["n"], r["stage"], r.get("method", ""), r.get("backend", ""),
+                 r["skipped"]] for r in skipped])]
+    _plot(fits_, rows)
+    md.append("\n![scale curve](scale_curve.png)\n")
+    write_results("scale_curve", dict(rows=rows, fits=fits_, machine=platform.processor()),
+                  "\n".join(md))
+
+
+def _plot(fits_: list, rows: list) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.5))
+    for f in fits_:
+        if len(f["n"]) < 2 or f["stage"] in ("save", "write"):
+            continue
+        label = f"{f['path']} {f['method']} {f['stage']} {f['backend']} {f['dtype']}"
+        style = "--" if f["backend"].startswith("pecos") else "-"
+        a.loglog(f["n"], f["seconds"], style, marker="o", label=label)
+        anon = [r["peak_anon"] / 2**30 for r in rows if "seconds" in r and
+                (r["path"], r["stage"], r.get("method", ""), r.get("backend", ""),
+                 r.get("dtype", "")) == (f["path"], f["stage"], f["method"], f["backend"],
+                                        f["dtype"])]
+        if len(anon) == len(f["n"]):
+            b.loglog(f["n"], [max(x, 1e-3) for x in anon], style, marker="o", label=label)
+    a.set(xlabel="documents n (= training queries m)", ylabel="seconds", title="time per stage")
+    b.set(xlabel="documents n (= training queries m)", ylabel="GiB",
+          title="peak anonymous memory per stage")
+    a.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "scale_curve.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mode", choices=("all", "point", "report", "data"))
+    ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
+    ap.add_argument("--paths", default="model,dense,pipeline,pecos")
+    ap.add_argument("--n", type=int)
+    ap.add_argument("--path", choices=("model", "dense", "pipeline", "pecos"))
+    ap.add_argument("--data", default="/tmp/pefa-scale-curve")
+    ap.add_argument("--out", default=str(RESULTS / "scale_curve.raw.jsonl"))
+    ap.add_argument("--hnsw-max", type=int, default=1_000_000)
+    ap.add_argument("--hnsw-xl-max", type=int, default=300_000)
+    ap.add_argument("--pecos-python", default=os.environ.get("PECOS_PYTHON", ""))
+    args = ap.parse_args()
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.paths = args.paths.split(",")
+    if args.mode == "point":
+        point(args)
+    elif args.mode == "all":
+        run_all(args)
+    elif args.mode == "data":
+        for n in args.sizes:
+            make_data(n, Path(args.data) / f"n{n}")
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
