@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -397,77 +396,148 @@ def run_all(args) -> None:
 
 # -- report -------------------------------------------------------------------------------------
 
-def exponent(rows: list[dict], key: str) -> float | None:
-    """Least-squares slope of log(key) against log(n) over the rows (None below 2 points)."""
-    pts = [(r["n"], r[key]) for r in rows if r.get(key, 0) > 0]
+GiB = 2**30
+
+
+def exponent(ns: list[int], values: list[float]) -> float | None:
+    """Least-squares slope of log(value) against log(n) (None below 2 distinct n)."""
+    pts = [(n, v) for n, v in zip(ns, values) if v > 0]
     if len({n for n, _ in pts}) < 2:
         return None
-    x, y = np.log([p[0] for p in pts]), np.log([p[1] for p in pts])
-    return float(np.polyfit(x, y, 1)[0])
+    return float(np.polyfit(np.log([p[0] for p in pts]), np.log([p[1] for p in pts]), 1)[0])
+
+
+def _key(r: dict) -> tuple:
+    return (r["path"], r["stage"], r.get("method", ""), r.get("backend", ""), r.get("dtype", ""))
+
+
+def curves(rows: list[dict]) -> list[dict]:
+    """One entry per (path, stage, method, backend, dtype): its points and fitted exponents."""
+    groups: dict = {}
+    for r in rows:
+        if "seconds" in r:
+            groups.setdefault(_key(r), {})[r["n"]] = r   # a later run of a point replaces it
+    out = []
+    for k, pts in sorted(groups.items()):
+        rs = [pts[n] for n in sorted(pts)]
+        ns = [r["n"] for r in rs]
+        out.append(dict(zip(("path", "stage", "method", "backend", "dtype"), k), n=ns,
+                        seconds=[r["seconds"] for r in rs],
+                        peak_anon=[r["peak_anon"] for r in rs],
+                        peak_over_held=[round(r["peak_anon"] / max(r["holds"], 1), 2)
+                                        for r in rs],
+                        load=[r["load"] for r in rs],
+                        time_exponent=exponent(ns, [r["seconds"] for r in rs]),
+                        memory_exponent=exponent(ns, [r["peak_anon"] for r in rs])))
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}"
+
+
+def _points(c: dict, values: list, fmt: str) -> str:
+    return ", ".join(f"{n // 1000:,}k: {format(v, fmt)}" for n, v in zip(c["n"], values))
+
+
+def pecos_table(rows: list[dict]) -> list[list]:
+    """Our hnsw rows next to the authors' PECOS rows measured at the same n."""
+    ours = {(r["n"], r["method"], r["stage"]): r for r in rows
+            if "seconds" in r and r.get("backend") == "hnsw" and r["path"] == "model"}
+    out = []
+    for r in sorted((r for r in rows if "seconds" in r and r["path"] == "pecos"),
+                    key=lambda r: (r["n"], r["method"], r["stage"])):
+        o = ours.get((r["n"], r["method"], r["stage"]))
+        if o is not None:
+            out.append([f"{r['n']:,}", r["method"], r["stage"], f"{o['seconds']:.1f}",
+                        f"{r['seconds']:.1f}", f"{o['seconds'] / r['seconds']:.2f}",
+                        f"{o['peak_anon'] / GiB:.2f}", f"{r['peak_anon'] / GiB:.2f}",
+                        f"{o['load']:.1f} / {r['load']:.1f}"])
+    return out
+
+
+def extrapolate(cs: list[dict], n_to: float) -> list[list]:
+    """This machine's seconds per stage at ``n_to`` from the largest measured point and the
+    fitted exponent (exact backend, float32)."""
+    out = []
+    for c in cs:
+        if c["time_exponent"] is None or c["dtype"] not in ("float32", "") or \
+                c["backend"] not in ("exact", ""):
+            continue
+        e = c["time_exponent"]
+        s = c["seconds"][-1] * (n_to / c["n"][-1]) ** e
+        out.append([c["path"], c["stage"], c["method"], _fmt(e), f"{c['n'][-1]:,}",
+                    f"{c['seconds'][-1]:.1f}", f"{s / 3600:.2f}"])
+    return out
 
 
 def report(args) -> None:
     sys.path.insert(0, str(HERE))
     from _common import md_table, write_results
 
-    rows = [json.loads(line) for line in open(args.out) if line.strip()]
-    done = [r for r in rows if "seconds" in r and r["stage"] != "data"]
-    key = lambda r: (r["path"], r["stage"], r.get("method", ""), r.get("backend", ""),
-                     r.get("dtype", ""))
-    groups: dict = {}
-    for r in done:
-        groups.setdefault(key(r), []).append(r)
-    fits_ = []
-    for k, rs in sorted(groups.items()):
-        rs.sort(key=lambda r: r["n"])
-        fits_.append(dict(path=k[0], stage=k[1], method=k[2], backend=k[3], dtype=k[4],
-                          n=[r["n"] for r in rs], seconds=[r["seconds"] for r in rs],
-                          time_exponent=exponent(rs, "seconds"),
-                          memory_exponent=exponent(rs, "peak_anon"),
-                          anon_over_holds=[round(r["peak_anon"] / max(r["holds"], 1), 2)
-                                           for r in rs]))
-    skipped = [r for r in rows if "skipped" in r]
-    table = [[f["path"], f["stage"], f["method"], f["backend"], f["dtype"],
-              ", ".join(f"{n // 1000}k: {s:.1f}" for n, s in zip(f["n"], f["seconds"])),
-              "" if f["time_exponent"] is None else f"{f['time_exponent']:.2f}",
-              "" if f["memory_exponent"] is None else f"{f['memory_exponent']:.2f}",
-              ", ".join(map(str, f["anon_over_holds"]))] for f in fits_]
-    md = ["## Stages: seconds per n, fitted exponents, peak anonymous memory / bytes held\n",
+    rows = [json.loads(line) for f in args.raw for line in open(f) if line.strip()]
+    cs = curves(rows)
+    md = ["Synthetic product-search data, d = 384, m = n training queries, 2,000 test queries, "
+          "top-100; one process per (n, path); the machine was shared (load average per point "
+          "in the json). Peak: the sampled peak of anonymous resident memory the stage added; "
+          "held: the bytes of the arrays the stage must hold.\n",
+          "## Stages\n",
           md_table(["path", "stage", "method", "backend", "dtype", "seconds (n: s)",
-                    "time exp.", "memory exp.", "peak anon / held"], table)]
+                    "time exp.", "peak GiB (n: GiB)", "memory exp.", "peak / held"],
+                   [[c["path"], c["stage"], c["method"], c["backend"], c["dtype"],
+                     _points(c, c["seconds"], ".1f"), _fmt(c["time_exponent"]),
+                     _points(c, [a / GiB for a in c["peak_anon"]], ".2f"),
+                     _fmt(c["memory_exponent"]), ", ".join(map(str, c["peak_over_held"]))]
+                    for c in cs])]
+    pt = pecos_table(rows)
+    if pt:
+        md += ["\n## HNSW (M = 32, efConstruction = 500, efSearch = 300): ours and the authors' "
+               "PECOS path\n",
+               md_table(["n", "method", "stage", "ours s", "PECOS s", "ours / PECOS",
+                         "ours peak GiB", "PECOS peak GiB", "load ours / PECOS"], pt)]
+    disk = [r for r in rows if r.get("bytes_on_disk")]
+    if disk:
+        md += ["\n## Bytes on disk of a save\n",
+               md_table(["path", "n", "method", "GiB", "bytes per document"],
+                        [[r["path"], f"{r['n']:,}", r["method"], f"{r['bytes_on_disk'] / GiB:.2f}",
+                          f"{r['bytes_on_disk'] / r['n']:.0f}"]
+                         for r in sorted(disk, key=lambda r: (r["path"], r["method"], r["n"]))])]
+    skipped = [r for r in rows if r.get("skipped")]
     if skipped:
-        md += ["\n## Skipped\n", md_table(["path", "n", "stage", "method", "backend", "why"],
-               [[r["path"], r["n"], r["stage"], r.get("method", ""), r.get("backend", ""),
-                 r["skipped"]] for r in skipped])]
-    _plot(fits_, rows)
+        md += ["\n## Not measured\n",
+               md_table(["path", "n", "stage", "method", "backend", "dtype", "why"],
+                        [[r["path"], f"{r['n']:,}", r["stage"], r.get("method", ""),
+                          r.get("backend", ""), r.get("dtype", ""), r["skipped"]]
+                         for r in skipped])]
+    md += ["\n## This machine at 30M documents (the fitted exponents carried from the largest "
+           "point; estimates, not measurements)\n",
+           md_table(["path", "stage", "method", "time exp.", "largest n measured", "seconds there",
+                     "hours at 30M"], extrapolate(cs, 30e6))]
+    _plot(cs)
     md.append("\n![scale curve](scale_curve.png)\n")
-    write_results("scale_curve", dict(rows=rows, fits=fits_, machine=platform.processor()),
-                  "\n".join(md))
+    write_results("scale_curve", dict(rows=rows, curves=cs), "\n".join(md))
+    print("\n".join(md))
 
 
-def _plot(fits_: list, rows: list) -> None:
+def _plot(cs: list[dict]) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5.5))
-    for f in fits_:
-        if len(f["n"]) < 2 or f["stage"] in ("save", "write"):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 6))
+    for c in cs:
+        if len(c["n"]) < 2 or c["stage"] == "write":
             continue
-        label = f"{f['path']} {f['method']} {f['stage']} {f['backend']} {f['dtype']}"
-        style = "--" if f["backend"].startswith("pecos") else "-"
-        a.loglog(f["n"], f["seconds"], style, marker="o", label=label)
-        anon = [r["peak_anon"] / 2**30 for r in rows if "seconds" in r and
-                (r["path"], r["stage"], r.get("method", ""), r.get("backend", ""),
-                 r.get("dtype", "")) == (f["path"], f["stage"], f["method"], f["backend"],
-                                        f["dtype"])]
-        if len(anon) == len(f["n"]):
-            b.loglog(f["n"], [max(x, 1e-3) for x in anon], style, marker="o", label=label)
+        label = f"{c['path']} {c['method']} {c['stage']} {c['backend']} {c['dtype']}".strip()
+        style = "--" if c["path"] == "pecos" else (":" if c["path"] == "pipeline" else "-")
+        a.loglog(c["n"], c["seconds"], style, marker="o", ms=3, label=label)
+        b.loglog(c["n"], [max(x / GiB, 1e-3) for x in c["peak_anon"]], style, marker="o", ms=3)
     a.set(xlabel="documents n (= training queries m)", ylabel="seconds", title="time per stage")
     b.set(xlabel="documents n (= training queries m)", ylabel="GiB",
           title="peak anonymous memory per stage")
-    a.legend(fontsize=6, ncol=2)
-    fig.tight_layout()
+    b.axhline(24, color="grey", lw=0.8)
+    fig.legend(*a.get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=6)
+    fig.tight_layout(rect=(0, 0.18, 1, 1))
     fig.savefig(RESULTS / "scale_curve.png", dpi=110)
 
 
@@ -479,13 +549,17 @@ def main() -> None:
     ap.add_argument("--n", type=int)
     ap.add_argument("--path", choices=("model", "dense", "pipeline", "pecos"))
     ap.add_argument("--data", default="/tmp/pefa-scale-curve")
-    ap.add_argument("--out", default=str(RESULTS / "scale_curve.raw.jsonl"))
+    ap.add_argument("--out", default="/tmp/pefa-scale-curve/curve.jsonl",
+                    help="where each stage's row is appended (all, point)")
+    ap.add_argument("--raw", default="", help="report: the comma-separated row files to read "
+                    "(default: --out)")
     ap.add_argument("--hnsw-max", type=int, default=1_000_000)
     ap.add_argument("--hnsw-xl-max", type=int, default=300_000)
     ap.add_argument("--pecos-python", default=os.environ.get("PECOS_PYTHON", ""))
     args = ap.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.paths = args.paths.split(",")
+    args.raw = args.raw.split(",") if args.raw else [args.out]
     if args.mode == "point":
         point(args)
     elif args.mode == "all":
