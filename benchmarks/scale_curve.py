@@ -197,6 +197,19 @@ def fits(holds: int) -> bool:
     return holds * 1.15 < available_bytes()
 
 
+def held_bytes(n: int, nnz: int, method: str, backend: str, dtype: str) -> int:
+    """Bytes of the arrays a fitted model must hold: ERM P; PEFA-XS P, the sums and its index
+    of E; PEFA-XL P, Q (their indices share them on exact float32) and Y with the identity
+    block, twice (the CSR and its per-row copy), 12 bytes per entry. An index's own copy of
+    the vectors: none for exact float32 built from a kept array, half for float16, a whole
+    one plus the level-0 graph (2M links of 4 bytes per row) for hnsw."""
+    row = n * D * 4
+    own = {"float16": 0.5 * row}.get(dtype, 0) if backend == "exact" else row + n * M * 2 * 4
+    y = 2 * 12 * (nnz + n)
+    return int({"erm": row + own, "xs": 2 * row + (own or row) + 12 * (nnz + n),
+                "xl": 2 * row + 2 * own + y}[method])
+
+
 # -- the library in memory ------------------------------------------------------------------------
 
 def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Path) -> list:
@@ -217,13 +230,9 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
     if shape == "product" and n <= hnsw_max:
         backends.append(("hnsw", "float32", {"M": M, "ef_construction": EFC}))
     for backend, dtype, iparams in backends:
-        # arrays each fitted model must hold: ERM P; XS P, the sums and E; XL P, Q and Y (the
-        # index of P is P itself for exact float32; float16 adds a half copy per index)
-        half = dtype == "float16"
-        graph = n * M * 2 * 4 if backend == "hnsw" else 0
-        holds = {"erm": n * row * (1.5 if half else 1) + graph,
-                 "xs": n * row * (2.5 if half else 3) + graph + y_bytes,
-                 "xl": 2 * n * row * (1.5 if half else 1) + 2 * graph + 2 * y_bytes}
+        nnz = Y.nnz
+        holds = {method: held_bytes(n, nnz, method, backend, dtype)
+                 for method in ("erm", "xs", "xl")}
         if shape != "product":
             holds.pop("erm")
         for method, holding in holds.items():
@@ -411,6 +420,15 @@ def _key(r: dict) -> tuple:
     return (r["path"], r["stage"], r.get("method", ""), r.get("backend", ""), r.get("dtype", ""))
 
 
+def _held(r: dict) -> int:
+    """The bytes a row's stage must hold (recomputed for the library's fit and search rows
+    from :func:`held_bytes`, so that every point is held to the same count)."""
+    if r["path"] in ("model", "dense") and r["stage"] in ("fit", "search"):
+        nnz = r["n"] * (1 if r["path"] == "model" else DENSE_EXTRA + 1)
+        return held_bytes(r["n"], nnz, r["method"], r["backend"], r["dtype"])
+    return r["holds"]
+
+
 def curves(rows: list[dict]) -> list[dict]:
     """One entry per (path, stage, method, backend, dtype): its points and fitted exponents."""
     groups: dict = {}
@@ -424,7 +442,7 @@ def curves(rows: list[dict]) -> list[dict]:
         out.append(dict(zip(("path", "stage", "method", "backend", "dtype"), k), n=ns,
                         seconds=[r["seconds"] for r in rs],
                         peak_anon=[r["peak_anon"] for r in rs],
-                        peak_over_held=[round(r["peak_anon"] / max(r["holds"], 1), 2)
+                        peak_over_held=[round(r["peak_anon"] / max(_held(r), 1), 2)
                                         for r in rs],
                         load=[r["load"] for r in rs],
                         time_exponent=exponent(ns, [r["seconds"] for r in rs]),
