@@ -38,8 +38,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import pipeline
 from .errors import InputError, MissingDependencyError
+from .pipeline.runner import Fanout
 
 # search actors kept between searches on clusters without GPUs, per Ray connection
 _KEPT: dict[tuple[str, str], list[Any]] = {}
@@ -137,9 +137,10 @@ class RayRunner:
         return ray.get([reducer.remote(reduce_fn, len(refs), *[r[s] for r in refs], *args)
                         for s, args in enumerate(reduce_calls)])
 
-    def encode(self, calls: Sequence[dict[str, Any]], show_progress: bool = True) -> None:
-        """:func:`pefa_gpu.pipeline.encode_shard` for each call, on a Ray Data actor pool (one
-        shard per actor call)."""
+    def encode(self, fn: Callable, calls: Sequence[dict[str, Any]],
+               show_progress: bool = True) -> None:
+        """``fn(**kw)`` (:func:`pefa_gpu.pipeline.encode_shard`) for each call, on a Ray Data
+        actor pool (one shard per actor call)."""
         ray = _ray()
         import ray.data
         from tqdm.auto import tqdm
@@ -154,7 +155,7 @@ class RayRunner:
         ctx.enable_progress_bars = False
         try:
             ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-            ds = ds.map_batches(_ShardEncoder, fn_constructor_kwargs={"shared": shared},
+            ds = ds.map_batches(_ShardEncoder, fn_constructor_kwargs={"fn": fn, "shared": shared},
                                 batch_size=1, batch_format="numpy",
                                 compute=ray.data.ActorPoolStrategy(
                                     size=min(self.workers, len(rows))),
@@ -166,30 +167,28 @@ class RayRunner:
         finally:
             ctx.enable_progress_bars = bars
 
-    def servers(self, build: str | Path, groups: Sequence[tuple[list[int], list[int]]],
-                device: Any = None) -> "RayFanout":
-        """Search actors, one per group of shards, each loading its group of ``build``.
+    def servers(self, server: Callable, build: str | Path,
+                groups: Sequence[tuple[list[int], list[int]]], device: Any = None) -> "RayFanout":
+        """Search actors, one per group of shards, each a ``server(build, doc shards, query
+        shards, device)`` (:class:`pefa_gpu.pipeline.ShardServer`).
 
         Without GPUs the actors are kept for the next search (they take no logical CPU, so
         they never block the tasks of other stages, and are spread over the nodes): a Ray
         worker imports torch and pefa_gpu once, not once per search. With GPUs each actor
         holds one and is released when the search ends."""
         ray = _ray()
+        actor = ray.remote(_ServerActor).options(
+            num_cpus=1 if self.gpus else 0, max_restarts=self.max_retries,
+            max_task_retries=self.max_retries,
+            **({"num_gpus": 1} if self.gpus else {"scheduling_strategy": "SPREAD"}))
         if self.gpus:
-            actor = ray.remote(_ServerActor).options(
-                num_cpus=1, num_gpus=1, max_restarts=self.max_retries,
-                max_task_retries=self.max_retries)
-            actors, keep = [actor.remote() for _ in groups], False
+            actors = [actor.remote() for _ in groups]
         else:
-            actor = ray.remote(_ServerActor).options(
-                num_cpus=0, max_restarts=self.max_retries, max_task_retries=self.max_retries,
-                scheduling_strategy="SPREAD")
             kept = _KEPT.setdefault(_session(), [])
-            while len(kept) < len(groups):
-                kept.append(actor.remote())
-            actors, keep = kept[:len(groups)], True
-        keys = [(str(build), list(d), list(q), device) for d, q in groups]
-        return RayFanout(actors, keys, keep)
+            kept.extend(actor.remote() for _ in range(len(groups) - len(kept)))
+            actors = kept[:len(groups)]
+        keys = [(server, str(build), list(d), list(q), device) for d, q in groups]
+        return RayFanout(actors, keys, keep=not self.gpus)
 
     def close(self) -> None:
         """Stop the search actors kept between searches (they also end with the Ray
@@ -213,37 +212,39 @@ def _reduce_parts(fn: Callable, n_parts: int, *values: Any):
 class _ShardEncoder:
     """A Ray Data actor: encodes one shard of texts per call into its stage folder."""
 
-    def __init__(self, shared: dict[str, Any]):
-        self.shared = shared
+    def __init__(self, fn: Callable, shared: dict[str, Any]):
+        self.fn, self.shared = fn, shared
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         for index, lo, fp, texts in zip(batch["index"], batch["lo"], batch["fingerprint"],
                                         batch["texts"]):
-            pipeline.encode_shard([str(t) for t in texts], index=int(index), lo=int(lo),
-                                  fingerprint=str(fp) or None, **self.shared)
+            self.fn([str(t) for t in texts], index=int(index), lo=int(lo),
+                    fingerprint=str(fp) or None, **self.shared)
         return {"index": batch["index"]}
 
 
 class _ServerActor:
     """A search actor: a :class:`pefa_gpu.pipeline.ShardServer` for whichever shards a call
-    names. Every call carries its shards' key, so an actor restarted after a crash (with no
-    state) loads them again and answers the retried call the same way."""
+    names. Every call carries its shards' key (the server class and its arguments), so an
+    actor restarted after a crash (with no state) loads them again and answers the retried
+    call the same way. Results come back on the CPU (the driver merges them)."""
 
     def __init__(self):
         self.key: tuple | None = None
-        self.server: pipeline.ShardServer | None = None
+        self.server: Any = None
 
     def call(self, key: tuple, method: str, *args: Any) -> Any:
         if key != self.key:
             self.server, self.key = None, None
-            self.server, self.key = pipeline.ShardServer(*key), key
-        return getattr(self.server, method)(*args)
+            self.server, self.key = key[0](*key[1:]), key
+        out = getattr(self.server, method)(*args)
+        return None if out is None else tuple(t.cpu() for t in out)
 
     def release(self) -> None:
         self.server, self.key = None, None
 
 
-class RayFanout:
+class RayFanout(Fanout):
     """Calls a method on every search actor (each with its shards' key); each argument is put
     into the object store once, whatever the number of actors."""
 
@@ -267,9 +268,3 @@ class RayFanout:
             for a in self.actors:
                 ray.kill(a)
         self.actors = []
-
-    def __enter__(self) -> "RayFanout":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
