@@ -181,7 +181,7 @@ def bench_synthetic(args) -> dict:
             entry["metrics_equal_library"] = all(
                 abs(a[k] - b[k]) < 1e-9 for a, b in zip(metrics, reference) for k in a)
             if infos:
-                entry["bytes_shuffled"] = {k: v.get("bytes_shuffled") for k, v in infos.items()}
+                entry["bytes_shuffled"] = {k: v.bytes_shuffled for k, v in infos.items()}
             entry["metrics"] = metrics
             runs.append(entry)
             print(f"{mode} rep {rep}: {entry['total_s']:.1f} s (load {entry['load_before']:.1f}"

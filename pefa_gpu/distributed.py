@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .arrays import check_positive_int
 from .errors import InputError, MissingDependencyError
 from .pipeline.runner import Fanout
 
@@ -74,9 +75,8 @@ def connect(address: str = "local", workers: int | None = None,
     ray = _ray()
     if not isinstance(address, str) or not address:
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
-                                or workers <= 0):
-        raise InputError(f"workers must be a positive integer, got {workers!r}")
+    if workers is not None:
+        check_positive_int(workers, "workers")
     started = False
     if not ray.is_initialized():
         # the workers' output and Ray's INFO lines stay in Ray's log files (pass
@@ -118,9 +118,8 @@ class RayRunner:
 
     def map(self, fn: Callable, calls: Sequence[tuple], gpu: bool = False) -> list:
         """[fn(*args) for args in calls] as Ray tasks."""
-        ray = _ray()
         task = self._task(fn, gpu)
-        return ray.get([task.remote(*args) for args in calls])
+        return _ray().get([task.remote(*args) for args in calls])
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
@@ -139,14 +138,13 @@ class RayRunner:
 
     def encode(self, fn: Callable, calls: Sequence[dict[str, Any]],
                show_progress: bool = True) -> None:
-        """``fn(**kw)`` (:func:`pefa_gpu.pipeline.encode_shard`) for each call, on a Ray Data
-        actor pool (one shard per actor call)."""
+        """``fn(**kw)`` (:func:`pefa_gpu.pipeline.encode_shard` with the stage's settings) for
+        each call (texts, index, lo, fingerprint), on a Ray Data actor pool (one shard per
+        actor call)."""
         ray = _ray()
         import ray.data
         from tqdm.auto import tqdm
 
-        shared = {k: v for k, v in calls[0].items()
-                  if k not in ("texts", "index", "lo", "fingerprint")}
         # "" for no fingerprint: Ray Data would hand a None column back as NaN
         rows = [{"index": c["index"], "lo": c["lo"], "fingerprint": c["fingerprint"] or "",
                  "texts": list(c["texts"])} for c in calls]
@@ -155,7 +153,7 @@ class RayRunner:
         ctx.enable_progress_bars = False
         try:
             ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-            ds = ds.map_batches(_ShardEncoder, fn_constructor_kwargs={"fn": fn, "shared": shared},
+            ds = ds.map_batches(_ShardEncoder, fn_constructor_kwargs={"fn": fn},
                                 batch_size=1, batch_format="numpy",
                                 compute=ray.data.ActorPoolStrategy(
                                     size=min(self.workers, len(rows))),
@@ -212,14 +210,14 @@ def _reduce_parts(fn: Callable, n_parts: int, *values: Any):
 class _ShardEncoder:
     """A Ray Data actor: encodes one shard of texts per call into its stage folder."""
 
-    def __init__(self, fn: Callable, shared: dict[str, Any]):
-        self.fn, self.shared = fn, shared
+    def __init__(self, fn: Callable):
+        self.fn = fn
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         for index, lo, fp, texts in zip(batch["index"], batch["lo"], batch["fingerprint"],
                                         batch["texts"]):
             self.fn([str(t) for t in texts], index=int(index), lo=int(lo),
-                    fingerprint=str(fp) or None, **self.shared)
+                    fingerprint=str(fp) or None)
         return {"index": batch["index"]}
 
 

@@ -218,6 +218,35 @@ def test_shard_writes_are_atomic_and_stages_checked(tmp_path, monkeypatch):
     assert (tmp_path / "mine" / "stage.json").read_text() == "my notes"
 
 
+def test_stage_files_are_typed_and_checked(tmp_path):
+    """stage.json reads into a Stage (old files, which spell out every default, too); a damaged
+    one is a FormatError naming the file, never a crash."""
+    import json
+
+    P, Q, Y, T, _ = make_data(10)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=100,
+                 lam=0.3, k=8, candidates=20)
+    path = b / "stage.json"
+    info = pp.read_stage(b, "build")
+    assert (info.n, info.m, info.dim, info.candidates) == (240, 400, 12, 20)
+    assert info.params == pg.XLParams(lam=0.3, k=8) and info.shards[2].rows == (200, 240)
+    assert [e.rows for e in info.query_shards] == [(0, 130), (130, 260), (260, 390), (390, 400)]
+    body = json.loads(path.read_text())
+    assert "backend" not in body and body["params"]["lam"] == 0.3  # defaults are not written
+    want = pp.search(b, T, topk=10)
+    path.write_text(json.dumps({**body, "backend": "exact", "index_params": None,
+                                "lam": None, "augment_docs": True}))  # as 0.1 wrote it
+    assert pp.read_stage(b) == info
+    assert all(torch.equal(x, y) for x, y in zip(pp.search(b, T, topk=10), want))
+    for edit in ({"n": "240"}, {"shards": [{"name": "doc-00000"}]}, {"params": {"lam": 2.0}},
+                 {"colour": "red"}, {"query_shards": [{"name": "q", "rows": [0],
+                                                       "manifest_sha256": "0"}]}):
+        path.write_text(json.dumps({**body, **edit}))
+        with pytest.raises(FormatError, match="stage.json is damaged"):
+            pp.read_stage(b)
+
+
 _KILLER = """
 import sys
 sys.path[:0] = {paths!r}

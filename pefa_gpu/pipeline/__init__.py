@@ -24,21 +24,9 @@ and one folder per shard. A shard is a save in :mod:`pefa_gpu.storage`'s layout
 visible, and the next write removes its leftovers. Reading a stage checks every shard against
 ``stage.json``, so a stage half rewritten by an interrupted rerun is refused instead of mixed.
 
-What each stage writes (``shards``: shards, stages, rows and encode; ``aggregation``;
-``indexing``: build; ``serving``: search and evaluate; ``runner`` runs their tasks):
-
-- ``write_rows`` / ``encode``: ``shard-NNNNN`` with ``embeddings.npy`` ((rows, d) float32;
-  L2-normalised when encoded). ``encode`` skips shards already written for the same texts
-  and model, and encodes through :func:`pefa_gpu.encode` with its cache keys.
-- ``write_relevance``: ``shard-NNNNN`` with ``relevance.npz``, the rows of Y of one query
-  range (all n columns). Its shards are the aggregation's map tasks.
-- ``aggregate``: ``doc-NNNNN`` per document range with ``sums.npy`` (Yᵀ Q, + P with
-  augment_docs) and, given ``lam``, ``embeddings.npy`` (the PEFA-XS E).
-- ``build``: ``doc-NNNNN`` per document range with a model save (``model/``: ERM over P or
-  over E, or a PEFA-XL shard), ``query-NNNNN`` per query range for PEFA-XL (an ERM over those
-  training queries: the shard of XL's query index), optionally ``hnsw.faiss`` per document
-  shard (:meth:`export_hnsw <pefa_gpu.models.ERM.export_hnsw>`, for CPU serving).
-- ``search``: returns the merged top-k; :func:`evaluate_configs` turns it into metrics.
+Modules: ``shards`` (shard and stage files, row stages, encode), ``runner``,
+``aggregation``, ``indexing`` (build), ``serving`` (search, evaluate). What each stage writes:
+the README's "Beyond one machine (Ray)".
 """
 
 from .aggregation import Part, aggregate, reduce_sums, split_queries

@@ -36,7 +36,6 @@ class Part:
     y: sp.csr_matrix | None = None
 
 
-
 def nbytes(parts: Sequence[Part]) -> int:
     """The bytes of ``parts``' arrays (what the map tasks sent)."""
     arrays = [a for p in parts for a in (p.docs, p.sums, p.queries, p.vectors, p.y)
@@ -119,17 +118,7 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     Reduce (one task per range s, :func:`reduce_sums`): P_s (augment_docs) plus the partials
     of s, in query-shard order; normalise; write. No task holds more than one query shard of
     Q, or more than one document range of the n x d output.
-
-    Bytes moved (d-dim float32 rows, 4d bytes; nnz pairs; U_rs = documents of range s that
-    query shard r touches): each map reads its Q_r and Y_r once (4dm + 12 nnz in all) and
-    sends sum_rs U_rs (4d + 8) bytes to the reduces; each reduce reads its P_s and writes E_s
-    (8dn in all, 12dn with the sums kept). sum_rs U_rs <= min(nnz, R n) for R query shards:
-    repeated documents within a query shard are summed before they travel. A naive
-    join-then-group-by instead joins every pair with its query row and shuffles it to its
-    document: 4d nnz bytes after the join, plus 4dm + 12 nnz to partition Q and the pairs for
-    the join. ProdSearch-30M (m = 100M, nnz = 500M, n = 30M, d = 768): the naive shuffle moves
-    1.54 TB; partial sums move at most min(nnz, R n) rows, 0.74 TB with R = 8 query shards
-    and far less when popular documents repeat (see benchmarks/distributed.py).
+    Bytes moved: README, "Beyond one machine (Ray)", Aggregate.
     """
     rel, prows = read_stage(relevance, "relevance"), Rows(docs)
     check_pairs(rel, Rows(queries), prows)

@@ -6,13 +6,14 @@ only); the stages of rows (:func:`write_rows`, :func:`encode`, :class:`Rows`) an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import scipy.sparse as sp
@@ -57,30 +58,24 @@ _TYPES = {"int": int, "str": str, "bool": bool, "float | None": (int, float, typ
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage:
-    """A stage's ``stage.json``: its kind (``stage``), its shards and what they hold.
-
-    n: rows (documents for aggregate / build, Y's columns for relevance); dim: their width;
-    m: training queries (relevance, PEFA-XL builds); nnz: Y's pairs; lam / augment_docs:
-    PEFA-XS's (aggregate, xs builds); bytes_shuffled: bytes sent from map to reduce tasks;
-    model / normalize: the encoder's identity and normalisation (encode); method / backend /
-    index_params / params / candidates / query_shards: a build's method, index, PEFA-XL
-    settings and query index shards. Only fields that differ from their defaults are written."""
+    """A stage's ``stage.json``: its kind, its shards and what they hold (only the fields
+    that differ from their defaults are written)."""
 
     stage: str
     shards: tuple[Entry, ...]
-    n: int
+    n: int                      # rows; documents for aggregate / build, Y's columns for relevance
     dim: int = 0
-    m: int = 0
-    nnz: int = 0
-    lam: float | None = None
-    augment_docs: bool = True
-    bytes_shuffled: int = 0
-    model: str | None = None
-    normalize: bool = True
-    method: str = ""
+    m: int = 0                  # Y's rows, the training queries (relevance, PEFA-XL build)
+    nnz: int = 0                # Y's pairs (relevance)
+    lam: float | None = None    # PEFA-XS's (aggregate, xs build)
+    augment_docs: bool = True   # PEFA-XS's (aggregate, xs build)
+    bytes_shuffled: int = 0     # sent from the map to the reduce tasks
+    model: str | None = None    # the encoder's identity (encode)
+    normalize: bool = True      # the encoder's normalisation (encode)
+    method: str = ""            # a build's method, backend and index settings
     backend: str = "exact"
     index_params: dict[str, Any] | None = None
-    params: XLParams | None = None
+    params: XLParams | None = None       # a PEFA-XL build's settings, candidates, query shards
     candidates: int = 0
     query_shards: tuple[Entry, ...] = ()
 
@@ -353,11 +348,12 @@ def encode(texts: Sequence[str], out: str | Path, model: Any = None,
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
                     "shard is encoded again on every run")
-    plan = [dict(texts=texts[lo:hi], out=str(out), index=i, lo=lo,
-                 fingerprint=encode_fingerprint(texts[lo:hi], identity, normalize),
-                 model=model, batch_size=batch_size, device=device,
-                 cache_dir=None if cache_dir is None else str(cache_dir),
-                 normalize=normalize) for i, (lo, hi) in enumerate(split(len(texts), rows))]
+    task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
+                             device=device, normalize=normalize,
+                             cache_dir=None if cache_dir is None else str(cache_dir))
+    plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
+                 fingerprint=encode_fingerprint(texts[lo:hi], identity, normalize))
+            for i, (lo, hi) in enumerate(split(len(texts), rows))]
     paths = [out / shard_name("shard", kw["index"]) for kw in plan]
     pending = [kw for kw, path in zip(plan, paths)
                if kw["fingerprint"] is None or _written(path, kw["fingerprint"]) is None]
@@ -365,7 +361,7 @@ def encode(texts: Sequence[str], out: str | Path, model: Any = None,
         log.info("encode: %d of %d shards of %s are written already", len(plan) - len(pending),
                  len(plan), out)
     if pending:
-        local(runner).encode(encode_shard, pending, show_progress=show_progress)
+        local(runner).encode(task, pending, show_progress=show_progress)
     manifests = [_written(path, kw["fingerprint"]) for kw, path in zip(plan, paths)]
     if None in manifests:
         raise FormatError(f"encode: shard {manifests.index(None)} of {out} is missing after "
