@@ -2,10 +2,7 @@
 
     from pefa_gpu import distributed, pipeline as pp
     with distributed.connect("local", workers=2) as runner:     # or "auto", "ray://head:10001"
-        pp.encode(texts, "/shared/work/docs", runner=runner)
-        pp.aggregate(..., runner=runner)
-        pp.build("xs", ..., runner=runner)
-        scores, ids = pp.search(build, queries, runner=runner)
+        scores, ids = pp.search(build, queries, runner=runner)  # every stage takes runner=
 
 This module only decides where shard tasks run and moves their results; the tasks are the
 pipeline's own functions (so a cluster run equals a one-process run by construction):
@@ -112,9 +109,8 @@ class RayRunner:
         self.max_retries = max_retries
 
     def _task(self, fn: Callable, gpu: bool, **options: Any):
-        ray = _ray()
-        return ray.remote(fn).options(num_cpus=1, num_gpus=1 if gpu and self.gpus else 0,
-                                      max_retries=self.max_retries, **options)
+        return _ray().remote(fn).options(num_cpus=1, num_gpus=1 if gpu and self.gpus else 0,
+                                         max_retries=self.max_retries, **options)
 
     def map(self, fn: Callable, calls: Sequence[tuple], gpu: bool = False) -> list:
         """[fn(*args) for args in calls] as Ray tasks."""
@@ -146,8 +142,8 @@ class RayRunner:
         from tqdm.auto import tqdm
 
         # "" for no fingerprint: Ray Data would hand a None column back as NaN
-        rows = [{"index": c["index"], "lo": c["lo"], "fingerprint": c["fingerprint"] or "",
-                 "texts": list(c["texts"])} for c in calls]
+        rows = [{**c, "fingerprint": c["fingerprint"] or "", "texts": list(c["texts"])}
+                for c in calls]
         ctx = ray.data.DataContext.get_current()
         bars = ctx.enable_progress_bars
         ctx.enable_progress_bars = False

@@ -185,24 +185,19 @@ def shard_name(kind: str, i: int) -> str:
 
 
 def write_stage(folder: str | Path, stage: Stage) -> Path:
-    """Write ``folder/stage.json`` (atomically, last): the stage's commit point."""
+    """Write ``folder/stage.json`` (atomically, last): the stage's commit point. A stage.json
+    there is replaced only when it is ours (InputError otherwise)."""
     path = Path(folder) / STAGE_FILE
-    _check_stage_file(path)
+    if os.path.lexists(path):
+        try:
+            ours = stat.S_ISREG(os.lstat(path).st_mode) and json.loads(
+                path.read_text(encoding="utf-8")).get("format") == STAGE_FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
     write_output_file(path, stage.to_json(), STAGE_FILE)
     return Path(folder)
-
-
-def _check_stage_file(path: Path) -> None:
-    """A stage.json may be replaced only when it is ours (InputError otherwise)."""
-    if not os.path.lexists(path):
-        return
-    try:
-        ok = stat.S_ISREG(os.lstat(path).st_mode) and json.loads(
-            path.read_text(encoding="utf-8")).get("format") == STAGE_FORMAT
-    except (OSError, ValueError, AttributeError):
-        ok = False
-    if not ok:
-        raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
 
 
 def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
