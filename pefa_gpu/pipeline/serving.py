@@ -18,8 +18,7 @@ from ..topk import merge_topk
 from .aggregation import aggregate
 from .indexing import build
 from .runner import local
-from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, open_entry, read_stage, write_relevance,
-                     write_rows)
+from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance, write_rows
 
 DEFAULT_BATCH = 1024        # test queries per search round
 Result = tuple[torch.Tensor, torch.Tensor]
@@ -81,11 +80,9 @@ class ShardServer:
     def erm(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k over this server's document shards (ERM / XS scores; XL's passage index);
         ``params``: the backend's search settings (None: each index's own)."""
-        def one(s: _Loaded, kk: int) -> Result:
-            qq = q.to(s.model.device)
-            return (s.model.index.search(qq, kk, params) if s.query_rows is not None
-                    else s.model.search(qq, kk, params=params))
-        return _gather(self.docs, k, one)
+        return _gather(self.docs, k, lambda s, kk: (  # XL shards: their passage index
+            s.model.index.search(q.to(s.model.device), kk, params) if s.query_rows is not None
+            else s.model.search(q.to(s.model.device), kk, params=params)))
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k training queries over this server's query shards (global rows)."""
@@ -251,4 +248,4 @@ def _as_rows(x: Any, folder: Path, what: str) -> Path:
     if isinstance(x, (str, Path)):
         read_stage(x)
         return Path(x)
-    return write_rows(x, folder, rows=DEFAULT_ROWS, name="embeddings", stage=what)
+    return write_rows(x, folder, stage=what)
