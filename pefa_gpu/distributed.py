@@ -164,12 +164,10 @@ class RayRunner:
     def servers(self, server: Callable, build: str | Path,
                 groups: Sequence[tuple[list[int], list[int]]], device: Any = None) -> "RayFanout":
         """Search actors, one per group of shards, each a ``server(build, doc shards, query
-        shards, device)`` (:class:`pefa_gpu.pipeline.ShardServer`).
-
-        Without GPUs the actors are kept for the next search (they take no logical CPU, so
-        they never block the tasks of other stages, and are spread over the nodes): a Ray
-        worker imports torch and pefa_gpu once, not once per search. With GPUs each actor
-        holds one and is released when the search ends."""
+        shards, device)`` (:class:`pefa_gpu.pipeline.ShardServer`). Without GPUs the actors
+        are kept for the next search (they take no logical CPU, so they never block the tasks
+        of other stages, and are spread over the nodes): a Ray worker imports torch and
+        pefa_gpu once, not once per search. With GPUs each holds one until the search ends."""
         ray = _ray()
         actor = ray.remote(_ServerActor).options(
             num_cpus=1 if self.gpus else 0, max_restarts=self.max_retries,
@@ -224,7 +222,7 @@ class _ServerActor:
     call the same way. Results come back on the CPU (the driver merges them)."""
 
     def __init__(self):
-        self.key: tuple | None = None
+        self.key: tuple | None = None  # the server's class and arguments
         self.server: Any = None
 
     def call(self, key: tuple, method: str, *args: Any) -> Any:

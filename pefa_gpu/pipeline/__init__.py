@@ -17,12 +17,10 @@ same shards in the same order of reduction, so a cluster run gives the answers o
 one-process run by construction (bit for bit on the CPU).
 
 A stage folder holds ``stage.json`` (written last: the stage's commit point, a
-:class:`Stage` listing its shards with their row ranges and each shard's manifest checksum)
-and one folder per shard. A shard is a save in :mod:`pefa_gpu.storage`'s layout
-(``pefa_shard.json`` + a ``pefa-data-<hex>`` folder, written by
-:func:`~pefa_gpu.storage.writing_save`): a worker killed while writing leaves no partial shard
-visible, and the next write removes its leftovers. Reading a stage checks every shard against
-``stage.json``, so a stage half rewritten by an interrupted rerun is refused instead of mixed.
+:class:`Stage` listing its shards' row ranges and manifest checksums) and one shard per
+folder, a :func:`~pefa_gpu.storage.writing_save` save: a worker killed while writing leaves
+no partial shard visible. Reading a stage checks every shard against ``stage.json``, so a
+stage half rewritten by an interrupted rerun is refused instead of mixed.
 
 Modules: ``shards`` (shard and stage files, row stages, encode), ``runner``,
 ``aggregation``, ``indexing`` (build), ``serving`` (search, evaluate). What each stage writes:
@@ -37,3 +35,10 @@ from .serving import (DEFAULT_BATCH, ShardServer, evaluate_configs, search, sear
 from .shards import (DEFAULT_ROWS, Entry, Rows, Shard, Stage, encode, encode_fingerprint,
                      encode_shard, read_rows, read_shard, read_stage, split, write_relevance,
                      write_rows, write_shard, write_stage)
+
+__all__ = ["DEFAULT_BATCH", "DEFAULT_ROWS", "METHODS", "Entry", "Fanout", "LocalRunner", "Part",
+           "Rows", "Shard", "ShardServer", "Stage", "aggregate", "build", "build_rows_shard",
+           "build_xl_shard", "encode", "encode_fingerprint", "encode_shard", "evaluate_configs",
+           "read_rows", "read_shard", "read_stage", "reduce_sums", "search", "search_batch",
+           "server_groups", "split", "split_queries", "write_relevance", "write_rows",
+           "write_shard", "write_stage"]

@@ -54,12 +54,11 @@ def check_pairs(rel: Stage, queries: Rows, docs: Rows) -> None:
 
 
 def split_queries(queries: str | Path, relevance: str | Path, shard: int,
-                  doc_ranges: Sequence[tuple[int, int]], sums: bool = True,
-                  pairs: bool = False) -> list[Part]:
+                  doc_ranges: Sequence[tuple[int, int]], pairs: bool = False) -> list[Part]:
     """Map task of query shard ``shard`` (a shard of the relevance stage): read its rows of Y
-    and Q, and for every document range return a :class:`Part`: with ``sums`` the partial
-    Yᵀ Q of the documents its pairs touch (computed by :func:`pefa_gpu.pifa`), with ``pairs``
-    the touching queries, their embeddings and pairs."""
+    and Q, and for every document range return a :class:`Part`: the partial Yᵀ Q of the
+    documents its pairs touch (computed by :func:`pefa_gpu.pifa`), or with ``pairs`` the
+    touching queries, their embeddings and pairs."""
     entry = read_stage(relevance, "relevance").shards[shard]
     lo, hi = entry.rows
     y_csc = open_entry(relevance, entry).matrices["relevance"].tocsc()
@@ -69,16 +68,13 @@ def split_queries(queries: str | Path, relevance: str | Path, shard: int,
         block = y_csc[:, d_lo:d_hi].tocsr()
         touched = np.flatnonzero(np.diff(block.indptr))  # queries with a pair in the range
         block, q_t = block[touched], q[touched]
-        part = Part()
-        if sums:
-            docs = np.flatnonzero(np.diff(block.tocsc().indptr))
-            part.docs = docs.astype(np.int64)
-            part.sums = (to_numpy(pifa(block[:, docs], q_t, normalize=False, device="cpu"))
-                         if docs.size else np.zeros((0, q.shape[1]), np.float32))
         if pairs:
-            part.queries = (touched + lo).astype(np.int64)
-            part.vectors, part.y = q_t, block
-        out.append(part)
+            out.append(Part(queries=(touched + lo).astype(np.int64), vectors=q_t, y=block))
+            continue
+        docs = np.flatnonzero(np.diff(block.tocsc().indptr)).astype(np.int64)
+        sums = (to_numpy(pifa(block[:, docs], q_t, normalize=False, device="cpu"))
+                if docs.size else np.zeros((0, q.shape[1]), np.float32))
+        out.append(Part(docs=docs, sums=sums))
     return out
 
 
@@ -125,8 +121,7 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     if lam is not None:
         check_unit_interval(lam, "lam")
     ranges = split(rel.n, doc_rows)
-    maps = [(str(queries), str(relevance), r, ranges, True, False)
-            for r in range(len(rel.shards))]
+    maps = [(str(queries), str(relevance), r, ranges) for r in range(len(rel.shards))]
     reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
                for s, rng in enumerate(ranges)]
     entries, moved = zip(*local(runner).map_reduce(split_queries, maps, reduce_sums, reduces))

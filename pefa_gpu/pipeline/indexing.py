@@ -14,6 +14,7 @@ import torch
 
 from ..errors import InputError
 from ..methods import REGISTRY
+from ..models import ERM, PEFAXL
 from ..params import XLParams, XLSearchParams
 from .aggregation import Part, check_pairs, nbytes, split_queries
 from .runner import local
@@ -28,8 +29,6 @@ def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path
                      tensor: str = "embeddings") -> Entry:
     """One ERM index over rows lo .. hi-1 of a row stage (P, E or Q), saved as
     ``out/<name>``; returns its stage entry."""
-    from ..models import ERM
-
     lo, hi = rows
     x = Rows(vectors, tensor).read(lo, hi)
     with warnings.catch_warnings():  # PEFA-XS's E is not unit-norm, by design
@@ -50,8 +49,6 @@ def build_xl_shard(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int
     candidates (see :class:`ShardServer`). A range without pairs gets one inert placeholder
     query (the range's first document, labelled with itself), which no neighbour maps to.
     Returns its stage entry and the bytes it received."""
-    from ..models import PEFAXL
-
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
@@ -107,8 +104,7 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         rel = read_stage(relevance, "relevance")
         check_pairs(rel, Rows(queries), prows)
         ranges = split(prows.n, doc_rows)
-        maps = [(str(queries), str(relevance), r, ranges, False, True)
-                for r in range(len(rel.shards))]
+        maps = [(str(queries), str(relevance), r, ranges, True) for r in range(len(rel.shards))]
         reduces = [(str(docs), rng, str(out), s, params, candidates, *index, export_hnsw)
                    for s, rng in enumerate(ranges)]
         shards, moved = zip(*run.map_reduce(split_queries, maps, build_xl_shard, reduces,

@@ -13,6 +13,7 @@ import torch
 from ..arrays import as_embeddings, check_positive_int, check_topk
 from ..errors import InputError
 from ..fuse import neighbours
+from ..metrics import evaluate
 from ..params import check_unit_interval
 from ..topk import merge_topk
 from .aggregation import aggregate
@@ -58,11 +59,9 @@ def _gather(shards: Sequence[_Loaded], k: int,
     shards' device (None without shards)."""
     if not shards:
         return None
-    parts = []
-    for s in shards:
-        scores, ids = search(s, min(k, s.model.n_docs))  # _merge pads to k
-        parts.append((scores.float(), torch.where(ids >= 0, ids + s.lo, ids)))
-    return _merge(parts, k)
+    parts = [search(s, min(k, s.model.n_docs)) for s in shards]  # _merge pads to k
+    return _merge([(sc.float(), torch.where(i >= 0, i + s.lo, i))
+                   for s, (sc, i) in zip(shards, parts)], k)
 
 
 class ShardServer:
@@ -208,8 +207,6 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
     per λ, XL once (λ and k are applied at search time), ERM once. ``doc_rows`` /
     ``query_rows`` default to an even split over the runner's workers."""
     from tqdm.auto import tqdm
-
-    from ..metrics import evaluate
 
     run = local(runner)
     work = Path(work)

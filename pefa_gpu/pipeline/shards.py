@@ -1,7 +1,6 @@
 """Shards and stages on disk: a shard is a storage save in a folder of its own, a stage a
-folder of shards committed by its ``stage.json`` (:class:`Stage`, read and checked here
-only); the stages of rows (:func:`write_rows`, :func:`encode`, :class:`Rows`) and of pairs
-(:func:`write_relevance`)."""
+folder of shards committed by its ``stage.json`` (:class:`Stage`, read and checked here only);
+row stages (:func:`write_rows`, :func:`encode`, :class:`Rows`), :func:`write_relevance`."""
 
 from __future__ import annotations
 
@@ -20,8 +19,11 @@ import scipy.sparse as sp
 import torch
 
 from ..arrays import as_embeddings, as_tensor, check_positive_int
+from ..encode import _check_texts, resolve_model
+from ..encode import encode as encode_texts
 from ..errors import FormatError, InputError
 from ..params import XLParams
+from ..persist import load as load_model
 from ..relevance import as_relevance
 from ..storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
                        write_output_file, writing_save)
@@ -38,8 +40,7 @@ DEFAULT_ROWS = 100_000      # rows per shard (documents, queries, texts)
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """One shard of a stage: its folder's name, its rows [lo, hi) and the checksum of its
-    manifest when the stage was written."""
+    """One shard of a stage: its folder's name, rows [lo, hi) and manifest checksum."""
 
     name: str
     rows: tuple[int, int]
@@ -58,8 +59,7 @@ _TYPES = {"int": int, "str": str, "bool": bool, "float | None": (int, float, typ
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage:
-    """A stage's ``stage.json``: its kind, its shards and what they hold (only the fields
-    that differ from their defaults are written)."""
+    """A ``stage.json``: the stage's kind, shards and what they hold (defaults not written)."""
 
     stage: str
     shards: tuple[Entry, ...]
@@ -150,11 +150,8 @@ def read_shard(path: str | Path, device: Any = "cpu", mmap: bool = True,
                for name, meta in fields.get("tensors", {}).items()}
     matrices = {name: load_csr(save.file(meta["file"]), meta)
                 for name, meta in fields.get("matrices", {}).items()}
-    model = None
-    if fields.get("model"):
-        from ..persist import load
-
-        model = load(save.folder(fields["model"]), device=device, mmap=mmap, verify=False)
+    model = (load_model(save.folder(fields["model"]), device=device, mmap=mmap, verify=False)
+             if fields.get("model") else None)
     return Shard(fields, tensors, matrices, model)
 
 
@@ -222,16 +219,14 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
 
 
 class Rows:
-    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate`` output), read
-    by range from the shards that hold them (memory-mapped; only those shards are opened).
-
-    ``tensor``: the name of the tensor in each shard (default ``embeddings``)."""
+    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate`` output), read by
+    range from the shards that hold them (memory-mapped; only those shards are opened);
+    ``tensor``: the name of the tensor in each shard."""
 
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
         self.folder = Path(folder)
         self.info = read_stage(self.folder)
-        self.tensor = tensor
-        self.shards = self.info.shards
+        self.tensor, self.shards = tensor, self.info.shards
         self.n, self.dim = self.shards[-1].rows[1] if self.shards else 0, self.info.dim
 
     def __len__(self) -> int:
@@ -313,13 +308,11 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
     """Encode one shard of texts (rows lo .. lo+len-1) into ``out/shard-<index>``, unless a
     complete shard with the same ``fingerprint`` is there already. Encodes with
     :func:`pefa_gpu.encode` (same cache keys under ``cache_dir``). Returns its stage entry."""
-    from ..encode import encode
-
     path = Path(out) / shard_name("shard", index)
     fields = _written(path, fingerprint) if fingerprint is not None else None
     if fields is not None:
         return Entry.of(path, fields)
-    emb = encode(list(texts), model=model, batch_size=batch_size, device=device,
+    emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
                  normalize=normalize, cache_dir=cache_dir, show_progress=False)
     return write_shard(path, {"stage": "encode", "rows": [lo, lo + len(texts)],
                               "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
@@ -335,8 +328,6 @@ def encode(texts: Sequence[str], out: str | Path, model: Any = None,
     :func:`pefa_gpu.encode`'s cache, so local and distributed runs reuse each other's work.
     ``model``: as for :func:`pefa_gpu.encode`, picklable for a cluster (None, a name or
     path, or a callable with a ``cache_key``; one without is re-encoded every run)."""
-    from ..encode import _check_texts, resolve_model
-
     texts = _check_texts(texts)
     out = Path(out)
     identity = resolve_model(model, "cpu").identity
