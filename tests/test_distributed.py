@@ -166,6 +166,24 @@ def test_xl_search_equals_library_and_reference(tmp_path, augment, rescore, knn_
     assert_same_ranking(s, i, ref_s, ref_i)
 
 
+@pytest.mark.gpu
+def test_shard_servers_keep_results_on_the_device(tmp_path):
+    """On CUDA each server's top-k stays on the GPU (merged there); search returns the CPU
+    tensors of the library's ranking."""
+    P, Q, Y, T, _ = make_data(11)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=70,
+                 lam=0.3, k=8, candidates=20, device="cuda")
+    server = pp.ShardServer(b, range(4), range(4), device="cuda")
+    q = torch.from_numpy(T)
+    assert server.erm(q, 20)[0].is_cuda and server.knn(q, 8)[1].is_cuda
+    s, i = pp.search(b, T, topk=15, device="cuda")
+    assert not s.is_cuda and not i.is_cuda
+    xl = pg.PEFAXL(lam=0.3, k=8, candidates=20, device="cuda").fit(P, Q, Y)
+    lib_s, lib_i = xl.search(q.cuda(), 15)
+    assert_same_ranking(s, i, lib_s.cpu(), lib_i.cpu())
+
+
 def test_neighbours_merge_equals_pefaxl(tmp_path):
     P, Q, Y, T, _ = make_data(4)
     xl = pg.PEFAXL(k=10, candidates=30, device="cpu").fit(P, Q, Y)
@@ -201,7 +219,7 @@ def test_shard_writes_are_atomic_and_stages_checked(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert calls["n"] == 2
     assert np.array_equal(pp.read_rows(out), before)
-    assert module._shard_fields(tmp_path / "new" / "shard-00000") is None
+    assert _shard_fields(tmp_path / "new" / "shard-00000") is None
     assert not [p for p in (tmp_path / "new" / "shard-00000").rglob("*") if p.is_file()]
     # a shard rewritten after its stage was written is refused, not mixed in
     pp.write_shard(tmp_path / "docs" / "shard-00001", {"rows": [100, 200]},
