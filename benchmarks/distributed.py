@@ -32,8 +32,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import SCIFACT, md_table, write_results  # noqa: E402
@@ -170,7 +168,6 @@ def bench_synthetic(args) -> dict:
                         pipeline_run(d, Path(w) / "cold", run, cold, workers)
                         entry["cold_total_s"] = time.perf_counter() - t1
                         entry["cold"] = cold
-                        t = time.perf_counter()
                         metrics, infos = pipeline_run(d, Path(w) / "warm", run, times, workers)
                     assert not ray.is_initialized()
             entry["total_s"] = sum(times.values())
