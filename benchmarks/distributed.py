@@ -150,7 +150,6 @@ def bench_synthetic(args) -> dict:
         for mode in ("library", "pipeline", "ray-1", "ray-2"):
             entry = {"mode": mode, "repeat": rep, "load_before": load()}
             times: dict[str, float] = {}
-            t = time.perf_counter()
             with tempfile.TemporaryDirectory() as w, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if mode == "library":
