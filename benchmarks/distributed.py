@@ -32,8 +32,6 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import SCIFACT, md_table, write_results  # noqa: E402
@@ -152,7 +150,6 @@ def bench_synthetic(args) -> dict:
         for mode in ("library", "pipeline", "ray-1", "ray-2"):
             entry = {"mode": mode, "repeat": rep, "load_before": load()}
             times: dict[str, float] = {}
-            t = time.perf_counter()
             with tempfile.TemporaryDirectory() as w, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 if mode == "library":
@@ -170,7 +167,6 @@ def bench_synthetic(args) -> dict:
                         pipeline_run(d, Path(w) / "cold", run, cold, workers)
                         entry["cold_total_s"] = time.perf_counter() - t1
                         entry["cold"] = cold
-                        t = time.perf_counter()
                         metrics, infos = pipeline_run(d, Path(w) / "warm", run, times, workers)
                     assert not ray.is_initialized()
             entry["total_s"] = sum(times.values())
@@ -181,7 +177,7 @@ def bench_synthetic(args) -> dict:
             entry["metrics_equal_library"] = all(
                 abs(a[k] - b[k]) < 1e-9 for a, b in zip(metrics, reference) for k in a)
             if infos:
-                entry["bytes_shuffled"] = {k: v.get("bytes_shuffled") for k, v in infos.items()}
+                entry["bytes_shuffled"] = {k: v.bytes_shuffled for k, v in infos.items()}
             entry["metrics"] = metrics
             runs.append(entry)
             print(f"{mode} rep {rep}: {entry['total_s']:.1f} s (load {entry['load_before']:.1f}"

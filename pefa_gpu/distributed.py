@@ -2,10 +2,7 @@
 
     from pefa_gpu import distributed, pipeline as pp
     with distributed.connect("local", workers=2) as runner:     # or "auto", "ray://head:10001"
-        pp.encode(texts, "/shared/work/docs", runner=runner)
-        pp.aggregate(..., runner=runner)
-        pp.build("xs", ..., runner=runner)
-        scores, ids = pp.search(build, queries, runner=runner)
+        scores, ids = pp.search(build, queries, runner=runner)  # every stage takes runner=
 
 This module only decides where shard tasks run and moves their results; the tasks are the
 pipeline's own functions (so a cluster run equals a one-process run by construction):
@@ -38,8 +35,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import pipeline
+from .arrays import check_positive_int
 from .errors import InputError, MissingDependencyError
+from .pipeline.runner import Fanout
 
 # search actors kept between searches on clusters without GPUs, per Ray connection
 _KEPT: dict[tuple[str, str], list[Any]] = {}
@@ -74,9 +72,8 @@ def connect(address: str = "local", workers: int | None = None,
     ray = _ray()
     if not isinstance(address, str) or not address:
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
-                                or workers <= 0):
-        raise InputError(f"workers must be a positive integer, got {workers!r}")
+    if workers is not None:
+        check_positive_int(workers, "workers")
     started = False
     if not ray.is_initialized():
         # the workers' output and Ray's INFO lines stay in Ray's log files (pass
@@ -112,15 +109,13 @@ class RayRunner:
         self.max_retries = max_retries
 
     def _task(self, fn: Callable, gpu: bool, **options: Any):
-        ray = _ray()
-        return ray.remote(fn).options(num_cpus=1, num_gpus=1 if gpu and self.gpus else 0,
-                                      max_retries=self.max_retries, **options)
+        return _ray().remote(fn).options(num_cpus=1, num_gpus=1 if gpu and self.gpus else 0,
+                                         max_retries=self.max_retries, **options)
 
     def map(self, fn: Callable, calls: Sequence[tuple], gpu: bool = False) -> list:
         """[fn(*args) for args in calls] as Ray tasks."""
-        ray = _ray()
         task = self._task(fn, gpu)
-        return ray.get([task.remote(*args) for args in calls])
+        return _ray().get([task.remote(*args) for args in calls])
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
@@ -137,24 +132,24 @@ class RayRunner:
         return ray.get([reducer.remote(reduce_fn, len(refs), *[r[s] for r in refs], *args)
                         for s, args in enumerate(reduce_calls)])
 
-    def encode(self, calls: Sequence[dict[str, Any]], show_progress: bool = True) -> None:
-        """:func:`pefa_gpu.pipeline.encode_shard` for each call, on a Ray Data actor pool (one
-        shard per actor call)."""
+    def encode(self, fn: Callable, calls: Sequence[dict[str, Any]],
+               show_progress: bool = True) -> None:
+        """``fn(**kw)`` (:func:`pefa_gpu.pipeline.encode_shard` with the stage's settings) for
+        each call (texts, index, lo, fingerprint), on a Ray Data actor pool (one shard per
+        actor call)."""
         ray = _ray()
         import ray.data
         from tqdm.auto import tqdm
 
-        shared = {k: v for k, v in calls[0].items()
-                  if k not in ("texts", "index", "lo", "fingerprint")}
         # "" for no fingerprint: Ray Data would hand a None column back as NaN
-        rows = [{"index": c["index"], "lo": c["lo"], "fingerprint": c["fingerprint"] or "",
-                 "texts": list(c["texts"])} for c in calls]
+        rows = [{**c, "fingerprint": c["fingerprint"] or "", "texts": list(c["texts"])}
+                for c in calls]
         ctx = ray.data.DataContext.get_current()
         bars = ctx.enable_progress_bars
         ctx.enable_progress_bars = False
         try:
             ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-            ds = ds.map_batches(_ShardEncoder, fn_constructor_kwargs={"shared": shared},
+            ds = ds.map_batches(_ShardEncoder, fn_constructor_kwargs={"fn": fn},
                                 batch_size=1, batch_format="numpy",
                                 compute=ray.data.ActorPoolStrategy(
                                     size=min(self.workers, len(rows))),
@@ -166,30 +161,26 @@ class RayRunner:
         finally:
             ctx.enable_progress_bars = bars
 
-    def servers(self, build: str | Path, groups: Sequence[tuple[list[int], list[int]]],
-                device: Any = None) -> "RayFanout":
-        """Search actors, one per group of shards, each loading its group of ``build``.
-
-        Without GPUs the actors are kept for the next search (they take no logical CPU, so
-        they never block the tasks of other stages, and are spread over the nodes): a Ray
-        worker imports torch and pefa_gpu once, not once per search. With GPUs each actor
-        holds one and is released when the search ends."""
+    def servers(self, server: Callable, build: str | Path,
+                groups: Sequence[tuple[list[int], list[int]]], device: Any = None) -> "RayFanout":
+        """Search actors, one per group of shards, each a ``server(build, doc shards, query
+        shards, device)`` (:class:`pefa_gpu.pipeline.ShardServer`). Without GPUs the actors
+        are kept for the next search (they take no logical CPU, so they never block the tasks
+        of other stages, and are spread over the nodes): a Ray worker imports torch and
+        pefa_gpu once, not once per search. With GPUs each holds one until the search ends."""
         ray = _ray()
+        actor = ray.remote(_ServerActor).options(
+            num_cpus=1 if self.gpus else 0, max_restarts=self.max_retries,
+            max_task_retries=self.max_retries,
+            **({"num_gpus": 1} if self.gpus else {"scheduling_strategy": "SPREAD"}))
         if self.gpus:
-            actor = ray.remote(_ServerActor).options(
-                num_cpus=1, num_gpus=1, max_restarts=self.max_retries,
-                max_task_retries=self.max_retries)
-            actors, keep = [actor.remote() for _ in groups], False
+            actors = [actor.remote() for _ in groups]
         else:
-            actor = ray.remote(_ServerActor).options(
-                num_cpus=0, max_restarts=self.max_retries, max_task_retries=self.max_retries,
-                scheduling_strategy="SPREAD")
             kept = _KEPT.setdefault(_session(), [])
-            while len(kept) < len(groups):
-                kept.append(actor.remote())
-            actors, keep = kept[:len(groups)], True
-        keys = [(str(build), list(d), list(q), device) for d, q in groups]
-        return RayFanout(actors, keys, keep)
+            kept.extend(actor.remote() for _ in range(len(groups) - len(kept)))
+            actors = kept[:len(groups)]
+        keys = [(server, str(build), list(d), list(q), device) for d, q in groups]
+        return RayFanout(actors, keys, keep=not self.gpus)
 
     def close(self) -> None:
         """Stop the search actors kept between searches (they also end with the Ray
@@ -213,37 +204,39 @@ def _reduce_parts(fn: Callable, n_parts: int, *values: Any):
 class _ShardEncoder:
     """A Ray Data actor: encodes one shard of texts per call into its stage folder."""
 
-    def __init__(self, shared: dict[str, Any]):
-        self.shared = shared
+    def __init__(self, fn: Callable):
+        self.fn = fn
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         for index, lo, fp, texts in zip(batch["index"], batch["lo"], batch["fingerprint"],
                                         batch["texts"]):
-            pipeline.encode_shard([str(t) for t in texts], index=int(index), lo=int(lo),
-                                  fingerprint=str(fp) or None, **self.shared)
+            self.fn([str(t) for t in texts], index=int(index), lo=int(lo),
+                    fingerprint=str(fp) or None)
         return {"index": batch["index"]}
 
 
 class _ServerActor:
     """A search actor: a :class:`pefa_gpu.pipeline.ShardServer` for whichever shards a call
-    names. Every call carries its shards' key, so an actor restarted after a crash (with no
-    state) loads them again and answers the retried call the same way."""
+    names. Every call carries its shards' key (the server class and its arguments), so an
+    actor restarted after a crash (with no state) loads them again and answers the retried
+    call the same way. Results come back on the CPU (the driver merges them)."""
 
     def __init__(self):
-        self.key: tuple | None = None
-        self.server: pipeline.ShardServer | None = None
+        self.key: tuple | None = None  # the server's class and arguments
+        self.server: Any = None
 
     def call(self, key: tuple, method: str, *args: Any) -> Any:
         if key != self.key:
             self.server, self.key = None, None
-            self.server, self.key = pipeline.ShardServer(*key), key
-        return getattr(self.server, method)(*args)
+            self.server, self.key = key[0](*key[1:]), key
+        out = getattr(self.server, method)(*args)
+        return None if out is None else tuple(t.cpu() for t in out)
 
     def release(self) -> None:
         self.server, self.key = None, None
 
 
-class RayFanout:
+class RayFanout(Fanout):
     """Calls a method on every search actor (each with its shards' key); each argument is put
     into the object store once, whatever the number of actors."""
 
@@ -267,9 +260,3 @@ class RayFanout:
             for a in self.actors:
                 ray.kill(a)
         self.actors = []
-
-    def __enter__(self) -> "RayFanout":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()

@@ -19,6 +19,9 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import FormatError, InputError
+from pefa_gpu.fuse import neighbours
+from pefa_gpu.pipeline.serving import _merge
+from pefa_gpu.pipeline.shards import _shard_fields
 from reference import exact_search, normalize, xl_search
 from textdata import BowEncoder
 
@@ -75,15 +78,15 @@ def test_aggregate_equals_reference_and_pifa(tmp_path, augment):
     np.testing.assert_allclose(sums, xs.doc_sums.numpy(), rtol=0, atol=1e-5)
     np.testing.assert_allclose(E, xs.xs_embeddings().numpy(), rtol=0, atol=1e-6)
     info = pp.read_stage(out, "aggregate")
-    assert [s["rows"] for s in info["shards"]] == [[0, 70], [70, 140], [140, 210], [210, 240]]
-    assert info["bytes_shuffled"] > 0
+    assert [s.rows for s in info.shards] == [(0, 70), (70, 140), (140, 210), (210, 240)]
+    assert info.bytes_shuffled > 0
 
 
 def test_erm_and_xs_search_equal_library_ids_with_ties(tmp_path):
     P, Q, Y, T, _ = make_data(2)
     docs, queries, rel = stages(tmp_path, P, Q, Y)
     b = pp.build("erm", tmp_path / "erm", docs, doc_rows=70)
-    assert len(pp.read_stage(b)["shards"]) == 4
+    assert len(pp.read_stage(b).shards) == 4
     s, i = pp.search(b, T, topk=30, batch_size=17)
     ref_s, ref_i = exact_search(P, T, 30)
     np.testing.assert_array_equal(i.numpy(), ref_i)
@@ -144,7 +147,7 @@ def test_xl_search_equals_library_and_reference(tmp_path, augment, rescore, knn_
                  lam=0.3, k=8, candidates=20, knn_norm=knn_norm, rescore=rescore,
                  augment_docs=augment)
     info = pp.read_stage(b, "build")
-    assert len(info["shards"]) == 4 and len(info["query_shards"]) == 4
+    assert len(info.shards) == 4 and len(info.query_shards) == 4
     xl = pg.PEFAXL(lam=0.3, k=8, candidates=20, knn_norm=knn_norm, rescore=rescore,
                    augment_docs=augment, device="cpu").fit(P, Q, Y)
     for lam, k, bs in ((None, None, 13), (0.6, 4, 50)):
@@ -163,6 +166,24 @@ def test_xl_search_equals_library_and_reference(tmp_path, augment, rescore, knn_
     assert_same_ranking(s, i, ref_s, ref_i)
 
 
+@pytest.mark.gpu
+def test_shard_servers_keep_results_on_the_device(tmp_path):
+    """On CUDA each server's top-k stays on the GPU (merged there); search returns the CPU
+    tensors of the library's ranking."""
+    P, Q, Y, T, _ = make_data(11)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=70,
+                 lam=0.3, k=8, candidates=20, device="cuda")
+    server = pp.ShardServer(b, range(4), range(4), device="cuda")
+    q = torch.from_numpy(T)
+    assert server.erm(q, 20)[0].is_cuda and server.knn(q, 8)[1].is_cuda
+    s, i = pp.search(b, T, topk=15, device="cuda")
+    assert not s.is_cuda and not i.is_cuda
+    xl = pg.PEFAXL(lam=0.3, k=8, candidates=20, device="cuda").fit(P, Q, Y)
+    lib_s, lib_i = xl.search(q.cuda(), 15)
+    assert_same_ranking(s, i, lib_s.cpu(), lib_i.cpu())
+
+
 def test_neighbours_merge_equals_pefaxl(tmp_path):
     P, Q, Y, T, _ = make_data(4)
     xl = pg.PEFAXL(k=10, candidates=30, device="cpu").fit(P, Q, Y)
@@ -170,7 +191,7 @@ def test_neighbours_merge_equals_pefaxl(tmp_path):
     erm = xl.index.search(q, 30)
     want = xl.neighbours(q, 10, erm)
     parts = [xl.query_index.search(q, 10)]
-    got = pp.neighbours(pp._merge(parts, 10), erm, Q.shape[0], 10, augment_docs=True)
+    got = neighbours(_merge(parts, 10), erm, Q.shape[0], 10, augment_docs=True)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 
@@ -179,7 +200,7 @@ def test_shard_writes_are_atomic_and_stages_checked(tmp_path, monkeypatch):
     out = pp.write_rows(P, tmp_path / "docs", rows=100)
     before = pp.read_rows(out)
     # a write that dies half way leaves the previous shard complete, and nothing partial
-    import pefa_gpu.pipeline as module
+    from pefa_gpu.pipeline import shards as module
 
     calls = {"n": 0}
     real = module.save_tensor
@@ -198,7 +219,7 @@ def test_shard_writes_are_atomic_and_stages_checked(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert calls["n"] == 2
     assert np.array_equal(pp.read_rows(out), before)
-    assert pp._shard_fields(tmp_path / "new" / "shard-00000") is None
+    assert _shard_fields(tmp_path / "new" / "shard-00000") is None
     assert not [p for p in (tmp_path / "new" / "shard-00000").rglob("*") if p.is_file()]
     # a shard rewritten after its stage was written is refused, not mixed in
     pp.write_shard(tmp_path / "docs" / "shard-00001", {"rows": [100, 200]},
@@ -213,6 +234,35 @@ def test_shard_writes_are_atomic_and_stages_checked(tmp_path, monkeypatch):
     with pytest.raises(InputError, match="not a pefa_gpu stage file"):
         pp.write_rows(P, tmp_path / "mine", rows=100)
     assert (tmp_path / "mine" / "stage.json").read_text() == "my notes"
+
+
+def test_stage_files_are_typed_and_checked(tmp_path):
+    """stage.json reads into a Stage (old files, which spell out every default, too); a damaged
+    one is a FormatError naming the file, never a crash."""
+    import json
+
+    P, Q, Y, T, _ = make_data(10)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=100,
+                 lam=0.3, k=8, candidates=20)
+    path = b / "stage.json"
+    info = pp.read_stage(b, "build")
+    assert (info.n, info.m, info.dim, info.candidates) == (240, 400, 12, 20)
+    assert info.params == pg.XLParams(lam=0.3, k=8) and info.shards[2].rows == (200, 240)
+    assert [e.rows for e in info.query_shards] == [(0, 130), (130, 260), (260, 390), (390, 400)]
+    body = json.loads(path.read_text())
+    assert "backend" not in body and body["params"]["lam"] == 0.3  # defaults are not written
+    want = pp.search(b, T, topk=10)
+    path.write_text(json.dumps({**body, "backend": "exact", "index_params": None,
+                                "lam": None, "augment_docs": True}))  # as 0.1 wrote it
+    assert pp.read_stage(b) == info
+    assert all(torch.equal(x, y) for x, y in zip(pp.search(b, T, topk=10), want))
+    for edit in ({"n": "240"}, {"shards": [{"name": "doc-00000"}]}, {"params": {"lam": 2.0}},
+                 {"colour": "red"}, {"query_shards": [{"name": "q", "rows": [0],
+                                                       "manifest_sha256": "0"}]}):
+        path.write_text(json.dumps({**body, **edit}))
+        with pytest.raises(FormatError, match="stage.json is damaged"):
+            pp.read_stage(b)
 
 
 _KILLER = """
@@ -244,8 +294,8 @@ def test_encode_resumes_after_a_kill_and_shares_the_cache(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr
     # shards 0 and 1 are complete, shard 2 was being encoded: nothing of it is visible
-    assert pp._shard_fields(out / "shard-00000") and pp._shard_fields(out / "shard-00001")
-    assert pp._shard_fields(out / "shard-00002") is None
+    assert _shard_fields(out / "shard-00000") and _shard_fields(out / "shard-00001")
+    assert _shard_fields(out / "shard-00002") is None
     enc = BowEncoder()
     pp.encode(texts, out, model=enc, rows=40, show_progress=False)
     assert enc.seen == 120  # shards 2, 3, 4 only
@@ -379,7 +429,7 @@ def test_ray_worker_killed_mid_stage_is_retried(tmp_path, ray_runner):
     info = pp.read_stage(b)
     want_s, want_i = pp.search(b, T, topk=10)
     got = []
-    with ray_runner.servers(b, pp.server_groups(info, 2)) as fan:
+    with ray_runner.servers(pp.ShardServer, b, pp.server_groups(info, 2)) as fan:
         for lo in (0, 25):
             got.append(pp.search_batch(fan, info, torch.from_numpy(T[lo:lo + 25]), 10))
             ray.kill(fan.actors[0], no_restart=False)
@@ -414,7 +464,7 @@ def test_ray_encode_killed_actor_and_cache(tmp_path, ray_runner):
                     runner=run, cache_dir=tmp_path / "cache", show_progress=False)
     assert marker.exists()
     np.testing.assert_array_equal(pp.read_rows(out), want)
-    assert len(pp.read_stage(out)["shards"]) == 3
+    assert len(pp.read_stage(out).shards) == 3
     # the workers filled pg.encode's cache: a local call encodes nothing
     enc = BowEncoder()
     got = pg.encode(texts, model=enc, cache_dir=tmp_path / "cache", show_progress=False)
@@ -434,7 +484,7 @@ def test_ray_encode_with_a_plain_function_encoder(tmp_path, ray_runner):
         out = pp.encode(texts, tmp_path / "enc", model=bow_unit, rows=100, runner=ray_runner,
                         show_progress=False)
         np.testing.assert_array_equal(pp.read_rows(out), want)
-        assert len(pp.read_stage(out)["shards"]) == 2
+        assert len(pp.read_stage(out).shards) == 2
 
 
 # ------------------------------------------------------------------------------ CLI, SciFact

@@ -1,0 +1,132 @@
+"""The build stage: one index per document shard (ERM over P, ERM over PEFA-XS's E, or a
+PEFA-XL shard), and PEFA-XL's query index shards."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from ..errors import InputError
+from ..methods import REGISTRY
+from ..models import ERM, PEFAXL
+from ..params import XLParams, XLSearchParams
+from .aggregation import Part, check_pairs, nbytes, split_queries
+from .runner import local
+from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, read_stage, shard_name, split,
+                     write_shard, write_stage)
+
+METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
+
+
+def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path, name: str,
+                     backend: str, index_params: Any, device: Any, export_hnsw: bool,
+                     tensor: str = "embeddings") -> Entry:
+    """One ERM index over rows lo .. hi-1 of a row stage (P, E or Q), saved as
+    ``out/<name>``; returns its stage entry."""
+    lo, hi = rows
+    x = Rows(vectors, tensor).read(lo, hi)
+    with warnings.catch_warnings():  # PEFA-XS's E is not unit-norm, by design
+        warnings.filterwarnings("ignore", message=".*not L2-normalised", category=UserWarning)
+        model = ERM(backend=backend, device=device, index_params=index_params).fit(x)
+    return write_shard(Path(out) / name, {"stage": "build", "rows": [lo, hi]}, model=model,
+                       export_hnsw=export_hnsw)
+
+
+def build_xl_shard(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int, int],
+                   out: str | Path, index: int, params: XLParams, candidates: int,
+                   backend: str, index_params: Any, device: Any,
+                   export_hnsw: bool) -> tuple[Entry, int]:
+    """Reduce task of PEFA-XL's build for one document range: a PEFAXL over P_s and the
+    training queries with a pair in s (their rows of Y restricted to s), saved as
+    ``out/doc-<index>`` with their global query rows (``query_rows``). Its passage index is
+    the shard of XL's passage index, and :meth:`PEFAXL.fuse` on it scores the range's
+    candidates (see :class:`ShardServer`). A range without pairs gets one inert placeholder
+    query (the range's first document, labelled with itself), which no neighbour maps to.
+    Returns its stage entry and the bytes it received."""
+    lo, hi = doc_range
+    p = Rows(docs).read(lo, hi)
+    rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
+    if rows.size:
+        q = np.concatenate([pt.vectors for pt in parts])
+        y = sp.vstack([pt.y for pt in parts], format="csr")
+    else:
+        q, y = p[:1], sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
+    model = PEFAXL(backend=backend, device=device, index_params=index_params,
+                   search_params=XLSearchParams(candidates=candidates),
+                   **params.to_dict()).fit(p, q, y)
+    entry = write_shard(Path(out) / shard_name("doc", index), {"stage": "build", "rows": [lo, hi]},
+                        {"query_rows": torch.from_numpy(rows.astype(np.int64))}, model=model,
+                        export_hnsw=export_hnsw)
+    return entry, nbytes(parts)
+
+
+def build(method: str, out: str | Path, docs: str | Path, *,
+          embeddings: str | Path | None = None, queries: str | Path | None = None,
+          relevance: str | Path | None = None, doc_rows: int = DEFAULT_ROWS,
+          backend: str = "exact", index_params: Any = None, device: Any = None,
+          lam: float = 0.1, k: int = 16, candidates: int = 500, knn_norm: str = "k",
+          rescore: bool = True, augment_docs: bool = True, export_hnsw: bool = False,
+          runner: Any = None) -> Path:
+    """One index per document shard (any backend), saved as normal pefa_gpu saves.
+
+    - ``erm``: an ERM over each range of ``docs`` (P).
+    - ``xs``: an ERM over each shard of ``embeddings``, the E of :func:`aggregate` (PEFA-XS
+      is one index over E), so its document shards are the aggregation's ranges.
+    - ``xl``: per document range a PEFAXL shard (passage index + the range's pairs, see
+      :func:`build_xl_shard`), from a map over the query shards of ``relevance`` that sends
+      each range its pairs and their query embeddings; per query shard an ERM over those
+      training queries (XL's query index, sharded the same way). ``lam`` / ``k`` are the
+      defaults of :func:`search`; ``candidates``, ``knn_norm``, ``rescore`` and
+      ``augment_docs`` as for :class:`pefa_gpu.PEFAXL`.
+
+    ``export_hnsw`` also writes a faiss HNSW file per document shard (ERM / XS).
+    """
+    if method not in METHODS:
+        raise InputError(f"method must be one of {METHODS}, got {method!r}")
+    run, prows = local(runner), Rows(docs)
+    stage = Stage(stage="build", shards=(), method=method, n=prows.n, dim=prows.dim,
+                  backend=backend, index_params=index_params if index_params is None
+                  or isinstance(index_params, dict) else index_params.to_dict())
+    index = (backend, index_params, device)
+    if method == "xl":
+        if queries is None or relevance is None:
+            raise InputError("build('xl') needs queries= and relevance= (the training queries "
+                             "and their pairs)")
+        params = XLParams(lam=lam, k=k, knn_norm=knn_norm, rescore=rescore,
+                          augment_docs=augment_docs)
+        candidates = XLSearchParams(candidates=candidates).candidates
+        rel = read_stage(relevance, "relevance")
+        check_pairs(rel, Rows(queries), prows)
+        ranges = split(prows.n, doc_rows)
+        maps = [(str(queries), str(relevance), r, ranges, True) for r in range(len(rel.shards))]
+        reduces = [(str(docs), rng, str(out), s, params, candidates, *index, export_hnsw)
+                   for s, rng in enumerate(ranges)]
+        shards, moved = zip(*run.map_reduce(split_queries, maps, build_xl_shard, reduces,
+                                            gpu=True))
+        calls = [(str(queries), e.rows, str(out), shard_name("query", r), *index, False)
+                 for r, e in enumerate(rel.shards)]
+        return write_stage(out, dataclasses.replace(
+            stage, shards=shards, query_shards=tuple(run.map(build_rows_shard, calls, gpu=True)),
+            params=params, candidates=candidates, m=rel.m, bytes_shuffled=sum(moved)))
+    if method == "xs":
+        if embeddings is None:
+            raise InputError("build('xs') needs embeddings= (the folder aggregate() wrote)")
+        agg = read_stage(embeddings, "aggregate")
+        if agg.lam is None:
+            raise InputError(f"{embeddings} holds sums only: run aggregate() with lam=")
+        if agg.n != prows.n:
+            raise InputError(f"{embeddings} has {agg.n} rows, {docs} {prows.n}")
+        source, ranges = embeddings, [e.rows for e in agg.shards]
+        stage = dataclasses.replace(stage, lam=agg.lam, augment_docs=agg.augment_docs)
+    else:
+        source, ranges = docs, split(prows.n, doc_rows)
+    calls = [(str(source), rng, str(out), shard_name("doc", s), *index, export_hnsw)
+             for s, rng in enumerate(ranges)]
+    shards = tuple(run.map(build_rows_shard, calls, gpu=True))
+    return write_stage(out, dataclasses.replace(stage, shards=shards))

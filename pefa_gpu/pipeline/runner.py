@@ -1,0 +1,64 @@
+"""Where the shard tasks run: :class:`LocalRunner` (this process, the default) and its
+:class:`Fanout` of shard servers. :class:`pefa_gpu.distributed.RayRunner` has the same methods.
+A runner is handed the task functions; it runs them and moves their arguments and results."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+
+class LocalRunner:
+    """Runs every shard task in this process, one after another."""
+
+    workers = 1
+
+    def map(self, fn: Callable, calls: Sequence[tuple], gpu: bool = False) -> list:
+        """[fn(*args) for args in calls] (``gpu``: the tasks would use a GPU given one)."""
+        return [fn(*args) for args in calls]
+
+    def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
+                   reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
+        """Each map task returns one part per reduce task; reduce task s gets the parts
+        [map 0's part s, map 1's part s, ...] (in map order) and its own args. Every part is
+        held in memory until the reduces run (on one machine, ``pg.pifa(...,
+        memory_budget=)`` streams Q instead)."""
+        parts = [map_fn(*args) for args in map_calls]
+        return [reduce_fn([p[s] for p in parts], *args) for s, args in enumerate(reduce_calls)]
+
+    def encode(self, fn: Callable, calls: Sequence[dict[str, Any]],
+               show_progress: bool = True) -> None:
+        """``fn(**kw)`` (an encoder task) for each call."""
+        from tqdm.auto import tqdm
+
+        for kw in tqdm(calls, desc="encode", unit="shard", disable=not show_progress):
+            fn(**kw)
+
+    def servers(self, server: Callable, build: Any, groups: Sequence[tuple[list[int], list[int]]],
+                device: Any = None) -> "Fanout":
+        """One in-process ``server(build, doc shards, query shards, device)`` per group."""
+        return Fanout([server(build, d, q, device) for d, q in groups])
+
+
+class Fanout:
+    """Calls a method on every shard server and returns the results in server order."""
+
+    def __init__(self, servers: Sequence[Any]):
+        self.servers = list(servers)
+
+    def call(self, *calls: tuple[str, tuple]) -> list[list[Any]]:
+        """For each (method, args): the list of every server's result."""
+        return [[getattr(s, method)(*args) for s in self.servers] for method, args in calls]
+
+    def close(self) -> None:
+        self.servers = []
+
+    def __enter__(self) -> "Fanout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def local(runner: Any) -> Any:
+    """``runner``, or a :class:`LocalRunner` for None."""
+    return LocalRunner() if runner is None else runner

@@ -1,0 +1,248 @@
+"""The search stage: shard servers (:class:`ShardServer`, each holding some shards of a build
+on its device) answer each query batch; :func:`search_batch` merges their top-k. Results stay
+on the servers' device until the merge of a batch. :func:`evaluate_configs`: from embeddings
+to metrics through every stage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Sequence
+
+import torch
+
+from ..arrays import as_embeddings, check_positive_int, check_topk
+from ..errors import InputError
+from ..fuse import neighbours
+from ..metrics import evaluate
+from ..params import check_unit_interval
+from ..topk import merge_topk
+from .aggregation import aggregate
+from .indexing import build
+from .runner import local
+from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance, write_rows
+
+DEFAULT_BATCH = 1024        # test queries per search round
+Result = tuple[torch.Tensor, torch.Tensor]
+
+
+def _merge(parts: Sequence[Result | None], k: int) -> Result:
+    """Top-k of several shards' (B, *) results (global ids), ties to the lower id."""
+    parts = [p for p in parts if p is not None]
+    if len(parts) == 1 and parts[0][1].shape[1] >= k:
+        return parts[0][0][:, :k], parts[0][1][:, :k]
+    return merge_topk(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), k)
+
+
+def _compact(scores: torch.Tensor, ids: torch.Tensor) -> Result:
+    """Valid entries (id >= 0) first in each row, in their order; padding (-1, -inf) after."""
+    order = torch.argsort((ids < 0).to(torch.int8), dim=1, stable=True)
+    ids = ids.gather(1, order)
+    return torch.where(ids >= 0, scores.gather(1, order), float("-inf")), ids
+
+
+class _Loaded(NamedTuple):
+    lo: int
+    hi: int
+    model: Any
+    query_rows: torch.Tensor | None  # a PEFA-XL shard's training queries (global rows)
+
+
+def _load(folder: Path, entry: Entry, device: Any) -> _Loaded:
+    shard = open_entry(folder, entry, device=device)
+    rows = shard.tensors.get("query_rows")
+    return _Loaded(*entry.rows, shard.model, None if rows is None else rows.to(shard.model.device))
+
+
+def _gather(shards: Sequence[_Loaded], k: int,
+            search: Callable[[_Loaded, int], Result]) -> Result | None:
+    """``search(shard, min(k, its size))`` on every shard, ids made global, merged on the
+    shards' device (None without shards)."""
+    if not shards:
+        return None
+    parts = [search(s, min(k, s.model.n_docs)) for s in shards]  # _merge pads to k
+    return _merge([(sc.float(), torch.where(i >= 0, i + s.lo, i))
+                   for s, (sc, i) in zip(shards, parts)], k)
+
+
+class ShardServer:
+    """Some document and query shards of a :func:`build` stage, in memory on ``device``,
+    answering one search round each over its shards (results merged over its shards, global
+    ids, on its device). A Ray actor in :class:`pefa_gpu.distributed.RayRunner`."""
+
+    def __init__(self, build: str | Path, doc_shards: Sequence[int],
+                 query_shards: Sequence[int] = (), device: Any = None):
+        folder = Path(build)
+        self.info = read_stage(folder, "build")
+        self.docs = [_load(folder, self.info.shards[s], device) for s in doc_shards]
+        self.queries = [_load(folder, self.info.query_shards[r], device) for r in query_shards]
+
+    def erm(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
+        """Top-k over this server's document shards (ERM / XS scores; XL's passage index);
+        ``params``: the backend's search settings (None: each index's own)."""
+        return _gather(self.docs, k, lambda s, kk: (  # XL shards: their passage index
+            s.model.index.search(q.to(s.model.device), kk, params) if s.query_rows is not None
+            else s.model.search(q.to(s.model.device), kk, params=params)))
+
+    def knn(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
+        """Top-k training queries over this server's query shards (global rows)."""
+        return _gather(self.queries, k,
+                       lambda s, kk: s.model.search(q.to(s.model.device), kk, params=params))
+
+    def fuse(self, q: torch.Tensor, erm: Result, knn: Result, topk: int, lam: float,
+             k: int) -> Result | None:
+        """PEFA-XL's fused top-``topk`` over this server's documents: for each shard, the
+        global ERM candidates and neighbours that concern it, in its local numbering, through
+        :meth:`PEFAXL.fuse`. The fused score of a document depends only on q, the
+        neighbours, its own embedding and its own column of Y, so the top-k of every shard's
+        top-k is the top-k of one model over all documents."""
+        def one(s: _Loaded, kk: int) -> Result:
+            dev = s.model.device
+            e_ids = erm[1].to(dev)
+            mine = (e_ids >= s.lo) & (e_ids < s.hi)
+            e_local = _compact(erm[0].to(dev), torch.where(mine, e_ids - s.lo, -1))
+            k_local = _compact(knn[0].to(dev), _local_rows(knn[1].to(dev), self.info.m, s))
+            return s.model.fuse(q.to(dev), e_local, k_local, kk, lam=lam, k=k)
+        return _gather(self.docs, topk, one)
+
+
+def _local_rows(r: torch.Tensor, m: int, s: _Loaded) -> torch.Tensor:
+    """Global relevance rows (queries < m, document j as m + j) -> the shard model's rows
+    (its training queries, then its documents), -1 where a row is not its own."""
+    local_ = torch.full_like(r, -1)
+    rows = s.query_rows
+    if rows.numel():
+        pos = torch.searchsorted(rows, r.clamp(0, max(m - 1, 0))).clamp_max(rows.numel() - 1)
+        local_ = torch.where((r >= 0) & (r < m) & (rows[pos] == r), pos, local_)
+    if s.model.params.augment_docs:
+        doc = r - m
+        mine = (r >= m) & (doc >= s.lo) & (doc < s.hi)
+        local_ = torch.where(mine, s.model.n_train_queries + doc - s.lo, local_)
+    return local_
+
+
+def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
+                 lam: float | None = None, k: int | None = None,
+                 candidates: int | None = None, params: dict | None = None) -> Result:
+    """One round of queries (B, d) float32 over every server of ``fan``: ERM / XS merge the
+    shards' top-k; PEFA-XL searches the passage and query shards, merges, forms the
+    neighbours and fuses per document shard, then merges the fused top-k."""
+    if info.method != "xl":
+        (parts,) = fan.call(("erm", (q, topk, params)))
+        return _merge(parts, topk)
+    p, n, m = info.params, info.n, info.m
+    lam = p.lam if lam is None else lam
+    k = p.k if k is None else k
+    kp = min(info.candidates if candidates is None else candidates, n)
+    kn = min(k, m + n if p.augment_docs else m)  # the neighbours there are (fused with k)
+    width = max(kp, kn) if p.augment_docs else kp
+    erm_parts, knn_parts = fan.call(("erm", (q, width, params)), ("knn", (q, min(kn, m), params)))
+    erm = _merge(erm_parts, width)
+    knn = neighbours(_merge(knn_parts, min(kn, m)), erm, m, kn, p.augment_docs)
+    (parts,) = fan.call(("fuse", (q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk, lam, k)))
+    return _merge(parts, topk)
+
+
+def server_groups(info: Stage, workers: int) -> list[tuple[list[int], list[int]]]:
+    """Contiguous blocks of document and query shards for ``workers`` servers (servers
+    without shards are left out)."""
+    n_d, n_q = len(info.shards), len(info.query_shards)
+    groups = [(list(range(n_d * w // workers, n_d * (w + 1) // workers)),
+               list(range(n_q * w // workers, n_q * (w + 1) // workers))) for w in range(workers)]
+    return [(d, q) for d, q in groups if d or q]
+
+
+def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None = None,
+           k: int | None = None, candidates: int | None = None,
+           batch_size: int = DEFAULT_BATCH, device: Any = None, runner: Any = None,
+           show_progress: bool = False, params: dict | None = None) -> Result:
+    """Search a :func:`build` stage: (B, d) queries (or a row stage folder) -> (B, topk)
+    float32 scores and int64 ids on the CPU, -1 padded, ties to the lower id.
+
+    Query batches of ``batch_size`` fan out to the runner's shard servers (the build's shards
+    split over its workers); each returns its top-k, merged here (:func:`search_batch`).
+    ``lam`` / ``k`` / ``candidates`` override PEFA-XL's build-time values; ``params``: the
+    backend's search settings for every shard's index (e.g. ``{"ef_search": 500}``)."""
+    from tqdm.auto import tqdm
+
+    batch_size = check_positive_int(batch_size, "batch_size")
+    info = read_stage(build, "build")
+    topk = check_topk(topk, info.n)
+    if lam is not None:
+        check_unit_interval(lam, "lam")
+    for v, what in ((k, "k"), (candidates, "candidates")):
+        if v is not None:
+            check_positive_int(v, what)
+    if isinstance(queries, (str, Path)):
+        source = Rows(queries)
+        if source.dim != info.dim:
+            raise InputError(f"queries have dimension {source.dim}, the build {info.dim}")
+        n_q, read = source.n, lambda lo, hi: torch.from_numpy(source.read(lo, hi))
+    else:
+        qall = as_embeddings(queries, "cpu", "queries", dim=info.dim, check_norm=False)
+        n_q, read = qall.shape[0], lambda lo, hi: qall[lo:hi]
+    run = local(runner)
+    out = []
+    with run.servers(ShardServer, build, server_groups(info, run.workers), device) as fan:
+        for lo in tqdm(range(0, n_q, batch_size), desc="search", unit="batch",
+                       disable=not show_progress):
+            q = read(lo, min(lo + batch_size, n_q)).contiguous()
+            out.append([t.cpu() for t in search_batch(fan, info, q, topk, lam, k, candidates,
+                                                      params)])
+    if not out:
+        return torch.empty(0, topk), torch.empty(0, topk, dtype=torch.long)
+    return torch.cat([s for s, _ in out]), torch.cat([i for _, i in out])
+
+
+def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
+                     configs: Sequence[Any], work: str | Path, *, backend: str = "exact",
+                     index_params: Any = None, candidates: int = 500, knn_norm: str = "k",
+                     rescore: bool = True, augment_docs: bool = True, device: Any = None,
+                     ks: Sequence[int] = (10, 100), topk: int = 100, count_empty: bool = False,
+                     doc_rows: int | None = None, query_rows: int | None = None,
+                     runner: Any = None, show_progress: bool = True) -> list[dict[str, Any]]:
+    """From embeddings to metrics through the stages, in ``work`` (a folder on a path every
+    worker sees): P (n, d), Q (m, d), queries (B, d) as arrays or row stage folders, Y (m x n)
+    and Y_test (B x n) relevance; ``configs``: :class:`pefa_gpu.Config` (method, lam, k).
+    Returns one :func:`pefa_gpu.evaluate` dict per config. Each index is built once: XS once
+    per λ, XL once (λ and k are applied at search time), ERM once. ``doc_rows`` /
+    ``query_rows`` default to an even split over the runner's workers."""
+    from tqdm.auto import tqdm
+
+    run = local(runner)
+    work = Path(work)
+    docs = _as_rows(P, work / "docs", "docs")
+    train = _as_rows(Q, work / "queries", "queries")
+    n, m = len(Rows(docs)), len(Rows(train))
+    doc_rows = doc_rows or max(-(-n // run.workers), 1)
+    rel = write_relevance(Y, work / "pairs", rows=query_rows or max(-(-m // run.workers), 1))
+    common = dict(backend=backend, index_params=index_params, device=device,
+                  doc_rows=doc_rows, runner=run)
+
+    def index(cfg: Any) -> Path:
+        if cfg.method == "xs":
+            agg = aggregate(train, rel, docs, work / f"xs-{cfg.lam:g}", lam=cfg.lam,
+                            augment_docs=augment_docs, doc_rows=doc_rows, runner=run)
+            return build("xs", work / f"xs-{cfg.lam:g}-index", docs, embeddings=agg, **common)
+        xl = dict(queries=train, relevance=rel, lam=cfg.lam, k=cfg.k, candidates=candidates,
+                  knn_norm=knn_norm, rescore=rescore, augment_docs=augment_docs)
+        return build(cfg.method, work / cfg.method, docs,
+                     **(xl if cfg.method == "xl" else {}), **common)
+
+    built: dict[tuple, Path] = {}
+    results = []
+    for cfg in tqdm(configs, desc="pipeline", unit="config", disable=not show_progress):
+        key = (cfg.method, cfg.lam) if cfg.method == "xs" else (cfg.method,)
+        if key not in built:
+            built[key] = index(cfg)
+        xl_kw = dict(lam=cfg.lam, k=cfg.k) if cfg.method == "xl" else {}
+        _, ids = search(built[key], queries, topk=topk, device=device, runner=run, **xl_kw)
+        results.append(evaluate(ids, Y_test, ks, count_empty=count_empty))
+    return results
+
+
+def _as_rows(x: Any, folder: Path, what: str) -> Path:
+    """A row stage folder as is; an array written as one under ``folder``."""
+    if isinstance(x, (str, Path)):
+        read_stage(x)
+        return Path(x)
+    return write_rows(x, folder, stage=what)

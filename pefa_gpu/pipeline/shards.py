@@ -1,0 +1,358 @@
+"""Shards and stages on disk: a shard is a storage save in a folder of its own, a stage a
+folder of shards committed by its ``stage.json`` (:class:`Stage`, read and checked here only);
+row stages (:func:`write_rows`, :func:`encode`, :class:`Rows`), :func:`write_relevance`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from ..arrays import as_embeddings, as_tensor, check_positive_int
+from ..encode import _check_texts, resolve_model
+from ..encode import encode as encode_texts
+from ..errors import FormatError, InputError
+from ..params import XLParams
+from ..persist import load as load_model
+from ..relevance import as_relevance
+from ..storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
+                       write_output_file, writing_save)
+from .runner import local
+
+log = logging.getLogger("pefa_gpu")
+
+STAGE_FILE = "stage.json"
+STAGE_FORMAT = "pefa-gpu-stage"
+SHARD_MANIFEST = "pefa_shard.json"
+SHARD_FORMAT = "pefa-gpu-shard"
+DEFAULT_ROWS = 100_000      # rows per shard (documents, queries, texts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One shard of a stage: its folder's name, rows [lo, hi) and manifest checksum."""
+
+    name: str
+    rows: tuple[int, int]
+    manifest_sha256: str
+
+    @classmethod
+    def of(cls, path: str | Path, manifest: dict[str, Any]) -> "Entry":
+        """The entry of the shard at ``path`` with this (read or written) manifest."""
+        lo, hi = manifest["rows"]
+        return cls(Path(path).name, (int(lo), int(hi)), str(manifest["manifest_sha256"]))
+
+
+_TYPES = {"int": int, "str": str, "bool": bool, "float | None": (int, float, type(None)),
+          "str | None": (str, type(None)), "dict[str, Any] | None": (dict, type(None))}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Stage:
+    """A ``stage.json``: the stage's kind, shards and what they hold (defaults not written)."""
+
+    stage: str
+    shards: tuple[Entry, ...]
+    n: int                      # rows; documents for aggregate / build, Y's columns for relevance
+    dim: int = 0
+    m: int = 0                  # Y's rows, the training queries (relevance, PEFA-XL build)
+    nnz: int = 0                # Y's pairs (relevance)
+    lam: float | None = None    # PEFA-XS's (aggregate, xs build)
+    augment_docs: bool = True   # PEFA-XS's (aggregate, xs build)
+    bytes_shuffled: int = 0     # sent from the map to the reduce tasks
+    model: str | None = None    # the encoder's identity (encode)
+    normalize: bool = True      # the encoder's normalisation (encode)
+    method: str = ""            # a build's method, backend and index settings
+    backend: str = "exact"
+    index_params: dict[str, Any] | None = None
+    params: XLParams | None = None       # a PEFA-XL build's settings, candidates, query shards
+    candidates: int = 0
+    query_shards: tuple[Entry, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [f.name for f in dataclasses.fields(self) if f.type in _TYPES
+               and not isinstance(getattr(self, f.name), _TYPES[f.type])]
+        if bad:
+            raise TypeError(f"stage fields {bad} have the wrong type")
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> "Stage":
+        fields = {key: v for key, v in body.items() if key not in ("format", "format_version")}
+        for key in ("shards", "query_shards"):
+            fields[key] = tuple(Entry.of(e["name"], e) for e in body.get(key, ()))
+        if fields.get("params") is not None:
+            fields["params"] = XLParams.from_dict(fields["params"])
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+        return json.dumps({"format": STAGE_FORMAT, "format_version": 1, **body}, indent=1,
+                          sort_keys=True, default=dataclasses.asdict) + "\n"
+
+
+# ------------------------------------------------------------------------------ shards
+
+def write_shard(path: str | Path, fields: dict[str, Any],
+                tensors: dict[str, Any] | None = None,
+                matrices: dict[str, sp.spmatrix] | None = None,
+                model: Any = None, export_hnsw: bool = False) -> Entry:
+    """Write one shard atomically: ``fields`` (JSON, with its ``rows`` [lo, hi]) in its
+    manifest, ``tensors`` as .npy, ``matrices`` as CSR .npz, ``model`` as a model save in
+    ``model/`` (and its HNSW export as ``hnsw.faiss`` with ``export_hnsw``). Returns its
+    stage entry."""
+    with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
+        tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
+                 for name, t in (tensors or {}).items()}
+        mmeta = {name: save_csr(w.data / name, m) for name, m in (matrices or {}).items()}
+        if model is not None:
+            model.save(w.data / "model")
+            if export_hnsw:
+                model.export_hnsw(w.data / "hnsw.faiss")
+        manifest = w.commit({**fields, "tensors": tmeta, "matrices": mmeta,
+                             "model": "model" if model is not None else None,
+                             "hnsw": "hnsw.faiss" if model is not None and export_hnsw
+                             else None})
+    return Entry.of(path, manifest)
+
+
+@dataclasses.dataclass
+class Shard:
+    """A shard read back: its manifest ``fields``, tensors, CSR matrices and model."""
+
+    fields: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    matrices: dict[str, sp.csr_matrix]
+    model: Any = None
+
+
+def read_shard(path: str | Path, device: Any = "cpu", mmap: bool = True,
+               expect_sha: str | None = None) -> Shard:
+    """Read and verify a shard written by :func:`write_shard`. ``mmap`` maps the tensors and
+    checks sizes and headers (else every file's sha256 is checked). ``expect_sha``: the
+    manifest checksum a stage recorded for it (FormatError when the shard has changed since)."""
+    save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=not mmap)
+    fields = save.manifest
+    if expect_sha is not None and fields["manifest_sha256"] != expect_sha:
+        raise FormatError(f"{path} was rewritten after its stage's {STAGE_FILE} was written "
+                          f"(a rerun in progress, or an interrupted one): run the stage again")
+    tensors = {name: load_tensor(save.file(meta["file"]), device, mmap=mmap, meta=meta)
+               for name, meta in fields.get("tensors", {}).items()}
+    matrices = {name: load_csr(save.file(meta["file"]), meta)
+                for name, meta in fields.get("matrices", {}).items()}
+    model = (load_model(save.folder(fields["model"]), device=device, mmap=mmap, verify=False)
+             if fields.get("model") else None)
+    return Shard(fields, tensors, matrices, model)
+
+
+def open_entry(folder: str | Path, entry: Entry, device: Any = "cpu") -> Shard:
+    """The shard of a stage ``folder`` that ``entry`` names, checked against it."""
+    return read_shard(Path(folder) / entry.name, device=device, expect_sha=entry.manifest_sha256)
+
+
+def _shard_fields(path: Path) -> dict[str, Any] | None:
+    """The manifest of a complete shard at ``path`` (sizes checked), or None when there is
+    none there yet (or only the leftovers of an interrupted write)."""
+    try:
+        return open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False).manifest
+    except (FormatError, FileNotFoundError):
+        return None
+
+
+# ------------------------------------------------------------------------------ stages
+
+def split(n: int, rows: int) -> list[tuple[int, int]]:
+    """[lo, hi) ranges of at most ``rows`` rows covering 0 .. n (one empty range for n = 0)."""
+    rows = check_positive_int(rows, "rows")
+    return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)] or [(0, 0)]
+
+
+def shard_name(kind: str, i: int) -> str:
+    return f"{kind}-{i:05d}"
+
+
+def write_stage(folder: str | Path, stage: Stage) -> Path:
+    """Write ``folder/stage.json`` (atomically, last): the stage's commit point. A stage.json
+    there is replaced only when it is ours (InputError otherwise)."""
+    path = Path(folder) / STAGE_FILE
+    if os.path.lexists(path):
+        try:
+            ours = stat.S_ISREG(os.lstat(path).st_mode) and json.loads(
+                path.read_text(encoding="utf-8")).get("format") == STAGE_FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if not ours:
+            raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
+    write_output_file(path, stage.to_json(), STAGE_FILE)
+    return Path(folder)
+
+
+def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
+    """``folder/stage.json`` (FormatError when the stage is missing, incomplete, damaged or
+    of another kind than ``stage``)."""
+    path = Path(folder) / STAGE_FILE
+    try:
+        body = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FormatError(f"{folder} holds no complete stage ({STAGE_FILE} missing: not run "
+                          f"yet, or interrupted)") from None
+    except (OSError, ValueError) as exc:
+        raise FormatError(f"{path} is unreadable: {exc}") from None
+    if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
+        raise FormatError(f"{path} is not a pefa_gpu stage file")
+    if stage is not None and body.get("stage") != stage:
+        raise FormatError(f"{folder} holds a {body.get('stage')!r} stage, not {stage!r}")
+    try:
+        return Stage.from_dict(body)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise FormatError(f"{path} is damaged: {exc}") from None
+
+
+class Rows:
+    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate`` output), read by
+    range from the shards that hold them (memory-mapped; only those shards are opened);
+    ``tensor``: the name of the tensor in each shard."""
+
+    def __init__(self, folder: str | Path, tensor: str = "embeddings"):
+        self.folder = Path(folder)
+        self.info = read_stage(self.folder)
+        self.tensor, self.shards = tensor, self.info.shards
+        self.n, self.dim = self.shards[-1].rows[1] if self.shards else 0, self.info.dim
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _part(self, i: int) -> np.ndarray:
+        t = open_entry(self.folder, self.shards[i]).tensors.get(self.tensor)
+        if t is None:
+            raise FormatError(f"{self.folder / self.shards[i].name} holds no {self.tensor!r}")
+        return t.numpy()
+
+    def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Rows lo .. hi-1 as a (hi-lo, d) float32 array."""
+        hi = self.n if hi is None else hi
+        if not 0 <= lo <= hi <= self.n:
+            raise InputError(f"rows [{lo}, {hi}) are outside {self.folder} (0 .. {self.n})")
+        parts = [self._part(i)[max(lo, a) - a:min(hi, b) - a]
+                 for i, (a, b) in enumerate(s.rows for s in self.shards) if a < hi and lo < b]
+        if not parts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "rows",
+               name: str = "embeddings") -> Path:
+    """Write a (n, d) float matrix (numpy, memmap, torch...) as a row stage of shards of
+    ``rows`` rows (converted to float32 one shard at a time)."""
+    if not hasattr(x, "shape") or len(x.shape) != 2:
+        raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
+    n, d = int(x.shape[0]), int(x.shape[1])
+    shards = [write_shard(Path(out) / shard_name("shard", i), {"stage": stage, "rows": [lo, hi]},
+                          {name: as_embeddings(x[lo:hi], "cpu", name, check_norm=False)})
+              for i, (lo, hi) in enumerate(split(n, rows))]
+    return write_stage(out, Stage(stage=stage, shards=tuple(shards), n=n, dim=d))
+
+
+def read_rows(folder: str | Path, lo: int = 0, hi: int | None = None,
+              tensor: str = "embeddings") -> np.ndarray:
+    """Rows lo .. hi-1 of a row stage as a float32 array (all rows by default)."""
+    return Rows(folder, tensor).read(lo, hi)
+
+
+def write_relevance(Y: Any, out: str | Path, rows: int = DEFAULT_ROWS) -> Path:
+    """Write Y (m x n: scipy sparse, Relevance, dense) as shards of ``rows`` query rows.
+    These query ranges are the aggregation's and PEFA-XL's query shards."""
+    rel = as_relevance(Y)
+    m, n = rel.shape
+    shards = [write_shard(Path(out) / shard_name("shard", i),
+                          {"stage": "relevance", "rows": [lo, hi]},
+                          matrices={"relevance": rel.csr[lo:hi]})
+              for i, (lo, hi) in enumerate(split(m, rows))]
+    return write_stage(out, Stage(stage="relevance", shards=tuple(shards), n=n, m=m,
+                                  nnz=rel.nnz))
+
+
+# ------------------------------------------------------------------------------ encode
+
+def encode_fingerprint(texts: Sequence[str], identity: str | None, normalize: bool) -> str | None:
+    """What an encode shard is a function of: the model's identity (that of
+    :func:`pefa_gpu.encode`'s cache), the normalisation and each text's SHA-256."""
+    if identity is None:
+        return None
+    h = hashlib.sha256(f"{identity}|normalize={bool(normalize)}|{len(texts)}".encode())
+    for t in texts:
+        h.update(hashlib.sha256(t.encode("utf-8")).digest())
+    return h.hexdigest()
+
+
+def _written(path: Path, fingerprint: str | None) -> dict[str, Any] | None:
+    """The manifest of the complete shard at ``path`` encoded with ``fingerprint``, else None."""
+    fields = _shard_fields(path)
+    return fields if fields is not None and fields.get("fingerprint") == fingerprint else None
+
+
+def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
+                 fingerprint: str | None, model: Any = None, batch_size: int = 64,
+                 device: Any = None, cache_dir: str | Path | None = None,
+                 normalize: bool = True) -> Entry:
+    """Encode one shard of texts (rows lo .. lo+len-1) into ``out/shard-<index>``, unless a
+    complete shard with the same ``fingerprint`` is there already. Encodes with
+    :func:`pefa_gpu.encode` (same cache keys under ``cache_dir``). Returns its stage entry."""
+    path = Path(out) / shard_name("shard", index)
+    fields = _written(path, fingerprint) if fingerprint is not None else None
+    if fields is not None:
+        return Entry.of(path, fields)
+    emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
+                 normalize=normalize, cache_dir=cache_dir, show_progress=False)
+    return write_shard(path, {"stage": "encode", "rows": [lo, lo + len(texts)],
+                              "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
+
+
+def encode(texts: Sequence[str], out: str | Path, model: Any = None,
+           rows: int = 10_000, batch_size: int = 64, device: Any = None,
+           cache_dir: str | Path | None = None, normalize: bool = True,
+           show_progress: bool = True, runner: Any = None) -> Path:
+    """Encode ``texts`` into a row stage at ``out``: shards of ``rows`` texts, each encoded by
+    :func:`encode_shard` (on the runner's workers). Resumable: shards already written for the
+    same texts and model are kept; with ``cache_dir`` the texts are looked up in (and added to)
+    :func:`pefa_gpu.encode`'s cache, so local and distributed runs reuse each other's work.
+    ``model``: as for :func:`pefa_gpu.encode`, picklable for a cluster (None, a name or
+    path, or a callable with a ``cache_key``; one without is re-encoded every run)."""
+    texts = _check_texts(texts)
+    out = Path(out)
+    identity = resolve_model(model, "cpu").identity
+    if identity is None:
+        log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
+                    "shard is encoded again on every run")
+    task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
+                             device=device, normalize=normalize,
+                             cache_dir=None if cache_dir is None else str(cache_dir))
+    plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
+                 fingerprint=encode_fingerprint(texts[lo:hi], identity, normalize))
+            for i, (lo, hi) in enumerate(split(len(texts), rows))]
+    paths = [out / shard_name("shard", kw["index"]) for kw in plan]
+    pending = [kw for kw, path in zip(plan, paths)
+               if kw["fingerprint"] is None or _written(path, kw["fingerprint"]) is None]
+    if len(pending) < len(plan):
+        log.info("encode: %d of %d shards of %s are written already", len(plan) - len(pending),
+                 len(plan), out)
+    if pending:
+        local(runner).encode(task, pending, show_progress=show_progress)
+    manifests = [_written(path, kw["fingerprint"]) for kw, path in zip(plan, paths)]
+    if None in manifests:
+        raise FormatError(f"encode: shard {manifests.index(None)} of {out} is missing after "
+                          f"the run")
+    dim = manifests[0]["tensors"]["embeddings"]["shape"][1] if texts else 0
+    return write_stage(out, Stage(stage="encode", n=len(texts), dim=dim, model=identity,
+                                  normalize=normalize, shards=tuple(
+                                      Entry.of(p, f) for p, f in zip(paths, manifests))))
