@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -17,6 +17,11 @@ import torch
 from .errors import InputError
 
 log = logging.getLogger("pefa_gpu")
+
+# what enters the library as an array: numpy, torch (any device), nested sequences (and
+# anything with __dlpack__ or __array__, which as_tensor reads as well)
+ArrayLike = np.ndarray | torch.Tensor | Sequence[Any]
+DeviceLike = str | int | torch.device | None  # None: CUDA when available, else the CPU
 
 _DTYPES = {
     "float32": torch.float32,

@@ -91,7 +91,10 @@ def fit_config(config: Any, P: Any, Q: Any = None, Y: Any = None, device: Any = 
     given = {"lam": config.lam, "k": config.k, "candidates": candidates, **params}
     kw = {key: v for key, v in given.items()  # a setting no method takes: the model refuses it
           if v is not None and (key in m.takes or not takes(REGISTRY, key))}
-    model = model_class(m.name)(backend=backend, device=device, **dict(m.fixed), **kw)
+    search = PARAMS[m.model][1]
+    own = {key: kw.pop(key) for key in list(kw) if key in search.__dataclass_fields__}
+    model = model_class(m.name)(backend=backend, device=device, search_params=search(**own),
+                                **dict(m.fixed), **kw)
     model = model.fit(P) if m.model == "ERM" else model.fit(P, Q, Y)
     if not m.query:
         return model

@@ -10,10 +10,13 @@ come back on that device.
 
 Build settings (``Params``: lam, k, ...; the backend's ``index_params``) are fixed by ``fit``.
 Search settings change per call without a refit: the model's own (PEFA-XL ``candidates``) and
-the backend's (HNSW ``ef_search``, IVF ``nprobe``, CAGRA ``itopk_size``, ...)::
+the backend's (HNSW ``ef_search``, IVF ``nprobe``, CAGRA ``itopk_size``, ...), each as its
+typed ``SearchParams``::
 
-    xl = pg.PEFAXL(backend="hnsw", search_params={"candidates": 500, "ef_search": 300})
-    xl.search(queries, 10, params={"candidates": 300, "ef_search": 500})  # this call only
+    xl = pg.PEFAXL(backend="hnsw", search_params=pg.XLSearchParams(candidates=500),
+                   index_search_params=HNSWSearchParams(ef_search=300))
+    xl.search(queries, 10, params=pg.XLSearchParams(candidates=300),  # this call only
+              index_params=xl.index_search_params.replace(ef_search=500))
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import numpy as np
 import scipy.sparse as sp
@@ -30,7 +33,8 @@ import torch
 
 from . import export, nudge, persist, training, updates
 from .aggregate import normalize_rows, pefa_xs, pifa
-from .arrays import as_embeddings, as_tensor, check_topk, resolve_device, to_numpy
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, resolve_device,
+                     to_numpy)
 from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, fuse, neighbours, ops
 from .index import Index, make_index
@@ -43,15 +47,15 @@ from .splits import split_queries
 log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes: ExactParams.memory_budget's default
+P = TypeVar("P", bound=Params)
 
 
 class _Model:
     """Shared plumbing: params, search params, device, backend, the search entry point.
 
     Constructor: the model's build settings as keywords (``Params``); ``backend`` and
-    ``index_params`` (its build settings); ``search_params``: the defaults of :meth:`search`,
-    in any form :meth:`search` takes as ``params``. Keywords of the model's ``SearchParams``
-    (``PEFAXL(candidates=300)``) are taken as search settings too.
+    ``index_params`` (its build settings); the defaults of :meth:`search`: ``search_params``
+    (the model's ``SearchParams``) and ``index_search_params`` (the backend's).
     """
 
     Params: type[Params] = ERMParams
@@ -65,36 +69,29 @@ class _Model:
         if not cls.__name__.startswith("_"):  # a shared base is never saved
             persist.register_model(cls)  # pefa_gpu.load finds the class by its name
 
-    def __init__(self, *, backend: str = "exact", device: Any = None,
-                 index_params: Params | dict | None = None,
-                 search_params: Params | dict | list | tuple | None = None, **params: Any):
-        legacy = {k: params.pop(k) for k in list(params) if k in _field_names(self.SearchParams)}
+    def __init__(self, *, backend: str = "exact", device: DeviceLike = None,
+                 index_params: Params | dict | None = None, search_params: Params | None = None,
+                 index_search_params: Params | None = None, **params: Any):
         try:
             self.params = self.Params(**params)
         except TypeError as exc:
-            raise InputError(f"{type(self).__name__}: {exc}") from exc
+            raise InputError(f"{type(self).__name__}: {exc} (search settings: search_params="
+                             f"{self.SearchParams.__name__}(...), index_search_params=the "
+                             f"backend's SearchParams)") from exc
         self.backend = backend
         self.device = resolve_device(device)
         self.index_params = index_params
         probe = make_index(backend, self.device, index_params)  # fail early on bad settings
         self._index_search_class = probe.SearchParams
-        self.search_params = self.SearchParams()
-        if legacy:
-            twice = sorted(set(legacy) & _search_keys(search_params))
-            if twice:
-                raise InputError(f"{type(self).__name__}: {twice} given twice (as keywords and "
-                                 f"in search_params)")
-            search_params = [legacy, *(search_params if isinstance(search_params, (list, tuple))
-                                       else [search_params])]
-        self.search_params, index_search = self._split_search_params(search_params)
-        self.index_search_params = probe.resolve_search_params(index_search)
+        self.search_params = search_params
+        self.index_search_params = index_search_params
         self.dim = 0
         self.n_docs = 0
 
     def __getattr__(self, name: str) -> Any:
         for holder in ("params", "_search_params"):
             params = self.__dict__.get(holder)
-            if params is not None and name in _field_names(type(params)):
+            if params is not None and name in {f.name for f in dataclasses.fields(params)}:
                 return getattr(params, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
@@ -107,13 +104,12 @@ class _Model:
     @property
     def search_params(self) -> Params:
         """The model's own search settings (its ``SearchParams``; PEFA-XL: ``candidates``),
-        the defaults of :meth:`search`. Assign a ``SearchParams`` or a dict of its keys."""
+        the defaults of :meth:`search`; assign a ``SearchParams`` (None: its defaults)."""
         return self._search_params
 
     @search_params.setter
-    def search_params(self, value: Params | dict | None) -> None:
-        self._search_params = self.SearchParams.coerce(
-            value, f"{type(self).__name__}.search_params")
+    def search_params(self, value: Params | None) -> None:
+        self._search_params = self._typed(self.SearchParams, value, "search_params")
 
     @property
     def doc_embeddings(self) -> torch.Tensor:
@@ -133,56 +129,29 @@ class _Model:
     def index_search_params(self) -> Params:
         """The backend's search settings (e.g. HNSWSearchParams), the defaults of every index
         search the model makes (PEFA-XL: of both indices; read from the passage index once
-        fitted). Assign the backend's ``SearchParams`` or a dict of its keys: all the model's
+        fitted). Assign the backend's ``SearchParams`` (None: its defaults): all the model's
         indices take it."""
         index = self.__dict__.get("index")
         return index.search_params if index is not None else self._index_search_params
 
     @index_search_params.setter
-    def index_search_params(self, value: Params | dict | None) -> None:
-        value = self._index_search_class.coerce(
-            value, f"{type(self).__name__}.index_search_params")
+    def index_search_params(self, value: Params | None) -> None:
+        value = self._typed(self._index_search_class, value, "index_search_params")
         self._index_search_params = value
         for name in self._indices:
             index = self.__dict__.get(name)
             if index is not None:
                 index.search_params = value
 
-    def _split_search_params(self, params: Any) -> tuple[Params, Params | dict | None]:
-        """``params`` as :meth:`search` takes it -> (the model's SearchParams, completed from
-        :attr:`search_params`; the backend's: None when not given, a dict of changes that
-        each index applies to its own defaults, or a SearchParams)."""
-        own_keys = _field_names(self.SearchParams)
-        index_keys = _field_names(self._index_search_class)
-        own, index = self.search_params, None
-        for item in params if isinstance(params, (list, tuple)) else [params]:
-            if item is None:
-                continue
-            if isinstance(item, self.SearchParams):
-                own = item
-            elif isinstance(item, self._index_search_class):
-                index = item
-            elif isinstance(item, dict):
-                unknown = sorted(set(item) - own_keys - index_keys)
-                if unknown:
-                    raise InputError(
-                        f"{type(self).__name__} search got unknown settings {unknown}; valid: "
-                        f"{sorted(own_keys)} ({self.SearchParams.__name__}) and "
-                        f"{sorted(index_keys)} ({self._index_search_class.__name__}, backend "
-                        f"{self.backend!r})")
-                own = own.replace(**{k: v for k, v in item.items() if k in own_keys})
-                changes = {k: v for k, v in item.items() if k not in own_keys}
-                if changes:
-                    index = index.replace(**changes) if isinstance(index, Params) else \
-                        {**(index or {}), **changes}
-            else:
-                raise TypeError(f"{type(self).__name__} search params must be a dict, a "
-                                f"{self.SearchParams.__name__}, a "
-                                f"{self._index_search_class.__name__} or a list of them, got "
-                                f"{type(item).__name__}")
-        if isinstance(index, dict):  # values checked now, not in the middle of a search
-            self._index_search_class.coerce(index)
-        return own, index
+    def _typed(self, cls: type[P], value: P | None, what: str) -> P:
+        """``value``, a ``cls`` (None: its defaults); anything else, a dict too, is a TypeError
+        naming ``what``."""
+        if value is None:
+            return cls()
+        if not isinstance(value, cls):
+            raise TypeError(f"{type(self).__name__}.{what} must be {cls.__name__} or None, got "
+                            f"{type(value).__name__}")
+        return value
 
     def new_index(self) -> Index:
         """An empty index of the model's backend, build settings, search defaults and device."""
@@ -213,21 +182,18 @@ class _Model:
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         return p, q, rel
 
-    def search(self, queries: Any, topk: int = 100, check: bool | None = None, *,
-               params: Params | dict | list | tuple | None = None
+    def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
+               params: Params | None = None, index_params: Params | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device.
         ``topk`` beyond the documents is padded, up to max(n_docs, 10,000); more is an
         InputError (``pefa_gpu.arrays.check_topk``).
 
-        ``params``: search settings for this call only (the defaults, :attr:`search_params`
-        and :attr:`index_search_params`, stay as they are): a dict of the model's keys (PEFA-XL
-        ``candidates``) and the backend's (hnsw ``ef_search`` / ``full_scan_factor``, ivf
-        ``nprobe``, cagra ``itopk_size`` / ``search_width`` / ``max_iterations``), keys left
-        out keep their defaults (each index its own); or the model's ``SearchParams`` (e.g.
-        XLSearchParams) or the backend's (e.g. HNSWSearchParams), which replace those defaults
-        whole; or a list of these, applied in order. Unknown keys are an InputError naming the
-        valid ones. PEFA-XL applies the backend's settings to both its indices.
+        Search settings for this call only (None: the defaults, :attr:`search_params` and
+        :attr:`index_search_params`, which stay as they are): ``params`` the model's
+        ``SearchParams`` (PEFA-XL: XLSearchParams ``candidates``), ``index_params`` the
+        backend's (e.g. HNSWSearchParams ``ef_search``, IVFSearchParams ``nprobe``), which
+        PEFA-XL applies to both its indices. Another type is a TypeError.
 
         The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
         inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS on the exact
@@ -238,8 +204,10 @@ class _Model:
         :meth:`score` does not.
         """
         topk = check_topk(topk, self.n_docs)
-        model_sp, index_sp = (self.search_params, None) if params is None else \
-            self._split_search_params(params)
+        model_sp = self.search_params if params is None else \
+            self._typed(self.SearchParams, params, "search params")
+        index_sp = None if index_params is None else \
+            self._typed(self._index_search_class, index_params, "search index_params")
         check = training.check_default(queries, check)
         self.check_fitted()
         rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
@@ -609,7 +577,7 @@ class PEFAXL(_Model):
 
     def neighbours(self, q: torch.Tensor, k: int,
                    erm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   params: Params | dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   params: Params | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest training queries N of each query: (B, K) scores and ``relevance`` row
         ids (-1 padded), ties to the lower row; K = min(k, the rows the indices hold).
 
@@ -617,9 +585,11 @@ class PEFAXL(_Model):
         m + j) are candidates too: the merge of the query index's top-k and the passage
         index's top-k (:func:`pefa_gpu.fuse.neighbours`), the top-k of one index over [Q; P].
         ``erm``: a passage search already made with at least k results (its first k are
-        used), else one is made here. ``params``: the backend's search settings for both
+        used), else one is made here. ``params``: the backend's ``SearchParams`` for both
         indices (None: their defaults).
         """
+        if params is not None:
+            params = self._typed(self._index_search_class, params, "neighbours params")
         host = q.device.type == "cpu"
         if erm is not None and host:
             erm = (to_numpy(erm[0]), to_numpy(erm[1]))
@@ -627,7 +597,7 @@ class PEFAXL(_Model):
         return (as_tensor(out[0]), as_tensor(out[1])) if host else out
 
     def _neighbours(self, q: Array, k: int, erm: tuple[Array, Array] | None,
-                    params: Params | dict | None, host: bool, checked: bool = True
+                    params: Params | None, host: bool, checked: bool = True
                     ) -> tuple[Array, Array]:
         """:meth:`neighbours` as numpy arrays when ``host``, else tensors (``q`` and ``erm``
         alike)."""
@@ -800,7 +770,7 @@ class PEFAXL(_Model):
         self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
 
-def _index_search(index: Index, q: Array, k: int, params: Params | dict | None,
+def _index_search(index: Index, q: Array, k: int, params: Params | None,
                   host: bool, checked: bool = True) -> tuple[Array, Array]:
     """``index.search(q, k, params)``: numpy arrays when ``host`` (``q`` a numpy array or a
     CPU tensor; faiss backends then skip the torch hand-off; ``checked``: q was tested for
@@ -827,18 +797,3 @@ def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, l
     if found_all:
         bound |= ~found
     return xp.flatnonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))
-
-
-def _field_names(cls: type[Params]) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
-
-
-def _search_keys(params: Any) -> set[str]:
-    """The setting names ``params`` (as :meth:`_Model.search` takes it) gives."""
-    if isinstance(params, (list, tuple)):
-        return set().union(*map(_search_keys, params)) if params else set()
-    if isinstance(params, dict):
-        return set(params)
-    if isinstance(params, Params):
-        return _field_names(type(params))
-    return set()

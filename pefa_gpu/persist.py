@@ -109,8 +109,10 @@ def _load_model(directory: str | Path, device: Any, mmap: bool, verify: bool | N
         raise FormatError(f"{where} has no 'params' table")
     try:
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
-                    search_params=manifest.get("search_params"), **params)
-        model.index_search_params = manifest.get("index_search_params")
+                    search_params=cls.SearchParams.coerce(manifest.get("search_params")),
+                    **params)
+        model.index_search_params = model.index_search_params.coerce(
+            manifest.get("index_search_params"))
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
     for name in cls._saved:

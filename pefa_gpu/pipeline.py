@@ -603,7 +603,7 @@ def build_xl_shard(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int
     the shard of XL's passage index, and :meth:`PEFAXL.fuse` on it scores the range's
     candidates (see :class:`ShardServer`). A range without pairs gets one inert placeholder
     query (the range's first document, labelled with itself), which no neighbour maps to."""
-    from .models import PEFAXL
+    from .models import PEFAXL, XLSearchParams
 
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)
@@ -614,8 +614,8 @@ def build_xl_shard(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int
     else:
         q, y = p[:1], sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
     build = {key: v for key, v in params.items() if key != "candidates"}
-    model = PEFAXL(backend=backend, device=device, index_params=index_params,
-                   search_params={"candidates": params["candidates"]}, **build).fit(p, q, y)
+    model = PEFAXL(backend=backend, device=device, index_params=index_params, **build,
+                   search_params=XLSearchParams(candidates=params["candidates"])).fit(p, q, y)
     path = Path(out) / _name("doc", index)
     sha = write_shard(path, {"stage": "build", "rows": [lo, hi]},
                       {"query_rows": torch.from_numpy(rows.astype(np.int64))}, model=model,
@@ -757,8 +757,9 @@ class ShardServer:
         for lo, _, model, rows in self.docs:
             qq = q.to(model.device)
             kk = min(k, model.index.ntotal)  # _merge pads to k
+            typed = model.index_search_params.replace(**params) if params else None
             parts.append(_offset(model.index.search(qq, kk, params) if rows is not None
-                                 else model.search(qq, kk, params=params), lo))
+                                 else model.search(qq, kk, index_params=typed), lo))
         return _merge(parts, k)
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None):
@@ -766,7 +767,8 @@ class ShardServer:
         if not self.queries:
             return None
         return _merge([_offset(model.search(q.to(model.device), min(k, model.n_docs),
-                                            params=params), lo)
+                                            index_params=model.index_search_params.replace(
+                                                **params) if params else None), lo)
                        for lo, model in self.queries], k)
 
     def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],

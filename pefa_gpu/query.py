@@ -292,10 +292,12 @@ class QueryModel:
         return q if self.prf is None else self.prf(q, self.model)
 
     def search(self, queries: Any, topk: int = 100, check: bool | None = None, *,
-               params: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+               params: Params | None = None, index_params: Params | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the model's ``search``, on :meth:`queries`."""
         self.model.check_fitted()
-        return self.model.search(self.queries(queries), topk, check=False, params=params)
+        return self.model.search(self.queries(queries), topk, check=False, params=params,
+                                 index_params=index_params)
 
     def save(self, directory: str | Path) -> None:
         """Write the model, adapter and feedback settings into ``directory`` atomically."""

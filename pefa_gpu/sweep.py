@@ -39,7 +39,7 @@ from .methods import REGISTRY, takes
 from .metrics import evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
-from .params import check_positive, check_unit_interval
+from .params import XLSearchParams, check_positive, check_unit_interval
 from .topk import merge_topk, topk_rows
 
 log = logging.getLogger("pefa_gpu")
@@ -163,8 +163,8 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
     def passage() -> dict[str, Any]:
         if not shared:
             xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
-                        augment_docs=augment_docs, search_params={"candidates": candidates},
-                        **common).fit(P, Q, Y)
+                        augment_docs=augment_docs, **common,
+                        search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
             qq = xl.as_queries(q)
             shared.update(xl=xl, q=qq, erm=xl.index.search(qq, candidates))
         return shared
