@@ -31,7 +31,7 @@ _DTYPES = {
 }
 
 
-def resolve_device(device: Any = None) -> torch.device:
+def resolve_device(device: DeviceLike = None) -> torch.device:
     """``None`` -> CUDA when available, else CPU; strings and ``torch.device`` pass through."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -46,7 +46,7 @@ def resolve_device(device: Any = None) -> torch.device:
     return dev
 
 
-def cuda_index(device: Any) -> int:
+def cuda_index(device: DeviceLike) -> int:
     """The CUDA ordinal of ``device`` ('cuda', 'cuda:1' or a torch.device): ``cuda`` with no
     index is torch's current device, where ``torch.empty(..., device="cuda")`` puts tensors.
     faiss, cupy and cuVS take this number (``device.index or 0`` would put their work on GPU 0
@@ -104,7 +104,7 @@ def host_view(t: torch.Tensor, dtype: Any) -> np.ndarray:
     return t.detach().view(torch.uint8).numpy().view(dt).reshape(t.shape)
 
 
-def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
+def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None = None,
               name: str = "array") -> torch.Tensor:
     """Any array-like -> torch tensor on ``device`` (and ``dtype`` when given).
 
@@ -148,7 +148,7 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
                      f"got {type(x).__name__}")
 
 
-def to_numpy(x: Any) -> np.ndarray:
+def to_numpy(x: ArrayLike) -> np.ndarray:
     """Any array-like -> numpy array on the host (detached, copied only when needed)."""
     if isinstance(x, np.ndarray):
         return x
@@ -260,7 +260,7 @@ def check_topk(k: Any, n: int, name: str = "topk") -> int:
     return k
 
 
-def csr_tensors(csr: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def csr_tensors(csr: Any, device: DeviceLike) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A scipy CSR matrix -> (indptr int64, indices int64, data float32) tensors on ``device``."""
     dev = resolve_device(device)
     return (torch.from_numpy(np.asarray(csr.indptr, dtype=np.int64)).to(dev),

@@ -27,13 +27,19 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
 from .errors import InputError, PefaError
 from .methods import REGISTRY, defaults, fit_config
 from .params import XLParams, XLSearchParams, XSParams
+
+if TYPE_CHECKING:  # for annotations only: the CLI parses its arguments before torch loads
+    from .arrays import ArrayLike
+    from .datasets import BeirDataset
+    from .encode import EncoderLike
+    from .relevance import RelevanceLike
 
 log = logging.getLogger("pefa_gpu")
 
@@ -333,13 +339,13 @@ def build_parser() -> argparse.ArgumentParser:
 class _Data:
     name: str
     doc_ids: list[str]
-    P: Any
-    Q_train: Any
-    Y_train: Any
-    Q_test: Any = None
-    Y_test: Any = None
+    P: ArrayLike
+    Q_train: ArrayLike
+    Y_train: RelevanceLike
+    Q_test: ArrayLike | None = None
+    Y_test: RelevanceLike | None = None
     n_pairs: int = 0
-    corpus: Any = None  # the BeirDataset, when the data came from one
+    corpus: BeirDataset | None = None  # when the data came from one
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -590,7 +596,7 @@ def _cluster(args: argparse.Namespace):
         yield
 
 
-def _cluster_encode(args: argparse.Namespace, model: Any, lists: Sequence[list[str]]):
+def _cluster_encode(args: argparse.Namespace, model: EncoderLike, lists: Sequence[list[str]]):
     """--ray: encode the lists of texts on the cluster as one stage,
     ``work/encode-<hash of the texts and model>`` (a rerun with the same --work-dir reuses
     its shards), and read each list's rows back."""

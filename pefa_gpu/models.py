@@ -41,7 +41,7 @@ from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
                      XLParams, XLSearchParams, XSParams, XSSearchParams, check_positive,
                      check_unit_interval)
-from .relevance import Relevance, as_relevance
+from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 
 log = logging.getLogger("pefa_gpu")
@@ -163,7 +163,7 @@ class _Model:
         if not self.n_docs:
             raise InputError(f"{type(self).__name__} is not fitted: call fit() first")
 
-    def as_queries(self, queries: Any, check: bool | None = None) -> torch.Tensor:
+    def as_queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """Queries as the model searches them: (B, d) float32 on its device, detached; ``check``
         as in :meth:`search`."""
         self.check_fitted()
@@ -172,7 +172,8 @@ class _Model:
                           check_finite=check)
         return q.detach()
 
-    def _embeddings(self, P: Any, Q: Any = None, Y: Any = None):
+    def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
+                    Y: RelevanceLike | None = None):
         p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
@@ -244,7 +245,7 @@ class _Model:
         each index's defaults). ``checked``: ``q`` has been tested for NaN / inf already."""
         return self.index.search(q, topk, index_sp)
 
-    def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
+    def score(self, queries: ArrayLike, ids: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """(B, d) queries (float32, or float64 kept; may require grad), (B, K) int64 ids (-1 =
         padding) -> (B, K) scores in the queries' dtype on the device, differentiable w.r.t.
         the queries, -inf at padding: the model's formula for every id (DESIGN §1, see
@@ -263,11 +264,11 @@ class _Model:
         return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
                                                      device=out.device))
 
-    def _new_rows(self, X: Any, name: str) -> torch.Tensor:
+    def _new_rows(self, X: ArrayLike, name: str) -> torch.Tensor:
         self.check_fitted()
         return as_embeddings(X, self.device, name, dim=self.dim, copy=True).detach()
 
-    def add_documents(self, P_new: Any) -> "_Model":
+    def add_documents(self, P_new: ArrayLike) -> "_Model":
         """Append (r, d) documents without a refit; their ids continue after the existing
         ones (n .. n+r-1). Returns the model. See pefa_gpu.updates."""
         p = self._new_rows(P_new, "P_new")
@@ -276,7 +277,7 @@ class _Model:
             self.n_docs += p.shape[0]
         return self
 
-    def add_pairs(self, Q_new: Any, Y_new: Any) -> "_Model":
+    def add_pairs(self, Q_new: ArrayLike, Y_new: RelevanceLike) -> "_Model":
         """PEFAXS / PEFAXL / NUDGE: add training queries Q_new (m', d) with relevance Y_new
         (m' x n) over the current documents (add new documents first) without a refit; equal
         to refitting on all the data. Returns the model. See pefa_gpu.updates."""
@@ -301,7 +302,7 @@ class _Model:
         persist.save_model(self, directory)
 
     @classmethod
-    def load(cls, directory: str | Path, device: Any = None, mmap: bool = False) -> "_Model":
+    def load(cls, directory: str | Path, device: DeviceLike = None, mmap: bool = False) -> "_Model":
         """Like :func:`pefa_gpu.load`, but the save must hold this class (else FormatError)."""
         return persist.load_model(directory, device=device, mmap=mmap, expect=cls)
 
@@ -343,7 +344,7 @@ class ERM(_Model):
     SearchParams = ERMSearchParams
     _saved = _Model._saved + ("doc_embeddings",)
 
-    def fit(self, P: Any) -> "ERM":
+    def fit(self, P: ArrayLike) -> "ERM":
         """P: (n, d) document embeddings."""
         p, _, _ = self._embeddings(P)
         self.doc_embeddings = p  # for score() and add_documents()
@@ -395,7 +396,7 @@ class PEFAXS(_AdaptedDocuments):
     SearchParams = XSSearchParams
     _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
-    def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXS":
+    def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXS":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
         p, q, rel = self._embeddings(P, Q, Y)
         if self.params.augment_docs:  # p_j as the first query of document j: add_pairs then
@@ -451,7 +452,8 @@ class NUDGE(_AdaptedDocuments):
     SearchParams = NUDGESearchParams
     _saved = _Model._saved + ("doc_embeddings", "doc_sums", "fitted_gamma")
 
-    def fit(self, P: Any, Q: Any, Y: Any, Q_val: Any = None, Y_val: Any = None) -> "NUDGE":
+    def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, Q_val: ArrayLike | None = None,
+            Y_val: RelevanceLike | None = None) -> "NUDGE":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance; Q_val (v, d),
         Y_val (v, n): validation queries for gamma.
 
@@ -538,7 +540,7 @@ class PEFAXL(_Model):
     _saved = _Model._saved + ("doc_embeddings", "relevance", "query_index")
     _indices = ("index", "query_index")
 
-    def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXL":
+    def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXL":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance.
 
         The query index holds the m training queries only. With ``augment_docs`` the documents
