@@ -356,14 +356,33 @@ class ERM(_Model):
 class _AdaptedDocuments(_Model):
     """A model with one index over document rows computed from P (``doc_embeddings``) and
     each document's sum of training queries (``doc_sums``, g_j = sum_i Y[i, j] q_i): PEFA-XS
-    and NUDGE. Subclasses give those rows: :meth:`_adapted_rows` for some ids and
-    :meth:`_adapted_all` for every document, computed alike."""
+    and NUDGE. Subclasses give the formula, :meth:`_adapt`, which works row by row: the rows
+    of some ids and of every document are computed alike."""
+
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        """The index rows (r, d) float32 of documents ``p`` (r, d) with ``doc_sums`` rows
+        ``sums`` (r, d)."""
+        raise NotImplementedError
 
     def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The index rows of ``ids`` (any shape, valid) -> (*ids.shape, d) float32."""
+        flat = ids.reshape(-1)
+        e = self._adapt(self.doc_embeddings[flat], self.doc_sums[flat])
+        return e.reshape(*ids.shape, -1)
 
     def _adapted_all(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The index rows of every document (n, d) float32."""
+        return self._adapt(self.doc_embeddings, self.doc_sums)
+
+    def _new_sums(self, p: torch.Tensor) -> torch.Tensor:
+        """``doc_sums`` rows of new documents ``p`` (r, d): no training query yet."""
+        return torch.zeros(p.shape[0], p.shape[1], device=p.device)
+
+    def _append_documents(self, p: torch.Tensor) -> None:
+        n0 = self.doc_embeddings.shape[0]
+        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
+        self.doc_sums = torch.cat([self.doc_sums, self._new_sums(p)])
+        self.index.add(self._adapted_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return training.inner(q, self._adapted_rows(ids))
@@ -415,27 +434,12 @@ class PEFAXS(_AdaptedDocuments):
         check_unit_interval(lam, "lam")
         return pefa_xs(self.doc_embeddings, self.doc_sums, lam)
 
-    def xs_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` (any shape, valid) of :meth:`xs_embeddings` -> (*ids.shape, d)
-        float32, computed row by row exactly as there."""
-        flat = ids.reshape(-1)
-        e = pefa_xs(self.doc_embeddings[flat], self.doc_sums[flat], self.params.lam)
-        return e.reshape(*ids.shape, -1)
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        return pefa_xs(p, sums, self.params.lam)
 
-    def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.xs_rows(ids)
-
-    def _adapted_all(self) -> torch.Tensor:
-        return self.xs_embeddings()
-
-    def _append_documents(self, p: torch.Tensor) -> None:
-        n0 = self.doc_embeddings.shape[0]
-        sums = torch.zeros(p.shape[0], p.shape[1], device=p.device)
-        if self.params.augment_docs:
-            sums = sums + p.float()  # 0 + p, as fit's sparse product gives
-        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
-        self.doc_sums = torch.cat([self.doc_sums, sums])
-        self.index.add(self.xs_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+    def _new_sums(self, p: torch.Tensor) -> torch.Tensor:
+        sums = super()._new_sums(p)
+        return sums + p.float() if self.params.augment_docs else sums  # 0 + p, as fit gives
 
 
 class NUDGE(_AdaptedDocuments):
@@ -462,8 +466,7 @@ class NUDGE(_AdaptedDocuments):
         takes a validation set) on a seeded ``val_fraction`` of Q with g_j from the rest, and
         then the documents move by that gamma along g_j of all of Q."""
         p, q, rel = self._embeddings(P, Q, Y)
-        p_unit = normalize_rows(p)
-        gamma = self.params.gamma
+        gamma, sums = self.params.gamma, pifa(rel, q, normalize=False, device=self.device)
         if (Q_val is None) != (Y_val is None):
             raise InputError("NUDGE.fit: Q_val and Y_val go together")
         if gamma is not None and Q_val is not None:
@@ -472,10 +475,8 @@ class NUDGE(_AdaptedDocuments):
         if gamma is None and Q_val is not None:
             q_val = as_embeddings(Q_val, self.device, "Q_val", dim=p.shape[1]).detach()
             y_val = as_relevance(Y_val, shape=(q_val.shape[0], p.shape[0]), name="Y_val",
-                                 allow_empty=True)
-            g_fit = pifa(rel, q, normalize=False, device=self.device)
-            gamma = nudge.choose_gamma(self.params.variant, p_unit, g_fit, q_val, y_val.csr,
-                                       self.params.val_k)
+                                 allow_empty=True).csr
+            g_fit = sums
         elif gamma is None:
             if q.shape[0] < 2:
                 raise InputError(f"NUDGE chooses gamma on held-out training queries and needs "
@@ -485,12 +486,12 @@ class NUDGE(_AdaptedDocuments):
                                                self.params.seed)
             g_fit = pifa(rel.rows(fit_rows), q[as_tensor(fit_rows, device=self.device)],
                          normalize=False, device=self.device)
-            gamma = nudge.choose_gamma(self.params.variant, p_unit, g_fit,
-                                       q[as_tensor(val_rows, device=self.device)],
-                                       rel.rows(val_rows).csr, self.params.val_k)
+            q_val, y_val = q[as_tensor(val_rows, device=self.device)], rel.rows(val_rows).csr
+        if gamma is None:
+            gamma = nudge.choose_gamma(self.params.variant, normalize_rows(p), g_fit, q_val,
+                                       y_val, self.params.val_k)
         self.fitted_gamma = float(gamma)
-        self.doc_embeddings = p
-        self.doc_sums = pifa(rel, q, normalize=False, device=self.device)
+        self.doc_embeddings, self.doc_sums = p, sums
         self.index = self.new_index().build(self.nudge_embeddings())
         self.dim, self.n_docs = p.shape[1], p.shape[0]
         return self
@@ -502,26 +503,9 @@ class NUDGE(_AdaptedDocuments):
         return nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings),
                            self.doc_sums, gamma)
 
-    def nudge_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` (any shape, valid) of :meth:`nudge_embeddings` -> (*ids.shape, d)
-        float32, computed row by row exactly as there."""
-        flat = ids.reshape(-1)
-        e = nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings[flat]),
-                        self.doc_sums[flat], self.fitted_gamma)
-        return e.reshape(*ids.shape, -1)
-
-    def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.nudge_rows(ids)
-
-    def _adapted_all(self) -> torch.Tensor:
-        return self.nudge_embeddings()  # new pairs keep fitted_gamma: a refit at that gamma
-
-    def _append_documents(self, p: torch.Tensor) -> None:
-        """New documents have no training query: they enter as Π(p_j)."""
-        n0 = self.doc_embeddings.shape[0]
-        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
-        self.doc_sums = torch.cat([self.doc_sums, torch.zeros(p.shape, device=p.device)])
-        self.index.add(self.nudge_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        # new pairs keep fitted_gamma (a refit at that gamma); new documents enter as Π(p_j)
+        return nudge.nudge(self.params.variant, normalize_rows(p), sums, self.fitted_gamma)
 
     def _restore(self) -> None:
         g = self.fitted_gamma
