@@ -27,19 +27,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from .errors import InputError, PefaError
 from .methods import REGISTRY, defaults, fit_config
 from .params import XLParams, XLSearchParams, XSParams
-
-if TYPE_CHECKING:  # for annotations only: the CLI parses its arguments before torch loads
-    from .arrays import ArrayLike
-    from .datasets import BeirDataset
-    from .encode import EncoderLike
-    from .relevance import RelevanceLike
 
 log = logging.getLogger("pefa_gpu")
 
@@ -339,13 +333,13 @@ def build_parser() -> argparse.ArgumentParser:
 class _Data:
     name: str
     doc_ids: list[str]
-    P: ArrayLike
-    Q_train: ArrayLike
-    Y_train: RelevanceLike
-    Q_test: ArrayLike | None = None
-    Y_test: RelevanceLike | None = None
+    P: Any
+    Q_train: Any
+    Y_train: Any
+    Q_test: Any = None
+    Y_test: Any = None
     n_pairs: int = 0
-    corpus: BeirDataset | None = None  # when the data came from one
+    corpus: Any = None  # the BeirDataset, when the data came from one
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -596,7 +590,7 @@ def _cluster(args: argparse.Namespace):
         yield
 
 
-def _cluster_encode(args: argparse.Namespace, model: EncoderLike, lists: Sequence[list[str]]):
+def _cluster_encode(args: argparse.Namespace, model: Any, lists: Sequence[list[str]]):
     """--ray: encode the lists of texts on the cluster as one stage,
     ``work/encode-<hash of the texts and model>`` (a rerun with the same --work-dir reuses
     its shards), and read each list's rows back."""

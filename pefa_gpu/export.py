@@ -202,11 +202,9 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
     graph = _reusable_hnsw(index, kwargs)
     if graph is None:
         graph = build_hnsw(vectors, **kwargs)
-        return write_output_file(path, lambda tmp: faiss.write_index(graph, str(tmp)),
-                                 "export path")
     ef = graph.hnsw.efSearch
-    graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; the index's own
-    try:                                                # searches pass theirs explicitly
+    graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; a reused index's
+    try:                                                # own searches pass theirs explicitly
         return write_output_file(path, lambda tmp: faiss.write_index(graph, str(tmp)),
                                  "export path")
     finally:
@@ -217,11 +215,9 @@ def _reusable_hnsw(index: Index | None, kwargs: dict[str, Any]) -> faiss.IndexHN
     """The faiss HNSW graph of a pefa_gpu ``hnsw`` index that export may write as it is."""
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
         else None
-    if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw"):
-        return None
-    if graph.hnsw.nb_neighbors(1) != kwargs.get("M", 32):
-        return None
-    return graph
+    same = graph is not None and kwargs.get("method", "auto") in ("auto", "hnsw") \
+        and graph.hnsw.nb_neighbors(1) == kwargs.get("M", 32)
+    return graph if same else None
 
 
 def index_vectors(index: Index) -> torch.Tensor:

@@ -109,7 +109,8 @@ class _Model:
 
     @search_params.setter
     def search_params(self, value: Params | None) -> None:
-        self._search_params = self._typed(self.SearchParams, value, "search_params")
+        self._search_params = self._typed(self.SearchParams, value, "search_params") \
+            or self.SearchParams()
 
     @property
     def doc_embeddings(self) -> torch.Tensor:
@@ -136,19 +137,18 @@ class _Model:
 
     @index_search_params.setter
     def index_search_params(self, value: Params | None) -> None:
-        value = self._typed(self._index_search_class, value, "index_search_params")
+        value = self._typed(self._index_search_class, value, "index_search_params") \
+            or self._index_search_class()
         self._index_search_params = value
         for name in self._indices:
             index = self.__dict__.get(name)
             if index is not None:
                 index.search_params = value
 
-    def _typed(self, cls: type[P], value: P | None, what: str) -> P:
-        """``value``, a ``cls`` (None: its defaults); anything else, a dict too, is a TypeError
-        naming ``what``."""
-        if value is None:
-            return cls()
-        if not isinstance(value, cls):
+    def _typed(self, cls: type[P], value: P | None, what: str) -> P | None:
+        """``value``, a ``cls`` or None; anything else, a dict too, is a TypeError naming
+        ``what``."""
+        if value is not None and not isinstance(value, cls):
             raise TypeError(f"{type(self).__name__}.{what} must be {cls.__name__} or None, got "
                             f"{type(value).__name__}")
         return value
@@ -200,15 +200,12 @@ class _Model:
         inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS on the exact
         backend then search a CUDA batch with one device-to-host synchronisation when topk + 8
         < n (finding the rows tied past the candidates, :mod:`pefa_gpu.index.exact`) and none
-        otherwise. PEFAXL's fusion does
-        synchronise (candidate sets of data-dependent size), a few times per batch; its
-        :meth:`score` does not.
+        otherwise. PEFAXL's fusion does synchronise (candidate sets of data-dependent size), a
+        few times per batch; its :meth:`score` does not.
         """
         topk = check_topk(topk, self.n_docs)
-        model_sp = self.search_params if params is None else \
-            self._typed(self.SearchParams, params, "search params")
-        index_sp = None if index_params is None else \
-            self._typed(self._index_search_class, index_params, "search index_params")
+        model_sp = self._typed(self.SearchParams, params, "search params") or self.search_params
+        index_sp = self._typed(self._index_search_class, index_params, "search index_params")
         check = training.check_default(queries, check)
         self.check_fitted()
         rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
@@ -574,8 +571,7 @@ class PEFAXL(_Model):
         used), else one is made here. ``params``: the backend's ``SearchParams`` for both
         indices (None: their defaults).
         """
-        if params is not None:
-            params = self._typed(self._index_search_class, params, "neighbours params")
+        params = self._typed(self._index_search_class, params, "neighbours params")
         host = q.device.type == "cpu"
         if erm is not None and host:
             erm = (to_numpy(erm[0]), to_numpy(erm[1]))

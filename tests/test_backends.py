@@ -728,8 +728,7 @@ def test_export_hnsw_round_trip(cls, kw, method, kind, tmp_path):
 @FAISS
 def test_export_hnsw_xl_directory_loads_in_a_plain_process(tmp_path):
     p, q, y, t = model_data(14)
-    model = pg.PEFAXL(device="cpu", backend="hnsw", k=8,
-                      search_params=pg.XLSearchParams(candidates=100)).fit(p, q, y)
+    model = make_model(pg.PEFAXL, device="cpu", backend="hnsw", k=8, candidates=100).fit(p, q, y)
     out = model.export_hnsw(tmp_path / "xl", M=16)
     np.save(tmp_path / "t.npy", t)
     code = (

@@ -120,8 +120,8 @@ def test_xs_and_erm_exact_ties_break_to_lower_id():
 
 def test_xl_pads_when_few_candidates():
     P, Q, Y, T = problem(6, n=20)
-    _, ids = pg.PEFAXL(search_params=pg.XLSearchParams(candidates=3), k=2,
-                       augment_docs=False).fit(P, Q, Y).search(T, topk=30)
+    xl = make_model(pg.PEFAXL, candidates=3, k=2, augment_docs=False).fit(P, Q, Y)
+    _, ids = xl.search(T, topk=30)
     _, ri = ref.xl_search(P, Q, Y, T, lam=0.1, k=2, candidates=3, augment_docs=False,
                           topk_out=30)
     np.testing.assert_array_equal(ids.numpy() == -1, ri == -1)
@@ -166,9 +166,8 @@ def test_xl_k_and_candidates_beyond_the_indices_are_clamped(backend, big, augmen
     if backend == "hnsw":
         pytest.importorskip("faiss")
     P, Q, Y, T = problem(3)
-    model = pg.PEFAXL(lam=0.3, k=big, search_params=pg.XLSearchParams(candidates=big),
-                      augment_docs=augment, rescore=rescore, backend=backend,
-                      device="cpu").fit(P, Q, Y)
+    model = make_model(pg.PEFAXL, lam=0.3, k=big, candidates=big, augment_docs=augment,
+                       rescore=rescore, backend=backend, device="cpu").fit(P, Q, Y)
     ks: list[int] = []
     model.index, model.query_index = _SearchSpy(model.index, ks), _SearchSpy(model.query_index,
                                                                             ks)
