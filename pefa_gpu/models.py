@@ -47,7 +47,7 @@ from .splits import split_queries
 log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes: ExactParams.memory_budget's default
-P = TypeVar("P", bound=Params)
+SP = TypeVar("SP", bound=Params)  # a SearchParams class
 
 
 class _Model:
@@ -145,7 +145,7 @@ class _Model:
             if index is not None:
                 index.search_params = value
 
-    def _typed(self, cls: type[P], value: P | None, what: str) -> P | None:
+    def _typed(self, cls: type[SP], value: SP | None, what: str) -> SP | None:
         """``value``, a ``cls`` or None; anything else, a dict too, is a TypeError naming
         ``what``."""
         if value is not None and not isinstance(value, cls):
