@@ -93,8 +93,8 @@ def library_run(d, times: dict) -> list[dict]:
         elif cfg.method == "xs":
             model = pg.PEFAXS(lam=cfg.lam, device="cpu").fit(d.P, d.Q, d.Y)
         else:
-            model = pg.PEFAXL(lam=cfg.lam, k=cfg.k, candidates=500, device="cpu").fit(
-                d.P, d.Q, d.Y)
+            model = pg.PEFAXL(lam=cfg.lam, k=cfg.k, device="cpu", search_params=pg.XLSearchParams(
+                candidates=500)).fit(d.P, d.Q, d.Y)
         t1 = time.perf_counter()
         _, ids = model.search(d.Q_test, 100)
         t2 = time.perf_counter()

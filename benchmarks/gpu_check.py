@@ -227,7 +227,8 @@ def stage_xl(s: dict, device: str) -> dict[str, Any]:
     n, b, k = s["xl_n"], s["batch"], s["k"]
     data = make_synthetic(n, 3 * n, s["xl_d"], b, seed=1)
     erm = pg.ERM(device=device).fit(data.P)
-    xl = pg.PEFAXL(device=device, lam=0.5, k=32, candidates=2 * k).fit(data.P, data.Q, data.Y)
+    xl = pg.PEFAXL(device=device, lam=0.5, k=32, search_params=pg.XLSearchParams(
+        candidates=2 * k)).fit(data.P, data.Q, data.Y)
     q = torch.from_numpy(data.Q_test).to(device)
     t_erm = median_seconds(lambda: erm.search(q, k), device)
     t_xl = median_seconds(lambda: xl.search(q, k), device)

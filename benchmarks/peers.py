@@ -174,12 +174,14 @@ class AuthorsPath:
 def fit_ours(kind: str, backend: str, P, Q, Y) -> Any:
     kw = {"backend": backend, "device": "cpu"}
     if backend == "hnsw-walk":
-        kw = {"backend": "hnsw", "device": "cpu", "search_params": {"full_scan_factor": 0}}
+        walk = pg.index.backend_class("hnsw").SearchParams(full_scan_factor=0)
+        kw = {"backend": "hnsw", "device": "cpu", "index_search_params": walk}
     if kind == "ERM":
         return pg.ERM(**kw).fit(P)
     if kind == "XS":
         return pg.PEFAXS(lam=XS_LAM, **kw).fit(P, Q, Y)
-    return pg.PEFAXL(lam=XL_LAM, k=XL_K, candidates=XL_KP, **kw).fit(P, Q, Y)
+    return pg.PEFAXL(lam=XL_LAM, k=XL_K, search_params=pg.XLSearchParams(candidates=XL_KP),
+                     **kw).fit(P, Q, Y)
 
 
 def timed_builds(fit: Callable[[], Any]) -> tuple[Any, float]:
@@ -296,8 +298,8 @@ def run_dataset(spec: str, embeddings: str, use_pecos: bool,
                 continue  # no curve: the hnsw curve differs only where an index is scanned
             key, knob = CURVES.get(backend, (None, [None]))
             for v in knob:  # search settings per call: one fitted model for the whole curve
-                params = None if v is None else {key: v}
-                search = lambda x, m=model, p=params: m.search(x, 100, params=p)  # noqa: E731
+                params = None if v is None else model.index_search_params.replace(**{key: v})
+                search = lambda x, m=model, p=params: m.search(x, 100, index_params=p)  # noqa: E731
                 bt = batch_time(search, T, reps=2)
                 curves.append({"dataset": name, "system": "pefa_gpu", "model": kind,
                                "backend": backend, "knob": v, "qps": len(T) / bt,

@@ -253,7 +253,8 @@ def gpu_section(args) -> tuple[dict, str]:
     # XL vs ERM throughput (synthetic, on the GPU)
     data = make_synthetic(args.gpu_xl_n, 3 * args.gpu_xl_n, 128, b, seed=1)
     erm = pg.ERM(device=dev).fit(data.P)
-    xl = pg.PEFAXL(device=dev, lam=0.5, k=32, candidates=100).fit(data.P, data.Q, data.Y)
+    xl = pg.PEFAXL(device=dev, lam=0.5, k=32, search_params=pg.XLSearchParams(
+        candidates=100)).fit(data.P, data.Q, data.Y)
     qt = torch.from_numpy(data.Q_test).to(dev)
     t_erm = cuda_time(lambda: erm.search(qt, 100), reps=3)
     t_xl = cuda_time(lambda: xl.search(qt, 100), reps=3)

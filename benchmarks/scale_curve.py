@@ -253,7 +253,7 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
                 else:
                     model = pg.PEFAXL(lam=XL_LAM, k=XL_K, **kw).fit(P, Q, Y)
             if backend == "hnsw":
-                model.index_search_params = {"ef_search": EFS}
+                model.index_search_params = model.index_search_params.replace(ef_search=EFS)
             model.search(t[:10], TOPK)  # warm-up
             with Stage(rec, "search", holding + N_TEST * (XL_KP + XL_K) * 12, **tag):
                 model.search(t, TOPK)

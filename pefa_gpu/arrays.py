@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -18,6 +18,11 @@ import torch
 from .errors import InputError
 
 log = logging.getLogger("pefa_gpu")
+
+# what enters the library as an array: numpy, torch (any device), nested sequences (and
+# anything with __dlpack__ or __array__, which as_tensor reads as well)
+ArrayLike = np.ndarray | torch.Tensor | Sequence[Any]
+DeviceLike = str | int | torch.device | None  # None: CUDA when available, else the CPU
 
 _DTYPES = {
     "float32": torch.float32,
@@ -27,7 +32,7 @@ _DTYPES = {
 }
 
 
-def resolve_device(device: Any = None) -> torch.device:
+def resolve_device(device: DeviceLike = None) -> torch.device:
     """``None`` -> CUDA when available, else CPU; strings and ``torch.device`` pass through."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,7 +47,7 @@ def resolve_device(device: Any = None) -> torch.device:
     return dev
 
 
-def cuda_index(device: Any) -> int:
+def cuda_index(device: DeviceLike) -> int:
     """The CUDA ordinal of ``device`` ('cuda', 'cuda:1' or a torch.device): ``cuda`` with no
     index is torch's current device, where ``torch.empty(..., device="cuda")`` puts tensors.
     faiss, cupy and cuVS take this number (``device.index or 0`` would put their work on GPU 0
@@ -100,7 +105,7 @@ def host_view(t: torch.Tensor, dtype: Any) -> np.ndarray:
     return t.detach().view(torch.uint8).numpy().view(dt).reshape(t.shape)
 
 
-def as_tensor(x: Any, device: Any = None, dtype: torch.dtype | None = None,
+def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None = None,
               name: str = "array") -> torch.Tensor:
     """Any array-like -> torch tensor on ``device`` (and ``dtype`` when given).
 
@@ -144,7 +149,7 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
                      f"got {type(x).__name__}")
 
 
-def to_numpy(x: Any) -> np.ndarray:
+def to_numpy(x: ArrayLike) -> np.ndarray:
     """Any array-like -> numpy array on the host (detached, copied only when needed)."""
     if isinstance(x, np.ndarray):
         return x
@@ -257,7 +262,7 @@ def check_topk(k: Any, n: int, name: str = "topk") -> int:
     return k
 
 
-def csr_tensors(csr: Any, device: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def csr_tensors(csr: Any, device: DeviceLike) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A scipy CSR matrix -> (indptr int64, indices int64, data float32) tensors on ``device``."""
     dev = resolve_device(device)
     return (torch.from_numpy(np.asarray(csr.indptr, dtype=np.int64)).to(dev),

@@ -22,8 +22,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
+from .arrays import DeviceLike
 from .datasets import record_id
 from .encode import DEFAULT_MODEL, is_default_model
 from .errors import FormatError, InputError
@@ -36,7 +37,7 @@ SNIPPET_CHARS = 200  # characters of a document's text a build keeps for search 
 _HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?\Z")
 
 
-def save_build(model: Any, out: str | Path, doc_ids: Sequence[str], info: dict,
+def save_build(model: Model, out: str | Path, doc_ids: Sequence[str], info: dict,
                titles: Sequence[str] | None = None, texts: Sequence[str] | None = None
                ) -> Path:
     """Write a build folder at ``out`` (``info``: the manifest's fields; ``titles`` / ``texts``:
@@ -90,14 +91,14 @@ def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] 
     return [one_line(t) for t in titles], [one_line(t) for t in snippets]
 
 
-def load_build(path: str | Path, device: Any = None) -> tuple[Model, list[str], dict]:
+def load_build(path: str | Path, device: DeviceLike = None) -> tuple[Model, list[str], dict]:
     """(model, document ids, build info) from a build folder: every file checked against the
     build's manifest (hashed once), every path inside the folder; read again once when
     another process replaces the build meanwhile."""
     return read_unchanged(path, lambda: _load_build(path, device), BUILD_MANIFEST)
 
 
-def _load_build(path: str | Path, device: Any) -> tuple[Model, list[str], dict]:
+def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str], dict]:
     from .persist import load_model
 
     root = Path(path)
@@ -149,7 +150,7 @@ def encoder_record(model: str | None, embeddings: str | None) -> dict[str, str]:
     return {"kind": "hub", "name": model}
 
 
-def encoder_from_record(record: Any, where: Path) -> str | None:
+def encoder_from_record(record: object, where: Path) -> str | None:
     """The encoder search may take from a build's record: None (the default model) or a hub
     name. Code, folders and precomputed embeddings raise InputError asking for --model."""
     if not isinstance(record, dict) or not isinstance(record.get("name"), str):

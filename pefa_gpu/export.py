@@ -32,20 +32,23 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
 import torch
 
-from .arrays import as_tensor, cuda_index, resolve_device, to_numpy
+from .arrays import ArrayLike, DeviceLike, as_tensor, cuda_index, resolve_device, to_numpy
 from .errors import InputError
 from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
 from .params import check_choice, check_positive
 
+if TYPE_CHECKING:
+    import faiss
 
-def knn_graph(vectors: Any, degree: int, device: Any = None) -> torch.Tensor:
+
+def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> torch.Tensor:
     """(n, d) vectors -> (n, degree) int64 neighbour table on ``device`` (-1 padded).
 
     Exact inner-product neighbours (self excluded), half forward and half reverse edges as
@@ -110,8 +113,8 @@ def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None
     return out, s
 
 
-def hnsw_from_graph(vectors: Any, graph: Any, *, ef_search: int = 300,
-                    entrypoints: int = 32) -> Any:
+def hnsw_from_graph(vectors: ArrayLike, graph: ArrayLike, *, ef_search: int = 300,
+                    entrypoints: int = 32) -> faiss.IndexHNSW:
     """A base-level-only inner-product ``faiss.IndexHNSWCagra`` over ``vectors`` (n, d) with
     level-0 links ``graph`` (n, 2M) int (-1 padded). M is ``graph.shape[1] // 2``."""
     faiss = import_faiss()
@@ -139,8 +142,9 @@ def hnsw_from_graph(vectors: Any, graph: Any, *, ef_search: int = 300,
     return index
 
 
-def build_hnsw(vectors: Any, *, M: int = 32, device: Any = None, method: str = "auto",
-               ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32) -> Any:
+def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",
+               ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32
+               ) -> faiss.IndexHNSW:
     """A CPU faiss HNSW index over ``vectors`` (n, d), inner product; the graph built by
     ``method`` (see the module docstring) on ``device``."""
     check_positive(M, "M")
@@ -182,7 +186,7 @@ def build_hnsw(vectors: Any, *, M: int = 32, device: Any = None, method: str = "
     return hnsw_from_graph(vectors, graph, ef_search=ef_search, entrypoints=entrypoints)
 
 
-def export_hnsw(vectors: Any, path: str | Path, *, index: Index | None = None,
+def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = None,
                 **kwargs: Any) -> Path:
     """Build with :func:`build_hnsw` and write the index to the file ``path`` (replacing a
     regular file there atomically; links, folders and devices are refused before the build).
@@ -198,26 +202,22 @@ def export_hnsw(vectors: Any, path: str | Path, *, index: Index | None = None,
     graph = _reusable_hnsw(index, kwargs)
     if graph is None:
         graph = build_hnsw(vectors, **kwargs)
-        return write_output_file(path, lambda tmp: faiss.write_index(graph, str(tmp)),
-                                 "export path")
     ef = graph.hnsw.efSearch
-    graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; the index's own
-    try:                                                # searches pass theirs explicitly
+    graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; a reused index's
+    try:                                                # own searches pass theirs explicitly
         return write_output_file(path, lambda tmp: faiss.write_index(graph, str(tmp)),
                                  "export path")
     finally:
         graph.hnsw.efSearch = ef
 
 
-def _reusable_hnsw(index: Index | None, kwargs: dict[str, Any]) -> Any:
+def _reusable_hnsw(index: Index | None, kwargs: dict[str, Any]) -> faiss.IndexHNSW | None:
     """The faiss HNSW graph of a pefa_gpu ``hnsw`` index that export may write as it is."""
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
         else None
-    if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw"):
-        return None
-    if graph.hnsw.nb_neighbors(1) != kwargs.get("M", 32):
-        return None
-    return graph
+    same = graph is not None and kwargs.get("method", "auto") in ("auto", "hnsw") \
+        and graph.hnsw.nb_neighbors(1) == kwargs.get("M", 32)
+    return graph if same else None
 
 
 def index_vectors(index: Index) -> torch.Tensor:

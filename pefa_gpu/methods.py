@@ -8,10 +8,16 @@ Importing this module imports no torch (the CLI checks its options with it); :fu
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 from . import params as p
 from .errors import InputError
+
+if TYPE_CHECKING:
+    from .arrays import ArrayLike, DeviceLike
+    from .protocol import Model
+    from .query import QueryModel
+    from .relevance import RelevanceLike
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +62,7 @@ def method(name: str) -> Method:
     return REGISTRY[name]
 
 
-def takes(methods: Any, setting: str) -> bool:
+def takes(methods: Iterable[str], setting: str) -> bool:
     """Whether any of ``methods`` (names) takes ``setting``."""
     return any(setting in REGISTRY[m].takes for m in methods)
 
@@ -81,8 +87,9 @@ def defaults(name: str) -> dict[str, Any]:
     return {key: both[key] for key in REGISTRY[name].takes}
 
 
-def fit_config(config: Any, P: Any, Q: Any = None, Y: Any = None, device: Any = None,
-               backend: str = "exact", candidates: int | None = None, **params: Any) -> Any:
+def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
+               Y: RelevanceLike | None = None, device: DeviceLike = None, backend: str = "exact",
+               candidates: int | None = None, **params: Any) -> Model | QueryModel:
     """A fitted model for ``config`` (a :class:`pefa_gpu.Config`: method, lam, k): an ERM /
     PEFAXS / PEFAXL / NUDGE, or a QueryModel over ERM / PEFAXS for the query side. ``params``
     (augment_docs, knn_norm, rescore, ...) and ``candidates`` go to the methods that take them;
@@ -91,7 +98,10 @@ def fit_config(config: Any, P: Any, Q: Any = None, Y: Any = None, device: Any = 
     given = {"lam": config.lam, "k": config.k, "candidates": candidates, **params}
     kw = {key: v for key, v in given.items()  # a setting no method takes: the model refuses it
           if v is not None and (key in m.takes or not takes(REGISTRY, key))}
-    model = model_class(m.name)(backend=backend, device=device, **dict(m.fixed), **kw)
+    search = PARAMS[m.model][1]
+    own = {key: kw.pop(key) for key in list(kw) if key in search.__dataclass_fields__}
+    model = model_class(m.name)(backend=backend, device=device, search_params=search(**own),
+                                **dict(m.fixed), **kw)
     model = model.fit(P) if m.model == "ERM" else model.fit(P, Q, Y)
     if not m.query:
         return model

@@ -9,18 +9,18 @@ and repeated ids count once, at their first rank. A metric @k needs at least k r
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import Iterable
 
 import numpy as np
 
-from .arrays import to_numpy
+from .arrays import ArrayLike, to_numpy
 from .errors import InputError
-from .relevance import as_relevance
+from .relevance import RelevanceLike, as_relevance
 
 log = logging.getLogger("pefa_gpu")
 
 
-def _gains(ids: Any, Y_test: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(B, K) gains of the ranked ids, (B,) relevant counts, and (B, R) sorted ideal gains."""
     ids = np.asarray(to_numpy(ids))
     if ids.ndim != 2:
@@ -62,7 +62,7 @@ def _gains(ids: Any, Y_test: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.maximum(gains, 0), n_rel, ideal
 
 
-def evaluate(ids: Any, Y_test: Any, ks: Iterable[int] = (10, 100),
+def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100),
              count_empty: bool = False) -> dict[str, float]:
     """Recall@k, nDCG@k and MRR@k for each k, averaged over the queries.
 
@@ -103,20 +103,21 @@ def evaluate(ids: Any, Y_test: Any, ks: Iterable[int] = (10, 100),
     return out
 
 
-def recall_at_k(ids: Any, Y_test: Any, ks: Iterable[int] = (10, 100)) -> dict[int, float]:
+def recall_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100)
+                ) -> dict[int, float]:
     """{k: Recall@k}: |relevant ∩ top-k| / |relevant|, averaged over queries with a relevant
     document."""
     res = evaluate(ids, Y_test, ks)
     return {k: res[f"recall@{k}"] for k in _check_ks(ks)}
 
 
-def ndcg_at_k(ids: Any, Y_test: Any, ks: Iterable[int] = (10,)) -> dict[int, float]:
+def ndcg_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10,)) -> dict[int, float]:
     """{k: nDCG@k} with linear gains Y_test[q, j] and log2 discounts."""
     res = evaluate(ids, Y_test, ks)
     return {k: res[f"ndcg@{k}"] for k in _check_ks(ks)}
 
 
-def mrr_at_k(ids: Any, Y_test: Any, ks: Iterable[int] = (10,)) -> dict[int, float]:
+def mrr_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10,)) -> dict[int, float]:
     """{k: MRR@k}: mean reciprocal rank of the first relevant document in the top k (0 if none)."""
     res = evaluate(ids, Y_test, ks)
     return {k: res[f"mrr@{k}"] for k in _check_ks(ks)}

@@ -10,10 +10,13 @@ come back on that device.
 
 Build settings (``Params``: lam, k, ...; the backend's ``index_params``) are fixed by ``fit``.
 Search settings change per call without a refit: the model's own (PEFA-XL ``candidates``) and
-the backend's (HNSW ``ef_search``, IVF ``nprobe``, CAGRA ``itopk_size``, ...)::
+the backend's (HNSW ``ef_search``, IVF ``nprobe``, CAGRA ``itopk_size``, ...), each as its
+typed ``SearchParams``::
 
-    xl = pg.PEFAXL(backend="hnsw", search_params={"candidates": 500, "ef_search": 300})
-    xl.search(queries, 10, params={"candidates": 300, "ef_search": 500})  # this call only
+    xl = pg.PEFAXL(backend="hnsw", search_params=pg.XLSearchParams(candidates=500),
+                   index_search_params=HNSWSearchParams(ef_search=300))
+    xl.search(queries, 10, params=pg.XLSearchParams(candidates=300),  # this call only
+              index_params=xl.index_search_params.replace(ef_search=500))
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import dataclasses
 import logging
 import math
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import numpy as np
 import scipy.sparse as sp
@@ -30,28 +33,29 @@ import torch
 
 from . import export, nudge, persist, training, updates
 from .aggregate import normalize_rows, pefa_xs, pifa
-from .arrays import as_embeddings, as_tensor, check_topk, resolve_device, to_numpy
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, resolve_device,
+                     to_numpy)
 from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, fuse, neighbours, ops
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
                      XLParams, XLSearchParams, XSParams, XSSearchParams, check_positive,
                      check_unit_interval)
-from .relevance import Relevance, as_relevance
+from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 
 log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes: ExactParams.memory_budget's default
+SP = TypeVar("SP", bound=Params)  # a SearchParams class
 
 
 class _Model:
     """Shared plumbing: params, search params, device, backend, the search entry point.
 
     Constructor: the model's build settings as keywords (``Params``); ``backend`` and
-    ``index_params`` (its build settings); ``search_params``: the defaults of :meth:`search`,
-    in any form :meth:`search` takes as ``params``. Keywords of the model's ``SearchParams``
-    (``PEFAXL(candidates=300)``) are taken as search settings too.
+    ``index_params`` (its build settings); the defaults of :meth:`search`: ``search_params``
+    (the model's ``SearchParams``) and ``index_search_params`` (the backend's).
     """
 
     Params: type[Params] = ERMParams
@@ -65,36 +69,29 @@ class _Model:
         if not cls.__name__.startswith("_"):  # a shared base is never saved
             persist.register_model(cls)  # pefa_gpu.load finds the class by its name
 
-    def __init__(self, *, backend: str = "exact", device: Any = None,
-                 index_params: Params | dict | None = None,
-                 search_params: Params | dict | list | tuple | None = None, **params: Any):
-        legacy = {k: params.pop(k) for k in list(params) if k in _field_names(self.SearchParams)}
+    def __init__(self, *, backend: str = "exact", device: DeviceLike = None,
+                 index_params: Params | dict | None = None, search_params: Params | None = None,
+                 index_search_params: Params | None = None, **params: Any):
         try:
             self.params = self.Params(**params)
         except TypeError as exc:
-            raise InputError(f"{type(self).__name__}: {exc}") from exc
+            raise InputError(f"{type(self).__name__}: {exc} (search settings: search_params="
+                             f"{self.SearchParams.__name__}(...), index_search_params=the "
+                             f"backend's SearchParams)") from exc
         self.backend = backend
         self.device = resolve_device(device)
         self.index_params = index_params
         probe = make_index(backend, self.device, index_params)  # fail early on bad settings
         self._index_search_class = probe.SearchParams
-        self.search_params = self.SearchParams()
-        if legacy:
-            twice = sorted(set(legacy) & _search_keys(search_params))
-            if twice:
-                raise InputError(f"{type(self).__name__}: {twice} given twice (as keywords and "
-                                 f"in search_params)")
-            search_params = [legacy, *(search_params if isinstance(search_params, (list, tuple))
-                                       else [search_params])]
-        self.search_params, index_search = self._split_search_params(search_params)
-        self.index_search_params = probe.resolve_search_params(index_search)
+        self.search_params = search_params
+        self.index_search_params = index_search_params
         self.dim = 0
         self.n_docs = 0
 
     def __getattr__(self, name: str) -> Any:
         for holder in ("params", "_search_params"):
             params = self.__dict__.get(holder)
-            if params is not None and name in _field_names(type(params)):
+            if params is not None and name in {f.name for f in dataclasses.fields(params)}:
                 return getattr(params, name)
         raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
 
@@ -107,13 +104,13 @@ class _Model:
     @property
     def search_params(self) -> Params:
         """The model's own search settings (its ``SearchParams``; PEFA-XL: ``candidates``),
-        the defaults of :meth:`search`. Assign a ``SearchParams`` or a dict of its keys."""
+        the defaults of :meth:`search`; assign a ``SearchParams`` (None: its defaults)."""
         return self._search_params
 
     @search_params.setter
-    def search_params(self, value: Params | dict | None) -> None:
-        self._search_params = self.SearchParams.coerce(
-            value, f"{type(self).__name__}.search_params")
+    def search_params(self, value: Params | None) -> None:
+        self._search_params = self._typed(self.SearchParams, value, "search_params") \
+            or self.SearchParams()
 
     @property
     def doc_embeddings(self) -> torch.Tensor:
@@ -133,56 +130,28 @@ class _Model:
     def index_search_params(self) -> Params:
         """The backend's search settings (e.g. HNSWSearchParams), the defaults of every index
         search the model makes (PEFA-XL: of both indices; read from the passage index once
-        fitted). Assign the backend's ``SearchParams`` or a dict of its keys: all the model's
+        fitted). Assign the backend's ``SearchParams`` (None: its defaults): all the model's
         indices take it."""
         index = self.__dict__.get("index")
         return index.search_params if index is not None else self._index_search_params
 
     @index_search_params.setter
-    def index_search_params(self, value: Params | dict | None) -> None:
-        value = self._index_search_class.coerce(
-            value, f"{type(self).__name__}.index_search_params")
+    def index_search_params(self, value: Params | None) -> None:
+        value = self._typed(self._index_search_class, value, "index_search_params") \
+            or self._index_search_class()
         self._index_search_params = value
         for name in self._indices:
             index = self.__dict__.get(name)
             if index is not None:
                 index.search_params = value
 
-    def _split_search_params(self, params: Any) -> tuple[Params, Params | dict | None]:
-        """``params`` as :meth:`search` takes it -> (the model's SearchParams, completed from
-        :attr:`search_params`; the backend's: None when not given, a dict of changes that
-        each index applies to its own defaults, or a SearchParams)."""
-        own_keys = _field_names(self.SearchParams)
-        index_keys = _field_names(self._index_search_class)
-        own, index = self.search_params, None
-        for item in params if isinstance(params, (list, tuple)) else [params]:
-            if item is None:
-                continue
-            if isinstance(item, self.SearchParams):
-                own = item
-            elif isinstance(item, self._index_search_class):
-                index = item
-            elif isinstance(item, dict):
-                unknown = sorted(set(item) - own_keys - index_keys)
-                if unknown:
-                    raise InputError(
-                        f"{type(self).__name__} search got unknown settings {unknown}; valid: "
-                        f"{sorted(own_keys)} ({self.SearchParams.__name__}) and "
-                        f"{sorted(index_keys)} ({self._index_search_class.__name__}, backend "
-                        f"{self.backend!r})")
-                own = own.replace(**{k: v for k, v in item.items() if k in own_keys})
-                changes = {k: v for k, v in item.items() if k not in own_keys}
-                if changes:
-                    index = index.replace(**changes) if isinstance(index, Params) else \
-                        {**(index or {}), **changes}
-            else:
-                raise TypeError(f"{type(self).__name__} search params must be a dict, a "
-                                f"{self.SearchParams.__name__}, a "
-                                f"{self._index_search_class.__name__} or a list of them, got "
-                                f"{type(item).__name__}")
-        if isinstance(index, dict):  # values checked now, not in the middle of a search
-            self._index_search_class.coerce(index)
-        return own, index
+    def _typed(self, cls: type[SP], value: SP | None, what: str) -> SP | None:
+        """``value``, a ``cls`` or None; anything else, a dict too, is a TypeError naming
+        ``what``."""
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"{type(self).__name__}.{what} must be {cls.__name__} or None, got "
+                            f"{type(value).__name__}")
+        return value
 
     def new_index(self) -> Index:
         """An empty index of the model's backend, build settings, search defaults and device."""
@@ -194,7 +163,7 @@ class _Model:
         if not self.n_docs:
             raise InputError(f"{type(self).__name__} is not fitted: call fit() first")
 
-    def as_queries(self, queries: Any, check: bool | None = None) -> torch.Tensor:
+    def as_queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """Queries as the model searches them: (B, d) float32 on its device, detached; ``check``
         as in :meth:`search`."""
         self.check_fitted()
@@ -203,7 +172,8 @@ class _Model:
                           check_finite=check)
         return q.detach()
 
-    def _embeddings(self, P: Any, Q: Any = None, Y: Any = None, copy_queries: bool = True):
+    def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
+                    Y: RelevanceLike | None = None, copy_queries: bool = True):
         """(p, q, relevance) checked, p a copy; q a copy too with ``copy_queries``, else Q as
         given where it is a host array that is only read (a memory map stays one)."""
         p = as_embeddings(P, self.device, "P", copy=True).detach()
@@ -218,33 +188,29 @@ class _Model:
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         return p, q, rel
 
-    def search(self, queries: Any, topk: int = 100, check: bool | None = None, *,
-               params: Params | dict | list | tuple | None = None
+    def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
+               params: Params | None = None, index_params: Params | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device.
         ``topk`` beyond the documents is padded, up to max(n_docs, 10,000); more is an
         InputError (``pefa_gpu.arrays.check_topk``).
 
-        ``params``: search settings for this call only (the defaults, :attr:`search_params`
-        and :attr:`index_search_params`, stay as they are): a dict of the model's keys (PEFA-XL
-        ``candidates``) and the backend's (hnsw ``ef_search`` / ``full_scan_factor``, ivf
-        ``nprobe``, cagra ``itopk_size`` / ``search_width`` / ``max_iterations``), keys left
-        out keep their defaults (each index its own); or the model's ``SearchParams`` (e.g.
-        XLSearchParams) or the backend's (e.g. HNSWSearchParams), which replace those defaults
-        whole; or a list of these, applied in order. Unknown keys are an InputError naming the
-        valid ones. PEFA-XL applies the backend's settings to both its indices.
+        Search settings for this call only (None: the defaults, :attr:`search_params` and
+        :attr:`index_search_params`, which stay as they are): ``params`` the model's
+        ``SearchParams`` (PEFA-XL: XLSearchParams ``candidates``), ``index_params`` the
+        backend's (e.g. HNSWSearchParams ``ef_search``, IVFSearchParams ``nprobe``), which
+        PEFA-XL applies to both its indices. Another type is a TypeError.
 
         The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
         inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS on the exact
         backend then search a CUDA batch with one device-to-host synchronisation when topk + 8
         < n (finding the rows tied past the candidates, :mod:`pefa_gpu.index.exact`) and none
-        otherwise. PEFAXL's fusion does
-        synchronise (candidate sets of data-dependent size), a few times per batch; its
-        :meth:`score` does not.
+        otherwise. PEFAXL's fusion does synchronise (candidate sets of data-dependent size), a
+        few times per batch; its :meth:`score` does not.
         """
         topk = check_topk(topk, self.n_docs)
-        model_sp, index_sp = (self.search_params, None) if params is None else \
-            self._split_search_params(params)
+        model_sp = self._typed(self.SearchParams, params, "search params") or self.search_params
+        index_sp = self._typed(self._index_search_class, index_params, "search index_params")
         check = training.check_default(queries, check)
         self.check_fitted()
         rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
@@ -281,7 +247,7 @@ class _Model:
         each index's defaults). ``checked``: ``q`` has been tested for NaN / inf already."""
         return self.index.search(q, topk, index_sp)
 
-    def score(self, queries: Any, ids: Any, check: bool | None = None) -> torch.Tensor:
+    def score(self, queries: ArrayLike, ids: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """(B, d) queries (float32, or float64 kept; may require grad), (B, K) int64 ids (-1 =
         padding) -> (B, K) scores in the queries' dtype on the device, differentiable w.r.t.
         the queries, -inf at padding: the model's formula for every id (DESIGN §1, see
@@ -300,11 +266,11 @@ class _Model:
         return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
                                                      device=out.device))
 
-    def _new_rows(self, X: Any, name: str) -> torch.Tensor:
+    def _new_rows(self, X: ArrayLike, name: str) -> torch.Tensor:
         self.check_fitted()
         return as_embeddings(X, self.device, name, dim=self.dim, copy=True).detach()
 
-    def add_documents(self, P_new: Any) -> "_Model":
+    def add_documents(self, P_new: ArrayLike) -> "_Model":
         """Append (r, d) documents without a refit; their ids continue after the existing
         ones (n .. n+r-1). Returns the model. See pefa_gpu.updates."""
         p = self._new_rows(P_new, "P_new")
@@ -313,7 +279,7 @@ class _Model:
             self.n_docs += p.shape[0]
         return self
 
-    def add_pairs(self, Q_new: Any, Y_new: Any) -> "_Model":
+    def add_pairs(self, Q_new: ArrayLike, Y_new: RelevanceLike) -> "_Model":
         """PEFAXS / PEFAXL / NUDGE: add training queries Q_new (m', d) with relevance Y_new
         (m' x n) over the current documents (add new documents first) without a refit; equal
         to refitting on all the data. Returns the model. See pefa_gpu.updates."""
@@ -338,7 +304,7 @@ class _Model:
         persist.save_model(self, directory)
 
     @classmethod
-    def load(cls, directory: str | Path, device: Any = None, mmap: bool = False) -> "_Model":
+    def load(cls, directory: str | Path, device: DeviceLike = None, mmap: bool = False) -> "_Model":
         """Like :func:`pefa_gpu.load`, but the save must hold this class (else FormatError)."""
         return persist.load_model(directory, device=device, mmap=mmap, expect=cls)
 
@@ -380,7 +346,7 @@ class ERM(_Model):
     SearchParams = ERMSearchParams
     _saved = _Model._saved + ("doc_embeddings",)
 
-    def fit(self, P: Any) -> "ERM":
+    def fit(self, P: ArrayLike) -> "ERM":
         """P: (n, d) document embeddings."""
         p, _, _ = self._embeddings(P)
         self.doc_embeddings = p  # for score() and add_documents()
@@ -392,14 +358,33 @@ class ERM(_Model):
 class _AdaptedDocuments(_Model):
     """A model with one index over document rows computed from P (``doc_embeddings``) and
     each document's sum of training queries (``doc_sums``, g_j = sum_i Y[i, j] q_i): PEFA-XS
-    and NUDGE. Subclasses give those rows: :meth:`_adapted_rows` for some ids and
-    :meth:`_adapted_all` for every document, computed alike."""
+    and NUDGE. Subclasses give the formula, :meth:`_adapt`, which works row by row: the rows
+    of some ids and of every document are computed alike."""
+
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        """The index rows (r, d) float32 of documents ``p`` (r, d) with ``doc_sums`` rows
+        ``sums`` (r, d)."""
+        raise NotImplementedError
 
     def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """The index rows of ``ids`` (any shape, valid) -> (*ids.shape, d) float32."""
+        flat = ids.reshape(-1)
+        e = self._adapt(self.doc_embeddings[flat], self.doc_sums[flat])
+        return e.reshape(*ids.shape, -1)
 
     def _adapted_all(self) -> torch.Tensor:
-        raise NotImplementedError
+        """The index rows of every document (n, d) float32."""
+        return self._adapt(self.doc_embeddings, self.doc_sums)
+
+    def _new_sums(self, p: torch.Tensor) -> torch.Tensor:
+        """``doc_sums`` rows of new documents ``p`` (r, d): no training query yet."""
+        return torch.zeros(p.shape[0], p.shape[1], device=p.device)
+
+    def _append_documents(self, p: torch.Tensor) -> None:
+        n0 = self.doc_embeddings.shape[0]
+        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
+        self.doc_sums = torch.cat([self.doc_sums, self._new_sums(p)])
+        self.index.add(self._adapted_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return training.inner(q, self._adapted_rows(ids))
@@ -432,7 +417,7 @@ class PEFAXS(_AdaptedDocuments):
     SearchParams = XSSearchParams
     _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
-    def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXS":
+    def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXS":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
         p, q, rel = self._embeddings(P, Q, Y, copy_queries=False)
         # p_j as the first query of document j: add_pairs then continues each sum in the same
@@ -450,27 +435,12 @@ class PEFAXS(_AdaptedDocuments):
         check_unit_interval(lam, "lam")
         return pefa_xs(self.doc_embeddings, self.doc_sums, lam)
 
-    def xs_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` (any shape, valid) of :meth:`xs_embeddings` -> (*ids.shape, d)
-        float32, computed row by row exactly as there."""
-        flat = ids.reshape(-1)
-        e = pefa_xs(self.doc_embeddings[flat], self.doc_sums[flat], self.params.lam)
-        return e.reshape(*ids.shape, -1)
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        return pefa_xs(p, sums, self.params.lam)
 
-    def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.xs_rows(ids)
-
-    def _adapted_all(self) -> torch.Tensor:
-        return self.xs_embeddings()
-
-    def _append_documents(self, p: torch.Tensor) -> None:
-        n0 = self.doc_embeddings.shape[0]
-        sums = torch.zeros(p.shape[0], p.shape[1], device=p.device)
-        if self.params.augment_docs:
-            sums = sums + p.float()  # 0 + p, as fit's sparse product gives
-        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
-        self.doc_sums = torch.cat([self.doc_sums, sums])
-        self.index.add(self.xs_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+    def _new_sums(self, p: torch.Tensor) -> torch.Tensor:
+        sums = super()._new_sums(p)
+        return sums + p.float() if self.params.augment_docs else sums  # 0 + p, as fit gives
 
 
 class NUDGE(_AdaptedDocuments):
@@ -487,7 +457,8 @@ class NUDGE(_AdaptedDocuments):
     SearchParams = NUDGESearchParams
     _saved = _Model._saved + ("doc_embeddings", "doc_sums", "fitted_gamma")
 
-    def fit(self, P: Any, Q: Any, Y: Any, Q_val: Any = None, Y_val: Any = None) -> "NUDGE":
+    def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, Q_val: ArrayLike | None = None,
+            Y_val: RelevanceLike | None = None) -> "NUDGE":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance; Q_val (v, d),
         Y_val (v, n): validation queries for gamma.
 
@@ -496,8 +467,7 @@ class NUDGE(_AdaptedDocuments):
         takes a validation set) on a seeded ``val_fraction`` of Q with g_j from the rest, and
         then the documents move by that gamma along g_j of all of Q."""
         p, q, rel = self._embeddings(P, Q, Y)
-        p_unit = normalize_rows(p)
-        gamma = self.params.gamma
+        gamma, sums = self.params.gamma, pifa(rel, q, normalize=False, device=self.device)
         if (Q_val is None) != (Y_val is None):
             raise InputError("NUDGE.fit: Q_val and Y_val go together")
         if gamma is not None and Q_val is not None:
@@ -506,10 +476,8 @@ class NUDGE(_AdaptedDocuments):
         if gamma is None and Q_val is not None:
             q_val = as_embeddings(Q_val, self.device, "Q_val", dim=p.shape[1]).detach()
             y_val = as_relevance(Y_val, shape=(q_val.shape[0], p.shape[0]), name="Y_val",
-                                 allow_empty=True)
-            g_fit = pifa(rel, q, normalize=False, device=self.device)
-            gamma = nudge.choose_gamma(self.params.variant, p_unit, g_fit, q_val, y_val.csr,
-                                       self.params.val_k)
+                                 allow_empty=True).csr
+            g_fit = sums
         elif gamma is None:
             if q.shape[0] < 2:
                 raise InputError(f"NUDGE chooses gamma on held-out training queries and needs "
@@ -519,12 +487,12 @@ class NUDGE(_AdaptedDocuments):
                                                self.params.seed)
             g_fit = pifa(rel.rows(fit_rows), q[as_tensor(fit_rows, device=self.device)],
                          normalize=False, device=self.device)
-            gamma = nudge.choose_gamma(self.params.variant, p_unit, g_fit,
-                                       q[as_tensor(val_rows, device=self.device)],
-                                       rel.rows(val_rows).csr, self.params.val_k)
+            q_val, y_val = q[as_tensor(val_rows, device=self.device)], rel.rows(val_rows).csr
+        if gamma is None:
+            gamma = nudge.choose_gamma(self.params.variant, normalize_rows(p), g_fit, q_val,
+                                       y_val, self.params.val_k)
         self.fitted_gamma = float(gamma)
-        self.doc_embeddings = p
-        self.doc_sums = pifa(rel, q, normalize=False, device=self.device)
+        self.doc_embeddings, self.doc_sums = p, sums
         self.index = self.new_index().build(self.nudge_embeddings())
         self.dim, self.n_docs = p.shape[1], p.shape[0]
         return self
@@ -536,26 +504,9 @@ class NUDGE(_AdaptedDocuments):
         return nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings),
                            self.doc_sums, gamma)
 
-    def nudge_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The rows ``ids`` (any shape, valid) of :meth:`nudge_embeddings` -> (*ids.shape, d)
-        float32, computed row by row exactly as there."""
-        flat = ids.reshape(-1)
-        e = nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings[flat]),
-                        self.doc_sums[flat], self.fitted_gamma)
-        return e.reshape(*ids.shape, -1)
-
-    def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.nudge_rows(ids)
-
-    def _adapted_all(self) -> torch.Tensor:
-        return self.nudge_embeddings()  # new pairs keep fitted_gamma: a refit at that gamma
-
-    def _append_documents(self, p: torch.Tensor) -> None:
-        """New documents have no training query: they enter as Π(p_j)."""
-        n0 = self.doc_embeddings.shape[0]
-        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
-        self.doc_sums = torch.cat([self.doc_sums, torch.zeros(p.shape, device=p.device)])
-        self.index.add(self.nudge_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+        # new pairs keep fitted_gamma (a refit at that gamma); new documents enter as Π(p_j)
+        return nudge.nudge(self.params.variant, normalize_rows(p), sums, self.fitted_gamma)
 
     def _restore(self) -> None:
         g = self.fitted_gamma
@@ -574,7 +525,7 @@ class PEFAXL(_Model):
     _saved = _Model._saved + ("doc_embeddings", "relevance", "query_index")
     _indices = ("index", "query_index")
 
-    def fit(self, P: Any, Q: Any, Y: Any) -> "PEFAXL":
+    def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXL":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance.
 
         The query index holds the m training queries only. With ``augment_docs`` the documents
@@ -613,7 +564,7 @@ class PEFAXL(_Model):
 
     def neighbours(self, q: torch.Tensor, k: int,
                    erm: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   params: Params | dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   params: Params | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest training queries N of each query: (B, K) scores and ``relevance`` row
         ids (-1 padded), ties to the lower row; K = min(k, the rows the indices hold).
 
@@ -621,9 +572,10 @@ class PEFAXL(_Model):
         m + j) are candidates too: the merge of the query index's top-k and the passage
         index's top-k (:func:`pefa_gpu.fuse.neighbours`), the top-k of one index over [Q; P].
         ``erm``: a passage search already made with at least k results (its first k are
-        used), else one is made here. ``params``: the backend's search settings for both
+        used), else one is made here. ``params``: the backend's ``SearchParams`` for both
         indices (None: their defaults).
         """
+        params = self._typed(self._index_search_class, params, "neighbours params")
         host = q.device.type == "cpu"
         if erm is not None and host:
             erm = (to_numpy(erm[0]), to_numpy(erm[1]))
@@ -631,7 +583,7 @@ class PEFAXL(_Model):
         return (as_tensor(out[0]), as_tensor(out[1])) if host else out
 
     def _neighbours(self, q: Array, k: int, erm: tuple[Array, Array] | None,
-                    params: Params | dict | None, host: bool, checked: bool = True
+                    params: Params | None, host: bool, checked: bool = True
                     ) -> tuple[Array, Array]:
         """:meth:`neighbours` as numpy arrays when ``host``, else tensors (``q`` and ``erm``
         alike)."""
@@ -804,7 +756,7 @@ class PEFAXL(_Model):
         self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
 
-def _index_search(index: Index, q: Array, k: int, params: Params | dict | None,
+def _index_search(index: Index, q: Array, k: int, params: Params | None,
                   host: bool, checked: bool = True) -> tuple[Array, Array]:
     """``index.search(q, k, params)``: numpy arrays when ``host`` (``q`` a numpy array or a
     CPU tensor; faiss backends then skip the torch hand-off; ``checked``: q was tested for
@@ -831,18 +783,3 @@ def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, l
     if found_all:
         bound |= ~found
     return xp.flatnonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))
-
-
-def _field_names(cls: type[Params]) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}
-
-
-def _search_keys(params: Any) -> set[str]:
-    """The setting names ``params`` (as :meth:`_Model.search` takes it) gives."""
-    if isinstance(params, (list, tuple)):
-        return set().union(*map(_search_keys, params)) if params else set()
-    if isinstance(params, dict):
-        return set(params)
-    if isinstance(params, Params):
-        return _field_names(type(params))
-    return set()

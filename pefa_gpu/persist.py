@@ -29,14 +29,14 @@ import importlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import scipy.sparse as sp
 import torch
 
 from . import storage
 from ._version import __version__
-from .arrays import resolve_device
+from .arrays import DeviceLike, resolve_device
 from .errors import FormatError, InputError, MissingDependencyError
 from .index import Index, backend_class, backend_names
 from .protocol import Model
@@ -75,7 +75,7 @@ def save_model(model: Model, directory: str | Path) -> None:
     log.info("saved %s to %s", type(model).__name__, directory)
 
 
-def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
+def load_model(directory: str | Path, device: DeviceLike = None, mmap: bool = False,
                verify: bool | None = None, expect: type | None = None) -> Any:
     """Read a save written by ``model.save``; returns an ERM, PEFAXS or PEFAXL on ``device``.
 
@@ -91,7 +91,7 @@ def load_model(directory: str | Path, device: Any = None, mmap: bool = False,
                                                                  verify, expect))
 
 
-def _load_model(directory: str | Path, device: Any, mmap: bool, verify: bool | None,
+def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: bool | None,
                 expect: type | None) -> Any:
     save = storage.open_save(directory, checksums=not mmap if verify is None else verify)
     manifest, where = save.manifest, save.where
@@ -109,8 +109,10 @@ def _load_model(directory: str | Path, device: Any, mmap: bool, verify: bool | N
         raise FormatError(f"{where} has no 'params' table")
     try:
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
-                    search_params=manifest.get("search_params"), **params)
-        model.index_search_params = manifest.get("index_search_params")
+                    search_params=cls.SearchParams.coerce(manifest.get("search_params")),
+                    **params)
+        model.index_search_params = model.index_search_params.coerce(
+            manifest.get("index_search_params"))
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
     for name in cls._saved:
@@ -229,7 +231,7 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
 
 # ---------------------------------------------------------------------------- names -> classes
 
-def _model_class(name: Any, where: Path) -> type:
+def _model_class(name: object, where: Path) -> type:
     """The registered model class called ``name`` (never imports anything a manifest names)."""
     for module in ("models", "query"):  # the classes register as these modules define them;
         importlib.import_module(f"{__package__}.{module}")  # both import this one: not at the top
@@ -239,7 +241,7 @@ def _model_class(name: Any, where: Path) -> type:
     return _MODELS[name]
 
 
-def _backend(name: Any, where: Path) -> type[Index]:
+def _backend(name: object, where: Path) -> type[Index]:
     if not isinstance(name, str) or name not in backend_names():
         raise FormatError(f"{where} was saved with backend {name!r}, which is not registered "
                           f"here (known: {backend_names()})")
@@ -267,7 +269,7 @@ def _registered_name(index: Index) -> str:
                      f"it before saving")
 
 
-def _accepts(func: Any, keyword: str) -> bool:
+def _accepts(func: Callable[..., object], keyword: str) -> bool:
     import inspect
 
     try:
@@ -276,7 +278,7 @@ def _accepts(func: Any, keyword: str) -> bool:
         return False
 
 
-def load(directory: str | Path, device: Any = None, mmap: bool = False,
+def load(directory: str | Path, device: DeviceLike = None, mmap: bool = False,
          verify: bool | None = None) -> Any:
     """Load a model saved with ``model.save(directory)``: an ERM, PEFAXS or PEFAXL (whichever was
     saved) on ``device``. See :func:`load_model` for ``mmap`` and ``verify``."""

@@ -38,12 +38,13 @@ import torch
 from . import persist, storage
 from ._version import __version__
 from .aggregate import normalize_rows, pifa
-from .arrays import as_embeddings, as_tensor, resolve_device
+from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_device
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
 from .params import Params, check_positive
-from .relevance import as_relevance
+from .protocol import Model
+from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
 from .training import check_default
 
@@ -87,7 +88,7 @@ class PRFParams(Params):
             raise InputError(f"beta must be a finite number >= 0, got {b!r}")
 
 
-def adapter_targets(Y: Any, P: torch.Tensor) -> torch.Tensor:
+def adapter_targets(Y: RelevanceLike, P: torch.Tensor) -> torch.Tensor:
     """T = Π(Y P): (m x n) relevance, (n, d) documents -> (m, d) float32 on P's device."""
     return pifa(as_relevance(Y, allow_empty=True).transpose(), P, device=P.device)
 
@@ -124,7 +125,7 @@ class QueryAdapter:
     Params = AdapterParams
 
     def __init__(self, alpha: float | None = None, *, val_fraction: float = 0.2, seed: int = 0,
-                 device: Any = None):
+                 device: DeviceLike = None):
         self.params = AdapterParams(alpha=alpha, val_fraction=val_fraction, seed=seed)
         self.device = resolve_device(device)
         self.W: torch.Tensor | None = None
@@ -135,7 +136,7 @@ class QueryAdapter:
         return (f"QueryAdapter(alpha={self.params.alpha!r}, fitted_alpha={self.fitted_alpha!r},"
                 f" device='{self.device}')")
 
-    def fit(self, Q: Any, Y: Any, P: Any) -> "QueryAdapter":
+    def fit(self, Q: ArrayLike, Y: RelevanceLike, P: ArrayLike) -> "QueryAdapter":
         """Q: (m, d) training queries, Y: (m x n) relevance, P: (n, d) documents."""
         p = as_embeddings(P, self.device, "P", check_norm=False).detach()
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
@@ -149,7 +150,7 @@ class QueryAdapter:
         self.fitted_alpha = float(alpha)
         return self
 
-    def _choose_alpha(self, p: torch.Tensor, q: torch.Tensor, t: torch.Tensor, rel: Any
+    def _choose_alpha(self, p: torch.Tensor, q: torch.Tensor, t: torch.Tensor, rel: RelevanceLike
                       ) -> float:
         if q.shape[0] < 2:
             raise InputError(f"QueryAdapter chooses alpha on held-out training queries and needs"
@@ -170,7 +171,7 @@ class QueryAdapter:
             self.validation[alpha] = float(recall_at_k(ids, y_val, ks=(10,))[10])
         return max(reversed(ALPHAS), key=lambda a: self.validation[a])  # largest of the best
 
-    def __call__(self, queries: Any, check: bool | None = None) -> torch.Tensor:
+    def __call__(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """(B, d) queries -> Π(q W): (B, d) float32 on the adapter's device. ``check`` tests
         the queries for NaN / inf (default: unless they are a CUDA tensor)."""
         if self.W is None:
@@ -190,12 +191,12 @@ class QueryAdapter:
                       "validation": [[a, v] for a, v in self.validation.items()], "W": meta})
 
     @classmethod
-    def load(cls, directory: str | Path, device: Any = None) -> "QueryAdapter":
+    def load(cls, directory: str | Path, device: DeviceLike = None) -> "QueryAdapter":
         """A save written by :meth:`save` (else FormatError)."""
         return persist.load_model(directory, device=device, expect=cls)
 
     @classmethod
-    def _from_save(cls, save: storage.SaveDir, device: Any, mmap: bool) -> "QueryAdapter":
+    def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "QueryAdapter":
         m = save.manifest
         out = cls(device=device, **_saved_params(cls, m, save.where))
         meta = m.get("W") if isinstance(m.get("W"), dict) else {}
@@ -228,7 +229,7 @@ class VectorPRF:
     def __repr__(self) -> str:
         return f"VectorPRF(k={self.params.k}, beta={self.params.beta!r})"
 
-    def __call__(self, queries: Any, model: Any) -> torch.Tensor:
+    def __call__(self, queries: ArrayLike, model: Model) -> torch.Tensor:
         """(B, d) queries and a fitted model (its ``search`` and ``doc_embeddings``) ->
         (B, d) float32 on the model's device."""
         q = model.as_queries(queries)
@@ -244,11 +245,11 @@ class VectorPRF:
             w.commit(_header(self))
 
     @classmethod
-    def load(cls, directory: str | Path, device: Any = None) -> "VectorPRF":
+    def load(cls, directory: str | Path, device: DeviceLike = None) -> "VectorPRF":
         return persist.load_model(directory, device=device, expect=cls)
 
     @classmethod
-    def _from_save(cls, save: storage.SaveDir, device: Any, mmap: bool) -> "VectorPRF":
+    def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "VectorPRF":
         return cls(**_saved_params(cls, save.manifest, save.where))
 
 
@@ -257,7 +258,7 @@ class QueryModel:
     ``model.search(prf(adapter(q), model))`` (either part may be None). Saves and loads as
     one folder (the model's save inside it), as the models do."""
 
-    def __init__(self, model: Any, adapter: QueryAdapter | None = None,
+    def __init__(self, model: Model, adapter: QueryAdapter | None = None,
                  prf: VectorPRF | None = None):
         if adapter is not None and adapter.W is None:
             raise InputError("QueryModel: the adapter is not fitted")
@@ -284,18 +285,20 @@ class QueryModel:
     def dim(self) -> int:
         return self.model.dim
 
-    def queries(self, queries: Any) -> torch.Tensor:
+    def queries(self, queries: ArrayLike) -> torch.Tensor:
         """The queries as the model searches them: (B, d) float32 on its device."""
         q = self.model.as_queries(queries)
         if self.adapter is not None:
             q = self.adapter(q, check=False)
         return q if self.prf is None else self.prf(q, self.model)
 
-    def search(self, queries: Any, topk: int = 100, check: bool | None = None, *,
-               params: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
+               params: Params | None = None, index_params: Params | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the model's ``search``, on :meth:`queries`."""
         self.model.check_fitted()
-        return self.model.search(self.queries(queries), topk, check=False, params=params)
+        return self.model.search(self.queries(queries), topk, check=False, params=params,
+                                 index_params=index_params)
 
     def save(self, directory: str | Path) -> None:
         """Write the model, adapter and feedback settings into ``directory`` atomically."""
@@ -308,11 +311,11 @@ class QueryModel:
                                                  if v is not None}})
 
     @classmethod
-    def load(cls, directory: str | Path, device: Any = None) -> "QueryModel":
+    def load(cls, directory: str | Path, device: DeviceLike = None) -> "QueryModel":
         return persist.load_model(directory, device=device, expect=cls)
 
     @classmethod
-    def _from_save(cls, save: storage.SaveDir, device: Any, mmap: bool) -> "QueryModel":
+    def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "QueryModel":
         parts = save.manifest.get("parts")
         if not isinstance(parts, dict) or "model" not in parts \
                 or not set(parts) <= {"model", "adapter", "prf"}:
@@ -329,7 +332,7 @@ class QueryModel:
         return cls(loaded["model"], loaded.get("adapter"), loaded.get("prf"))
 
 
-def _header(obj: Any) -> dict[str, Any]:
+def _header(obj: object) -> dict[str, Any]:
     return {"library_version": __version__, "class": type(obj).__name__,
             "params": obj.params.to_dict() if hasattr(obj, "params") else {}}
 

@@ -8,6 +8,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from .arrays import ArrayLike
 from .errors import InputError
 
 MAX_ROWS = 2**31  # Y rows (queries) a Relevance may have; its CSR row pointers are int64
@@ -26,7 +27,7 @@ class Relevance:
         self.csr = _own_csr(csr, name)
 
     @classmethod
-    def from_pairs(cls, query_ids: Any, doc_ids: Any, weights: Any = None,
+    def from_pairs(cls, query_ids: ArrayLike, doc_ids: ArrayLike, weights: ArrayLike | None = None,
                    shape: tuple[int, int] | None = None) -> "Relevance":
         """Y from parallel arrays of (query index, document index[, weight]).
 
@@ -93,7 +94,11 @@ class Relevance:
         return self.csr.T.tocsr()
 
 
-def as_relevance(y: Any, shape: tuple[int | None, int | None] = (None, None),
+# what the library takes as a relevance matrix Y (queries x documents)
+RelevanceLike = Relevance | sp.spmatrix | sp.sparray | ArrayLike
+
+
+def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None, None),
                  name: str = "Y", allow_empty: bool = False) -> Relevance:
     """A :class:`Relevance` from a Relevance, a scipy sparse matrix or a dense 2-D array.
 
@@ -119,7 +124,7 @@ def as_relevance(y: Any, shape: tuple[int | None, int | None] = (None, None),
     return rel
 
 
-def _own_csr(y: Any, name: str) -> sp.csr_matrix:
+def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
     """A new float32 CSR matrix from a scipy sparse matrix or a dense 2-D numpy array / torch
     tensor: duplicates summed, explicit zeros dropped, column ids sorted. Its buffers are its
     own (the caller's are only read), and the index arrays are checked (one vectorised pass)
@@ -159,7 +164,7 @@ def _own_csr(y: Any, name: str) -> sp.csr_matrix:
     return _finite(csr, name)
 
 
-def _compressed_csr(y: Any, m: int, n: int, name: str) -> sp.csr_matrix:
+def _compressed_csr(y: RelevanceLike, m: int, n: int, name: str) -> sp.csr_matrix:
     """A new float32 CSR matrix from a CSR / CSC matrix whose index arrays are checked first."""
     major, minor = (m, n) if y.format == "csr" else (n, m)
     indptr, indices = np.asarray(y.indptr), np.asarray(y.indices)
@@ -192,7 +197,7 @@ def _int_copy(ids: np.ndarray) -> np.ndarray:
     return np.array(ids, dtype=ids.dtype if ids.dtype.kind == "i" else np.int64)
 
 
-def _real(y: Any, name: str) -> Any:
+def _real(y: RelevanceLike, name: str) -> Any:
     """``y`` (anything with a numpy dtype) if it holds bools, integers or floats; complex is a
     TypeError (its imaginary part would be dropped), anything else an InputError."""
     kind = np.dtype(y.dtype).kind

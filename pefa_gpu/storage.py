@@ -41,7 +41,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import as_tensor, dtype_name, to_numpy
+from .arrays import DeviceLike, as_tensor, dtype_name, to_numpy
 from .errors import FormatError, InputError
 
 log = logging.getLogger("pefa_gpu")
@@ -93,7 +93,7 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
     return {"file": out.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
 
 
-def load_tensor(path: PathLike, device: Any = None, mmap: bool = False,
+def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
                 meta: dict[str, Any] | None = None) -> torch.Tensor:
     """Read a ``.npy`` written by :func:`save_tensor` onto ``device``.
 

@@ -33,13 +33,14 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .aggregate import normalize_rows
-from .arrays import as_embeddings, check_positive_int, resolve_device
+from .arrays import ArrayLike, DeviceLike, as_embeddings, check_positive_int, resolve_device
 from .errors import InputError
 from .methods import REGISTRY, takes
 from .metrics import evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
-from .params import check_positive, check_unit_interval
+from .params import XLSearchParams, check_positive, check_unit_interval
+from .relevance import RelevanceLike
 from .topk import merge_topk, topk_rows
 
 log = logging.getLogger("pefa_gpu")
@@ -125,10 +126,10 @@ def grid(methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER
     return out
 
 
-def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
+def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike,
                  methods: Sequence[str] = DEFAULT_METHODS,
                  lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
-                 topk: int = 100, device: Any = None, backend: str = "exact",
+                 topk: int = 100, device: DeviceLike = None, backend: str = "exact",
                  candidates: int = 500, knn_norm: str = "k", rescore: bool = True,
                  augment_docs: bool = True, show_progress: bool = True,
                  timings: dict[str, float] | None = None
@@ -163,8 +164,8 @@ def sweep_search(P: Any, Q: Any, Y: Any, queries: Any,
     def passage() -> dict[str, Any]:
         if not shared:
             xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
-                        augment_docs=augment_docs, search_params={"candidates": candidates},
-                        **common).fit(P, Q, Y)
+                        augment_docs=augment_docs, **common,
+                        search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
             qq = xl.as_queries(q)
             shared.update(xl=xl, q=qq, erm=xl.index.search(qq, candidates))
         return shared
@@ -331,10 +332,10 @@ def _mix_weights(lams: Sequence[float], device: torch.device
     return w.view(-1, 1, 1), w1.view(-1, 1, 1)
 
 
-def sweep(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
+def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_test: RelevanceLike,
           methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER_LAMS,
           ks: Sequence[int] = PAPER_KS, metric_ks: Sequence[int] = (10, 100),
-          device: Any = None, **kwargs: Any) -> SweepResult:
+          device: DeviceLike = None, **kwargs: Any) -> SweepResult:
     """Evaluate every grid configuration on (queries, Y_test): a :class:`SweepResult`.
 
     Y_test: (B x n) relevance of the test queries (graded gains allowed for nDCG).

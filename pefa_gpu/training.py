@@ -19,19 +19,17 @@ ids)`` for its own formula on the valid ids (each model class says what it score
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import as_tensor, check_positive_int, check_topk
+from .arrays import ArrayLike, as_tensor, check_positive_int, check_topk
 from .errors import InputError
 from .protocol import Model
 from .relevance import Relevance, as_relevance
 
 
-def check_default(x: Any, check: bool | None) -> bool:
+def check_default(x: ArrayLike, check: bool | None) -> bool:
     """Value checks (NaN, id range) read the data; on CUDA tensors they would sync, so the
     default is to run them only for data that is not already on a CUDA device."""
     if check is not None:
@@ -39,7 +37,7 @@ def check_default(x: Any, check: bool | None) -> bool:
     return not (isinstance(x, torch.Tensor) and x.is_cuda)
 
 
-def as_ids(ids: Any, batch: int, n_docs: int, device: torch.device, check: bool
+def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool
            ) -> torch.Tensor:
     """Document ids to score as a (B, K) int64 tensor on ``device`` (a (B,) array is one
     column); with ``check``, ids outside [-1, n_docs) are an InputError."""
@@ -62,7 +60,7 @@ def inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.bmm(rows.to(q.dtype), q.unsqueeze(2)).squeeze(2)
 
 
-def as_positive_ids(positives: Any, batch: int, device: torch.device,
+def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
     """Positives as a (B, P) int64 tensor on ``device``, -1 padded (P >= 1).
 
@@ -78,7 +76,7 @@ def as_positive_ids(positives: Any, batch: int, device: torch.device,
     return out
 
 
-def _positive_ids(positives: Any, batch: int, device: torch.device) -> torch.Tensor:
+def _positive_ids(positives: ArrayLike, batch: int, device: torch.device) -> torch.Tensor:
     if isinstance(positives, Relevance) or sp.issparse(positives):
         csr = as_relevance(positives, name="positives", allow_empty=True).csr
         rows = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
@@ -104,8 +102,9 @@ def _positive_ids(positives: Any, batch: int, device: torch.device) -> torch.Ten
     return as_tensor(out, device=device, name="positives")
 
 
-def mine_negatives(model: Model, queries: Any, positives: Any, n: int = 8, skip_top: int = 0,
-                   batch_size: int = 1024, check: bool | None = None) -> torch.Tensor:
+def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: int = 8,
+                   skip_top: int = 0, batch_size: int = 1024, check: bool | None = None
+                   ) -> torch.Tensor:
     """Hard negatives: for each query the best-scoring documents that are not its positives.
 
     queries (B, d) (may require grad: it is detached); positives as in

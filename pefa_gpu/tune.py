@@ -36,11 +36,11 @@ import numpy as np
 import scipy.sparse as sp
 from scipy import stats
 
-from .arrays import as_embeddings, resolve_device, to_numpy
+from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device, to_numpy
 from .errors import InputError
 from .methods import fit_config  # noqa: F401 (pefa_gpu.fit_config)
 from .models import ERM
-from .relevance import as_relevance
+from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
 from .metrics import evaluate
@@ -83,7 +83,7 @@ def parse_metric(metric: str) -> tuple[int, ...]:
     return tuple(ks)
 
 
-def per_query_recall(ids: Any, Y: Any, ks: Sequence[int]) -> np.ndarray:
+def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.ndarray:
     """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| per query (NaN where a query has
     no relevant document). ids: (B, K) int64 ranked ids, -1 padded, a repeated id counts once;
     Y: (B x n) relevance (entries > 0 are relevant)."""
@@ -104,10 +104,10 @@ def per_query_recall(ids: Any, Y: Any, ks: Sequence[int]) -> np.ndarray:
     return out / len(ks)
 
 
-def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
+def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = METHODS,
          lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
          val_fraction: float = 0.2, seed: int = 0, metric: str = "recall@10,recall@100",
-         min_z: float = 2.0, device: Any = None, test_queries: Any = None,
+         min_z: float = 2.0, device: DeviceLike = None, test_queries: ArrayLike | None = None,
          **sweep_kwargs: Any) -> TuneResult:
     """Pick method / λ / k on held-out training queries. P (n, d), Q (m, d), Y (m x n).
 
@@ -180,16 +180,15 @@ def tune(P: Any, Q: Any, Y: Any, methods: Sequence[str] = METHODS,
                       reason, int(fit_rows.size), int(val_rows.size), seed, coverage)
 
 
-def match_coverage(P: Any, q_val: Any, y_fit: Any, y_val: Any, y_all: Any, test_queries: Any,
-                   seed: int = 0, device: Any = None, backend: str = "exact"
-                   ) -> tuple[Any, dict[str, float]]:
+def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: RelevanceLike,
+                   y_all: RelevanceLike, test_queries: ArrayLike, seed: int = 0,
+                   device: DeviceLike = None, backend: str = "exact"
+                   ) -> tuple[Relevance, dict[str, float]]:
     """Fitting pairs whose coverage of the validation documents matches the estimated test
     coverage (see the module docstring). Returns (Relevance, info): info holds
     ``val_coverage`` (share of validation pairs whose document has a fitting pair),
     ``proxy_val`` / ``proxy_test`` (share of plain top-1 documents with a training pair),
     ``test_coverage_estimate`` and ``matched_coverage`` (after dropping)."""
-    from .relevance import Relevance
-
     dev = resolve_device(device)
     yf, yv = as_relevance(y_fit, allow_empty=True).csr, as_relevance(y_val, allow_empty=True).csr
     ya = as_relevance(y_all).csr

@@ -65,6 +65,15 @@ def small_problem(seed: int, n: int, m: int, d: int, tests: int) -> tuple:
     return P, Q, y, unit_rows(rng, tests, d)
 
 
+def make_model(cls: type, candidates: int | None = None, **params):
+    """``cls(**params)``, PEFA-XL's ``candidates`` (the settings tables the tests share with the
+    float64 reference) given as its search_params."""
+    import pefa_gpu as pg
+
+    search = None if candidates is None else pg.XLSearchParams(candidates=candidates)
+    return cls(search_params=search, **params)
+
+
 def cuda_syncs(fn) -> tuple:
     """(fn(), the number of host synchronisations it made), counted by torch's sync debug
     mode (one warning per synchronising call)."""

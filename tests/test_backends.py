@@ -17,7 +17,7 @@ import pefa_gpu as pg
 from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import backend_class, make_index
 
-from conftest import unit_rows
+from conftest import make_model, unit_rows
 
 try:
     import faiss
@@ -679,8 +679,8 @@ def model_data(seed: int = 11, n: int = 800, m: int = 400, d: int = 32):
 def test_models_on_ann_backends_match_exact(cls, kw, backend):
     p, q, y, t = model_data()
     args = (p,) if cls is pg.ERM else (p, q, y)
-    exact = cls(device="cpu", **kw).fit(*args)
-    ann = cls(device="cpu", backend=backend, **kw).fit(*args)
+    exact = make_model(cls, device="cpu", **kw).fit(*args)
+    ann = make_model(cls, device="cpu", backend=backend, **kw).fit(*args)
     if cls is pg.PEFAXL:
         assert ann.index.name == backend and ann.query_index.name == backend
     _, ie = exact.search(t, 10)
@@ -728,7 +728,7 @@ def test_export_hnsw_round_trip(cls, kw, method, kind, tmp_path):
 @FAISS
 def test_export_hnsw_xl_directory_loads_in_a_plain_process(tmp_path):
     p, q, y, t = model_data(14)
-    model = pg.PEFAXL(device="cpu", backend="hnsw", k=8, candidates=100).fit(p, q, y)
+    model = make_model(pg.PEFAXL, device="cpu", backend="hnsw", k=8, candidates=100).fit(p, q, y)
     out = model.export_hnsw(tmp_path / "xl", M=16)
     np.save(tmp_path / "t.npy", t)
     code = (

@@ -195,7 +195,7 @@ def test_build_and_search(data, tmp_path, capsys):
     out = _run(capsys, "search", model_dir, "another query", "--candidates", "1", "--format",
                "json", "--topk", "3", "--device", "cpu", "--cache-dir", tmp_path / "c",
                "--model", "textdata:BowEncoder", "-q")
-    _, i1 = model.search(q[1:], 3, params={"candidates": 1})
+    _, i1 = model.search(q[1:], 3, params=pg.XLSearchParams(candidates=1))
     assert (i1 != i[1:]).any(), "candidates=1 must matter here"
     assert [r["doc_id"] for r in json.loads(out.out)[0]["results"]] == \
         [ds.corpus_ids[int(j)] for j in i1[0]]

@@ -120,7 +120,8 @@ def test_any_backend_and_search_settings_per_call(tmp_path):
     got = []
     for params in (None, {"ef_search": 10}):
         s, i = pp.search(b, T, topk=10, params=params)
-        lib_s, lib_i = lib.search(T, 10, params=params)
+        typed = lib.index_search_params.replace(**params) if params else None
+        lib_s, lib_i = lib.search(T, 10, index_params=typed)
         assert torch.equal(i, lib_i) and torch.equal(s, lib_s)
         got.append(i)
     assert not torch.equal(*got)  # the setting reached the shards' indices
@@ -148,8 +149,9 @@ def test_xl_search_equals_library_and_reference(tmp_path, augment, rescore, knn_
                  augment_docs=augment)
     info = pp.read_stage(b, "build")
     assert len(info.shards) == 4 and len(info.query_shards) == 4
-    xl = pg.PEFAXL(lam=0.3, k=8, candidates=20, knn_norm=knn_norm, rescore=rescore,
-                   augment_docs=augment, device="cpu").fit(P, Q, Y)
+    xl = pg.PEFAXL(lam=0.3, k=8, search_params=pg.XLSearchParams(candidates=20),
+                   knn_norm=knn_norm, rescore=rescore, augment_docs=augment,
+                   device="cpu").fit(P, Q, Y)
     for lam, k, bs in ((None, None, 13), (0.6, 4, 50)):
         s, i = pp.search(b, T, topk=15, lam=lam, k=k, batch_size=bs)
         if lam is None:
@@ -186,7 +188,7 @@ def test_shard_servers_keep_results_on_the_device(tmp_path):
 
 def test_neighbours_merge_equals_pefaxl(tmp_path):
     P, Q, Y, T, _ = make_data(4)
-    xl = pg.PEFAXL(k=10, candidates=30, device="cpu").fit(P, Q, Y)
+    xl = pg.PEFAXL(k=10, search_params=pg.XLSearchParams(candidates=30), device="cpu").fit(P, Q, Y)
     q = torch.from_numpy(T)
     erm = xl.index.search(q, 30)
     want = xl.neighbours(q, 10, erm)
@@ -387,7 +389,8 @@ def test_ray_stages_equal_one_process_bit_for_bit(tmp_path, ray_runner):
     for key in ("erm", "xs", "xl"):
         assert torch.equal(local[key][1], cluster[key][1]), key
         assert torch.equal(local[key][0], cluster[key][0]), key
-    xl = pg.PEFAXL(lam=0.2, k=8, candidates=25, device="cpu").fit(P, Q, Y)
+    xl = pg.PEFAXL(lam=0.2, k=8, search_params=pg.XLSearchParams(candidates=25),
+                   device="cpu").fit(P, Q, Y)
     assert torch.equal(cluster["xl"][1], xl.search(T, 20)[1])
 
 
@@ -568,7 +571,8 @@ def test_scifact_from_text_to_metrics(scifact_dir, tmp_path, ray_runner):
     got = pp.evaluate_configs(*stages_[:2], Y, stages_[2], Yt, configs, tmp_path / "work",
                               candidates=100, runner=ray_runner, show_progress=False)
     models = [pg.ERM(device="cpu").fit(P), pg.PEFAXS(lam=0.5, device="cpu").fit(P, Q, Y),
-              pg.PEFAXL(lam=0.1, k=16, candidates=100, device="cpu").fit(P, Q, Y)]
+              pg.PEFAXL(lam=0.1, k=16, search_params=pg.XLSearchParams(candidates=100),
+                        device="cpu").fit(P, Q, Y)]
     for cfg, res, model in zip(configs, got, models):
         ids = model.search(T, 100)[1]
         want = pg.evaluate(ids, Yt, (10, 100))

@@ -116,7 +116,7 @@ def test_a_failed_export_leaves_nothing_and_keeps_the_old_file(tmp_path, monkeyp
 def _xl(seed=5):
     x, q = clustered(seed, n=400, m=60)
     y = sp.csr_matrix((np.ones(60, np.float32), (np.arange(60), np.arange(60))), (60, 400))
-    return pg.PEFAXL(device="cpu", k=4, candidates=20).fit(x, q, y)
+    return pg.PEFAXL(device="cpu", k=4, search_params=pg.XLSearchParams(candidates=20)).fit(x, q, y)
 
 
 def test_xl_export_directory_is_new_atomic_and_cleans_killed_exports(tmp_path, monkeypatch):

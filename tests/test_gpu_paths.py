@@ -64,14 +64,15 @@ def _small(seed: int = 2):
     return P, Q, Y, test, Yt
 
 
+XL10 = pg.XLSearchParams(candidates=10)
 PATHS = {
     "erm": lambda P, Q, Y, T, Yt: pg.ERM(device="cpu").fit(P).search(T, 5),
     "xs": lambda P, Q, Y, T, Yt: pg.PEFAXS(device="cpu").fit(P, Q, Y).search(T, 5),
-    "xl": lambda P, Q, Y, T, Yt: pg.PEFAXL(device="cpu", k=4, candidates=10).fit(P, Q, Y)
+    "xl": lambda P, Q, Y, T, Yt: pg.PEFAXL(device="cpu", k=4, search_params=XL10).fit(P, Q, Y)
     .search(np.concatenate([T] * 3), 5),  # > 16 queries: the torch fusion
     "xl-hnsw": lambda P, Q, Y, T, Yt: pg.PEFAXL(device="cpu", backend="hnsw", k=4,
-                                                candidates=10).fit(P, Q, Y).search(T, 5),
-    "xl-score": lambda P, Q, Y, T, Yt: pg.PEFAXL(device="cpu", k=4, candidates=10)
+                                                search_params=XL10).fit(P, Q, Y).search(T, 5),
+    "xl-score": lambda P, Q, Y, T, Yt: pg.PEFAXL(device="cpu", k=4, search_params=XL10)
     .fit(P, Q, Y).score(torch.from_numpy(T), torch.zeros(12, 3, dtype=torch.long,
                                                            device="cpu")),
     "pifa-staged": lambda P, Q, Y, T, Yt: pg.aggregate_stream.pifa_streamed(

@@ -16,7 +16,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.errors import InputError
 
-from conftest import unit_rows
+from conftest import make_model, unit_rows
 import reference as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,7 +86,8 @@ def _calls():
         ("pifa", lambda P, Q, T, Y: pg.pifa(Y, Q, device="cpu")),
         ("pifa streamed", lambda P, Q, T, Y: pg.pifa(Y, Q, device="cpu", memory_budget=1 << 20)),
         ("PEFAXS.fit", xs),
-        ("PEFAXL.fit", lambda P, Q, T, Y: pg.PEFAXL(device="cpu", k=4, candidates=8).fit(P, Q, Y)),
+        ("PEFAXL.fit", lambda P, Q, T, Y: make_model(pg.PEFAXL, device="cpu", k=4, candidates=8)
+         .fit(P, Q, Y)),
         ("NUDGE.fit", lambda P, Q, T, Y: pg.NUDGE(device="cpu", gamma=0.1).fit(P, Q, Y)),
         ("NUDGE.fit val", lambda P, Q, T, Y: pg.NUDGE(device="cpu").fit(P, Q, Y, Q, Y)),
         ("add_pairs", lambda P, Q, T, Y: fitted_xs(P, Q, T, Y).add_pairs(Q, Y)),
@@ -113,7 +114,7 @@ def test_embedding_buffers_are_read_only_in_models_search_and_score():
     P, Q, T, Y = data(2)
     Pt, Qt, Tt = torch.from_numpy(P.copy()), torch.from_numpy(Q.copy()), torch.from_numpy(T.copy())
     for model in (pg.ERM(device="cpu").fit(Pt), pg.PEFAXS(device="cpu").fit(Pt, Qt, Y),
-                  pg.PEFAXL(device="cpu", k=4, candidates=8).fit(Pt, Qt, Y),
+                  make_model(pg.PEFAXL, device="cpu", k=4, candidates=8).fit(Pt, Qt, Y),
                   pg.NUDGE(device="cpu", gamma=0.2).fit(Pt, Qt, Y)):
         for queries in (T, Tt, T.astype(np.float64)):
             before = buffers(queries)
@@ -157,7 +158,8 @@ _FORGED = textwrap.dedent("""
         return y
     calls = {"pifa": lambda y: pg.pifa(y, Q, device="cpu"),
              "xs": lambda y: pg.PEFAXS(device="cpu").fit(P, Q, y),
-             "xl": lambda y: pg.PEFAXL(device="cpu", k=2, candidates=3).fit(P, Q, y),
+             "xl": lambda y: pg.PEFAXL(device="cpu", k=2, search_params=pg.XLSearchParams(
+                 candidates=3)).fit(P, Q, y),
              "evaluate": lambda y: pg.evaluate(np.zeros((5, 1), np.int64), y, ks=(1,))}
     for name, call in calls.items():
         for fmt in ("csr", "csc", "coo"):
@@ -216,7 +218,8 @@ def test_a_huge_topk_is_refused_before_allocation_and_padding_stays(backend):
     kw = {"ivf": {"index_params": {"nlist": 4}}}.get(backend, {})
     models = [pg.ERM(backend=backend, device="cpu", **kw).fit(P),
               pg.PEFAXS(backend=backend, device="cpu", **kw).fit(P, Q, Y),
-              pg.PEFAXL(backend=backend, device="cpu", k=4, candidates=20, **kw).fit(P, Q, Y),
+              make_model(pg.PEFAXL, backend=backend, device="cpu", k=4, candidates=20, **kw)
+              .fit(P, Q, Y),
               pg.NUDGE(backend=backend, device="cpu", gamma=0.1, **kw).fit(P, Q, Y)]
     for model in models:
         for topk in (3 * 10**8, 10**4 + 1):
@@ -248,7 +251,7 @@ def test_xl_candidates_and_k_beyond_what_exists_equal_the_reference():
     rng = np.random.default_rng(6)
     P, Q, T = unit_rows(rng, N, D), unit_rows(rng, M, D), unit_rows(rng, 4, D)
     Y = sp.csr_matrix((rng.random((M, N)) < 0.15).astype(np.float64))
-    xl = pg.PEFAXL(device="cpu", lam=0.3, k=10**9, candidates=10**9).fit(P, Q, Y)
+    xl = make_model(pg.PEFAXL, device="cpu", lam=0.3, k=10**9, candidates=10**9).fit(P, Q, Y)
     s, i = xl.search(T, topk=10)
     want_s, want_i = ref.xl_search(P, Q, Y, T, lam=0.3, k=10**9, candidates=10**9, topk_out=10)
     np.testing.assert_array_equal(i.numpy(), want_i)

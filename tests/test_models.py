@@ -8,7 +8,7 @@ import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
-from conftest import DEVICES, unit_rows
+from conftest import DEVICES, make_model, unit_rows
 import reference as ref
 
 
@@ -91,7 +91,7 @@ XL_OPTIONS = [
 @pytest.mark.parametrize("opts", XL_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
 def test_xl_matches_reference(device, opts):
     P, Q, Y, T = problem(3)
-    model = pg.PEFAXL(device=device, **opts).fit(P, Q, Y)
+    model = make_model(pg.PEFAXL, device=device, **opts).fit(P, Q, Y)
     scores, ids = model.search(T, topk=15)
     assert scores.shape == (len(T), 15) and ids.dtype == torch.int64
     assert_ranking_close(scores, ids, *ref.xl_search(P, Q, Y, T, topk_out=15, **opts))
@@ -103,7 +103,7 @@ def test_xl_exact_ties_break_to_lower_id(opts):
     P, Q, Y, T = integer_problem(4)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        model = pg.PEFAXL(**opts).fit(P, Q, Y)
+        model = make_model(pg.PEFAXL, **opts).fit(P, Q, Y)
         scores, ids = model.search(T, topk=12)
     rs, ri = ref.xl_search(P, Q, Y, T, topk_out=12, **opts)
     np.testing.assert_array_equal(ids.numpy(), ri)
@@ -120,7 +120,8 @@ def test_xs_and_erm_exact_ties_break_to_lower_id():
 
 def test_xl_pads_when_few_candidates():
     P, Q, Y, T = problem(6, n=20)
-    _, ids = pg.PEFAXL(candidates=3, k=2, augment_docs=False).fit(P, Q, Y).search(T, topk=30)
+    xl = make_model(pg.PEFAXL, candidates=3, k=2, augment_docs=False).fit(P, Q, Y)
+    _, ids = xl.search(T, topk=30)
     _, ri = ref.xl_search(P, Q, Y, T, lam=0.1, k=2, candidates=3, augment_docs=False,
                           topk_out=30)
     np.testing.assert_array_equal(ids.numpy() == -1, ri == -1)
@@ -165,8 +166,8 @@ def test_xl_k_and_candidates_beyond_the_indices_are_clamped(backend, big, augmen
     if backend == "hnsw":
         pytest.importorskip("faiss")
     P, Q, Y, T = problem(3)
-    model = pg.PEFAXL(lam=0.3, k=big, candidates=big, augment_docs=augment, rescore=rescore,
-                      backend=backend, device="cpu").fit(P, Q, Y)
+    model = make_model(pg.PEFAXL, lam=0.3, k=big, candidates=big, augment_docs=augment,
+                       rescore=rescore, backend=backend, device="cpu").fit(P, Q, Y)
     ks: list[int] = []
     model.index, model.query_index = _SearchSpy(model.index, ks), _SearchSpy(model.query_index,
                                                                             ks)

@@ -19,7 +19,7 @@ from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import ExactParams, backend_class, backend_names
 from pefa_gpu.index import exact as exact_module
 
-from conftest import DEVICES, unit_rows
+from conftest import DEVICES, make_model, unit_rows
 
 N, M, D = 60, 40, 8
 
@@ -44,7 +44,7 @@ def fit(cls, data, backend="exact", device="cpu", index_params=None, **params):
         params = {}
     elif cls is pg.PEFAXL:
         params = {"candidates": 20, "k": 4, **params}
-    model = cls(backend=backend, device=device, index_params=index_params, **params)
+    model = make_model(cls, backend=backend, device=device, index_params=index_params, **params)
     return model.fit(P) if cls is pg.ERM else model.fit(P, Q, y)
 
 

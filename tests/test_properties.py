@@ -260,8 +260,9 @@ def test_pefa_xl_search_equals_the_float64_reference(data):
     candidates = n + data.draw(st.integers(0, 3))  # selection by near-equal scores
     topk = data.draw(st.integers(1, n + 2))
     before = snapshot(y.value, P, Q, T)
-    xl = raises_or_returns(y, lambda: pg.PEFAXL(lam=lam, k=k, candidates=candidates,
-                                                augment_docs=augment, device="cpu")
+    xl = raises_or_returns(y, lambda: pg.PEFAXL(lam=lam, k=k, augment_docs=augment, device="cpu",
+                                                search_params=pg.XLSearchParams(
+                                                    candidates=candidates))
                            .fit(P, Q, y.value), True)
     if xl is None:
         assert snapshot(y.value, P, Q, T) == before

@@ -17,7 +17,7 @@ import pytest
 import scipy.sparse as sp
 
 import pefa_gpu as pg
-from conftest import unit_rows
+from conftest import make_model, unit_rows
 from reference import exact_search, xl_search
 from test_exact_memory import _clear_refs_works
 
@@ -44,7 +44,7 @@ else:  # the issue's PEFA-XL case: topk 1000, k 200, 2000 candidates
     P, Q = unit(rng.standard_normal((n, 64))), unit(rng.standard_normal((q, 64)))
     Y = sp.csr_matrix((np.ones(3 * q, np.float32),
                        (np.repeat(np.arange(q), 3), rng.integers(0, n, 3 * q))), shape=(q, n))
-    m = pg.PEFAXL(device="cpu", k=200, candidates=2000,
+    m = pg.PEFAXL(device="cpu", k=200, search_params=pg.XLSearchParams(candidates=2000),
                   index_params={"memory_budget": budget}).fit(P, Q, Y)
     T = unit(rng.standard_normal((b, 64))).astype(dtype)
 m.search(T[:50], topk)  # warm-up
@@ -103,7 +103,7 @@ def test_xl_in_query_blocks_equals_the_reference_and_one_unblocked_search(data):
     P, Q, Y, T = data
     T = T[:300]
     params = dict(device="cpu", lam=0.3, k=4, candidates=20)
-    small = pg.PEFAXL(**params, index_params={"memory_budget": 2**16}).fit(P, Q, Y)
+    small = make_model(pg.PEFAXL, **params, index_params={"memory_budget": 2**16}).fit(P, Q, Y)
     rows = small._memory_budget() // small._query_bytes(10, small.search_params)
     assert rows < len(T) / 3
     s, i = small.search(T, 10)

@@ -21,7 +21,7 @@ from pefa_gpu import storage
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index import exact as exact_module
 
-from conftest import small_problem
+from conftest import make_model, small_problem
 
 N, M, D = 50, 30, 8
 
@@ -35,7 +35,7 @@ def fit(cls, data, **params):
     P, Q, y, _ = data
     if cls is pg.ERM:
         return pg.ERM(device="cpu").fit(P)
-    return cls(device="cpu", **params).fit(P, Q, y)
+    return make_model(cls, device="cpu", **params).fit(P, Q, y)
 
 
 def same(a, b, queries):
@@ -233,7 +233,8 @@ KILL_CHILD = textwrap.dedent("""
     Q = P[:100] + 0.01
     Q /= np.linalg.norm(Q, axis=1, keepdims=True)
     y = sp.csr_matrix((np.ones(100, np.float32), (np.arange(100), np.arange(100))), (100, 400))
-    model = pg.PEFAXL(lam=lam, k=4, candidates=20, device="cpu").fit(P, Q, y)
+    model = pg.PEFAXL(lam=lam, k=4, search_params=pg.XLSearchParams(candidates=20),
+                      device="cpu").fit(P, Q, y)
 
     def die(*a, **k):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,5 +1,6 @@
-"""Models' search settings apart from their build settings: per-call params equal a model built
-with those settings, defaults stay, bad keys are named, saves record both."""
+"""Models' search settings apart from their build settings, each in one typed form: per-call
+params equal a model built with those settings, defaults stay, other forms are refused, saves
+record both."""
 
 from __future__ import annotations
 
@@ -46,6 +47,9 @@ def equal(a, b):
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
 
 
+XL30 = pg.XLSearchParams(candidates=30)
+
+
 @pytest.mark.parametrize("batch", [40, 5])  # the torch path and the small-batch host path
 def test_xl_candidates_per_call_equal_a_model_built_with_them(data, batch):
     T = data[3][:batch]
@@ -53,8 +57,7 @@ def test_xl_candidates_per_call_equal_a_model_built_with_them(data, batch):
     default = model.search(T, 10)
     changed = 0
     for kp in (1, 3, 12):
-        built = xl(data, candidates=kp).search(T, 10)
-        equal(model.search(T, 10, params={"candidates": kp}), built)
+        built = xl(data, search_params=pg.XLSearchParams(candidates=kp)).search(T, 10)
         equal(model.search(T, 10, params=pg.XLSearchParams(candidates=kp)), built)
         changed += not torch.equal(built[1], default[1])
     assert changed, "the candidates tried must change some result, else this test shows nothing"
@@ -68,44 +71,22 @@ def test_xl_index_settings_apply_to_both_indices(data):
     opts = dict(backend="hnsw", index_params={"M": 8, "ef_construction": 20, "threads": 1})
     model = xl(data, **opts)
     assert model.index_search_params == HNSWSearchParams()
-    per_call = model.search(T, 10, params={"candidates": 30, "ef_search": 8})
-    typed = model.search(T, 10, params=[pg.XLSearchParams(candidates=30),
-                                        HNSWSearchParams(ef_search=8)])
-    equal(per_call, typed)
-    # the same settings as a model's defaults, given as a keyword and in search_params: the
-    # same graph (one thread builds it deterministically)
-    old = xl(data, candidates=30, search_params={"ef_search": 8}, **opts)
-    new = xl(data, search_params={"candidates": 30, "ef_search": 8}, **opts)
-    for m in (old, new):
-        assert m.search_params.candidates == 30 and m.index_params == opts["index_params"]
-        assert m.index.search_params.ef_search == m.query_index.search_params.ef_search == 8
-        equal(m.search(T, 10), per_call)
-    assert not torch.equal(model.search(T, 10, params={"candidates": 30})[1], per_call[1]), \
+    model.query_index.search_params = HNSWSearchParams(ef_search=400)  # the defaults differ
+    per_call = model.search(T, 10, params=XL30, index_params=HNSWSearchParams(ef_search=8))
+    # the same settings as a model's defaults: the same graph (one thread builds it
+    # deterministically), both indices take them
+    built = xl(data, search_params=XL30, index_search_params=HNSWSearchParams(ef_search=8),
+               **opts)
+    assert built.search_params.candidates == 30 and built.index_params == opts["index_params"]
+    assert built.index.search_params.ef_search == built.query_index.search_params.ef_search == 8
+    equal(built.search(T, 10), per_call)
+    assert not torch.equal(model.search(T, 10, params=XL30)[1], per_call[1]), \
         "ef_search=8 must matter here, else this test shows nothing"
     # defaults changed after fit reach both indices
-    model.index_search_params = {"ef_search": 8}
-    model.search_params = {"candidates": 30}
+    model.index_search_params = HNSWSearchParams(ef_search=8)
+    model.search_params = XL30
     assert model.query_index.search_params.ef_search == 8
     equal(model.search(T, 10), per_call)
-
-
-@FAISS
-def test_a_calls_dict_changes_only_its_keys_of_each_indexs_defaults(data):
-    T = data[3]
-    model = xl(data, backend="hnsw", index_params={"M": 4, "ef_construction": 8, "threads": 1},
-               search_params={"ef_search": 8})
-    model.query_index.search_params = {"ef_search": 400}  # the indices' defaults differ
-    model.search_params = {"candidates": 30}
-    expected = model.search(T, 10)
-    model.search_params = {"candidates": 500}
-    equal(model.search(T, 10, params={"candidates": 30}), expected)
-    # a backend key applies to both indices, other backend keys stay each index's own
-    model.index.search_params = {"ef_search": 8, "full_scan_factor": 1000.0}  # exact scans
-    scan = model.search(T, 10, params={"candidates": 30, "ef_search": 400})
-    assert not torch.equal(scan[1], expected[1]), "the settings must matter here"
-    model.index.search_params = {"ef_search": 400, "full_scan_factor": 1000.0}
-    model.search_params = {"candidates": 30}
-    equal(model.search(T, 10), scan)
 
 
 @FAISS
@@ -115,46 +96,51 @@ def test_ann_ef_per_call_raises_recall(data):
                    index_params={"M": 4, "ef_construction": 8, "threads": 1}).fit(P)
     truth = pg.ERM(device="cpu").fit(P).search(T, 10)[1].numpy()
 
-    def rec(ids):
+    def rec(ef):
+        ids = model.search(T, 10, index_params=HNSWSearchParams(ef_search=ef))[1]
         return np.mean([len(set(a) & set(b)) / 10 for a, b in zip(ids.numpy(), truth)])
-    low = rec(model.search(T, 10, params={"ef_search": 10})[1])
-    high = rec(model.search(T, 10, params={"ef_search": 400})[1])
-    assert high >= 0.99 and low < high
+    assert rec(400) >= 0.99 and rec(10) < rec(400)
 
 
 @FAISS
-def test_bad_search_settings_are_named(data):
+def test_other_forms_of_search_settings_are_refused_by_name(data):
     T = data[3]
-    model = xl(data, candidates=20)
-    with pytest.raises(InputError, match=r"unknown settings \['candidatez'\]; valid: "
-                                         r"\['candidates'\] \(XLSearchParams\) and \[\]"):
-        model.search(T, 10, params={"candidatez": 3})
+    model = xl(data, backend="hnsw", search_params=pg.XLSearchParams(candidates=20))
+    expect = r"PEFAXL.search params must be XLSearchParams or None, got "
+    for form, name in (({"candidates": 3}, "dict"), ([pg.XLSearchParams()], "list"),
+                       ((pg.XLSearchParams(),), "tuple"), (HNSWSearchParams(), "HNSWSearch")):
+        with pytest.raises(TypeError, match=expect + name):
+            model.search(T, 10, params=form)
+    for form in ({"ef_search": 3}, pg.XLSearchParams()):
+        with pytest.raises(TypeError, match="index_params must be HNSWSearchParams or None"):
+            model.search(T, 10, index_params=form)
+    with pytest.raises(TypeError, match="neighbours params must be HNSWSearchParams"):
+        model.neighbours(torch.from_numpy(T), 4, params={"ef_search": 3})
+    with pytest.raises(InputError, match=r"'candidates' \(search settings: "
+                                         r"search_params=XLSearchParams"):
+        pg.PEFAXL(candidates=3)  # the loose keyword
+    with pytest.raises(TypeError, match="PEFAXL.search_params must be XLSearchParams"):
+        pg.PEFAXL(search_params={"candidates": 4})
+    with pytest.raises(TypeError, match="index_search_params must be HNSWSearchParams"):
+        pg.PEFAXL(backend="hnsw", index_search_params={"ef_search": 4})
+    with pytest.raises(TypeError, match="must be XLSearchParams or None, got dict"):
+        model.search_params = {"candidates": 3}
     with pytest.raises(InputError, match="candidates"):
-        model.search(T, 10, params={"candidates": 0})
-    with pytest.raises(TypeError, match="XLSearchParams"):
-        model.search(T, 10, params=HNSWSearchParams())  # another backend's settings
-    erm = pg.ERM(device="cpu", backend="hnsw").fit(data[0])
-    with pytest.raises(InputError, match=r"valid: \[\] \(ERMSearchParams\) and \['ef_search', "
-                                         r"'full_scan_factor'\] \(HNSWSearchParams"):
-        erm.search(T, 10, params={"candidates": 3})
-    with pytest.raises(InputError, match="given twice"):
-        pg.PEFAXL(candidates=3, search_params={"candidates": 4})
+        pg.XLSearchParams(candidates=0)
     with pytest.raises(InputError, match=r"\['ef_search'\] are search settings of backend "
                                          r"'hnsw', not build settings"):
         pg.ERM(backend="hnsw", index_params={"ef_search": 3})  # a search setting
     with pytest.raises(TypeError):
-        pg.XLParams(candidates=3)  # a search setting, no longer among the build settings
-    with pytest.raises(InputError, match="unknown keys"):
-        model.search_params = {"ef_search": 3}
+        pg.XLParams(candidates=3)  # a search setting, not among the build settings
     assert model.search_params.candidates == 20
 
 
 @FAISS
 def test_saves_record_both_and_load_them(data, tmp_path):
     T = data[3]
-    model = xl(data, backend="hnsw", index_params={"M": 8, "threads": 1},
-               search_params={"candidates": 30, "ef_search": 12})
-    model.query_index.search_params = {"ef_search": 40}  # indices may differ: each is saved
+    model = xl(data, backend="hnsw", index_params={"M": 8, "threads": 1}, search_params=XL30,
+               index_search_params=HNSWSearchParams(ef_search=12))
+    model.query_index.search_params = HNSWSearchParams(ef_search=40)  # each index is saved
     model.save(tmp_path / "m")
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert manifest["params"] == {"lam": 0.3, "k": 8, "knn_norm": "k", "rescore": True,

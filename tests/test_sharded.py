@@ -10,6 +10,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.index import make_index
 from pefa_gpu.index.sharded import ShardedIndex
+from conftest import make_model
 
 
 def ref_search(X: np.ndarray, T: np.ndarray, k: int):
@@ -101,8 +102,9 @@ def test_sharded_models_equal_unsharded(tmp_path, shards):
     for cls, kw in ((pg.PEFAXL, dict(k=4, candidates=20)), (pg.PEFAXS, {}), (pg.ERM, {})):
         args = (P,) if cls is pg.ERM else (P, Q, Y)
         with _nowarn():
-            a = cls(backend="exact", device="cpu", **kw).fit(*args)
-            b = cls(backend="sharded", device="cpu", index_params=params, **kw).fit(*args)
+            a = make_model(cls, backend="exact", device="cpu", **kw).fit(*args)
+            b = make_model(cls, backend="sharded", device="cpu", index_params=params,
+                           **kw).fit(*args)
         sa, ia = a.search(T, topk=12)
         sb, ib = b.search(T, topk=12)
         assert torch.equal(ia, ib), cls.__name__

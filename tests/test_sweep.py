@@ -106,7 +106,8 @@ def test_sweep_equals_separate_fits_and_reference(seed):
             assert 3 in row and 7 in row and row.index(3) + 1 == row.index(7)  # tie: lower id first
             
         else:
-            model = pg.PEFAXL(lam=cfg.lam, k=cfg.k, candidates=kp, device="cpu").fit(P, Q, Y)
+            model = pg.PEFAXL(lam=cfg.lam, k=cfg.k, search_params=pg.XLSearchParams(
+                candidates=kp), device="cpu").fit(P, Q, Y)
             s2, i2 = model.search(test, topk)
             assert torch.equal(i, i2), cfg
             torch.testing.assert_close(s, s2, atol=1e-6, rtol=0)
@@ -138,7 +139,8 @@ def test_xl_rescore_false_and_knn_none_match_separate_fits():
         out = list(sweep_search(P, Q, Y, test, methods=("xl",), lams=(0.2, 0.6), ks=(3, 6),
                                 topk=8, candidates=10, device="cpu", show_progress=False, **kw))
         for cfg, s, i in out:
-            m = pg.PEFAXL(lam=cfg.lam, k=cfg.k, candidates=10, device="cpu", **kw).fit(P, Q, Y)
+            m = pg.PEFAXL(lam=cfg.lam, k=cfg.k, search_params=pg.XLSearchParams(candidates=10),
+                          device="cpu", **kw).fit(P, Q, Y)
             s2, i2 = m.search(test, 8)
             assert torch.equal(i, i2), (cfg, kw)
             torch.testing.assert_close(s, s2, atol=1e-6, rtol=0)

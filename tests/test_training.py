@@ -11,7 +11,7 @@ import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
-from conftest import cuda_syncs, unit_rows
+from conftest import cuda_syncs, make_model, unit_rows
 
 N, M, D, B = 40, 30, 8, 6
 
@@ -40,7 +40,7 @@ def _fit(kind, opts, P, Q, Y, device="cpu"):
     if kind == "erm":
         return pg.ERM(device=device).fit(P)
     cls = pg.PEFAXS if kind == "xs" else pg.PEFAXL
-    return cls(device=device, **opts).fit(P, Q, Y)
+    return make_model(cls, device=device, **opts).fit(P, Q, Y)
 
 
 def _top(scores, k):

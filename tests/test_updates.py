@@ -10,7 +10,7 @@ import torch
 
 import pefa_gpu as pg
 from pefa_gpu.index import ExactIndex, register_backend
-from conftest import unit_rows
+from conftest import make_model, unit_rows
 
 D = 12
 T_QUERIES = 25
@@ -27,7 +27,7 @@ MODELS = [
 
 def _make(kind, opts, backend="exact", device="cpu"):
     cls = {"erm": pg.ERM, "xs": pg.PEFAXS, "xl": pg.PEFAXL}[kind]
-    return cls(backend=backend, device=device, **opts)
+    return make_model(cls, backend=backend, device=device, **opts)
 
 
 class Data:
@@ -157,13 +157,13 @@ def test_fp16_exact_index_updates_equal_refit():
     Q0, Y0 = data.new_pairs(8, False)
     ip = {"dtype": "float16"}
     for kind, opts in [("xs", {"lam": 0.3}), ("xl", {"k": 3, "candidates": 5})]:
-        m = _make(kind, opts).__class__(index_params=ip, device="cpu", **opts)
+        m = make_model(_make(kind, opts).__class__, index_params=ip, device="cpu", **opts)
         m.fit(data.P, data.Q, data.Y)
         dd = Data(np.random.default_rng(12))
         dd.P, dd.Q, dd.Y = data.P.copy(), data.Q.copy(), data.Y.copy()
         m.add_documents(dd.new_docs(2))
         m.add_pairs(*dd.new_pairs(3, False))
-        ref = m.__class__(index_params=ip, device="cpu", **opts).fit(dd.P, dd.Q, dd.Y)
+        ref = make_model(m.__class__, index_params=ip, device="cpu", **opts).fit(dd.P, dd.Q, dd.Y)
         _assert_same_results(m, ref, unit_rows(rng, 10, D))
 
 

@@ -40,7 +40,7 @@ def test_fit_errors(cls, data):
 @pytest.mark.parametrize("make,msg", [
     (lambda: pg.PEFAXS(lam=1.5), "lam"), (lambda: pg.PEFAXS(lam=-0.1), "lam"),
     (lambda: pg.PEFAXL(lam=2), "lam"), (lambda: pg.PEFAXL(k=0), "k must"),
-    (lambda: pg.PEFAXL(k=2.5), "k must"), (lambda: pg.PEFAXL(candidates=-1), "candidates"),
+    (lambda: pg.PEFAXL(k=2.5), "k must"), (lambda: pg.XLSearchParams(candidates=-1), "candidates"),
     (lambda: pg.PEFAXL(knn_norm="sum"), "knn_norm"), (lambda: pg.PEFAXS(lamda=0.5), "lamda"),
     (lambda: pg.ERM(backend="nope"), "backend"), (lambda: pg.ERM(device="tpu"), "device"),
 ])

@@ -11,6 +11,11 @@ import torch
 import pefa_gpu as pg
 
 
+def _xl(candidates, backend="exact", **params):
+    return pg.PEFAXL(backend=backend, device="cpu", **params,
+                     search_params=pg.XLSearchParams(candidates=candidates))
+
+
 def _data(seed, quantized, n=240, m=160, d=12, b=60, negative_y=False):
     rng = np.random.default_rng(seed)
     if quantized:  # 1/4 grid: float32 dot products are exact, so many exact ties
@@ -91,8 +96,7 @@ def _both(model, T, topk, one_at_a_time=False):
 @pytest.mark.filterwarnings("ignore:.*L2-normalised")
 def test_pruned_equals_unpruned(seed, quantized, lam, knn_norm):
     P, Q, T, Y = _data(seed, quantized)
-    model = pg.PEFAXL(lam=lam, k=8, candidates=80, knn_norm=knn_norm, backend="exact",
-                      device="cpu").fit(P, Q, Y)
+    model = _xl(80, lam=lam, k=8, knn_norm=knn_norm).fit(P, Q, Y)
     for one in (False, True):
         (ps, pi), (fs, fi), ks = _both(model, T, 10, one_at_a_time=one)
         _assert_same(ps, pi, fs, fi, exact=quantized)
@@ -105,7 +109,7 @@ def test_pruned_equals_unpruned(seed, quantized, lam, knn_norm):
 @pytest.mark.parametrize("rows", [60, 16])
 def test_pruning_falls_back_per_query(rows):
     P, Q, T, Y = _data(5, quantized=False)
-    model = pg.PEFAXL(lam=0.3, k=8, candidates=80, backend="exact", device="cpu").fit(P, Q, Y)
+    model = _xl(80, lam=0.3, k=8).fit(P, Q, Y)
     tq = torch.from_numpy(T)
     knn_s, _ = model.neighbours(tq, 8, model.index.search(tq, 8))
     negative = (knn_s < 0).any(1).numpy()
@@ -121,15 +125,14 @@ def test_pruning_falls_back_per_query(rows):
 @pytest.mark.filterwarnings("ignore:.*L2-normalised")
 def test_no_pruning_with_negative_weights_or_without_rescore():
     P, Q, T, Y = _data(6, quantized=True, negative_y=True)
-    model = pg.PEFAXL(lam=0.3, k=8, candidates=80, backend="exact", device="cpu").fit(P, Q, Y)
+    model = _xl(80, lam=0.3, k=8).fit(P, Q, Y)
     (ps, pi), (fs, fi), ks = _both(model, T, 10)
     assert set(ks) == {80} and torch.equal(pi, fi) and torch.equal(ps, fs)
     P, Q, T, Y = _data(6, quantized=True)
-    model = pg.PEFAXL(lam=0.3, k=8, candidates=80, rescore=False, backend="exact",
-                      device="cpu").fit(P, Q, Y)
+    model = _xl(80, lam=0.3, k=8, rescore=False).fit(P, Q, Y)
     (ps, pi), (fs, fi), ks = _both(model, T, 10)
     assert set(ks) == {80} and torch.equal(pi, fi) and torch.equal(ps, fs)
-    model = pg.PEFAXL(lam=0.3, k=8, candidates=20, backend="exact", device="cpu").fit(P, Q, Y)
+    model = _xl(20, lam=0.3, k=8).fit(P, Q, Y)
     (_, pi), (_, fi), ks = _both(model, T, 15)  # topk + margin >= candidates: nothing to prune
     assert set(ks) == {20} and torch.equal(pi, fi)
 
@@ -147,7 +150,7 @@ def test_pruning_tie_at_the_boundary_falls_back():
     Y = sp.csr_matrix((np.ones(30, np.float32), (np.arange(30), np.arange(30) + 100)),
                       shape=(30, n))
     T = np.array([[1.0, 0.0, 0.0, 0.0]], np.float32)
-    model = pg.PEFAXL(lam=0.5, k=4, candidates=120, backend="exact", device="cpu").fit(P, Q, Y)
+    model = _xl(120, lam=0.5, k=4).fit(P, Q, Y)
     (ps, pi), (fs, fi), ks = _both(model, T, 60)
     assert ks == [68, 120]
     assert torch.equal(pi, fi) and torch.equal(ps, fs)
@@ -169,8 +172,7 @@ def test_pruning_rounding_collision_falls_back():
     Y = sp.csr_matrix((np.ones(4, np.float32), (np.arange(4), [199, 198, 197, 196])),
                       shape=(4, n))
     T = np.ones((1, 1), np.float32)
-    model = pg.PEFAXL(lam=0.3, k=2, candidates=120, augment_docs=False, backend="exact",
-                      device="cpu").fit(P, Q, Y)
+    model = _xl(120, lam=0.3, k=2, augment_docs=False).fit(P, Q, Y)
     (ps, pi), (fs, fi), ks = _both(model, T, 20)
     assert ks == [28, 120]
     assert torch.equal(pi, fi) and torch.equal(ps, fs)
@@ -185,8 +187,7 @@ def test_pruning_rounding_collision_falls_back():
     P2 = np.hstack([P, np.linspace(0.1, 0.9, n, dtype=np.float32)[:, None]])
     Q2 = np.hstack([Q, np.zeros((4, 1), np.float32)])
     T2 = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
-    model = pg.PEFAXL(lam=0.3, k=2, candidates=120, augment_docs=False, backend="exact",
-                      device="cpu").fit(P2, Q2, Y)
+    model = _xl(120, lam=0.3, k=2, augment_docs=False).fit(P2, Q2, Y)
     (ps, pi), (fs, fi), ks = _both(model, T2, 20)
     assert ks == [28, 120]
     assert torch.equal(pi, fi) and torch.equal(ps, fs)
@@ -197,7 +198,7 @@ def test_pruning_rounding_collision_falls_back():
 def test_pruning_with_ann_backends_keeps_recall(backend, module):
     pytest.importorskip(module)
     P, Q, T, Y = _data(7, quantized=False)
-    model = pg.PEFAXL(lam=0.3, k=8, candidates=80, backend=backend, device="cpu").fit(P, Q, Y)
+    model = _xl(80, lam=0.3, k=8, backend=backend).fit(P, Q, Y)
     (_, pi), (_, fi), ks = _both(model, T, 10)
     assert 18 in ks
     overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(pi.tolist(), fi.tolist())])

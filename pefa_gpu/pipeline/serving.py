@@ -53,6 +53,11 @@ def _load(folder: Path, entry: Entry, device: Any) -> _Loaded:
     return _Loaded(*entry.rows, shard.model, None if rows is None else rows.to(shard.model.device))
 
 
+def _typed(model: Any, params: dict | None) -> Any:
+    """The backend's search settings of ``model`` changed by ``params`` (None: its own)."""
+    return model.index_search_params.replace(**params) if params else None
+
+
 def _gather(shards: Sequence[_Loaded], k: int,
             search: Callable[[_Loaded, int], Result]) -> Result | None:
     """``search(shard, min(k, its size))`` on every shard, ids made global, merged on the
@@ -81,12 +86,13 @@ class ShardServer:
         ``params``: the backend's search settings (None: each index's own)."""
         return _gather(self.docs, k, lambda s, kk: (  # XL shards: their passage index
             s.model.index.search(q.to(s.model.device), kk, params) if s.query_rows is not None
-            else s.model.search(q.to(s.model.device), kk, params=params)))
+            else s.model.search(q.to(s.model.device), kk, index_params=_typed(s.model, params))))
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k training queries over this server's query shards (global rows)."""
         return _gather(self.queries, k,
-                       lambda s, kk: s.model.search(q.to(s.model.device), kk, params=params))
+                       lambda s, kk: s.model.search(q.to(s.model.device), kk,
+                                                    index_params=_typed(s.model, params)))
 
     def fuse(self, q: torch.Tensor, erm: Result, knn: Result, topk: int, lam: float,
              k: int) -> Result | None:
