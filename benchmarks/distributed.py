@@ -25,6 +25,7 @@ Results: benchmarks/results/distributed.{json,md}.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -34,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _common import SCIFACT, md_table, write_results  # noqa: E402
+from _common import RESULTS, SCIFACT, md_table, write_results  # noqa: E402
 
 import pefa_gpu as pg  # noqa: E402
 from pefa_gpu import pipeline as pp  # noqa: E402
@@ -226,10 +227,35 @@ ASSUME = {
 }
 
 
+# cost-model stage -> the stage of benchmarks/scale_curve.py whose measured growth it takes
+MEASURED = {"aggregate": ("pipeline", "aggregate", "xs"),
+            "build (exact shards)": ("pipeline", "build", "xs"),
+            "search + evaluate (exact ERM/XS, top-100)": ("model", "search", "erm"),
+            "search XL (Kp=500)": ("model", "search", "xl")}
+
+
+def measured_exponents() -> dict[str, tuple[float, int]]:
+    """Cost-model stage -> (time exponent in n, largest n measured) from
+    results/scale_curve.json (exact float32 rows), where that file has the stage."""
+    path = RESULTS / "scale_curve.json"
+    if not path.exists():
+        return {}
+    curves = json.loads(path.read_text())["curves"]
+    out = {}
+    for stage, (where, what, method) in MEASURED.items():
+        for c in curves:
+            if (c["path"], c["stage"], c["method"]) == (where, what, method) and \
+                    c["backend"] == "exact" and c["dtype"] == "float32" and c["time_exponent"]:
+                out[stage] = (c["time_exponent"], c["n"][-1])
+    return out
+
+
 def cost_model(n: float, m: float, nnz: float, d: int, n_test: float, nodes: int,
-               kp: int = 500) -> dict:
+               kp: int = 500, exponents: dict | None = None) -> dict:
     """Hours per stage for ``nodes`` GPU nodes: each stage takes the longest of its compute,
-    its network and its storage time (all spread evenly over the nodes)."""
+    its network and its storage time (all spread evenly over the nodes). ``exponents``
+    (:func:`measured_exponents`): a stage measured to grow as n^e up to n0 takes the linear
+    estimate times (n / n0)^(e - 1) beyond n0 (e below 1 counts as 1)."""
     a = ASSUME
     g = nodes * a["gpus_per_node"]
     f = d * a["bytes_per_float"]
@@ -251,6 +277,8 @@ def cost_model(n: float, m: float, nnz: float, d: int, n_test: float, nodes: int
                                   (g * a["gemm_tflops_per_gpu"] * 1e12),
                                   n_test * g * (2 * f + 2 * (kp + 16) * 12 + 1200) / net),
     }
+    for k, (e, n0) in (exponents or {}).items():
+        stages[k] *= max(n / n0, 1.0) ** max(e - 1.0, 0.0)
     naive = nnz * (f + 8) / net
     out = {k: v / 3600 for k, v in stages.items()}
     out["aggregate, naive join (network only)"] = naive / 3600
@@ -264,14 +292,15 @@ def cost_model(n: float, m: float, nnz: float, d: int, n_test: float, nodes: int
 def cost_rows() -> tuple[list[list], dict]:
     settings = {"ProdSearch-30M": dict(n=30e6, m=100e6, nnz=500e6, d=768, n_test=1e6),
                 "1B documents": dict(n=1e9, m=3e9, nnz=15e9, d=768, n_test=10e6)}
-    rows, data = [], {}
+    rows, data, exponents = [], {}, measured_exponents()
     for name, s in settings.items():
         for nodes in (1, 4, 16, 64):
-            c = cost_model(nodes=nodes, **s)
+            c = cost_model(nodes=nodes, exponents=exponents, **s)
             data[f"{name} / {nodes} nodes"] = c
             rows.append([name, nodes, *[f"{v:.2f}" if "GB" not in k else f"{v:.0f}"
                                         for k, v in c.items()]])
-    return rows, {"settings": settings, "assumptions": ASSUME, "hours": data}
+    return rows, {"settings": settings, "assumptions": ASSUME, "hours": data,
+                  "measured_exponents": exponents}
 
 
 # ------------------------------------------------------------------------------ main
@@ -285,10 +314,18 @@ def main() -> None:
     ap.add_argument("--encode-docs", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-encode", action="store_true")
+    ap.add_argument("--cost-only", action="store_true",
+                    help="keep the measurements of results/distributed.json, redo the cost model "
+                    "(after a new results/scale_curve.json)")
     args = ap.parse_args()
 
-    enc = [] if args.skip_encode else bench_encode(args.encode_docs)
-    syn = bench_synthetic(args)
+    if args.cost_only:
+        old = json.loads((RESULTS / "distributed.json").read_text())
+        args = argparse.Namespace(**old["args"])
+        enc, syn, measured_on = old["encode"], old["synthetic"], old["stamp"]["date"]
+    else:
+        enc = [] if args.skip_encode else bench_encode(args.encode_docs)
+        syn, measured_on = bench_synthetic(args), None
     cost, cost_data = cost_rows()
 
     md = []
@@ -340,11 +377,22 @@ def main() -> None:
               "taken at its worst (no document repeated within a query shard). ProdSearch-30M: "
               "n = 30M, m = 100M, nnz = 500M, d = 768, 1M test queries; 1B documents: m = 3B, "
               "nnz = 15B, 10M test queries.\n")
+    if cost_data["measured_exponents"]:
+        md.append("Re-fit to the growth measured on one machine from 100k to 5M documents "
+                  "(benchmarks/results/scale_curve.md): a stage measured to grow as n^e up to "
+                  "n0 takes the linear estimate times (n / n0)^(e - 1) beyond n0 (e below 1 "
+                  "counts as 1): " + ", ".join(
+                      f"{k}: e = {e:.2f} to n0 = {n0:,}"
+                      for k, (e, n0) in cost_data["measured_exponents"].items()) + ".\n")
+    if measured_on:
+        md.append(f"(Cost model redone with --cost-only; the measurements above are of "
+                  f"{measured_on}.)\n")
     md.append(md_table(["setting", "nodes", *cost_data["hours"][next(iter(cost_data["hours"]))]],
                        cost))
     write_results("distributed", {"args": vars(args), "encode": enc, "synthetic": syn,
                                   "ratios_vs_pipeline": ratio, "ratios_vs_library": ratio_lib,
-                                  "cost_model": cost_data}, "\n".join(md))
+                                  "cost_model": cost_data, "measured_on": measured_on},
+                  "\n".join(md))
     print("\n".join(md))
 
 
