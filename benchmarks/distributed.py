@@ -322,7 +322,8 @@ def main() -> None:
     if args.cost_only:
         old = json.loads((RESULTS / "distributed.json").read_text())
         args = argparse.Namespace(**old["args"])
-        enc, syn, measured_on = old["encode"], old["synthetic"], old["stamp"]["date"]
+        enc, syn = old["encode"], old["synthetic"]
+        measured_on = old.get("measured_on") or old["stamp"]["date"]
     else:
         enc = [] if args.skip_encode else bench_encode(args.encode_docs)
         syn, measured_on = bench_synthetic(args), None
