@@ -489,6 +489,32 @@ def extrapolate(cs: list[dict], n_to: float) -> list[list]:
     return out
 
 
+def limits(rows: list[dict]) -> str:
+    """The largest n each path completed, the first it could not, and the n at which the
+    arrays the in-memory models hold reach this machine's memory."""
+    total = int(re.search(r"MemTotal:\s+(\d+)", open("/proc/meminfo").read()).group(1)) * 1024
+    lines = []
+    for path, method in (("model", "xs"), ("model", "xl"), ("pipeline", "xs"),
+                         ("pipeline", "xl")):
+        done = [r["n"] for r in rows if r["path"] == path and r.get("method") == method and
+                r["stage"] == "search" and r.get("backend") == "exact" and
+                r.get("dtype") == "float32" and "seconds" in r]
+        why = [r for r in rows if r["path"] == path and r.get("method") == method and
+               r.get("skipped") and r.get("backend") == "exact" and r.get("dtype") == "float32"]
+        what = "in memory" if path == "model" else "out of core (pipeline)"
+        line = f"- PEFA-{method.upper()} {what}: largest n fitted and searched " \
+               f"{max(done):,}" if done else f"- PEFA-{method.upper()} {what}: none"
+        if why:
+            line += f"; n = {why[0]['n']:,} not run: {why[0]['skipped']}"
+        lines.append(line)
+    for method in ("xs", "xl"):
+        per_doc = held_bytes(1_000_000, 1_000_000, method, "exact", "float32") / 1e6
+        lines.append(f"- PEFA-{method.upper()} in memory holds {per_doc:,.0f} bytes per document "
+                     f"(d = {D}, one pair per query): this machine's {total / GiB:.1f} GiB end "
+                     f"near n = {0.85 * total / per_doc / 1e6:.1f}M (85% of it)")
+    return "\n".join(lines) + "\n"
+
+
 def report(args) -> None:
     sys.path.insert(0, str(HERE))
     from _common import md_table, write_results
@@ -527,6 +553,7 @@ def report(args) -> None:
                         [[r["path"], f"{r['n']:,}", r["stage"], r.get("method", ""),
                           r.get("backend", ""), r.get("dtype", ""), r["skipped"]]
                          for r in skipped])]
+    md += ["\n## Where one machine ends\n", limits(rows)]
     md += ["\n## This machine at 30M documents (the fitted exponents carried from the largest "
            "point; estimates, not measurements)\n",
            md_table(["path", "stage", "method", "time exp.", "largest n measured", "seconds there",
