@@ -90,14 +90,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     csr = rel.csr
     indices = csr.indices
     indptr = csr.indptr.astype(indices.dtype, copy=False)
-    if initial is None:
-        a = torch.zeros((n, d), dtype=torch.float32, device=device)
-    elif tuple(initial.shape) != (n, d) or initial.dtype != torch.float32 or \
-            initial.device.type != device.type or not initial.is_contiguous():
-        raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device}, "
-                         f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
-    else:
-        a = initial
+    a = _output(initial, n, d, device)
     if kernel == "index_add":
         seen = _stream_staged(src, rows, indptr, indices, csr.data, m, a)
     else:
@@ -105,6 +98,18 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     if seen != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {seen} rows")
     return a
+
+
+def _output(initial: torch.Tensor | None, n: int, d: int, device: torch.device) -> torch.Tensor:
+    """The (n, d) float32 tensor the sums accumulate into: ``initial`` when given (checked:
+    the kernels write into it by raw offsets), else zeros."""
+    if initial is None:
+        return torch.zeros((n, d), dtype=torch.float32, device=device)
+    if tuple(initial.shape) != (n, d) or initial.dtype != torch.float32 or \
+            initial.device.type != device.type or not initial.is_contiguous():
+        raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device}, "
+                         f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
+    return initial
 
 
 _NORM_BLOCK = 1 << 14  # rows per step of normalize_rows_ (its temporaries: one such block)
