@@ -140,5 +140,25 @@ class Index(abc.ABC):
                 f"search_params={self.search_params})")
 
 
+def check_budget(value: Any, also: str = "") -> None:
+    """A memory budget: an int >= 64 KiB (``also`` names what else is allowed)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2**16:
+        raise InputError(f"memory_budget must be {also}an int >= 65536 bytes, got {value!r}")
+
+
+def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> torch.Tensor:
+    """Integer ids (any shape) -> flat int64; InputError naming the ids outside [0, ntotal) and,
+    when ``distinct``, repeated ids."""
+    if ids.is_floating_point():
+        raise InputError(f"ids must be integers, got dtype {ids.dtype}")
+    i = ids.flatten().long()
+    if i.numel() and (int(i.min()) < 0 or int(i.max()) >= ntotal):
+        bad = i[(i < 0) | (i >= ntotal)][:5].tolist()
+        raise InputError(f"ids out of range [0, {ntotal}): {bad}")
+    if distinct and i.unique().numel() != i.numel():
+        raise InputError("ids must not repeat")
+    return i
+
+
 def _field_names(cls: type[Params]) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}

@@ -30,7 +30,7 @@ from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params, check_positive
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
-from .base import Index
+from .base import Index, check_budget
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -53,10 +53,7 @@ class CagraParams(Params):
     def validate(self) -> None:
         check_positive(self.graph_degree, "graph_degree")
         check_positive(self.intermediate_graph_degree, "intermediate_graph_degree")
-        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) \
-                or self.memory_budget < 2**16:
-            raise InputError(f"memory_budget must be an int >= 65536 bytes, "
-                             f"got {self.memory_budget!r}")
+        check_budget(self.memory_budget)
         if self.intermediate_graph_degree < self.graph_degree:
             raise InputError(f"intermediate_graph_degree={self.intermediate_graph_degree} "
                              f"must be >= graph_degree={self.graph_degree}")

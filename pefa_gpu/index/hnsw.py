@@ -29,8 +29,8 @@ import torch
 from ..arrays import as_tensor
 from ..errors import FormatError, InputError
 from ..params import Params, check_positive
-from ._faiss import (FaissBackend, faiss_search_parameters, faiss_threads, host_float32,
-                     import_faiss)
+from ._faiss import faiss_search_parameters, faiss_threads, host_float32, import_faiss
+from ._faiss_backend import FaissBackend
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

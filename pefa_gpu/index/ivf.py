@@ -27,8 +27,9 @@ import torch
 from ..arrays import as_tensor, cuda_index
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice, check_positive
-from ._faiss import (FaissBackend, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
-                     faiss_threads, host_float32, import_faiss, on_current_stream)
+from ._faiss import (faiss_has_gpu, faiss_pointer, faiss_search_parameters, faiss_threads,
+                     host_float32, import_faiss, on_current_stream)
+from ._faiss_backend import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
 
