@@ -20,18 +20,14 @@ import torch
 from ..arrays import as_tensor, cuda_index, to_numpy
 from ..errors import InputError, MissingDependencyError
 from ..topk import PAD_ID, PAD_SCORE, merge_topk, order_ties
+from .base import import_optional
 
 
 def import_faiss() -> Any:
     """The faiss module, or MissingDependencyError saying how to install it."""
-    try:
-        import faiss  # noqa: PLC0415 (lazy on purpose)
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "this backend needs faiss: `pip install faiss-cpu` (CPU) or "
-            "`conda install -c pytorch faiss-gpu` (GPU); or `pip install pefa_gpu[faiss]`"
-        ) from exc
-    return faiss
+    return import_optional("faiss", "this backend needs faiss: `pip install faiss-cpu` (CPU) or "
+                           "`conda install -c pytorch faiss-gpu` (GPU); or `pip install "
+                           "pefa_gpu[faiss]`")
 
 
 @functools.lru_cache(maxsize=1)

@@ -21,18 +21,41 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from ..arrays import resolve_device
-from ..errors import InputError
-from ..params import Params
+from ..errors import InputError, MissingDependencyError
+from ..params import Params, check_nonnegative, check_positive
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NoSearchParams(Params):
+class IndexParams(Params):
+    """Build or search settings of a backend: fields made by :func:`positive` / :func:`count`
+    are checked on construction (a subclass's ``validate`` adds its own checks)."""
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                check, *extra = f.metadata["check"]
+                check(getattr(self, f.name), f.name, *extra)
+
+
+def positive(default: int) -> Any:
+    """An :class:`IndexParams` field holding a positive int."""
+    return dataclasses.field(default=default, metadata={"check": (check_positive,)})
+
+
+def count(default: int, zero: str = "") -> Any:
+    """An :class:`IndexParams` field holding an int >= 0; ``zero`` says what 0 means."""
+    return dataclasses.field(default=default, metadata={"check": (check_nonnegative, zero)})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoSearchParams(IndexParams):
     """The search settings of a backend that has none to tune."""
 
 
@@ -140,6 +163,15 @@ class Index(abc.ABC):
                 f"search_params={self.search_params})")
 
 
+def import_optional(module: str, install: str) -> Any:
+    """The optional library ``module``, imported on first use, or MissingDependencyError
+    saying ``install``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(install) from exc
+
+
 def check_budget(value: Any, also: str = "") -> None:
     """A memory budget: an int >= 64 KiB (``also`` names what else is allowed)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 2**16:
@@ -158,6 +190,20 @@ def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> tor
     if distinct and i.unique().numel() != i.numel():
         raise InputError("ids must not repeat")
     return i
+
+
+class VectorIndex(Index):
+    """An index that keeps its rows as the tensor ``vectors`` (n, d)."""
+
+    vectors: torch.Tensor
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.vectors.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
 
 
 def _field_names(cls: type[Params]) -> set[str]:

@@ -28,9 +28,8 @@ import torch
 
 from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_positive
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
-from .base import Index, check_budget
+from .base import IndexParams, VectorIndex, check_budget, count, positive
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -41,18 +40,17 @@ _INSTALL = ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS "
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CagraParams(Params):
+class CagraParams(IndexParams):
     """Build settings. graph_degree / intermediate_graph_degree: of the final and the
     pre-pruning k-NN graph. memory_budget: bytes for one block of the exact re-scoring (query
     rows x candidates x d float32) and of the exact searches."""
 
-    graph_degree: int = 64
-    intermediate_graph_degree: int = 128
+    graph_degree: int = positive(64)
+    intermediate_graph_degree: int = positive(128)
     memory_budget: int = 256 * 2**20
 
     def validate(self) -> None:
-        check_positive(self.graph_degree, "graph_degree")
-        check_positive(self.intermediate_graph_degree, "intermediate_graph_degree")
+        super().validate()
         check_budget(self.memory_budget)
         if self.intermediate_graph_degree < self.graph_degree:
             raise InputError(f"intermediate_graph_degree={self.intermediate_graph_degree} "
@@ -60,22 +58,14 @@ class CagraParams(Params):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CagraSearchParams(Params):
+class CagraSearchParams(IndexParams):
     """Search settings (CAGRA's own, same names in faiss and cuVS). itopk_size: the internal
     search list (raised to k when smaller). search_width: graph nodes expanded per iteration.
     max_iterations: 0 = CAGRA's automatic choice."""
 
-    itopk_size: int = 128
-    search_width: int = 1
-    max_iterations: int = 0
-
-    def validate(self) -> None:
-        check_positive(self.itopk_size, "itopk_size")
-        check_positive(self.search_width, "search_width")
-        if isinstance(self.max_iterations, bool) or not isinstance(self.max_iterations, int) \
-                or self.max_iterations < 0:
-            raise InputError(f"max_iterations must be an int >= 0 (0 = automatic), got "
-                             f"{self.max_iterations!r}")
+    itopk_size: int = positive(128)
+    search_width: int = positive(1)
+    max_iterations: int = count(0, "automatic")
 
 
 def _engine(device: torch.device) -> str | None:
@@ -129,7 +119,7 @@ def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
     return merge_topk(scores.masked_fill(repeat, PAD_SCORE), ids.masked_fill(repeat, PAD_ID), c)
 
 
-class CagraIndex(Index):
+class CagraIndex(VectorIndex):
     """GPU CAGRA; scores re-computed exactly for the returned ids. Built on CUDA devices
     only; a saved one loads anywhere (see the module docstring)."""
 
@@ -151,14 +141,6 @@ class CagraIndex(Index):
         self._graph: Any = None
         self._res: Any = None  # faiss: StandardGpuResources; cuVS: {stream: Resources}
         self._exact: ExactIndex | None = None
-
-    @property
-    def ntotal(self) -> int:
-        return int(self.vectors.shape[0])
-
-    @property
-    def dim(self) -> int:
-        return int(self.vectors.shape[1])
 
     def build(self, vectors: Any) -> "CagraIndex":
         v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors").detach()

@@ -22,11 +22,11 @@ from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
 from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
 from ._faiss import empty_results, faiss_threads, optional_faiss
-from .base import Index, NoSearchParams, check_budget, check_row_ids
+from .base import IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExactParams(Params):
+class ExactParams(IndexParams):
     """dtype: storage of the vectors ('float32', 'float16', 'bfloat16'); scores are always
     accumulated in float32. memory_budget: bytes a search may hold besides its (B, k) result;
     None: :func:`default_memory_budget` of the index's device at each search."""
@@ -43,7 +43,7 @@ class ExactParams(Params):
 ExactSearchParams = NoSearchParams  # an exact search has no search settings
 
 
-class ExactIndex(Index):
+class ExactIndex(VectorIndex):
     """Brute-force inner-product search. Ties go to the lower id."""
 
     name = "exact"
@@ -61,14 +61,6 @@ class ExactIndex(Index):
         """Hold ``v`` (n, d); ``owned`` False: it may share the caller's memory (update copies)."""
         self.vectors, self._owned = v, owned
         self._max_norm: float | None = None  # largest stored row norm (_rescore_near_ties)
-
-    @property
-    def ntotal(self) -> int:
-        return int(self.vectors.shape[0])
-
-    @property
-    def dim(self) -> int:
-        return int(self.vectors.shape[1])
 
     @property
     def memory_budget(self) -> int:
