@@ -21,7 +21,7 @@ from ..errors import FormatError, InputError
 from ..params import Params
 from ._faiss import (empty_results, host_float32, import_faiss, normalise_results,
                      normalise_results_host, normalise_results_tensors, search_tensors)
-from .base import Index
+from .base import Index, check_row_ids
 from .exact import ExactIndex  # exact search: the k-limit fallback
 
 INDEX_FILE = "index.faiss"
@@ -109,10 +109,7 @@ class FaissBackend(Index):
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
-        i = as_tensor(ids, device=self.device, name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
-                             f"{int(i.max())}")
+        i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
         flat = np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64)
         rows = self._cpu_reader().reconstruct_batch(flat) if flat.size else \
             np.zeros((0, self.dim), np.float32)
@@ -141,12 +138,7 @@ class FaissBackend(Index):
 
     # -- persistence helpers ----------------------------------------------------------------
     def _write(self, index: Any, directory: str | Path) -> None:
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        if self._index is None:
-            raise InputError(f"{type(self).__name__} is empty: build it before saving")
-        self._faiss.write_index(index, str(directory / INDEX_FILE))
+        self._faiss.write_index(index, str(self._save_dir(directory) / INDEX_FILE))
 
     @classmethod
     def _read(cls, directory: str | Path) -> Any:

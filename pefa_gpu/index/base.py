@@ -102,14 +102,6 @@ class Index(abc.ABC):
             return self._search_params.replace(**params) if params else self._search_params
         return self.SearchParams.coerce(params, f"{type(self).__name__}.search params")
 
-    @classmethod
-    def split_params(cls, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """A params dict from before build and search settings were apart (e.g. HNSW
-        ``{"M": 32, "ef_search": 300}``) -> (build settings, search settings)."""
-        search = _field_names(cls.SearchParams) - _field_names(cls.Params)
-        return ({k: v for k, v in data.items() if k not in search},
-                {k: v for k, v in data.items() if k in search})
-
     @abc.abstractmethod
     def build(self, vectors: torch.Tensor) -> "Index":
         """Replace the contents with ``vectors`` (n, d) float; returns self."""
@@ -157,6 +149,16 @@ class Index(abc.ABC):
         ``search_params`` afterwards)."""
         raise NotImplementedError(f"backend {cls.name!r} cannot be loaded yet")
 
+    def _save_dir(self, directory: str | Path, empty_ok: bool = False) -> Path:
+        """``directory`` as a Path; InputError unless it exists and (unless ``empty_ok``) this
+        index has been built."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise InputError(f"save directory {directory} does not exist")
+        if not empty_ok and self.dim == 0:
+            raise InputError(f"{type(self).__name__} is empty: build it before saving")
+        return directory
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ntotal={self.ntotal}, dim={self.dim}, "
                 f"device={self.device}, params={self.params}, "
@@ -179,14 +181,14 @@ def check_budget(value: Any, also: str = "") -> None:
 
 
 def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> torch.Tensor:
-    """Integer ids (any shape) -> flat int64; InputError naming the ids outside [0, ntotal) and,
-    when ``distinct``, repeated ids."""
+    """Integer row ids (any shape) -> the same as int64; InputError naming the ids outside
+    [0, ntotal) and, when ``distinct``, repeated ids."""
     if ids.is_floating_point():
         raise InputError(f"ids must be integers, got dtype {ids.dtype}")
-    i = ids.flatten().long()
+    i = ids.long()
     if i.numel() and (int(i.min()) < 0 or int(i.max()) >= ntotal):
         bad = i[(i < 0) | (i >= ntotal)][:5].tolist()
-        raise InputError(f"ids out of range [0, {ntotal}): {bad}")
+        raise InputError(f"ids must lie in [0, {ntotal}); out of range: {bad}")
     if distinct and i.unique().numel() != i.numel():
         raise InputError("ids must not repeat")
     return i

@@ -29,7 +29,9 @@ import torch
 from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
-from .base import IndexParams, VectorIndex, check_budget, count, positive
+from ._faiss import (faiss_pointer, faiss_search_parameters, import_faiss, on_current_stream,
+                     search_tensors)
+from .base import IndexParams, VectorIndex, check_budget, check_row_ids, count, positive
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -167,19 +169,14 @@ class CagraIndex(VectorIndex):
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
-        i = as_tensor(ids, device=self.device, name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal})")
-        return self.vectors[i]
+        return self.vectors[check_row_ids(as_tensor(ids, device=self.device, name="ids"),
+                                          self.ntotal)]
 
     def _build_graph(self) -> Any:
         p = self.params
         dev = cuda_index(self.device)
         if self.engine == "faiss":
-            import faiss  # noqa: PLC0415
-
-            from ._faiss import faiss_pointer, on_current_stream  # noqa: PLC0415
-
+            faiss = import_faiss()
             self._res = self._res or faiss.StandardGpuResources()
             cfg = faiss.GpuIndexCagraConfig()
             cfg.graph_degree = p.graph_degree
@@ -214,14 +211,8 @@ class CagraIndex(VectorIndex):
         settings = {"itopk_size": max(params.itopk_size, k), "search_width": params.search_width,
                     "max_iterations": params.max_iterations}
         if self.engine == "faiss":
-            import faiss  # noqa: PLC0415
-
-            from ._faiss import search_tensors  # noqa: PLC0415
-
-            sp = faiss.SearchParametersCagra()
-            for name, value in settings.items():
-                setattr(sp, name, value)
-            return search_tensors(faiss, self._graph, q, k, sp, self._res)[1]
+            sp = faiss_search_parameters("SearchParametersCagra", **settings)
+            return search_tensors(import_faiss(), self._graph, q, k, sp, self._res)[1]
         from cuvs.neighbors import cagra  # noqa: PLC0415
 
         neighbours = torch.empty((q.shape[0], k), dtype=torch.uint32, device=q.device)
@@ -252,10 +243,7 @@ class CagraIndex(VectorIndex):
 
     def save(self, directory: str | Path) -> None:
         """Write ``vectors.npy`` (the graph is rebuilt on load, CAGRA builds are fast)."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        np.save(directory / "vectors.npy", to_numpy(self.vectors))
+        np.save(self._save_dir(directory, empty_ok=True) / "vectors.npy", to_numpy(self.vectors))
 
     @classmethod
     def load(cls, directory: str | Path, params: CagraParams | dict | None = None,

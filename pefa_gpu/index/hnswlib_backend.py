@@ -31,7 +31,7 @@ import torch
 
 from ..arrays import as_tensor, to_numpy
 from ..errors import FormatError, InputError
-from .base import IndexParams, count, import_optional, positive
+from .base import IndexParams, check_row_ids, count, import_optional, positive
 from ._faiss import host_float32
 from ._host import HostBackend, read_description, resolve_threads, write_description
 
@@ -111,10 +111,7 @@ class HnswlibIndex(HostBackend):
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
-        i = as_tensor(ids, device="cpu", name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
-                             f"{int(i.max())}")
+        i = check_row_ids(as_tensor(ids, device="cpu", name="ids"), self.ntotal)
         flat = to_numpy(i.flatten())
         rows = (np.asarray(self._index.get_items(flat, return_type="numpy"), dtype=np.float32)
                 if flat.size else np.zeros((0, self.dim), np.float32))
@@ -147,11 +144,7 @@ class HnswlibIndex(HostBackend):
     # -- persistence ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Write ``index.bin`` and ``hnswlib.json`` into the existing, empty ``directory``."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        if self._index is None:
-            raise InputError("HnswlibIndex is empty: build it before saving")
+        directory = self._save_dir(directory)
         self._index.save_index(str(directory / INDEX_FILE))
         write_description(directory / META_FILE, META_FORMAT, space="ip", dim=self.dim,
                           ntotal=self.ntotal)

@@ -27,7 +27,7 @@ import torch
 from ..arrays import as_tensor, cuda_index
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from .base import IndexParams, count, positive
+from .base import IndexParams, check_row_ids, count, positive
 from ._faiss import (faiss_has_gpu, faiss_pointer, faiss_search_parameters, faiss_threads,
                      host_float32, import_faiss, on_current_stream)
 from ._faiss_backend import FaissBackend
@@ -254,10 +254,7 @@ class IVFIndex(FaissBackend):
         the GPU a gather from the device copy of the rows (:meth:`_stored_vectors`)."""
         if not self.on_gpu:
             return super().reconstruct(ids)
-        i = as_tensor(ids, device=self.device, name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
-                             f"{int(i.max())}")
+        i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
         return self._stored_vectors()[i]
 
     def _stored_vectors(self) -> torch.Tensor:

@@ -188,11 +188,7 @@ class ScannIndex(HostBackend):
     def save(self, directory: str | Path) -> None:
         """ScaNN's assets (relative paths) and ``scann.json`` into the existing, empty
         ``directory``."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        if self._searcher is None:
-            raise InputError("ScannIndex is empty: build it before saving")
+        directory = self._save_dir(directory)
         self._searcher.serialize(str(directory), relative_path=True)
         write_description(directory / META_FILE, META_FORMAT, dim=self.dim,
                           ntotal=self.ntotal, num_leaves=self._leaves)

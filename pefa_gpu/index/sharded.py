@@ -107,22 +107,6 @@ class ShardedIndex(Index):
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
         self.shards[-1].add(v)
 
-    @classmethod
-    def split_params(cls, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Old-layout params: the shard backend's search settings come out of
-        ``backend_params``."""
-        from . import backend_class
-
-        inner = data.get("backend_params")
-        try:
-            shard_cls = backend_class(data.get("backend", "exact"))
-        except (InputError, ImportError):
-            return dict(data), {}
-        if not isinstance(inner, dict):
-            return dict(data), {}
-        build, search = shard_cls.split_params(inner)
-        return {**data, "backend_params": build}, search
-
     def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``params``: the shard backend's search settings for this call."""
@@ -169,7 +153,7 @@ class ShardedIndex(Index):
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
         """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) in the shards that hold them."""
-        i = check_row_ids(as_tensor(ids, name="ids").detach(), self.ntotal)
+        i = check_row_ids(as_tensor(ids, name="ids").detach().flatten(), self.ntotal)
         v = as_tensor(vectors, name="vectors").detach()
         if v.ndim != 2 or v.shape[0] != i.numel():
             raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}), got "
