@@ -65,6 +65,15 @@ def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Ten
     return pad_topk(*order_ties(top, ids.gather(1, pos)), k)
 
 
+def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates (B, w) sorted descending -> (B, kk): :func:`merge_topk` where ``settle``
+    (B,) bool, the first kk elsewhere (every row under the mask: no host synchronisation)."""
+    v, i = merge_topk(vals, ids, kk)
+    return (torch.where(settle.unsqueeze(1), v, vals[:, :kk]),
+            torch.where(settle.unsqueeze(1), i, ids[:, :kk]))
+
+
 def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, w) scores sorted descending and their int64 ids -> the same lists with every run of
     equal scores in ascending id order (-1 last). CPU: a check of w - 1 neighbours per row, and

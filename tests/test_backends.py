@@ -299,14 +299,6 @@ def test_cagra_search_params_per_call():
     assert index.search_params == backend_class("cagra").SearchParams()
 
 
-def test_split_params_of_older_saves():
-    assert backend_class("hnsw").split_params({"M": 8, "ef_search": 50, "full_scan_factor": 0}) \
-        == ({"M": 8}, {"ef_search": 50, "full_scan_factor": 0})
-    assert backend_class("ivf").split_params({"kind": "pq", "nprobe": 3}) == \
-        ({"kind": "pq"}, {"nprobe": 3})
-    assert backend_class("exact").split_params({"dtype": "float16"}) == ({"dtype": "float16"}, {})
-
-
 @FAISS
 def test_hnsw_params_and_errors(tmp_path):
     p = backend_class("hnsw").Params()

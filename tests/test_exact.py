@@ -9,7 +9,7 @@ import torch
 
 import pefa_gpu.index.exact as exact_module
 from pefa_gpu.index import ExactIndex, make_index
-from pefa_gpu.topk import merge_topk, topk_rows
+from pefa_gpu.topk import merge_topk, settle_masked, topk_rows
 from conftest import DEVICES, unit_rows
 import reference as ref
 
@@ -19,10 +19,10 @@ def engine(request, monkeypatch):
     """The first pass on the CPU: 'torch' blocks, or 'faiss' (its BLAS path for every batch
     size: its threshold lowered to 1)."""
     if request.param == "torch":
-        monkeypatch.setattr(exact_module, "_FAISS", [None])
+        monkeypatch.setattr(exact_module, "optional_faiss", lambda: None)
     else:
         faiss = pytest.importorskip("faiss")
-        monkeypatch.setattr(exact_module, "_FAISS", [faiss])
+        monkeypatch.setattr(exact_module, "optional_faiss", lambda: faiss)
         monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 1)
     return request.param
 
@@ -175,10 +175,10 @@ def test_random_unit_vectors_equal_reference_ids():
         got = {}
         with pytest.MonkeyPatch.context() as mp:
             if engine_ == "torch":
-                mp.setattr(exact_module, "_FAISS", [None])
+                mp.setattr(exact_module, "optional_faiss", lambda: None)
             else:
                 faiss = pytest.importorskip("faiss")
-                mp.setattr(exact_module, "_FAISS", [faiss])
+                mp.setattr(exact_module, "optional_faiss", lambda: faiss)
             got = ExactIndex().build(X).search(T, 50)
         np.testing.assert_array_equal(got[1].numpy(), ri)
         np.testing.assert_allclose(got[0].numpy(), rv, atol=1e-5)
@@ -251,7 +251,7 @@ def test_settle_masked_equals_the_reference_on_tied_candidates():
     vals[::7, -1] = -np.inf
     settle = torch.from_numpy(vals[:, kk - 1] == vals[:, kk])
     settle[::3] = False  # some tied rows not settled: they keep their first kk
-    v, i = exact_module.settle_masked(torch.from_numpy(vals), torch.from_numpy(ids), settle, kk)
+    v, i = settle_masked(torch.from_numpy(vals), torch.from_numpy(ids), settle, kk)
     for r in range(b):
         if settle[r]:
             order = sorted(range(w), key=lambda c: (-float(vals[r, c]),
@@ -315,7 +315,7 @@ def test_real_valued_copies_tie(engine, monkeypatch, groups, rescanned):
 def test_small_batches_tie_copies(monkeypatch, b):
     """Batches of 2-15 queries on the CPU torch pass: real-valued copies scattered over the
     index tie, and ids equal the float64 reference with the tie rule."""
-    monkeypatch.setattr(exact_module, "_FAISS", [None])
+    monkeypatch.setattr(exact_module, "optional_faiss", lambda: None)
     rng = np.random.default_rng(40 + b)
     X, copies = copied_unit_rows(rng, 5000, 48, (2, 5, 9))
     T = unit_rows(rng, b, 48)
@@ -335,7 +335,7 @@ def test_position_dependent_scores_still_tie(monkeypatch):
     blocks do; here up to 2 ulps by id): copies still tie and ids equal the reference, at
     every k. Without the pair-by-pair rescoring of near ties this fails (checked)."""
     faiss = pytest.importorskip("faiss")
-    monkeypatch.setattr(exact_module, "_FAISS", [faiss])
+    monkeypatch.setattr(exact_module, "optional_faiss", lambda: faiss)
     monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 1)
     rng = np.random.default_rng(22)
     X, copies = copied_unit_rows(rng, 2000, 32, (3, 4, 6))
@@ -369,7 +369,7 @@ def test_rows_equal_on_most_coordinates_still_match(monkeypatch):
     """Rows that agree on most coordinates (near ties that are not copies) are rescored like
     copies, and results still equal the reference."""
     faiss = pytest.importorskip("faiss")
-    monkeypatch.setattr(exact_module, "_FAISS", [faiss])
+    monkeypatch.setattr(exact_module, "optional_faiss", lambda: faiss)
     monkeypatch.setattr(faiss.cvar, "distance_compute_blas_threshold", 1)
     rng = np.random.default_rng(24)
     X, copies = copied_unit_rows(rng, 1500, 64, (4, 9))
@@ -391,7 +391,7 @@ def test_many_cpu_blocks_equal_the_reference(monkeypatch, k):
     """The CPU torch pass over many blocks (a short last one: 30,003 rows in blocks of 4096).
     Real-valued rows with copies spread over the blocks, and queries near copied rows; ids
     equal the float64 reference but where float32 cannot order two different rows."""
-    monkeypatch.setattr(exact_module, "_FAISS", [None])
+    monkeypatch.setattr(exact_module, "optional_faiss", lambda: None)
     rng = np.random.default_rng(31)
     X, copies = copied_unit_rows(rng, 30003, 32, (2, 3, 5))
     X[30000:] = X[copies[0][0]]  # copies in the short last block, too
@@ -419,7 +419,7 @@ def test_rising_and_falling_scores(monkeypatch, rising):
     """Scores that grow with the row id (every block beats the running top-w) or fall with it
     (the first block holds it), over several blocks. Small-integer rows, so ties at the k-th
     place are real. Equal to the reference."""
-    monkeypatch.setattr(exact_module, "_FAISS", [None])
+    monkeypatch.setattr(exact_module, "optional_faiss", lambda: None)
     rng = np.random.default_rng(32)
     n = 12000
     X = rng.integers(-2, 3, (n, 6)).astype(np.float32)
@@ -444,7 +444,7 @@ def test_nan_ranks_first():
     X[21000, 3] = np.nan
     T = unit_rows(rng, 40, 16)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(exact_module, "_FAISS", [None])
+        mp.setattr(exact_module, "optional_faiss", lambda: None)
         index = ExactIndex({"memory_budget": 2**20}).build(X)
         assert index._plan(40, 10)[2] < 21000
         scores, ids = index.search(T, 10)

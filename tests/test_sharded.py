@@ -157,7 +157,3 @@ def test_sharded_passes_the_shard_backends_search_params(tmp_path):
     assert idx.search_params.nprobe == 1
     with pytest.raises(InputError, match="ef_search"):
         idx.search(torch.from_numpy(T), 10, params={"ef_search": 5})
-    # a save from before the split held the shards' search settings in backend_params
-    assert ShardedIndex.split_params({"backend": "ivf", "backend_params": {"nlist": 20,
-                                                                           "nprobe": 3}}) == \
-        ({"backend": "ivf", "backend_params": {"nlist": 20}}, {"nprobe": 3})

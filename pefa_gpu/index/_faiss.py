@@ -1,12 +1,6 @@
-"""Shared plumbing of the faiss backends: lazy import, array hand-off,
-result normalisation (similarities, -1 / -inf padding) and the k-limit fallback.
-
-Every faiss backend subclasses :class:`FaissBackend` and implements ``_raw_search`` (one
-call into faiss with ``k`` within ``max_k`` and the call's search settings, returning faiss' own
-(D, I)) and ``_stored_vectors`` (the indexed rows, for the fallback). A request with ``k``
-above the backend's ``max_k`` (faiss GPU: 2048, CAGRA: 1024) never fails: it is answered by an
-exact search over the stored vectors on the index's device (never worse recall than the ANN
-search would have had).
+"""faiss plumbing: the lazy import, its thread pool, array hand-off and result normalisation
+(similarities, -1 / -inf padding, the tie rule). The faiss backends' common class:
+:mod:`pefa_gpu.index._faiss_backend`.
 
 A faiss index on the GPU (``on_gpu``) is searched with torch tensors on its device: faiss gets
 their device pointers and runs on torch's current stream there (:func:`search_tensors`, as
@@ -18,32 +12,42 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from pathlib import Path
-from typing import Any, ClassVar, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
-from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params
+from ..arrays import as_tensor, cuda_index, to_numpy
+from ..errors import InputError, MissingDependencyError
 from ..topk import PAD_ID, PAD_SCORE, merge_topk, order_ties
-from .base import Index
-from .exact import ExactIndex, faiss_threads  # exact search: the k-limit fallback
-
-INDEX_FILE = "index.faiss"
+from .base import import_optional
 
 
 def import_faiss() -> Any:
     """The faiss module, or MissingDependencyError saying how to install it."""
+    return import_optional("faiss", "this backend needs faiss: `pip install faiss-cpu` (CPU) or "
+                           "`conda install -c pytorch faiss-gpu` (GPU); or `pip install "
+                           "pefa_gpu[faiss]`")
+
+
+@functools.lru_cache(maxsize=1)
+def optional_faiss() -> Any:
+    """The faiss module, or None when it is not installed."""
     try:
-        import faiss  # noqa: PLC0415 (lazy on purpose)
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "this backend needs faiss: `pip install faiss-cpu` (CPU) or "
-            "`conda install -c pytorch faiss-gpu` (GPU); or `pip install pefa_gpu[faiss]`"
-        ) from exc
-    return faiss
+        return import_faiss()
+    except MissingDependencyError:
+        return None
+
+
+@contextlib.contextmanager
+def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
+    """Run the block with faiss' OpenMP pool set to ``threads`` (0 = leave as is)."""
+    before = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(int(threads) or before)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(before)
 
 
 def faiss_has_gpu(faiss: Any) -> bool:
@@ -164,138 +168,6 @@ def search_tensors(faiss: Any, index: Any, q: torch.Tensor, k: int, params: Any 
 
 
 def empty_results(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, k) results with nothing found: scores -inf, ids -1."""
     return (torch.full((b, k), PAD_SCORE, device=device),
             torch.full((b, k), PAD_ID, dtype=torch.long, device=device))
-
-
-class FaissBackend(Index):
-    """Common shape of the faiss backends (see module docstring).
-
-    ``max_k`` (class attribute, ``None`` = no limit) is the largest k the native search
-    accepts; tests lower it to exercise the fallback on CPU.
-    """
-
-    max_k: ClassVar[int | None] = None
-
-    def __init__(self, params: Any = None, device: Any = None):
-        super().__init__(params, device)
-        self._faiss = import_faiss()
-        self._index: Any = None
-        self._dim = 0
-        self._fallback: Index | None = None
-
-    # -- protocol ---------------------------------------------------------------------------
-    @property
-    def on_gpu(self) -> bool:
-        """True when the faiss index lives on the GPU (searched with device tensors)."""
-        return False
-
-    @property
-    def ntotal(self) -> int:
-        return int(self._index.ntotal) if self._index is not None else 0
-
-    @property
-    def dim(self) -> int:
-        return self._dim
-
-    def search(self, queries: Any, k: int, params: Params | dict | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, k) float32 similarities, int64 ids (-1 / -inf padded).
-        ``params``: this call's search settings (None: ``search_params``)."""
-        sp = self.resolve_search_params(params)
-        k = check_topk(k, self.ntotal, "k")
-        if self.on_gpu:  # faiss reads the tensor where it is: no host copy, values not read
-            q = as_tensor(queries, device=self.device, dtype=torch.float32,
-                          name="queries").detach()
-        else:
-            q = host_float32(queries, "queries")
-        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
-            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
-        if q.shape[0] == 0 or self.ntotal == 0:
-            return empty_results(q.shape[0], k, self.device)
-        limit = self._k_limit()
-        if limit is not None and k > limit:
-            return self._search_beyond_limit(q, k)
-        if self.on_gpu:  # on torch's current stream; results normalised on the device
-            return normalise_results_tensors(*search_tensors(
-                self._faiss, self._index, q, k, self._faiss_params(sp), self._gpu_resources()))
-        return normalise_results(*self._raw_search(q, k, sp), self.device)
-
-    def search_host(self, queries: Any, k: int, check_finite: bool = True,
-                    params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`search` with numpy results on the host (for small CPU batches: no torch
-        hand-off). ``check_finite=False``: the caller has already tested the queries for NaN /
-        inf."""
-        sp = self.resolve_search_params(params)
-        k = check_topk(k, self.ntotal, "k")
-        q = host_float32(queries, "queries", check_finite=check_finite)
-        if self.ntotal and q.shape[1] != self.dim:
-            raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
-        limit = self._k_limit()
-        if q.shape[0] == 0 or self.ntotal == 0 or (limit is not None and k > limit):
-            return tuple(map(to_numpy, self.search(q, k, sp)))
-        return normalise_results_host(*self._raw_search(q, k, sp))
-
-    def _k_limit(self) -> int | None:
-        return self.max_k
-
-    def _search_beyond_limit(self, queries: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """k above ``max_k``: exact search over the stored vectors on the index's device."""
-        if self._fallback is None or self._fallback.ntotal != self.ntotal:
-            self._fallback = ExactIndex(device=self.device).build(self._stored_vectors())
-        return self._fallback.search(as_tensor(queries, device=self.device).float(), k)
-
-    def _invalidate(self) -> None:
-        self._fallback = None
-
-    def reconstruct(self, ids: Any) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
-        i = as_tensor(ids, device=self.device, name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
-                             f"{int(i.max())}")
-        flat = np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64)
-        rows = self._cpu_reader().reconstruct_batch(flat) if flat.size else \
-            np.zeros((0, self.dim), np.float32)
-        return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
-
-    def _cpu_reader(self) -> Any:
-        """A CPU faiss index whose ``reconstruct_batch`` returns the stored rows."""
-        raise NotImplementedError
-
-    # -- to implement -----------------------------------------------------------------------
-    def _raw_search(self, q: np.ndarray, k: int, params: Params) -> tuple[np.ndarray, np.ndarray]:
-        """One faiss search, k within ``max_k``, with the search settings ``params`` (this
-        backend's SearchParams): faiss' (D, I) as numpy arrays."""
-        raise NotImplementedError
-
-    def _faiss_params(self, params: Params) -> Any:
-        """The faiss ``SearchParameters`` object for this backend's ``params`` (GPU indices)."""
-        raise NotImplementedError
-
-    def _gpu_resources(self) -> Any:
-        """The faiss GPU resources of a GPU index (None on the CPU)."""
-        return None
-
-    def _stored_vectors(self) -> torch.Tensor:
-        raise NotImplementedError
-
-    # -- persistence helpers ----------------------------------------------------------------
-    def _write(self, index: Any, directory: str | Path) -> None:
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        if self._index is None:
-            raise InputError(f"{type(self).__name__} is empty: build it before saving")
-        self._faiss.write_index(index, str(directory / INDEX_FILE))
-
-    @classmethod
-    def _read(cls, directory: str | Path) -> Any:
-        path = Path(directory) / INDEX_FILE
-        if not path.is_file():
-            raise FormatError(f"{path} is missing: not a saved {cls.name!r} index")
-        faiss = import_faiss()
-        try:
-            return faiss.read_index(str(path))
-        except Exception as exc:  # faiss raises RuntimeError on a corrupt file
-            raise FormatError(f"{path} could not be read by faiss: {exc}") from exc

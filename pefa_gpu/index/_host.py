@@ -68,6 +68,19 @@ class HostBackend(Index):
     def dim(self) -> int:
         return self._dim
 
+    def add(self, vectors: Any) -> None:
+        """Append rows (ids continue after the existing ones); into an empty index: build."""
+        if self._dim == 0:
+            self.build(vectors)
+            return
+        x = host_float32(vectors, "vectors", dim=self.dim)
+        if x.shape[0]:
+            self._append(x)
+
+    def _append(self, x: np.ndarray) -> None:
+        """Add the (r, d) float32 rows ``x`` (r > 0) after the existing ones."""
+        raise NotImplementedError
+
     def search(self, queries: Any, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, k) float32 similarities and int64 ids on ``device``, -1 / -inf

@@ -21,18 +21,41 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 
 from ..arrays import resolve_device
-from ..errors import InputError
-from ..params import Params
+from ..errors import InputError, MissingDependencyError
+from ..params import Params, check_nonnegative, check_positive
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class NoSearchParams(Params):
+class IndexParams(Params):
+    """Build or search settings of a backend: fields made by :func:`positive` / :func:`count`
+    are checked on construction (a subclass's ``validate`` adds its own checks)."""
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                check, *extra = f.metadata["check"]
+                check(getattr(self, f.name), f.name, *extra)
+
+
+def positive(default: int) -> Any:
+    """An :class:`IndexParams` field holding a positive int."""
+    return dataclasses.field(default=default, metadata={"check": (check_positive,)})
+
+
+def count(default: int, zero: str = "") -> Any:
+    """An :class:`IndexParams` field holding an int >= 0; ``zero`` says what 0 means."""
+    return dataclasses.field(default=default, metadata={"check": (check_nonnegative, zero)})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoSearchParams(IndexParams):
     """The search settings of a backend that has none to tune."""
 
 
@@ -78,14 +101,6 @@ class Index(abc.ABC):
         if isinstance(params, dict):
             return self._search_params.replace(**params) if params else self._search_params
         return self.SearchParams.coerce(params, f"{type(self).__name__}.search params")
-
-    @classmethod
-    def split_params(cls, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """A params dict from before build and search settings were apart (e.g. HNSW
-        ``{"M": 32, "ef_search": 300}``) -> (build settings, search settings)."""
-        search = _field_names(cls.SearchParams) - _field_names(cls.Params)
-        return ({k: v for k, v in data.items() if k not in search},
-                {k: v for k, v in data.items() if k in search})
 
     @abc.abstractmethod
     def build(self, vectors: torch.Tensor) -> "Index":
@@ -134,10 +149,63 @@ class Index(abc.ABC):
         ``search_params`` afterwards)."""
         raise NotImplementedError(f"backend {cls.name!r} cannot be loaded yet")
 
+    def _save_dir(self, directory: str | Path, empty_ok: bool = False) -> Path:
+        """``directory`` as a Path; InputError unless it exists and (unless ``empty_ok``) this
+        index has been built."""
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise InputError(f"save directory {directory} does not exist")
+        if not empty_ok and self.dim == 0:
+            raise InputError(f"{type(self).__name__} is empty: build it before saving")
+        return directory
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ntotal={self.ntotal}, dim={self.dim}, "
                 f"device={self.device}, params={self.params}, "
                 f"search_params={self.search_params})")
+
+
+def import_optional(module: str, install: str) -> Any:
+    """The optional library ``module``, imported on first use, or MissingDependencyError
+    saying ``install``."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingDependencyError(install) from exc
+
+
+def check_budget(value: Any, also: str = "") -> None:
+    """A memory budget: an int >= 64 KiB (``also`` names what else is allowed)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2**16:
+        raise InputError(f"memory_budget must be {also}an int >= 65536 bytes, got {value!r}")
+
+
+def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> torch.Tensor:
+    """Integer row ids (any shape) -> the same as int64; InputError naming the ids outside
+    [0, ntotal) and, when ``distinct``, repeated ids."""
+    if ids.is_floating_point():
+        raise InputError(f"ids must be integers, got dtype {ids.dtype}")
+    i = ids.long()
+    if i.numel() and (int(i.min()) < 0 or int(i.max()) >= ntotal):
+        bad = i[(i < 0) | (i >= ntotal)][:5].tolist()
+        raise InputError(f"ids must lie in [0, {ntotal}); out of range: {bad}")
+    if distinct and i.unique().numel() != i.numel():
+        raise InputError("ids must not repeat")
+    return i
+
+
+class VectorIndex(Index):
+    """An index that keeps its rows as the tensor ``vectors`` (n, d)."""
+
+    vectors: torch.Tensor
+
+    @property
+    def ntotal(self) -> int:
+        return int(self.vectors.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.vectors.shape[1])
 
 
 def _field_names(cls: type[Params]) -> set[str]:

@@ -28,9 +28,10 @@ import torch
 
 from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
 from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_positive
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
-from .base import Index
+from ._faiss import (faiss_pointer, faiss_search_parameters, import_faiss, on_current_stream,
+                     search_tensors)
+from .base import IndexParams, VectorIndex, check_budget, check_row_ids, count, positive
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -41,44 +42,32 @@ _INSTALL = ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS "
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CagraParams(Params):
+class CagraParams(IndexParams):
     """Build settings. graph_degree / intermediate_graph_degree: of the final and the
     pre-pruning k-NN graph. memory_budget: bytes for one block of the exact re-scoring (query
     rows x candidates x d float32) and of the exact searches."""
 
-    graph_degree: int = 64
-    intermediate_graph_degree: int = 128
+    graph_degree: int = positive(64)
+    intermediate_graph_degree: int = positive(128)
     memory_budget: int = 256 * 2**20
 
     def validate(self) -> None:
-        check_positive(self.graph_degree, "graph_degree")
-        check_positive(self.intermediate_graph_degree, "intermediate_graph_degree")
-        if isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int) \
-                or self.memory_budget < 2**16:
-            raise InputError(f"memory_budget must be an int >= 65536 bytes, "
-                             f"got {self.memory_budget!r}")
+        super().validate()
+        check_budget(self.memory_budget)
         if self.intermediate_graph_degree < self.graph_degree:
             raise InputError(f"intermediate_graph_degree={self.intermediate_graph_degree} "
                              f"must be >= graph_degree={self.graph_degree}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CagraSearchParams(Params):
+class CagraSearchParams(IndexParams):
     """Search settings (CAGRA's own, same names in faiss and cuVS). itopk_size: the internal
     search list (raised to k when smaller). search_width: graph nodes expanded per iteration.
     max_iterations: 0 = CAGRA's automatic choice."""
 
-    itopk_size: int = 128
-    search_width: int = 1
-    max_iterations: int = 0
-
-    def validate(self) -> None:
-        check_positive(self.itopk_size, "itopk_size")
-        check_positive(self.search_width, "search_width")
-        if isinstance(self.max_iterations, bool) or not isinstance(self.max_iterations, int) \
-                or self.max_iterations < 0:
-            raise InputError(f"max_iterations must be an int >= 0 (0 = automatic), got "
-                             f"{self.max_iterations!r}")
+    itopk_size: int = positive(128)
+    search_width: int = positive(1)
+    max_iterations: int = count(0, "automatic")
 
 
 def _engine(device: torch.device) -> str | None:
@@ -132,7 +121,7 @@ def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
     return merge_topk(scores.masked_fill(repeat, PAD_SCORE), ids.masked_fill(repeat, PAD_ID), c)
 
 
-class CagraIndex(Index):
+class CagraIndex(VectorIndex):
     """GPU CAGRA; scores re-computed exactly for the returned ids. Built on CUDA devices
     only; a saved one loads anywhere (see the module docstring)."""
 
@@ -154,14 +143,6 @@ class CagraIndex(Index):
         self._graph: Any = None
         self._res: Any = None  # faiss: StandardGpuResources; cuVS: {stream: Resources}
         self._exact: ExactIndex | None = None
-
-    @property
-    def ntotal(self) -> int:
-        return int(self.vectors.shape[0])
-
-    @property
-    def dim(self) -> int:
-        return int(self.vectors.shape[1])
 
     def build(self, vectors: Any) -> "CagraIndex":
         v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors").detach()
@@ -188,19 +169,14 @@ class CagraIndex(Index):
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
-        i = as_tensor(ids, device=self.device, name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal})")
-        return self.vectors[i]
+        return self.vectors[check_row_ids(as_tensor(ids, device=self.device, name="ids"),
+                                          self.ntotal)]
 
     def _build_graph(self) -> Any:
         p = self.params
         dev = cuda_index(self.device)
         if self.engine == "faiss":
-            import faiss  # noqa: PLC0415
-
-            from ._faiss import faiss_pointer, on_current_stream  # noqa: PLC0415
-
+            faiss = import_faiss()
             self._res = self._res or faiss.StandardGpuResources()
             cfg = faiss.GpuIndexCagraConfig()
             cfg.graph_degree = p.graph_degree
@@ -235,14 +211,8 @@ class CagraIndex(Index):
         settings = {"itopk_size": max(params.itopk_size, k), "search_width": params.search_width,
                     "max_iterations": params.max_iterations}
         if self.engine == "faiss":
-            import faiss  # noqa: PLC0415
-
-            from ._faiss import search_tensors  # noqa: PLC0415
-
-            sp = faiss.SearchParametersCagra()
-            for name, value in settings.items():
-                setattr(sp, name, value)
-            return search_tensors(faiss, self._graph, q, k, sp, self._res)[1]
+            sp = faiss_search_parameters("SearchParametersCagra", **settings)
+            return search_tensors(import_faiss(), self._graph, q, k, sp, self._res)[1]
         from cuvs.neighbors import cagra  # noqa: PLC0415
 
         neighbours = torch.empty((q.shape[0], k), dtype=torch.uint32, device=q.device)
@@ -273,10 +243,7 @@ class CagraIndex(Index):
 
     def save(self, directory: str | Path) -> None:
         """Write ``vectors.npy`` (the graph is rebuilt on load, CAGRA builds are fast)."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        np.save(directory / "vectors.npy", to_numpy(self.vectors))
+        np.save(self._save_dir(directory, empty_ok=True) / "vectors.npy", to_numpy(self.vectors))
 
     @classmethod
     def load(cls, directory: str | Path, params: CagraParams | dict | None = None,

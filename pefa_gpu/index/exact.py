@@ -1,35 +1,32 @@
-"""Exact maximum-inner-product search: blocked matmul + top-k, on CPU or CUDA; the exact top-k
-of float32 inner products, ties to the lower id.
+"""Exact maximum-inner-product search on CPU or CUDA: the exact top-k of float32 inner
+products, ties to the lower id.
 
-1. Each query's top-w by value, w = k + ``TIE_MARGIN``: torch GEMM blocks sized from
-   ``memory_budget`` and ``torch.topk``, or on the CPU where it is faster, faiss' exhaustive
-   search; near ties on faiss' BLAS path rescored pair by pair (:func:`canonical_scores`).
-2. The tie rule (:func:`pefa_gpu.topk.merge_topk`) over the candidates of rows tied at the
-   k-th place; rows whose run of equal scores may reach past them are searched again, 4x as
-   wide until settled. On CUDA, finding them is the one host synchronisation of a search:
-   exactly one when k + ``TIE_MARGIN`` < n, none otherwise.
+A first pass keeps each query's top w = k + ``TIE_MARGIN`` by value: GEMM blocks sized from
+``memory_budget`` and ``torch.topk``, or on the CPU (float32) faiss' exhaustive search, its
+near ties rescored pair by pair (:func:`canonical_scores`). The tie rule settles the rows tied
+at the k-th place from their candidates; rows whose run of equal scores may reach past them
+are searched again, 4x as wide (on CUDA the one host synchronisation; none when w = n).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 
 from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params, check_choice
 from ..storage import load_tensor, save_tensor
-from ..topk import PAD_ID, PAD_SCORE, boundary_tied, merge_topk, order_ties, pad_topk
-from .base import Index
+from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
+from ._faiss import empty_results, faiss_threads, optional_faiss
+from .base import IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ExactParams(Params):
+class ExactParams(IndexParams):
     """dtype: storage of the vectors ('float32', 'float16', 'bfloat16'); scores are always
     accumulated in float32. memory_budget: bytes a search may hold besides its (B, k) result;
     None: :func:`default_memory_budget` of the index's device at each search."""
@@ -39,19 +36,14 @@ class ExactParams(Params):
 
     def validate(self) -> None:
         check_choice(self.dtype, "dtype", ("float32", "float16", "bfloat16"))
-        if self.memory_budget is not None and (
-                isinstance(self.memory_budget, bool) or not isinstance(self.memory_budget, int)
-                or self.memory_budget < 2**16):
-            raise InputError(f"memory_budget must be None or an int >= 65536 bytes, "
-                             f"got {self.memory_budget!r}")
+        if self.memory_budget is not None:
+            check_budget(self.memory_budget, "None or ")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ExactSearchParams(Params):
-    """An exact search has no search settings."""
+ExactSearchParams = NoSearchParams  # an exact search has no search settings
 
 
-class ExactIndex(Index):
+class ExactIndex(VectorIndex):
     """Brute-force inner-product search. Ties go to the lower id."""
 
     name = "exact"
@@ -59,20 +51,16 @@ class ExactIndex(Index):
     Params = ExactParams
     SearchParams = ExactSearchParams
 
-    @property
-    def exact_scores(self) -> bool:
-        """True when search scores are exact fp32 inner products of the given vectors."""
-        return self.params.dtype == "float32"
-
     def __init__(self, params: ExactParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)
-        self.vectors = torch.empty(0, 0, dtype=self._dtype, device=self.device)
-        self._max_norm: float | None = None  # largest stored row norm (_rescore_near_ties)
+        self.exact_scores = self.params.dtype == "float32"  # scores: fp32 <q, x>, exactly
+        self._store(torch.empty(0, 0, dtype=self._dtype, device=self.device))
 
-    @property
-    def ntotal(self) -> int:
-        return int(self.vectors.shape[0])
+    def _store(self, v: torch.Tensor, owned: bool = False) -> None:
+        """Hold ``v`` (n, d); ``owned`` False: it may share the caller's memory (update copies)."""
+        self.vectors, self._owned = v, owned
+        self._max_norm: float | None = None  # largest stored row norm (_rescore_near_ties)
 
     @property
     def memory_budget(self) -> int:
@@ -80,51 +68,34 @@ class ExactIndex(Index):
         given = self.params.memory_budget
         return default_memory_budget(self.device) if given is None else given
 
-    @property
-    def dim(self) -> int:
-        return int(self.vectors.shape[1])
-
     def build(self, vectors: torch.Tensor) -> "ExactIndex":
         v = as_tensor(vectors, device=self.device, name="vectors").detach()
         if v.ndim != 2:
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
-        self.vectors = v.to(self._dtype).contiguous()
-        self._max_norm = None
-        self._owned = False  # may share memory with the caller's tensor: update() copies first
+        self._store(v.to(self._dtype).contiguous())
         return self
 
     def add(self, vectors: torch.Tensor) -> None:
         v = as_tensor(vectors, device=self.device, name="vectors").detach().to(self._dtype)
         if self.ntotal == 0 and self.dim == 0:
             self.build(v)
-            return
-        if v.ndim != 2 or v.shape[1] != self.dim:
+        elif v.ndim != 2 or v.shape[1] != self.dim:
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
-        self.vectors = torch.cat([self.vectors, v])
-        self._max_norm = None
-        self._owned = True
+        else:
+            self._store(torch.cat([self.vectors, v]), owned=True)
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
         """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d): O(r d), plus one copy of the
         whole matrix the first time if it may share memory with the array it was built from."""
         i = as_tensor(ids, device=self.device, name="ids").detach().flatten()
         v = as_tensor(vectors, device=self.device, name="vectors").detach()
-        if i.is_floating_point():
-            raise InputError(f"ids must be integers, got dtype {i.dtype}")
         if v.ndim != 2 or v.shape != (i.numel(), self.dim):
             raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}) for "
                              f"{i.numel()} ids, got {tuple(v.shape)}")
-        i = i.long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            bad = i[(i < 0) | (i >= self.ntotal)][:5].tolist()
-            raise InputError(f"ids out of range [0, {self.ntotal}): {bad}")
-        if i.unique().numel() != i.numel():
-            raise InputError("ids must not repeat")
-        if not getattr(self, "_owned", False):
-            self.vectors = self.vectors.clone()
-            self._owned = True
-        self.vectors[i] = v.to(self._dtype)
-        self._max_norm = None
+        i = check_row_ids(i, self.ntotal, distinct=True)
+        vectors = self.vectors if self._owned else self.vectors.clone()
+        vectors[i] = v.to(self._dtype)
+        self._store(vectors, owned=True)
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, valid ids, not checked) -> (*ids.shape, d) float32."""
@@ -138,11 +109,9 @@ class ExactIndex(Index):
         q = as_tensor(queries, device=self.device, name="queries").detach()
         if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
             raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
-        b, n = q.shape[0], self.ntotal
-        if b == 0 or n == 0:
-            return (torch.full((b, k), PAD_SCORE, device=self.device),
-                    torch.full((b, k), PAD_ID, dtype=torch.long, device=self.device))
-        kk = min(k, n)
+        if q.shape[0] == 0 or self.ntotal == 0:
+            return empty_results(q.shape[0], k, self.device)
+        kk = min(k, self.ntotal)
         vals, ids, rescan = self._first_pass(q, kk)
         if rescan is not None:
             rows = rescan.nonzero().squeeze(1)  # on CUDA: the one host synchronisation
@@ -162,8 +131,7 @@ class ExactIndex(Index):
         rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
         while rows.numel():
             w = min(self.ntotal, 4 * w)
-            v, i, rescan = self._pass(q[rows], kk, w)
-            vals[rows], ids[rows] = v, i
+            vals[rows], ids[rows], rescan = self._pass(q[rows], kk, w)
             rows = rows[:0] if rescan is None else rows[rescan.nonzero().squeeze(1)]
         return vals, ids
 
@@ -177,18 +145,9 @@ class ExactIndex(Index):
         # CPU score blocks share one buffer (a block freed before the next may stay resident)
         buf = None if faiss or q.is_cuda else \
             host_empty(min(q_batch, b) * (min(chunk, self.ntotal) + SUB_ROWS))
-        if q_batch >= b:  # one batch: no copy into a preallocated result
-            return self._settle(*self._candidates(faiss, q, w, chunk, buf), kk)
-        vals = torch.empty(b, kk, device=self.device)
-        ids = torch.empty(b, kk, dtype=torch.long, device=self.device)
-        rescan = torch.zeros(b, dtype=torch.bool, device=self.device) if w < self.ntotal else None
-        for s in range(0, b, q_batch):
-            qs = q[s:s + q_batch]
-            v, i, t = self._settle(*self._candidates(faiss, qs, w, chunk, buf), kk)
-            vals[s:s + q_batch], ids[s:s + q_batch] = v, i
-            if t is not None:
-                rescan[s:s + q_batch] = t
-        return vals, ids, rescan
+        vals, ids, rescan = zip(*[self._settle(*self._candidates(
+            faiss, q[s:s + q_batch], w, chunk, buf), kk) for s in range(0, b, q_batch)])
+        return torch.cat(vals), torch.cat(ids), None if rescan[0] is None else torch.cat(rescan)
 
     def _candidates(self, faiss: Any, q: torch.Tensor, w: int, chunk: int,
                     buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,10 +180,8 @@ class ExactIndex(Index):
         re-sorted, with every score within the scoring error ``tol`` (B, 1) of a neighbour's
         replaced by :func:`canonical_scores` (copies then tie), and ``tol``: 32 ulps of
         |q| max |x|, or 2 sqrt(d) for d > 256 (a sum's rounding error grows like sqrt(d))."""
-        if self._max_norm is None:
-            step = max(1, self.memory_budget // (8 * self.dim))
-            self._max_norm = max(float(torch.linalg.vector_norm(
-                self.vectors[s:s + step].float(), dim=1).max()) for s in range(0, self.ntotal, step))
+        if self._max_norm is None:  # float32 rows: a reduction, no copy
+            self._max_norm = float(torch.linalg.vector_norm(self.vectors, dim=1).max())
         ulps = max(32.0, 2.0 * self.dim ** 0.5) * 2.0**-24
         tol = torch.linalg.vector_norm(q, dim=1, keepdim=True) * (self._max_norm * ulps)
         near = torch.zeros_like(vals, dtype=torch.bool)
@@ -246,32 +203,24 @@ class ExactIndex(Index):
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-w of (B, d) float32 queries by (B, chunk) score blocks (:func:`_scores` into
         ``buf``), each reduced by ``torch.topk`` and merged by another (no host sync)."""
-        n = self.ntotal
-        if chunk >= n:
-            return torch.topk(_scores(q, self.vectors, buf), w, dim=1)
-        best_v = best_i = None
-        for c in range(0, n, chunk):
+        best_v = q.new_empty(q.shape[0], 0)
+        best_i = best_v.long()
+        for c in range(0, self.ntotal, chunk):
             block = _scores(q, self.vectors[c:c + chunk], buf)
             v, i = torch.topk(block, min(w, block.shape[1]), dim=1, sorted=False)
             del block  # CUDA: freed before the next block is allocated
-            if best_v is not None:
-                v, pos = torch.topk(torch.cat([best_v, v], 1),
-                                    min(w, best_v.shape[1] + v.shape[1]), dim=1, sorted=False)
-                i = torch.cat([best_i, i + c], 1).gather(1, pos) - c
-            best_v, best_i = v, i + c
+            best_v, pos = torch.topk(torch.cat([best_v, v], 1),
+                                     min(w, best_v.shape[1] + v.shape[1]), dim=1, sorted=False)
+            best_i = torch.cat([best_i, i + c], 1).gather(1, pos)
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
         return best_v, best_i.gather(1, pos)
 
     def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`_torch_pass` by faiss' exhaustive inner-product search (CPU, float32)."""
-        qn = np.ascontiguousarray(to_numpy(q), dtype=np.float32)
-        dist = np.empty((qn.shape[0], w), np.float32)
-        ids = np.empty((qn.shape[0], w), np.int64)
         with faiss_threads(faiss, torch.get_num_threads()):
-            faiss.knn_inner_product(faiss.swig_ptr(qn), faiss.swig_ptr(to_numpy(self.vectors)),
-                                    self.dim, qn.shape[0], self.ntotal, w, faiss.swig_ptr(dist),
-                                    faiss.swig_ptr(ids))
+            dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
+                                  metric=faiss.METRIC_INNER_PRODUCT)
         return as_tensor(dist), as_tensor(ids)
 
     def save(self, directory: str | Path) -> None:
@@ -287,15 +236,15 @@ class ExactIndex(Index):
         if v.ndim != 2 or v.dtype != out._dtype:
             raise FormatError(f"{Path(directory) / 'vectors.npy'} holds {v.dtype} shape "
                               f"{tuple(v.shape)}; expected a 2-D {out.params.dtype} matrix")
-        out.vectors = v
-        out._max_norm = None
+        out._store(v)
         return out
 
+    # -- the working-memory model (checked in tests/test_exact_memory.py) --------------------
     def _plan(self, b: int, kk: int, w: int | None = None) -> tuple[Any, int, int]:
         """(faiss or None, query batch, corpus chunk) of a pass for top-w lists: faiss on the
         CPU (float32) for its BLAS path or one query on one thread, where it is faster."""
         w = w or self._pass_width(kk)
-        faiss = _faiss_module() if self.device.type == "cpu" and \
+        faiss = optional_faiss() if self.device.type == "cpu" and \
             self._dtype == torch.float32 else None
         if faiss is not None:
             q_batch = max(1, min(b, self.memory_budget // self._work_bytes(1, 0, w, faiss=True)))
@@ -334,32 +283,6 @@ class ExactIndex(Index):
         return 4 * q_batch * chunk + (per_query + 4 * SUB_ROWS * cpu) * q_batch + per_row * chunk
 
 
-def default_memory_budget(device: torch.device) -> int:
-    """``CPU_BUDGET``; on CUDA 1 / ``CUDA_BUDGET_SHARE`` of the free memory (with the blocks
-    torch's allocator holds unused), at least 64 KiB."""
-    if device.type != "cuda":
-        return CPU_BUDGET
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(2**16, (free + cached) // CUDA_BUDGET_SHARE)
-
-
-def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(..., d) queries and stored rows (broadcast) -> (...) float32 inner products, float64
-    products and sum rounded once: the same two vectors always get the same score."""
-    return (q.double() * x.double()).sum(-1).float()
-
-
-def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates (B, w) sorted descending -> (B, kk): :func:`merge_topk` where ``settle``
-    (B,) bool, the first kk elsewhere (every row under the mask: no host synchronisation)."""
-    v, i = merge_topk(vals, ids, kk)
-    return (torch.where(settle.unsqueeze(1), v, vals[:, :kk]),
-            torch.where(settle.unsqueeze(1), i, ids[:, :kk]))
-
-
-# Working-memory model (ExactIndex._work_bytes), checked in tests/test_exact_memory.py.
 LIST_SLOT_BYTES = 128   # per (query, top-w slot): ~10 float32 / int64 copies of the lists
 FAISS_SLOT_BYTES = 64   # ... more per slot of a faiss pass: its reservoir, near-tie rescoring
 FAISS_QUERY_BYTES = 4096  # per query of a faiss pass: its share of faiss' 1024-row score tile
@@ -369,66 +292,50 @@ TIE_MARGIN = 8          # first-pass candidates beyond k
 MAX_BATCH = 8192        # queries per block, at most
 MIN_CHUNK = 1024        # rows per block, at least (or w)
 SUB_ROWS = 1024         # rows per CPU GEMM (_scores)
-CPU_BUDGET = 256 * 2**20  # default search budget on the CPU ...
-CUDA_BUDGET_SHARE = 4     # ... and on CUDA: a quarter of the free device memory
 
 
-@contextlib.contextmanager
-def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
-    """Run the block with faiss' OpenMP pool set to ``threads`` (0 = leave as is)."""
-    before = faiss.omp_get_max_threads()
-    faiss.omp_set_num_threads(int(threads) or before)
-    try:
-        yield
-    finally:
-        faiss.omp_set_num_threads(before)
+def default_memory_budget(device: torch.device) -> int:
+    """256 MiB on the CPU; on CUDA a quarter of the free memory (with the blocks torch's
+    allocator holds unused), at least 64 KiB."""
+    if device.type != "cuda":
+        return 256 * 2**20
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return max(2**16, (free + cached) // 4)
 
 
-_FAISS: list[Any] = []  # [the faiss module, or None when it is not installed]
-
-
-def _faiss_module() -> Any:
-    """faiss, imported on first use, or None when it is not installed."""
-    if not _FAISS:
-        try:
-            import faiss  # noqa: PLC0415 (optional, imported lazily)
-        except ImportError:
-            faiss = None
-        _FAISS.append(faiss)
-    return _FAISS[0]
+def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """(..., d) queries and stored rows (broadcast) -> (...) float32 inner products, float64
+    products and sum rounded once: the same two vectors always get the same score."""
+    return (q.double() * x.double()).sum(-1).float()
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device -> torch.mm(..., out_dtype=float32) works there
 
 
-def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None = None
-            ) -> torch.Tensor:
-    """(B, d) float32 queries x (c, d) stored rows -> (B, c) float32 inner products, into
-    ``buf`` (flat, at least B (c + ``SUB_ROWS``) float32) when given. CPU, B > 1: rows x
-    queries in GEMMs of exactly ``SUB_ROWS`` rows (a tail zero-padded), so that a pair scores
-    alike wherever its row sits (copies tie; shards equal the whole bit for bit). CUDA, 16-bit
-    storage: ``torch.mm(..., out_dtype=float32)`` on the 16-bit operands where torch has it."""
+def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
+    """(B, d) float32 queries x (c, d) stored rows -> (B, c) float32 inner products; on the
+    CPU into ``buf`` (flat, B (c + ``SUB_ROWS``) float32), for B > 1 rows x queries in GEMMs of
+    exactly ``SUB_ROWS`` rows (a tail zero-padded), so that a pair scores alike wherever its
+    row sits (copies tie; shards equal the whole bit for bit). CUDA, 16-bit storage:
+    ``torch.mm(..., out_dtype=float32)`` on the 16-bit operands where torch has it."""
     b, c = q.shape[0], rows.shape[0]
-    out = None if buf is None else buf[:b * c].view(b, c)
-    if not rows.is_cuda and b > 1:
-        out = torch.empty(b, c) if out is None else out
-        part = torch.empty(SUB_ROWS, b) if buf is None else \
-            buf[b * c:(b * c + SUB_ROWS * b)].view(SUB_ROWS, b)
-        for s in range(0, c, SUB_ROWS):
-            r = rows[s:s + SUB_ROWS].float()
-            m = r.shape[0]
-            if m < SUB_ROWS:
-                r = torch.cat([r, r.new_zeros(SUB_ROWS - m, r.shape[1])])
-            out[:, s:s + m] = torch.mm(r, q.T, out=part)[:m].T
-        return out
-    if out is not None:
-        return torch.mm(q, rows.float().T, out=out)
-    if rows.dtype == torch.float32 or not rows.is_cuda:
+    if rows.is_cuda:
+        key = str(rows.device)
+        if rows.dtype != torch.float32 and _MM_OUT_DTYPE.get(key, True):
+            try:
+                return torch.mm(q.to(rows.dtype), rows.T, out_dtype=torch.float32)
+            except (RuntimeError, TypeError, NotImplementedError):
+                _MM_OUT_DTYPE[key] = False
         return q @ rows.float().T
-    key = str(rows.device)
-    if _MM_OUT_DTYPE.get(key, True):
-        try:
-            return torch.mm(q.to(rows.dtype), rows.T, out_dtype=torch.float32)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _MM_OUT_DTYPE[key] = False
-    return q @ rows.float().T
+    out = buf[:b * c].view(b, c)
+    if b == 1:
+        return torch.mm(q, rows.float().T, out=out)
+    part = buf[b * c:b * (c + SUB_ROWS)].view(SUB_ROWS, b)
+    for s in range(0, c, SUB_ROWS):
+        r = rows[s:s + SUB_ROWS].float()
+        m = r.shape[0]
+        if m < SUB_ROWS:
+            r = torch.cat([r, r.new_zeros(SUB_ROWS - m, r.shape[1])])
+        out[:, s:s + m] = torch.mm(r, q.T, out=part)[:m].T
+    return out

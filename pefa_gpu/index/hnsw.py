@@ -28,39 +28,33 @@ import torch
 
 from ..arrays import as_tensor
 from ..errors import FormatError, InputError
-from ..params import Params, check_positive
-from ._faiss import (FaissBackend, faiss_search_parameters, faiss_threads, host_float32,
-                     import_faiss)
+from .base import IndexParams, count, positive
+from ._faiss import faiss_search_parameters, faiss_threads, host_float32, import_faiss
+from ._faiss_backend import FaissBackend
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HNSWParams(Params):
+class HNSWParams(IndexParams):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width at
     build time. threads: OpenMP threads for faiss during build and search (0 = faiss' default,
     all cores)."""
 
-    M: int = 32
-    ef_construction: int = 500
-    threads: int = 0
-
-    def validate(self) -> None:
-        check_positive(self.M, "M")
-        check_positive(self.ef_construction, "ef_construction")
-        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
-            raise InputError(f"threads must be an int >= 0 (0 = all cores), got {self.threads!r}")
+    M: int = positive(32)
+    ef_construction: int = positive(500)
+    threads: int = count(0, "all cores")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HNSWSearchParams(Params):
+class HNSWSearchParams(IndexParams):
     """Search settings. ef_search: beam width (raised to k when smaller). full_scan_factor:
     indices of at most this many times ef rows are searched by an exact scan (see the module
     docstring; 0 = never)."""
 
-    ef_search: int = 300
+    ef_search: int = positive(300)
     full_scan_factor: float = 12.0
 
     def validate(self) -> None:
-        check_positive(self.ef_search, "ef_search")
+        super().validate()
         if isinstance(self.full_scan_factor, bool) or \
                 not isinstance(self.full_scan_factor, (int, float)) or \
                 not 0 <= self.full_scan_factor < float("inf"):

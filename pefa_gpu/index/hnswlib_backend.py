@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from ..arrays import as_tensor, to_numpy
-from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_nonnegative, check_positive
+from ..errors import FormatError, InputError
+from .base import IndexParams, check_row_ids, count, import_optional, positive
 from ._faiss import host_float32
 from ._host import HostBackend, read_description, resolve_threads, write_description
 
@@ -46,41 +46,27 @@ _HEADER = struct.Struct("<6QiI3QdQ")
 
 
 def import_hnswlib() -> Any:
-    try:
-        import hnswlib  # noqa: PLC0415 (lazy on purpose)
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "backend 'hnswlib' needs hnswlib: `pip install hnswlib` (builds with g++), or "
-            "`pip install pefa_gpu[hnswlib]`") from exc
-    return hnswlib
+    return import_optional("hnswlib", "backend 'hnswlib' needs hnswlib: `pip install hnswlib` "
+                           "(builds with g++), or `pip install pefa_gpu[hnswlib]`")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HnswlibParams(Params):
+class HnswlibParams(IndexParams):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width
     while inserting. seed: hnswlib's random seed (level assignment). threads: for inserting
     and searching (0 = every core; more than one makes the graph depend on thread timing)."""
 
-    M: int = 32
-    ef_construction: int = 500
-    seed: int = 100
-    threads: int = 0
-
-    def validate(self) -> None:
-        check_positive(self.M, "M")
-        check_positive(self.ef_construction, "ef_construction")
-        check_nonnegative(self.seed, "seed")
-        check_nonnegative(self.threads, "threads", "every core")
+    M: int = positive(32)
+    ef_construction: int = positive(500)
+    seed: int = count(100)
+    threads: int = count(0, "every core")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class HnswlibSearchParams(Params):
+class HnswlibSearchParams(IndexParams):
     """Search settings. ef_search: beam width (hnswlib uses max(ef_search, k))."""
 
-    ef_search: int = 300
-
-    def validate(self) -> None:
-        check_positive(self.ef_search, "ef_search")
+    ef_search: int = positive(300)
 
 
 class HnswlibIndex(HostBackend):
@@ -116,14 +102,7 @@ class HnswlibIndex(HostBackend):
         index.add_items(x, np.arange(x.shape[0]), num_threads=resolve_threads(p.threads))
         return self
 
-    def add(self, vectors: Any) -> None:
-        """Append rows (ids continue after the existing ones)."""
-        if self._index is None:
-            self.build(vectors)
-            return
-        x = host_float32(vectors, "vectors", dim=self.dim)
-        if x.shape[0] == 0:
-            return
+    def _append(self, x: np.ndarray) -> None:
         n = self.ntotal
         self._index.resize_index(n + x.shape[0])
         self._index.add_items(x, np.arange(n, n + x.shape[0]),
@@ -132,10 +111,7 @@ class HnswlibIndex(HostBackend):
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
-        i = as_tensor(ids, device="cpu", name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
-                             f"{int(i.max())}")
+        i = check_row_ids(as_tensor(ids, device="cpu", name="ids"), self.ntotal)
         flat = to_numpy(i.flatten())
         rows = (np.asarray(self._index.get_items(flat, return_type="numpy"), dtype=np.float32)
                 if flat.size else np.zeros((0, self.dim), np.float32))
@@ -168,11 +144,7 @@ class HnswlibIndex(HostBackend):
     # -- persistence ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Write ``index.bin`` and ``hnswlib.json`` into the existing, empty ``directory``."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        if self._index is None:
-            raise InputError("HnswlibIndex is empty: build it before saving")
+        directory = self._save_dir(directory)
         self._index.save_index(str(directory / INDEX_FILE))
         write_description(directory / META_FILE, META_FORMAT, space="ip", dim=self.dim,
                           ntotal=self.ntotal)

@@ -26,20 +26,17 @@ import torch
 
 from ..arrays import as_tensor, cuda_index
 from ..errors import FormatError, InputError
-from ..params import Params, check_choice, check_positive
-from ._faiss import (FaissBackend, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
-                     faiss_threads, host_float32, import_faiss, on_current_stream)
+from ..params import check_choice
+from .base import IndexParams, check_row_ids, count, positive
+from ._faiss import (faiss_has_gpu, faiss_pointer, faiss_search_parameters, faiss_threads,
+                     host_float32, import_faiss, on_current_stream)
+from ._faiss_backend import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
 
 
-def _nonneg_int(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"{name} must be an int >= 0 (0 = automatic), got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class IVFParams(Params):
+class IVFParams(IndexParams):
     """Build settings. kind: 'flat' (exact scores within the probed lists) or 'pq'
     (product-quantised codes). nlist: number of lists (0 = 4 sqrt(n), clipped to [1, n / 39] so
     k-means has data). pq_m: PQ sub-quantisers (0 = d / 4 rounded down to a divisor of d);
@@ -47,30 +44,25 @@ class IVFParams(Params):
     training sample. threads: faiss CPU threads (0 = all), for build and search."""
 
     kind: str = "flat"
-    nlist: int = 0
-    pq_m: int = 0
-    pq_nbits: int = 8
-    train_size: int = 0
-    seed: int = 0
-    threads: int = 0
+    nlist: int = count(0, "automatic")
+    pq_m: int = count(0, "automatic")
+    pq_nbits: int = positive(8)
+    train_size: int = count(0, "automatic")
+    seed: int = count(0)
+    threads: int = count(0, "all cores")
 
     def validate(self) -> None:
+        super().validate()
         check_choice(self.kind, "kind", ("flat", "pq"))
-        check_positive(self.pq_nbits, "pq_nbits")
-        for name in ("nlist", "pq_m", "train_size", "seed", "threads"):
-            _nonneg_int(getattr(self, name), name)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class IVFSearchParams(Params):
+class IVFSearchParams(IndexParams):
     """Search settings. nprobe: lists visited per query (0 = automatic: 5/8 of the lists, see
     :func:`auto_nprobe`; more than nlist visits them all; on the GPU at most 2048, faiss GPU's
     limit: a larger value is lowered to it, with a warning)."""
 
-    nprobe: int = 0
-
-    def validate(self) -> None:
-        _nonneg_int(self.nprobe, "nprobe")
+    nprobe: int = count(0, "automatic")
 
 
 def auto_nlist(n: int) -> int:
@@ -262,10 +254,7 @@ class IVFIndex(FaissBackend):
         the GPU a gather from the device copy of the rows (:meth:`_stored_vectors`)."""
         if not self.on_gpu:
             return super().reconstruct(ids)
-        i = as_tensor(ids, device=self.device, name="ids").long()
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            raise InputError(f"ids must lie in [0, {self.ntotal}), got {int(i.min())}.."
-                             f"{int(i.max())}")
+        i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
         return self._stored_vectors()[i]
 
     def _stored_vectors(self) -> torch.Tensor:

@@ -24,6 +24,7 @@ asset path must name a file inside the folder, and a folder holding ScaNN's pick
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
 from pathlib import Path
@@ -31,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_nonnegative, check_positive
+from ..errors import FormatError, InputError
+from .base import IndexParams, count, import_optional, positive
 from ._faiss import host_float32
 from ._host import HostBackend, read_description, resolve_threads, write_description
 
@@ -42,17 +43,14 @@ META_FORMAT = "pefa_gpu-scann"
 
 def import_scann() -> Any:
     """ScaNN's numpy searcher module (never TensorFlow)."""
-    try:
-        from scann.scann_ops.py import scann_ops_pybind  # noqa: PLC0415 (lazy on purpose)
-    except ImportError as exc:
-        raise MissingDependencyError(
-            "backend 'scann' needs ScaNN: `pip install scann` (wheels for Linux x86-64), "
-            "or `pip install pefa_gpu[scann]`") from exc
-    return scann_ops_pybind
+    package = import_optional("scann.scann_ops.py", "backend 'scann' needs ScaNN: `pip "
+                              "install scann` (wheels for Linux x86-64), or `pip install "
+                              "pefa_gpu[scann]`")
+    return importlib.import_module(package.__name__ + ".scann_ops_pybind")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScannParams(Params):
+class ScannParams(IndexParams):
     """Build settings. num_leaves: k-means tree leaves (0 = :func:`auto_num_leaves`).
     dims_per_block: dimensions per 4-bit AH code. anisotropic_threshold: ScaNN's anisotropic
     quantisation threshold (its recommended 0.2 for dot products; None = plain k-means codes).
@@ -60,19 +58,15 @@ class ScannParams(Params):
     brute_force_below: indices with fewer rows are an exact brute-force searcher.
     threads: for training and searching (0 = every core)."""
 
-    num_leaves: int = 0
-    dims_per_block: int = 2
+    num_leaves: int = count(0, "automatic")
+    dims_per_block: int = positive(2)
     anisotropic_threshold: float | None = 0.2
-    train_size: int = 0
-    brute_force_below: int = 4096
-    threads: int = 0
+    train_size: int = count(0, "automatic")
+    brute_force_below: int = count(4096)
+    threads: int = count(0, "every core")
 
     def validate(self) -> None:
-        check_nonnegative(self.num_leaves, "num_leaves", "automatic")
-        check_nonnegative(self.train_size, "train_size", "automatic")
-        check_nonnegative(self.brute_force_below, "brute_force_below")
-        check_nonnegative(self.threads, "threads", "every core")
-        check_positive(self.dims_per_block, "dims_per_block")
+        super().validate()
         t = self.anisotropic_threshold
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or not math.isfinite(t)):
@@ -80,17 +74,13 @@ class ScannParams(Params):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ScannSearchParams(Params):
+class ScannSearchParams(IndexParams):
     """Search settings. leaves_to_search: tree leaves scored per query (0 =
     :func:`auto_leaves_to_search`). reorder: candidates re-scored exactly (0 =
     :func:`auto_reorder`; never fewer than k)."""
 
-    leaves_to_search: int = 0
-    reorder: int = 0
-
-    def validate(self) -> None:
-        check_nonnegative(self.leaves_to_search, "leaves_to_search", "automatic")
-        check_nonnegative(self.reorder, "reorder", "automatic")
+    leaves_to_search: int = count(0, "automatic")
+    reorder: int = count(0, "automatic")
 
 
 def auto_num_leaves(n: int) -> int:
@@ -171,14 +161,9 @@ class ScannIndex(HostBackend):
         self._searcher, self._dim, self._leaves = searcher, d, leaves
         return self
 
-    def add(self, vectors: Any) -> None:
-        """Append rows to the trained searcher (no retraining)."""
-        if self._searcher is None:
-            self.build(vectors)
-            return
-        x = host_float32(vectors, "vectors", dim=self.dim)
-        if x.shape[0]:
-            self._searcher.searcher.upsert([None] * x.shape[0], list(x), min(x.shape[0], 256))
+    def _append(self, x: np.ndarray) -> None:
+        """Into the trained searcher (no retraining)."""
+        self._searcher.searcher.upsert([None] * x.shape[0], list(x), min(x.shape[0], 256))
 
     def _raw_search(self, q: np.ndarray, k: int, params: ScannSearchParams
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -203,11 +188,7 @@ class ScannIndex(HostBackend):
     def save(self, directory: str | Path) -> None:
         """ScaNN's assets (relative paths) and ``scann.json`` into the existing, empty
         ``directory``."""
-        directory = Path(directory)
-        if not directory.is_dir():
-            raise InputError(f"save directory {directory} does not exist")
-        if self._searcher is None:
-            raise InputError("ScannIndex is empty: build it before saving")
+        directory = self._save_dir(directory)
         self._searcher.serialize(str(directory), relative_path=True)
         write_description(directory / META_FILE, META_FORMAT, dim=self.dim,
                           ntotal=self.ntotal, num_leaves=self._leaves)

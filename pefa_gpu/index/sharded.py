@@ -25,7 +25,7 @@ from ..arrays import as_tensor, check_topk, resolve_device
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..topk import merge_topk
-from .base import Index
+from .base import Index, check_row_ids
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -107,22 +107,6 @@ class ShardedIndex(Index):
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
         self.shards[-1].add(v)
 
-    @classmethod
-    def split_params(cls, data: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Old-layout params: the shard backend's search settings come out of
-        ``backend_params``."""
-        from . import backend_class
-
-        inner = data.get("backend_params")
-        try:
-            shard_cls = backend_class(data.get("backend", "exact"))
-        except (InputError, ImportError):
-            return dict(data), {}
-        if not isinstance(inner, dict):
-            return dict(data), {}
-        build, search = shard_cls.split_params(inner)
-        return {**data, "backend_params": build}, search
-
     def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``params``: the shard backend's search settings for this call."""
@@ -169,14 +153,11 @@ class ShardedIndex(Index):
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
         """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) in the shards that hold them."""
-        i = as_tensor(ids, name="ids").detach().flatten().long()
+        i = check_row_ids(as_tensor(ids, name="ids").detach().flatten(), self.ntotal)
         v = as_tensor(vectors, name="vectors").detach()
         if v.ndim != 2 or v.shape[0] != i.numel():
             raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}), got "
                              f"{tuple(v.shape)}")
-        if i.numel() and (int(i.min()) < 0 or int(i.max()) >= self.ntotal):
-            bad = i[(i < 0) | (i >= self.ntotal)][:5].tolist()
-            raise InputError(f"ids out of range [0, {self.ntotal}): {bad}")
         for shard, mask, local in self._route(i.to(v.device)):
             if bool(mask.any()):
                 shard.update(local[mask].to(shard.device), v[mask].to(shard.device))
