@@ -9,7 +9,8 @@ A save is a directory (see :func:`pefa_gpu.storage.writing_save`)::
     pefa-data-<16 hex>/
         doc_embeddings.npy     tensors (see pefa_gpu.storage for dtypes)
         relevance.npz          Relevance / scipy CSR
-        index/, query_index/   whatever the backend's Index.save writes
+        index/, query_index/   whatever the backend's Index.save writes (none for a float32
+                               exact index over a saved tensor: its entry names that tensor)
 
 What a model saves is the tuple ``_saved`` on its class (attribute names); each attribute is
 stored according to its type: torch tensor, :class:`~pefa_gpu.Relevance`, scipy sparse
@@ -38,7 +39,7 @@ from . import storage
 from ._version import __version__
 from .arrays import DeviceLike, resolve_device
 from .errors import FormatError, InputError, MissingDependencyError
-from .index import Index, backend_class, backend_names
+from .index import ExactIndex, Index, backend_class, backend_names
 from .protocol import Model
 from .relevance import Relevance
 
@@ -58,8 +59,8 @@ def save_model(model: Model, directory: str | Path) -> None:
     in the folder is touched)."""
     model.check_fitted()
     with storage.writing_save(directory) as w:
-        state = {name: _save_value(w.data, name, _attribute(model, name))
-                 for name in type(model)._saved}
+        values = {name: _attribute(model, name) for name in type(model)._saved}
+        state = {name: _save_value(w.data, name, value, values) for name, value in values.items()}
         w.commit({
             "library_version": __version__,
             "class": type(model).__name__,
@@ -115,8 +116,12 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
             manifest.get("index_search_params"))
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
-    for name in cls._saved:
-        setattr(model, name, _load_value(save, name, state[name], model.device, mmap))
+    loaded: dict[str, Any] = {}
+    indices_last = sorted(cls._saved, key=lambda k: isinstance(state[k], dict) and
+                          state[k].get("kind") == "index")  # one may be over a loaded tensor
+    for name in indices_last:
+        loaded[name] = _load_value(save, name, state[name], model.device, mmap, loaded)
+        setattr(model, name, loaded[name])
     _check_shapes(model, where)
     model._restore()
     return model
@@ -165,8 +170,9 @@ def _attribute(model: Model, name: str) -> Any:
                          f"attribute") from None
 
 
-def _save_value(folder: Path, name: str, value: Any) -> dict[str, Any]:
-    """Store one attribute under ``folder``; returns its manifest entry."""
+def _save_value(folder: Path, name: str, value: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Store one attribute under ``folder``; returns its manifest entry. ``values``: all the
+    saved attributes by name (an index over one of them is not written again)."""
     if isinstance(value, torch.Tensor):
         return {"kind": "tensor", **storage.save_tensor(folder / name, value)}
     if isinstance(value, Relevance):
@@ -174,12 +180,15 @@ def _save_value(folder: Path, name: str, value: Any) -> dict[str, Any]:
     if sp.issparse(value):
         return {"kind": "csr", **storage.save_csr(folder / name, value)}
     if isinstance(value, Index):
-        sub = folder / name
-        sub.mkdir()
-        value.save(sub)
-        return {"kind": "index", "dir": name, "backend": _registered_name(value),
-                "params": value.params.to_dict(), "search_params": value.search_params.to_dict(),
-                "ntotal": value.ntotal, "dim": value.dim}
+        entry = {"kind": "index", "backend": _registered_name(value), "params":
+                 value.params.to_dict(), "search_params": value.search_params.to_dict(),
+                 "ntotal": value.ntotal, "dim": value.dim}
+        shared = [k for k, t in values.items() if _vectors_of(value, t)]
+        if shared:
+            return {**entry, "vectors": shared[0]}
+        (folder / name).mkdir()
+        value.save(folder / name)
+        return {**entry, "dir": name}
     if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:  # numpy / torch scalars
         value = value.item()
     try:
@@ -190,8 +199,16 @@ def _save_value(folder: Path, name: str, value: Any) -> dict[str, Any]:
     return {"kind": "json", "value": value}
 
 
+def _vectors_of(index: Index, t: Any) -> bool:
+    """Whether ``t`` is the float32 exact ``index``'s matrix itself (the same memory)."""
+    v = index.vectors if type(index) is ExactIndex else None
+    return isinstance(t, torch.Tensor) and v is not None and v.dtype == torch.float32 and \
+        t.dtype == v.dtype and t.device == v.device and t.shape == v.shape and \
+        t.stride() == v.stride() and t.data_ptr() == v.data_ptr()
+
+
 def _load_value(save: storage.SaveDir, name: str, entry: Any, device: torch.device,
-                mmap: bool) -> Any:
+                mmap: bool, loaded: dict[str, Any]) -> Any:
     kind = entry.get("kind") if isinstance(entry, dict) else None
     if kind == "json":
         return entry.get("value")
@@ -202,14 +219,15 @@ def _load_value(save: storage.SaveDir, name: str, entry: Any, device: torch.devi
         csr = storage.load_csr(path, meta=entry)
         return Relevance(csr) if kind == "relevance" else csr
     if kind == "index":
-        return _load_index(save, name, entry, device, mmap)
+        return _load_index(save, name, entry, device, mmap, loaded)
     raise FormatError(f"{save.where}: attribute {name!r} has unknown kind {kind!r}")
 
 
 def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.device,
-                mmap: bool) -> Index:
-    where = save.where
-    sub = save.folder(entry.get("dir"))  # inside the save, every file in it listed
+                mmap: bool, loaded: dict[str, Any]) -> Index:
+    """An index from its folder, or built over the loaded tensor its entry's ``vectors`` names
+    (a float32 exact index: no copy; a mapped tensor stays mapped)."""
+    where, shared = save.where, entry.get("vectors")
     cls = _backend(entry.get("backend"), where)
     try:
         params = cls.Params.from_dict(entry.get("params") or {})
@@ -217,15 +235,25 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
         raise FormatError(f"{where}: params of index {name!r} do not fit backend "
                           f"{cls.name!r}: {exc}") from exc
     options = {"mmap": mmap} if mmap and _accepts(cls.load, "mmap") else {}
-    index = cls.load(sub, params, device, **options)
+    if shared is None:  # its folder: inside the save, every file in it listed
+        index = cls.load(save.folder(entry.get("dir")), params, device, **options)
+    else:
+        t = loaded.get(shared) if isinstance(shared, str) else None
+        if cls is not ExactIndex or params.dtype != "float32" or not isinstance(
+                t, torch.Tensor) or t.dtype != torch.float32 or t.ndim != 2:
+            raise FormatError(f"{where}: index {name!r} is to be built over attribute {shared!r},"
+                              f" which is not a loaded float32 matrix of this save (or the index"
+                              f" is not a float32 exact one)")
+        index = cls(params, device).build(t)
     try:
         index.search_params = entry.get("search_params")
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: search params of index {name!r} do not fit backend "
                           f"{cls.name!r}: {exc}") from exc
     if (index.ntotal, index.dim) != (entry.get("ntotal"), entry.get("dim")):
-        raise FormatError(f"{sub} holds {index.ntotal} vectors of dimension {index.dim}; the "
-                          f"manifest says {entry.get('ntotal')} of dimension {entry.get('dim')}")
+        raise FormatError(f"{where}: index {name!r} holds {index.ntotal} vectors of dimension "
+                          f"{index.dim}; the manifest says {entry.get('ntotal')} of dimension "
+                          f"{entry.get('dim')}")
     return index
 
 

@@ -147,6 +147,48 @@ def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
         pg.load(erm_save, device="cpu")
 
 
+def forge_index_entry(save: Path, edit) -> None:
+    m = manifest(save)
+    edit(m["state"])
+    (save / "manifest.json").write_text(json.dumps(m))
+    resign(save)
+
+
+@pytest.mark.parametrize("cls,target", [(pg.ERM, "nope"), (pg.ERM, "dim"), (pg.ERM, ["x"]),
+                                        (pg.PEFAXL, "relevance"), (pg.PEFAXL, "query_index")],
+                         ids=str)
+def test_an_index_over_a_missing_or_non_tensor_attribute_is_refused(tmp_path, data, cls,
+                                                                    target):
+    save = tmp_path / "s"
+    (pg.ERM(device="cpu").fit(data[0]) if cls is pg.ERM else
+     pg.PEFAXL(device="cpu").fit(*data[:3])).save(save)
+    assert manifest(save)["state"]["index"]["vectors"] == "doc_embeddings"
+    forge_index_entry(save, lambda state: state["index"].update(vectors=target))
+    with pytest.raises(FormatError, match=rf"index 'index' .*{target!r}".replace("[", r"\[")):
+        pg.load(save, device="cpu")
+
+
+@pytest.mark.parametrize("how", ["rows", "float16", "hnsw", "bfloat16 index"])
+def test_an_index_over_a_wrong_shaped_or_typed_tensor_is_refused(erm_save, how):
+    entry = manifest(erm_save)["state"]["doc_embeddings"]
+    path = data_file(erm_save, entry["file"])
+    arr = np.load(path)
+    if how in ("rows", "float16"):
+        arr = arr[:-1] if how == "rows" else arr.astype(np.float16)
+        np.save(path, arr)
+        entry.update(shape=list(arr.shape), dtype=str(arr.dtype))
+
+    def edit(state):
+        state["doc_embeddings"] = entry
+        if how == "hnsw":
+            state["index"].update(backend="hnsw", params={})
+        elif how == "bfloat16 index":
+            state["index"]["params"]["dtype"] = "bfloat16"
+    forge_index_entry(erm_save, edit)
+    with pytest.raises(FormatError, match="index 'index' "):
+        pg.load(erm_save, device="cpu")
+
+
 # ---------------------------------------------------------------------------- forged graphs, lists
 
 LOAD_AND_SEARCH = r"""

@@ -4,7 +4,6 @@ corrupt / foreign / future saves, device moves, memory mapping, params JSON."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pefa_gpu import storage
 from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import ExactParams, backend_class, backend_names
 from pefa_gpu.index import exact as exact_module
+from pefa_gpu.synthetic import make_synthetic
 
 from conftest import DEVICES, make_model, unit_rows
 
@@ -219,14 +219,33 @@ def test_xl_derived_y_state_is_rebuilt(tmp_path, data):
     same_results(model, back, data[3], topk=25)
 
 
-@pytest.mark.skipif(not hasattr(os, "link"), reason="no hard links here")
-def test_identical_files_are_stored_once(tmp_path, data):
-    model = fit(pg.PEFAXL, data)  # the exact passage index holds exactly doc_embeddings
-    model.save(tmp_path / "xl")
-    folder = files_of(tmp_path / "xl")
-    a, b = folder / "doc_embeddings.npy", folder / "index" / "vectors.npy"
-    assert os.path.samefile(a, b) and a.stat().st_nlink == 2
-    same_results(model, pg.load(tmp_path / "xl", device="cpu", mmap=True), data[3])
+@pytest.mark.parametrize("mmap", [False, True])
+@pytest.mark.parametrize("cls,dtype", [(pg.ERM, "float32"), (pg.PEFAXL, "float32"),
+                                       (pg.ERM, "float16")],
+                         ids=lambda v: getattr(v, "__name__", v))
+def test_a_save_holds_the_documents_once(tmp_path, cls, dtype, mmap):
+    """A float32 exact index is the doc_embeddings tensor: one file, one tensor after a load.
+    Bytes written (a hard link counted twice): P once, not twice; a float16 index apart."""
+    n, m, d = 3000, 500, 32
+    s = make_synthetic(n, m, d, n_test=20, seed=3)
+    model = cls(device="cpu", index_params={"dtype": dtype})
+    model = model.fit(s.P) if cls is pg.ERM else model.fit(s.P, s.Q, s.Y)
+    model.save(tmp_path / "s")
+    folder = files_of(tmp_path / "s")
+    sizes = {f.relative_to(folder).as_posix(): f.stat().st_size
+             for f in folder.rglob("*") if f.is_file()}
+    docs = sum(b for f, b in sizes.items() if f.startswith(("doc_embeddings", "index/")))
+    index_bytes = 0 if dtype == "float32" else n * d * 2
+    assert n * d * 4 + index_bytes < docs < n * d * 4 + index_bytes + 512  # + the .npy headers
+    assert ("index/vectors.npy" in sizes) == (dtype != "float32")
+    if cls is pg.PEFAXL:  # Q is in the query index alone
+        assert m * d * 4 < sizes["query_index/vectors.npy"] < m * d * 4 + 256
+    back = pg.load(tmp_path / "s", device="cpu", mmap=mmap)
+    shared = back.index.vectors.data_ptr() == back.doc_embeddings.data_ptr()
+    assert shared == (dtype == "float32") and back.index.params == model.index.params
+    same_results(model, back, s.Q_test, topk=25)
+    if mmap and sys.platform.startswith("linux"):
+        assert str((folder / "doc_embeddings.npy").resolve()) in Path("/proc/self/maps").read_text()
 
 
 def test_bfloat16_index_round_trip(tmp_path, data):
@@ -423,9 +442,9 @@ def test_mmap_load(tmp_path, data, cls):
     same_results(model, back, data[3])
     if sys.platform.startswith("linux"):
         maps = Path("/proc/self/maps").read_text()
-        assert str((files_of(tmp_path / "m") / "index" / "vectors.npy").resolve()) in maps
-        if cls is not pg.ERM:
-            assert str((files_of(tmp_path / "m") / "doc_embeddings.npy").resolve()) in maps
+        assert str((files_of(tmp_path / "m") / "doc_embeddings.npy").resolve()) in maps
+        if cls is pg.PEFAXS:  # the index over the adapted rows has its own file
+            assert str((files_of(tmp_path / "m") / "index" / "vectors.npy").resolve()) in maps
     back.index.add(torch.from_numpy(unit_rows(np.random.default_rng(0), 2, D)))  # still usable
     assert pg.load(tmp_path / "m", device="cpu").index.ntotal == N  # the file is untouched
 

@@ -252,7 +252,7 @@ KILL_CHILD = textwrap.dedent("""
         setattr(obj, name, hooked)
 
     if point == "tensor":
-        wrap(storage, "save_tensor", nth=2); wrap(exact, "save_tensor", nth=2)
+        wrap(storage, "save_tensor", nth=2); wrap(exact, "save_tensor")  # the query index
     elif point == "fsync":
         wrap(storage, "fsync_tree")
     elif point == "manifest_tmp":
@@ -361,14 +361,14 @@ def test_a_file_missing_from_the_files_table_is_refused(xl_save):
     edit_manifest(path, edit=lambda m: m["files"].pop("doc_embeddings.npy"))
     with pytest.raises(FormatError, match="doc_embeddings.npy.*does not list"):
         pg.load(path, device="cpu")
-    edit_manifest(path, edit=lambda m: m["files"].pop("index/vectors.npy"))
+    edit_manifest(path, edit=lambda m: m["files"].pop("query_index/vectors.npy"))
     with pytest.raises(FormatError, match="does not list"):
         pg.load(path, device="cpu", mmap=True)
 
 
 def test_an_unlisted_file_in_the_data_folder_is_refused(xl_save):
     _, path = xl_save
-    (data_folder(path) / "index" / "extra.npy").write_bytes(b"x")
+    (data_folder(path) / "query_index" / "extra.npy").write_bytes(b"x")
     with pytest.raises(FormatError, match="extra.npy.*does not list"):
         pg.load(path, device="cpu")
 
@@ -408,11 +408,12 @@ def test_saves_of_older_format_versions_are_refused_and_never_replaced(xl_save, 
 def test_an_index_dir_outside_the_save_is_refused(xl_save, tmp_path):
     model, path = xl_save
     # a complete index one level up, as an attacker would place it
-    shutil.copytree(data_folder(path) / "index", tmp_path / "index")
-    edit_manifest(path, edit=lambda m: m["state"]["index"].update(dir=".."))
+    shutil.copytree(data_folder(path) / "query_index", tmp_path / "query_index")
+    edit_manifest(path, edit=lambda m: m["state"]["query_index"].update(dir=".."))
     with pytest.raises(FormatError, match="unsafe path '..'"):
         pg.load(path, device="cpu")
-    edit_manifest(path, edit=lambda m: m["state"]["index"].update(dir=str(tmp_path / "index")))
+    edit_manifest(path, edit=lambda m: m["state"]["query_index"].update(
+        dir=str(tmp_path / "query_index")))
     with pytest.raises(FormatError, match="unsafe path"):
         pg.load(path, device="cpu")
 
