@@ -57,6 +57,7 @@ D, N_TEST, TOPK, CHUNK = 384, 2000, 100, 250_000
 M, EFC, EFS = 32, 500, 300
 XS_LAM, XL_LAM, XL_K, XL_KP = 0.5, 0.1, 16, 500
 DENSE_EXTRA = 4  # dense shape: relevant documents besides the target
+BACKENDS = ("exact", "float16", "hnsw", "hnswlib")  # float16: exact with float16 storage
 F16_MAX = 1_000_000  # float16 rows up to this n (on the CPU a 16-bit search is several times
 # slower than float32: it converts each block)
 
@@ -226,7 +227,8 @@ def held_bytes(n: int, nnz: int, method: str, backend: str, dtype: str) -> int:
 
 # -- the library in memory ------------------------------------------------------------------------
 
-def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Path) -> list:
+def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Path,
+              chosen: tuple[str, ...] = BACKENDS) -> list:
     import torch
 
     import pefa_gpu as pg
@@ -238,11 +240,12 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
     rec: list = []
     with Stage(rec, "pifa", n * row + y_bytes):
         pg.pifa(Y, Q, normalize=False, device="cpu", memory_budget=n * row + 2**28)
-    backends = [("exact", "float32", {})]
-    if shape == "product" and n <= F16_MAX:
-        backends.append(("exact", "float16", {"dtype": "float16"}))
-    if shape == "product" and n <= hnsw_max:
-        backends.append(("hnsw", "float32", {"M": M, "ef_construction": EFC}))
+    graph = {"M": M, "ef_construction": EFC}
+    kinds = {"exact": ("exact", "float32", {}), "hnsw": ("hnsw", "float32", graph),
+             "float16": ("exact", "float16", {"dtype": "float16"}),
+             "hnswlib": ("hnswlib", "float32", graph)}
+    upto = {"exact": n, "float16": F16_MAX, "hnsw": hnsw_max, "hnswlib": hnsw_max}
+    backends = [kinds[b] for b in chosen if n <= upto[b] and (shape == "product" or b == "exact")]
     for backend, dtype, iparams in backends:
         nnz = Y.nnz
         holds = {method: held_bytes(n, nnz, method, backend, dtype)
@@ -251,7 +254,7 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
             holds.pop("erm")
         for method, holding in holds.items():
             tag = dict(method=method, backend=backend, dtype=dtype)
-            if backend == "hnsw" and method != "erm" and n > hnsw_xl_max:
+            if backend.startswith("hnsw") and method != "erm" and n > hnsw_xl_max:
                 skip(rec, "fit", f"n > --hnsw-xl-max={hnsw_xl_max} (build time)", **tag)
                 continue
             if not fits(holding):
@@ -266,7 +269,7 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
                     model = pg.PEFAXS(lam=XS_LAM, **kw).fit(P, Q, Y)
                 else:
                     model = pg.PEFAXL(lam=XL_LAM, k=XL_K, **kw).fit(P, Q, Y)
-            if backend == "hnsw":
+            if backend.startswith("hnsw"):
                 model.index_search_params = model.index_search_params.replace(ef_search=EFS)
             model.search(t[:10], TOPK)  # warm-up
             with Stage(rec, "search", holding + N_TEST * (XL_KP + XL_K) * 12, **tag) as st:
@@ -386,7 +389,8 @@ def point(args) -> None:
     POINT.update(n=args.n, path=args.path, out=args.out)
     try:
         if args.path == "model":
-            run_model(folder, "product", args.hnsw_max, args.hnsw_xl_max, tmp)
+            run_model(folder, "product", args.hnsw_max, args.hnsw_xl_max, tmp,
+                      tuple(args.backends.split(",")))
         elif args.path == "dense":
             run_model(folder, "dense", 0, 0, tmp)
         elif args.path == "pipeline":
@@ -399,7 +403,7 @@ def point(args) -> None:
 
 
 def run_all(args) -> None:
-    common = ["--data", args.data, "--out", args.out, "--hnsw-max", str(args.hnsw_max),
+    common = ["--backends", args.backends, "--data", args.data, "--out", args.out, "--hnsw-max", str(args.hnsw_max),
               "--hnsw-xl-max", str(args.hnsw_xl_max)]
     for n in args.sizes:
         folder = Path(args.data) / f"n{n}"
@@ -607,6 +611,8 @@ def main() -> None:
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--paths", default="model,dense,pipeline,pecos")
     ap.add_argument("--n", type=int)
+    ap.add_argument("--backends", default=",".join(BACKENDS),
+                    help="the model path's backends (float16: exact with float16 storage)")
     ap.add_argument("--path", choices=("model", "dense", "pipeline", "pecos"))
     ap.add_argument("--data", default="/tmp/pefa-scale-curve")
     ap.add_argument("--out", default="/tmp/pefa-scale-curve/curve.jsonl",
