@@ -158,24 +158,26 @@ class Stage:
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
         self.load = os.getloadavg()[0]
-        self.t = time.perf_counter()
+        self.t, self.cpu = time.perf_counter(), time.process_time()
         return self
 
     def repeat(self, fn, times: int) -> None:
         """Run ``fn`` ``times`` times; the stage's seconds are the best of them (a shared
-        machine's load comes and goes)."""
+        machine's load comes and goes), wall and CPU each."""
         for _ in range(times):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             fn()
-            self.best = min(self.best or float("inf"), time.perf_counter() - t)
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+            best = self.best or (wall, cpu)
+            self.best = (min(best[0], wall), min(best[1], cpu))
 
     def __exit__(self, *exc) -> None:
-        seconds = self.best or time.perf_counter() - self.t
+        seconds, cpu = self.best or (time.perf_counter() - self.t, time.process_time() - self.cpu)
         self.done.set()
         self.thread.join()
         self.anon = max(self.anon, _status("RssAnon"))
         if exc[0] is None:
-            row = dict(stage=self.name, seconds=round(seconds, 3),
+            row = dict(stage=self.name, seconds=round(seconds, 3), cpu_seconds=round(cpu, 3),
                        peak_rss=_status("VmHWM") - self.rss0, peak_anon=self.anon - self.anon0,
                        holds=self.holds, load=round(self.load, 2), **self.extra)
             record(self.rec, row)
@@ -458,13 +460,17 @@ def curves(rows: list[dict]) -> list[dict]:
     for k, pts in sorted(groups.items()):
         rs = [pts[n] for n in sorted(pts)]
         ns = [r["n"] for r in rs]
+        timed = [r for r in rs if r.get("cpu_seconds")]
         out.append(dict(zip(("path", "stage", "method", "backend", "dtype"), k), n=ns,
                         seconds=[r["seconds"] for r in rs],
                         peak_anon=[r["peak_anon"] for r in rs],
                         peak_over_held=[round(r["peak_anon"] / max(_held(r), 1), 2)
                                         for r in rs],
                         load=[r["load"] for r in rs],
+                        cpu_seconds=[r.get("cpu_seconds") for r in rs],
                         time_exponent=exponent(ns, [r["seconds"] for r in rs]),
+                        cpu_exponent=exponent([r["n"] for r in timed],
+                                              [r["cpu_seconds"] for r in timed]),
                         memory_exponent=exponent(ns, [r["peak_anon"] for r in rs])))
     return out
 
@@ -546,9 +552,12 @@ def report(args) -> None:
           "held: the bytes of the arrays the stage must hold.\n",
           "## Stages\n",
           md_table(["path", "stage", "method", "backend", "dtype", "seconds (n: s)",
-                    "time exp.", "peak GiB (n: GiB)", "memory exp.", "peak / held"],
+                    "time exp.", "CPU seconds (n: s)", "CPU exp.", "peak GiB (n: GiB)",
+                    "memory exp.", "peak / held"],
                    [[c["path"], c["stage"], c["method"], c["backend"], c["dtype"],
                      _points(c, c["seconds"], ".1f"), _fmt(c["time_exponent"]),
+                     ", ".join(f"{n // 1000:,}k: {v:.1f}" for n, v in zip(c["n"], c["cpu_seconds"])
+                               if v), _fmt(c["cpu_exponent"]),
                      _points(c, [a / GiB for a in c["peak_anon"]], ".2f"),
                      _fmt(c["memory_exponent"]), ", ".join(map(str, c["peak_over_held"]))]
                     for c in cs])]
