@@ -457,19 +457,15 @@ def resolve_model_arg(spec: str | None) -> Any:
     return obj() if isinstance(obj, type) else obj
 
 
-def _encoder(args: argparse.Namespace):
+def _encode(args: argparse.Namespace, lists: list[list[str]]) -> list:
+    """One array per list of texts, with --model (--ray: all encoded as one stage)."""
     from .encode import encode
 
     model = resolve_model_arg(args.model)
-
-    def run(*lists: list[str]) -> list:
-        """One array per list of texts (--ray: all encoded as one stage)."""
-        if getattr(args, "runner", None) is not None:
-            return _cluster_encode(args, model, lists)
-        return [encode(texts, model=model, batch_size=args.batch_size, device=args.device,
-                       cache_dir=_cache_dir(args), show_progress=not args.quiet)
-                for texts in lists]
-    return run
+    if args.runner is not None:
+        return _cluster_encode(args, model, lists)
+    return [encode(texts, model=model, batch_size=args.batch_size, device=args.device,
+                   cache_dir=_cache_dir(args), show_progress=not args.quiet) for texts in lists]
 
 
 def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
@@ -488,31 +484,29 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         y_train = pairs.relevance
     else:
         train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score, binary=True)
-    test_rows = y_test = None
+    tests, y_test = [], None
     if test:  # graded gains; judged queries without a relevant document kept (as empty rows)
         test_rows, y_test = ds.qrels(args.split, min_score=args.min_score, keep_empty=True)
-        if train_rows is not None:
-            both = np.intersect1d(train_rows, test_rows)
-            if both.size:
-                log.warning("%d test queries are also training queries (e.g. %r): their "
-                            "results are optimistic", both.size, ds.query_ids[int(both[0])])
+        tests = [test_rows]
+        both = np.intersect1d(train_rows, test_rows) if train_rows is not None else []
+        if len(both):
+            log.warning("%d test queries are also training queries (e.g. %r): their results "
+                        "are optimistic", len(both), ds.query_ids[int(both[0])])
     t0 = time.perf_counter()
     if args.embeddings:
         if train_texts is not None:
             raise InputError(f"{args.train_pairs} holds query texts, not query ids; they need "
                              f"an encoder (drop --embeddings)")
         P, Q_all = ds.embeddings(args.embeddings)
-        q_train = Q_all[train_rows]
-        q_test = Q_all[test_rows] if test else None
+        q_train, *q_test = (Q_all[rows] for rows in (train_rows, *tests))
     else:
-        P, q_train, *q_test = _encoder(args)(
+        P, q_train, *q_test = _encode(args, [
             ds.corpus_texts,
             train_texts if train_texts is not None else [ds.query_texts[i] for i in train_rows],
-            *([[ds.query_texts[i] for i in test_rows]] if test else []))
-        q_test = q_test[0] if test else None
+            *([ds.query_texts[i] for i in rows] for rows in tests)])
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
-    return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test, y_test,
-                 n_pairs=y_train.nnz, corpus=ds)
+    return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test[0] if test else None,
+                 y_test, n_pairs=y_train.nnz, corpus=ds)
 
 
 def _load_xmc_data(args: argparse.Namespace) -> _Data:
@@ -585,18 +579,17 @@ def _cluster_rows(args: argparse.Namespace, data: _Data, configs: list) -> tuple
         data.P, data.Q_train, data.Y_train, data.Q_test, data.Y_test, configs,
         args.work / "pipeline", ks=(10, 100), count_empty=args.count_empty,
         runner=args.runner, **_model_kwargs(args, show_progress=not args.quiet))
-    rows = [_result_row(c.method, None if c.method == "erm" else c.lam, c.k, r)
-            for c, r in zip(configs, results)]
-    return rows, results[-1]
+    return [_result_row(c, r) for c, r in zip(configs, results)], results[-1]
 
 
 # ------------------------------------------------------------------------------ output
 
-def _result_row(method: str, lam: float | None, k: int | None, metrics: dict,
-                gamma: float | None = None) -> dict:
-    """A table / JSON row; NUDGE rows add the step their fit chose ("gamma")."""
-    return {"method": method, "lam": None if lam is None else float(lam),
-            "k": None if k is None else int(k),
+def _result_row(cfg: Any, metrics: dict, gamma: float | None = None) -> dict:
+    """A table / JSON row of a :class:`pefa_gpu.Config` (ERM: no λ); NUDGE rows add the step
+    their fit chose ("gamma")."""
+    lam = None if cfg.method == "erm" else cfg.lam
+    return {"method": cfg.method, "lam": None if lam is None else float(lam),
+            "k": None if cfg.k is None else int(cfg.k),
             **({} if gamma is None else {"gamma": float(gamma)}),
             **{m: float(metrics[m]) for m in METRICS}}
 
@@ -651,7 +644,7 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
                                             methods, lams, ks, topk=100, timings=timings,
                                             **kw):
                 last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
-                rows.append(_result_row(cfg.method, cfg.lam, cfg.k, last, cfg.gamma))
+                rows.append(_result_row(cfg, last, cfg.gamma))
                 bar.update(1)
     return rows, last, timings
 
@@ -773,9 +766,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **_model_kwargs(args))
         _, ids = model.search(data.Q_test, 100)
         last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
-        lam = None if cfg.method == "erm" else cfg.lam
-        rows.append(_result_row(cfg.method, lam, cfg.k, last,
-                                getattr(model, "fitted_gamma", None)))
+        rows.append(_result_row(cfg, last, getattr(model, "fitted_gamma", None)))
     print("test (refitted on all training pairs):")
     _print_results(args, data, last, rows)
     _write_json(args, data, last, rows,
@@ -890,15 +881,10 @@ def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
     if args.queries:
         queries += _read_queries(args.queries)
     seen: dict[str, str] = {}
-    out = []
     for qid, text in queries:
-        if qid in seen:
-            if seen[qid] != text:
-                raise InputError(f"query id {qid!r} is given twice with different texts")
-            continue
-        seen[qid] = text
-        out.append((qid, text))
-    return out
+        if seen.setdefault(qid, text) != text:
+            raise InputError(f"query id {qid!r} is given twice with different texts")
+    return list(seen.items())
 
 
 def _search_format(args: argparse.Namespace) -> str:
