@@ -400,15 +400,12 @@ def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
 
 
 def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(option, path) of every file the command will write."""
-    out = []
-    if getattr(args, "json", None):
-        out.append(("--json", args.json))
-    if args.command == "sweep" and (args.plot or args.json):
-        out.append(("--plot", args.plot or str(Path(args.json).with_suffix(".png"))))
-    if args.command == "search" and args.out:
-        out.append(("--out", args.out))
-    return out
+    """(option, path) of every file the command will write (sweep's --plot defaults to
+    --json's path with .png, set here)."""
+    if args.command == "sweep" and args.json and not args.plot:
+        args.plot = str(Path(args.json).with_suffix(".png"))
+    names = {"sweep": ("json", "plot"), "search": ("out",)}.get(args.command, ("json",))
+    return [(f"--{name}", getattr(args, name)) for name in names if getattr(args, name, None)]
 
 
 THIRD_PARTY_LOGGERS = ("faiss", "ray", "transformers", "sentence_transformers", "absl",
@@ -677,11 +674,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print("best: " + "; ".join(_best_line(rows, m) for m in METRICS))
     print(f"grid of {len(rows)} configurations in {total:.2f} s (fit + search + fusion; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + ")")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
     _write_json(args, data, last, rows, timings_s={**timings, "total": total})
-    if plot:
-        plot_sweep(rows, plot, title=f"{data.name}: PEFA λ × k sweep")
-        log.info("wrote %s", plot)
+    if args.plot:
+        plot_sweep(rows, args.plot, title=f"{data.name}: PEFA λ × k sweep")
+        log.info("wrote %s", args.plot)
     return 0
 
 
