@@ -987,12 +987,9 @@ def _run(args: argparse.Namespace) -> int:
         _setup(args)
         with _cluster(args):
             return COMMANDS[args.command](args)
-    except (PefaError, ValueError, FileNotFoundError) as exc:
+    except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, (PefaError, ValueError, FileNotFoundError)) else 1
     except MemoryError as exc:
         print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
               f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)
