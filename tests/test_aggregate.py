@@ -81,13 +81,14 @@ def test_pifa_from_initial_sums(device, q_kind):
     Y = random_relevance(rng, m, n, 120, weighted=True)
     start = rng.standard_normal((n, d)).astype(np.float32)
     q = {"numpy": Q, "torch": torch.from_numpy(Q), "float64": Q.astype(np.float64)}[q_kind]
-    q_before = np.array(q)
+    copy = lambda x: x.numpy().copy() if isinstance(x, torch.Tensor) else x.copy()  # noqa: E731
+    q_before = copy(q)
     initial = torch.from_numpy(start.copy()).to(device)
     got = pg.pifa(Y, q, normalize=False, device=device, initial=initial)
     assert got.data_ptr() == initial.data_ptr()
     want = start.astype(np.float64) + ref.pifa(Y, Q, False)
     np.testing.assert_allclose(got.cpu().numpy(), want, atol=1e-5)
-    np.testing.assert_array_equal(np.array(q), q_before)
+    np.testing.assert_array_equal(copy(q), q_before)
 
 
 @pytest.mark.parametrize("bad", ["shape", "dim", "dtype"])
