@@ -567,7 +567,8 @@ def report(args) -> None:
                "PECOS path\n",
                md_table(["n", "method", "stage", "ours s", "PECOS s", "ours / PECOS",
                          "ours peak GiB", "PECOS peak GiB", "load ours / PECOS"], pt)]
-    disk = [r for r in rows if r.get("bytes_on_disk")]
+    disk = list({(r["path"], r["n"], r["method"]): r for r in rows
+                 if r.get("bytes_on_disk")}.values())  # a later run of a point replaces it
     if disk:
         md += ["\n## Bytes on disk of a save\n",
                md_table(["path", "n", "method", "GiB", "bytes per document"],
