@@ -17,6 +17,8 @@ import sys
 
 import pytest
 
+from test_exact_memory import _clear_refs_works
+
 CHILD = r"""
 import json, re, sys
 import numpy as np, scipy.sparse as sp
@@ -45,15 +47,6 @@ for method, fit in fits.items():
     del model
 print(json.dumps(out))
 """
-
-
-def _clear_refs_works() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 @pytest.mark.slow
