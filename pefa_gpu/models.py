@@ -1,22 +1,11 @@
-"""The retrieval models: ERM (plain inner product), PEFA-XS, PEFA-XL and NUDGE (-M / -N).
-
-All share one shape::
+"""The retrieval models: ERM, PEFA-XS, PEFA-XL and NUDGE (-M / -N); the math is DESIGN §1.
 
     model = pg.PEFAXS(lam=0.5, backend="exact", device=None).fit(P, Q, Y)
     scores, ids = model.search(queries, topk=100)   # (B, topk) float32 / int64, -1 padded
 
-Embeddings are stored on ``device`` (default: CUDA when available) as torch tensors; results
-come back on that device.
-
-Build settings (``Params``: lam, k, ...; the backend's ``index_params``) are fixed by ``fit``.
-Search settings change per call without a refit: the model's own (PEFA-XL ``candidates``) and
-the backend's (HNSW ``ef_search``, IVF ``nprobe``, CAGRA ``itopk_size``, ...), each as its
-typed ``SearchParams``::
-
-    xl = pg.PEFAXL(backend="hnsw", search_params=pg.XLSearchParams(candidates=500),
-                   index_search_params=HNSWSearchParams(ef_search=300))
-    xl.search(queries, 10, params=pg.XLSearchParams(candidates=300),  # this call only
-              index_params=xl.index_search_params.replace(ef_search=500))
+Tensors live on ``device`` (default: CUDA when available). Build settings (``Params``, the
+backend's ``index_params``) are fixed by ``fit``; search settings are typed per call:
+``search(q, k, params=XLSearchParams(...), index_params=HNSWSearchParams(...))``.
 """
 
 from __future__ import annotations
@@ -51,12 +40,8 @@ SP = TypeVar("SP", bound=Params)  # a SearchParams class
 
 
 class _Model:
-    """Shared plumbing: params, search params, device, backend, the search entry point.
-
-    Constructor: the model's build settings as keywords (``Params``); ``backend`` and
-    ``index_params`` (its build settings); the defaults of :meth:`search`: ``search_params``
-    (the model's ``SearchParams``) and ``index_search_params`` (the backend's).
-    """
+    """Shared plumbing. Keywords: the model's ``Params`` fields, ``backend``, ``index_params``,
+    and the search defaults ``search_params`` / ``index_search_params`` (typed)."""
 
     Params: type[Params] = ERMParams
     SearchParams: type[Params] = ERMSearchParams
@@ -103,8 +88,7 @@ class _Model:
 
     @property
     def search_params(self) -> Params:
-        """The model's own search settings (its ``SearchParams``; PEFA-XL: ``candidates``),
-        the defaults of :meth:`search`; assign a ``SearchParams`` (None: its defaults)."""
+        """The model's own search defaults (its ``SearchParams``; assign one, or None)."""
         return self._search_params
 
     @search_params.setter
@@ -120,18 +104,14 @@ class _Model:
     @doc_embeddings.setter
     def doc_embeddings(self, value: torch.Tensor) -> None:
         self._doc_embeddings = value
-        # their numpy view for CPU fusion, made here once (a view only, never a copy): on a
-        # single query, a torch call among the fusion's numpy calls costs ~20 us (the numpy
-        # calls after it run cold)
+        # a numpy view (never a copy) for PEFA-XL's CPU fusion
         view = value.device.type == "cpu" and value.dtype == torch.float32
         self._host_docs = value.detach().numpy() if view else None
 
     @property
     def index_search_params(self) -> Params:
-        """The backend's search settings (e.g. HNSWSearchParams), the defaults of every index
-        search the model makes (PEFA-XL: of both indices; read from the passage index once
-        fitted). Assign the backend's ``SearchParams`` (None: its defaults): all the model's
-        indices take it."""
+        """The backend's search defaults (e.g. HNSWSearchParams) for every index of the model;
+        assign the backend's ``SearchParams`` (or None)."""
         index = self.__dict__.get("index")
         return index.search_params if index is not None else self._index_search_params
 
@@ -146,26 +126,23 @@ class _Model:
                 index.search_params = value
 
     def _typed(self, cls: type[SP], value: SP | None, what: str) -> SP | None:
-        """``value``, a ``cls`` or None; anything else, a dict too, is a TypeError naming
-        ``what``."""
+        """``value`` if it is a ``cls`` or None, else a TypeError naming ``what``."""
         if value is not None and not isinstance(value, cls):
             raise TypeError(f"{type(self).__name__}.{what} must be {cls.__name__} or None, got "
                             f"{type(value).__name__}")
         return value
 
     def new_index(self) -> Index:
-        """An empty index of the model's backend, build settings, search defaults and device."""
+        """An empty index of the model's backend, settings and device."""
         return make_index(self.backend, self.device, self.index_params,
                           search_params=self.index_search_params)
 
     def check_fitted(self) -> None:
-        """InputError unless the model has been fitted (or loaded)."""
         if not self.n_docs:
             raise InputError(f"{type(self).__name__} is not fitted: call fit() first")
 
     def as_queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
-        """Queries as the model searches them: (B, d) float32 on its device, detached; ``check``
-        as in :meth:`search`."""
+        """Queries as searched: (B, d) float32 on the device, detached."""
         self.check_fitted()
         check = training.check_default(queries, check)
         q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
@@ -174,8 +151,8 @@ class _Model:
 
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
                     Y: RelevanceLike | None = None, copy_queries: bool = True):
-        """(p, q, relevance) checked, p a copy; q a copy too with ``copy_queries``, else Q as
-        given where it is a host array that is only read (a memory map stays one)."""
+        """(p, q, relevance) checked; p a copy, q too with ``copy_queries`` (else a host
+        array as given: a memory map stays one)."""
         p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
@@ -191,23 +168,10 @@ class _Model:
     def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
                params: Params | None = None, index_params: Params | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, topk) float32 scores and int64 ids (-1 padded) on the device.
-        ``topk`` beyond the documents is padded, up to max(n_docs, 10,000); more is an
-        InputError (``pefa_gpu.arrays.check_topk``).
+        """(B, d) queries -> (B, topk) float32 scores, int64 ids (-1 padded) on the device.
 
-        Search settings for this call only (None: the defaults, :attr:`search_params` and
-        :attr:`index_search_params`, which stay as they are): ``params`` the model's
-        ``SearchParams`` (PEFA-XL: XLSearchParams ``candidates``), ``index_params`` the
-        backend's (e.g. HNSWSearchParams ``ef_search``, IVFSearchParams ``nprobe``), which
-        PEFA-XL applies to both its indices. Another type is a TypeError.
-
-        The queries are detached (no autograd graph is kept). ``check`` tests them for NaN /
-        inf, by default only when they are not already a CUDA tensor: ERM and PEFAXS on the exact
-        backend then search a CUDA batch with one device-to-host synchronisation when topk + 8
-        < n (finding the rows tied past the candidates, :mod:`pefa_gpu.index.exact`) and none
-        otherwise. PEFAXL's fusion does synchronise (candidate sets of data-dependent size), a
-        few times per batch; its :meth:`score` does not.
-        """
+        ``params`` / ``index_params``: the model's / backend's ``SearchParams`` for this call
+        (None: the defaults). ``check``: test for NaN / inf (default: unless on CUDA)."""
         topk = check_topk(topk, self.n_docs)
         model_sp = self._typed(self.SearchParams, params, "search params") or self.search_params
         index_sp = self._typed(self._index_search_class, index_params, "search index_params")
@@ -232,27 +196,21 @@ class _Model:
         return self._search(q, topk, model_sp, index_sp, checked=check)
 
     def _memory_budget(self) -> int:
-        """Bytes a search may hold besides its result: the index's ``memory_budget`` (exact,
-        cagra), else the exact backend's default."""
+        """Bytes a search may hold: the index's ``memory_budget``, else the exact default."""
         return getattr(self.index.params, "memory_budget", None) or DEFAULT_MEMORY_BUDGET
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
-        """Working bytes per query of a search, besides the index's own (which keeps to the
-        budget itself): the query's float32 copy and the NaN / inf check's temporaries."""
+        """Working bytes per query besides the index's: its copy and the NaN check's."""
         return 16 * self.dim
 
     def _search(self, q: torch.Tensor, topk: int, model_sp: Params, index_sp: Params | None,
                 checked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``model_sp`` / ``index_sp``: the model's and the backend's search settings (None:
-        each index's defaults). ``checked``: ``q`` has been tested for NaN / inf already."""
+        """:meth:`search` of checked queries (``checked``: tested for NaN / inf)."""
         return self.index.search(q, topk, index_sp)
 
     def score(self, queries: ArrayLike, ids: ArrayLike, check: bool | None = None) -> torch.Tensor:
-        """(B, d) queries (float32, or float64 kept; may require grad), (B, K) int64 ids (-1 =
-        padding) -> (B, K) scores in the queries' dtype on the device, differentiable w.r.t.
-        the queries, -inf at padding: the model's formula for every id (DESIGN §1, see
-        pefa_gpu.training), the search score up to rounding. ``check`` (default: unless on
-        CUDA) tests NaN / id ranges, which synchronises; nothing else here does."""
+        """(B, d) queries (float32 / float64, may require grad), (B, K) int64 ids (-1: padding)
+        -> (B, K) differentiable scores in the queries' dtype, -inf at padding (training.py)."""
         self.check_fitted()
         chk = training.check_default(queries, check)
         dtype = torch.float64 if (isinstance(queries, torch.Tensor)
@@ -271,8 +229,7 @@ class _Model:
         return as_embeddings(X, self.device, name, dim=self.dim, copy=True).detach()
 
     def add_documents(self, P_new: ArrayLike) -> "_Model":
-        """Append (r, d) documents without a refit; their ids continue after the existing
-        ones (n .. n+r-1). Returns the model. See pefa_gpu.updates."""
+        """Append (r, d) documents (ids n .. n+r-1) without a refit; see pefa_gpu.updates."""
         p = self._new_rows(P_new, "P_new")
         if p.shape[0]:
             self._append_documents(p)
@@ -280,9 +237,8 @@ class _Model:
         return self
 
     def add_pairs(self, Q_new: ArrayLike, Y_new: RelevanceLike) -> "_Model":
-        """PEFAXS / PEFAXL / NUDGE: add training queries Q_new (m', d) with relevance Y_new
-        (m' x n) over the current documents (add new documents first) without a refit; equal
-        to refitting on all the data. Returns the model. See pefa_gpu.updates."""
+        """Add training queries Q_new (m', d) with relevance Y_new (m' x n) without a refit
+        (equal to a refit on all the data); see pefa_gpu.updates."""
         q = self._new_rows(Q_new, "Q_new")
         rel = as_relevance(Y_new, shape=(q.shape[0], self.n_docs), name="Y_new",
                            allow_empty=True)
@@ -291,43 +247,37 @@ class _Model:
         return self
 
     def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path:
-        """Write a faiss HNSW index that a CPU-only machine opens with ``faiss.read_index``:
-        one file, or for PEFAXL a directory with both indices and Y (see
-        :func:`pefa_gpu.export.export_parts`; kwargs: M, method, ef_search, ...)."""
+        """Write faiss HNSW file(s) for CPU serving (kwargs: :func:`export.export_parts`)."""
         self.check_fitted()
         kwargs.setdefault("device", self.device)
         return export.export_parts(self._exported(), path, **kwargs)
 
     def save(self, directory: str | Path) -> None:
-        """Write the fitted model into ``directory`` atomically (replacing an earlier save
-        there only once the new one is complete); read it back with :func:`pefa_gpu.load`."""
+        """Write the fitted model into ``directory`` atomically (:func:`pefa_gpu.load`)."""
         persist.save_model(self, directory)
 
     @classmethod
     def load(cls, directory: str | Path, device: DeviceLike = None, mmap: bool = False) -> "_Model":
-        """Like :func:`pefa_gpu.load`, but the save must hold this class (else FormatError)."""
+        """:func:`pefa_gpu.load` of a save that must hold this class (else FormatError)."""
         return persist.load_model(directory, device=device, mmap=mmap, expect=cls)
 
     # -- hooks: what each model does its own way
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The model's score of documents ``ids`` (B, K) (valid ids) for ``q`` (B, d),
-        differentiable w.r.t. ``q``: here <q, p_j>."""
+        """(B, d) queries, (B, K) valid ids -> (B, K) scores, differentiable w.r.t. ``q``."""
         return training.inner(q, self.doc_embeddings[ids])
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        """Take r new documents (r, d) (ids n .. n+r-1); the caller then sets n_docs."""
+        """Take (r, d) new documents; the caller then sets n_docs."""
         self.doc_embeddings = torch.cat([self.doc_embeddings, p])
         self.index.add(p)
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
-        """Take m' training queries (m', d) with their relevance (m' x n)."""
         raise InputError(f"add_pairs() needs a PEFAXS, PEFAXL or NUDGE model, got "
                          f"{type(self).__name__} (ERM has no training pairs)")
 
     def _exported(self) -> tuple[torch.Tensor, Index] | dict[str, Any]:
-        """What :meth:`export_hnsw` writes: (vectors, index) for one file, or a dict of file
-        names to (vectors, index), scipy matrices or JSON tables."""
+        """(vectors, index) for one file, or {file name: (vectors, index) / matrix / JSON}."""
         return export.index_vectors(self.index), self.index
 
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
@@ -336,7 +286,7 @@ class _Model:
         return {"index": (n, d), "doc_embeddings": (n, d)}
 
     def _restore(self) -> None:
-        """Rebuild state derived from the ``_saved`` attributes after a load."""
+        """Rebuild derived state after a load."""
 
 
 class ERM(_Model):
@@ -349,49 +299,47 @@ class ERM(_Model):
     def fit(self, P: ArrayLike) -> "ERM":
         """P: (n, d) document embeddings."""
         p, _, _ = self._embeddings(P)
-        self.doc_embeddings = p  # for score() and add_documents()
+        self.doc_embeddings = p
         self.index = self.new_index().build(p)
         self.dim, self.n_docs = p.shape[1], p.shape[0]
         return self
 
 
 class _AdaptedDocuments(_Model):
-    """A model with one index over document rows computed from P (``doc_embeddings``) and
-    each document's sum of training queries (``doc_sums``, g_j = sum_i Y[i, j] q_i): PEFA-XS
-    and NUDGE. Subclasses give the formula, :meth:`_adapt`, which works row by row: the rows
-    of some ids and of every document are computed alike."""
+    """One index over rows ``_adapt(p_j, g_j)`` of the documents ``doc_embeddings`` and their
+    training-query sums ``doc_sums`` (g_j = sum_i Y[i, j] q_i): PEFA-XS and NUDGE."""
+
+    _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
     def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-        """The index rows (r, d) float32 of documents ``p`` (r, d) with ``doc_sums`` rows
-        ``sums`` (r, d)."""
+        """(r, d) documents and their sums -> (r, d) float32 index rows."""
         raise NotImplementedError
 
     def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """The index rows of ``ids`` (any shape, valid) -> (*ids.shape, d) float32."""
+        """Index rows of valid ``ids`` (any shape) -> (*ids.shape, d) float32."""
         flat = ids.reshape(-1)
         e = self._adapt(self.doc_embeddings[flat], self.doc_sums[flat])
         return e.reshape(*ids.shape, -1)
 
-    def _adapted_all(self) -> torch.Tensor:
-        """The index rows of every document (n, d) float32."""
-        return self._adapt(self.doc_embeddings, self.doc_sums)
-
-    def _new_sums(self, p: torch.Tensor) -> torch.Tensor:
-        """``doc_sums`` rows of new documents ``p`` (r, d): no training query yet."""
-        return torch.zeros(p.shape[0], p.shape[1], device=p.device)
+    def _finish_fit(self, p: torch.Tensor, sums: torch.Tensor) -> None:
+        self.doc_embeddings, self.doc_sums = p, sums
+        self.index = self.new_index().build(self._adapt(p, sums))
+        self.dim, self.n_docs = p.shape[1], p.shape[0]
 
     def _append_documents(self, p: torch.Tensor) -> None:
         n0 = self.doc_embeddings.shape[0]
+        sums = torch.zeros(p.shape[0], p.shape[1], device=p.device)
+        if getattr(self.params, "augment_docs", False):  # PEFA-XS: 0 + p, as fit gives
+            sums = sums + p.float()
         self.doc_embeddings = torch.cat([self.doc_embeddings, p])
-        self.doc_sums = torch.cat([self.doc_sums, self._new_sums(p)])
+        self.doc_sums = torch.cat([self.doc_sums, sums])
         self.index.add(self._adapted_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return training.inner(q, self._adapted_rows(ids))
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
-        """The pairs join ``doc_sums``; the index rows they touch are rewritten (a backend that
-        cannot update rows is rebuilt)."""
+        """The pairs join ``doc_sums``; the touched index rows are rewritten (or rebuilt)."""
         touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
         if not touched.numel():
             return
@@ -400,10 +348,10 @@ class _AdaptedDocuments(_Model):
         except NotImplementedError:
             log.info("backend %r cannot update rows: rebuilding the index of %d documents for "
                      "%d changed ones", self.backend, self.n_docs, touched.numel())
-            self.index = self.new_index().build(self._adapted_all())
+            self.index = self.new_index().build(self._adapt(self.doc_embeddings, self.doc_sums))
 
     def _exported(self) -> tuple[torch.Tensor, Index] | dict[str, Any]:
-        return self._adapted_all(), self.index
+        return self._adapt(self.doc_embeddings, self.doc_sums), self.index
 
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
         return {**super()._saved_shapes(), "doc_sums": (self.n_docs, self.dim)}
@@ -415,18 +363,13 @@ class PEFAXS(_AdaptedDocuments):
 
     Params = XSParams
     SearchParams = XSSearchParams
-    _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
     def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXS":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance."""
         p, q, rel = self._embeddings(P, Q, Y, copy_queries=False)
-        # p_j as the first query of document j: add_pairs then continues each sum in the same
-        # order and equals a refit to the bit (CPU)
+        # p_j as document j's first query: add_pairs then equals a refit to the bit (CPU)
         start = p.clone() if self.params.augment_docs else torch.zeros_like(p)
-        sums = pifa(rel, q, normalize=False, device=self.device, initial=start)
-        self.doc_embeddings, self.doc_sums = p, sums
-        self.index = self.new_index().build(self.xs_embeddings())
-        self.dim, self.n_docs = p.shape[1], p.shape[0]
+        self._finish_fit(p, pifa(rel, q, normalize=False, device=self.device, initial=start))
         return self
 
     def xs_embeddings(self, lam: float | None = None) -> torch.Tensor:
@@ -438,34 +381,20 @@ class PEFAXS(_AdaptedDocuments):
     def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
         return pefa_xs(p, sums, self.params.lam)
 
-    def _new_sums(self, p: torch.Tensor) -> torch.Tensor:
-        sums = super()._new_sums(p)
-        return sums + p.float() if self.params.augment_docs else sums  # 0 + p, as fit gives
-
 
 class NUDGE(_AdaptedDocuments):
-    """NUDGE (Zeighami et al., 2024): one index over the documents moved toward their training
-    queries, e_j = NUDGE-M / NUDGE-N of (Π(p_j), g_j = sum_i Y[i, j] q_i) with a step gamma
-    chosen on validation queries (see pefa_gpu.nudge)::
-
-        model = pg.NUDGE(variant="N").fit(P, Q, Y)                  # gamma on 20% of Q
-        model = pg.NUDGE(variant="M").fit(P, Q, Y, Q_val, Y_val)    # gamma on Q_val
-        model.fitted_gamma                                          # the step it took
-    """
+    """NUDGE (Zeighami et al., 2024): documents moved toward their training queries by a step
+    gamma chosen on validation queries (pefa_gpu.nudge); ``fitted_gamma`` is the step taken."""
 
     Params = NUDGEParams
     SearchParams = NUDGESearchParams
-    _saved = _Model._saved + ("doc_embeddings", "doc_sums", "fitted_gamma")
+    _saved = _AdaptedDocuments._saved + ("fitted_gamma",)
 
     def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, Q_val: ArrayLike | None = None,
             Y_val: RelevanceLike | None = None) -> "NUDGE":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance; Q_val (v, d),
-        Y_val (v, n): validation queries for gamma.
-
-        With ``gamma`` set, it is used as it is (Q_val must not be given). Else gamma is chosen
-        on Q_val / Y_val with g_j from Q; without them (what nudge-ft never does: it always
-        takes a validation set) on a seeded ``val_fraction`` of Q with g_j from the rest, and
-        then the documents move by that gamma along g_j of all of Q."""
+        Y_val (v, n): validation queries for gamma (default: a seeded ``val_fraction`` of Q,
+        with g_j from the rest; the documents then move along g_j of all of Q)."""
         p, q, rel = self._embeddings(P, Q, Y)
         gamma, sums = self.params.gamma, pifa(rel, q, normalize=False, device=self.device)
         if (Q_val is None) != (Y_val is None):
@@ -492,14 +421,11 @@ class NUDGE(_AdaptedDocuments):
             gamma = nudge.choose_gamma(self.params.variant, normalize_rows(p), g_fit, q_val,
                                        y_val, self.params.val_k)
         self.fitted_gamma = float(gamma)
-        self.doc_embeddings, self.doc_sums = p, sums
-        self.index = self.new_index().build(self.nudge_embeddings())
-        self.dim, self.n_docs = p.shape[1], p.shape[0]
+        self._finish_fit(p, sums)
         return self
 
     def nudge_embeddings(self, gamma: float | None = None) -> torch.Tensor:
-        """The adapted documents E (n, d) float32 the index holds; ``gamma`` defaults to
-        :attr:`fitted_gamma`."""
+        """The adapted documents E (n, d) float32; ``gamma`` defaults to ``fitted_gamma``."""
         gamma = self.fitted_gamma if gamma is None else gamma
         return nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings),
                            self.doc_sums, gamma)
