@@ -1,29 +1,17 @@
 """NUDGE (Zeighami et al., 2024): document embeddings moved toward their training queries.
 
-Notation: d_j the unit-normalised document embeddings (n, d); g_j = Σ_i Y[i, j] q_i the sum of
-the training queries of document j (Y binary: the paper's sum over the queries that j answers);
-ĝ_j = g_j / ‖g_j‖ (0 for a document with no training query). Both variants maximise the
-training similarity Σ_i Σ_j Y[i, j] <q_i, d_j + Δ_j> = Σ_j <g_j, Δ_j> + const under a
-constraint on each move Δ_j:
+d_j: unit document rows (n, d); g_j = Σ_i Y[i, j] q_i; ĝ_j = Π(g_j) (0 where g_j = 0).
 
-- NUDGE-M, ‖Δ_j‖ <= γ:  e_j = d_j + γ ĝ_j (not unit norm: search by inner product).
-- NUDGE-N, ‖d_j + Δ_j‖ = 1 and ‖Δ_j‖² <= γ:  e_j = ĝ_j where it is within reach
-  (<d_j, ĝ_j> >= 1 - γ/2); else the point of the great circle from d_j toward g_j with
-  <e_j, d_j> = 1 - γ/2, i.e. e_j = (1 - γ/2) d_j + sqrt(γ - γ²/4) z_j with
-  z_j = Π(g_j - <d_j, g_j> d_j). A document whose g_j is zero, parallel to d_j or points away
-  from it (<d_j, g_j> < 0) and is out of reach keeps d_j, as in the authors' nudge-ft.
+- NUDGE-M (‖Δ_j‖ <= γ): e_j = d_j + γ ĝ_j.
+- NUDGE-N (‖e_j‖ = 1, ‖Δ_j‖² <= γ): e_j = ĝ_j where <d_j, ĝ_j> >= 1 - γ/2; else
+  (1 - γ/2) d_j + sqrt(γ - γ²/4) Π(g_j - <d_j, g_j> d_j); d_j is kept where g_j is 0,
+  parallel to d_j or <d_j, g_j> < 0 (as the authors' nudge-ft).
 
-γ is chosen on validation queries (Q_v, Y_v), with the g_j of the fitting queries:
-
-- NUDGE-M: the γ >= 0 under which the most validation pairs (q, x) (Y_v[q, x] > 0) have x as
-  the top-1 of <q, e_j> over all documents (a tie counts as a win). For one pair that set of γ
-  is an interval [lo, hi] (the score gaps are linear in γ), so the best γ is the smallest left
-  end covered by the most intervals; 0 when no pair can win. (nudge-ft counts an interval as
-  [lo, hi) where two ends meet; that differs only on exact float ties.)
-- NUDGE-N: the first γ of (0, 0.02, ..., 0.48) (nudge-ft's grid) with the best validation
-  accuracy: the mean over queries with a relevant document of
-  |top-``val_k`` ∩ relevant| / min(|relevant|, ``val_k``) (nudge-ft divides 0 by 0 for a query
-  with no relevant document; such queries are left out here).
+γ is chosen on validation queries with the g_j of the fitting queries. NUDGE-M: the smallest
+γ >= 0 under which the most validation pairs (q, x) have x as the top-1 (ties win; each pair
+wins on an interval of γ). NUDGE-N: the first γ of nudge-ft's grid (0, 0.02, ..., 0.48) with
+the best mean |top-``val_k`` ∩ relevant| / min(|relevant|, ``val_k``) (queries with no
+relevant document left out).
 """
 
 from __future__ import annotations
@@ -39,7 +27,6 @@ from .errors import InputError
 from .params import NUDGE_VARIANTS
 
 N_GAMMAS: tuple[float, ...] = tuple(0.02 * x for x in range(25))  # NUDGE-N's γ grid
-VARIANTS = NUDGE_VARIANTS
 BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
 
 
@@ -65,8 +52,8 @@ def nudge_n(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
 
 def nudge(variant: str, d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
     """:func:`nudge_m` or :func:`nudge_n` by ``variant`` ('M' or 'N')."""
-    if variant not in VARIANTS:
-        raise InputError(f"variant must be one of {list(VARIANTS)}, got {variant!r}")
+    if variant not in NUDGE_VARIANTS:
+        raise InputError(f"variant must be one of {list(NUDGE_VARIANTS)}, got {variant!r}")
     return (nudge_m if variant == "M" else nudge_n)(d, g, gamma)
 
 

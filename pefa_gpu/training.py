@@ -1,20 +1,11 @@
-"""Helpers for encoder training loops: differentiable PEFA scores and hard-negative mining.
+"""Encoder training helpers: differentiable model scores and hard-negative mining.
 
-    q = encoder(batch)                                   # (B, d), requires grad, on the device
     negs = pg.mine_negatives(xs, q, positives, n=7)      # (B, 7) int64, no graph kept
     logits = xs.score(q, torch.cat([pos[:, None], negs], 1)) / tau   # (B, 8), differentiable
-    loss = torch.nn.functional.cross_entropy(logits, torch.zeros(B, dtype=torch.long))
 
-What is differentiated (``score``): ERM ``<q, p_j>``; PEFA-XS ``<q, e_j>``; PEFA-XL
-``lam f_erm(q, j) + (1 - lam) f_knn(q, j)`` where the k neighbours N(q) (and, with
-``rescore=False``, the ERM candidate set C) are selected without gradient, while the neighbour
-weights ``w(s_i)`` with ``s_i = <q, q_i>`` and ``f_erm = <q, p_j>`` carry it. Id -1 (padding)
-scores ``-inf`` (no gradient flows there; softmax gives it weight 0). PEFA-XL's score reads
-the neighbours' vectors back from the query index (``Index.reconstruct``: exact and the faiss
-backends have it). Memory: a (B, K, d) gather of document rows, and (B, k, K) for XL.
-
-``model.score`` checks the queries and ids (:func:`as_ids`) and asks the model's ``_score(q,
-ids)`` for its own formula on the valid ids (each model class says what it scores).
+``score`` differentiates <q, p_j> (ERM), <q, e_j> (PEFA-XS, NUDGE) and, for PEFA-XL,
+lam <q, p_j> + (1 - lam) f_knn with the neighbours chosen without gradient and their weights
+w(<q, q_i>) carrying it; id -1 (padding) scores -inf.
 """
 
 from __future__ import annotations
@@ -30,8 +21,7 @@ from .relevance import Relevance, as_relevance
 
 
 def check_default(x: ArrayLike, check: bool | None) -> bool:
-    """Value checks (NaN, id range) read the data; on CUDA tensors they would sync, so the
-    default is to run them only for data that is not already on a CUDA device."""
+    """``check``, by default True unless ``x`` is a CUDA tensor (a check would sync)."""
     if check is not None:
         return bool(check)
     return not (isinstance(x, torch.Tensor) and x.is_cuda)
@@ -39,8 +29,8 @@ def check_default(x: ArrayLike, check: bool | None) -> bool:
 
 def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool
            ) -> torch.Tensor:
-    """Document ids to score as a (B, K) int64 tensor on ``device`` (a (B,) array is one
-    column); with ``check``, ids outside [-1, n_docs) are an InputError."""
+    """Ids as a (B, K) int64 tensor on ``device`` ((B,): one column); with ``check``, ids
+    outside [-1, n_docs) are an InputError."""
     i = as_tensor(ids, device=device, name="ids")
     if i.ndim == 1:
         i = i.unsqueeze(1)
@@ -62,12 +52,8 @@ def inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
-    """Positives as a (B, P) int64 tensor on ``device``, -1 padded (P >= 1).
-
-    Accepts a Relevance / scipy sparse matrix (B x n_docs: the nonzero columns of each row), a
-    list of lists of document ids, or a (B, P) integer array / tensor with -1 padding. With
-    ``n_docs``, ids outside [-1, n_docs) are an InputError.
-    """
+    """A (B x n) Relevance / scipy matrix, a list of id lists or a (B, P) -1 padded int array
+    -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs): InputError."""
     out = _positive_ids(positives, batch, device)
     if n_docs is not None and out.numel() and (int(out.min()) < -1 or int(out.max()) >= n_docs):
         bad = out[(out < -1) | (out >= n_docs)][:5].tolist()
@@ -105,18 +91,9 @@ def _positive_ids(positives: ArrayLike, batch: int, device: torch.device) -> tor
 def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: int = 8,
                    skip_top: int = 0, batch_size: int = 1024, check: bool | None = None
                    ) -> torch.Tensor:
-    """Hard negatives: for each query the best-scoring documents that are not its positives.
-
-    queries (B, d) (may require grad: it is detached); positives as in
-    :func:`as_positive_ids`. Ranks by ``model.search``, drops the positives, skips the first
-    ``skip_top`` remaining documents (likely false negatives; more than the documents counts as
-    all of them), keeps the next ``n`` (at most max(n_docs, MAX_PADDED_TOPK), as a search's
-    topk). Returns (B, n) int64 document ids on the model's device, best first, -1 where there
-    are not enough. Positive ids outside [0, n_docs) are an InputError. A positive is never
-    returned. On CUDA it synchronises only where ``model.search`` does (ERM and XS on the exact
-    backend: once per batch of ``batch_size`` queries when the search depth + 8 < n, see
-    :mod:`pefa_gpu.index.exact`).
-    """
+    """(B, n) int64 ids, best first, -1 where too few: per query (B, d) the best documents
+    of ``model.search`` that are not its positives (:func:`as_positive_ids`), after skipping
+    ``skip_top`` of them (likely false negatives); ``batch_size`` queries per search."""
     if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
         raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
     batch_size = check_positive_int(batch_size, "batch_size")

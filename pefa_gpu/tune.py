@@ -1,28 +1,18 @@
 """Choose method, λ and k on held-out training queries, never below ERM.
 
-    res = pg.tune(P, Q, Y)               # Q, Y: all training queries and their pairs
-    res.chosen                           # Config('xs', 0.3, None), or Config('erm', 1.0, None)
+    res = pg.tune(P, Q, Y)               # res.chosen: Config('xs', 0.3, None) or ERM's
     model = pg.fit_config(res.chosen, P, Q, Y)   # refit on every training pair
 
-A seeded, query-disjoint part of the training queries (``val_fraction``) is held out; every
-configuration of the grid is fitted on the rest and scored on it (one :func:`pefa_gpu.sweep`).
-The grid holds every family by default: ERM, PEFA-XS / -XL, NUDGE-M / -N and the query side
-(adapter, prf, adapter+xs; see :mod:`pefa_gpu.query`).
-The objective is the per-query mean of the recalls named in ``metric``. The best configuration
-is kept only when its mean gain over ERM on those queries is positive and at least ``min_z``
-standard errors (a paired test), and the queries it improves outnumber those it worsens at the
-same one-sided level (an exact sign test, P(z > min_z)): with few queries that change, the
-standard error alone is no guard (four queries up and none down pass 2 s.e.); otherwise ERM
-(λ = 1) is kept and the reason says why.
+Every configuration of the grid (all families by default) is fitted on a seeded part of the
+training queries and scored on the rest (``val_fraction``; one :func:`pefa_gpu.sweep`). The
+best by the mean of the recalls in ``metric`` is kept only when its per-query gain over ERM is
+positive and at least ``min_z`` standard errors, and a sign test of the queries it improves
+against those it worsens passes at the same level; else ERM (λ = 1).
 
-Coverage matching (when the queries to be served, ``test_queries``, are given; no labels):
-PEFA helps a query only when training pairs point to its relevant documents. A random
-held-out part of the training queries can be far better covered by the rest than the test
-queries are, and then validation overrates PEFA. The test coverage is estimated without labels
-from how often the plain top-1 document of a query is a trained-on document (test queries
-against all training pairs, validation queries against the fitting part, scaled by the known
-validation coverage); when it is lower, the relevant documents of a seeded subset of the
-validation queries are dropped from the fitting pairs until validation coverage matches it.
+With ``test_queries`` (no labels), coverage is matched: the share of test queries whose plain
+top-1 document has a training pair estimates their coverage; where validation is better
+covered, the relevant documents of seeded validation queries leave the fitting pairs until
+it matches (validation would overrate PEFA otherwise).
 """
 
 from __future__ import annotations
@@ -50,12 +40,9 @@ log = logging.getLogger("pefa_gpu")
 
 @dataclasses.dataclass
 class TuneResult:
-    """chosen: the configuration to use (ERM is reported as lam=1.0, k=None).
-    validation: one row per grid configuration with its validation metrics and ``objective``.
-    erm_objective / best_objective: validation objectives of ERM and of the best configuration;
-    gain_se: standard error of the best configuration's per-query gain over ERM.
-    reason: one sentence on why ``chosen`` was taken. n_fit / n_val: training queries used for
-    fitting / held out."""
+    """chosen (ERM: lam=1.0, k=None) and why (``reason``); validation: a row of metrics and
+    ``objective`` per configuration; gain_se: s.e. of best's gain over ERM; n_fit / n_val:
+    training queries fitted on / held out."""
 
     chosen: Config
     metric: str
@@ -84,12 +71,10 @@ def parse_metric(metric: str) -> tuple[int, ...]:
 
 
 def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.ndarray:
-    """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| per query (NaN where a query has
-    no relevant document). ids: (B, K) int64 ranked ids, -1 padded, a repeated id counts once;
-    Y: (B x n) relevance (entries > 0 are relevant)."""
+    """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| (NaN: no relevant document)
+    for ids (B, K) int64, -1 padded (a repeat counts once), Y (B x n) (> 0: relevant)."""
     ids = np.asarray(to_numpy(ids)).astype(np.int64)
-    rel = as_relevance(Y, allow_empty=True).csr
-    rel = (rel > 0).astype(np.float32).tocsr()
+    rel = (as_relevance(Y, allow_empty=True).csr > 0).astype(np.float32).tocsr()
     n_rel = np.diff(rel.indptr).astype(np.float64)
     out = np.zeros(ids.shape[0])
     for k in ks:
@@ -109,15 +94,9 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
          val_fraction: float = 0.2, seed: int = 0, metric: str = "recall@10,recall@100",
          min_z: float = 2.0, device: DeviceLike = None, test_queries: ArrayLike | None = None,
          **sweep_kwargs: Any) -> TuneResult:
-    """Pick method / λ / k on held-out training queries. P (n, d), Q (m, d), Y (m x n).
-
-    test_queries: (t, d) embeddings of the queries the model will serve (never their labels),
-    for coverage matching (module docstring); None skips it.
-    ``methods``: the families to choose among (default: every one, PEFA, NUDGE and the query
-    side). ERM is always a candidate, whatever ``methods`` says. ``sweep_kwargs`` go to
-    :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, knn_norm, rescore,
-    augment_docs, show_progress).
-    """
+    """Pick method / λ / k (module docstring). P (n, d), Q (m, d), Y (m x n); test_queries
+    (t, d): the queries to serve, for coverage matching. ERM is always a candidate.
+    ``sweep_kwargs`` go to :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, ...)."""
     rec_ks = parse_metric(metric)
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
@@ -146,10 +125,9 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
         if cfg.method == "erm":
             erm_vals = per_q
         gains[cfg] = per_q
-        row = {"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
-               **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
-               "objective": float(np.nanmean(per_q))}
-        rows.append(row)
+        rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
+                     **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
+                     "objective": float(np.nanmean(per_q))})
     ok = ~np.isnan(erm_vals)
     erm_obj = float(np.mean(erm_vals[ok]))
     # the best by objective; on ties the earlier in grid order (ERM first, then the methods)
@@ -184,11 +162,9 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
                    y_all: RelevanceLike, test_queries: ArrayLike, seed: int = 0,
                    device: DeviceLike = None, backend: str = "exact"
                    ) -> tuple[Relevance, dict[str, float]]:
-    """Fitting pairs whose coverage of the validation documents matches the estimated test
-    coverage (see the module docstring). Returns (Relevance, info): info holds
-    ``val_coverage`` (share of validation pairs whose document has a fitting pair),
-    ``proxy_val`` / ``proxy_test`` (share of plain top-1 documents with a training pair),
-    ``test_coverage_estimate`` and ``matched_coverage`` (after dropping)."""
+    """(fitting pairs matched to the estimated test coverage, info): ``val_coverage``,
+    ``proxy_val`` / ``proxy_test`` (top-1 documents with a training pair),
+    ``test_coverage_estimate``, ``matched_coverage`` (module docstring)."""
     dev = resolve_device(device)
     yf, yv = as_relevance(y_fit, allow_empty=True).csr, as_relevance(y_val, allow_empty=True).csr
     ya = as_relevance(y_all).csr

@@ -1,27 +1,10 @@
-"""Live updates: add documents and (query, document) pairs to a fitted model without a refit.
+"""Live updates (``add_documents``, ``add_pairs``): with the exact backend a model after any
+updates holds the arrays of a refit on all the data in the order added (to the bit on the CPU).
 
-With the exact backend the model after any sequence of updates holds the same arrays (to the
-bit on the CPU) as a model fitted from scratch on all the data, in this order: documents in the
-order they were added (first ``fit``'s, then each ``add_documents``), training queries in the
-order they were added (``fit``'s, then each ``add_pairs``), so search results are equal.
-
-What each update costs and re-indexes:
-
-- ``ERM.add_documents(P_new)``: appends r rows to the index (``Index.add``).
-- ``PEFAXS.add_documents(P_new)``: appends r rows e_j = lam p_j + (1 - lam) Π(p_j) (or lam p_j
-  without ``augment_docs``) to the index and to ``doc_sums``.
-- ``PEFAXS.add_pairs(Q_new, Y_new)``: adds the new pairs to the unnormalised ``doc_sums`` of the
-  t documents they touch (O(nnz d)), re-normalises those t rows and overwrites them in the index
-  (``Index.update``, O(t d) for exact). Backends without ``update`` (the faiss ANN ones)
-  are rebuilt from all n rows: a full index build.
-- ``PEFAXL.add_documents(P_new)``: appends to the passage index; Y gains r columns (and, with
-  ``augment_docs``, r identity rows): O(nnz) on the host.
-- ``PEFAXL.add_pairs(Q_new, Y_new)``: appends to the query index (which holds the training
-  queries only: documents are found as neighbours through the passage index) and rebuilds Y on
-  the host, O(nnz).
-
-Each model appends in its own way (its ``_append_documents`` / ``_append_pairs``); this module
-holds the sparse update of the PIFA sums that PEFA-XS and NUDGE share (:func:`accumulate_pairs`).
+Costs: ERM / PEFA-XS / NUDGE ``add_documents`` append r index rows; PEFA-XS / NUDGE
+``add_pairs`` add to the ``doc_sums`` of the t documents touched (O(nnz d)) and rewrite those
+rows (``Index.update``; backends without it are rebuilt); PEFA-XL appends to its indices and
+rebuilds Y on the host (O(nnz)).
 """
 
 from __future__ import annotations
@@ -34,10 +17,8 @@ from .arrays import as_tensor
 
 
 def accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> torch.Tensor:
-    """sums[j] += Y[i, j] * Q[i] for every entry of Y, in place, pair by pair in ascending i for
-    each document, in float32: the order and rounding of scipy's sparse product that ``fit``
-    uses on the CPU, so that updating equals refitting to the bit there. sums (n, d) float32,
-    Y (m x n) scipy sparse, Q (m, d). Returns the touched document ids (t,) int64, ascending."""
+    """sums (n, d) float32 [j] += Y[i, j] Q[i] in place for Y (m x n) scipy sparse, Q (m, d),
+    in ascending i per document (fit's rounding on the CPU) -> touched ids (t,) int64, sorted."""
     yc = sp.csc_matrix(Y, dtype=np.float32)
     yc.sort_indices()
     counts = np.diff(yc.indptr)
