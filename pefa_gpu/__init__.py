@@ -24,9 +24,9 @@ _LAZY = {
     "encode": "encode", "load": "persist",
     **dict.fromkeys(("Index", "make_index"), "index"),
     **dict.fromkeys(("evaluate", "mrr_at_k", "ndcg_at_k", "recall_at_k"), "metrics"),
-    **dict.fromkeys(("ERM", "NUDGE", "PEFAXL", "PEFAXS", "ERMParams", "ERMSearchParams",
-                     "NUDGEParams", "NUDGESearchParams", "XLParams", "XLSearchParams",
-                     "XSParams", "XSSearchParams"), "models"),
+    **dict.fromkeys(("ERM", "NUDGE", "PEFAXL", "PEFAXS"), "models"),
+    **dict.fromkeys(("ERMParams", "ERMSearchParams", "NUDGEParams", "NUDGESearchParams",
+                     "XLParams", "XLSearchParams", "XSParams", "XSSearchParams"), "params"),
     **dict.fromkeys(("QueryAdapter", "QueryModel", "VectorPRF"), "query"),
     **dict.fromkeys(("Relevance", "as_relevance"), "relevance"),
     **dict.fromkeys(("Config", "SweepResult", "sweep"), "sweep"),
@@ -67,16 +67,4 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = [
-    "ERM", "PEFAXS", "PEFAXL", "ERMParams", "XSParams", "XLParams",
-    "ERMSearchParams", "XSSearchParams", "XLSearchParams",
-    "NUDGE", "NUDGEParams", "NUDGESearchParams",
-    "QueryAdapter", "VectorPRF", "QueryModel",
-    "pifa", "normalize_rows", "Relevance", "as_relevance",
-    "recall_at_k", "ndcg_at_k", "mrr_at_k", "evaluate",
-    "load", "Index", "make_index",
-    "BeirDataset", "load_beir", "Pairs", "load_pairs", "XMCData", "load_xmc", "encode",
-    "sweep", "Config", "SweepResult", "tune", "TuneResult", "fit_config",
-    "mine_negatives", "make_synthetic", "SyntheticData",
-    "PefaError", "InputError", "MissingDependencyError", "FormatError",
-]
+__all__ = [*_LAZY, "PefaError", "InputError", "MissingDependencyError", "FormatError"]

@@ -1,20 +1,10 @@
-"""The folder ``pefa-gpu build`` writes and ``pefa-gpu search`` reads.
+"""The folder ``pefa-gpu build`` writes and ``pefa-gpu search`` reads: a storage save whose
+manifest ``pefa_build.json`` (dataset, method, λ, k, encoder record) lists ``model/`` (a model
+save), ``doc_ids.json`` ({"doc_ids": [...]}) and ``doc_text.json`` ({"titles", "snippets"}).
 
-A build folder is a save in :mod:`pefa_gpu.storage`'s layout with its own manifest::
-
-    pefa_build.json            format "pefa-gpu-build", dataset, method, λ, k, the encoder
-                               record, the files table and manifest_sha256
-    pefa-data-<16 hex>/
-        model/                 model.save() (a save of its own)
-        doc_ids.json           {"doc_ids": [...]}: the corpus ids of the model's rows
-        doc_text.json          {"titles": [...], "snippets": [...]}: per document its title and
-                               the start of its text, on one line each (what search shows)
-
-The encoder record says what made the embeddings: ``{"kind", "name"}`` with kind ``default``
-(the offline all-MiniLM-L6-v2), ``hub`` (a sentence-transformers hub name), ``folder``,
-``callable`` (``module:function``) or ``precomputed`` (``--embeddings NAME``). A build folder
-is data: search loads the default model or a hub name from it, never code or a folder, which
-must be given again with ``--model``. Only builds of this version's format load.
+The encoder record ``{"kind", "name"}``: kind ``default``, ``hub``, ``folder``, ``callable``
+(``module:function``) or ``precomputed``. Search takes only the default model or a hub name
+from it, never code or a folder (give those again with ``--model``).
 """
 
 from __future__ import annotations
@@ -29,7 +19,7 @@ from .datasets import record_id
 from .encode import DEFAULT_MODEL, is_default_model
 from .errors import FormatError, InputError
 from .protocol import Model
-from .storage import open_save, read_unchanged, writing_save
+from .storage import open_save, read_unchanged, sha256_file, writing_save
 
 BUILD_MANIFEST = "pefa_build.json"
 BUILD_FORMAT = "pefa-gpu-build"
@@ -40,10 +30,8 @@ _HUB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)
 def save_build(model: Model, out: str | Path, doc_ids: Sequence[str], info: dict,
                titles: Sequence[str] | None = None, texts: Sequence[str] | None = None
                ) -> Path:
-    """Write a build folder at ``out`` (``info``: the manifest's fields; ``titles`` / ``texts``:
-    the documents' titles and texts, of which the build keeps the titles and a snippet). An
-    earlier build there is replaced only once this one is complete; other files there are kept
-    (see :func:`pefa_gpu.storage.writing_save`)."""
+    """Write a build folder at ``out`` atomically (``info``: manifest fields; of ``texts`` a
+    snippet is kept)."""
     with writing_save(out, BUILD_MANIFEST, BUILD_FORMAT) as w:
         model.save(w.data / "model")
         (w.data / "doc_ids.json").write_text(json.dumps({"doc_ids": list(doc_ids)}) + "\n",
@@ -59,18 +47,13 @@ def save_build(model: Model, out: str | Path, doc_ids: Sequence[str], info: dict
 
 
 def one_line(text: str, limit: int | None = None) -> str:
-    """``text`` with each run of whitespace (tabs, newlines) as one space; cut to ``limit``
-    characters, "…" marking the cut."""
+    """``text`` with each whitespace run as one space, cut to ``limit`` characters ("…")."""
     flat = " ".join(text.split())
     return flat if limit is None or len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
 
 
 def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] | None:
-    """(titles, snippets) of a build's ``n_docs`` documents, or None for a build without them
-    (made from embeddings alone, or before builds kept them). The file is checked against the
-    build's manifest."""
-    from .storage import sha256_file
-
+    """(titles, snippets) of a build's ``n_docs`` documents (checked), or None without them."""
     save = open_save(Path(path), BUILD_MANIFEST, BUILD_FORMAT, checksums=False)
     rel = save.manifest.get("doc_text")
     if rel is None:
@@ -92,9 +75,8 @@ def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] 
 
 
 def load_build(path: str | Path, device: DeviceLike = None) -> tuple[Model, list[str], dict]:
-    """(model, document ids, build info) from a build folder: every file checked against the
-    build's manifest (hashed once), every path inside the folder; read again once when
-    another process replaces the build meanwhile."""
+    """(model, document ids, build info) from a build folder, every file checked (read again
+    once if replaced meanwhile)."""
     return read_unchanged(path, lambda: _load_build(path, device), BUILD_MANIFEST)
 
 
@@ -151,8 +133,8 @@ def encoder_record(model: str | None, embeddings: str | None) -> dict[str, str]:
 
 
 def encoder_from_record(record: object, where: Path) -> str | None:
-    """The encoder search may take from a build's record: None (the default model) or a hub
-    name. Code, folders and precomputed embeddings raise InputError asking for --model."""
+    """None (the default model) or a hub name from a build's record; else InputError asking
+    for --model."""
     if not isinstance(record, dict) or not isinstance(record.get("name"), str):
         raise FormatError(f"{where}: no valid 'encoder' record (got {record!r})")
     kind, name = record.get("kind"), record["name"]

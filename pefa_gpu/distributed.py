@@ -4,26 +4,12 @@
     with distributed.connect("local", workers=2) as runner:     # or "auto", "ray://head:10001"
         scores, ids = pp.search(build, queries, runner=runner)  # every stage takes runner=
 
-This module only decides where shard tasks run and moves their results; the tasks are the
-pipeline's own functions (so a cluster run equals a one-process run by construction):
-
-- encode: a Ray Data actor pool (``ActorPoolStrategy``), one actor per GPU (``num_gpus=1``)
-  where the cluster has GPUs, else one CPU actor per worker; one shard of texts per call.
-- aggregate / build: Ray tasks; a map task returns one object per document range
-  (``num_returns``), which Ray hands to that range's reduce task (the shuffle goes through
-  Ray's object store, spilling to disk when it fills; only the stages' outputs are files).
-- search: one actor per worker, each loading a block of the build's shards (a
-  :class:`pefa_gpu.pipeline.ShardServer`); the driver merges each query batch's results.
-  Without GPUs the actors stay up between searches (a new Ray worker costs a process start
-  and the torch import, seconds); with GPUs each search's actors hold a GPU and end with it.
-
-Failures: a task whose worker dies is retried (``max_retries``), an actor that dies is restarted
-and its calls retried (``max_restarts`` / ``max_task_retries``); Ray Data restarts its actors
-itself. Every task is a function of its shards, and every write atomic, so a retry gives the
-same result. Paths given to the stages must be on storage every node sees (NFS, a mounted
-bucket); ``local`` (a cluster on this machine) needs nothing of the kind.
-
-Ray (``pip install 'pefa_gpu[ray]'``) is imported only when this module is used.
+The tasks are the pipeline's own functions (a cluster run equals a one-process run); this
+module places them: encoders on a Ray Data actor pool (one per GPU, else per worker), map /
+reduce tasks through the object store (``num_returns``), search actors per block of shards
+(kept between searches without GPUs). Dead tasks are retried and dead actors restarted
+(``max_retries``); tasks are functions of their shards and writes are atomic, so a retry
+gives the same result. Paths must be on storage every node sees. Ray is imported on use.
 """
 
 from __future__ import annotations
@@ -44,8 +30,7 @@ _KEPT: dict[tuple[str, str], list[Any]] = {}
 
 
 def _session() -> tuple[str, str]:
-    """This connection: (the driver's node id, its job id); a new cluster or a new connection
-    gets a new key."""
+    """This connection's key: (the driver's node id, its job id)."""
     ctx = _ray().get_runtime_context()
     return ctx.get_node_id(), ctx.get_job_id()
 
@@ -62,13 +47,9 @@ def _ray():
 @contextlib.contextmanager
 def connect(address: str = "local", workers: int | None = None,
             **init_kwargs: Any) -> Iterator["RayRunner"]:
-    """Connect to a Ray cluster and yield a :class:`RayRunner`.
-
-    ``address``: ``"local"`` starts a cluster on this machine with ``workers`` CPUs (default:
-    all); anything else goes to ``ray.init(address=...)`` (``"auto"``, ``"ray://host:10001"``,
-    ``"host:6379"``). When Ray is initialised already (e.g. by the caller), that cluster is used
-    and left running (with the search actors kept for later searches: :meth:`RayRunner.close`
-    stops them); a connection made here is shut down on exit, and everything with it."""
+    """Yield a :class:`RayRunner` on a Ray cluster: ``"local"`` starts one here with ``workers``
+    CPUs (default: all), else ``ray.init(address=...)``. A cluster already initialised is used
+    and left running; a connection made here is shut down on exit."""
     ray = _ray()
     if not isinstance(address, str) or not address:
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
@@ -92,11 +73,8 @@ def connect(address: str = "local", workers: int | None = None,
 
 
 class RayRunner:
-    """Runs the pipeline's shard tasks on the Ray cluster this process is connected to.
-
-    workers: encoder and search actors (default: the cluster's GPUs, else its CPUs);
-    max_retries: retries of a task whose worker died, restarts of a dead actor. Tasks take one
-    CPU each; build tasks, encoders and search actors one GPU each where the cluster has GPUs."""
+    """Runs the pipeline's shard tasks on the connected Ray cluster. workers: encoder and
+    search actors (default: its GPUs, else its CPUs); max_retries: per task and actor."""
 
     def __init__(self, workers: int | None = None, max_retries: int = 3):
         ray = _ray()
@@ -119,9 +97,8 @@ class RayRunner:
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
-        """As :meth:`pefa_gpu.pipeline.LocalRunner.map_reduce`: map tasks return one object
-        per reduce task (``num_returns``); reduce task s receives part s of every map, in map
-        order, through the object store."""
+        """As :meth:`pefa_gpu.pipeline.LocalRunner.map_reduce`; reduce task s gets part s of
+        every map, in map order, through the object store."""
         ray = _ray()
         n = len(reduce_calls)
         mapper = self._task(_map_parts, False, num_returns=n)
@@ -134,9 +111,8 @@ class RayRunner:
 
     def encode(self, fn: Callable, calls: Sequence[dict[str, Any]],
                show_progress: bool = True) -> None:
-        """``fn(**kw)`` (:func:`pefa_gpu.pipeline.encode_shard` with the stage's settings) for
-        each call (texts, index, lo, fingerprint), on a Ray Data actor pool (one shard per
-        actor call)."""
+        """``fn(**call)`` for each call (texts, index, lo, fingerprint) on a Ray Data actor
+        pool, one shard per actor call."""
         ray = _ray()
         import ray.data
         from tqdm.auto import tqdm
@@ -164,10 +140,8 @@ class RayRunner:
     def servers(self, server: Callable, build: str | Path,
                 groups: Sequence[tuple[list[int], list[int]]], device: Any = None) -> "RayFanout":
         """Search actors, one per group of shards, each a ``server(build, doc shards, query
-        shards, device)`` (:class:`pefa_gpu.pipeline.ShardServer`). Without GPUs the actors
-        are kept for the next search (they take no logical CPU, so they never block the tasks
-        of other stages, and are spread over the nodes): a Ray worker imports torch and
-        pefa_gpu once, not once per search. With GPUs each holds one until the search ends."""
+        shards, device)``. Without GPUs they are kept for the next search (no logical CPU,
+        spread over the nodes); with GPUs each holds one until the search ends."""
         ray = _ray()
         actor = ray.remote(_ServerActor).options(
             num_cpus=1 if self.gpus else 0, max_restarts=self.max_retries,
@@ -183,8 +157,7 @@ class RayRunner:
         return RayFanout(actors, keys, keep=not self.gpus)
 
     def close(self) -> None:
-        """Stop the search actors kept between searches (they also end with the Ray
-        connection, e.g. when :func:`connect` shuts down the cluster it started)."""
+        """Stop the search actors kept between searches."""
         ray = _ray()
         for a in _KEPT.pop(_session(), []):
             ray.kill(a)
@@ -216,10 +189,8 @@ class _ShardEncoder:
 
 
 class _ServerActor:
-    """A search actor: a :class:`pefa_gpu.pipeline.ShardServer` for whichever shards a call
-    names. Every call carries its shards' key (the server class and its arguments), so an
-    actor restarted after a crash (with no state) loads them again and answers the retried
-    call the same way. Results come back on the CPU (the driver merges them)."""
+    """A search actor: a ShardServer for the shards each call's key names (so a restarted
+    actor loads them again); results come back on the CPU."""
 
     def __init__(self):
         self.key: tuple | None = None  # the server's class and arguments
@@ -237,8 +208,7 @@ class _ServerActor:
 
 
 class RayFanout(Fanout):
-    """Calls a method on every search actor (each with its shards' key); each argument is put
-    into the object store once, whatever the number of actors."""
+    """Calls a method on every search actor; each argument goes into the object store once."""
 
     def __init__(self, actors: Sequence[Any], keys: Sequence[tuple], keep: bool):
         self.actors, self.keys, self.keep = list(actors), list(keys), keep

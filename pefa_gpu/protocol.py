@@ -1,5 +1,5 @@
-"""What the modules around the models (training, persist) read of a model: the ``Model``
-protocol, which ERM, PEFAXS, PEFAXL and NUDGE satisfy (see pefa_gpu.models)."""
+"""The ``Model`` protocol: what training, persist, builds and query read of a model
+(ERM, PEFAXS, PEFAXL and NUDGE in pefa_gpu.models satisfy it)."""
 
 from __future__ import annotations
 
