@@ -20,7 +20,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from . import export, nudge, persist, training, updates
+from . import export, nudge, persist, training
 from .aggregate import normalize_rows, pefa_xs, pifa
 from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, resolve_device,
                      to_numpy)
@@ -37,6 +37,29 @@ log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes: ExactParams.memory_budget's default
 SP = TypeVar("SP", bound=Params)  # a SearchParams class
+
+
+def _accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> torch.Tensor:
+    """sums (n, d) float32 [j] += Y[i, j] Q[i] in place for Y (m x n) scipy sparse, Q (m, d),
+    in ascending i per document (fit's rounding on the CPU) -> touched ids (t,) int64, sorted."""
+    yc = sp.csc_matrix(Y, dtype=np.float32)
+    yc.sort_indices()
+    counts = np.diff(yc.indptr)
+    touched = np.flatnonzero(counts)
+    if touched.size == 0:
+        return as_tensor(np.empty(0, dtype=np.int64), device=sums.device)
+    col = np.repeat(np.arange(yc.shape[1]), counts)
+    rank = np.arange(yc.nnz) - yc.indptr[col]       # the t-th pair of its document
+    order = np.argsort(rank, kind="stable")
+    bounds = np.searchsorted(rank[order], np.arange(int(counts.max()) + 1))
+    rows = as_tensor(yc.indices[order].astype(np.int64), device=sums.device)
+    docs = as_tensor(col[order].astype(np.int64), device=sums.device)
+    vals = as_tensor(yc.data[order], device=sums.device, dtype=torch.float32)
+    for t in range(len(bounds) - 1):               # one round per rank: documents distinct
+        sl = slice(int(bounds[t]), int(bounds[t + 1]))
+        d = docs[sl]
+        sums[d] = sums[d] + vals[sl].unsqueeze(1) * Q[rows[sl]].float()
+    return as_tensor(touched.astype(np.int64), device=sums.device)
 
 
 class _Model:
@@ -229,7 +252,7 @@ class _Model:
         return as_embeddings(X, self.device, name, dim=self.dim, copy=True).detach()
 
     def add_documents(self, P_new: ArrayLike) -> "_Model":
-        """Append (r, d) documents (ids n .. n+r-1) without a refit; see pefa_gpu.updates."""
+        """Append (r, d) documents (ids n .. n+r-1) without a refit."""
         p = self._new_rows(P_new, "P_new")
         if p.shape[0]:
             self._append_documents(p)
@@ -238,7 +261,7 @@ class _Model:
 
     def add_pairs(self, Q_new: ArrayLike, Y_new: RelevanceLike) -> "_Model":
         """Add training queries Q_new (m', d) with relevance Y_new (m' x n) without a refit
-        (equal to a refit on all the data); see pefa_gpu.updates."""
+        (with the exact backend: equal to a refit on all the data, to the bit on the CPU)."""
         q = self._new_rows(Q_new, "Q_new")
         rel = as_relevance(Y_new, shape=(q.shape[0], self.n_docs), name="Y_new",
                            allow_empty=True)
@@ -340,7 +363,7 @@ class _AdaptedDocuments(_Model):
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
         """The pairs join ``doc_sums``; the touched index rows are rewritten (or rebuilt)."""
-        touched = updates.accumulate_pairs(self.doc_sums, rel.csr, q)
+        touched = _accumulate_pairs(self.doc_sums, rel.csr, q)
         if not touched.numel():
             return
         try:
