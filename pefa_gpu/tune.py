@@ -33,7 +33,7 @@ from .models import ERM
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
-from .metrics import evaluate
+from .metrics import _gains, evaluate
 
 log = logging.getLogger("pefa_gpu")
 
@@ -73,20 +73,10 @@ def parse_metric(metric: str) -> tuple[int, ...]:
 def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.ndarray:
     """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| (NaN: no relevant document)
     for ids (B, K) int64, -1 padded (a repeat counts once), Y (B x n) (> 0: relevant)."""
-    ids = np.asarray(to_numpy(ids)).astype(np.int64)
-    rel = (as_relevance(Y, allow_empty=True).csr > 0).astype(np.float32).tocsr()
-    n_rel = np.diff(rel.indptr).astype(np.float64)
-    out = np.zeros(ids.shape[0])
-    for k in ks:
-        top = np.sort(ids[:, :k], axis=1)
-        first = np.ones(top.shape, dtype=bool)
-        first[:, 1:] = top[:, 1:] != top[:, :-1]
-        rows = np.repeat(np.arange(top.shape[0]), top.shape[1])
-        hit = np.asarray(rel[rows, np.where(top >= 0, top, 0).ravel()]).reshape(top.shape)
-        hits = ((hit > 0) & (top >= 0) & first).sum(1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            out += np.where(n_rel > 0, hits / np.maximum(n_rel, 1), np.nan)
-    return out / len(ks)
+    gains, n_rel, _ = _gains(ids, Y)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)
+                   for k in ks) / len(ks)
 
 
 def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = METHODS,
