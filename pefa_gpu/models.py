@@ -37,6 +37,7 @@ log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MEMORY_BUDGET = 256 * 2**20  # bytes: ExactParams.memory_budget's default
 SP = TypeVar("SP", bound=Params)  # a SearchParams class
+M = TypeVar("M", bound="_Model")
 
 
 def _accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> torch.Tensor:
@@ -247,6 +248,13 @@ class _Model:
         return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
                                                      device=out.device))
 
+    def _fitted(self: M, p: torch.Tensor, rows: torch.Tensor) -> M:
+        """Take documents p (n, d) and index ``rows`` (n, d); returns the fitted model."""
+        self.doc_embeddings = p
+        self.index = self.new_index().build(rows)
+        self.dim, self.n_docs = p.shape[1], p.shape[0]
+        return self
+
     def _new_rows(self, X: ArrayLike, name: str) -> torch.Tensor:
         self.check_fitted()
         return as_embeddings(X, self.device, name, dim=self.dim, copy=True).detach()
@@ -322,10 +330,7 @@ class ERM(_Model):
     def fit(self, P: ArrayLike) -> "ERM":
         """P: (n, d) document embeddings."""
         p, _, _ = self._embeddings(P)
-        self.doc_embeddings = p
-        self.index = self.new_index().build(p)
-        self.dim, self.n_docs = p.shape[1], p.shape[0]
-        return self
+        return self._fitted(p, p)
 
 
 class _AdaptedDocuments(_Model):
@@ -343,11 +348,6 @@ class _AdaptedDocuments(_Model):
         flat = ids.reshape(-1)
         e = self._adapt(self.doc_embeddings[flat], self.doc_sums[flat])
         return e.reshape(*ids.shape, -1)
-
-    def _finish_fit(self, p: torch.Tensor, sums: torch.Tensor) -> None:
-        self.doc_embeddings, self.doc_sums = p, sums
-        self.index = self.new_index().build(self._adapt(p, sums))
-        self.dim, self.n_docs = p.shape[1], p.shape[0]
 
     def _append_documents(self, p: torch.Tensor) -> None:
         n0 = self.doc_embeddings.shape[0]
@@ -392,8 +392,8 @@ class PEFAXS(_AdaptedDocuments):
         p, q, rel = self._embeddings(P, Q, Y, copy_queries=False)
         # p_j as document j's first query: add_pairs then equals a refit to the bit (CPU)
         start = p.clone() if self.params.augment_docs else torch.zeros_like(p)
-        self._finish_fit(p, pifa(rel, q, normalize=False, device=self.device, initial=start))
-        return self
+        self.doc_sums = pifa(rel, q, normalize=False, device=self.device, initial=start)
+        return self._fitted(p, self._adapt(p, self.doc_sums))
 
     def xs_embeddings(self, lam: float | None = None) -> torch.Tensor:
         """E = lam P + (1 - lam) Π(A): (n, d) float32; ``lam`` defaults to the model's."""
@@ -444,8 +444,8 @@ class NUDGE(_AdaptedDocuments):
             gamma = nudge.choose_gamma(self.params.variant, normalize_rows(p), g_fit, q_val,
                                        y_val, self.params.val_k)
         self.fitted_gamma = float(gamma)
-        self._finish_fit(p, sums)
-        return self
+        self.doc_sums = sums
+        return self._fitted(p, self._adapt(p, sums))
 
     def nudge_embeddings(self, gamma: float | None = None) -> torch.Tensor:
         """The adapted documents E (n, d) float32; ``gamma`` defaults to ``fitted_gamma``."""

@@ -159,10 +159,8 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     yf, yv = as_relevance(y_fit, allow_empty=True).csr, as_relevance(y_val, allow_empty=True).csr
     ya = as_relevance(y_all).csr
     n = yf.shape[1]
-    cov_fit = np.zeros(n, dtype=bool)
-    cov_fit[yf.indices] = True
-    cov_all = np.zeros(n, dtype=bool)
-    cov_all[ya.indices] = True
+    cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
+    cov_all = np.bincount(ya.indices, minlength=n) > 0
     erm = ERM(backend=backend, device=dev).fit(P)
     top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
     top_test = to_numpy(erm.search(test_queries, 1)[1])[:, 0]
