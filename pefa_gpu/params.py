@@ -15,10 +15,7 @@ T = TypeVar("T", bound="Params")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Params:
-    """Base of every params object: ``to_dict`` / ``from_dict`` / ``to_json`` / ``from_json``.
-
-    Subclasses check their values in ``validate`` (called on construction).
-    """
+    """Base of every params object (JSON round trip); subclasses check values in ``validate``."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # numpy scalars (np.int64(16), ...) -> int / float
@@ -59,8 +56,7 @@ class Params:
 
     @classmethod
     def coerce(cls: type[T], value: "Params | dict | None", what: str = "params") -> T:
-        """``value`` as a ``cls``: None -> the defaults, a dict -> :meth:`from_dict`, a ``cls``
-        as it is; anything else is a TypeError naming ``what``."""
+        """``value`` (None: the defaults, a dict, a ``cls``) as a ``cls``; else a TypeError."""
         if value is None:
             return cls()
         if isinstance(value, dict):
