@@ -67,4 +67,5 @@ class _Package(types.ModuleType):
 sys.modules[__name__].__class__ = _Package
 
 
-__all__ = [*_LAZY, "PefaError", "InputError", "MissingDependencyError", "FormatError"]
+__all__ = [*_LAZY, "PefaError", "InputError", "MissingDependencyError", "FormatError",
+           "__version__"]

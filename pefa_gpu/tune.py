@@ -28,7 +28,7 @@ from scipy import stats
 
 from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device, to_numpy
 from .errors import InputError
-from .methods import fit_config  # noqa: F401 (pefa_gpu.fit_config)
+from .methods import fit_config
 from .models import ERM
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
@@ -36,6 +36,8 @@ from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_sea
 from .metrics import _gains, evaluate
 
 log = logging.getLogger("pefa_gpu")
+__all__ = ["TuneResult", "fit_config", "match_coverage", "parse_metric", "per_query_recall",
+           "tune"]
 
 
 @dataclasses.dataclass
