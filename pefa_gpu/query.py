@@ -45,13 +45,11 @@ class AdapterParams(Params):
     seed: int = 0
 
     def validate(self) -> None:
-        a = self.alpha
-        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float))
-                              or not math.isfinite(a) or a <= 0):
-            raise InputError(f"alpha must be None or a finite number > 0, got {a!r}")
-        v = self.val_fraction
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < 1.0:
-            raise InputError(f"val_fraction must lie strictly between 0 and 1, got {v!r}")
+        if self.alpha is not None and not (_number(self.alpha) and self.alpha > 0):
+            raise InputError(f"alpha must be None or a finite number > 0, got {self.alpha!r}")
+        if not (_number(self.val_fraction) and 0.0 < self.val_fraction < 1.0):
+            raise InputError(f"val_fraction must lie strictly between 0 and 1, got "
+                             f"{self.val_fraction!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise InputError(f"seed must be an int, got {self.seed!r}")
 
@@ -65,10 +63,13 @@ class PRFParams(Params):
 
     def validate(self) -> None:
         check_positive(self.k, "k")
-        b = self.beta
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
-                or b < 0:
-            raise InputError(f"beta must be a finite number >= 0, got {b!r}")
+        if not (_number(self.beta) and self.beta >= 0):
+            raise InputError(f"beta must be a finite number >= 0, got {self.beta!r}")
+
+
+def _number(x: Any) -> bool:
+    """``x`` is a finite int or float (not a bool)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def adapter_targets(Y: RelevanceLike, P: torch.Tensor) -> torch.Tensor:
@@ -197,8 +198,7 @@ class QueryAdapter(_Saved):
         w = storage.load_tensor(save.file(meta.get("file")), out.device, meta=meta)
         a = m.get("fitted_alpha")
         if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] \
-                or isinstance(a, bool) or not isinstance(a, (int, float)) \
-                or not math.isfinite(a) or a <= 0 or not bool(torch.isfinite(w).all()):
+                or not (_number(a) and a > 0) or not bool(torch.isfinite(w).all()):
             raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix and "
                               f"fitted_alpha a number > 0, got {w.dtype} {tuple(w.shape)}, "
                               f"{a!r}")
@@ -256,17 +256,9 @@ class QueryModel(_Saved):
     def __repr__(self) -> str:
         return f"QueryModel({self.model!r}, adapter={self.adapter!r}, prf={self.prf!r})"
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def n_docs(self) -> int:
-        return self.model.n_docs
-
-    @property
-    def dim(self) -> int:
-        return self.model.dim
+    device = property(lambda self: self.model.device)
+    n_docs = property(lambda self: self.model.n_docs)
+    dim = property(lambda self: self.model.dim)
 
     def queries(self, queries: ArrayLike) -> torch.Tensor:
         """The queries as the model searches them: (B, d) float32 on its device."""

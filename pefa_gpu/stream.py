@@ -44,21 +44,16 @@ class RowSource:
 
 
 class ArraySource(RowSource):
-    """An in-memory (rows, d) numpy array: views, or copies into the buffers when ``copy``."""
+    """An in-memory (rows, d) numpy array, chunked into views."""
 
     def __init__(self, x: np.ndarray):
         self.x = x
         self.rows, self.dim = x.shape
         self.dtype = x.dtype
 
-    def chunks(self, max_rows: int, buffers: list[np.ndarray], copy: bool = False) -> Chunks:
-        for i, s in enumerate(range(0, self.rows, max_rows)):
-            view = self.x[s:s + max_rows]
-            if copy and buffers:
-                buf = buffers[i % len(buffers)][:view.shape[0]]
-                np.copyto(buf, view)
-                view = buf
-            yield s, view
+    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
+        for s in range(0, self.rows, max_rows):
+            yield s, self.x[s:s + max_rows]
 
 
 class MemmapSource(ArraySource):
@@ -88,7 +83,7 @@ class MemmapSource(ArraySource):
             ok = False
         return (fname, pos) if ok else None
 
-    def chunks(self, max_rows: int, buffers: list[np.ndarray], copy: bool = True) -> Chunks:
+    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         if self._file is not None:
             yield from _pread_chunks(*self._file, self.rows, self.dim * self.dtype.itemsize,
                                      max_rows, buffers)
@@ -160,7 +155,7 @@ class IteratorSource(RowSource):
                              f"(rows, d) chunks are needed")
         return c if c.dtype.type in _FLOATS else c.astype(np.float32)
 
-    def chunks(self, max_rows: int, buffers: list[np.ndarray], copy: bool = False) -> Chunks:
+    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         start, chunk = 0, self._first
         while chunk is not None:
             if chunk.shape[1] != self.dim:
