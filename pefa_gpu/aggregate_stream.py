@@ -21,7 +21,6 @@ from .relevance import Relevance
 from .stream import RowSource
 
 DEFAULT_BUDGET = 512 * 2**20
-_MIN_ROWS = 1
 # one entry of a staged batch: document id and row (int64) + weight (float32), in 2 host and 2
 # device slots, plus the host's row lookup (two int64 temporaries)
 _ENTRY_BYTES = 4 * 20 + 16
@@ -38,11 +37,11 @@ def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int
     else:
         per_row = dim * (itemsize + (4 if itemsize != 4 else 0))
     left = budget - out_bytes
-    if left < per_row * _MIN_ROWS:
+    if left < per_row:
         raise InputError(f"memory_budget={budget} bytes is too small: the output alone is "
                          f"{n} x {dim} float32 = {out_bytes} bytes, and one row of Q needs "
                          f"{per_row} more")
-    return max(_MIN_ROWS, left // per_row)
+    return left // per_row
 
 
 def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
@@ -63,10 +62,9 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
         return torch.zeros(n, 0, device=device)
     if src.rows is not None and src.rows != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
-    if kernel == "auto":
-        kernel = "scipy" if device.type == "cpu" and _csc_matvecs() is not None else "index_add"
-    if kernel not in ("scipy", "index_add") or \
-            (kernel == "scipy" and (device.type != "cpu" or _csc_matvecs() is None)):
+    kernels = ("scipy", "index_add") if device.type == "cpu" and _csc_matvecs() else ("index_add",)
+    kernel = kernels[0] if kernel == "auto" else kernel
+    if kernel not in kernels:
         raise InputError(f"kernel={kernel!r} is not available on {device}")
     rows = int(min(chunk_rows(budget, n, d, src.dtype.itemsize, kernel), max(m, 1)))
     csr = rel.csr
@@ -162,20 +160,17 @@ class Staging:
 
     def upload(self, slot: int, r: int) -> dict[str, torch.Tensor]:
         """Rows [:r] of the slot's buffers on the device, ready for the current stream."""
-        host, dev = self.host[slot], self.dev[slot]
-        if self.copier is None:
-            for k, t in host.items():
-                dev[k][:r].copy_(t[:r])
-            return {k: t[:r] for k, t in dev.items()}
-        with torch.cuda.stream(self.copier):
-            if self._consumed[slot] is not None:
+        host, dev, cuda = self.host[slot], self.dev[slot], self.copier is not None
+        with torch.cuda.stream(self.copier) if cuda else contextlib.nullcontext():
+            if self._consumed[slot] is not None:  # (only on CUDA)
                 self.copier.wait_event(self._consumed[slot])
             for k, t in host.items():
-                dev[k][:r].copy_(t[:r], non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.copier)
-        self._copied[slot] = done
-        torch.cuda.current_stream().wait_event(done)
+                dev[k][:r].copy_(t[:r], non_blocking=cuda)
+            if cuda:
+                self._copied[slot] = torch.cuda.Event()
+                self._copied[slot].record(self.copier)
+        if cuda:
+            torch.cuda.current_stream().wait_event(self._copied[slot])
         return {k: t[:r] for k, t in dev.items()}
 
     def release(self, slot: int) -> None:

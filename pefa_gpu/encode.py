@@ -102,16 +102,14 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
 def _check_texts(texts: Any) -> list[str]:
     """``texts`` as a list of valid Unicode strings, else InputError naming the item."""
     if isinstance(texts, str):
-        return _check_texts([texts])
+        texts = [texts]
     if texts is None or isinstance(texts, (bytes, dict)) or not hasattr(texts, "__iter__"):
         raise InputError(f"texts must be a string or a sequence of strings, got "
                          f"{type(texts).__name__}")
     texts = list(texts)
-    bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
-    if bad:
-        raise InputError(f"texts must be strings; items {bad[:5]} are "
-                         f"{type(texts[bad[0]]).__name__}")
     for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InputError(f"texts must be strings; item {i} is {type(t).__name__}")
         try:
             t.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -141,8 +139,14 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
                 continue
             vecs = []
             for b in range(0, len(part), batch_size):
-                vecs.append(_call(enc, [t for _, t in part[b:b + batch_size]]))
-                bar.update(len(vecs[-1]))
+                batch = [t for _, t in part[b:b + batch_size]]
+                out = to_numpy(as_tensor(enc.fn(batch), dtype=torch.float32,
+                                         name=f"output of {enc.name}"))
+                if out.ndim != 2 or out.shape[0] != len(batch):
+                    raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
+                                     f"{len(batch)} texts; expected ({len(batch)}, d)")
+                vecs.append(out)
+                bar.update(len(batch))
             arr = np.concatenate(vecs)
             if cache is not None:
                 cache.write([k for k, _ in part], arr)
@@ -152,15 +156,6 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
                                   cache is not None) from None
     finally:
         bar.close()
-
-
-def _call(enc: _Encoder, batch: list[str]) -> np.ndarray:
-    """One batch through the model -> (len(batch), d) float32, else InputError."""
-    arr = to_numpy(as_tensor(enc.fn(batch), dtype=torch.float32, name=f"output of {enc.name}"))
-    if arr.ndim != 2 or arr.shape[0] != len(batch):
-        raise InputError(f"encoder {enc.name} returned shape {arr.shape} for {len(batch)} texts;"
-                         f" expected ({len(batch)}, d)")
-    return arr
 
 
 def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
