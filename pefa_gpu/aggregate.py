@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import torch
 
-from .arrays import as_embeddings, cuda_index, resolve_device, to_numpy
+from .arrays import as_embeddings, as_tensor, cuda_index, resolve_device, to_numpy
 from .errors import InputError
 from .relevance import as_relevance
 from .aggregate_stream import pifa_streamed
@@ -105,11 +105,9 @@ def _spmm_transpose(y_csr: Any, q: torch.Tensor) -> torch.Tensor:
                                     shape=yt.shape)
             out = yt_gpu @ cupy.from_dlpack(q.contiguous())
             return torch.from_dlpack(cupy.ascontiguousarray(out))
-    yt_t = torch.sparse_csr_tensor(torch.from_numpy(yt.indptr.astype(np.int64)),
-                                   torch.from_numpy(yt.indices.astype(np.int64)),
-                                   torch.from_numpy(yt.data.astype(np.float32)),
-                                   size=yt.shape, device=q.device)
-    out = yt_t @ q
+    crow, col = (as_tensor(a, q.device, torch.int64) for a in (yt.indptr, yt.indices))
+    out = torch.sparse_csr_tensor(crow, col, as_tensor(yt.data, q.device, torch.float32),
+                                  size=yt.shape) @ q
     return out.to_dense() if out.is_sparse else out
 
 

@@ -17,12 +17,7 @@ from .errors import InputError
 ArrayLike = np.ndarray | torch.Tensor | Sequence[Any]
 DeviceLike = str | int | torch.device | None  # None: CUDA when available, else the CPU
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 
 
 def resolve_device(device: DeviceLike = None) -> torch.device:

@@ -72,11 +72,6 @@ def _number(x: Any) -> bool:
     return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
-def adapter_targets(Y: RelevanceLike, P: torch.Tensor) -> torch.Tensor:
-    """T = Π(Y P): (m x n) relevance, (n, d) documents -> (m, d) float32 on P's device."""
-    return pifa(as_relevance(Y, allow_empty=True).transpose(), P, device=P.device)
-
-
 def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(QₖᵀQₖ, Qₖᵀ(Tₖ − Qₖ)) in float64 over the rows k whose target is nonzero."""
     keep = (t != 0).any(1)
@@ -142,7 +137,7 @@ class QueryAdapter(_Saved):
         p = as_embeddings(P, self.device, "P", check_norm=False).detach()
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
-        t = adapter_targets(rel, p)
+        t = pifa(rel.transpose(), p, device=p.device)  # T = Π(Y P): (m, d)
         alpha = self.params.alpha
         self.validation = {}
         if alpha is None:
