@@ -4,29 +4,48 @@ from __future__ import annotations
 
 from typing import Any
 
+import warnings
+
 import numpy as np
 import torch
 
-from .arrays import as_embeddings, cuda_index, resolve_device, to_numpy
+from .arrays import as_embeddings, as_tensor, cuda_index, resolve_device, to_numpy
 from .errors import InputError
 from .relevance import as_relevance
-from .aggregate_stream import normalize_rows_, pifa_streamed
+from .aggregate_stream import pifa_streamed
 from .stream import array_source, row_source
 
-_BLOCK = 1 << 14  # rows per step of pefa_xs (its temporaries: one such block)
+_BLOCK = 1 << 14  # rows per step of pefa_xs and normalize_rows_ (their temporaries)
 
 
 def normalize_rows(x: torch.Tensor) -> torch.Tensor:
-    """Π(x) = x / ‖x‖ row-wise, with Π(0) = 0. (rows, d) float -> same shape, float32 (a new
-    tensor). Safe at any magnitude float32 holds (see :func:`normalize_rows_`)."""
+    """Π(x) = x / ‖x‖ row-wise, Π(0) = 0: (rows, d) float -> a new (rows, d) float32."""
     return normalize_rows_(x.float().clone(memory_format=torch.contiguous_format))
 
 
+def normalize_rows_(a: torch.Tensor) -> torch.Tensor:
+    """Π in place on a (rows, d) float32 tensor, safe at any magnitude float32 holds (each row
+    is first divided by its largest |entry|); rows holding inf / NaN become NaN (a warning
+    names them, on the CPU)."""
+    for s in range(0, a.shape[0], _BLOCK):
+        b = a[s:s + _BLOCK]
+        top = b.abs().amax(dim=1, keepdim=True) if b.shape[1] else b[:, :1]
+        b.div_(torch.where(top > 0, top, 1.0))
+        norms = torch.linalg.vector_norm(b, dim=1, keepdim=True)
+        b.div_(torch.where(norms > 0, norms, 1.0))
+        bad = ~torch.isfinite(norms)
+        b.masked_fill_(bad, float("nan"))
+        if not a.is_cuda and bool(bad.any()):  # (on CUDA the test would synchronise)
+            rows = (bad.squeeze(1).nonzero().squeeze(1) + s)[:10].tolist()
+            warnings.warn(f"normalising rows {rows}... (of {a.shape[0]}): they hold inf or NaN "
+                          f"(a float32 overflow of their sums?), so their direction is lost: "
+                          f"NaN rows", RuntimeWarning, stacklevel=2)
+    return a
+
+
 def pefa_xs(p: torch.Tensor, sums: torch.Tensor, lam: float) -> torch.Tensor:
-    """The PEFA-XS documents e_j = lam p_j + (1 - lam) Π(a_j): p (r, d), a (r, d) each
-    document's unnormalised sum of training queries (with augment_docs it holds p_j too) ->
-    (r, d) float32, row by row (a subset of the rows gives those rows of the whole). Holds
-    one (r, d) result and a block of temporaries."""
+    """PEFA-XS documents e_j = lam p_j + (1 - lam) Π(a_j): p, sums (r, d) -> (r, d) float32,
+    row by row (one result and a block of temporaries)."""
     e = normalize_rows(sums).mul_(1.0 - lam)
     for s in range(0, e.shape[0], _BLOCK):
         e[s:s + _BLOCK] += lam * p[s:s + _BLOCK].float()
@@ -35,21 +54,13 @@ def pefa_xs(p: torch.Tensor, sums: torch.Tensor, lam: float) -> torch.Tensor:
 
 def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
          memory_budget: int | None = None, initial: torch.Tensor | None = None) -> torch.Tensor:
-    """Yᵀ Q: (m x n) relevance, (m x d) query embeddings -> (n x d) float32 tensor on ``device``.
+    """Yᵀ Q: (m x n) relevance, (m, d) queries -> (n, d) float32 on ``device``, rows
+    L2-normalised when ``normalize`` (documents without queries stay 0); float32 sums.
 
-    Accumulates in float32. On CUDA the product runs as a cuSPARSE SpMM through cupy when cupy
-    is installed, else through torch sparse; on the CPU through scipy. With ``normalize`` each
-    row is L2-normalised and documents with no queries stay exactly zero.
-
-    Out of core: ``Q`` may also be a path to a C-ordered ``.npy``, a memory map
-    (``np.load(path, mmap_mode="r")``) or an iterator of (rows, d) chunks; it is then streamed
-    in row chunks (see :mod:`pefa_gpu.aggregate_stream`) with the output and all buffers within
-    ``memory_budget`` bytes (default 512 MiB plus the output). A host array with a
-    ``memory_budget`` is streamed the same way.
-
-    ``initial``: a contiguous (n, d) float32 tensor on ``device`` the sums start from
-    (PEFA-XS: P with augment_docs); it is accumulated into in place, in the order of Y's rows
-    on the CPU (a host Q is then streamed, never copied whole), and returned.
+    ``Q`` a ``.npy`` path, a memory map or an iterator of (rows, d) chunks (or a host array
+    with a ``memory_budget`` or ``initial``) is streamed in row chunks within ``memory_budget``
+    bytes (default 512 MiB plus the output). ``initial``: a contiguous (n, d) float32 tensor on
+    ``device`` accumulated into in place (PEFA-XS with augment_docs) and returned.
     """
     dev = resolve_device(device)
     rel = as_relevance(Y, allow_empty=True)
@@ -72,8 +83,9 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
     return normalize_rows(a) if normalize else a
 
 
-def _spmm_transpose(y_csr, q: torch.Tensor) -> torch.Tensor:
-    """Yᵀ @ q with Y a scipy CSR (m x n) and q (m x d) float32 on its device -> (n x d)."""
+def _spmm_transpose(y_csr: Any, q: torch.Tensor) -> torch.Tensor:
+    """Yᵀ q: scipy CSR (m x n), (m, d) float32 -> (n, d) on q's device (scipy on the CPU,
+    cupy's cuSPARSE on CUDA when installed, else torch sparse)."""
     yt = y_csr.T.tocsr()
     if q.device.type == "cpu":
         out = yt.astype(np.float32) @ to_numpy(q)
@@ -93,20 +105,16 @@ def _spmm_transpose(y_csr, q: torch.Tensor) -> torch.Tensor:
                                     shape=yt.shape)
             out = yt_gpu @ cupy.from_dlpack(q.contiguous())
             return torch.from_dlpack(cupy.ascontiguousarray(out))
-    yt_t = torch.sparse_csr_tensor(torch.from_numpy(yt.indptr.astype(np.int64)),
-                                   torch.from_numpy(yt.indices.astype(np.int64)),
-                                   torch.from_numpy(yt.data.astype(np.float32)),
-                                   size=yt.shape, device=q.device)
-    out = yt_t @ q
+    crow, col = (as_tensor(a, q.device, torch.int64) for a in (yt.indptr, yt.indices))
+    out = torch.sparse_csr_tensor(crow, col, as_tensor(yt.data, q.device, torch.float32),
+                                  size=yt.shape) @ q
     return out.to_dense() if out.is_sparse else out
 
 
 def _torch_allocator(cupy: Any, device: torch.device, device_id: int) -> Any:
-    """A cupy allocator (bytes -> ``cupy.cuda.MemoryPointer``) that takes each block from
-    torch's caching allocator on ``device`` (a uint8 tensor the block keeps alive), so that
-    what cupy frees (its Fortran-order copies of Q and of the product, cuSPARSE's workspace)
-    goes back to torch instead of staying in cupy's own pool. Blocks belong to torch's
-    current stream, the stream cupy runs on here."""
+    """A cupy allocator taking each block from torch's caching allocator on ``device`` (a
+    uint8 tensor the block keeps alive), so that what cupy frees goes back to torch, not to
+    cupy's pool; blocks belong to torch's current stream, where cupy runs here."""
     def alloc(size: int) -> Any:
         buf = torch.empty(max(int(size), 1), dtype=torch.uint8, device=device)
         return cupy.cuda.MemoryPointer(

@@ -1,13 +1,8 @@
-"""The one place where arrays change type or device.
-
-Everything that enters the library (numpy, torch on any device, cupy, anything with
-``__dlpack__`` or ``__array__``) goes through :func:`as_tensor`; everything that must leave as
-numpy goes through :func:`to_numpy`. Nothing else converts arrays.
-"""
+"""The one place where arrays change type or device: in through :func:`as_tensor` (numpy,
+torch, cupy, DLPack, ``__array__``), out to numpy through :func:`to_numpy`."""
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 from typing import Any, Sequence
@@ -17,19 +12,12 @@ import torch
 
 from .errors import InputError
 
-log = logging.getLogger("pefa_gpu")
-
 # what enters the library as an array: numpy, torch (any device), nested sequences (and
 # anything with __dlpack__ or __array__, which as_tensor reads as well)
 ArrayLike = np.ndarray | torch.Tensor | Sequence[Any]
 DeviceLike = str | int | torch.device | None  # None: CUDA when available, else the CPU
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float64": torch.float64,
-}
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 
 
 def resolve_device(device: DeviceLike = None) -> torch.device:
@@ -48,10 +36,8 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
 
 
 def cuda_index(device: DeviceLike) -> int:
-    """The CUDA ordinal of ``device`` ('cuda', 'cuda:1' or a torch.device): ``cuda`` with no
-    index is torch's current device, where ``torch.empty(..., device="cuda")`` puts tensors.
-    faiss, cupy and cuVS take this number (``device.index or 0`` would put their work on GPU 0
-    while the tensors sit on the current device). InputError for a device that is not CUDA."""
+    """The CUDA ordinal of ``device`` for faiss / cupy / cuVS: 'cuda' without an index is
+    torch's current device (where its tensors go), not GPU 0; InputError if not CUDA."""
     try:
         dev = device if isinstance(device, torch.device) else torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -91,10 +77,8 @@ def torch_dtype(dtype: Any) -> torch.dtype:
 
 
 def host_view(t: torch.Tensor, dtype: Any) -> np.ndarray:
-    """A numpy array over the memory of the contiguous CPU tensor ``t`` (pinned or not), read
-    as the numpy ``dtype`` of the same item size: no copy, so what is written through it lands
-    in ``t`` (e.g. a file read straight into a pinned bfloat16 buffer, seen as ml_dtypes'
-    bfloat16). ``to_numpy`` is not this: it upcasts float16 / bfloat16 into a new array."""
+    """A numpy view (no copy, unlike ``to_numpy``) of the contiguous CPU tensor ``t`` (pinned
+    or not) as the numpy ``dtype`` of the same item size (ml_dtypes' bfloat16 included)."""
     dt = np.dtype(dtype)
     if t.device.type != "cpu" or not t.is_contiguous() or t.ndim == 0:
         raise InputError(f"host_view needs a contiguous CPU tensor with at least one dimension, "
@@ -107,12 +91,8 @@ def host_view(t: torch.Tensor, dtype: Any) -> np.ndarray:
 
 def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None = None,
               name: str = "array") -> torch.Tensor:
-    """Any array-like -> torch tensor on ``device`` (and ``dtype`` when given).
-
-    Accepts torch tensors (any device), numpy arrays and memmaps, cupy arrays and anything with
-    ``__dlpack__`` (zero-copy where the device matches), and nested sequences. The result never
-    carries autograd history unless ``x`` is a torch tensor that has it.
-    """
+    """Any array-like (torch, numpy, cupy, DLPack, nested sequences) -> a torch tensor on
+    ``device`` (and ``dtype`` when given), zero-copy where the device and dtype match."""
     dev = resolve_device(device) if device is not None else None
     t = _as_torch(x, name)
     if t.dtype == torch.bool or t.is_complex():
@@ -166,14 +146,9 @@ def to_numpy(x: ArrayLike) -> np.ndarray:
 def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
                   dtype: torch.dtype = torch.float32, check_norm: bool = True,
                   copy: bool = False, check_finite: bool = True) -> torch.Tensor:
-    """Validate a (rows, d) float embedding matrix and move it to ``device``.
-
-    Raises InputError on wrong rank, empty rows, a dimension other than ``dim``, or NaN / inf.
-    Warns (does not fail) when rows are not L2-normalised. ``copy``: never share memory with
-    ``x`` (for arrays a model keeps, so later changes to the caller's array cannot reach it).
-    ``check_finite=False`` skips the NaN / inf test, the one check that reads values (on CUDA it
-    would synchronise the device with the host); shapes are always checked.
-    """
+    """A checked (rows, d) ``dtype`` matrix on ``device``: InputError on a wrong rank, d = 0, d !=
+    ``dim`` or NaN / inf (``check_finite``: no device sync when False); a warning for rows not
+    L2-normalised (``check_norm``). ``copy``: never shares memory with ``x``."""
     t = as_tensor(x, device=device, name=name)
     if copy and _same_memory(x, t):
         t = host_clone(t) if t.device.type == "cpu" else t.clone()
@@ -204,10 +179,8 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
 
 
 def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN / inf in ``t``. Small CPU float32 arrays are checked with numpy (a few
-    microseconds less per call: single-query searches); arrays of 2^24 entries and more from
-    their smallest and largest entries (NaN propagates), read in place: isfinite's temporary
-    would add a quarter of their size, and more, to a fit's peak."""
+    """No NaN / inf in ``t``; from 2^24 entries on from its min and max (NaN propagates), with
+    no temporary of its size."""
     t = t.detach()
     if t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() <= 1 << 16:
         return bool(np.isfinite(t.numpy()).all())
@@ -218,10 +191,8 @@ def _all_finite(t: torch.Tensor) -> bool:
 
 
 def host_clone(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of CPU tensor ``t`` in memory numpy allocates: for arrays of 4 MiB and
-    more numpy asks Linux for transparent huge pages (madvise), torch's CPU allocator does not,
-    and a full scan of a corpus in huge pages runs faster (fewer TLB misses; one query against
-    50k x 384 float32 on one thread, median: 8.2 -> 6.0 ms)."""
+    """A contiguous copy of CPU tensor ``t`` in memory numpy allocates (transparent huge pages
+    from 4 MiB on, which torch's allocator does not ask for: faster full scans)."""
     if t.numel() == 0:
         return t.clone(memory_format=torch.contiguous_format)
     raw = np.empty(t.numel() * t.element_size(), np.uint8)
@@ -229,9 +200,8 @@ def host_clone(t: torch.Tensor) -> torch.Tensor:
 
 
 def host_empty(numel: int) -> torch.Tensor:
-    """An uninitialised (numel,) float32 CPU tensor in memory numpy allocates (transparent huge
-    pages from 4 MiB on, see :func:`host_clone`): a fresh 51 MB score block then faults 25
-    pages in instead of 12,500, and a GEMM into it plus a top-k ran 7% faster (64 x 200k)."""
+    """An uninitialised (numel,) float32 CPU tensor in memory numpy allocates (huge pages, see
+    :func:`host_clone`)."""
     return torch.from_numpy(np.empty(numel, np.float32))
 
 
@@ -255,9 +225,8 @@ MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the docume
 
 
 def check_topk(k: Any, n: int, name: str = "topk") -> int:
-    """``k`` as an int > 0 that a search over ``n`` rows can return: at most max(n,
-    MAX_PADDED_TOPK), the ranks beyond the n rows being -1 / -inf padding; else InputError
-    (before anything of size k is allocated)."""
+    """``k`` as an int in [1, max(n, MAX_PADDED_TOPK)] (ranks beyond the ``n`` rows are -1 /
+    -inf padding), else InputError."""
     k = check_positive_int(k, name)
     if k > max(int(n), MAX_PADDED_TOPK):
         raise InputError(f"{name}={k} but there are only {n} documents to rank: ask for at most "
@@ -265,11 +234,3 @@ def check_topk(k: Any, n: int, name: str = "topk") -> int:
                          f"documents, whichever is larger; ranks beyond the documents are -1 "
                          f"padded)")
     return k
-
-
-def csr_tensors(csr: Any, device: DeviceLike) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A scipy CSR matrix -> (indptr int64, indices int64, data float32) tensors on ``device``."""
-    dev = resolve_device(device)
-    return (torch.from_numpy(np.asarray(csr.indptr, dtype=np.int64)).to(dev),
-            torch.from_numpy(np.asarray(csr.indices, dtype=np.int64)).to(dev),
-            torch.from_numpy(np.asarray(csr.data, dtype=np.float32)).to(dev))

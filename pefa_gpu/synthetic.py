@@ -1,10 +1,6 @@
-"""Seeded synthetic data for scale runs, with the structure of real retrieval data.
-
-Documents are clustered unit vectors; a query picks a target document with Zipf popularity (so
-the number of queries per document follows a power law), has a power-law number of relevant
-documents (the target and others from its cluster), and its embedding is the target's plus
-noise, renormalised.
-"""
+"""Seeded synthetic retrieval data for scale runs: clustered unit documents; each query is a
+Zipf-popular target document plus noise, with a power-law number of relevant documents (the
+target and others of its cluster)."""
 
 from __future__ import annotations
 
@@ -32,13 +28,9 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
                    popularity: float = 1.1, rel_exponent: float = 2.5, max_rel: int = 50,
                    doc_noise: float = 0.6, query_noise: float = 0.8,
                    seed: int = 0) -> SyntheticData:
-    """A seeded corpus of ``n`` documents, ``m`` training and ``n_test`` test queries in ``d``
-    dimensions.
-
-    popularity: Zipf exponent of target-document popularity (queries per document);
-    rel_exponent: Zipf exponent of relevant documents per query (capped at ``max_rel``);
-    doc_noise / query_noise: noise norms relative to the unit centre / target.
-    """
+    """``n`` documents, ``m`` training and ``n_test`` test queries in ``d`` dimensions. Zipf
+    exponents: ``popularity`` of the targets, ``rel_exponent`` of the relevant documents per
+    query (at most ``max_rel``); noise norms relative to the unit centre / target."""
     n, m, d = (check_positive_int(v, k) for v, k in ((n, "n"), (m, "m"), (d, "d")))
     if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 0:
         raise InputError(f"n_test must be an int >= 0, got {n_test!r}")
