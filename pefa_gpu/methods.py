@@ -38,9 +38,10 @@ class Method:
     @property
     def axes(self) -> tuple[str, ...]:
         """The grid axes of a sweep: () one point, ('lam',) one per λ, ('lam', 'k') per pair."""
-        return tuple(a for a in ("lam", "k") if a in self.takes)
+        return tuple(a for a in AXES if a in self.takes)
 
 
+AXES = ("lam", "k")  # the settings a grid spans
 _XS = ("lam", "augment_docs")
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("erm", "ERM", pipeline=True),
@@ -85,6 +86,25 @@ def defaults(name: str) -> dict[str, Any]:
     build, search = PARAMS[method(name).model]
     both = {**build().to_dict(), **search().to_dict()}
     return {key: both[key] for key in REGISTRY[name].takes}
+
+
+def settings(search: bool = False) -> dict[str, dataclasses.Field]:
+    """The settings offered as command-line options, by name: the fields of the models'
+    SearchParams and Params (with ``search``: SearchParams only) whose metadata has a "help"
+    string."""
+    pairs = PARAMS.values()
+    classes = [sp for _, sp in pairs] + ([] if search else [bp for bp, _ in pairs])
+    return {f.name: f for c in classes for f in dataclasses.fields(c) if "help" in f.metadata}
+
+
+def setting_defaults(name: str) -> dict[Any, str]:
+    """The defaults of setting ``name`` among the methods that take it: value -> the first
+    method with that default."""
+    out: dict[Any, str] = {}
+    for m in REGISTRY:
+        if name in REGISTRY[m].takes:
+            out.setdefault(defaults(m)[name], m)
+    return out
 
 
 def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
