@@ -284,7 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
 # ------------------------------------------------------------------------------ checks
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -654,8 +653,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     total = time.perf_counter() - t0
     _print_results(args, data, last, rows)
     best = [(m, max(rows, key=lambda r: r[m])) for m in METRICS]
-    print("\nbest: " + "; ".join(f"{m} {r[m]:.4f} ({Config(r['method'], r['lam'], r['k']).label()})"
-                                 for m, r in best))
+    print("\nbest: " + "; ".join(
+        f"{m} {r[m]:.4f} ({Config(r['method'], r['lam'], r['k']).label()})" for m, r in best))
     print(f"grid of {len(rows)} configurations in {total:.2f} s (fit + search + fusion; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + ")")
     _write_json(args, data, last, rows, timings_s={**timings, "total": total})
@@ -799,20 +798,12 @@ COMMANDS = {"eval": cmd_eval, "sweep": cmd_sweep, "tune": cmd_tune, "build": cmd
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pefa-gpu``; returns the exit status (0 ok, 2 bad input or data, 1 a
-    failed write or read, e.g. a full disk)."""
+    failed write or read, e.g. a full disk, 130 Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
-    try:
-        return _run(args)
-    except KeyboardInterrupt as exc:  # Ctrl-C: one line (encode says what it kept), no trace
-        print(f"pefa-gpu {args.command}: {exc or 'interrupted'}", file=sys.stderr)
-        return 130
-
-
-def _run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
         _setup(args)
@@ -825,6 +816,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
               f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line (encode says what it kept), no trace
+        print(f"pefa-gpu {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
