@@ -1,8 +1,10 @@
 """The methods by name ('erm', 'xs', 'xl', 'nudge-m', 'nudge-n', 'adapter', 'prf',
 'adapter+xs'): the model each fits, the settings it takes, how a grid spans it. The CLI, sweep,
-tune and the pipeline read this table instead of naming methods one by one.
+tune and the pipeline read this table instead of naming methods one by one; the CLI's model
+options are the settings whose params fields carry a "help" metadata string (:func:`settings`).
 
-Importing this module imports no torch (the CLI checks its options with it); :func:`fit` does.
+Importing this module imports no torch (the CLI checks its options with it); :func:`fit_config`
+does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ if TYPE_CHECKING:
     from .protocol import Model
     from .query import QueryModel
     from .relevance import RelevanceLike
+
+
+AXES = ("lam", "k")  # the settings a grid spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +46,6 @@ class Method:
         return tuple(a for a in AXES if a in self.takes)
 
 
-AXES = ("lam", "k")  # the settings a grid spans
 _XS = ("lam", "augment_docs")
 REGISTRY: dict[str, Method] = {m.name: m for m in (
     Method("erm", "ERM", pipeline=True),
