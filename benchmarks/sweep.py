@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import RESULTS, SCIFACT, md_table, write_results  # noqa: E402
 
 import pefa_gpu as pg  # noqa: E402
-from pefa_gpu.cli import plot_sweep  # noqa: E402
+from pefa_gpu.plots import plot_sweep  # noqa: E402
 from pefa_gpu.encode import default_cache_dir  # noqa: E402
 from pefa_gpu.sweep import PAPER_KS, PAPER_LAMS, grid, sweep_search  # noqa: E402
 from pefa_gpu.tune import fit_config  # noqa: E402

@@ -1,7 +1,8 @@
 """The ``pefa-gpu`` command (``eval``, ``sweep``, ``tune``, ``build``, ``search``; see
 ``pefa-gpu COMMAND --help``). Tables go to stdout (markdown), progress bars and log lines to
 stderr. Every check on the arguments runs before any data is read (``_check_args``); outputs are
-written atomically (``storage.write_output_file``).
+written atomically (``storage.write_output_file``). The models' options are made from their
+params classes (:func:`pefa_gpu.methods.settings`): flag, type, default and help.
 """
 
 from __future__ import annotations
@@ -21,22 +22,15 @@ from typing import Any, Sequence
 import numpy as np
 
 from .errors import InputError, PefaError
-from .methods import REGISTRY, defaults, fit_config
-from .params import XLParams, XLSearchParams, XSParams
+from .methods import AXES, REGISTRY, defaults, fit_config, setting_defaults, settings
 
 log = logging.getLogger("pefa_gpu")
 
 METRICS = ("recall@10", "recall@100", "ndcg@10", "mrr@10")
-SEARCH_FORMATS = ("tsv", "json", "trec")
+MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option takes
 
 
 # ------------------------------------------------------------------------------ arguments
-
-LAM_HELP = (f"λ in [0, 1], weight of the ERM score (default: {XSParams.lam} for xs, "
-            f"{XLParams.lam} for xl)")
-K_HELP = f"XL neighbours (default: {XLParams.k})"
-MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option takes
-
 
 def _lam(text: str) -> float:
     """--lam L: a number in [0, 1] (the same rule and message in every subcommand)."""
@@ -71,9 +65,6 @@ def _each(item: Any) -> Any:
     return parse
 
 
-_lams, _ints = _each(_lam), _each(_positive_int)
-
-
 def _methods(text: str) -> tuple[str, ...]:
     vals = tuple(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
     bad = [m for m in vals if m not in REGISTRY]
@@ -83,7 +74,44 @@ def _methods(text: str) -> tuple[str, ...]:
     return vals
 
 
+TYPES = {"float": _lam, "int": _positive_int}  # a model setting's type: a weight, or a count
+GRID_HELP = {"lam": "λ grid, each in [0, 1] (default: 0.1,0.2,...,0.9)",
+             "k": "XL k grid (default: 16,32,64)"}
+
+
+def _settings(form: str, names: Sequence[str]) -> dict[str, dict]:
+    """The options (flag -> add_argument's keywords) of the model settings ``names``, from
+    their params fields: a bool as its flag; a number as one value (form 'one'), a list
+    ('point': eval's), a grid ('grid': sweep's and tune's) or a search's ('search')."""
+    out = {}
+    for name in names:
+        field = settings()[name]
+        meta = field.metadata
+        if field.type == "bool":  # a flag that turns the default over
+            out[meta["flag"]] = dict(dest=name, default=None, help=meta["help"],
+                                     action="store_false" if field.default else "store_true")
+            continue
+        values, mv = setting_defaults(name), meta["metavar"]
+        default = "the build's" if form == "search" else ", ".join(
+            str(v) if len(values) == 1 else f"{v} for {m}" for v, m in values.items())
+        kw = dict(type=TYPES[field.type], metavar=mv, help=f"{meta['help']} (default: {default})")
+        if form == "point":
+            kw.update(type=_each(kw["type"]), metavar=f"{mv}[,{mv}...]")
+        if form == "grid":
+            kw.update(type=_each(kw["type"]), metavar=f"{mv},{mv}...", help=GRID_HELP[name])
+        out[f"--{name}"] = kw
+    return out
+
+
+FLAGS = {**{name: f.metadata.get("flag", f"--{name}") for name, f in settings().items()},
+         "seed": "--seed"}  # the model settings' flags and tune's --seed
+TUNE_TAKES = {"seed", *(name for name in settings() if name not in AXES)}  # --method auto
+
+
 DATA_OPTIONS = {
+    "data_dir": dict(metavar="DATA_DIR", nargs="?",
+                     help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv "
+                          "(or --xmc / --emb, where the command has them)"),
     "--train-split": dict(default="train", metavar="NAME",
                           help="qrels split to fit on (default: train)"),
     "--train-pairs": dict(metavar="FILE", help="fit on this pairs file (TSV or parquet: query "
@@ -118,64 +146,6 @@ COMPUTE_OPTIONS = {
                        help="no progress bars and no log lines, only results"),
     "--verbose -v": dict(action="store_true", help="also the INFO lines of the libraries "
                          "underneath (faiss, Ray, transformers, ...)")}
-MODEL_OPTIONS = {
-    "--backend": dict(default="exact", help="index backend: exact (default), or hnsw / ivf / "
-                      "... when installed"),
-    "--candidates": dict(type=_positive_int, default=None, metavar="KP", help="PEFA-XL: ERM "
-                         f"candidates taken from the passage index (default: "
-                         f"{XLSearchParams.candidates})"),
-    "--no-augment": dict(action="store_true",
-                         help="do not count each document as a training query for itself")}
-
-
-def _common(p: argparse.ArgumentParser, data: bool = True, evaluate: bool = True) -> None:
-    """DATA_DIR and the data options (with ``data``; the test split's with ``evaluate``), the
-    embedding and compute options."""
-    if data:
-        p.add_argument("data_dir", metavar="DATA_DIR", nargs="?",
-                       help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv"
-                            " (or --xmc / --emb, where the command has them)")
-        _add(p, dict(list(DATA_OPTIONS.items())[:None if evaluate else 3]), "data")
-    _add(p, {f: kw for f, kw in EMBEDDING_OPTIONS.items() if data or f != "--embeddings"},
-         "embeddings")
-    _add(p, COMPUTE_OPTIONS, "compute")
-
-
-def _grid_args(p: argparse.ArgumentParser, every_family: bool = False, point: bool = False
-               ) -> None:
-    """--methods, --lam, --k: sweep's and tune's grids (tune's default: every family), or with
-    ``point`` eval's λ / k (default: each method's own)."""
-    p.add_argument("--methods", type=_methods,
-                   default=tuple(REGISTRY) if every_family else ("erm", "xs", "xl"),
-                   help="comma-separated subset of " + ",".join(REGISTRY) + " (default: "
-                        + ("every one" if every_family else "erm,xs,xl")
-                        + "; NUDGE and the adapter choose their step / alpha on 20%% of the "
-                          "training queries)")
-    p.add_argument("--lam", type=_lams, metavar="L[,L...]" if point else "L,L...",
-                   help=LAM_HELP if point else "λ grid, each in [0, 1] (default: "
-                                               "0.1,0.2,...,0.9)")
-    p.add_argument("--k", type=_ints, metavar="K[,K...]" if point else "K,K...",
-                   help=K_HELP if point else
-                        "XL k grid (default: 16,32,64)")
-
-
-def _add(p: argparse.ArgumentParser, options: dict[str, dict], title: str = ""
-         ) -> argparse.ArgumentParser:
-    """Add ``options`` (flag -> add_argument's keywords) to ``p``, in a group when titled."""
-    g = p.add_argument_group(title) if title else p
-    for flag, kw in options.items():
-        g.add_argument(*flag.split(), **kw)
-    return p
-
-
-RAY_OPTIONS = {  # the cluster (see pefa_gpu.distributed)
-    "--ray": dict(metavar="ADDRESS", help="run the pipeline on Ray: 'local' starts a cluster on "
-                  "this machine, anything else is passed to ray.init(address=...) (e.g. auto)"),
-    "--workers": dict(type=_positive_int, metavar="N", help="--ray: CPUs of a local cluster; "
-                      "encoder and search actors (default: all CPUs, or the cluster's GPUs)"),
-    "--work-dir": dict(metavar="DIR", help="--ray: folder for the stages' shards, on storage "
-                       "every node sees (needed for a remote cluster; default with local: a "
-                       "temporary folder); encoded shards there are reused by the next run")}
 XMC_OPTIONS = {  # the PEFA authors' layout instead of DATA_DIR (see pefa_gpu.xmc)
     "--xmc": dict(metavar="XMC_DIR", help="folder of Y.trn.npz, Y.tst.npz, Y.trn.abs.npz [, "
                   "Y.trn.doc.npz, Y.trn.d2q.npz] (scipy CSR, queries x documents)"),
@@ -185,8 +155,18 @@ XMC_OPTIONS = {  # the PEFA authors' layout instead of DATA_DIR (see pefa_gpu.xm
     "--aug": dict(default="v0", choices=("v0", "v1", "v2", "v3", "v4", "v5"),
                   help="training pairs: v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 "
                   "trn+doc+d2q (the authors' scripts: v5 with --no-augment; default: v0)")}
-
-
+MODEL_OPTIONS = {
+    "--backend": dict(default="exact", help="index backend: exact (default), or hnsw / ivf / "
+                      "... when installed"),
+    **_settings("one", [name for name in settings() if name not in AXES])}
+RAY_OPTIONS = {  # the cluster (see pefa_gpu.distributed)
+    "--ray": dict(metavar="ADDRESS", help="run the pipeline on Ray: 'local' starts a cluster on "
+                  "this machine, anything else is passed to ray.init(address=...) (e.g. auto)"),
+    "--workers": dict(type=_positive_int, metavar="N", help="--ray: CPUs of a local cluster; "
+                      "encoder and search actors (default: all CPUs, or the cluster's GPUs)"),
+    "--work-dir": dict(metavar="DIR", help="--ray: folder for the stages' shards, on storage "
+                       "every node sees (needed for a remote cluster; default with local: a "
+                       "temporary folder); encoded shards there are reused by the next run")}
 TUNE_OPTIONS = {
     "--val-fraction": dict(type=float, default=0.2, metavar="F", help="share of training "
                            "queries held out for validation (default: 0.2)"),
@@ -203,8 +183,7 @@ BUILD_OPTIONS = {
     "--method": dict(default="xs", choices=(*REGISTRY, "auto"), help="model to build; auto = "
                      "the choice of `tune`; NUDGE chooses its step on 20%% of the training "
                      "queries (default: xs)"),
-    "--lam": dict(type=_lam, default=None, metavar="L", help=LAM_HELP),
-    "--k": dict(type=_positive_int, default=None, help=K_HELP),
+    **_settings("one", AXES),
     "--seed": dict(type=int, default=None,
                    help="--method auto: seed of the validation split (default: 0)"),
     "--out": dict(required=True, metavar="MODEL_DIR", help="where to save: a new or empty "
@@ -217,31 +196,68 @@ SEARCH_OPTIONS = {
     "--queries": dict(metavar="FILE", help="more queries: .jsonl with _id/text (BEIR), .tsv "
                       "(id<TAB>text) or one query per line (ids as for QUERY texts)"),
     "--topk": dict(type=_positive_int, default=10, help="results per query (default: 10)"),
-    "--candidates": dict(type=_positive_int, default=None, metavar="KP", help="PEFA-XL: ERM "
-                         "candidates for this search (default: the build's)"),
+    **_settings("search", list(settings(search=True))),
     "--out": dict(metavar="FILE", help="write here instead of stdout"),
-    "--format": dict(choices=SEARCH_FORMATS, default=None, help="output format (default: from "
-                     "--out's suffix: .json, .trec / .run, else tsv); trec writes 'qid Q0 "
-                     "doc_id rank score tag' lines"),
+    "--format": dict(choices=("tsv", "json", "trec"), default=None, help="output format "
+                     "(default: from --out's suffix: .json, .trec / .run, else tsv); trec "
+                     "writes 'qid Q0 doc_id rank score tag' lines"),
     "--tag": dict(default=None, help="TREC run tag (default: pefa_gpu)"),
     "--no-text": dict(action="store_true", help="leave out each document's title and text "
                       "snippet (TSV columns title, text; JSON fields title, text)")}
+COMMAND_HELP = {  # command -> (help, description)
+    "eval": ("fit on the training pairs, evaluate on the test split",
+             "Encode (cached), fit each method on the training split, evaluate on the test "
+             "split and print a markdown table."),
+    "sweep": ("the λ × k grid as a table, JSON and plots",
+              "Evaluate every (method, λ, k) of a grid on the test split, searching once per "
+              "method and re-fusing per (λ, k)."),
+    "tune": ("pick method, λ and k on held-out training queries",
+             "Hold out a seeded part of the training queries, choose method/λ/k there (never "
+             "worse than ERM: it keeps ERM, λ = 1, when the training signal does not help), "
+             "refit on all training pairs and report the test result."),
+    "build": ("fit one model on the training pairs and save it",
+              "Fit one model (ERM, PEFA-XS, PEFA-XL, or the choice of `tune`) on the training "
+              "split (or --train-pairs), and save it with the document ids and the name of the "
+              "encoder to --out, for `pefa-gpu search`. Nothing is evaluated."),
+    "search": ("top-k documents for query texts with a built model",
+               "Load a model written by `pefa-gpu build`, encode the queries with the encoder "
+               "the build records (or --model) and write the top-k document ids and scores "
+               "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
-def _ray_args(p: argparse.ArgumentParser) -> None:
-    _add(p, RAY_OPTIONS, "cluster (see pefa_gpu.distributed)")
+def _evaluation_options(command: str) -> dict[str, dict]:
+    """eval's, sweep's and tune's own options: --methods, λ / k (eval: each method's own by
+    default; sweep, tune: a grid), --json, sweep's --plot, tune's options."""
+    tune = command == "tune"
+    return {"--methods": dict(
+        type=_methods, default=tuple(REGISTRY) if tune else ("erm", "xs", "xl"),
+        help=f"comma-separated subset of {','.join(REGISTRY)} (default: "
+             f"{'every one' if tune else 'erm,xs,xl'}; NUDGE and the adapter choose their "
+             f"step / alpha on 20%% of the training queries)"),
+        **_settings("point" if command == "eval" else "grid", AXES),
+        "--json": dict(metavar="OUT", help="also write the results as JSON to OUT"),
+        **({"--plot": dict(metavar="PNG", help="recall vs λ plot (default: next to --json, "
+                           "same name, .png)")} if command == "sweep" else {}),
+        **(TUNE_OPTIONS if tune else {})}
 
 
-def _evaluator(sub: Any, name: str, help: str, description: str, **grid: bool
-               ) -> argparse.ArgumentParser:
-    """eval / sweep / tune: data (DATA_DIR or --xmc), model, grid and --json options."""
-    p = sub.add_parser(name, help=help, description=description)
-    _common(p)
-    _add(p, XMC_OPTIONS, "the authors' XMC layout (instead of DATA_DIR)")
-    _add(p, MODEL_OPTIONS, "model")
-    _grid_args(p, **grid)
-    p.add_argument("--json", metavar="OUT", help="also write the results as JSON to OUT")
-    return p
+def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
+    """(group title, or '' for none; options) of ``command``, in the help's order."""
+    if command == "search":
+        return [("", SEARCH_OPTIONS), ("embeddings", {
+            f: kw for f, kw in EMBEDDING_OPTIONS.items() if f != "--embeddings"}),
+            ("compute", COMPUTE_OPTIONS)]
+    build = command == "build"
+    groups = [("", {"data_dir": DATA_OPTIONS["data_dir"]}),
+              ("data", dict(list(DATA_OPTIONS.items())[1:4 if build else None])),
+              ("embeddings", EMBEDDING_OPTIONS), ("compute", COMPUTE_OPTIONS)]
+    if not build:
+        groups.append(("the authors' XMC layout (instead of DATA_DIR)", XMC_OPTIONS))
+    groups += [("model", MODEL_OPTIONS),
+               ("", BUILD_OPTIONS if build else _evaluation_options(command))]
+    if command != "sweep":
+        groups.append(("cluster (see pefa_gpu.distributed)", RAY_OPTIONS))
+    return groups
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,55 +275,16 @@ def build_parser() -> argparse.ArgumentParser:
                "score: λ = 1 is ERM. k is the number of neighbouring training queries in XL.")
     parser.add_argument("--version", action="version", version=f"pefa-gpu {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    _ray_args(_evaluator(sub, "eval", "fit on the training pairs, evaluate on the test split",
-                         "Encode (cached), fit each method on the training split, evaluate "
-                         "on the test split and print a markdown table.", point=True))
-    p = _evaluator(sub, "sweep", "the λ × k grid as a table, JSON and plots",
-                   "Evaluate every (method, λ, k) of a grid on the test split, searching once "
-                   "per method and re-fusing per (λ, k).")
-    p.add_argument("--plot", metavar="PNG",
-                   help="recall vs λ plot (default: next to --json, same name, .png)")
-
-    _ray_args(_add(_evaluator(
-        sub, "tune", "pick method, λ and k on held-out training queries",
-        "Hold out a seeded part of the training queries, choose method/λ/k there (never worse "
-        "than ERM: it keeps ERM, λ = 1, when the training signal does not help), refit on all "
-        "training pairs and report the test result.", every_family=True), TUNE_OPTIONS))
-
-    p = sub.add_parser("build", help="fit one model on the training pairs and save it",
-                       description="Fit one model (ERM, PEFA-XS, PEFA-XL, or the choice of "
-                                   "`tune`) on the training split (or --train-pairs), and save "
-                                   "it with the document ids and the name of the encoder to "
-                                   "--out, for `pefa-gpu search`. Nothing is evaluated.")
-    _common(p, evaluate=False)
-    _add(p, MODEL_OPTIONS, "model")
-    _ray_args(_add(p, BUILD_OPTIONS))
-
-    p = _add(sub.add_parser(
-        "search", help="top-k documents for query texts with a built model",
-        description="Load a model written by `pefa-gpu build`, encode the queries with the "
-                    "encoder the build records (or --model) and write the top-k document ids "
-                    "and scores (TSV: query, rank, doc_id, score; JSON; or a TREC run)."),
-        SEARCH_OPTIONS)
-    _common(p, data=False)
+    for command, (help, description) in COMMAND_HELP.items():
+        p = sub.add_parser(command, help=help, description=description)
+        for title, options in _groups(command):
+            group = p.add_argument_group(title) if title else p
+            for flag, kw in options.items():
+                group.add_argument(*flag.split(), **kw)
     return parser
 
 
-# ------------------------------------------------------------------------------ data
-
-@dataclasses.dataclass
-class _Data:
-    name: str
-    doc_ids: list[str]
-    P: Any
-    Q_train: Any
-    Y_train: Any
-    Q_test: Any = None
-    Y_test: Any = None
-    n_pairs: int = 0
-    corpus: Any = None  # the BeirDataset, when the data came from one
-
+# ------------------------------------------------------------------------------ checks
 
 def _check_args(args: argparse.Namespace) -> None:
     """Every rule that involves more than one option, and the outputs' writability, in one
@@ -315,7 +292,15 @@ def _check_args(args: argparse.Namespace) -> None:
     chosen method are refused (they are likely a mistake)."""
     _check_data(args)
     if args.command in ("eval", "sweep", "tune"):
-        _check_methods(args)
+        _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
+                       f"--methods {','.join(args.methods)}")
+        one_process = [m for m in args.methods if not REGISTRY[m].pipeline]
+        if getattr(args, "ray", None) is not None and args.command != "tune" and one_process:
+            raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
+                             f"pipeline's stages; drop --ray or these methods")
+    if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
+        raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
+                         f"{args.val_fraction}")
     if args.command == "build":
         taken = TUNE_TAKES if args.method == "auto" else set(REGISTRY[args.method].takes)
         _refuse_unused(args, taken, f"--method {args.method}")
@@ -350,20 +335,6 @@ def _check_data(args: argparse.Namespace) -> None:
                          + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
 
 
-def _check_methods(args: argparse.Namespace) -> None:
-    """eval / sweep / tune: the model options the methods take; --ray with the methods the
-    pipeline runs (tune validates in one process; its test run uses the cluster where it can)."""
-    taken = {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)}
-    _refuse_unused(args, taken, f"--methods {','.join(args.methods)}")
-    one_process = [m for m in args.methods if not REGISTRY[m].pipeline]
-    if getattr(args, "ray", None) is not None and args.command != "tune" and one_process:
-        raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
-                         f"pipeline's stages; drop --ray or these methods")
-    if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
-        raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
-                         f"{args.val_fraction}")
-
-
 def _check_search(args: argparse.Namespace) -> None:
     if not args.texts and not args.queries:
         raise InputError("no queries: give query texts or --queries FILE")
@@ -384,19 +355,13 @@ def _check_ray(args: argparse.Namespace) -> None:
                          f"cluster sees")
 
 
-# the model options and the params fields they set: a method takes an option when it takes
-# the field (pefa_gpu.methods); --seed is the seed of `tune`'s split
-OPTION_FIELDS = {"lam": "lam", "k": "k", "candidates": "candidates",
-                 "no_augment": "augment_docs", "seed": "seed"}
-TUNE_TAKES = {"candidates", "augment_docs", "seed"}  # build --method auto: tune's options
-
-
 def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
-    for name, field in OPTION_FIELDS.items():
-        if getattr(args, name, None) not in (None, False) and field not in taken:
-            users = [m for m in REGISTRY if field in REGISTRY[m].takes] or ["--method auto"]
-            raise InputError(f"--{name.replace('_', '-')} has no effect with {why}; drop it "
-                             f"(it is a setting of {', '.join(users)})")
+    """A model setting given (not None) that no method of ``why`` takes is an error."""
+    for name, flag in FLAGS.items():
+        if getattr(args, name, None) is not None and name not in taken:
+            users = [m for m in REGISTRY if name in REGISTRY[m].takes] or ["--method auto"]
+            raise InputError(f"{flag} has no effect with {why}; drop it (it is a setting of "
+                             f"{', '.join(users)})")
 
 
 def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -427,6 +392,21 @@ def _setup(args: argparse.Namespace) -> None:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
+
+
+# ------------------------------------------------------------------------------ data
+
+@dataclasses.dataclass
+class _Data:
+    name: str
+    doc_ids: list[str]
+    P: Any
+    Q_train: Any
+    Y_train: Any
+    Q_test: Any = None
+    Y_test: Any = None
+    n_pairs: int = 0
+    corpus: Any = None  # the BeirDataset, when the data came from one
 
 
 def _cache_dir(args: argparse.Namespace) -> Path | None:
@@ -518,10 +498,11 @@ def _load_xmc_data(args: argparse.Namespace) -> _Data:
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
-    """The model options as keywords of sweep, tune, fit_config and the pipeline (--candidates
-    by default: XLSearchParams')."""
-    return dict(backend=args.backend, candidates=args.candidates or defaults("xl")["candidates"],
-                augment_docs=not args.no_augment, device=args.device, **more)
+    """The model settings but λ / k as keywords of sweep, tune, fit_config and the pipeline:
+    as given, else their params classes' default."""
+    given = {name: getattr(args, name) for name in settings() if name not in AXES}
+    return dict(backend=args.backend, device=args.device, **more, **{
+        name: next(iter(setting_defaults(name))) if v is None else v for name, v in given.items()})
 
 
 # ------------------------------------------------------------------------------ --ray
@@ -648,8 +629,8 @@ def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
 
 def cmd_eval(args: argparse.Namespace) -> int:
     data = _load_data(args)
-    groups = [((m,), *[(given or (defaults(m)[axis],)) if axis in REGISTRY[m].axes else ()
-                       for axis, given in (("lam", args.lam), ("k", args.k))])
+    groups = [((m,), *[(getattr(args, axis) or (defaults(m)[axis],))
+                       if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
     if args.runner is not None:
         from .sweep import grid
@@ -662,16 +643,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import PAPER_KS, PAPER_LAMS
+    from .plots import plot_sweep
+    from .sweep import PAPER_KS, PAPER_LAMS, Config
 
     data = _load_data(args)
-    lams, ks = args.lam or PAPER_LAMS, args.k or PAPER_KS
     t0 = time.perf_counter()
-    rows, last, timings = _run_grid(args, data, [(args.methods, lams, ks)])
+    rows, last, timings = _run_grid(args, data, [(args.methods, args.lam or PAPER_LAMS,
+                                                  args.k or PAPER_KS)])
     total = time.perf_counter() - t0
     _print_results(args, data, last, rows)
-    print()
-    print("best: " + "; ".join(_best_line(rows, m) for m in METRICS))
+    best = [(m, max(rows, key=lambda r: r[m])) for m in METRICS]
+    print("\nbest: " + "; ".join(
+        f"{m} {r[m]:.4f} ({Config(r['method'], r['lam'], r['k']).label()})" for m, r in best))
     print(f"grid of {len(rows)} configurations in {total:.2f} s (fit + search + fusion; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + ")")
     _write_json(args, data, last, rows, timings_s={**timings, "total": total})
@@ -679,54 +662,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         plot_sweep(rows, args.plot, title=f"{data.name}: PEFA λ × k sweep")
         log.info("wrote %s", args.plot)
     return 0
-
-
-def _best_line(rows: list[dict], metric: str) -> str:
-    best = max(rows, key=lambda r: r[metric])
-    what = best["method"].upper() + (f" λ={best['lam']:g}" if best["lam"] is not None else "") \
-        + (f" k={best['k']}" if best["k"] is not None else "")
-    return f"{metric} {best[metric]:.4f} ({what})"
-
-
-def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
-               metrics: Sequence[str] = ("recall@10", "recall@100")) -> Path:
-    """Recall vs λ, one line per method and k, ERM dashed; one panel per metric. Writes a PNG."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        from .errors import MissingDependencyError
-        raise MissingDependencyError("plots need matplotlib: pip install matplotlib") from exc
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
-    for ax, metric in zip(axes[0], metrics):
-        groups: dict[str, list[dict]] = {}
-        for r in rows:
-            if r["method"] == "erm":
-                ax.axhline(r[metric], color="black", linestyle="--", label="ERM")
-                continue
-            if r["lam"] is None:  # NUDGE-M / -N, adapter, prf: no λ
-                ax.axhline(r[metric], linestyle=":", color="C9" if r["method"] == "nudge-n"
-                           else "C8", label=r["method"].upper())
-                continue
-            label = {"xs": "PEFA-XS", "adapter+xs": "ADAPTER+XS"}.get(r["method"],
-                                                                     f"PEFA-XL k={r['k']}")
-            groups.setdefault(label, []).append(r)
-        for label, rs in groups.items():
-            rs = sorted(rs, key=lambda r: r["lam"])
-            ax.plot([r["lam"] for r in rs], [r[metric] for r in rs], marker="o", label=label)
-        ax.set_xlabel("λ (weight of the ERM score)")
-        ax.set_ylabel(metric)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    from .storage import write_output_file
-    try:
-        return write_output_file(path, lambda tmp: fig.savefig(tmp, dpi=110), "plot")
-    finally:
-        plt.close(fig)
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
@@ -749,9 +684,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
               f"plain top-1 documents); validation matched to {c['matched_coverage']:.2f}")
     print()
     print(markdown_table(res.validation.rows, ("objective", *METRICS)), end="")
-    print()
-    print(f"chosen: {res.chosen.label()} — {res.reason}")
-    print()
+    print(f"\nchosen: {res.chosen.label()} — {res.reason}\n")
     configs = [res.chosen] if res.chosen.method == "erm" else [Config("erm", 1.0), res.chosen]
     rows, last = [], {}
     if args.runner is not None and all(REGISTRY[c.method].pipeline for c in configs):
@@ -786,44 +719,43 @@ def cmd_build(args: argparse.Namespace) -> int:
                    show_progress=not args.quiet, **kw)
         cfg = res.chosen
         print(f"chosen: {cfg.label()} — {res.reason}")
-    elif args.method == "erm":
-        cfg = Config("erm", 1.0)
-    else:  # the λ / k given, else the method's defaults
-        d = {**defaults(args.method), **{a: v for a, v in (("lam", args.lam), ("k", args.k))
-                                         if v is not None}}
-        cfg = Config(args.method, d.get("lam"), d.get("k"))
+    else:  # the λ / k given, else the method's defaults (ERM: λ = 1)
+        given = {**defaults(args.method), **{a: getattr(args, a) for a in AXES
+                                             if getattr(args, a) is not None}}
+        cfg = Config(args.method, 1.0 if args.method == "erm" else given.get("lam"),
+                     given.get("k"))
     model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **kw)
     cfg = dataclasses.replace(cfg, gamma=getattr(model, "fitted_gamma", None))
+    ds = data.corpus
+    titles = None if ds is None else ds.corpus_titles
+    texts = titles and [t.removeprefix(f"{h} ") if h else t  # the texts without their titles
+                        for h, t in zip(titles, ds.corpus_texts)]
     save_build(model, args.out, data.doc_ids, {
         "encoder": encoder_record(args.model, args.embeddings),
         "dataset": data.name, "method": cfg.method, "lam": cfg.lam, "k": cfg.k,
         **({} if cfg.gamma is None else {"gamma": cfg.gamma}),
         "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.n_pairs},
-        *_titles_and_texts(data))
+        titles, texts)
     print(f"built {cfg.label()} on {data.name} ({len(data.doc_ids)} documents) -> {args.out}")
     return 0
 
 
-def _titles_and_texts(data: _Data) -> tuple[list[str] | None, list[str] | None]:
-    """The documents' titles and texts (without the title) for a build to keep."""
-    ds = data.corpus
-    if ds is None or ds.corpus_titles is None:
-        return None, None
-    return ds.corpus_titles, [t.removeprefix(f"{h} ") if h else t
-                              for h, t in zip(ds.corpus_titles, ds.corpus_texts)]
-
-
 # ------------------------------------------------------------------------------ search
+
+def _search_format(args: argparse.Namespace) -> str:
+    """--format, else from --out's suffix."""
+    suffix = Path(args.out).suffix.lower() if args.out else ""
+    return args.format or {".json": "json", ".trec": "trec", ".run": "trec"}.get(suffix, "tsv")
+
 
 def _search_encoder(args: argparse.Namespace, info: dict) -> Any:
     """--model when given (with a warning when it differs from the build's record), else
     what the build's record allows (see :func:`pefa_gpu.builds.encoder_from_record`)."""
     from .builds import BUILD_MANIFEST, encoder_from_record, encoder_record
 
-    where = Path(args.model_dir) / BUILD_MANIFEST
-    if not args.model:
-        return encoder_from_record(info.get("encoder"), where)
     record = info.get("encoder")
+    if not args.model:
+        return encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST)
     if isinstance(record, dict) and record.get("kind") != "precomputed" \
             and record != encoder_record(args.model, None):
         log.warning("the build's embeddings came from %s %r; encoding the queries with "
@@ -831,116 +763,27 @@ def _search_encoder(args: argparse.Namespace, info: dict) -> Any:
     return resolve_model_arg(args.model)
 
 
-def _query_id(text: str) -> str:
-    """A stable id for a query given without one: the same text, the same id, in any run."""
-    return "q-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:10]
-
-
-def _read_queries(path: str) -> list[tuple[str, str]]:
-    """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines; texts
-    without an id get :func:`_query_id`."""
-    from .datasets import record_id, text_lines
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"queries file {p} not found")
-    out = []
-    for lineno, line in text_lines(p):
-        line = line.rstrip("\r\n")
-        if not line.strip():
-            continue
-        if p.suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-                text = rec["text"]
-                if not isinstance(text, str):
-                    raise TypeError("text is not a string")
-            except (ValueError, KeyError, TypeError, RecursionError):
-                raise InputError(f"{p}:{lineno}: expected a JSON object with a 'text' string"
-                                 ) from None
-            out.append((record_id(rec["_id"], f"{p}:{lineno}", "query") if "_id" in rec
-                        else _query_id(text), text))
-        elif p.suffix == ".tsv":
-            parts = line.split("\t")
-            if len(parts) != 2:
-                raise InputError(f"{p}:{lineno}: expected 'id<TAB>text', got {len(parts)} "
-                                 f"fields")
-            out.append((record_id(parts[0], f"{p}:{lineno}", "query"), parts[1]))
-        else:
-            out.append((_query_id(line), line))
-    return out
-
-
-def _queries(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """The command line's queries, then the file's; a repeated (id, text) is searched once,
-    one id with two texts is an error."""
-    queries = [(_query_id(t), t) for t in args.texts]
-    if args.queries:
-        queries += _read_queries(args.queries)
-    seen: dict[str, str] = {}
-    for qid, text in queries:
-        if seen.setdefault(qid, text) != text:
-            raise InputError(f"query id {qid!r} is given twice with different texts")
-    return list(seen.items())
-
-
-def _search_format(args: argparse.Namespace) -> str:
-    if args.format:
-        return args.format
-    suffix = Path(args.out).suffix.lower() if args.out else ""
-    return {".json": "json", ".trec": "trec", ".run": "trec"}.get(suffix, "tsv")
-
-
-def _format_results(fmt: str, queries: list[tuple[str, str]], scores: np.ndarray,
-                    ids: np.ndarray, doc_ids: list[str], tag: str,
-                    doc_text: tuple[list[str], list[str]] | None = None) -> str:
-    """doc_text: (titles, snippets) per document, shown in TSV columns / JSON fields."""
-    hits = [[(r + 1, doc_ids[int(i)], float(s), int(i))
-             for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0]
-            for b in range(len(queries))]
-    if fmt == "json":
-        return json.dumps([{"query_id": qid, "query": t, "results": [
-            {"rank": r, "doc_id": d, "score": s, **_doc_fields(doc_text, j)}
-            for r, d, s, j in hits[b]]}
-            for b, (qid, t) in enumerate(queries)], indent=2) + "\n"
-    if fmt == "trec":
-        lines = []
-        for b, (qid, _) in enumerate(queries):
-            for r, d, s, _ in hits[b]:
-                if any(c.isspace() for c in qid + d):
-                    raise InputError(f"the TREC run format cannot hold ids with spaces "
-                                     f"({qid!r}, {d!r})")
-                lines.append(f"{qid} Q0 {d} {r} {s:.6f} {tag}")
-        return "".join(line + "\n" for line in lines)
-    lines = ["query_id\trank\tdoc_id\tscore" + ("\ttitle\ttext" if doc_text else "")]
-    for b, (qid, _) in enumerate(queries):
-        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(
-            f"\t{v}" for v in _doc_fields(doc_text, j).values()) for r, d, s, j in hits[b]]
-    return "\n".join(lines) + "\n"
-
-
-def _doc_fields(doc_text: tuple[list[str], list[str]] | None, row: int) -> dict[str, str]:
-    """{"title", "text"} of document ``row`` (one line each), or {} without doc_text."""
-    return {} if doc_text is None else {"title": doc_text[0][row], "text": doc_text[1][row]}
-
-
 def cmd_search(args: argparse.Namespace) -> int:
     from .arrays import to_numpy
-    from .builds import load_build
+    from .builds import load_build, load_doc_text
     from .encode import encode
+    from .runs import format_results, queries
     from .storage import write_output_file
 
-    queries = _queries(args)
+    texts = queries(args.texts, args.queries)
     model, doc_ids, info = load_build(args.model_dir, device=args.device)
-    encoder = _search_encoder(args, info)
-    q = encode([t for _, t in queries], model=encoder,
-               batch_size=args.batch_size, device=model.device, cache_dir=_cache_dir(args),
-               show_progress=not args.quiet)
-    params = None if args.candidates is None else \
-        model.SearchParams.from_dict({"candidates": args.candidates})
+    q = encode([t for _, t in texts], model=_search_encoder(args, info), batch_size=args.batch_size,
+               device=model.device, cache_dir=_cache_dir(args), show_progress=not args.quiet)
+    given = {name: getattr(args, name) for name in settings(search=True)
+             if getattr(args, name) is not None}
+    params = model.SearchParams.from_dict(given) if given else None
     # no more results than documents: the rows beyond them would be padding, never printed
     scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
-    text = _format_results(_search_format(args), queries, to_numpy(scores), to_numpy(ids),
-                           doc_ids, args.tag or "pefa_gpu", _search_doc_text(args, doc_ids))
+    doc_text = None if args.no_text else load_doc_text(args.model_dir, len(doc_ids))
+    if doc_text is None and not args.no_text:
+        log.info("this build keeps no document text (an older build): ids and scores only")
+    text = format_results(_search_format(args), texts, to_numpy(scores), to_numpy(ids),
+                          doc_ids, args.tag or "pefa_gpu", doc_text)
     if args.out:
         write_output_file(args.out, text, "--out")
         log.info("wrote %s", args.out)
@@ -949,39 +792,18 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-def _search_doc_text(args: argparse.Namespace, doc_ids: list[str]
-                     ) -> tuple[list[str], list[str]] | None:
-    """The build's document titles and snippets, unless --no-text or the build has none."""
-    from .builds import load_doc_text
-
-    if args.no_text:
-        return None
-    doc_text = load_doc_text(args.model_dir, len(doc_ids))
-    if doc_text is None:
-        log.info("this build keeps no document text (an older build): ids and scores only")
-    return doc_text
-
-
 COMMANDS = {"eval": cmd_eval, "sweep": cmd_sweep, "tune": cmd_tune, "build": cmd_build,
             "search": cmd_search}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pefa-gpu``; returns the exit status (0 ok, 2 bad input or data, 1 a
-    failed write or read, e.g. a full disk)."""
+    failed write or read, e.g. a full disk, 130 Ctrl-C)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
         return 2
-    try:
-        return _run(args)
-    except KeyboardInterrupt as exc:  # Ctrl-C: one line (encode says what it kept), no trace
-        print(f"pefa-gpu {args.command}: {exc or 'interrupted'}", file=sys.stderr)
-        return 130
-
-
-def _run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
         _setup(args)
@@ -994,6 +816,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
               f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as exc:  # Ctrl-C: one line (encode says what it kept), no trace
+        print(f"pefa-gpu {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

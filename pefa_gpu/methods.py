@@ -1,8 +1,10 @@
 """The methods by name ('erm', 'xs', 'xl', 'nudge-m', 'nudge-n', 'adapter', 'prf',
 'adapter+xs'): the model each fits, the settings it takes, how a grid spans it. The CLI, sweep,
-tune and the pipeline read this table instead of naming methods one by one.
+tune and the pipeline read this table instead of naming methods one by one; the CLI's model
+options are the settings whose params fields carry a "help" metadata string (:func:`settings`).
 
-Importing this module imports no torch (the CLI checks its options with it); :func:`fit` does.
+Importing this module imports no torch (the CLI checks its options with it); :func:`fit_config`
+does.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ if TYPE_CHECKING:
     from .protocol import Model
     from .query import QueryModel
     from .relevance import RelevanceLike
+
+
+AXES = ("lam", "k")  # the settings a grid spans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +43,7 @@ class Method:
     @property
     def axes(self) -> tuple[str, ...]:
         """The grid axes of a sweep: () one point, ('lam',) one per λ, ('lam', 'k') per pair."""
-        return tuple(a for a in ("lam", "k") if a in self.takes)
+        return tuple(a for a in AXES if a in self.takes)
 
 
 _XS = ("lam", "augment_docs")
@@ -85,6 +90,25 @@ def defaults(name: str) -> dict[str, Any]:
     build, search = PARAMS[method(name).model]
     both = {**build().to_dict(), **search().to_dict()}
     return {key: both[key] for key in REGISTRY[name].takes}
+
+
+def settings(search: bool = False) -> dict[str, dataclasses.Field]:
+    """The settings offered as command-line options, by name: the fields of the models'
+    SearchParams and Params (with ``search``: SearchParams only) whose metadata has a "help"
+    string."""
+    pairs = PARAMS.values()
+    classes = [sp for _, sp in pairs] + ([] if search else [bp for bp, _ in pairs])
+    return {f.name: f for c in classes for f in dataclasses.fields(c) if "help" in f.metadata}
+
+
+def setting_defaults(name: str) -> dict[Any, str]:
+    """The defaults of setting ``name`` among the methods that take it: value -> the first
+    method with that default."""
+    out: dict[Any, str] = {}
+    for m in REGISTRY:
+        if name in REGISTRY[m].takes:
+            out.setdefault(defaults(m)[name], m)
+    return out
 
 
 def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,

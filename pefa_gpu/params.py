@@ -103,8 +103,11 @@ class XSParams(Params):
     """lam: weight of the ERM embedding (1 = plain ERM). augment_docs: each document also counts
     as a training query for itself (a_j += p_j)."""
 
-    lam: float = 0.5
-    augment_docs: bool = True
+    lam: float = dataclasses.field(
+        default=0.5, metadata={"help": "λ in [0, 1], weight of the ERM score", "metavar": "L"})
+    augment_docs: bool = dataclasses.field(default=True, metadata={
+        "flag": "--no-augment",
+        "help": "do not count each document as a training query for itself"})
 
     def validate(self) -> None:
         check_unit_interval(self.lam, "lam")
@@ -118,11 +121,14 @@ class XLParams(Params):
     the ERM candidates). augment_docs: documents join the query index as queries labelled with
     themselves."""
 
-    lam: float = 0.1
-    k: int = 16
+    lam: float = dataclasses.field(
+        default=0.1, metadata={"help": "λ in [0, 1], weight of the ERM score", "metavar": "L"})
+    k: int = dataclasses.field(default=16, metadata={"help": "XL neighbours", "metavar": "K"})
     knn_norm: str = "k"
     rescore: bool = True
-    augment_docs: bool = True
+    augment_docs: bool = dataclasses.field(default=True, metadata={
+        "flag": "--no-augment",
+        "help": "do not count each document as a training query for itself"})
 
     def validate(self) -> None:
         check_unit_interval(self.lam, "lam")
@@ -182,7 +188,8 @@ class XLSearchParams(Params):
     """PEFA-XL's own search settings. candidates: ERM candidates Kp taken from the passage
     index."""
 
-    candidates: int = 500
+    candidates: int = dataclasses.field(default=500, metadata={
+        "help": "PEFA-XL: ERM candidates taken from the passage index", "metavar": "KP"})
 
     def validate(self) -> None:
         check_positive(self.candidates, "candidates")

@@ -13,7 +13,7 @@ import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
-from pefa_gpu.methods import REGISTRY, defaults, fit_config, model_class
+from pefa_gpu.methods import REGISTRY, defaults, fit_config, model_class, settings
 
 CLI_FIELDS = ("lam", "k", "candidates", "augment_docs")  # what --lam, --k, ... set
 
@@ -31,6 +31,32 @@ def test_what_a_method_takes_follows_from_its_params_classes(name):
     cls = model_class(name)
     both = {**cls.Params().to_dict(), **cls.SearchParams().to_dict()}
     assert defaults(name) == {f: both[f] for f in m.takes}
+
+
+def test_the_cli_settings_are_the_params_fields_with_help():
+    fields = {f.name: f for cls in (pg.XSParams, pg.XLParams, pg.XLSearchParams, pg.NUDGEParams)
+              for f in dataclasses.fields(cls)}
+    assert set(settings()) == set(CLI_FIELDS)
+    assert list(settings(search=True)) == ["candidates"]
+    for name, f in settings().items():
+        assert f.metadata == fields[name].metadata and f.type in ("float", "int", "bool")
+
+
+@pytest.mark.parametrize("name", list(REGISTRY))
+def test_every_setting_a_method_lacks_is_refused_by_the_cli(name, tmp_path, capsys):
+    from pefa_gpu.cli import main
+
+    fields = _fields(model_class(name))
+    values = {"lam": "0.3", "k": "4", "candidates": "9"}
+    for setting, f in settings().items():
+        flag = [f.metadata.get("flag", f"--{setting}"), *([values[setting]]
+                                                          if setting in values else [])]
+        code = main(["eval", str(tmp_path / "no-data"), "--methods", name, *flag, "-q"])
+        err = capsys.readouterr().err
+        if setting in fields:  # taken: the next check (the missing data) speaks
+            assert code == 2 and "is not a directory" in err, (name, setting, err)
+        else:
+            assert code == 2 and f"{flag[0]} has no effect with --methods {name}" in err
 
 
 def test_cli_help_shows_the_params_defaults(capsys):

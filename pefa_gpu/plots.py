@@ -1,0 +1,48 @@
+"""Plots of results: :func:`plot_sweep`, a sweep's recall against λ (``pefa-gpu sweep``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .errors import MissingDependencyError
+
+
+def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
+               metrics: Sequence[str] = ("recall@10", "recall@100")) -> Path:
+    """Recall vs λ, one line per method and k, ERM dashed; one panel per metric. Writes a PNG."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise MissingDependencyError("plots need matplotlib: pip install matplotlib") from exc
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        groups: dict[str, list[dict]] = {}
+        for r in rows:
+            if r["method"] == "erm":
+                ax.axhline(r[metric], color="black", linestyle="--", label="ERM")
+                continue
+            if r["lam"] is None:  # NUDGE-M / -N, adapter, prf: no λ
+                ax.axhline(r[metric], linestyle=":", color="C9" if r["method"] == "nudge-n"
+                           else "C8", label=r["method"].upper())
+                continue
+            label = {"xs": "PEFA-XS", "adapter+xs": "ADAPTER+XS"}.get(r["method"],
+                                                                     f"PEFA-XL k={r['k']}")
+            groups.setdefault(label, []).append(r)
+        for label, rs in groups.items():
+            rs = sorted(rs, key=lambda r: r["lam"])
+            ax.plot([r["lam"] for r in rs], [r[metric] for r in rs], marker="o", label=label)
+        ax.set_xlabel("λ (weight of the ERM score)")
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    from .storage import write_output_file
+    try:
+        return write_output_file(path, lambda tmp: fig.savefig(tmp, dpi=110), "plot")
+    finally:
+        plt.close(fig)

@@ -1,0 +1,99 @@
+"""Search runs as files: queries read from a file (BEIR .jsonl, id<TAB>text .tsv, or one text a
+line; a text without an id gets :func:`query_id`) and results written as TSV, JSON or a TREC
+run (``pefa-gpu search``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .datasets import record_id, text_lines
+from .errors import InputError
+
+DocText = tuple[Sequence[str], Sequence[str]]  # (titles, text snippets) of the documents
+
+
+def query_id(text: str) -> str:
+    """A stable id for a query given without one: the same text, the same id, in any run."""
+    return "q-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:10]
+
+
+def read_queries(path: str | Path) -> list[tuple[str, str]]:
+    """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines; texts
+    without an id get :func:`query_id`. Bad lines: InputError naming file:line."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError(f"queries file {p} not found")
+    out = []
+    for lineno, line in text_lines(p):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        if p.suffix == ".jsonl":
+            try:
+                rec = json.loads(line)
+                text = rec["text"]
+                if not isinstance(text, str):
+                    raise TypeError("text is not a string")
+            except (ValueError, KeyError, TypeError, RecursionError):
+                raise InputError(f"{p}:{lineno}: expected a JSON object with a 'text' string"
+                                 ) from None
+            out.append((record_id(rec["_id"], f"{p}:{lineno}", "query") if "_id" in rec
+                        else query_id(text), text))
+        elif p.suffix == ".tsv":
+            parts = line.split("\t")
+            if len(parts) != 2:
+                raise InputError(f"{p}:{lineno}: expected 'id<TAB>text', got {len(parts)} "
+                                 f"fields")
+            out.append((record_id(parts[0], f"{p}:{lineno}", "query"), parts[1]))
+        else:
+            out.append((query_id(line), line))
+    return out
+
+
+def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[str, str]]:
+    """(id, text) of ``texts``, then of the file ``path``; a repeated (id, text) is kept once,
+    one id with two texts is an InputError."""
+    seen: dict[str, str] = {}
+    for qid, text in [(query_id(t), t) for t in texts] + (read_queries(path) if path else []):
+        if seen.setdefault(qid, text) != text:
+            raise InputError(f"query id {qid!r} is given twice with different texts")
+    return list(seen.items())
+
+
+def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
+                   ids: np.ndarray, doc_ids: Sequence[str], tag: str,
+                   doc_text: DocText | None = None) -> str:
+    """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
+    rows (-1: no result), one per query; doc_text: shown in TSV columns / JSON fields."""
+    hits = [[(r + 1, doc_ids[int(i)], float(s), int(i))
+             for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0]
+            for b in range(len(queries))]
+    if fmt == "json":
+        return json.dumps([{"query_id": qid, "query": t, "results": [
+            {"rank": r, "doc_id": d, "score": s, **_doc_fields(doc_text, j)}
+            for r, d, s, j in hits[b]]}
+            for b, (qid, t) in enumerate(queries)], indent=2) + "\n"
+    if fmt == "trec":
+        lines = []
+        for b, (qid, _) in enumerate(queries):
+            for r, d, s, _ in hits[b]:
+                if any(c.isspace() for c in qid + d):
+                    raise InputError(f"the TREC run format cannot hold ids with spaces "
+                                     f"({qid!r}, {d!r})")
+                lines.append(f"{qid} Q0 {d} {r} {s:.6f} {tag}")
+        return "".join(line + "\n" for line in lines)
+    lines = ["query_id\trank\tdoc_id\tscore" + ("\ttitle\ttext" if doc_text else "")]
+    for b, (qid, _) in enumerate(queries):
+        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(
+            f"\t{v}" for v in _doc_fields(doc_text, j).values()) for r, d, s, j in hits[b]]
+    return "\n".join(lines) + "\n"
+
+
+def _doc_fields(doc_text: DocText | None, row: int) -> dict[str, str]:
+    """{"title", "text"} of document ``row`` (one line each), or {} without doc_text."""
+    return {} if doc_text is None else {"title": doc_text[0][row], "text": doc_text[1][row]}

@@ -1,0 +1,58 @@
+"""Search runs as files (pefa_gpu.runs): query files in, TSV / JSON / TREC runs out, checked
+against lines written out by hand."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import pytest
+
+import pefa_gpu as pg
+from pefa_gpu.runs import format_results, queries, query_id, read_queries
+
+DOCS = ["d0", "d1", "d2"]
+SCORES = np.array([[0.5, 0.25, -np.inf], [0.75, -np.inf, -np.inf]], np.float32)
+IDS = np.array([[2, 0, -1], [1, -1, -1]], np.int64)  # -1: no result (padding)
+QUERIES = [("q1", "first"), ("q2", "second")]
+
+
+def test_query_ids_are_the_texts_sha256_prefix():
+    assert query_id("a query") == "q-" + hashlib.sha256(b"a query").hexdigest()[:10]
+
+
+def test_the_three_formats_skip_padding_and_rank_from_one():
+    assert format_results("tsv", QUERIES, SCORES, IDS, DOCS, "t").splitlines() == [
+        "query_id\trank\tdoc_id\tscore", "q1\t1\td2\t0.500000", "q1\t2\td0\t0.250000",
+        "q2\t1\td1\t0.750000"]
+    assert format_results("trec", QUERIES, SCORES, IDS, DOCS, "run1").splitlines() == [
+        "q1 Q0 d2 1 0.500000 run1", "q1 Q0 d0 2 0.250000 run1", "q2 Q0 d1 1 0.750000 run1"]
+    text = (["T0", "T1", "T2"], ["x0", "x1", "x2"])
+    got = json.loads(format_results("json", QUERIES, SCORES, IDS, DOCS, "t", text))
+    assert got == [
+        {"query_id": "q1", "query": "first", "results": [
+            {"rank": 1, "doc_id": "d2", "score": 0.5, "title": "T2", "text": "x2"},
+            {"rank": 2, "doc_id": "d0", "score": 0.25, "title": "T0", "text": "x0"}]},
+        {"query_id": "q2", "query": "second", "results": [
+            {"rank": 1, "doc_id": "d1", "score": 0.75, "title": "T1", "text": "x1"}]}]
+    tsv = format_results("tsv", QUERIES, SCORES, IDS, DOCS, "t", text).splitlines()
+    assert tsv[0].endswith("\ttitle\ttext") and tsv[1] == "q1\t1\td2\t0.500000\tT2\tx2"
+
+
+def test_trec_refuses_ids_with_spaces():
+    with pytest.raises(pg.InputError, match="cannot hold ids with spaces"):
+        format_results("trec", [("a b", "t")], SCORES[:1], IDS[:1], DOCS, "t")
+
+
+def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
+    f = tmp_path / "q.tsv"
+    f.write_text("x1\tsecond\n\nx2\tfirst\n")
+    assert read_queries(f) == [("x1", "second"), ("x2", "first")]
+    assert queries(["first", "first"], f) == [(query_id("first"), "first"), ("x1", "second"),
+                                              ("x2", "first")]
+    f.write_text("x1\tone\nx1\ttwo\n")
+    with pytest.raises(pg.InputError, match="'x1' is given twice with different texts"):
+        queries([], f)
+    with pytest.raises(pg.InputError, match="not found"):
+        read_queries(tmp_path / "none.txt")
