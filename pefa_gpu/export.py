@@ -10,13 +10,12 @@ written as it is.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -131,11 +130,10 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
     if method == "auto":
         method = ("hnsw" if dev.type != "cuda" else
                   "cagra" if faiss_has_gpu(faiss) and hasattr(faiss, "GpuIndexCagra") else "knn")
-    n = int(as_tensor(vectors, name="vectors").shape[0])
-    if n == 0:
+    x = host_float32(vectors, "vectors")
+    if x.shape[0] == 0:
         raise InputError("vectors are empty: nothing to export")
     if method == "hnsw":
-        x = host_float32(vectors, "vectors")
         index = faiss.IndexHNSWFlat(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = ef_construction
         index.hnsw.efSearch = ef_search
@@ -144,7 +142,6 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
     if method == "cagra":
         if dev.type != "cuda" or not hasattr(faiss, "GpuIndexCagra"):
             raise InputError("method='cagra' needs a CUDA device and faiss-gpu with cuVS")
-        x = host_float32(vectors, "vectors")
         res = faiss.StandardGpuResources()
         cfg = faiss.GpuIndexCagraConfig()
         cfg.graph_degree = 2 * M
@@ -159,7 +156,7 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
         index.hnsw.efSearch = ef_search
         return index
     graph = knn_graph(vectors, 2 * M, dev)
-    return hnsw_from_graph(vectors, graph, ef_search=ef_search, entrypoints=entrypoints)
+    return hnsw_from_graph(x, graph, ef_search=ef_search, entrypoints=entrypoints)
 
 
 def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = None,
@@ -170,8 +167,10 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
 
     faiss = import_faiss()
     check_output_file(path, "export path")
-    graph = _reusable_hnsw(index, kwargs)
-    if graph is None:
+    graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
+        else None
+    if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw") \
+            or graph.hnsw.nb_neighbors(1) != kwargs.get("M", 32):
         graph = build_hnsw(vectors, **kwargs)
     ef = graph.hnsw.efSearch
     graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; a reused index's
@@ -180,15 +179,6 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
                                  "export path")
     finally:
         graph.hnsw.efSearch = ef
-
-
-def _reusable_hnsw(index: Index | None, kwargs: dict[str, Any]) -> faiss.IndexHNSW | None:
-    """The faiss HNSW graph of a pefa_gpu ``hnsw`` index that export may write as it is."""
-    graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
-        else None
-    same = graph is not None and kwargs.get("method", "auto") in ("auto", "hnsw") \
-        and graph.hnsw.nb_neighbors(1) == kwargs.get("M", 32)
-    return graph if same else None
 
 
 def index_vectors(index: Index) -> torch.Tensor:
@@ -210,7 +200,20 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
         return export_hnsw(parts[0], path, index=parts[1], **kwargs)
     import scipy.sparse as sp  # noqa: PLC0415
 
-    with _new_directory(path) as tmp:
+    path = Path(path)
+    if os.path.lexists(path):
+        raise InputError(f"export path {path} exists; an export directory is always new: "
+                         f"choose another path or remove it")
+    if not path.parent.is_dir():
+        raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
+    prefix = f".{path.name}.pefa-tmp-"  # a marked temporary folder, renamed when complete
+    for old in path.parent.glob(prefix + "*"):  # those of killed exports
+        if old.is_dir() and not old.is_symlink() and (old / _EXPORT_MARKER).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        (tmp / _EXPORT_MARKER).write_text("")
         for name, part in parts.items():
             if isinstance(part, tuple):
                 export_hnsw(part[0], tmp / name, index=part[1], **kwargs)
@@ -218,31 +221,6 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
                 sp.save_npz(tmp / name, part)
             else:
                 (tmp / name).write_text(json.dumps(part, indent=2) + "\n")
-    return Path(path)
-
-
-_EXPORT_MARKER = ".pefa-export-tmp"
-
-
-@contextlib.contextmanager
-def _new_directory(path: str | Path) -> Iterator[Path]:
-    """A marked temporary folder next to ``path`` (which must not exist), renamed to ``path``
-    when the block succeeds, else removed (and so are those of killed exports)."""
-    path = Path(path)
-    if os.path.lexists(path):
-        raise InputError(f"export path {path} exists; an export directory is always new: "
-                         f"choose another path or remove it")
-    if not path.parent.is_dir():
-        raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
-    prefix = f".{path.name}.pefa-tmp-"
-    for old in path.parent.glob(prefix + "*"):
-        if old.is_dir() and not old.is_symlink() and (old / _EXPORT_MARKER).is_file():
-            shutil.rmtree(old, ignore_errors=True)
-    tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"
-    tmp.mkdir()
-    try:
-        (tmp / _EXPORT_MARKER).write_text("")
-        yield tmp
         (tmp / _EXPORT_MARKER).unlink()
         if os.path.lexists(path):
             raise InputError(f"export path {path} appeared during the export; not replaced")
@@ -250,3 +228,7 @@ def _new_directory(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+_EXPORT_MARKER = ".pefa-export-tmp"

@@ -404,16 +404,12 @@ def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MAN
 # ---------------------------------------------------------------------------- writing a save
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # Windows cannot open directories
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # platforms that cannot open directories (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_tree(root: PathLike) -> None:
@@ -645,8 +641,7 @@ def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], An
         mode = None
     tmp = p.with_name(f".{p.name}{_TMP_TAG}{secrets.token_hex(6)}{p.suffix}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # umask applies
-        with os.fdopen(fd, "wb") as fh:
+        with open(tmp, "xb") as fh:  # O_EXCL, mode 0o666 less the umask
             if not callable(content):
                 fh.write(content.encode("utf-8") if isinstance(content, str) else content)
         if callable(content):

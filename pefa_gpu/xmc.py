@@ -28,13 +28,8 @@ log = logging.getLogger("pefa_gpu")
 
 # aug_type -> the training sources stacked, in this order
 AUGMENTATIONS: dict[str, tuple[str, ...]] = {
-    "v0": ("trn",),
-    "v1": ("doc",),
-    "v2": ("d2q",),
-    "v3": ("trn", "doc"),
-    "v4": ("trn", "d2q"),
-    "v5": ("trn", "doc", "d2q"),
-}
+    "v0": ("trn",), "v1": ("doc",), "v2": ("d2q",),
+    "v3": ("trn", "doc"), "v4": ("trn", "d2q"), "v5": ("trn", "doc", "d2q")}
 # source -> (relevance file in the XMC folder, embedding file in the embedding folder)
 FILES: dict[str, tuple[str, str]] = {
     "trn": ("Y.trn.npz", "X.trn.npy"),
@@ -73,22 +68,17 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
                          f"(v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 trn+doc+d2q)")
     xmc_root, emb_root = _folder(xmc_dir, "XMC"), _folder(emb_dir, "embedding")
     wanted = ("abs", "tst", *AUGMENTATIONS[aug])
-    ys: dict[str, sp.csr_matrix] = {}
-    xs: dict[str, np.ndarray] = {}
-    for src in wanted:
-        y_name, x_name = FILES[src]
-        ys[src] = read_csr(_inside(xmc_root, y_name))
-        xs[src] = read_dense(_inside(emb_root, x_name))
+    ys = {src: read_csr(_inside(xmc_root, FILES[src][0])) for src in wanted}
+    xs = {src: read_dense(_inside(emb_root, FILES[src][1])) for src in wanted}
     _check_shapes(ys, xs, xmc_root, emb_root)
     if normalize:
-        xs = {src: _unit_rows(x) for src, x in xs.items()}
-    n = ys["abs"].shape[1]
+        xs = {src: to_numpy(normalize_rows(as_tensor(x, device="cpu"))) for src, x in xs.items()}
     P = to_numpy(pifa(ys["abs"], xs["abs"], normalize=True, device="cpu"))
     missing = int(np.count_nonzero(ys["abs"].getnnz(axis=0) == 0))
     if missing:
         log.warning("%s: %d of %d documents have no abstract row; their passage embedding is "
                     "zero (ERM cannot rank them above 0)", xmc_root / FILES["abs"][0],
-                    missing, n)
+                    missing, ys["abs"].shape[1])
     train = AUGMENTATIONS[aug]
     Q = np.ascontiguousarray(np.vstack([xs[s] for s in train]), dtype=np.float32)
     Y = sp.vstack([ys[s] for s in train], format="csr")
@@ -168,10 +158,6 @@ def _check_shapes(ys: dict[str, sp.csr_matrix], xs: dict[str, np.ndarray], xmc_r
             raise InputError(f"{x_path} has dimension {xs[src].shape[1]} but {x_abs} has {d}")
         if src != "tst" and ys[src].nnz == 0:
             raise InputError(f"{y_path} has no (query, document) pair")
-
-
-def _unit_rows(x: np.ndarray) -> np.ndarray:
-    return to_numpy(normalize_rows(as_tensor(x, device="cpu")))
 
 
 __all__ = ["AUGMENTATIONS", "FILES", "XMCData", "load_xmc", "read_csr", "read_dense"]
