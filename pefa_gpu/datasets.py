@@ -247,14 +247,11 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
 
 def _weight(w: Any, where: str) -> float:
     """A pair's weight: 1 when absent, else a finite number >= 0."""
-    if w is None:
-        return 1.0
     try:
-        w = float(w) if isinstance(w, str) else w
-    except ValueError:
+        w = 1.0 if w is None else float(w)
+    except (TypeError, ValueError):
         raise InputError(f"{where}: weight {w!r} is not a number") from None
-    w = float(w)
-    if not np.isfinite(w) or w < 0:
+    if not math.isfinite(w) or w < 0:
         raise InputError(f"{where}: weight {w!r} must be a finite number >= 0")
     return w
 

@@ -42,7 +42,12 @@ def save_model(model: Model, directory: str | Path) -> None:
     """Write a fitted model to ``directory`` atomically (:func:`storage.writing_save`)."""
     model.check_fitted()
     with storage.writing_save(directory) as w:
-        values = {name: _attribute(model, name) for name in type(model)._saved}
+        values = {}
+        for name in type(model)._saved:
+            if not hasattr(model, name):
+                raise InputError(f"{type(model).__name__} lists {name!r} in _saved but has no "
+                                 f"such attribute")
+            values[name] = getattr(model, name)
         state = {name: _save_value(w.data, name, value, values) for name, value in values.items()}
         w.commit({
             "library_version": __version__,
@@ -138,14 +143,6 @@ def _check_shapes(model: Model, where: Path) -> None:
 
 
 # ---------------------------------------------------------------------------- one attribute
-
-def _attribute(model: Model, name: str) -> Any:
-    try:
-        return getattr(model, name)
-    except AttributeError:
-        raise InputError(f"{type(model).__name__} lists {name!r} in _saved but has no such "
-                         f"attribute") from None
-
 
 def _save_value(folder: Path, name: str, value: Any, values: dict[str, Any]) -> dict[str, Any]:
     """Store one attribute under ``folder``; returns its manifest entry (an index over another
