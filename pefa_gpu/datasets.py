@@ -96,8 +96,7 @@ class BeirDataset:
             path = folder / f"{part}.npy"
             if not path.exists():
                 raise InputError(f"{path} not found: no precomputed embeddings for {model!r}; "
-                                 f"encode the texts instead: pg.encode(ds.corpus_texts) and "
-                                 f"pg.encode(ds.query_texts)")
+                                 f"encode ds.corpus_texts and ds.query_texts instead")
             arr = read_npy(path, mmap_mode="r")  # names the file: text, truncated, objects
             if arr.ndim != 2 or arr.shape[0] != rows:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
@@ -133,9 +132,8 @@ def record_id(value: object, where: str, kind: str) -> str:
         raise InputError(f"{where}: empty {kind} id {value!r}")
     bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")]
     if bad:
-        raise InputError(f"{where}: the {kind} id {value!r} holds {bad[0]!r}; ids with tabs, "
-                         f"line breaks or control characters are refused (they would break "
-                         f"the TSV / TREC outputs)")
+        raise InputError(f"{where}: the {kind} id {value!r} holds {bad[0]!r}; control "
+                         f"characters would break the TSV / TREC outputs")
     return value
 
 

@@ -216,9 +216,8 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
         t = loaded.get(shared) if isinstance(shared, str) else None
         if cls is not ExactIndex or params.dtype != "float32" or not isinstance(
                 t, torch.Tensor) or t.dtype != torch.float32 or t.ndim != 2:
-            raise FormatError(f"{where}: index {name!r} is to be built over attribute {shared!r},"
-                              f" which is not a loaded float32 matrix of this save (or the index"
-                              f" is not a float32 exact one)")
+            raise FormatError(f"{where}: index {name!r} over attribute {shared!r} needs a float32 "
+                              f"exact index and a loaded float32 matrix")
         index = cls(params, device).build(t)
     try:
         index.search_params = entry.get("search_params")

@@ -38,8 +38,7 @@ class Relevance:
         m, n = int(shape[0]), int(shape[1])
         if m < 0 or n < 0 or m > MAX_ROWS:
             raise InputError(f"shape={tuple(shape)} is not a usable (queries, documents) shape "
-                             f"(at most {MAX_ROWS} queries: Y's row pointers alone take 8 bytes "
-                             f"per query)")
+                             f"(at most {MAX_ROWS} queries)")
         _check_ids(qi, m, "from_pairs", "query")
         _check_ids(di, n, "from_pairs", "document")
         if weights is None:
@@ -201,8 +200,7 @@ def _inferred_size(ids: np.ndarray, name: str) -> int:
     top = int(ids.max()) if ids.size else -1
     if top >= MAX_ROWS:
         raise InputError(f"{name} holds {top}, so without shape= Y would have {top + 1} rows "
-                         f"or columns; ids are 0-based positions (map raw ids to 0..m-1 "
-                         f"first), or pass shape= explicitly")
+                         f"or columns; map raw ids to 0-based positions, or pass shape=")
     return top + 1
 
 

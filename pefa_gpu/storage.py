@@ -242,25 +242,21 @@ def describe_files(root: PathLike) -> dict[str, dict[str, Any]]:
 
 
 def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
-    """``root / rel`` for a path a manifest names: relative, no ``..``, no link anywhere, every
-    part a real folder and the last a regular ``kind`` ("file" / "dir")."""
+    """``root / rel`` (``root`` a real path) for a path a manifest names: relative, no ``..``,
+    no link anywhere, a regular ``kind`` ("file" / "dir")."""
     _check_relpath(rel, where)
-    cur, parts = root, rel.split("/")
-    for i, part in enumerate(parts):
-        cur = cur / part
-        try:
-            mode = os.lstat(cur).st_mode
-        except FileNotFoundError:
-            raise FormatError(f"{cur} is missing (listed in {where})") from None
-        if stat.S_ISLNK(mode):
-            raise FormatError(f"{cur} is a symbolic link; links inside a save are never "
-                              f"followed (listed in {where})")
-        last = i == len(parts) - 1
-        if (not last or kind == "dir") and not stat.S_ISDIR(mode):
-            raise FormatError(f"{cur} is not a folder (listed in {where})")
-        if last and kind == "file" and not stat.S_ISREG(mode):
-            raise FormatError(f"{cur} is not a regular file (listed in {where})")
-    return cur
+    path = root / rel
+    if Path(os.path.realpath(path)) != path:
+        raise FormatError(f"{path} leads through a symbolic link; links inside a save are never "
+                          f"followed (listed in {where})")
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise FormatError(f"{path} is missing (listed in {where})") from None
+    if not (stat.S_ISDIR(mode) if kind == "dir" else stat.S_ISREG(mode)):
+        raise FormatError(f"{path} is not a {'folder' if kind == 'dir' else 'regular file'} "
+                          f"(listed in {where})")
+    return path
 
 
 def _check_relpath(rel: Any, where: Path) -> None:
@@ -318,8 +314,7 @@ def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> di
         raise FormatError(f"{path} has no 'files' table")
     if manifest.get(CHECKSUM_KEY) != manifest_checksum(manifest):
         raise FormatError(f"{path} was changed after it was written: its {CHECKSUM_KEY} does "
-                          f"not match its contents (an edited class, params, state or file "
-                          f"table would change what loads); restore it or save again")
+                          f"not match its contents; restore it or save again")
     if not isinstance(manifest.get("data"), str) or not _DATA_NAME.match(manifest["data"]):
         raise FormatError(f"{path} names no valid data folder (got {manifest.get('data')!r})")
     return manifest
