@@ -4,7 +4,8 @@ A save is a :func:`pefa_gpu.storage.writing_save` folder: the manifest records t
 params, backend and one ``state`` entry per attribute in the class's ``_saved`` (tensor .npy,
 Relevance / CSR .npz, index folder, or JSON value). Loading finds the class among those given to
 :func:`register_model` (never imports what a manifest names), then checks ``_saved_shapes()``
-and calls ``_restore()``.
+and calls ``_restore()``. A new attribute: add its name to ``_saved``; a changed storage of an
+old one: bump ``storage.FORMAT_VERSION``.
 """
 
 from __future__ import annotations
