@@ -211,10 +211,8 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     if not path.is_file():
         raise InputError(f"pairs file {path} not found")
     index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
-    if path.suffix.lower() in (".parquet", ".pq"):
-        records = _parquet_records(path)
-    else:
-        records = _tsv_records(path)
+    parquet = path.suffix.lower() in (".parquet", ".pq")
+    records = _parquet_records(path) if parquet else _tsv_records(path)
     keys: dict[str, int] = {}
     qrows, docs, weights = [], [], []
     for where, q, d, w in records:
@@ -234,10 +232,9 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     if not qrows:
         raise InputError(f"{path}: no (query, document) pair"
                          + (f" with weight >= {min_score}" if min_score is not None else ""))
-    n = len(index)
     y = Relevance.from_pairs(np.asarray(qrows), np.asarray(docs),
                              None if binary else np.asarray(weights, dtype=np.float32),
-                             shape=(len(keys), n))
+                             shape=(len(keys), len(index)))
     qkeys = list(keys)
     texts = [queries[k] for k in qkeys] if queries is not None else qkeys
     return Pairs(path, qkeys, texts, y)
