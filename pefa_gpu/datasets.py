@@ -96,7 +96,8 @@ class BeirDataset:
             path = folder / f"{part}.npy"
             if not path.exists():
                 raise InputError(f"{path} not found: no precomputed embeddings for {model!r}; "
-                                 f"encode ds.corpus_texts and ds.query_texts instead")
+                                 f"encode the texts instead: pg.encode(ds.corpus_texts) and "
+                                 f"pg.encode(ds.query_texts)")
             arr = read_npy(path, mmap_mode="r")  # names the file: text, truncated, objects
             if arr.ndim != 2 or arr.shape[0] != rows:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
