@@ -1,10 +1,8 @@
-"""Dataset loaders: the BEIR layout (corpus.jsonl, queries.jsonl, qrels/{split}.tsv) and plain
-pairs files (TSV or parquet: query text or id, document id, optional weight).
+"""Dataset loaders: the BEIR layout (corpus.jsonl, queries.jsonl, qrels/{split}.tsv) and pairs
+files (TSV or parquet: query text or id, document id, optional weight)::
 
     ds = load_beir("../shared/datasets/scifact")
     rows, Y = ds.qrels("train", binary=True)   # query rows, Relevance (len(rows) x n_docs)
-    rows, Y_test = ds.qrels("test", keep_empty=True)  # graded gains, judged-but-empty queries
-    P, Qall = ds.embeddings("all-MiniLM-L6-v2")   # precomputed .npy, if the folder has them
     pairs = load_pairs("clicks.tsv", ds.corpus_ids)   # pairs.query_texts, pairs.relevance
 """
 
@@ -27,8 +25,8 @@ from .storage import read_npy
 
 @dataclasses.dataclass
 class BeirDataset:
-    """A BEIR-layout dataset held in memory. Documents are encoded as ``title + " " + text``
-    (``corpus_titles``: the titles alone, "" where a document has none)."""
+    """A BEIR dataset in memory; a document's text is ``title + " " + text`` (``corpus_titles``:
+    the titles alone, "" for none)."""
 
     root: Path
     corpus_ids: list[str]
@@ -47,19 +45,15 @@ class BeirDataset:
 
     def qrels(self, split: str, min_score: float = 1, binary: bool = False,
               keep_empty: bool = False) -> tuple[np.ndarray, Relevance]:
-        """Relevance of ``split``: (query rows into ``query_ids``, sorted, int64) and Y
-        (len(rows) x n_docs).
-
-        Pairs with score < ``min_score`` are not relevant. By default Y holds the graded scores
-        (the gains of nDCG, as in trec_eval and BEIR; recall and MRR count any positive);
-        ``binary=True`` sets every relevant pair to 1 (PEFA's Y for fitting). Queries whose
-        pairs are all below ``min_score`` are left out, or with ``keep_empty`` kept as empty
-        rows (so that evaluation reports them as skipped, or counts them as 0)."""
+        """(sorted int64 query rows, Y (rows x n_docs)) of ``split``: pairs scoring >=
+        ``min_score``, graded (a repeated pair: its largest score) or ``binary``; queries with
+        no such pair kept as empty rows only with ``keep_empty``."""
         path = self.root / "qrels" / f"{split}.tsv"
         if not path.exists():
             have = sorted(p.stem for p in (self.root / "qrels").glob("*.tsv"))
             raise InputError(f"{path} not found; splits here: {have}")
-        qrows, docs, scores, listed = [], [], [], set()
+        pairs: dict[tuple[int, int], float] = {}
+        listed = set()
         lines = (line for _, line in text_lines(path))
         for lineno, row in enumerate(csv.reader(lines, delimiter="\t"), start=1):
             if not row or (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
@@ -81,22 +75,17 @@ class BeirDataset:
             if did not in self.doc_index:
                 raise InputError(f"{path}:{lineno}: document id {did!r} is not in "
                                  f"corpus.jsonl")
-            listed.add(self.query_index[qid])
+            key = (self.query_index[qid], self.doc_index[did])
+            listed.add(key[0])
             if score >= min_score:
-                qrows.append(self.query_index[qid])
-                docs.append(self.doc_index[did])
-                scores.append(score)
-        if not qrows:
+                pairs[key] = max(score, pairs.get(key, score))
+        if not pairs:
             raise InputError(f"{path}: no (query, document) pair with score >= {min_score}")
-        rows = np.unique(np.asarray(sorted(listed) if keep_empty else qrows, dtype=np.int64))
-        local = np.searchsorted(rows, np.asarray(qrows, dtype=np.int64))
-        weights = None if binary else np.asarray(scores, dtype=np.float32)
-        if weights is not None:  # a repeated pair keeps its largest grade, not the sum
-            key = local * len(self.corpus_ids) + np.asarray(docs)
-            order = np.lexsort((-weights, key))
-            keep = order[np.r_[True, key[order][1:] != key[order][:-1]]]
-            local, docs, weights = local[keep], np.asarray(docs)[keep], weights[keep]
-        y = Relevance.from_pairs(local, docs, weights, shape=(rows.size, len(self.corpus_ids)))
+        rows = np.asarray(sorted(listed if keep_empty else {q for q, _ in pairs}), np.int64)
+        qi, di = np.asarray(list(pairs), dtype=np.int64).T
+        weights = None if binary else np.fromiter(pairs.values(), np.float32, len(pairs))
+        y = Relevance.from_pairs(np.searchsorted(rows, qi), di, weights,
+                                 shape=(rows.size, len(self.corpus_ids)))
         return rows, y
 
     def embeddings(self, model: str = "all-MiniLM-L6-v2") -> tuple[np.ndarray, np.ndarray]:
@@ -120,8 +109,8 @@ class BeirDataset:
 
 
 def text_lines(path: Path):
-    """(line number, text) of each line of a UTF-8 file (a leading BOM dropped); a line that is
-    not UTF-8 raises InputError naming the file, the line and the byte."""
+    """(line number, text) of each line of a UTF-8 file, a leading BOM dropped; not UTF-8:
+    InputError naming the line and byte."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -134,9 +123,8 @@ def text_lines(path: Path):
 
 
 def record_id(value: object, where: str, kind: str) -> str:
-    """A query or document id as the outputs write it: a non-empty string (JSON integers are
-    taken as their digits) without tabs, line breaks or other control characters, which would
-    break TSV / TREC lines; else InputError naming ``where`` (file:line) and the id."""
+    """A non-empty string id (JSON integers: their digits) without control characters (they
+    would break TSV / TREC outputs); else InputError naming ``where`` and the id."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
@@ -145,14 +133,13 @@ def record_id(value: object, where: str, kind: str) -> str:
         raise InputError(f"{where}: empty {kind} id {value!r}")
     bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")]
     if bad:
-        raise InputError(f"{where}: the {kind} id {value!r} holds {bad[0]!r}; ids with tabs, "
-                         f"line breaks or control characters are refused (they would break "
-                         f"the TSV / TREC outputs)")
+        raise InputError(f"{where}: the {kind} id {value!r} holds {bad[0]!r}; control "
+                         f"characters would break the TSV / TREC outputs")
     return value
 
 
 def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]:
-    """ids, texts (a document's title + " " + text) and titles of a .jsonl file."""
+    """ids, texts and titles of a .jsonl file."""
     if not path.exists():
         raise InputError(f"{path} not found (a BEIR folder has corpus.jsonl, queries.jsonl and "
                          f"qrels/)")
@@ -206,12 +193,8 @@ _WEIGHT_COLS = ("weight", "score", "label", "clicks", "count")
 
 @dataclasses.dataclass
 class Pairs:
-    """Training pairs read by :func:`load_pairs`.
-
-    query_keys: the distinct first-column values in first-seen order (texts or ids);
-    query_texts: the text of each (= the key when the file holds texts);
-    relevance: Y, (len(query_keys) x n_docs) float32 CSR, columns in the order of ``doc_ids``.
-    """
+    """Pairs read by :func:`load_pairs`: the distinct first-column values in first-seen order
+    (``query_keys``), their texts, and Y (len(query_keys) x n_docs) in ``doc_ids`` order."""
 
     path: Path
     query_keys: list[str]
@@ -222,25 +205,15 @@ class Pairs:
 def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
                queries: "dict[str, str] | None" = None, min_score: float | None = None,
                binary: bool = True) -> Pairs:
-    """Read (query, document id[, weight]) pairs from a TSV or parquet file.
-
-    The first column holds query texts, or query ids when ``queries`` (id -> text) is given;
-    the second a document id from ``doc_ids``; an optional third a numeric weight (default 1).
-    TSV files may start with a header line (e.g. ``query<TAB>doc_id<TAB>weight``); parquet
-    columns are found by name (query/qid/..., doc_id/corpus-id/..., weight/score/...) or else
-    by position. Pairs with weight < ``min_score`` are dropped; ``binary`` sets kept pairs to 1,
-    otherwise the weights of a repeated pair add up (click counts). Raises InputError naming
-    the file and line of a malformed line, an unknown id or a negative / non-finite weight,
-    and when no pair is left.
-    """
+    """(query text, or id with ``queries``; document id; optional weight >= 0) pairs from a
+    TSV (optional header) or parquet file (columns by name, else position); weights below
+    ``min_score`` dropped; ``binary``: 1 per pair, else repeated pairs add up."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"pairs file {path} not found")
     index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
-    if path.suffix.lower() in (".parquet", ".pq"):
-        records = _parquet_records(path)
-    else:
-        records = _tsv_records(path)
+    parquet = path.suffix.lower() in (".parquet", ".pq")
+    records = _parquet_records(path) if parquet else _tsv_records(path)
     keys: dict[str, int] = {}
     qrows, docs, weights = [], [], []
     for where, q, d, w in records:
@@ -260,25 +233,21 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     if not qrows:
         raise InputError(f"{path}: no (query, document) pair"
                          + (f" with weight >= {min_score}" if min_score is not None else ""))
-    n = len(index)
     y = Relevance.from_pairs(np.asarray(qrows), np.asarray(docs),
                              None if binary else np.asarray(weights, dtype=np.float32),
-                             shape=(len(keys), n))
+                             shape=(len(keys), len(index)))
     qkeys = list(keys)
     texts = [queries[k] for k in qkeys] if queries is not None else qkeys
     return Pairs(path, qkeys, texts, y)
 
 
 def _weight(w: Any, where: str) -> float:
-    """A pair's weight: 1 when absent, else a finite number >= 0 (InputError naming ``where``)."""
-    if w is None:
-        return 1.0
+    """A pair's weight: 1 when absent, else a finite number >= 0."""
     try:
-        w = float(w) if isinstance(w, str) else w
-    except ValueError:
+        w = 1.0 if w is None else float(w)
+    except (TypeError, ValueError):
         raise InputError(f"{where}: weight {w!r} is not a number") from None
-    w = float(w)
-    if not np.isfinite(w) or w < 0:
+    if not math.isfinite(w) or w < 0:
         raise InputError(f"{where}: weight {w!r} must be a finite number >= 0")
     return w
 

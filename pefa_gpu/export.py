@@ -1,38 +1,21 @@
-"""HNSW export for CPU serving.
+"""HNSW export for CPU serving: a faiss file that plain ``faiss.read_index`` opens (inner product).
 
-``export_hnsw(vectors, path)`` builds an HNSW graph and writes a faiss index that a CPU-only
-machine opens with plain ``faiss.read_index``::
-
-    index = faiss.read_index("docs.faiss")      # inner product
-    D, I = index.search(queries, 10)             # D: similarities, I: row ids
-
-The graph comes from one of three builders (``method``):
-- ``"hnsw"``: faiss' own HNSW builder on the CPU (``IndexHNSWFlat``, efConstruction 500 as
-  in the paper): approximate, O(n log n); the index faiss' users would build themselves.
-- ``"cagra"``: faiss ``GpuIndexCagra`` on a CUDA device, copied with faiss' own ``copyTo``
-  into an ``IndexHNSWCagra`` (base level only).
-- ``"knn"``: an exact top-(2M) graph computed in torch on the device (``ExactIndex``),
-  made navigable CAGRA-style: each row keeps its M nearest neighbours, then up to M reverse
-  edges (rows that list it among their M nearest, closest first), then further forward
-  neighbours to fill 2M slots; written as a base-level ``IndexHNSWCagra``. Exact work is
-  O(n^2 d) (chunked, never an n x n matrix): for GPUs without faiss CAGRA.
-``"auto"`` takes ``"cagra"`` on CUDA with faiss GPU CAGRA, ``"knn"`` on other CUDA devices and
-``"hnsw"`` on the CPU. A model whose index is already an ``hnsw`` backend index with the same M
-exports that index as it is (no build at all).
-
-Files are written atomically (a temporary file or folder next to the target, renamed onto
-it); a failed export leaves nothing behind.
+Graph builders (``method``): ``"hnsw"`` faiss' ``IndexHNSWFlat`` on the CPU (efConstruction 500
+as in the paper); ``"cagra"`` faiss ``GpuIndexCagra`` on CUDA copied into an
+``IndexHNSWCagra``; ``"knn"`` an exact top-(2M) graph on the device, M forward then up to M
+reverse edges per row (CAGRA-style), written as a base-level ``IndexHNSWCagra``. ``"auto"``:
+cagra, else knn on CUDA, hnsw on the CPU. A model's own ``hnsw`` index with the same M is
+written as it is.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -49,11 +32,8 @@ if TYPE_CHECKING:
 
 
 def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> torch.Tensor:
-    """(n, d) vectors -> (n, degree) int64 neighbour table on ``device`` (-1 padded).
-
-    Exact inner-product neighbours (self excluded), half forward and half reverse edges as
-    described in the module docstring; each row has no duplicates.
-    """
+    """(n, d) vectors -> (n, degree) int64 exact inner-product neighbours on ``device``, self
+    excluded, half forward and half reverse edges, no duplicates, -1 padded."""
     check_positive(degree, "degree")
     dev = resolve_device(device)
     v = as_tensor(vectors, device=dev, dtype=torch.float32, name="vectors")
@@ -94,29 +74,25 @@ def _dedup(ids: torch.Tensor) -> torch.Tensor:
 
 def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None
              ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Move the valid (>= 0) ids of each row to the front, in order; (n, width), -1 padded.
-    With ``scores`` (n, w) float32 beside the ids: (ids, their scores moved alike, -inf
-    padded)."""
+    """The valid (>= 0) ids of each row moved to the front in order: (n, width), -1 padded
+    (and ``scores`` (n, w) moved alike, -inf padded)."""
     n, w = ids.shape
-    pos = torch.arange(w, 0, -1, device=ids.device).expand(n, w)
-    key = torch.where(ids >= 0, pos, torch.zeros_like(pos))
-    take = min(width, w)
-    kv, kp = torch.topk(key, take, dim=1, sorted=True)
-    out = torch.where(kv > 0, ids.gather(1, kp), torch.full_like(kp, -1))
-    if take < width:
-        out = torch.cat([out, out.new_full((n, width - take), -1)], dim=1)
+    if w < width:  # pad to width: every row then yields width slots
+        ids = torch.cat([ids, ids.new_full((n, width - w), -1)], dim=1)
+        if scores is not None:
+            scores = torch.cat([scores, scores.new_full((n, width - w), float("-inf"))], dim=1)
+    pos = torch.arange(ids.shape[1], 0, -1, device=ids.device).expand_as(ids)
+    kv, kp = torch.topk(torch.where(ids >= 0, pos, 0), width, dim=1, sorted=True)
+    out = torch.where(kv > 0, ids.gather(1, kp), -1)
     if scores is None:
         return out
-    s = torch.where(kv > 0, scores.gather(1, kp), float("-inf"))
-    if take < width:
-        s = torch.cat([s, s.new_full((n, width - take), float("-inf"))], dim=1)
-    return out, s
+    return out, torch.where(kv > 0, scores.gather(1, kp), float("-inf"))
 
 
 def hnsw_from_graph(vectors: ArrayLike, graph: ArrayLike, *, ef_search: int = 300,
                     entrypoints: int = 32) -> faiss.IndexHNSW:
     """A base-level-only inner-product ``faiss.IndexHNSWCagra`` over ``vectors`` (n, d) with
-    level-0 links ``graph`` (n, 2M) int (-1 padded). M is ``graph.shape[1] // 2``."""
+    links ``graph`` (n, 2M) int, -1 padded."""
     faiss = import_faiss()
     x = host_float32(vectors, "vectors")
     g = np.ascontiguousarray(to_numpy(as_tensor(graph, name="graph")), dtype=np.int32)
@@ -145,8 +121,7 @@ def hnsw_from_graph(vectors: ArrayLike, graph: ArrayLike, *, ef_search: int = 30
 def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",
                ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32
                ) -> faiss.IndexHNSW:
-    """A CPU faiss HNSW index over ``vectors`` (n, d), inner product; the graph built by
-    ``method`` (see the module docstring) on ``device``."""
+    """A CPU faiss HNSW index over ``vectors`` (n, d), inner product, built by ``method``."""
     check_positive(M, "M")
     check_positive(ef_construction, "ef_construction")
     check_choice(method, "method", ("auto", "hnsw", "cagra", "knn"))
@@ -155,11 +130,10 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
     if method == "auto":
         method = ("hnsw" if dev.type != "cuda" else
                   "cagra" if faiss_has_gpu(faiss) and hasattr(faiss, "GpuIndexCagra") else "knn")
-    n = int(as_tensor(vectors, name="vectors").shape[0])
-    if n == 0:
+    x = host_float32(vectors, "vectors")
+    if x.shape[0] == 0:
         raise InputError("vectors are empty: nothing to export")
     if method == "hnsw":
-        x = host_float32(vectors, "vectors")
         index = faiss.IndexHNSWFlat(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = ef_construction
         index.hnsw.efSearch = ef_search
@@ -168,7 +142,6 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
     if method == "cagra":
         if dev.type != "cuda" or not hasattr(faiss, "GpuIndexCagra"):
             raise InputError("method='cagra' needs a CUDA device and faiss-gpu with cuVS")
-        x = host_float32(vectors, "vectors")
         res = faiss.StandardGpuResources()
         cfg = faiss.GpuIndexCagraConfig()
         cfg.graph_degree = 2 * M
@@ -183,24 +156,21 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
         index.hnsw.efSearch = ef_search
         return index
     graph = knn_graph(vectors, 2 * M, dev)
-    return hnsw_from_graph(vectors, graph, ef_search=ef_search, entrypoints=entrypoints)
+    return hnsw_from_graph(x, graph, ef_search=ef_search, entrypoints=entrypoints)
 
 
 def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = None,
                 **kwargs: Any) -> Path:
-    """Build with :func:`build_hnsw` and write the index to the file ``path`` (replacing a
-    regular file there atomically; links, folders and devices are refused before the build).
-
-    index: a pefa_gpu index over the same ``vectors``; when it is an ``hnsw`` backend index
-    with the requested M (default 32) and no method other than auto / hnsw is asked for, its
-    faiss graph is written as it is instead of building another.
-    """
+    """Write :func:`build_hnsw`'s index (or ``index``'s own graph: an ``hnsw`` backend index
+    over ``vectors`` with the same M, method auto / hnsw) to the file ``path`` atomically."""
     from .storage import check_output_file, write_output_file
 
     faiss = import_faiss()
     check_output_file(path, "export path")
-    graph = _reusable_hnsw(index, kwargs)
-    if graph is None:
+    graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
+        else None
+    if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw") \
+            or graph.hnsw.nb_neighbors(1) != kwargs.get("M", 32):
         graph = build_hnsw(vectors, **kwargs)
     ef = graph.hnsw.efSearch
     graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; a reused index's
@@ -211,17 +181,8 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
         graph.hnsw.efSearch = ef
 
 
-def _reusable_hnsw(index: Index | None, kwargs: dict[str, Any]) -> faiss.IndexHNSW | None:
-    """The faiss HNSW graph of a pefa_gpu ``hnsw`` index that export may write as it is."""
-    graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
-        else None
-    same = graph is not None and kwargs.get("method", "auto") in ("auto", "hnsw") \
-        and graph.hnsw.nb_neighbors(1) == kwargs.get("M", 32)
-    return graph if same else None
-
-
 def index_vectors(index: Index) -> torch.Tensor:
-    """The rows held by a pefa_gpu index (for IVF-PQ: their decoded approximations)."""
+    """The rows held by a pefa_gpu index (IVF-PQ: decoded)."""
     if isinstance(getattr(index, "vectors", None), torch.Tensor):
         return index.vectors
     stored = getattr(index, "_stored_vectors", None)
@@ -232,19 +193,27 @@ def index_vectors(index: Index) -> torch.Tensor:
 
 def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str | Path,
                  **kwargs: Any) -> Path:
-    """Write a model's export (its ``_exported()``; see ``model.export_hnsw``): ``parts`` =
-    (vectors, index) writes one file at ``path`` (:func:`export_hnsw`; ERM, and PEFAXS / NUDGE
-    over their adapted embeddings); a dict of file names to (vectors, index), scipy sparse
-    matrices or JSON tables writes a new directory. PEFAXL's: ``passages.faiss``,
-    ``queries.faiss`` (the m training queries), ``relevance.npz`` (scipy CSR, rows x
-    documents: the m training queries, then with augment_docs one identity row per document,
-    whose neighbours come from ``passages.faiss``: document j is row m + j) and
-    ``export.json`` describing them. A model's ``hnsw`` indices are written as they are."""
+    """Write a model's ``_exported()``: (vectors, index) as one file (:func:`export_hnsw`), or
+    a dict of file names to (vectors, index), scipy sparse matrices or JSON as a new folder
+    (PEFAXL: relevance.npz rows are the training queries, then document j as row m + j)."""
     if isinstance(parts, tuple):
         return export_hnsw(parts[0], path, index=parts[1], **kwargs)
     import scipy.sparse as sp  # noqa: PLC0415
 
-    with _new_directory(path) as tmp:
+    path = Path(path)
+    if os.path.lexists(path):
+        raise InputError(f"export path {path} exists; an export directory is always new: "
+                         f"choose another path or remove it")
+    if not path.parent.is_dir():
+        raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
+    prefix = f".{path.name}.pefa-tmp-"  # a marked temporary folder, renamed when complete
+    for old in path.parent.glob(prefix + "*"):  # those of killed exports
+        if old.is_dir() and not old.is_symlink() and (old / _EXPORT_MARKER).is_file():
+            shutil.rmtree(old, ignore_errors=True)
+    tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"
+    tmp.mkdir()
+    try:
+        (tmp / _EXPORT_MARKER).write_text("")
         for name, part in parts.items():
             if isinstance(part, tuple):
                 export_hnsw(part[0], tmp / name, index=part[1], **kwargs)
@@ -252,32 +221,6 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
                 sp.save_npz(tmp / name, part)
             else:
                 (tmp / name).write_text(json.dumps(part, indent=2) + "\n")
-    return Path(path)
-
-
-_EXPORT_MARKER = ".pefa-export-tmp"
-
-
-@contextlib.contextmanager
-def _new_directory(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary folder next to ``path`` that becomes ``path`` (which must not exist)
-    when the block succeeds; on an error it is removed. Temporary folders of killed exports
-    (name ``.NAME.pefa-tmp-<hex>`` and a marker file) are removed first."""
-    path = Path(path)
-    if os.path.lexists(path):
-        raise InputError(f"export path {path} exists; an export directory is always new: "
-                         f"choose another path or remove it")
-    if not path.parent.is_dir():
-        raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
-    prefix = f".{path.name}.pefa-tmp-"
-    for old in path.parent.glob(prefix + "*"):
-        if old.is_dir() and not old.is_symlink() and (old / _EXPORT_MARKER).is_file():
-            shutil.rmtree(old, ignore_errors=True)
-    tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"
-    tmp.mkdir()
-    try:
-        (tmp / _EXPORT_MARKER).write_text("")
-        yield tmp
         (tmp / _EXPORT_MARKER).unlink()
         if os.path.lexists(path):
             raise InputError(f"export path {path} appeared during the export; not replaced")
@@ -285,3 +228,7 @@ def _new_directory(path: str | Path) -> Iterator[Path]:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+_EXPORT_MARKER = ".pefa-export-tmp"

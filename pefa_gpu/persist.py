@@ -1,36 +1,22 @@
 """Saving and loading fitted models: ``model.save(dir)`` and ``pefa_gpu.load(dir)``.
 
-A save is a directory (see :func:`pefa_gpu.storage.writing_save`)::
-
-    manifest.json              format, format_version, library version, class, params, search
-                               params, backend, index params, index search params, one entry per
-                               saved attribute (an index's: its params and search params), the
-                               data folder, size + sha256 per file, and manifest_sha256 over all
-    pefa-data-<16 hex>/
-        doc_embeddings.npy     tensors (see pefa_gpu.storage for dtypes)
-        relevance.npz          Relevance / scipy CSR
-        index/, query_index/   whatever the backend's Index.save writes (none for a float32
-                               exact index over a saved tensor: its entry names that tensor)
-
-What a model saves is the tuple ``_saved`` on its class (attribute names); each attribute is
-stored according to its type: torch tensor, :class:`~pefa_gpu.Relevance`, scipy sparse
-matrix, :class:`~pefa_gpu.index.Index`, or a JSON value. After the attributes are set on
-load, their shapes are cross-checked against the model's ``_saved_shapes()`` and its
-``_restore()`` rebuilds derived state (e.g. PEFA-XL's Y rows). To save a new attribute, add its
-name to ``_saved``; to change how an old one is stored, bump ``storage.FORMAT_VERSION``. A model
-class is found by the name its save records, among the classes given to
-:func:`register_model` (every model class registers itself when it is defined). Only saves of
-this format version load (see :func:`pefa_gpu.storage.read_manifest`).
+A save is a :func:`pefa_gpu.storage.writing_save` folder: the manifest records the class, its
+params, backend and one ``state`` entry per attribute in the class's ``_saved`` (tensor .npy,
+Relevance / CSR .npz, index folder, or JSON value). Loading finds the class among those given to
+:func:`register_model` (never imports what a manifest names), then checks ``_saved_shapes()``
+and calls ``_restore()``. A new attribute: add its name to ``_saved``; a changed storage of an
+old one: bump ``storage.FORMAT_VERSION``.
 """
 
 from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import scipy.sparse as sp
 import torch
@@ -54,12 +40,15 @@ def register_model(cls: type) -> None:
 
 
 def save_model(model: Model, directory: str | Path) -> None:
-    """Write a fitted model to ``directory`` atomically (see :func:`storage.writing_save`: an
-    existing save there is replaced only once the new one is complete on disk, and nothing else
-    in the folder is touched)."""
+    """Write a fitted model to ``directory`` atomically (:func:`storage.writing_save`)."""
     model.check_fitted()
     with storage.writing_save(directory) as w:
-        values = {name: _attribute(model, name) for name in type(model)._saved}
+        values = {}
+        for name in type(model)._saved:
+            if not hasattr(model, name):
+                raise InputError(f"{type(model).__name__} lists {name!r} in _saved but has no "
+                                 f"such attribute")
+            values[name] = getattr(model, name)
         state = {name: _save_value(w.data, name, value, values) for name, value in values.items()}
         w.commit({
             "library_version": __version__,
@@ -78,16 +67,11 @@ def save_model(model: Model, directory: str | Path) -> None:
 
 def load_model(directory: str | Path, device: DeviceLike = None, mmap: bool = False,
                verify: bool | None = None, expect: type | None = None) -> Any:
-    """Read a save written by ``model.save``; returns an ERM, PEFAXS or PEFAXL on ``device``.
+    """The model saved at ``directory``, on ``device`` (default: CUDA when available).
 
-    device: where the model lives after loading (default: CUDA when available), whatever
-    device it was saved from. mmap: memory-map tensors (copy-on-write) instead of reading them.
-    verify: check every file's sha256 against the manifest; default True without mmap, False
-    with it (sizes, headers, shapes and the manifest's own checksum are always checked;
-    hashing would read every mapped page).
-    expect: a model class the save must be (a subclass of); else FormatError.
-    A save replaced while it is read (another process saving there) is read again once.
-    """
+    mmap: map tensors copy-on-write. verify: check every file's sha256 (default: not with
+    mmap; sizes, headers, shapes and the manifest checksum always). expect: a class the save
+    must be (a subclass of)."""
     return storage.read_unchanged(directory, lambda: _load_model(directory, device, mmap,
                                                                  verify, expect))
 
@@ -128,8 +112,7 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
 
 
 def _state_table(manifest: dict, cls: type, where: Path) -> dict[str, Any]:
-    """The manifest's ``state``: exactly the attributes ``cls`` saves (an entry it does not
-    save, e.g. a PEFA-XL save relabelled as ERM, is refused)."""
+    """The manifest's ``state``: exactly the attributes ``cls`` saves."""
     state = manifest.get("state")
     if not isinstance(state, dict):
         raise FormatError(f"{where} has no 'state' table")
@@ -144,8 +127,8 @@ def _state_table(manifest: dict, cls: type, where: Path) -> dict[str, Any]:
 
 
 def _check_shapes(model: Model, where: Path) -> None:
-    """Cross-check the loaded attributes: n_docs and dim against the document arrays, the
-    indices and Y, so that a save whose parts disagree fails here, not inside a search."""
+    """n_docs and dim agree with every loaded array and index (else FormatError here, not in a
+    search)."""
     n, d = model.n_docs, model.dim
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, d)):
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
@@ -162,17 +145,9 @@ def _check_shapes(model: Model, where: Path) -> None:
 
 # ---------------------------------------------------------------------------- one attribute
 
-def _attribute(model: Model, name: str) -> Any:
-    try:
-        return getattr(model, name)
-    except AttributeError:
-        raise InputError(f"{type(model).__name__} lists {name!r} in _saved but has no such "
-                         f"attribute") from None
-
-
 def _save_value(folder: Path, name: str, value: Any, values: dict[str, Any]) -> dict[str, Any]:
-    """Store one attribute under ``folder``; returns its manifest entry. ``values``: all the
-    saved attributes by name (an index over one of them is not written again)."""
+    """Store one attribute under ``folder``; returns its manifest entry (an index over another
+    of the saved ``values`` names it instead of writing it again)."""
     if isinstance(value, torch.Tensor):
         return {"kind": "tensor", **storage.save_tensor(folder / name, value)}
     if isinstance(value, Relevance):
@@ -200,7 +175,7 @@ def _save_value(folder: Path, name: str, value: Any, values: dict[str, Any]) -> 
 
 
 def _vectors_of(index: Index, t: Any) -> bool:
-    """Whether ``t`` is the float32 exact ``index``'s matrix itself (the same memory)."""
+    """``t`` is the float32 exact ``index``'s matrix itself (the same memory)."""
     v = index.vectors if type(index) is ExactIndex else None
     return isinstance(t, torch.Tensor) and v is not None and v.dtype == torch.float32 and \
         t.dtype == v.dtype and t.device == v.device and t.shape == v.shape and \
@@ -225,8 +200,8 @@ def _load_value(save: storage.SaveDir, name: str, entry: Any, device: torch.devi
 
 def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.device,
                 mmap: bool, loaded: dict[str, Any]) -> Index:
-    """An index from its folder, or built over the loaded tensor its entry's ``vectors`` names
-    (a float32 exact index: no copy; a mapped tensor stays mapped)."""
+    """An index from its folder, or a float32 exact index over the loaded tensor its entry's
+    ``vectors`` names (no copy)."""
     where, shared = save.where, entry.get("vectors")
     cls = _backend(entry.get("backend"), where)
     try:
@@ -234,16 +209,16 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
     except (InputError, TypeError) as exc:
         raise FormatError(f"{where}: params of index {name!r} do not fit backend "
                           f"{cls.name!r}: {exc}") from exc
-    options = {"mmap": mmap} if mmap and _accepts(cls.load, "mmap") else {}
+    options = {"mmap": mmap} if mmap and "mmap" in inspect.signature(cls.load).parameters \
+        else {}
     if shared is None:  # its folder: inside the save, every file in it listed
         index = cls.load(save.folder(entry.get("dir")), params, device, **options)
     else:
         t = loaded.get(shared) if isinstance(shared, str) else None
         if cls is not ExactIndex or params.dtype != "float32" or not isinstance(
                 t, torch.Tensor) or t.dtype != torch.float32 or t.ndim != 2:
-            raise FormatError(f"{where}: index {name!r} is to be built over attribute {shared!r},"
-                              f" which is not a loaded float32 matrix of this save (or the index"
-                              f" is not a float32 exact one)")
+            raise FormatError(f"{where}: index {name!r} over attribute {shared!r} needs a float32 "
+                              f"exact index and a loaded float32 matrix")
         index = cls(params, device).build(t)
     try:
         index.search_params = entry.get("search_params")
@@ -260,7 +235,7 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
 # ---------------------------------------------------------------------------- names -> classes
 
 def _model_class(name: object, where: Path) -> type:
-    """The registered model class called ``name`` (never imports anything a manifest names)."""
+    """The registered model class called ``name``."""
     for module in ("models", "query"):  # the classes register as these modules define them;
         importlib.import_module(f"{__package__}.{module}")  # both import this one: not at the top
     if not isinstance(name, str) or name not in _MODELS:
@@ -281,15 +256,10 @@ def _backend(name: object, where: Path) -> type[Index]:
 
 
 def _registered_name(index: Index) -> str:
-    """The registry name of an index's backend (its ``name`` when that resolves to its class)."""
-    try:
-        if backend_class(index.name) is type(index):
-            return index.name
-    except (InputError, ImportError, AttributeError):
-        pass
-    for name in backend_names():
+    """The registry name of an index's backend."""
+    for name in (getattr(index, "name", None), *backend_names()):
         try:
-            if backend_class(name) is type(index):
+            if name in backend_names() and backend_class(name) is type(index):
                 return name
         except ImportError:
             continue
@@ -297,17 +267,7 @@ def _registered_name(index: Index) -> str:
                      f"it before saving")
 
 
-def _accepts(func: Callable[..., object], keyword: str) -> bool:
-    import inspect
-
-    try:
-        return keyword in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def load(directory: str | Path, device: DeviceLike = None, mmap: bool = False,
          verify: bool | None = None) -> Any:
-    """Load a model saved with ``model.save(directory)``: an ERM, PEFAXS or PEFAXL (whichever was
-    saved) on ``device``. See :func:`load_model` for ``mmap`` and ``verify``."""
+    """The model saved with ``model.save(directory)`` (see :func:`load_model`)."""
     return load_model(directory, device=device, mmap=mmap, verify=verify)

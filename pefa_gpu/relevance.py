@@ -8,20 +8,15 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import ArrayLike
+from .arrays import ArrayLike, to_numpy
 from .errors import InputError
 
 MAX_ROWS = 2**31  # Y rows (queries) a Relevance may have; its CSR row pointers are int64
 
 
 class Relevance:
-    """A (m queries x n documents) sparse relevance matrix, stored as float32 CSR.
-
-    Build it from index pairs with :meth:`from_pairs`, or wrap any scipy sparse matrix with
-    :func:`as_relevance`. Entries are the weights ``Y[i, j]``; explicit zeros are dropped,
-    duplicates summed. The matrix is copied (the caller's arrays are never written) and its
-    index arrays checked first: ids out of range are an InputError, complex weights a TypeError.
-    """
+    """A (m queries x n documents) float32 CSR relevance matrix: a checked copy (the caller's
+    arrays are never written), explicit zeros dropped, duplicates summed."""
 
     def __init__(self, csr: Any, name: str = "Y"):
         self.csr = _own_csr(csr, name)
@@ -29,11 +24,8 @@ class Relevance:
     @classmethod
     def from_pairs(cls, query_ids: ArrayLike, doc_ids: ArrayLike, weights: ArrayLike | None = None,
                    shape: tuple[int, int] | None = None) -> "Relevance":
-        """Y from parallel arrays of (query index, document index[, weight]).
-
-        Without ``weights`` Y is binary: a pair listed twice is still 1. With ``weights`` the
-        weights of repeated pairs add up. ``shape`` defaults to (max query + 1, max doc + 1).
-        """
+        """Y from parallel (query index, document index[, weight]) arrays: binary without
+        ``weights``, else repeated pairs add up. ``shape``: default (max ids + 1)."""
         qi = _index_array(query_ids, "query_ids")
         di = _index_array(doc_ids, "doc_ids")
         if qi.shape != di.shape:
@@ -46,24 +38,18 @@ class Relevance:
         m, n = int(shape[0]), int(shape[1])
         if m < 0 or n < 0 or m > MAX_ROWS:
             raise InputError(f"shape={tuple(shape)} is not a usable (queries, documents) shape "
-                             f"(at most {MAX_ROWS} queries: Y's row pointers alone take 8 bytes "
-                             f"per query)")
-        if qi.size and (qi.min() < 0 or qi.max() >= m):
-            bad = qi[(qi < 0) | (qi >= m)][:5].tolist()
-            raise InputError(f"query ids out of range [0, {m}): {bad}")
-        if di.size and (di.min() < 0 or di.max() >= n):
-            bad = di[(di < 0) | (di >= n)][:5].tolist()
-            raise InputError(f"document ids out of range [0, {n}): {bad}")
+                             f"(at most {MAX_ROWS} queries)")
+        _check_ids(qi, m, "from_pairs", "query")
+        _check_ids(di, n, "from_pairs", "document")
         if weights is None:
-            w = np.ones(qi.size, dtype=np.float32)
-            coo = sp.coo_matrix((w, (qi, di)), shape=(m, n)).tocsr()
-            coo.sum_duplicates()
-            coo.data[:] = 1.0
-            return cls(coo)
+            y = sp.csr_matrix((np.ones(qi.size, np.float32), (qi, di)), shape=(m, n))
+            y.sum_duplicates()
+            y.data[:] = 1.0
+            return cls(y)
         w = np.asarray(_real(np.asarray(weights), "weights"), dtype=np.float32).ravel()
         if w.shape != qi.shape:
             raise InputError(f"weights has {w.size} entries but there are {qi.size} pairs")
-        return cls(sp.coo_matrix((w, (qi, di)), shape=(m, n)).tocsr())
+        return cls(sp.csr_matrix((w, (qi, di)), shape=(m, n)))
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -100,10 +86,8 @@ RelevanceLike = Relevance | sp.spmatrix | sp.sparray | ArrayLike
 
 def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None, None),
                  name: str = "Y", allow_empty: bool = False) -> Relevance:
-    """A :class:`Relevance` from a Relevance, a scipy sparse matrix or a dense 2-D array.
-
-    ``shape`` entries that are not None must match; an empty Y raises unless ``allow_empty``.
-    """
+    """A :class:`Relevance` from a Relevance, a scipy sparse matrix or a dense 2-D array;
+    ``shape`` entries that are not None must match; empty only with ``allow_empty``."""
     if isinstance(y, Relevance):
         rel = y
     elif sp.issparse(y) or (isinstance(y, (np.ndarray, torch.Tensor)) and y.ndim == 2):
@@ -125,18 +109,16 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
 
 
 def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
-    """A new float32 CSR matrix from a scipy sparse matrix or a dense 2-D numpy array / torch
-    tensor: duplicates summed, explicit zeros dropped, column ids sorted. Its buffers are its
-    own (the caller's are only read), and the index arrays are checked (one vectorised pass)
-    before scipy's native code sees them."""
+    """A new float32 CSR matrix (duplicates summed, zeros dropped, columns sorted) from a
+    sparse matrix, whose index arrays are checked before scipy's native code sees them, or
+    from a dense 2-D numpy array / torch tensor."""
     if not sp.issparse(y):
         if isinstance(y, torch.Tensor):
             y = y.detach().cpu().numpy() if y.layout == torch.strided else y
         if not isinstance(y, np.ndarray) or y.ndim != 2:
             raise InputError(f"{name} must be a 2-D matrix, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        _real(y, name)
-        return _finite(sp.csr_matrix(y, dtype=np.float32), name)  # csr_matrix(dense) copies
+        return _finite(sp.csr_matrix(_real(y, name), dtype=np.float32), name)  # copies
     if y.ndim != 2:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
     _real(y, name)
@@ -154,9 +136,8 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
                              f"{rows.shape}, {cols.shape}, {data.shape}")
         _check_ids(rows, m, name, "row (query)")
         _check_ids(cols, n, name, "column (document)")
-        csr = sp.coo_matrix((np.array(data, dtype=np.float32), (_int_copy(rows),
-                                                                 _int_copy(cols))),
-                            shape=(m, n)).tocsr()  # new arrays
+        csr = sp.csr_matrix((np.array(data, dtype=np.float32), (_int_copy(rows),
+                                                                _int_copy(cols))), shape=(m, n))
     csr.sum_duplicates()  # sorts the column ids too
     csr.eliminate_zeros()
     if y.dtype == bool:  # a bool matrix's duplicates are one True (as scipy reads it)
@@ -197,9 +178,8 @@ def _int_copy(ids: np.ndarray) -> np.ndarray:
     return np.array(ids, dtype=ids.dtype if ids.dtype.kind == "i" else np.int64)
 
 
-def _real(y: RelevanceLike, name: str) -> Any:
-    """``y`` (anything with a numpy dtype) if it holds bools, integers or floats; complex is a
-    TypeError (its imaginary part would be dropped), anything else an InputError."""
+def _real(y: Any, name: str) -> Any:
+    """``y`` if its dtype is bool, integer or float; complex: TypeError; else InputError."""
     kind = np.dtype(y.dtype).kind
     if kind not in "biuf":
         err = TypeError if kind == "c" else InputError
@@ -217,23 +197,16 @@ def _finite(csr: sp.csr_matrix, name: str) -> sp.csr_matrix:
 
 def _inferred_size(ids: np.ndarray, name: str) -> int:
     """max id + 1, for ids meant as 0-based row / column numbers."""
-    if not ids.size:
-        return 0
-    top = int(ids.max())
+    top = int(ids.max()) if ids.size else -1
     if top >= MAX_ROWS:
         raise InputError(f"{name} holds {top}, so without shape= Y would have {top + 1} rows "
-                         f"or columns; ids are 0-based positions (map raw ids to 0..m-1 "
-                         f"first), or pass shape= explicitly")
+                         f"or columns; map raw ids to 0-based positions, or pass shape=")
     return top + 1
 
 
 def _index_array(x: Any, name: str) -> np.ndarray:
-    from .arrays import to_numpy
-
     a = np.asarray(to_numpy(x) if not isinstance(x, (list, tuple, range)) else x).ravel()
     if a.size and not np.issubdtype(a.dtype, np.integer):
-        if np.issubdtype(a.dtype, np.floating) and np.all(a == np.round(a)):
-            a = a.astype(np.int64)
-        else:
+        if not (np.issubdtype(a.dtype, np.floating) and np.all(a == np.round(a))):
             raise InputError(f"{name} must hold integer indices, got dtype {a.dtype}")
     return a.astype(np.int64)

@@ -1,29 +1,12 @@
-"""The PEFA authors' data layout (PECOS ``examples/pefa-wsdm24``): an XMC folder and an
-embedding folder.
+"""The PEFA authors' data layout (PECOS ``examples/pefa-wsdm24``): an XMC folder of scipy
+``save_npz`` matrices (rows: queries of a source, columns: the n documents) and an embedding
+folder of one ``.npy`` (rows, d) matrix per source (row i = query row i); see ``FILES``.
 
-    data = pg.load_xmc("xmc/nq320k", "embeddings/nq320k/gtr-t5-base", aug="v5")
-    xs = pg.PEFAXS(lam=0.5, augment_docs=False).fit(data.P, data.Q, data.Y)
-    pg.recall_at_k(xs.search(data.Q_test, 100)[1], data.Y_test, ks=(10, 100))
-
-XMC folder: scipy ``save_npz`` matrices, rows = queries of a source, columns = the n documents.
-Embedding folder: one ``.npy`` (rows, d) float matrix per source, row i = query row i.
-
-    source  relevance            embeddings          what the rows are
-    trn     Y.trn.npz            X.trn.npy           real training queries
-    tst     Y.tst.npz            X.tst.npy           real test queries
-    abs     Y.trn.abs.npz        X.trn.abs.npy       document title + abstract
-    doc     Y.trn.doc.npz        X.trn.doc.npy       document content (first 512 tokens)
-    d2q     Y.trn.d2q.npz        X.trn.d2q.npy       docT5query questions from the content
-
-As in the authors' scripts, every embedding row is L2-normalised (a zero row stays zero), the
-passage embeddings are the PIFA of the abstract rows, ``P = Π(Y_absᵀ X_abs)`` (a document
-with no abstract row gets a zero vector), and the training pairs are the vertical stack of
-the sources named by ``aug`` (their ``aug_type``):
-
-    v0: trn   v1: doc   v2: d2q   v3: trn + doc   v4: trn + d2q   v5: trn + doc + d2q
-
-Their ``pefa_xs.py`` / ``pefa_xl.py`` use v5, and neither adds ``p_j`` as a query of its own
-document: ``augment_docs=False`` in this library reproduces that.
+Sources: trn / tst real training / test queries, abs document title + abstract, doc document
+content, d2q docT5query questions. As in the authors' scripts, embedding rows are
+L2-normalised, the passage embeddings are ``P = Π(Y_absᵀ X_abs)``, and the training pairs
+stack the sources ``aug`` names (``AUGMENTATIONS``; their ``pefa_xs.py`` / ``pefa_xl.py``
+use v5 with ``augment_docs=False``).
 """
 
 from __future__ import annotations
@@ -45,13 +28,8 @@ log = logging.getLogger("pefa_gpu")
 
 # aug_type -> the training sources stacked, in this order
 AUGMENTATIONS: dict[str, tuple[str, ...]] = {
-    "v0": ("trn",),
-    "v1": ("doc",),
-    "v2": ("d2q",),
-    "v3": ("trn", "doc"),
-    "v4": ("trn", "d2q"),
-    "v5": ("trn", "doc", "d2q"),
-}
+    "v0": ("trn",), "v1": ("doc",), "v2": ("d2q",),
+    "v3": ("trn", "doc"), "v4": ("trn", "d2q"), "v5": ("trn", "doc", "d2q")}
 # source -> (relevance file in the XMC folder, embedding file in the embedding folder)
 FILES: dict[str, tuple[str, str]] = {
     "trn": ("Y.trn.npz", "X.trn.npy"),
@@ -64,12 +42,8 @@ FILES: dict[str, tuple[str, str]] = {
 
 @dataclasses.dataclass
 class XMCData:
-    """What the models need, from one XMC + embedding folder pair.
-
-    P (n, d) float32 passage embeddings; Q (m, d) float32 training queries and Y (m x n) their
-    relevance (the stacked ``aug`` sources); Q_test (t, d) float32 and Y_test (t x n) the test
-    split (weights as stored, for graded nDCG). ``sources``: rows per stacked source.
-    """
+    """P (n, d), Q (m, d), Q_test (t, d) float32; Y (m x n, the stacked ``aug`` sources) and
+    Y_test (t x n, weights as stored); ``sources``: rows per stacked source."""
 
     name: str
     aug: str
@@ -87,34 +61,24 @@ class XMCData:
 
 def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
              normalize: bool = True) -> XMCData:
-    """Read the authors' layout (see the module docstring) -> :class:`XMCData`.
-
-    Only the files ``aug`` needs are read: ``abs`` and ``tst`` always, then its sources.
-    ``normalize=False`` keeps the embedding rows as stored (the authors normalise them).
-    Raises InputError for a missing folder / file, a file outside its folder, or shapes that
-    disagree, and FormatError for a file that is not a valid matrix; both name the file.
-    """
+    """Read the files ``aug`` needs (abs, tst and its sources) -> :class:`XMCData`;
+    ``normalize=False`` keeps the embedding rows as stored."""
     if aug not in AUGMENTATIONS:
         raise InputError(f"aug={aug!r} is not one of {sorted(AUGMENTATIONS)} "
                          f"(v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 trn+doc+d2q)")
     xmc_root, emb_root = _folder(xmc_dir, "XMC"), _folder(emb_dir, "embedding")
     wanted = ("abs", "tst", *AUGMENTATIONS[aug])
-    ys: dict[str, sp.csr_matrix] = {}
-    xs: dict[str, np.ndarray] = {}
-    for src in wanted:
-        y_name, x_name = FILES[src]
-        ys[src] = read_csr(_inside(xmc_root, y_name))
-        xs[src] = read_dense(_inside(emb_root, x_name))
+    ys = {src: read_csr(_inside(xmc_root, FILES[src][0])) for src in wanted}
+    xs = {src: read_dense(_inside(emb_root, FILES[src][1])) for src in wanted}
     _check_shapes(ys, xs, xmc_root, emb_root)
     if normalize:
-        xs = {src: _unit_rows(x) for src, x in xs.items()}
-    n = ys["abs"].shape[1]
+        xs = {src: to_numpy(normalize_rows(as_tensor(x, device="cpu"))) for src, x in xs.items()}
     P = to_numpy(pifa(ys["abs"], xs["abs"], normalize=True, device="cpu"))
     missing = int(np.count_nonzero(ys["abs"].getnnz(axis=0) == 0))
     if missing:
         log.warning("%s: %d of %d documents have no abstract row; their passage embedding is "
                     "zero (ERM cannot rank them above 0)", xmc_root / FILES["abs"][0],
-                    missing, n)
+                    missing, ys["abs"].shape[1])
     train = AUGMENTATIONS[aug]
     Q = np.ascontiguousarray(np.vstack([xs[s] for s in train]), dtype=np.float32)
     Y = sp.vstack([ys[s] for s in train], format="csr")
@@ -133,7 +97,7 @@ def _folder(path: str | Path, what: str) -> Path:
 
 
 def _inside(root: Path, name: str) -> Path:
-    """``root / name``, which must exist and (after resolving links) lie inside ``root``."""
+    """``root / name``: an existing file inside ``root`` (links resolved)."""
     path = root / name
     if not path.is_file():
         raise InputError(f"{path} not found")
@@ -144,19 +108,11 @@ def _inside(root: Path, name: str) -> Path:
 
 
 def read_csr(path: Path) -> sp.csr_matrix:
-    """A scipy ``save_npz`` CSR (or CSC) matrix, read with ``allow_pickle=False`` and checked
-    (indices in range, indptr monotone, finite values) -> float32 CSR."""
+    """A checked scipy ``save_npz`` CSR (or CSC) matrix -> float32 CSR (never unpickled)."""
     try:
-        with np.load(path, allow_pickle=False) as z:
-            if not isinstance(z, np.lib.npyio.NpzFile):
-                raise ValueError("not an .npz archive")
-            fmt = str(z["format"].item().decode() if z["format"].dtype.kind == "S"
-                      else z["format"].item())
-            if fmt not in ("csr", "csc"):
-                raise ValueError(f"sparse format {fmt!r}; expected 'csr' (or 'csc')")
-            cls = sp.csr_matrix if fmt == "csr" else sp.csc_matrix
-            shape = tuple(int(s) for s in z["shape"])
-            mat = cls((z["data"], z["indices"], z["indptr"]), shape=shape)
+        mat = sp.load_npz(path)  # allow_pickle=False
+        if mat.format not in ("csr", "csc"):
+            raise ValueError(f"sparse format {mat.format!r}; expected 'csr' (or 'csc')")
         mat.check_format(full_check=True)
     except (ValueError, KeyError, OSError, EOFError, TypeError, zipfile.BadZipFile) as exc:
         raise FormatError(f"{path} is not a readable scipy sparse matrix (.npz from "
@@ -168,7 +124,7 @@ def read_csr(path: Path) -> sp.csr_matrix:
 
 
 def read_dense(path: Path) -> np.ndarray:
-    """A (rows, d) real ``.npy`` matrix, read with ``allow_pickle=False`` -> float32, finite."""
+    """A (rows, d) real finite ``.npy`` matrix -> float32 (never unpickled)."""
     try:
         arr = np.load(path, mmap_mode="r", allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
@@ -185,7 +141,7 @@ def read_dense(path: Path) -> np.ndarray:
 
 def _check_shapes(ys: dict[str, sp.csr_matrix], xs: dict[str, np.ndarray], xmc_root: Path,
                   emb_root: Path) -> None:
-    """Rows of each Y match its X; every Y has the abstracts' columns; every X their dim."""
+    """Each Y has its X's rows and the abstracts' columns; each X their dim."""
     y_abs, x_abs = xmc_root / FILES["abs"][0], emb_root / FILES["abs"][1]
     n, d = ys["abs"].shape[1], xs["abs"].shape[1]
     if d == 0:
@@ -202,10 +158,6 @@ def _check_shapes(ys: dict[str, sp.csr_matrix], xs: dict[str, np.ndarray], xmc_r
             raise InputError(f"{x_path} has dimension {xs[src].shape[1]} but {x_abs} has {d}")
         if src != "tst" and ys[src].nnz == 0:
             raise InputError(f"{y_path} has no (query, document) pair")
-
-
-def _unit_rows(x: np.ndarray) -> np.ndarray:
-    return to_numpy(normalize_rows(as_tensor(x, device="cpu")))
 
 
 __all__ = ["AUGMENTATIONS", "FILES", "XMCData", "load_xmc", "read_csr", "read_dense"]

@@ -439,6 +439,16 @@ def test_a_symlinked_data_folder_is_refused(xl_save, tmp_path):
         pg.load(path, device="cpu")
 
 
+def test_a_symlinked_folder_inside_the_data_folder_is_refused(xl_save, tmp_path):
+    _, path = xl_save
+    folder = data_folder(path) / "query_index"
+    moved = tmp_path / "elsewhere"
+    folder.rename(moved)  # same files, same sha256, reached through a link
+    folder.symlink_to(moved)
+    with pytest.raises(FormatError, match="query_index.*symbolic link"):
+        pg.load(path, device="cpu")
+
+
 def test_a_file_name_with_dots_is_refused(xl_save):
     _, path = xl_save
     edit_manifest(path, edit=lambda m: m["state"]["doc_embeddings"].update(
