@@ -30,10 +30,8 @@ class _Numpy:
     arange = staticmethod(lambda n, like: np.arange(n, dtype=np.int64))
     full = staticmethod(lambda shape, value, dtype, like: np.full(shape, value, dtype))
     repeat = staticmethod(lambda x, counts, total: x.repeat(counts))
-    take_along = staticmethod(lambda x, i: np.take_along_axis(x, i, 1))
     flatnonzero = staticmethod(np.flatnonzero)
     astype = staticmethod(lambda x, dtype: x.astype(dtype))
-    argsort_desc = staticmethod(lambda x: np.argsort(-x, axis=1, kind="stable"))
     unique = staticmethod(lambda x: np.unique(x, return_inverse=True))
     divide = staticmethod(np.divide)
 
@@ -47,10 +45,8 @@ class _Torch:
                                                                      device=like.device))
     repeat = staticmethod(lambda x, counts, total: torch.repeat_interleave(x, counts,
                                                                            output_size=total))
-    take_along = staticmethod(lambda x, i: torch.gather(x, 1, i))
     flatnonzero = staticmethod(lambda mask: mask.reshape(-1).nonzero().squeeze(1))
     astype = staticmethod(lambda x, dtype: x.to(dtype))
-    argsort_desc = staticmethod(lambda x: torch.argsort(x, dim=1, descending=True, stable=True))
     unique = staticmethod(lambda x: torch.unique(x, sorted=True, return_inverse=True))
     # by the value, not times its reciprocal (as CUDA divides by a host scalar)
     divide = staticmethod(lambda x, v: x / torch.full((), v, dtype=x.dtype, device=x.device))
@@ -292,15 +288,14 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
 def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,
                augment_docs: bool) -> tuple[Array, Array]:
     """PEFA-XL's neighbours: the query index's top-k ``knn`` (rows < m) merged, with
-    ``augment_docs``, with a passage top-k ``erm`` (document j as row m + j), ties to the
-    lower row (both sorted and every query row below every document row: one stable sort)."""
+    ``augment_docs``, with a passage top-k ``erm`` (document j as row m + j): their top-k,
+    ties to the lower row."""
     if not augment_docs:
         return knn
     xp, ids = ops(knn[1]), erm[1][:, :k]
     scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
     rows = xp.cat([knn[1], _xp(ids).where(ids >= 0, ids + m, -1)], 1)
-    order = xp.argsort_desc(scores)[:, :k]
-    return xp.take_along(scores, order), xp.take_along(rows, order)
+    return select_topk(scores, rows, k) if xp is _Numpy else merge_topk(scores, rows, k)
 
 
 def searches(q: Array, search: Any, *, kp: int, k: int, m: int, n: int, augment_docs: bool
