@@ -74,21 +74,19 @@ def main() -> None:
     t_np, t_torch = alternate(lambda: core(host), lambda: core([q, *erm, *knn]), a.repeats)
     rows.append(["fusion core, exact candidates", a.batch, t_np, t_torch, t_torch / t_np])
 
-    for backend in ("hnsw", "exact"):
-        xl = model(data, backend) if backend == "hnsw" else xl
-
-        def search(prune: bool, queries=q):
+    hnsw = model(data, "hnsw")
+    for backend, xl in (("hnsw", hnsw), ("exact", xl)):
+        def search(prune: bool, xl=xl):
             xl.prune_candidates = prune
-            return xl.search(queries, 100)
+            return xl.search(q, 100)
         t_on, t_off = alternate(lambda: search(True), lambda: search(False), a.repeats)
         rows.append([f"XL search, pruning, {backend}", a.batch, t_on, t_off, t_off / t_on])
     singles = [torch.from_numpy(data.Q_test[i:i + 1]) for i in range(a.singles)]
 
     def one_by_one(prune: bool):
-        xl.prune_candidates = prune
+        hnsw.prune_candidates = prune
         for s in singles:
-            xl.search(s, 10)
-    xl = model(data, "hnsw")
+            hnsw.search(s, 10)
     t_on, t_off = alternate(lambda: one_by_one(True), lambda: one_by_one(False), a.repeats)
     rows.append(["XL single queries, pruning, hnsw", 1, t_on / a.singles, t_off / a.singles,
                  t_off / t_on])
