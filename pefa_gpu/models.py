@@ -604,7 +604,7 @@ class PEFAXL(_Model):
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prune = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
                  and self._erm_exact and self.relevance_rows.nonnegative)
-        q = to_numpy(q) if host else q  # on a single query each torch call costs ~20 us
+        q = to_numpy(q) if host else q  # CPU batches search and fuse as numpy arrays
 
         def fused(x: Array, width: int) -> tuple[tuple[Array, Array], Any, Any]:
             erm, knn = self._searches(x, width, p.k, index_sp, None, host, checked)
