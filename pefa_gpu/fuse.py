@@ -122,7 +122,8 @@ def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
             return triton_rowdots.rowdots(queries, docs, batch, doc)
         return as_tensor(rowdots(*map(to_numpy, (queries, docs, batch, doc))))
     step = max(1, (1 << 22) // max(1, docs.shape[1]))
-    cuts = [0, *(np.flatnonzero(batch[1:] != batch[:-1]) + 1).tolist(), len(batch)]
+    cuts = [0, len(batch)] if len(queries) == 1 else \
+        [0, *(np.flatnonzero(batch[1:] != batch[:-1]) + 1).tolist(), len(batch)]
     parts = [np.multiply(docs[doc[s:min(s + step, hi)]], queries[batch[lo]]).sum(1, np.float32)
              for lo, hi in zip(cuts[:-1], cuts[1:]) for s in range(lo, hi, step)]
     return np.concatenate([np.empty(0, np.float32), *parts])
@@ -151,11 +152,12 @@ class CandidateTable:
         at, rank = self.entry_cell, self.entry_slot % max(self.n_neighbours, 1)
         vote = ops(at).divide(self.entry_score, divisor) * self.entry_y
         if isinstance(at, np.ndarray):
-            use = rank < k
+            if k < self.n_neighbours:
+                at, vote = at[rank < k], vote[rank < k]
             f = np.zeros(len(self.cells), np.float32)
-            np.add.at(f, at[use], vote[use])  # in rank order per candidate
+            np.add.at(f, at, vote)  # in rank order per candidate
             dead = self.extra.copy()
-            dead[at[use]] = False
+            dead[at] = False
             return f, dead
         # one round per rank: a candidate gets one vote a round, so atomics cannot reorder
         f = torch.zeros(len(self.cells), device=at.device)
@@ -281,7 +283,7 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
     if not n_queries:
         return {key: (xp.full((0, topk), float("-inf"), _xp(erm[1]).float32, erm[1]),
                       xp.full((0, topk), -1, xp.int64, erm[1])) for key in parts}
-    return {key: (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v]))
+    return {key: v[0] if len(v) == 1 else (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v]))
             for key, v in parts.items()}
 
 
