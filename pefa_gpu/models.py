@@ -25,7 +25,7 @@ from .aggregate import normalize_rows, pefa_xs, pifa
 from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, resolve_device,
                      to_numpy)
 from .errors import FormatError, InputError
-from .fuse import Array, RelevanceRows, fuse, neighbours, ops
+from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
                      XLParams, XLSearchParams, XSParams, XSSearchParams, check_positive,
@@ -475,13 +475,9 @@ class PEFAXL(_Model):
     _indices = ("index", "query_index")
 
     def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXL":
-        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance.
-
-        The query index holds the m training queries only. With ``augment_docs`` the documents
-        are training queries too (rows m .. m+n-1 of ``relevance``, each labelled with itself),
-        but they are not indexed twice: their neighbours come from the passage search that XL
-        makes anyway (see :meth:`neighbours`).
-        """
+        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance. The query
+        index holds Q only; with ``augment_docs`` document j is also row m + j of Y (labelled
+        with itself), found through the passage index (:meth:`neighbours`)."""
         p, q, rel = self._embeddings(P, Q, Y)
         self.doc_embeddings = p
         self.index = self.new_index().build(p)
@@ -491,8 +487,7 @@ class PEFAXL(_Model):
         return self
 
     def _set_relevance(self, y_train: sp.csr_matrix) -> None:
-        """Install Y from its training block (m x n): stacked over the identity with
-        ``augment_docs``, and its derived state (:attr:`relevance_rows`) with it."""
+        """Y from its training block (m x n), over the identity with ``augment_docs``."""
         y = y_train
         if self.params.augment_docs:
             eye = sp.identity(y_train.shape[1], dtype="float32", format="csr")
@@ -514,40 +509,27 @@ class PEFAXL(_Model):
     def neighbours(self, q: torch.Tensor, k: int,
                    erm: tuple[torch.Tensor, torch.Tensor] | None = None,
                    params: Params | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k nearest training queries N of each query: (B, K) scores and ``relevance`` row
-        ids (-1 padded), ties to the lower row; K = min(k, the rows the indices hold).
-
-        Without ``augment_docs`` this is the query index's top-k. With it, the documents (row
-        m + j) are candidates too: the merge of the query index's top-k and the passage
-        index's top-k (:func:`pefa_gpu.fuse.neighbours`), the top-k of one index over [Q; P].
-        ``erm``: a passage search already made with at least k results (its first k are
-        used), else one is made here. ``params``: the backend's ``SearchParams`` for both
-        indices (None: their defaults).
-        """
+        """The k nearest training queries of each query (with ``augment_docs`` the documents
+        too, as rows m + j): (B, min(k, rows)) scores and ``relevance`` rows, -1 padded, ties to
+        the lower row. ``erm``: a passage search already made (else made here); ``params``: the
+        backend's ``SearchParams`` for both indices."""
         params = self._typed(self._index_search_class, params, "neighbours params")
-        host = q.device.type == "cpu"
-        if erm is not None and host:
-            erm = (to_numpy(erm[0]), to_numpy(erm[1]))
-        out = self._neighbours(to_numpy(q) if host else q, k, erm, params, host)
-        return (as_tensor(out[0]), as_tensor(out[1])) if host else out
+        return self._searches(q, 0, k, params, erm)[1]
 
-    def _neighbours(self, q: Array, k: int, erm: tuple[Array, Array] | None,
-                    params: Params | None, host: bool, checked: bool = True
-                    ) -> tuple[Array, Array]:
-        """:meth:`neighbours` as numpy arrays when ``host``, else tensors (``q`` and ``erm``
-        alike)."""
-        m, n = self.n_train_queries, self.n_docs
-        knn = _index_search(self.query_index, q, min(k, m), params, host, checked)
-        if not self.params.augment_docs:
-            return knn
-        k = min(k, m + n)
-        if erm is None or erm[1].shape[1] < min(k, n):
-            erm = _index_search(self.index, q, min(k, n), params, host, checked)
-        return neighbours(knn, erm, m, k, True)
+    def _searches(self, q: Array, kp: int, k: int, params: Params | None,
+                  erm: tuple[Array, Array] | None = None, host: bool = False,
+                  checked: bool = True) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+        """:func:`pefa_gpu.fuse.searches` on this model's indices (numpy arrays when
+        ``host``); ``erm`` serves where it is wide enough."""
+        def search(x: Array, w_erm: int, w_knn: int) -> tuple[Any, tuple[Array, Array]]:
+            e = erm if erm is not None and erm[1].shape[1] >= w_erm else \
+                _index_search(self.index, x, w_erm, params, host, checked) if w_erm else None
+            return e, _index_search(self.query_index, x, w_knn, params, host, checked)
+        return searches(q, search, kp=kp, k=k, m=self.n_train_queries, n=self.n_docs,
+                        augment_docs=self.params.augment_docs)
 
     def neighbour_vectors(self, rows: torch.Tensor) -> torch.Tensor:
-        """Embeddings of ``relevance`` rows (any shape, valid ids) -> (*rows.shape, d) float32:
-        training queries from the query index, documents (rows >= m) from P."""
+        """Embeddings of ``relevance`` rows (valid ids) -> (*rows.shape, d) float32."""
         m = self.n_train_queries
         flat = rows.reshape(-1)
         out = self.query_index.reconstruct(flat.clamp_max(m - 1)).float()
@@ -556,53 +538,39 @@ class PEFAXL(_Model):
             out = torch.where((flat >= m).unsqueeze(1), docs, out)
         return out.reshape(*rows.shape, -1)
 
-    # search the passage index for topk + PRUNE_MARGIN candidates instead of ``candidates``
-    # where that provably gives the same result (see _search); False: always ``candidates``
+    # search topk + PRUNE_MARGIN passages instead of ``candidates`` where that gives the same
+    # result (see _unprunable); False: always ``candidates``
     prune_candidates: bool = True
     PRUNE_MARGIN = 8
 
     def _search(self, q: torch.Tensor, topk: int, model_sp: XLSearchParams,
                 index_sp: Params | None, checked: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Passage search, neighbours, fusion. ``model_sp``: the model's search settings
-        (``candidates``); ``index_sp``: the backend's, for both indices (None: their
-        defaults). A CPU batch is searched and fused as numpy arrays.
-
-        Pruning, where it provably changes no result: with ``rescore``, lam > 0, votes >= 0
-        and exact ERM scores (``exact_scores``), the passage index is searched for K' =
-        max(topk + PRUNE_MARGIN, k) < Kp candidates; a query keeps them where fl(lam e_K') <
-        fl(lam e_topk) (no dropped candidate can reach its top-k), else it is searched and
-        fused with all Kp."""
+        """Searches and fusion (a CPU batch as numpy arrays), with fewer passages where
+        pruning applies: rescore, lam > 0, votes >= 0, exact ERM scores."""
         p, host = self.params, q.device.type == "cpu"
         kp = min(model_sp.candidates, self.index.ntotal)
         kt = max(topk + self.PRUNE_MARGIN, p.k)
-        prunable = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
-                    and self._erm_exact and self.relevance_rows.nonnegative)
-        q = to_numpy(q) if host else q  # one torch call: on a single query each costs ~20 us
-        erm = _index_search(self.index, q, kt if prunable else kp, index_sp, host, checked)
-        knn = self._neighbours(q, p.k, erm, index_sp, host, checked)
-        rest = ops(erm[1]).arange(0, erm[1])
-        if prunable:  # rows where pruning is not provably exact get all Kp candidates
-            rest = _unprunable(erm, knn, topk, p.lam, self.index.ntotal <= erm[1].shape[1])
-            if len(rest):
-                full = _index_search(self.index, q[rest], kp, index_sp, host, checked)
-                if len(rest) == q.shape[0]:  # all of them (a single query, say): one fusion
-                    erm, rest = full, rest[:0]
-        distinct = self.index.distinct_ids
-        out = self._fuse(q, erm, knn, (p.lam,), (p.k,), topk, distinct=distinct)[(p.lam, p.k)]
+        prune = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
+                 and self._erm_exact and self.relevance_rows.nonnegative)
+        q = to_numpy(q) if host else q  # CPU batches search and fuse as numpy arrays
+
+        def fused(x: Array, width: int) -> tuple[tuple[Array, Array], Any, Any]:
+            erm, knn = self._searches(x, width, p.k, index_sp, None, host, checked)
+            out = self._fuse(x, (erm[0][:, :width], erm[1][:, :width]), knn, (p.lam,), (p.k,),
+                             topk)[(p.lam, p.k)]
+            return out, erm, knn
+        (s, i), erm, knn = fused(q, kt if prune else kp)
+        rest = _unprunable(erm, knn, topk, p.lam) if prune else []
         if len(rest):
-            s, i = self._fuse(q[rest], full, (knn[0][rest], knn[1][rest]), (p.lam,), (p.k,),
-                              topk, distinct=distinct)[(p.lam, p.k)]
-            out[0][rest], out[1][rest] = s, i
-        return (torch.from_numpy(out[0]), torch.from_numpy(out[1])) if host else out
+            s[rest], i[rest] = fused(q[rest], kp)[0]
+        return (torch.from_numpy(s), torch.from_numpy(i)) if host else (s, i)
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
-        """Besides the query itself: its Kp passage results, neighbours and the fusion's
-        candidate table (~48 bytes an entry: Kp + k x the mean row length of Y entries,
-        measured 40-50) and top-k (24 bytes an entry)."""
+        """Besides the query: Kp passages, the candidate table (~48 bytes an entry: Kp + k x
+        Y's mean row length) and the top-k (24 bytes an entry)."""
         kp = min(model_sp.candidates, self.index.ntotal)
-        rows = max(1, self.relevance.shape[0])
-        votes = self.params.k * self.relevance.nnz / rows
+        votes = self.params.k * self.relevance.nnz / max(1, self.relevance.shape[0])
         return super()._query_bytes(topk, model_sp) + int(48 * (kp + votes) + 24 * topk)
 
     @property
@@ -614,11 +582,8 @@ class PEFAXL(_Model):
              knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
              k: int | None = None, batch_size: int | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Fuse precomputed searches: erm = (scores, ids) (B, Kp) from the passage index,
-        knn = (scores, relevance rows) (B, K) from :meth:`neighbours` (not the query index
-        alone: with augment_docs the documents are neighbours too), K >= k (or all the rows the
-        indices hold). ``lam`` / ``k`` override the model's. ``batch_size``: queries per
-        fusion step (default 256 on CUDA, 4096 on the CPU)."""
+        """Fuse a passage search erm (B, Kp) and :meth:`neighbours` knn (B, >= k) -> (B, topk)
+        scores and ids; ``lam`` / ``k`` override the model's."""
         lam = self.params.lam if lam is None else lam
         k = self.params.k if k is None else k
         check_unit_interval(lam, "lam")
@@ -629,10 +594,8 @@ class PEFAXL(_Model):
                   knn: tuple[torch.Tensor, torch.Tensor], lams: Sequence[float],
                   ks: Sequence[int], topk: int, batch_size: int | None = None
                   ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` from the same searches
-        (``knn`` with max(ks) neighbours): per batch the candidate table is built once, the
-        kNN scores once per k and only the mix and top-k per (lam, k) (see pefa_gpu.fuse).
-        Returns {(lam, k): ((B, topk) float32 scores, int64 ids)} on q's device."""
+        """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` (``knn`` with max(ks)
+        neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
         if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
@@ -644,16 +607,14 @@ class PEFAXL(_Model):
 
     def _fuse(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
               lams: Sequence[float], ks: Sequence[int], topk: int,
-              batch_size: int | None = None, distinct: bool = False
-              ) -> dict[tuple[float, int], tuple[Array, Array]]:
-        """:func:`pefa_gpu.fuse.fuse` with this model's Y, documents and settings, on arrays
-        of one kind (numpy or torch)."""
+              batch_size: int | None = None) -> dict[tuple[float, int], tuple[Array, Array]]:
+        """:func:`pefa_gpu.fuse.fuse` with this model's Y, documents and settings."""
         p, docs = self.params, self.doc_embeddings
         if isinstance(q, np.ndarray):
             docs = to_numpy(docs) if self._host_docs is None else self._host_docs
         return fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks,
                     knn_norm=p.knn_norm, rescore=p.rescore, erm_exact=self._erm_exact,
-                    topk=topk, distinct=distinct, batch_size=batch_size)
+                    topk=topk, batch_size=batch_size)
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """lam f_erm + (1 - lam) f_knn: the k neighbours (and, without rescore, the ERM
@@ -721,14 +682,10 @@ def _index_search(index: Index, q: Array, k: int, params: Params | None,
     return scores, ids
 
 
-def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int, lam: float,
-                found_all: bool) -> Array:
-    """Row numbers where pruning (:meth:`PEFAXL._search`) is not provably exact on a top-K'
-    passage search ``erm`` and the neighbours ``knn``: a negative neighbour score, or
-    fl(lam e_K') not below fl(lam e_topk) (float32, as the fusion computes it)."""
+def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int,
+                lam: float) -> Array:
+    """Rows where a top-K' passage search ``erm`` may miss a fused top-``topk`` document: a
+    negative neighbour score, or fl(lam e_K') not below fl(lam e_topk) (float32, as fused)."""
     (scores, ids), xp = erm, ops(erm[1])
-    found = ids[:, -1] >= 0
-    bound = found & (lam * scores[:, -1] < lam * scores[:, topk - 1])
-    if found_all:
-        bound |= ~found
+    bound = (ids[:, -1] >= 0) & (lam * scores[:, -1] < lam * scores[:, topk - 1])
     return xp.flatnonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))

@@ -1,26 +1,10 @@
-"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (and NUDGE-M / NUDGE-N), reusing the expensive
-searches.
+"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (NUDGE, the query side), reusing the expensive
+searches: ``res = pg.sweep(P, Q, Y, test_queries, Y_test); res.best("recall@10")``.
 
-    res = pg.sweep(P, Q, Y, test_queries, Y_test)          # paper grid by default
-    print(res.to_markdown()); best = res.best("recall@10")
-
-- ERM: one search (with XL on the exact backend: the prefix of XL's passage search).
-- XS on the exact backend: two score passes, ``<q, p_j>`` and ``<q, Π(a_j)>``, in chunks;
-  every λ is ``λ <q,p_j> + (1-λ) <q,Π(a_j)> = <q, e_j>`` followed by a top-k per λ. Other
-  backends build one index per λ.
-- XL: one passage search (top ``candidates``) and one query-index search at the largest k
-  (the top-k of the query index is a prefix of its top-K under the ties-to-lower-id rule);
-  :meth:`PEFAXL.fuse_grid` forms the candidate table once per query batch, the neighbour
-  votes once per k, and each λ only mixes and takes a top-k (the fusion core of search).
-- NUDGE-M / NUDGE-N ('nudge-m', 'nudge-n', not in the default methods): one point each, no λ
-  or k; each fit chooses its own step on held-out training queries (see :class:`NUDGE`).
-- The query side (see :mod:`pefa_gpu.query`; not in the default methods): 'adapter' (ERM
-  searched with Π(qW), α chosen on held-out training queries) and 'prf' (ERM searched with
-  VectorPRF's defaults) one point each; 'adapter+xs' one point per λ (PEFA-XS searched with
-  the adapted queries, every λ from the same two score passes as 'xs').
-
-Each configuration gives the same ranking as fitting and searching it on its own (up to float32
-rounding in XS, where λ multiplies scores instead of embeddings).
+ERM reuses XL's passage search on the exact backend; XS on the exact backend mixes two score
+passes per λ (other backends build one index per λ); XL searches once at the largest k and
+fuses every (λ, k) with :meth:`PEFAXL.fuse_grid`. Each configuration ranks as fitting and
+searching it alone would (up to float32 rounding in XS).
 """
 
 from __future__ import annotations
@@ -237,13 +221,9 @@ XS_CELL_BYTES = 16
 
 def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
                  block_cells: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Exact top-k of ``λ <q,P> + (1-λ) <q,Π(A)>`` for every λ from two score passes.
-
-    Scores are formed in (query batch x document chunk) blocks of at most ``block_cells``
-    float32 cells each (default: the exact index's ``memory_budget`` / XS_CELL_BYTES, 16M
-    cells at 256 MiB: fewer blocks, fewer merges); the per-chunk top-k are merged with ties to
-    the lower id.
-    """
+    """Exact top-k of ``λ <q,P> + (1-λ) <q,Π(A)>`` for every λ from two score passes, in
+    (query batch x document chunk) blocks of at most ``block_cells`` float32 cells (default:
+    the exact index's ``memory_budget`` / XS_CELL_BYTES), merged with ties to the lower id."""
     if block_cells is None:  # xs has the exact backend here
         block_cells = max(1, xs.index.memory_budget // XS_CELL_BYTES)
     p = xs.doc_embeddings.float()
@@ -279,14 +259,9 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
 def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,
                    table_cells: int = 2**24) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Top-k columns of ``λ sp_ + (1-λ) sa_`` (B, N) for every λ, ties to the lower column;
-    the kept columns' mixes in tables of at most ``table_cells`` cells (one λ at least).
-
-    Prunes before the per-λ top-k: the k-th best mix over the distinct columns of
-    top-k(sp_) ∪ top-k(sa_) is a lower bound L_λ of the true k-th best, and a float32 mix
-    exceeds max(sp_, sa_) by at most ~4 units in its last place, so columns with
-    max(sp_, sa_) < L - |L| 2^-20 (L = min_λ L_λ) cannot be in any top-k. The mixes of the
-    remaining columns are the same float32 values as on the full block.
-    """
+    the kept columns' mixes in tables of at most ``table_cells`` cells. Columns whose
+    max(sp_, sa_) lies below every λ's k-th best seed mix (less a rounding margin) are dropped
+    first: the kept columns' mixes are the full block's float32 values."""
     b, n = sp_.shape
     kk = min(topk, n)
     if kk == 0 or b == 0 or 4 * kk >= n:

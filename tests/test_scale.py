@@ -91,15 +91,10 @@ KINDS = [("numpy", "cpu"), ("torch", "cpu"), pytest.param("torch", "cuda", marks
 @pytest.mark.parametrize("rescore,erm_exact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("lam,k,norm,topk", [(0.5, 4, "k", 5), (0.25, 6, "none", 30),
                                              (0.0, 2, "k", 10), (1.0, 4, "k", 7)])
-# distinct ids: each searched in the vote keys (small batches), or the rows sorted (large)
-@pytest.mark.parametrize("distinct,search_limit", [(False, None), (True, None), (True, 0)])
-def test_fusion_equals_reference(kind, device, seed, rescore, erm_exact, lam, k, norm, topk,
-                                 distinct, search_limit, monkeypatch):
-    if search_limit is not None:
-        monkeypatch.setattr(pg.fuse, "SEARCH_ERM_IDS", search_limit)
+def test_fusion_equals_reference(kind, device, seed, rescore, erm_exact, lam, k, norm, topk):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(seed)
     got = run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device, lam=lam, k=k, norm=norm,
-                   rescore=rescore, erm_exact=erm_exact, topk=topk, distinct=distinct)
+                   rescore=rescore, erm_exact=erm_exact, topk=topk)
     ref_s, ref_i = ref_fuse(q, P, Y, erm_s, erm_i, knn_s[:, :k], knn_i[:, :k], lam,
                             k if norm == "k" else 1.0, rescore, topk, erm_exact)
     np.testing.assert_array_equal(got[1], ref_i)
@@ -123,12 +118,10 @@ def test_numpy_and_torch_give_the_same_bits(seed, quantized):
     """The CPU runs the core on numpy, CUDA on torch: on the CPU both kinds agree to the bit."""
     q, P, Y, es, ei, ks, ki = fusion_inputs(seed, quantized=quantized, b=12, n=150, m=60,
                                             kp=30, k=8)
-    for rescore, exact, distinct in [(False, False, False), (True, False, True),
-                                     (True, True, False), (True, True, True)]:
+    for rescore, exact in [(False, False), (True, False), (True, True)]:
         for lam, k, norm, topk in [(0.5, 4, "k", 5), (0.1, 8, "k", 40), (0.0, 2, "none", 10),
                                    (1.0, 3, "k", 7)]:
-            kw = dict(lam=lam, k=k, norm=norm, rescore=rescore, erm_exact=exact, topk=topk,
-                      distinct=distinct)
+            kw = dict(lam=lam, k=k, norm=norm, rescore=rescore, erm_exact=exact, topk=topk)
             a = run_fuse("numpy", q, P, Y, es, ei, ks, ki, **kw)
             b = run_fuse("torch", q, P, Y, es, ei, ks, ki, **kw)
             assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])

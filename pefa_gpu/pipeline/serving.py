@@ -12,7 +12,7 @@ import torch
 
 from ..arrays import as_embeddings, check_positive_int, check_topk
 from ..errors import InputError
-from ..fuse import neighbours
+from ..fuse import searches
 from ..metrics import evaluate
 from ..params import check_unit_interval
 from ..topk import merge_topk
@@ -31,13 +31,6 @@ def _merge(parts: Sequence[Result | None], k: int) -> Result:
     if len(parts) == 1 and parts[0][1].shape[1] >= k:
         return parts[0][0][:, :k], parts[0][1][:, :k]
     return merge_topk(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), k)
-
-
-def _compact(scores: torch.Tensor, ids: torch.Tensor) -> Result:
-    """Valid entries (id >= 0) first in each row, in their order; padding (-1, -inf) after."""
-    order = torch.argsort((ids < 0).to(torch.int8), dim=1, stable=True)
-    ids = ids.gather(1, order)
-    return torch.where(ids >= 0, scores.gather(1, order), float("-inf")), ids
 
 
 class _Loaded(NamedTuple):
@@ -96,18 +89,15 @@ class ShardServer:
 
     def fuse(self, q: torch.Tensor, erm: Result, knn: Result, topk: int, lam: float,
              k: int) -> Result | None:
-        """PEFA-XL's fused top-``topk`` over this server's documents: for each shard, the
-        global ERM candidates and neighbours that concern it, in its local numbering, through
-        :meth:`PEFAXL.fuse`. The fused score of a document depends only on q, the
-        neighbours, its own embedding and its own column of Y, so the top-k of every shard's
-        top-k is the top-k of one model over all documents."""
+        """PEFA-XL's fused top-``topk`` over this server's documents: each shard fuses the
+        global candidates and neighbours in its own numbering (-1 where not its own); a
+        document's fused score needs only its embedding and its column of Y."""
         def one(s: _Loaded, kk: int) -> Result:
-            dev = s.model.device
-            e_ids = erm[1].to(dev)
-            mine = (e_ids >= s.lo) & (e_ids < s.hi)
-            e_local = _compact(erm[0].to(dev), torch.where(mine, e_ids - s.lo, -1))
-            k_local = _compact(knn[0].to(dev), _local_rows(knn[1].to(dev), self.info.m, s))
-            return s.model.fuse(q.to(dev), e_local, k_local, kk, lam=lam, k=k)
+            dev, e_ids = s.model.device, erm[1].to(s.model.device)
+            e_local = torch.where((e_ids >= s.lo) & (e_ids < s.hi), e_ids - s.lo, -1)
+            k_local = _local_rows(knn[1].to(dev), self.info.m, s)
+            return s.model.fuse(q.to(dev), (erm[0].to(dev), e_local), (knn[0].to(dev), k_local),
+                                kk, lam=lam, k=k)
         return _gather(self.docs, topk, one)
 
 
@@ -135,15 +125,15 @@ def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
     if info.method != "xl":
         (parts,) = fan.call(("erm", (q, topk, params)))
         return _merge(parts, topk)
-    p, n, m = info.params, info.n, info.m
+    p = info.params
     lam = p.lam if lam is None else lam
     k = p.k if k is None else k
-    kp = min(info.candidates if candidates is None else candidates, n)
-    kn = min(k, m + n if p.augment_docs else m)  # the neighbours there are (fused with k)
-    width = max(kp, kn) if p.augment_docs else kp
-    erm_parts, knn_parts = fan.call(("erm", (q, width, params)), ("knn", (q, min(kn, m), params)))
-    erm = _merge(erm_parts, width)
-    knn = neighbours(_merge(knn_parts, min(kn, m)), erm, m, kn, p.augment_docs)
+    kp = min(info.candidates if candidates is None else candidates, info.n)
+
+    def search(x: torch.Tensor, w_erm: int, w_knn: int) -> tuple[Result, Result]:
+        erm, knn = fan.call(("erm", (x, w_erm, params)), ("knn", (x, w_knn, params)))
+        return _merge(erm, w_erm), _merge(knn, w_knn)
+    erm, knn = searches(q, search, kp=kp, k=k, m=info.m, n=info.n, augment_docs=p.augment_docs)
     (parts,) = fan.call(("fuse", (q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk, lam, k)))
     return _merge(parts, topk)
 

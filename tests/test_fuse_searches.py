@@ -1,0 +1,60 @@
+"""PEFA-XL's search sequence, written once (fuse.searches) for the model and the pipeline: the
+widths it asks of the two indices, and its neighbours against a float64 reference over
+[Q; P], ties included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+import pefa_gpu as pg
+from pefa_gpu import fuse
+from reference import topk as ref_topk
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*L2-normalised")
+
+
+@pytest.mark.parametrize("kp,k,m,n,augment,want", [
+    (500, 16, 40, 900, True, (500, 16)),    # the passage search serves the neighbours
+    (5, 16, 40, 900, True, (16, 16)),       # fewer candidates than neighbours
+    (5, 16, 10, 900, True, (16, 10)),       # fewer training queries than k
+    (30, 16, 40, 8, True, (30, 16)),        # fewer documents than k
+    (5, 16, 40, 900, False, (5, 16)),
+    (0, 16, 40, 900, False, (0, 16)),       # neighbours only (PEFAXL.neighbours)
+    (500, 16, 0, 900, True, (500, 0)),      # no training queries
+])
+def test_widths_asked_of_the_indices(kp, k, m, n, augment, want):
+    asked = []
+
+    def search(q, w_erm, w_knn):
+        asked.append((w_erm, w_knn))
+        b = q.shape[0]
+        erm = (torch.zeros(b, w_erm), torch.arange(w_erm).repeat(b, 1) % max(n, 1))
+        return erm, (torch.zeros(b, w_knn), torch.arange(w_knn).repeat(b, 1))
+    erm, knn = fuse.searches(torch.zeros(3, 4), search, kp=kp, k=k, m=m, n=n,
+                             augment_docs=augment)
+    assert asked == [want]
+    assert knn[1].shape == (3, min(k, m + n if augment else m))
+
+
+@pytest.mark.parametrize("augment", [True, False])
+@pytest.mark.parametrize("candidates", [3, 40])
+def test_neighbours_equal_a_float64_top_k_over_queries_and_documents(augment, candidates):
+    rng = np.random.default_rng(7)
+    n, m, d, b, k = 60, 30, 6, 25, 9
+    # a 1/4 grid: exact float32 products, many ties; duplicated rows across Q and P
+    P, Q, T = (rng.integers(-2, 3, (r, d)).astype(np.float32) / 4 for r in (n, m, b))
+    Q[:5] = P[:5]
+    Y = sp.random(m, n, density=0.05, random_state=7, format="csr", dtype=np.float32)
+    xl = pg.PEFAXL(device="cpu", k=k, augment_docs=augment,
+                   search_params=pg.XLSearchParams(candidates=candidates)).fit(P, Q, Y)
+    erm, knn = xl._searches(torch.from_numpy(T), candidates, k, None)
+    rows = np.vstack([Q, P]) if augment else Q
+    want_s, want_i = ref_topk(T.astype(np.float64) @ rows.T.astype(np.float64), k)
+    np.testing.assert_array_equal(knn[1].numpy(), want_i)
+    np.testing.assert_array_equal(knn[0].numpy(), want_s.astype(np.float32))
+    assert erm[1].shape[1] >= candidates
+    got = xl.neighbours(torch.from_numpy(T), k)
+    assert torch.equal(got[1], knn[1]) and torch.equal(got[0], knn[0])
