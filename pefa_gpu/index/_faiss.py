@@ -107,11 +107,10 @@ def faiss_pointer(faiss: Any, t: torch.Tensor) -> Any:
     """A faiss SWIG pointer to the contiguous float32 or int64 tensor ``t`` (CPU or CUDA)."""
     if not t.is_contiguous():
         raise InputError("faiss_pointer needs a contiguous tensor")
-    if t.dtype == torch.float32:
-        return faiss.cast_integer_to_float_ptr(t.data_ptr())
-    if t.dtype == torch.int64:
-        return faiss.cast_integer_to_idx_t_ptr(t.data_ptr())
-    raise TypeError(f"faiss_pointer takes float32 or int64 tensors, got {t.dtype}")
+    cast = {torch.float32: "float", torch.int64: "idx_t"}.get(t.dtype)
+    if cast is None:
+        raise TypeError(f"faiss_pointer takes float32 or int64 tensors, got {t.dtype}")
+    return getattr(faiss, f"cast_integer_to_{cast}_ptr")(t.data_ptr())
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""The shared class of the backends searched on the host (faiss, hnswlib, ScaNN).
+"""The classes of the backends searched through a library: :class:`HostBackend` (hnswlib,
+ScaNN, and faiss on the CPU) and :class:`FaissBackend` (faiss; a GPU index is searched with
+device tensors, on torch's current stream).
 
 A subclass implements ``_raw_search(q, k, params)`` (one library call on a (B, d) float32
-array, 1 <= k <= ntotal -> (B, k) similarities and int64 ids, -1 where nothing was found) and
-``_append``; ``_read_rows`` where the library hands back its rows. This class does the rest:
-query checks, search settings, -1 / -inf padding, the tie rule, results to the device, and an
-exact search over the stored rows for k above ``max_k``.
+array, 1 <= k <= ntotal -> (B, k) similarities and int64 ids, -1 where nothing was found),
+``_append`` and, where the library hands its rows back, ``_read_rows``. The classes do the
+rest: checks, search settings, -1 / -inf padding, the tie rule, results to the device, and an
+exact search over the stored rows for k above ``max_k`` (faiss GPU: 2048).
 """
 
 from __future__ import annotations
@@ -22,14 +24,12 @@ from ..errors import FormatError, InputError
 from ..params import Params
 from ..storage import strict_json
 from ..topk import PAD_ID, PAD_SCORE
-from ._faiss import host_float32, normalise_results_host
-from .base import Index, check_row_ids
+from ._faiss import (host_float32, import_faiss, normalise_results_host,
+                     normalise_results_tensors, search_tensors)
+from .base import Index, check_row_ids, empty_results
 from .exact import ExactIndex
 
-
-def resolve_threads(threads: int) -> int:
-    """``threads`` (0 = every core) -> a positive thread count."""
-    return threads if threads > 0 else (os.cpu_count() or 1)
+FAISS_FILE = "index.faiss"
 
 
 def write_description(path: Path, fmt: str, **fields: Any) -> None:
@@ -57,8 +57,7 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
 
 
 class HostBackend(Index):
-    """Base of the host-searched backends (see the module docstring). ``max_k``: the largest
-    k the library answers (None: no limit; tests lower it)."""
+    """``max_k``: the largest k the library answers (None: no limit; tests lower it)."""
 
     max_k: ClassVar[int | None] = None
 
@@ -70,6 +69,11 @@ class HostBackend(Index):
     @property
     def dim(self) -> int:
         return self._dim
+
+    @property
+    def threads(self) -> int:
+        """``params.threads``, 0 meaning every core."""
+        return self.params.threads or os.cpu_count() or 1
 
     def add(self, vectors: Any) -> None:
         """Append rows (ids continue after the existing ones); into an empty index: build."""
@@ -138,3 +142,53 @@ class HostBackend(Index):
     def _stored_vectors(self) -> torch.Tensor:
         """Every stored row, (ntotal, d) float32 on the device."""
         return as_tensor(self._read_rows(np.arange(self.ntotal)), device=self.device)
+
+
+class FaissBackend(HostBackend):
+
+    def __init__(self, params: Any = None, device: Any = None):
+        super().__init__(params, device)
+        self._faiss = import_faiss()
+        self._index: Any = None
+        self._gpu_res: Any = None  # the faiss GPU resources of an index on the GPU
+
+    @property
+    def on_gpu(self) -> bool:
+        """True when the faiss index lives on the GPU (searched with device tensors)."""
+        return self._gpu_res is not None
+
+    @property
+    def ntotal(self) -> int:
+        return int(self._index.ntotal) if self._index is not None else 0
+
+    def search(self, queries: Any, k: int, params: Params | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.on_gpu:
+            return super().search(queries, k, params)
+        sp = self.resolve_search_params(params)
+        k = check_topk(k, self.ntotal, "k")
+        # faiss reads the tensor where it is: no host copy, values not read
+        q = as_tensor(queries, device=self.device, dtype=torch.float32, name="queries").detach()
+        self.check_queries(q)
+        if q.shape[0] == 0 or self.ntotal == 0:
+            return empty_results(q.shape[0], k, self.device)
+        limit = self._k_limit()
+        if limit is not None and k > limit:
+            return self._exact_search(q, k)
+        return normalise_results_tensors(*search_tensors(
+            self._faiss, self._index, q, k, self._faiss_params(sp), self._gpu_res))
+
+    def _faiss_params(self, params: Params) -> Any:
+        """The faiss ``SearchParameters`` object for ``params`` (GPU indices)."""
+        raise NotImplementedError
+
+    def _write(self, index: Any, directory: str | Path) -> None:
+        self._faiss.write_index(index, str(self._save_dir(directory) / FAISS_FILE))
+
+    @classmethod
+    def _read(cls, directory: str | Path) -> Any:
+        path = cls._saved_file(directory, FAISS_FILE)
+        try:
+            return import_faiss().read_index(str(path))
+        except Exception as exc:  # faiss raises RuntimeError on a corrupt file
+            raise FormatError(f"{path} could not be read by faiss: {exc}") from exc

@@ -177,8 +177,7 @@ class CagraIndex(VectorIndex):
         from cuvs.common import Resources  # noqa: PLC0415
 
         stream = torch.cuda.current_stream(cuda_index(self.device)).cuda_stream
-        if not isinstance(self._res, dict):
-            self._res = {}
+        self._res = self._res if isinstance(self._res, dict) else {}
         if stream not in self._res:
             self._res[stream] = Resources(stream=stream)
         return self._res[stream]

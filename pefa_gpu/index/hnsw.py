@@ -17,7 +17,7 @@ import numpy as np
 from ..errors import FormatError, InputError
 from .base import IndexParams, check_number, count, positive
 from ._faiss import faiss_search_parameters, faiss_threads, host_float32, import_faiss
-from ._faiss_backend import FaissBackend
+from ._host import FaissBackend
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

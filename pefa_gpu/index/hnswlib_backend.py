@@ -21,7 +21,7 @@ from ..arrays import to_numpy
 from ..errors import FormatError, InputError
 from .base import IndexParams, count, import_optional, positive
 from ._faiss import host_float32
-from ._host import HostBackend, read_description, resolve_threads, write_description
+from ._host import HostBackend, read_description, write_description
 
 log = logging.getLogger("pefa_gpu")
 
@@ -31,11 +31,6 @@ META_FORMAT = "pefa_gpu-hnswlib"
 # size_data_per_element, label_offset, offsetData (size_t), maxlevel (int), enterpoint (uint),
 # maxM, maxM0, M (size_t), mult (double), ef_construction (size_t)
 _HEADER = struct.Struct("<6QiI3QdQ")
-
-
-def import_hnswlib() -> Any:
-    return import_optional("hnswlib", "backend 'hnswlib' needs hnswlib: `pip install hnswlib` "
-                           "(builds with g++), or `pip install pefa_gpu[hnswlib]`")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -68,7 +63,9 @@ class HnswlibIndex(HostBackend):
 
     def __init__(self, params: HnswlibParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
-        self._hnswlib = import_hnswlib()
+        self._hnswlib = import_optional("hnswlib", "backend 'hnswlib' needs hnswlib: `pip "
+                                        "install hnswlib` (builds with g++), or `pip install "
+                                        "pefa_gpu[hnswlib]`")
         self._index: Any = None
         self._ef = 0  # the ef last set on the hnswlib index
 
@@ -86,14 +83,13 @@ class HnswlibIndex(HostBackend):
         index.init_index(max_elements=x.shape[0], M=p.M, ef_construction=p.ef_construction,
                          random_seed=p.seed)
         self._index, self._dim, self._ef, self._fallback = index, x.shape[1], 0, None
-        index.add_items(x, np.arange(x.shape[0]), num_threads=resolve_threads(p.threads))
+        index.add_items(x, np.arange(x.shape[0]), num_threads=self.threads)
         return self
 
     def _append(self, x: np.ndarray) -> None:
         n = self.ntotal
         self._index.resize_index(n + x.shape[0])
-        self._index.add_items(x, np.arange(n, n + x.shape[0]),
-                              num_threads=resolve_threads(self.params.threads))
+        self._index.add_items(x, np.arange(n, n + x.shape[0]), num_threads=self.threads)
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self._index.get_items(ids, return_type="numpy"), dtype=np.float32)
@@ -105,8 +101,7 @@ class HnswlibIndex(HostBackend):
             self._index.set_ef(ef)
             self._ef = ef
         try:
-            labels, dist = self._index.knn_query(
-                q, k=k, num_threads=resolve_threads(self.params.threads))
+            labels, dist = self._index.knn_query(q, k=k, num_threads=self.threads)
         except RuntimeError as exc:  # "Cannot return the results in a contiguous 2D array"
             log.info("hnswlib found fewer than k=%d results (%s); answering exactly", k, exc)
             return tuple(map(to_numpy, self._exact_search(q, k)))

@@ -23,7 +23,7 @@ from ..params import check_choice
 from .base import IndexParams, check_row_ids, count, positive
 from ._faiss import (faiss_has_gpu, faiss_pointer, faiss_search_parameters, faiss_threads,
                      host_float32, import_faiss, on_current_stream)
-from ._faiss_backend import FaissBackend
+from ._host import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
 
@@ -85,16 +85,8 @@ class IVFIndex(FaissBackend):
 
     def __init__(self, params: IVFParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
-        self._gpu_res: Any = None
         self._rows: torch.Tensor | None = None  # GPU: the stored rows on the device, once read
         self._nprobe_warned = False
-
-    @property
-    def on_gpu(self) -> bool:
-        return self._gpu_res is not None
-
-    def _gpu_resources(self) -> Any:
-        return self._gpu_res
 
     @property
     def exact_scores(self) -> bool:

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import FormatError, InputError
 from .base import IndexParams, check_number, count, import_optional, positive
 from ._faiss import host_float32
-from ._host import HostBackend, read_description, resolve_threads, write_description
+from ._host import HostBackend, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
 META_FORMAT = "pefa_gpu-scann"
@@ -111,7 +111,7 @@ class ScannIndex(HostBackend):
             raise InputError(f"scann needs a non-empty (n, d) matrix, got {x.shape}")
         p = self.params
         builder = self._scann.builder(x, 10, "dot_product")
-        builder.set_n_training_threads(resolve_threads(p.threads))
+        builder.set_n_training_threads(self.threads)
         if n < p.brute_force_below:
             leaves = 0
             builder = builder.score_brute_force(False)
@@ -129,7 +129,7 @@ class ScannIndex(HostBackend):
                                  training_sample_size=sample)
                        .reorder(auto_reorder(10)))
         searcher = builder.build()
-        searcher.set_num_threads(resolve_threads(p.threads))
+        searcher.set_num_threads(self.threads)
         self._searcher, self._dim, self._leaves = searcher, d, leaves
         return self
 
@@ -146,7 +146,7 @@ class ScannIndex(HostBackend):
             reorder = max(params.reorder or auto_reorder(k), k)
         else:
             leaves = reorder = -1  # brute force: no tree, every score exact already
-        if q.shape[0] > 1 and resolve_threads(self.params.threads) > 1:
+        if q.shape[0] > 1 and self.threads > 1:
             ids, dist = self._searcher.search_batched_parallel(q, k, reorder, leaves)
         else:
             ids, dist = self._searcher.search_batched(q, k, reorder, leaves)
@@ -184,7 +184,7 @@ class ScannIndex(HostBackend):
         if searcher.size() != ntotal:
             raise FormatError(f"{directory} holds {searcher.size()} vectors; {meta_path} says "
                               f"{ntotal}")
-        searcher.set_num_threads(resolve_threads(out.params.threads))
+        searcher.set_num_threads(out.threads)
         out._searcher, out._dim, out._leaves = searcher, dim, leaves
         return out
 

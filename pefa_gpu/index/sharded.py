@@ -68,9 +68,6 @@ class ShardedIndex(Index):
             return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return [str(self.device)]
 
-    def _new_shard(self, device: torch.device) -> Index:
-        return self._cls(self.params.backend_params, device)
-
     @property
     def ntotal(self) -> int:
         return sum(s.ntotal for s in self.shards)
@@ -85,10 +82,9 @@ class ShardedIndex(Index):
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
         n, parts = v.shape[0], len(self.devices)
         bounds = [n * i // parts for i in range(parts + 1)]
-        self.shards, self.offsets = [], []
-        for dev, lo, hi in zip(self.devices, bounds[:-1], bounds[1:]):
-            self.shards.append(self._new_shard(dev).build(v[lo:hi]))
-            self.offsets.append(lo)
+        self.shards = [self._cls(self.params.backend_params, dev).build(v[lo:hi])
+                       for dev, lo, hi in zip(self.devices, bounds[:-1], bounds[1:])]
+        self.offsets = bounds[:-1]
         return self
 
     def add(self, vectors: torch.Tensor) -> None:
