@@ -79,6 +79,18 @@ def host_float32(x: Any, name: str, dim: int | None = None,
     return a
 
 
+def device_float32(x: Any, name: str, device: torch.device,
+                   dim: int | None = None) -> torch.Tensor:
+    """:func:`host_float32` as a contiguous float32 tensor on ``device`` (for GPU indices)."""
+    t = as_tensor(x, device=device, dtype=torch.float32, name=name).detach()
+    if t.ndim != 2 or (dim is not None and t.shape[1] != dim):
+        raise InputError(f"{name} must have shape (rows, {dim if dim is not None else 'd'}), "
+                         f"got {tuple(t.shape)}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise InputError(f"{name} contains NaN or inf")
+    return t.contiguous()
+
+
 def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A library's (B, k) similarities and ids (-1: none found) -> float32 / int64 arrays,
     padding (-1, -inf), equal scores listed by id."""

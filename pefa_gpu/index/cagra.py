@@ -22,8 +22,8 @@ from ..arrays import as_tensor, check_topk, cuda_index
 from ..errors import InputError, MissingDependencyError
 from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
-from ._faiss import (faiss_pointer, faiss_search_parameters, import_faiss, on_current_stream,
-                     optional_faiss, search_tensors)
+from ._faiss import (device_float32, faiss_pointer, faiss_search_parameters, import_faiss,
+                     on_current_stream, optional_faiss, search_tensors)
 from .base import IndexParams, VectorIndex, check_budget, check_row_ids, count, positive
 from .exact import ExactIndex
 
@@ -112,10 +112,8 @@ class CagraIndex(VectorIndex):
     max_k: ClassVar[int] = 1024
     exact_scores = True  # candidates are re-scored exactly
 
-    def __init__(self, params: CagraParams | dict | None = None, device: Any = None):
-        self._setup(params, device, need_engine=True)
-
-    def _setup(self, params: Any, device: Any, need_engine: bool) -> None:
+    def __init__(self, params: CagraParams | dict | None = None, device: Any = None,
+                 need_engine: bool = True):
         super().__init__(params, device)
         self.engine = _engine(self.device)  # None: exact search over the stored vectors
         if self.engine is None and need_engine:
@@ -126,12 +124,10 @@ class CagraIndex(VectorIndex):
         self._exact: ExactIndex | None = None
 
     def build(self, vectors: Any) -> "CagraIndex":
-        v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors").detach()
-        if v.ndim != 2 or v.shape[1] == 0:
+        v = device_float32(vectors, "vectors", self.device)
+        if v.shape[1] == 0:
             raise InputError(f"vectors must be 2-D (n, d) with d > 0, got {tuple(v.shape)}")
-        if v.numel() and not bool(torch.isfinite(v).all()):
-            raise InputError("vectors contain NaN or inf")
-        self.vectors = v.contiguous()  # never changed in place: a graph may refer to it
+        self.vectors = v  # never changed in place: a graph may refer to it
         self._exact = None
         self._graph = None
         if self.engine is not None and self.ntotal > self.params.intermediate_graph_degree:
@@ -224,8 +220,7 @@ class CagraIndex(VectorIndex):
              device: Any = None) -> "CagraIndex":
         """Read ``vectors.npy`` and rebuild the graph (exact search where no engine runs)."""
         vectors = load_tensor(cls._saved_file(directory, "vectors.npy"))
-        out = cls.__new__(cls)
-        out._setup(params, device, need_engine=False)
+        out = cls(params, device, need_engine=False)
         if out.engine is None and out.device.type == "cuda":
             log.warning("cagra: %s; serving exact search from the stored vectors instead",
                         _install_message(out.device))

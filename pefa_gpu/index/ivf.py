@@ -21,8 +21,8 @@ from ..arrays import as_tensor, cuda_index
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from .base import IndexParams, check_row_ids, count, positive
-from ._faiss import (faiss_has_gpu, faiss_pointer, faiss_search_parameters, faiss_threads,
-                     host_float32, import_faiss, on_current_stream)
+from ._faiss import (device_float32, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
+                     faiss_threads, host_float32, import_faiss, on_current_stream)
 from ._host import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
@@ -119,7 +119,8 @@ class IVFIndex(FaissBackend):
 
     def build(self, vectors: Any) -> "IVFIndex":
         """Train on a sample of ``vectors`` (n, d) and add them all; returns self."""
-        x = self._vectors(vectors, "vectors", self._want_gpu())
+        x = device_float32(vectors, "vectors", self.device) if self._want_gpu() else \
+            host_float32(vectors, "vectors")
         n, d = x.shape
         if d == 0 or n == 0:
             raise InputError(f"ivf needs a non-empty (n, d) matrix to train on, got {x.shape}")
@@ -156,25 +157,13 @@ class IVFIndex(FaissBackend):
         if self._index is None:
             self.build(vectors)
             return
-        x = self._vectors(vectors, "vectors", self.on_gpu, dim=self.dim)
+        x = device_float32(vectors, "vectors", self.device, self.dim) if self.on_gpu else \
+            host_float32(vectors, "vectors", dim=self.dim)
         if x.shape[0]:
             self._call("add", x)
             if self._rows is not None:  # IVF-Flat stores the rows as given; PQ codes differ
                 self._rows = torch.cat([self._rows, x]) if self.exact_scores else None
         self._fallback = None
-
-    def _vectors(self, vectors: Any, name: str, on_device: bool,
-                 dim: int | None = None) -> Any:
-        """(n, d) float32 rows, checked: a contiguous device tensor on the GPU, else numpy."""
-        if not on_device:
-            return host_float32(vectors, name, dim=dim)
-        x = as_tensor(vectors, device=self.device, dtype=torch.float32, name=name).detach()
-        if x.ndim != 2 or (dim is not None and x.shape[1] != dim):
-            raise InputError(f"{name} must have shape (rows, {dim if dim is not None else 'd'})"
-                             f", got {tuple(x.shape)}")
-        if x.numel() and not bool(torch.isfinite(x).all()):
-            raise InputError(f"{name} contains NaN or inf")
-        return x.contiguous()
 
     def _call(self, method: str, x: Any) -> None:
         """``train`` / ``add`` the rows ``x``: numpy, or a device tensor by its pointer."""

@@ -92,16 +92,11 @@ class ScannIndex(HostBackend):
         super().__init__(params, device)
         self._scann = import_scann()
         self._searcher: Any = None
-        self._leaves = 0  # 0: a brute-force searcher
+        self.num_leaves = 0  # leaves of the trained tree (0: a brute-force searcher)
 
     @property
     def ntotal(self) -> int:
         return int(self._searcher.size()) if self._searcher is not None else 0
-
-    @property
-    def num_leaves(self) -> int:
-        """Leaves of the trained tree (0 for a brute-force searcher)."""
-        return self._leaves
 
     def build(self, vectors: Any) -> "ScannIndex":
         """vectors: (n, d) float, n >= 1 -> a freshly trained searcher; returns self."""
@@ -130,7 +125,7 @@ class ScannIndex(HostBackend):
                        .reorder(auto_reorder(10)))
         searcher = builder.build()
         searcher.set_num_threads(self.threads)
-        self._searcher, self._dim, self._leaves = searcher, d, leaves
+        self._searcher, self._dim, self.num_leaves = searcher, d, leaves
         return self
 
     def _append(self, x: np.ndarray) -> None:
@@ -138,11 +133,11 @@ class ScannIndex(HostBackend):
 
     def _raw_search(self, q: np.ndarray, k: int, params: ScannSearchParams
                     ) -> tuple[np.ndarray, np.ndarray]:
-        if self._leaves and k >= self.ntotal:  # every row asked for: score them all
-            leaves, reorder = self._leaves, k
-        elif self._leaves:
-            leaves = min(params.leaves_to_search or auto_leaves_to_search(self._leaves),
-                         self._leaves)
+        if self.num_leaves and k >= self.ntotal:  # every row asked for: score them all
+            leaves, reorder = self.num_leaves, k
+        elif self.num_leaves:
+            leaves = min(params.leaves_to_search or auto_leaves_to_search(self.num_leaves),
+                         self.num_leaves)
             reorder = max(params.reorder or auto_reorder(k), k)
         else:
             leaves = reorder = -1  # brute force: no tree, every score exact already
@@ -160,7 +155,7 @@ class ScannIndex(HostBackend):
         directory = self._save_dir(directory)
         self._searcher.serialize(str(directory), relative_path=True)
         write_description(directory / META_FILE, META_FORMAT, dim=self.dim,
-                          ntotal=self.ntotal, num_leaves=self._leaves)
+                          ntotal=self.ntotal, num_leaves=self.num_leaves)
 
     @classmethod
     def load(cls, directory: str | Path, params: ScannParams | dict | None = None,
@@ -185,7 +180,7 @@ class ScannIndex(HostBackend):
             raise FormatError(f"{directory} holds {searcher.size()} vectors; {meta_path} says "
                               f"{ntotal}")
         searcher.set_num_threads(out.threads)
-        out._searcher, out._dim, out._leaves = searcher, dim, leaves
+        out._searcher, out._dim, out.num_leaves = searcher, dim, leaves
         return out
 
 
