@@ -1,12 +1,8 @@
-"""The classes of the backends searched through a library: :class:`HostBackend` (hnswlib,
-ScaNN, and faiss on the CPU) and :class:`FaissBackend` (faiss; a GPU index is searched with
-device tensors, on torch's current stream).
+"""The backends searched through a library: :class:`HostBackend` (hnswlib, ScaNN, faiss on
+the CPU) and :class:`FaissBackend` (a faiss GPU index is searched with device tensors).
 
-A subclass implements ``_raw_search(q, k, params)`` (one library call on a (B, d) float32
-array, 1 <= k <= ntotal -> (B, k) similarities and int64 ids, -1 where nothing was found),
-``_append`` and, where the library hands its rows back, ``_read_rows``. The classes do the
-rest: checks, search settings, -1 / -inf padding, the tie rule, results to the device, and an
-exact search over the stored rows for k above ``max_k`` (faiss GPU: 2048).
+A subclass implements ``_raw_search(q, k, params)`` ((B, d) float32, 1 <= k <= ntotal -> (B, k)
+similarities and int64 ids, -1: none), ``_append`` and, where it can, ``_read_rows``.
 """
 
 from __future__ import annotations

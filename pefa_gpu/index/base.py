@@ -1,13 +1,11 @@
-"""The index protocol every backend follows (cuVS' shape: build settings apart from search
-settings).
+"""The index protocol every backend follows (build settings ``Params`` apart from search
+settings ``SearchParams``, as cuVS has them).
 
     index = make_index("exact", device="cpu").build(X)   # X: (n, d)
     scores, ids = index.search(queries, k)               # (B, k) float32, (B, k) int64
 
-``Params`` fix what ``build`` makes (``index.params``); ``SearchParams`` are the defaults of
-``search`` (``index.search_params``) and may be given per call. Scores are similarities
-(never distances), ids are row numbers in insertion order, missing results are id -1 with
-score -inf, results live on the index's device.
+Scores are similarities, ids row numbers in insertion order, -1 / -inf where nothing was
+found, results on the index's device.
 """
 
 from __future__ import annotations
