@@ -1,18 +1,10 @@
 """Row-wise top-k with one tie rule: equal scores go to the lower id, also at the k-th place.
 
-Every exact path (search blocks, merges of chunks and shards, sweeps, the fusion's tables) goes
-through :func:`topk_rows` or :func:`merge_topk`. The common case costs one ``torch.topk`` of
-k + 1 per row: when a row's k-th and (k+1)-th values differ, its top-k set is fixed by value
-alone and only the order of equal values inside it is left, which :func:`order_ties` settles on
-the (B, k) result. A row whose k-th value equals the (k+1)-th takes one more pass over its
-columns to keep the lowest ids among those holding the k-th value.
-
-Order: larger first; -0.0 equals +0.0; NaN (which finite inputs do not produce) ranks above
-every number and equals NaN. Padding: id -1 with score -inf, after every real id of equal score.
-
-Host synchronisation: none on CUDA (the extra pass runs for every row under a mask, so these
-functions suit candidate tables and merges; ``pefa_gpu.index.exact`` handles large score blocks
-its own way). On the CPU the extra pass runs on the tied rows only.
+Every exact path goes through :func:`topk_rows` or :func:`merge_topk`: one ``torch.topk`` of
+k + 1 per row, then :func:`order_ties` orders equal values by id; only rows whose k-th and
+(k+1)-th values are equal take one more pass to keep the lowest ids. Larger first; -0.0
+equals +0.0; NaN ranks above every number. Padding: id -1, score -inf, after every real id.
+On CUDA the extra passes run on every row under a mask (no host synchronisation).
 """
 
 from __future__ import annotations
@@ -24,9 +16,8 @@ PAD_SCORE = float("-inf")
 
 _ID_LAST = torch.iinfo(torch.long).max  # the tie key of padding: after every real id
 
-# The tie passes' strategy: every row under a mask (no host synchronisation) or the tied rows
-# picked out on the host. None: masks on CUDA, picked rows elsewhere; tests set True to run the
-# CUDA strategy on CPU tensors.
+# tie passes: every row under a mask (True) or the tied rows picked on the host (False);
+# None: masks on CUDA only (tests set True to run the CUDA strategy on CPU tensors)
 MASKED: bool | None = None
 
 
@@ -36,12 +27,8 @@ def masked(t: torch.Tensor) -> bool:
 
 
 def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of each row of ``scores`` (B, N) float; ids are column + ``offset``.
-
-    Returns (B, k) scores sorted descending and int64 ids: where several columns tie at the
-    k-th score the lowest columns are kept, and equal scores are listed by ascending id. Rows
-    with N < k are padded with (-inf, -1).
-    """
+    """``scores`` (B, N) float -> (B, k) scores sorted descending and int64 ids (column +
+    ``offset``) with the tie rule, padded with (-inf, -1) when N < k."""
     b, n = scores.shape
     kk = min(k, n)
     if kk == 0 or b == 0:
@@ -53,10 +40,8 @@ def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tens
 
 
 def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Best k of candidate lists ``vals`` (B, C) float / ``ids`` (B, C) int64, ties to the lower
-    id (-1 after every real id). The lists may come from several sources (chunks, shards) side
-    by side, in any order; duplicate ids in a row are not removed. Returns (B, k), padded with
-    (-inf, -1) when C < k."""
+    """Best k of candidates ``vals`` (B, C) float / ``ids`` (B, C) int64 (any order; repeats
+    kept) -> (B, k) with the tie rule (-1 last), padded with (-inf, -1) when C < k."""
     b, c = vals.shape
     kk = min(k, c)
     if kk == 0 or b == 0:
@@ -68,17 +53,15 @@ def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Ten
 def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates (B, w) sorted descending -> (B, kk): :func:`merge_topk` where ``settle``
-    (B,) bool, the first kk elsewhere (every row under the mask: no host synchronisation)."""
+    (B,) bool, the first kk elsewhere (no host synchronisation)."""
     v, i = merge_topk(vals, ids, kk)
     return (torch.where(settle.unsqueeze(1), v, vals[:, :kk]),
             torch.where(settle.unsqueeze(1), i, ids[:, :kk]))
 
 
 def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, w) scores sorted descending and their int64 ids -> the same lists with every run of
-    equal scores in ascending id order (-1 last). CPU: a check of w - 1 neighbours per row, and
-    two small stable sorts of the rows that have a tie; CUDA: the sorts for every row (no host
-    synchronisation). Returns contiguous tensors."""
+    """(B, w) scores sorted descending and int64 ids -> contiguous lists with each run of equal
+    scores in ascending id order (-1 last); on the CPU only rows with a tie are sorted."""
     b, w = vals.shape
     if w < 2 or b == 0:
         return vals.contiguous(), ids.contiguous()
@@ -93,8 +76,8 @@ def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def boundary_tied(vals: torch.Tensor, k: int) -> torch.Tensor:
-    """(B,) bool: the rows of ``vals`` (B, > k), sorted descending, whose k-th and (k+1)-th
-    values are equal, i.e. whose top-k set depends on the tie rule."""
+    """(B,) bool: rows of ``vals`` (B, > k), sorted descending, whose k-th and (k+1)-th values
+    are equal (their top-k set depends on the tie rule)."""
     return _same(vals[:, k - 1], vals[:, k])
 
 
@@ -110,9 +93,8 @@ def pad_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 def _select(table: torch.Tensor, kk: int,
             keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kk best entries of each row of ``table`` (B, W), kk <= W: (B, kk) values sorted
-    descending (equal values in any order) and their columns. Among the entries equal to the
-    kk-th value, those with the lowest ``keys`` (B, W) int64 are kept (None: lowest columns)."""
+    """(B, kk) best values of ``table`` (B, W) sorted descending (equal ones in any order) and
+    their columns; of those equal to the kk-th, the lowest ``keys`` (None: columns) are kept."""
     if kk >= table.shape[1]:
         return torch.topk(table, kk, dim=1)
     vals, cols = torch.topk(table, kk + 1, dim=1)
@@ -132,9 +114,8 @@ def _select(table: torch.Tensor, kk: int,
 
 def _lowest_equal(table: torch.Tensor, vals: torch.Tensor, cols: torch.Tensor,
                   keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of (vals, cols) (R, kk), a top-kk by value of ``table`` (R, W), with the entries
-    equal to their kk-th value replaced by the columns holding that value with the lowest
-    ``keys`` (None: lowest columns). Two passes over ``table``: a mask and one int top-k."""
+    """(vals, cols) (R, kk), a top-kk of ``table`` (R, W), with the entries equal to the kk-th
+    value replaced by the columns holding it with the lowest ``keys`` (None: columns)."""
     w = table.shape[1]
     kk = vals.shape[1]
     kth = vals[:, -1:]
@@ -155,8 +136,7 @@ def _lowest_equal(table: torch.Tensor, vals: torch.Tensor, cols: torch.Tensor,
 def _order_runs(vals: torch.Tensor, ids: torch.Tensor,
                 same: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (R, w) lists by (run of equal values, id); ``same`` (R, w-1) marks a value equal to
-    the one before it. The runs are found with ==, never by a float sort (CUDA's radix sorts
-    put -0.0 before +0.0)."""
+    the one before it (runs by ==: CUDA's radix sorts put -0.0 before +0.0)."""
     run = torch.cat([torch.zeros_like(same[:, :1], dtype=torch.long),
                      (~same).long().cumsum(1)], 1)
     o = torch.argsort(_id_key(ids), dim=1, stable=True)

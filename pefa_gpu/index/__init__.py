@@ -1,7 +1,5 @@
-"""Nearest-neighbour backends behind one protocol (see :mod:`pefa_gpu.index.base`).
-
-Backends register by name; optional ones are imported only when asked for.
-"""
+"""Nearest-neighbour backends behind one protocol (:mod:`pefa_gpu.index.base`), registered by
+name; optional ones are imported only when asked for."""
 
 from __future__ import annotations
 
@@ -10,7 +8,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..params import Params
-from .base import Index, NoSearchParams
+from .base import Index
 from .exact import ExactIndex, ExactParams, ExactSearchParams
 
 # name -> "module:Class"; modules are imported lazily so faiss is needed only when used
@@ -27,7 +25,9 @@ _BACKENDS: dict[str, str] = {
 
 def register_backend(name: str, target: str | type[Index]) -> None:
     """Make ``backend=name`` resolve to an Index subclass (or a lazy "module:Class" path)."""
-    _BACKENDS[name] = target if isinstance(target, str) else f"{target.__module__}:{target.__qualname__}"
+    if not isinstance(target, str):
+        target = f"{target.__module__}:{target.__qualname__}"
+    _BACKENDS[name] = target
 
 
 def backend_names() -> list[str]:
@@ -44,8 +44,8 @@ def backend_class(name: str) -> type[Index]:
 
 def make_index(backend: str, device: Any = None, params: Params | dict | None = None,
                search_params: Params | dict | None = None) -> Index:
-    """A new, empty index of the named backend: ``params`` its build settings, ``search_params``
-    the defaults of its searches (both: the backend's Params / SearchParams, or dicts)."""
+    """A new, empty index: ``params`` its build settings, ``search_params`` its search
+    defaults (the backend's Params / SearchParams, or dicts)."""
     index = backend_class(backend)(params, device)
     if search_params is not None:
         index.search_params = search_params

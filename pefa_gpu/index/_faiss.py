@@ -1,11 +1,6 @@
-"""faiss plumbing: the lazy import, its thread pool, array hand-off and result normalisation
-(similarities, -1 / -inf padding, the tie rule). The faiss backends' common class:
-:mod:`pefa_gpu.index._faiss_backend`.
-
-A faiss index on the GPU (``on_gpu``) is searched with torch tensors on its device: faiss gets
-their device pointers and runs on torch's current stream there (:func:`search_tensors`, as
-faiss' ``contrib/torch_utils`` does, but per call and without patching faiss' classes), so
-the queries never leave the GPU. CPU indices take numpy arrays.
+"""faiss plumbing: the lazy import, its thread pool, arrays in and results out (-1 / -inf
+padding, the tie rule). A GPU index reads torch tensors through device pointers on torch's
+current stream (:func:`search_tensors`, per call, no patching of faiss' classes).
 """
 
 from __future__ import annotations
@@ -61,9 +56,8 @@ def faiss_has_gpu(faiss: Any) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def faiss_search_parameters(kind: str, **fields: Any) -> Any:
-    """A ``faiss.<kind>`` search-parameters object with ``fields`` set (e.g.
-    ``("SearchParametersHNSW", efSearch=300)``), made once per value: creating one costs ~15 us,
-    a tenth of a single-query search. Shared, so never modified after creation."""
+    """A ``faiss.<kind>`` search-parameters object with ``fields`` set, made once per value
+    (shared: never modified)."""
     out = getattr(import_faiss(), kind)()
     for name, value in fields.items():
         setattr(out, name, value)
@@ -72,8 +66,8 @@ def faiss_search_parameters(kind: str, **fields: Any) -> Any:
 
 def host_float32(x: Any, name: str, dim: int | None = None,
                  check_finite: bool = True) -> np.ndarray:
-    """(rows, d) C-contiguous float32 numpy array for faiss; checks rank, dim and (unless
-    ``check_finite`` is False: values already checked by the caller) finiteness."""
+    """(rows, d) C-contiguous float32 numpy array; checks rank, dim and (unless
+    ``check_finite`` is False) finiteness."""
     a = to_numpy(x if isinstance(x, (np.ndarray, torch.Tensor)) else as_tensor(x, name=name))
     a = np.ascontiguousarray(a, dtype=np.float32)
     if a.ndim != 2:
@@ -85,16 +79,21 @@ def host_float32(x: Any, name: str, dim: int | None = None,
     return a
 
 
-def normalise_results(scores: np.ndarray, ids: np.ndarray,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """faiss (D, I) for an inner-product index -> float32 / int64 tensors on ``device`` with
-    the library's padding (id -1, score -inf) wherever faiss found nothing."""
-    scores, ids = normalise_results_host(scores, ids)
-    return as_tensor(scores, device=device), as_tensor(ids, device=device)
+def device_float32(x: Any, name: str, device: torch.device,
+                   dim: int | None = None) -> torch.Tensor:
+    """:func:`host_float32` as a contiguous float32 tensor on ``device`` (for GPU indices)."""
+    t = as_tensor(x, device=device, dtype=torch.float32, name=name).detach()
+    if t.ndim != 2 or (dim is not None and t.shape[1] != dim):
+        raise InputError(f"{name} must have shape (rows, {dim if dim is not None else 'd'}), "
+                         f"got {tuple(t.shape)}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise InputError(f"{name} contains NaN or inf")
+    return t.contiguous()
 
 
 def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`normalise_results` with numpy float32 / int64 arrays as the result."""
+    """A library's (B, k) similarities and ids (-1: none found) -> float32 / int64 arrays,
+    padding (-1, -inf), equal scores listed by id."""
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     if ids.size and ids.min() < 0:  # on the host: cheaper than torch ops for small B
@@ -108,9 +107,8 @@ def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndar
 
 def normalise_results_tensors(scores: torch.Tensor, ids: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`normalise_results` for faiss results that are already tensors on the index's
-    device: padding (id -1, score -inf) where faiss found nothing, equal scores listed by id,
-    padding last; no host synchronisation."""
+    """:func:`normalise_results_host` for tensors on the index's device (no host
+    synchronisation)."""
     missing = ids < 0
     scores = scores.masked_fill(missing, PAD_SCORE)
     ids = ids.masked_fill(missing, PAD_ID)
@@ -118,22 +116,19 @@ def normalise_results_tensors(scores: torch.Tensor, ids: torch.Tensor
 
 
 def faiss_pointer(faiss: Any, t: torch.Tensor) -> Any:
-    """A faiss SWIG pointer to the memory of the contiguous float32 or int64 tensor ``t`` (CPU
-    or CUDA)."""
+    """A faiss SWIG pointer to the contiguous float32 or int64 tensor ``t`` (CPU or CUDA)."""
     if not t.is_contiguous():
         raise InputError("faiss_pointer needs a contiguous tensor")
-    if t.dtype == torch.float32:
-        return faiss.cast_integer_to_float_ptr(t.data_ptr())
-    if t.dtype == torch.int64:
-        return faiss.cast_integer_to_idx_t_ptr(t.data_ptr())
-    raise TypeError(f"faiss_pointer takes float32 or int64 tensors, got {t.dtype}")
+    cast = {torch.float32: "float", torch.int64: "idx_t"}.get(t.dtype)
+    if cast is None:
+        raise TypeError(f"faiss_pointer takes float32 or int64 tensors, got {t.dtype}")
+    return getattr(faiss, f"cast_integer_to_{cast}_ptr")(t.data_ptr())
 
 
 @contextlib.contextmanager
 def faiss_stream(faiss: Any, res: Any, device: int, stream: int) -> Iterator[None]:
-    """faiss GPU work through the resources ``res`` on GPU ``device`` runs on the CUDA stream
-    ``stream`` (a ``cudaStream_t`` as an int: torch's ``current_stream().cuda_stream``) inside
-    the block; the stream before it is put back afterwards, also on an error."""
+    """faiss GPU work through ``res`` on GPU ``device`` runs on the CUDA stream ``stream`` (a
+    ``cudaStream_t`` as an int) inside the block; the previous stream is put back after."""
     before = res.getDefaultStream(device)
     res.setDefaultStream(device, faiss.cast_integer_to_cudastream_t(stream))
     try:
@@ -144,8 +139,8 @@ def faiss_stream(faiss: Any, res: Any, device: int, stream: int) -> Iterator[Non
 
 def on_current_stream(faiss: Any, res: Any, device: torch.device
                       ) -> contextlib.AbstractContextManager:
-    """:func:`faiss_stream` with torch's current stream on the CUDA ``device`` (a block that
-    does nothing for the CPU)."""
+    """:func:`faiss_stream` with torch's current stream on the CUDA ``device`` (no-op on the
+    CPU)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     dev = cuda_index(device)
@@ -154,10 +149,9 @@ def on_current_stream(faiss: Any, res: Any, device: torch.device
 
 def search_tensors(faiss: Any, index: Any, q: torch.Tensor, k: int, params: Any = None,
                    res: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One faiss search with tensors in and out, no host copy: ``q`` (B, d) float32 on the
-    index's device (CUDA for a GPU index, with its ``res``ources; the CPU for a CPU index) ->
-    faiss' own (D (B, k) float32, I (B, k) int64) on the same device. On CUDA faiss runs on
-    torch's current stream, so the results are ordered before later torch work."""
+    """One faiss search with tensors in and out: ``q`` (B, d) float32 on the index's device
+    (with its ``res``ources on CUDA) -> faiss' (D (B, k) float32, I (B, k) int64) there, on
+    torch's current stream."""
     q = q.contiguous()
     scores = torch.empty((q.shape[0], k), dtype=torch.float32, device=q.device)
     ids = torch.empty((q.shape[0], k), dtype=torch.int64, device=q.device)
@@ -166,8 +160,3 @@ def search_tensors(faiss: Any, index: Any, q: torch.Tensor, k: int, params: Any 
                        faiss_pointer(faiss, ids), params)
     return scores, ids
 
-
-def empty_results(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, k) results with nothing found: scores -inf, ids -1."""
-    return (torch.full((b, k), PAD_SCORE, device=device),
-            torch.full((b, k), PAD_ID, dtype=torch.long, device=device))

@@ -1,12 +1,8 @@
-"""Shared shape of the backends that wrap a CPU library with a numpy API (hnswlib, ScaNN).
+"""The backends searched through a library: :class:`HostBackend` (hnswlib, ScaNN, faiss on
+the CPU) and :class:`FaissBackend` (a faiss GPU index is searched with device tensors).
 
-A subclass implements ``_raw_search(q, k, params)``: one call into its library for a (B, d)
-C-contiguous float32 batch and a ``k`` of at most ``ntotal``, returning (B, k) float32
-similarities and int64 ids with -1 where the library found nothing. This class does the rest
-of the protocol: query checks, the search-time settings (``SearchParams``; ``None`` means
-``index.search_params``), -1 / -inf padding when ``k`` exceeds what the library returned,
-equal scores listed by id, and the hand-off to the index's device (the libraries have no GPU
-path: a CUDA model searches on the host and gets its results back on its device).
+A subclass implements ``_raw_search(q, k, params)`` ((B, d) float32, 1 <= k <= ntotal -> (B, k)
+similarities and int64 ids, -1: none), ``_append`` and, where it can, ``_read_rows``.
 """
 
 from __future__ import annotations
@@ -14,23 +10,22 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_topk
+from ..arrays import as_tensor, check_topk, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..storage import strict_json
 from ..topk import PAD_ID, PAD_SCORE
-from ._faiss import host_float32, normalise_results_host
-from .base import Index
+from ._faiss import (host_float32, import_faiss, normalise_results_host,
+                     normalise_results_tensors, search_tensors)
+from .base import Index, check_row_ids, empty_results
+from .exact import ExactIndex
 
-
-def resolve_threads(threads: int) -> int:
-    """``threads`` (0 = every core) -> a positive thread count."""
-    return threads if threads > 0 else (os.cpu_count() or 1)
+FAISS_FILE = "index.faiss"
 
 
 def write_description(path: Path, fmt: str, **fields: Any) -> None:
@@ -39,8 +34,8 @@ def write_description(path: Path, fmt: str, **fields: Any) -> None:
 
 
 def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
-    """The description at ``path``, which must be ``fmt`` version 1 with int fields ``dim``
-    and ``ntotal`` > 0 and every ``expected`` field equal to its value; else FormatError."""
+    """The description at ``path``: ``fmt`` version 1, int ``dim`` and ``ntotal`` > 0, every
+    ``expected`` field equal to its value; else FormatError."""
     if not path.is_file():
         raise FormatError(f"{path} is missing: not a saved index of this backend")
     try:
@@ -58,15 +53,23 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
 
 
 class HostBackend(Index):
-    """Base of the CPU-library backends (see the module docstring)."""
+    """``max_k``: the largest k the library answers (None: no limit; tests lower it)."""
+
+    max_k: ClassVar[int | None] = None
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         super().__init__(params, device)
         self._dim = 0
+        self._fallback: ExactIndex | None = None
 
     @property
     def dim(self) -> int:
         return self._dim
+
+    @property
+    def threads(self) -> int:
+        """``params.threads``, 0 meaning every core."""
+        return self.params.threads or os.cpu_count() or 1
 
     def add(self, vectors: Any) -> None:
         """Append rows (ids continue after the existing ones); into an empty index: build."""
@@ -76,6 +79,7 @@ class HostBackend(Index):
         x = host_float32(vectors, "vectors", dim=self.dim)
         if x.shape[0]:
             self._append(x)
+        self._fallback = None
 
     def _append(self, x: np.ndarray) -> None:
         """Add the (r, d) float32 rows ``x`` (r > 0) after the existing ones."""
@@ -83,15 +87,13 @@ class HostBackend(Index):
 
     def search(self, queries: Any, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, k) float32 similarities and int64 ids on ``device``, -1 / -inf
-        padded. ``params``: this call's search settings (default ``self.search_params``)."""
         scores, ids = self.search_host(queries, k, params=params)
         return as_tensor(scores, device=self.device), as_tensor(ids, device=self.device)
 
     def search_host(self, queries: Any, k: int, check_finite: bool = True,
                     params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """:meth:`search` with numpy results (no torch hand-off: small CPU batches).
-        ``check_finite=False``: the caller has tested the queries for NaN / inf already."""
+        """:meth:`search` with numpy results (small CPU batches). ``check_finite=False``: the
+        caller has tested the queries for NaN / inf."""
         k = check_topk(k, self.ntotal, "k")
         sp = self.resolve_search_params(params)
         q = host_float32(queries, "queries", check_finite=check_finite)
@@ -100,6 +102,9 @@ class HostBackend(Index):
         b, found = q.shape[0], min(k, self.ntotal)
         if b == 0 or found == 0:
             return (np.full((b, k), PAD_SCORE, np.float32), np.full((b, k), PAD_ID, np.int64))
+        limit = self._k_limit()
+        if limit is not None and k > limit:
+            return tuple(map(to_numpy, self._exact_search(q, k)))
         scores, ids = normalise_results_host(*self._raw_search(q, found, sp))
         if found < k:
             scores = np.pad(scores, ((0, 0), (0, k - found)), constant_values=PAD_SCORE)
@@ -108,6 +113,78 @@ class HostBackend(Index):
 
     def _raw_search(self, q: np.ndarray, k: int, params: Params
                     ) -> tuple[np.ndarray, np.ndarray]:
-        """One library call, 1 <= k <= ntotal: (B, k) float32 similarities, int64 ids (-1 where
-        nothing was found)."""
+        """One library call, 1 <= k <= ntotal: (B, k) float32 similarities, int64 ids."""
         raise NotImplementedError
+
+    def _k_limit(self) -> int | None:
+        return self.max_k
+
+    def _exact_search(self, q: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An exact search over the stored rows, on the index's device."""
+        if self._fallback is None or self._fallback.ntotal != self.ntotal:
+            self._fallback = ExactIndex(device=self.device).build(self._stored_vectors())
+        return self._fallback.search(as_tensor(q, device=self.device).float(), k)
+
+    def reconstruct(self, ids: Any) -> torch.Tensor:
+        i = check_row_ids(as_tensor(ids, device="cpu", name="ids"), self.ntotal)
+        flat = np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64)
+        rows = self._read_rows(flat) if flat.size else np.zeros((0, self.dim), np.float32)
+        return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
+
+    def _read_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The stored rows ``ids`` (r,) int64 -> (r, d) float32."""
+        return Index.reconstruct(self, ids)
+
+    def _stored_vectors(self) -> torch.Tensor:
+        """Every stored row, (ntotal, d) float32 on the device."""
+        return as_tensor(self._read_rows(np.arange(self.ntotal)), device=self.device)
+
+
+class FaissBackend(HostBackend):
+
+    def __init__(self, params: Any = None, device: Any = None):
+        super().__init__(params, device)
+        self._faiss = import_faiss()
+        self._index: Any = None
+        self._gpu_res: Any = None  # the faiss GPU resources of an index on the GPU
+
+    @property
+    def on_gpu(self) -> bool:
+        """True when the faiss index lives on the GPU (searched with device tensors)."""
+        return self._gpu_res is not None
+
+    @property
+    def ntotal(self) -> int:
+        return int(self._index.ntotal) if self._index is not None else 0
+
+    def search(self, queries: Any, k: int, params: Params | dict | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.on_gpu:
+            return super().search(queries, k, params)
+        sp = self.resolve_search_params(params)
+        k = check_topk(k, self.ntotal, "k")
+        # faiss reads the tensor where it is: no host copy, values not read
+        q = as_tensor(queries, device=self.device, dtype=torch.float32, name="queries").detach()
+        self.check_queries(q)
+        if q.shape[0] == 0 or self.ntotal == 0:
+            return empty_results(q.shape[0], k, self.device)
+        limit = self._k_limit()
+        if limit is not None and k > limit:
+            return self._exact_search(q, k)
+        return normalise_results_tensors(*search_tensors(
+            self._faiss, self._index, q, k, self._faiss_params(sp), self._gpu_res))
+
+    def _faiss_params(self, params: Params) -> Any:
+        """The faiss ``SearchParameters`` object for ``params`` (GPU indices)."""
+        raise NotImplementedError
+
+    def _write(self, index: Any, directory: str | Path) -> None:
+        self._faiss.write_index(index, str(self._save_dir(directory) / FAISS_FILE))
+
+    @classmethod
+    def _read(cls, directory: str | Path) -> Any:
+        path = cls._saved_file(directory, FAISS_FILE)
+        try:
+            return import_faiss().read_index(str(path))
+        except Exception as exc:  # faiss raises RuntimeError on a corrupt file
+            raise FormatError(f"{path} could not be read by faiss: {exc}") from exc

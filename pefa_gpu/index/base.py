@@ -1,20 +1,11 @@
-"""The index protocol every backend follows.
+"""The index protocol every backend follows (build settings ``Params`` apart from search
+settings ``SearchParams``, as cuVS has them).
 
-An index holds row vectors and answers maximum-inner-product queries::
+    index = make_index("exact", device="cpu").build(X)   # X: (n, d)
+    scores, ids = index.search(queries, k)               # (B, k) float32, (B, k) int64
 
-    index = make_index("exact", device="cpu").build(X)      # X: (n, d)
-    scores, ids = index.search(queries, k)                   # (B, k) float32, (B, k) int64
-
-Build settings and search settings are apart (as cuVS' IndexParams / SearchParams): a backend's
-``Params`` fix what ``build`` makes (``index.params``); its ``SearchParams`` (HNSW ef, IVF
-nprobe, ...) are the defaults of ``search`` (``index.search_params``, assignable) and may be
-given per call, ``index.search(queries, k, params={"ef_search": 500})``, without a rebuild.
-
-Scores are similarities (larger is better, never ``1 - ip`` distances), ids are row numbers in
-insertion order, and missing results are padded with id -1 and score -inf. Results live on the
-index's device. ``add`` appends rows; ``save`` / ``load`` persist the index in a directory;
-``update`` overwrites rows and ``reconstruct`` reads them back (optional: the default raises
-NotImplementedError).
+Scores are similarities, ids row numbers in insertion order, -1 / -inf where nothing was
+found, results on the index's device.
 """
 
 from __future__ import annotations
@@ -28,8 +19,9 @@ from typing import Any, ClassVar
 import torch
 
 from ..arrays import resolve_device
-from ..errors import InputError, MissingDependencyError
+from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params, check_nonnegative, check_positive
+from ..topk import PAD_ID, PAD_SCORE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,14 +52,12 @@ class NoSearchParams(IndexParams):
 
 
 class Index(abc.ABC):
-    """Base class of all backends. Subclasses set ``name``, ``Params`` (build settings) and
-    ``SearchParams`` (search-time settings; default: none)."""
+    """Base class of all backends: subclasses set ``name``, ``Params`` and ``SearchParams``."""
 
     name: ClassVar[str]
     Params: ClassVar[type[Params]]
     SearchParams: ClassVar[type[Params]] = NoSearchParams
-    # no result row repeats an id (the backend guarantees it): PEFA-XL's fusion then skips
-    # sorting each row of its passage search to find repeats
+    # no result row repeats an id: PEFA-XL's fusion then skips looking for repeats
     distinct_ids: ClassVar[bool] = False
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
@@ -84,8 +74,8 @@ class Index(abc.ABC):
 
     @property
     def search_params(self) -> Params:
-        """The defaults of :meth:`search` (a ``SearchParams``); assign a ``SearchParams`` or a
-        dict (missing keys take the ``SearchParams`` defaults, None: all of them)."""
+        """The defaults of :meth:`search`: assign a ``SearchParams``, a dict (missing keys take
+        the defaults) or None."""
         return self._search_params
 
     @search_params.setter
@@ -94,8 +84,7 @@ class Index(abc.ABC):
             value, f"{type(self).__name__} search_params")
 
     def resolve_search_params(self, params: Params | dict | None) -> Params:
-        """The settings of one search: ``params`` as this backend's ``SearchParams`` (a dict
-        is completed from :attr:`search_params`, None is :attr:`search_params` itself)."""
+        """One search's settings: a dict completes :attr:`search_params`, None is it."""
         if params is None or params is self._search_params:
             return self._search_params
         if isinstance(params, dict):
@@ -113,20 +102,16 @@ class Index(abc.ABC):
     @abc.abstractmethod
     def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, k) float32 scores, (B, k) int64 ids, on ``self.device``,
-        -1 / -inf padded; k at most max(ntotal, 10,000) (``arrays.check_topk``).
-        ``params``: search settings for this call (see :meth:`resolve_search_params`)."""
+        """(B, d) queries -> (B, k) float32 scores, (B, k) int64 ids on ``self.device``, -1 /
+        -inf padded (``arrays.check_topk`` bounds k); ``params``: this call's settings."""
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
-        """Overwrite the rows ``ids`` (r,) int64 with ``vectors`` (r, d); other rows and all ids
-        stay as they are. Backends that cannot change rows in place raise NotImplementedError
-        (callers then rebuild; see pefa_gpu.updates)."""
+        """Overwrite the rows ``ids`` (r,) int64 with ``vectors`` (r, d); NotImplementedError
+        where a backend cannot (callers then rebuild)."""
         raise NotImplementedError(f"backend {self.name!r} cannot overwrite rows in place")
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
-        """The stored rows ``ids`` (any shape, int64, valid ids) -> (*ids.shape, d) float32, on
-        ``self.device``, as the index scores them. Raises NotImplementedError where a backend
-        does not keep its vectors."""
+        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
         raise NotImplementedError(f"backend {self.name!r} cannot return its stored vectors")
 
     @property
@@ -140,14 +125,23 @@ class Index(abc.ABC):
         """Vector dimension (0 before build)."""
 
     def save(self, directory: str | Path) -> None:
-        """Write the index into an existing, empty directory (called by the model's save)."""
+        """Write the index into an existing, empty directory."""
         raise NotImplementedError(f"backend {self.name!r} cannot be saved yet")
 
     @classmethod
     def load(cls, directory: str | Path, params: Params, device: Any = None) -> "Index":
-        """Read an index written by :meth:`save` (search settings are not part of it: assign
-        ``search_params`` afterwards)."""
+        """Read an index written by :meth:`save` (search settings are not part of it)."""
         raise NotImplementedError(f"backend {cls.name!r} cannot be loaded yet")
+
+    def check_queries(self, q: Any) -> None:
+        """InputError unless ``q`` is (B, dim) (any width while the index is empty)."""
+        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
+            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
+
+    def check_rows(self, v: Any) -> None:
+        """InputError unless ``v`` is (rows, dim)."""
+        if v.ndim != 2 or v.shape[1] != self.dim:
+            raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
 
     def _save_dir(self, directory: str | Path, empty_ok: bool = False) -> Path:
         """``directory`` as a Path; InputError unless it exists and (unless ``empty_ok``) this
@@ -159,6 +153,14 @@ class Index(abc.ABC):
             raise InputError(f"{type(self).__name__} is empty: build it before saving")
         return directory
 
+    @classmethod
+    def _saved_file(cls, directory: str | Path, name: str) -> Path:
+        """``directory / name``; FormatError when it is not a file."""
+        path = Path(directory) / name
+        if not path.is_file():
+            raise FormatError(f"{path} is missing: not a saved {cls.name!r} index")
+        return path
+
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(ntotal={self.ntotal}, dim={self.dim}, "
                 f"device={self.device}, params={self.params}, "
@@ -166,8 +168,7 @@ class Index(abc.ABC):
 
 
 def import_optional(module: str, install: str) -> Any:
-    """The optional library ``module``, imported on first use, or MissingDependencyError
-    saying ``install``."""
+    """The optional library ``module``, or MissingDependencyError saying ``install``."""
     try:
         return importlib.import_module(module)
     except ImportError as exc:
@@ -180,9 +181,19 @@ def check_budget(value: Any, also: str = "") -> None:
         raise InputError(f"memory_budget must be {also}an int >= 65536 bytes, got {value!r}")
 
 
+def check_number(value: Any, name: str, none_ok: bool = False) -> None:
+    """A finite int or float (>= 0 unless ``none_ok``, which also allows None)."""
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not -float("inf") < value < float("inf") or (not none_ok and value < 0):
+        want = "a finite number or None" if none_ok else "a finite number >= 0"
+        raise InputError(f"{name} must be {want}, got {value!r}")
+
+
 def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> torch.Tensor:
-    """Integer row ids (any shape) -> the same as int64; InputError naming the ids outside
-    [0, ntotal) and, when ``distinct``, repeated ids."""
+    """Integer row ids (any shape) -> int64; InputError naming ids outside [0, ntotal) and,
+    when ``distinct``, repeats."""
     if ids.is_floating_point():
         raise InputError(f"ids must be integers, got dtype {ids.dtype}")
     i = ids.long()
@@ -192,6 +203,12 @@ def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> tor
     if distinct and i.unique().numel() != i.numel():
         raise InputError("ids must not repeat")
     return i
+
+
+def empty_results(b: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, k) results with nothing found: scores -inf, ids -1."""
+    return (torch.full((b, k), PAD_SCORE, device=device),
+            torch.full((b, k), PAD_ID, dtype=torch.long, device=device))
 
 
 class VectorIndex(Index):

@@ -1,36 +1,29 @@
-"""CAGRA graph search on the GPU: faiss ``GpuIndexCagra`` (faiss-gpu built with cuVS), or
-cuVS' own ``cuvs.neighbors.cagra`` where faiss has no GPU support.
+"""CAGRA graph search on the GPU: faiss ``GpuIndexCagra`` (faiss-gpu with cuVS), or cuVS'
+``cuvs.neighbors.cagra`` where faiss has no GPU support; elsewhere MissingDependencyError.
 
-Building needs a CUDA device and one of the two packages; elsewhere construction raises
-MissingDependencyError. The vectors are also kept as a torch tensor on the device: CAGRA's
-candidate ids are re-scored there with exact inner products (so scores are similarities
-whatever the engine's distance convention; equal scores listed by id), ``add`` rebuilds the
-graph, and k above ``max_k`` = 1024 (CAGRA's limit) is answered exactly. Corpora no larger
-than the intermediate graph degree are searched exactly (CAGRA needs more points than
-neighbours). The re-scoring gathers (queries, candidates, d) float32 rows at most
-``memory_budget`` bytes at a time.
-
-Both engines get the tensors themselves (faiss device pointers, cuVS CUDA arrays) and run on
-torch's current stream, so nothing crosses the host and results are ordered before later
-torch work. A saved index loads onto any device: where no engine can run (the CPU, or a GPU
-without faiss-gpu / cuVS) it serves exact results from the stored vectors.
+The rows are also kept as a tensor on the device: candidates are re-scored there exactly (so
+scores are similarities, equal scores listed by id), ``add`` rebuilds the graph, and k above
+``max_k`` = 1024, corpora no larger than the intermediate degree, or a save loaded where no
+engine runs (e.g. the CPU) are searched exactly. Both engines read the tensors in place on
+torch's current stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_topk, cuda_index, to_numpy
-from ..errors import FormatError, InputError, MissingDependencyError
+from ..arrays import as_tensor, check_topk, cuda_index
+from ..errors import InputError, MissingDependencyError
+from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
-from ._faiss import (faiss_pointer, faiss_search_parameters, import_faiss, on_current_stream,
-                     search_tensors)
+from ._faiss import (device_float32, faiss_pointer, faiss_search_parameters, import_faiss,
+                     on_current_stream, optional_faiss, search_tensors)
 from .base import IndexParams, VectorIndex, check_budget, check_row_ids, count, positive
 from .exact import ExactIndex
 
@@ -44,8 +37,7 @@ _INSTALL = ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS "
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CagraParams(IndexParams):
     """Build settings. graph_degree / intermediate_graph_degree: of the final and the
-    pre-pruning k-NN graph. memory_budget: bytes for one block of the exact re-scoring (query
-    rows x candidates x d float32) and of the exact searches."""
+    pre-pruning k-NN graph. memory_budget: bytes of a re-scoring block and exact searches."""
 
     graph_degree: int = positive(64)
     intermediate_graph_degree: int = positive(128)
@@ -61,9 +53,8 @@ class CagraParams(IndexParams):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CagraSearchParams(IndexParams):
-    """Search settings (CAGRA's own, same names in faiss and cuVS). itopk_size: the internal
-    search list (raised to k when smaller). search_width: graph nodes expanded per iteration.
-    max_iterations: 0 = CAGRA's automatic choice."""
+    """Search settings (CAGRA's, in faiss and cuVS). itopk_size: the internal list (raised to
+    k). search_width: nodes expanded per iteration. max_iterations: 0 = automatic."""
 
     itopk_size: int = positive(128)
     search_width: int = positive(1)
@@ -74,16 +65,11 @@ def _engine(device: torch.device) -> str | None:
     """'faiss' or 'cuvs', whichever can build CAGRA on ``device`` here; None if neither."""
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
+    faiss = optional_faiss()
+    if faiss is not None and hasattr(faiss, "GpuIndexCagra") and faiss.get_num_gpus() > 0:
+        return "faiss"
     try:
-        import faiss  # noqa: PLC0415
-
-        if hasattr(faiss, "GpuIndexCagra") and faiss.get_num_gpus() > 0:
-            return "faiss"
-    except ImportError:
-        pass
-    try:
-        from cuvs.neighbors import cagra  # noqa: F401, PLC0415
-
+        importlib.import_module("cuvs.neighbors.cagra")
         return "cuvs"
     except ImportError:
         return None
@@ -99,13 +85,9 @@ def _install_message(device: torch.device) -> str:
 
 def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
             memory_budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact scores of candidate ids, best first.
-
-    q (B, d) float32, vectors (n, d) float32, ids (B, C) int64 candidates (invalid: < 0 or
-    >= n, repeats allowed) -> (B, C) float32 scores <q_b, x_id> and int64 ids, sorted by score
-    descending with equal scores by id; invalid and repeated ids become (-inf, -1) at the end.
-    The (rows, C, d) gather runs ``memory_budget`` bytes at a time.
-    """
+    """q (B, d) float32, vectors (n, d) float32, candidate ids (B, C) int64 (invalid: < 0 or
+    >= n; repeats allowed) -> (B, C) exact scores and ids, best first, ties to the lower id,
+    invalid and repeated ids (-inf, -1) at the end; gathers ``memory_budget`` bytes at a time."""
     n, d = vectors.shape
     b, c = ids.shape
     bad = (ids < 0) | (ids >= n)
@@ -122,8 +104,7 @@ def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
 
 
 class CagraIndex(VectorIndex):
-    """GPU CAGRA; scores re-computed exactly for the returned ids. Built on CUDA devices
-    only; a saved one loads anywhere (see the module docstring)."""
+    """GPU CAGRA, candidates re-scored exactly; built on CUDA only, a save loads anywhere."""
 
     name = "cagra"
     Params = CagraParams
@@ -131,10 +112,8 @@ class CagraIndex(VectorIndex):
     max_k: ClassVar[int] = 1024
     exact_scores = True  # candidates are re-scored exactly
 
-    def __init__(self, params: CagraParams | dict | None = None, device: Any = None):
-        self._setup(params, device, need_engine=True)
-
-    def _setup(self, params: Any, device: Any, need_engine: bool) -> None:
+    def __init__(self, params: CagraParams | dict | None = None, device: Any = None,
+                 need_engine: bool = True):
         super().__init__(params, device)
         self.engine = _engine(self.device)  # None: exact search over the stored vectors
         if self.engine is None and need_engine:
@@ -145,12 +124,10 @@ class CagraIndex(VectorIndex):
         self._exact: ExactIndex | None = None
 
     def build(self, vectors: Any) -> "CagraIndex":
-        v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors").detach()
-        if v.ndim != 2 or v.shape[1] == 0:
+        v = device_float32(vectors, "vectors", self.device)
+        if v.shape[1] == 0:
             raise InputError(f"vectors must be 2-D (n, d) with d > 0, got {tuple(v.shape)}")
-        if v.numel() and not bool(torch.isfinite(v).all()):
-            raise InputError("vectors contain NaN or inf")
-        self.vectors = v.contiguous()  # never changed in place: a graph may refer to it
+        self.vectors = v  # never changed in place: a graph may refer to it
         self._exact = None
         self._graph = None
         if self.engine is not None and self.ntotal > self.params.intermediate_graph_degree:
@@ -163,12 +140,10 @@ class CagraIndex(VectorIndex):
         if self.ntotal == 0:
             self.build(v)
             return
-        if v.ndim != 2 or v.shape[1] != self.dim:
-            raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
+        self.check_rows(v)
         self.build(torch.cat([self.vectors, v]))
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
         return self.vectors[check_row_ids(as_tensor(ids, device=self.device, name="ids"),
                                           self.ntotal)]
 
@@ -198,16 +173,14 @@ class CagraIndex(VectorIndex):
         from cuvs.common import Resources  # noqa: PLC0415
 
         stream = torch.cuda.current_stream(cuda_index(self.device)).cuda_stream
-        if not isinstance(self._res, dict):
-            self._res = {}
+        self._res = self._res if isinstance(self._res, dict) else {}
         if stream not in self._res:
             self._res[stream] = Resources(stream=stream)
         return self._res[stream]
 
     def _candidate_ids(self, q: torch.Tensor, k: int,
                        params: CagraSearchParams) -> torch.Tensor:
-        """(B, k) int64 candidate ids from the graph, on the device (invalid ones < 0 or
-        >= ntotal), computed on torch's current stream."""
+        """(B, k) int64 candidate ids from the graph (invalid: < 0 or >= ntotal)."""
         settings = {"itopk_size": max(params.itopk_size, k), "search_width": params.search_width,
                     "max_iterations": params.max_iterations}
         if self.engine == "faiss":
@@ -225,14 +198,11 @@ class CagraIndex(VectorIndex):
 
     def search(self, queries: Any, k: int, params: CagraSearchParams | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, k) float32 scores, int64 ids; ``params``: this call's search
-        settings (None: ``search_params``)."""
         sp = self.resolve_search_params(params)
         k = check_topk(k, self.ntotal, "k")
         q = as_tensor(queries, device=self.device, dtype=torch.float32,
                       name="queries").detach()  # (cuVS reads no tensor that needs grad)
-        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
-            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
+        self.check_queries(q)
         if self._graph is None or k > self.max_k or k >= self.ntotal:
             if self._exact is None:
                 self._exact = ExactIndex({"memory_budget": self.params.memory_budget},
@@ -242,23 +212,15 @@ class CagraIndex(VectorIndex):
         return rescore(q, self.vectors, self._candidate_ids(q, k, sp), self.params.memory_budget)
 
     def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (the graph is rebuilt on load, CAGRA builds are fast)."""
-        np.save(self._save_dir(directory, empty_ok=True) / "vectors.npy", to_numpy(self.vectors))
+        """Write ``vectors.npy`` (the graph is rebuilt on load: CAGRA builds are fast)."""
+        save_tensor(self._save_dir(directory, empty_ok=True) / "vectors", self.vectors)
 
     @classmethod
     def load(cls, directory: str | Path, params: CagraParams | dict | None = None,
              device: Any = None) -> "CagraIndex":
-        """Read ``vectors.npy`` and rebuild the graph; on a device where CAGRA cannot run
-        (the CPU, or a GPU without faiss-gpu / cuVS) serve exact results from the vectors."""
-        path = Path(directory) / "vectors.npy"
-        if not path.is_file():
-            raise FormatError(f"{path} is missing: not a saved 'cagra' index")
-        try:
-            vectors = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise FormatError(f"{path} could not be read: {exc}") from exc
-        out = cls.__new__(cls)
-        out._setup(params, device, need_engine=False)
+        """Read ``vectors.npy`` and rebuild the graph (exact search where no engine runs)."""
+        vectors = load_tensor(cls._saved_file(directory, "vectors.npy"))
+        out = cls(params, device, need_engine=False)
         if out.engine is None and out.device.type == "cuda":
             log.warning("cagra: %s; serving exact search from the stored vectors instead",
                         _install_message(out.device))

@@ -1,11 +1,10 @@
-"""Exact maximum-inner-product search on CPU or CUDA: the exact top-k of float32 inner
-products, ties to the lower id.
+"""Exact maximum-inner-product search on CPU or CUDA: the float32 top-k, ties to the lower id.
 
-A first pass keeps each query's top w = k + ``TIE_MARGIN`` by value: GEMM blocks sized from
-``memory_budget`` and ``torch.topk``, or on the CPU (float32) faiss' exhaustive search, its
-near ties rescored pair by pair (:func:`canonical_scores`). The tie rule settles the rows tied
-at the k-th place from their candidates; rows whose run of equal scores may reach past them
-are searched again, 4x as wide (on CUDA the one host synchronisation; none when w = n).
+A first pass keeps each query's top k + ``TIE_MARGIN`` by value (GEMM blocks sized from
+``memory_budget`` and ``torch.topk``, or on the CPU faiss' exhaustive search with its near ties
+rescored: :func:`canonical_scores`); the tie rule settles rows tied at the k-th place from
+these candidates; rows whose run of equal scores may reach past them are searched again, 4x
+as wide (on CUDA the one host synchronisation).
 """
 
 from __future__ import annotations
@@ -18,18 +17,19 @@ import torch
 
 from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
-from ..params import Params, check_choice
+from ..params import check_choice
 from ..storage import load_tensor, save_tensor
 from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
-from ._faiss import empty_results, faiss_threads, optional_faiss
-from .base import IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids
+from ._faiss import faiss_threads, optional_faiss
+from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
+                   empty_results)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExactParams(IndexParams):
-    """dtype: storage of the vectors ('float32', 'float16', 'bfloat16'); scores are always
-    accumulated in float32. memory_budget: bytes a search may hold besides its (B, k) result;
-    None: :func:`default_memory_budget` of the index's device at each search."""
+    """dtype: storage of the rows ('float32', 'float16', 'bfloat16'; scores are float32).
+    memory_budget: bytes a search may hold besides its (B, k) result (None:
+    :func:`default_memory_budget` of the device)."""
 
     dtype: str = "float32"
     memory_budget: int | None = None
@@ -79,14 +79,13 @@ class ExactIndex(VectorIndex):
         v = as_tensor(vectors, device=self.device, name="vectors").detach().to(self._dtype)
         if self.ntotal == 0 and self.dim == 0:
             self.build(v)
-        elif v.ndim != 2 or v.shape[1] != self.dim:
-            raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
         else:
+            self.check_rows(v)
             self._store(torch.cat([self.vectors, v]), owned=True)
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
-        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d): O(r d), plus one copy of the
-        whole matrix the first time if it may share memory with the array it was built from."""
+        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d); the first time, a copy of the
+        rows if they may share the caller's memory."""
         i = as_tensor(ids, device=self.device, name="ids").detach().flatten()
         v = as_tensor(vectors, device=self.device, name="vectors").detach()
         if v.ndim != 2 or v.shape != (i.numel(), self.dim):
@@ -101,14 +100,13 @@ class ExactIndex(VectorIndex):
         """Stored rows ``ids`` (any shape, valid ids, not checked) -> (*ids.shape, d) float32."""
         return self.vectors[ids].float()
 
-    def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
+    def search(self, queries: torch.Tensor, k: int, params: NoSearchParams | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``params``: exact search has no search settings (only ``{}`` or None)."""
+        """``params``: none to give (only ``{}`` or None)."""
         self.resolve_search_params(params)
         k = check_topk(k, self.ntotal, "k")
         q = as_tensor(queries, device=self.device, name="queries").detach()
-        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
-            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
+        self.check_queries(q)
         if q.shape[0] == 0 or self.ntotal == 0:
             return empty_results(q.shape[0], k, self.device)
         kk = min(k, self.ntotal)
@@ -124,8 +122,8 @@ class ExactIndex(VectorIndex):
         return self._pass(q, kk, self._pass_width(kk))
 
     def _exact_rows(self, q: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, d) queries whose first pass could not settle the kk-th place -> (R, kk) top-kk
-        with the tie rule, by passes 4x wider until every row is settled."""
+        """(R, d) queries the first pass left unsettled -> (R, kk) with the tie rule, by passes
+        4x wider until every row is settled."""
         vals = torch.empty(q.shape[0], kk, device=self.device)
         ids = torch.empty(q.shape[0], kk, dtype=torch.long, device=self.device)
         rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
@@ -151,8 +149,8 @@ class ExactIndex(VectorIndex):
 
     def _candidates(self, faiss: Any, q: torch.Tensor, w: int, chunk: int,
                     buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, w) top-w scores sorted descending, ids, and the (B, 1) scoring
-        error: on faiss' BLAS path, whose near ties are rescored; 0 elsewhere."""
+        """(B, d) queries -> (B, w) top-w scores sorted descending, ids, and the scoring error
+        (B, 1) on faiss' BLAS path (near ties rescored), 0 elsewhere."""
         if faiss is None:
             return (*self._torch_pass(q.float(), w, chunk, buf),
                     torch.zeros((), device=self.device))
@@ -163,9 +161,8 @@ class ExactIndex(VectorIndex):
 
     def _settle(self, vals: torch.Tensor, ids: torch.Tensor, tol: torch.Tensor, kk: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Candidates (B, w) sorted descending -> (B, kk) with the tie rule, and ``rescan`` (see
-        :meth:`_pass`): a row holds every column that may score its kk-th score or more when
-        its last candidate scores lower by more than two scoring errors."""
+        """Candidates (B, w) sorted descending -> (B, kk) with the tie rule, and ``rescan``: rows
+        whose last candidate is not two scoring errors below the kk-th score."""
         if vals.shape[1] == kk:
             return (*order_ties(vals, ids), None)
         tied = boundary_tied(vals, kk)
@@ -176,10 +173,9 @@ class ExactIndex(VectorIndex):
 
     def _rescore_near_ties(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """faiss BLAS candidates (B, w) sorted descending of (B, d) float32 queries -> the same,
-        re-sorted, with every score within the scoring error ``tol`` (B, 1) of a neighbour's
-        replaced by :func:`canonical_scores` (copies then tie), and ``tol``: 32 ulps of
-        |q| max |x|, or 2 sqrt(d) for d > 256 (a sum's rounding error grows like sqrt(d))."""
+        """faiss BLAS candidates (B, w) -> the same, re-sorted, scores within ``tol`` (B, 1) of a
+        neighbour's replaced by :func:`canonical_scores` (copies then tie), and ``tol``:
+        max(32, 2 sqrt(d)) ulps of |q| max |x|."""
         if self._max_norm is None:  # float32 rows: a reduction, no copy
             self._max_norm = float(torch.linalg.vector_norm(self.vectors, dim=1).max())
         ulps = max(32.0, 2.0 * self.dim ** 0.5) * 2.0**-24
@@ -201,8 +197,8 @@ class ExactIndex(VectorIndex):
 
     def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-w of (B, d) float32 queries by (B, chunk) score blocks (:func:`_scores` into
-        ``buf``), each reduced by ``torch.topk`` and merged by another (no host sync)."""
+        """Top-w of (B, d) float32 queries by (B, chunk) score blocks, each reduced by
+        ``torch.topk`` and merged by another (no host sync)."""
         best_v = q.new_empty(q.shape[0], 0)
         best_i = best_v.long()
         for c in range(0, self.ntotal, chunk):
@@ -224,7 +220,7 @@ class ExactIndex(VectorIndex):
         return as_tensor(dist), as_tensor(ids)
 
     def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (ntotal, dim), storage dtype, into ``directory``."""
+        """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
         save_tensor(Path(directory) / "vectors", self.vectors)
 
     @classmethod
@@ -242,7 +238,7 @@ class ExactIndex(VectorIndex):
     # -- the working-memory model (checked in tests/test_exact_memory.py) --------------------
     def _plan(self, b: int, kk: int, w: int | None = None) -> tuple[Any, int, int]:
         """(faiss or None, query batch, corpus chunk) of a pass for top-w lists: faiss on the
-        CPU (float32) for its BLAS path or one query on one thread, where it is faster."""
+        CPU (float32) for its BLAS path or one query on one thread."""
         w = w or self._pass_width(kk)
         faiss = optional_faiss() if self.device.type == "cpu" and \
             self._dtype == torch.float32 else None
@@ -258,8 +254,8 @@ class ExactIndex(VectorIndex):
         return min(kk + TIE_MARGIN, self.ntotal)
 
     def _block_shape(self, b: int, kk: int, w: int | None = None) -> tuple[int, int]:
-        """Up to ``MAX_BATCH`` queries and the longest chunk within the budget; if shorter than
-        min(n, max(w, ``MIN_CHUNK``)) rows, that many and as many queries as fit (>= 1)."""
+        """Up to ``MAX_BATCH`` queries and the longest chunk in the budget; if shorter than
+        min(n, max(w, ``MIN_CHUNK``)) rows, that many and the queries that fit (>= 1)."""
         n, budget = self.ntotal, self.memory_budget
         w = w or self._pass_width(kk)
         q_batch, floor = min(b, MAX_BATCH), min(n, max(w, MIN_CHUNK))
@@ -314,11 +310,10 @@ _MM_OUT_DTYPE: dict[str, bool] = {}  # device -> torch.mm(..., out_dtype=float32
 
 
 def _scores(q: torch.Tensor, rows: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
-    """(B, d) float32 queries x (c, d) stored rows -> (B, c) float32 inner products; on the
-    CPU into ``buf`` (flat, B (c + ``SUB_ROWS``) float32), for B > 1 rows x queries in GEMMs of
-    exactly ``SUB_ROWS`` rows (a tail zero-padded), so that a pair scores alike wherever its
-    row sits (copies tie; shards equal the whole bit for bit). CUDA, 16-bit storage:
-    ``torch.mm(..., out_dtype=float32)`` on the 16-bit operands where torch has it."""
+    """(B, d) float32 queries x (c, d) rows -> (B, c) float32 inner products. CPU: into ``buf``
+    (B (c + ``SUB_ROWS``) float32), for B > 1 in GEMMs of exactly ``SUB_ROWS`` rows, so a pair
+    scores alike wherever its row sits (copies tie, shards equal the whole). CUDA, 16-bit rows:
+    ``torch.mm(..., out_dtype=float32)`` where torch has it."""
     b, c = q.shape[0], rows.shape[0]
     if rows.is_cuda:
         key = str(rows.device)

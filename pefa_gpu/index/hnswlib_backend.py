@@ -1,21 +1,10 @@
-"""HNSW with hnswlib (PyPI ``hnswlib``, built from source with the machine's C++ compiler).
+"""HNSW with hnswlib (PyPI ``hnswlib``), inner product, on the CPU; results on the index's
+device. The paper's defaults: M=32, efConstruction=500, efSearch=300 (max(ef_search, k)).
 
-The paper names HNSWLIB among the ANN libraries PEFA sits on; this is that library behind the
-same protocol as every backend. Defaults are the paper's HNSW settings: M=32,
-efConstruction=500 (build, :class:`HnswlibParams`) and efSearch=300 (search,
-:class:`HnswlibSearchParams`, named as the faiss ``hnsw`` backend's; hnswlib searches with
-max(ef_search, k)).
-
-hnswlib's 'ip' space returns the distance ``1 - <q, x>``; scores are turned back into
-similarities ``1 - distance`` (in float64, then float32). The distance was rounded to float32
-once, so a score is hnswlib's float32 inner product to within 6e-8 (half a float32 step at 1):
-as close to torch's dot product as a flat faiss index's scores are (a different summation
-order), hence ``exact_scores = True`` (PEFA-XL takes them as f_erm and may prune candidates).
-The graph lives in host memory; results are moved to the index's device. hnswlib keeps the
-vectors, so :meth:`reconstruct` works. A search sets the hnswlib index's ef when it differs
-from the last call's (concurrent searches with different ef on one index are not safe).
-A saved index is ``index.bin`` (hnswlib's own binary format) and ``hnswlib.json`` (space,
-dimension, row count), checked against each other on load.
+hnswlib's 'ip' space returns ``1 - <q, x>``; scores are ``1 - distance`` (float64, then
+float32): within 6e-8 of the float32 inner product, hence ``exact_scores``. A search sets ef
+when it differs from the last call's (concurrent searches with different ef are not safe).
+A save is ``index.bin`` (hnswlib's format) and ``hnswlib.json``, checked against each other.
 """
 
 from __future__ import annotations
@@ -27,13 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from ..arrays import as_tensor, to_numpy
+from ..arrays import to_numpy
 from ..errors import FormatError, InputError
-from .base import IndexParams, check_row_ids, count, import_optional, positive
+from .base import IndexParams, count, import_optional, positive
 from ._faiss import host_float32
-from ._host import HostBackend, read_description, resolve_threads, write_description
+from ._host import HostBackend, read_description, write_description
 
 log = logging.getLogger("pefa_gpu")
 
@@ -45,16 +33,11 @@ META_FORMAT = "pefa_gpu-hnswlib"
 _HEADER = struct.Struct("<6QiI3QdQ")
 
 
-def import_hnswlib() -> Any:
-    return import_optional("hnswlib", "backend 'hnswlib' needs hnswlib: `pip install hnswlib` "
-                           "(builds with g++), or `pip install pefa_gpu[hnswlib]`")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HnswlibParams(IndexParams):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width
-    while inserting. seed: hnswlib's random seed (level assignment). threads: for inserting
-    and searching (0 = every core; more than one makes the graph depend on thread timing)."""
+    while inserting. seed: of the level assignment. threads: for inserting and searching (0 =
+    every core; more than one makes the graph depend on thread timing)."""
 
     M: int = positive(32)
     ef_construction: int = positive(500)
@@ -80,10 +63,11 @@ class HnswlibIndex(HostBackend):
 
     def __init__(self, params: HnswlibParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
-        self._hnswlib = import_hnswlib()
+        self._hnswlib = import_optional("hnswlib", "backend 'hnswlib' needs hnswlib: `pip "
+                                        "install hnswlib` (builds with g++), or `pip install "
+                                        "pefa_gpu[hnswlib]`")
         self._index: Any = None
-        self._ef = 0           # the ef last set on the hnswlib index
-        self._fallback: Any = None
+        self._ef = 0  # the ef last set on the hnswlib index
 
     @property
     def ntotal(self) -> int:
@@ -99,23 +83,16 @@ class HnswlibIndex(HostBackend):
         index.init_index(max_elements=x.shape[0], M=p.M, ef_construction=p.ef_construction,
                          random_seed=p.seed)
         self._index, self._dim, self._ef, self._fallback = index, x.shape[1], 0, None
-        index.add_items(x, np.arange(x.shape[0]), num_threads=resolve_threads(p.threads))
+        index.add_items(x, np.arange(x.shape[0]), num_threads=self.threads)
         return self
 
     def _append(self, x: np.ndarray) -> None:
         n = self.ntotal
         self._index.resize_index(n + x.shape[0])
-        self._index.add_items(x, np.arange(n, n + x.shape[0]),
-                              num_threads=resolve_threads(self.params.threads))
-        self._fallback = None
+        self._index.add_items(x, np.arange(n, n + x.shape[0]), num_threads=self.threads)
 
-    def reconstruct(self, ids: Any) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
-        i = check_row_ids(as_tensor(ids, device="cpu", name="ids"), self.ntotal)
-        flat = to_numpy(i.flatten())
-        rows = (np.asarray(self._index.get_items(flat, return_type="numpy"), dtype=np.float32)
-                if flat.size else np.zeros((0, self.dim), np.float32))
-        return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
+    def _read_rows(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(self._index.get_items(ids, return_type="numpy"), dtype=np.float32)
 
     def _raw_search(self, q: np.ndarray, k: int, params: HnswlibSearchParams
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -124,24 +101,13 @@ class HnswlibIndex(HostBackend):
             self._index.set_ef(ef)
             self._ef = ef
         try:
-            labels, dist = self._index.knn_query(
-                q, k=k, num_threads=resolve_threads(self.params.threads))
+            labels, dist = self._index.knn_query(q, k=k, num_threads=self.threads)
         except RuntimeError as exc:  # "Cannot return the results in a contiguous 2D array"
             log.info("hnswlib found fewer than k=%d results (%s); answering exactly", k, exc)
-            return self._exact_search(q, k)
+            return tuple(map(to_numpy, self._exact_search(q, k)))
         scores = (1.0 - dist.astype(np.float64)).astype(np.float32)
         return scores, labels.astype(np.int64)
 
-    def _exact_search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """An exact search over the stored vectors (when the graph walk comes up short)."""
-        if self._fallback is None:
-            from .exact import ExactIndex  # noqa: PLC0415
-
-            rows = self._index.get_items(np.arange(self.ntotal), return_type="numpy")
-            self._fallback = ExactIndex(device="cpu").build(np.asarray(rows, np.float32))
-        return tuple(map(to_numpy, self._fallback.search(q, k)))
-
-    # -- persistence ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
         """Write ``index.bin`` and ``hnswlib.json`` into the existing, empty ``directory``."""
         directory = self._save_dir(directory)
@@ -154,12 +120,9 @@ class HnswlibIndex(HostBackend):
              device: Any = None) -> "HnswlibIndex":
         """Read an index written by :meth:`save`; its header must agree with ``hnswlib.json``
         and with ``params.M`` (else FormatError)."""
-        directory = Path(directory)
-        index_path = directory / INDEX_FILE
-        meta = read_description(directory / META_FILE, META_FORMAT, space="ip")
+        meta = read_description(Path(directory) / META_FILE, META_FORMAT, space="ip")
         dim, ntotal = meta["dim"], meta["ntotal"]
-        if not index_path.is_file():
-            raise FormatError(f"{index_path} is missing: not a saved 'hnswlib' index")
+        index_path = cls._saved_file(directory, INDEX_FILE)
         out = cls(params, device)
         _check_header(index_path, dim, ntotal, out.params.M)
         index = out._hnswlib.Index(space="ip", dim=dim)
@@ -172,10 +135,8 @@ class HnswlibIndex(HostBackend):
 
 
 def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
-    """The hnswlib file against the description (row count, vector size, M) and against
-    itself: a layout hnswlib would read past, a neighbour id >= the row count, a link to a
-    node on a level it does not reach, labels that are not 0..n-1 raise FormatError before
-    hnswlib reads the file (hnswlib itself trusts it: such a file crashes the search)."""
+    """FormatError unless the hnswlib file agrees with the description (rows, dim, M) and with
+    itself (layout, labels 0..n-1, every link to a node of its level): hnswlib trusts it."""
     size = path.stat().st_size
     raw = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
     if raw.size < _HEADER.size:
@@ -220,8 +181,8 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
 
 def _upper_levels(path: Path, raw: np.ndarray, count: int, start: int, links: int
                   ) -> tuple[np.ndarray, list[tuple[int, int]]]:
-    """Each node's top level and (node, offset) of its upper-level lists, read from the per-node
-    blocks from ``start`` to the end of the file (FormatError where they do not fit)."""
+    """Each node's top level and (node, offset) of its upper-level lists, read from ``start``
+    to the end of the file (FormatError where they do not fit)."""
     size = raw.size
     levels = np.zeros(count, np.int64)
     blocks, pos = [], start
@@ -244,9 +205,8 @@ def _upper_levels(path: Path, raw: np.ndarray, count: int, start: int, links: in
 
 def _check_lists(path: Path, lists: np.ndarray, width: int, level: Any, levels: np.ndarray,
                  first: int | None) -> None:
-    """(rows, 4 + 4 * width) uint8 link lists (uint16 count, 2 bytes, width uint32 ids) on
-    ``level`` (an int or one per row): count <= width, every listed id a node reaching that
-    level."""
+    """(rows, 4 + 4 width) uint8 link lists (uint16 count, 2 bytes, width uint32 ids) on
+    ``level`` (int or per row): count <= width, every id a node reaching that level."""
     lists = np.ascontiguousarray(lists)
     counts = lists[:, :2].view("<u2").ravel()
     ids = lists[:, 4:].view("<u4")

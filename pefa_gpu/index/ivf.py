@@ -1,16 +1,9 @@
-"""Inverted-file search: faiss IVF-Flat or IVF-PQ with the inner-product metric.
+"""Inverted-file search: faiss IVF-Flat or IVF-PQ, inner product; on the GPU for a CUDA
+device when faiss has GPU support (tensors stay there), else on the CPU.
 
-On the GPU when this faiss build has GPU support and the index's device is CUDA, else on the
-CPU. The coarse quantiser (and PQ codebooks) are trained on a seeded random sample of the
-first vectors given to ``build``; ``add`` appends without retraining.
-
-On the GPU, vectors and queries stay there: faiss reads them through device pointers on
-torch's current stream, and results come back as tensors on ``device`` (see ``_faiss``). On
-the CPU they cross as numpy arrays and results are moved to ``device``. Faiss GPU answers
-k <= 2048 (a larger k falls back to an exact search, see ``_faiss``) and visits at most 2048
-lists per query: a larger nprobe is lowered to 2048 there, with a warning. ``reconstruct`` on
-the GPU reads a copy of the stored rows kept on the device, made once on first use (one copy
-of the index through the host) and extended by later adds.
+Trained on a seeded sample of the rows given to ``build``; ``add`` does not retrain. faiss GPU
+answers k <= 2048 (more: exact search) and probes at most 2048 lists (more: lowered, with a
+warning); its ``reconstruct`` reads a device copy of the rows, made once.
 """
 
 from __future__ import annotations
@@ -28,20 +21,19 @@ from ..arrays import as_tensor, cuda_index
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from .base import IndexParams, check_row_ids, count, positive
-from ._faiss import (faiss_has_gpu, faiss_pointer, faiss_search_parameters, faiss_threads,
-                     host_float32, import_faiss, on_current_stream)
-from ._faiss_backend import FaissBackend
+from ._faiss import (device_float32, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
+                     faiss_threads, host_float32, import_faiss, on_current_stream)
+from ._host import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IVFParams(IndexParams):
-    """Build settings. kind: 'flat' (exact scores within the probed lists) or 'pq'
-    (product-quantised codes). nlist: number of lists (0 = 4 sqrt(n), clipped to [1, n / 39] so
-    k-means has data). pq_m: PQ sub-quantisers (0 = d / 4 rounded down to a divisor of d);
-    pq_nbits: bits per code. train_size: training sample (0 = min(n, 256 nlist)). seed: of the
-    training sample. threads: faiss CPU threads (0 = all), for build and search."""
+    """Build settings. kind: 'flat' or 'pq' (product-quantised codes). nlist: lists (0 =
+    :func:`auto_nlist`). pq_m: PQ sub-quantisers (0 = :func:`auto_pq_m`); pq_nbits: bits per
+    code. train_size: training sample (0 = min(n, 256 nlist)), seeded by ``seed``. threads:
+    faiss CPU threads (0 = all)."""
 
     kind: str = "flat"
     nlist: int = count(0, "automatic")
@@ -58,9 +50,8 @@ class IVFParams(IndexParams):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IVFSearchParams(IndexParams):
-    """Search settings. nprobe: lists visited per query (0 = automatic: 5/8 of the lists, see
-    :func:`auto_nprobe`; more than nlist visits them all; on the GPU at most 2048, faiss GPU's
-    limit: a larger value is lowered to it, with a warning)."""
+    """Search settings. nprobe: lists visited per query (0 = :func:`auto_nprobe`; at most
+    nlist, and 2048 on the GPU)."""
 
     nprobe: int = count(0, "automatic")
 
@@ -71,15 +62,8 @@ def auto_nlist(n: int) -> int:
 
 
 def auto_nprobe(nlist: int) -> int:
-    """5/8 of the lists (rounded up), at least 32 and at most 2048 (faiss GPU's limit), at
-    most nlist.
-
-    Near-exact by default: on 384-d text embeddings the lists are not well separated. Held-out
-    SciFact training queries (not the test split) find this share of the exact top-10 (ERM /
-    PEFA-XS vectors, nlist 132): 1/4 of the lists 97.2% / 97.5%, 1/2 99.5% / 99.6%, 5/8
-    99.9% / 99.85%, 3/4 100% / 99.99%. Lower nprobe for speed: benchmarks/peers.py plots
-    recall against QPS over nprobe.
-    """
+    """5/8 of the lists (rounded up; near-exact on text embeddings), at least 32, at most
+    2048 and nlist."""
     return int(min(nlist, 2048, max(32, -(-5 * nlist // 8))))
 
 
@@ -101,17 +85,8 @@ class IVFIndex(FaissBackend):
 
     def __init__(self, params: IVFParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
-        self._gpu_res: Any = None
         self._rows: torch.Tensor | None = None  # GPU: the stored rows on the device, once read
         self._nprobe_warned = False
-
-    @property
-    def on_gpu(self) -> bool:
-        """True when the faiss index lives on the GPU."""
-        return self._gpu_res is not None
-
-    def _gpu_resources(self) -> Any:
-        return self._gpu_res
 
     @property
     def exact_scores(self) -> bool:
@@ -144,7 +119,8 @@ class IVFIndex(FaissBackend):
 
     def build(self, vectors: Any) -> "IVFIndex":
         """Train on a sample of ``vectors`` (n, d) and add them all; returns self."""
-        x = self._vectors(vectors, "vectors", self._want_gpu())
+        x = device_float32(vectors, "vectors", self.device) if self._want_gpu() else \
+            host_float32(vectors, "vectors")
         n, d = x.shape
         if d == 0 or n == 0:
             raise InputError(f"ivf needs a non-empty (n, d) matrix to train on, got {x.shape}")
@@ -172,8 +148,7 @@ class IVFIndex(FaissBackend):
             sample = host_float32(x[as_tensor(rows, device=x.device)], "vectors",
                                   check_finite=False)
         self._call("train", sample)
-        self._invalidate()
-        self._rows = None
+        self._fallback = self._rows = None
         self._call("add", x)
         return self
 
@@ -182,30 +157,16 @@ class IVFIndex(FaissBackend):
         if self._index is None:
             self.build(vectors)
             return
-        x = self._vectors(vectors, "vectors", self.on_gpu, dim=self.dim)
+        x = device_float32(vectors, "vectors", self.device, self.dim) if self.on_gpu else \
+            host_float32(vectors, "vectors", dim=self.dim)
         if x.shape[0]:
             self._call("add", x)
             if self._rows is not None:  # IVF-Flat stores the rows as given; PQ codes differ
                 self._rows = torch.cat([self._rows, x]) if self.exact_scores else None
-        self._invalidate()
-
-    def _vectors(self, vectors: Any, name: str, on_device: bool,
-                 dim: int | None = None) -> Any:
-        """(n, d) float32 rows for faiss: a contiguous tensor on the device for a GPU index,
-        else a numpy array; rank, dim and finiteness checked."""
-        if not on_device:
-            return host_float32(vectors, name, dim=dim)
-        x = as_tensor(vectors, device=self.device, dtype=torch.float32, name=name).detach()
-        if x.ndim != 2 or (dim is not None and x.shape[1] != dim):
-            raise InputError(f"{name} must have shape (rows, {dim if dim is not None else 'd'})"
-                             f", got {tuple(x.shape)}")
-        if x.numel() and not bool(torch.isfinite(x).all()):
-            raise InputError(f"{name} contains NaN or inf")
-        return x.contiguous()
+        self._fallback = None
 
     def _call(self, method: str, x: Any) -> None:
-        """``train`` / ``add`` the rows ``x`` (from :meth:`_vectors`): numpy through faiss'
-        Python API, a device tensor through its pointer on torch's current stream."""
+        """``train`` / ``add`` the rows ``x``: numpy, or a device tensor by its pointer."""
         with faiss_threads(self._faiss, self.params.threads):
             if isinstance(x, np.ndarray):
                 getattr(self._index, method)(x)
@@ -219,8 +180,8 @@ class IVFIndex(FaissBackend):
         return self._nprobe(self.search_params)
 
     def _nprobe(self, params: IVFSearchParams) -> int:
-        """params.nprobe, or the automatic value from nlist when 0; at most nlist, and on the
-        GPU at most ``gpu_max_nprobe`` (lowered with a warning, once per index)."""
+        """params.nprobe (0: :func:`auto_nprobe`), at most nlist and on the GPU
+        ``gpu_max_nprobe`` (lowered with a warning, once per index)."""
         nlist = int(self._index.nlist)
         nprobe = min(params.nprobe or auto_nprobe(nlist), nlist)
         if self.on_gpu and nprobe > self.gpu_max_nprobe:
@@ -244,33 +205,29 @@ class IVFIndex(FaissBackend):
         """The index itself on the CPU; a CPU copy of all of it (through the host) on the GPU."""
         return self._faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
 
-    def _cpu_reader(self) -> Any:
+    def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         cpu = self._cpu_index()
         cpu.make_direct_map()  # keeps itself up to date on later adds
-        return cpu
+        return cpu.reconstruct_batch(ids)
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device. On
-        the GPU a gather from the device copy of the rows (:meth:`_stored_vectors`)."""
+        """On the GPU a gather from the device copy of the rows."""
         if not self.on_gpu:
             return super().reconstruct(ids)
         i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
         return self._stored_vectors()[i]
 
     def _stored_vectors(self) -> torch.Tensor:
-        """The indexed rows (for IVF-PQ: their decoded approximations) on the device. On the
-        GPU they are read once (faiss GPU has no fast way to read rows back) and kept."""
+        """The rows (IVF-PQ: decoded) on the device; on the GPU read once and kept."""
         if not self.on_gpu:
-            return as_tensor(self._cpu_reader().reconstruct_n(0, self.ntotal),
-                             device=self.device)
+            return super()._stored_vectors()
         if self._rows is None or self._rows.shape[0] != self.ntotal:
             rows = self._cpu_index().reconstruct_n(0, self.ntotal)
             self._rows = as_tensor(rows, device=self.device)
         return self._rows
 
     def save(self, directory: str | Path) -> None:
-        """Write ``index.faiss`` (a CPU copy, its nprobe that of ``search_params`` for readers
-        of the file) into the existing, empty ``directory``."""
+        """Write ``index.faiss`` (a CPU copy, its nprobe that of ``search_params``)."""
         cpu = self._cpu_index() if self._index is not None else None
         if cpu is not None:
             cpu.nprobe = self.nprobe
@@ -295,8 +252,7 @@ class IVFIndex(FaissBackend):
 
 
 def _check_list_ids(faiss: Any, index: Any, directory: str | Path) -> None:
-    """The ids in a saved IVF index's lists are 0..ntotal-1, each once (a search would return
-    whatever they say); else FormatError."""
+    """FormatError unless the ids in a saved IVF index's lists are 0..ntotal-1, each once."""
     lists, n = index.invlists, int(index.ntotal)
     ids = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
            for i in range(index.nlist) if lists.list_size(i)]

@@ -1,24 +1,11 @@
-"""ScaNN (PyPI ``scann``: numpy + protobuf, TensorFlow not needed), dot-product search.
+"""ScaNN (PyPI ``scann``, numpy API, no TensorFlow), dot product, on the CPU.
 
-The paper names ScaNN among the ANN libraries PEFA sits on. The searcher is ScaNN's usual
-tree + asymmetric hashing + exact re-ordering: a k-means tree of ``num_leaves`` leaves, of
-which ``leaves_to_search`` are scored per query, with 4-bit anisotropic product quantisation
-of ``dims_per_block`` dimensions per code, and the best ``reorder`` of those re-scored
-exactly in float32, so returned scores are float32 inner products (``exact_scores``). The
-tree is seeded by k-means++ (ScaNN's random seeding gave a different tree, and a different
-Recall@10, in every process): the same vectors give the same index. Indices of fewer than
-``brute_force_below`` rows are a float32 brute-force ScaNN searcher instead (exact).
-
-Build settings are :class:`ScannParams`, search settings :class:`ScannSearchParams` (0 means
-automatic, from the index size and k: :func:`auto_num_leaves`, :func:`auto_leaves_to_search`,
-:func:`auto_reorder`). ``add`` appends rows to the trained tree without retraining (like IVF).
-ScaNN does not hand back its vectors: no :meth:`reconstruct` (PEFA-XL's ``score`` /
-``mine_negatives`` need it; search does not).
-
-A saved index is ScaNN's own serialisation (protobuf and ``.npy`` assets, listed in
-``scann_assets.pbtxt`` with paths relative to the folder) plus ``scann.json``. On load every
-asset path must name a file inside the folder, and a folder holding ScaNN's pickled
-``scann_docids.pkl`` is refused (a saved folder is data, never code).
+A k-means tree (``num_leaves``; ``leaves_to_search`` scored per query, seeded by k-means++ so
+the same rows give the same index), 4-bit anisotropic AH codes of ``dims_per_block`` dims and
+the best ``reorder`` re-scored in float32 (``exact_scores``); fewer than ``brute_force_below``
+rows: brute force. ``add`` does not retrain. No :meth:`reconstruct` (ScaNN keeps no rows).
+A save is ScaNN's assets (listed in ``scann_assets.pbtxt``, each a file inside the folder)
+and ``scann.json``; a folder holding the pickle ``scann_docids.pkl`` is refused.
 """
 
 from __future__ import annotations
@@ -33,9 +20,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, InputError
-from .base import IndexParams, count, import_optional, positive
+from .base import IndexParams, check_number, count, import_optional, positive
 from ._faiss import host_float32
-from ._host import HostBackend, read_description, resolve_threads, write_description
+from ._host import HostBackend, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
 META_FORMAT = "pefa_gpu-scann"
@@ -51,12 +38,10 @@ def import_scann() -> Any:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScannParams(IndexParams):
-    """Build settings. num_leaves: k-means tree leaves (0 = :func:`auto_num_leaves`).
-    dims_per_block: dimensions per 4-bit AH code. anisotropic_threshold: ScaNN's anisotropic
-    quantisation threshold (its recommended 0.2 for dot products; None = plain k-means codes).
-    train_size: rows sampled to train the tree and codebooks (0 = min(n, 100000)).
-    brute_force_below: indices with fewer rows are an exact brute-force searcher.
-    threads: for training and searching (0 = every core)."""
+    """Build settings. num_leaves: tree leaves (0 = :func:`auto_num_leaves`). dims_per_block:
+    dimensions per 4-bit AH code. anisotropic_threshold: ScaNN's (0.2 for dot products; None =
+    plain k-means codes). train_size: training sample (0 = min(n, 100000)).
+    brute_force_below: fewer rows are searched by brute force. threads: 0 = every core."""
 
     num_leaves: int = count(0, "automatic")
     dims_per_block: int = positive(2)
@@ -67,38 +52,26 @@ class ScannParams(IndexParams):
 
     def validate(self) -> None:
         super().validate()
-        t = self.anisotropic_threshold
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
-                              or not math.isfinite(t)):
-            raise InputError(f"anisotropic_threshold must be a finite number or None, got {t!r}")
+        check_number(self.anisotropic_threshold, "anisotropic_threshold", none_ok=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScannSearchParams(IndexParams):
-    """Search settings. leaves_to_search: tree leaves scored per query (0 =
+    """Search settings. leaves_to_search: leaves scored per query (0 =
     :func:`auto_leaves_to_search`). reorder: candidates re-scored exactly (0 =
-    :func:`auto_reorder`; never fewer than k)."""
+    :func:`auto_reorder`; at least k)."""
 
     leaves_to_search: int = count(0, "automatic")
     reorder: int = count(0, "automatic")
 
 
 def auto_num_leaves(n: int) -> int:
-    """sqrt(n) leaves (ScaNN's rule of thumb), at least 1 and at most n / 50 (its minimum
-    leaf size)."""
+    """sqrt(n) leaves, at least 1, at most n / 50 (ScaNN's minimum leaf size)."""
     return int(max(1, min(round(math.sqrt(n)), n // 50)))
 
 
 def auto_leaves_to_search(num_leaves: int) -> int:
-    """Three quarters of the leaves, rounded up.
-
-    Near-exact by default, as the ivf backend's nprobe: 384-d text embeddings do not fall into
-    well-separated leaves. Held-out SciFact training queries (not the test split) find this
-    share of the exact top-10 (ERM / PEFA-XS vectors, 5183 rows, 72 leaves): 1/2 searched
-    98.5% / 98.6%, 5/8 99.4% / 99.5%, 2/3 99.6% / 99.6%, 3/4 99.8% / 99.8% (of the top-100:
-    97.1 / 97.3, 98.8 / 98.7, 99.1 / 99.0, 99.5 / 99.5%). Lower it for speed:
-    benchmarks/peers.py plots recall against QPS over it.
-    """
+    """Three quarters of the leaves, rounded up (near-exact on text embeddings)."""
     return int(-(-3 * num_leaves // 4))
 
 
@@ -108,8 +81,7 @@ def auto_reorder(k: int) -> int:
 
 
 class ScannIndex(HostBackend):
-    """ScaNN tree + AH + exact re-ordering (or brute force for small indices), inner product,
-    on the CPU; results on ``device``."""
+    """ScaNN tree + AH + exact re-ordering (or brute force), inner product, on the CPU."""
 
     name = "scann"
     Params = ScannParams
@@ -120,16 +92,11 @@ class ScannIndex(HostBackend):
         super().__init__(params, device)
         self._scann = import_scann()
         self._searcher: Any = None
-        self._leaves = 0  # 0: a brute-force searcher
+        self.num_leaves = 0  # leaves of the trained tree (0: a brute-force searcher)
 
     @property
     def ntotal(self) -> int:
         return int(self._searcher.size()) if self._searcher is not None else 0
-
-    @property
-    def num_leaves(self) -> int:
-        """Leaves of the trained tree (0 for a brute-force searcher)."""
-        return self._leaves
 
     def build(self, vectors: Any) -> "ScannIndex":
         """vectors: (n, d) float, n >= 1 -> a freshly trained searcher; returns self."""
@@ -139,7 +106,7 @@ class ScannIndex(HostBackend):
             raise InputError(f"scann needs a non-empty (n, d) matrix, got {x.shape}")
         p = self.params
         builder = self._scann.builder(x, 10, "dot_product")
-        builder.set_n_training_threads(resolve_threads(p.threads))
+        builder.set_n_training_threads(self.threads)
         if n < p.brute_force_below:
             leaves = 0
             builder = builder.score_brute_force(False)
@@ -157,25 +124,24 @@ class ScannIndex(HostBackend):
                                  training_sample_size=sample)
                        .reorder(auto_reorder(10)))
         searcher = builder.build()
-        searcher.set_num_threads(resolve_threads(p.threads))
-        self._searcher, self._dim, self._leaves = searcher, d, leaves
+        searcher.set_num_threads(self.threads)
+        self._searcher, self._dim, self.num_leaves = searcher, d, leaves
         return self
 
     def _append(self, x: np.ndarray) -> None:
-        """Into the trained searcher (no retraining)."""
         self._searcher.searcher.upsert([None] * x.shape[0], list(x), min(x.shape[0], 256))
 
     def _raw_search(self, q: np.ndarray, k: int, params: ScannSearchParams
                     ) -> tuple[np.ndarray, np.ndarray]:
-        if self._leaves and k >= self.ntotal:  # every row asked for: score them all
-            leaves, reorder = self._leaves, k
-        elif self._leaves:
-            leaves = min(params.leaves_to_search or auto_leaves_to_search(self._leaves),
-                         self._leaves)
+        if self.num_leaves and k >= self.ntotal:  # every row asked for: score them all
+            leaves, reorder = self.num_leaves, k
+        elif self.num_leaves:
+            leaves = min(params.leaves_to_search or auto_leaves_to_search(self.num_leaves),
+                         self.num_leaves)
             reorder = max(params.reorder or auto_reorder(k), k)
         else:
             leaves = reorder = -1  # brute force: no tree, every score exact already
-        if q.shape[0] > 1 and resolve_threads(self.params.threads) > 1:
+        if q.shape[0] > 1 and self.threads > 1:
             ids, dist = self._searcher.search_batched_parallel(q, k, reorder, leaves)
         else:
             ids, dist = self._searcher.search_batched(q, k, reorder, leaves)
@@ -184,19 +150,17 @@ class ScannIndex(HostBackend):
         ids = np.where(missing, -1, ids.astype(np.int64))
         return dist, ids
 
-    # -- persistence ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> None:
-        """ScaNN's assets (relative paths) and ``scann.json`` into the existing, empty
-        ``directory``."""
+        """ScaNN's assets (relative paths) and ``scann.json`` into ``directory``."""
         directory = self._save_dir(directory)
         self._searcher.serialize(str(directory), relative_path=True)
         write_description(directory / META_FILE, META_FORMAT, dim=self.dim,
-                          ntotal=self.ntotal, num_leaves=self._leaves)
+                          ntotal=self.ntotal, num_leaves=self.num_leaves)
 
     @classmethod
     def load(cls, directory: str | Path, params: ScannParams | dict | None = None,
              device: Any = None) -> "ScannIndex":
-        """Read an index written by :meth:`save` (see the module docstring for the checks)."""
+        """Read an index written by :meth:`save`, its files checked first."""
         directory = Path(directory)
         meta_path = directory / META_FILE
         meta = read_description(meta_path, META_FORMAT)
@@ -215,17 +179,15 @@ class ScannIndex(HostBackend):
         if searcher.size() != ntotal:
             raise FormatError(f"{directory} holds {searcher.size()} vectors; {meta_path} says "
                               f"{ntotal}")
-        searcher.set_num_threads(resolve_threads(out.params.threads))
-        out._searcher, out._dim, out._leaves = searcher, dim, leaves
+        searcher.set_num_threads(out.threads)
+        out._searcher, out._dim, out.num_leaves = searcher, dim, leaves
         return out
 
 
 def _check_assets(directory: Path) -> dict[str, Path]:
-    """Every asset ``scann_assets.pbtxt`` lists is a plain file name inside ``directory``;
-    returns {asset type name (e.g. "TOKENIZATION_NPY"): path}."""
-    path = directory / ASSETS_FILE
-    if not path.is_file():
-        raise FormatError(f"{path} is missing: not a saved 'scann' index")
+    """{asset type (e.g. "TOKENIZATION_NPY"): path} of ``scann_assets.pbtxt``, each a plain
+    file name inside ``directory``."""
+    path = ScannIndex._saved_file(directory, ASSETS_FILE)
     from google.protobuf import text_format  # noqa: PLC0415 (ScaNN's dependency)
     from scann.scann_ops import scann_assets_pb2  # noqa: PLC0415
 
@@ -248,9 +210,8 @@ def _check_assets(directory: Path) -> dict[str, Path]:
 
 
 def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -> None:
-    """The arrays ScaNN indexes with, before it reads them (it trusts them): the vectors
-    (ntotal, dim) float32; with a tree, every row's leaf in [0, num_leaves) and every 4-bit
-    code below the codebook's size; else FormatError naming the file."""
+    """FormatError unless the arrays ScaNN trusts fit: vectors (ntotal, dim) float32, leaves
+    in [0, num_leaves), 4-bit codes below 16."""
     from ..storage import read_npy  # noqa: PLC0415
 
     def array(kind: str, dtype: str, shape: tuple) -> np.ndarray | None:

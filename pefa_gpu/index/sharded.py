@@ -1,15 +1,10 @@
-"""An index sharded over several devices: rows split into contiguous shards, one backend index
-per device, every shard searched for the top-k and the lists merged (ties to the lower id).
+"""An index sharded over devices: contiguous row shards, one backend index per device, each
+searched for the top-k and the lists merged (ties to the lower id).
 
-    idx = make_index("sharded", device="cuda")            # every visible GPU
-    idx = make_index("sharded", params={"devices": ["cuda:0", "cuda:1"], "backend": "exact",
-                                        "backend_params": {"dtype": "bfloat16"}})
-    model = pg.PEFAXL(backend="sharded", device="cuda")   # passage and query index sharded
+    idx = make_index("sharded", params={"devices": ["cuda:0", "cuda:1"], "backend": "exact"})
 
-Several shards may share one device (e.g. ``["cpu", "cpu"]``), which is how the multi-device
-logic is tested without GPUs. Results come back on the index's own device. Search settings are
-the shard backend's (``idx.SearchParams`` is its class, e.g. HNSWSearchParams), passed to every
-shard.
+Shards may share a device (``["cpu", "cpu"]`` tests the logic without GPUs). Search settings
+are the shard backend's (``idx.SearchParams`` is its class), passed to every shard.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from ..arrays import as_tensor, check_topk, resolve_device
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..topk import merge_topk
-from .base import Index, check_row_ids
+from .base import Index, check_row_ids, empty_results
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,8 +45,7 @@ class ShardedParams(Params):
 
 
 class ShardedIndex(Index):
-    """Rows split over ``params.devices``; ids are global row numbers in insertion order.
-    ``SearchParams`` (per instance) and ``search_params`` are those of the shard backend."""
+    """Rows split over ``params.devices``; ids are global row numbers in insertion order."""
 
     name = "sharded"
     Params = ShardedParams
@@ -74,9 +68,6 @@ class ShardedIndex(Index):
             return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return [str(self.device)]
 
-    def _new_shard(self, device: torch.device) -> Index:
-        return self._cls(self.params.backend_params, device)
-
     @property
     def ntotal(self) -> int:
         return sum(s.ntotal for s in self.shards)
@@ -91,10 +82,9 @@ class ShardedIndex(Index):
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
         n, parts = v.shape[0], len(self.devices)
         bounds = [n * i // parts for i in range(parts + 1)]
-        self.shards, self.offsets = [], []
-        for dev, lo, hi in zip(self.devices, bounds[:-1], bounds[1:]):
-            self.shards.append(self._new_shard(dev).build(v[lo:hi]))
-            self.offsets.append(lo)
+        self.shards = [self._cls(self.params.backend_params, dev).build(v[lo:hi])
+                       for dev, lo, hi in zip(self.devices, bounds[:-1], bounds[1:])]
+        self.offsets = bounds[:-1]
         return self
 
     def add(self, vectors: torch.Tensor) -> None:
@@ -103,8 +93,7 @@ class ShardedIndex(Index):
             self.build(vectors)
             return
         v = as_tensor(vectors, name="vectors").detach()
-        if v.ndim != 2 or v.shape[1] != self.dim:
-            raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
+        self.check_rows(v)
         self.shards[-1].add(v)
 
     def search(self, queries: torch.Tensor, k: int, params: Params | dict | None = None
@@ -113,22 +102,18 @@ class ShardedIndex(Index):
         sp = self.resolve_search_params(params)
         k = check_topk(k, self.ntotal, "k")
         q = as_tensor(queries, name="queries").detach()
-        if q.ndim != 2 or (self.ntotal and q.shape[1] != self.dim):
-            raise InputError(f"queries must have shape (B, {self.dim}), got {tuple(q.shape)}")
+        self.check_queries(q)
         vals, ids = [], []
-        # shards are searched in turn, each launched before any result is gathered; an exact
-        # shard synchronises once a search (k + 8 < its rows), so work on different GPUs
-        # overlaps only where a shard's search does not wait for its device
+        # each shard launched before any result is gathered (GPUs overlap where a shard's
+        # search does not wait for its device)
         for shard, off in zip(self.shards, self.offsets):
             if shard.ntotal == 0:
                 continue
             s, i = shard.search(q.to(shard.device, non_blocking=True), min(k, shard.ntotal), sp)
             vals.append(s)
             ids.append(torch.where(i >= 0, i + off, i))
-        b = q.shape[0]
         if not vals:
-            return (torch.full((b, k), float("-inf"), device=self.device),
-                    torch.full((b, k), -1, dtype=torch.long, device=self.device))
+            return empty_results(q.shape[0], k, self.device)
         vals = [v.to(self.device, torch.float32) for v in vals]
         ids = [i.to(self.device) for i in ids]
         if len(vals) == 1 and vals[0].shape[1] == k:
@@ -137,7 +122,7 @@ class ShardedIndex(Index):
 
     @property
     def distinct_ids(self) -> bool:  # type: ignore[override]
-        """True when every shard's results are (the shards hold disjoint id ranges)."""
+        """True when every shard's results are (the shards' id ranges are disjoint)."""
         return all(s.distinct_ids for s in self.shards)
 
     @property
@@ -152,7 +137,7 @@ class ShardedIndex(Index):
             yield shard, mask, ids - off
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
-        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) in the shards that hold them."""
+        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) in the shards holding them."""
         i = check_row_ids(as_tensor(ids, name="ids").detach().flatten(), self.ntotal)
         v = as_tensor(vectors, name="vectors").detach()
         if v.ndim != 2 or v.shape[0] != i.numel():
@@ -163,7 +148,6 @@ class ShardedIndex(Index):
                 shard.update(local[mask].to(shard.device), v[mask].to(shard.device))
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape) -> (*ids.shape, d) float32 on the index's device."""
         i = ids.to(self.device)
         out = torch.zeros(*i.shape, self.dim, device=self.device)
         for shard, mask, local in self._route(i):
