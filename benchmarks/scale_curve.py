@@ -24,7 +24,7 @@ Paths, each a process of its own per n (the peak RSS of one never counts in anot
 - ``pecos``: the authors' path (libpecos HNSW, scipy PIFA and the scipy merge, as in
   ``benchmarks/peers.py``), run in its own virtual environment (``--pecos-python``).
 
-Per stage: wall seconds, peak RSS growth (VmHWM, reset before the stage) and the peak of
+Per stage: wall seconds, CPU seconds, bytes read from storage (all repeats), peak RSS growth (VmHWM, reset before the stage) and the peak of
 anonymous memory (RssAnon, sampled every 20 ms: memory-mapped input files do not count), the
 bytes of the arrays the stage must hold, and the load average. ``report`` fits the exponent of
 time and memory in n per stage (least squares on log-log over the points measured) and writes
@@ -132,6 +132,11 @@ def _status(key: str) -> int:
     return int(re.search(key + r":\s+(\d+)", text).group(1)) * 1024
 
 
+def read_bytes() -> int:
+    """Bytes this process has read from storage (page cache hits do not count)."""
+    return int(re.search(r"read_bytes:\s+(\d+)", open("/proc/self/io").read()).group(1))
+
+
 def available_bytes() -> int:
     text = open("/proc/meminfo").read()
     return int(re.search(r"MemAvailable:\s+(\d+)", text).group(1)) * 1024
@@ -158,7 +163,7 @@ class Stage:
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
         self.load = os.getloadavg()[0]
-        self.t, self.cpu = time.perf_counter(), time.process_time()
+        self.t, self.cpu, self.read = time.perf_counter(), time.process_time(), read_bytes()
         return self
 
     def repeat(self, fn, times: int) -> None:
@@ -179,7 +184,8 @@ class Stage:
         if exc[0] is None:
             row = dict(stage=self.name, seconds=round(seconds, 3), cpu_seconds=round(cpu, 3),
                        peak_rss=_status("VmHWM") - self.rss0, peak_anon=self.anon - self.anon0,
-                       holds=self.holds, load=round(self.load, 2), **self.extra)
+                       holds=self.holds, load=round(self.load, 2),
+                       read_bytes=read_bytes() - self.read, **self.extra)
             record(self.rec, row)
 
 
