@@ -1,9 +1,10 @@
-"""What the pipeline's map tasks leave in memory for the reduces: the aggregation's partial
-sums wait on disk in the output folder (removed after), PEFA-XL's build sends pairs only (no
-d-dimensional rows), whatever the number of query shards."""
+"""What the pipeline holds and reads: the aggregation's partial sums wait on disk in the output
+folder (removed after), PEFA-XL's build sends pairs only (no d-dimensional rows), whatever the
+number of query shards; a search round reads every shard once."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 
 from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import InputError
+from pefa_gpu.index.exact import ExactIndex
 
 
 def array_bytes(x) -> int:
@@ -115,3 +117,25 @@ def test_rows_take_reads_rows_across_shards(tmp_path):
         np.testing.assert_array_equal(got, x[want])
     with pytest.raises(InputError, match="outside"):
         rows.take(np.array([3, 250]))
+
+
+def test_a_search_reads_every_shard_once_per_round(tmp_path, monkeypatch):
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 4)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=60,
+                 lam=0.3, k=4, candidates=20)
+    T = np.random.default_rng(5).standard_normal((1200, P.shape[1])).astype(np.float32)
+    T[1] = P[7]
+    want = pp.search(b, T, topk=10, batch_size=300)  # 4 rounds
+    calls = collections.Counter()
+    search = ExactIndex.search
+
+    def counted(self, q, k, params=None):
+        calls[self] += 1
+        return search(self, q, k, params)
+    monkeypatch.setattr(ExactIndex, "search", counted)
+    got = pp.search(b, T, topk=10)
+    # 5 passage shards and 10 query shards, each searched once for the 1,200 queries
+    assert len(calls) == 15 and set(calls.values()) == {1}
+    assert torch.equal(got[1], want[1])  # scores: faiss' BLAS path sums in another order
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=0, atol=2e-6)
+    assert got[1][1, 0] == 7
