@@ -293,7 +293,10 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
 
 # -- the out-of-core pipeline -------------------------------------------------------------------
 
-def run_pipeline(folder: Path, tmp: Path) -> list:
+def run_pipeline(folder: Path, tmp: Path, stages: tuple[str, ...] = ("aggregate", "xs", "xl"),
+                 times: int = 0) -> list:
+    """``stages``: "aggregate", "xs" (its build and search; needs "aggregate"), "xl" (build and
+    search); ``times``: repetitions of a search (0: :func:`repeats`)."""
     from pefa_gpu import pipeline as pp
 
     P, Q, T, Y = load_data(folder, "product")
@@ -304,12 +307,14 @@ def run_pipeline(folder: Path, tmp: Path) -> list:
         pp.write_rows(P, work / "docs", rows=rows)
         pp.write_rows(Q, work / "queries", rows=rows)
         pp.write_relevance(Y, work / "pairs", rows=rows)
-    for method in ("xs", "xl"):
+    if "aggregate" in stages:
+        with Stage(rec, "aggregate", rows * row * 4, method="xs", backend="exact",
+                   dtype="float32"):
+            pp.aggregate(work / "queries", work / "pairs", work / "docs", work / "xs",
+                         lam=XS_LAM, doc_rows=rows)
+    for method in [m for m in ("xs", "xl") if m in stages]:
         tag = dict(method=method, backend="exact", dtype="float32")
         if method == "xs":
-            with Stage(rec, "aggregate", rows * row * 4, **tag):
-                pp.aggregate(work / "queries", work / "pairs", work / "docs", work / "xs",
-                             lam=XS_LAM, doc_rows=rows)
             with Stage(rec, "build", rows * row, **tag):
                 pp.build("xs", work / "build-xs", work / "docs", embeddings=work / "xs",
                          doc_rows=rows)
@@ -320,10 +325,9 @@ def run_pipeline(folder: Path, tmp: Path) -> list:
                          candidates=XL_KP)
         with Stage(rec, "search", rows * row * 2, **tag) as st:
             st.repeat(lambda: pp.search(work / f"build-{method}", np.array(T), topk=TOPK),
-                      repeats(P.shape[0]))
+                      times or repeats(P.shape[0]))
         skip(rec, "save", "", bytes_on_disk=dir_bytes(work / f"build-{method}"), **tag)
         shutil.rmtree(work / f"build-{method}")
-        shutil.rmtree(work / "xs", ignore_errors=True)
     shutil.rmtree(work)
     return rec
 
@@ -402,7 +406,7 @@ def point(args) -> None:
         elif args.path == "dense":
             run_model(folder, "dense", 0, 0, tmp)
         elif args.path == "pipeline":
-            run_pipeline(folder, tmp)
+            run_pipeline(folder, tmp, tuple(args.pipeline_stages.split(",")), args.repeats)
         else:
             methods = ["erm"] + (["xs", "xl"] if args.n <= args.hnsw_xl_max else [])
             run_pecos(folder, methods if args.n <= args.hnsw_max else [])
@@ -641,6 +645,10 @@ def main() -> None:
                     help="where each stage's row is appended (all, point)")
     ap.add_argument("--raw", default="", help="report: the comma-separated row files to read "
                     "(default: --out)")
+    ap.add_argument("--pipeline-stages", default="aggregate,xs,xl",
+                    help="the pipeline path's stages: aggregate, xs (needs aggregate), xl")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="timed repetitions of a search (0: 3 up to 1M documents, else 1)")
     ap.add_argument("--hnsw-max", type=int, default=1_000_000)
     ap.add_argument("--hnsw-xl-max", type=int, default=300_000)
     ap.add_argument("--pecos-python", default=os.environ.get("PECOS_PYTHON", ""))
