@@ -269,10 +269,12 @@ class Rows:
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
+        out = np.empty((len(rows), self.dim), dtype=np.float32)
         cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
-        parts = [self._part(i)[rows[a:b] - s.rows[0]]
-                 for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])) if b > a]
-        return np.concatenate(parts) if parts else np.zeros((0, self.dim), np.float32)
+        for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
+            if b > a:  # read into ``out``: no second copy of the rows
+                np.take(self._part(i), rows[a:b] - s.rows[0], axis=0, out=out[a:b])
+        return out
 
 
 def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "rows",
