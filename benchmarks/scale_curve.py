@@ -24,7 +24,7 @@ Paths, each a process of its own per n (the peak RSS of one never counts in anot
 - ``pecos``: the authors' path (libpecos HNSW, scipy PIFA and the scipy merge, as in
   ``benchmarks/peers.py``), run in its own virtual environment (``--pecos-python``).
 
-Per stage: wall seconds, peak RSS growth (VmHWM, reset before the stage) and the peak of
+Per stage: wall seconds, CPU seconds, bytes read from storage (all repeats), peak RSS growth (VmHWM, reset before the stage) and the peak of
 anonymous memory (RssAnon, sampled every 20 ms: memory-mapped input files do not count), the
 bytes of the arrays the stage must hold, and the load average. ``report`` fits the exponent of
 time and memory in n per stage (least squares on log-log over the points measured) and writes
@@ -132,6 +132,11 @@ def _status(key: str) -> int:
     return int(re.search(key + r":\s+(\d+)", text).group(1)) * 1024
 
 
+def read_bytes() -> int:
+    """Bytes this process has read from storage (page cache hits do not count)."""
+    return int(re.search(r"read_bytes:\s+(\d+)", open("/proc/self/io").read()).group(1))
+
+
 def available_bytes() -> int:
     text = open("/proc/meminfo").read()
     return int(re.search(r"MemAvailable:\s+(\d+)", text).group(1)) * 1024
@@ -158,7 +163,7 @@ class Stage:
         self.thread = threading.Thread(target=self._sample, daemon=True)
         self.thread.start()
         self.load = os.getloadavg()[0]
-        self.t, self.cpu = time.perf_counter(), time.process_time()
+        self.t, self.cpu, self.read = time.perf_counter(), time.process_time(), read_bytes()
         return self
 
     def repeat(self, fn, times: int) -> None:
@@ -179,7 +184,8 @@ class Stage:
         if exc[0] is None:
             row = dict(stage=self.name, seconds=round(seconds, 3), cpu_seconds=round(cpu, 3),
                        peak_rss=_status("VmHWM") - self.rss0, peak_anon=self.anon - self.anon0,
-                       holds=self.holds, load=round(self.load, 2), **self.extra)
+                       holds=self.holds, load=round(self.load, 2),
+                       read_bytes=read_bytes() - self.read, **self.extra)
             record(self.rec, row)
 
 
@@ -287,7 +293,10 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
 
 # -- the out-of-core pipeline -------------------------------------------------------------------
 
-def run_pipeline(folder: Path, tmp: Path) -> list:
+def run_pipeline(folder: Path, tmp: Path, stages: tuple[str, ...] = ("aggregate", "xs", "xl"),
+                 times: int = 0) -> list:
+    """``stages``: "aggregate", "xs" (its build and search; needs "aggregate"), "xl" (build and
+    search); ``times``: repetitions of a search (0: :func:`repeats`)."""
     from pefa_gpu import pipeline as pp
 
     P, Q, T, Y = load_data(folder, "product")
@@ -298,12 +307,14 @@ def run_pipeline(folder: Path, tmp: Path) -> list:
         pp.write_rows(P, work / "docs", rows=rows)
         pp.write_rows(Q, work / "queries", rows=rows)
         pp.write_relevance(Y, work / "pairs", rows=rows)
-    for method in ("xs", "xl"):
+    if "aggregate" in stages:
+        with Stage(rec, "aggregate", rows * row * 4, method="xs", backend="exact",
+                   dtype="float32"):
+            pp.aggregate(work / "queries", work / "pairs", work / "docs", work / "xs",
+                         lam=XS_LAM, doc_rows=rows)
+    for method in [m for m in ("xs", "xl") if m in stages]:
         tag = dict(method=method, backend="exact", dtype="float32")
         if method == "xs":
-            with Stage(rec, "aggregate", rows * row * 4, **tag):
-                pp.aggregate(work / "queries", work / "pairs", work / "docs", work / "xs",
-                             lam=XS_LAM, doc_rows=rows)
             with Stage(rec, "build", rows * row, **tag):
                 pp.build("xs", work / "build-xs", work / "docs", embeddings=work / "xs",
                          doc_rows=rows)
@@ -314,10 +325,9 @@ def run_pipeline(folder: Path, tmp: Path) -> list:
                          candidates=XL_KP)
         with Stage(rec, "search", rows * row * 2, **tag) as st:
             st.repeat(lambda: pp.search(work / f"build-{method}", np.array(T), topk=TOPK),
-                      repeats(P.shape[0]))
+                      times or repeats(P.shape[0]))
         skip(rec, "save", "", bytes_on_disk=dir_bytes(work / f"build-{method}"), **tag)
         shutil.rmtree(work / f"build-{method}")
-        shutil.rmtree(work / "xs", ignore_errors=True)
     shutil.rmtree(work)
     return rec
 
@@ -396,7 +406,7 @@ def point(args) -> None:
         elif args.path == "dense":
             run_model(folder, "dense", 0, 0, tmp)
         elif args.path == "pipeline":
-            run_pipeline(folder, tmp)
+            run_pipeline(folder, tmp, tuple(args.pipeline_stages.split(",")), args.repeats)
         else:
             methods = ["erm"] + (["xs", "xl"] if args.n <= args.hnsw_xl_max else [])
             run_pecos(folder, methods if args.n <= args.hnsw_max else [])
@@ -635,6 +645,10 @@ def main() -> None:
                     help="where each stage's row is appended (all, point)")
     ap.add_argument("--raw", default="", help="report: the comma-separated row files to read "
                     "(default: --out)")
+    ap.add_argument("--pipeline-stages", default="aggregate,xs,xl",
+                    help="the pipeline path's stages: aggregate, xs (needs aggregate), xl")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="timed repetitions of a search (0: 3 up to 1M documents, else 1)")
     ap.add_argument("--hnsw-max", type=int, default=1_000_000)
     ap.add_argument("--hnsw-xl-max", type=int, default=300_000)
     ap.add_argument("--pecos-python", default=os.environ.get("PECOS_PYTHON", ""))

@@ -13,35 +13,27 @@ import scipy.sparse as sp
 import torch
 
 from ..aggregate import pefa_xs, pifa
-from ..arrays import to_numpy
 from ..errors import InputError
 from ..params import check_unit_interval
 from .runner import local
-from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, open_entry, read_stage, shard_name,
-                     split, write_shard, write_stage)
+from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, open_entry, read_stage, remove_shard,
+                     shard_name, split, write_shard, write_stage)
 
 
 @dataclasses.dataclass
 class Part:
-    """What one query shard sends to one document range.
+    """What one query shard sends to one document range for PEFA-XL's build: queries (T,)
+    int64 the global query rows with a pair in the range, y (T x n_range) float32 CSR their
+    pairs."""
 
-    docs (U,) int64 local document rows touched, sums (U, d) float32 their partial Yᵀ Q;
-    queries (T,) int64 global query rows with a pair in the range, vectors (T, d) float32
-    their embeddings, y (T x n_range) float32 CSR their pairs (PEFA-XL's build)."""
-
-    docs: np.ndarray | None = None
-    sums: np.ndarray | None = None
-    queries: np.ndarray | None = None
-    vectors: np.ndarray | None = None
-    y: sp.csr_matrix | None = None
+    queries: np.ndarray
+    y: sp.csr_matrix
 
 
 def nbytes(parts: Sequence[Part]) -> int:
     """The bytes of ``parts``' arrays (what the map tasks sent)."""
-    arrays = [a for p in parts for a in (p.docs, p.sums, p.queries, p.vectors, p.y)
-              if a is not None]
-    return int(sum(a.data.nbytes + a.indices.nbytes + a.indptr.nbytes if sp.issparse(a)
-                   else a.nbytes for a in arrays))
+    return int(sum(p.queries.nbytes + p.y.data.nbytes + p.y.indices.nbytes + p.y.indptr.nbytes
+                   for p in parts))
 
 
 def check_pairs(rel: Stage, queries: Rows, docs: Rows) -> None:
@@ -54,50 +46,59 @@ def check_pairs(rel: Stage, queries: Rows, docs: Rows) -> None:
 
 
 def split_queries(queries: str | Path, relevance: str | Path, shard: int,
-                  doc_ranges: Sequence[tuple[int, int]], pairs: bool = False) -> list[Part]:
-    """Map task of query shard ``shard`` (a shard of the relevance stage): read its rows of Y
-    and Q, and for every document range return a :class:`Part`: the partial Yᵀ Q of the
-    documents its pairs touch (computed by :func:`pefa_gpu.pifa`), or with ``pairs`` the
-    touching queries, their embeddings and pairs."""
+                  doc_ranges: Sequence[tuple[int, int]], spill: str | Path | None = None
+                  ) -> list[Any]:
+    """Map task of query shard ``shard`` (a shard of the relevance stage): its rows of Y cut
+    by document range. Without ``spill``: a :class:`Part` per range (PEFA-XL's build). With
+    ``spill`` (a stage's output folder): the partial Yᵀ Q of the documents its pairs touch in
+    each range (:func:`pefa_gpu.pifa`), written as the shard ``spill/part-<shard>`` (docs-<s>
+    (U,) int64 local rows, sums-<s> (U, d) float32); per range its entry, None when empty."""
     entry = read_stage(relevance, "relevance").shards[shard]
     lo, hi = entry.rows
     y_csc = open_entry(relevance, entry).matrices["relevance"].tocsc()
-    q = Rows(queries).read(lo, hi)
-    out = []
+    blocks = []
     for d_lo, d_hi in doc_ranges:
         block = y_csc[:, d_lo:d_hi].tocsr()
         touched = np.flatnonzero(np.diff(block.indptr))  # queries with a pair in the range
-        block, q_t = block[touched], q[touched]
-        if pairs:
-            out.append(Part(queries=(touched + lo).astype(np.int64), vectors=q_t, y=block))
-            continue
-        docs = np.flatnonzero(np.diff(block.tocsc().indptr)).astype(np.int64)
-        sums = (to_numpy(pifa(block[:, docs], q_t, normalize=False, device="cpu"))
-                if docs.size else np.zeros((0, q.shape[1]), np.float32))
-        out.append(Part(docs=docs, sums=sums))
-    return out
+        blocks.append(Part((touched + lo).astype(np.int64), block[touched]))
+    if spill is None:
+        return blocks
+    q, sums = Rows(queries).read(lo, hi), {}
+    for s, part in enumerate(blocks):
+        docs = np.flatnonzero(np.diff(part.y.tocsc().indptr)).astype(np.int64)
+        if docs.size:
+            sums[f"docs-{s}"] = torch.from_numpy(docs)
+            sums[f"sums-{s}"] = pifa(part.y[:, docs], q[part.queries - lo], normalize=False,
+                                     device="cpu")
+    path = Path(spill) / shard_name("part", shard)
+    written = write_shard(path, {"stage": "part", "rows": [lo, hi]}, sums)
+    return [written if f"docs-{s}" in sums else None for s in range(len(doc_ranges))]
 
 
-def reduce_sums(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int, int],
+def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tuple[int, int],
                 out: str | Path, index: int, lam: float | None,
                 augment_docs: bool) -> tuple[Entry, int]:
-    """Reduce task of one document range: P (with ``augment_docs``) plus the partial sums of
-    every query shard, added in query-shard order; then E = ``pefa_xs(P, sums, lam)``
-    (:mod:`pefa_gpu.aggregate`), as PEFAXS computes it. Writes ``out/doc-<index>``; returns
-    its stage entry and the bytes it received."""
+    """Reduce task of one document range: P (with ``augment_docs``) plus the partial sums the
+    map tasks wrote into ``out`` (:func:`split_queries`), read one at a time and added in
+    query-shard order; then E = ``pefa_xs(P, sums, lam)`` (:mod:`pefa_gpu.aggregate`), as
+    PEFAXS computes it. Writes ``out/doc-<index>``; returns its stage entry and the bytes it
+    received."""
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)
     acc = p.copy() if augment_docs else np.zeros_like(p)
-    for part in parts:
-        if part.docs.size:
-            acc[part.docs] += part.sums
+    moved = 0
+    for part in filter(None, parts):
+        t = open_entry(out, part).tensors
+        rows, sums = t[f"docs-{index}"].numpy(), t[f"sums-{index}"].numpy()
+        acc[rows] += sums
+        moved += rows.nbytes + sums.nbytes
     tensors: dict[str, Any] = {"sums": torch.from_numpy(acc)}
     if lam is not None:
         tensors["embeddings"] = pefa_xs(torch.from_numpy(p), tensors["sums"], lam)
     entry = write_shard(Path(out) / shard_name("doc", index),
                         {"stage": "aggregate", "rows": [lo, hi], "lam": lam,
                          "augment_docs": augment_docs}, tensors)
-    return entry, nbytes(parts)
+    return entry, moved
 
 
 def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
@@ -109,11 +110,12 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     whose query ranges are the map tasks; docs: row stage of P (n, d); ``doc_rows``: rows per
     document range (the reduce tasks and the output shards).
 
-    Map (one task per query shard r, :func:`split_queries`): read Q_r and Y_r, return for
-    every document range s the partial sums Y_r[:, s]ᵀ Q_r of the documents r touches there.
-    Reduce (one task per range s, :func:`reduce_sums`): P_s (augment_docs) plus the partials
-    of s, in query-shard order; normalise; write. No task holds more than one query shard of
-    Q, or more than one document range of the n x d output.
+    Map (one task per query shard r, :func:`split_queries`): read Q_r and Y_r, write for
+    every document range s the partial sums Y_r[:, s]ᵀ Q_r of the documents r touches there
+    into ``out/part-<r>`` (removed at the end). Reduce (one task per range s,
+    :func:`reduce_sums`): P_s (augment_docs) plus the partials of s, in query-shard order;
+    normalise; write. No task holds more than one query shard of Q, or more than one
+    document range of the n x d output, and the partials wait on disk, not in memory.
     Bytes moved: README, "Beyond one machine (Ray)", Aggregate.
     """
     rel, prows = read_stage(relevance, "relevance"), Rows(docs)
@@ -121,10 +123,15 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     if lam is not None:
         check_unit_interval(lam, "lam")
     ranges = split(rel.n, doc_rows)
-    maps = [(str(queries), str(relevance), r, ranges) for r in range(len(rel.shards))]
+    maps = [(str(queries), str(relevance), r, ranges, str(out)) for r in range(len(rel.shards))]
     reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
                for s, rng in enumerate(ranges)]
-    entries, moved = zip(*local(runner).map_reduce(split_queries, maps, reduce_sums, reduces))
+    try:
+        entries, moved = zip(*local(runner).map_reduce(split_queries, maps, reduce_sums,
+                                                       reduces))
+    finally:
+        for r in range(len(rel.shards)):
+            remove_shard(Path(out) / shard_name("part", r))
     return write_stage(out, Stage(stage="aggregate", shards=entries, n=rel.n, dim=prows.dim,
                                   lam=lam, augment_docs=bool(augment_docs),
                                   bytes_shuffled=sum(moved)))

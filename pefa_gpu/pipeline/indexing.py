@@ -38,22 +38,22 @@ def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path
                        export_hnsw=export_hnsw)
 
 
-def build_xl_shard(parts: Sequence[Part], docs: str | Path, doc_range: tuple[int, int],
-                   out: str | Path, index: int, params: XLParams, candidates: int,
-                   backend: str, index_params: Any, device: Any,
+def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
+                   doc_range: tuple[int, int], out: str | Path, index: int, params: XLParams,
+                   candidates: int, backend: str, index_params: Any, device: Any,
                    export_hnsw: bool) -> tuple[Entry, int]:
     """Reduce task of PEFA-XL's build for one document range: a PEFAXL over P_s and the
-    training queries with a pair in s (their rows of Y restricted to s), saved as
-    ``out/doc-<index>`` with their global query rows (``query_rows``). Its passage index is
-    the shard of XL's passage index, and :meth:`PEFAXL.fuse` on it scores the range's
-    candidates (see :class:`ShardServer`). A range without pairs gets one inert placeholder
+    training queries with a pair in s (their rows of ``queries``, and of Y restricted to s),
+    saved as ``out/doc-<index>`` with their global query rows (``query_rows``). Its passage
+    index is the shard of XL's passage index, and :meth:`PEFAXL.fuse` on it scores the
+    range's candidates (see :class:`ShardServer`). A range without pairs gets one inert placeholder
     query (the range's first document, labelled with itself), which no neighbour maps to.
     Returns its stage entry and the bytes it received."""
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
     if rows.size:
-        q = np.concatenate([pt.vectors for pt in parts])
+        q = Rows(queries).take(rows)
         y = sp.vstack([pt.y for pt in parts], format="csr")
     else:
         q, y = p[:1], sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
@@ -104,9 +104,9 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         rel = read_stage(relevance, "relevance")
         check_pairs(rel, Rows(queries), prows)
         ranges = split(prows.n, doc_rows)
-        maps = [(str(queries), str(relevance), r, ranges, True) for r in range(len(rel.shards))]
-        reduces = [(str(docs), rng, str(out), s, params, candidates, *index, export_hnsw)
-                   for s, rng in enumerate(ranges)]
+        maps = [(str(queries), str(relevance), r, ranges) for r in range(len(rel.shards))]
+        reduces = [(str(queries), str(docs), rng, str(out), s, params, candidates, *index,
+                    export_hnsw) for s, rng in enumerate(ranges)]
         shards, moved = zip(*run.map_reduce(split_queries, maps, build_xl_shard, reduces,
                                             gpu=True))
         calls = [(str(queries), e.rows, str(out), shard_name("query", r), *index, False)

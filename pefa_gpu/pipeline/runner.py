@@ -20,8 +20,8 @@ class LocalRunner:
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
         """Each map task returns one part per reduce task; reduce task s gets the parts
         [map 0's part s, map 1's part s, ...] (in map order) and its own args. Every part is
-        held in memory until the reduces run (on one machine, ``pg.pifa(...,
-        memory_budget=)`` streams Q instead)."""
+        held in memory until the reduces run: the stages' parts are pairs, or the name of
+        what a map task wrote to disk."""
         parts = [map_fn(*args) for args in map_calls]
         return [reduce_fn([p[s] for p in parts], *args) for s, args in enumerate(reduce_calls)]
 

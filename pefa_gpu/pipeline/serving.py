@@ -21,7 +21,7 @@ from .indexing import build
 from .runner import local
 from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance, write_rows
 
-DEFAULT_BATCH = 1024        # test queries per search round
+DEFAULT_BATCH = 8192        # test queries per search round (each round reads every shard)
 Result = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -54,12 +54,12 @@ def _typed(model: Any, params: dict | None) -> Any:
 def _gather(shards: Sequence[_Loaded], k: int,
             search: Callable[[_Loaded, int], Result]) -> Result | None:
     """``search(shard, min(k, its size))`` on every shard, ids made global, merged on the
-    shards' device (None without shards)."""
-    if not shards:
-        return None
-    parts = [search(s, min(k, s.model.n_docs)) for s in shards]  # _merge pads to k
-    return _merge([(sc.float(), torch.where(i >= 0, i + s.lo, i))
-                   for s, (sc, i) in zip(shards, parts)], k)
+    shards' device as they come (None without shards)."""
+    out = None
+    for s in shards:
+        sc, i = search(s, min(k, s.model.n_docs))
+        out = _merge([out, (sc.float(), torch.where(i >= 0, i + s.lo, i))], k)  # pads to k
+    return out
 
 
 class ShardServer:

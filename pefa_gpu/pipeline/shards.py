@@ -4,12 +4,14 @@ row stages (:func:`write_rows`, :func:`encode`, :class:`Rows`), :func:`write_rel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import logging
 import os
+import shutil
 import stat
 from pathlib import Path
 from typing import Any, Sequence
@@ -160,6 +162,18 @@ def open_entry(folder: str | Path, entry: Entry, device: Any = "cpu") -> Shard:
     return read_shard(Path(folder) / entry.name, device=device, expect_sha=entry.manifest_sha256)
 
 
+def remove_shard(path: Path) -> None:
+    """Remove the complete shard at ``path`` (its manifest, then its data folder; the folder
+    too when nothing else is in it); nothing when there is none."""
+    if _shard_fields(path) is None:
+        return
+    save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
+    (save.root / SHARD_MANIFEST).unlink()
+    shutil.rmtree(save.data)
+    with contextlib.suppress(OSError):
+        save.root.rmdir()
+
+
 def _shard_fields(path: Path) -> dict[str, Any] | None:
     """The manifest of a complete shard at ``path`` (sizes checked), or None when there is
     none there yet (or only the leftovers of an interrupted write)."""
@@ -248,6 +262,19 @@ class Rows:
         if not parts:
             return np.zeros((0, self.dim), dtype=np.float32)
         return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+
+
+    def take(self, rows: np.ndarray) -> np.ndarray:
+        """The rows at ascending indices ``rows`` (int64) as a (len, d) float32 array."""
+        if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
+            raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
+                             f"(0 .. {self.n})")
+        out = np.empty((len(rows), self.dim), dtype=np.float32)
+        cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
+        for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
+            if b > a:  # read into ``out``: no second copy of the rows
+                np.take(self._part(i), rows[a:b] - s.rows[0], axis=0, out=out[a:b])
+        return out
 
 
 def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "rows",

@@ -1,0 +1,141 @@
+"""What the pipeline holds and reads: the aggregation's partial sums wait on disk in the output
+folder (removed after), PEFA-XL's build sends pairs only (no d-dimensional rows), whatever the
+number of query shards; a search round reads every shard once."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+
+from pefa_gpu import pipeline as pp
+from pefa_gpu.errors import InputError
+from pefa_gpu.index.exact import ExactIndex
+
+
+def array_bytes(x) -> int:
+    """The bytes of every array in ``x`` (arrays, tensors, sparse matrices, dataclasses and
+    sequences of them)."""
+    if isinstance(x, np.ndarray):
+        return x.nbytes
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if sp.issparse(x):
+        return x.data.nbytes + x.indices.nbytes + x.indptr.nbytes
+    if dataclasses.is_dataclass(x):
+        return sum(array_bytes(getattr(x, f.name)) for f in dataclasses.fields(x))
+    if isinstance(x, (list, tuple)):
+        return sum(array_bytes(v) for v in x)
+    return 0
+
+
+class Holding(pp.LocalRunner):
+    """A LocalRunner that records the bytes of the arrays in each map output it holds."""
+
+    def __init__(self):
+        self.held: list[int] = []
+
+    def map_reduce(self, map_fn, map_calls, reduce_fn, reduce_calls, gpu=False):
+        def counted(*args):
+            out = map_fn(*args)
+            self.held.append(array_bytes(out))
+            return out
+        return super().map_reduce(counted, map_calls, reduce_fn, reduce_calls, gpu)
+
+
+def make_stages(tmp, seed: int, n: int = 300, m: int = 900, d: int = 64):
+    """P (n, d), Q (m, d) unit rows; Y (m x n) with 2 pairs a query (repeats add up), empty
+    queries and documents without pairs; row stages of 100 rows, relevance shards of 90."""
+    rng = np.random.default_rng(seed)
+    unit = lambda x: (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    P, Q = unit(rng.standard_normal((n, d))), unit(rng.standard_normal((m, d)))
+    qi = np.repeat(np.arange(0, m, 1), 2)
+    di = rng.integers(0, n - 20, qi.size)
+    Y = sp.csr_matrix((np.ones(qi.size, np.float32), (qi, di)), shape=(m, n))
+    Y = (sp.diags((np.arange(m) % 5 != 2).astype(np.float32)) @ Y).tocsr()
+    Y.eliminate_zeros()
+    return (P, Q, Y, pp.write_rows(P, tmp / "docs", rows=100),
+            pp.write_rows(Q, tmp / "queries", rows=100),
+            pp.write_relevance(Y, tmp / "pairs", rows=90))
+
+
+def pair_bytes(Y: sp.csr_matrix, maps: int, ranges: int) -> int:
+    """A bound on pairs-only map outputs: per pair a query row (int64), column (int32),
+    weight (float32) and row pointer (int32 or int64), plus a row pointer per block."""
+    return 32 * Y.nnz + 8 * maps * ranges
+
+
+def test_aggregate_map_outputs_wait_on_disk(tmp_path):
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 0)
+    run = Holding()
+    out = pp.aggregate(queries, rel, docs, tmp_path / "xs", lam=0.4, doc_rows=60, runner=run)
+    assert len(run.held) == 10 and sum(run.held) == 0  # no array waits in memory
+    ref = Y.T.toarray().astype(np.float64) @ Q.astype(np.float64) + P
+    np.testing.assert_allclose(pp.read_rows(out, tensor="sums"), ref, rtol=0, atol=2e-5)
+    # the partial sums travelled (through the disk) and were removed after
+    assert pp.read_stage(out).bytes_shuffled > 0
+    assert sorted(p.name for p in out.iterdir()) == [f"doc-{s:05d}" for s in range(5)] + \
+        ["stage.json"]
+
+
+def test_xl_build_map_outputs_are_pairs_only(tmp_path):
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 1)
+    run = Holding()
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=60,
+                 lam=0.3, k=4, candidates=20, runner=run)
+    assert len(run.held) == 10
+    assert 0 < sum(run.held) <= pair_bytes(Y, 10, 5) < Q.nbytes  # not the queries' rows
+    # each shard's training queries are the rows of Q with a pair in its range
+    for s, (lo, hi) in enumerate(e.rows for e in pp.read_stage(b).shards):
+        shard = pp.read_shard(b / f"doc-{s:05d}")
+        rows = shard.tensors["query_rows"].numpy()
+        np.testing.assert_array_equal(rows, np.flatnonzero(Y[:, lo:hi].getnnz(axis=1)))
+        np.testing.assert_array_equal(shard.model.query_index.vectors.numpy(), Q[rows])
+
+
+def test_a_foreign_folder_in_the_way_is_refused_and_kept(tmp_path):
+    _, _, _, docs, queries, rel = make_stages(tmp_path, 2)
+    out = tmp_path / "xs"
+    (out / "part-00003").mkdir(parents=True)
+    (out / "part-00003" / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match="part-00003"):
+        pp.aggregate(queries, rel, docs, out, lam=0.4, doc_rows=60)
+    assert (out / "part-00003" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in out.iterdir()) == ["part-00003"]  # ours removed
+
+
+def test_rows_take_reads_rows_across_shards(tmp_path):
+    x = np.random.default_rng(3).standard_normal((250, 8)).astype(np.float32)
+    rows = pp.Rows(pp.write_rows(x, tmp_path / "x", rows=100))
+    for want in ([], [0], [99, 100], [5, 5, 120, 249], list(range(250))):
+        got = rows.take(np.array(want, dtype=np.int64))
+        assert got.dtype == np.float32 and got.shape == (len(want), 8)
+        np.testing.assert_array_equal(got, x[want])
+    with pytest.raises(InputError, match="outside"):
+        rows.take(np.array([3, 250]))
+
+
+def test_a_search_reads_every_shard_once_per_round(tmp_path, monkeypatch):
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 4)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=60,
+                 lam=0.3, k=4, candidates=20)
+    T = np.random.default_rng(5).standard_normal((1200, P.shape[1])).astype(np.float32)
+    T[1] = P[7]
+    want = pp.search(b, T, topk=10, batch_size=300)  # 4 rounds
+    calls = collections.Counter()
+    search = ExactIndex.search
+
+    def counted(self, q, k, params=None):
+        calls[self] += 1
+        return search(self, q, k, params)
+    monkeypatch.setattr(ExactIndex, "search", counted)
+    got = pp.search(b, T, topk=10)
+    # 5 passage shards and 10 query shards, each searched once for the 1,200 queries
+    assert len(calls) == 15 and set(calls.values()) == {1}
+    assert torch.equal(got[1], want[1])  # scores: faiss' BLAS path sums in another order
+    np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=0, atol=2e-6)
+    assert got[1][1, 0] == 7
