@@ -1,9 +1,6 @@
-"""The ``pefa-gpu`` command (``eval``, ``sweep``, ``tune``, ``build``, ``search``; see
-``pefa-gpu COMMAND --help``). Tables go to stdout (markdown), progress bars and log lines to
-stderr. Every check on the arguments runs before any data is read (``_check_args``); outputs are
-written atomically (``storage.write_output_file``). The models' options are made from their
-params classes (:func:`pefa_gpu.methods.settings`): flag, type, default and help.
-"""
+"""The ``pefa-gpu`` command: eval, sweep, tune, build, search. Tables to stdout, progress and
+logs to stderr; every argument check runs before any data is read (``_check_args``); the model
+options are made from the params classes (:func:`pefa_gpu.methods.settings`)."""
 
 from __future__ import annotations
 
@@ -67,8 +64,7 @@ def _each(item: Any) -> Any:
 
 def _methods(text: str) -> tuple[str, ...]:
     vals = tuple(dict.fromkeys(m.strip().lower() for m in text.split(",") if m.strip()))
-    bad = [m for m in vals if m not in REGISTRY]
-    if bad or not vals:
+    if not vals or not set(vals) <= set(REGISTRY):
         raise argparse.ArgumentTypeError(f"methods are {', '.join(REGISTRY)} "
                                          f"(comma-separated), got {text!r}")
     return vals
@@ -80,9 +76,8 @@ GRID_HELP = {"lam": "λ grid, each in [0, 1] (default: 0.1,0.2,...,0.9)",
 
 
 def _settings(form: str, names: Sequence[str]) -> dict[str, dict]:
-    """The options (flag -> add_argument's keywords) of the model settings ``names``, from
-    their params fields: a bool as its flag; a number as one value (form 'one'), a list
-    ('point': eval's), a grid ('grid': sweep's and tune's) or a search's ('search')."""
+    """flag -> add_argument's keywords of the settings ``names``: a bool as its flag, a number as
+    one value ('one'), a list ('point'), a grid ('grid') or a search's ('search')."""
     out = {}
     for name in names:
         field = settings()[name]
@@ -405,7 +400,6 @@ class _Data:
     Y_train: Any
     Q_test: Any = None
     Y_test: Any = None
-    n_pairs: int = 0
     corpus: Any = None  # the BeirDataset, when the data came from one
 
 
@@ -435,21 +429,39 @@ def resolve_model_arg(spec: str | None) -> Any:
 
 
 def _encode(args: argparse.Namespace, lists: list[list[str]]) -> list:
-    """One array per list of texts, with --model (--ray: all encoded as one stage)."""
+    """One array per list of texts, with --model; --ray: all as one stage in
+    ``work/encode-<hash of the texts and --model>``, which a rerun with the same --work-dir
+    reuses."""
     from .encode import encode
 
-    model = resolve_model_arg(args.model)
-    if args.runner is not None:
-        return _cluster_encode(args, model, lists)
-    return [encode(texts, model=model, batch_size=args.batch_size, device=args.device,
-                   cache_dir=_cache_dir(args), show_progress=not args.quiet) for texts in lists]
+    kw = dict(model=resolve_model_arg(args.model), batch_size=args.batch_size,
+              device=args.device, cache_dir=_cache_dir(args), show_progress=not args.quiet)
+    if args.runner is None:
+        return [encode(texts, **kw) for texts in lists]
+    import torch
+
+    from .pipeline import Rows, encode as encode_stage
+
+    texts = [t for texts in lists for t in texts]
+    h = hashlib.sha256(repr(args.model).encode())
+    for t in texts:
+        h.update(hashlib.sha256(t.encode("utf-8")).digest())
+    out = Rows(encode_stage(texts, args.work / f"encode-{h.hexdigest()[:16]}",
+                            runner=args.runner, **kw))
+    bounds = np.cumsum([0, *map(len, lists)])
+    return [torch.from_numpy(out.read(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     """Embeddings and relevance of the training pairs (and of the test split)."""
     from .datasets import load_beir, load_pairs
+    from .xmc import load_xmc
+
     if getattr(args, "xmc", None):
-        return _load_xmc_data(args)
+        x = load_xmc(args.xmc, args.emb, aug=args.aug)
+        log.info("%s (aug %s): training rows %s", x.name, x.aug, x.sources)
+        return _Data(x.name, [str(j) for j in range(x.n_docs)], x.P, x.Q, x.Y, x.Q_test,
+                     x.Y_test)
     ds = load_beir(args.data_dir)
     train_texts: list[str] | None = None
     if args.train_pairs:
@@ -483,18 +495,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
             *([ds.query_texts[i] for i in rows] for rows in tests)])
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test[0] if test else None,
-                 y_test, n_pairs=y_train.nnz, corpus=ds)
-
-
-def _load_xmc_data(args: argparse.Namespace) -> _Data:
-    """--xmc / --emb / --aug: embeddings and relevance from the authors' layout (the options
-    were checked in _check_args)."""
-    from .xmc import load_xmc
-
-    data = load_xmc(args.xmc, args.emb, aug=args.aug)
-    log.info("%s (aug %s): training rows %s", data.name, data.aug, data.sources)
-    return _Data(data.name, [str(j) for j in range(data.n_docs)], data.P, data.Q, data.Y,
-                 data.Q_test, data.Y_test, n_pairs=data.Y.nnz)
+                 y_test, corpus=ds)
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -504,8 +505,6 @@ def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     return dict(backend=args.backend, device=args.device, **more, **{
         name: next(iter(setting_defaults(name))) if v is None else v for name, v in given.items()})
 
-
-# ------------------------------------------------------------------------------ --ray
 
 @contextlib.contextmanager
 def _cluster(args: argparse.Namespace):
@@ -528,47 +527,45 @@ def _cluster(args: argparse.Namespace):
         yield
 
 
-def _cluster_encode(args: argparse.Namespace, model: Any, lists: Sequence[list[str]]):
-    """--ray: encode the lists of texts on the cluster as one stage,
-    ``work/encode-<hash of the texts and model>`` (a rerun with the same --work-dir reuses
-    its shards), and read each list's rows back."""
-    import torch
+# ------------------------------------------------------------------------------ evaluation
 
-    from .pipeline import Rows, encode
+def _evaluate(args: argparse.Namespace, data: _Data, groups: list[tuple]
+              ) -> tuple[list[dict], dict, dict[str, float]]:
+    """The grid of each (methods, lams, ks) group on the test split, one sweep per group (with
+    --ray: on the pipeline's stages when they run every method); returns the result rows, the
+    last configuration's metrics (for the counts) and seconds per method."""
+    from tqdm.auto import tqdm
 
-    texts = [t for texts in lists for t in texts]
-    h = hashlib.sha256(repr(args.model).encode())
-    for t in texts:
-        h.update(hashlib.sha256(t.encode("utf-8")).digest())
-    out = Rows(encode(texts, args.work / f"encode-{h.hexdigest()[:16]}", model=model,
-                      batch_size=args.batch_size, device=args.device,
-                      cache_dir=_cache_dir(args), show_progress=not args.quiet,
-                      runner=args.runner))
-    bounds = np.cumsum([0, *map(len, lists)])
-    return [torch.from_numpy(out.read(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    from .metrics import evaluate
+    from .sweep import grid, sweep_search
+
+    configs = [c for g in groups for c in grid(*g)]
+    if args.runner is not None and all(REGISTRY[c.method].pipeline for c in configs):
+        from .pipeline import evaluate_configs
+
+        results = evaluate_configs(
+            data.P, data.Q_train, data.Y_train, data.Q_test, data.Y_test, configs,
+            args.work / "pipeline", ks=(10, 100), count_empty=args.count_empty,
+            runner=args.runner, **_model_kwargs(args, show_progress=not args.quiet))
+        return [_result_row(c, r) for c, r in zip(configs, results)], results[-1], {}
+    rows, last, timings = [], {}, {}
+    kw = _model_kwargs(args, show_progress=False)
+    with tqdm(total=len(configs), desc=args.command, unit="config", disable=args.quiet) as bar:
+        for group in groups:
+            for cfg, _, ids in sweep_search(data.P, data.Q_train, data.Y_train, data.Q_test,
+                                            *group, topk=100, timings=timings, **kw):
+                last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
+                rows.append(_result_row(cfg, last))
+                bar.update(1)
+    return rows, last, timings
 
 
-def _cluster_rows(args: argparse.Namespace, data: _Data, configs: list) -> tuple[list, dict]:
-    """--ray: each configuration through the pipeline's stages (aggregate, build, search,
-    evaluate) on the cluster; the result rows and the last configuration's metrics."""
-    from .pipeline import evaluate_configs
-
-    results = evaluate_configs(
-        data.P, data.Q_train, data.Y_train, data.Q_test, data.Y_test, configs,
-        args.work / "pipeline", ks=(10, 100), count_empty=args.count_empty,
-        runner=args.runner, **_model_kwargs(args, show_progress=not args.quiet))
-    return [_result_row(c, r) for c, r in zip(configs, results)], results[-1]
-
-
-# ------------------------------------------------------------------------------ output
-
-def _result_row(cfg: Any, metrics: dict, gamma: float | None = None) -> dict:
-    """A table / JSON row of a :class:`pefa_gpu.Config` (ERM: no λ); NUDGE rows add the step
-    their fit chose ("gamma")."""
+def _result_row(cfg: Any, metrics: dict) -> dict:
+    """A table / JSON row of a :class:`pefa_gpu.Config` (ERM: no λ; NUDGE: its step, gamma)."""
     lam = None if cfg.method == "erm" else cfg.lam
     return {"method": cfg.method, "lam": None if lam is None else float(lam),
             "k": None if cfg.k is None else int(cfg.k),
-            **({} if gamma is None else {"gamma": float(gamma)}),
+            **({} if cfg.gamma is None else {"gamma": float(cfg.gamma)}),
             **{m: float(metrics[m]) for m in METRICS}}
 
 
@@ -582,7 +579,7 @@ def _print_results(args: argparse.Namespace, data: _Data, metrics: dict, rows: l
              f" ({n_empty} without a relevant document skipped; --count-empty counts them as 0)"
              if n_empty else "")
     print(f"{data.name}: {len(data.doc_ids)} documents, {data.Y_train.shape[0]} training "
-          f"queries ({data.n_pairs} pairs, binary), {metrics['n_queries']} test queries"
+          f"queries ({data.Y_train.nnz} pairs, binary), {metrics['n_queries']} test queries"
           f"{empty}\nrelevant: qrels grade >= {args.min_score:g}; nDCG gains: the qrels "
           f"grades\n")
     print(markdown_table(rows, METRICS), end="")
@@ -604,39 +601,12 @@ def _write_json(args: argparse.Namespace, data: _Data, metrics: dict, rows: list
 
 # ------------------------------------------------------------------------------ commands
 
-def _run_grid(args: argparse.Namespace, data: _Data, groups: list[tuple]
-              ) -> tuple[list[dict], dict, dict[str, float]]:
-    """Evaluate each (methods, lams, ks) group with one sweep; returns result rows, the raw
-    metrics of the last configuration (for counts), and timings."""
-    from tqdm.auto import tqdm
-
-    from .metrics import evaluate
-    from .sweep import grid, sweep_search
-
-    rows, last, timings = [], {}, {}
-    kw = _model_kwargs(args, show_progress=False)
-    total = sum(len(grid(methods, lams, ks)) for methods, lams, ks in groups)
-    with tqdm(total=total, desc=args.command, unit="config", disable=args.quiet) as bar:
-        for methods, lams, ks in groups:
-            for cfg, _, ids in sweep_search(data.P, data.Q_train, data.Y_train, data.Q_test,
-                                            methods, lams, ks, topk=100, timings=timings,
-                                            **kw):
-                last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
-                rows.append(_result_row(cfg, last, cfg.gamma))
-                bar.update(1)
-    return rows, last, timings
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
     data = _load_data(args)
     groups = [((m,), *[(getattr(args, axis) or (defaults(m)[axis],))
                        if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
-    if args.runner is not None:
-        from .sweep import grid
-        rows, last = _cluster_rows(args, data, [c for g in groups for c in grid(*g)])
-    else:
-        rows, last, _ = _run_grid(args, data, groups)
+    rows, last, _ = _evaluate(args, data, groups)
     _print_results(args, data, last, rows)
     _write_json(args, data, last, rows)
     return 0
@@ -648,7 +618,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
     data = _load_data(args)
     t0 = time.perf_counter()
-    rows, last, timings = _run_grid(args, data, [(args.methods, args.lam or PAPER_LAMS,
+    rows, last, timings = _evaluate(args, data, [(args.methods, args.lam or PAPER_LAMS,
                                                   args.k or PAPER_KS)])
     total = time.perf_counter() - t0
     _print_results(args, data, last, rows)
@@ -665,7 +635,6 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .metrics import evaluate
     from .sweep import PAPER_KS, PAPER_LAMS, Config, markdown_table
     from .tune import tune
 
@@ -686,16 +655,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(markdown_table(res.validation.rows, ("objective", *METRICS)), end="")
     print(f"\nchosen: {res.chosen.label()} — {res.reason}\n")
     configs = [res.chosen] if res.chosen.method == "erm" else [Config("erm", 1.0), res.chosen]
-    rows, last = [], {}
-    if args.runner is not None and all(REGISTRY[c.method].pipeline for c in configs):
-        # the test run goes through the pipeline's stages (NUDGE and the query side: here)
-        rows, last = _cluster_rows(args, data, configs)
-        configs = []
-    for cfg in configs:
-        model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **_model_kwargs(args))
-        _, ids = model.search(data.Q_test, 100)
-        last = evaluate(ids, data.Y_test, (10, 100), count_empty=args.count_empty)
-        rows.append(_result_row(cfg, last, getattr(model, "fitted_gamma", None)))
+    rows, last, _ = _evaluate(args, data, [((c.method,), *(() if v is None else (v,)
+                                                           for v in (c.lam, c.k))) for c in configs])
     print("test (refitted on all training pairs):")
     _print_results(args, data, last, rows)
     _write_json(args, data, last, rows,
@@ -734,7 +695,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         "encoder": encoder_record(args.model, args.embeddings),
         "dataset": data.name, "method": cfg.method, "lam": cfg.lam, "k": cfg.k,
         **({} if cfg.gamma is None else {"gamma": cfg.gamma}),
-        "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.n_pairs},
+        "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.Y_train.nnz},
         titles, texts)
     print(f"built {cfg.label()} on {data.name} ({len(data.doc_ids)} documents) -> {args.out}")
     return 0
