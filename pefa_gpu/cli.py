@@ -282,9 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ checks
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Every rule that involves more than one option, and the outputs' writability, in one
-    place, before any data is read. Raises InputError; options that would do nothing for the
-    chosen method are refused (they are likely a mistake)."""
+    """Every rule across options, and the outputs' writability, before any data is read;
+    InputError. Options that would do nothing for the chosen methods are refused."""
     _check_data(args)
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
@@ -307,13 +306,15 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_ray(args)
     from .storage import check_output_file  # imports torch: after the checks above
 
-    for option, path in _outputs(args):
-        check_output_file(path, option)
+    if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
+        args.plot = str(Path(args.json).with_suffix(".png"))
+    for name in ("out",) if args.command == "search" else ("json", "plot"):
+        if getattr(args, name, None):
+            check_output_file(getattr(args, name), f"--{name}")
 
 
 def _check_data(args: argparse.Namespace) -> None:
-    """DATA_DIR, or --xmc with --emb (and nothing else that names data); --embeddings or
-    --model."""
+    """DATA_DIR, or --xmc with --emb and nothing else naming data; --embeddings or --model."""
     if getattr(args, "embeddings", None) and args.model:
         raise InputError("give either --embeddings (precomputed) or --model (encode), not both")
     if getattr(args, "xmc", None) or getattr(args, "emb", None):
@@ -359,19 +360,6 @@ def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
                              f"{', '.join(users)})")
 
 
-def _outputs(args: argparse.Namespace) -> list[tuple[str, str]]:
-    """(option, path) of every file the command will write (sweep's --plot defaults to
-    --json's path with .png, set here)."""
-    if args.command == "sweep" and args.json and not args.plot:
-        args.plot = str(Path(args.json).with_suffix(".png"))
-    names = {"sweep": ("json", "plot"), "search": ("out",)}.get(args.command, ("json",))
-    return [(f"--{name}", getattr(args, name)) for name in names if getattr(args, name, None)]
-
-
-THIRD_PARTY_LOGGERS = ("faiss", "ray", "transformers", "sentence_transformers", "absl",
-                       "urllib3", "httpx", "huggingface_hub", "filelock", "matplotlib")
-
-
 def _setup(args: argparse.Namespace) -> None:
     """Log lines on stderr: the library's at INFO (none with --quiet), other libraries' from
     WARNING (from INFO with --verbose)."""
@@ -382,7 +370,8 @@ def _setup(args: argparse.Namespace) -> None:
                         format="%(name)s: %(message)s", stream=sys.stderr)
     logging.getLogger("pefa_gpu").setLevel(logging.WARNING if args.quiet else logging.INFO)
     if not args.verbose:
-        for name in THIRD_PARTY_LOGGERS:
+        for name in ("faiss", "ray", "transformers", "sentence_transformers", "absl", "urllib3",
+                     "httpx", "huggingface_hub", "filelock", "matplotlib"):
             logging.getLogger(name).setLevel(logging.WARNING)
     if args.threads is not None:
         import torch
@@ -428,14 +417,15 @@ def resolve_model_arg(spec: str | None) -> Any:
     return obj() if isinstance(obj, type) else obj
 
 
-def _encode(args: argparse.Namespace, lists: list[list[str]]) -> list:
-    """One array per list of texts, with --model; --ray: all as one stage in
-    ``work/encode-<hash of the texts and --model>``, which a rerun with the same --work-dir
-    reuses."""
+def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> list:
+    """One array per list of texts, with --model (``over``: encode's keywords instead of the
+    options'); --ray: all as one stage in ``work/encode-<hash of the texts and --model>``, which
+    a rerun with the same --work-dir reuses."""
     from .encode import encode
 
-    kw = dict(model=resolve_model_arg(args.model), batch_size=args.batch_size,
-              device=args.device, cache_dir=_cache_dir(args), show_progress=not args.quiet)
+    kw = {**dict(batch_size=args.batch_size, device=args.device, cache_dir=_cache_dir(args),
+                 show_progress=not args.quiet), **over}
+    kw["model"] = kw["model"] if "model" in over else resolve_model_arg(args.model)
     if args.runner is None:
         return [encode(texts, **kw) for texts in lists]
     import torch
@@ -681,22 +671,20 @@ def cmd_build(args: argparse.Namespace) -> int:
         cfg = res.chosen
         print(f"chosen: {cfg.label()} — {res.reason}")
     else:  # the λ / k given, else the method's defaults (ERM: λ = 1)
-        given = {**defaults(args.method), **{a: getattr(args, a) for a in AXES
-                                             if getattr(args, a) is not None}}
-        cfg = Config(args.method, 1.0 if args.method == "erm" else given.get("lam"),
-                     given.get("k"))
+        lam, k = (defaults(args.method).get(a) if getattr(args, a) is None else getattr(args, a)
+                  for a in AXES)
+        cfg = Config(args.method, 1.0 if args.method == "erm" else lam, k)
     model = fit_config(cfg, data.P, data.Q_train, data.Y_train, **kw)
     cfg = dataclasses.replace(cfg, gamma=getattr(model, "fitted_gamma", None))
-    ds = data.corpus
-    titles = None if ds is None else ds.corpus_titles
-    texts = titles and [t.removeprefix(f"{h} ") if h else t  # the texts without their titles
-                        for h, t in zip(titles, ds.corpus_texts)]
+    ds = data.corpus  # build reads DATA_DIR only; the documents' texts without their titles
+    texts = [t.removeprefix(f"{h} ") if h else t
+             for h, t in zip(ds.corpus_titles, ds.corpus_texts)]
     save_build(model, args.out, data.doc_ids, {
         "encoder": encoder_record(args.model, args.embeddings),
         "dataset": data.name, "method": cfg.method, "lam": cfg.lam, "k": cfg.k,
         **({} if cfg.gamma is None else {"gamma": cfg.gamma}),
         "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.Y_train.nnz},
-        titles, texts)
+        ds.corpus_titles, texts)
     print(f"built {cfg.label()} on {data.name} ({len(data.doc_ids)} documents) -> {args.out}")
     return 0
 
@@ -727,14 +715,13 @@ def _search_encoder(args: argparse.Namespace, info: dict) -> Any:
 def cmd_search(args: argparse.Namespace) -> int:
     from .arrays import to_numpy
     from .builds import load_build, load_doc_text
-    from .encode import encode
     from .runs import format_results, queries
     from .storage import write_output_file
 
     texts = queries(args.texts, args.queries)
     model, doc_ids, info = load_build(args.model_dir, device=args.device)
-    q = encode([t for _, t in texts], model=_search_encoder(args, info), batch_size=args.batch_size,
-               device=model.device, cache_dir=_cache_dir(args), show_progress=not args.quiet)
+    q, = _encode(args, [[t for _, t in texts]], model=_search_encoder(args, info),
+                 device=model.device)
     given = {name: getattr(args, name) for name in settings(search=True)
              if getattr(args, name) is not None}
     params = model.SearchParams.from_dict(given) if given else None
