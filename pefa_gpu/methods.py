@@ -1,10 +1,5 @@
-"""The methods by name ('erm', 'xs', 'xl', 'nudge-m', 'nudge-n', 'adapter', 'prf',
-'adapter+xs'): the model each fits, the settings it takes, how a grid spans it. The CLI, sweep,
-tune and the pipeline read this table instead of naming methods one by one; the CLI's model
-options are the settings whose params fields carry a "help" metadata string (:func:`settings`).
-
-Importing this module imports no torch (the CLI checks its options with it); :func:`fit_config`
-does.
+"""The methods by name ('erm', 'xs', 'xl', ...): the model each fits, the settings it takes, how a
+grid spans it; read by the CLI, sweep, tune and the pipeline. Imports no torch (fit_config does).
 """
 
 from __future__ import annotations
@@ -27,11 +22,9 @@ AXES = ("lam", "k")  # the settings a grid spans
 
 @dataclasses.dataclass(frozen=True)
 class Method:
-    """model: the class in :mod:`pefa_gpu.models` it fits, with the ``fixed`` params;
-    takes: the fields of that class's Params / SearchParams a caller may set (lam, k,
-    candidates, ...; a test holds them to the classes); query: the query-side part
-    (:mod:`pefa_gpu.query`: 'adapter' and / or 'prf') searched over that model; pipeline:
-    :mod:`pefa_gpu.pipeline`'s stages can run it (the others run in one process)."""
+    """model: the :mod:`pefa_gpu.models` class it fits with the ``fixed`` params; takes: the
+    params fields a caller may set; query: the :mod:`pefa_gpu.query` parts ('adapter', 'prf')
+    over that model; pipeline: :mod:`pefa_gpu.pipeline`'s stages can run it."""
 
     name: str
     model: str
@@ -93,17 +86,15 @@ def defaults(name: str) -> dict[str, Any]:
 
 
 def settings(search: bool = False) -> dict[str, dataclasses.Field]:
-    """The settings offered as command-line options, by name: the fields of the models'
-    SearchParams and Params (with ``search``: SearchParams only) whose metadata has a "help"
-    string."""
+    """The command-line settings by name: the models' SearchParams (and, unless ``search``,
+    Params) fields whose metadata has a "help" string."""
     pairs = PARAMS.values()
     classes = [sp for _, sp in pairs] + ([] if search else [bp for bp, _ in pairs])
     return {f.name: f for c in classes for f in dataclasses.fields(c) if "help" in f.metadata}
 
 
 def setting_defaults(name: str) -> dict[Any, str]:
-    """The defaults of setting ``name`` among the methods that take it: value -> the first
-    method with that default."""
+    """Default of setting ``name`` -> the first method that takes it with that default."""
     out: dict[Any, str] = {}
     for m in REGISTRY:
         if name in REGISTRY[m].takes:
@@ -114,10 +105,8 @@ def setting_defaults(name: str) -> dict[Any, str]:
 def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
                Y: RelevanceLike | None = None, device: DeviceLike = None, backend: str = "exact",
                candidates: int | None = None, **params: Any) -> Model | QueryModel:
-    """A fitted model for ``config`` (a :class:`pefa_gpu.Config`: method, lam, k): an ERM /
-    PEFAXS / PEFAXL / NUDGE, or a QueryModel over ERM / PEFAXS for the query side. ``params``
-    (augment_docs, knn_norm, rescore, ...) and ``candidates`` go to the methods that take them;
-    a setting left None takes the params class's default."""
+    """The model ``config`` (a :class:`pefa_gpu.Config`) names, fitted (a QueryModel for the
+    query side); settings go to the methods that take them, None takes the params default."""
     m = method(config.method)
     given = {"lam": config.lam, "k": config.k, "candidates": candidates, **params}
     kw = {key: v for key, v in given.items()  # a setting no method takes: the model refuses it

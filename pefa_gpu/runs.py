@@ -1,6 +1,5 @@
-"""Search runs as files: queries read from a file (BEIR .jsonl, id<TAB>text .tsv, or one text a
-line; a text without an id gets :func:`query_id`) and results written as TSV, JSON or a TREC
-run (``pefa-gpu search``)."""
+"""``pefa-gpu search``'s files: queries read from .jsonl, .tsv or plain lines, results written as
+TSV, JSON or a TREC run."""
 
 from __future__ import annotations
 
@@ -23,8 +22,8 @@ def query_id(text: str) -> str:
 
 
 def read_queries(path: str | Path) -> list[tuple[str, str]]:
-    """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines; texts
-    without an id get :func:`query_id`. Bad lines: InputError naming file:line."""
+    """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines (ids from
+    :func:`query_id`); a bad line: InputError naming file:line."""
     p = Path(path)
     if not p.is_file():
         raise InputError(f"queries file {p} not found")
@@ -56,8 +55,8 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
 
 
 def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[str, str]]:
-    """(id, text) of ``texts``, then of the file ``path``; a repeated (id, text) is kept once,
-    one id with two texts is an InputError."""
+    """(id, text) of ``texts``, then of the file ``path``, each once; one id with two texts:
+    InputError."""
     seen: dict[str, str] = {}
     for qid, text in [(query_id(t), t) for t in texts] + (read_queries(path) if path else []):
         if seen.setdefault(qid, text) != text:
@@ -70,30 +69,25 @@ def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndar
                    doc_text: DocText | None = None) -> str:
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
     rows (-1: no result), one per query; doc_text: shown in TSV columns / JSON fields."""
-    hits = [[(r + 1, doc_ids[int(i)], float(s), int(i))
-             for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0]
-            for b in range(len(queries))]
+    hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
+                       {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
+                      for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0])
+            for b, (qid, t) in enumerate(queries)]
     if fmt == "json":
         return json.dumps([{"query_id": qid, "query": t, "results": [
-            {"rank": r, "doc_id": d, "score": s, **_doc_fields(doc_text, j)}
-            for r, d, s, j in hits[b]]}
-            for b, (qid, t) in enumerate(queries)], indent=2) + "\n"
+            {"rank": r, "doc_id": d, "score": s, **more} for r, d, s, more in rows]}
+            for qid, t, rows in hits], indent=2) + "\n"
     if fmt == "trec":
         lines = []
-        for b, (qid, _) in enumerate(queries):
-            for r, d, s, _ in hits[b]:
+        for qid, _, rows in hits:
+            for r, d, s, _ in rows:
                 if any(c.isspace() for c in qid + d):
                     raise InputError(f"the TREC run format cannot hold ids with spaces "
                                      f"({qid!r}, {d!r})")
                 lines.append(f"{qid} Q0 {d} {r} {s:.6f} {tag}")
         return "".join(line + "\n" for line in lines)
     lines = ["query_id\trank\tdoc_id\tscore" + ("\ttitle\ttext" if doc_text else "")]
-    for b, (qid, _) in enumerate(queries):
-        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(
-            f"\t{v}" for v in _doc_fields(doc_text, j).values()) for r, d, s, j in hits[b]]
+    for qid, _, rows in hits:
+        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(f"\t{v}" for v in more.values())
+                  for r, d, s, more in rows]
     return "\n".join(lines) + "\n"
-
-
-def _doc_fields(doc_text: DocText | None, row: int) -> dict[str, str]:
-    """{"title", "text"} of document ``row`` (one line each), or {} without doc_text."""
-    return {} if doc_text is None else {"title": doc_text[0][row], "text": doc_text[1][row]}
