@@ -56,8 +56,7 @@ def _each(item: Any) -> Any:
     def parse(text: str) -> tuple:
         vals = tuple(item(x.strip()) for x in text.split(",") if x.strip())
         if not vals:
-            raise argparse.ArgumentTypeError(f"expected values separated by commas, got "
-                                             f"{text!r}")
+            raise argparse.ArgumentTypeError(f"expected values separated by commas, got {text!r}")
         return vals
     return parse
 
@@ -392,13 +391,6 @@ class _Data:
     corpus: Any = None  # the BeirDataset, when the data came from one
 
 
-def _cache_dir(args: argparse.Namespace) -> Path | None:
-    from .encode import default_cache_dir
-    if args.no_cache:
-        return None
-    return Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
-
-
 def resolve_model_arg(spec: str | None) -> Any:
     """``--model``: None, a sentence-transformers name or folder, or ``module:attribute`` naming
     a callable texts -> array (a class is instantiated with no arguments)."""
@@ -421,9 +413,11 @@ def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> li
     """One array per list of texts, with --model (``over``: encode's keywords instead of the
     options'); --ray: all as one stage in ``work/encode-<hash of the texts and --model>``, which
     a rerun with the same --work-dir reuses."""
-    from .encode import encode
+    from .encode import default_cache_dir, encode
 
-    kw = {**dict(batch_size=args.batch_size, device=args.device, cache_dir=_cache_dir(args),
+    cache = (None if args.no_cache else
+             Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir())
+    kw = {**dict(batch_size=args.batch_size, device=args.device, cache_dir=cache,
                  show_progress=not args.quiet), **over}
     kw["model"] = kw["model"] if "model" in over else resolve_model_arg(args.model)
     if args.runner is None:

@@ -23,14 +23,12 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
         for r in rows:
             if r["method"] == "erm":
                 ax.axhline(r[metric], color="black", linestyle="--", label="ERM")
-                continue
-            if r["lam"] is None:  # NUDGE-M / -N, adapter, prf: no λ
+            elif r["lam"] is None:  # NUDGE-M / -N, adapter, prf: no λ
                 ax.axhline(r[metric], linestyle=":", color="C9" if r["method"] == "nudge-n"
                            else "C8", label=r["method"].upper())
-                continue
-            label = {"xs": "PEFA-XS", "adapter+xs": "ADAPTER+XS"}.get(r["method"],
-                                                                     f"PEFA-XL k={r['k']}")
-            groups.setdefault(label, []).append(r)
+            else:
+                groups.setdefault({"xs": "PEFA-XS", "adapter+xs": "ADAPTER+XS"}.get(
+                    r["method"], f"PEFA-XL k={r['k']}"), []).append(r)
         for label, rs in groups.items():
             rs = sorted(rs, key=lambda r: r["lam"])
             ax.plot([r["lam"] for r in rs], [r[metric] for r in rs], marker="o", label=label)
