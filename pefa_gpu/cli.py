@@ -331,9 +331,12 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _check_search(args: argparse.Namespace) -> None:
+    """Queries given; --format (else from --out's suffix) and --tag agree."""
     if not args.texts and not args.queries:
         raise InputError("no queries: give query texts or --queries FILE")
-    if args.tag is not None and _search_format(args) != "trec":
+    formats = {".json": "json", ".trec": "trec", ".run": "trec"}
+    args.format = args.format or formats.get(Path(args.out or "").suffix.lower(), "tsv")
+    if args.tag is not None and args.format != "trec":
         raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
                          "ending in .trec / .run)")
     if args.tag is not None and (not args.tag or any(c.isspace() for c in args.tag)):
@@ -685,12 +688,6 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ search
 
-def _search_format(args: argparse.Namespace) -> str:
-    """--format, else from --out's suffix."""
-    suffix = Path(args.out).suffix.lower() if args.out else ""
-    return args.format or {".json": "json", ".trec": "trec", ".run": "trec"}.get(suffix, "tsv")
-
-
 def _search_encoder(args: argparse.Namespace, info: dict) -> Any:
     """--model when given (with a warning when it differs from the build's record), else
     what the build's record allows (see :func:`pefa_gpu.builds.encoder_from_record`)."""
@@ -724,7 +721,7 @@ def cmd_search(args: argparse.Namespace) -> int:
     doc_text = None if args.no_text else load_doc_text(args.model_dir, len(doc_ids))
     if doc_text is None and not args.no_text:
         log.info("this build keeps no document text (an older build): ids and scores only")
-    text = format_results(_search_format(args), texts, to_numpy(scores), to_numpy(ids),
+    text = format_results(args.format, texts, to_numpy(scores), to_numpy(ids),
                           doc_ids, args.tag or "pefa_gpu", doc_text)
     if args.out:
         write_output_file(args.out, text, "--out")

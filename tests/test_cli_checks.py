@@ -343,3 +343,19 @@ def test_search_writes_trec_runs_with_stable_query_ids(built, tmp_path, capsys):
     # equal to the TSV output's documents
     tsv = ok(capsys, "search", built, "first query", *common)
     assert [line.split("\t")[2] for line in tsv.splitlines()[1:]] == [f[2] for f in fields[:3]]
+
+
+def test_search_output_format_follows_the_out_suffix_unless_given(built, tmp_path, capsys):
+    common = ["first query", "--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c",
+              "--device", "cpu", "--topk", "2", "-q"]
+    for name, fmt in [("r.json", None), ("r.RUN", None), ("r.txt", None), ("r.json", "tsv")]:
+        out = tmp_path / name
+        ok(capsys, "search", built, *common, "--out", out, *(["--format", fmt] if fmt else []))
+        text = out.read_text()
+        if name == "r.json" and fmt is None:
+            assert [r["rank"] for r in json.loads(text)[0]["results"]] == [1, 2]
+        elif name == "r.RUN":
+            assert [line.split(" ")[1:4:2] for line in text.splitlines()] == [["Q0", "1"],
+                                                                              ["Q0", "2"]]
+        else:
+            assert text.splitlines()[0].startswith("query_id\trank\tdoc_id\tscore")
