@@ -422,7 +422,8 @@ def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> li
              Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir())
     kw = {**dict(batch_size=args.batch_size, device=args.device, cache_dir=cache,
                  show_progress=not args.quiet), **over}
-    kw["model"] = kw["model"] if "model" in over else resolve_model_arg(args.model)
+    if "model" not in over:  # (search passes the build's encoder)
+        kw["model"] = resolve_model_arg(args.model)
     if args.runner is None:
         return [encode(texts, **kw) for texts in lists]
     import torch
@@ -642,8 +643,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(markdown_table(res.validation.rows, ("objective", *METRICS)), end="")
     print(f"\nchosen: {res.chosen.label()} — {res.reason}\n")
     configs = [res.chosen] if res.chosen.method == "erm" else [Config("erm", 1.0), res.chosen]
-    rows, last, _ = _evaluate(args, data, [((c.method,), *(() if v is None else (v,)
-                                                           for v in (c.lam, c.k))) for c in configs])
+    groups = [((c.method,), *(() if v is None else (v,) for v in (c.lam, c.k))) for c in configs]
+    rows, last, _ = _evaluate(args, data, groups)  # refitted on all training pairs
     print("test (refitted on all training pairs):")
     _print_results(args, data, last, rows)
     _write_json(args, data, last, rows,
