@@ -155,48 +155,55 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
 
 
 def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matrix:
-    """Read a matrix written by :func:`save_csr`; with ``meta`` (its manifest entry) no member
-    inflates past the bytes its shape and nnz allow. Raises :class:`FormatError`."""
+    """Read a matrix written by :func:`save_csr` or scipy's ``save_npz`` (CSR or CSC) as CSR; no
+    member inflates past what the shape and nnz allow (``meta``'s, its manifest entry, else the
+    file's own). Raises :class:`FormatError`."""
     p = _with_suffix(path, ".npz")
     if not p.is_file():
         raise FormatError(f"{p} is missing")
-    limits = dict.fromkeys(("indptr", "indices", "data", "shape"))
-    if meta is not None:
-        try:
+    try:
+        if meta is not None:
             rows, nnz = int(meta["shape"][0]), int(meta["nnz"])
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise FormatError(f"{p}: its manifest entry has no shape and nnz") from None
-        # npy header (at most 64 KiB) + elements of at most 16 bytes (complex128)
-        limits.update(indptr=2**16 + 8 * (rows + 1), indices=2**16 + 8 * nnz,
-                      data=2**16 + 16 * nnz, shape=2**16 + 16)
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise FormatError(f"{p}: its manifest entry has no shape and nnz") from None
     try:
         with zipfile.ZipFile(p) as z:
-            parts = {k: _npz_member(z, k, limit, p) for k, limit in limits.items()}
-        csr = sp.csr_matrix((parts["data"], parts["indices"], parts["indptr"]),
-                            shape=tuple(int(s) for s in parts["shape"]))
-        csr.check_format(full_check=True)
+            fmt = _npz_member(z, "format", 64, p).item() if "format.npy" in z.namelist() else "csr"
+            fmt = fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else fmt
+            if fmt not in ("csr", "csc"):
+                raise FormatError(f"{p} holds sparse format {fmt!r}; expected 'csr' (or 'csc')")
+            shape = tuple(int(s) for s in _npz_member(z, "shape", 16, p))
+            if len(shape) != 2 or min(shape) < 0:
+                raise FormatError(f"{p} holds shape {shape}, not (rows, columns)")
+            major = rows if meta is not None else shape[0 if fmt == "csr" else 1]
+            indptr = _npz_member(z, "indptr", 8 * (major + 1), p)
+            nnz = nnz if meta is not None else min(int(indptr[-1]), shape[0] * shape[1])
+            indices, data = (_npz_member(z, k, 16 * nnz, p) for k in ("indices", "data"))
+        mat = (sp.csr_matrix if fmt == "csr" else sp.csc_matrix)((data, indices, indptr), shape)
+        mat.check_format(full_check=True)
     except FormatError:
         raise
-    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+    except (ValueError, OSError, EOFError, KeyError, IndexError, zipfile.BadZipFile) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
-    if meta is not None and (list(csr.shape) != list(meta.get("shape", [])) or
-                             csr.nnz != meta.get("nnz")):
+    csr = mat.tocsr()
+    if meta is not None and (list(csr.shape) != list(meta["shape"]) or csr.nnz != nnz):
         raise FormatError(f"{p} holds shape {csr.shape} nnz {csr.nnz}, but the manifest says "
-                          f"shape {tuple(meta.get('shape', []))} nnz {meta.get('nnz')}")
+                          f"shape {tuple(meta['shape'])} nnz {nnz}")
     return csr
 
 
-def _npz_member(z: zipfile.ZipFile, name: str, limit: int | None, p: Path) -> np.ndarray:
-    """Array ``name`` of an open .npz, inflating at most ``limit`` bytes (None: as declared)."""
-    info = z.getinfo(f"{name}.npy")
-    if limit is not None and info.file_size > limit:
+def _npz_member(z: zipfile.ZipFile, name: str, limit: int, p: Path) -> np.ndarray:
+    """Array ``name`` of an open .npz, inflating at most its ``limit`` bytes of elements plus
+    a header (at most 64 KiB)."""
+    info, limit = z.getinfo(f"{name}.npy"), 2**16 + max(limit, 0)
+    if info.file_size > limit:
         raise FormatError(f"{p}: member {name} declares {info.file_size} bytes, more than its "
-                          f"manifest entry allows ({limit})")
+                          f"shape and nnz allow ({limit})")
     with z.open(info) as fh:
-        raw = fh.read(info.file_size if limit is None else limit + 1)
-    if limit is not None and len(raw) > limit:
-        raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its manifest "
-                          f"entry allows")
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its shape and "
+                          f"nnz allow")
     return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
 
 
