@@ -1,11 +1,9 @@
-"""HNSW export for CPU serving: a faiss file that plain ``faiss.read_index`` opens (inner product).
+"""HNSW export for CPU serving: an inner-product faiss file that ``faiss.read_index`` opens.
 
-Graph builders (``method``): ``"hnsw"`` faiss' ``IndexHNSWFlat`` on the CPU (efConstruction 500
-as in the paper); ``"cagra"`` faiss ``GpuIndexCagra`` on CUDA copied into an
-``IndexHNSWCagra``; ``"knn"`` an exact top-(2M) graph on the device, M forward then up to M
-reverse edges per row (CAGRA-style), written as a base-level ``IndexHNSWCagra``. ``"auto"``:
-cagra, else knn on CUDA, hnsw on the CPU. A model's own ``hnsw`` index with the same M is
-written as it is.
+Builders (``method``): ``"hnsw"`` faiss' ``IndexHNSWFlat`` (efConstruction 500 as in the paper);
+``"cagra"`` faiss ``GpuIndexCagra`` on CUDA; ``"knn"`` an exact top-(2M) graph on the device, M
+forward then up to M reverse edges per row; the last two as a base-level ``IndexHNSWCagra``.
+``"auto"``: cagra, else knn on CUDA, hnsw on the CPU. A model's own same-M ``hnsw`` index is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 
 from .arrays import ArrayLike, DeviceLike, as_tensor, cuda_index, resolve_device, to_numpy
@@ -89,35 +88,6 @@ def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None
     return out, torch.where(kv > 0, scores.gather(1, kp), float("-inf"))
 
 
-def hnsw_from_graph(vectors: ArrayLike, graph: ArrayLike, *, ef_search: int = 300,
-                    entrypoints: int = 32) -> faiss.IndexHNSW:
-    """A base-level-only inner-product ``faiss.IndexHNSWCagra`` over ``vectors`` (n, d) with
-    links ``graph`` (n, 2M) int, -1 padded."""
-    faiss = import_faiss()
-    x = host_float32(vectors, "vectors")
-    g = np.ascontiguousarray(to_numpy(as_tensor(graph, name="graph")), dtype=np.int32)
-    n, d = x.shape
-    if g.ndim != 2 or g.shape[0] != n or g.shape[1] < 2 or g.shape[1] % 2:
-        raise InputError(f"graph must have shape ({n}, 2M), got {g.shape}")
-    if g.size and (g.max() >= n or g.min() < -1):
-        raise InputError(f"graph holds ids outside [-1, {n})")
-    index = faiss.IndexHNSWCagra(d, g.shape[1] // 2, faiss.METRIC_INNER_PRODUCT)
-    index.base_level_only = True
-    index.num_base_level_search_entrypoints = entrypoints
-    hnsw = index.hnsw
-    hnsw.efSearch = ef_search
-    faiss.copy_array_to_vector(np.ones(n, dtype=np.int32), hnsw.levels)
-    hnsw.prepare_level_tab(n, True)  # every vector on level 0 only
-    if hnsw.neighbors.size() != g.size:
-        raise InputError(f"faiss expects {hnsw.neighbors.size()} level-0 links, "
-                         f"the graph has {g.size}")
-    index.storage.add(x)
-    index.ntotal = n
-    faiss.copy_array_to_vector(g.ravel(), hnsw.neighbors)
-    hnsw.entry_point, hnsw.max_level = 0, 0
-    return index
-
-
 def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",
                ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32
                ) -> faiss.IndexHNSW:
@@ -131,32 +101,38 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
         method = ("hnsw" if dev.type != "cuda" else
                   "cagra" if faiss_has_gpu(faiss) and hasattr(faiss, "GpuIndexCagra") else "knn")
     x = host_float32(vectors, "vectors")
-    if x.shape[0] == 0:
+    (n, d), ip = x.shape, faiss.METRIC_INNER_PRODUCT
+    if n == 0:
         raise InputError("vectors are empty: nothing to export")
     if method == "hnsw":
-        index = faiss.IndexHNSWFlat(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
+        index = faiss.IndexHNSWFlat(d, M, ip)
         index.hnsw.efConstruction = ef_construction
-        index.hnsw.efSearch = ef_search
         index.add(x)
-        return index
-    if method == "cagra":
+    elif method == "cagra":
         if dev.type != "cuda" or not hasattr(faiss, "GpuIndexCagra"):
             raise InputError("method='cagra' needs a CUDA device and faiss-gpu with cuVS")
-        res = faiss.StandardGpuResources()
         cfg = faiss.GpuIndexCagraConfig()
-        cfg.graph_degree = 2 * M
-        cfg.intermediate_graph_degree = 4 * M
+        cfg.graph_degree, cfg.intermediate_graph_degree = 2 * M, 4 * M
         cfg.device = cuda_index(dev)
-        gpu = faiss.GpuIndexCagra(res, x.shape[1], faiss.METRIC_INNER_PRODUCT, cfg)
+        gpu = faiss.GpuIndexCagra(faiss.StandardGpuResources(), d, ip, cfg)
         gpu.train(x)
-        index = faiss.IndexHNSWCagra(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
+        index = faiss.IndexHNSWCagra(d, M, ip)
         index.base_level_only = True
         gpu.copyTo(index)
+    else:  # knn: the exact graph (n, 2M) as base-level links, every vector on level 0 only
+        graph = to_numpy(knn_graph(vectors, 2 * M, dev)).astype(np.int32)
+        index = faiss.IndexHNSWCagra(d, M, ip)
+        index.base_level_only = True
+        faiss.copy_array_to_vector(np.ones(n, dtype=np.int32), index.hnsw.levels)
+        index.hnsw.prepare_level_tab(n, True)
+        index.storage.add(x)
+        index.ntotal = n
+        faiss.copy_array_to_vector(graph.ravel(), index.hnsw.neighbors)
+        index.hnsw.entry_point, index.hnsw.max_level = 0, 0
+    if method != "hnsw":
         index.num_base_level_search_entrypoints = entrypoints
-        index.hnsw.efSearch = ef_search
-        return index
-    graph = knn_graph(vectors, 2 * M, dev)
-    return hnsw_from_graph(x, graph, ef_search=ef_search, entrypoints=entrypoints)
+    index.hnsw.efSearch = ef_search
+    return index
 
 
 def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = None,
@@ -198,8 +174,6 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
     (PEFAXL: relevance.npz rows are the training queries, then document j as row m + j)."""
     if isinstance(parts, tuple):
         return export_hnsw(parts[0], path, index=parts[1], **kwargs)
-    import scipy.sparse as sp  # noqa: PLC0415
-
     path = Path(path)
     if os.path.lexists(path):
         raise InputError(f"export path {path} exists; an export directory is always new: "
