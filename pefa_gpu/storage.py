@@ -530,18 +530,8 @@ class PendingSave:
         except (TypeError, ValueError) as exc:
             raise InputError(f"the manifest cannot be written as JSON: {exc}") from exc
         _current_data(self.root, self.name, self.fmt)  # nothing foreign appeared meanwhile
-        tmp = self.root / f".{self.name}{_TMP_TAG}{self.data.name[len(DATA_PREFIX):]}"
-        try:
-            with open(tmp, "x", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.root / self.name)  # the commit point
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_output_file(self.root / self.name, text, "manifest")  # the commit point
         self.committed = True
-        _fsync_dir(self.root)
         _remove_stale(self.root, self.name, keep=self.data.name)
         return full
 
