@@ -95,7 +95,7 @@ class BeirDataset:
             if arr.ndim != 2 or arr.shape[0] != rows:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
                                  f"{part}.jsonl")
-            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+            if arr.dtype.kind not in "fiu":
                 raise InputError(f"{path} has dtype {arr.dtype}, not numbers")
             out.append(np.asarray(arr, dtype=np.float32))
         return out[0], out[1]
