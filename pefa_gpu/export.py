@@ -37,12 +37,13 @@ def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> tor
     dev = resolve_device(device)
     v = as_tensor(vectors, device=dev, dtype=torch.float32, name="vectors")
     n = v.shape[0]
-    width = min(degree + 1, n)
-    fwd_s, fwd = ExactIndex(device=dev).build(v).search(v, width)
+    fwd_s, fwd = ExactIndex(device=dev).build(v).search(v, min(degree + 1, n))
     rows = torch.arange(n, device=dev).unsqueeze(1)
-    # drop self (wherever it sits among ties) and keep `degree` forward neighbours
-    fwd = torch.where(fwd == rows, torch.full_like(fwd, -1), fwd)
-    fwd, fwd_s = _compact(fwd, degree, fwd_s)
+    # drop self (wherever it sits among ties: scored -inf, moved last) and keep `degree`
+    fwd_s, order = torch.sort(fwd_s.masked_fill(fwd == rows, float("-inf")), dim=1,
+                              descending=True, stable=True)
+    fwd_s, fwd = fwd_s[:, :degree], fwd.gather(1, order)[:, :degree]
+    fwd = fwd.masked_fill(fwd_s == float("-inf"), -1)
     half = max(1, degree // 2)
     # reverse edges i -> j for every forward edge j -> i among j's `half` nearest, ranked by
     # the search's own score of the pair (no (n half, d) gather of the rows)
@@ -71,21 +72,14 @@ def _dedup(ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(mask, -1)
 
 
-def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The valid (>= 0) ids of each row moved to the front in order: (n, width), -1 padded
-    (and ``scores`` (n, w) moved alike, -inf padded)."""
+def _compact(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """The valid (>= 0) ids of each row moved to the front in order: (n, width), -1 padded."""
     n, w = ids.shape
     if w < width:  # pad to width: every row then yields width slots
         ids = torch.cat([ids, ids.new_full((n, width - w), -1)], dim=1)
-        if scores is not None:
-            scores = torch.cat([scores, scores.new_full((n, width - w), float("-inf"))], dim=1)
     pos = torch.arange(ids.shape[1], 0, -1, device=ids.device).expand_as(ids)
     kv, kp = torch.topk(torch.where(ids >= 0, pos, 0), width, dim=1, sorted=True)
-    out = torch.where(kv > 0, ids.gather(1, kp), -1)
-    if scores is None:
-        return out
-    return out, torch.where(kv > 0, scores.gather(1, kp), float("-inf"))
+    return torch.where(kv > 0, ids.gather(1, kp), -1)
 
 
 def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",
