@@ -25,6 +25,7 @@ from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
 from .params import check_choice, check_positive
+from .storage import check_output_file, write_output_file
 
 if TYPE_CHECKING:
     import faiss
@@ -133,8 +134,6 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
                 **kwargs: Any) -> Path:
     """Write :func:`build_hnsw`'s index (or ``index``'s own graph: an ``hnsw`` backend index
     over ``vectors`` with the same M, method auto / hnsw) to the file ``path`` atomically."""
-    from .storage import check_output_file, write_output_file
-
     faiss = import_faiss()
     check_output_file(path, "export path")
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
