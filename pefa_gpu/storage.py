@@ -181,7 +181,8 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
         mat.check_format(full_check=True)
     except FormatError:
         raise
-    except (ValueError, OSError, EOFError, KeyError, IndexError, zipfile.BadZipFile) as exc:
+    except (ValueError, TypeError, OSError, EOFError, KeyError, IndexError,
+            zipfile.BadZipFile) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
     csr = mat.tocsr()
     if meta is not None and (list(csr.shape) != list(meta["shape"]) or csr.nnz != nnz):

@@ -283,6 +283,10 @@ def test_a_relevance_file_inflating_past_its_shape_is_refused_early(folders, con
     (lambda p: np.savez(p, format="csr", shape=np.array([23, 40]), data=np.ones(1),
                         indices=np.array([99]), indptr=np.r_[0, np.ones(23, int)]),
      "not a readable"),                                 # column index out of range
+    (lambda p: np.savez(p, format="csr", shape=np.array(5), data=np.ones(1), indices=[0],
+                        indptr=np.zeros((2, 2), int)), "not a readable"),  # 0-d shape
+    (lambda p: np.savez(p, format="csr", shape=np.array([23, 40]), data=np.ones(1),
+                        indices=[0], indptr=np.zeros((12, 2), int)), "not a readable"),
     (lambda p: sp.save_npz(p, sp.csr_matrix(np.full((23, 40), np.nan, np.float32))),
      "NaN or inf"),
 ])
