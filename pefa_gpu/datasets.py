@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InputError
+from .errors import InputError, MissingDependencyError
 from .relevance import Relevance
 from .storage import read_npy
 
@@ -63,18 +63,11 @@ class BeirDataset:
                 raise InputError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>"
                                  f"score', got {len(row)} fields")
             qid, did = row[0], row[1] if len(row) != 4 else row[2]
-            raw = row[-1] if len(row) >= 3 else "1"
-            try:
-                score = float(raw)
-            except ValueError:
-                raise InputError(f"{path}:{lineno}: score {raw!r} is not a number") from None
-            if not math.isfinite(score):
-                raise InputError(f"{path}:{lineno}: score {raw!r} is not a finite number")
-            if qid not in self.query_index:
-                raise InputError(f"{path}:{lineno}: query id {qid!r} is not in queries.jsonl")
-            if did not in self.doc_index:
-                raise InputError(f"{path}:{lineno}: document id {did!r} is not in "
-                                 f"corpus.jsonl")
+            score = _number(row[-1] if len(row) >= 3 else None, f"{path}:{lineno}", "score")
+            for rid, known, what, file in ((qid, self.query_index, "query", "queries"),
+                                           (did, self.doc_index, "document", "corpus")):
+                if rid not in known:
+                    raise InputError(f"{path}:{lineno}: {what} id {rid!r} is not in {file}.jsonl")
             key = (self.query_index[qid], self.doc_index[did])
             listed.add(key[0])
             if score >= min_score:
@@ -102,7 +95,7 @@ class BeirDataset:
             if arr.ndim != 2 or arr.shape[0] != rows:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
                                  f"{part}.jsonl")
-            if not (np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.integer)):
+            if arr.dtype.kind not in "fiu":
                 raise InputError(f"{path} has dtype {arr.dtype}, not numbers")
             out.append(np.asarray(arr, dtype=np.float32))
         return out[0], out[1]
@@ -224,7 +217,7 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
                              f"queries")
         if d not in index:
             raise InputError(f"{where}: document id {d!r} is not in the corpus")
-        w = _weight(w, where)
+        w = _number(w, where, "weight", at_least=0)
         if (min_score is not None and w < min_score) or w == 0:
             continue
         qrows.append(keys.setdefault(q, len(keys)))
@@ -241,15 +234,16 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     return Pairs(path, qkeys, texts, y)
 
 
-def _weight(w: Any, where: str) -> float:
-    """A pair's weight: 1 when absent, else a finite number >= 0."""
+def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
+    """A score or weight: 1 when absent (None), else a finite number >= ``at_least``."""
     try:
-        w = 1.0 if w is None else float(w)
+        x = 1.0 if raw is None else float(raw)
     except (TypeError, ValueError):
-        raise InputError(f"{where}: weight {w!r} is not a number") from None
-    if not math.isfinite(w) or w < 0:
-        raise InputError(f"{where}: weight {w!r} must be a finite number >= 0")
-    return w
+        raise InputError(f"{where}: {what} {raw!r} is not a number") from None
+    if not math.isfinite(x) or x < at_least:
+        raise InputError(f"{where}: {what} {raw!r} must be a finite number"
+                         + (f" >= {at_least:g}" if at_least > -math.inf else ""))
+    return x
 
 
 def _tsv_records(path: Path):
@@ -273,7 +267,6 @@ def _parquet_records(path: Path):
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        from .errors import MissingDependencyError
         raise MissingDependencyError("reading parquet pairs needs pyarrow: pip install pyarrow"
                                      ) from exc
     try:
@@ -282,11 +275,10 @@ def _parquet_records(path: Path):
         raise InputError(f"{path}: not a readable parquet file ({exc})") from None
     names = [c.lower() for c in table.column_names]
 
-    def pick(choices, pos):
-        for c in choices:
-            if c in names:
-                return names.index(c)
-        return pos if pos < len(names) else None
+    def pick(choices: tuple[str, ...], pos: int) -> int | None:
+        """The first of ``choices`` among the columns, else column ``pos`` if there is one."""
+        return next((names.index(c) for c in choices if c in names),
+                    pos if pos < len(names) else None)
 
     qi, di = pick(_QUERY_COLS, 0), pick(_DOC_COLS, 1)
     wi = pick(_WEIGHT_COLS, 2) if len(names) > 2 else None

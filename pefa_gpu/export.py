@@ -1,11 +1,9 @@
-"""HNSW export for CPU serving: a faiss file that plain ``faiss.read_index`` opens (inner product).
+"""HNSW export for CPU serving: an inner-product faiss file that ``faiss.read_index`` opens.
 
-Graph builders (``method``): ``"hnsw"`` faiss' ``IndexHNSWFlat`` on the CPU (efConstruction 500
-as in the paper); ``"cagra"`` faiss ``GpuIndexCagra`` on CUDA copied into an
-``IndexHNSWCagra``; ``"knn"`` an exact top-(2M) graph on the device, M forward then up to M
-reverse edges per row (CAGRA-style), written as a base-level ``IndexHNSWCagra``. ``"auto"``:
-cagra, else knn on CUDA, hnsw on the CPU. A model's own ``hnsw`` index with the same M is
-written as it is.
+Builders (``method``): ``"hnsw"`` faiss' ``IndexHNSWFlat`` (efConstruction 500 as in the paper);
+``"cagra"`` faiss ``GpuIndexCagra`` on CUDA; ``"knn"`` an exact top-(2M) graph on the device, M
+forward then up to M reverse edges per row; the last two as a base-level ``IndexHNSWCagra``.
+``"auto"``: cagra, else knn on CUDA, hnsw on the CPU. A model's own same-M ``hnsw`` index is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import scipy.sparse as sp
 import torch
 
 from .arrays import ArrayLike, DeviceLike, as_tensor, cuda_index, resolve_device, to_numpy
@@ -26,6 +25,7 @@ from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
 from .params import check_choice, check_positive
+from .storage import check_output_file, write_output_file
 
 if TYPE_CHECKING:
     import faiss
@@ -38,12 +38,13 @@ def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> tor
     dev = resolve_device(device)
     v = as_tensor(vectors, device=dev, dtype=torch.float32, name="vectors")
     n = v.shape[0]
-    width = min(degree + 1, n)
-    fwd_s, fwd = ExactIndex(device=dev).build(v).search(v, width)
+    fwd_s, fwd = ExactIndex(device=dev).build(v).search(v, min(degree + 1, n))
     rows = torch.arange(n, device=dev).unsqueeze(1)
-    # drop self (wherever it sits among ties) and keep `degree` forward neighbours
-    fwd = torch.where(fwd == rows, torch.full_like(fwd, -1), fwd)
-    fwd, fwd_s = _compact(fwd, degree, fwd_s)
+    # drop self (wherever it sits among ties: scored -inf, moved last) and keep `degree`
+    fwd_s, order = torch.sort(fwd_s.masked_fill(fwd == rows, float("-inf")), dim=1,
+                              descending=True, stable=True)
+    fwd_s, fwd = fwd_s[:, :degree], fwd.gather(1, order)[:, :degree]
+    fwd = fwd.masked_fill(fwd_s == float("-inf"), -1)
     half = max(1, degree // 2)
     # reverse edges i -> j for every forward edge j -> i among j's `half` nearest, ranked by
     # the search's own score of the pair (no (n half, d) gather of the rows)
@@ -72,50 +73,14 @@ def _dedup(ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(mask, -1)
 
 
-def _compact(ids: torch.Tensor, width: int, scores: torch.Tensor | None = None
-             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The valid (>= 0) ids of each row moved to the front in order: (n, width), -1 padded
-    (and ``scores`` (n, w) moved alike, -inf padded)."""
+def _compact(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """The valid (>= 0) ids of each row moved to the front in order: (n, width), -1 padded."""
     n, w = ids.shape
     if w < width:  # pad to width: every row then yields width slots
         ids = torch.cat([ids, ids.new_full((n, width - w), -1)], dim=1)
-        if scores is not None:
-            scores = torch.cat([scores, scores.new_full((n, width - w), float("-inf"))], dim=1)
     pos = torch.arange(ids.shape[1], 0, -1, device=ids.device).expand_as(ids)
     kv, kp = torch.topk(torch.where(ids >= 0, pos, 0), width, dim=1, sorted=True)
-    out = torch.where(kv > 0, ids.gather(1, kp), -1)
-    if scores is None:
-        return out
-    return out, torch.where(kv > 0, scores.gather(1, kp), float("-inf"))
-
-
-def hnsw_from_graph(vectors: ArrayLike, graph: ArrayLike, *, ef_search: int = 300,
-                    entrypoints: int = 32) -> faiss.IndexHNSW:
-    """A base-level-only inner-product ``faiss.IndexHNSWCagra`` over ``vectors`` (n, d) with
-    links ``graph`` (n, 2M) int, -1 padded."""
-    faiss = import_faiss()
-    x = host_float32(vectors, "vectors")
-    g = np.ascontiguousarray(to_numpy(as_tensor(graph, name="graph")), dtype=np.int32)
-    n, d = x.shape
-    if g.ndim != 2 or g.shape[0] != n or g.shape[1] < 2 or g.shape[1] % 2:
-        raise InputError(f"graph must have shape ({n}, 2M), got {g.shape}")
-    if g.size and (g.max() >= n or g.min() < -1):
-        raise InputError(f"graph holds ids outside [-1, {n})")
-    index = faiss.IndexHNSWCagra(d, g.shape[1] // 2, faiss.METRIC_INNER_PRODUCT)
-    index.base_level_only = True
-    index.num_base_level_search_entrypoints = entrypoints
-    hnsw = index.hnsw
-    hnsw.efSearch = ef_search
-    faiss.copy_array_to_vector(np.ones(n, dtype=np.int32), hnsw.levels)
-    hnsw.prepare_level_tab(n, True)  # every vector on level 0 only
-    if hnsw.neighbors.size() != g.size:
-        raise InputError(f"faiss expects {hnsw.neighbors.size()} level-0 links, "
-                         f"the graph has {g.size}")
-    index.storage.add(x)
-    index.ntotal = n
-    faiss.copy_array_to_vector(g.ravel(), hnsw.neighbors)
-    hnsw.entry_point, hnsw.max_level = 0, 0
-    return index
+    return torch.where(kv > 0, ids.gather(1, kp), -1)
 
 
 def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",
@@ -131,40 +96,44 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
         method = ("hnsw" if dev.type != "cuda" else
                   "cagra" if faiss_has_gpu(faiss) and hasattr(faiss, "GpuIndexCagra") else "knn")
     x = host_float32(vectors, "vectors")
-    if x.shape[0] == 0:
+    (n, d), ip = x.shape, faiss.METRIC_INNER_PRODUCT
+    if n == 0:
         raise InputError("vectors are empty: nothing to export")
     if method == "hnsw":
-        index = faiss.IndexHNSWFlat(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
+        index = faiss.IndexHNSWFlat(d, M, ip)
         index.hnsw.efConstruction = ef_construction
-        index.hnsw.efSearch = ef_search
         index.add(x)
-        return index
-    if method == "cagra":
+    elif method == "cagra":
         if dev.type != "cuda" or not hasattr(faiss, "GpuIndexCagra"):
             raise InputError("method='cagra' needs a CUDA device and faiss-gpu with cuVS")
-        res = faiss.StandardGpuResources()
         cfg = faiss.GpuIndexCagraConfig()
-        cfg.graph_degree = 2 * M
-        cfg.intermediate_graph_degree = 4 * M
+        cfg.graph_degree, cfg.intermediate_graph_degree = 2 * M, 4 * M
         cfg.device = cuda_index(dev)
-        gpu = faiss.GpuIndexCagra(res, x.shape[1], faiss.METRIC_INNER_PRODUCT, cfg)
+        gpu = faiss.GpuIndexCagra(faiss.StandardGpuResources(), d, ip, cfg)
         gpu.train(x)
-        index = faiss.IndexHNSWCagra(x.shape[1], M, faiss.METRIC_INNER_PRODUCT)
+        index = faiss.IndexHNSWCagra(d, M, ip)
         index.base_level_only = True
         gpu.copyTo(index)
+    else:  # knn: the exact graph (n, 2M) as base-level links, every vector on level 0 only
+        graph = to_numpy(knn_graph(vectors, 2 * M, dev)).astype(np.int32)
+        index = faiss.IndexHNSWCagra(d, M, ip)
+        index.base_level_only = True
+        faiss.copy_array_to_vector(np.ones(n, dtype=np.int32), index.hnsw.levels)
+        index.hnsw.prepare_level_tab(n, True)
+        index.storage.add(x)
+        index.ntotal = n
+        faiss.copy_array_to_vector(graph.ravel(), index.hnsw.neighbors)
+        index.hnsw.entry_point, index.hnsw.max_level = 0, 0
+    if method != "hnsw":
         index.num_base_level_search_entrypoints = entrypoints
-        index.hnsw.efSearch = ef_search
-        return index
-    graph = knn_graph(vectors, 2 * M, dev)
-    return hnsw_from_graph(x, graph, ef_search=ef_search, entrypoints=entrypoints)
+    index.hnsw.efSearch = ef_search
+    return index
 
 
 def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = None,
                 **kwargs: Any) -> Path:
     """Write :func:`build_hnsw`'s index (or ``index``'s own graph: an ``hnsw`` backend index
     over ``vectors`` with the same M, method auto / hnsw) to the file ``path`` atomically."""
-    from .storage import check_output_file, write_output_file
-
     faiss = import_faiss()
     check_output_file(path, "export path")
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
@@ -198,8 +167,6 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
     (PEFAXL: relevance.npz rows are the training queries, then document j as row m + j)."""
     if isinstance(parts, tuple):
         return export_hnsw(parts[0], path, index=parts[1], **kwargs)
-    import scipy.sparse as sp  # noqa: PLC0415
-
     path = Path(path)
     if os.path.lexists(path):
         raise InputError(f"export path {path} exists; an export directory is always new: "

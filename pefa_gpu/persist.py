@@ -1,11 +1,7 @@
-"""Saving and loading fitted models: ``model.save(dir)`` and ``pefa_gpu.load(dir)``.
-
-A save is a :func:`pefa_gpu.storage.writing_save` folder: the manifest records the class, its
-params, backend and one ``state`` entry per attribute in the class's ``_saved`` (tensor .npy,
-Relevance / CSR .npz, index folder, or JSON value). Loading finds the class among those given to
-:func:`register_model` (never imports what a manifest names), then checks ``_saved_shapes()``
-and calls ``_restore()``. A new attribute: add its name to ``_saved``; a changed storage of an
-old one: bump ``storage.FORMAT_VERSION``.
+"""``model.save(dir)`` and ``pefa_gpu.load(dir)``: a :func:`storage.writing_save` folder whose
+manifest holds the class, params, backend and a ``state`` entry per name in the class's ``_saved``
+(tensor .npy, Relevance / CSR .npz, index folder or JSON value). Classes load only when given to
+:func:`register_model`; a changed storage of an attribute bumps ``storage.FORMAT_VERSION``.
 """
 
 from __future__ import annotations
@@ -42,13 +38,12 @@ def register_model(cls: type) -> None:
 def save_model(model: Model, directory: str | Path) -> None:
     """Write a fitted model to ``directory`` atomically (:func:`storage.writing_save`)."""
     model.check_fitted()
+    missing = [name for name in type(model)._saved if not hasattr(model, name)]
+    if missing:
+        raise InputError(f"{type(model).__name__} lists {missing} in _saved but has no such "
+                         f"attribute")
     with storage.writing_save(directory) as w:
-        values = {}
-        for name in type(model)._saved:
-            if not hasattr(model, name):
-                raise InputError(f"{type(model).__name__} lists {name!r} in _saved but has no "
-                                 f"such attribute")
-            values[name] = getattr(model, name)
+        values = {name: getattr(model, name) for name in type(model)._saved}
         state = {name: _save_value(w.data, name, value, values) for name, value in values.items()}
         w.commit({
             "library_version": __version__,
@@ -67,11 +62,10 @@ def save_model(model: Model, directory: str | Path) -> None:
 
 def load_model(directory: str | Path, device: DeviceLike = None, mmap: bool = False,
                verify: bool | None = None, expect: type | None = None) -> Any:
-    """The model saved at ``directory``, on ``device`` (default: CUDA when available).
-
-    mmap: map tensors copy-on-write. verify: check every file's sha256 (default: not with
-    mmap; sizes, headers, shapes and the manifest checksum always). expect: a class the save
-    must be (a subclass of)."""
+    """The model saved at ``directory`` on ``device`` (default: CUDA when available). mmap: map
+    tensors copy-on-write; verify: check every sha256 (default: not with mmap; sizes, headers,
+    shapes and the manifest checksum always); expect: a class the save must be (a subclass of).
+    ``pefa_gpu.load`` is this function."""
     return storage.read_unchanged(directory, lambda: _load_model(directory, device, mmap,
                                                                  verify, expect))
 
@@ -116,19 +110,16 @@ def _state_table(manifest: dict, cls: type, where: Path) -> dict[str, Any]:
     state = manifest.get("state")
     if not isinstance(state, dict):
         raise FormatError(f"{where} has no 'state' table")
-    missing = [name for name in cls._saved if name not in state]
-    if missing:
+    if missing := [name for name in cls._saved if name not in state]:
         raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
-    extra = sorted(set(state) - set(cls._saved))
-    if extra:
+    if extra := sorted(set(state) - set(cls._saved)):
         raise FormatError(f"{where} holds attributes {extra} that a {cls.__name__} does not "
                           f"save (a save of another class?)")
     return state
 
 
 def _check_shapes(model: Model, where: Path) -> None:
-    """n_docs and dim agree with every loaded array and index (else FormatError here, not in a
-    search)."""
+    """n_docs and dim agree with every loaded array and index (else FormatError)."""
     n, d = model.n_docs, model.dim
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, d)):
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
@@ -158,8 +149,7 @@ def _save_value(folder: Path, name: str, value: Any, values: dict[str, Any]) -> 
         entry = {"kind": "index", "backend": _registered_name(value), "params":
                  value.params.to_dict(), "search_params": value.search_params.to_dict(),
                  "ntotal": value.ntotal, "dim": value.dim}
-        shared = [k for k, t in values.items() if _vectors_of(value, t)]
-        if shared:
+        if shared := [k for k, t in values.items() if _vectors_of(value, t)]:
             return {**entry, "vectors": shared[0]}
         (folder / name).mkdir()
         value.save(folder / name)
@@ -267,7 +257,4 @@ def _registered_name(index: Index) -> str:
                      f"it before saving")
 
 
-def load(directory: str | Path, device: DeviceLike = None, mmap: bool = False,
-         verify: bool | None = None) -> Any:
-    """The model saved with ``model.save(directory)`` (see :func:`load_model`)."""
-    return load_model(directory, device=device, mmap=mmap, verify=verify)
+load = load_model

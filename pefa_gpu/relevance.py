@@ -95,13 +95,10 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
     else:
         raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a 2-D "
                          f"numpy array or torch tensor, got {type(y).__name__}")
-    m, n = rel.shape
-    if shape[0] is not None and m != shape[0]:
-        raise InputError(f"{name} has {m} rows (queries) but there are {shape[0]} query "
-                         f"embeddings")
-    if shape[1] is not None and n != shape[1]:
-        raise InputError(f"{name} has {n} columns (documents) but there are {shape[1]} "
-                         f"document embeddings")
+    for have, want, what, of in zip(rel.shape, shape, ("rows (queries)", "columns (documents)"),
+                                    ("query", "document")):
+        if want is not None and have != want:
+            raise InputError(f"{name} has {have} {what} but there are {want} {of} embeddings")
     if rel.nnz == 0 and not allow_empty:
         raise InputError(f"{name} has no nonzero entries: PEFA needs at least one (query, "
                          f"document) pair")

@@ -57,8 +57,7 @@ def _with_suffix(path: PathLike, suffix: str) -> Path:
 # ---------------------------------------------------------------------------- tensors
 
 def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
-    """Write ``tensor`` (any shape, dtype, device) to ``path`` + ``.npy``; returns
-    ``{"file", "dtype", "shape"}`` for a manifest."""
+    """Write ``tensor`` to ``path`` + ``.npy``; returns ``{"file", "dtype", "shape"}``."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"save_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     out = _with_suffix(path, ".npy")
@@ -78,8 +77,8 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
 
 def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
                 meta: dict[str, Any] | None = None) -> torch.Tensor:
-    """Read a ``.npy`` written by :func:`save_tensor` onto ``device`` (``mmap``: mapped
-    copy-on-write); ``meta`` (what save_tensor returned) must match its dtype and shape."""
+    """A ``.npy`` of :func:`save_tensor` on ``device`` (``mmap``: mapped copy-on-write) whose
+    dtype and shape match ``meta`` (what save_tensor returned)."""
     p = _with_suffix(path, ".npy")
     arr = read_npy(p, mmap_mode="c" if mmap else None)
     if not arr.dtype.isnative:
@@ -141,8 +140,7 @@ def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
 # ---------------------------------------------------------------------------- sparse
 
 def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]:
-    """Write a scipy sparse matrix as CSR to ``path`` + ``.npz``; returns ``{"file", "shape",
-    "nnz", "dtype"}`` for a manifest."""
+    """Write a scipy sparse matrix as CSR to ``path`` + ``.npz``; returns its manifest entry."""
     if not sp.issparse(matrix):
         raise TypeError(f"save_csr takes a scipy sparse matrix, got {type(matrix).__name__}")
     csr = sp.csr_matrix(matrix)
@@ -155,48 +153,53 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
 
 
 def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matrix:
-    """Read a matrix written by :func:`save_csr`; with ``meta`` (its manifest entry) no member
-    inflates past the bytes its shape and nnz allow. Raises :class:`FormatError`."""
+    """Read a matrix written by :func:`save_csr` or scipy's ``save_npz`` (CSR or CSC) as CSR; no
+    member inflates past what the shape and nnz allow (``meta``'s, its manifest entry, else the
+    file's own). Raises :class:`FormatError`."""
     p = _with_suffix(path, ".npz")
     if not p.is_file():
         raise FormatError(f"{p} is missing")
-    limits = dict.fromkeys(("indptr", "indices", "data", "shape"))
-    if meta is not None:
-        try:
+    try:
+        if meta is not None:
             rows, nnz = int(meta["shape"][0]), int(meta["nnz"])
-        except (KeyError, IndexError, TypeError, ValueError):
-            raise FormatError(f"{p}: its manifest entry has no shape and nnz") from None
-        # npy header (at most 64 KiB) + elements of at most 16 bytes (complex128)
-        limits.update(indptr=2**16 + 8 * (rows + 1), indices=2**16 + 8 * nnz,
-                      data=2**16 + 16 * nnz, shape=2**16 + 16)
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise FormatError(f"{p}: its manifest entry has no shape and nnz") from None
     try:
         with zipfile.ZipFile(p) as z:
-            parts = {k: _npz_member(z, k, limit, p) for k, limit in limits.items()}
-        csr = sp.csr_matrix((parts["data"], parts["indices"], parts["indptr"]),
-                            shape=tuple(int(s) for s in parts["shape"]))
-        csr.check_format(full_check=True)
+            fmt = _npz_member(z, "format", 64, p).item() if "format.npy" in z.namelist() else "csr"
+            fmt = fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else fmt
+            if fmt not in ("csr", "csc"):
+                raise FormatError(f"{p} holds sparse format {fmt!r}; expected 'csr' (or 'csc')")
+            shape = tuple(int(s) for s in _npz_member(z, "shape", 16, p))
+            if len(shape) != 2 or min(shape) < 0:
+                raise FormatError(f"{p} holds shape {shape}, not (rows, columns)")
+            major = rows if meta is not None else shape[0 if fmt == "csr" else 1]
+            indptr = _npz_member(z, "indptr", 8 * (major + 1), p)
+            nnz = nnz if meta is not None else min(int(indptr[-1]), shape[0] * shape[1])
+            indices, data = (_npz_member(z, k, 16 * nnz, p) for k in ("indices", "data"))
+        mat = (sp.csr_matrix if fmt == "csr" else sp.csc_matrix)((data, indices, indptr), shape)
+        mat.check_format(full_check=True)
     except FormatError:
         raise
-    except (ValueError, OSError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+    except (ValueError, TypeError, OSError, EOFError, KeyError, IndexError,
+            zipfile.BadZipFile) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
-    if meta is not None and (list(csr.shape) != list(meta.get("shape", [])) or
-                             csr.nnz != meta.get("nnz")):
+    csr = mat.tocsr()
+    if meta is not None and (list(csr.shape) != list(meta["shape"]) or csr.nnz != nnz):
         raise FormatError(f"{p} holds shape {csr.shape} nnz {csr.nnz}, but the manifest says "
-                          f"shape {tuple(meta.get('shape', []))} nnz {meta.get('nnz')}")
+                          f"shape {tuple(meta['shape'])} nnz {nnz}")
     return csr
 
 
-def _npz_member(z: zipfile.ZipFile, name: str, limit: int | None, p: Path) -> np.ndarray:
-    """Array ``name`` of an open .npz, inflating at most ``limit`` bytes (None: as declared)."""
-    info = z.getinfo(f"{name}.npy")
-    if limit is not None and info.file_size > limit:
-        raise FormatError(f"{p}: member {name} declares {info.file_size} bytes, more than its "
-                          f"manifest entry allows ({limit})")
-    with z.open(info) as fh:
-        raw = fh.read(info.file_size if limit is None else limit + 1)
-    if limit is not None and len(raw) > limit:
-        raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its manifest "
-                          f"entry allows")
+def _npz_member(z: zipfile.ZipFile, name: str, limit: int, p: Path) -> np.ndarray:
+    """Array ``name`` of an open .npz, inflating at most its ``limit`` bytes of elements plus
+    a header (at most 64 KiB)."""
+    limit = 2**16 + max(limit, 0)
+    with z.open(f"{name}.npy") as fh:
+        raw = fh.read(limit + 1)
+    if len(raw) > limit:
+        raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its shape and "
+                          f"nnz allow")
     return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
 
 
@@ -209,8 +212,7 @@ def sha256_file(path: PathLike) -> str:
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
-    """sha256 of the canonical JSON of ``manifest`` without its ``manifest_sha256`` (it detects
-    edits and corruption, not forgery)."""
+    """sha256 of the canonical JSON of ``manifest`` less its ``manifest_sha256``."""
     body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
                       allow_nan=False)
@@ -229,8 +231,8 @@ def _walk_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
 
 
 def describe_files(root: PathLike) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"bytes", "sha256"}}`` of every file under ``root``; anything but a
-    regular file is an :class:`InputError`."""
+    """``{relative path: {"bytes", "sha256"}}`` of the regular files under ``root`` (anything else:
+    :class:`InputError`)."""
     root = Path(root)
     out = {}
     for rel, st in _walk_files(root):
@@ -285,8 +287,7 @@ def strict_json(text: str) -> Any:
 
 
 def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> dict[str, Any]:
-    """Read ``root / name``: a ``fmt`` manifest of this format version whose checksum matches;
-    else :class:`FormatError`."""
+    """``root / name``: a ``fmt`` manifest of this version with a matching checksum."""
     path = Path(root) / name
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
@@ -376,8 +377,8 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
 
 
 def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MANIFEST) -> Any:
-    """``read()`` of the save at ``directory``, retried once when it fails while another
-    process replaces that save; twice is a :class:`FormatError`."""
+    """``read()`` of the save at ``directory``, retried once if it fails while the save is
+    replaced; twice is a :class:`FormatError`."""
     def stamp() -> bytes | None:
         try:
             return (Path(directory) / name).read_bytes()
@@ -475,7 +476,7 @@ def _current_data(root: Path, name: str, fmt: str) -> str | None:
 
 
 def _remove_stale(root: Path, name: str, keep: str | None) -> None:
-    """Delete what earlier saves left in ``root`` that no manifest names (never raises)."""
+    """Delete what earlier saves left in ``root`` (never raises)."""
     for entry in os.listdir(root):
         if entry == keep or not _ours(root, entry, name):
             continue
@@ -489,8 +490,7 @@ def _remove_stale(root: Path, name: str, keep: str | None) -> None:
 
 
 def check_save_target(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> Path:
-    """Before any work: :class:`InputError` where :func:`writing_save` would refuse ``target``
-    or cannot write there. Returns the real folder."""
+    """The real folder of ``target``; :class:`InputError` where :func:`writing_save` would fail."""
     root = _save_root(target)
     _current_data(root, name, fmt)
     _check_writable_folder(root, f"cannot save to {target}")
@@ -509,16 +509,14 @@ def _check_writable_folder(path: Path, what: str) -> None:
 
 
 class PendingSave:
-    """A save being written by :func:`writing_save`: files go into ``data``, then
-    :meth:`commit`."""
+    """A save being written by :func:`writing_save`: files into ``data``, then :meth:`commit`."""
 
     def __init__(self, root: Path, data: Path, name: str, fmt: str):
         self.root, self.data, self.name, self.fmt = root, data, name, fmt
         self.committed = False
 
     def commit(self, fields: dict[str, Any]) -> dict[str, Any]:
-        """Write the manifest (``fields`` + files table + checksum), rename it over the old one,
-        then remove the previous data folder. Returns the manifest."""
+        """Write the manifest (``fields``, files table, checksum) over the old one; returns it."""
         files = describe_files(self.data)
         _link_duplicates(self.data, files)
         fsync_tree(self.data)
@@ -530,18 +528,8 @@ class PendingSave:
         except (TypeError, ValueError) as exc:
             raise InputError(f"the manifest cannot be written as JSON: {exc}") from exc
         _current_data(self.root, self.name, self.fmt)  # nothing foreign appeared meanwhile
-        tmp = self.root / f".{self.name}{_TMP_TAG}{self.data.name[len(DATA_PREFIX):]}"
-        try:
-            with open(tmp, "x", encoding="utf-8") as fh:
-                fh.write(text)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.root / self.name)  # the commit point
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        write_output_file(self.root / self.name, text, "manifest")  # the commit point
         self.committed = True
-        _fsync_dir(self.root)
         _remove_stale(self.root, self.name, keep=self.data.name)
         return full
 
@@ -549,11 +537,9 @@ class PendingSave:
 @contextlib.contextmanager
 def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
                  ) -> Iterator[PendingSave]:
-    """Write a save into the folder ``target`` (a link to a folder is written through): files
-    into a fresh data folder, then ``commit()``; a crash leaves the old save or the new one.
-
-    Only an empty folder or a save of the same kind is written into, and only pefa_gpu's own
-    entries are replaced (leftovers of crashed saves removed); on an error nothing is."""
+    """Write a save into the folder ``target`` (links followed): files into a fresh data folder,
+    then ``commit()``; a crash leaves the old save or the new one. Only an empty folder or a save
+    of the same kind is written into, replacing only pefa_gpu's own entries."""
     root = _save_root(target)
     current = _current_data(root, name, fmt)
     pending = data = None
@@ -604,8 +590,7 @@ def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------- output files
 
 def check_output_file(path: PathLike, what: str = "output") -> Path:
-    """Before any work: ``path`` is absent or a regular file (no link, folder, device, FIFO or
-    socket) in a writable folder; else :class:`InputError`. Returns the path."""
+    """``path`` if it is absent or a regular file in a writable folder; else :class:`InputError`."""
     p = Path(path)
     try:
         mode = os.lstat(p).st_mode
@@ -627,7 +612,7 @@ def check_output_file(path: PathLike, what: str = "output") -> Path:
 def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], Any],
                       what: str = "output") -> Path:
     """Write ``content`` (text, bytes, or a function writing a given path) to ``path``
-    atomically: a temporary file in its folder renamed over it (keeping its permissions)."""
+    atomically, keeping its permissions."""
     p = check_output_file(path, what)
     p.parent.mkdir(parents=True, exist_ok=True)
     try:

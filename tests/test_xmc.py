@@ -7,6 +7,8 @@ examples/pefa-wsdm24/utils.py) is written out here independently of pefa_gpu.xmc
 from __future__ import annotations
 
 import json
+import tracemalloc
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -240,12 +242,51 @@ def test_pickled_files_are_refused_and_never_run(folders, tmp_path):
     assert not ran.exists()
 
 
+def write_npz(path: Path, members: dict) -> None:
+    """A deflated .npz of ``members``: name -> array, or an int n: n int32 zeros, streamed."""
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as z:
+        for name, arr in members.items():
+            with z.open(f"{name}.npy", "w") as fh:
+                if not isinstance(arr, int):
+                    np.lib.format.write_array(fh, np.asarray(arr), allow_pickle=False)
+                    continue
+                np.lib.format.write_array_header_1_0(fh, {"descr": "<i4", "fortran_order": False,
+                                                         "shape": (arr,)})
+                for _ in range(arr * 4 // 2**20):
+                    fh.write(bytes(2**20))
+
+
+@pytest.mark.parametrize("consistent", [False, True])
+def test_a_relevance_file_inflating_past_its_shape_is_refused_early(folders, consistent):
+    """Y.trn.npz (23 x 40) whose data inflates to 48 MiB of zeros (``consistent``: indices too,
+    and indptr counts them all in the last row) from under 1 MB: refused before inflating."""
+    xmc, emb = folders
+    y, n = sp.load_npz(xmc / "Y.trn.npz"), 12 * 2**20
+    indptr = np.r_[np.zeros(23, np.int32), n] if consistent else y.indptr
+    write_npz(xmc / "Y.trn.npz", {"format": np.array(b"csr"), "shape": np.array(y.shape),
+                                  "indptr": indptr, "indices": n if consistent else y.indices,
+                                  "data": n})
+    assert (xmc / "Y.trn.npz").stat().st_size < 2**20
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError, match=r"Y\.trn\.npz .*member (data|indices) inflates past"):
+            pg.load_xmc(xmc, emb)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20, peak / 2**20  # unbounded, all 48 MiB inflated (then kept or refused)
+
+
 @pytest.mark.parametrize("write,match", [
     (lambda p: p.write_bytes(b"PK\x03\x04 truncated"), "not a readable"),
     (lambda p: sp.save_npz(p, sp.coo_matrix(np.eye(23, 40, dtype=np.float32))), "'coo'"),
     (lambda p: np.savez(p, format="csr", shape=np.array([23, 40]), data=np.ones(1),
                         indices=np.array([99]), indptr=np.r_[0, np.ones(23, int)]),
      "not a readable"),                                 # column index out of range
+    (lambda p: np.savez(p, format="csr", shape=np.array(5), data=np.ones(1), indices=[0],
+                        indptr=np.zeros((2, 2), int)), "not a readable"),  # 0-d shape
+    (lambda p: np.savez(p, format="csr", shape=np.array([23, 40]), data=np.ones(1),
+                        indices=[0], indptr=np.zeros((12, 2), int)), "not a readable"),
     (lambda p: sp.save_npz(p, sp.csr_matrix(np.full((23, 40), np.nan, np.float32))),
      "NaN or inf"),
 ])
