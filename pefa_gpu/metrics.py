@@ -46,15 +46,12 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     rows = np.repeat(np.arange(b), ids.shape[1])
     cols = np.where(valid, ids, 0).ravel()
     gains = np.asarray(rel[rows, cols]).reshape(ids.shape) * valid
-    positive = rel.copy()
-    positive.data = np.maximum(positive.data, 0)
-    positive.eliminate_zeros()
+    positive = rel.maximum(0)  # explicit zeros and negative grades dropped
     n_rel = np.diff(positive.indptr)
-    width = int(n_rel.max()) if b and n_rel.size else 0
-    ideal = np.zeros((b, max(width, 1)))
-    for i in range(b):  # per-query ideal ordering; only B rows of at most R entries
-        g = np.sort(positive.data[positive.indptr[i]:positive.indptr[i + 1]])[::-1]
-        ideal[i, :g.size] = g
+    ideal = np.zeros((b, max(int(n_rel.max(initial=0)), 1)))
+    row = np.repeat(np.arange(b), n_rel)  # each query's grades in descending order
+    order = np.lexsort((-positive.data, row))
+    ideal[row, np.arange(row.size) - positive.indptr[row]] = positive.data[order]
     return np.maximum(gains, 0), n_rel, ideal
 
 
@@ -78,11 +75,8 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
     g, nr, ideal = gains[keep], n_rel[keep], ideal[keep]
     discount = 1.0 / np.log2(np.arange(2, width + 2))
     hit = g > 0
-    denom = out["n_queries"]
+    denom = max(out["n_queries"], 1)
     for k in ks:
-        if not keep.any():
-            out.update({f"recall@{k}": 0.0, f"ndcg@{k}": 0.0, f"mrr@{k}": 0.0})
-            continue
         out[f"recall@{k}"] = float(np.sum(hit[:, :k].sum(1) / nr) / denom)
         dcg = (g[:, :k] * discount[:k]).sum(1)
         idcg = ideal[:, :k] @ discount[:ideal[:, :k].shape[1]]
