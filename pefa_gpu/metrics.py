@@ -25,23 +25,20 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     b, n = rel.shape
     if ids.shape[0] != b:
         raise InputError(f"ids has {ids.shape[0]} rows but Y_test has {b} queries")
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        if not np.all(np.isfinite(ids)) or not np.all(ids == np.round(ids)):
-            raise InputError(f"ids must be integer document ids, got dtype {ids.dtype} with "
-                             f"non-integer values")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer) and \
+            not (np.all(np.isfinite(ids)) and np.all(ids == np.round(ids))):
+        raise InputError(f"ids must be integer document ids, got dtype {ids.dtype} with "
+                         f"non-integer values")
     ids = ids.astype(np.int64)
     if ids.size and ids.min() < -1:
         raise InputError(f"ids contain {int(ids.min())}: only -1 marks padding")
     if ids.size and ids.max() >= n:
         raise InputError(f"ids contain document {int(ids.max())} but Y_test has {n} documents")
     # first occurrence of each id in a row only
-    first = np.ones_like(ids, dtype=bool)
-    if ids.shape[1] > 1:
-        order = np.argsort(ids, axis=1, kind="stable")
-        srt = np.take_along_axis(ids, order, 1)
-        dup_sorted = np.zeros_like(srt, dtype=bool)
-        dup_sorted[:, 1:] = srt[:, 1:] == srt[:, :-1]
-        np.put_along_axis(first, order, ~dup_sorted, 1)
+    order = np.argsort(ids, axis=1, kind="stable")
+    first = np.empty_like(ids, dtype=bool)
+    np.put_along_axis(first, order, np.diff(np.take_along_axis(ids, order, 1), axis=1,
+                                            prepend=-2) != 0, 1)
     valid = (ids >= 0) & first
     rows = np.repeat(np.arange(b), ids.shape[1])
     cols = np.where(valid, ids, 0).ravel()
