@@ -22,7 +22,7 @@ try:
 except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds
 
-_FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see _check_float)
+_FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see _checked)
 _RELEASE_BYTES = 1 << 20  # a memory map is copied and released in pieces of about this size
 
 Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
