@@ -1,11 +1,8 @@
-"""Out-of-core PIFA: A = Yᵀ Q with Q streamed in row chunks R, ``A += Y[R]ᵀ Q[R]``.
-
-Kernels: ``scipy`` (CPU: scipy's CSC kernel accumulates into A in place) and ``index_add``
-(CUDA, and on the CPU on request: each chunk of Q and each batch of its Y entries goes through
-two host staging slots (pinned on CUDA) copied to the device on a side stream, overlapping the
-gather + ``index_add_`` of the previous one). ``memory_budget`` bytes cover the (n, d) float32
-output and every buffer allocated here (Y, already in memory, is not counted).
-"""
+"""Out-of-core PIFA: A = Yᵀ Q with Q streamed in row chunks R, ``A += Y[R]ᵀ Q[R]``, by scipy's
+CSC kernel in place (CPU) or ``index_add`` (CUDA; on the CPU on request): chunks of Q and batches
+of their Y entries pass through two host staging slots (pinned on CUDA), copied to the device on
+a side stream while the previous one is added. ``memory_budget`` bytes cover the (n, d) float32
+output and every buffer allocated here (not Y, already in memory)."""
 
 from __future__ import annotations
 
@@ -27,10 +24,9 @@ _ENTRY_BYTES = 4 * 20 + 16
 
 
 def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int:
-    """Rows of Q per chunk such that the output and the ``kernel``'s buffers fit in ``budget``
-    bytes (InputError if not): scipy's read buffer (+ its float32 conversion), or index_add's
-    two staging slots and their device copies, the float32 conversion, the gather workspace
-    and the entry batches."""
+    """Rows of Q per chunk such that the output and the ``kernel``'s buffers (read buffer and
+    float32 copy; for index_add also the device copies, gather workspace and entry batches) fit
+    in ``budget`` bytes, else InputError."""
     out_bytes = n * dim * 4
     if kernel == "index_add":
         per_row = dim * (4 * itemsize + 4 + 8) + _ENTRY_BYTES
