@@ -179,11 +179,9 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
     if isinstance(x, np.memmap):
         return MemmapSource(_checked(x, name))
     if isinstance(x, (np.ndarray, torch.Tensor, list, tuple)) or hasattr(x, "__dlpack__") \
-            or hasattr(x, "__array__"):
-        return None
-    if hasattr(x, "__iter__") or hasattr(x, "__next__"):
-        return IteratorSource(x, name)
-    return None
+            or hasattr(x, "__array__") or not hasattr(x, "__iter__"):
+        return None  # an array (as_tensor reads it) or no source at all
+    return IteratorSource(x, name)
 
 
 def array_source(x: np.ndarray, name: str = "Q") -> RowSource:
