@@ -42,7 +42,8 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     valid = (ids >= 0) & first
     rows = np.repeat(np.arange(b), ids.shape[1])
     cols = np.where(valid, ids, 0).ravel()
-    gains = np.asarray(rel[rows, cols]).reshape(ids.shape) * valid
+    picked = rel[rows, cols] if ids.size else np.zeros(0)  # scipy: a sparse 1 x 0 for none
+    gains = np.asarray(picked).reshape(ids.shape) * valid
     positive = rel.maximum(0)  # explicit zeros and negative grades dropped
     n_rel = np.diff(positive.indptr)
     ideal = np.zeros((b, max(int(n_rel.max(initial=0)), 1)))
