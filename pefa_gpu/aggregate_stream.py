@@ -1,11 +1,8 @@
-"""Out-of-core PIFA: A = Yᵀ Q with Q streamed in row chunks R, ``A += Y[R]ᵀ Q[R]``.
-
-Kernels: ``scipy`` (CPU: scipy's CSC kernel accumulates into A in place) and ``index_add``
-(CUDA, and on the CPU on request: each chunk of Q and each batch of its Y entries goes through
-two host staging slots (pinned on CUDA) copied to the device on a side stream, overlapping the
-gather + ``index_add_`` of the previous one). ``memory_budget`` bytes cover the (n, d) float32
-output and every buffer allocated here (Y, already in memory, is not counted).
-"""
+"""Out-of-core PIFA: A = Yᵀ Q with Q streamed in row chunks R, ``A += Y[R]ᵀ Q[R]``, by scipy's
+CSC kernel in place (CPU) or ``index_add`` (CUDA; on the CPU on request): chunks of Q and batches
+of their Y entries pass through two host staging slots (pinned on CUDA), copied to the device on
+a side stream while the previous one is added. ``memory_budget`` bytes cover the (n, d) float32
+output and every buffer allocated here (not Y, already in memory)."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import check_positive_int, cuda_index, host_view, torch_dtype
+from .arrays import as_tensor, check_positive_int, cuda_index
 from .errors import InputError
 from .relevance import Relevance
 from .stream import RowSource
@@ -27,10 +24,9 @@ _ENTRY_BYTES = 4 * 20 + 16
 
 
 def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int:
-    """Rows of Q per chunk such that the output and the ``kernel``'s buffers fit in ``budget``
-    bytes (InputError if not): scipy's read buffer (+ its float32 conversion), or index_add's
-    two staging slots and their device copies, the float32 conversion, the gather workspace
-    and the entry batches."""
+    """Rows of Q per chunk such that the output and the ``kernel``'s buffers (read buffer and
+    float32 copy; for index_add also the device copies, gather workspace and entry batches) fit
+    in ``budget`` bytes, else InputError."""
     out_bytes = n * dim * 4
     if kernel == "index_add":
         per_row = dim * (4 * itemsize + 4 + 8) + _ENTRY_BYTES
@@ -52,10 +48,8 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     ``kernel``: 'auto' (scipy on the CPU, index_add on CUDA), 'scipy' or 'index_add'."""
     m, n = rel.shape
     d = src.dim
-    if memory_budget is None:
-        budget = max(DEFAULT_BUDGET, n * d * 4 + DEFAULT_BUDGET // 2)
-    else:
-        budget = check_positive_int(memory_budget, "memory_budget")
+    budget = max(DEFAULT_BUDGET, n * d * 4 + DEFAULT_BUDGET // 2) if memory_budget is None \
+        else check_positive_int(memory_budget, "memory_budget")
     if d == 0:  # an empty iterator
         if m:
             raise InputError(f"Y has {m} rows (queries) but Q has 0 rows")
@@ -70,14 +64,12 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     csr = rel.csr
     indices = csr.indices
     indptr = csr.indptr.astype(indices.dtype, copy=False)
-    if initial is None:
-        a = torch.zeros((n, d), dtype=torch.float32, device=device)
-    elif tuple(initial.shape) != (n, d) or initial.dtype != torch.float32 or \
-            initial.device.type != device.type or not initial.is_contiguous():
+    if initial is not None and (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
+                                or initial.device.type != device.type
+                                or not initial.is_contiguous()):
         raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device}, "
                          f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
-    else:
-        a = initial
+    a = torch.zeros((n, d), dtype=torch.float32, device=device) if initial is None else initial
     if kernel == "index_add":
         seen = _stream_staged(src, rows, indptr, indices, csr.data, m, a)
     else:
@@ -136,20 +128,19 @@ class Staging:
 
     def __init__(self, rows: int, buffers: dict[str, tuple[int, Any]], device: torch.device,
                  copier: Any = None):
-        cuda = device.type == "cuda"
         self.copier = copier
         self.host: list[dict[str, torch.Tensor]] = []
         self.views: list[dict[str, np.ndarray]] = []
         self.dev: list[dict[str, torch.Tensor]] = []
         for _ in range(2):
-            shapes = {k: ((rows, w) if w else (rows,), torch_dtype(dt), dt)
-                      for k, (w, dt) in buffers.items()}
-            host = {k: torch.empty(sh, dtype=tdt, device="cpu", pin_memory=cuda)
-                    for k, (sh, tdt, _) in shapes.items()}
+            host = {k: torch.empty((rows, w) if w else (rows,), device="cpu",
+                                   dtype=as_tensor(np.empty(0, dt)).dtype,
+                                   pin_memory=device.type == "cuda")
+                    for k, (w, dt) in buffers.items()}
             self.host.append(host)
-            self.views.append({k: host_view(host[k], dt) for k, (_, _, dt) in shapes.items()})
-            self.dev.append({k: torch.empty(sh, dtype=tdt, device=device)
-                             for k, (sh, tdt, _) in shapes.items()})
+            self.views.append({k: t.view(torch.uint8).numpy().view(buffers[k][1])
+                               for k, t in host.items()})
+            self.dev.append({k: torch.empty_like(t, device=device) for k, t in host.items()})
         self._copied: list[Any] = [None, None]    # event: the slot's last copy is done
         self._consumed: list[Any] = [None, None]  # event: the device stopped reading the slot
 
@@ -183,60 +174,51 @@ class Staging:
 
 def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
                    data: np.ndarray, m: int, a: torch.Tensor) -> int:
-    """The index_add kernel (module docstring) into ``a`` (n, d) on the current stream, entries
-    batched by ``rows``; returns the rows of Q read."""
-    d, device = src.dim, a.device
+    """The index_add kernel (module docstring): ``a += Y[R]ᵀ Q[R]`` for every chunk R of
+    ``src`` on the current stream, entries batched by ``rows``; returns the rows read."""
+    device = a.device
     cuda = device.type == "cuda"
     if cuda:
         device = torch.device("cuda", cuda_index(device))
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
         copier = torch.cuda.Stream(device) if cuda else None
-        q = Staging(rows, {"q": (d, src.dtype)}, device, copier)
+        q = Staging(rows, {"q": (src.dim, src.dtype)}, device, copier)
         entries = Staging(rows, {"doc": (0, np.int64), "row": (0, np.int64),
                                  "w": (0, np.float32)}, device, copier)
         finite = torch.ones((), dtype=torch.bool, device=device)
+        seen, batch = 0, 0
         try:
-            seen = _staged_chunks(src, rows, indptr, indices, data, m, q, entries, a, finite)
+            reads = src.chunks(rows, [v["q"] for v in q.views] if src.owns_reads else [])
+            for i, (start, chunk) in enumerate(reads):
+                slot, r = i % 2, chunk.shape[0]
+                _check_rows(start, r, m)
+                host = q.views[slot]["q"]
+                if chunk.ctypes.data != host.ctypes.data:  # an iterator's or an array's chunk
+                    np.copyto(host[:r], chunk, casting="unsafe")
+                x = q.upload(slot, r)["q"].float()
+                finite &= torch.isfinite(x).all()
+                ptr = indptr[start:start + r + 1]
+                for e0 in range(int(ptr[0]), int(ptr[-1]), rows):
+                    e1 = min(e0 + rows, int(ptr[-1]))
+                    e_slot, e = batch % 2, e1 - e0
+                    entries.wait_host(e_slot)
+                    v = entries.views[e_slot]
+                    v["doc"][:e] = indices[e0:e1]
+                    v["w"][:e] = data[e0:e1]
+                    # each entry's row in the chunk: the last row starting at or before it
+                    np.subtract(np.searchsorted(ptr, np.arange(e0, e1), side="right"), 1,
+                                out=v["row"][:e])
+                    t = entries.upload(e_slot, e)
+                    a.index_add_(0, t["doc"], x[t["row"]] * t["w"][:, None])
+                    entries.release(e_slot)
+                    batch += 1
+                q.release(slot)
+                seen = start + r
+                # before the source refills the other slot, its previous copy must be done
+                q.wait_host((i + 1) % 2)
         finally:  # also on an error: no copy may still be writing when the buffers are freed
             if copier is not None:
                 copier.synchronize()
         if not bool(finite):
             raise InputError("Q contains NaN or inf")
-    return seen
-
-
-def _staged_chunks(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                   data: np.ndarray, m: int, q: Staging, entries: Staging, a: torch.Tensor,
-                   finite: torch.Tensor) -> int:
-    """``a += Y[R]ᵀ Q[R]`` for every chunk R, ``finite`` cleared where Q holds NaN / inf;
-    returns the rows read."""
-    seen, batch = 0, 0
-    reads = src.chunks(rows, [v["q"] for v in q.views] if src.owns_reads else [])
-    for i, (start, chunk) in enumerate(reads):
-        slot, r = i % 2, chunk.shape[0]
-        _check_rows(start, r, m)
-        host = q.views[slot]["q"]
-        if chunk.ctypes.data != host.ctypes.data:  # an iterator's or an array's chunk
-            np.copyto(host[:r], chunk, casting="unsafe")
-        x = q.upload(slot, r)["q"].float()
-        finite &= torch.isfinite(x).all()
-        ptr = indptr[start:start + r + 1]
-        for e0 in range(int(ptr[0]), int(ptr[-1]), rows):
-            e1 = min(e0 + rows, int(ptr[-1]))
-            e_slot, e = batch % 2, e1 - e0
-            entries.wait_host(e_slot)
-            v = entries.views[e_slot]
-            v["doc"][:e] = indices[e0:e1]
-            v["w"][:e] = data[e0:e1]
-            # the row (within the chunk) of each entry: the last row starting at or before it
-            np.subtract(np.searchsorted(ptr, np.arange(e0, e1), side="right"), 1,
-                        out=v["row"][:e])
-            t = entries.upload(e_slot, e)
-            a.index_add_(0, t["doc"], x[t["row"]] * t["w"][:, None])
-            entries.release(e_slot)
-            batch += 1
-        q.release(slot)
-        seen = start + r
-        # before the source refills the other slot, its previous copy must be done
-        q.wait_host((i + 1) % 2)
     return seen

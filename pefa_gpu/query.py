@@ -76,9 +76,7 @@ def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, t
     """(QₖᵀQₖ, Qₖᵀ(Tₖ − Qₖ)) in float64 over the rows k whose target is nonzero."""
     keep = (t != 0).any(1)
     q, t = q[keep], t[keep]
-    d = q.shape[1]
-    gram = torch.zeros(d, d, dtype=torch.float64, device=q.device)
-    cross = torch.zeros(d, d, dtype=torch.float64, device=q.device)
+    gram, cross = torch.zeros(2, q.shape[1], q.shape[1], dtype=torch.float64, device=q.device)
     for s in range(0, q.shape[0], GRAM_ROWS):
         qb, tb = q[s:s + GRAM_ROWS].double(), t[s:s + GRAM_ROWS].double()
         gram += qb.T @ qb

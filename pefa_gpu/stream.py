@@ -22,29 +22,21 @@ try:
 except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds
 
-_FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see _check_float)
+_FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see _checked)
 _RELEASE_BYTES = 1 << 20  # a memory map is copied and released in pieces of about this size
 
 Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
 
 
 class RowSource:
-    """(rows, d) floats in row order (``rows`` None for an iterator until it ends).
-    ``chunks(max_rows, buffers)`` yields (start, (r, d) numpy chunk), r <= max_rows where the
-    source owns its reads; a chunk read into ``buffers`` ((max_rows, d) arrays in rotation)
-    stays valid until that buffer comes round again."""
+    """(rows, d) floats in row order, here an in-memory numpy array chunked into views
+    (``rows`` None for an iterator until it ends). ``chunks(max_rows, buffers)`` yields
+    (start, (r, d) numpy chunk), r <= max_rows where the source owns its reads; a chunk read
+    into ``buffers`` ((max_rows, d) arrays in rotation) stays valid until that buffer comes
+    round again."""
 
     rows: int | None
-    dim: int
-    dtype: np.dtype
     owns_reads: bool = True
-
-    def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
-        raise NotImplementedError
-
-
-class ArraySource(RowSource):
-    """An in-memory (rows, d) numpy array, chunked into views."""
 
     def __init__(self, x: np.ndarray):
         self.x = x
@@ -56,7 +48,7 @@ class ArraySource(RowSource):
             yield s, self.x[s:s + max_rows]
 
 
-class MemmapSource(ArraySource):
+class MemmapSource(RowSource):
     """A numpy memory map: read from its file with pread where its rows lie there in order,
     else copied into the buffers piece by piece, the mapped pages released after each."""
 
@@ -187,16 +179,14 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
     if isinstance(x, np.memmap):
         return MemmapSource(_checked(x, name))
     if isinstance(x, (np.ndarray, torch.Tensor, list, tuple)) or hasattr(x, "__dlpack__") \
-            or hasattr(x, "__array__"):
-        return None
-    if hasattr(x, "__iter__") or hasattr(x, "__next__"):
-        return IteratorSource(x, name)
-    return None
+            or hasattr(x, "__array__") or not hasattr(x, "__iter__"):
+        return None  # an array (as_tensor reads it) or no source at all
+    return IteratorSource(x, name)
 
 
-def array_source(x: np.ndarray, name: str = "Q") -> ArraySource:
+def array_source(x: np.ndarray, name: str = "Q") -> RowSource:
     """A source over an in-memory 2-D float numpy array."""
-    return ArraySource(_checked(x, name))
+    return RowSource(_checked(x, name))
 
 
 def _checked(x: np.ndarray, name: str) -> np.ndarray:

@@ -10,6 +10,7 @@ import numpy as np
 
 from .arrays import check_positive_int
 from .errors import InputError
+from .params import check_nonnegative
 from .relevance import Relevance
 
 
@@ -32,8 +33,7 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     exponents: ``popularity`` of the targets, ``rel_exponent`` of the relevant documents per
     query (at most ``max_rel``); noise norms relative to the unit centre / target."""
     n, m, d = (check_positive_int(v, k) for v, k in ((n, "n"), (m, "m"), (d, "d")))
-    if isinstance(n_test, bool) or not isinstance(n_test, int) or n_test < 0:
-        raise InputError(f"n_test must be an int >= 0, got {n_test!r}")
+    check_nonnegative(n_test, "n_test")
     if popularity <= 0 or rel_exponent <= 1:
         raise InputError(f"popularity must be > 0 and rel_exponent > 1, got {popularity!r}, "
                          f"{rel_exponent!r}")

@@ -88,3 +88,12 @@ def test_count_empty_counts_queries_without_relevant_documents_as_zero(graded):
     empty = sp.csr_matrix((2, 50))
     res = pg.evaluate(np.zeros((2, 1), int), empty, ks=(1,), count_empty=True)
     assert res["recall@1"] == 0.0 and res["n_queries"] == 2 and res["n_empty"] == 2
+
+
+def test_no_queries_or_no_ranks():
+    """Zero queries give zeros; zero ranks per query are refused by name (not a scipy error)."""
+    res = pg.evaluate(np.zeros((0, 3), np.int64), sp.csr_matrix((0, 5)), ks=(1, 3))
+    assert res["n_queries"] == 0 and res["recall@3"] == 0.0 and res["ndcg@1"] == 0.0
+    Y = pg.Relevance.from_pairs([0], [1], shape=(2, 5))
+    with pytest.raises(pg.InputError, match="0 ranks per query"):
+        pg.evaluate(np.zeros((2, 0), np.int64), Y, ks=(1,))
