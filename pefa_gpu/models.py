@@ -553,18 +553,18 @@ class PEFAXL(_Model):
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prune = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
                  and self._erm_exact and self.relevance_rows.nonnegative)
-        q = to_numpy(q) if host else q  # CPU batches search and fuse as numpy arrays
+        q = to_numpy(q) if host else q
 
         def fused(x: Array, width: int) -> tuple[tuple[Array, Array], Any, Any]:
             erm, knn = self._searches(x, width, p.k, index_sp, None, host, checked)
-            out = self._fuse(x, (erm[0][:, :width], erm[1][:, :width]), knn, (p.lam,), (p.k,),
-                             topk)[(p.lam, p.k)]
+            out = self.fuse_grid(x, (erm[0][:, :width], erm[1][:, :width]), knn, (p.lam,),
+                                 (p.k,), topk)[(p.lam, p.k)]
             return out, erm, knn
         (s, i), erm, knn = fused(q, kt if prune else kp)
         rest = _unprunable(erm, knn, topk, p.lam) if prune else []
         if len(rest):
             s[rest], i[rest] = fused(q[rest], kp)[0]
-        return (torch.from_numpy(s), torch.from_numpy(i)) if host else (s, i)
+        return s, i
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
         """Besides the query: Kp passages, the candidate table (~48 bytes an entry: Kp + k x
@@ -590,31 +590,24 @@ class PEFAXL(_Model):
         check_positive(k, "k")
         return self.fuse_grid(q, erm, knn, (lam,), (k,), topk, batch_size)[(lam, k)]
 
-    def fuse_grid(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
-                  knn: tuple[torch.Tensor, torch.Tensor], lams: Sequence[float],
-                  ks: Sequence[int], topk: int, batch_size: int | None = None
+    def fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+                  lams: Sequence[float], ks: Sequence[int], topk: int,
+                  batch_size: int | None = None
                   ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` (``knn`` with max(ks)
-        neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device."""
+        neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device (numpy: the CPU)."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
         if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
-        if q.device.type == "cpu":
-            q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
-        out = self._fuse(q, erm, knn, lams, ks, topk, batch_size)
-        return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
-
-    def _fuse(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
-              lams: Sequence[float], ks: Sequence[int], topk: int,
-              batch_size: int | None = None) -> dict[tuple[float, int], tuple[Array, Array]]:
-        """:func:`pefa_gpu.fuse.fuse` with this model's Y, documents and settings."""
         p, docs = self.params, self.doc_embeddings
-        if isinstance(q, np.ndarray):
+        if isinstance(q, np.ndarray) or q.device.type == "cpu":  # CPU batches fuse in numpy
+            q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
             docs = to_numpy(docs) if self._host_docs is None else self._host_docs
-        return fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks,
-                    knn_norm=p.knn_norm, rescore=p.rescore, erm_exact=self._erm_exact,
-                    topk=topk, batch_size=batch_size)
+        out = fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks,
+                   knn_norm=p.knn_norm, rescore=p.rescore, erm_exact=self._erm_exact,
+                   topk=topk, batch_size=batch_size)
+        return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """lam f_erm + (1 - lam) f_knn: the k neighbours (and, without rescore, the ERM
