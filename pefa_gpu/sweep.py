@@ -162,56 +162,32 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                     s, i = es[:, :topk].contiguous(), ei[:, :topk].contiguous()
                 else:
                     s, i = ERM(**common).fit(P).search(q, topk)
-                _tick(timings, "erm", t0)
-                bar.update(1)
-                yield Config("erm"), s, i
+                out = [(Config("erm"), s, i)]
             elif method in NUDGE_METHODS:
                 nudge = NUDGE(variant=method[-1].upper(), **common).fit(P, Q, Y)
-                s, i = nudge.search(q, topk)
-                _tick(timings, method, t0)
-                bar.update(1)
-                yield Config(method, gamma=nudge.fitted_gamma), s, i
+                out = [(Config(method, gamma=nudge.fitted_gamma), *nudge.search(q, topk))]
             elif method in ("xs", "adapter+xs"):  # the plain or the adapted queries
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
                 qq = query_side("adapter")(q) if REGISTRY[method].query else q
-                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact"
-                           else _xs_per_lam(xs, qq, lams, topk))
-                _tick(timings, method, t0)
-                for lam, (s, i) in zip(lams, results):
-                    bar.update(1)
-                    yield Config(method, lam), s, i
+                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact" else
+                           [xs.new_index().build(xs.xs_embeddings(lam)).search(qq, topk)
+                            for lam in lams])  # other backends: one index over E(λ) per λ
+                out = [(Config(method, lam), s, i) for lam, (s, i) in zip(lams, results)]
             elif method in ("adapter", "prf"):
                 erm = query_side("erm")
                 qq = query_side("adapter")(q) if method == "adapter" else VectorPRF()(q, erm)
-                s, i = erm.search(qq, topk)
-                _tick(timings, method, t0)
-                bar.update(1)
-                yield Config(method), s, i
+                out = [(Config(method), *erm.search(qq, topk))]
             else:
                 sh = passage()
-                xl, qq = sh["xl"], sh["q"]
-                knn_res = xl.neighbours(qq, max(ks), sh["erm"])
-                results = xl.fuse_grid(qq, sh["erm"], knn_res, lams, ks, topk)
-                _tick(timings, "xl", t0)
-                for (lam, k), (s, i) in results.items():
-                    bar.update(1)
-                    yield Config("xl", lam, k), s, i
+                knn = sh["xl"].neighbours(sh["q"], max(ks), sh["erm"])
+                fused = sh["xl"].fuse_grid(sh["q"], sh["erm"], knn, lams, ks, topk)
+                out = [(Config("xl", lam, k), s, i) for (lam, k), (s, i) in fused.items()]
+            timings[method] = timings.get(method, 0.0) + time.perf_counter() - t0
+            for item in out:
+                bar.update(1)
+                yield item
     finally:
         bar.close()
-
-
-def _tick(timings: dict[str, float], key: str, t0: float) -> None:
-    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-
-def _xs_per_lam(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Any backend: one index over E(λ) per λ."""
-    out = []
-    for lam in lams:
-        index = xs.new_index().build(xs.xs_embeddings(lam))
-        out.append(index.search(q, topk))
-    return out
 
 
 # bytes a cell of a score block costs in _xs_all_lams: its two float32 scores, their maximum
@@ -231,9 +207,8 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     b, n = q.shape[0], p.shape[0]
     q_batch = max(1, min(b, block_cells // max(min(n, 4096), 1)))
     chunk = max(block_cells // q_batch, topk, 1)
-    vals: list[list[torch.Tensor]] = [[] for _ in lams]
-    ids: list[list[torch.Tensor]] = [[] for _ in lams]
-    for s in range(0, b, q_batch):
+    batches: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for s in range(0, max(b, 1), q_batch):  # one empty batch without queries
         qb = q[s:s + q_batch]
         best: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(lams)
         for c in range(0, n, chunk):
@@ -246,14 +221,9 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
                     v, i = merge_topk(torch.cat([best[li][0], v], 1),
                                       torch.cat([best[li][1], i], 1), topk)
                 best[li] = (v, i)
-        for li in range(len(lams)):
-            vals[li].append(best[li][0])
-            ids[li].append(best[li][1])
-    if b == 0:
-        empty = (torch.empty(0, topk, device=q.device),
-                 torch.empty(0, topk, dtype=torch.long, device=q.device))
-        return [empty for _ in lams]
-    return [(torch.cat(v), torch.cat(i)) for v, i in zip(vals, ids)]
+        batches.append(best)
+    return [(torch.cat([r[li][0] for r in batches]), torch.cat([r[li][1] for r in batches]))
+            for li in range(len(lams))]
 
 
 def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,
@@ -283,7 +253,8 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     width = int(counts.max())
     col_table = torch.full((b, width), -1, dtype=torch.long, device=sp_.device)
     col_table[rows, pos] = cols
-    w_p, w_a = _mix_weights(lams, sp_.device)
+    w_p, w_a = (torch.tensor(w, dtype=torch.float32, device=sp_.device).view(-1, 1, 1)
+                for w in ([float(x) for x in lams], [1.0 - float(x) for x in lams]))
     a_k, b_k = sp_[rows, cols], sa_[rows, cols]
     out = []
     group = max(1, min(len(lams), table_cells // max(b * width, 1)))  # λs per mixed table
@@ -296,15 +267,6 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
         v, i = v.reshape(n_g, b, -1), i.reshape(n_g, b, -1)
         out += [(v[li], i[li]) for li in range(n_g)]
     return out
-
-
-def _mix_weights(lams: Sequence[float], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, 1, 1) float32 tensors of λ and of 1 - λ (computed in double, as ``(1.0 - lam) * x``
-    does), so that ``w[l] * x`` equals ``lam * x`` bit for bit."""
-    w = torch.tensor([float(x) for x in lams], dtype=torch.float32, device=device)
-    w1 = torch.tensor([1.0 - float(x) for x in lams], dtype=torch.float32, device=device)
-    return w.view(-1, 1, 1), w1.view(-1, 1, 1)
 
 
 def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_test: RelevanceLike,
