@@ -1,10 +1,6 @@
-"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (NUDGE, the query side), reusing the expensive
-searches: ``res = pg.sweep(P, Q, Y, test_queries, Y_test); res.best("recall@10")``.
-
-ERM reuses XL's passage search on the exact backend; XS on the exact backend mixes two score
-passes per λ (other backends build one index per λ); XL searches once at the largest k and
-fuses every (λ, k) with :meth:`PEFAXL.fuse_grid`. Each configuration ranks as fitting and
-searching it alone would (up to float32 rounding in XS).
+"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (NUDGE, the query side) with each expensive
+search made once: ``res = pg.sweep(P, Q, Y, test_queries, Y_test); res.best("recall@10")``.
+Each configuration ranks as fitting and searching it alone would (up to float32 rounding in XS).
 """
 
 from __future__ import annotations
@@ -118,11 +114,9 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                  augment_docs: bool = True, show_progress: bool = True,
                  timings: dict[str, float] | None = None
                  ) -> Iterator[tuple[Config, torch.Tensor, torch.Tensor]]:
-    """Yield (config, scores (B, topk) float32, ids (B, topk) int64) for every grid point.
-
-    P: (n, d) documents; Q: (m, d) training queries; Y: (m, n) relevance; queries: (B, d).
-    ``timings`` (when given) accumulates seconds per method (fit + search + fusion).
-    """
+    """Yield (config, scores (B, topk) float32, ids (B, topk) int64) for every grid point of
+    P (n, d) documents, Q (m, d) training queries, Y (m, n) relevance and queries (B, d);
+    ``timings`` (when given) accumulates seconds per method."""
     from tqdm.auto import tqdm
 
     methods, lams, ks = _check_grid(methods, lams, ks)
@@ -273,11 +267,8 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
           methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER_LAMS,
           ks: Sequence[int] = PAPER_KS, metric_ks: Sequence[int] = (10, 100),
           device: DeviceLike = None, **kwargs: Any) -> SweepResult:
-    """Evaluate every grid configuration on (queries, Y_test): a :class:`SweepResult`.
-
-    Y_test: (B x n) relevance of the test queries (graded gains allowed for nDCG).
-    Other keyword arguments go to :func:`sweep_search`.
-    """
+    """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
+    allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
     metric_ks = tuple(metric_ks)
     timings: dict[str, float] = {}
     rows = []
