@@ -234,12 +234,10 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
                                   torch.topk(sa_, kk, dim=1).indices], 1), dim=1).values
     dup = torch.zeros_like(seeds, dtype=torch.bool)
     dup[:, 1:] = seeds[:, 1:] == seeds[:, :-1]
-    a_s, b_s = sp_.gather(1, seeds), sa_.gather(1, seeds)
-    low = None
-    for lam in lams:
-        mix = (lam * a_s + (1.0 - lam) * b_s).masked_fill_(dup, float("-inf"))
-        kth = torch.topk(mix, kk, dim=1).values[:, -1:]
-        low = kth if low is None else torch.minimum(low, kth)
+    w_p, w_a = (torch.tensor(w, dtype=torch.float32, device=sp_.device).view(-1, 1, 1)
+                for w in ([float(x) for x in lams], [1.0 - float(x) for x in lams]))
+    mix = w_p * sp_.gather(1, seeds) + w_a * sa_.gather(1, seeds)  # (L, B, 2 kk)
+    low = torch.topk(mix.masked_fill_(dup, float("-inf")), kk, dim=2).values[:, :, -1:].amin(0)
     keep = torch.maximum(sp_, sa_) >= low - low.abs() * 2**-20  # the mixes' rounding
     rows, cols = keep.nonzero(as_tuple=True)          # row-major: columns ascend per row
     counts = keep.sum(1)
@@ -247,8 +245,6 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     width = int(counts.max())
     col_table = torch.full((b, width), -1, dtype=torch.long, device=sp_.device)
     col_table[rows, pos] = cols
-    w_p, w_a = (torch.tensor(w, dtype=torch.float32, device=sp_.device).view(-1, 1, 1)
-                for w in ([float(x) for x in lams], [1.0 - float(x) for x in lams]))
     a_k, b_k = sp_[rows, cols], sa_[rows, cols]
     out = []
     group = max(1, min(len(lams), table_cells // max(b * width, 1)))  # λs per mixed table
