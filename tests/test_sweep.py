@@ -170,3 +170,14 @@ def test_grid_validation():
     with pytest.raises(InputError, match="k"):
         list(sweep_search(P, Q, Y, test, ks=(0,)))
     assert grid("erm,xs", (0.5,), ()) == [Config("erm"), Config("xs", 0.5)]
+
+
+def test_no_test_queries_give_empty_results_for_every_config():
+    P, Q, Y, _ = _data(5)
+    none = np.zeros((0, P.shape[1]), np.float32)
+    out = list(sweep_search(P, Q, Y, none, lams=(0.3, 0.8), ks=(2, 4), topk=6, candidates=20,
+                            device="cpu", show_progress=False))
+    assert [c for c, _, _ in out] == grid(lams=(0.3, 0.8), ks=(2, 4))
+    for _, s, i in out:
+        assert s.shape == i.shape == (0, 6)
+        assert s.dtype == torch.float32 and i.dtype == torch.int64
