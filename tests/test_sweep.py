@@ -148,7 +148,6 @@ def test_xl_rescore_false_and_knn_none_match_separate_fits():
 
 def test_sweep_result_metrics_and_table():
     P, Q, Y, test = _data(2)
-    rng = np.random.default_rng(9)
     Yt = sp.random(12, 60, density=0.05, random_state=9, format="csr", dtype=np.float32)
     Yt.data[:] = 1
     res = pg.sweep(P, Q, Y, test, Yt, lams=(0.5,), ks=(4,), device="cpu", show_progress=False)
