@@ -6,6 +6,7 @@ Each configuration ranks as fitting and searching it alone would (up to float32 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Iterator, Sequence
@@ -130,29 +131,24 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
     # exact backend: ERM's top-k is the prefix of XL's passage search (same index, same tie
     # rule), so with both methods the passage index is built and searched once
     reuse = "erm" in methods and "xl" in methods and backend == "exact" and candidates >= topk
-    shared: dict[str, Any] = {}
-    side: dict[str, Any] = {}  # the query side's ERM and adapter, made once
 
+    @functools.cache  # the query side's ERM and adapter, made once
     def query_side(name: str) -> Any:
-        if name not in side:
-            side[name] = (ERM(**common).fit(P) if name == "erm" else
-                          QueryAdapter(device=dev).fit(Q, Y, P))
-        return side[name]
+        return ERM(**common).fit(P) if name == "erm" else QueryAdapter(device=dev).fit(Q, Y, P)
 
-    def passage() -> dict[str, Any]:
-        if not shared:
-            xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
-                        augment_docs=augment_docs, **common,
-                        search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
-            qq = xl.as_queries(q)
-            shared.update(xl=xl, q=qq, erm=xl.index.search(qq, candidates))
-        return shared
+    @functools.cache  # XL's model, queries and passage search, made once
+    def passage() -> tuple[PEFAXL, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
+                    augment_docs=augment_docs, **common,
+                    search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
+        qq = xl.as_queries(q)
+        return xl, qq, xl.index.search(qq, candidates)
     try:
         for method in methods:
             t0 = time.perf_counter()
             if method == "erm":
                 if reuse:
-                    es, ei = passage()["erm"]
+                    es, ei = passage()[2]
                     s, i = es[:, :topk].contiguous(), ei[:, :topk].contiguous()
                 else:
                     s, i = ERM(**common).fit(P).search(q, topk)
@@ -172,9 +168,8 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                 qq = query_side("adapter")(q) if method == "adapter" else VectorPRF()(q, erm)
                 out = [(Config(method), *erm.search(qq, topk))]
             else:
-                sh = passage()
-                knn = sh["xl"].neighbours(sh["q"], max(ks), sh["erm"])
-                fused = sh["xl"].fuse_grid(sh["q"], sh["erm"], knn, lams, ks, topk)
+                xl, qq, erm = passage()
+                fused = xl.fuse_grid(qq, erm, xl.neighbours(qq, max(ks), erm), lams, ks, topk)
                 out = [(Config("xl", lam, k), s, i) for (lam, k), (s, i) in fused.items()]
             timings[method] = timings.get(method, 0.0) + time.perf_counter() - t0
             for item in out:
