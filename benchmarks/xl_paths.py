@@ -25,6 +25,7 @@ from _common import md_table, write_results  # noqa: E402
 
 import pefa_gpu as pg  # noqa: E402
 from pefa_gpu.arrays import to_numpy  # noqa: E402
+from pefa_gpu.fuse import fuse  # noqa: E402
 from pefa_gpu.synthetic import make_synthetic  # noqa: E402
 
 
@@ -67,11 +68,14 @@ def main() -> None:
     xl = model(data, "exact")
     erm = xl.index.search(q, 500)
     knn = xl.neighbours(q, 16, erm)
-    host = [to_numpy(x) for x in (q, *erm, *knn)]
+    arrays = [q, *erm, *knn, xl.doc_embeddings]
+    host = [to_numpy(x) for x in arrays]
 
     def core(arrays):
-        return xl._fuse(arrays[0], tuple(arrays[1:3]), tuple(arrays[3:5]), (0.1,), (16,), 100)
-    t_np, t_torch = alternate(lambda: core(host), lambda: core([q, *erm, *knn]), a.repeats)
+        return fuse(arrays[0], tuple(arrays[1:3]), tuple(arrays[3:5]), xl.relevance_rows,
+                    arrays[5], lams=(0.1,), ks=(16,), knn_norm="k", rescore=True,
+                    erm_exact=True, topk=100)
+    t_np, t_torch = alternate(lambda: core(host), lambda: core(arrays), a.repeats)
     rows.append(["fusion core, exact candidates", a.batch, t_np, t_torch, t_torch / t_np])
 
     hnsw = model(data, "hnsw")

@@ -1,11 +1,6 @@
 """PEFA-XL fusion (DESIGN §1): the one core (:func:`fuse`) behind search, fuse, sweep, tune and
-the pipeline's shard servers, and Y's lookups for score.
-
-Per batch: :func:`candidate_table` once (C's ids, then the voted documents outside C, with
-f_erm), :meth:`CandidateTable.knn_scores` once per k, :meth:`CandidateTable.topk` once per
-(lam, k). The steps run on numpy arrays (CPU batches) or torch tensors (CUDA) with the same
-float32 operations in the same order: equal inputs give equal bits on both.
-"""
+the pipeline, on numpy arrays (CPU batches) or torch tensors (CUDA) with the same float32
+operations in the same order (equal bits on both)."""
 
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ Array = Any  # a numpy array or a torch tensor (one kind per call)
 
 
 class _Numpy:
-    """The operations of the fusion that numpy and torch spell differently: numpy."""
+    """The fusion's operations that numpy and torch spell differently: numpy."""
 
     cat, int64 = staticmethod(np.concatenate), np.int64
     arange = staticmethod(lambda n, like: np.arange(n, dtype=np.int64))
@@ -113,9 +108,8 @@ def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
 
 
 def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
-    """<queries[batch[i]], docs[doc[i]]> for pairs grouped by query -> (N,) float32. numpy:
-    each query's row times its run of documents, numpy's row sums; CUDA: the Triton kernel;
-    torch on the CPU: the numpy sums (equal bits)."""
+    """<queries[batch[i]], docs[doc[i]]> for pairs grouped by query -> (N,) float32: numpy's
+    row sums on the CPU (tensors too: equal bits), the Triton kernel on CUDA."""
     if not isinstance(batch, np.ndarray):
         if batch.is_cuda:
             from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
@@ -243,9 +237,8 @@ def _columns_in_c(ei: Array, key: Array, n: int) -> tuple[Array, Array]:
 
 
 def select_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pefa_gpu.topk.merge_topk` on numpy tables: scores (B, W) float32, ids (B, W)
-    int64 distinct per row, < 2**32 -> (B, k), ties to the lower id, -1 / -inf padded. One
-    int64 key per cell (the score's bits, ordered descending, above the id), one partition."""
+    """:func:`pefa_gpu.topk.merge_topk` on numpy: scores (B, W) float32, ids (B, W) int64
+    distinct per row, < 2**32 -> (B, k); one key per cell (score bits descending, then id)."""
     b, w = scores.shape
     kk = min(k, w)
     out_s, out_i = np.full((b, k), -np.inf, np.float32), np.full((b, k), -1, np.int64)
@@ -271,7 +264,7 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
     xp, n_queries = ops(erm[1]), len(erm[1])
     step = batch_size or (4096 if xp is _Numpy else 256)
     parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
-    for s in range(0, n_queries, step):
+    for s in range(0, max(n_queries, 1), step):  # one empty batch without queries
         b = slice(s, s + step)
         table = candidate_table(queries[b], docs, rows, (erm[0][b], erm[1][b]),
                                 (knn[0][b, :max(ks)], knn[1][b, :max(ks)]), rescore=rescore,
@@ -280,18 +273,14 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
             f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
             for lam in lams:
                 parts[(lam, k)].append(table.topk(lam, f_knn, topk))
-    if not n_queries:
-        return {key: (xp.full((0, topk), float("-inf"), _xp(erm[1]).float32, erm[1]),
-                      xp.full((0, topk), -1, xp.int64, erm[1])) for key in parts}
     return {key: v[0] if len(v) == 1 else (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v]))
             for key, v in parts.items()}
 
 
 def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,
                augment_docs: bool) -> tuple[Array, Array]:
-    """PEFA-XL's neighbours: the query index's top-k ``knn`` (rows < m) merged, with
-    ``augment_docs``, with a passage top-k ``erm`` (document j as row m + j): their top-k,
-    ties to the lower row."""
+    """The query index's top-k ``knn`` (rows < m), with ``augment_docs`` merged with the
+    passage top-k ``erm`` (document j as row m + j), ties to the lower row."""
     if not augment_docs:
         return knn
     xp, ids = ops(knn[1]), erm[1][:, :k]
@@ -302,9 +291,8 @@ def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: in
 
 def searches(q: Array, search: Any, *, kp: int, k: int, m: int, n: int, augment_docs: bool
              ) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
-    """PEFA-XL's two searches: ``search(q, w_erm, w_knn)`` -> the passage top-w_erm and the
-    query index's top-w_knn (either width may be 0) -> the passage results (B, >= kp) and the
-    neighbours (B, min(k, the rows there are)) (:func:`neighbours`)."""
+    """PEFA-XL's two searches through ``search(q, w_erm, w_knn)`` (passage top-w_erm, query
+    top-w_knn; a width may be 0) -> passages (B, >= kp) and :func:`neighbours` (B, <= k)."""
     kn = min(k, m + n if augment_docs else m)
     erm, knn = search(q, max(kp, min(kn, n)) if augment_docs else kp, min(kn, m))
     return erm, neighbours(knn, erm, m, kn, augment_docs)

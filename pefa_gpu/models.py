@@ -475,9 +475,8 @@ class PEFAXL(_Model):
     _indices = ("index", "query_index")
 
     def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXL":
-        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance. The query
-        index holds Q only; with ``augment_docs`` document j is also row m + j of Y (labelled
-        with itself), found through the passage index (:meth:`neighbours`)."""
+        """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance; with
+        ``augment_docs`` document j is also row m + j of Y (labelled with itself)."""
         p, q, rel = self._embeddings(P, Q, Y)
         self.doc_embeddings = p
         self.index = self.new_index().build(p)
@@ -509,10 +508,9 @@ class PEFAXL(_Model):
     def neighbours(self, q: torch.Tensor, k: int,
                    erm: tuple[torch.Tensor, torch.Tensor] | None = None,
                    params: Params | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k nearest training queries of each query (with ``augment_docs`` the documents
-        too, as rows m + j): (B, min(k, rows)) scores and ``relevance`` rows, -1 padded, ties to
-        the lower row. ``erm``: a passage search already made (else made here); ``params``: the
-        backend's ``SearchParams`` for both indices."""
+        """The k nearest training queries (with ``augment_docs`` documents as rows m + j):
+        (B, <= k) scores and ``relevance`` rows, -1 padded; ``erm``: a passage search already
+        made; ``params``: the backend's ``SearchParams`` for both indices."""
         params = self._typed(self._index_search_class, params, "neighbours params")
         return self._searches(q, 0, k, params, erm)[1]
 
@@ -528,16 +526,6 @@ class PEFAXL(_Model):
         return searches(q, search, kp=kp, k=k, m=self.n_train_queries, n=self.n_docs,
                         augment_docs=self.params.augment_docs)
 
-    def neighbour_vectors(self, rows: torch.Tensor) -> torch.Tensor:
-        """Embeddings of ``relevance`` rows (valid ids) -> (*rows.shape, d) float32."""
-        m = self.n_train_queries
-        flat = rows.reshape(-1)
-        out = self.query_index.reconstruct(flat.clamp_max(m - 1)).float()
-        if self.params.augment_docs:
-            docs = self.doc_embeddings[(flat - m).clamp_min(0)].float()
-            out = torch.where((flat >= m).unsqueeze(1), docs, out)
-        return out.reshape(*rows.shape, -1)
-
     # search topk + PRUNE_MARGIN passages instead of ``candidates`` where that gives the same
     # result (see _unprunable); False: always ``candidates``
     prune_candidates: bool = True
@@ -552,19 +540,20 @@ class PEFAXL(_Model):
         kp = min(model_sp.candidates, self.index.ntotal)
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prune = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
-                 and self._erm_exact and self.relevance_rows.nonnegative)
-        q = to_numpy(q) if host else q  # CPU batches search and fuse as numpy arrays
+                 and getattr(self.index, "exact_scores", False)
+                 and self.relevance_rows.nonnegative)
+        q = to_numpy(q) if host else q
 
         def fused(x: Array, width: int) -> tuple[tuple[Array, Array], Any, Any]:
             erm, knn = self._searches(x, width, p.k, index_sp, None, host, checked)
-            out = self._fuse(x, (erm[0][:, :width], erm[1][:, :width]), knn, (p.lam,), (p.k,),
-                             topk)[(p.lam, p.k)]
+            out = self.fuse_grid(x, (erm[0][:, :width], erm[1][:, :width]), knn, (p.lam,),
+                                 (p.k,), topk)[(p.lam, p.k)]
             return out, erm, knn
         (s, i), erm, knn = fused(q, kt if prune else kp)
         rest = _unprunable(erm, knn, topk, p.lam) if prune else []
         if len(rest):
             s[rest], i[rest] = fused(q[rest], kp)[0]
-        return (torch.from_numpy(s), torch.from_numpy(i)) if host else (s, i)
+        return s, i
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
         """Besides the query: Kp passages, the candidate table (~48 bytes an entry: Kp + k x
@@ -572,11 +561,6 @@ class PEFAXL(_Model):
         kp = min(model_sp.candidates, self.index.ntotal)
         votes = self.params.k * self.relevance.nnz / max(1, self.relevance.shape[0])
         return super()._query_bytes(topk, model_sp) + int(48 * (kp + votes) + 24 * topk)
-
-    @property
-    def _erm_exact(self) -> bool:
-        """The passage index's scores are exact fp32 inner products."""
-        return bool(getattr(self.index, "exact_scores", False))
 
     def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
              knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
@@ -590,31 +574,24 @@ class PEFAXL(_Model):
         check_positive(k, "k")
         return self.fuse_grid(q, erm, knn, (lam,), (k,), topk, batch_size)[(lam, k)]
 
-    def fuse_grid(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
-                  knn: tuple[torch.Tensor, torch.Tensor], lams: Sequence[float],
-                  ks: Sequence[int], topk: int, batch_size: int | None = None
+    def fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+                  lams: Sequence[float], ks: Sequence[int], topk: int,
+                  batch_size: int | None = None
                   ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` (``knn`` with max(ks)
-        neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device."""
+        neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device (numpy: the CPU)."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
         if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
-        if q.device.type == "cpu":
-            q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
-        out = self._fuse(q, erm, knn, lams, ks, topk, batch_size)
-        return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
-
-    def _fuse(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
-              lams: Sequence[float], ks: Sequence[int], topk: int,
-              batch_size: int | None = None) -> dict[tuple[float, int], tuple[Array, Array]]:
-        """:func:`pefa_gpu.fuse.fuse` with this model's Y, documents and settings."""
         p, docs = self.params, self.doc_embeddings
-        if isinstance(q, np.ndarray):
+        if isinstance(q, np.ndarray) or q.device.type == "cpu":  # CPU batches fuse in numpy
+            q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
             docs = to_numpy(docs) if self._host_docs is None else self._host_docs
-        return fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks,
-                    knn_norm=p.knn_norm, rescore=p.rescore, erm_exact=self._erm_exact,
-                    topk=topk, batch_size=batch_size)
+        out = fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks, topk=topk,
+                   knn_norm=p.knn_norm, rescore=p.rescore, batch_size=batch_size,
+                   erm_exact=bool(getattr(self.index, "exact_scores", False)))
+        return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """lam f_erm + (1 - lam) f_knn: the k neighbours (and, without rescore, the ERM
@@ -628,10 +605,15 @@ class PEFAXL(_Model):
             in_c = (ids.unsqueeze(2) == cand.unsqueeze(1)).any(2)
             f_erm = torch.where(in_c, f_erm, torch.zeros((), dtype=q.dtype, device=q.device))
         _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded
-        valid = nbr >= 0
-        s = training.inner(q, self.neighbour_vectors(nbr.clamp_min(0)))  # (B, K), with grad
-        w = torch.where(valid, s / (float(p.k) if p.knn_norm == "k" else 1.0), 0.0)
-        y = self.relevance_rows.values(nbr.clamp_min(0), ids).to(q.dtype)  # (B, K, K')
+        rows, m = nbr.clamp_min(0), self.n_train_queries
+        vecs = self.query_index.reconstruct(rows.reshape(-1).clamp_max(m - 1)).float()
+        vecs = vecs.reshape(*rows.shape, -1)
+        if p.augment_docs:  # row m + j: document j
+            docs = self.doc_embeddings[(rows - m).clamp_min(0)].float()
+            vecs = torch.where((rows >= m).unsqueeze(2), docs, vecs)
+        s = training.inner(q, vecs)                                      # (B, K), with grad
+        w = torch.where(nbr >= 0, s / (float(p.k) if p.knn_norm == "k" else 1.0), 0.0)
+        y = self.relevance_rows.values(rows, ids).to(q.dtype)  # (B, K, K')
         return p.lam * f_erm + (1.0 - p.lam) * (w.unsqueeze(2) * y).sum(1)
 
     def _append_documents(self, p: torch.Tensor) -> None:
@@ -668,9 +650,8 @@ class PEFAXL(_Model):
 
 def _index_search(index: Index, q: Array, k: int, params: Params | None,
                   host: bool, checked: bool = True) -> tuple[Array, Array]:
-    """``index.search(q, k, params)``: numpy arrays when ``host`` (``q`` a numpy array or a
-    CPU tensor; faiss backends then skip the torch hand-off; ``checked``: q was tested for
-    NaN / inf already), else tensors."""
+    """``index.search(q, k, params)`` -> numpy arrays when ``host`` (faiss backends skip the
+    torch hand-off; ``checked``: q has no NaN / inf), else tensors."""
     if host and hasattr(index, "search_host"):
         scores, ids = index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
     else:

@@ -1,15 +1,12 @@
-"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (NUDGE, the query side), reusing the expensive
-searches: ``res = pg.sweep(P, Q, Y, test_queries, Y_test); res.best("recall@10")``.
-
-ERM reuses XL's passage search on the exact backend; XS on the exact backend mixes two score
-passes per λ (other backends build one index per λ); XL searches once at the largest k and
-fuses every (λ, k) with :meth:`PEFAXL.fuse_grid`. Each configuration ranks as fitting and
-searching it alone would (up to float32 rounding in XS).
+"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (NUDGE, the query side) with each expensive
+search made once: ``res = pg.sweep(P, Q, Y, test_queries, Y_test); res.best("recall@10")``.
+Each configuration ranks as fitting and searching it alone would (up to float32 rounding in XS).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Iterator, Sequence
@@ -118,11 +115,9 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                  augment_docs: bool = True, show_progress: bool = True,
                  timings: dict[str, float] | None = None
                  ) -> Iterator[tuple[Config, torch.Tensor, torch.Tensor]]:
-    """Yield (config, scores (B, topk) float32, ids (B, topk) int64) for every grid point.
-
-    P: (n, d) documents; Q: (m, d) training queries; Y: (m, n) relevance; queries: (B, d).
-    ``timings`` (when given) accumulates seconds per method (fit + search + fusion).
-    """
+    """Yield (config, scores (B, topk) float32, ids (B, topk) int64) for every grid point of
+    P (n, d) documents, Q (m, d) training queries, Y (m, n) relevance and queries (B, d);
+    ``timings`` (when given) accumulates seconds per method."""
     from tqdm.auto import tqdm
 
     methods, lams, ks = _check_grid(methods, lams, ks)
@@ -136,82 +131,52 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
     # exact backend: ERM's top-k is the prefix of XL's passage search (same index, same tie
     # rule), so with both methods the passage index is built and searched once
     reuse = "erm" in methods and "xl" in methods and backend == "exact" and candidates >= topk
-    shared: dict[str, Any] = {}
-    side: dict[str, Any] = {}  # the query side's ERM and adapter, made once
 
+    @functools.cache  # the query side's ERM and adapter, made once
     def query_side(name: str) -> Any:
-        if name not in side:
-            side[name] = (ERM(**common).fit(P) if name == "erm" else
-                          QueryAdapter(device=dev).fit(Q, Y, P))
-        return side[name]
+        return ERM(**common).fit(P) if name == "erm" else QueryAdapter(device=dev).fit(Q, Y, P)
 
-    def passage() -> dict[str, Any]:
-        if not shared:
-            xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
-                        augment_docs=augment_docs, **common,
-                        search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
-            qq = xl.as_queries(q)
-            shared.update(xl=xl, q=qq, erm=xl.index.search(qq, candidates))
-        return shared
+    @functools.cache  # XL's model, queries and passage search, made once
+    def passage() -> tuple[PEFAXL, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
+                    augment_docs=augment_docs, **common,
+                    search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
+        qq = xl.as_queries(q)
+        return xl, qq, xl.index.search(qq, candidates)
     try:
         for method in methods:
             t0 = time.perf_counter()
             if method == "erm":
                 if reuse:
-                    es, ei = passage()["erm"]
+                    es, ei = passage()[2]
                     s, i = es[:, :topk].contiguous(), ei[:, :topk].contiguous()
                 else:
                     s, i = ERM(**common).fit(P).search(q, topk)
-                _tick(timings, "erm", t0)
-                bar.update(1)
-                yield Config("erm"), s, i
+                out = [(Config("erm"), s, i)]
             elif method in NUDGE_METHODS:
                 nudge = NUDGE(variant=method[-1].upper(), **common).fit(P, Q, Y)
-                s, i = nudge.search(q, topk)
-                _tick(timings, method, t0)
-                bar.update(1)
-                yield Config(method, gamma=nudge.fitted_gamma), s, i
+                out = [(Config(method, gamma=nudge.fitted_gamma), *nudge.search(q, topk))]
             elif method in ("xs", "adapter+xs"):  # the plain or the adapted queries
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
                 qq = query_side("adapter")(q) if REGISTRY[method].query else q
-                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact"
-                           else _xs_per_lam(xs, qq, lams, topk))
-                _tick(timings, method, t0)
-                for lam, (s, i) in zip(lams, results):
-                    bar.update(1)
-                    yield Config(method, lam), s, i
+                results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact" else
+                           [xs.new_index().build(xs.xs_embeddings(lam)).search(qq, topk)
+                            for lam in lams])  # other backends: one index over E(λ) per λ
+                out = [(Config(method, lam), s, i) for lam, (s, i) in zip(lams, results)]
             elif method in ("adapter", "prf"):
                 erm = query_side("erm")
                 qq = query_side("adapter")(q) if method == "adapter" else VectorPRF()(q, erm)
-                s, i = erm.search(qq, topk)
-                _tick(timings, method, t0)
-                bar.update(1)
-                yield Config(method), s, i
+                out = [(Config(method), *erm.search(qq, topk))]
             else:
-                sh = passage()
-                xl, qq = sh["xl"], sh["q"]
-                knn_res = xl.neighbours(qq, max(ks), sh["erm"])
-                results = xl.fuse_grid(qq, sh["erm"], knn_res, lams, ks, topk)
-                _tick(timings, "xl", t0)
-                for (lam, k), (s, i) in results.items():
-                    bar.update(1)
-                    yield Config("xl", lam, k), s, i
+                xl, qq, erm = passage()
+                fused = xl.fuse_grid(qq, erm, xl.neighbours(qq, max(ks), erm), lams, ks, topk)
+                out = [(Config("xl", lam, k), s, i) for (lam, k), (s, i) in fused.items()]
+            timings[method] = timings.get(method, 0.0) + time.perf_counter() - t0
+            for item in out:
+                bar.update(1)
+                yield item
     finally:
         bar.close()
-
-
-def _tick(timings: dict[str, float], key: str, t0: float) -> None:
-    timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
-
-
-def _xs_per_lam(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Any backend: one index over E(λ) per λ."""
-    out = []
-    for lam in lams:
-        index = xs.new_index().build(xs.xs_embeddings(lam))
-        out.append(index.search(q, topk))
-    return out
 
 
 # bytes a cell of a score block costs in _xs_all_lams: its two float32 scores, their maximum
@@ -231,9 +196,8 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     b, n = q.shape[0], p.shape[0]
     q_batch = max(1, min(b, block_cells // max(min(n, 4096), 1)))
     chunk = max(block_cells // q_batch, topk, 1)
-    vals: list[list[torch.Tensor]] = [[] for _ in lams]
-    ids: list[list[torch.Tensor]] = [[] for _ in lams]
-    for s in range(0, b, q_batch):
+    batches: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    for s in range(0, max(b, 1), q_batch):  # one empty batch without queries
         qb = q[s:s + q_batch]
         best: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(lams)
         for c in range(0, n, chunk):
@@ -246,14 +210,9 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
                     v, i = merge_topk(torch.cat([best[li][0], v], 1),
                                       torch.cat([best[li][1], i], 1), topk)
                 best[li] = (v, i)
-        for li in range(len(lams)):
-            vals[li].append(best[li][0])
-            ids[li].append(best[li][1])
-    if b == 0:
-        empty = (torch.empty(0, topk, device=q.device),
-                 torch.empty(0, topk, dtype=torch.long, device=q.device))
-        return [empty for _ in lams]
-    return [(torch.cat(v), torch.cat(i)) for v, i in zip(vals, ids)]
+        batches.append(best)
+    return [(torch.cat([r[li][0] for r in batches]), torch.cat([r[li][1] for r in batches]))
+            for li in range(len(lams))]
 
 
 def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,
@@ -270,12 +229,10 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
                                   torch.topk(sa_, kk, dim=1).indices], 1), dim=1).values
     dup = torch.zeros_like(seeds, dtype=torch.bool)
     dup[:, 1:] = seeds[:, 1:] == seeds[:, :-1]
-    a_s, b_s = sp_.gather(1, seeds), sa_.gather(1, seeds)
-    low = None
-    for lam in lams:
-        mix = (lam * a_s + (1.0 - lam) * b_s).masked_fill_(dup, float("-inf"))
-        kth = torch.topk(mix, kk, dim=1).values[:, -1:]
-        low = kth if low is None else torch.minimum(low, kth)
+    w_p, w_a = (torch.tensor(w, dtype=torch.float32, device=sp_.device).view(-1, 1, 1)
+                for w in ([float(x) for x in lams], [1.0 - float(x) for x in lams]))
+    mix = w_p * sp_.gather(1, seeds) + w_a * sa_.gather(1, seeds)  # (L, B, 2 kk)
+    low = torch.topk(mix.masked_fill_(dup, float("-inf")), kk, dim=2).values[:, :, -1:].amin(0)
     keep = torch.maximum(sp_, sa_) >= low - low.abs() * 2**-20  # the mixes' rounding
     rows, cols = keep.nonzero(as_tuple=True)          # row-major: columns ascend per row
     counts = keep.sum(1)
@@ -283,7 +240,6 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     width = int(counts.max())
     col_table = torch.full((b, width), -1, dtype=torch.long, device=sp_.device)
     col_table[rows, pos] = cols
-    w_p, w_a = _mix_weights(lams, sp_.device)
     a_k, b_k = sp_[rows, cols], sa_[rows, cols]
     out = []
     group = max(1, min(len(lams), table_cells // max(b * width, 1)))  # λs per mixed table
@@ -298,24 +254,12 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
     return out
 
 
-def _mix_weights(lams: Sequence[float], device: torch.device
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, 1, 1) float32 tensors of λ and of 1 - λ (computed in double, as ``(1.0 - lam) * x``
-    does), so that ``w[l] * x`` equals ``lam * x`` bit for bit."""
-    w = torch.tensor([float(x) for x in lams], dtype=torch.float32, device=device)
-    w1 = torch.tensor([1.0 - float(x) for x in lams], dtype=torch.float32, device=device)
-    return w.view(-1, 1, 1), w1.view(-1, 1, 1)
-
-
 def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_test: RelevanceLike,
           methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER_LAMS,
           ks: Sequence[int] = PAPER_KS, metric_ks: Sequence[int] = (10, 100),
           device: DeviceLike = None, **kwargs: Any) -> SweepResult:
-    """Evaluate every grid configuration on (queries, Y_test): a :class:`SweepResult`.
-
-    Y_test: (B x n) relevance of the test queries (graded gains allowed for nDCG).
-    Other keyword arguments go to :func:`sweep_search`.
-    """
+    """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
+    allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
     metric_ks = tuple(metric_ks)
     timings: dict[str, float] = {}
     rows = []

@@ -1,7 +1,6 @@
 """XL's re-scoring dot products ``out[i] = <q[batch[i]], p[doc[i]]>``: a Triton kernel on CUDA
-(float32 accumulation over any stored float dtype and strides, on the tensors' GPU and torch's
-current stream), torch elsewhere or where the kernel fails (a warning, once per device and
-dtypes). On the CPU the kernel runs only under ``TRITON_INTERPRET=1`` (the tests)."""
+(float32 sums of any float dtype and strides), torch where it fails (one warning per device and
+dtypes) or elsewhere; on the CPU the kernel runs only under ``TRITON_INTERPRET=1`` (the tests)."""
 
 from __future__ import annotations
 
@@ -47,11 +46,9 @@ def interpreted() -> bool:
 
 def available(device: torch.device) -> bool:
     """Triton imports and ``device`` is CUDA (compiled) or the CPU under the interpreter."""
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return torch.cuda.is_available() and not interpreted()
-    return device.type == "cpu" and interpreted()
+    on = device.type == "cpu" if interpreted() else \
+        device.type == "cuda" and torch.cuda.is_available()
+    return triton is not None and on
 
 
 def torch_rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,

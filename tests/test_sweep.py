@@ -148,7 +148,6 @@ def test_xl_rescore_false_and_knn_none_match_separate_fits():
 
 def test_sweep_result_metrics_and_table():
     P, Q, Y, test = _data(2)
-    rng = np.random.default_rng(9)
     Yt = sp.random(12, 60, density=0.05, random_state=9, format="csr", dtype=np.float32)
     Yt.data[:] = 1
     res = pg.sweep(P, Q, Y, test, Yt, lams=(0.5,), ks=(4,), device="cpu", show_progress=False)
@@ -170,3 +169,14 @@ def test_grid_validation():
     with pytest.raises(InputError, match="k"):
         list(sweep_search(P, Q, Y, test, ks=(0,)))
     assert grid("erm,xs", (0.5,), ()) == [Config("erm"), Config("xs", 0.5)]
+
+
+def test_no_test_queries_give_empty_results_for_every_config():
+    P, Q, Y, _ = _data(5)
+    none = np.zeros((0, P.shape[1]), np.float32)
+    out = list(sweep_search(P, Q, Y, none, lams=(0.3, 0.8), ks=(2, 4), topk=6, candidates=20,
+                            device="cpu", show_progress=False))
+    assert [c for c, _, _ in out] == grid(lams=(0.3, 0.8), ks=(2, 4))
+    for _, s, i in out:
+        assert s.shape == i.shape == (0, 6)
+        assert s.dtype == torch.float32 and i.dtype == torch.int64
