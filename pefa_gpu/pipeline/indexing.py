@@ -4,6 +4,7 @@ PEFA-XL shard), and PEFA-XL's query index shards."""
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -50,16 +51,21 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
     query (the range's first document, labelled with itself), which no neighbour maps to.
     Returns its stage entry and the bytes it received."""
     lo, hi = doc_range
-    p = Rows(docs).read(lo, hi)
+    p = Rows(docs).read(lo, hi)  # a view of the map: the model's copy is the only one in memory
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
-    if rows.size:
-        q = Rows(queries).take(rows)
-        y = sp.vstack([pt.y for pt in parts], format="csr")
-    else:
-        q, y = p[:1], sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
-    model = PEFAXL(backend=backend, device=device, index_params=index_params,
-                   search_params=XLSearchParams(candidates=candidates),
-                   **params.to_dict()).fit(p, q, y)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out) as scratch:
+        if rows.size:  # the range's queries (a popular range has many) gathered on disk, alike
+            q = Rows(queries).take(rows, np.lib.format.open_memmap(
+                Path(scratch) / "q.npy", "w+", np.float32, (rows.size, p.shape[1])))
+            y = sp.vstack([pt.y for pt in parts], format="csr")
+        else:
+            q = p[:1]
+            y = sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
+        model = PEFAXL(backend=backend, device=device, index_params=index_params,
+                       search_params=XLSearchParams(candidates=candidates),
+                       **params.to_dict()).fit(p, q, y)
+        del q
     entry = write_shard(Path(out) / shard_name("doc", index), {"stage": "build", "rows": [lo, hi]},
                         {"query_rows": torch.from_numpy(rows.astype(np.int64))}, model=model,
                         export_hnsw=export_hnsw)

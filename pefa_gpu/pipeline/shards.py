@@ -253,7 +253,8 @@ class Rows:
         return t.numpy()
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Rows lo .. hi-1 as a (hi-lo, d) float32 array."""
+        """Rows lo .. hi-1 as a (hi-lo, d) float32 array: a copy-on-write view of the map
+        when one shard holds them (no copy in memory), else a copy."""
         hi = self.n if hi is None else hi
         if not 0 <= lo <= hi <= self.n:
             raise InputError(f"rows [{lo}, {hi}) are outside {self.folder} (0 .. {self.n})")
@@ -261,15 +262,17 @@ class Rows:
                  for i, (a, b) in enumerate(s.rows for s in self.shards) if a < hi and lo < b]
         if not parts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+        return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts),
+                                    dtype=np.float32)
 
-
-    def take(self, rows: np.ndarray) -> np.ndarray:
-        """The rows at ascending indices ``rows`` (int64) as a (len, d) float32 array."""
+    def take(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows at ascending indices ``rows`` (int64) as a (len, d) float32 array, written
+        into ``out`` when given (e.g. a memory map)."""
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
-        out = np.empty((len(rows), self.dim), dtype=np.float32)
+        if out is None:
+            out = np.empty((len(rows), self.dim), dtype=np.float32)
         cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
         for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
             if b > a:  # read into ``out``: no second copy of the rows
