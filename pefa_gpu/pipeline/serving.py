@@ -44,9 +44,13 @@ def _load(folder: Path, entry: Entry, device: Any) -> _Loaded:
     return _Loaded(*entry.rows, shard.model, None if rows is None else rows.to(shard.model.device))
 
 
-def _typed(model: Any, params: dict | None) -> Any:
-    """The backend's search settings of ``model`` changed by ``params`` (None: its own)."""
-    return model.index_search_params.replace(**params) if params else None
+def _search(s: _Loaded, q: torch.Tensor, k: int, params: dict | None) -> Result:
+    """An ERM shard's search (a PEFA-XL shard's: its passage index); ``params`` change the
+    backend's search settings (None: its own)."""
+    if s.query_rows is not None:
+        return s.model.index.search(q.to(s.model.device), k, params)
+    typed = s.model.index_search_params.replace(**params) if params else None
+    return s.model.search(q.to(s.model.device), k, index_params=typed)
 
 
 def _gather(shards: Sequence[_Loaded], k: int,
@@ -74,15 +78,11 @@ class ShardServer:
     def erm(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k over the document shards (XL's: the passage index); ``params``: the
         backend's search settings (None: each index's own)."""
-        return _gather(self.docs, k, lambda s, kk: (  # XL shards: their passage index
-            s.model.index.search(q.to(s.model.device), kk, params) if s.query_rows is not None
-            else s.model.search(q.to(s.model.device), kk, index_params=_typed(s.model, params))))
+        return _gather(self.docs, k, lambda s, kk: _search(s, q, kk, params))
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k training queries over this server's query shards (global rows)."""
-        return _gather(self.queries, k,
-                       lambda s, kk: s.model.search(q.to(s.model.device), kk,
-                                                    index_params=_typed(s.model, params)))
+        return _gather(self.queries, k, lambda s, kk: _search(s, q, kk, params))
 
     def fuse(self, q: torch.Tensor, erm: Result, knn: Result, topk: int, lam: float,
              k: int) -> Result | None:
