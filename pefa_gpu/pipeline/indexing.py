@@ -50,7 +50,7 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
     p = Rows(docs).read(lo, hi)  # a view of the map: the model's copy is the only one in memory
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
     Path(out).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out) as scratch:
+    with tempfile.TemporaryDirectory(prefix=".scratch-", dir=out) as scratch:
         if rows.size:  # the range's queries (a popular range has many) gathered on disk, alike
             q = Rows(queries).take(rows, np.lib.format.open_memmap(
                 Path(scratch) / "q.npy", "w+", np.float32, (rows.size, p.shape[1])))
