@@ -293,6 +293,13 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
 
 # -- the out-of-core pipeline -------------------------------------------------------------------
 
+def max_range_queries(Y: sp.csr_matrix, rows: int) -> int:
+    """The most queries with a pair in one range of ``rows`` documents."""
+    ranges = -(-Y.shape[1] // rows)
+    query = np.repeat(np.arange(Y.shape[0], dtype=np.int64), np.diff(Y.indptr))
+    return int(np.bincount(np.unique(query * ranges + Y.indices // rows) % ranges).max())
+
+
 def run_pipeline(folder: Path, tmp: Path, stages: tuple[str, ...] = ("aggregate", "xs", "xl"),
                  times: int = 0) -> list:
     """``stages``: "aggregate", "xs" (its build and search; needs "aggregate"), "xl" (build and
@@ -318,8 +325,8 @@ def run_pipeline(folder: Path, tmp: Path, stages: tuple[str, ...] = ("aggregate"
             with Stage(rec, "build", rows * row, **tag):
                 pp.build("xs", work / "build-xs", work / "docs", embeddings=work / "xs",
                          doc_rows=rows)
-        else:
-            with Stage(rec, "build", rows * row * 2, **tag):
+        else:  # a range's reduce holds its rows and those of every query with a pair there
+            with Stage(rec, "build", (rows + max_range_queries(Y, rows)) * row, **tag):
                 pp.build("xl", work / "build-xl", work / "docs", queries=work / "queries",
                          relevance=work / "pairs", doc_rows=rows, lam=XL_LAM, k=XL_K,
                          candidates=XL_KP)

@@ -1,11 +1,13 @@
 """What the pipeline holds and reads: the aggregation's partial sums wait on disk in the output
 folder (removed after), PEFA-XL's build sends pairs only (no d-dimensional rows), whatever the
-number of query shards; a search round reads every shard once."""
+number of query shards; a build task holds one copy of its shard's rows; a search round reads
+every shard once."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -95,6 +97,45 @@ def test_xl_build_map_outputs_are_pairs_only(tmp_path):
         rows = shard.tensors["query_rows"].numpy()
         np.testing.assert_array_equal(rows, np.flatnonzero(Y[:, lo:hi].getnnz(axis=1)))
         np.testing.assert_array_equal(shard.model.query_index.vectors.numpy(), Q[rows])
+
+
+@pytest.mark.parametrize("m", [2000, 8000])
+def test_a_build_task_holds_its_rows_once(tmp_path, m):
+    """numpy's allocations (the tasks' and the models' copies) at their peak during one XL
+    reduce task (a range that every query has a pair in: its Q rows outweigh P's) and one ERM
+    build task stay under 1.5x the rows the shard's model holds, whatever m; the scratch copy
+    of the queries on disk is removed."""
+    rng = np.random.default_rng(m)
+    n, d = 1000, 256
+    P = rng.standard_normal((n, d)).astype(np.float32)
+    Q = rng.standard_normal((m, d)).astype(np.float32)
+    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    Q /= np.linalg.norm(Q, axis=1, keepdims=True)
+    Y = sp.csr_matrix((np.ones(m, np.float32), (np.arange(m), rng.integers(0, n, m))),
+                      shape=(m, n))
+    docs, queries = pp.write_rows(P, tmp_path / "docs"), pp.write_rows(Q, tmp_path / "queries")
+    rel = pp.write_relevance(Y, tmp_path / "pairs", rows=m // 2)
+    ranges = [(0, n)]
+    parts = [pp.split_queries(queries, rel, r, ranges)[0] for r in range(2)]
+    params = pp.read_stage(pp.build("xl", tmp_path / "ref", docs, queries=queries,
+                                    relevance=rel, doc_rows=n)).params
+    tracemalloc.start()
+    try:
+        entry, _ = pp.build_xl_shard(parts, queries, docs, (0, n), tmp_path / "xl", 0, params,
+                                     50, "exact", None, "cpu", False)
+        xl_peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        pp.build_rows_shard(docs, (0, n), tmp_path / "erm", "doc-00000", "exact", None, "cpu",
+                            False)
+        erm_peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert xl_peak < 1.5 * (P.nbytes + Q.nbytes)  # was 2 copies of each
+    assert erm_peak < 1.5 * P.nbytes
+    assert sorted(p.name for p in (tmp_path / "xl").iterdir()) == [entry.name]
+    model = pp.read_shard(tmp_path / "xl" / entry.name).model
+    np.testing.assert_array_equal(model.query_index.vectors.numpy(), Q)
+    np.testing.assert_array_equal(model.doc_embeddings.numpy(), P)
 
 
 def test_a_foreign_folder_in_the_way_is_refused_and_kept(tmp_path):

@@ -1,6 +1,5 @@
-"""The aggregate stage: PIFA Yᵀ Q (and PEFA-XS's E) per document range, as a map over query
-shards (:func:`split_queries`, also PEFA-XL's build's map) and a reduce per document range
-(:func:`reduce_sums`)."""
+"""The aggregate stage: PIFA Yᵀ Q (and PEFA-XS's E) per document range: a map per query shard
+(:func:`split_queries`, also PEFA-XL's build's map), a reduce per range (:func:`reduce_sums`)."""
 
 from __future__ import annotations
 
@@ -15,25 +14,23 @@ import torch
 from ..aggregate import pefa_xs, pifa
 from ..errors import InputError
 from ..params import check_unit_interval
-from .runner import local
+from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, open_entry, read_stage, remove_shard,
                      shard_name, split, write_shard, write_stage)
 
 
 @dataclasses.dataclass
 class Part:
-    """What one query shard sends to one document range for PEFA-XL's build: queries (T,)
-    int64 the global query rows with a pair in the range, y (T x n_range) float32 CSR their
-    pairs."""
+    """A query shard's pairs in one document range (PEFA-XL's build): queries (T,) int64
+    global rows with a pair there, y (T x n_range) float32 CSR."""
 
     queries: np.ndarray
     y: sp.csr_matrix
 
-
-def nbytes(parts: Sequence[Part]) -> int:
-    """The bytes of ``parts``' arrays (what the map tasks sent)."""
-    return int(sum(p.queries.nbytes + p.y.data.nbytes + p.y.indices.nbytes + p.y.indptr.nbytes
-                   for p in parts))
+    @property
+    def nbytes(self) -> int:
+        return self.queries.nbytes + self.y.data.nbytes + self.y.indices.nbytes \
+            + self.y.indptr.nbytes
 
 
 def check_pairs(rel: Stage, queries: Rows, docs: Rows) -> None:
@@ -48,11 +45,10 @@ def check_pairs(rel: Stage, queries: Rows, docs: Rows) -> None:
 def split_queries(queries: str | Path, relevance: str | Path, shard: int,
                   doc_ranges: Sequence[tuple[int, int]], spill: str | Path | None = None
                   ) -> list[Any]:
-    """Map task of query shard ``shard`` (a shard of the relevance stage): its rows of Y cut
-    by document range. Without ``spill``: a :class:`Part` per range (PEFA-XL's build). With
-    ``spill`` (a stage's output folder): the partial Yᵀ Q of the documents its pairs touch in
-    each range (:func:`pefa_gpu.pifa`), written as the shard ``spill/part-<shard>`` (docs-<s>
-    (U,) int64 local rows, sums-<s> (U, d) float32); per range its entry, None when empty."""
+    """Map task of query shard ``shard``: its rows of Y cut by document range, a :class:`Part`
+    per range; with ``spill`` (a folder) instead each range's partial Yᵀ Q of the documents
+    touched (docs-<s> (U,) int64 local rows, sums-<s> (U, d) float32) written to the shard
+    ``spill/part-<shard>``, and per range its entry (None when empty)."""
     entry = read_stage(relevance, "relevance").shards[shard]
     lo, hi = entry.rows
     y_csc = open_entry(relevance, entry).matrices["relevance"].tocsc()
@@ -78,11 +74,9 @@ def split_queries(queries: str | Path, relevance: str | Path, shard: int,
 def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tuple[int, int],
                 out: str | Path, index: int, lam: float | None,
                 augment_docs: bool) -> tuple[Entry, int]:
-    """Reduce task of one document range: P (with ``augment_docs``) plus the partial sums the
-    map tasks wrote into ``out`` (:func:`split_queries`), read one at a time and added in
-    query-shard order; then E = ``pefa_xs(P, sums, lam)`` (:mod:`pefa_gpu.aggregate`), as
-    PEFAXS computes it. Writes ``out/doc-<index>``; returns its stage entry and the bytes it
-    received."""
+    """Reduce task of one document range: P (``augment_docs``) plus the map tasks' partial
+    sums, one at a time in query-shard order, and E = ``pefa_xs(P, sums, lam)``, written as
+    ``out/doc-<index>``; returns its entry and the bytes it received."""
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)
     acc = p.copy() if augment_docs else np.zeros_like(p)
@@ -104,20 +98,11 @@ def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tupl
 def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
               out: str | Path, lam: float | None = None, augment_docs: bool = True,
               doc_rows: int = DEFAULT_ROWS, runner: Any = None) -> Path:
-    """PIFA Yᵀ Q (and the PEFA-XS embeddings E, given ``lam``) per document range.
-
-    queries: row stage of Q (m, d); relevance: :func:`write_relevance` stage of Y (m x n),
-    whose query ranges are the map tasks; docs: row stage of P (n, d); ``doc_rows``: rows per
-    document range (the reduce tasks and the output shards).
-
-    Map (one task per query shard r, :func:`split_queries`): read Q_r and Y_r, write for
-    every document range s the partial sums Y_r[:, s]ᵀ Q_r of the documents r touches there
-    into ``out/part-<r>`` (removed at the end). Reduce (one task per range s,
-    :func:`reduce_sums`): P_s (augment_docs) plus the partials of s, in query-shard order;
-    normalise; write. No task holds more than one query shard of Q, or more than one
-    document range of the n x d output, and the partials wait on disk, not in memory.
-    Bytes moved: README, "Beyond one machine (Ray)", Aggregate.
-    """
+    """PIFA Yᵀ Q (and the PEFA-XS embeddings E, given ``lam``) per range of ``doc_rows``
+    documents: row stages of Q (m, d) and P (n, d), a :func:`write_relevance` stage of Y.
+    A map task per query shard writes its partial sums to ``out/part-<r>`` (removed at the
+    end), a reduce per range adds them: no task holds more than one query shard of Q or one
+    range of the output, and the partials wait on disk."""
     rel, prows = read_stage(relevance, "relevance"), Rows(docs)
     check_pairs(rel, Rows(queries), prows)
     if lam is not None:
@@ -127,8 +112,8 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
                for s, rng in enumerate(ranges)]
     try:
-        entries, moved = zip(*local(runner).map_reduce(split_queries, maps, reduce_sums,
-                                                       reduces))
+        entries, moved = zip(*(runner or LocalRunner()).map_reduce(split_queries, maps,
+                                                                    reduce_sums, reduces))
     finally:
         for r in range(len(rel.shards)):
             remove_shard(Path(out) / shard_name("part", r))

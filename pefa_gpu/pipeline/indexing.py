@@ -1,9 +1,10 @@
-"""The build stage: one index per document shard (ERM over P, ERM over PEFA-XS's E, or a
-PEFA-XL shard), and PEFA-XL's query index shards."""
+"""The build stage: an index per document shard (ERM over P or PEFA-XS's E, or a PEFA-XL
+shard) and PEFA-XL's query index shards."""
 
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -16,8 +17,8 @@ from ..errors import InputError
 from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
 from ..params import XLParams, XLSearchParams
-from .aggregation import Part, check_pairs, nbytes, split_queries
-from .runner import local
+from .aggregation import Part, check_pairs, split_queries
+from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, read_stage, shard_name, split,
                      write_shard, write_stage)
 
@@ -27,8 +28,7 @@ METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "x
 def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path, name: str,
                      backend: str, index_params: Any, device: Any, export_hnsw: bool,
                      tensor: str = "embeddings") -> Entry:
-    """One ERM index over rows lo .. hi-1 of a row stage (P, E or Q), saved as
-    ``out/<name>``; returns its stage entry."""
+    """An ERM over rows lo .. hi-1 of a row stage (P, E or Q) saved as ``out/<name>``."""
     lo, hi = rows
     x = Rows(vectors, tensor).read(lo, hi)
     with warnings.catch_warnings():  # PEFA-XS's E is not unit-norm, by design
@@ -42,28 +42,29 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
                    doc_range: tuple[int, int], out: str | Path, index: int, params: XLParams,
                    candidates: int, backend: str, index_params: Any, device: Any,
                    export_hnsw: bool) -> tuple[Entry, int]:
-    """Reduce task of PEFA-XL's build for one document range: a PEFAXL over P_s and the
-    training queries with a pair in s (their rows of ``queries``, and of Y restricted to s),
-    saved as ``out/doc-<index>`` with their global query rows (``query_rows``). Its passage
-    index is the shard of XL's passage index, and :meth:`PEFAXL.fuse` on it scores the
-    range's candidates (see :class:`ShardServer`). A range without pairs gets one inert placeholder
-    query (the range's first document, labelled with itself), which no neighbour maps to.
-    Returns its stage entry and the bytes it received."""
+    """Reduce task of PEFA-XL's build for document range s: a PEFAXL over P_s, the training
+    queries with a pair in s and Y[those, s], saved as ``out/doc-<index>`` with their global
+    rows (``query_rows``); a range without pairs gets an inert placeholder query (its first
+    document, labelled with itself). Returns its entry and the bytes it received."""
     lo, hi = doc_range
-    p = Rows(docs).read(lo, hi)
+    p = Rows(docs).read(lo, hi)  # a view of the map: the model's copy is the only one in memory
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
-    if rows.size:
-        q = Rows(queries).take(rows)
-        y = sp.vstack([pt.y for pt in parts], format="csr")
-    else:
-        q, y = p[:1], sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
-    model = PEFAXL(backend=backend, device=device, index_params=index_params,
-                   search_params=XLSearchParams(candidates=candidates),
-                   **params.to_dict()).fit(p, q, y)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".scratch-", dir=out) as scratch:
+        if rows.size:  # the range's queries (a popular range has many) gathered on disk, alike
+            q = Rows(queries).take(rows, np.lib.format.open_memmap(
+                Path(scratch) / "q.npy", "w+", np.float32, (rows.size, p.shape[1])))
+            y = sp.vstack([pt.y for pt in parts], format="csr")
+        else:
+            q = p[:1]
+            y = sp.csr_matrix(([1.0], ([0], [0])), shape=(1, hi - lo), dtype=np.float32)
+        model = PEFAXL(backend=backend, device=device, index_params=index_params,
+                       search_params=XLSearchParams(candidates=candidates),
+                       **params.to_dict()).fit(p, q, y)
     entry = write_shard(Path(out) / shard_name("doc", index), {"stage": "build", "rows": [lo, hi]},
                         {"query_rows": torch.from_numpy(rows.astype(np.int64))}, model=model,
                         export_hnsw=export_hnsw)
-    return entry, nbytes(parts)
+    return entry, sum(pt.nbytes for pt in parts)
 
 
 def build(method: str, out: str | Path, docs: str | Path, *,
@@ -73,23 +74,15 @@ def build(method: str, out: str | Path, docs: str | Path, *,
           lam: float = 0.1, k: int = 16, candidates: int = 500, knn_norm: str = "k",
           rescore: bool = True, augment_docs: bool = True, export_hnsw: bool = False,
           runner: Any = None) -> Path:
-    """One index per document shard (any backend), saved as normal pefa_gpu saves.
-
-    - ``erm``: an ERM over each range of ``docs`` (P).
-    - ``xs``: an ERM over each shard of ``embeddings``, the E of :func:`aggregate` (PEFA-XS
-      is one index over E), so its document shards are the aggregation's ranges.
-    - ``xl``: per document range a PEFAXL shard (passage index + the range's pairs, see
-      :func:`build_xl_shard`), from a map over the query shards of ``relevance`` that sends
-      each range its pairs and their query embeddings; per query shard an ERM over those
-      training queries (XL's query index, sharded the same way). ``lam`` / ``k`` are the
-      defaults of :func:`search`; ``candidates``, ``knn_norm``, ``rescore`` and
-      ``augment_docs`` as for :class:`pefa_gpu.PEFAXL`.
-
-    ``export_hnsw`` also writes a faiss HNSW file per document shard (ERM / XS).
-    """
+    """One index per document shard (any backend), as pefa_gpu saves: ``erm`` an ERM per
+    range of ``docs``; ``xs`` an ERM per shard of ``embeddings`` (:func:`aggregate`'s E);
+    ``xl`` a :func:`build_xl_shard` per range (a map over the ``relevance`` shards sends each
+    its pairs) and an ERM per query shard (XL's query index). ``lam`` / ``k``: the defaults of
+    :func:`search`; the other XL settings as for :class:`pefa_gpu.PEFAXL`. ``export_hnsw``:
+    a faiss HNSW file per document shard too (ERM / XS)."""
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
-    run, prows = local(runner), Rows(docs)
+    run, prows = runner or LocalRunner(), Rows(docs)
     stage = Stage(stage="build", shards=(), method=method, n=prows.n, dim=prows.dim,
                   backend=backend, index_params=index_params if index_params is None
                   or isinstance(index_params, dict) else index_params.to_dict())

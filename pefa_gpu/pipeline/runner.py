@@ -1,6 +1,5 @@
-"""Where the shard tasks run: :class:`LocalRunner` (this process, the default) and its
-:class:`Fanout` of shard servers. :class:`pefa_gpu.distributed.RayRunner` has the same methods.
-A runner is handed the task functions; it runs them and moves their arguments and results."""
+"""Where the shard tasks run: :class:`LocalRunner` (this process; its :class:`Fanout` of
+shard servers). :class:`pefa_gpu.distributed.RayRunner` has the same methods."""
 
 from __future__ import annotations
 
@@ -18,10 +17,8 @@ class LocalRunner:
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
-        """Each map task returns one part per reduce task; reduce task s gets the parts
-        [map 0's part s, map 1's part s, ...] (in map order) and its own args. Every part is
-        held in memory until the reduces run: the stages' parts are pairs, or the name of
-        what a map task wrote to disk."""
+        """Reduce task s gets [map 0's part s, map 1's part s, ...] and its own args (the
+        parts, pairs or the names of files, wait in memory until the reduces run)."""
         parts = [map_fn(*args) for args in map_calls]
         return [reduce_fn([p[s] for p in parts], *args) for s, args in enumerate(reduce_calls)]
 
@@ -57,8 +54,3 @@ class Fanout:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def local(runner: Any) -> Any:
-    """``runner``, or a :class:`LocalRunner` for None."""
-    return LocalRunner() if runner is None else runner

@@ -1,7 +1,5 @@
-"""The search stage: shard servers (:class:`ShardServer`, each holding some shards of a build
-on its device) answer each query batch; :func:`search_batch` merges their top-k. Results stay
-on the servers' device until the merge of a batch. :func:`evaluate_configs`: from embeddings
-to metrics through every stage."""
+"""The search stage: shard servers (:class:`ShardServer`) answer each query batch on their
+device; :func:`search_batch` merges their top-k. :func:`evaluate_configs`: every stage."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from ..params import check_unit_interval
 from ..topk import merge_topk
 from .aggregation import aggregate
 from .indexing import build
-from .runner import local
+from .runner import LocalRunner
 from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance, write_rows
 
 DEFAULT_BATCH = 8192        # test queries per search round (each round reads every shard)
@@ -46,15 +44,19 @@ def _load(folder: Path, entry: Entry, device: Any) -> _Loaded:
     return _Loaded(*entry.rows, shard.model, None if rows is None else rows.to(shard.model.device))
 
 
-def _typed(model: Any, params: dict | None) -> Any:
-    """The backend's search settings of ``model`` changed by ``params`` (None: its own)."""
-    return model.index_search_params.replace(**params) if params else None
+def _search(s: _Loaded, q: torch.Tensor, k: int, params: dict | None) -> Result:
+    """An ERM shard's search (a PEFA-XL shard's: its passage index); ``params`` change the
+    backend's search settings (None: its own)."""
+    if s.query_rows is not None:
+        return s.model.index.search(q.to(s.model.device), k, params)
+    typed = s.model.index_search_params.replace(**params) if params else None
+    return s.model.search(q.to(s.model.device), k, index_params=typed)
 
 
 def _gather(shards: Sequence[_Loaded], k: int,
             search: Callable[[_Loaded, int], Result]) -> Result | None:
-    """``search(shard, min(k, its size))`` on every shard, ids made global, merged on the
-    shards' device as they come (None without shards)."""
+    """``search(shard, min(k, its size))`` on every shard, ids made global, merged as they
+    come (None without shards)."""
     out = None
     for s in shards:
         sc, i = search(s, min(k, s.model.n_docs))
@@ -63,9 +65,8 @@ def _gather(shards: Sequence[_Loaded], k: int,
 
 
 class ShardServer:
-    """Some document and query shards of a :func:`build` stage, in memory on ``device``,
-    answering one search round each over its shards (results merged over its shards, global
-    ids, on its device). A Ray actor in :class:`pefa_gpu.distributed.RayRunner`."""
+    """Some document and query shards of a :func:`build` stage on ``device``, answering a
+    search round with its shards' merged top-k (global ids; a Ray actor in RayRunner)."""
 
     def __init__(self, build: str | Path, doc_shards: Sequence[int],
                  query_shards: Sequence[int] = (), device: Any = None):
@@ -75,17 +76,13 @@ class ShardServer:
         self.queries = [_load(folder, self.info.query_shards[r], device) for r in query_shards]
 
     def erm(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
-        """Top-k over this server's document shards (ERM / XS scores; XL's passage index);
-        ``params``: the backend's search settings (None: each index's own)."""
-        return _gather(self.docs, k, lambda s, kk: (  # XL shards: their passage index
-            s.model.index.search(q.to(s.model.device), kk, params) if s.query_rows is not None
-            else s.model.search(q.to(s.model.device), kk, index_params=_typed(s.model, params))))
+        """Top-k over the document shards (XL's: the passage index); ``params``: the
+        backend's search settings (None: each index's own)."""
+        return _gather(self.docs, k, lambda s, kk: _search(s, q, kk, params))
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k training queries over this server's query shards (global rows)."""
-        return _gather(self.queries, k,
-                       lambda s, kk: s.model.search(q.to(s.model.device), kk,
-                                                    index_params=_typed(s.model, params)))
+        return _gather(self.queries, k, lambda s, kk: _search(s, q, kk, params))
 
     def fuse(self, q: torch.Tensor, erm: Result, knn: Result, topk: int, lam: float,
              k: int) -> Result | None:
@@ -119,9 +116,8 @@ def _local_rows(r: torch.Tensor, m: int, s: _Loaded) -> torch.Tensor:
 def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
                  lam: float | None = None, k: int | None = None,
                  candidates: int | None = None, params: dict | None = None) -> Result:
-    """One round of queries (B, d) float32 over every server of ``fan``: ERM / XS merge the
-    shards' top-k; PEFA-XL searches the passage and query shards, merges, forms the
-    neighbours and fuses per document shard, then merges the fused top-k."""
+    """One round of queries (B, d) float32 over the servers of ``fan``: the merged top-k;
+    PEFA-XL merges the passage and query searches, then each document shard fuses."""
     if info.method != "xl":
         (parts,) = fan.call(("erm", (q, topk, params)))
         return _merge(parts, topk)
@@ -139,8 +135,8 @@ def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
 
 
 def server_groups(info: Stage, workers: int) -> list[tuple[list[int], list[int]]]:
-    """Contiguous blocks of document and query shards for ``workers`` servers (servers
-    without shards are left out)."""
+    """Contiguous blocks of document and query shards for ``workers`` servers (empty ones
+    left out)."""
     n_d, n_q = len(info.shards), len(info.query_shards)
     groups = [(list(range(n_d * w // workers, n_d * (w + 1) // workers)),
                list(range(n_q * w // workers, n_q * (w + 1) // workers))) for w in range(workers)]
@@ -152,12 +148,9 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
            batch_size: int = DEFAULT_BATCH, device: Any = None, runner: Any = None,
            show_progress: bool = False, params: dict | None = None) -> Result:
     """Search a :func:`build` stage: (B, d) queries (or a row stage folder) -> (B, topk)
-    float32 scores and int64 ids on the CPU, -1 padded, ties to the lower id.
-
-    Query batches of ``batch_size`` fan out to the runner's shard servers (the build's shards
-    split over its workers); each returns its top-k, merged here (:func:`search_batch`).
-    ``lam`` / ``k`` / ``candidates`` override PEFA-XL's build-time values; ``params``: the
-    backend's search settings for every shard's index (e.g. ``{"ef_search": 500}``)."""
+    float32 scores and int64 ids on the CPU, -1 padded, ties to the lower id; batches of
+    ``batch_size`` over the runner's shard servers. ``lam`` / ``k`` / ``candidates``
+    override PEFA-XL's; ``params``: every index's search settings (``{"ef_search": 500}``)."""
     from tqdm.auto import tqdm
 
     batch_size = check_positive_int(batch_size, "batch_size")
@@ -176,7 +169,7 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     else:
         qall = as_embeddings(queries, "cpu", "queries", dim=info.dim, check_norm=False)
         n_q, read = qall.shape[0], lambda lo, hi: qall[lo:hi]
-    run = local(runner)
+    run = runner or LocalRunner()
     out = []
     with run.servers(ShardServer, build, server_groups(info, run.workers), device) as fan:
         for lo in tqdm(range(0, n_q, batch_size), desc="search", unit="batch",
@@ -196,19 +189,17 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
                      ks: Sequence[int] = (10, 100), topk: int = 100, count_empty: bool = False,
                      doc_rows: int | None = None, query_rows: int | None = None,
                      runner: Any = None, show_progress: bool = True) -> list[dict[str, Any]]:
-    """From embeddings to metrics through the stages, in ``work`` (a folder on a path every
-    worker sees): P (n, d), Q (m, d), queries (B, d) as arrays or row stage folders, Y (m x n)
-    and Y_test (B x n) relevance; ``configs``: :class:`pefa_gpu.Config` (method, lam, k).
-    Returns one :func:`pefa_gpu.evaluate` dict per config. Each index is built once: XS once
-    per λ, XL once (λ and k are applied at search time), ERM once. ``doc_rows`` /
-    ``query_rows`` default to an even split over the runner's workers."""
+    """A :func:`pefa_gpu.evaluate` dict per :class:`pefa_gpu.Config` through the stages in
+    ``work`` (seen by every worker): P (n, d), Q (m, d), queries (B, d) arrays or row stages,
+    Y (m x n), Y_test (B x n). An index per XS λ, one XL, one ERM; rows per shard default to
+    an even split over the runner's workers."""
     from tqdm.auto import tqdm
 
-    run = local(runner)
+    run = runner or LocalRunner()
     work = Path(work)
     docs = _as_rows(P, work / "docs", "docs")
     train = _as_rows(Q, work / "queries", "queries")
-    n, m = len(Rows(docs)), len(Rows(train))
+    n, m = Rows(docs).n, Rows(train).n
     doc_rows = doc_rows or max(-(-n // run.workers), 1)
     rel = write_relevance(Y, work / "pairs", rows=query_rows or max(-(-m // run.workers), 1))
     common = dict(backend=backend, index_params=index_params, device=device,

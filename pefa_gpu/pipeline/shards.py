@@ -1,6 +1,6 @@
-"""Shards and stages on disk: a shard is a storage save in a folder of its own, a stage a
-folder of shards committed by its ``stage.json`` (:class:`Stage`, read and checked here only);
-row stages (:func:`write_rows`, :func:`encode`, :class:`Rows`), :func:`write_relevance`."""
+"""Shards (a storage save each) and stages (a folder of shards committed by its
+``stage.json``, :class:`Stage`): row stages (:func:`write_rows`, :func:`encode`,
+:class:`Rows`) and :func:`write_relevance`."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from ..persist import load as load_model
 from ..relevance import as_relevance
 from ..storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
                        write_output_file, writing_save)
-from .runner import local
+from .runner import LocalRunner
 
 log = logging.getLogger("pefa_gpu")
 
@@ -103,16 +103,13 @@ class Stage:
                           sort_keys=True, default=dataclasses.asdict) + "\n"
 
 
-# ------------------------------------------------------------------------------ shards
-
 def write_shard(path: str | Path, fields: dict[str, Any],
                 tensors: dict[str, Any] | None = None,
                 matrices: dict[str, sp.spmatrix] | None = None,
                 model: Any = None, export_hnsw: bool = False) -> Entry:
-    """Write one shard atomically: ``fields`` (JSON, with its ``rows`` [lo, hi]) in its
-    manifest, ``tensors`` as .npy, ``matrices`` as CSR .npz, ``model`` as a model save in
-    ``model/`` (and its HNSW export as ``hnsw.faiss`` with ``export_hnsw``). Returns its
-    stage entry."""
+    """Write a shard atomically: ``fields`` (with ``rows`` [lo, hi]) in its manifest,
+    ``tensors`` .npy, ``matrices`` CSR .npz, ``model`` a save in ``model/`` (``export_hnsw``:
+    and ``hnsw.faiss``). Returns its stage entry."""
     with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
         tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
                  for name, t in (tensors or {}).items()}
@@ -140,9 +137,8 @@ class Shard:
 
 def read_shard(path: str | Path, device: Any = "cpu", mmap: bool = True,
                expect_sha: str | None = None) -> Shard:
-    """Read and verify a shard written by :func:`write_shard`. ``mmap`` maps the tensors and
-    checks sizes and headers (else every file's sha256 is checked). ``expect_sha``: the
-    manifest checksum a stage recorded for it (FormatError when the shard has changed since)."""
+    """Read and verify a :func:`write_shard` shard (``mmap``: tensors mapped, sizes and
+    headers checked; else every file's sha256). ``expect_sha``: its stage's checksum of it."""
     save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=not mmap)
     fields = save.manifest
     if expect_sha is not None and fields["manifest_sha256"] != expect_sha:
@@ -163,8 +159,7 @@ def open_entry(folder: str | Path, entry: Entry, device: Any = "cpu") -> Shard:
 
 
 def remove_shard(path: Path) -> None:
-    """Remove the complete shard at ``path`` (its manifest, then its data folder; the folder
-    too when nothing else is in it); nothing when there is none."""
+    """Remove the complete shard at ``path`` (manifest, data, the folder when then empty)."""
     if _shard_fields(path) is None:
         return
     save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
@@ -175,15 +170,12 @@ def remove_shard(path: Path) -> None:
 
 
 def _shard_fields(path: Path) -> dict[str, Any] | None:
-    """The manifest of a complete shard at ``path`` (sizes checked), or None when there is
-    none there yet (or only the leftovers of an interrupted write)."""
+    """The manifest of a complete shard at ``path`` (sizes checked), else None."""
     try:
         return open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False).manifest
     except (FormatError, FileNotFoundError):
         return None
 
-
-# ------------------------------------------------------------------------------ stages
 
 def split(n: int, rows: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of at most ``rows`` rows covering 0 .. n (one empty range for n = 0)."""
@@ -196,8 +188,8 @@ def shard_name(kind: str, i: int) -> str:
 
 
 def write_stage(folder: str | Path, stage: Stage) -> Path:
-    """Write ``folder/stage.json`` (atomically, last): the stage's commit point. A stage.json
-    there is replaced only when it is ours (InputError otherwise)."""
+    """Write ``folder/stage.json`` atomically, the stage's commit point (replacing only a
+    stage file, else InputError)."""
     path = Path(folder) / STAGE_FILE
     if os.path.lexists(path):
         try:
@@ -212,8 +204,7 @@ def write_stage(folder: str | Path, stage: Stage) -> Path:
 
 
 def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
-    """``folder/stage.json`` (FormatError when the stage is missing, incomplete, damaged or
-    of another kind than ``stage``)."""
+    """``folder/stage.json`` (FormatError: missing, damaged or not a ``stage`` stage)."""
     path = Path(folder) / STAGE_FILE
     try:
         body = json.loads(path.read_text(encoding="utf-8"))
@@ -233,18 +224,14 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
 
 
 class Rows:
-    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate`` output), read by
-    range from the shards that hold them (memory-mapped; only those shards are opened);
-    ``tensor``: the name of the tensor in each shard."""
+    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate``), read from the
+    memory-mapped shards that hold them; ``tensor``: its name in each shard."""
 
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
         self.folder = Path(folder)
         self.info = read_stage(self.folder)
         self.tensor, self.shards = tensor, self.info.shards
         self.n, self.dim = self.shards[-1].rows[1] if self.shards else 0, self.info.dim
-
-    def __len__(self) -> int:
-        return self.n
 
     def _part(self, i: int) -> np.ndarray:
         t = open_entry(self.folder, self.shards[i]).tensors.get(self.tensor)
@@ -253,7 +240,8 @@ class Rows:
         return t.numpy()
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Rows lo .. hi-1 as a (hi-lo, d) float32 array."""
+        """Rows lo .. hi-1 as a (hi-lo, d) float32 array: a copy-on-write view of the map
+        when one shard holds them (no copy in memory), else a copy."""
         hi = self.n if hi is None else hi
         if not 0 <= lo <= hi <= self.n:
             raise InputError(f"rows [{lo}, {hi}) are outside {self.folder} (0 .. {self.n})")
@@ -261,15 +249,17 @@ class Rows:
                  for i, (a, b) in enumerate(s.rows for s in self.shards) if a < hi and lo < b]
         if not parts:
             return np.zeros((0, self.dim), dtype=np.float32)
-        return np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+        return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts),
+                                    dtype=np.float32)
 
-
-    def take(self, rows: np.ndarray) -> np.ndarray:
-        """The rows at ascending indices ``rows`` (int64) as a (len, d) float32 array."""
+    def take(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The rows at ascending indices ``rows`` (int64) as a (len, d) float32 array, written
+        into ``out`` when given (e.g. a memory map)."""
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
-        out = np.empty((len(rows), self.dim), dtype=np.float32)
+        if out is None:
+            out = np.empty((len(rows), self.dim), dtype=np.float32)
         cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
         for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
             if b > a:  # read into ``out``: no second copy of the rows
@@ -279,8 +269,8 @@ class Rows:
 
 def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "rows",
                name: str = "embeddings") -> Path:
-    """Write a (n, d) float matrix (numpy, memmap, torch...) as a row stage of shards of
-    ``rows`` rows (converted to float32 one shard at a time)."""
+    """Write a (n, d) float matrix (numpy, memmap, torch...) as a row stage of ``rows``-row
+    float32 shards."""
     if not hasattr(x, "shape") or len(x.shape) != 2:
         raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
     n, d = int(x.shape[0]), int(x.shape[1])
@@ -297,8 +287,8 @@ def read_rows(folder: str | Path, lo: int = 0, hi: int | None = None,
 
 
 def write_relevance(Y: Any, out: str | Path, rows: int = DEFAULT_ROWS) -> Path:
-    """Write Y (m x n: scipy sparse, Relevance, dense) as shards of ``rows`` query rows.
-    These query ranges are the aggregation's and PEFA-XL's query shards."""
+    """Write Y (m x n: scipy sparse, Relevance, dense) as shards of ``rows`` query rows
+    (the aggregation's and PEFA-XL's query shards)."""
     rel = as_relevance(Y)
     m, n = rel.shape
     shards = [write_shard(Path(out) / shard_name("shard", i),
@@ -309,11 +299,8 @@ def write_relevance(Y: Any, out: str | Path, rows: int = DEFAULT_ROWS) -> Path:
                                   nnz=rel.nnz))
 
 
-# ------------------------------------------------------------------------------ encode
-
 def encode_fingerprint(texts: Sequence[str], identity: str | None, normalize: bool) -> str | None:
-    """What an encode shard is a function of: the model's identity (that of
-    :func:`pefa_gpu.encode`'s cache), the normalisation and each text's SHA-256."""
+    """An encode shard's key: the model's identity, the normalisation, each text's SHA-256."""
     if identity is None:
         return None
     h = hashlib.sha256(f"{identity}|normalize={bool(normalize)}|{len(texts)}".encode())
@@ -332,9 +319,8 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
                  fingerprint: str | None, model: Any = None, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None,
                  normalize: bool = True) -> Entry:
-    """Encode one shard of texts (rows lo .. lo+len-1) into ``out/shard-<index>``, unless a
-    complete shard with the same ``fingerprint`` is there already. Encodes with
-    :func:`pefa_gpu.encode` (same cache keys under ``cache_dir``). Returns its stage entry."""
+    """Encode texts (rows lo ..) with :func:`pefa_gpu.encode` into ``out/shard-<index>``
+    unless a complete shard with this ``fingerprint`` is there. Returns its stage entry."""
     path = Path(out) / shard_name("shard", index)
     fields = _written(path, fingerprint) if fingerprint is not None else None
     if fields is not None:
@@ -349,12 +335,10 @@ def encode(texts: Sequence[str], out: str | Path, model: Any = None,
            rows: int = 10_000, batch_size: int = 64, device: Any = None,
            cache_dir: str | Path | None = None, normalize: bool = True,
            show_progress: bool = True, runner: Any = None) -> Path:
-    """Encode ``texts`` into a row stage at ``out``: shards of ``rows`` texts, each encoded by
-    :func:`encode_shard` (on the runner's workers). Resumable: shards already written for the
-    same texts and model are kept; with ``cache_dir`` the texts are looked up in (and added to)
-    :func:`pefa_gpu.encode`'s cache, so local and distributed runs reuse each other's work.
-    ``model``: as for :func:`pefa_gpu.encode`, picklable for a cluster (None, a name or
-    path, or a callable with a ``cache_key``; one without is re-encoded every run)."""
+    """Encode ``texts`` into a row stage at ``out`` of ``rows``-text shards (on the runner's
+    workers), keeping shards written for the same texts and model; ``cache_dir``:
+    :func:`pefa_gpu.encode`'s cache. ``model``: as there, picklable for a cluster (one
+    without a ``cache_key`` is encoded again every run)."""
     texts = _check_texts(texts)
     out = Path(out)
     identity = resolve_model(model, "cpu").identity
@@ -374,7 +358,7 @@ def encode(texts: Sequence[str], out: str | Path, model: Any = None,
         log.info("encode: %d of %d shards of %s are written already", len(plan) - len(pending),
                  len(plan), out)
     if pending:
-        local(runner).encode(task, pending, show_progress=show_progress)
+        (runner or LocalRunner()).encode(task, pending, show_progress=show_progress)
     manifests = [_written(path, kw["fingerprint"]) for kw, path in zip(plan, paths)]
     if None in manifests:
         raise FormatError(f"encode: shard {manifests.index(None)} of {out} is missing after "
