@@ -299,9 +299,11 @@ class _Model:
         return training.inner(q, self.doc_embeddings[ids])
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        """Take (r, d) new documents; the caller then sets n_docs."""
-        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
+        """Take (r, d) new documents; the caller then sets n_docs. Documents an exact index
+        holds in their own memory stay one tensor (saved once)."""
+        shared = persist._vectors_of(self.index, self.doc_embeddings)
         self.index.add(p)
+        self.doc_embeddings = self.index.vectors if shared else torch.cat([self.doc_embeddings, p])
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
         raise InputError(f"add_pairs() needs a PEFAXS, PEFAXL or NUDGE model, got "
