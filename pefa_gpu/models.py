@@ -2,10 +2,6 @@
 
     model = pg.PEFAXS(lam=0.5, backend="exact", device=None).fit(P, Q, Y)
     scores, ids = model.search(queries, topk=100)   # (B, topk) float32 / int64, -1 padded
-
-Tensors live on ``device`` (default: CUDA when available). Build settings (``Params``, the
-backend's ``index_params``) are fixed by ``fit``; search settings are typed per call:
-``search(q, k, params=XLSearchParams(...), index_params=HNSWSearchParams(...))``.
 """
 
 from __future__ import annotations
@@ -128,8 +124,7 @@ class _Model:
     @doc_embeddings.setter
     def doc_embeddings(self, value: torch.Tensor) -> None:
         self._doc_embeddings = value
-        # a numpy view (never a copy) for PEFA-XL's CPU fusion
-        view = value.device.type == "cpu" and value.dtype == torch.float32
+        view = value.device.type == "cpu" and value.dtype == torch.float32  # for CPU fusion
         self._host_docs = value.detach().numpy() if view else None
 
     @property
@@ -168,10 +163,8 @@ class _Model:
     def as_queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """Queries as searched: (B, d) float32 on the device, detached."""
         self.check_fitted()
-        check = training.check_default(queries, check)
-        q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
-                          check_finite=check)
-        return q.detach()
+        return as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
+                             check_finite=training.check_default(queries, check)).detach()
 
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
                     Y: RelevanceLike | None = None, copy_queries: bool = True):
@@ -186,8 +179,7 @@ class _Model:
                 and Q.ndim == 2 and Q.shape[1] == p.shape[1]:
             return p, Q, as_relevance(Y, shape=(Q.shape[0], p.shape[0]))
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], copy=copy_queries).detach()
-        rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
-        return p, q, rel
+        return p, q, as_relevance(Y, shape=(q.shape[0], p.shape[0]))
 
     def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
                params: Params | None = None, index_params: Params | None = None
@@ -201,7 +193,8 @@ class _Model:
         index_sp = self._typed(self._index_search_class, index_params, "search index_params")
         check = training.check_default(queries, check)
         self.check_fitted()
-        rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
+        budget = getattr(self.index.params, "memory_budget", None) or DEFAULT_MEMORY_BUDGET
+        rows = max(1, budget // self._query_bytes(topk, model_sp))
         if isinstance(queries, (np.ndarray, torch.Tensor)) and queries.ndim == 2 \
                 and queries.shape[0] > rows:  # query blocks: conversion, checks, fusion
             b = queries.shape[0]
@@ -218,10 +211,6 @@ class _Model:
             return (torch.full((0, topk), float("-inf"), device=self.device),
                     torch.full((0, topk), -1, dtype=torch.long, device=self.device))
         return self._search(q, topk, model_sp, index_sp, checked=check)
-
-    def _memory_budget(self) -> int:
-        """Bytes a search may hold: the index's ``memory_budget``, else the exact default."""
-        return getattr(self.index.params, "memory_budget", None) or DEFAULT_MEMORY_BUDGET
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
         """Working bytes per query besides the index's: its copy and the NaN check's."""
@@ -244,9 +233,7 @@ class _Model:
         i = training.as_ids(ids, q.shape[0], self.n_docs, self.device, chk)
         if q.shape[0] == 0:
             return torch.empty(i.shape, dtype=q.dtype, device=q.device)
-        out = self._score(q, i.clamp_min(0))
-        return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
-                                                     device=out.device))
+        return self._score(q, i.clamp_min(0)).masked_fill(i < 0, float("-inf"))
 
     def _fitted(self: M, p: torch.Tensor, rows: torch.Tensor) -> M:
         """Take documents p (n, d) and index ``rows`` (n, d); returns the fitted model."""
@@ -451,18 +438,17 @@ class NUDGE(_AdaptedDocuments):
 
     def nudge_embeddings(self, gamma: float | None = None) -> torch.Tensor:
         """The adapted documents E (n, d) float32; ``gamma`` defaults to ``fitted_gamma``."""
-        gamma = self.fitted_gamma if gamma is None else gamma
-        return nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings),
-                           self.doc_sums, gamma)
+        return self._adapt(self.doc_embeddings, self.doc_sums, gamma)
 
-    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor, gamma: float | None = None
+               ) -> torch.Tensor:
         # new pairs keep fitted_gamma (a refit at that gamma); new documents enter as Π(p_j)
-        return nudge.nudge(self.params.variant, normalize_rows(p), sums, self.fitted_gamma)
+        moved = nudge.nudge_m if self.params.variant == "M" else nudge.nudge_n
+        return moved(normalize_rows(p), sums, self.fitted_gamma if gamma is None else gamma)
 
     def _restore(self) -> None:
         g = self.fitted_gamma
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
-                or g < 0:
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < math.inf:
             raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got "
                               f"{g!r}")
 
