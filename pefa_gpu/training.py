@@ -2,10 +2,6 @@
 
     negs = pg.mine_negatives(xs, q, positives, n=7)      # (B, 7) int64, no graph kept
     logits = xs.score(q, torch.cat([pos[:, None], negs], 1)) / tau   # (B, 8), differentiable
-
-``score`` differentiates <q, p_j> (ERM), <q, e_j> (PEFA-XS, NUDGE) and, for PEFA-XL,
-lam <q, p_j> + (1 - lam) f_knn with the neighbours chosen without gradient and their weights
-w(<q, q_i>) carrying it; id -1 (padding) scores -inf.
 """
 
 from __future__ import annotations
@@ -54,15 +50,6 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
     """A (B x n) Relevance / scipy matrix, a list of id lists or a (B, P) -1 padded int array
     -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs): InputError."""
-    out = _positive_ids(positives, batch, device)
-    if n_docs is not None and out.numel() and (int(out.min()) < -1 or int(out.max()) >= n_docs):
-        bad = out[(out < -1) | (out >= n_docs)][:5].tolist()
-        raise InputError(f"positives hold document ids out of range [0, {n_docs}) (-1 is "
-                         f"padding): {bad}")
-    return out
-
-
-def _positive_ids(positives: ArrayLike, batch: int, device: torch.device) -> torch.Tensor:
     if isinstance(positives, Relevance) or sp.issparse(positives):
         csr = as_relevance(positives, name="positives", allow_empty=True).csr
         rows = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
@@ -70,22 +57,27 @@ def _positive_ids(positives: ArrayLike, batch: int, device: torch.device) -> tor
             isinstance(r, (list, tuple, np.ndarray)) for r in positives):
         rows = [np.asarray(r, dtype=np.int64).ravel() for r in positives]
     else:
-        t = as_tensor(positives, device=device, name="positives")
-        if t.ndim == 1:
-            t = t.unsqueeze(1)
-        if t.ndim != 2 or t.shape[0] != batch or t.is_floating_point():
-            raise InputError(f"positives must be an integer (B={batch}, P) array with -1 "
-                             f"padding, got {t.dtype} shape {tuple(t.shape)}")
-        if t.shape[1] == 0:
-            t = torch.full((batch, 1), -1, dtype=torch.long, device=device)
-        return t.long()
-    if len(rows) != batch:
-        raise InputError(f"positives has {len(rows)} rows but there are {batch} queries")
-    width = max([r.size for r in rows] + [1])
-    out = np.full((batch, width), -1, dtype=np.int64)
-    for r, cols in enumerate(rows):
-        out[r, :cols.size] = cols
-    return as_tensor(out, device=device, name="positives")
+        rows = None
+    if rows is not None:  # ragged rows -> a -1 padded array
+        if len(rows) != batch:
+            raise InputError(f"positives has {len(rows)} rows but there are {batch} queries")
+        positives = np.full((batch, max([r.size for r in rows] + [1])), -1, dtype=np.int64)
+        for r, cols in enumerate(rows):
+            positives[r, :cols.size] = cols
+    out = as_tensor(positives, device=device, name="positives")
+    if out.ndim == 1:
+        out = out.unsqueeze(1)
+    if out.ndim != 2 or out.shape[0] != batch or out.is_floating_point():
+        raise InputError(f"positives must be an integer (B={batch}, P) array with -1 "
+                         f"padding, got {out.dtype} shape {tuple(out.shape)}")
+    if out.shape[1] == 0:
+        out = torch.full((batch, 1), -1, dtype=torch.long, device=device)
+    out = out.long()
+    if n_docs is not None and out.numel() and (int(out.min()) < -1 or int(out.max()) >= n_docs):
+        bad = out[(out < -1) | (out >= n_docs)][:5].tolist()
+        raise InputError(f"positives hold document ids out of range [0, {n_docs}) (-1 is "
+                         f"padding): {bad}")
+    return out
 
 
 def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: int = 8,
