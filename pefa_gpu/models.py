@@ -90,8 +90,7 @@ class _Model:
         self._index_search_class = probe.SearchParams
         self.search_params = search_params
         self.index_search_params = index_search_params
-        self.dim = 0
-        self.n_docs = 0
+        self.dim = self.n_docs = 0
 
     def __getattr__(self, name: str) -> Any:
         for holder in ("params", "_search_params"):
@@ -432,8 +431,7 @@ class NUDGE(_AdaptedDocuments):
         if gamma is None:
             gamma = nudge.choose_gamma(self.params.variant, normalize_rows(p), g_fit, q_val,
                                        y_val, self.params.val_k)
-        self.fitted_gamma = float(gamma)
-        self.doc_sums = sums
+        self.fitted_gamma, self.doc_sums = float(gamma), sums
         return self._fitted(p, self._adapt(p, sums))
 
     def nudge_embeddings(self, gamma: float | None = None) -> torch.Tensor:
