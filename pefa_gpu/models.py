@@ -43,14 +43,12 @@ def _accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> to
     yc.sort_indices()
     counts = np.diff(yc.indptr)
     touched = np.flatnonzero(counts)
-    if touched.size == 0:
-        return as_tensor(np.empty(0, dtype=np.int64), device=sums.device)
     col = np.repeat(np.arange(yc.shape[1]), counts)
     rank = np.arange(yc.nnz) - yc.indptr[col]       # the t-th pair of its document
     order = np.argsort(rank, kind="stable")
     bounds = np.searchsorted(rank[order], np.arange(int(counts.max()) + 1))
-    rows = as_tensor(yc.indices[order].astype(np.int64), device=sums.device)
-    docs = as_tensor(col[order].astype(np.int64), device=sums.device)
+    rows, docs = (as_tensor(a[order].astype(np.int64), device=sums.device)
+                  for a in (yc.indices, col))
     vals = as_tensor(yc.data[order], device=sums.device, dtype=torch.float32)
     for t in range(len(bounds) - 1):               # one round per rank: documents distinct
         sl = slice(int(bounds[t]), int(bounds[t + 1]))
@@ -301,8 +299,7 @@ class _Model:
 
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
         """(rows or None, columns) of each saved array or index, checked on load."""
-        n, d = self.n_docs, self.dim
-        return {"index": (n, d), "doc_embeddings": (n, d)}
+        return {"index": (self.n_docs, self.dim), "doc_embeddings": (self.n_docs, self.dim)}
 
     def _restore(self) -> None:
         """Rebuild derived state after a load."""
@@ -322,14 +319,11 @@ class ERM(_Model):
 
 
 class _AdaptedDocuments(_Model):
-    """One index over rows ``_adapt(p_j, g_j)`` of the documents ``doc_embeddings`` and their
-    training-query sums ``doc_sums`` (g_j = sum_i Y[i, j] q_i): PEFA-XS and NUDGE."""
+    """One index over rows ``_adapt(p, g)`` ((r, d) documents and sums -> (r, d) float32) of
+    ``doc_embeddings`` and their training-query sums ``doc_sums`` (g_j = sum_i Y[i, j] q_i):
+    PEFA-XS and NUDGE."""
 
     _saved = _Model._saved + ("doc_embeddings", "doc_sums")
-
-    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-        """(r, d) documents and their sums -> (r, d) float32 index rows."""
-        raise NotImplementedError
 
     def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Index rows of valid ``ids`` (any shape) -> (*ids.shape, d) float32."""

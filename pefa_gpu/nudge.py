@@ -72,10 +72,9 @@ def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
         t = (q[b] @ g_hat.T)[rows]                  # (pairs, n) <q, ĝ_j>
         ds, dt = s - s.gather(1, cols), t - t.gather(1, cols)
         # x wins iff ds_j + γ dt_j <= 0 for every j
-        ratio = -ds / torch.where(dt == 0, torch.ones_like(dt), dt)
-        inf = torch.tensor(float("inf"), device=d.device)
-        lo = torch.where(dt < 0, ratio, -inf).amax(1).clamp_min(0.0)
-        hi = torch.where(dt > 0, ratio, inf).amin(1)
+        ratio = -ds / torch.where(dt == 0, 1.0, dt)
+        lo = torch.where(dt < 0, ratio, float("-inf")).amax(1).clamp_min(0.0)
+        hi = torch.where(dt > 0, ratio, float("inf")).amin(1)
         ok = ~((dt == 0) & (ds > 0)).any(1) & (lo <= hi)
         lows.append(lo[ok].cpu().double().numpy())
         highs.append(hi[ok].cpu().double().numpy())
