@@ -23,21 +23,21 @@ def check_default(x: ArrayLike, check: bool | None) -> bool:
     return not (isinstance(x, torch.Tensor) and x.is_cuda)
 
 
-def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool
-           ) -> torch.Tensor:
+def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool,
+           name: str = "ids") -> torch.Tensor:
     """Ids as a (B, K) int64 tensor on ``device`` ((B,): one column); with ``check``, ids
-    outside [-1, n_docs) are an InputError."""
-    i = as_tensor(ids, device=device, name="ids")
+    outside [-1, n_docs) are an InputError naming ``name``."""
+    i = as_tensor(ids, device=device, name=name)
     if i.ndim == 1:
         i = i.unsqueeze(1)
-    if i.ndim != 2 or i.shape[0] != batch:
-        raise InputError(f"ids must have shape (B={batch}, K), got {tuple(i.shape)}")
-    if i.is_floating_point():
-        raise InputError(f"ids must be integers, got dtype {i.dtype}")
+    if i.ndim != 2 or i.shape[0] != batch or i.is_floating_point():
+        raise InputError(f"{name} must be integers of shape (B={batch}, K), -1 padded, got "
+                         f"{i.dtype} shape {tuple(i.shape)}")
     i = i.long()
     if check and i.numel() and (int(i.min()) < -1 or int(i.max()) >= n_docs):
         bad = i[(i < -1) | (i >= n_docs)][:5].tolist()
-        raise InputError(f"ids out of range [-1, {n_docs}): {bad}")
+        raise InputError(f"{name} hold document ids out of range [0, {n_docs}) (-1 is "
+                         f"padding): {bad}")
     return i
 
 
@@ -64,20 +64,8 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
         positives = np.full((batch, max([r.size for r in rows] + [1])), -1, dtype=np.int64)
         for r, cols in enumerate(rows):
             positives[r, :cols.size] = cols
-    out = as_tensor(positives, device=device, name="positives")
-    if out.ndim == 1:
-        out = out.unsqueeze(1)
-    if out.ndim != 2 or out.shape[0] != batch or out.is_floating_point():
-        raise InputError(f"positives must be an integer (B={batch}, P) array with -1 "
-                         f"padding, got {out.dtype} shape {tuple(out.shape)}")
-    if out.shape[1] == 0:
-        out = torch.full((batch, 1), -1, dtype=torch.long, device=device)
-    out = out.long()
-    if n_docs is not None and out.numel() and (int(out.min()) < -1 or int(out.max()) >= n_docs):
-        bad = out[(out < -1) | (out >= n_docs)][:5].tolist()
-        raise InputError(f"positives hold document ids out of range [0, {n_docs}) (-1 is "
-                         f"padding): {bad}")
-    return out
+    out = as_ids(positives, batch, n_docs or 0, device, n_docs is not None, "positives")
+    return out if out.shape[1] else torch.full((batch, 1), -1, dtype=torch.long, device=device)
 
 
 def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: int = 8,
