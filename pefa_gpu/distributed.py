@@ -53,14 +53,13 @@ def connect(address: str = "local", workers: int | None = None,
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
     if workers is not None:
         check_positive_int(workers, "workers")
-    started = False
-    if not ray.is_initialized():  # workers' output and INFO lines stay in Ray's log files
+    started = not ray.is_initialized()
+    if started:  # workers' output and INFO lines stay in Ray's log files
         init_kwargs = {"log_to_driver": False, "logging_level": logging.WARNING, **init_kwargs}
         if address == "local":
             ray.init(num_cpus=workers, include_dashboard=False, **init_kwargs)
         else:
             ray.init(address=address, **init_kwargs)
-        started = True
     try:
         yield RayRunner(workers)
     finally:

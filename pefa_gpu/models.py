@@ -332,13 +332,12 @@ class _AdaptedDocuments(_Model):
         return e.reshape(*ids.shape, -1)
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        n0 = self.doc_embeddings.shape[0]
         sums = torch.zeros(p.shape[0], p.shape[1], device=p.device)
         if getattr(self.params, "augment_docs", False):  # PEFA-XS: 0 + p, as fit gives
             sums = sums + p.float()
         self.doc_embeddings = torch.cat([self.doc_embeddings, p])
         self.doc_sums = torch.cat([self.doc_sums, sums])
-        self.index.add(self._adapted_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+        self.index.add(self._adapt(p, sums))
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return training.inner(q, self._adapted_rows(ids))
@@ -441,8 +440,7 @@ class NUDGE(_AdaptedDocuments):
     def _restore(self) -> None:
         g = self.fitted_gamma
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < math.inf:
-            raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got "
-                              f"{g!r}")
+            raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got {g!r}")
 
 
 class PEFAXL(_Model):

@@ -84,8 +84,7 @@ def check_choice(value: Any, name: str, choices: tuple) -> None:
 def check_nonnegative(value: Any, name: str, zero: str = "") -> None:
     """An int >= 0; ``zero`` says what 0 means, for the error message."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, "
-                         f"got {value!r}")
+        raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, got {value!r}")
 
 
 # The models' own settings (pefa_gpu.models): here, so that the CLI reads their defaults
@@ -182,8 +181,7 @@ class NUDGESearchParams(Params):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XLSearchParams(Params):
-    """PEFA-XL's own search settings. candidates: ERM candidates Kp taken from the passage
-    index."""
+    """PEFA-XL's own search settings. candidates: ERM candidates Kp from the passage index."""
 
     candidates: int = dataclasses.field(default=500, metadata={
         "help": "PEFA-XL: ERM candidates taken from the passage index", "metavar": "KP"})

@@ -71,9 +71,8 @@ def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.
     """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| (NaN: no relevant document)
     for ids (B, K) int64, -1 padded (a repeat counts once), Y (B x n) (> 0: relevant)."""
     gains, n_rel, _ = _gains(ids, Y)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)
-                   for k in ks) / len(ks)
+    return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)
+               for k in ks) / len(ks)
 
 
 def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = METHODS,
@@ -90,12 +89,11 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     rel = as_relevance(Y, shape=(q_all.shape[0], None))
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
-    coverage = None
+    coverage, chosen = None, Config("erm", 1.0, None)
     if test_queries is not None:
         y_fit, coverage = match_coverage(P, q_all[val_rows], y_fit, y_val, rel, test_queries,
                                          seed, dev, sweep_kwargs.get("backend", "exact"))
         if y_fit.nnz == 0:
-            chosen = Config("erm", 1.0, None)
             reason = ("the training pairs do not reach the documents the test queries look "
                       "for, so ERM (λ = 1) is kept")
             return TuneResult(chosen, metric, SweepResult([], {}), float("nan"), chosen,
@@ -123,7 +121,6 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     up, down = int((diff > 0).sum()), int((diff < 0).sum())
     p_sign = float(stats.binomtest(up, up + down, alternative="greater").pvalue) \
         if up + down else 1.0
-    chosen = Config("erm", 1.0, None)
     if best.method == "erm" or gain <= 0:
         reason = (f"no configuration beats ERM on validation ({metric} {erm_obj:.4f}); the "
                   f"training signal does not help here, so ERM (λ = 1) is kept")
