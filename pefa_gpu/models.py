@@ -190,8 +190,7 @@ class _Model:
         index_sp = self._typed(self._index_search_class, index_params, "search index_params")
         check = training.check_default(queries, check)
         self.check_fitted()
-        budget = getattr(self.index.params, "memory_budget", None) or DEFAULT_MEMORY_BUDGET
-        rows = max(1, budget // self._query_bytes(topk, model_sp))
+        rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
         if isinstance(queries, (np.ndarray, torch.Tensor)) and queries.ndim == 2 \
                 and queries.shape[0] > rows:  # query blocks: conversion, checks, fusion
             b = queries.shape[0]
@@ -208,6 +207,10 @@ class _Model:
             return (torch.full((0, topk), float("-inf"), device=self.device),
                     torch.full((0, topk), -1, dtype=torch.long, device=self.device))
         return self._search(q, topk, model_sp, index_sp, checked=check)
+
+    def _memory_budget(self) -> int:
+        """Bytes a search may hold: the index's ``memory_budget``, else the exact default."""
+        return getattr(self.index.params, "memory_budget", None) or DEFAULT_MEMORY_BUDGET
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
         """Working bytes per query besides the index's: its copy and the NaN check's."""
@@ -283,11 +286,13 @@ class _Model:
         return training.inner(q, self.doc_embeddings[ids])
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        """Take (r, d) new documents; the caller then sets n_docs. Documents an exact index
-        holds in their own memory stay one tensor (saved once)."""
-        shared = persist._vectors_of(self.index, self.doc_embeddings)
+        """Take (r, d) new documents; the caller then sets n_docs. Documents an index holds in
+        their own memory stay one tensor (saved once)."""
+        v, d = getattr(self.index, "vectors", None), self.doc_embeddings
+        shared = v is not None and v.data_ptr() == d.data_ptr() and v.shape == d.shape \
+            and v.dtype == d.dtype
         self.index.add(p)
-        self.doc_embeddings = self.index.vectors if shared else torch.cat([self.doc_embeddings, p])
+        self.doc_embeddings = self.index.vectors if shared else torch.cat([d, p])
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
         raise InputError(f"add_pairs() needs a PEFAXS, PEFAXL or NUDGE model, got "
