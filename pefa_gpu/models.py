@@ -324,9 +324,8 @@ class ERM(_Model):
 
 
 class _AdaptedDocuments(_Model):
-    """One index over rows ``_adapt(p, g)`` ((r, d) documents and sums -> (r, d) float32) of
-    ``doc_embeddings`` and their training-query sums ``doc_sums`` (g_j = sum_i Y[i, j] q_i):
-    PEFA-XS and NUDGE."""
+    """One index over float32 rows ``_adapt(p, g)`` (r, d) of the documents ``doc_embeddings``
+    and their training-query sums ``doc_sums`` (g_j = sum_i Y[i, j] q_i): PEFA-XS and NUDGE."""
 
     _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
