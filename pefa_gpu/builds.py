@@ -1,10 +1,8 @@
 """The folder ``pefa-gpu build`` writes and ``pefa-gpu search`` reads: a storage save whose
 manifest ``pefa_build.json`` (dataset, method, λ, k, encoder record) lists ``model/`` (a model
 save), ``doc_ids.json`` ({"doc_ids": [...]}) and ``doc_text.json`` ({"titles", "snippets"}).
-
 The encoder record ``{"kind", "name"}``: kind ``default``, ``hub``, ``folder``, ``callable``
-(``module:function``) or ``precomputed``. Search takes only the default model or a hub name
-from it, never code or a folder (give those again with ``--model``).
+or ``precomputed``; search takes only the default model or a hub name from it.
 """
 
 from __future__ import annotations
@@ -84,10 +82,9 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
     from .persist import load_model
 
     root = Path(path)
-    marker = root / BUILD_MANIFEST
     if not root.exists():
         raise InputError(f"{root} does not exist (give the folder `pefa-gpu build --out` wrote)")
-    if not marker.is_file():
+    if not (root / BUILD_MANIFEST).is_file():
         raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
                           f"the build is incomplete or this is another kind of folder)")
     save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)

@@ -4,12 +4,10 @@
     with distributed.connect("local", workers=2) as runner:     # or "auto", "ray://head:10001"
         scores, ids = pp.search(build, queries, runner=runner)  # every stage takes runner=
 
-The tasks are the pipeline's own functions (a cluster run equals a one-process run); this
-module places them: encoders on a Ray Data actor pool (one per GPU, else per worker), map /
-reduce tasks through the object store (``num_returns``), search actors per block of shards
-(kept between searches without GPUs). Dead tasks are retried and dead actors restarted
-(``max_retries``); tasks are functions of their shards and writes are atomic, so a retry
-gives the same result. Paths must be on storage every node sees. Ray is imported on use.
+The tasks are the pipeline's own functions, placed here: encoders on a Ray Data actor pool,
+map / reduce tasks through the object store, search actors per block of shards. Failed tasks
+and actors are retried (``max_retries``; writes are atomic). Paths must be on storage every
+node sees. Ray is imported on use.
 """
 
 from __future__ import annotations
@@ -55,16 +53,13 @@ def connect(address: str = "local", workers: int | None = None,
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
     if workers is not None:
         check_positive_int(workers, "workers")
-    started = False
-    if not ray.is_initialized():
-        # the workers' output and Ray's INFO lines stay in Ray's log files (pass
-        # log_to_driver=True, logging_level=logging.INFO to see them)
+    started = not ray.is_initialized()
+    if started:  # workers' output and INFO lines stay in Ray's log files
         init_kwargs = {"log_to_driver": False, "logging_level": logging.WARNING, **init_kwargs}
         if address == "local":
             ray.init(num_cpus=workers, include_dashboard=False, **init_kwargs)
         else:
             ray.init(address=address, **init_kwargs)
-        started = True
     try:
         yield RayRunner(workers)
     finally:
@@ -92,8 +87,7 @@ class RayRunner:
 
     def map(self, fn: Callable, calls: Sequence[tuple], gpu: bool = False) -> list:
         """[fn(*args) for args in calls] as Ray tasks."""
-        task = self._task(fn, gpu)
-        return _ray().get([task.remote(*args) for args in calls])
+        return _ray().get([self._task(fn, gpu).remote(*args) for args in calls])
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
@@ -158,9 +152,8 @@ class RayRunner:
 
     def close(self) -> None:
         """Stop the search actors kept between searches."""
-        ray = _ray()
         for a in _KEPT.pop(_session(), []):
-            ray.kill(a)
+            _ray().kill(a)
 
 
 def _map_parts(fn: Callable, n: int, *args: Any):

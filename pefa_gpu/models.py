@@ -2,10 +2,6 @@
 
     model = pg.PEFAXS(lam=0.5, backend="exact", device=None).fit(P, Q, Y)
     scores, ids = model.search(queries, topk=100)   # (B, topk) float32 / int64, -1 padded
-
-Tensors live on ``device`` (default: CUDA when available). Build settings (``Params``, the
-backend's ``index_params``) are fixed by ``fit``; search settings are typed per call:
-``search(q, k, params=XLSearchParams(...), index_params=HNSWSearchParams(...))``.
 """
 
 from __future__ import annotations
@@ -47,14 +43,12 @@ def _accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> to
     yc.sort_indices()
     counts = np.diff(yc.indptr)
     touched = np.flatnonzero(counts)
-    if touched.size == 0:
-        return as_tensor(np.empty(0, dtype=np.int64), device=sums.device)
     col = np.repeat(np.arange(yc.shape[1]), counts)
     rank = np.arange(yc.nnz) - yc.indptr[col]       # the t-th pair of its document
     order = np.argsort(rank, kind="stable")
     bounds = np.searchsorted(rank[order], np.arange(int(counts.max()) + 1))
-    rows = as_tensor(yc.indices[order].astype(np.int64), device=sums.device)
-    docs = as_tensor(col[order].astype(np.int64), device=sums.device)
+    rows, docs = (as_tensor(a[order].astype(np.int64), device=sums.device)
+                  for a in (yc.indices, col))
     vals = as_tensor(yc.data[order], device=sums.device, dtype=torch.float32)
     for t in range(len(bounds) - 1):               # one round per rank: documents distinct
         sl = slice(int(bounds[t]), int(bounds[t + 1]))
@@ -94,8 +88,7 @@ class _Model:
         self._index_search_class = probe.SearchParams
         self.search_params = search_params
         self.index_search_params = index_search_params
-        self.dim = 0
-        self.n_docs = 0
+        self.dim = self.n_docs = 0
 
     def __getattr__(self, name: str) -> Any:
         for holder in ("params", "_search_params"):
@@ -128,8 +121,7 @@ class _Model:
     @doc_embeddings.setter
     def doc_embeddings(self, value: torch.Tensor) -> None:
         self._doc_embeddings = value
-        # a numpy view (never a copy) for PEFA-XL's CPU fusion
-        view = value.device.type == "cpu" and value.dtype == torch.float32
+        view = value.device.type == "cpu" and value.dtype == torch.float32  # for CPU fusion
         self._host_docs = value.detach().numpy() if view else None
 
     @property
@@ -168,10 +160,8 @@ class _Model:
     def as_queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """Queries as searched: (B, d) float32 on the device, detached."""
         self.check_fitted()
-        check = training.check_default(queries, check)
-        q = as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
-                          check_finite=check)
-        return q.detach()
+        return as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
+                             check_finite=training.check_default(queries, check)).detach()
 
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
                     Y: RelevanceLike | None = None, copy_queries: bool = True):
@@ -186,8 +176,7 @@ class _Model:
                 and Q.ndim == 2 and Q.shape[1] == p.shape[1]:
             return p, Q, as_relevance(Y, shape=(Q.shape[0], p.shape[0]))
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], copy=copy_queries).detach()
-        rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
-        return p, q, rel
+        return p, q, as_relevance(Y, shape=(q.shape[0], p.shape[0]))
 
     def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
                params: Params | None = None, index_params: Params | None = None
@@ -244,9 +233,7 @@ class _Model:
         i = training.as_ids(ids, q.shape[0], self.n_docs, self.device, chk)
         if q.shape[0] == 0:
             return torch.empty(i.shape, dtype=q.dtype, device=q.device)
-        out = self._score(q, i.clamp_min(0))
-        return torch.where(i >= 0, out, torch.full((), float("-inf"), dtype=out.dtype,
-                                                     device=out.device))
+        return self._score(q, i.clamp_min(0)).masked_fill(i < 0, float("-inf"))
 
     def _fitted(self: M, p: torch.Tensor, rows: torch.Tensor) -> M:
         """Take documents p (n, d) and index ``rows`` (n, d); returns the fitted model."""
@@ -299,9 +286,13 @@ class _Model:
         return training.inner(q, self.doc_embeddings[ids])
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        """Take (r, d) new documents; the caller then sets n_docs."""
-        self.doc_embeddings = torch.cat([self.doc_embeddings, p])
+        """Take (r, d) new documents; the caller then sets n_docs. Documents an index holds in
+        their own memory stay one tensor (saved once)."""
+        v, d = getattr(self.index, "vectors", None), self.doc_embeddings
+        shared = v is not None and v.data_ptr() == d.data_ptr() and v.shape == d.shape \
+            and v.dtype == d.dtype
         self.index.add(p)
+        self.doc_embeddings = self.index.vectors if shared else torch.cat([d, p])
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
         raise InputError(f"add_pairs() needs a PEFAXS, PEFAXL or NUDGE model, got "
@@ -313,8 +304,7 @@ class _Model:
 
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]:
         """(rows or None, columns) of each saved array or index, checked on load."""
-        n, d = self.n_docs, self.dim
-        return {"index": (n, d), "doc_embeddings": (n, d)}
+        return {"index": (self.n_docs, self.dim), "doc_embeddings": (self.n_docs, self.dim)}
 
     def _restore(self) -> None:
         """Rebuild derived state after a load."""
@@ -334,14 +324,10 @@ class ERM(_Model):
 
 
 class _AdaptedDocuments(_Model):
-    """One index over rows ``_adapt(p_j, g_j)`` of the documents ``doc_embeddings`` and their
-    training-query sums ``doc_sums`` (g_j = sum_i Y[i, j] q_i): PEFA-XS and NUDGE."""
+    """One index over float32 rows ``_adapt(p, g)`` (r, d) of the documents ``doc_embeddings``
+    and their training-query sums ``doc_sums`` (g_j = sum_i Y[i, j] q_i): PEFA-XS and NUDGE."""
 
     _saved = _Model._saved + ("doc_embeddings", "doc_sums")
-
-    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
-        """(r, d) documents and their sums -> (r, d) float32 index rows."""
-        raise NotImplementedError
 
     def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Index rows of valid ``ids`` (any shape) -> (*ids.shape, d) float32."""
@@ -350,13 +336,12 @@ class _AdaptedDocuments(_Model):
         return e.reshape(*ids.shape, -1)
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        n0 = self.doc_embeddings.shape[0]
         sums = torch.zeros(p.shape[0], p.shape[1], device=p.device)
         if getattr(self.params, "augment_docs", False):  # PEFA-XS: 0 + p, as fit gives
             sums = sums + p.float()
         self.doc_embeddings = torch.cat([self.doc_embeddings, p])
         self.doc_sums = torch.cat([self.doc_sums, sums])
-        self.index.add(self._adapted_rows(torch.arange(n0, n0 + p.shape[0], device=p.device)))
+        self.index.add(self._adapt(p, sums))
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return training.inner(q, self._adapted_rows(ids))
@@ -443,26 +428,23 @@ class NUDGE(_AdaptedDocuments):
         if gamma is None:
             gamma = nudge.choose_gamma(self.params.variant, normalize_rows(p), g_fit, q_val,
                                        y_val, self.params.val_k)
-        self.fitted_gamma = float(gamma)
-        self.doc_sums = sums
+        self.fitted_gamma, self.doc_sums = float(gamma), sums
         return self._fitted(p, self._adapt(p, sums))
 
     def nudge_embeddings(self, gamma: float | None = None) -> torch.Tensor:
         """The adapted documents E (n, d) float32; ``gamma`` defaults to ``fitted_gamma``."""
-        gamma = self.fitted_gamma if gamma is None else gamma
-        return nudge.nudge(self.params.variant, normalize_rows(self.doc_embeddings),
-                           self.doc_sums, gamma)
+        return self._adapt(self.doc_embeddings, self.doc_sums, gamma)
 
-    def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:
+    def _adapt(self, p: torch.Tensor, sums: torch.Tensor, gamma: float | None = None
+               ) -> torch.Tensor:
         # new pairs keep fitted_gamma (a refit at that gamma); new documents enter as Π(p_j)
-        return nudge.nudge(self.params.variant, normalize_rows(p), sums, self.fitted_gamma)
+        moved = nudge.nudge_m if self.params.variant == "M" else nudge.nudge_n
+        return moved(normalize_rows(p), sums, self.fitted_gamma if gamma is None else gamma)
 
     def _restore(self) -> None:
         g = self.fitted_gamma
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not math.isfinite(g) \
-                or g < 0:
-            raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got "
-                              f"{g!r}")
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < math.inf:
+            raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got {g!r}")
 
 
 class PEFAXL(_Model):

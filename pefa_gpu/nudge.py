@@ -23,8 +23,6 @@ import scipy.sparse as sp
 import torch
 
 from .aggregate import normalize_rows
-from .errors import InputError
-from .params import NUDGE_VARIANTS
 
 N_GAMMAS: tuple[float, ...] = tuple(0.02 * x for x in range(25))  # NUDGE-N's γ grid
 BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
@@ -50,13 +48,6 @@ def nudge_n(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
     return torch.where(reach, g_hat, torch.where(stay, d, moved))
 
 
-def nudge(variant: str, d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
-    """:func:`nudge_m` or :func:`nudge_n` by ``variant`` ('M' or 'N')."""
-    if variant not in NUDGE_VARIANTS:
-        raise InputError(f"variant must be one of {list(NUDGE_VARIANTS)}, got {variant!r}")
-    return (nudge_m if variant == "M" else nudge_n)(d, g, gamma)
-
-
 def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Tensor,
                  y_val: sp.csr_matrix, val_k: int = 1) -> float:
     """γ chosen on validation queries q_val (v, D) with relevance y_val (v x n), for documents
@@ -67,16 +58,11 @@ def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Te
     return _choose_gamma_n(d.float(), g.float(), q_val.float(), y, val_k)
 
 
-def _query_batches(n_queries: int, n_docs: int):
-    step = max(1, BLOCK_CELLS // max(n_docs, 1))
-    for s in range(0, n_queries, step):
-        yield slice(s, min(s + step, n_queries))
-
-
 def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
                     y: sp.csr_matrix) -> float:
-    lows, highs = [], []
-    for b in _query_batches(q.shape[0], d.shape[0]):
+    lows, highs, step = [], [], max(1, BLOCK_CELLS // d.shape[0])
+    for s in range(0, q.shape[0], step):
+        b = slice(s, s + step)
         yb = y[b].tocoo()
         if not yb.nnz:
             continue
@@ -86,15 +72,13 @@ def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
         t = (q[b] @ g_hat.T)[rows]                  # (pairs, n) <q, ĝ_j>
         ds, dt = s - s.gather(1, cols), t - t.gather(1, cols)
         # x wins iff ds_j + γ dt_j <= 0 for every j
-        ratio = -ds / torch.where(dt == 0, torch.ones_like(dt), dt)
-        inf = torch.tensor(float("inf"), device=d.device)
-        lo = torch.where(dt < 0, ratio, -inf).amax(1).clamp_min(0.0)
-        hi = torch.where(dt > 0, ratio, inf).amin(1)
+        ratio = -ds / torch.where(dt == 0, 1.0, dt)
+        lo = torch.where(dt < 0, ratio, float("-inf")).amax(1).clamp_min(0.0)
+        hi = torch.where(dt > 0, ratio, float("inf")).amin(1)
         ok = ~((dt == 0) & (ds > 0)).any(1) & (lo <= hi)
         lows.append(lo[ok].cpu().double().numpy())
         highs.append(hi[ok].cpu().double().numpy())
-    lo = np.sort(np.concatenate(lows)) if lows else np.empty(0)
-    hi = np.sort(np.concatenate(highs)) if highs else np.empty(0)
+    lo, hi = (np.sort(np.concatenate([*x, np.empty(0)])) for x in (lows, highs))
     if not lo.size:
         return 0.0
     cover = np.searchsorted(lo, lo, "right") - np.searchsorted(hi, lo, "left")
@@ -110,11 +94,12 @@ def _choose_gamma_n(d: torch.Tensor, g: torch.Tensor, q: torch.Tensor, y: sp.csr
     q, y = q[torch.as_tensor(keep, device=q.device)], y[keep]
     k = min(val_k, d.shape[0])
     denom = torch.as_tensor(np.minimum(n_rel[keep], val_k), dtype=torch.float64)
-    best, best_acc = 0.0, -1.0
+    best, best_acc, step = 0.0, -1.0, max(1, BLOCK_CELLS // d.shape[0])
     for gamma in N_GAMMAS:
         e = nudge_n(d, g, gamma)
         hits = []
-        for b in _query_batches(q.shape[0], d.shape[0]):
+        for s in range(0, q.shape[0], step):
+            b = slice(s, s + step)
             top = torch.topk(q[b] @ e.T, k, dim=1).indices.cpu().numpy()
             rows = np.repeat(np.arange(top.shape[0]), k)
             hits.append(np.asarray(y[b][rows, top.ravel()]).reshape(top.shape).sum(1))

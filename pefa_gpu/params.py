@@ -84,8 +84,7 @@ def check_choice(value: Any, name: str, choices: tuple) -> None:
 def check_nonnegative(value: Any, name: str, zero: str = "") -> None:
     """An int >= 0; ``zero`` says what 0 means, for the error message."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, "
-                         f"got {value!r}")
+        raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, got {value!r}")
 
 
 # The models' own settings (pefa_gpu.models): here, so that the CLI reads their defaults
@@ -118,8 +117,7 @@ class XSParams(Params):
 class XLParams(Params):
     """lam: weight of the ERM score. k: training-query neighbours. knn_norm: 'k' weighs a
     neighbour by s/k, 'none' by s. rescore: exact <q, p_j> for every candidate (else 0 outside
-    the ERM candidates). augment_docs: documents join the query index as queries labelled with
-    themselves."""
+    the ERM candidates). augment_docs: documents also join as queries labelled with themselves."""
 
     lam: float = dataclasses.field(
         default=0.1, metadata={"help": "λ in [0, 1], weight of the ERM score", "metavar": "L"})
@@ -140,11 +138,9 @@ class XLParams(Params):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NUDGEParams(Params):
-    """variant: 'M' (each document moves by gamma along the normalised sum of its training
-    queries) or 'N' (the same on the unit sphere, ||move||^2 <= gamma); see pefa_gpu.nudge.
-    gamma: the step; None chooses it on validation queries: fit's Q_val / Y_val, else a seeded
-    ``val_fraction`` of the training queries (``seed``) held out. val_k: NUDGE-N chooses gamma
-    by validation accuracy in the top val_k (nudge-ft's default 1)."""
+    """variant: 'M' or 'N' (pefa_gpu.nudge). gamma: the step, or None: chosen on fit's Q_val /
+    Y_val, else on a seeded (``seed``) ``val_fraction`` of the training queries held out.
+    val_k: NUDGE-N's validation top-k (nudge-ft's default 1)."""
 
     variant: str = "N"
     gamma: float | None = None
@@ -185,8 +181,7 @@ class NUDGESearchParams(Params):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class XLSearchParams(Params):
-    """PEFA-XL's own search settings. candidates: ERM candidates Kp taken from the passage
-    index."""
+    """PEFA-XL's own search settings. candidates: ERM candidates Kp from the passage index."""
 
     candidates: int = dataclasses.field(default=500, metadata={
         "help": "PEFA-XL: ERM candidates taken from the passage index", "metavar": "KP"})

@@ -26,12 +26,8 @@ class Model(Protocol):
     dim: int
     n_docs: int
     index: Index
-
-    @property
-    def search_params(self) -> Params: ...
-
-    @property
-    def index_search_params(self) -> Params: ...
+    search_params: Params  # the model's SearchParams defaults
+    index_search_params: Params  # the backend's SearchParams defaults
 
     def check_fitted(self) -> None: ...
 

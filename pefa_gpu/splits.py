@@ -14,8 +14,7 @@ def split_queries(n_queries: int, val_fraction: float = 0.2, seed: int = 0
     if not 0.0 < val_fraction < 1.0:
         raise InputError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     if n_queries < 2:
-        raise InputError(f"a validation split needs at least 2 training queries, got "
-                         f"{n_queries}")
+        raise InputError(f"a validation split needs at least 2 training queries, got {n_queries}")
     n_val = min(max(1, int(round(val_fraction * n_queries))), n_queries - 1)
     perm = np.random.default_rng(seed).permutation(n_queries)
     return np.sort(perm[n_val:]).astype(np.int64), np.sort(perm[:n_val]).astype(np.int64)

@@ -2,10 +2,6 @@
 
     negs = pg.mine_negatives(xs, q, positives, n=7)      # (B, 7) int64, no graph kept
     logits = xs.score(q, torch.cat([pos[:, None], negs], 1)) / tau   # (B, 8), differentiable
-
-``score`` differentiates <q, p_j> (ERM), <q, e_j> (PEFA-XS, NUDGE) and, for PEFA-XL,
-lam <q, p_j> + (1 - lam) f_knn with the neighbours chosen without gradient and their weights
-w(<q, q_i>) carrying it; id -1 (padding) scores -inf.
 """
 
 from __future__ import annotations
@@ -27,21 +23,21 @@ def check_default(x: ArrayLike, check: bool | None) -> bool:
     return not (isinstance(x, torch.Tensor) and x.is_cuda)
 
 
-def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool
-           ) -> torch.Tensor:
+def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool,
+           name: str = "ids") -> torch.Tensor:
     """Ids as a (B, K) int64 tensor on ``device`` ((B,): one column); with ``check``, ids
-    outside [-1, n_docs) are an InputError."""
-    i = as_tensor(ids, device=device, name="ids")
+    outside [-1, n_docs) are an InputError naming ``name``."""
+    i = as_tensor(ids, device=device, name=name)
     if i.ndim == 1:
         i = i.unsqueeze(1)
-    if i.ndim != 2 or i.shape[0] != batch:
-        raise InputError(f"ids must have shape (B={batch}, K), got {tuple(i.shape)}")
-    if i.is_floating_point():
-        raise InputError(f"ids must be integers, got dtype {i.dtype}")
+    if i.ndim != 2 or i.shape[0] != batch or i.is_floating_point():
+        raise InputError(f"{name} must be integers of shape (B={batch}, K), -1 padded, got "
+                         f"{i.dtype} shape {tuple(i.shape)}")
     i = i.long()
     if check and i.numel() and (int(i.min()) < -1 or int(i.max()) >= n_docs):
         bad = i[(i < -1) | (i >= n_docs)][:5].tolist()
-        raise InputError(f"ids out of range [-1, {n_docs}): {bad}")
+        raise InputError(f"{name} hold document ids out of range [0, {n_docs}) (-1 is "
+                         f"padding): {bad}")
     return i
 
 
@@ -54,38 +50,21 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
     """A (B x n) Relevance / scipy matrix, a list of id lists or a (B, P) -1 padded int array
     -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs): InputError."""
-    out = _positive_ids(positives, batch, device)
-    if n_docs is not None and out.numel() and (int(out.min()) < -1 or int(out.max()) >= n_docs):
-        bad = out[(out < -1) | (out >= n_docs)][:5].tolist()
-        raise InputError(f"positives hold document ids out of range [0, {n_docs}) (-1 is "
-                         f"padding): {bad}")
-    return out
-
-
-def _positive_ids(positives: ArrayLike, batch: int, device: torch.device) -> torch.Tensor:
+    rows = None
     if isinstance(positives, Relevance) or sp.issparse(positives):
         csr = as_relevance(positives, name="positives", allow_empty=True).csr
         rows = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
     elif isinstance(positives, (list, tuple)) and all(
             isinstance(r, (list, tuple, np.ndarray)) for r in positives):
         rows = [np.asarray(r, dtype=np.int64).ravel() for r in positives]
-    else:
-        t = as_tensor(positives, device=device, name="positives")
-        if t.ndim == 1:
-            t = t.unsqueeze(1)
-        if t.ndim != 2 or t.shape[0] != batch or t.is_floating_point():
-            raise InputError(f"positives must be an integer (B={batch}, P) array with -1 "
-                             f"padding, got {t.dtype} shape {tuple(t.shape)}")
-        if t.shape[1] == 0:
-            t = torch.full((batch, 1), -1, dtype=torch.long, device=device)
-        return t.long()
-    if len(rows) != batch:
-        raise InputError(f"positives has {len(rows)} rows but there are {batch} queries")
-    width = max([r.size for r in rows] + [1])
-    out = np.full((batch, width), -1, dtype=np.int64)
-    for r, cols in enumerate(rows):
-        out[r, :cols.size] = cols
-    return as_tensor(out, device=device, name="positives")
+    if rows is not None:  # ragged rows -> a -1 padded array
+        if len(rows) != batch:
+            raise InputError(f"positives has {len(rows)} rows but there are {batch} queries")
+        positives = np.full((batch, max([r.size for r in rows] + [1])), -1, dtype=np.int64)
+        for r, cols in enumerate(rows):
+            positives[r, :cols.size] = cols
+    out = as_ids(positives, batch, n_docs or 0, device, n_docs is not None, "positives")
+    return out if out.shape[1] else torch.full((batch, 1), -1, dtype=torch.long, device=device)
 
 
 def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: int = 8,

@@ -3,16 +3,11 @@
     res = pg.tune(P, Q, Y)               # res.chosen: Config('xs', 0.3, None) or ERM's
     model = pg.fit_config(res.chosen, P, Q, Y)   # refit on every training pair
 
-Every configuration of the grid (all families by default) is fitted on a seeded part of the
-training queries and scored on the rest (``val_fraction``; one :func:`pefa_gpu.sweep`). The
-best by the mean of the recalls in ``metric`` is kept only when its per-query gain over ERM is
-positive and at least ``min_z`` standard errors, and a sign test of the queries it improves
-against those it worsens passes at the same level; else ERM (λ = 1).
-
-With ``test_queries`` (no labels), coverage is matched: the share of test queries whose plain
-top-1 document has a training pair estimates their coverage; where validation is better
-covered, the relevant documents of seeded validation queries leave the fitting pairs until
-it matches (validation would overrate PEFA otherwise).
+Each configuration is fitted on a seeded part of the training queries and scored on the rest
+(``val_fraction``). The best by the mean recall of ``metric`` is kept only when its gain over
+ERM is at least ``min_z`` standard errors and a sign test passes at that level; else ERM.
+With ``test_queries``, fitting pairs are dropped until the validation coverage matches the
+test queries' estimated one (the share whose plain top-1 document has a training pair).
 """
 
 from __future__ import annotations
@@ -76,9 +71,8 @@ def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.
     """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| (NaN: no relevant document)
     for ids (B, K) int64, -1 padded (a repeat counts once), Y (B x n) (> 0: relevant)."""
     gains, n_rel, _ = _gains(ids, Y)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)
-                   for k in ks) / len(ks)
+    return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)
+               for k in ks) / len(ks)
 
 
 def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = METHODS,
@@ -95,12 +89,11 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     rel = as_relevance(Y, shape=(q_all.shape[0], None))
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
-    coverage = None
+    coverage, chosen = None, Config("erm", 1.0, None)
     if test_queries is not None:
         y_fit, coverage = match_coverage(P, q_all[val_rows], y_fit, y_val, rel, test_queries,
                                          seed, dev, sweep_kwargs.get("backend", "exact"))
         if y_fit.nnz == 0:
-            chosen = Config("erm", 1.0, None)
             reason = ("the training pairs do not reach the documents the test queries look "
                       "for, so ERM (λ = 1) is kept")
             return TuneResult(chosen, metric, SweepResult([], {}), float("nan"), chosen,
@@ -110,16 +103,13 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
         methods, str) else methods) if m != "erm"]]))
     topk = max(*rec_ks, 100)
     rows, gains = [], {}
-    erm_vals: np.ndarray | None = None
     for cfg, _, ids in sweep_search(P, q_all[fit_rows], y_fit, q_all[val_rows], methods, lams,
                                     ks, topk=topk, device=dev, **sweep_kwargs):
-        per_q = per_query_recall(ids, y_val, rec_ks)
-        if cfg.method == "erm":
-            erm_vals = per_q
-        gains[cfg] = per_q
+        gains[cfg] = per_q = per_query_recall(ids, y_val, rec_ks)
         rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
                      **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
                      "objective": float(np.nanmean(per_q))})
+    erm_vals = next(v for c, v in gains.items() if c.method == "erm")
     ok = ~np.isnan(erm_vals)
     erm_obj = float(np.mean(erm_vals[ok]))
     # the best by objective; on ties the earlier in grid order (ERM first, then the methods)
@@ -132,11 +122,9 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     p_sign = float(stats.binomtest(up, up + down, alternative="greater").pvalue) \
         if up + down else 1.0
     if best.method == "erm" or gain <= 0:
-        chosen = Config("erm", 1.0, None)
         reason = (f"no configuration beats ERM on validation ({metric} {erm_obj:.4f}); the "
                   f"training signal does not help here, so ERM (λ = 1) is kept")
     elif gain < min_z * se or p_sign > stats.norm.sf(min_z):
-        chosen = Config("erm", 1.0, None)
         reason = (f"the best configuration, {best.label()}, gains only {gain:+.4f} ± {se:.4f} "
                   f"(s.e.) over ERM on validation ({metric}; {up} queries up, {down} down, sign "
                   f"test p = {p_sign:.3g}): not significant at {min_z:g} standard errors; ERM "

@@ -3,6 +3,8 @@ scratch on all the data (same arrays, same search results to the bit on the CPU)
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -276,3 +278,28 @@ def test_hnsw_backend_updates_rebuild_and_match_exact_refit(kind, opts):
     sr, ir = ref.search(T, 5)
     assert torch.equal(i, ir)
     np.testing.assert_allclose(s.numpy(), sr.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind,opts", [MODELS[0], MODELS[3]])
+def test_added_documents_are_saved_once(kind, opts, tmp_path):
+    """After add_documents the exact index and doc_embeddings stay one tensor: the save
+    writes P once (the index entry names doc_embeddings) and loads back equal."""
+    rng = np.random.default_rng(7)
+    data = Data(rng)
+    model = _make(kind, opts)
+    if kind == "erm":
+        model.fit(data.P)
+    else:
+        data.new_pairs(8, weighted=False)
+        model.fit(data.P, data.Q, data.Y)
+    new = unit_rows(rng, 4, D)
+    model.add_documents(new)
+    assert model.doc_embeddings.data_ptr() == model.index.vectors.data_ptr()
+    model.save(tmp_path / "m")
+    entry = json.loads((tmp_path / "m" / "manifest.json").read_text())["state"]["index"]
+    assert entry.get("vectors") == "doc_embeddings" and "dir" not in entry
+    loaded = pg.load(tmp_path / "m", device="cpu")
+    np.testing.assert_array_equal(loaded.doc_embeddings.numpy()[-4:], new)
+    q = unit_rows(rng, 5, D)
+    for a, b in zip(model.search(q, 6), loaded.search(q, 6)):
+        assert torch.equal(a, b)
