@@ -7,7 +7,7 @@ import abc
 import dataclasses
 import importlib
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -29,14 +29,19 @@ class IndexParams(Params):
                 check(getattr(self, f.name), f.name, *extra)
 
 
+def checked(default: Any, check: Callable[..., None], *extra: Any) -> Any:
+    """An :class:`IndexParams` field checked on construction by ``check(value, name, *extra)``."""
+    return dataclasses.field(default=default, metadata={"check": (check, *extra)})
+
+
 def positive(default: int) -> Any:
     """An :class:`IndexParams` field holding a positive int."""
-    return dataclasses.field(default=default, metadata={"check": (check_positive,)})
+    return checked(default, check_positive)
 
 
 def count(default: int, zero: str = "") -> Any:
     """An :class:`IndexParams` field holding an int >= 0; ``zero`` says what 0 means."""
-    return dataclasses.field(default=default, metadata={"check": (check_nonnegative, zero)})
+    return checked(default, check_nonnegative, zero)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,10 +172,13 @@ def import_optional(module: str, install: str) -> Any:
         raise MissingDependencyError(install) from exc
 
 
-def check_budget(value: Any, also: str = "") -> None:
-    """A memory budget: an int >= 64 KiB (``also`` names what else is allowed)."""
+def check_budget(value: Any, name: str, none_ok: bool = False) -> None:
+    """A memory budget: an int >= 64 KiB (or, if ``none_ok``, None)."""
+    if none_ok and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < 2**16:
-        raise InputError(f"memory_budget must be {also}an int >= 65536 bytes, got {value!r}")
+        raise InputError(f"{name} must be {'None or ' * none_ok}an int >= 65536 bytes, got "
+                         f"{value!r}")
 
 
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:

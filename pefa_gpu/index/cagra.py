@@ -18,7 +18,8 @@ from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from ._faiss import (device_float32, faiss_pointer, faiss_search_parameters, import_faiss,
                      on_current_stream, optional_faiss, search_tensors)
-from .base import IndexParams, VectorIndex, check_budget, check_row_ids, count, positive
+from .base import (IndexParams, VectorIndex, check_budget, check_row_ids, checked, count,
+                   positive)
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -35,11 +36,10 @@ class CagraParams(IndexParams):
 
     graph_degree: int = positive(64)
     intermediate_graph_degree: int = positive(128)
-    memory_budget: int = 256 * 2**20
+    memory_budget: int = checked(256 * 2**20, check_budget)
 
     def validate(self) -> None:
         super().validate()
-        check_budget(self.memory_budget)
         if self.intermediate_graph_degree < self.graph_degree:
             raise InputError(f"intermediate_graph_degree={self.intermediate_graph_degree} "
                              f"must be >= graph_degree={self.graph_degree}")
@@ -128,11 +128,10 @@ class CagraIndex(VectorIndex):
     def add(self, vectors: Any) -> None:
         """Append rows; CAGRA graphs are immutable, so the graph is rebuilt."""
         v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors")
-        if self.ntotal == 0:
-            self.build(v)
-            return
-        self.check_rows(v)
-        self.build(torch.cat([self.vectors, v]))
+        if self.ntotal:
+            self.check_rows(v)
+            v = torch.cat([self.vectors, v])
+        self.build(v)
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         return self.vectors[check_row_ids(as_tensor(ids, device=self.device, name="ids"),

@@ -17,7 +17,7 @@ from ..storage import load_tensor, save_tensor
 from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
-                   empty_results)
+                   checked, empty_results)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,13 +25,8 @@ class ExactParams(IndexParams):
     """dtype: storage of the rows (scores are float32). memory_budget: bytes a search may hold
     besides its (B, k) result (None: :func:`default_memory_budget`)."""
 
-    dtype: str = "float32"
-    memory_budget: int | None = None
-
-    def validate(self) -> None:
-        check_choice(self.dtype, "dtype", ("float32", "float16", "bfloat16"))
-        if self.memory_budget is not None:
-            check_budget(self.memory_budget, "None or ")
+    dtype: str = checked("float32", check_choice, ("float32", "float16", "bfloat16"))
+    memory_budget: int | None = checked(None, check_budget, True)
 
 
 ExactSearchParams = NoSearchParams  # an exact search has no search settings

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, InputError
-from .base import IndexParams, check_number, count, positive
+from .base import IndexParams, check_number, checked, count, positive
 from ._faiss import faiss_search_parameters, faiss_threads, host_float32
 from ._host import FaissBackend
 
@@ -32,11 +32,7 @@ class HNSWSearchParams(IndexParams):
     never)."""
 
     ef_search: int = positive(300)
-    full_scan_factor: float = 12.0
-
-    def validate(self) -> None:
-        super().validate()
-        check_number(self.full_scan_factor, "full_scan_factor")
+    full_scan_factor: float = checked(12.0, check_number)
 
 
 class HNSWIndex(FaissBackend):

@@ -15,7 +15,7 @@ import torch
 from ..arrays import as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from .base import IndexParams, check_row_ids, count, positive
+from .base import IndexParams, check_row_ids, checked, count, positive
 from ._faiss import (device_float32, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
                      faiss_threads, host_float32, on_current_stream)
 from ._host import FaissBackend
@@ -29,17 +29,13 @@ class IVFParams(IndexParams):
     :func:`auto_pq_m`. train_size: seeded sample (0 = min(n, 256 nlist)); ``add`` does not
     retrain."""
 
-    kind: str = "flat"
+    kind: str = checked("flat", check_choice, ("flat", "pq"))
     nlist: int = count(0, "automatic")
     pq_m: int = count(0, "automatic")
     pq_nbits: int = positive(8)
     train_size: int = count(0, "automatic")
     seed: int = count(0)
     threads: int = count(0, "all cores")
-
-    def validate(self) -> None:
-        super().validate()
-        check_choice(self.kind, "kind", ("flat", "pq"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, InputError
-from .base import IndexParams, check_number, count, import_optional, positive
+from .base import IndexParams, check_number, checked, count, import_optional, positive
 from ._faiss import host_float32
 from ._host import HostBackend, read_description, write_description
 
@@ -38,14 +38,10 @@ class ScannParams(IndexParams):
 
     num_leaves: int = count(0, "automatic")
     dims_per_block: int = positive(2)
-    anisotropic_threshold: float | None = 0.2
+    anisotropic_threshold: float | None = checked(0.2, check_number, True)
     train_size: int = count(0, "automatic")
     brute_force_below: int = count(4096)
     threads: int = count(0, "every core")
-
-    def validate(self) -> None:
-        super().validate()
-        check_number(self.anisotropic_threshold, "anisotropic_threshold", none_ok=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
