@@ -1,11 +1,6 @@
-"""Row-wise top-k with one tie rule: equal scores go to the lower id, also at the k-th place.
-
-Every exact path goes through :func:`topk_rows` or :func:`merge_topk`: one ``torch.topk`` of
-k + 1 per row, then :func:`order_ties` orders equal values by id; only rows whose k-th and
-(k+1)-th values are equal take one more pass to keep the lowest ids. Larger first; -0.0
-equals +0.0; NaN ranks above every number. Padding: id -1, score -inf, after every real id.
-On CUDA the extra passes run on every row under a mask (no host synchronisation).
-"""
+"""Row-wise top-k with one tie rule: equal scores go to the lower id, also at the k-th place
+(-0.0 equals +0.0; NaN ranks above every number; padding (-inf, -1) after every real id). On
+CUDA the tie passes run on every row under a mask (no host synchronisation)."""
 
 from __future__ import annotations
 
@@ -61,7 +56,7 @@ def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, k
 
 def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, w) scores sorted descending and int64 ids -> contiguous lists with each run of equal
-    scores in ascending id order (-1 last); on the CPU only rows with a tie are sorted."""
+    scores in ascending id order (-1 last)."""
     b, w = vals.shape
     if w < 2 or b == 0:
         return vals.contiguous(), ids.contiguous()
@@ -77,7 +72,7 @@ def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def boundary_tied(vals: torch.Tensor, k: int) -> torch.Tensor:
     """(B,) bool: rows of ``vals`` (B, > k), sorted descending, whose k-th and (k+1)-th values
-    are equal (their top-k set depends on the tie rule)."""
+    are equal."""
     return _same(vals[:, k - 1], vals[:, k])
 
 
@@ -93,8 +88,8 @@ def pad_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tenso
 
 def _select(table: torch.Tensor, kk: int,
             keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, kk) best values of ``table`` (B, W) sorted descending (equal ones in any order) and
-    their columns; of those equal to the kk-th, the lowest ``keys`` (None: columns) are kept."""
+    """(B, kk) best values of ``table`` (B, W) sorted descending and their columns; of those
+    equal to the kk-th, the lowest ``keys`` (None: columns) are kept."""
     if kk >= table.shape[1]:
         return torch.topk(table, kk, dim=1)
     vals, cols = torch.topk(table, kk + 1, dim=1)

@@ -1,7 +1,5 @@
-"""faiss plumbing: the lazy import, its thread pool, arrays in and results out (-1 / -inf
-padding, the tie rule). A GPU index reads torch tensors through device pointers on torch's
-current stream (:func:`search_tensors`, per call, no patching of faiss' classes).
-"""
+"""faiss plumbing: the lazy import, its thread pool, arrays in and results out; a GPU index
+reads torch tensors through device pointers on torch's current stream."""
 
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import torch
 
 from ..arrays import as_tensor, cuda_index, to_numpy
 from ..errors import InputError, MissingDependencyError
-from ..topk import PAD_ID, PAD_SCORE, merge_topk, order_ties
+from ..topk import PAD_ID, PAD_SCORE, merge_topk, order_ties, pad_topk
 from .base import import_optional
 
 
@@ -56,8 +54,7 @@ def faiss_has_gpu(faiss: Any) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def faiss_search_parameters(kind: str, **fields: Any) -> Any:
-    """A ``faiss.<kind>`` search-parameters object with ``fields`` set, made once per value
-    (shared: never modified)."""
+    """A ``faiss.<kind>`` search-parameters object with ``fields`` set (cached: never modify)."""
     out = getattr(import_faiss(), kind)()
     for name, value in fields.items():
         setattr(out, name, value)
@@ -66,8 +63,7 @@ def faiss_search_parameters(kind: str, **fields: Any) -> Any:
 
 def host_float32(x: Any, name: str, dim: int | None = None,
                  check_finite: bool = True) -> np.ndarray:
-    """(rows, d) C-contiguous float32 numpy array; checks rank, dim and (unless
-    ``check_finite`` is False) finiteness."""
+    """(rows, d) C-contiguous float32 numpy array; checks rank, dim and finiteness."""
     a = to_numpy(x if isinstance(x, (np.ndarray, torch.Tensor)) else as_tensor(x, name=name))
     a = np.ascontiguousarray(a, dtype=np.float32)
     if a.ndim != 2:
@@ -91,9 +87,10 @@ def device_float32(x: Any, name: str, device: torch.device,
     return t.contiguous()
 
 
-def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A library's (B, k) similarities and ids (-1: none found) -> float32 / int64 arrays,
-    padding (-1, -inf), equal scores listed by id."""
+def normalise_results_host(scores: np.ndarray, ids: np.ndarray, k: int = 0
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """A library's (B, w) similarities and ids (-1: none found) -> float32 / int64 arrays,
+    padding (-1, -inf) to k columns, equal scores listed by id."""
     scores = np.ascontiguousarray(scores, dtype=np.float32)
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     if ids.size and ids.min() < 0:  # on the host: cheaper than torch ops for small B
@@ -101,14 +98,13 @@ def normalise_results_host(scores: np.ndarray, ids: np.ndarray) -> tuple[np.ndar
         scores = np.where(missing, np.float32(PAD_SCORE), scores)
         ids = np.where(missing, np.int64(PAD_ID), ids)
     # faiss leaves equal scores in any order: the tie rule lists them by id
-    scores, ids = order_ties(torch.from_numpy(scores), torch.from_numpy(ids))
+    scores, ids = pad_topk(*order_ties(torch.from_numpy(scores), torch.from_numpy(ids)), k)
     return scores.numpy(), ids.numpy()
 
 
 def normalise_results_tensors(scores: torch.Tensor, ids: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`normalise_results_host` for tensors on the index's device (no host
-    synchronisation)."""
+    """:func:`normalise_results_host` for tensors on the index's device."""
     missing = ids < 0
     scores = scores.masked_fill(missing, PAD_SCORE)
     ids = ids.masked_fill(missing, PAD_ID)
@@ -127,8 +123,8 @@ def faiss_pointer(faiss: Any, t: torch.Tensor) -> Any:
 
 @contextlib.contextmanager
 def faiss_stream(faiss: Any, res: Any, device: int, stream: int) -> Iterator[None]:
-    """faiss GPU work through ``res`` on GPU ``device`` runs on the CUDA stream ``stream`` (a
-    ``cudaStream_t`` as an int) inside the block; the previous stream is put back after."""
+    """faiss GPU work through ``res`` on GPU ``device`` runs on ``stream`` (a ``cudaStream_t``
+    as an int) inside the block."""
     before = res.getDefaultStream(device)
     res.setDefaultStream(device, faiss.cast_integer_to_cudastream_t(stream))
     try:
@@ -139,8 +135,7 @@ def faiss_stream(faiss: Any, res: Any, device: int, stream: int) -> Iterator[Non
 
 def on_current_stream(faiss: Any, res: Any, device: torch.device
                       ) -> contextlib.AbstractContextManager:
-    """:func:`faiss_stream` with torch's current stream on the CUDA ``device`` (no-op on the
-    CPU)."""
+    """:func:`faiss_stream` with torch's current stream on the CUDA ``device`` (CPU: no-op)."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     dev = cuda_index(device)
@@ -149,9 +144,8 @@ def on_current_stream(faiss: Any, res: Any, device: torch.device
 
 def search_tensors(faiss: Any, index: Any, q: torch.Tensor, k: int, params: Any = None,
                    res: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One faiss search with tensors in and out: ``q`` (B, d) float32 on the index's device
-    (with its ``res``ources on CUDA) -> faiss' (D (B, k) float32, I (B, k) int64) there, on
-    torch's current stream."""
+    """One faiss search: ``q`` (B, d) float32 on the index's device (``res``: its resources on
+    CUDA) -> faiss' (D (B, k) float32, I (B, k) int64) there."""
     q = q.contiguous()
     scores = torch.empty((q.shape[0], k), dtype=torch.float32, device=q.device)
     ids = torch.empty((q.shape[0], k), dtype=torch.int64, device=q.device)

@@ -1,9 +1,6 @@
-"""The backends searched through a library: :class:`HostBackend` (hnswlib, ScaNN, faiss on
-the CPU) and :class:`FaissBackend` (a faiss GPU index is searched with device tensors).
-
-A subclass implements ``_raw_search(q, k, params)`` ((B, d) float32, 1 <= k <= ntotal -> (B, k)
-similarities and int64 ids, -1: none), ``_append`` and, where it can, ``_read_rows``.
-"""
+"""Backends searched through a library (hnswlib, ScaNN, faiss). A subclass implements
+``_raw_search(q, k, params)`` ((B, d) float32, 1 <= k <= ntotal -> (B, k) float32 similarities,
+int64 ids, -1: none), ``_append(x)`` ((r, d) float32, r > 0) and, where it can, ``_read_rows``."""
 
 from __future__ import annotations
 
@@ -53,9 +50,9 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
 
 
 class HostBackend(Index):
-    """``max_k``: the largest k the library answers (None: no limit; tests lower it)."""
+    """``max_k``: the largest k the library answers (tests lower it); larger k: exact search."""
 
-    max_k: ClassVar[int | None] = None
+    max_k: ClassVar[int] = 2**62
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         super().__init__(params, device)
@@ -81,10 +78,6 @@ class HostBackend(Index):
             self._append(x)
         self._fallback = None
 
-    def _append(self, x: np.ndarray) -> None:
-        """Add the (r, d) float32 rows ``x`` (r > 0) after the existing ones."""
-        raise NotImplementedError
-
     def search(self, queries: Any, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         scores, ids = self.search_host(queries, k, params=params)
@@ -102,21 +95,11 @@ class HostBackend(Index):
         b, found = q.shape[0], min(k, self.ntotal)
         if b == 0 or found == 0:
             return (np.full((b, k), PAD_SCORE, np.float32), np.full((b, k), PAD_ID, np.int64))
-        limit = self._k_limit()
-        if limit is not None and k > limit:
+        if k > self._k_limit():
             return tuple(map(to_numpy, self._exact_search(q, k)))
-        scores, ids = normalise_results_host(*self._raw_search(q, found, sp))
-        if found < k:
-            scores = np.pad(scores, ((0, 0), (0, k - found)), constant_values=PAD_SCORE)
-            ids = np.pad(ids, ((0, 0), (0, k - found)), constant_values=PAD_ID)
-        return scores, ids
+        return normalise_results_host(*self._raw_search(q, found, sp), k)
 
-    def _raw_search(self, q: np.ndarray, k: int, params: Params
-                    ) -> tuple[np.ndarray, np.ndarray]:
-        """One library call, 1 <= k <= ntotal: (B, k) float32 similarities, int64 ids."""
-        raise NotImplementedError
-
-    def _k_limit(self) -> int | None:
+    def _k_limit(self) -> int:
         return self.max_k
 
     def _exact_search(self, q: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,23 +151,26 @@ class FaissBackend(HostBackend):
         self.check_queries(q)
         if q.shape[0] == 0 or self.ntotal == 0:
             return empty_results(q.shape[0], k, self.device)
-        limit = self._k_limit()
-        if limit is not None and k > limit:
+        if k > self._k_limit():
             return self._exact_search(q, k)
         return normalise_results_tensors(*search_tensors(
             self._faiss, self._index, q, k, self._faiss_params(sp), self._gpu_res))
-
-    def _faiss_params(self, params: Params) -> Any:
-        """The faiss ``SearchParameters`` object for ``params`` (GPU indices)."""
-        raise NotImplementedError
 
     def _write(self, index: Any, directory: str | Path) -> None:
         self._faiss.write_index(index, str(self._save_dir(directory) / FAISS_FILE))
 
     @classmethod
-    def _read(cls, directory: str | Path) -> Any:
+    def _read(cls, directory: str | Path, kinds: dict[str, str]) -> tuple[Any, str]:
+        """The saved faiss index and its kind: ``kinds`` maps faiss class names to kinds; an
+        index of another class or metric is a FormatError."""
         path = cls._saved_file(directory, FAISS_FILE)
+        faiss = import_faiss()
         try:
-            return import_faiss().read_index(str(path))
+            index = faiss.read_index(str(path))
         except Exception as exc:  # faiss raises RuntimeError on a corrupt file
             raise FormatError(f"{path} could not be read by faiss: {exc}") from exc
+        kind = kinds.get(type(index).__name__)
+        if kind is None or index.metric_type != faiss.METRIC_INNER_PRODUCT:
+            raise FormatError(f"{directory}: expected an inner-product {' or '.join(kinds)}, "
+                              f"found {type(index).__name__}")
+        return index, kind

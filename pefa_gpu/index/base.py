@@ -1,12 +1,5 @@
-"""The index protocol every backend follows (build settings ``Params`` apart from search
-settings ``SearchParams``, as cuVS has them).
-
-    index = make_index("exact", device="cpu").build(X)   # X: (n, d)
-    scores, ids = index.search(queries, k)               # (B, k) float32, (B, k) int64
-
-Scores are similarities, ids row numbers in insertion order, -1 / -inf where nothing was
-found, results on the index's device.
-"""
+"""The index protocol every backend follows: build settings ``Params`` apart from search
+settings ``SearchParams``; scores are similarities, ids row numbers in insertion order."""
 
 from __future__ import annotations
 
@@ -14,7 +7,7 @@ import abc
 import dataclasses
 import importlib
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 
@@ -26,8 +19,8 @@ from ..topk import PAD_ID, PAD_SCORE
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IndexParams(Params):
-    """Build or search settings of a backend: fields made by :func:`positive` / :func:`count`
-    are checked on construction (a subclass's ``validate`` adds its own checks)."""
+    """Build or search settings of a backend; fields made by :func:`positive` / :func:`count`
+    are checked on construction."""
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -36,14 +29,19 @@ class IndexParams(Params):
                 check(getattr(self, f.name), f.name, *extra)
 
 
+def checked(default: Any, check: Callable[..., None], *extra: Any) -> Any:
+    """An :class:`IndexParams` field checked on construction by ``check(value, name, *extra)``."""
+    return dataclasses.field(default=default, metadata={"check": (check, *extra)})
+
+
 def positive(default: int) -> Any:
     """An :class:`IndexParams` field holding a positive int."""
-    return dataclasses.field(default=default, metadata={"check": (check_positive,)})
+    return checked(default, check_positive)
 
 
 def count(default: int, zero: str = "") -> Any:
     """An :class:`IndexParams` field holding an int >= 0; ``zero`` says what 0 means."""
-    return dataclasses.field(default=default, metadata={"check": (check_nonnegative, zero)})
+    return checked(default, check_nonnegative, zero)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,8 +60,9 @@ class Index(abc.ABC):
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         if isinstance(params, dict):
-            search_keys = sorted(set(params) & _field_names(self.SearchParams)
-                                 - _field_names(self.Params))
+            fields = [{f.name for f in dataclasses.fields(c)} for c in (self.SearchParams,
+                                                                         self.Params)]
+            search_keys = sorted(set(params) & fields[0] - fields[1])
             if search_keys:
                 raise InputError(f"{search_keys} are search settings of backend {self.name!r}, "
                                  f"not build settings: give them as search_params (the "
@@ -74,8 +73,7 @@ class Index(abc.ABC):
 
     @property
     def search_params(self) -> Params:
-        """The defaults of :meth:`search`: assign a ``SearchParams``, a dict (missing keys take
-        the defaults) or None."""
+        """The defaults of :meth:`search`: a ``SearchParams``, a dict or None may be assigned."""
         return self._search_params
 
     @search_params.setter
@@ -106,8 +104,8 @@ class Index(abc.ABC):
         -inf padded (``arrays.check_topk`` bounds k); ``params``: this call's settings."""
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
-        """Overwrite the rows ``ids`` (r,) int64 with ``vectors`` (r, d); NotImplementedError
-        where a backend cannot (callers then rebuild)."""
+        """Overwrite the rows ``ids`` (r,) int64 with ``vectors`` (r, d) (callers rebuild where a
+        backend cannot)."""
         raise NotImplementedError(f"backend {self.name!r} cannot overwrite rows in place")
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
@@ -144,8 +142,7 @@ class Index(abc.ABC):
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
 
     def _save_dir(self, directory: str | Path, empty_ok: bool = False) -> Path:
-        """``directory`` as a Path; InputError unless it exists and (unless ``empty_ok``) this
-        index has been built."""
+        """``directory``; InputError unless it exists and (or ``empty_ok``) the index is built."""
         directory = Path(directory)
         if not directory.is_dir():
             raise InputError(f"save directory {directory} does not exist")
@@ -175,10 +172,13 @@ def import_optional(module: str, install: str) -> Any:
         raise MissingDependencyError(install) from exc
 
 
-def check_budget(value: Any, also: str = "") -> None:
-    """A memory budget: an int >= 64 KiB (``also`` names what else is allowed)."""
+def check_budget(value: Any, name: str, none_ok: bool = False) -> None:
+    """A memory budget: an int >= 64 KiB (or, if ``none_ok``, None)."""
+    if none_ok and value is None:
+        return
     if isinstance(value, bool) or not isinstance(value, int) or value < 2**16:
-        raise InputError(f"memory_budget must be {also}an int >= 65536 bytes, got {value!r}")
+        raise InputError(f"{name} must be {'None or ' * none_ok}an int >= 65536 bytes, got "
+                         f"{value!r}")
 
 
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:
@@ -192,8 +192,8 @@ def check_number(value: Any, name: str, none_ok: bool = False) -> None:
 
 
 def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> torch.Tensor:
-    """Integer row ids (any shape) -> int64; InputError naming ids outside [0, ntotal) and,
-    when ``distinct``, repeats."""
+    """Integer row ids (any shape) -> int64; InputError naming ids outside [0, ntotal) (and
+    repeats if ``distinct``)."""
     if ids.is_floating_point():
         raise InputError(f"ids must be integers, got dtype {ids.dtype}")
     i = ids.long()
@@ -224,6 +224,3 @@ class VectorIndex(Index):
     def dim(self) -> int:
         return int(self.vectors.shape[1])
 
-
-def _field_names(cls: type[Params]) -> set[str]:
-    return {f.name for f in dataclasses.fields(cls)}

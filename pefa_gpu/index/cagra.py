@@ -1,12 +1,6 @@
-"""CAGRA graph search on the GPU: faiss ``GpuIndexCagra`` (faiss-gpu with cuVS), or cuVS'
-``cuvs.neighbors.cagra`` where faiss has no GPU support; elsewhere MissingDependencyError.
-
-The rows are also kept as a tensor on the device: candidates are re-scored there exactly (so
-scores are similarities, equal scores listed by id), ``add`` rebuilds the graph, and k above
-``max_k`` = 1024, corpora no larger than the intermediate degree, or a save loaded where no
-engine runs (e.g. the CPU) are searched exactly. Both engines read the tensors in place on
-torch's current stream.
-"""
+"""CAGRA graph search on the GPU (faiss ``GpuIndexCagra`` or cuVS), candidates re-scored
+exactly from the rows kept on the device; k above ``max_k``, corpora no larger than the
+intermediate degree and saves loaded where no engine runs are searched exactly."""
 
 from __future__ import annotations
 
@@ -24,7 +18,8 @@ from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from ._faiss import (device_float32, faiss_pointer, faiss_search_parameters, import_faiss,
                      on_current_stream, optional_faiss, search_tensors)
-from .base import IndexParams, VectorIndex, check_budget, check_row_ids, count, positive
+from .base import (IndexParams, VectorIndex, check_budget, check_row_ids, checked, count,
+                   positive)
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -41,11 +36,10 @@ class CagraParams(IndexParams):
 
     graph_degree: int = positive(64)
     intermediate_graph_degree: int = positive(128)
-    memory_budget: int = 256 * 2**20
+    memory_budget: int = checked(256 * 2**20, check_budget)
 
     def validate(self) -> None:
         super().validate()
-        check_budget(self.memory_budget)
         if self.intermediate_graph_degree < self.graph_degree:
             raise InputError(f"intermediate_graph_degree={self.intermediate_graph_degree} "
                              f"must be >= graph_degree={self.graph_degree}")
@@ -53,8 +47,8 @@ class CagraParams(IndexParams):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CagraSearchParams(IndexParams):
-    """Search settings (CAGRA's, in faiss and cuVS). itopk_size: the internal list (raised to
-    k). search_width: nodes expanded per iteration. max_iterations: 0 = automatic."""
+    """CAGRA's search settings. itopk_size: the internal list (raised to k). search_width:
+    nodes expanded per iteration."""
 
     itopk_size: int = positive(128)
     search_width: int = positive(1)
@@ -78,16 +72,14 @@ def _engine(device: torch.device) -> str | None:
 def _install_message(device: torch.device) -> str:
     if device.type != "cuda":
         return _INSTALL + f"; device is {device}"
-    if not torch.cuda.is_available():
-        return _INSTALL + "; torch sees no CUDA device"
-    return _INSTALL
+    return _INSTALL + ("" if torch.cuda.is_available() else "; torch sees no CUDA device")
 
 
 def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
             memory_budget: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, d) float32, vectors (n, d) float32, candidate ids (B, C) int64 (invalid: < 0 or
-    >= n; repeats allowed) -> (B, C) exact scores and ids, best first, ties to the lower id,
-    invalid and repeated ids (-inf, -1) at the end; gathers ``memory_budget`` bytes at a time."""
+    >= n; repeats allowed) -> (B, C) exact scores and ids with the tie rule, invalid and
+    repeated ids (-inf, -1) at the end."""
     n, d = vectors.shape
     b, c = ids.shape
     bad = (ids < 0) | (ids >= n)
@@ -128,8 +120,7 @@ class CagraIndex(VectorIndex):
         if v.shape[1] == 0:
             raise InputError(f"vectors must be 2-D (n, d) with d > 0, got {tuple(v.shape)}")
         self.vectors = v  # never changed in place: a graph may refer to it
-        self._exact = None
-        self._graph = None
+        self._exact = self._graph = None
         if self.engine is not None and self.ntotal > self.params.intermediate_graph_degree:
             self._graph = self._build_graph()
         return self
@@ -137,11 +128,10 @@ class CagraIndex(VectorIndex):
     def add(self, vectors: Any) -> None:
         """Append rows; CAGRA graphs are immutable, so the graph is rebuilt."""
         v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors")
-        if self.ntotal == 0:
-            self.build(v)
-            return
-        self.check_rows(v)
-        self.build(torch.cat([self.vectors, v]))
+        if self.ntotal:
+            self.check_rows(v)
+            v = torch.cat([self.vectors, v])
+        self.build(v)
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         return self.vectors[check_row_ids(as_tensor(ids, device=self.device, name="ids"),
@@ -212,7 +202,7 @@ class CagraIndex(VectorIndex):
         return rescore(q, self.vectors, self._candidate_ids(q, k, sp), self.params.memory_budget)
 
     def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (the graph is rebuilt on load: CAGRA builds are fast)."""
+        """Write ``vectors.npy`` (the graph is rebuilt on load)."""
         save_tensor(self._save_dir(directory, empty_ok=True) / "vectors", self.vectors)
 
     @classmethod

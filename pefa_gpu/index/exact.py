@@ -1,11 +1,6 @@
 """Exact maximum-inner-product search on CPU or CUDA: the float32 top-k, ties to the lower id.
-
-A first pass keeps each query's top k + ``TIE_MARGIN`` by value (GEMM blocks sized from
-``memory_budget`` and ``torch.topk``, or on the CPU faiss' exhaustive search with its near ties
-rescored: :func:`canonical_scores`); the tie rule settles rows tied at the k-th place from
-these candidates; rows whose run of equal scores may reach past them are searched again, 4x
-as wide (on CUDA the one host synchronisation).
-"""
+A first pass keeps k + ``TIE_MARGIN`` candidates per query (torch GEMM blocks, or faiss on the
+CPU); rows whose tied run may reach past them are searched again, 4x as wide."""
 
 from __future__ import annotations
 
@@ -22,22 +17,16 @@ from ..storage import load_tensor, save_tensor
 from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
-                   empty_results)
+                   checked, empty_results)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExactParams(IndexParams):
-    """dtype: storage of the rows ('float32', 'float16', 'bfloat16'; scores are float32).
-    memory_budget: bytes a search may hold besides its (B, k) result (None:
-    :func:`default_memory_budget` of the device)."""
+    """dtype: storage of the rows (scores are float32). memory_budget: bytes a search may hold
+    besides its (B, k) result (None: :func:`default_memory_budget`)."""
 
-    dtype: str = "float32"
-    memory_budget: int | None = None
-
-    def validate(self) -> None:
-        check_choice(self.dtype, "dtype", ("float32", "float16", "bfloat16"))
-        if self.memory_budget is not None:
-            check_budget(self.memory_budget, "None or ")
+    dtype: str = checked("float32", check_choice, ("float32", "float16", "bfloat16"))
+    memory_budget: int | None = checked(None, check_budget, True)
 
 
 ExactSearchParams = NoSearchParams  # an exact search has no search settings
@@ -64,7 +53,7 @@ class ExactIndex(VectorIndex):
 
     @property
     def memory_budget(self) -> int:
-        """``params.memory_budget``, or when that is None :func:`default_memory_budget`."""
+        """``params.memory_budget``, or :func:`default_memory_budget`."""
         given = self.params.memory_budget
         return default_memory_budget(self.device) if given is None else given
 
@@ -84,8 +73,8 @@ class ExactIndex(VectorIndex):
             self._store(torch.cat([self.vectors, v]), owned=True)
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
-        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d); the first time, a copy of the
-        rows if they may share the caller's memory."""
+        """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) (first copying rows that may
+        share the caller's memory)."""
         i = as_tensor(ids, device=self.device, name="ids").detach().flatten()
         v = as_tensor(vectors, device=self.device, name="vectors").detach()
         if v.ndim != 2 or v.shape != (i.numel(), self.dim):
@@ -122,8 +111,7 @@ class ExactIndex(VectorIndex):
         return self._pass(q, kk, self._pass_width(kk))
 
     def _exact_rows(self, q: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, d) queries the first pass left unsettled -> (R, kk) with the tie rule, by passes
-        4x wider until every row is settled."""
+        """(R, d) queries the first pass left unsettled -> (R, kk), by passes 4x wider."""
         vals = torch.empty(q.shape[0], kk, device=self.device)
         ids = torch.empty(q.shape[0], kk, dtype=torch.long, device=self.device)
         rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
@@ -150,7 +138,7 @@ class ExactIndex(VectorIndex):
     def _candidates(self, faiss: Any, q: torch.Tensor, w: int, chunk: int,
                     buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, w) top-w scores sorted descending, ids, and the scoring error
-        (B, 1) on faiss' BLAS path (near ties rescored), 0 elsewhere."""
+        (B, 1) on faiss' BLAS path, 0 elsewhere."""
         if faiss is None:
             return (*self._torch_pass(q.float(), w, chunk, buf),
                     torch.zeros((), device=self.device))
@@ -197,8 +185,7 @@ class ExactIndex(VectorIndex):
 
     def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-w of (B, d) float32 queries by (B, chunk) score blocks, each reduced by
-        ``torch.topk`` and merged by another (no host sync)."""
+        """Top-w of (B, d) float32 queries by (B, chunk) score blocks and ``torch.topk``."""
         best_v = q.new_empty(q.shape[0], 0)
         best_i = best_v.long()
         for c in range(0, self.ntotal, chunk):
@@ -291,8 +278,8 @@ SUB_ROWS = 1024         # rows per CPU GEMM (_scores)
 
 
 def default_memory_budget(device: torch.device) -> int:
-    """256 MiB on the CPU; on CUDA a quarter of the free memory (with the blocks torch's
-    allocator holds unused), at least 64 KiB."""
+    """256 MiB on the CPU; on CUDA a quarter of the free memory (with torch's unused cached
+    blocks), at least 64 KiB."""
     if device.type != "cuda":
         return 256 * 2**20
     free, _ = torch.cuda.mem_get_info(device)
@@ -301,8 +288,8 @@ def default_memory_budget(device: torch.device) -> int:
 
 
 def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """(..., d) queries and stored rows (broadcast) -> (...) float32 inner products, float64
-    products and sum rounded once: the same two vectors always get the same score."""
+    """(..., d) queries and rows (broadcast) -> (...) float32 inner products rounded once from
+    float64: the same two vectors always get the same score."""
     return (q.double() * x.double()).sum(-1).float()
 
 

@@ -1,10 +1,5 @@
-"""HNSW on the CPU: faiss ``IndexHNSWFlat``, inner product; results on the index's device.
-
-The paper's defaults: M=32, efConstruction=500 (build), efSearch=300 (search; ef = k when k
-is larger). An index of at most ``full_scan_factor * ef`` rows is scanned exactly (the flat
-storage under the graph) instead of walked: there a walk visits nearly every row and is
-slower; ``full_scan_factor=0`` always walks.
-"""
+"""HNSW on the CPU: faiss ``IndexHNSWFlat``, inner product (the paper's M=32,
+efConstruction=500, efSearch=300); results on the index's device."""
 
 from __future__ import annotations
 
@@ -15,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, InputError
-from .base import IndexParams, check_number, count, positive
-from ._faiss import faiss_search_parameters, faiss_threads, host_float32, import_faiss
+from .base import IndexParams, check_number, checked, count, positive
+from ._faiss import faiss_search_parameters, faiss_threads, host_float32
 from ._host import FaissBackend
 
 
@@ -33,14 +28,11 @@ class HNSWParams(IndexParams):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HNSWSearchParams(IndexParams):
     """Search settings. ef_search: beam width (raised to k). full_scan_factor: indices of at
-    most this many times ef rows are scanned exactly (0 = never)."""
+    most this many times ef rows are scanned exactly, where a walk would visit them all (0 =
+    never)."""
 
     ef_search: int = positive(300)
-    full_scan_factor: float = 12.0
-
-    def validate(self) -> None:
-        super().validate()
-        check_number(self.full_scan_factor, "full_scan_factor")
+    full_scan_factor: float = checked(12.0, check_number)
 
 
 class HNSWIndex(FaissBackend):
@@ -74,7 +66,7 @@ class HNSWIndex(FaissBackend):
                     params: HNSWSearchParams) -> tuple[np.ndarray, np.ndarray]:
         ef = max(params.ef_search, k)
         with faiss_threads(self._faiss, self.params.threads):
-            if self.ntotal <= params.full_scan_factor * ef:  # a walk would visit it all
+            if self.ntotal <= params.full_scan_factor * ef:
                 return self._storage().search(q, k)
             sp = faiss_search_parameters("SearchParametersHNSW", efSearch=ef)
             return self._index.search(q, k, params=sp)
@@ -103,12 +95,7 @@ class HNSWIndex(FaissBackend):
     @classmethod
     def load(cls, directory: str | Path, params: HNSWParams | dict | None = None,
              device: Any = None) -> "HNSWIndex":
-        index = cls._read(directory)
-        faiss = import_faiss()
-        if not isinstance(index, faiss.IndexHNSWFlat) or \
-                index.metric_type != faiss.METRIC_INNER_PRODUCT:
-            raise FormatError(f"{directory}: expected an inner-product IndexHNSWFlat, "
-                              f"found {type(index).__name__}")
+        index, _ = cls._read(directory, {"IndexHNSWFlat": "hnsw"})
         out = cls(params, device)
         if index.hnsw.nb_neighbors(1) != out.params.M:
             raise FormatError(f"{directory}: the saved graph has M={index.hnsw.nb_neighbors(1)},"

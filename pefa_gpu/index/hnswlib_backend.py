@@ -1,11 +1,6 @@
 """HNSW with hnswlib (PyPI ``hnswlib``), inner product, on the CPU; results on the index's
-device. The paper's defaults: M=32, efConstruction=500, efSearch=300 (max(ef_search, k)).
-
-hnswlib's 'ip' space returns ``1 - <q, x>``; scores are ``1 - distance`` (float64, then
-float32): within 6e-8 of the float32 inner product, hence ``exact_scores``. A search sets ef
-when it differs from the last call's (concurrent searches with different ef are not safe).
-A save is ``index.bin`` (hnswlib's format) and ``hnswlib.json``, checked against each other.
-"""
+device. A search sets ef when it differs from the last (concurrent ones with different ef are
+not safe)."""
 
 from __future__ import annotations
 
@@ -59,7 +54,7 @@ class HnswlibIndex(HostBackend):
     distinct_ids = True  # the walk keeps a visited set
     Params = HnswlibParams
     SearchParams = HnswlibSearchParams
-    exact_scores = True  # 1 - fl(1 - <q, x>): within 6e-8 of <q, x> (module docstring)
+    exact_scores = True  # 1 - fl(1 - <q, x>) in float64: within 6e-8 of <q, x>
 
     def __init__(self, params: HnswlibParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
@@ -109,7 +104,7 @@ class HnswlibIndex(HostBackend):
         return scores, labels.astype(np.int64)
 
     def save(self, directory: str | Path) -> None:
-        """Write ``index.bin`` and ``hnswlib.json`` into the existing, empty ``directory``."""
+        """Write ``index.bin`` (hnswlib's format) and ``hnswlib.json``."""
         directory = self._save_dir(directory)
         self._index.save_index(str(directory / INDEX_FILE))
         write_description(directory / META_FILE, META_FORMAT, space="ip", dim=self.dim,

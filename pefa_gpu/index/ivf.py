@@ -1,10 +1,5 @@
 """Inverted-file search: faiss IVF-Flat or IVF-PQ, inner product; on the GPU for a CUDA
-device when faiss has GPU support (tensors stay there), else on the CPU.
-
-Trained on a seeded sample of the rows given to ``build``; ``add`` does not retrain. faiss GPU
-answers k <= 2048 (more: exact search) and probes at most 2048 lists (more: lowered, with a
-warning); its ``reconstruct`` reads a device copy of the rows, made once.
-"""
+device when faiss has GPU support (k <= 2048, else exact search), else on the CPU."""
 
 from __future__ import annotations
 
@@ -17,12 +12,12 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, cuda_index
+from ..arrays import as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from .base import IndexParams, check_row_ids, count, positive
+from .base import IndexParams, check_row_ids, checked, count, positive
 from ._faiss import (device_float32, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
-                     faiss_threads, host_float32, import_faiss, on_current_stream)
+                     faiss_threads, host_float32, on_current_stream)
 from ._host import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
@@ -30,12 +25,11 @@ log = logging.getLogger("pefa_gpu")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IVFParams(IndexParams):
-    """Build settings. kind: 'flat' or 'pq' (product-quantised codes). nlist: lists (0 =
-    :func:`auto_nlist`). pq_m: PQ sub-quantisers (0 = :func:`auto_pq_m`); pq_nbits: bits per
-    code. train_size: training sample (0 = min(n, 256 nlist)), seeded by ``seed``. threads:
-    faiss CPU threads (0 = all)."""
+    """Build settings. kind: 'flat' or 'pq'. nlist, pq_m: 0 = :func:`auto_nlist`,
+    :func:`auto_pq_m`. train_size: seeded sample (0 = min(n, 256 nlist)); ``add`` does not
+    retrain."""
 
-    kind: str = "flat"
+    kind: str = checked("flat", check_choice, ("flat", "pq"))
     nlist: int = count(0, "automatic")
     pq_m: int = count(0, "automatic")
     pq_nbits: int = positive(8)
@@ -43,15 +37,11 @@ class IVFParams(IndexParams):
     seed: int = count(0)
     threads: int = count(0, "all cores")
 
-    def validate(self) -> None:
-        super().validate()
-        check_choice(self.kind, "kind", ("flat", "pq"))
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IVFSearchParams(IndexParams):
-    """Search settings. nprobe: lists visited per query (0 = :func:`auto_nprobe`; at most
-    nlist, and 2048 on the GPU)."""
+    """nprobe: lists visited per query (0 = :func:`auto_nprobe`; at most nlist, and 2048 on
+    the GPU, lowered with a warning)."""
 
     nprobe: int = count(0, "automatic")
 
@@ -62,8 +52,7 @@ def auto_nlist(n: int) -> int:
 
 
 def auto_nprobe(nlist: int) -> int:
-    """5/8 of the lists (rounded up; near-exact on text embeddings), at least 32, at most
-    2048 and nlist."""
+    """5/8 of the lists (rounded up), at least 32, at most 2048 and nlist."""
     return int(min(nlist, 2048, max(32, -(-5 * nlist // 8))))
 
 
@@ -87,39 +76,31 @@ class IVFIndex(FaissBackend):
         super().__init__(params, device)
         self._rows: torch.Tensor | None = None  # GPU: the stored rows on the device, once read
         self._nprobe_warned = False
+        self._want_gpu = self.device.type == "cuda" and faiss_has_gpu(self._faiss)
+        self.exact_scores = self.params.kind == "flat"  # IVF-PQ scores are approximations
 
-    @property
-    def exact_scores(self) -> bool:
-        """IVF-Flat scores are fp32 <q, x_j>; IVF-PQ scores are approximations."""
-        return self.params.kind == "flat"
-
-    def _k_limit(self) -> int | None:
+    def _k_limit(self) -> int:
         return self.gpu_max_k if self.on_gpu else self.max_k
-
-    def _want_gpu(self) -> bool:
-        return self.device.type == "cuda" and faiss_has_gpu(self._faiss)
 
     def _to_device(self, cpu_index: Any) -> Any:
         """Move a CPU faiss index to the GPU when wanted; on failure stay on the CPU."""
-        if not self._want_gpu():
-            self._gpu_res = None
+        self._gpu_res = None
+        if not self._want_gpu:
             return cpu_index
-        f = self._faiss
         # faiss refuses to copy an index whose nprobe is above its GPU limit (a save's nprobe)
         cpu_index.nprobe = min(int(cpu_index.nprobe), self.gpu_max_nprobe)
         try:
-            res = f.StandardGpuResources()
-            gpu_index = f.index_cpu_to_gpu(res, cuda_index(self.device), cpu_index)
+            res = self._faiss.StandardGpuResources()
+            gpu_index = self._faiss.index_cpu_to_gpu(res, cuda_index(self.device), cpu_index)
         except Exception as exc:  # e.g. a PQ layout the GPU does not support
             log.warning("ivf: could not move the index to the GPU (%s); staying on the CPU", exc)
-            self._gpu_res = None
             return cpu_index
         self._gpu_res = res
         return gpu_index
 
     def build(self, vectors: Any) -> "IVFIndex":
         """Train on a sample of ``vectors`` (n, d) and add them all; returns self."""
-        x = device_float32(vectors, "vectors", self.device) if self._want_gpu() else \
+        x = device_float32(vectors, "vectors", self.device) if self._want_gpu else \
             host_float32(vectors, "vectors")
         n, d = x.shape
         if d == 0 or n == 0:
@@ -142,12 +123,7 @@ class IVFIndex(FaissBackend):
         size = min(n, p.train_size or 256 * nlist)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
         self._index, self._dim = index, d
-        if isinstance(x, np.ndarray):
-            sample = x[rows]
-        else:  # faiss GPU trains IVF on the CPU (its k-means, PQ codebooks): the sample only
-            sample = host_float32(x[as_tensor(rows, device=x.device)], "vectors",
-                                  check_finite=False)
-        self._call("train", sample)
+        self._call("train", to_numpy(x[rows]))  # faiss GPU trains IVF on the CPU: the sample
         self._fallback = self._rows = None
         self._call("add", x)
         return self
@@ -180,8 +156,6 @@ class IVFIndex(FaissBackend):
         return self._nprobe(self.search_params)
 
     def _nprobe(self, params: IVFSearchParams) -> int:
-        """params.nprobe (0: :func:`auto_nprobe`), at most nlist and on the GPU
-        ``gpu_max_nprobe`` (lowered with a warning, once per index)."""
         nlist = int(self._index.nlist)
         nprobe = min(params.nprobe or auto_nprobe(nlist), nlist)
         if self.on_gpu and nprobe > self.gpu_max_nprobe:
@@ -236,17 +210,12 @@ class IVFIndex(FaissBackend):
     @classmethod
     def load(cls, directory: str | Path, params: IVFParams | dict | None = None,
              device: Any = None) -> "IVFIndex":
-        index = cls._read(directory)
-        faiss = import_faiss()
-        kind = {faiss.IndexIVFFlat: "flat", faiss.IndexIVFPQ: "pq"}.get(type(index))
+        index, kind = cls._read(directory, {"IndexIVFFlat": "flat", "IndexIVFPQ": "pq"})
         out = cls(params, device)
-        if kind is None or index.metric_type != faiss.METRIC_INNER_PRODUCT:
-            raise FormatError(f"{directory}: expected an inner-product IndexIVFFlat or "
-                              f"IndexIVFPQ, found {type(index).__name__}")
         if kind != out.params.kind:
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={out.params.kind!r}")
-        _check_list_ids(faiss, index, directory)
+        _check_list_ids(out._faiss, index, directory)
         out._index, out._dim = out._to_device(index), int(index.d)
         return out
 

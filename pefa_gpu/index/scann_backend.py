@@ -1,12 +1,5 @@
-"""ScaNN (PyPI ``scann``, numpy API, no TensorFlow), dot product, on the CPU.
-
-A k-means tree (``num_leaves``; ``leaves_to_search`` scored per query, seeded by k-means++ so
-the same rows give the same index), 4-bit anisotropic AH codes of ``dims_per_block`` dims and
-the best ``reorder`` re-scored in float32 (``exact_scores``); fewer than ``brute_force_below``
-rows: brute force. ``add`` does not retrain. No :meth:`reconstruct` (ScaNN keeps no rows).
-A save is ScaNN's assets (listed in ``scann_assets.pbtxt``, each a file inside the folder)
-and ``scann.json``; a folder holding the pickle ``scann_docids.pkl`` is refused.
-"""
+"""ScaNN (PyPI ``scann``, numpy API, no TensorFlow), dot product, on the CPU: a k-means tree,
+4-bit AH codes and the best ``reorder`` re-scored in float32. No :meth:`reconstruct`."""
 
 from __future__ import annotations
 
@@ -20,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError, InputError
-from .base import IndexParams, check_number, count, import_optional, positive
+from .base import IndexParams, check_number, checked, count, import_optional, positive
 from ._faiss import host_float32
 from ._host import HostBackend, read_description, write_description
 
@@ -45,21 +38,16 @@ class ScannParams(IndexParams):
 
     num_leaves: int = count(0, "automatic")
     dims_per_block: int = positive(2)
-    anisotropic_threshold: float | None = 0.2
+    anisotropic_threshold: float | None = checked(0.2, check_number, True)
     train_size: int = count(0, "automatic")
     brute_force_below: int = count(4096)
     threads: int = count(0, "every core")
 
-    def validate(self) -> None:
-        super().validate()
-        check_number(self.anisotropic_threshold, "anisotropic_threshold", none_ok=True)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScannSearchParams(IndexParams):
-    """Search settings. leaves_to_search: leaves scored per query (0 =
-    :func:`auto_leaves_to_search`). reorder: candidates re-scored exactly (0 =
-    :func:`auto_reorder`; at least k)."""
+    """leaves_to_search: leaves scored per query, reorder: candidates re-scored exactly (at
+    least k); 0: :func:`auto_leaves_to_search`, :func:`auto_reorder`."""
 
     leaves_to_search: int = count(0, "automatic")
     reorder: int = count(0, "automatic")
@@ -71,7 +59,7 @@ def auto_num_leaves(n: int) -> int:
 
 
 def auto_leaves_to_search(num_leaves: int) -> int:
-    """Three quarters of the leaves, rounded up (near-exact on text embeddings)."""
+    """Three quarters of the leaves, rounded up."""
     return int(-(-3 * num_leaves // 4))
 
 

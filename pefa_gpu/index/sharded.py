@@ -1,11 +1,5 @@
-"""An index sharded over devices: contiguous row shards, one backend index per device, each
-searched for the top-k and the lists merged (ties to the lower id).
-
-    idx = make_index("sharded", params={"devices": ["cuda:0", "cuda:1"], "backend": "exact"})
-
-Shards may share a device (``["cpu", "cpu"]`` tests the logic without GPUs). Search settings
-are the shard backend's (``idx.SearchParams`` is its class), passed to every shard.
-"""
+"""An index sharded over devices: contiguous row shards, one backend index per device, their
+top-k lists merged with the tie rule; search settings are the shard backend's."""
 
 from __future__ import annotations
 
@@ -57,16 +51,13 @@ class ShardedIndex(Index):
         self._cls = backend_class(self.params.backend)
         self.SearchParams = self._cls.SearchParams
         self.search_params = None
-        self.devices = [resolve_device(d) for d in self._device_names()]
+        names = self.params.devices or [str(self.device)]
+        if self.params.devices is None and self.device.type == "cuda" and \
+                self.device.index is None:
+            names = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        self.devices = [resolve_device(d) for d in names]
         self.shards: list[Index] = []
         self.offsets: list[int] = []
-
-    def _device_names(self) -> list[str]:
-        if self.params.devices is not None:
-            return list(self.params.devices)
-        if self.device.type == "cuda" and self.device.index is None:
-            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-        return [str(self.device)]
 
     @property
     def ntotal(self) -> int:
