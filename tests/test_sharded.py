@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -157,3 +159,14 @@ def test_sharded_passes_the_shard_backends_search_params(tmp_path):
     assert idx.search_params.nprobe == 1
     with pytest.raises(InputError, match="ef_search"):
         idx.search(torch.from_numpy(T), 10, params={"ef_search": 5})
+
+
+@pytest.mark.parametrize("offsets", [[0, 99], [0, -5], [0, 39], [3, 40], [0, "40"]])
+def test_a_forged_offset_table_is_refused(tmp_path, offsets):
+    X = np.random.default_rng(0).standard_normal((80, 6)).astype(np.float32)
+    ShardedIndex({"devices": ["cpu"] * 2}, "cpu").build(torch.from_numpy(X)).save(tmp_path)
+    meta = json.loads((tmp_path / "shards.json").read_text())
+    assert meta["offsets"] == [0, 40]  # the running sum of the sizes, as written
+    (tmp_path / "shards.json").write_text(json.dumps({**meta, "offsets": offsets}))
+    with pytest.raises(pg.errors.FormatError, match="offsets"):
+        ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")

@@ -174,5 +174,8 @@ class ShardedIndex(Index):
         if [s.ntotal for s in out.shards] != sizes:
             raise FormatError(f"{d}: shard sizes {[s.ntotal for s in out.shards]} differ from "
                               f"shards.json {sizes}")
-        out.offsets = offsets
+        out.offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        if offsets != out.offsets:
+            raise FormatError(f"{d}: shards.json offsets {offsets} are not the running sum of "
+                              f"the shard sizes {out.offsets}")
         return out
