@@ -155,13 +155,17 @@ class NUDGEParams(Params):
                 self.gamma, (int, float)) or not 0.0 <= self.gamma <= top):
             raise InputError(f"gamma must be None or a number in [0, {top:g}] for NUDGE-"
                              f"{self.variant}, got {self.gamma!r}")
-        if isinstance(self.val_fraction, bool) or not isinstance(
-                self.val_fraction, (int, float)) or not 0.0 < self.val_fraction < 1.0:
-            raise InputError(f"val_fraction must lie strictly between 0 and 1, got "
-                             f"{self.val_fraction!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise InputError(f"seed must be an int, got {self.seed!r}")
+        check_held_out(self.val_fraction, self.seed)
         check_positive(self.val_k, "val_k")
+
+
+def check_held_out(val_fraction: Any, seed: Any) -> None:
+    """InputError unless 0 < ``val_fraction`` < 1 (a number) and ``seed`` is an int."""
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
+            or not 0.0 < val_fraction < 1.0:
+        raise InputError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise InputError(f"seed must be an int, got {seed!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -26,7 +26,7 @@ from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_dev
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
-from .params import Params, check_positive
+from .params import Params, check_held_out, check_positive
 from .protocol import Model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
@@ -47,11 +47,7 @@ class AdapterParams(Params):
     def validate(self) -> None:
         if self.alpha is not None and not (_number(self.alpha) and self.alpha > 0):
             raise InputError(f"alpha must be None or a finite number > 0, got {self.alpha!r}")
-        if not (_number(self.val_fraction) and 0.0 < self.val_fraction < 1.0):
-            raise InputError(f"val_fraction must lie strictly between 0 and 1, got "
-                             f"{self.val_fraction!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise InputError(f"seed must be an int, got {self.seed!r}")
+        check_held_out(self.val_fraction, self.seed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

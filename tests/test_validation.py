@@ -126,3 +126,15 @@ def test_a_fitted_model_keeps_its_own_copy_of_the_documents():
     P[:] = 0.0
     after = model.search(unit_rows(np.random.default_rng(3), 50, 8)[:2], 3)
     assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
+
+
+@pytest.mark.parametrize("bad", [dict(val_fraction=v) for v in (0, 1.0, -0.1, True, "0.2",
+                                                                  float("nan"), float("inf"))]
+                         + [dict(seed=s) for s in (1.5, True, "0", None)])
+@pytest.mark.parametrize("make", [lambda **kw: pg.NUDGE(**kw),
+                                  lambda **kw: pg.QueryAdapter(**kw)],
+                         ids=["nudge", "query-adapter"])
+def test_held_out_split_settings_are_checked(make, bad):
+    with pytest.raises(pg.InputError, match=next(iter(bad))):
+        make(**bad)
+    make(val_fraction=0.5, seed=3)  # the limits are strict, a valid pair is kept
