@@ -525,16 +525,20 @@ class PEFAXL(_Model):
                  and getattr(self.index, "exact_scores", False)
                  and self.relevance_rows.nonnegative)
         q = to_numpy(q) if host else q
-
-        def fused(x: Array, width: int) -> tuple[tuple[Array, Array], Any, Any]:
-            erm, knn = self._searches(x, width, p.k, index_sp, None, host, checked)
-            out = self.fuse_grid(x, (erm[0][:, :width], erm[1][:, :width]), knn, (p.lam,),
-                                 (p.k,), topk)[(p.lam, p.k)]
-            return out, erm, knn
-        (s, i), erm, knn = fused(q, kt if prune else kp)
+        width = kt if prune else kp
+        erm, knn = self._searches(q, width, p.k, index_sp, None, host, checked)
         rest = _unprunable(erm, knn, topk, p.lam) if prune else []
-        if len(rest):
-            s[rest], i[rest] = fused(q[rest], kp)[0]
+        if prune and len(rest) == q.shape[0]:  # no row prunes (one query, say): one full search
+            erm, width, rest = _index_search(self.index, q, kp, index_sp, host, checked), kp, []
+
+        def fused(x: Array, passages: tuple[Array, Array], neighbours: tuple[Array, Array]
+                  ) -> tuple[Array, Array]:
+            return self.fuse_grid(x, passages, neighbours, (p.lam,), (p.k,), topk)[(p.lam, p.k)]
+        s, i = fused(q, (erm[0][:, :width], erm[1][:, :width]), knn)
+        if len(rest):  # the neighbours stay; only the passages widen to kp
+            s[rest], i[rest] = fused(q[rest], _index_search(self.index, q[rest], kp, index_sp,
+                                                            host, checked),
+                                     (knn[0][rest], knn[1][rest]))
         return s, i
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
