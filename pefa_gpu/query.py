@@ -15,7 +15,7 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,10 @@ from .protocol import Model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
 from .training import check_default
+
+if TYPE_CHECKING:
+    from typing import Self  # Python >= 3.11
+
 
 ALPHAS: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)  # QueryAdapter's α grid
 GRAM_ROWS = 1 << 16  # query rows per float64 block of QᵀQ

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import logging
 import os
@@ -195,20 +194,23 @@ def _npz_member(z: zipfile.ZipFile, name: str, limit: int, p: Path) -> np.ndarra
     """Array ``name`` of an open .npz, inflating at most its ``limit`` bytes of elements plus
     a header (at most 64 KiB)."""
     limit = 2**16 + max(limit, 0)
-    with z.open(f"{name}.npy") as fh:
-        raw = fh.read(limit + 1)
-    if len(raw) > limit:
+    info = z.getinfo(f"{name}.npy")
+    if info.file_size > limit:  # zipfile inflates no more than this declared size
         raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its shape and "
                           f"nnz allow")
-    return np.lib.format.read_array(io.BytesIO(raw), allow_pickle=False)
+    with z.open(info) as fh:
+        return np.lib.format.read_array(fh, allow_pickle=False)
 
 
 # ---------------------------------------------------------------------------- checksums
 
 def sha256_file(path: PathLike) -> str:
     """Hex sha256 of a file."""
+    h = hashlib.sha256()  # hashlib.file_digest is Python >= 3.11
     with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
+        while block := fh.read(2**22):
+            h.update(block)
+    return h.hexdigest()
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
