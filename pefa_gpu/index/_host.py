@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..arrays import as_tensor, check_topk, to_numpy
-from ..errors import FormatError, InputError
+from ..errors import FormatError
 from ..params import Params
 from ..storage import strict_json
 from ..topk import PAD_ID, PAD_SCORE
@@ -90,8 +90,7 @@ class HostBackend(Index):
         k = check_topk(k, self.ntotal, "k")
         sp = self.resolve_search_params(params)
         q = host_float32(queries, "queries", check_finite=check_finite)
-        if self.ntotal and q.shape[1] != self.dim:
-            raise InputError(f"queries must have shape (B, {self.dim}), got {q.shape}")
+        self.check_queries(q)
         b, found = q.shape[0], min(k, self.ntotal)
         if b == 0 or found == 0:
             return (np.full((b, k), PAD_SCORE, np.float32), np.full((b, k), PAD_ID, np.int64))

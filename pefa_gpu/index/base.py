@@ -55,9 +55,6 @@ class Index(abc.ABC):
     name: ClassVar[str]
     Params: ClassVar[type[Params]]
     SearchParams: ClassVar[type[Params]] = NoSearchParams
-    # no result row repeats an id: PEFA-XL's fusion then skips looking for repeats
-    distinct_ids: ClassVar[bool] = False
-
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         if isinstance(params, dict):
             fields = [{f.name for f in dataclasses.fields(c)} for c in (self.SearchParams,

@@ -36,7 +36,6 @@ class ExactIndex(VectorIndex):
     """Brute-force inner-product search. Ties go to the lower id."""
 
     name = "exact"
-    distinct_ids = True  # a top-k over the stored rows
     Params = ExactParams
     SearchParams = ExactSearchParams
 

@@ -39,7 +39,6 @@ class HNSWIndex(FaissBackend):
     """faiss HNSW (flat storage, inner product) on the CPU; results on ``device``."""
 
     name = "hnsw"
-    distinct_ids = True  # the walk keeps a visited set; the scan is a top-k over the rows
     Params = HNSWParams
     SearchParams = HNSWSearchParams
     exact_scores = True  # flat storage: returned scores are fp32 <q, x_j>

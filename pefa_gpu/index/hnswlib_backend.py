@@ -51,7 +51,6 @@ class HnswlibIndex(HostBackend):
     """hnswlib HNSW, inner product, on the CPU; results on ``device``."""
 
     name = "hnswlib"
-    distinct_ids = True  # the walk keeps a visited set
     Params = HnswlibParams
     SearchParams = HnswlibSearchParams
     exact_scores = True  # 1 - fl(1 - <q, x>) in float64: within 6e-8 of <q, x>

@@ -66,7 +66,6 @@ class IVFIndex(FaissBackend):
     """faiss IVF-Flat / IVF-PQ, inner product; GPU when available for a CUDA device."""
 
     name = "ivf"
-    distinct_ids = True  # every row lies in one inverted list
     Params = IVFParams
     SearchParams = IVFSearchParams
     gpu_max_k: ClassVar[int] = 2048

@@ -112,11 +112,6 @@ class ShardedIndex(Index):
         return merge_topk(torch.cat(vals, 1), torch.cat(ids, 1), k)
 
     @property
-    def distinct_ids(self) -> bool:  # type: ignore[override]
-        """True when every shard's results are (the shards' id ranges are disjoint)."""
-        return all(s.distinct_ids for s in self.shards)
-
-    @property
     def exact_scores(self) -> bool:
         """True when every shard returns exact fp32 inner products."""
         return bool(self.shards) and all(getattr(s, "exact_scores", False) for s in self.shards)
