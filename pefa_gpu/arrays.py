@@ -141,7 +141,7 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
         if not t.is_floating_point():
             t = t.to(torch.float32)
         t = t.to(dtype)
-    if check_finite and t.numel() and not _all_finite(t):
+    if check_finite and t.numel() and not all_finite(t):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise InputError(f"{name} contains NaN or inf (rows {bad}...)")
     if check_norm and t.shape[0]:
@@ -154,7 +154,7 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     return t
 
 
-def _all_finite(t: torch.Tensor) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
     """No NaN / inf in ``t``; from 2^24 entries on from its min and max (NaN propagates), with
     no temporary of its size."""
     t = t.detach()

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, cuda_index, to_numpy
+from ..arrays import all_finite, as_tensor, cuda_index, to_numpy
 from ..errors import InputError, MissingDependencyError
 from ..topk import PAD_ID, PAD_SCORE, merge_topk, order_ties, pad_topk
 from .base import import_optional
@@ -82,7 +82,7 @@ def device_float32(x: Any, name: str, device: torch.device,
     if t.ndim != 2 or (dim is not None and t.shape[1] != dim):
         raise InputError(f"{name} must have shape (rows, {dim if dim is not None else 'd'}), "
                          f"got {tuple(t.shape)}")
-    if t.numel() and not bool(torch.isfinite(t).all()):
+    if t.numel() and not all_finite(t):  # no temporary of t's size
         raise InputError(f"{name} contains NaN or inf")
     return t.contiguous()
 
