@@ -206,10 +206,10 @@ def _npz_member(z: zipfile.ZipFile, name: str, limit: int, p: Path) -> np.ndarra
 
 def sha256_file(path: PathLike) -> str:
     """Hex sha256 of a file."""
-    h = hashlib.sha256()  # hashlib.file_digest is Python >= 3.11
-    with open(path, "rb") as fh:
-        while block := fh.read(2**22):
-            h.update(block)
+    h, block = hashlib.sha256(), bytearray(2**18)  # hashlib.file_digest is Python >= 3.11
+    with open(path, "rb", buffering=0) as fh:
+        while size := fh.readinto(block):
+            h.update(memoryview(block)[:size])
     return h.hexdigest()
 
 
