@@ -219,11 +219,16 @@ COMMAND_HELP = {  # command -> (help, description)
                "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
-def _evaluation_options(command: str) -> dict[str, dict]:
-    """eval's, sweep's and tune's own options: --methods, λ / k (eval: each method's own by
-    default; sweep, tune: a grid), --json, sweep's --plot, tune's options."""
-    tune = command == "tune"
-    return {"--methods": dict(
+def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
+    """(group title, or '' for none; options) of ``command``, in the help's order."""
+    if command == "search":
+        return [("", SEARCH_OPTIONS), ("embeddings", {
+            f: kw for f, kw in EMBEDDING_OPTIONS.items() if f != "--embeddings"}),
+            ("compute", COMPUTE_OPTIONS)]
+    build, tune = command == "build", command == "tune"
+    data = {f: kw for f, kw in DATA_OPTIONS.items()
+            if not (build and f in ("--split", "--count-empty"))}
+    own = BUILD_OPTIONS if build else {"--methods": dict(
         type=_methods, default=tuple(REGISTRY) if tune else ("erm", "xs", "xl"),
         help=f"comma-separated subset of {','.join(REGISTRY)} (default: "
              f"{'every one' if tune else 'erm,xs,xl'}; NUDGE and the adapter choose their "
@@ -233,25 +238,11 @@ def _evaluation_options(command: str) -> dict[str, dict]:
         **({"--plot": dict(metavar="PNG", help="recall vs λ plot (default: next to --json, "
                            "same name, .png)")} if command == "sweep" else {}),
         **(TUNE_OPTIONS if tune else {})}
-
-
-def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
-    """(group title, or '' for none; options) of ``command``, in the help's order."""
-    if command == "search":
-        return [("", SEARCH_OPTIONS), ("embeddings", {
-            f: kw for f, kw in EMBEDDING_OPTIONS.items() if f != "--embeddings"}),
-            ("compute", COMPUTE_OPTIONS)]
-    build = command == "build"
-    groups = [("", {"data_dir": DATA_OPTIONS["data_dir"]}),
-              ("data", dict(list(DATA_OPTIONS.items())[1:4 if build else None])),
-              ("embeddings", EMBEDDING_OPTIONS), ("compute", COMPUTE_OPTIONS)]
-    if not build:
-        groups.append(("the authors' XMC layout (instead of DATA_DIR)", XMC_OPTIONS))
-    groups += [("model", MODEL_OPTIONS),
-               ("", BUILD_OPTIONS if build else _evaluation_options(command))]
-    if command != "sweep":
-        groups.append(("cluster (see pefa_gpu.distributed)", RAY_OPTIONS))
-    return groups
+    return [("", {"data_dir": data.pop("data_dir")}), ("data", data),
+            ("embeddings", EMBEDDING_OPTIONS), ("compute", COMPUTE_OPTIONS),
+            ("the authors' XMC layout (instead of DATA_DIR)", {} if build else XMC_OPTIONS),
+            ("model", MODEL_OPTIONS), ("", own),
+            ("cluster (see pefa_gpu.distributed)", {} if command == "sweep" else RAY_OPTIONS)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     for command, (help, description) in COMMAND_HELP.items():
         p = sub.add_parser(command, help=help, description=description)
         for title, options in _groups(command):
-            group = p.add_argument_group(title) if title else p
+            group = p.add_argument_group(title) if title and options else p
             for flag, kw in options.items():
                 group.add_argument(*flag.split(), **kw)
     return parser
