@@ -279,7 +279,7 @@ def _check_args(args: argparse.Namespace) -> None:
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
         one_process = [m for m in args.methods if not REGISTRY[m].pipeline]
-        if getattr(args, "ray", None) is not None and args.command != "tune" and one_process:
+        if args.command == "eval" and args.ray is not None and one_process:
             raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
                              f"pipeline's stages; drop --ray or these methods")
     if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
@@ -485,25 +485,21 @@ def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
         name: next(iter(setting_defaults(name))) if v is None else v for name, v in given.items()})
 
 
-@contextlib.contextmanager
-def _cluster(args: argparse.Namespace):
+def _connect(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     """With --ray: connect (``args.runner``) and make the work folder (``args.work``, a
-    temporary one removed afterwards unless --work-dir names one)."""
+    temporary one removed on ``stack``'s exit unless --work-dir names one)."""
     args.runner = None
     if getattr(args, "ray", None) is None:
-        yield
         return
     import tempfile
 
     from .distributed import connect
 
-    with contextlib.ExitStack() as stack:
-        noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
-                 {"logging_level": logging.ERROR})
-        args.runner = stack.enter_context(connect(args.ray, args.workers, **noise))
-        args.work = Path(args.work_dir) if args.work_dir else Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
-        yield
+    noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
+             {"logging_level": logging.ERROR})
+    args.runner = stack.enter_context(connect(args.ray, args.workers, **noise))
+    args.work = Path(args.work_dir) if args.work_dir else Path(
+        stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -541,16 +537,17 @@ def _evaluate(args: argparse.Namespace, data: _Data, groups: list[tuple]
 
 def _result_row(cfg: Any, metrics: dict) -> dict:
     """A table / JSON row of a :class:`pefa_gpu.Config` (ERM: no λ; NUDGE: its step, gamma)."""
-    lam = None if cfg.method == "erm" else cfg.lam
-    return {"method": cfg.method, "lam": None if lam is None else float(lam),
-            "k": None if cfg.k is None else int(cfg.k),
+    lam = None if cfg.method == "erm" or cfg.lam is None else float(cfg.lam)
+    return {"method": cfg.method, "lam": lam, "k": None if cfg.k is None else int(cfg.k),
             **({} if cfg.gamma is None else {"gamma": float(cfg.gamma)}),
             **{m: float(metrics[m]) for m in METRICS}}
 
 
-def _print_results(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dict]
-                   ) -> None:
-    """The data and the test queries counted (and how), what is relevant, then the table."""
+def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dict],
+            **more: Any) -> None:
+    """The data and the test queries counted (and how), what is relevant, the table; --json:
+    the fields that say what the averages are over, the rows, then ``more``."""
+    from .storage import write_output_file
     from .sweep import markdown_table
 
     n_empty = metrics["n_empty"]
@@ -562,13 +559,6 @@ def _print_results(args: argparse.Namespace, data: _Data, metrics: dict, rows: l
           f"{empty}\nrelevant: qrels grade >= {args.min_score:g}; nDCG gains: the qrels "
           f"grades\n")
     print(markdown_table(rows, METRICS), end="")
-
-
-def _write_json(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dict],
-                **more: Any) -> None:
-    """--json: the fields that say what the averages are over, the rows, then ``more``."""
-    from .storage import write_output_file
-
     if args.json:
         obj = {"dataset": data.name, "n_test_queries": metrics["n_queries"],
                "n_skipped": metrics["n_skipped"], "n_empty": metrics["n_empty"],
@@ -586,8 +576,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                        if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
     rows, last, _ = _evaluate(args, data, groups)
-    _print_results(args, data, last, rows)
-    _write_json(args, data, last, rows)
+    _report(args, data, last, rows)
     return 0
 
 
@@ -600,13 +589,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     rows, last, timings = _evaluate(args, data, [(args.methods, args.lam or PAPER_LAMS,
                                                   args.k or PAPER_KS)])
     total = time.perf_counter() - t0
-    _print_results(args, data, last, rows)
+    _report(args, data, last, rows, timings_s={**timings, "total": total})
     best = [(m, max(rows, key=lambda r: r[m])) for m in METRICS]
     print("\nbest: " + "; ".join(
         f"{m} {r[m]:.4f} ({Config(r['method'], r['lam'], r['k']).label()})" for m, r in best))
     print(f"grid of {len(rows)} configurations in {total:.2f} s (fit + search + fusion; "
           + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()) + ")")
-    _write_json(args, data, last, rows, timings_s={**timings, "total": total})
     if args.plot:
         plot_sweep(rows, args.plot, title=f"{data.name}: PEFA λ × k sweep")
         log.info("wrote %s", args.plot)
@@ -637,13 +625,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
     groups = [((c.method,), *(() if v is None else (v,) for v in (c.lam, c.k))) for c in configs]
     rows, last, _ = _evaluate(args, data, groups)  # refitted on all training pairs
     print("test (refitted on all training pairs):")
-    _print_results(args, data, last, rows)
-    _write_json(args, data, last, rows,
-                chosen={"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
-                reason=res.reason, coverage=res.coverage,
-                validation=[{k: v for k, v in r.items() if k in ("method", "lam", "k",
-                                                                 "objective", *METRICS)
-                             or k == "gamma" and v is not None} for r in res.validation.rows])
+    _report(args, data, last, rows,
+            chosen={"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
+            reason=res.reason, coverage=res.coverage,
+            validation=[{k: v for k, v in r.items() if k in ("method", "lam", "k", "objective",
+                                                             *METRICS)
+                         or k == "gamma" and v is not None} for r in res.validation.rows])
     return 0
 
 
@@ -738,7 +725,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _check_args(args)
         _setup(args)
-        with _cluster(args):
+        with contextlib.ExitStack() as stack:
+            _connect(args, stack)
             return COMMANDS[args.command](args)
     except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)

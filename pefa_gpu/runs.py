@@ -77,17 +77,14 @@ def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndar
         return json.dumps([{"query_id": qid, "query": t, "results": [
             {"rank": r, "doc_id": d, "score": s, **more} for r, d, s, more in rows]}
             for qid, t, rows in hits], indent=2) + "\n"
+    flat = [(qid, *row) for qid, _, rows in hits for row in rows]
     if fmt == "trec":
-        lines = []
-        for qid, _, rows in hits:
-            for r, d, s, _ in rows:
-                if any(c.isspace() for c in qid + d):
-                    raise InputError(f"the TREC run format cannot hold ids with spaces "
-                                     f"({qid!r}, {d!r})")
-                lines.append(f"{qid} Q0 {d} {r} {s:.6f} {tag}")
-        return "".join(line + "\n" for line in lines)
+        for qid, _, d, _, _ in flat:
+            if any(c.isspace() for c in qid + d):
+                raise InputError(f"the TREC run format cannot hold ids with spaces "
+                                 f"({qid!r}, {d!r})")
+        return "".join(f"{qid} Q0 {d} {r} {s:.6f} {tag}\n" for qid, r, d, s, _ in flat)
     lines = ["query_id\trank\tdoc_id\tscore" + ("\ttitle\ttext" if doc_text else "")]
-    for qid, _, rows in hits:
-        lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(f"\t{v}" for v in more.values())
-                  for r, d, s, more in rows]
+    lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(f"\t{v}" for v in more.values())
+              for qid, r, d, s, more in flat]
     return "\n".join(lines) + "\n"
