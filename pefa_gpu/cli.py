@@ -404,9 +404,8 @@ def resolve_model_arg(spec: str | None) -> Any:
 
 
 def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> list:
-    """One array per list of texts, with --model (``over``: encode's keywords instead of the
-    options'); --ray: all as one stage in ``work/encode-<hash of the texts and --model>``, which
-    a rerun with the same --work-dir reuses."""
+    """One array per list of texts (``over``: encode's keywords instead of the options'); --ray:
+    one stage in ``work/encode-<hash of the texts and --model>``, reused by a rerun."""
     from .encode import default_cache_dir, encode
 
     cache = (None if args.no_cache else
@@ -506,9 +505,8 @@ def _connect(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
 
 def _evaluate(args: argparse.Namespace, data: _Data, groups: list[tuple]
               ) -> tuple[list[dict], dict, dict[str, float]]:
-    """The grid of each (methods, lams, ks) group on the test split, one sweep per group (with
-    --ray: on the pipeline's stages when they run every method); returns the result rows, the
-    last configuration's metrics (for the counts) and seconds per method."""
+    """Rows of each (methods, lams, ks) grid on the test split (--ray: on the pipeline's stages
+    when they run every method), the last metrics (for the counts), seconds per method."""
     from tqdm.auto import tqdm
 
     from .metrics import evaluate
@@ -715,8 +713,8 @@ COMMANDS = {"eval": cmd_eval, "sweep": cmd_sweep, "tune": cmd_tune, "build": cmd
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``pefa-gpu``; returns the exit status (0 ok, 2 bad input or data, 1 a
-    failed write or read, e.g. a full disk, 130 Ctrl-C)."""
+    """``pefa-gpu``'s exit status: 0 ok, 2 bad input or data, 1 a failed write or read (e.g. a
+    full disk), 130 Ctrl-C."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:
