@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import pkgutil
 import sys
 import time
 from pathlib import Path
@@ -388,16 +389,12 @@ class _Data:
 def resolve_model_arg(spec: str | None) -> Any:
     """``--model``: None, a sentence-transformers name or folder, or ``module:attribute`` naming
     a callable texts -> array (a class is instantiated with no arguments)."""
-    import importlib
-
     if spec is None or ":" not in spec or Path(spec).exists():
         return spec
-    module, _, attr = spec.partition(":")
     try:
-        obj = importlib.import_module(module)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
+        obj = pkgutil.resolve_name(spec)
+    except (ImportError, AttributeError, ValueError) as exc:
+        module, _, attr = spec.partition(":")
         raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({exc})"
                          ) from None
     return obj() if isinstance(obj, type) else obj

@@ -93,6 +93,18 @@ def test_a_build_folder_never_makes_search_import_code(built, tmp_path, capsys, 
     assert not (tmp_path / "IMPORTED").exists() and not (tmp_path / "CALLED").exists()
 
 
+@pytest.mark.parametrize("spec, why", [
+    (".relative:f", "invalid format"), (":f", "invalid format"), ("a b:f", "invalid format"),
+    ("no_such_module_28:f", "No module named 'no_such_module_28'"),
+    ("textdata:Nope", "has no attribute 'Nope'")])
+def test_a_model_spec_that_cannot_be_imported_is_named(spec, why):
+    from pefa_gpu.cli import resolve_model_arg
+
+    with pytest.raises(pg.InputError) as info:
+        resolve_model_arg(spec)
+    assert str(info.value).startswith(f"--model {spec!r}: cannot import") and why in str(info.value)
+
+
 def test_a_callable_encoder_must_be_given_again(built, tmp_path, capsys):
     info = json.loads((built / "pefa_build.json").read_text())
     assert info["encoder"] == {"kind": "callable", "name": "textdata:BowEncoder"}
