@@ -12,12 +12,11 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
                metrics: Sequence[str] = ("recall@10", "recall@100")) -> Path:
     """Recall vs λ, one line per method and k, ERM dashed; one panel per metric. Writes a PNG."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: no global backend or figure list
     except ImportError as exc:
         raise MissingDependencyError("plots need matplotlib: pip install matplotlib") from exc
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(metrics), 4))
+    axes = fig.subplots(1, len(metrics), squeeze=False)
     for ax, metric in zip(axes[0], metrics):
         groups: dict[str, list[dict]] = {}
         for r in rows:
@@ -40,7 +39,4 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
         fig.suptitle(title)
     fig.tight_layout()
     from .storage import write_output_file
-    try:
-        return write_output_file(path, lambda tmp: fig.savefig(tmp, dpi=110), "plot")
-    finally:
-        plt.close(fig)
+    return write_output_file(path, lambda tmp: fig.savefig(tmp, dpi=110), "plot")
