@@ -413,8 +413,6 @@ def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> li
         kw["model"] = resolve_model_arg(args.model)
     if args.runner is None:
         return [encode(texts, **kw) for texts in lists]
-    import torch
-
     from .pipeline import Rows, encode as encode_stage
 
     texts = [t for texts in lists for t in texts]
@@ -424,7 +422,7 @@ def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> li
     out = Rows(encode_stage(texts, args.work / f"encode-{h.hexdigest()[:16]}",
                             runner=args.runner, **kw))
     bounds = np.cumsum([0, *map(len, lists)])
-    return [torch.from_numpy(out.read(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return [out.read(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
 
 def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
