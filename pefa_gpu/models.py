@@ -202,11 +202,8 @@ class _Model:
                 scores[lo:lo + rows], ids[lo:lo + rows] = self._search(
                     q, topk, model_sp, index_sp, checked=check)
             return scores, ids
-        q = self.as_queries(queries, check)
-        if q.shape[0] == 0:
-            return (torch.full((0, topk), float("-inf"), device=self.device),
-                    torch.full((0, topk), -1, dtype=torch.long, device=self.device))
-        return self._search(q, topk, model_sp, index_sp, checked=check)
+        return self._search(self.as_queries(queries, check), topk, model_sp, index_sp,
+                            checked=check)
 
     def _memory_budget(self) -> int:
         """Bytes a search may hold: the index's ``memory_budget``, else the exact default."""
