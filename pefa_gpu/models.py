@@ -36,27 +36,6 @@ SP = TypeVar("SP", bound=Params)  # a SearchParams class
 M = TypeVar("M", bound="_Model")
 
 
-def _accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> torch.Tensor:
-    """sums (n, d) float32 [j] += Y[i, j] Q[i] in place for Y (m x n) scipy sparse, Q (m, d),
-    in ascending i per document (fit's rounding on the CPU) -> touched ids (t,) int64, sorted."""
-    yc = sp.csc_matrix(Y, dtype=np.float32)
-    yc.sort_indices()
-    counts = np.diff(yc.indptr)
-    touched = np.flatnonzero(counts)
-    col = np.repeat(np.arange(yc.shape[1]), counts)
-    rank = np.arange(yc.nnz) - yc.indptr[col]       # the t-th pair of its document
-    order = np.argsort(rank, kind="stable")
-    bounds = np.searchsorted(rank[order], np.arange(int(counts.max()) + 1))
-    rows, docs = (as_tensor(a[order].astype(np.int64), device=sums.device)
-                  for a in (yc.indices, col))
-    vals = as_tensor(yc.data[order], device=sums.device, dtype=torch.float32)
-    for t in range(len(bounds) - 1):               # one round per rank: documents distinct
-        sl = slice(int(bounds[t]), int(bounds[t + 1]))
-        d = docs[sl]
-        sums[d] = sums[d] + vals[sl].unsqueeze(1) * Q[rows[sl]].float()
-    return as_tensor(touched.astype(np.int64), device=sums.device)
-
-
 class _Model:
     """Shared plumbing. Keywords: the model's ``Params`` fields, ``backend``, ``index_params``,
     and the search defaults ``search_params`` / ``index_search_params`` (typed)."""
@@ -344,8 +323,10 @@ class _AdaptedDocuments(_Model):
         return training.inner(q, self._adapted_rows(ids))
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
-        """The pairs join ``doc_sums``; the touched index rows are rewritten (or rebuilt)."""
-        touched = _accumulate_pairs(self.doc_sums, rel.csr, q)
+        """The pairs join ``doc_sums`` (summed as fit sums them); the touched index rows are
+        rewritten (or rebuilt)."""
+        pifa(rel, q, normalize=False, device=self.device, initial=self.doc_sums)
+        touched = as_tensor(np.unique(rel.csr.indices).astype(np.int64), device=self.device)
         if not touched.numel():
             return
         try:
