@@ -23,6 +23,7 @@ import scipy.sparse as sp
 import torch
 
 from .aggregate import normalize_rows
+from .topk import topk_rows
 
 N_GAMMAS: tuple[float, ...] = tuple(0.02 * x for x in range(25))  # NUDGE-N's γ grid
 BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
@@ -100,7 +101,7 @@ def _choose_gamma_n(d: torch.Tensor, g: torch.Tensor, q: torch.Tensor, y: sp.csr
         hits = []
         for s in range(0, q.shape[0], step):
             b = slice(s, s + step)
-            top = torch.topk(q[b] @ e.T, k, dim=1).indices.cpu().numpy()
+            top = topk_rows(q[b] @ e.T, k)[1].cpu().numpy()  # ties: the lower id
             rows = np.repeat(np.arange(top.shape[0]), k)
             hits.append(np.asarray(y[b][rows, top.ravel()]).reshape(top.shape).sum(1))
         acc = float((torch.as_tensor(np.concatenate(hits), dtype=torch.float64) / denom).mean())
