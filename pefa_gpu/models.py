@@ -207,7 +207,7 @@ class _Model:
         q = as_embeddings(queries, self.device, "queries", dim=self.dim, dtype=dtype,
                           check_norm=False, check_finite=chk)
         i = training.as_ids(ids, q.shape[0], self.n_docs, self.device, chk)
-        if q.shape[0] == 0:
+        if i.numel() == 0:  # no queries or no ids
             return torch.empty(i.shape, dtype=q.dtype, device=q.device)
         return self._score(q, i.clamp_min(0)).masked_fill(i < 0, float("-inf"))
 
