@@ -36,11 +36,15 @@ class Params:
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        cls._check_keys(data)
+        return cls(**data)
+
+    @classmethod
+    def _check_keys(cls, data: dict[str, Any]) -> None:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise InputError(f"{cls.__name__} got unknown keys {unknown}; known: {sorted(known)}")
-        return cls(**data)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -51,7 +55,8 @@ class Params:
 
     def replace(self: T, **changes: Any) -> T:
         """A copy with ``changes``, checked as on construction (unknown keys: InputError)."""
-        return self.from_dict({**self.to_dict(), **changes})
+        self._check_keys(changes)
+        return dataclasses.replace(self, **changes)
 
     @classmethod
     def coerce(cls: type[T], value: "Params | dict | None", what: str = "params") -> T:
