@@ -78,9 +78,8 @@ class _Model:
 
     def __repr__(self) -> str:
         settings = {**self.params.to_dict(), **self.search_params.to_dict()}
-        fields = ", ".join(f"{k}={v!r}" for k, v in settings.items())
-        return (f"{type(self).__name__}({fields}{', ' if fields else ''}backend={self.backend!r},"
-                f" device='{self.device}', n_docs={self.n_docs})")
+        fields = ", ".join(f"{k}={v!r}" for k, v in {**settings, "backend": self.backend}.items())
+        return f"{type(self).__name__}({fields}, device='{self.device}', n_docs={self.n_docs})"
 
     @property
     def search_params(self) -> Params:
