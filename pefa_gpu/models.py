@@ -322,12 +322,15 @@ class _AdaptedDocuments(_Model):
         return training.inner(q, self._adapted_rows(ids))
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
-        """The pairs join ``doc_sums`` (summed as fit sums them); the touched index rows are
-        rewritten (or rebuilt)."""
-        pifa(rel, q, normalize=False, device=self.device, initial=self.doc_sums)
-        touched = as_tensor(np.unique(rel.csr.indices).astype(np.int64), device=self.device)
-        if not touched.numel():
+        """The pairs join ``doc_sums`` of the documents they touch (summed as fit sums them:
+        in query order); those index rows are rewritten (or rebuilt)."""
+        cols = np.unique(rel.csr.indices)
+        if not cols.size:
             return
+        touched = as_tensor(cols.astype(np.int64), device=self.device)
+        sums = self.doc_sums[touched]  # (t, d): a copy, summed into in place
+        self.doc_sums[touched] = pifa(rel.csr[:, cols], q, normalize=False, device=self.device,
+                                      initial=sums)
         try:
             self.index.update(touched, self._adapted_rows(touched))
         except NotImplementedError:
