@@ -91,29 +91,24 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
     info = save.manifest
     ids_file = save.file(info.get("doc_ids"))
     model = load_model(save.folder(info.get("model")), device=device, verify=False)
-    doc_ids = _read_doc_ids(ids_file)
+    try:
+        doc_ids = json.loads(ids_file.read_text(encoding="utf-8"))["doc_ids"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{ids_file} is not a document id list ({type(exc).__name__}: {exc}); "
+                          f'expected {{"doc_ids": ["id", ...]}}') from None
+    if not isinstance(doc_ids, list) or not all(isinstance(d, str) for d in doc_ids):
+        raise FormatError(f'{ids_file}: "doc_ids" must be a list of strings')
+    if len(set(doc_ids)) != len(doc_ids):
+        raise FormatError(f"{ids_file}: the document ids are not unique")
+    try:
+        for i, d in enumerate(doc_ids):
+            record_id(d, f"{ids_file}: entry {i}", "document")
+    except InputError as exc:
+        raise FormatError(str(exc)) from None
     if len(doc_ids) != model.n_docs:
         raise FormatError(f"{ids_file}: {len(doc_ids)} document ids for a model of "
                           f"{model.n_docs} documents")
     return model, doc_ids, info
-
-
-def _read_doc_ids(path: Path) -> list[str]:
-    try:
-        doc_ids = json.loads(path.read_text(encoding="utf-8"))["doc_ids"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{path} is not a document id list ({type(exc).__name__}: {exc}); "
-                          f'expected {{"doc_ids": ["id", ...]}}') from None
-    if not isinstance(doc_ids, list) or not all(isinstance(d, str) for d in doc_ids):
-        raise FormatError(f'{path}: "doc_ids" must be a list of strings')
-    if len(set(doc_ids)) != len(doc_ids):
-        raise FormatError(f"{path}: the document ids are not unique")
-    try:
-        for i, d in enumerate(doc_ids):
-            record_id(d, f"{path}: entry {i}", "document")
-    except InputError as exc:
-        raise FormatError(str(exc)) from None
-    return doc_ids
 
 
 def encoder_record(model: str | None, embeddings: str | None) -> dict[str, str]:

@@ -36,27 +36,6 @@ SP = TypeVar("SP", bound=Params)  # a SearchParams class
 M = TypeVar("M", bound="_Model")
 
 
-def _accumulate_pairs(sums: torch.Tensor, Y: sp.spmatrix, Q: torch.Tensor) -> torch.Tensor:
-    """sums (n, d) float32 [j] += Y[i, j] Q[i] in place for Y (m x n) scipy sparse, Q (m, d),
-    in ascending i per document (fit's rounding on the CPU) -> touched ids (t,) int64, sorted."""
-    yc = sp.csc_matrix(Y, dtype=np.float32)
-    yc.sort_indices()
-    counts = np.diff(yc.indptr)
-    touched = np.flatnonzero(counts)
-    col = np.repeat(np.arange(yc.shape[1]), counts)
-    rank = np.arange(yc.nnz) - yc.indptr[col]       # the t-th pair of its document
-    order = np.argsort(rank, kind="stable")
-    bounds = np.searchsorted(rank[order], np.arange(int(counts.max()) + 1))
-    rows, docs = (as_tensor(a[order].astype(np.int64), device=sums.device)
-                  for a in (yc.indices, col))
-    vals = as_tensor(yc.data[order], device=sums.device, dtype=torch.float32)
-    for t in range(len(bounds) - 1):               # one round per rank: documents distinct
-        sl = slice(int(bounds[t]), int(bounds[t + 1]))
-        d = docs[sl]
-        sums[d] = sums[d] + vals[sl].unsqueeze(1) * Q[rows[sl]].float()
-    return as_tensor(touched.astype(np.int64), device=sums.device)
-
-
 class _Model:
     """Shared plumbing. Keywords: the model's ``Params`` fields, ``backend``, ``index_params``,
     and the search defaults ``search_params`` / ``index_search_params`` (typed)."""
@@ -99,9 +78,8 @@ class _Model:
 
     def __repr__(self) -> str:
         settings = {**self.params.to_dict(), **self.search_params.to_dict()}
-        fields = ", ".join(f"{k}={v!r}" for k, v in settings.items())
-        return (f"{type(self).__name__}({fields}{', ' if fields else ''}backend={self.backend!r},"
-                f" device='{self.device}', n_docs={self.n_docs})")
+        fields = ", ".join(f"{k}={v!r}" for k, v in {**settings, "backend": self.backend}.items())
+        return f"{type(self).__name__}({fields}, device='{self.device}', n_docs={self.n_docs})"
 
     @property
     def search_params(self) -> Params:
@@ -202,11 +180,8 @@ class _Model:
                 scores[lo:lo + rows], ids[lo:lo + rows] = self._search(
                     q, topk, model_sp, index_sp, checked=check)
             return scores, ids
-        q = self.as_queries(queries, check)
-        if q.shape[0] == 0:
-            return (torch.full((0, topk), float("-inf"), device=self.device),
-                    torch.full((0, topk), -1, dtype=torch.long, device=self.device))
-        return self._search(q, topk, model_sp, index_sp, checked=check)
+        return self._search(self.as_queries(queries, check), topk, model_sp, index_sp,
+                            checked=check)
 
     def _memory_budget(self) -> int:
         """Bytes a search may hold: the index's ``memory_budget``, else the exact default."""
@@ -231,7 +206,7 @@ class _Model:
         q = as_embeddings(queries, self.device, "queries", dim=self.dim, dtype=dtype,
                           check_norm=False, check_finite=chk)
         i = training.as_ids(ids, q.shape[0], self.n_docs, self.device, chk)
-        if q.shape[0] == 0:
+        if i.numel() == 0:  # no queries or no ids
             return torch.empty(i.shape, dtype=q.dtype, device=q.device)
         return self._score(q, i.clamp_min(0)).masked_fill(i < 0, float("-inf"))
 
@@ -347,10 +322,15 @@ class _AdaptedDocuments(_Model):
         return training.inner(q, self._adapted_rows(ids))
 
     def _append_pairs(self, q: torch.Tensor, rel: Relevance) -> None:
-        """The pairs join ``doc_sums``; the touched index rows are rewritten (or rebuilt)."""
-        touched = _accumulate_pairs(self.doc_sums, rel.csr, q)
-        if not touched.numel():
+        """The pairs join ``doc_sums`` of the documents they touch (summed as fit sums them:
+        in query order); those index rows are rewritten (or rebuilt)."""
+        cols = np.unique(rel.csr.indices)
+        if not cols.size:
             return
+        touched = as_tensor(cols.astype(np.int64), device=self.device)
+        sums = self.doc_sums[touched]  # (t, d): a copy, summed into in place
+        self.doc_sums[touched] = pifa(rel.csr[:, cols], q, normalize=False, device=self.device,
+                                      initial=sums)
         try:
             self.index.update(touched, self._adapted_rows(touched))
         except NotImplementedError:

@@ -23,6 +23,8 @@ import scipy.sparse as sp
 import torch
 
 from .aggregate import normalize_rows
+from .arrays import as_tensor
+from .topk import topk_rows
 
 N_GAMMAS: tuple[float, ...] = tuple(0.02 * x for x in range(25))  # NUDGE-N's γ grid
 BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
@@ -66,8 +68,8 @@ def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
         yb = y[b].tocoo()
         if not yb.nnz:
             continue
-        rows = torch.as_tensor(yb.row.astype(np.int64), device=d.device)
-        cols = torch.as_tensor(yb.col.astype(np.int64), device=d.device).unsqueeze(1)
+        rows = as_tensor(yb.row.astype(np.int64), device=d.device)
+        cols = as_tensor(yb.col.astype(np.int64), device=d.device).unsqueeze(1)
         s = (q[b] @ d.T)[rows]                      # (pairs, n) <q, d_j>
         t = (q[b] @ g_hat.T)[rows]                  # (pairs, n) <q, ĝ_j>
         ds, dt = s - s.gather(1, cols), t - t.gather(1, cols)
@@ -91,19 +93,19 @@ def _choose_gamma_n(d: torch.Tensor, g: torch.Tensor, q: torch.Tensor, y: sp.csr
     keep = np.flatnonzero(n_rel > 0)
     if not keep.size:
         return 0.0
-    q, y = q[torch.as_tensor(keep, device=q.device)], y[keep]
+    q, y = q[as_tensor(keep, device=q.device)], y[keep]
     k = min(val_k, d.shape[0])
-    denom = torch.as_tensor(np.minimum(n_rel[keep], val_k), dtype=torch.float64)
+    denom = as_tensor(np.minimum(n_rel[keep], val_k), dtype=torch.float64)
     best, best_acc, step = 0.0, -1.0, max(1, BLOCK_CELLS // d.shape[0])
     for gamma in N_GAMMAS:
         e = nudge_n(d, g, gamma)
         hits = []
         for s in range(0, q.shape[0], step):
             b = slice(s, s + step)
-            top = torch.topk(q[b] @ e.T, k, dim=1).indices.cpu().numpy()
+            top = topk_rows(q[b] @ e.T, k)[1].cpu().numpy()  # ties: the lower id
             rows = np.repeat(np.arange(top.shape[0]), k)
             hits.append(np.asarray(y[b][rows, top.ravel()]).reshape(top.shape).sum(1))
-        acc = float((torch.as_tensor(np.concatenate(hits), dtype=torch.float64) / denom).mean())
+        acc = float((as_tensor(np.concatenate(hits), dtype=torch.float64) / denom).mean())
         if acc > best_acc:
             best, best_acc = gamma, acc
     return best

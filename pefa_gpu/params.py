@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, TypeVar
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 
@@ -25,7 +25,11 @@ class Params:
         self.validate()
 
     def validate(self) -> None:
-        """Raise InputError on a bad value; subclasses override."""
+        """Check each field made by :func:`checked` (InputError); subclasses add their own."""
+        for f in dataclasses.fields(self):
+            if "check" in f.metadata:
+                check, *extra = f.metadata["check"]
+                check(getattr(self, f.name), f.name, *extra)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -66,6 +70,12 @@ class Params:
         raise TypeError(f"{what} must be a {cls.__name__} or a dict, got {type(value).__name__}")
 
 
+def checked(default: Any, check: Callable[..., None], *extra: Any, **metadata: Any) -> Any:
+    """A field checked on construction by ``check(value, name, *extra)``; ``metadata``: the
+    CLI's "help", "metavar", "flag"."""
+    return dataclasses.field(default=default, metadata={"check": (check, *extra), **metadata})
+
+
 def check_unit_interval(value: Any, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
@@ -90,6 +100,10 @@ def check_nonnegative(value: Any, name: str, zero: str = "") -> None:
 # The models' own settings (pefa_gpu.models): here, so that the CLI reads their defaults
 # without importing torch.
 NUDGE_VARIANTS: tuple[str, ...] = ("M", "N")
+BOOLS = (True, False)
+LAM_HELP = "λ in [0, 1], weight of the ERM score"
+AUGMENT_FLAG = {"flag": "--no-augment",
+                "help": "do not count each document as a training query for itself"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,15 +116,8 @@ class XSParams(Params):
     """lam: weight of the ERM embedding (1 = plain ERM). augment_docs: each document also counts
     as a training query for itself (a_j += p_j)."""
 
-    lam: float = dataclasses.field(
-        default=0.5, metadata={"help": "λ in [0, 1], weight of the ERM score", "metavar": "L"})
-    augment_docs: bool = dataclasses.field(default=True, metadata={
-        "flag": "--no-augment",
-        "help": "do not count each document as a training query for itself"})
-
-    def validate(self) -> None:
-        check_unit_interval(self.lam, "lam")
-        check_choice(self.augment_docs, "augment_docs", (True, False))
+    lam: float = checked(0.5, check_unit_interval, help=LAM_HELP, metavar="L")
+    augment_docs: bool = checked(True, check_choice, BOOLS, **AUGMENT_FLAG)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,21 +126,11 @@ class XLParams(Params):
     neighbour by s/k, 'none' by s. rescore: exact <q, p_j> for every candidate (else 0 outside
     the ERM candidates). augment_docs: documents also join as queries labelled with themselves."""
 
-    lam: float = dataclasses.field(
-        default=0.1, metadata={"help": "λ in [0, 1], weight of the ERM score", "metavar": "L"})
-    k: int = dataclasses.field(default=16, metadata={"help": "XL neighbours", "metavar": "K"})
-    knn_norm: str = "k"
-    rescore: bool = True
-    augment_docs: bool = dataclasses.field(default=True, metadata={
-        "flag": "--no-augment",
-        "help": "do not count each document as a training query for itself"})
-
-    def validate(self) -> None:
-        check_unit_interval(self.lam, "lam")
-        check_positive(self.k, "k")
-        check_choice(self.knn_norm, "knn_norm", ("k", "none"))
-        check_choice(self.rescore, "rescore", (True, False))
-        check_choice(self.augment_docs, "augment_docs", (True, False))
+    lam: float = checked(0.1, check_unit_interval, help=LAM_HELP, metavar="L")
+    k: int = checked(16, check_positive, help="XL neighbours", metavar="K")
+    knn_norm: str = checked("k", check_choice, ("k", "none"))
+    rescore: bool = checked(True, check_choice, BOOLS)
+    augment_docs: bool = checked(True, check_choice, BOOLS, **AUGMENT_FLAG)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,21 +139,20 @@ class NUDGEParams(Params):
     Y_val, else on a seeded (``seed``) ``val_fraction`` of the training queries held out.
     val_k: NUDGE-N's validation top-k (nudge-ft's default 1)."""
 
-    variant: str = "N"
+    variant: str = checked("N", check_choice, NUDGE_VARIANTS)
     gamma: float | None = None
     val_fraction: float = 0.2
     seed: int = 0
-    val_k: int = 1
+    val_k: int = checked(1, check_positive)
 
     def validate(self) -> None:
-        check_choice(self.variant, "variant", NUDGE_VARIANTS)
+        super().validate()
         top = 4.0 if self.variant == "N" else float("inf")
         if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(
                 self.gamma, (int, float)) or not 0.0 <= self.gamma <= top):
             raise InputError(f"gamma must be None or a number in [0, {top:g}] for NUDGE-"
                              f"{self.variant}, got {self.gamma!r}")
         check_held_out(self.val_fraction, self.seed)
-        check_positive(self.val_k, "val_k")
 
 
 def check_held_out(val_fraction: Any, seed: Any) -> None:
@@ -187,8 +183,5 @@ class NUDGESearchParams(Params):
 class XLSearchParams(Params):
     """PEFA-XL's own search settings. candidates: ERM candidates Kp from the passage index."""
 
-    candidates: int = dataclasses.field(default=500, metadata={
-        "help": "PEFA-XL: ERM candidates taken from the passage index", "metavar": "KP"})
-
-    def validate(self) -> None:
-        check_positive(self.candidates, "candidates")
+    candidates: int = checked(500, check_positive, metavar="KP",
+                              help="PEFA-XL: ERM candidates taken from the passage index")

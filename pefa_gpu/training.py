@@ -83,17 +83,11 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     pos = as_positive_ids(positives, q.shape[0], model.device, model.n_docs if chk else None)
     # enough that n non-positives survive if they exist; never more than every document
     depth = min(n + skip_top + pos.shape[1], model.n_docs)
-    out = []
+    neg = torch.full((q.shape[0], n + 1), -1, dtype=torch.long, device=model.device)
     for s in range(0, q.shape[0], batch_size):
         _, ids = model.search(q[s:s + batch_size], topk=depth, check=False)
-        p = pos[s:s + batch_size]
-        keep = (ids >= 0) & ~(ids.unsqueeze(2) == p.unsqueeze(1)).any(2)
-        rank = keep.long().cumsum(1) - 1 - int(skip_top)
-        take = keep & (rank >= 0) & (rank < n)
-        slot = torch.where(take, rank, n)
-        neg = torch.full((ids.shape[0], n + 1), -1, dtype=torch.long, device=ids.device)
-        neg.scatter_(1, slot, torch.where(take, ids, -1))
-        out.append(neg[:, :n])
-    if not out:
-        return torch.empty(0, n, dtype=torch.long, device=model.device)
-    return torch.cat(out)
+        keep = (ids >= 0) & ~(ids.unsqueeze(2) == pos[s:s + batch_size].unsqueeze(1)).any(2)
+        rank = keep.long().cumsum(1) - 1 - skip_top
+        take = keep & (rank >= 0) & (rank < n)  # column n: the rest, cut off below
+        neg[s:s + batch_size].scatter_(1, torch.where(take, rank, n), torch.where(take, ids, -1))
+    return neg[:, :n].contiguous()

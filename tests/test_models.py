@@ -238,3 +238,12 @@ def test_models_do_not_alias_caller_arrays():
     Pc[:] = 0
     Qc.zero_()
     assert torch.equal(model.search(T, 5)[1], before[1])
+
+
+def test_repr_lists_the_settings_backend_device_and_size():
+    P, Q, Y, _ = problem(11)
+    erm = pg.ERM(device="cpu").fit(P)
+    assert repr(erm) == f"ERM(backend='exact', device='cpu', n_docs={len(P)})"
+    xl = pg.PEFAXL(lam=0.2, k=3, device="cpu", search_params=pg.XLSearchParams(candidates=9))
+    assert repr(xl) == ("PEFAXL(lam=0.2, k=3, knn_norm='k', rescore=True, augment_docs=True, "
+                        "candidates=9, backend='exact', device='cpu', n_docs=0)")

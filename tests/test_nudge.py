@@ -95,6 +95,20 @@ def test_gamma_m_counts_pairs_and_ties():
     assert nudge.choose_gamma("N", d, g, q, empty) == 0.0
 
 
+def test_gamma_n_top_k_ties_go_to_the_lower_id():
+    """Five equal documents tie for the validation query; the answer, document 0, is the lowest
+    id, so it is the top-1 already at γ = 0 (the first of the grid); moving it (γ = 0.02 lifts
+    it above the rest) is not needed. A top-1 that breaks the tie otherwise chooses 0.02."""
+    d = torch.tensor([[1.0, 0.0]]).repeat(5, 1)
+    g = torch.zeros(5, 2)
+    g[0] = torch.tensor([1.0, 1.0])                # only document 0 has a training query
+    q = torch.tensor([[1.0, 0.1]]) / np.hypot(1.0, 0.1)
+    y = sp.csr_matrix(np.array([[1, 0, 0, 0, 0]], np.float32))
+    assert nudge.choose_gamma("N", d, g, q, y) == 0.0
+    y2 = sp.csr_matrix(np.array([[0, 0, 0, 0, 1]], np.float32))  # the highest id: never top-1
+    assert nudge.choose_gamma("N", d, g, q, y2) == 0.0             # (no γ helps: the first)
+
+
 @pytest.mark.parametrize("variant", ["M", "N"])
 def test_without_validation_holds_out_a_seeded_part(variant):
     P, Q, Y, _, _, _ = problem(2)

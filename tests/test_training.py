@@ -133,6 +133,15 @@ def test_score_padding_is_minus_inf_without_gradient():
     assert torch.isfinite(q.grad).all() and loss.item() == 0
 
 
+@pytest.mark.parametrize("kind,opts", MODELS + [("nudge", dict(variant="M", gamma=0.3))])
+def test_score_of_no_ids_or_no_queries_is_empty(kind, opts):
+    P, Q, Y, T = _data(8)
+    model = pg.NUDGE(**opts).fit(P, Q, Y) if kind == "nudge" else _fit(kind, opts, P, Q, Y)
+    for queries, ids in ((T, np.zeros((B, 0), np.int64)), (T[:0], np.zeros((0, 3), np.int64))):
+        out = model.score(torch.from_numpy(queries).double(), ids)
+        assert out.shape == ids.shape and out.dtype == torch.float64
+
+
 def test_score_errors():
     P, Q, Y, T = _data(6)
     xs = _fit("xs", {}, P, Q, Y)
