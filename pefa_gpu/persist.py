@@ -38,8 +38,7 @@ def register_model(cls: type) -> None:
 def save_model(model: Model, directory: str | Path) -> None:
     """Write a fitted model to ``directory`` atomically (:func:`storage.writing_save`)."""
     model.check_fitted()
-    missing = [name for name in type(model)._saved if not hasattr(model, name)]
-    if missing:
+    if missing := [name for name in type(model)._saved if not hasattr(model, name)]:
         raise InputError(f"{type(model).__name__} lists {missing} in _saved but has no such "
                          f"attribute")
     with storage.writing_save(directory) as w:

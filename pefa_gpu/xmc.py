@@ -74,8 +74,7 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
     if normalize:
         xs = {src: to_numpy(normalize_rows(as_tensor(x, device="cpu"))) for src, x in xs.items()}
     P = to_numpy(pifa(ys["abs"], xs["abs"], normalize=True, device="cpu"))
-    missing = int(np.count_nonzero(ys["abs"].getnnz(axis=0) == 0))
-    if missing:
+    if missing := int(np.count_nonzero(ys["abs"].getnnz(axis=0) == 0)):
         log.warning("%s: %d of %d documents have no abstract row; their passage embedding is "
                     "zero (ERM cannot rank them above 0)", xmc_root / FILES["abs"][0],
                     missing, ys["abs"].shape[1])
