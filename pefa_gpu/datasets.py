@@ -20,7 +20,7 @@ import numpy as np
 
 from .errors import InputError, MissingDependencyError
 from .relevance import Relevance
-from .storage import read_npy
+from .storage import read_matrix
 
 
 @dataclasses.dataclass
@@ -91,13 +91,11 @@ class BeirDataset:
                 raise InputError(f"{path} not found: no precomputed embeddings for {model!r}; "
                                  f"encode the texts instead: pg.encode(ds.corpus_texts) and "
                                  f"pg.encode(ds.query_texts)")
-            arr = read_npy(path, mmap_mode="r")  # names the file: text, truncated, objects
-            if arr.ndim != 2 or arr.shape[0] != rows:
+            arr = read_matrix(path)  # names the file: text, truncated, objects, NaN
+            if arr.shape[0] != rows:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
                                  f"{part}.jsonl")
-            if arr.dtype.kind not in "fiu":
-                raise InputError(f"{path} has dtype {arr.dtype}, not numbers")
-            out.append(np.asarray(arr, dtype=np.float32))
+            out.append(arr)
         return out[0], out[1]
 
 

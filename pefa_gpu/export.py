@@ -61,26 +61,20 @@ def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> tor
     rev = torch.full((n, half), -1, dtype=torch.long, device=dev)
     rev[dst[keep], rank[keep]] = src[keep]
     cand = torch.cat([fwd[:, :half], rev, fwd[:, half:]], dim=1)
-    return _compact(_dedup(cand), degree)
+    return _first_unique(cand, degree)
 
 
-def _dedup(ids: torch.Tensor) -> torch.Tensor:
-    """Replace the later copies of an id in each row by -1."""
+def _first_unique(ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Each row's distinct valid (>= 0) ids in order of first appearance: (n, width), -1
+    padded."""
     s, o = torch.sort(ids, dim=1, stable=True)
-    dup = torch.zeros_like(s, dtype=torch.bool)
-    dup[:, 1:] = (s[:, 1:] == s[:, :-1]) & (s[:, 1:] >= 0)
-    mask = torch.zeros_like(dup).scatter_(1, o, dup)
-    return ids.masked_fill(mask, -1)
-
-
-def _compact(ids: torch.Tensor, width: int) -> torch.Tensor:
-    """The valid (>= 0) ids of each row moved to the front in order: (n, width), -1 padded."""
-    n, w = ids.shape
-    if w < width:  # pad to width: every row then yields width slots
-        ids = torch.cat([ids, ids.new_full((n, width - w), -1)], dim=1)
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[:, 1:] = s[:, 1:] != s[:, :-1]
+    keep = torch.zeros_like(first).scatter_(1, o, first & (s >= 0))
     pos = torch.arange(ids.shape[1], 0, -1, device=ids.device).expand_as(ids)
-    kv, kp = torch.topk(torch.where(ids >= 0, pos, 0), width, dim=1, sorted=True)
-    return torch.where(kv > 0, ids.gather(1, kp), -1)
+    kv, kp = torch.topk(torch.where(keep, pos, 0), min(width, ids.shape[1]), dim=1, sorted=True)
+    out = torch.where(kv > 0, ids.gather(1, kp), -1)
+    return torch.nn.functional.pad(out, (0, width - out.shape[1]), value=-1)
 
 
 def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",

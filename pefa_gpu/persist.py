@@ -38,8 +38,7 @@ def register_model(cls: type) -> None:
 def save_model(model: Model, directory: str | Path) -> None:
     """Write a fitted model to ``directory`` atomically (:func:`storage.writing_save`)."""
     model.check_fitted()
-    missing = [name for name in type(model)._saved if not hasattr(model, name)]
-    if missing:
+    if missing := [name for name in type(model)._saved if not hasattr(model, name)]:
         raise InputError(f"{type(model).__name__} lists {missing} in _saved but has no such "
                          f"attribute")
     with storage.writing_save(directory) as w:
@@ -79,7 +78,14 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
         raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
     if hasattr(cls, "_from_save"):  # a query-side part (pefa_gpu.query): its own layout
         return cls._from_save(save, device=resolve_device(device), mmap=mmap)
-    state = _state_table(manifest, cls, where)
+    state = manifest.get("state")
+    if not isinstance(state, dict):
+        raise FormatError(f"{where} has no 'state' table")
+    if missing := [name for name in cls._saved if name not in state]:
+        raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
+    if extra := sorted(set(state) - set(cls._saved)):
+        raise FormatError(f"{where} holds attributes {extra} that a {cls.__name__} does not "
+                          f"save (a save of another class?)")
     backend = manifest.get("backend")
     _backend(backend, where)
     device = resolve_device(device)  # a bad device is the caller's error, not the save's
@@ -103,19 +109,6 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
     _check_shapes(model, where)
     model._restore()
     return model
-
-
-def _state_table(manifest: dict, cls: type, where: Path) -> dict[str, Any]:
-    """The manifest's ``state``: exactly the attributes ``cls`` saves."""
-    state = manifest.get("state")
-    if not isinstance(state, dict):
-        raise FormatError(f"{where} has no 'state' table")
-    if missing := [name for name in cls._saved if name not in state]:
-        raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
-    if extra := sorted(set(state) - set(cls._saved)):
-        raise FormatError(f"{where} holds attributes {extra} that a {cls.__name__} does not "
-                          f"save (a save of another class?)")
-    return state
 
 
 def _check_shapes(model: Model, where: Path) -> None:

@@ -41,12 +41,8 @@ class Relevance:
                              f"(at most {MAX_ROWS} queries)")
         _check_ids(qi, m, "from_pairs", "query")
         _check_ids(di, n, "from_pairs", "document")
-        if weights is None:
-            y = sp.csr_matrix((np.ones(qi.size, np.float32), (qi, di)), shape=(m, n))
-            y.sum_duplicates()
-            y.data[:] = 1.0
-            return cls(y)
-        w = np.asarray(_real(np.asarray(weights), "weights"), dtype=np.float32).ravel()
+        w = np.ones(qi.size, bool) if weights is None else np.asarray(  # bool: duplicates are 1
+            _real(np.asarray(weights), "weights"), dtype=np.float32).ravel()
         if w.shape != qi.shape:
             raise InputError(f"weights has {w.size} entries but there are {qi.size} pairs")
         return cls(sp.csr_matrix((w, (qi, di)), shape=(m, n)))

@@ -84,12 +84,10 @@ def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
         raise FormatError(f"{p} holds {arr.dtype} in non-native byte order; pefa_gpu writes "
                           f"native (little-endian) arrays")
     if arr.dtype.names:  # a wrapped dtype
-        field = arr.dtype.names[0]
-        if len(arr.dtype.names) != 1 or field not in _BY_FIELD:
+        if len(arr.dtype.names) != 1 or arr.dtype.names[0] not in _BY_FIELD:
             raise FormatError(f"{p} holds an unknown structured dtype {arr.dtype}")
-        tdtype, raw = _BY_FIELD[field]
-        signed = np.int16 if raw.itemsize == 2 else np.uint8
-        t = as_tensor(arr.view(raw).view(signed), device=device, name=str(p))
+        tdtype, raw = _BY_FIELD[arr.dtype.names[0]]
+        t = as_tensor(arr.view(raw).view(f"i{raw.itemsize}"), device=device, name=str(p))
         t = t.view(tdtype) if tdtype != torch.bool else t.bool()
     else:
         t = as_tensor(arr, device=device, name=str(p))
@@ -136,6 +134,23 @@ def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
         raise FormatError(f"{p} is truncated or not a valid .npy file: {exc}") from exc
 
 
+def read_matrix(path: PathLike) -> np.ndarray:
+    """A (rows, d) real finite ``.npy`` matrix as float32 (:func:`read_npy`'s checks; any other
+    content: :class:`FormatError`, "is not a readable .npy array")."""
+    try:
+        arr = read_npy(path, mmap_mode="r")
+    except FormatError as exc:
+        raise FormatError(f"{path} is not a readable .npy array: {exc}") from None
+    if arr.ndim != 2 or arr.dtype.kind not in "fiu":
+        raise FormatError(f"{path} must hold a 2-D real matrix (rows, dim), got {arr.dtype} "
+                          f"shape {arr.shape}")
+    out = np.ascontiguousarray(arr, dtype=np.float32)
+    if out.size and not np.isfinite([out.min(), out.max()]).all():  # no temporary of its size
+        rows = np.flatnonzero(~np.isfinite(out).all(axis=1))[:5].tolist()
+        raise FormatError(f"{path} holds NaN or inf (rows {rows}...)")
+    return out
+
+
 # ---------------------------------------------------------------------------- sparse
 
 def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]:
@@ -159,11 +174,6 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
     if not p.is_file():
         raise FormatError(f"{p} is missing")
     try:
-        if meta is not None:
-            rows, nnz = int(meta["shape"][0]), int(meta["nnz"])
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise FormatError(f"{p}: its manifest entry has no shape and nnz") from None
-    try:
         with zipfile.ZipFile(p) as z:
             fmt = _npz_member(z, "format", 64, p).item() if "format.npy" in z.namelist() else "csr"
             fmt = fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else fmt
@@ -172,9 +182,12 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
             shape = tuple(int(s) for s in _npz_member(z, "shape", 16, p))
             if len(shape) != 2 or min(shape) < 0:
                 raise FormatError(f"{p} holds shape {shape}, not (rows, columns)")
-            major = rows if meta is not None else shape[0 if fmt == "csr" else 1]
-            indptr = _npz_member(z, "indptr", 8 * (major + 1), p)
-            nnz = nnz if meta is not None else min(int(indptr[-1]), shape[0] * shape[1])
+            if meta is not None and (list(shape) != meta.get("shape")
+                                     or not isinstance(meta.get("nnz"), int)):
+                raise FormatError(f"{p} holds shape {shape}, but the manifest says shape "
+                                  f"{meta.get('shape')} nnz {meta.get('nnz')}")
+            indptr = _npz_member(z, "indptr", 8 * (shape[fmt == "csc"] + 1), p)
+            nnz = meta["nnz"] if meta is not None else min(int(indptr[-1]), shape[0] * shape[1])
             indices, data = (_npz_member(z, k, 16 * nnz, p) for k in ("indices", "data"))
         mat = (sp.csr_matrix if fmt == "csr" else sp.csc_matrix)((data, indices, indptr), shape)
         mat.check_format(full_check=True)
@@ -184,9 +197,8 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
             zipfile.BadZipFile) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
     csr = mat.tocsr()
-    if meta is not None and (list(csr.shape) != list(meta["shape"]) or csr.nnz != nnz):
-        raise FormatError(f"{p} holds shape {csr.shape} nnz {csr.nnz}, but the manifest says "
-                          f"shape {tuple(meta['shape'])} nnz {nnz}")
+    if meta is not None and csr.nnz != nnz:
+        raise FormatError(f"{p} holds nnz {csr.nnz}, but the manifest says nnz {nnz}")
     return csr
 
 

@@ -22,7 +22,7 @@ from .aggregate import normalize_rows, pifa
 from .arrays import as_tensor, to_numpy
 from .errors import FormatError, InputError
 from .relevance import Relevance
-from .storage import load_csr
+from .storage import load_csr, read_matrix
 
 log = logging.getLogger("pefa_gpu")
 
@@ -69,13 +69,12 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
     xmc_root, emb_root = _folder(xmc_dir, "XMC"), _folder(emb_dir, "embedding")
     wanted = ("abs", "tst", *AUGMENTATIONS[aug])
     ys = {src: read_csr(_inside(xmc_root, FILES[src][0])) for src in wanted}
-    xs = {src: read_dense(_inside(emb_root, FILES[src][1])) for src in wanted}
+    xs = {src: read_matrix(_inside(emb_root, FILES[src][1])) for src in wanted}
     _check_shapes(ys, xs, xmc_root, emb_root)
     if normalize:
         xs = {src: to_numpy(normalize_rows(as_tensor(x, device="cpu"))) for src, x in xs.items()}
     P = to_numpy(pifa(ys["abs"], xs["abs"], normalize=True, device="cpu"))
-    missing = int(np.count_nonzero(ys["abs"].getnnz(axis=0) == 0))
-    if missing:
+    if missing := int(np.count_nonzero(ys["abs"].getnnz(axis=0) == 0)):
         log.warning("%s: %d of %d documents have no abstract row; their passage embedding is "
                     "zero (ERM cannot rank them above 0)", xmc_root / FILES["abs"][0],
                     missing, ys["abs"].shape[1])
@@ -120,22 +119,6 @@ def read_csr(path: Path) -> sp.csr_matrix:
     return mat
 
 
-def read_dense(path: Path) -> np.ndarray:
-    """A (rows, d) real finite ``.npy`` matrix -> float32 (never unpickled)."""
-    try:
-        arr = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise FormatError(f"{path} is not a readable .npy array: {exc}") from None
-    if not isinstance(arr, np.ndarray) or arr.ndim != 2 or arr.dtype.kind not in "fiu":
-        raise FormatError(f"{path} must hold a 2-D real matrix (rows, dim), got "
-                          f"{getattr(arr, 'dtype', type(arr))} shape {getattr(arr, 'shape', '?')}")
-    out = np.ascontiguousarray(arr, dtype=np.float32)
-    if out.size and not np.isfinite(out).all():
-        rows = np.flatnonzero(~np.isfinite(out).all(axis=1))[:5].tolist()
-        raise FormatError(f"{path} holds NaN or inf (rows {rows}...)")
-    return out
-
-
 def _check_shapes(ys: dict[str, sp.csr_matrix], xs: dict[str, np.ndarray], xmc_root: Path,
                   emb_root: Path) -> None:
     """Each Y has its X's rows and the abstracts' columns; each X their dim."""
@@ -157,4 +140,4 @@ def _check_shapes(ys: dict[str, sp.csr_matrix], xs: dict[str, np.ndarray], xmc_r
             raise InputError(f"{y_path} has no (query, document) pair")
 
 
-__all__ = ["AUGMENTATIONS", "FILES", "XMCData", "load_xmc", "read_csr", "read_dense"]
+__all__ = ["AUGMENTATIONS", "FILES", "XMCData", "load_xmc", "read_csr"]

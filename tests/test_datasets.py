@@ -212,6 +212,8 @@ def test_keep_empty_keeps_judged_queries_without_a_relevant_document(beir):
     (b"0.1 0.2\n0.3 0.4\n", "corpus.npy is not a .npy file .*looks like text"),
     ("truncate", "corpus.npy is truncated"),
     ("objects", "corpus.npy holds Python objects"),
+    ("nan", r"corpus.npy holds NaN or inf \(rows \[2\]"),
+    ("1-d", "corpus.npy must hold a 2-D real matrix"),
 ])
 def test_bad_embeddings_files_are_named(beir, content, match):
     from textdata import write_embeddings
@@ -222,6 +224,10 @@ def test_bad_embeddings_files_are_named(beir, content, match):
         path.write_bytes(path.read_bytes()[:-100])
     elif content == "objects":
         np.save(path, np.array([None] * 30, dtype=object), allow_pickle=True)
+    elif content in ("nan", "1-d"):
+        x = np.load(path)
+        x[2, 5] = np.nan
+        np.save(path, x if content == "nan" else x[:, 0])
     else:
         path.write_bytes(content)
     with pytest.raises(ValueError, match=match):
