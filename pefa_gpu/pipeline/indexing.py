@@ -46,10 +46,9 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
                    doc_range: tuple[int, int], out: str | Path, index: int, params: XLParams,
                    candidates: int, backend: str, index_params: Any, device: Any,
                    export_hnsw: bool) -> tuple[Entry, int]:
-    """Reduce task of PEFA-XL's build for document range s: a PEFAXL over P_s, the training
-    queries with a pair in s and Y[those, s], saved as ``out/doc-<index>`` with their global
-    rows (``query_rows``); a range without pairs gets an inert placeholder query (its first
-    document, labelled with itself). Returns its entry and the bytes it received."""
+    """Reduce task of PEFA-XL's build for a document range: a PEFAXL over its P, the queries
+    with a pair there and their Y as ``out/doc-<index>`` with their rows (``query_rows``; no
+    pairs: its first document as the query); (entry, bytes received)."""
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)  # a view of the map: the model's copy is the only one in memory
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
@@ -95,12 +94,9 @@ def build(method: str, out: str | Path, docs: str | Path, *,
           lam: float = 0.1, k: int = 16, candidates: int = 500, knn_norm: str = "k",
           rescore: bool = True, augment_docs: bool = True, export_hnsw: bool = False,
           runner: Any = None) -> Path:
-    """One index per document shard (any backend), as pefa_gpu saves: ``erm`` an ERM per
-    range of ``docs``; ``xs`` an ERM per shard of ``embeddings`` (:func:`aggregate`'s E);
-    ``xl`` a :func:`build_xl_shard` per range (a map over the ``relevance`` shards sends each
-    its pairs) and an ERM per query shard (XL's query index). ``lam`` / ``k``: the defaults of
-    :func:`search`; the other XL settings as for :class:`pefa_gpu.PEFAXL`. ``export_hnsw``:
-    a faiss HNSW file per document shard too (ERM / XS)."""
+    """An index per document shard: ``erm`` over ``docs``, ``xs`` over ``embeddings``
+    (:func:`aggregate`'s E), ``xl`` a :func:`build_xl_shard` per range and an ERM per query
+    shard; XL's settings as :class:`pefa_gpu.PEFAXL`'s; ``export_hnsw``: an HNSW file too."""
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
     run, prows = runner or LocalRunner(), Rows(docs)
