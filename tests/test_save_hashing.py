@@ -3,7 +3,6 @@ manifest's sizes and sha256 are those of the bytes on disk, whatever the tensor'
 
 import hashlib
 
-import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
