@@ -247,7 +247,8 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
     t = torch.from_numpy(np.array(T))
     rec: list = []
     with Stage(rec, "pifa", n * row + y_bytes):
-        pg.pifa(Y, Q, normalize=False, device="cpu", memory_budget=n * row + 2**28)
+        buffer = min(2**28, n * row // 4)  # read buffer: a fixed 256 MiB was 2x Q at 100k
+        pg.pifa(Y, Q, normalize=False, device="cpu", memory_budget=n * row + buffer)
     graph = {"M": M, "ef_construction": EFC}
     kinds = {"exact": ("exact", "float32", {}), "hnsw": ("hnsw", "float32", graph),
              "float16": ("exact", "float16", {"dtype": "float16"}),

@@ -46,6 +46,7 @@ _WRAPPED = {torch.bfloat16: ("bfloat16", np.dtype("<u2")), torch.bool: ("bool", 
 _BY_FIELD = {field: (tdtype, raw) for tdtype, (field, raw) in _WRAPPED.items()}
 
 PathLike = str | os.PathLike
+_PENDING: dict[Path, dict[str, tuple[tuple, str]]] = {}  # data folder -> its save's known files
 
 
 def _with_suffix(path: PathLike, suffix: str) -> Path:
@@ -71,7 +72,30 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
         arr = to_numpy(t)
     with open(out, "wb") as fh:
         np.save(fh, arr, allow_pickle=False)
+        size = fh.tell()
+    if arr.flags.c_contiguous or arr.flags.f_contiguous:  # the body is arr's memory as is
+        _known(out, size - arr.nbytes, arr if arr.flags.c_contiguous else arr.T)
     return {"file": out.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+
+
+def _known(path: Path, header: int, body: np.ndarray) -> None:
+    """Tell the commit of each save being written that ``path`` holds its first ``header``
+    bytes then the C-contiguous ``body``: their sha256 is taken here, from memory."""
+    real = Path(os.path.realpath(path))
+    folders = [f for f in real.parents if f in _PENDING]
+    if not folders:
+        return
+    with open(real, "rb") as fh:
+        sha = hashlib.sha256(fh.read(header))
+        st = os.fstat(fh.fileno())
+    sha.update(body.reshape(-1).view(np.uint8))
+    for folder in folders:
+        _PENDING[folder][real.relative_to(folder).as_posix()] = (_stamp(st), sha.hexdigest())
+
+
+def _stamp(st: os.stat_result) -> tuple[int, int, int]:
+    """What tells a file from a rewritten one: inode, size, mtime."""
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
@@ -244,16 +268,20 @@ def _walk_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
                 yield (base / name).relative_to(root).as_posix(), os.lstat(base / name)
 
 
-def describe_files(root: PathLike) -> dict[str, dict[str, Any]]:
+def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = None
+                   ) -> dict[str, dict[str, Any]]:
     """``{relative path: {"bytes", "sha256"}}`` of the regular files under ``root`` (anything else:
-    :class:`InputError`)."""
+    :class:`InputError`); ``known``: {relative path: (:func:`_stamp`, sha256)} of files hashed
+    as they were written, read again only if changed since."""
     root = Path(root)
     out = {}
     for rel, st in _walk_files(root):
         if not stat.S_ISREG(st.st_mode):
             raise InputError(f"{root / rel} is not a regular file (a link, device, FIFO or "
                              f"socket); a save holds regular files only")
-        out[rel] = {"bytes": st.st_size, "sha256": sha256_file(root / rel)}
+        stamp, sha = (known or {}).get(rel, (None, ""))
+        out[rel] = {"bytes": st.st_size,
+                    "sha256": sha if stamp == _stamp(st) else sha256_file(root / rel)}
     return out
 
 
@@ -528,10 +556,11 @@ class PendingSave:
     def __init__(self, root: Path, data: Path, name: str, fmt: str):
         self.root, self.data, self.name, self.fmt = root, data, name, fmt
         self.committed = False
+        self.known: dict[str, tuple[tuple, str]] = {}  # files hashed as save_tensor wrote them
 
     def commit(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Write the manifest (``fields``, files table, checksum) over the old one; returns it."""
-        files = describe_files(self.data)
+        files = describe_files(self.data, self.known)
         _link_duplicates(self.data, files)
         fsync_tree(self.data)
         full = {**fields, "format": self.fmt, "format_version": FORMAT_VERSION,
@@ -566,6 +595,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
         data = fresh  # ours from here on: removed on any error, the marker write's included
         (data / DATA_MARKER).write_text(data.name + "\n", encoding="ascii")
         pending = PendingSave(root, data, name, fmt)
+        _PENDING[data] = pending.known
         yield pending
         if not pending.committed:
             raise RuntimeError("writing_save: the block ended without commit()")
@@ -574,6 +604,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
                f"save there is intact)")
         raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
     finally:
+        _PENDING.pop(data, None)
         if not (pending is not None and pending.committed):
             if data is not None:
                 shutil.rmtree(data, ignore_errors=True)

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
 import tracemalloc
 
 import numpy as np
@@ -147,6 +151,48 @@ def test_a_foreign_folder_in_the_way_is_refused_and_kept(tmp_path):
         pp.aggregate(queries, rel, docs, out, lam=0.4, doc_rows=60)
     assert (out / "part-00003" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == ["part-00003"]  # ours removed
+
+
+KILLED_BUILD = textwrap.dedent("""
+    import os, signal, sys
+    from pefa_gpu import PEFAXL, pipeline as pp
+
+    PEFAXL.fit = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # mid-task, hard
+    d = sys.argv[1]
+    pp.build("xl", d + "/xl", d + "/docs", queries=d + "/queries", relevance=d + "/pairs",
+             doc_rows=100)
+""")
+
+
+@pytest.mark.slow
+def test_a_killed_xl_build_leaves_scratch_that_the_next_build_removes(tmp_path):
+    """Only scratch folders with the library's marker holding their name and nothing else are
+    removed: a foreign folder, a forged marker, an extra file, a link are kept."""
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 4)
+    child = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(tmp_path)],
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert child.returncode == -9
+    out = tmp_path / "xl"
+    (left,) = out.glob(".scratch-*")  # what the kill left: marker and the queries' copy
+    assert sorted(f.name for f in left.iterdir()) == [".pefa-scratch", "q.npy"]
+    kept = {".scratch-user": {"notes.txt": "mine"},
+            ".scratch-forged": {".pefa-scratch": "someone-else"},
+            ".scratch-extra": {".pefa-scratch": ".scratch-extra", "q.npy": "", "x.txt": "mine"}}
+    for name, files in kept.items():
+        (out / name).mkdir()
+        for f, text in files.items():
+            (out / name / f).write_text(text)
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / ".pefa-scratch").write_text(".scratch-link")
+    (out / ".scratch-link").symlink_to(target)
+    pp.build("xl", out, docs, queries=queries, relevance=rel, doc_rows=100)
+    assert not left.exists()
+    assert sorted(f.name for f in out.glob(".scratch-*")) == sorted([*kept, ".scratch-link"])
+    for name, files in kept.items():
+        assert {f: (out / name / f).read_text() for f in files} == files
+    assert (target / ".pefa-scratch").read_text() == ".scratch-link"
+    assert pp.read_stage(out, "build").n == P.shape[0]
 
 
 def test_rows_take_reads_rows_across_shards(tmp_path):

@@ -1,5 +1,5 @@
-"""The aggregate stage: PIFA Yᵀ Q (and PEFA-XS's E) per document range: a map per query shard
-(:func:`split_queries`, also PEFA-XL's build's map), a reduce per range (:func:`reduce_sums`)."""
+"""The aggregate stage, PIFA Yᵀ Q (and PEFA-XS's E) per document range: a map per query shard
+(:func:`split_queries`, also PEFA-XL's build's) and a reduce per range (:func:`reduce_sums`)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,7 @@ from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, open_entry, read_stage, r
 
 @dataclasses.dataclass
 class Part:
-    """A query shard's pairs in one document range (PEFA-XL's build): queries (T,) int64
-    global rows with a pair there, y (T x n_range) float32 CSR."""
+    """A query shard's pairs in a document range: queries (T,) int64 rows, y (T x n_range) CSR."""
 
     queries: np.ndarray
     y: sp.csr_matrix
@@ -45,10 +44,9 @@ def check_pairs(rel: Stage, queries: Rows, docs: Rows) -> None:
 def split_queries(queries: str | Path, relevance: str | Path, shard: int,
                   doc_ranges: Sequence[tuple[int, int]], spill: str | Path | None = None
                   ) -> list[Any]:
-    """Map task of query shard ``shard``: its rows of Y cut by document range, a :class:`Part`
-    per range; with ``spill`` (a folder) instead each range's partial Yᵀ Q of the documents
-    touched (docs-<s> (U,) int64 local rows, sums-<s> (U, d) float32) written to the shard
-    ``spill/part-<shard>``, and per range its entry (None when empty)."""
+    """Map task of query shard ``shard``: a :class:`Part` per document range; with ``spill``
+    instead each range's partial Yᵀ Q (docs-<s> (U,) int64 local rows, sums-<s> (U, d)
+    float32) in the shard ``spill/part-<shard>``, and per range its entry (None: empty)."""
     entry = read_stage(relevance, "relevance").shards[shard]
     lo, hi = entry.rows
     y_csc = open_entry(relevance, entry).matrices["relevance"].tocsc()
@@ -74,9 +72,8 @@ def split_queries(queries: str | Path, relevance: str | Path, shard: int,
 def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tuple[int, int],
                 out: str | Path, index: int, lam: float | None,
                 augment_docs: bool) -> tuple[Entry, int]:
-    """Reduce task of one document range: P (``augment_docs``) plus the map tasks' partial
-    sums, one at a time in query-shard order, and E = ``pefa_xs(P, sums, lam)``, written as
-    ``out/doc-<index>``; returns its entry and the bytes it received."""
+    """Reduce task of a document range: P (``augment_docs``) plus the partial sums in
+    query-shard order (and E, given ``lam``) as ``out/doc-<index>``; (entry, bytes received)."""
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)
     acc = p.copy() if augment_docs else np.zeros_like(p)
@@ -98,11 +95,9 @@ def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tupl
 def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
               out: str | Path, lam: float | None = None, augment_docs: bool = True,
               doc_rows: int = DEFAULT_ROWS, runner: Any = None) -> Path:
-    """PIFA Yᵀ Q (and the PEFA-XS embeddings E, given ``lam``) per range of ``doc_rows``
-    documents: row stages of Q (m, d) and P (n, d), a :func:`write_relevance` stage of Y.
-    A map task per query shard writes its partial sums to ``out/part-<r>`` (removed at the
-    end), a reduce per range adds them: no task holds more than one query shard of Q or one
-    range of the output, and the partials wait on disk."""
+    """PIFA Yᵀ Q (and PEFA-XS's E, given ``lam``) per range of ``doc_rows`` documents from row
+    stages of Q (m, d) and P (n, d) and a relevance stage of Y; no task holds more than one
+    query shard or one range, the partial sums wait on disk (``out/part-<r>``, removed)."""
     rel, prows = read_stage(relevance, "relevance"), Rows(docs)
     check_pairs(rel, Rows(queries), prows)
     if lam is not None:

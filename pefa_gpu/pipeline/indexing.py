@@ -4,6 +4,8 @@ shard) and PEFA-XL's query index shards."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
@@ -23,6 +25,8 @@ from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, read_stage, shard_name, s
                      write_shard, write_stage)
 
 METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
+SCRATCH = ".scratch-"           # a PEFA-XL build task's folder in the output, removed after it
+SCRATCH_MARKER = ".pefa-scratch"  # written first in each, holding its name: proof it is ours
 
 
 def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path, name: str,
@@ -42,15 +46,15 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
                    doc_range: tuple[int, int], out: str | Path, index: int, params: XLParams,
                    candidates: int, backend: str, index_params: Any, device: Any,
                    export_hnsw: bool) -> tuple[Entry, int]:
-    """Reduce task of PEFA-XL's build for document range s: a PEFAXL over P_s, the training
-    queries with a pair in s and Y[those, s], saved as ``out/doc-<index>`` with their global
-    rows (``query_rows``); a range without pairs gets an inert placeholder query (its first
-    document, labelled with itself). Returns its entry and the bytes it received."""
+    """Reduce task of PEFA-XL's build for a document range: a PEFAXL over its P, the queries
+    with a pair there and their Y as ``out/doc-<index>`` with their rows (``query_rows``; no
+    pairs: its first document as the query); (entry, bytes received)."""
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)  # a view of the map: the model's copy is the only one in memory
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
     Path(out).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".scratch-", dir=out) as scratch:
+    with tempfile.TemporaryDirectory(prefix=SCRATCH, dir=out) as scratch:
+        (Path(scratch) / SCRATCH_MARKER).write_text(Path(scratch).name, encoding="ascii")
         if rows.size:  # the range's queries (a popular range has many) gathered on disk, alike
             q = Rows(queries).take(rows, np.lib.format.open_memmap(
                 Path(scratch) / "q.npy", "w+", np.float32, (rows.size, p.shape[1])))
@@ -67,6 +71,22 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
     return entry, sum(pt.nbytes for pt in parts)
 
 
+def remove_scratch(out: Path) -> None:
+    """Remove the scratch folders that killed PEFA-XL build tasks left in ``out``: those
+    holding our marker (with their name) and nothing but regular files the task writes."""
+    for folder in out.glob(SCRATCH + "*"):
+        try:
+            names = set(os.listdir(folder)) if not folder.is_symlink() else {"link"}
+            if names <= {SCRATCH_MARKER, "q.npy"} and all(
+                    stat.S_ISREG(os.lstat(folder / f).st_mode) for f in names) and (
+                    folder / SCRATCH_MARKER).read_text(encoding="ascii") == folder.name:
+                (folder / "q.npy").unlink(missing_ok=True)
+                (folder / SCRATCH_MARKER).unlink()  # the marker last
+                folder.rmdir()
+        except (OSError, UnicodeDecodeError):  # not ours, or not removable: left as it is
+            continue
+
+
 def build(method: str, out: str | Path, docs: str | Path, *,
           embeddings: str | Path | None = None, queries: str | Path | None = None,
           relevance: str | Path | None = None, doc_rows: int = DEFAULT_ROWS,
@@ -74,12 +94,9 @@ def build(method: str, out: str | Path, docs: str | Path, *,
           lam: float = 0.1, k: int = 16, candidates: int = 500, knn_norm: str = "k",
           rescore: bool = True, augment_docs: bool = True, export_hnsw: bool = False,
           runner: Any = None) -> Path:
-    """One index per document shard (any backend), as pefa_gpu saves: ``erm`` an ERM per
-    range of ``docs``; ``xs`` an ERM per shard of ``embeddings`` (:func:`aggregate`'s E);
-    ``xl`` a :func:`build_xl_shard` per range (a map over the ``relevance`` shards sends each
-    its pairs) and an ERM per query shard (XL's query index). ``lam`` / ``k``: the defaults of
-    :func:`search`; the other XL settings as for :class:`pefa_gpu.PEFAXL`. ``export_hnsw``:
-    a faiss HNSW file per document shard too (ERM / XS)."""
+    """An index per document shard: ``erm`` over ``docs``, ``xs`` over ``embeddings``
+    (:func:`aggregate`'s E), ``xl`` a :func:`build_xl_shard` per range and an ERM per query
+    shard; XL's settings as :class:`pefa_gpu.PEFAXL`'s; ``export_hnsw``: an HNSW file too."""
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
     run, prows = runner or LocalRunner(), Rows(docs)
@@ -96,6 +113,7 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         candidates = XLSearchParams(candidates=candidates).candidates
         rel = read_stage(relevance, "relevance")
         check_pairs(rel, Rows(queries), prows)
+        remove_scratch(Path(out))
         ranges = split(prows.n, doc_rows)
         maps = [(str(queries), str(relevance), r, ranges) for r in range(len(rel.shards))]
         reduces = [(str(queries), str(docs), rng, str(out), s, params, candidates, *index,

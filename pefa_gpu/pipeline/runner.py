@@ -17,8 +17,7 @@ class LocalRunner:
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
-        """Reduce task s gets [map 0's part s, map 1's part s, ...] and its own args (the
-        parts, pairs or the names of files, wait in memory until the reduces run)."""
+        """Reduce task s gets [map 0's part s, map 1's part s, ...] and its own args."""
         parts = [map_fn(*args) for args in map_calls]
         return [reduce_fn([p[s] for p in parts], *args) for s, args in enumerate(reduce_calls)]
 

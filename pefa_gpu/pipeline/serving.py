@@ -65,8 +65,7 @@ def _gather(shards: Sequence[_Loaded], k: int,
 
 
 class ShardServer:
-    """Some document and query shards of a :func:`build` stage on ``device``, answering a
-    search round with its shards' merged top-k (global ids; a Ray actor in RayRunner)."""
+    """Some shards of a :func:`build` stage on ``device``; a search round's merged top-k."""
 
     def __init__(self, build: str | Path, doc_shards: Sequence[int],
                  query_shards: Sequence[int] = (), device: Any = None):
@@ -76,8 +75,7 @@ class ShardServer:
         self.queries = [_load(folder, self.info.query_shards[r], device) for r in query_shards]
 
     def erm(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
-        """Top-k over the document shards (XL's: the passage index); ``params``: the
-        backend's search settings (None: each index's own)."""
+        """Top-k over the document shards (XL's: the passage index)."""
         return _gather(self.docs, k, lambda s, kk: _search(s, q, kk, params))
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
@@ -135,8 +133,7 @@ def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
 
 
 def server_groups(info: Stage, workers: int) -> list[tuple[list[int], list[int]]]:
-    """Contiguous blocks of document and query shards for ``workers`` servers (empty ones
-    left out)."""
+    """Contiguous blocks of document and query shards for ``workers`` servers (none empty)."""
     n_d, n_q = len(info.shards), len(info.query_shards)
     groups = [(list(range(n_d * w // workers, n_d * (w + 1) // workers)),
                list(range(n_q * w // workers, n_q * (w + 1) // workers))) for w in range(workers)]
@@ -147,10 +144,9 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
            k: int | None = None, candidates: int | None = None,
            batch_size: int = DEFAULT_BATCH, device: Any = None, runner: Any = None,
            show_progress: bool = False, params: dict | None = None) -> Result:
-    """Search a :func:`build` stage: (B, d) queries (or a row stage folder) -> (B, topk)
-    float32 scores and int64 ids on the CPU, -1 padded, ties to the lower id; batches of
-    ``batch_size`` over the runner's shard servers. ``lam`` / ``k`` / ``candidates``
-    override PEFA-XL's; ``params``: every index's search settings (``{"ef_search": 500}``)."""
+    """Search a :func:`build` stage: (B, d) queries or a row stage -> (B, topk) float32 scores,
+    int64 ids on the CPU (-1 padded, ties to the lower id); ``params``: every index's search
+    settings (``{"ef_search": 500}``)."""
     from tqdm.auto import tqdm
 
     batch_size = check_positive_int(batch_size, "batch_size")
@@ -191,8 +187,7 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
                      runner: Any = None, show_progress: bool = True) -> list[dict[str, Any]]:
     """A :func:`pefa_gpu.evaluate` dict per :class:`pefa_gpu.Config` through the stages in
     ``work`` (seen by every worker): P (n, d), Q (m, d), queries (B, d) arrays or row stages,
-    Y (m x n), Y_test (B x n). An index per XS λ, one XL, one ERM; rows per shard default to
-    an even split over the runner's workers."""
+    Y (m x n), Y_test (B x n); shards default to an even split over the workers."""
     from tqdm.auto import tqdm
 
     run = runner or LocalRunner()

@@ -1,6 +1,5 @@
-"""Shards (a storage save each) and stages (a folder of shards committed by its
-``stage.json``, :class:`Stage`): row stages (:func:`write_rows`, :func:`encode`,
-:class:`Rows`) and :func:`write_relevance`."""
+"""Shards (a storage save each), stages (a folder of shards committed by its ``stage.json``,
+:class:`Stage`), the row stages (:func:`write_rows`, :func:`encode`) and :func:`write_relevance`."""
 
 from __future__ import annotations
 
@@ -107,9 +106,8 @@ def write_shard(path: str | Path, fields: dict[str, Any],
                 tensors: dict[str, Any] | None = None,
                 matrices: dict[str, sp.spmatrix] | None = None,
                 model: Any = None, export_hnsw: bool = False) -> Entry:
-    """Write a shard atomically: ``fields`` (with ``rows`` [lo, hi]) in its manifest,
-    ``tensors`` .npy, ``matrices`` CSR .npz, ``model`` a save in ``model/`` (``export_hnsw``:
-    and ``hnsw.faiss``). Returns its stage entry."""
+    """Write a shard atomically (``fields`` with ``rows`` [lo, hi] in its manifest, a model in
+    ``model/``, ``export_hnsw``: and ``hnsw.faiss``); returns its stage entry."""
     with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
         tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
                  for name, t in (tensors or {}).items()}
@@ -137,8 +135,8 @@ class Shard:
 
 def read_shard(path: str | Path, device: Any = "cpu", mmap: bool = True,
                expect_sha: str | None = None) -> Shard:
-    """Read and verify a :func:`write_shard` shard (``mmap``: tensors mapped, sizes and
-    headers checked; else every file's sha256). ``expect_sha``: its stage's checksum of it."""
+    """Read a :func:`write_shard` shard (``mmap``: mapped, sizes checked; else sha256 too)
+    that has the checksum ``expect_sha`` (its stage's) when given."""
     save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=not mmap)
     fields = save.manifest
     if expect_sha is not None and fields["manifest_sha256"] != expect_sha:
@@ -188,8 +186,7 @@ def shard_name(kind: str, i: int) -> str:
 
 
 def write_stage(folder: str | Path, stage: Stage) -> Path:
-    """Write ``folder/stage.json`` atomically, the stage's commit point (replacing only a
-    stage file, else InputError)."""
+    """Write ``folder/stage.json`` atomically (replacing only a stage file), the commit point."""
     path = Path(folder) / STAGE_FILE
     if os.path.lexists(path):
         try:
@@ -224,8 +221,8 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
 
 
 class Rows:
-    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate``), read from the
-    memory-mapped shards that hold them; ``tensor``: its name in each shard."""
+    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate``: ``tensor``), read
+    from its memory-mapped shards."""
 
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
         self.folder = Path(folder)
@@ -240,8 +237,7 @@ class Rows:
         return t.numpy()
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Rows lo .. hi-1 as a (hi-lo, d) float32 array: a copy-on-write view of the map
-        when one shard holds them (no copy in memory), else a copy."""
+        """Rows lo .. hi-1, (hi-lo, d) float32: a view of the map when one shard holds them."""
         hi = self.n if hi is None else hi
         if not 0 <= lo <= hi <= self.n:
             raise InputError(f"rows [{lo}, {hi}) are outside {self.folder} (0 .. {self.n})")
@@ -253,8 +249,7 @@ class Rows:
                                     dtype=np.float32)
 
     def take(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """The rows at ascending indices ``rows`` (int64) as a (len, d) float32 array, written
-        into ``out`` when given (e.g. a memory map)."""
+        """The rows at ascending int64 ``rows``, (len, d) float32 (into ``out`` when given)."""
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
@@ -269,8 +264,7 @@ class Rows:
 
 def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "rows",
                name: str = "embeddings") -> Path:
-    """Write a (n, d) float matrix (numpy, memmap, torch...) as a row stage of ``rows``-row
-    float32 shards."""
+    """Write a (n, d) float matrix (numpy, memmap, torch) as ``rows``-row float32 shards."""
     if not hasattr(x, "shape") or len(x.shape) != 2:
         raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
     n, d = int(x.shape[0]), int(x.shape[1])
@@ -287,8 +281,7 @@ def read_rows(folder: str | Path, lo: int = 0, hi: int | None = None,
 
 
 def write_relevance(Y: Any, out: str | Path, rows: int = DEFAULT_ROWS) -> Path:
-    """Write Y (m x n: scipy sparse, Relevance, dense) as shards of ``rows`` query rows
-    (the aggregation's and PEFA-XL's query shards)."""
+    """Write Y (m x n: scipy sparse, Relevance, dense) as shards of ``rows`` query rows."""
     rel = as_relevance(Y)
     m, n = rel.shape
     shards = [write_shard(Path(out) / shard_name("shard", i),
@@ -319,8 +312,8 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
                  fingerprint: str | None, model: Any = None, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None,
                  normalize: bool = True) -> Entry:
-    """Encode texts (rows lo ..) with :func:`pefa_gpu.encode` into ``out/shard-<index>``
-    unless a complete shard with this ``fingerprint`` is there. Returns its stage entry."""
+    """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
+    ``fingerprint`` is there; returns its stage entry."""
     path = Path(out) / shard_name("shard", index)
     fields = _written(path, fingerprint) if fingerprint is not None else None
     if fields is not None:
@@ -335,10 +328,8 @@ def encode(texts: Sequence[str], out: str | Path, model: Any = None,
            rows: int = 10_000, batch_size: int = 64, device: Any = None,
            cache_dir: str | Path | None = None, normalize: bool = True,
            show_progress: bool = True, runner: Any = None) -> Path:
-    """Encode ``texts`` into a row stage at ``out`` of ``rows``-text shards (on the runner's
-    workers), keeping shards written for the same texts and model; ``cache_dir``:
-    :func:`pefa_gpu.encode`'s cache. ``model``: as there, picklable for a cluster (one
-    without a ``cache_key`` is encoded again every run)."""
+    """Encode ``texts`` into a row stage of ``rows``-text shards on the runner's workers,
+    keeping shards of the same texts and model (one with a ``cache_key``: picklable)."""
     texts = _check_texts(texts)
     out = Path(out)
     identity = resolve_model(model, "cpu").identity
