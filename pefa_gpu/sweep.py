@@ -1,7 +1,5 @@
-"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (NUDGE, the query side) with each expensive
-search made once: ``res = pg.sweep(P, Q, Y, test_queries, Y_test); res.best("recall@10")``.
-Each configuration ranks as fitting and searching it alone would (up to float32 rounding in XS).
-"""
+"""The λ × k grid of ERM / PEFA-XS / PEFA-XL (NUDGE, the query side), each expensive search made
+once: ``pg.sweep(P, Q, Y, test_queries, Y_test).best("recall@10")``."""
 
 from __future__ import annotations
 
@@ -46,14 +44,10 @@ class Config:
     gamma: float | None = dataclasses.field(default=None, compare=False)
 
     def label(self) -> str:
-        parts = [self.method.upper()]
-        if self.lam is not None:
-            parts.append(f"λ={self.lam:g}")
-        if self.k is not None:
-            parts.append(f"k={self.k}")
-        if self.gamma is not None:
-            parts.append(f"γ={self.gamma:.4g}")
-        return " ".join(parts)
+        parts = (self.method.upper(), self.lam is not None and f"λ={self.lam:g}",
+                 self.k is not None and f"k={self.k}",
+                 self.gamma is not None and f"γ={self.gamma:.4g}")
+        return " ".join(x for x in parts if x)
 
 
 @dataclasses.dataclass
@@ -147,12 +141,8 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
         for method in methods:
             t0 = time.perf_counter()
             if method == "erm":
-                if reuse:
-                    es, ei = passage()[2]
-                    s, i = es[:, :topk].contiguous(), ei[:, :topk].contiguous()
-                else:
-                    s, i = ERM(**common).fit(P).search(q, topk)
-                out = [(Config("erm"), s, i)]
+                s, i = passage()[2] if reuse else ERM(**common).fit(P).search(q, topk)
+                out = [(Config("erm"), s[:, :topk].contiguous(), i[:, :topk].contiguous())]
             elif method in NUDGE_METHODS:
                 nudge = NUDGE(variant=method[-1].upper(), **common).fit(P, Q, Y)
                 out = [(Config(method, gamma=nudge.fitted_gamma), *nudge.search(q, topk))]
@@ -186,9 +176,8 @@ XS_CELL_BYTES = 16
 
 def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
                  block_cells: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Exact top-k of ``λ <q,P> + (1-λ) <q,Π(A)>`` for every λ from two score passes, in
-    (query batch x document chunk) blocks of at most ``block_cells`` float32 cells (default:
-    the exact index's ``memory_budget`` / XS_CELL_BYTES), merged with ties to the lower id."""
+    """Exact top-k of ``λ <q,P> + (1-λ) <q,Π(A)>`` for every λ from two score passes, in blocks
+    of at most ``block_cells`` float32 cells (default: ``memory_budget`` / XS_CELL_BYTES)."""
     if block_cells is None:  # xs has the exact backend here
         block_cells = max(1, xs.index.memory_budget // XS_CELL_BYTES)
     p = xs.doc_embeddings.float()
@@ -217,10 +206,8 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
 
 def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,
                    table_cells: int = 2**24) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Top-k columns of ``λ sp_ + (1-λ) sa_`` (B, N) for every λ, ties to the lower column;
-    the kept columns' mixes in tables of at most ``table_cells`` cells. Columns whose
-    max(sp_, sa_) lies below every λ's k-th best seed mix (less a rounding margin) are dropped
-    first: the kept columns' mixes are the full block's float32 values."""
+    """Top-k columns of ``λ sp_ + (1-λ) sa_`` (B, N) for every λ, ties to the lower column,
+    over the columns whose max(sp_, sa_) reaches every λ's k-th best seed mix (less rounding)."""
     b, n = sp_.shape
     kk = min(topk, n)
     if kk == 0 or b == 0 or 4 * kk >= n:
