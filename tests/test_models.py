@@ -201,6 +201,17 @@ def test_zero_queries_give_empty_results(cls):
         assert fused[0].shape == fused[1].shape == (0, 7)
 
 
+def test_fuse_takes_numpy_searches_like_tensors():
+    P, Q, Y, T = problem(6)
+    model = pg.PEFAXL(device="cpu").fit(P, Q, Y)
+    q = torch.from_numpy(T)
+    erm = model.index.search(q, 20)
+    knn = model.neighbours(q, model.params.k, erm)
+    want = model.fuse(q, erm, knn, 7)
+    got = model.fuse(T, tuple(x.numpy() for x in erm), tuple(x.numpy() for x in knn), 7)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch", "dlpack", "list"])
 def test_inputs_of_any_array_kind(kind):
     P, Q, Y, T = problem(8)
