@@ -110,7 +110,7 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
             np.copyto(x, chunk, casting="unsafe")
         else:
             x = np.ascontiguousarray(chunk)
-        if x.size and not np.isfinite(x.min() + x.max()):  # no temporary of x's size
+        if x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):  # in place
             bad = np.flatnonzero(~np.isfinite(x).all(axis=1))[:5] + start
             raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...)")
         ptr = indptr[start:start + r + 1]
