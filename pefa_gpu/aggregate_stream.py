@@ -17,6 +17,11 @@ from .errors import InputError
 from .relevance import Relevance
 from .stream import RowSource
 
+try:  # scipy's in-place CSC kernel (private: where it is missing, index_add runs on the CPU)
+    from scipy.sparse._sparsetools import csc_matvecs
+except ImportError:
+    csc_matvecs = None
+
 DEFAULT_BUDGET = 512 * 2**20
 # one entry of a staged batch: document id and row (int64) + weight (float32), in 2 host and 2
 # device slots, plus the host's row lookup (two int64 temporaries)
@@ -56,7 +61,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
         return torch.zeros(n, 0, device=device)
     if src.rows is not None and src.rows != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
-    kernels = ("scipy", "index_add") if device.type == "cpu" and _csc_matvecs() else ("index_add",)
+    kernels = ("scipy", "index_add") if device.type == "cpu" and csc_matvecs else ("index_add",)
     kernel = kernels[0] if kernel == "auto" else kernel
     if kernel not in kernels:
         raise InputError(f"kernel={kernel!r} is not available on {device}")
@@ -79,14 +84,6 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     return a
 
 
-def _csc_matvecs():
-    try:
-        from scipy.sparse import _sparsetools
-        return _sparsetools.csc_matvecs
-    except (ImportError, AttributeError):
-        return None
-
-
 def _check_rows(start: int, r: int, m: int) -> None:
     if start + r > m:
         raise InputError(f"Y has {m} rows (queries) but Q has more than {m} rows")
@@ -97,15 +94,13 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
     """scipy's CSC product accumulates each chunk into ``a`` (n, d); returns the rows read."""
     n, d = a.shape
     buffers = [np.empty((rows, d), dtype=src.dtype)] if src.owns_reads else []
-    conv = np.empty((rows, d), dtype=np.float32) if src.dtype != np.float32 else None
-    matvecs = _csc_matvecs()
-    seen = 0
+    conv, seen = None, 0
     for start, chunk in src.chunks(rows, buffers):
         r = chunk.shape[0]
         _check_rows(start, r, m)
         if chunk.dtype != np.float32:
-            if conv is None or conv.shape[0] < r:
-                conv = np.empty((r, d), dtype=np.float32)
+            if conv is None:
+                conv = np.empty((rows, d), dtype=np.float32)
             x = conv[:r]
             np.copyto(x, chunk, casting="unsafe")
         else:
@@ -115,7 +110,7 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
             raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...)")
         ptr = indptr[start:start + r + 1]
         # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
-        matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
+        csc_matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
         seen = start + r
     return seen
 

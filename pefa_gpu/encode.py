@@ -82,11 +82,8 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     elif cache_dir is not None:
         cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
     rows = cache.lookup(set(keys)) if cache else {}
-    if cache is not None and len(rows) == len(distinct):
-        log.info("encode: all %d distinct texts read from the cache", len(distinct))
-    elif rows:
-        log.info("encode: %d distinct texts, %d of them to encode (%d found in the cache)",
-                 len(distinct), len(distinct) - len(rows), len(rows))
+    if rows:
+        log.info("encode: %d of %d distinct texts found in the cache", len(rows), len(distinct))
     if len(rows) < len(distinct):
         _encode_missing(enc, distinct, rows, batch_size, cache, show_progress)
     if not texts:
@@ -311,12 +308,10 @@ def _weights_identity(st_model: Any) -> str:
 
 def _st_name(st_model: Any) -> str:
     try:
-        n = st_model[0].auto_model.config._name_or_path
-        if n:
-            return str(n)
+        name = st_model[0].auto_model.config._name_or_path
     except Exception:
-        pass
-    return f"SentenceTransformer@{id(st_model):x}"
+        name = None
+    return str(name) if name else f"SentenceTransformer@{id(st_model):x}"
 
 
 class _Cache:
