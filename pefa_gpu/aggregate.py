@@ -55,13 +55,10 @@ def pefa_xs(p: torch.Tensor, sums: torch.Tensor, lam: float) -> torch.Tensor:
 def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
          memory_budget: int | None = None, initial: torch.Tensor | None = None) -> torch.Tensor:
     """Yᵀ Q: (m x n) relevance, (m, d) queries -> (n, d) float32 on ``device``, rows
-    L2-normalised when ``normalize`` (documents without queries stay 0); float32 sums.
-
-    ``Q`` a ``.npy`` path, a memory map, an iterator of (rows, d) chunks or any array on the
-    CPU is streamed in row chunks within ``memory_budget`` bytes (default 512 MiB plus the
-    output). ``initial``: a contiguous (n, d) float32 tensor on ``device`` accumulated into in
-    place (PEFA-XS with augment_docs) and returned.
-    """
+    L2-normalised when ``normalize`` (documents without queries stay 0); float32 sums. ``Q`` a
+    ``.npy`` path, a memory map, an iterator of (rows, d) chunks or any array on the CPU streams
+    in row chunks within ``memory_budget`` bytes (default 512 MiB plus the output). ``initial``:
+    a contiguous (n, d) float32 tensor on ``device``, accumulated into in place and returned."""
     dev = resolve_device(device)
     rel = as_relevance(Y, allow_empty=True)
     m = rel.shape[0]
@@ -105,9 +102,8 @@ def _spmm_transpose(y_csr: Any, q: torch.Tensor) -> torch.Tensor:
             out = yt_gpu @ cupy.from_dlpack(q.contiguous())
             return torch.from_dlpack(cupy.ascontiguousarray(out))
     crow, col = (as_tensor(a, q.device, torch.int64) for a in (yt.indptr, yt.indices))
-    out = torch.sparse_csr_tensor(crow, col, as_tensor(yt.data, q.device, torch.float32),
-                                  size=yt.shape) @ q
-    return out.to_dense() if out.is_sparse else out
+    return torch.sparse_csr_tensor(crow, col, as_tensor(yt.data, q.device, torch.float32),
+                                   size=yt.shape) @ q
 
 
 def _torch_allocator(cupy: Any, device: torch.device, device_id: int) -> Any:

@@ -29,11 +29,9 @@ Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
 
 
 class RowSource:
-    """(rows, d) floats in row order, here an in-memory numpy array chunked into views
-    (``rows`` None for an iterator until it ends). ``chunks(max_rows, buffers)`` yields
-    (start, (r, d) numpy chunk), r <= max_rows where the source owns its reads; a chunk read
-    into ``buffers`` ((max_rows, d) arrays in rotation) stays valid until that buffer comes
-    round again."""
+    """(rows, d) floats in row order (here an in-memory array in views; ``rows`` None for an
+    iterator until it ends). ``chunks(max_rows, buffers)`` yields (start, (r <= max_rows, d)
+    chunk); one read into ``buffers`` (in rotation) is valid until its buffer comes round."""
 
     rows: int | None
     owns_reads: bool = True
@@ -194,6 +192,8 @@ def _checked(x: np.ndarray, name: str) -> np.ndarray:
     dt = x.dtype
     if x.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {x.shape}")
+    if x.shape[1] == 0:
+        raise InputError(f"{name} has dimension 0")
     if dt.type in _FLOATS or is_bfloat16(dt):
         return x
     if dt.kind == "V" and dt.itemsize == 2 and dt.names is None:

@@ -247,6 +247,11 @@ def test_errors(tmp_path):
         pg.pifa(Y, tmp_path / "v.npy", device="cpu")
     with pytest.raises(pg.InputError, match="npy"):
         pg.pifa(Y, str(tmp_path / "q.txt"), device="cpu")
+    np.save(tmp_path / "z.npy", np.ones((Y.shape[0], 0), np.float32))
+    for q in (np.ones((Y.shape[0], 0), np.float32), tmp_path / "z.npy"):
+        for budget in (None, 1 << 20):
+            with pytest.raises(pg.InputError, match="Q has dimension 0"):
+                pg.pifa(Y, q, device="cpu", memory_budget=budget)
 
 
 def test_backward_compatible_call():
