@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import as_tensor, check_positive_int, cuda_index
+from .arrays import as_tensor, check_positive_int
 from .errors import InputError
 from .relevance import Relevance
 from .stream import RowSource
@@ -171,10 +171,8 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
                    data: np.ndarray, m: int, a: torch.Tensor) -> int:
     """The index_add kernel (module docstring): ``a += Y[R]ᵀ Q[R]`` for every chunk R of
     ``src`` on the current stream, entries batched by ``rows``; returns the rows read."""
-    device = a.device
+    device = a.device  # a tensor's: on CUDA with its index
     cuda = device.type == "cuda"
-    if cuda:
-        device = torch.device("cuda", cuda_index(device))
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
         copier = torch.cuda.Stream(device) if cuda else None
         q = Staging(rows, {"q": (src.dim, src.dtype)}, device, copier)
