@@ -16,6 +16,7 @@ import torch
 
 from .arrays import is_bfloat16, to_numpy
 from .errors import InputError
+from .storage import read_npy
 
 try:
     from numpy.lib.array_utils import byte_bounds
@@ -165,11 +166,7 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
     if isinstance(x, (str, os.PathLike)):
         if not str(x).endswith(".npy"):
             raise InputError(f"{name}: {x!s} is not a .npy file path")
-        try:
-            mm = np.load(x, mmap_mode="r")
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{name}: cannot read {x!s} as a .npy array (truncated or not a "
-                             f".npy file?): {exc}") from exc
+        mm = read_npy(x, mmap_mode="r")  # FormatError naming a missing or broken file
         if mm.ndim == 2 and not mm.flags.c_contiguous and min(mm.shape) > 1:
             raise InputError(f"{name}: {x!s} is Fortran-ordered; rows cannot be streamed "
                              f"(save it C-ordered)")

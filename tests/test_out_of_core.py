@@ -247,6 +247,11 @@ def test_errors(tmp_path):
         pg.pifa(Y, tmp_path / "v.npy", device="cpu")
     with pytest.raises(pg.InputError, match="npy"):
         pg.pifa(Y, str(tmp_path / "q.txt"), device="cpu")
+    np.save(tmp_path / "t.npy", Q)
+    (tmp_path / "t.npy").write_bytes((tmp_path / "t.npy").read_bytes()[:-8])
+    for broken, says in (("t.npy", "t.npy is truncated"), ("none.npy", "none.npy is missing")):
+        with pytest.raises(pg.FormatError, match=says):
+            pg.pifa(Y, tmp_path / broken, device="cpu")
     np.save(tmp_path / "z.npy", np.ones((Y.shape[0], 0), np.float32))
     for q in (np.ones((Y.shape[0], 0), np.float32), tmp_path / "z.npy"):
         for budget in (None, 1 << 20):
