@@ -125,8 +125,6 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     ``dim`` or NaN / inf (``check_finite``: no device sync when False); a warning for rows not
     L2-normalised (``check_norm``). ``copy``: never shares memory with ``x``."""
     t = as_tensor(x, device=device, name=name)
-    if copy and _same_memory(x, t):
-        t = host_clone(t) if t.device.type == "cpu" else t.clone()
     if t.ndim == 1 and dim is not None and t.shape[0] == dim:
         t = t.unsqueeze(0)
     if t.ndim != 2:
@@ -138,6 +136,8 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
                          f"(the dimension the model was fitted with)")
     if t.dtype != dtype:
         t = t.to(dtype)
+    if copy and _same_memory(x, t):  # (a cast above has copied already)
+        t = host_clone(t) if t.device.type == "cpu" else t.clone()
     if check_finite and t.numel() and not all_finite(t):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise InputError(f"{name} contains NaN or inf (rows {bad}...)")
