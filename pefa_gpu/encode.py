@@ -82,8 +82,11 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     elif cache_dir is not None:
         cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
     rows = cache.lookup(set(keys)) if cache else {}
-    if rows:
-        log.info("encode: %d of %d distinct texts found in the cache", len(rows), len(distinct))
+    if cache is not None and len(rows) == len(distinct):
+        log.info("encode: all %d distinct texts read from the cache", len(distinct))
+    elif rows:
+        log.info("encode: %d distinct texts, %d of them to encode (%d found in the cache)",
+                 len(distinct), len(distinct) - len(rows), len(rows))
     if len(rows) < len(distinct):
         _encode_missing(enc, distinct, rows, batch_size, cache, show_progress)
     if not texts:
