@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import torch
 
-from .arrays import as_embeddings, as_tensor, cuda_index, resolve_device, to_numpy
+from .arrays import as_embeddings, as_tensor, cuda_index, is_bfloat16, resolve_device
 from .errors import InputError
 from .relevance import as_relevance
 from .aggregate_stream import pifa_streamed
@@ -55,22 +55,21 @@ def pefa_xs(p: torch.Tensor, sums: torch.Tensor, lam: float) -> torch.Tensor:
 def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
          memory_budget: int | None = None, initial: torch.Tensor | None = None) -> torch.Tensor:
     """Yᵀ Q: (m x n) relevance, (m, d) queries -> (n, d) float32 on ``device``, rows
-    L2-normalised when ``normalize`` (documents without queries stay 0); float32 sums.
-
-    ``Q`` a ``.npy`` path, a memory map or an iterator of (rows, d) chunks (or a host array
-    with a ``memory_budget`` or ``initial``) is streamed in row chunks within ``memory_budget``
-    bytes (default 512 MiB plus the output). ``initial``: a contiguous (n, d) float32 tensor on
-    ``device`` accumulated into in place (PEFA-XS with augment_docs) and returned.
-    """
+    L2-normalised when ``normalize`` (documents without queries stay 0); float32 sums. ``Q`` a
+    ``.npy`` path, a memory map, an iterator of (rows, d) chunks or any array on the CPU streams
+    in row chunks within ``memory_budget`` bytes (default 512 MiB plus the output). ``initial``:
+    a contiguous (n, d) float32 tensor on ``device``, accumulated into in place and returned."""
     dev = resolve_device(device)
     rel = as_relevance(Y, allow_empty=True)
-    m, n = rel.shape
+    m = rel.shape[0]
     src = row_source(Q, "Q")
-    host = isinstance(Q, torch.Tensor) and Q.device.type == "cpu" and \
-        Q.dtype in (torch.float16, torch.float32, torch.float64)
-    if src is None and (memory_budget is not None or initial is not None) and \
-            dev.type == "cpu" and (isinstance(Q, np.ndarray) or host):
-        src = array_source(Q.detach().numpy() if host else Q, "Q")
+    if src is None and dev.type == "cpu":  # float arrays are read in place, in their dtype
+        host = isinstance(Q, torch.Tensor) and Q.device.type == "cpu" and \
+            Q.dtype in (torch.float16, torch.float32, torch.float64)
+        x = Q.detach().numpy() if host else Q
+        if not (isinstance(x, np.ndarray) and (x.dtype.kind == "f" or is_bfloat16(x.dtype))):
+            x = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach().numpy()
+        src = array_source(x, "Q")
     if src is not None:
         a = pifa_streamed(rel, src, dev, memory_budget, initial=initial)
         return normalize_rows_(a) if normalize else a
@@ -80,16 +79,13 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
     a = _spmm_transpose(rel.csr, q)
     if initial is not None:
         a = initial.add_(a)
-    return normalize_rows(a) if normalize else a
+    return normalize_rows_(a) if normalize else a
 
 
 def _spmm_transpose(y_csr: Any, q: torch.Tensor) -> torch.Tensor:
-    """Yᵀ q: scipy CSR (m x n), (m, d) float32 -> (n, d) on q's device (scipy on the CPU,
-    cupy's cuSPARSE on CUDA when installed, else torch sparse)."""
+    """Yᵀ q: scipy CSR (m x n), (m, d) float32 CUDA -> (n, d) there (cupy's cuSPARSE when
+    installed, else torch sparse)."""
     yt = y_csr.T.tocsr()
-    if q.device.type == "cpu":
-        out = yt.astype(np.float32) @ to_numpy(q)
-        return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
     try:
         import cupy
         import cupyx.scipy.sparse as csp
@@ -106,9 +102,8 @@ def _spmm_transpose(y_csr: Any, q: torch.Tensor) -> torch.Tensor:
             out = yt_gpu @ cupy.from_dlpack(q.contiguous())
             return torch.from_dlpack(cupy.ascontiguousarray(out))
     crow, col = (as_tensor(a, q.device, torch.int64) for a in (yt.indptr, yt.indices))
-    out = torch.sparse_csr_tensor(crow, col, as_tensor(yt.data, q.device, torch.float32),
-                                  size=yt.shape) @ q
-    return out.to_dense() if out.is_sparse else out
+    return torch.sparse_csr_tensor(crow, col, as_tensor(yt.data, q.device, torch.float32),
+                                   size=yt.shape) @ q
 
 
 def _torch_allocator(cupy: Any, device: torch.device, device_id: int) -> Any:

@@ -12,10 +12,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import as_tensor, check_positive_int, cuda_index
+from .arrays import as_tensor, check_positive_int
 from .errors import InputError
 from .relevance import Relevance
 from .stream import RowSource
+
+try:  # scipy's in-place CSC kernel (private: where it is missing, index_add runs on the CPU)
+    from scipy.sparse._sparsetools import csc_matvecs
+except ImportError:
+    csc_matvecs = None
 
 DEFAULT_BUDGET = 512 * 2**20
 # one entry of a staged batch: document id and row (int64) + weight (float32), in 2 host and 2
@@ -56,7 +61,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
         return torch.zeros(n, 0, device=device)
     if src.rows is not None and src.rows != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
-    kernels = ("scipy", "index_add") if device.type == "cpu" and _csc_matvecs() else ("index_add",)
+    kernels = ("scipy", "index_add") if device.type == "cpu" and csc_matvecs else ("index_add",)
     kernel = kernels[0] if kernel == "auto" else kernel
     if kernel not in kernels:
         raise InputError(f"kernel={kernel!r} is not available on {device}")
@@ -79,14 +84,6 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     return a
 
 
-def _csc_matvecs():
-    try:
-        from scipy.sparse import _sparsetools
-        return _sparsetools.csc_matvecs
-    except (ImportError, AttributeError):
-        return None
-
-
 def _check_rows(start: int, r: int, m: int) -> None:
     if start + r > m:
         raise InputError(f"Y has {m} rows (queries) but Q has more than {m} rows")
@@ -97,25 +94,23 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
     """scipy's CSC product accumulates each chunk into ``a`` (n, d); returns the rows read."""
     n, d = a.shape
     buffers = [np.empty((rows, d), dtype=src.dtype)] if src.owns_reads else []
-    conv = np.empty((rows, d), dtype=np.float32) if src.dtype != np.float32 else None
-    matvecs = _csc_matvecs()
-    seen = 0
+    conv, seen = None, 0
     for start, chunk in src.chunks(rows, buffers):
         r = chunk.shape[0]
         _check_rows(start, r, m)
         if chunk.dtype != np.float32:
-            if conv is None or conv.shape[0] < r:
-                conv = np.empty((r, d), dtype=np.float32)
+            if conv is None:
+                conv = np.empty((rows, d), dtype=np.float32)
             x = conv[:r]
             np.copyto(x, chunk, casting="unsafe")
         else:
             x = np.ascontiguousarray(chunk)
-        if x.size and not np.isfinite(x.min() + x.max()):  # no temporary of x's size
+        if x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):  # in place
             bad = np.flatnonzero(~np.isfinite(x).all(axis=1))[:5] + start
             raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...)")
         ptr = indptr[start:start + r + 1]
         # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
-        matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
+        csc_matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
         seen = start + r
     return seen
 
@@ -176,10 +171,8 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
                    data: np.ndarray, m: int, a: torch.Tensor) -> int:
     """The index_add kernel (module docstring): ``a += Y[R]ᵀ Q[R]`` for every chunk R of
     ``src`` on the current stream, entries batched by ``rows``; returns the rows read."""
-    device = a.device
+    device = a.device  # a tensor's: on CUDA with its index
     cuda = device.type == "cuda"
-    if cuda:
-        device = torch.device("cuda", cuda_index(device))
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
         copier = torch.cuda.Stream(device) if cuda else None
         q = Staging(rows, {"q": (src.dim, src.dtype)}, device, copier)

@@ -20,16 +20,18 @@ DeviceLike = str | int | torch.device | None  # None: CUDA when available, else 
 _DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
 
 
+def _torch_device(device: DeviceLike) -> torch.device:
+    try:
+        return device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InputError(f"device={device!r} is not a valid torch device") from exc
+
+
 def resolve_device(device: DeviceLike = None) -> torch.device:
     """``None`` -> CUDA when available, else CPU; strings and ``torch.device`` pass through."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device, torch.device) and device.type == "cpu":
-        return device
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InputError(f"device={device!r} is not a valid torch device") from exc
+    dev = _torch_device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device={device!r} asked for CUDA, but torch sees no CUDA device")
     return dev
@@ -38,10 +40,7 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
 def cuda_index(device: DeviceLike) -> int:
     """The CUDA ordinal of ``device`` for faiss / cupy / cuVS: 'cuda' without an index is
     torch's current device (where its tensors go), not GPU 0; InputError if not CUDA."""
-    try:
-        dev = device if isinstance(device, torch.device) else torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise InputError(f"device={device!r} is not a valid torch device") from exc
+    dev = _torch_device(device)
     if dev.type != "cuda":
         raise InputError(f"device={device!r} is not a CUDA device")
     return dev.index if dev.index is not None else torch.cuda.current_device()
@@ -126,8 +125,6 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     ``dim`` or NaN / inf (``check_finite``: no device sync when False); a warning for rows not
     L2-normalised (``check_norm``). ``copy``: never shares memory with ``x``."""
     t = as_tensor(x, device=device, name=name)
-    if copy and _same_memory(x, t):
-        t = host_clone(t) if t.device.type == "cpu" else t.clone()
     if t.ndim == 1 and dim is not None and t.shape[0] == dim:
         t = t.unsqueeze(0)
     if t.ndim != 2:
@@ -138,9 +135,9 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
         raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
                          f"(the dimension the model was fitted with)")
     if t.dtype != dtype:
-        if not t.is_floating_point():
-            t = t.to(torch.float32)
         t = t.to(dtype)
+    if copy and _same_memory(x, t):  # (a cast above has copied already)
+        t = host_clone(t) if t.device.type == "cpu" else t.clone()
     if check_finite and t.numel() and not all_finite(t):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise InputError(f"{name} contains NaN or inf (rows {bad}...)")

@@ -311,12 +311,10 @@ def _weights_identity(st_model: Any) -> str:
 
 def _st_name(st_model: Any) -> str:
     try:
-        n = st_model[0].auto_model.config._name_or_path
-        if n:
-            return str(n)
+        name = st_model[0].auto_model.config._name_or_path
     except Exception:
-        pass
-    return f"SentenceTransformer@{id(st_model):x}"
+        name = None
+    return str(name) if name else f"SentenceTransformer@{id(st_model):x}"
 
 
 class _Cache:

@@ -16,6 +16,7 @@ import torch
 
 from .arrays import is_bfloat16, to_numpy
 from .errors import InputError
+from .storage import read_npy
 
 try:
     from numpy.lib.array_utils import byte_bounds
@@ -29,11 +30,9 @@ Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
 
 
 class RowSource:
-    """(rows, d) floats in row order, here an in-memory numpy array chunked into views
-    (``rows`` None for an iterator until it ends). ``chunks(max_rows, buffers)`` yields
-    (start, (r, d) numpy chunk), r <= max_rows where the source owns its reads; a chunk read
-    into ``buffers`` ((max_rows, d) arrays in rotation) stays valid until that buffer comes
-    round again."""
+    """(rows, d) floats in row order (here an in-memory array in views; ``rows`` None for an
+    iterator until it ends). ``chunks(max_rows, buffers)`` yields (start, (r <= max_rows, d)
+    chunk); one read into ``buffers`` (in rotation) is valid until its buffer comes round."""
 
     rows: int | None
     owns_reads: bool = True
@@ -167,11 +166,7 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
     if isinstance(x, (str, os.PathLike)):
         if not str(x).endswith(".npy"):
             raise InputError(f"{name}: {x!s} is not a .npy file path")
-        try:
-            mm = np.load(x, mmap_mode="r")
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{name}: cannot read {x!s} as a .npy array (truncated or not a "
-                             f".npy file?): {exc}") from exc
+        mm = read_npy(x, mmap_mode="r")  # FormatError naming a missing or broken file
         if mm.ndim == 2 and not mm.flags.c_contiguous and min(mm.shape) > 1:
             raise InputError(f"{name}: {x!s} is Fortran-ordered; rows cannot be streamed "
                              f"(save it C-ordered)")
@@ -194,6 +189,8 @@ def _checked(x: np.ndarray, name: str) -> np.ndarray:
     dt = x.dtype
     if x.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {x.shape}")
+    if x.shape[1] == 0:
+        raise InputError(f"{name} has dimension 0")
     if dt.type in _FLOATS or is_bfloat16(dt):
         return x
     if dt.kind == "V" and dt.itemsize == 2 and dt.names is None:

@@ -320,11 +320,12 @@ def test_pifa_and_xs_equal_float64_for_extreme_query_and_document_norms(norm):
     np.testing.assert_allclose(xs.xs_embeddings().numpy(), want, rtol=1e-5, atol=1e-6)
 
 
-def test_an_overflowing_sum_warns_naming_its_rows():
-    Q = np.full((2, 4), 3e38, np.float32)
+@pytest.mark.parametrize("budget", [None, 1 << 20])
+def test_an_overflowing_sum_warns_naming_its_rows(budget):
+    Q = np.full((2, 4), 3e38, np.float32)  # finite, though min + max overflows
     Y = sp.csr_matrix(np.array([[1.0, 0, 1], [1.0, 0, 0]]))  # document 0: 2 x 3e38 = inf
     with pytest.warns(RuntimeWarning, match=r"rows \[0\]"):
-        A = pg.pifa(Y, Q, device="cpu").numpy()
+        A = pg.pifa(Y, Q, device="cpu", memory_budget=budget).numpy()
     assert np.isnan(A[0]).all() and (A[1] == 0).all()
     np.testing.assert_allclose(A[2], ref.pifa(Y, Q.astype(np.float64))[2], rtol=1e-6)
 

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -247,6 +246,16 @@ def test_errors(tmp_path):
         pg.pifa(Y, tmp_path / "v.npy", device="cpu")
     with pytest.raises(pg.InputError, match="npy"):
         pg.pifa(Y, str(tmp_path / "q.txt"), device="cpu")
+    np.save(tmp_path / "t.npy", Q)
+    (tmp_path / "t.npy").write_bytes((tmp_path / "t.npy").read_bytes()[:-8])
+    for broken, says in (("t.npy", "t.npy is truncated"), ("none.npy", "none.npy is missing")):
+        with pytest.raises(pg.FormatError, match=says):
+            pg.pifa(Y, tmp_path / broken, device="cpu")
+    np.save(tmp_path / "z.npy", np.ones((Y.shape[0], 0), np.float32))
+    for q in (np.ones((Y.shape[0], 0), np.float32), tmp_path / "z.npy"):
+        for budget in (None, 1 << 20):
+            with pytest.raises(pg.InputError, match="Q has dimension 0"):
+                pg.pifa(Y, q, device="cpu", memory_budget=budget)
 
 
 def test_backward_compatible_call():
