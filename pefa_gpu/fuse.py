@@ -18,8 +18,9 @@ Pair = tuple[torch.Tensor, torch.Tensor]  # (B, w) scores and ids
 
 
 class RelevanceRows:
-    """Y's rows on the model's device: ``tensors`` = (starts, lengths, indices int64, data
-    float32) with an empty row appended for the padding row -1; ``nonnegative``: Y >= 0."""
+    """Y's rows for the votes, built where Y changes: ``tensors`` (model device) = (starts,
+    lengths, indices int64, data float32), one empty row appended for the padding row -1;
+    ``nonnegative``: every entry >= 0."""
 
     def __init__(self, relevance: Relevance, device: Any):
         csr = relevance.csr
@@ -84,9 +85,10 @@ def rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
 
 @dataclasses.dataclass
 class CandidateTable:
-    """ids (B, W) int64: C, then the voted documents outside C (-1: none, a repeated id); erm
-    (B, W) float32 f_erm; cells / extra (U,): each voted candidate's flat cell, outside C; per
-    vote: entry_cell (into cells), entry_slot (b * K + rank), entry_score (s_i), entry_y."""
+    """ids (B, W) int64: C in columns < Kp, then the voted documents outside C, -1 where none
+    (padding, a repeated id); erm (B, W) float32 f_erm; cells (U,): flat cell of each voted
+    candidate, extra (U,): outside C; per vote: entry_cell (index into cells), entry_slot
+    (b * K + rank), entry_score (s_i), entry_y; n_neighbours: K."""
 
     ids: torch.Tensor
     erm: torch.Tensor
@@ -143,13 +145,17 @@ def candidate_table(queries: torch.Tensor, docs: torch.Tensor, rows: RelevanceRo
     width = kp + (int(rank.max()) + 1 if len(x) else 0)
     col[x] = kp + rank
     cells = u_row * width + col
-    table_ids = torch.cat([ids, ids.new_full((b, width - kp), -1)], 1)
+    table_ids = torch.full((b, width), -1, device=dev)
+    table_ids[:, :kp] = ids
     table_ids.reshape(-1)[cells[x]] = x_doc
-    table_erm = torch.cat([torch.where(ids >= 0, es.float(), 0.0),
-                           torch.zeros(b, width - kp, device=dev)], 1)
-    if rescore:  # <q, p_j> for the extras, or for every candidate unless the ERM's are exact
-        v = cells[x] if erm_exact else (table_ids >= 0).reshape(-1).nonzero().squeeze(1)
+    table_erm = torch.zeros((b, width), device=dev)
+    if rescore and not erm_exact:
+        v = (table_ids >= 0).reshape(-1).nonzero().squeeze(1)
         table_erm.reshape(-1)[v] = rowdots(queries, docs, v // width, table_ids.reshape(-1)[v])
+    else:
+        table_erm[:, :kp] = torch.where(ids >= 0, es.float(), 0.0)
+        if rescore and len(x):
+            table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, x_row, x_doc)
     return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot,
                           ks.float().reshape(-1)[slot], y, kn)
 
@@ -196,7 +202,8 @@ def fuse(queries: torch.Tensor, erm: Pair, knn: Pair, rows: RelevanceRows, docs:
             f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
             for lam in lams:
                 parts[(lam, k)].append(table.topk(lam, f_knn, topk))
-    return {key: v[0] if len(v) == 1 else tuple(map(torch.cat, zip(*v)))
+    return {key: v[0] if len(v) == 1 else (torch.cat([x for x, _ in v]),
+                                           torch.cat([y for _, y in v]))
             for key, v in parts.items()}
 
 

@@ -437,7 +437,10 @@ class PEFAXL(_Model):
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance; with
         ``augment_docs`` document j is also row m + j of Y (labelled with itself)."""
         p, q, rel = self._embeddings(P, Q, Y)
-        self._fitted(p, p).query_index = self.new_index().build(q)
+        self.doc_embeddings = p
+        self.index = self.new_index().build(p)
+        self.query_index = self.new_index().build(q)
+        self.dim, self.n_docs = p.shape[1], p.shape[0]
         self._set_relevance(rel.csr)
         return self
 
@@ -463,8 +466,9 @@ class PEFAXL(_Model):
 
     def neighbours(self, q: torch.Tensor, k: int, erm: Pair | None = None,
                    params: Params | None = None) -> Pair:
-        """(B, <= k) scores and ``relevance`` rows (-1 padded) of the k nearest training queries
-        (documents as rows m + j with ``augment_docs``); ``erm``: a passage search to reuse."""
+        """The k nearest training queries (with ``augment_docs`` documents as rows m + j):
+        (B, <= k) scores and ``relevance`` rows, -1 padded; ``erm``: a passage search already
+        made; ``params``: the backend's ``SearchParams`` for both indices."""
         params = self._typed(self._index_search_class, params, "neighbours params")
         return self._searches(q, 0, k, params, erm)[1]
 
