@@ -1,5 +1,9 @@
-"""What PEFA-XL's candidate pruning (``PEFAXL.prune_candidates``) buys, on and off (alternating,
-medians): XL search of a --batch on the hnsw and exact backends, and single queries on hnsw.
+"""What PEFA-XL's two CPU shortcuts buy, at the shapes they serve (alternating, medians):
+
+1. The fusion core on numpy arrays (what CPU batches run) against the same core on CPU torch
+   tensors (what CUDA runs), at an offline evaluation batch (--batch queries).
+2. Candidate pruning (``PEFAXL.prune_candidates``) on and off: XL search of a --batch on the
+   hnsw and exact backends, and single queries on hnsw.
 
     .venv/bin/python benchmarks/xl_paths.py [--n 20000 --batch 2000 --repeats 5]
 Results: benchmarks/results/xl_paths.{json,md}.
@@ -20,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _common import md_table, write_results  # noqa: E402
 
 import pefa_gpu as pg  # noqa: E402
+from pefa_gpu.arrays import to_numpy  # noqa: E402
+from pefa_gpu.fuse import fuse  # noqa: E402
 from pefa_gpu.synthetic import make_synthetic  # noqa: E402
 
 
@@ -58,7 +64,21 @@ def main() -> None:
     data = make_synthetic(a.n, a.n // 5, 384, n_test=max(a.batch, a.singles))
     q = torch.from_numpy(data.Q_test[:a.batch])
     rows = []
-    xl, hnsw = model(data, "exact"), model(data, "hnsw")
+
+    xl = model(data, "exact")
+    erm = xl.index.search(q, 500)
+    knn = xl.neighbours(q, 16, erm)
+    arrays = [q, *erm, *knn, xl.doc_embeddings]
+    host = [to_numpy(x) for x in arrays]
+
+    def core(arrays):
+        return fuse(arrays[0], tuple(arrays[1:3]), tuple(arrays[3:5]), xl.relevance_rows,
+                    arrays[5], lams=(0.1,), ks=(16,), knn_norm="k", rescore=True,
+                    erm_exact=True, topk=100)
+    t_np, t_torch = alternate(lambda: core(host), lambda: core(arrays), a.repeats)
+    rows.append(["fusion core, exact candidates", a.batch, t_np, t_torch, t_torch / t_np])
+
+    hnsw = model(data, "hnsw")
     for backend, xl in (("hnsw", hnsw), ("exact", xl)):
         def search(prune: bool, xl=xl):
             xl.prune_candidates = prune

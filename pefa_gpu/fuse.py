@@ -1,5 +1,6 @@
 """PEFA-XL fusion (DESIGN §1): the one core (:func:`fuse`) behind search, fuse, sweep, tune and
-the pipeline, on torch tensors of any one device."""
+the pipeline, on numpy arrays (CPU batches) or torch tensors (CUDA) with the same float32
+operations in the same order (equal bits on both)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,51 @@ from .arrays import as_tensor, resolve_device, to_numpy
 from .relevance import Relevance
 from .topk import merge_topk
 
-Pair = tuple[torch.Tensor, torch.Tensor]  # (B, w) scores and ids
+Array = Any  # a numpy array or a torch tensor (one kind per call)
+
+
+class _Numpy:
+    """The fusion's operations that numpy and torch spell differently: numpy."""
+
+    cat, int64 = staticmethod(np.concatenate), np.int64
+    arange = staticmethod(lambda n, like: np.arange(n, dtype=np.int64))
+    full = staticmethod(lambda shape, value, dtype, like: np.full(shape, value, dtype))
+    repeat = staticmethod(lambda x, counts, total: x.repeat(counts))
+    flatnonzero = staticmethod(np.flatnonzero)
+    astype = staticmethod(lambda x, dtype: x.astype(dtype))
+    unique = staticmethod(lambda x: np.unique(x, return_inverse=True))
+    divide = staticmethod(np.divide)
+
+
+class _Torch:
+    """The same on torch tensors (any device; no host synchronisation)."""
+
+    cat, int64 = staticmethod(torch.cat), torch.int64
+    arange = staticmethod(lambda n, like: torch.arange(n, device=like.device))
+    full = staticmethod(lambda shape, value, dtype, like: torch.full(shape, value, dtype=dtype,
+                                                                     device=like.device))
+    repeat = staticmethod(lambda x, counts, total: torch.repeat_interleave(x, counts,
+                                                                           output_size=total))
+    flatnonzero = staticmethod(lambda mask: mask.reshape(-1).nonzero().squeeze(1))
+    astype = staticmethod(lambda x, dtype: x.to(dtype))
+    unique = staticmethod(lambda x: torch.unique(x, sorted=True, return_inverse=True))
+    # by the value, not times its reciprocal (as CUDA divides by a host scalar)
+    divide = staticmethod(lambda x, v: x / torch.full((), v, dtype=x.dtype, device=x.device))
+
+
+def ops(x: Array) -> type[_Numpy] | type[_Torch]:
+    """The operations for ``x``'s kind of array."""
+    return _Numpy if isinstance(x, np.ndarray) else _Torch
+
+
+def _xp(x: Array) -> Any:
+    return np if isinstance(x, np.ndarray) else torch
 
 
 class RelevanceRows:
-    """Y's rows for the votes, built where Y changes: ``tensors`` (model device) = (starts,
-    lengths, indices int64, data float32), one empty row appended for the padding row -1;
-    ``nonnegative``: every entry >= 0."""
+    """Y's rows for the votes, built where Y changes: ``tensors`` (model device) and ``host``
+    (numpy) = (starts, lengths, indices int64, data float32), one empty row appended for the
+    padding row -1; ``nonnegative``: every entry >= 0."""
 
     def __init__(self, relevance: Relevance, device: Any):
         csr = relevance.csr
@@ -32,11 +71,16 @@ class RelevanceRows:
         self.nonnegative = bool((host[3] >= 0).all())
 
     @functools.cached_property
+    def host(self) -> tuple[np.ndarray, ...]:
+        return tuple(map(to_numpy, self.tensors))
+
+    @functools.cached_property
     def keys(self) -> torch.Tensor:
         """(nnz,) int64 row * n + column of the entries, ascending."""
         starts, lengths, indices, _ = self.tensors
-        return _repeat(torch.arange(lengths.numel(), device=indices.device), lengths,
-                       indices.numel()) * self.shape[1] + indices
+        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device),
+                                       lengths, output_size=indices.numel())
+        return rows * self.shape[1] + indices
 
     def values(self, rows: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
         """Y[rows[b, i], docs[b, j]] for valid rows (B, k) and docs (B, K) -> (B, k, K) float32
@@ -49,38 +93,34 @@ class RelevanceRows:
         return torch.where(keys[pos] == want.reshape(-1), data[pos], 0.0).reshape(want.shape)
 
 
-def _repeat(x: torch.Tensor, counts: torch.Tensor, total: int) -> torch.Tensor:
-    return torch.repeat_interleave(x, counts, output_size=total)
-
-
-def votes(knn_rows: torch.Tensor, rows: RelevanceRows) -> tuple[torch.Tensor, ...]:
+def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
     """knn_rows (B, K) Y rows (-1 padding) -> (slot, doc, y) per vote: slot b * K + rank
     ascending, the document and Y's value."""
-    starts, lengths, indices, data = rows.tensors
+    xp = ops(knn_rows)
+    starts, lengths, indices, data = rows.host if xp is _Numpy else rows.tensors
     flat = knn_rows.reshape(-1)
     n_entries = lengths[flat]
     ends = n_entries.cumsum(0)
     total = int(ends[-1]) if len(ends) else 0
-    pos = _repeat(starts[flat] - (ends - n_entries), n_entries, total) + \
-        torch.arange(total, device=flat.device)
-    slot = _repeat(torch.arange(len(flat), device=flat.device), n_entries, total)
+    pos = xp.repeat(starts[flat] - (ends - n_entries), n_entries, total) + xp.arange(total, flat)
+    slot = xp.repeat(xp.arange(len(flat), flat), n_entries, total)
     return slot, indices[pos], data[pos]
 
 
-def rowdots(queries: torch.Tensor, docs: torch.Tensor, batch: torch.Tensor,
-            doc: torch.Tensor) -> torch.Tensor:
-    """<queries[batch[i]], docs[doc[i]]> for pairs grouped by query -> (N,) float32: the Triton
-    kernel on CUDA, numpy's row sums per query on the CPU (faster than torch's gathers)."""
-    if batch.is_cuda:
-        from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
-        return triton_rowdots.rowdots(queries, docs, batch, doc)
-    queries, docs, batch, doc = map(to_numpy, (queries, docs, batch, doc))
+def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
+    """<queries[batch[i]], docs[doc[i]]> for pairs grouped by query -> (N,) float32: numpy's
+    row sums on the CPU (tensors too: equal bits), the Triton kernel on CUDA."""
+    if not isinstance(batch, np.ndarray):
+        if batch.is_cuda:
+            from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
+            return triton_rowdots.rowdots(queries, docs, batch, doc)
+        return as_tensor(rowdots(*map(to_numpy, (queries, docs, batch, doc))))
     step = max(1, (1 << 22) // max(1, docs.shape[1]))
     cuts = [0, len(batch)] if len(queries) == 1 else \
         [0, *(np.flatnonzero(batch[1:] != batch[:-1]) + 1).tolist(), len(batch)]
     parts = [np.multiply(docs[doc[s:min(s + step, hi)]], queries[batch[lo]]).sum(1, np.float32)
              for lo, hi in zip(cuts[:-1], cuts[1:]) for s in range(lo, hi, step)]
-    return torch.from_numpy(np.concatenate([np.empty(0, np.float32), *parts]))
+    return np.concatenate([np.empty(0, np.float32), *parts])
 
 
 @dataclasses.dataclass
@@ -90,108 +130,139 @@ class CandidateTable:
     candidate, extra (U,): outside C; per vote: entry_cell (index into cells), entry_slot
     (b * K + rank), entry_score (s_i), entry_y; n_neighbours: K."""
 
-    ids: torch.Tensor
-    erm: torch.Tensor
-    cells: torch.Tensor
-    extra: torch.Tensor
-    entry_cell: torch.Tensor
-    entry_slot: torch.Tensor
-    entry_score: torch.Tensor
-    entry_y: torch.Tensor
+    ids: Array
+    erm: Array
+    cells: Array
+    extra: Array
+    entry_cell: Array
+    entry_slot: Array
+    entry_score: Array
+    entry_y: Array
     n_neighbours: int
 
-    def knn_scores(self, k: int, divisor: float) -> Pair:
+    def knn_scores(self, k: int, divisor: float) -> tuple[Array, Array]:
         """(U,) f_knn from the first ``k`` neighbours (float32, summed by rank) and (U,) dead:
         outside C and voted by none of them."""
         at, rank = self.entry_cell, self.entry_slot % max(self.n_neighbours, 1)
-        # by the value, not times its reciprocal (as CUDA divides by a host scalar)
-        vote = self.entry_score / torch.full((), divisor, device=at.device) * self.entry_y
-        # CUDA: one round per rank (a candidate gets one vote a round, so atomics cannot
-        # reorder); the CPU adds one after another, in rank order per candidate, in one round
+        vote = ops(at).divide(self.entry_score, divisor) * self.entry_y
+        if isinstance(at, np.ndarray):
+            if k < self.n_neighbours:
+                at, vote = at[rank < k], vote[rank < k]
+            f = np.zeros(len(self.cells), np.float32)
+            np.add.at(f, at, vote)  # in rank order per candidate
+            dead = self.extra.copy()
+            dead[at] = False
+            return f, dead
+        # one round per rank: a candidate gets one vote a round, so atomics cannot reorder
         f = torch.zeros(len(self.cells), device=at.device)
-        for r in range(min(k, self.n_neighbours)) if at.is_cuda else [-1]:
-            f.index_add_(0, at, torch.where(rank == r if r >= 0 else rank < k, vote, 0.0))
+        for r in range(min(k, self.n_neighbours)):
+            f.index_add_(0, at, torch.where(rank == r, vote, 0.0))
         voted = torch.zeros_like(f).index_add_(0, at, (rank < k).float())
         return f, self.extra & (voted == 0)
 
-    def topk(self, lam: float, knn: Pair, topk: int) -> Pair:
+    def topk(self, lam: float, knn: tuple[Array, Array], topk: int) -> tuple[Array, Array]:
         """Top ``topk`` of lam f_erm + (1 - lam) f_knn (``knn`` from :meth:`knn_scores`):
         (B, topk) float32 scores, int64 ids, ties to the lower id, -1 / -inf padded."""
         f_knn, dead = knn
-        fused = torch.where(self.ids >= 0, lam * self.erm, float("-inf"))
+        xp = _xp(self.ids)
+        fused = xp.where(self.ids >= 0, lam * self.erm, float("-inf"))
         flat = fused.reshape(-1)
-        flat[self.cells] = torch.where(dead, float("-inf"), flat[self.cells] + (1.0 - lam) * f_knn)
+        flat[self.cells] = xp.where(dead, float("-inf"), flat[self.cells] + (1.0 - lam) * f_knn)
+        if xp is np:
+            return select_topk(fused, self.ids, topk)
         top, ids = merge_topk(fused + 0.0, self.ids, topk)
         return top, torch.where(top > float("-inf"), ids, -1)
 
 
-def candidate_table(queries: torch.Tensor, docs: torch.Tensor, rows: RelevanceRows, erm: Pair,
-                    knn: Pair, *, rescore: bool, erm_exact: bool) -> CandidateTable:
+def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
+                    erm: tuple[Array, Array], knn: tuple[Array, Array], *,
+                    rescore: bool, erm_exact: bool) -> CandidateTable:
     """queries (B, d), docs (n, d), erm (B, Kp) passage scores / ids, knn (B, K) scores / Y
     rows (-1 padded). ``rescore``: f_erm = <q, p_j> for every candidate (``erm_exact``: the ERM
     scores are, so only the extras get dot products), else 0 outside C."""
     (es, ei), (ks, ki) = erm, knn
+    xp, np_ = ops(ei), _xp(ei)
     b, kp = ei.shape
-    n, kn, dev = rows.shape[1], ki.shape[1], ei.device
+    n, kn = rows.shape[1], ki.shape[1]
     slot, doc, y = votes(ki, rows)
-    key, entry_cell = torch.unique((slot // kn) * (n + 1) + doc, return_inverse=True)
+    key, entry_cell = xp.unique((slot // kn) * (n + 1) + doc)  # voted (query, doc), sorted
     u_row = key // (n + 1)
     ids, col = _columns_in_c(ei, key, n)
     extra = col < 0
-    x = extra.nonzero().squeeze(1)
+    x = xp.flatnonzero(extra)
     x_row, x_doc = u_row[x], key[x] % (n + 1)
     # an extra's rank among its row's extras gives its column after C
-    rank = torch.arange(len(x), device=dev) - torch.searchsorted(x_row, x_row)
+    rank = xp.arange(len(x), ei) - np_.searchsorted(x_row, x_row)
     width = kp + (int(rank.max()) + 1 if len(x) else 0)
     col[x] = kp + rank
     cells = u_row * width + col
-    table_ids = torch.full((b, width), -1, device=dev)
+    table_ids = xp.full((b, width), -1, xp.int64, ei)
     table_ids[:, :kp] = ids
     table_ids.reshape(-1)[cells[x]] = x_doc
-    table_erm = torch.zeros((b, width), device=dev)
+    table_erm = xp.full((b, width), 0.0, np_.float32, ei)
     if rescore and not erm_exact:
-        v = (table_ids >= 0).reshape(-1).nonzero().squeeze(1)
+        v = xp.flatnonzero(table_ids >= 0)
         table_erm.reshape(-1)[v] = rowdots(queries, docs, v // width, table_ids.reshape(-1)[v])
     else:
-        table_erm[:, :kp] = torch.where(ids >= 0, es.float(), 0.0)
+        table_erm[:, :kp] = np_.where(ids >= 0, es, 0.0)  # cast to float32 on assignment
         if rescore and len(x):
             table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, x_row, x_doc)
     return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot,
-                          ks.float().reshape(-1)[slot], y, kn)
+                          xp.astype(ks, np_.float32).reshape(-1)[slot], y, kn)
 
 
-def _columns_in_c(ei: torch.Tensor, key: torch.Tensor, n: int) -> Pair:
+def _columns_in_c(ei: Array, key: Array, n: int) -> tuple[Array, Array]:
     """ERM ids (B, Kp) and sorted keys b (n + 1) + doc (U,) -> ids with -1 at padding and at
     each repeat of an id after its first column, and (U,) each key's column in C (-1: none)."""
+    xp, np_ = ops(ei), _xp(ei)
     b, kp = ei.shape
     valid = ei >= 0
-    ids = torch.where(valid, ei, -1)
+    ids = np_.where(valid, ei, -1)
     if kp == 0:
-        return ids, torch.full(key.shape, -1, device=key.device)
+        return ids, xp.full(key.shape, -1, xp.int64, key)
     # each row's ids packed above their column and sorted (padding last): repeats adjacent
     bits = max(1, (kp - 1).bit_length())
-    packed = (torch.where(valid, ei, n) << bits) | torch.arange(kp, device=ei.device)
-    small = np.int32 if ((n + 1) << bits) < 2**31 else np.int64  # (int32 sorts twice as fast)
-    packed = torch.sort(packed, 1).values if packed.is_cuda else \
-        torch.from_numpy(np.sort(packed.numpy().astype(small), 1)).long()  # numpy's: ~5x torch's
+    packed = (np_.where(valid, ei, n) << bits) | xp.arange(kp, ei)
+    if xp is _Numpy and ((n + 1) << bits) < 2**31:  # int32 sorts twice as fast
+        packed = packed.astype(np.int32)
+    packed = xp.astype(np_.sort(packed, 1) if xp is _Numpy else torch.sort(packed, 1).values,
+                       xp.int64)
     s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
-    r = ((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n)).reshape(-1).nonzero().squeeze(1)
+    r = xp.flatnonzero((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
     w = max(kp - 1, 1)
     ids[r // w, s_col[r // w, r % w + 1]] = -1  # a repeated id keeps its first column
-    sorted_keys = (torch.arange(b, device=ei.device)[:, None] * (n + 1) + s_id).reshape(-1)
-    at = torch.searchsorted(sorted_keys, key).clamp_max(b * kp - 1)
-    return ids, torch.where(sorted_keys[at] == key, s_col.reshape(-1)[at], -1)
+    sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
+    at = np_.searchsorted(sorted_keys, key).clip(max=b * kp - 1)
+    return ids, np_.where(sorted_keys[at] == key, s_col.reshape(-1)[at], -1)
 
 
-def fuse(queries: torch.Tensor, erm: Pair, knn: Pair, rows: RelevanceRows, docs: torch.Tensor,
-         *, lams: Sequence[float], ks: Sequence[int], knn_norm: str, rescore: bool,
-         erm_exact: bool, topk: int, batch_size: int | None = None
-         ) -> dict[tuple[float, int], Pair]:
-    """{(lam, k): ((B, topk) float32 scores, int64 ids)} for lams x ks (arguments as
-    :func:`candidate_table`; the first k of ``knn`` vote with w(s) = s / k for ``knn_norm``
-    "k", else s), per ``batch_size`` queries (default 256 on CUDA, 4096 on the CPU)."""
-    n_queries = len(erm[1])
-    step = batch_size or (256 if erm[1].is_cuda else 4096)
+def select_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`pefa_gpu.topk.merge_topk` on numpy: scores (B, W) float32, ids (B, W) int64
+    distinct per row, < 2**32 -> (B, k); one key per cell (score bits descending, then id)."""
+    b, w = scores.shape
+    kk = min(k, w)
+    out_s, out_i = np.full((b, k), -np.inf, np.float32), np.full((b, k), -1, np.int64)
+    if kk == 0 or b == 0:
+        return out_s, out_i
+    bits = (scores + 0.0).view(np.int32).astype(np.int64)
+    key = ~np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ascending as the score descends
+    best = np.partition((key << 32) | (ids & (2**32 - 1)), kk - 1, axis=1)[:, :kk]
+    best.sort(axis=1)  # id -1 sorts last
+    bits = ~(best >> 32)
+    top = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).astype(np.int32).view(np.float32)
+    out_s[:, :kk], out_i[:, :kk] = top, np.where(top > -np.inf, best & (2**32 - 1), -1)
+    return out_s, out_i
+
+
+def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+         rows: RelevanceRows, docs: Array, *, lams: Sequence[float], ks: Sequence[int],
+         knn_norm: str, rescore: bool, erm_exact: bool, topk: int, batch_size: int | None = None
+         ) -> dict[tuple[float, int], tuple[Array, Array]]:
+    """{(lam, k): ((B, topk) float32 scores, int64 ids)} for lams x ks, of ``erm``'s kind
+    (arguments as :func:`candidate_table`; the first k of ``knn`` vote with w(s) = s / k for
+    ``knn_norm`` "k", else s), per ``batch_size`` queries (default 4096 numpy, 256 torch)."""
+    xp, n_queries = ops(erm[1]), len(erm[1])
+    step = batch_size or (4096 if xp is _Numpy else 256)
     parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
     for s in range(0, max(n_queries, 1), step):  # one empty batch without queries
         b = slice(s, s + step)
@@ -202,23 +273,24 @@ def fuse(queries: torch.Tensor, erm: Pair, knn: Pair, rows: RelevanceRows, docs:
             f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
             for lam in lams:
                 parts[(lam, k)].append(table.topk(lam, f_knn, topk))
-    return {key: v[0] if len(v) == 1 else (torch.cat([x for x, _ in v]),
-                                           torch.cat([y for _, y in v]))
+    return {key: v[0] if len(v) == 1 else (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v]))
             for key, v in parts.items()}
 
 
-def neighbours(knn: Pair, erm: Pair, m: int, k: int, augment_docs: bool) -> Pair:
+def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,
+               augment_docs: bool) -> tuple[Array, Array]:
     """The query index's top-k ``knn`` (rows < m), with ``augment_docs`` merged with the
     passage top-k ``erm`` (document j as row m + j), ties to the lower row."""
     if not augment_docs:
         return knn
-    ids = erm[1][:, :k]
-    scores = torch.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
-    return merge_topk(scores, torch.cat([knn[1], torch.where(ids >= 0, ids + m, -1)], 1), k)
+    xp, ids = ops(knn[1]), erm[1][:, :k]
+    scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
+    rows = xp.cat([knn[1], _xp(ids).where(ids >= 0, ids + m, -1)], 1)
+    return select_topk(scores, rows, k) if xp is _Numpy else merge_topk(scores, rows, k)
 
 
-def searches(q: torch.Tensor, search: Any, *, kp: int, k: int, m: int, n: int,
-             augment_docs: bool) -> tuple[Pair, Pair]:
+def searches(q: Array, search: Any, *, kp: int, k: int, m: int, n: int, augment_docs: bool
+             ) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
     """PEFA-XL's two searches through ``search(q, w_erm, w_knn)`` (passage top-w_erm, query
     top-w_knn; a width may be 0) -> passages (B, >= kp) and :func:`neighbours` (B, <= k)."""
     kn = min(k, m + n if augment_docs else m)

@@ -18,9 +18,10 @@ import torch
 
 from . import export, nudge, persist, training
 from .aggregate import normalize_rows, pefa_xs, pifa
-from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, resolve_device
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, resolve_device,
+                     to_numpy)
 from .errors import FormatError, InputError
-from .fuse import Pair, RelevanceRows, fuse, searches
+from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
                      XLParams, XLSearchParams, XSParams, XSSearchParams, check_positive,
@@ -98,6 +99,8 @@ class _Model:
     @doc_embeddings.setter
     def doc_embeddings(self, value: torch.Tensor) -> None:
         self._doc_embeddings = value
+        view = value.device.type == "cpu" and value.dtype == torch.float32  # for CPU fusion
+        self._host_docs = value.detach().numpy() if view else None
 
     @property
     def index_search_params(self) -> Params:
@@ -464,22 +467,24 @@ class PEFAXL(_Model):
         """m: the training queries (rows 0 .. m-1 of ``relevance``; the query index rows)."""
         return self.relevance.shape[0] - (self.n_docs if self.params.augment_docs else 0)
 
-    def neighbours(self, q: torch.Tensor, k: int, erm: Pair | None = None,
-                   params: Params | None = None) -> Pair:
+    def neighbours(self, q: torch.Tensor, k: int,
+                   erm: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   params: Params | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The k nearest training queries (with ``augment_docs`` documents as rows m + j):
         (B, <= k) scores and ``relevance`` rows, -1 padded; ``erm``: a passage search already
         made; ``params``: the backend's ``SearchParams`` for both indices."""
         params = self._typed(self._index_search_class, params, "neighbours params")
         return self._searches(q, 0, k, params, erm)[1]
 
-    def _searches(self, q: torch.Tensor, kp: int, k: int, params: Params | None,
-                  erm: Pair | None = None) -> tuple[Pair, Pair]:
-        """:func:`pefa_gpu.fuse.searches` on this model's indices; ``erm`` serves where it is
-        wide enough."""
-        def search(x: torch.Tensor, w_erm: int, w_knn: int) -> tuple[Any, Pair]:
+    def _searches(self, q: Array, kp: int, k: int, params: Params | None,
+                  erm: tuple[Array, Array] | None = None, host: bool = False,
+                  checked: bool = True) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+        """:func:`pefa_gpu.fuse.searches` on this model's indices (numpy arrays when
+        ``host``); ``erm`` serves where it is wide enough."""
+        def search(x: Array, w_erm: int, w_knn: int) -> tuple[Any, tuple[Array, Array]]:
             e = erm if erm is not None and erm[1].shape[1] >= w_erm else \
-                _index_search(self.index, x, w_erm, params) if w_erm else None
-            return e, _index_search(self.query_index, x, w_knn, params)
+                _index_search(self.index, x, w_erm, params, host, checked) if w_erm else None
+            return e, _index_search(self.query_index, x, w_knn, params, host, checked)
         return searches(q, search, kp=kp, k=k, m=self.n_train_queries, n=self.n_docs,
                         augment_docs=self.params.augment_docs)
 
@@ -489,24 +494,31 @@ class PEFAXL(_Model):
     PRUNE_MARGIN = 8
 
     def _search(self, q: torch.Tensor, topk: int, model_sp: XLSearchParams,
-                index_sp: Params | None, checked: bool = False) -> Pair:
-        """Searches and fusion, with fewer passages where pruning applies: rescore, lam > 0,
-        votes >= 0, exact ERM scores."""
-        p = self.params
+                index_sp: Params | None, checked: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Searches and fusion (a CPU batch as numpy arrays), with fewer passages where
+        pruning applies: rescore, lam > 0, votes >= 0, exact ERM scores."""
+        p, host = self.params, q.device.type == "cpu"
         kp = min(model_sp.candidates, self.index.ntotal)
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prune = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
                  and getattr(self.index, "exact_scores", False)
                  and self.relevance_rows.nonnegative)
+        q = to_numpy(q) if host else q
         width = kt if prune else kp
-        erm, knn = self._searches(q, width, p.k, index_sp)
+        erm, knn = self._searches(q, width, p.k, index_sp, None, host, checked)
         rest = _unprunable(erm, knn, topk, p.lam) if prune else []
-        if len(rest) == q.shape[0] > 0:  # no row prunes (one query, say): one full search
-            erm, width, rest = _index_search(self.index, q, kp, index_sp), kp, []
-        s, i = self.fuse(q, (erm[0][:, :width], erm[1][:, :width]), knn, topk)
+        if prune and len(rest) == q.shape[0]:  # no row prunes (one query, say): one full search
+            erm, width, rest = _index_search(self.index, q, kp, index_sp, host, checked), kp, []
+
+        def fused(x: Array, passages: tuple[Array, Array], neighbours: tuple[Array, Array]
+                  ) -> tuple[Array, Array]:
+            return self.fuse_grid(x, passages, neighbours, (p.lam,), (p.k,), topk)[(p.lam, p.k)]
+        s, i = fused(q, (erm[0][:, :width], erm[1][:, :width]), knn)
         if len(rest):  # the neighbours stay; only the passages widen to kp
-            s[rest], i[rest] = self.fuse(q[rest], _index_search(self.index, q[rest], kp, index_sp),
-                                         (knn[0][rest], knn[1][rest]), topk)
+            s[rest], i[rest] = fused(q[rest], _index_search(self.index, q[rest], kp, index_sp,
+                                                            host, checked),
+                                     (knn[0][rest], knn[1][rest]))
         return s, i
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
@@ -516,8 +528,10 @@ class PEFAXL(_Model):
         votes = self.params.k * self.relevance.nnz / max(1, self.relevance.shape[0])
         return super()._query_bytes(topk, model_sp) + int(48 * (kp + votes) + 24 * topk)
 
-    def fuse(self, q: torch.Tensor, erm: Pair, knn: Pair, topk: int, lam: float | None = None,
-             k: int | None = None, batch_size: int | None = None) -> Pair:
+    def fuse(self, q: torch.Tensor, erm: tuple[torch.Tensor, torch.Tensor],
+             knn: tuple[torch.Tensor, torch.Tensor], topk: int, lam: float | None = None,
+             k: int | None = None, batch_size: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fuse a passage search erm (B, Kp) and :meth:`neighbours` knn (B, >= k) -> (B, topk)
         scores and ids; ``lam`` / ``k`` override the model's."""
         lam = self.params.lam if lam is None else lam
@@ -526,11 +540,12 @@ class PEFAXL(_Model):
         check_positive(k, "k")
         return self.fuse_grid(q, erm, knn, (lam,), (k,), topk, batch_size)[(lam, k)]
 
-    def fuse_grid(self, q: torch.Tensor, erm: Pair, knn: Pair, lams: Sequence[float],
-                  ks: Sequence[int], topk: int, batch_size: int | None = None
-                  ) -> dict[tuple[float, int], Pair]:
+    def fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+                  lams: Sequence[float], ks: Sequence[int], topk: int,
+                  batch_size: int | None = None
+                  ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` (``knn`` with max(ks)
-        neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device."""
+        neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device (numpy: the CPU)."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
         q = as_tensor(q, self.device, name="q")
@@ -539,10 +554,14 @@ class PEFAXL(_Model):
                     (("erm", erm), ("knn", knn)))
         if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
-        p = self.params
-        return fuse(q, erm, knn, self.relevance_rows, self.doc_embeddings, lams=lams, ks=ks,
-                    topk=topk, knn_norm=p.knn_norm, rescore=p.rescore, batch_size=batch_size,
-                    erm_exact=bool(getattr(self.index, "exact_scores", False)))
+        p, docs = self.params, self.doc_embeddings
+        if isinstance(q, np.ndarray) or q.device.type == "cpu":  # CPU batches fuse in numpy
+            q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
+            docs = to_numpy(docs) if self._host_docs is None else self._host_docs
+        out = fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks, topk=topk,
+                   knn_norm=p.knn_norm, rescore=p.rescore, batch_size=batch_size,
+                   erm_exact=bool(getattr(self.index, "exact_scores", False)))
+        return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """lam f_erm + (1 - lam) f_knn: the k neighbours (and, without rescore, the ERM
@@ -599,18 +618,25 @@ class PEFAXL(_Model):
         self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
 
-def _index_search(index: Index, q: torch.Tensor, k: int, params: Params | None) -> Pair:
-    """``index.search(q, k, params)``, its ids checked."""
-    scores, ids = index.search(q, k, params)
+def _index_search(index: Index, q: Array, k: int, params: Params | None,
+                  host: bool, checked: bool = True) -> tuple[Array, Array]:
+    """``index.search(q, k, params)`` -> numpy arrays when ``host`` (faiss backends skip the
+    torch hand-off; ``checked``: q has no NaN / inf), else tensors."""
+    if host and hasattr(index, "search_host"):
+        scores, ids = index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
+    else:
+        scores, ids = index.search(as_tensor(q), k, params)
+        scores, ids = (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
     if bool(((ids < -1) | (ids >= index.ntotal)).any()):  # a corrupted index
         raise FormatError(f"the {index.name!r} index returned ids outside [0, {index.ntotal}) "
                           f"(a corrupted or forged index)")
     return scores, ids
 
 
-def _unprunable(erm: Pair, knn: Pair, topk: int, lam: float) -> torch.Tensor:
+def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int,
+                lam: float) -> Array:
     """Rows where a top-K' passage search ``erm`` may miss a fused top-``topk`` document: a
     negative neighbour score, or fl(lam e_K') not below fl(lam e_topk) (float32, as fused)."""
-    scores, ids = erm
+    (scores, ids), xp = erm, ops(erm[1])
     bound = (ids[:, -1] >= 0) & (lam * scores[:, -1] < lam * scores[:, topk - 1])
-    return (~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound)).nonzero().squeeze(1)
+    return xp.flatnonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))

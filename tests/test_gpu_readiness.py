@@ -200,7 +200,7 @@ def test_cuda_pifa_through_cupy_leaves_nothing_in_cupys_pool():
     np.testing.assert_allclose(got.cpu().numpy(), ref_pifa(y, q), atol=1e-5)
 
 
-# -- 4. the fusion's vote sums: float32 sums in rank order, the same bits on any device ------
+# -- 4. the fusion's vote sums: the same bits on numpy and torch, any device -----------------
 
 def _vote_table(device, seed=5, b=5, kp=6, kn=12, n=60, m=40, d=8):
     """A candidate table with many votes per cell (dense Y, real-valued entries)."""
@@ -217,20 +217,27 @@ def _vote_table(device, seed=5, b=5, kp=6, kn=12, n=60, m=40, d=8):
     es = np.sort(rng.standard_normal((b, kp)).astype(np.float32), 1)[:, ::-1].copy()
     ki = np.stack([rng.choice(m, kn, replace=False) for _ in range(b)])
     ks = rng.uniform(0.2, 1.0, (b, kn)).astype(np.float32)
-    q, docs, es, ei, ks, ki = [torch.from_numpy(a).to(device) for a in (q, docs, es, ei, ks, ki)]
-    rows = fuse.RelevanceRows(as_relevance(y), device)
+    arrays_ = [q, docs, es, ei, ks, ki]
+    if device is not None:
+        arrays_ = [torch.from_numpy(a).to(device) for a in arrays_]
+    q, docs, es, ei, ks, ki = arrays_
+    rows = fuse.RelevanceRows(as_relevance(y), device or "cpu")
     table = fuse.candidate_table(q, docs, rows, (es, ei), (ks, ki), rescore=True,
                                  erm_exact=False)
     return table, y.toarray().astype(np.float64), ki, ks
 
 
 @pytest.mark.parametrize("k,divisor", [(12, 12.0), (7, 7.0), (3, 1.0)])
-def test_vote_sums_are_float32_sums_in_neighbour_order(k, divisor):
-    t, y, ki, ks = _vote_table("cpu")
-    f_np, ki, ks = t.knn_scores(k, divisor)[0].numpy(), ki.numpy(), ks.numpy()
+def test_vote_sums_equal_numpy_to_the_bit_on_torch(k, divisor):
+    t_np, y, ki, ks = _vote_table(None)
+    t_t, _, _, _ = _vote_table("cpu")
+    f_np, dead_np = t_np.knn_scores(k, divisor)
+    f_t, dead_t = t_t.knn_scores(k, divisor)
+    np.testing.assert_array_equal(f_t.numpy().view(np.int32), f_np.view(np.int32))
+    np.testing.assert_array_equal(dead_t.numpy(), dead_np)
     # float32 sums in neighbour order, and the float64 value, written here
-    width = t.ids.shape[1]
-    row, doc = (t.cells // width).numpy(), t.ids.reshape(-1)[t.cells].numpy()
+    width = t_np.ids.shape[1]
+    row, doc = t_np.cells // width, t_np.ids.reshape(-1)[t_np.cells]
     assert (f_np > 0).sum() > len(f_np) // 2  # most candidates are voted for, many thrice
     for u in range(len(f_np)):
         acc, exact = np.float32(0.0), 0.0
@@ -247,8 +254,8 @@ def test_vote_sums_are_float32_sums_in_neighbour_order(k, divisor):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,divisor", [(12, 12.0), (7, 7.0)])
 def test_cuda_vote_sums_equal_numpy_to_the_bit_run_after_run(k, divisor):
-    t_np, _, _, _ = _vote_table("cpu")
-    f_np = t_np.knn_scores(k, divisor)[0].numpy()
+    t_np, _, _, _ = _vote_table(None)
+    f_np = t_np.knn_scores(k, divisor)[0]
     for _ in range(3):
         t_c, _, _, _ = _vote_table("cuda")
         f_c = t_c.knn_scores(k, divisor)[0].cpu().numpy()

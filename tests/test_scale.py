@@ -1,5 +1,5 @@
-"""Scale paths: the XL fusion core (every step, CPU and CUDA) against a float64 reference, the
-synthetic generator."""
+"""Scale paths: the XL fusion core (numpy and torch, every step) against a float64 reference,
+its top-k tie rule, the synthetic generator."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
-from pefa_gpu.fuse import RelevanceRows, fuse
+from pefa_gpu.fuse import RelevanceRows, fuse, select_topk
 from pefa_gpu.synthetic import make_synthetic
 
 
@@ -70,28 +70,30 @@ def fusion_inputs(seed, quantized=True, b=25, n=60, m=40, d=8, kp=12, k=6):
     return q, P, Y, erm_s, erm_i, knn_s, knn_i
 
 
-def run_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, device="cpu", *, lam, k, norm, **kw):
-    """The fusion core on torch tensors on ``device``, with the first ``k`` neighbours weighted
-    by s / k (``norm`` "k") or s ("none"); numpy out."""
+def run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device="cpu", *, lam, k, norm, **kw):
+    """The fusion core on numpy arrays (kind 'numpy') or torch tensors on ``device``, with the
+    first ``k`` neighbours weighted by s / k (``norm`` "k") or s ("none"); numpy out."""
     rows = RelevanceRows(pg.Relevance(Y), device)
-    arrays = tuple(torch.as_tensor(x, device=device) for x in (q, P, erm_s, erm_i, knn_s, knn_i))
+    arrays = (q, P, erm_s, erm_i, knn_s, knn_i)
+    if kind == "torch":
+        arrays = tuple(torch.as_tensor(x, device=device) for x in arrays)
     s, i = fuse(arrays[0], arrays[2:4], arrays[4:6], rows, arrays[1], lams=(lam,), ks=(k,),
                 knn_norm=norm, **kw)[(lam, k)]
-    assert s.dtype == torch.float32 and i.dtype == torch.int64
+    assert s.dtype in (np.float32, torch.float32) and i.dtype in (np.int64, torch.int64)
     return pg.arrays.to_numpy(s), pg.arrays.to_numpy(i)
 
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+KINDS = [("numpy", "cpu"), ("torch", "cpu"), pytest.param("torch", "cuda", marks=pytest.mark.gpu)]
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,device", KINDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("rescore,erm_exact", [(False, False), (True, False), (True, True)])
 @pytest.mark.parametrize("lam,k,norm,topk", [(0.5, 4, "k", 5), (0.25, 6, "none", 30),
                                              (0.0, 2, "k", 10), (1.0, 4, "k", 7)])
-def test_fusion_equals_reference(device, seed, rescore, erm_exact, lam, k, norm, topk):
+def test_fusion_equals_reference(kind, device, seed, rescore, erm_exact, lam, k, norm, topk):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(seed)
-    got = run_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, device, lam=lam, k=k, norm=norm,
+    got = run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device, lam=lam, k=k, norm=norm,
                    rescore=rescore, erm_exact=erm_exact, topk=topk)
     ref_s, ref_i = ref_fuse(q, P, Y, erm_s, erm_i, knn_s[:, :k], knn_i[:, :k], lam,
                             k if norm == "k" else 1.0, rescore, topk, erm_exact)
@@ -103,29 +105,66 @@ def test_fusion_equals_reference(device, seed, rescore, erm_exact, lam, k, norm,
 @pytest.mark.parametrize("rescore", [False, True])
 def test_fusion_continuous_data(seed, rescore):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(seed, quantized=False)
-    got = run_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, lam=0.3, k=6, norm="k",
+    got = run_fuse("numpy", q, P, Y, erm_s, erm_i, knn_s, knn_i, lam=0.3, k=6, norm="k",
                    rescore=rescore, erm_exact=False, topk=15)
     ref_s, ref_i = ref_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, 0.3, 6.0, rescore, 15)
     np.testing.assert_allclose(got[0], ref_s, rtol=1e-5, atol=1e-6)
     assert (got[1] == ref_i).mean() > 0.99
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("quantized", [True, False])
+def test_numpy_and_torch_give_the_same_bits(seed, quantized):
+    """The CPU runs the core on numpy, CUDA on torch: on the CPU both kinds agree to the bit."""
+    q, P, Y, es, ei, ks, ki = fusion_inputs(seed, quantized=quantized, b=12, n=150, m=60,
+                                            kp=30, k=8)
+    for rescore, exact in [(False, False), (True, False), (True, True)]:
+        for lam, k, norm, topk in [(0.5, 4, "k", 5), (0.1, 8, "k", 40), (0.0, 2, "none", 10),
+                                   (1.0, 3, "k", 7)]:
+            kw = dict(lam=lam, k=k, norm=norm, rescore=rescore, erm_exact=exact, topk=topk)
+            a = run_fuse("numpy", q, P, Y, es, ei, ks, ki, **kw)
+            b = run_fuse("torch", q, P, Y, es, ei, ks, ki, **kw)
+            assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("kind,device", KINDS)
 @pytest.mark.parametrize("rescore,erm_exact", [(False, False), (True, False), (True, True)])
-def test_a_repeated_erm_id_keeps_its_first_entry(device, rescore, erm_exact):
+def test_a_repeated_erm_id_keeps_its_first_entry(kind, device, rescore, erm_exact):
     q, P, Y, erm_s, erm_i, knn_s, knn_i = fusion_inputs(0)
     erm_i[2, 1], erm_s[2, 1] = erm_i[2, 0], erm_s[2, 0]       # the same entry twice
     erm_i[3, 4], erm_s[3, 4] = erm_i[3, 1], erm_s[3, 1] + 1.0  # a later, better entry
     erm_i[5, 6:9] = erm_i[5, 2]                               # three more copies
     for topk in (1, 20, 80):  # 80: more places than candidates, so every copy would show
         kw = dict(lam=0.5, k=4, norm="k", rescore=rescore, erm_exact=erm_exact, topk=topk)
-        got = run_fuse(q, P, Y, erm_s, erm_i, knn_s, knn_i, device, **kw)
+        got = run_fuse(kind, q, P, Y, erm_s, erm_i, knn_s, knn_i, device, **kw)
         ref = ref_fuse(q, P, Y, erm_s, erm_i, knn_s[:, :4], knn_i[:, :4], 0.5, 4.0, rescore,
                        topk, erm_exact)
         np.testing.assert_array_equal(got[1], ref[1])
         np.testing.assert_array_equal(got[0], ref[0].astype(np.float32))
         for row in got[1]:
             assert len(set(row[row >= 0].tolist())) == (row >= 0).sum()
+
+
+def test_select_topk_tie_rule():
+    """numpy tables (torch ones use topk.merge_topk): equal scores go to the lower id, at the
+    k-th place too, however many tie there; rows with fewer candidates than k are padded;
+    -0.0 ties with 0.0 and comes back as 0.0."""
+    rng = np.random.default_rng(0)
+    b, w = 40, 30
+    scores = rng.integers(-2, 3, (b, w)).astype(np.float32) / 2
+    scores[::5] = 0.0
+    scores[1::5, ::2] = -0.0
+    ids = np.stack([rng.permutation(1000)[:w] for _ in range(b)]).astype(np.int64)
+    scores[2::5, 10:] = -np.inf  # no candidate there
+    ids[2::5, 10:] = -1
+    for k in (1, 7, 10, 30, 45):
+        s, i = select_topk(scores, ids, k)
+        for r in range(b):
+            ref = sorted((-float(v), int(j)) for v, j in zip(scores[r], ids[r]) if j >= 0)[:k]
+            want_i = [j for _, j in ref] + [-1] * (k - len(ref))
+            want_s = [-v for v, _ in ref] + [-np.inf] * (k - len(ref))
+            assert i[r].tolist() == want_i
+            assert s[r].tolist() == want_s and not np.signbit(s[r][s[r] == 0]).any()
 
 
 def test_synthetic_is_seeded_and_structured():
