@@ -548,10 +548,6 @@ class PEFAXL(_Model):
         neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device (numpy: the CPU)."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
-        q = as_tensor(q, self.device, name="q")
-        erm, knn = ((as_tensor(s, q.device, name=f"{what} scores"),
-                     as_tensor(i, q.device, name=f"{what} ids")) for what, (s, i) in
-                    (("erm", erm), ("knn", knn)))
         if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
         p, docs = self.params, self.doc_embeddings
