@@ -140,8 +140,7 @@ class HostBackend(Index):
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         i = check_row_ids(as_tensor(ids, device="cpu", name="ids"), self.ntotal)
-        flat = np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64)
-        rows = self._read_rows(flat) if flat.size else np.zeros((0, self.dim), np.float32)
+        rows = self._read_rows(np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64))
         return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
