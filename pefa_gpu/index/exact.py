@@ -13,7 +13,7 @@ import torch
 from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from ..storage import load_tensor, save_tensor
+from ..storage import load_tensor
 from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
@@ -99,26 +99,18 @@ class ExactIndex(VectorIndex):
             return empty_results(q.shape[0], k, self.device)
         kk = min(k, self.ntotal)
         vals, ids, rescan = self._first_pass(q, kk)
-        if rescan is not None:
-            rows = rescan.nonzero().squeeze(1)  # on CUDA: the one host synchronisation
-            if rows.numel():
-                vals[rows], ids[rows] = self._exact_rows(q[rows], kk)
+        rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
+        while rescan is not None:  # unsettled rows: passes 4x wider until none is left
+            rows = rows[rescan.nonzero().squeeze(1)]  # on CUDA: a host synchronisation
+            if not rows.numel():
+                break
+            w = min(self.ntotal, 4 * w)
+            vals[rows], ids[rows], rescan = self._pass(q[rows], kk, w)
         return pad_topk(vals, ids, k)
 
     def _first_pass(self, q: torch.Tensor, kk: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self._pass(q, kk, self._pass_width(kk))
-
-    def _exact_rows(self, q: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, d) queries the first pass left unsettled -> (R, kk), by passes 4x wider."""
-        vals = torch.empty(q.shape[0], kk, device=self.device)
-        ids = torch.empty(q.shape[0], kk, dtype=torch.long, device=self.device)
-        rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
-        while rows.numel():
-            w = min(self.ntotal, 4 * w)
-            vals[rows], ids[rows], rescan = self._pass(q[rows], kk, w)
-            rows = rows[:0] if rescan is None else rows[rescan.nonzero().squeeze(1)]
-        return vals, ids
 
     def _pass(self, q: torch.Tensor, kk: int, w: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -204,10 +196,6 @@ class ExactIndex(VectorIndex):
             dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
                                   metric=faiss.METRIC_INNER_PRODUCT)
         return as_tensor(dist), as_tensor(ids)
-
-    def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
-        save_tensor(Path(directory) / "vectors", self.vectors)
 
     @classmethod
     def load(cls, directory: str | Path, params: ExactParams | dict | None = None,
