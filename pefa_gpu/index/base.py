@@ -14,7 +14,6 @@ import torch
 from ..arrays import resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params, check_nonnegative, check_positive
-from ..storage import save_tensor
 from ..topk import PAD_ID, PAD_SCORE
 
 
@@ -221,7 +220,3 @@ class VectorIndex(Index):
     @property
     def dim(self) -> int:
         return int(self.vectors.shape[1])
-
-    def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
-        save_tensor(self._save_dir(directory, empty_ok=True) / "vectors", self.vectors)

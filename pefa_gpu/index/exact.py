@@ -13,7 +13,7 @@ import torch
 from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from ..storage import load_tensor
+from ..storage import load_tensor, save_tensor
 from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
@@ -196,6 +196,10 @@ class ExactIndex(VectorIndex):
             dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
                                   metric=faiss.METRIC_INNER_PRODUCT)
         return as_tensor(dist), as_tensor(ids)
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
+        save_tensor(Path(directory) / "vectors", self.vectors)
 
     @classmethod
     def load(cls, directory: str | Path, params: ExactParams | dict | None = None,
