@@ -12,7 +12,7 @@ import torch
 
 from ..arrays import all_finite, as_tensor, cuda_index, to_numpy
 from ..errors import InputError, MissingDependencyError
-from ..topk import PAD_ID, PAD_SCORE, order_ties, pad_topk
+from ..topk import PAD_SCORE, order_ties, pad_topk
 from .base import import_optional
 
 
@@ -91,9 +91,8 @@ def normalise_results(scores: torch.Tensor, ids: torch.Tensor, k: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """A library's (B, w) similarities sorted descending and ids (-1: none found) -> (B,
     max(w, k)) float32 / int64, padded with (-inf, -1), equal scores listed by id."""
-    missing = ids < 0
-    scores = scores.float().masked_fill(missing, PAD_SCORE)
-    return pad_topk(*order_ties(scores, ids.long().masked_fill(missing, PAD_ID)), k)
+    ids = ids.long()
+    return pad_topk(*order_ties(scores.float().masked_fill(ids < 0, PAD_SCORE), ids), k)
 
 
 def faiss_pointer(faiss: Any, t: torch.Tensor) -> Any:
