@@ -132,6 +132,19 @@ def test_duplicated_documents_every_k(engine):
         np.testing.assert_array_equal(scores.numpy(), rv.astype(np.float32))
 
 
+def spy_wider_passes(index, monkeypatch) -> list[int]:
+    """The rows of each pass wider than the first (a search again of unsettled rows)."""
+    redone, real = [], index._pass
+
+    def spy(q, kk, w):
+        if w > index._pass_width(kk):
+            redone.append(q.shape[0])
+        return real(q, kk, w)
+
+    monkeypatch.setattr(index, "_pass", spy)
+    return redone
+
+
 @pytest.mark.parametrize("copies,rescanned", [(2, False), (12, True)])
 def test_many_chunks_and_batches_and_the_exact_redo(engine, monkeypatch, copies, rescanned):
     """A tiny budget splits queries and corpus. Rows tied at the k-th place whose run of equal
@@ -142,10 +155,7 @@ def test_many_chunks_and_batches_and_the_exact_redo(engine, monkeypatch, copies,
     X = duplicated_documents(rng, 6000, 8, copies=copies, low=-20, high=21)
     T = rng.integers(-20, 21, (150, 8)).astype(np.float32) / 4
     index = ExactIndex({"memory_budget": 2**16}).build(X)
-    redone = []
-    real = index._exact_rows
-    monkeypatch.setattr(index, "_exact_rows",
-                        lambda q, kk: redone.append(q.shape[0]) or real(q, kk))
+    redone = spy_wider_passes(index, monkeypatch)
     boundary_ties = 0
     for k in (1, 7, 100):
         faiss, q_batch, chunk = index._plan(150, k)
@@ -298,10 +308,7 @@ def test_real_valued_copies_tie(engine, monkeypatch, groups, rescanned):
     for j, group in enumerate(copies):
         T[j::len(copies)] = X[group[0]] + 0.15 * T[j::len(copies)]
     index = ExactIndex().build(X)
-    redone = []
-    real = index._exact_rows
-    monkeypatch.setattr(index, "_exact_rows",
-                        lambda q, kk: redone.append(q.shape[0]) or real(q, kk))
+    redone = spy_wider_passes(index, monkeypatch)
     for k in (1, 5, 17, 40):
         scores, ids = index.search(T, k)
         rv, ri = reference_with_copies(X, T, k, copies)

@@ -139,9 +139,9 @@ def test_search_tensors_equals_numpy_search():
     np.testing.assert_array_equal(d.numpy(), d_ref)
 
 
-def test_tensor_results_normalised_like_host_results():
+def test_library_results_normalised_with_the_tie_rule():
     pytest.importorskip("faiss")
-    from pefa_gpu.index._faiss import normalise_results_host, normalise_results_tensors
+    from pefa_gpu.index._faiss import normalise_results
 
     rng = np.random.default_rng(2)
     scores = rng.choice([0.5, 0.25, 0.0, -1.0], (50, 8)).astype(np.float32)
@@ -149,13 +149,17 @@ def test_tensor_results_normalised_like_host_results():
     ids = rng.permutation(400)[:400].reshape(50, 8).astype(np.int64)
     ids[::5, 6:] = -1  # nothing found
     scores[::5, 6:] = -3.4e38
-    s_ref, i_ref = normalise_results_host(scores, ids)
-    s, i = normalise_results_tensors(torch.from_numpy(scores), torch.from_numpy(ids))
-    np.testing.assert_array_equal(i.numpy(), i_ref)
-    np.testing.assert_array_equal(s.numpy(), s_ref)
-    tied = (s_ref[:, 1:] == s_ref[:, :-1]) & (i_ref[:, 1:] >= 0)
-    assert tied.any() and (i_ref[:, 1:][tied] > i_ref[:, :-1][tied]).all()
-    assert ((i == -1) == torch.isneginf(s)).all()
+    s, i = normalise_results(torch.from_numpy(scores), torch.from_numpy(ids), 10)
+    assert s.shape == i.shape == (50, 10) and s.dtype == torch.float32
+    for b in range(50):  # reference: by score, then id; (-inf, -1) for nothing found
+        found = ids[b] >= 0
+        order = np.lexsort((ids[b][found], -scores[b][found].astype(np.float64)))
+        n = int(found.sum())
+        np.testing.assert_array_equal(i[b, :n].numpy(), ids[b][found][order])
+        np.testing.assert_array_equal(s[b, :n].numpy(), scores[b][found][order])
+        assert (i[b, n:] == -1).all() and torch.isneginf(s[b, n:]).all()
+    tied = (s[:, 1:] == s[:, :-1]) & (i[:, 1:] >= 0)
+    assert tied.any() and (i[:, 1:][tied] > i[:, :-1][tied]).all()
 
 
 def test_faiss_stream_is_set_and_restored():

@@ -12,7 +12,7 @@ import torch
 
 from ..arrays import all_finite, as_tensor, cuda_index, to_numpy
 from ..errors import InputError, MissingDependencyError
-from ..topk import PAD_ID, PAD_SCORE, merge_topk, order_ties, pad_topk
+from ..topk import PAD_SCORE, order_ties, pad_topk
 from .base import import_optional
 
 
@@ -87,28 +87,12 @@ def device_float32(x: Any, name: str, device: torch.device,
     return t.contiguous()
 
 
-def normalise_results_host(scores: np.ndarray, ids: np.ndarray, k: int = 0
-                           ) -> tuple[np.ndarray, np.ndarray]:
-    """A library's (B, w) similarities and ids (-1: none found) -> float32 / int64 arrays,
-    padding (-1, -inf) to k columns, equal scores listed by id."""
-    scores = np.ascontiguousarray(scores, dtype=np.float32)
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    if ids.size and ids.min() < 0:  # on the host: cheaper than torch ops for small B
-        missing = ids < 0
-        scores = np.where(missing, np.float32(PAD_SCORE), scores)
-        ids = np.where(missing, np.int64(PAD_ID), ids)
-    # faiss leaves equal scores in any order: the tie rule lists them by id
-    scores, ids = pad_topk(*order_ties(torch.from_numpy(scores), torch.from_numpy(ids)), k)
-    return scores.numpy(), ids.numpy()
-
-
-def normalise_results_tensors(scores: torch.Tensor, ids: torch.Tensor
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`normalise_results_host` for tensors on the index's device."""
-    missing = ids < 0
-    scores = scores.masked_fill(missing, PAD_SCORE)
-    ids = ids.masked_fill(missing, PAD_ID)
-    return merge_topk(scores, ids, ids.shape[1])
+def normalise_results(scores: torch.Tensor, ids: torch.Tensor, k: int = 0
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A library's (B, w) similarities sorted descending and ids (-1: none found) -> (B,
+    max(w, k)) float32 / int64, padded with (-inf, -1), equal scores listed by id."""
+    ids = ids.long()
+    return pad_topk(*order_ties(scores.float().masked_fill(ids < 0, PAD_SCORE), ids), k)
 
 
 def faiss_pointer(faiss: Any, t: torch.Tensor) -> Any:

@@ -1,6 +1,7 @@
 """Backends searched through a library (hnswlib, ScaNN, faiss). A subclass implements
-``_raw_search(q, k, params)`` ((B, d) float32, 1 <= k <= ntotal -> (B, k) float32 similarities,
-int64 ids, -1: none), ``_append(x)`` ((r, d) float32, r > 0) and, where it can, ``_read_rows``."""
+``_new_index(x)`` ((n, d) float32 -> the library's index over them), ``_append(x)`` ((r, d)
+float32, r > 0), ``_count()``, ``_raw_search(q, k, params)`` ((B, d) float32, 1 <= k <= ntotal
+-> (B, k) similarities sorted descending, ids, -1: none) and, where it can, ``_read_rows``."""
 
 from __future__ import annotations
 
@@ -13,12 +14,11 @@ import numpy as np
 import torch
 
 from ..arrays import as_tensor, check_topk, to_numpy
-from ..errors import FormatError
+from ..errors import FormatError, InputError
 from ..params import Params
 from ..storage import strict_json
-from ..topk import PAD_ID, PAD_SCORE
-from ._faiss import (host_float32, import_faiss, normalise_results_host,
-                     normalise_results_tensors, search_tensors)
+from ._faiss import (faiss_threads, host_float32, import_faiss, normalise_results,
+                     search_tensors)
 from .base import Index, check_row_ids, empty_results
 from .exact import ExactIndex
 
@@ -50,12 +50,16 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
 
 
 class HostBackend(Index):
-    """``max_k``: the largest k the library answers (tests lower it); larger k: exact search."""
+    """``_index``: the library's index (None before build); ``max_k``: the largest k the
+    library answers (tests lower it), larger k: exact search."""
 
     max_k: ClassVar[int] = 2**62
+    builds_empty: ClassVar[bool] = False  # whether build takes (0, d) vectors
+    on_gpu = False  # True: searched with tensors on the device (a faiss GPU index)
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         super().__init__(params, device)
+        self._index: Any = None
         self._dim = 0
         self._fallback: ExactIndex | None = None
 
@@ -64,39 +68,66 @@ class HostBackend(Index):
         return self._dim
 
     @property
+    def ntotal(self) -> int:
+        return 0 if self._index is None else self._count()
+
+    @property
     def threads(self) -> int:
         """``params.threads``, 0 meaning every core."""
         return self.params.threads or os.cpu_count() or 1
 
+    def _float32(self, vectors: Any, dim: int | None = None) -> Any:
+        """Rows to give the library: (rows, d) float32, checked (see :func:`host_float32`)."""
+        return host_float32(vectors, "vectors", dim=dim)
+
+    def build(self, vectors: Any) -> "HostBackend":
+        """vectors: (n, d) float -> a fresh index over them; returns self."""
+        x = self._float32(vectors)
+        if x.shape[1] == 0 or (x.shape[0] == 0 and not self.builds_empty):
+            raise InputError(f"{self.name} needs a non-empty (n, d) matrix, got "
+                             f"{tuple(x.shape)}")
+        self._fallback = None
+        self._index, self._dim = self._new_index(x), x.shape[1]
+        return self
+
     def add(self, vectors: Any) -> None:
         """Append rows (ids continue after the existing ones); into an empty index: build."""
-        if self._dim == 0:
+        if self._index is None:
             self.build(vectors)
             return
-        x = host_float32(vectors, "vectors", dim=self.dim)
+        x = self._float32(vectors, self.dim)
         if x.shape[0]:
             self._append(x)
         self._fallback = None
 
     def search(self, queries: Any, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        scores, ids = self.search_host(queries, k, params=params)
-        return as_tensor(scores, device=self.device), as_tensor(ids, device=self.device)
+        scores, ids = self._search(queries, k, params)
+        return scores.to(self.device), ids.to(self.device)
 
     def search_host(self, queries: Any, k: int, check_finite: bool = True,
                     params: Params | dict | None = None) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`search` with numpy results (small CPU batches). ``check_finite=False``: the
         caller has tested the queries for NaN / inf."""
+        scores, ids = self._search(queries, k, params, check_finite)
+        return to_numpy(scores), to_numpy(ids)
+
+    def _search(self, queries: Any, k: int, params: Params | dict | None,
+                check_finite: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`search`'s results where the library leaves them (the CPU or the GPU)."""
         k = check_topk(k, self.ntotal, "k")
         sp = self.resolve_search_params(params)
-        q = host_float32(queries, "queries", check_finite=check_finite)
+        q = self._queries(queries, check_finite)
         self.check_queries(q)
-        b, found = q.shape[0], min(k, self.ntotal)
-        if b == 0 or found == 0:
-            return (np.full((b, k), PAD_SCORE, np.float32), np.full((b, k), PAD_ID, np.int64))
+        if q.shape[0] == 0 or self.ntotal == 0:
+            return empty_results(q.shape[0], k, self.device)
         if k > self._k_limit():
-            return tuple(map(to_numpy, self._exact_search(q, k)))
-        return normalise_results_host(*self._raw_search(q, found, sp), k)
+            return self._exact_search(q, k)
+        scores, ids = self._raw_search(q, min(k, self.ntotal), sp)
+        return normalise_results(as_tensor(scores), as_tensor(ids), k)
+
+    def _queries(self, queries: Any, check_finite: bool) -> Any:
+        return host_float32(queries, "queries", check_finite=check_finite)
 
     def _k_limit(self) -> int:
         return self.max_k
@@ -109,8 +140,7 @@ class HostBackend(Index):
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
         i = check_row_ids(as_tensor(ids, device="cpu", name="ids"), self.ntotal)
-        flat = np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64)
-        rows = self._read_rows(flat) if flat.size else np.zeros((0, self.dim), np.float32)
+        rows = self._read_rows(np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64))
         return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
@@ -123,11 +153,11 @@ class HostBackend(Index):
 
 
 class FaissBackend(HostBackend):
+    """A faiss index; ``_faiss_params(params, k)``: a search's faiss settings."""
 
     def __init__(self, params: Any = None, device: Any = None):
         super().__init__(params, device)
         self._faiss = import_faiss()
-        self._index: Any = None
         self._gpu_res: Any = None  # the faiss GPU resources of an index on the GPU
 
     @property
@@ -135,25 +165,22 @@ class FaissBackend(HostBackend):
         """True when the faiss index lives on the GPU (searched with device tensors)."""
         return self._gpu_res is not None
 
-    @property
-    def ntotal(self) -> int:
-        return int(self._index.ntotal) if self._index is not None else 0
+    def _count(self) -> int:
+        return int(self._index.ntotal)
 
-    def search(self, queries: Any, k: int, params: Params | dict | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _queries(self, queries: Any, check_finite: bool) -> Any:
         if not self.on_gpu:
-            return super().search(queries, k, params)
-        sp = self.resolve_search_params(params)
-        k = check_topk(k, self.ntotal, "k")
+            return super()._queries(queries, check_finite)
         # faiss reads the tensor where it is: no host copy, values not read
-        q = as_tensor(queries, device=self.device, dtype=torch.float32, name="queries").detach()
-        self.check_queries(q)
-        if q.shape[0] == 0 or self.ntotal == 0:
-            return empty_results(q.shape[0], k, self.device)
-        if k > self._k_limit():
-            return self._exact_search(q, k)
-        return normalise_results_tensors(*search_tensors(
-            self._faiss, self._index, q, k, self._faiss_params(sp), self._gpu_res))
+        return as_tensor(queries, device=self.device, dtype=torch.float32,
+                         name="queries").detach()
+
+    def _raw_search(self, q: Any, k: int, params: Params) -> tuple[Any, Any]:
+        if self.on_gpu:
+            return search_tensors(self._faiss, self._index, q, k, self._faiss_params(params, k),
+                                  self._gpu_res)
+        with faiss_threads(self._faiss, self.params.threads):
+            return self._index.search(q, k, params=self._faiss_params(params, k))
 
     def _write(self, index: Any, directory: str | Path) -> None:
         self._faiss.write_index(index, str(self._save_dir(directory) / FAISS_FILE))

@@ -220,4 +220,3 @@ class VectorIndex(Index):
     @property
     def dim(self) -> int:
         return int(self.vectors.shape[1])
-

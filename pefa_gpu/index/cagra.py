@@ -82,17 +82,16 @@ def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
     repeated ids (-inf, -1) at the end."""
     n, d = vectors.shape
     b, c = ids.shape
-    bad = (ids < 0) | (ids >= n)
+    ids = ids.masked_fill((ids < 0) | (ids >= n), n).sort(dim=1).values  # repeats adjacent
+    bad = ids == n
+    bad[:, 1:] |= ids[:, 1:] == ids[:, :-1]
     ids = ids.masked_fill(bad, PAD_ID)
     step = max(1, memory_budget // max(1, c * d * 4))
     scores = torch.empty((b, c), dtype=torch.float32, device=ids.device)
     for s in range(0, b, step):
         rows = vectors[ids[s:s + step].clamp_min(0)]  # (rows, C, d)
         scores[s:s + step] = torch.einsum("bd,bcd->bc", q[s:s + step], rows)
-    scores, ids = merge_topk(scores.masked_fill(bad, PAD_SCORE), ids, c)
-    repeat = torch.zeros_like(bad)
-    repeat[:, 1:] = (ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)  # adjacent once sorted
-    return merge_topk(scores.masked_fill(repeat, PAD_SCORE), ids.masked_fill(repeat, PAD_ID), c)
+    return merge_topk(scores.masked_fill(bad, PAD_SCORE), ids, c)
 
 
 class CagraIndex(VectorIndex):

@@ -99,26 +99,18 @@ class ExactIndex(VectorIndex):
             return empty_results(q.shape[0], k, self.device)
         kk = min(k, self.ntotal)
         vals, ids, rescan = self._first_pass(q, kk)
-        if rescan is not None:
-            rows = rescan.nonzero().squeeze(1)  # on CUDA: the one host synchronisation
-            if rows.numel():
-                vals[rows], ids[rows] = self._exact_rows(q[rows], kk)
+        rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
+        while rescan is not None:  # unsettled rows: passes 4x wider until none is left
+            rows = rows[rescan.nonzero().squeeze(1)]  # on CUDA: a host synchronisation
+            if not rows.numel():
+                break
+            w = min(self.ntotal, 4 * w)
+            vals[rows], ids[rows], rescan = self._pass(q[rows], kk, w)
         return pad_topk(vals, ids, k)
 
     def _first_pass(self, q: torch.Tensor, kk: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return self._pass(q, kk, self._pass_width(kk))
-
-    def _exact_rows(self, q: torch.Tensor, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(R, d) queries the first pass left unsettled -> (R, kk), by passes 4x wider."""
-        vals = torch.empty(q.shape[0], kk, device=self.device)
-        ids = torch.empty(q.shape[0], kk, dtype=torch.long, device=self.device)
-        rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
-        while rows.numel():
-            w = min(self.ntotal, 4 * w)
-            vals[rows], ids[rows], rescan = self._pass(q[rows], kk, w)
-            rows = rows[:0] if rescan is None else rows[rescan.nonzero().squeeze(1)]
-        return vals, ids
 
     def _pass(self, q: torch.Tensor, kk: int, w: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import FormatError, InputError
+from ..errors import FormatError
 from .base import IndexParams, check_number, checked, count, positive
-from ._faiss import faiss_search_parameters, faiss_threads, host_float32
+from ._faiss import faiss_search_parameters, faiss_threads
 from ._host import FaissBackend
 
 
@@ -42,33 +42,30 @@ class HNSWIndex(FaissBackend):
     Params = HNSWParams
     SearchParams = HNSWSearchParams
     exact_scores = True  # flat storage: returned scores are fp32 <q, x_j>
+    builds_empty = True
 
-    def build(self, vectors: Any) -> "HNSWIndex":
-        """vectors: (n, d) float -> a fresh graph over them; returns self."""
-        x = host_float32(vectors, "vectors")
-        if x.shape[1] == 0:
-            raise InputError("vectors have dimension 0")
+    def _new_index(self, x: np.ndarray) -> Any:
         f = self._faiss
         index = f.IndexHNSWFlat(x.shape[1], self.params.M, f.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = self.params.ef_construction
         index.hnsw.efSearch = self.search_params.ef_search  # for direct users of faiss_index
-        self._index, self._dim, self._fallback = index, x.shape[1], None
-        if x.shape[0]:
-            self._append(x)
-        return self
+        with faiss_threads(f, self.params.threads):
+            index.add(x)
+        return index
 
     def _append(self, x: np.ndarray) -> None:
         with faiss_threads(self._faiss, self.params.threads):
             self._index.add(x)
 
+    def _faiss_params(self, params: HNSWSearchParams, k: int) -> Any:
+        return faiss_search_parameters("SearchParametersHNSW", efSearch=max(params.ef_search, k))
+
     def _raw_search(self, q: np.ndarray, k: int,
                     params: HNSWSearchParams) -> tuple[np.ndarray, np.ndarray]:
-        ef = max(params.ef_search, k)
-        with faiss_threads(self._faiss, self.params.threads):
-            if self.ntotal <= params.full_scan_factor * ef:
+        if self.ntotal <= params.full_scan_factor * max(params.ef_search, k):
+            with faiss_threads(self._faiss, self.params.threads):
                 return self._storage().search(q, k)
-            sp = faiss_search_parameters("SearchParametersHNSW", efSearch=ef)
-            return self._index.search(q, k, params=sp)
+        return super()._raw_search(q, k, params)
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         return self._storage().reconstruct_batch(ids)

@@ -13,9 +13,8 @@ from typing import Any
 import numpy as np
 
 from ..arrays import to_numpy
-from ..errors import FormatError, InputError
+from ..errors import FormatError
 from .base import IndexParams, count, import_optional, positive
-from ._faiss import host_float32
 from ._host import HostBackend, read_description, write_description
 
 log = logging.getLogger("pefa_gpu")
@@ -60,25 +59,19 @@ class HnswlibIndex(HostBackend):
         self._hnswlib = import_optional("hnswlib", "backend 'hnswlib' needs hnswlib: `pip "
                                         "install hnswlib` (builds with g++), or `pip install "
                                         "pefa_gpu[hnswlib]`")
-        self._index: Any = None
         self._ef = 0  # the ef last set on the hnswlib index
 
-    @property
-    def ntotal(self) -> int:
-        return int(self._index.get_current_count()) if self._index is not None else 0
+    def _count(self) -> int:
+        return int(self._index.get_current_count())
 
-    def build(self, vectors: Any) -> "HnswlibIndex":
-        """vectors: (n, d) float, n >= 1 -> a fresh graph over them; returns self."""
-        x = host_float32(vectors, "vectors")
-        if x.shape[0] == 0 or x.shape[1] == 0:
-            raise InputError(f"hnswlib needs a non-empty (n, d) matrix, got {x.shape}")
+    def _new_index(self, x: np.ndarray) -> Any:
         p = self.params
         index = self._hnswlib.Index(space="ip", dim=x.shape[1])
         index.init_index(max_elements=x.shape[0], M=p.M, ef_construction=p.ef_construction,
                          random_seed=p.seed)
-        self._index, self._dim, self._ef, self._fallback = index, x.shape[1], 0, None
         index.add_items(x, np.arange(x.shape[0]), num_threads=self.threads)
-        return self
+        self._ef = 0
+        return index
 
     def _append(self, x: np.ndarray) -> None:
         n = self.ntotal

@@ -97,14 +97,15 @@ class IVFIndex(FaissBackend):
         self._gpu_res = res
         return gpu_index
 
-    def build(self, vectors: Any) -> "IVFIndex":
-        """Train on a sample of ``vectors`` (n, d) and add them all; returns self."""
-        x = device_float32(vectors, "vectors", self.device) if self._want_gpu else \
-            host_float32(vectors, "vectors")
-        n, d = x.shape
-        if d == 0 or n == 0:
-            raise InputError(f"ivf needs a non-empty (n, d) matrix to train on, got {x.shape}")
-        p, f = self.params, self._faiss
+    def _float32(self, vectors: Any, dim: int | None = None) -> Any:
+        """Device rows for an index on (or, building, bound for) the GPU, else host rows."""
+        if self.on_gpu if dim is not None else self._want_gpu:
+            return device_float32(vectors, "vectors", self.device, dim)
+        return host_float32(vectors, "vectors", dim=dim)
+
+    def _new_index(self, x: Any) -> Any:
+        """Train on a seeded sample of ``x`` (n, d) and add them all."""
+        (n, d), p, f = x.shape, self.params, self._faiss
         nlist = p.nlist or auto_nlist(n)
         if nlist > n:
             raise InputError(f"nlist={nlist} is more than the {n} vectors to train on")
@@ -115,39 +116,29 @@ class IVFIndex(FaissBackend):
             if d % m:
                 raise InputError(f"pq_m={m} must divide the dimension {d}")
             spec = f"IVF{nlist},PQ{m}x{p.pq_nbits}"
-        cpu_index = f.index_factory(d, spec, f.METRIC_INNER_PRODUCT)
-        index = self._to_device(cpu_index)
+        index = self._to_device(f.index_factory(d, spec, f.METRIC_INNER_PRODUCT))
         if not self.on_gpu and not isinstance(x, np.ndarray):  # the move to the GPU failed
             x = host_float32(x, "vectors", check_finite=False)
         size = min(n, p.train_size or 256 * nlist)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
-        self._index, self._dim = index, d
-        self._call("train", to_numpy(x[rows]))  # faiss GPU trains IVF on the CPU: the sample
-        self._fallback = self._rows = None
-        self._call("add", x)
-        return self
+        self._rows = None
+        self._call(index, "train", to_numpy(x[rows]))  # faiss GPU trains IVF on the CPU
+        self._call(index, "add", x)
+        return index
 
-    def add(self, vectors: Any) -> None:
-        """Append rows with the existing quantiser (no retraining)."""
-        if self._index is None:
-            self.build(vectors)
-            return
-        x = device_float32(vectors, "vectors", self.device, self.dim) if self.on_gpu else \
-            host_float32(vectors, "vectors", dim=self.dim)
-        if x.shape[0]:
-            self._call("add", x)
-            if self._rows is not None:  # IVF-Flat stores the rows as given; PQ codes differ
-                self._rows = torch.cat([self._rows, x]) if self.exact_scores else None
-        self._fallback = None
+    def _append(self, x: Any) -> None:
+        self._call(self._index, "add", x)
+        if self._rows is not None:  # IVF-Flat stores the rows as given; PQ codes differ
+            self._rows = torch.cat([self._rows, x]) if self.exact_scores else None
 
-    def _call(self, method: str, x: Any) -> None:
-        """``train`` / ``add`` the rows ``x``: numpy, or a device tensor by its pointer."""
+    def _call(self, index: Any, method: str, x: Any) -> None:
+        """``index.train`` / ``add`` the rows ``x``: numpy, or a device tensor by its pointer."""
         with faiss_threads(self._faiss, self.params.threads):
             if isinstance(x, np.ndarray):
-                getattr(self._index, method)(x)
+                getattr(index, method)(x)
                 return
             with on_current_stream(self._faiss, self._gpu_res, x.device):
-                getattr(self._index, method + "_c")(x.shape[0], faiss_pointer(self._faiss, x))
+                getattr(index, method + "_c")(x.shape[0], faiss_pointer(self._faiss, x))
 
     @property
     def nprobe(self) -> int:
@@ -166,13 +157,8 @@ class IVFIndex(FaissBackend):
             nprobe = self.gpu_max_nprobe
         return nprobe
 
-    def _faiss_params(self, params: IVFSearchParams) -> Any:
+    def _faiss_params(self, params: IVFSearchParams, k: int) -> Any:
         return faiss_search_parameters("SearchParametersIVF", nprobe=self._nprobe(params))
-
-    def _raw_search(self, q: np.ndarray, k: int,
-                    params: IVFSearchParams) -> tuple[np.ndarray, np.ndarray]:
-        with faiss_threads(self._faiss, self.params.threads):
-            return self._index.search(q, k, params=self._faiss_params(params))
 
     def _cpu_index(self) -> Any:
         """The index itself on the CPU; a CPU copy of all of it (through the host) on the GPU."""

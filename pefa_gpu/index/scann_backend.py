@@ -14,7 +14,6 @@ import numpy as np
 
 from ..errors import FormatError, InputError
 from .base import IndexParams, check_number, checked, count, import_optional, positive
-from ._faiss import host_float32
 from ._host import HostBackend, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
@@ -79,20 +78,13 @@ class ScannIndex(HostBackend):
     def __init__(self, params: ScannParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
         self._scann = import_scann()
-        self._searcher: Any = None
         self.num_leaves = 0  # leaves of the trained tree (0: a brute-force searcher)
 
-    @property
-    def ntotal(self) -> int:
-        return int(self._searcher.size()) if self._searcher is not None else 0
+    def _count(self) -> int:
+        return int(self._index.size())
 
-    def build(self, vectors: Any) -> "ScannIndex":
-        """vectors: (n, d) float, n >= 1 -> a freshly trained searcher; returns self."""
-        x = host_float32(vectors, "vectors")
-        n, d = x.shape
-        if n == 0 or d == 0:
-            raise InputError(f"scann needs a non-empty (n, d) matrix, got {x.shape}")
-        p = self.params
+    def _new_index(self, x: np.ndarray) -> Any:
+        n, p = x.shape[0], self.params
         builder = self._scann.builder(x, 10, "dot_product")
         builder.set_n_training_threads(self.threads)
         if n < p.brute_force_below:
@@ -113,11 +105,11 @@ class ScannIndex(HostBackend):
                        .reorder(auto_reorder(10)))
         searcher = builder.build()
         searcher.set_num_threads(self.threads)
-        self._searcher, self._dim, self.num_leaves = searcher, d, leaves
-        return self
+        self.num_leaves = leaves
+        return searcher
 
     def _append(self, x: np.ndarray) -> None:
-        self._searcher.searcher.upsert([None] * x.shape[0], list(x), min(x.shape[0], 256))
+        self._index.searcher.upsert([None] * x.shape[0], list(x), min(x.shape[0], 256))
 
     def _raw_search(self, q: np.ndarray, k: int, params: ScannSearchParams
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -130,9 +122,9 @@ class ScannIndex(HostBackend):
         else:
             leaves = reorder = -1  # brute force: no tree, every score exact already
         if q.shape[0] > 1 and self.threads > 1:
-            ids, dist = self._searcher.search_batched_parallel(q, k, reorder, leaves)
+            ids, dist = self._index.search_batched_parallel(q, k, reorder, leaves)
         else:
-            ids, dist = self._searcher.search_batched(q, k, reorder, leaves)
+            ids, dist = self._index.search_batched(q, k, reorder, leaves)
         ids, dist = np.asarray(ids), np.asarray(dist, dtype=np.float32)
         missing = np.isnan(dist)  # ScaNN pads with NaN distances (and id 0)
         ids = np.where(missing, -1, ids.astype(np.int64))
@@ -141,7 +133,7 @@ class ScannIndex(HostBackend):
     def save(self, directory: str | Path) -> None:
         """ScaNN's assets (relative paths) and ``scann.json`` into ``directory``."""
         directory = self._save_dir(directory)
-        self._searcher.serialize(str(directory), relative_path=True)
+        self._index.serialize(str(directory), relative_path=True)
         write_description(directory / META_FILE, META_FORMAT, dim=self.dim,
                           ntotal=self.ntotal, num_leaves=self.num_leaves)
 
@@ -168,7 +160,7 @@ class ScannIndex(HostBackend):
             raise FormatError(f"{directory} holds {searcher.size()} vectors; {meta_path} says "
                               f"{ntotal}")
         searcher.set_num_threads(out.threads)
-        out._searcher, out._dim, out.num_leaves = searcher, dim, leaves
+        out._index, out._dim, out.num_leaves = searcher, dim, leaves
         return out
 
 

@@ -107,8 +107,6 @@ class ShardedIndex(Index):
             return empty_results(q.shape[0], k, self.device)
         vals = [v.to(self.device, torch.float32) for v in vals]
         ids = [i.to(self.device) for i in ids]
-        if len(vals) == 1 and vals[0].shape[1] == k:
-            return vals[0], ids[0]
         return merge_topk(torch.cat(vals, 1), torch.cat(ids, 1), k)
 
     @property
