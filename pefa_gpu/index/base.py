@@ -7,13 +7,13 @@ import abc
 import dataclasses
 import importlib
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from ..arrays import resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_nonnegative, check_positive
+from ..params import Params, check_nonnegative, check_positive, checked
 from ..topk import PAD_ID, PAD_SCORE
 
 
@@ -21,17 +21,6 @@ from ..topk import PAD_ID, PAD_SCORE
 class IndexParams(Params):
     """Build or search settings of a backend; fields made by :func:`positive` / :func:`count`
     are checked on construction."""
-
-    def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            if "check" in f.metadata:
-                check, *extra = f.metadata["check"]
-                check(getattr(self, f.name), f.name, *extra)
-
-
-def checked(default: Any, check: Callable[..., None], *extra: Any) -> Any:
-    """An :class:`IndexParams` field checked on construction by ``check(value, name, *extra)``."""
-    return dataclasses.field(default=default, metadata={"check": (check, *extra)})
 
 
 def positive(default: int) -> Any:
