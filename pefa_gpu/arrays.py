@@ -86,7 +86,7 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
         if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
             raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
         # read-only arrays (np.load(mmap_mode="r")) are copied: torch tensors are writable
-        a = np.ascontiguousarray(x) if x.flags.writeable else np.array(x)
+        a = x if x.flags.c_contiguous and x.flags.writeable else np.array(x, order="C")
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 \
             else torch.from_numpy(a)
     if hasattr(x, "__dlpack__"):

@@ -3,11 +3,13 @@ manifest's sizes and sha256 are those of the bytes on disk, whatever the tensor'
 
 import hashlib
 
+import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
 
 from pefa_gpu import storage
+from pefa_gpu.arrays import as_tensor
 from pefa_gpu.storage import open_save, save_csr, save_tensor, writing_save
 
 
@@ -83,3 +85,12 @@ def test_a_failed_save_forgets_its_files(tmp_path):
             save_tensor(w.data / "a", torch.ones(3))
             raise RuntimeError("stop")
     assert storage._PENDING == {}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool, torch.bfloat16])
+def test_a_zero_dimensional_tensor_keeps_its_shape(tmp_path, dtype):
+    t = torch.tensor(1, dtype=dtype)
+    meta = storage.save_tensor(tmp_path / "x", t)
+    back = storage.load_tensor(tmp_path / "x", meta=meta)
+    assert back.shape == () and back.dtype == dtype and back.item() == t.item()
+    assert as_tensor(np.float32(2.5) * np.ones(())).shape == ()
