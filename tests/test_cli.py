@@ -7,7 +7,6 @@ import json
 
 import numpy as np
 import pytest
-import scipy.sparse as sp
 
 import pefa_gpu as pg
 from pefa_gpu.builds import load_build

@@ -197,7 +197,7 @@ def test_keep_empty_keeps_judged_queries_without_a_relevant_document(beir):
     test_ids = sorted({line.split("\t")[0] for line in
                        (beir / "qrels" / "test.tsv").read_text().splitlines()[1:]})
     with open(beir / "qrels" / "test.tsv", "a") as f:  # a judged query, all grades below 1
-        f.write(f"tr0_0\td0_0\t0\n")
+        f.write("tr0_0\td0_0\t0\n")
     rows, y = ds.qrels("test")
     assert [ds.query_ids[r] for r in rows] == sorted(test_ids, key=ds.query_ids.index)
     rows_e, y_e = ds.qrels("test", keep_empty=True)

@@ -16,7 +16,6 @@ import pefa_gpu as pg
 from pefa_gpu import storage
 from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import ExactParams, backend_class, backend_names
-from pefa_gpu.index import exact as exact_module
 from pefa_gpu.synthetic import make_synthetic
 
 from conftest import DEVICES, make_model, unit_rows

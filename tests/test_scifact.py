@@ -1,6 +1,5 @@
 """End to end on SciFact's precomputed embeddings: the published ERM baseline and PEFA's gain."""
 
-import numpy as np
 import pytest
 
 import pefa_gpu as pg
