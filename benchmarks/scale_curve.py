@@ -417,6 +417,7 @@ def point(args) -> None:
             run_pipeline(folder, tmp, tuple(args.pipeline_stages.split(",")), args.repeats)
         else:
             methods = ["erm"] + (["xs", "xl"] if args.n <= args.hnsw_xl_max else [])
+            methods = [m for m in methods if m in args.pecos_methods.split(",")]
             run_pecos(folder, methods if args.n <= args.hnsw_max else [])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -660,6 +661,8 @@ def main() -> None:
     ap.add_argument("--hnsw-max", type=int, default=1_000_000)
     ap.add_argument("--hnsw-xl-max", type=int, default=300_000)
     ap.add_argument("--pecos-python", default=os.environ.get("PECOS_PYTHON", ""))
+    ap.add_argument("--pecos-methods", default="erm,xs,xl",
+                    help="the PECOS path's methods (point: e.g. xs,xl where erm was measured)")
     args = ap.parse_args()
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.paths = args.paths.split(",")
