@@ -600,7 +600,12 @@ def report(args) -> None:
                         [[r["path"], f"{r['n']:,}", r["method"], f"{r['bytes_on_disk'] / GiB:.2f}",
                           f"{r['bytes_on_disk'] / r['n']:.0f}"]
                          for r in sorted(disk, key=lambda r: (r["path"], r["method"], r["n"]))])]
-    skipped = [r for r in rows if r.get("skipped")]
+    def point_key(r: dict) -> tuple:
+        return tuple(r.get(f) for f in ("path", "n", "stage", "method", "backend", "dtype"))
+
+    measured = {point_key(r) for r in rows if "seconds" in r}
+    skipped = list({point_key(r): r for r in rows  # a point measured later is not listed
+                    if r.get("skipped") and point_key(r) not in measured}.values())
     if skipped:
         md += ["\n## Not measured\n",
                md_table(["path", "n", "stage", "method", "backend", "dtype", "why"],
