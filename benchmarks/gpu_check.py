@@ -160,6 +160,13 @@ def stage_env(s: dict, device: str) -> dict[str, Any]:
         "cuda_available": torch.cuda.is_available(),
         "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     }
+    try:  # the driver's version and clocks, where nvidia-smi is there
+        out["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,"
+             "clocks.max.sm,clocks.mem", "--format=csv"], capture_output=True, text=True,
+            timeout=20).stdout.strip().splitlines()
+    except (OSError, subprocess.SubprocessError) as exc:
+        out["nvidia_smi"] = f"{type(exc).__name__}: {exc}"
     if torch.cuda.is_available():
         out["capability"] = list(torch.cuda.get_device_capability(0))
         out["free_bytes"], out["total_bytes"] = torch.cuda.mem_get_info(0)
@@ -463,7 +470,7 @@ def run_tests(args: argparse.Namespace, timeout: float) -> dict[str, Any]:
                 message = lines[0][:300] if lines else ""
                 break
         cases.append({"id": f"{file}::{tc.get('name')}", "outcome": outcome,
-                      "message": message})
+                      "message": message, "s": float(tc.get("time") or 0)})
     out["cases"] = cases
     out["counts"] = {k: sum(c["outcome"] == k for c in cases)
                      for k in ("passed", "failed", "error", "skipped")}
@@ -518,7 +525,9 @@ def path_status(tests: dict[str, Any], env: dict[str, Any]) -> list[list[Any]]:
         if path.startswith("faiss GPU") and not env.get("faiss_gpu"):
             status = "not run: " + ("faiss has no GPU support here" if env.get("faiss")
                                     else "faiss is not installed") + f" ({status})"
-        rows.append([path, status, n["passed"], n["failed"] + n["error"], n["skipped"]])
+        seconds = sum(c.get("s", 0.0) for c in mine)
+        rows.append([path, status, n["passed"], n["failed"] + n["error"], n["skipped"],
+                     round(seconds, 1)])
     return rows
 
 
@@ -545,6 +554,8 @@ def summary_md(data: dict[str, Any]) -> str:
                   f" (CUDA {env.get('torch_cuda')}) · cupy {env.get('cupy')} · triton "
                   f"{env.get('triton')} · faiss {env.get('faiss')} (GPU: {env.get('faiss_gpu')})"
                   f" · cuVS {env.get('cuvs')}", ""]
+        if isinstance(env.get("nvidia_smi"), list):
+            lines += ["nvidia-smi: " + " / ".join(env["nvidia_smi"]), ""]
     if card:
         lines += ["## The card", ""]
         lines += ([f"failed: {card['failed']}", ""] if "failed" in card else
@@ -559,7 +570,7 @@ def summary_md(data: dict[str, Any]) -> str:
             lines += [f"`{tests['command']}`: {c['passed']} passed, {c['failed']} failed, "
                       f"{c['error']} errors, {c['skipped']} skipped ({tests['wall_s']:.0f} s)"
                       + (f"; {tests['cut']}, the cases read from its log." if "cut" in tests
-                         else "."), "", md_table(["CUDA path", "status", "passed", "failed", "skipped"],
+                         else "."), "", md_table(["CUDA path", "status", "passed", "failed", "skipped", "s"],
                                    data["paths"])]
             bad = [x for x in tests["cases"] if x["outcome"] in ("failed", "error")]
             if bad:
