@@ -291,7 +291,7 @@ def test_ivf_nprobe_per_call(device):
 @pytest.mark.gpu
 def test_cagra_search_params_per_call():
     x, q = easy_data(19, n=5000)
-    index = make_index("cagra", "cuda").build(x)
+    index = new_index("cagra", "cuda").build(x)
     _, truth = ref_topk(q, x, 10)
     _, low = index.search(q, 10, params={"itopk_size": 16})
     _, high = index.search(q, 10, params={"itopk_size": 256, "search_width": 4})

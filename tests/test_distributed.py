@@ -181,7 +181,8 @@ def test_shard_servers_keep_results_on_the_device(tmp_path):
     assert server.erm(q, 20)[0].is_cuda and server.knn(q, 8)[1].is_cuda
     s, i = pp.search(b, T, topk=15, device="cuda")
     assert not s.is_cuda and not i.is_cuda
-    xl = pg.PEFAXL(lam=0.3, k=8, candidates=20, device="cuda").fit(P, Q, Y)
+    xl = pg.PEFAXL(lam=0.3, k=8, search_params=pg.XLSearchParams(candidates=20),
+                   device="cuda").fit(P, Q, Y)
     lib_s, lib_i = xl.search(q.cuda(), 15)
     assert_same_ranking(s, i, lib_s.cpu(), lib_i.cpu())
 

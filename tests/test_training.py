@@ -238,13 +238,15 @@ def test_cuda_search_synchronises_once_score_and_backward_never():
         neg, syncs = cuda_syncs(lambda: pg.mine_negatives(model, q, pos, n=3))
         assert syncs == 1  # its one search (one batch)
         cand = torch.cat([pos, neg], 1)
+        xl_scores, syncs = cuda_syncs(lambda: xl.score(q, cand))
+        assert syncs == 1 and xl_scores.requires_grad  # its one kNN search (one batch)
         torch.cuda.set_sync_debug_mode("error")
         try:
             loss = torch.nn.functional.cross_entropy(model.score(q, cand) / 0.05,
                                                      torch.zeros(B, dtype=torch.long,
                                                                  device="cuda"))
             loss.backward(retain_graph=True)
-            xl.score(q, cand).sum().backward(retain_graph=True)
+            xl_scores.sum().backward(retain_graph=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()

@@ -27,7 +27,7 @@ def kernel_device(device: str) -> torch.device:
         pytest.skip("Triton's interpreter is off (TRITON_INTERPRET=1 is set only where torch "
                     "sees no CUDA device; there the compiled kernel is tested)")
     assert tr.available(dev)
-    return dev
+    return torch.empty(0, device=dev).device  # "cuda" resolved to "cuda:<current>"
 
 
 def case(seed: int, b: int, n: int, d: int, pairs: int, dtype: torch.dtype, device):

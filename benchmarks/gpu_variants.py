@@ -1,0 +1,235 @@
+"""Variants timed side by side on a GPU, to choose designs for the GPU check's targets:
+exact search's top-k selection, PEFA-XL's cost split (its two searches, the fusion by batch
+size, a scipy sparse-product merge of the same searches), PIFA's host and device parts, and
+where host synchronisations happen.
+
+    python3 benchmarks/gpu_variants.py --out DIR            # on CUDA (about 2 minutes)
+    python3 benchmarks/gpu_variants.py --out DIR --dry-run  # on the CPU, tiny shapes
+
+Times: the median of 10 after 3 warm-ups, CUDA events (gpu_check.median_seconds). Each part
+runs on its own; a failure is recorded and the next part runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import scipy.sparse as sp
+import torch
+
+from gpu_check import _relevance, median_seconds, mm_f32, unit
+
+import pefa_gpu as pg
+from pefa_gpu.relevance import as_relevance
+
+FULL = dict(n=1_000_000, d=768, batch=4096, k=100, xl_n=200_000, xl_d=128, pifa_m=1_000_000)
+DRY = dict(n=6_400, d=32, batch=64, k=10, xl_n=2000, xl_d=16, pifa_m=3000)
+
+
+def sync_sites(fn: Callable[[], Any]) -> dict[str, int]:
+    """Where ``fn``'s host synchronisations happen: 'file:line < caller < ...' -> count."""
+    sites: collections.Counter = collections.Counter()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            stack = [f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_stack()
+                     if "pefa_gpu" in f.filename or "gpu_variants" in f.filename]
+            sites[" < ".join(reversed(stack[-4:]))] += 1
+
+    if not torch.cuda.is_available():
+        fn()
+        return {}
+    old = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = show
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    return dict(sites)
+
+
+def group_topk(scores: torch.Tensor, w: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-w of (B, n) scores through the top-w groups of g columns by their maxima (n % g
+    == 0): every score above the w-th group maximum lies in those groups."""
+    b, n = scores.shape
+    best = scores.view(b, n // g, g).amax(2)
+    _, groups = torch.topk(best, w, dim=1, sorted=False)
+    cols = (groups.unsqueeze(2) * g + torch.arange(g, device=scores.device)).reshape(b, -1)
+    v, pos = torch.topk(scores.gather(1, cols), w, dim=1)
+    return v, cols.gather(1, pos)
+
+
+def part_exact(s: dict, dev: str) -> dict[str, Any]:
+    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
+    w = k + 8
+    x = unit(n, d, dev, 0).to(torch.bfloat16)
+    qb = unit(b, d, dev, 1).to(torch.bfloat16)
+    out: dict[str, Any] = {"gflop": 2 * b * n * d / 1e9}
+    out["mm_s"] = median_seconds(lambda: mm_f32(qb, x), dev)
+    scores = mm_f32(qb, x)
+    out["topk_only_s"] = median_seconds(lambda: torch.topk(scores, w, dim=1, sorted=False), dev)
+    ref = torch.sort(torch.topk(scores, k, dim=1).indices, 1).values
+    for g in (16, 40, 64, 200):
+        if n % g:
+            continue
+        out[f"group{g}_select_s"] = median_seconds(lambda: group_topk(scores, w, g), dev)
+        ids = group_topk(scores, w, g)[1][:, :k]
+        out[f"group{g}_same_ids"] = bool(torch.equal(torch.sort(ids, 1).values, ref))
+    del scores
+    out["mm_topk_s"] = median_seconds(
+        lambda: torch.topk(mm_f32(qb, x), w, dim=1, sorted=False), dev)
+    for budget_gib in (None, 2, 8):
+        params = {"dtype": "bfloat16"} if budget_gib is None else \
+            {"dtype": "bfloat16", "memory_budget": budget_gib << 30}
+        index = pg.make_index("exact", dev, params).build(x)
+        out[f"index_budget{budget_gib}_s"] = median_seconds(
+            lambda: index.search(qb.float(), k), dev)
+        out[f"index_budget{budget_gib}_plan"] = list(index._block_shape(b, k))
+    out["index_sync_sites"] = sync_sites(lambda: index.search(qb.float(), k))
+    return out
+
+
+def scipy_merge(erm, knn, y: sp.csr_matrix, lam: float, k: int, topk: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The fusion as one sparse product and a sorted merge (CPU): lam E + (1 - lam) / k S Y,
+    each row's top ``topk`` by a lexsort of the nonzeros."""
+    (es, ei), (ks, ki) = erm, knn
+    b, n = ei.shape[0], y.shape[1]
+
+    def csr(vals, cols, width):
+        ok = cols >= 0
+        rows = np.repeat(np.arange(b), cols.shape[1]).reshape(cols.shape)
+        return sp.csr_matrix((vals[ok], (rows[ok], cols[ok])), shape=(b, width))
+    fused = (lam * csr(es, ei, n) + ((1 - lam) / k) * (csr(ks[:, :k], ki[:, :k], y.shape[0]) @ y)
+             ).tocsr()
+    rows = np.repeat(np.arange(b), np.diff(fused.indptr))
+    order = np.lexsort((fused.indices, -fused.data, rows))
+    rank = np.arange(len(order)) - fused.indptr[rows[order]]
+    keep = order[rank < topk]
+    return fused.data[keep], fused.indices[keep]
+
+
+def part_xl(s: dict, dev: str) -> dict[str, Any]:
+    from pefa_gpu.synthetic import make_synthetic
+
+    n, b, k = s["xl_n"], s["batch"], s["k"]
+    data = make_synthetic(n, 3 * n, s["xl_d"], b, seed=1)
+    xl = pg.PEFAXL(device=dev, lam=0.5, k=32, search_params=pg.XLSearchParams(
+        candidates=2 * k)).fit(data.P, data.Q, data.Y)
+    q = torch.from_numpy(data.Q_test).to(dev)
+    out: dict[str, Any] = {"n": n, "m": 3 * n, "queries": b}
+    out["erm_k_s"] = median_seconds(lambda: xl.index.search(q, k), dev)
+    out["erm_kp_s"] = median_seconds(lambda: xl.index.search(q, 2 * k), dev)
+    out["knn_s"] = median_seconds(lambda: xl.query_index.search(q, 32), dev)
+    out["xl_s"] = median_seconds(lambda: xl.search(q, k), dev)
+    erm = xl.index.search(q, 2 * k)
+    knn = xl.neighbours(q, 32, erm=erm)
+    for bs in (256, 1024, 4096):
+        out[f"fuse_batch{bs}_s"] = median_seconds(
+            lambda: xl.fuse(q, erm, knn, k, batch_size=bs), dev)
+    out["fuse_sync_sites"] = sync_sites(lambda: xl.fuse(q, erm, knn, k))
+    out["xl_sync_sites"] = sync_sites(lambda: xl.search(q, k))
+    host = [tuple(t.cpu().numpy() for t in pair) for pair in (erm, knn)]
+    y = xl.relevance.csr
+    t = time.perf_counter()
+    ref_s, _ = scipy_merge(host[0], host[1], y, 0.5, 32, k)
+    out["scipy_merge_s"] = time.perf_counter() - t
+    got_s = xl.fuse(q, erm, knn, k)[0].cpu().numpy()
+    got = got_s[np.isfinite(got_s)]
+    out["scipy_merge_same_score_count"] = bool(len(got) == len(ref_s))
+    out["scipy_merge_max_score_diff"] = float(np.abs(np.sort(got) - np.sort(ref_s)).max()) \
+        if len(got) == len(ref_s) and len(got) else None
+    return out
+
+
+def part_pifa(s: dict, dev: str) -> dict[str, Any]:
+    m, d = s["pifa_m"], s["d"]
+    n = m // 4
+    y = _relevance(m, n, 3, 0)
+    q = unit(m, d, dev, 2)
+    out: dict[str, Any] = {"m": m, "n": n, "d": d, "nnz": int(y.nnz),
+                           "bytes": (y.nnz + n) * d * 4}
+    out["pifa_s"] = median_seconds(lambda: pg.pifa(y, q, normalize=False, device=dev), dev)
+    t = time.perf_counter()
+    rel = as_relevance(y)
+    out["as_relevance_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    yt = rel.csr.T.tocsr()
+    out["host_transpose_s"] = time.perf_counter() - t
+    crow, col = (torch.from_numpy(a.astype(np.int64)).to(dev) for a in (yt.indptr, yt.indices))
+    yt_torch = torch.sparse_csr_tensor(crow, col, torch.from_numpy(yt.data).to(dev),
+                                       size=yt.shape)
+    out["torch_spmm_s"] = median_seconds(lambda: yt_torch @ q, dev)
+    try:
+        import cupy
+        import cupyx.scipy.sparse as csp
+    except ImportError:
+        return out
+    if dev == "cuda":
+        yt_gpu = csp.csr_matrix((cupy.asarray(yt.data), cupy.asarray(yt.indices),
+                                 cupy.asarray(yt.indptr)), shape=yt.shape)
+        qc = cupy.from_dlpack(q)
+        out["cupy_spmm_s"] = median_seconds(lambda: yt_gpu @ qc, dev)
+        out["cupy_spmm_c_order_s"] = median_seconds(
+            lambda: cupy.ascontiguousarray(yt_gpu @ qc), dev)
+        rows = torch.from_numpy(np.repeat(np.arange(m), np.diff(y.indptr))).to(dev)
+        cols = torch.from_numpy(y.indices.astype(np.int64)).to(dev)
+        vals = torch.from_numpy(y.data).to(dev)
+        out["index_add_s"] = median_seconds(lambda: torch.zeros(n, d, device=dev).index_add_(
+            0, cols, q[rows] * vals[:, None]), dev)
+    return out
+
+
+def part_votes(s: dict, dev: str) -> dict[str, Any]:
+    from pefa_gpu import fuse
+
+    rng = np.random.default_rng(3)
+    y = sp.random(40, 60, density=0.6, random_state=5, format="csr", dtype=np.float32)
+    rows = fuse.RelevanceRows(as_relevance(y), dev)
+    ki = torch.from_numpy(rng.integers(-1, 40, (8, 5))).to(dev)
+    return {"votes_sync_sites": sync_sites(lambda: fuse.votes(ki, rows))}
+
+
+PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--parts", default=",".join(PARTS))
+    args = ap.parse_args()
+    dev = "cpu" if args.dry_run else "cuda"
+    sizes = DRY if args.dry_run else FULL
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"sizes": sizes}
+    for name in args.parts.split(","):
+        t = time.perf_counter()
+        try:
+            results[name] = PARTS[name](sizes, dev)
+        except Exception as exc:  # noqa: BLE001 (recorded; the next part runs)
+            results[name] = {"failed": f"{type(exc).__name__}: {exc}",
+                             "trace": traceback.format_exc().splitlines()[-8:]}
+        results[name]["wall_s"] = time.perf_counter() - t
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        (out_dir / "variants.json").write_text(json.dumps(results, indent=2, default=str))
+        print(name, json.dumps(results[name], indent=1, default=str), flush=True)
+
+
+if __name__ == "__main__":
+    main()
