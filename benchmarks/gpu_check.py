@@ -12,8 +12,8 @@ Stages, in this order (``--dry-run`` prints them):
    for the benchmarks; pytest's JUnit report is parsed into one line per CUDA path.
 4. Benchmarks (3 warm-ups, median of 10, CUDA events): ``exact`` (n = 1M, d = 768, bf16
    storage, B = 4096, k = 100) against torch ``mm + topk`` and the card's GEMM rate; ``xl``
-   (PEFA-XL search and its host synchronisations against ERM); ``pifa`` (in memory: cupy or
-   torch sparse) and ``stream`` (out of core, warm) against the card's and the host's copy
+   (PEFA-XL search and its host synchronisations against ERM); ``pifa`` (in memory: end to end, and
+   its sparse product alone) and ``stream`` (out of core, warm) against the card's and the host's copy
    rates; ``triton`` (XL re-scoring) against the copy rate and its torch path; ``ann`` (the
    exact knn export graph against the GEMM rate; faiss GPU IVF and CAGRA where faiss GPU or
    cuVS is present, else skipped with the reason).
@@ -58,9 +58,9 @@ WARMUPS, REPS = 3, 10
 CUDA_PATHS: list[tuple[str, list[str]]] = [
     ("exact search on CUDA (fp32 / fp16 / bf16 storage, one GEMM per block)",
      ["test_exact.py::", "test_gpu_readiness.py::test_cuda_exact"]),
-    ("PIFA on CUDA in memory (cuSPARSE through cupy in torch's memory, else torch sparse)",
+    ("PIFA on CUDA in memory (transposed on the device, torch's cuSPARSE CSR product)",
      ["test_aggregate.py::", "test_gpu_paths.py::test_pifa_in_memory",
-      "test_gpu_readiness.py::test_cuda_pifa"]),
+      "test_gpu_readiness.py::test_in_memory_pifa"]),
     ("streamed PIFA (pinned staging slots, copy stream, entry batches)",
      ["test_out_of_core.py::"]),
     ("models on CUDA: ERM / PEFA-XS / PEFA-XL search and XL fusion (fuse)",
@@ -225,23 +225,58 @@ def stage_exact(s: dict, device: str) -> dict[str, Any]:
 
 
 def stage_xl(s: dict, device: str) -> dict[str, Any]:
-    """PEFA-XL search (exact backend) against ERM on synthetic data; XL's host syncs."""
+    """PEFA-XL search (exact backend) against ERM on synthetic data (m = 3n training queries);
+    its two searches and its fusion apart; the fusion against a scipy sparse-product merge of
+    the same searches (CPU); XL's host syncs."""
     import torch
 
     import pefa_gpu as pg
     from pefa_gpu.synthetic import make_synthetic
 
-    n, b, k = s["xl_n"], s["batch"], s["k"]
+    n, b, k, kn = s["xl_n"], s["batch"], s["k"], 32
     data = make_synthetic(n, 3 * n, s["xl_d"], b, seed=1)
     erm = pg.ERM(device=device).fit(data.P)
-    xl = pg.PEFAXL(device=device, lam=0.5, k=32, search_params=pg.XLSearchParams(
+    xl = pg.PEFAXL(device=device, lam=0.5, k=kn, search_params=pg.XLSearchParams(
         candidates=2 * k)).fit(data.P, data.Q, data.Y)
     q = torch.from_numpy(data.Q_test).to(device)
     t_erm = median_seconds(lambda: erm.search(q, k), device)
     t_xl = median_seconds(lambda: xl.search(q, k), device)
-    return {"n": n, "queries": b, "k": k, "erm_s": t_erm, "xl_s": t_xl,
-            "xl_vs_erm": t_erm / t_xl, "xl_qps": b / t_xl,
+    t_searches = median_seconds(lambda: xl.neighbours(q, kn, erm=xl.index.search(q, 2 * k)),
+                                device)
+    found = xl.index.search(q, 2 * k)
+    knn = xl.neighbours(q, kn, erm=found)
+    t_fuse = median_seconds(lambda: xl.fuse(q, found, knn, k), device)
+    host = [tuple(t.cpu().numpy() for t in pair) for pair in (found, knn)]
+    t = time.perf_counter()
+    scipy_merge(host[0], host[1], xl.relevance.csr, 0.5, kn, k)
+    t_scipy = time.perf_counter() - t
+    return {"n": n, "m": 3 * n, "queries": b, "k": k, "erm_s": t_erm, "xl_s": t_xl,
+            "xl_vs_erm": t_erm / t_xl, "xl_qps": b / t_xl, "xl_searches_s": t_searches,
+            "xl_vs_its_searches": t_searches / t_xl, "fuse_s": t_fuse,
+            "scipy_merge_s": t_scipy, "fuse_vs_scipy_merge": t_scipy / t_fuse,
             "xl_host_syncs": count_syncs(lambda: xl.search(q, k), device)}
+
+
+def scipy_merge(erm: tuple, knn: tuple, y: Any, lam: float, k: int, topk: int) -> tuple:
+    """PEFA-XL's fusion as one sparse product and a sorted merge on the CPU (numpy / scipy):
+    lam E + (1 - lam) / k S Y from the same searches (no re-scoring), each row's top ``topk``
+    by one lexsort of the nonzeros -> (scores, columns) of the kept entries, row by row."""
+    import numpy as np
+    import scipy.sparse as sp
+
+    (es, ei), (ks, ki) = erm, knn
+    b = ei.shape[0]
+
+    def csr(vals, cols, width):
+        ok = cols >= 0
+        rows = np.broadcast_to(np.arange(b)[:, None], cols.shape)
+        return sp.csr_matrix((vals[ok], (rows[ok], cols[ok])), shape=(b, width))
+    fused = (lam * csr(es, ei, y.shape[1]) +
+             ((1 - lam) / k) * (csr(ks[:, :k], ki[:, :k], y.shape[0]) @ y)).tocsr()
+    rows = np.repeat(np.arange(b), np.diff(fused.indptr))
+    order = np.lexsort((fused.indices, -fused.data, rows))
+    keep = order[np.arange(len(order)) - fused.indptr[rows[order]] < topk]
+    return fused.data[keep], fused.indices[keep]
 
 
 def _relevance(m: int, n: int, per: int, seed: int) -> Any:
@@ -255,22 +290,20 @@ def _relevance(m: int, n: int, per: int, seed: int) -> Any:
 
 
 def stage_pifa(s: dict, device: str) -> dict[str, Any]:
-    """In-memory PIFA (Y^T Q) against the card's copy rate; cupy's pool afterwards."""
+    """In-memory PIFA (Y^T Q): end to end (Y checked and copied, transposed on the device),
+    and its sparse product alone against the card's copy rate."""
     import pefa_gpu as pg
+    from pefa_gpu.aggregate import transposed_csr
 
     m, n, d = s["pifa_m"], s["pifa_m"] // 4, s["d"]
     y = _relevance(m, n, 3, 0)
     q = unit(m, d, device, 2)
-    t = median_seconds(lambda: pg.pifa(y, q, normalize=False, device=device), device)
-    out = {"m": m, "n": n, "d": d, "nnz": int(y.nnz), "s": t,
-           "gb_s": (y.nnz + n) * d * 4 / t / 1e9}  # rows of Q gathered, rows of A written
-    try:
-        import cupy
-
-        out["cupy_pool_bytes_after"] = int(cupy.get_default_memory_pool().total_bytes())
-    except ImportError:
-        out["cupy"] = "not installed: torch sparse ran"
-    return out
+    yt = transposed_csr(y, q.device)
+    t_spmm = median_seconds(lambda: yt @ q, device)
+    return {"m": m, "n": n, "d": d, "nnz": int(y.nnz),
+            "s": median_seconds(lambda: pg.pifa(y, q, normalize=False, device=device), device),
+            "spmm_s": t_spmm,
+            "gb_s": (y.nnz + n) * d * 4 / t_spmm / 1e9}  # rows of Q gathered, rows of A written
 
 
 def stage_stream(s: dict, device: str) -> dict[str, Any]:
@@ -425,9 +458,7 @@ def ratios(name: str, res: dict[str, Any], card: dict[str, Any]) -> None:
         return
     if name == "exact":
         res["vs_card_gemm"] = res["tflops"] / tf
-    elif name == "pifa":
-        res["vs_card_copy"] = res["gb_s"] / cp
-    elif name == "triton":
+    elif name in ("pifa", "triton"):
         res["vs_card_copy"] = res["gb_s"] / cp
     elif name == "ann":
         res["knn_export"]["vs_card_gemm"] = res["knn_export"]["tflops"] / tf

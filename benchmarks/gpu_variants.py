@@ -25,7 +25,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from gpu_check import _relevance, median_seconds, mm_f32, unit
+from gpu_check import _relevance, median_seconds, mm_f32, scipy_merge, unit
 
 import pefa_gpu as pg
 from pefa_gpu.relevance import as_relevance
@@ -99,26 +99,6 @@ def part_exact(s: dict, dev: str) -> dict[str, Any]:
         out[f"index_budget{budget_gib}_plan"] = list(index._block_shape(b, k))
     out["index_sync_sites"] = sync_sites(lambda: index.search(qb.float(), k))
     return out
-
-
-def scipy_merge(erm, knn, y: sp.csr_matrix, lam: float, k: int, topk: int
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """The fusion as one sparse product and a sorted merge (CPU): lam E + (1 - lam) / k S Y,
-    each row's top ``topk`` by a lexsort of the nonzeros."""
-    (es, ei), (ks, ki) = erm, knn
-    b, n = ei.shape[0], y.shape[1]
-
-    def csr(vals, cols, width):
-        ok = cols >= 0
-        rows = np.repeat(np.arange(b), cols.shape[1]).reshape(cols.shape)
-        return sp.csr_matrix((vals[ok], (rows[ok], cols[ok])), shape=(b, width))
-    fused = (lam * csr(es, ei, n) + ((1 - lam) / k) * (csr(ks[:, :k], ki[:, :k], y.shape[0]) @ y)
-             ).tocsr()
-    rows = np.repeat(np.arange(b), np.diff(fused.indptr))
-    order = np.lexsort((fused.indices, -fused.data, rows))
-    rank = np.arange(len(order)) - fused.indptr[rows[order]]
-    keep = order[rank < topk]
-    return fused.data[keep], fused.indices[keep]
 
 
 def part_xl(s: dict, dev: str) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import warnings
 import numpy as np
 import torch
 
-from .arrays import as_embeddings, as_tensor, cuda_index, is_bfloat16, resolve_device
+from .arrays import as_embeddings, as_tensor, is_bfloat16, resolve_device
 from .errors import InputError
 from .relevance import as_relevance
 from .aggregate_stream import pifa_streamed
@@ -83,35 +83,24 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
 
 
 def _spmm_transpose(y_csr: Any, q: torch.Tensor) -> torch.Tensor:
-    """Yᵀ q: scipy CSR (m x n), (m, d) float32 CUDA -> (n, d) there (cupy's cuSPARSE when
-    installed, else torch sparse)."""
-    yt = y_csr.T.tocsr()
-    try:
-        import cupy
-        import cupyx.scipy.sparse as csp
-    except ImportError:
-        cupy = None
-    if cupy is not None:  # on q's device and torch's current stream there (no hand-off),
-        dev = cuda_index(q.device)  # in memory from torch's allocator (see _torch_allocator)
-        with cupy.cuda.Device(dev), \
-                cupy.cuda.ExternalStream(torch.cuda.current_stream(dev).cuda_stream), \
-                cupy.cuda.using_allocator(_torch_allocator(cupy, q.device, dev)):
-            yt_gpu = csp.csr_matrix((cupy.asarray(yt.data, dtype=cupy.float32),
-                                     cupy.asarray(yt.indices), cupy.asarray(yt.indptr)),
-                                    shape=yt.shape)
-            out = yt_gpu @ cupy.from_dlpack(q.contiguous())
-            return torch.from_dlpack(cupy.ascontiguousarray(out))
-    crow, col = (as_tensor(a, q.device, torch.int64) for a in (yt.indptr, yt.indices))
-    return torch.sparse_csr_tensor(crow, col, as_tensor(yt.data, q.device, torch.float32),
-                                   size=yt.shape) @ q
+    """Yᵀ q: scipy CSR (m x n), (m, d) float32 -> (n, d) on q's device, by torch's CSR product
+    (cuSPARSE on CUDA)."""
+    return transposed_csr(y_csr, q.device) @ q
 
 
-def _torch_allocator(cupy: Any, device: torch.device, device_id: int) -> Any:
-    """A cupy allocator taking each block from torch's caching allocator on ``device`` (a
-    uint8 tensor the block keeps alive), so that what cupy frees goes back to torch, not to
-    cupy's pool; blocks belong to torch's current stream, where cupy runs here."""
-    def alloc(size: int) -> Any:
-        buf = torch.empty(max(int(size), 1), dtype=torch.uint8, device=device)
-        return cupy.cuda.MemoryPointer(
-            cupy.cuda.UnownedMemory(buf.data_ptr(), buf.numel(), buf, device_id), 0)
-    return alloc
+def transposed_csr(y_csr: Any, device: torch.device) -> torch.Tensor:
+    """Yᵀ as a torch sparse CSR (n x m) float32 on ``device``: Y's entries copied there once and
+    transposed there (a stable sort by column: each row of Yᵀ in query order)."""
+    m, n = y_csr.shape
+    col = as_tensor(y_csr.indices, device, torch.int64)
+    row = torch.repeat_interleave(torch.arange(m, device=device),
+                                  as_tensor(np.diff(y_csr.indptr), device, torch.int64),
+                                  output_size=col.numel())
+    order = torch.argsort(col, stable=True)
+    crow = torch.zeros(n + 1, dtype=torch.int64, device=device)
+    torch.cumsum(torch.bincount(col, minlength=n), 0, out=crow[1:])
+    with warnings.catch_warnings():  # torch's notice that its sparse CSR support is "beta"
+        warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(crow, row[order],
+                                       as_tensor(y_csr.data, device, torch.float32)[order],
+                                       size=(n, m), check_invariants=False)

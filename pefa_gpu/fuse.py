@@ -260,9 +260,9 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
          ) -> dict[tuple[float, int], tuple[Array, Array]]:
     """{(lam, k): ((B, topk) float32 scores, int64 ids)} for lams x ks, of ``erm``'s kind
     (arguments as :func:`candidate_table`; the first k of ``knn`` vote with w(s) = s / k for
-    ``knn_norm`` "k", else s), per ``batch_size`` queries (default 4096 numpy, 256 torch)."""
+    ``knn_norm`` "k", else s), per ``batch_size`` queries (default 4096)."""
     xp, n_queries = ops(erm[1]), len(erm[1])
-    step = batch_size or (4096 if xp is _Numpy else 256)
+    step = batch_size or 4096
     parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
     for s in range(0, max(n_queries, 1), step):  # one empty batch without queries
         b = slice(s, s + step)

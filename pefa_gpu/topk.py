@@ -34,6 +34,29 @@ def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tens
     return pad_topk(*order_ties(vals, cols), k)
 
 
+def topk_wide(scores: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(scores, w, dim=1, sorted=False)`` of (B, c) scores, for wide rows through
+    the best w of c / ``GROUPS_PER_SLOT`` w groups of columns by their maxima: a score above
+    the w-th group maximum lies in those groups, so the w scores are the same and only ids of
+    scores tied at the w-th place may differ (a caller's tie check sees those)."""
+    b, c = scores.shape
+    g = c // (GROUPS_PER_SLOT * max(w, 1))
+    if g < MIN_GROUP:
+        return torch.topk(scores, min(w, c), dim=1, sorted=False)
+    main = c - c % g
+    best = scores[:, :main].unflatten(1, (main // g, g)).amax(2)
+    groups = torch.topk(best, w, dim=1, sorted=False).indices
+    cols = (groups.unsqueeze(2) * g + torch.arange(g, device=scores.device)).reshape(b, -1)
+    if main < c:  # the last c % g columns are always candidates
+        cols = torch.cat([cols, torch.arange(main, c, device=scores.device).expand(b, -1)], 1)
+    v, pos = torch.topk(scores.gather(1, cols), w, dim=1, sorted=False)
+    return v, cols.gather(1, pos)
+
+
+GROUPS_PER_SLOT = 48  # topk_wide: groups per kept slot
+MIN_GROUP = 64        # topk_wide: columns per group, at least (else one torch.topk)
+
+
 def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best k of candidates ``vals`` (B, C) float / ``ids`` (B, C) int64 (any order; repeats
     kept) -> (B, k) with the tie rule (-1 last), padded with (-inf, -1) when C < k."""

@@ -142,3 +142,51 @@ def test_order_ties_and_boundary_tied(device):
     assert torch.equal(v.cpu(), vals.cpu())
     assert boundary_tied(vals, 2).tolist() == [True, False, True]
     assert boundary_tied(vals, 4).tolist() == [False, True, False]
+
+
+# -- topk_wide: wide rows through their best groups of columns ---------------------------------
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("w,c,levels,nan", [(1, 3072, 3, False), (9, 30_011, 4, False),
+                                             (9, 30_011, 1000, True), (40, 200_000, 7, False)])
+def test_topk_wide_keeps_the_top_w_scores(device, w, c, levels, nan):
+    """Few distinct scores (ties everywhere, also at the w-th place), NaN, a last partial
+    group: the w scores are torch.topk's, at distinct ids holding them; the group path ran."""
+    from pefa_gpu import topk as topk_module
+
+    assert c // (topk_module.GROUPS_PER_SLOT * w) >= topk_module.MIN_GROUP  # groups used
+    rng = np.random.default_rng(c + w + levels)
+    scores = rng.integers(0, levels, (6, c)).astype(np.float32)
+    scores[1] = 0.0  # one row all tied
+    scores[2, rng.integers(0, c, 5)] = np.inf
+    scores[4, -1] = levels  # the best score of its row, in the last (partial) group
+    if nan:
+        scores[3, rng.integers(0, c, 3)] = np.nan
+    s = torch.from_numpy(scores).to(device)
+    v, i = topk_module.topk_wide(s, w)
+    assert v.shape == i.shape == (6, w) and i.dtype == torch.int64
+    want = torch.sort(torch.topk(s, w, dim=1).values, 1, descending=True).values
+    got = torch.sort(v, 1, descending=True).values
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert torch.equal(s.gather(1, i).nan_to_num(), v.nan_to_num())
+    assert all(len(set(row)) == w for row in i.cpu().tolist())
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_exact_search_with_topk_wide_keeps_the_tie_rule(monkeypatch, k):
+    """A torch-engine exact search whose blocks select through groups, duplicate rows tied at
+    the k-th place in different groups: the float64 top-k, ties to the lower id."""
+    import pefa_gpu.index.exact as exact_module
+    from pefa_gpu.index import ExactIndex
+
+    monkeypatch.setattr(exact_module, "optional_faiss", lambda: None)
+    rng = np.random.default_rng(k)
+    x = rng.integers(-2, 3, (40_000, 4)).astype(np.float32)  # integer scores: many exact ties
+    q = rng.integers(-2, 3, (7, 4)).astype(np.float32)
+    index = ExactIndex().build(x)
+    assert index._block_shape(7, k)[1] // (48 * (k + 8)) >= 64  # a block wide enough for groups
+    s, i = index.search(torch.from_numpy(q), k)
+    want_s, want_i = ref_topk(q.astype(np.float64) @ x.astype(np.float64).T, k)
+    np.testing.assert_array_equal(i.numpy(), want_i)
+    np.testing.assert_array_equal(s.numpy(), want_s)

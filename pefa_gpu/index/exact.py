@@ -14,7 +14,7 @@ from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from ..storage import load_tensor, save_tensor
-from ..topk import boundary_tied, order_ties, pad_topk, settle_masked
+from ..topk import boundary_tied, order_ties, pad_topk, settle_masked, topk_wide
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
                    checked, empty_results)
@@ -176,12 +176,12 @@ class ExactIndex(VectorIndex):
 
     def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-w of (B, d) float32 queries by (B, chunk) score blocks and ``torch.topk``."""
+        """Top-w of (B, d) float32 queries by (B, chunk) score blocks and :func:`topk_wide`."""
         best_v = q.new_empty(q.shape[0], 0)
         best_i = best_v.long()
         for c in range(0, self.ntotal, chunk):
             block = _scores(q, self.vectors[c:c + chunk], buf)
-            v, i = torch.topk(block, min(w, block.shape[1]), dim=1, sorted=False)
+            v, i = topk_wide(block, w)
             del block  # CUDA: freed before the next block is allocated
             best_v, pos = torch.topk(torch.cat([best_v, v], 1),
                                      min(w, best_v.shape[1] + v.shape[1]), dim=1, sorted=False)
@@ -246,7 +246,8 @@ class ExactIndex(VectorIndex):
 
     def _work_bytes(self, q_batch: int, chunk: int, w: int, faiss: bool = False) -> int:
         """Bytes a pass holds: per query its row, top-w lists and faiss' workspaces, or a torch
-        pass's block, ``SUB_ROWS`` scores (CPU) and per chunk row upcasts and top-k queues."""
+        pass's block and its selection, ``SUB_ROWS`` scores (CPU) and per chunk row upcasts and
+        top-k queues."""
         per_query = 4 * self.dim + LIST_SLOT_BYTES * w
         if faiss:
             return q_batch * (per_query + FAISS_QUERY_BYTES + FAISS_SLOT_BYTES * w)
@@ -254,7 +255,8 @@ class ExactIndex(VectorIndex):
         upcast = self._dtype != torch.float32 and (cpu or not _MM_OUT_DTYPE.get(
             str(self.device), True))
         per_row = 4 * self.dim * upcast + TOPK_QUEUE_BYTES * torch.get_num_threads() * cpu
-        return 4 * q_batch * chunk + (per_query + 4 * SUB_ROWS * cpu) * q_batch + per_row * chunk
+        cells = q_batch * chunk  # a block's scores: 4 bytes each, < 1 more in topk_wide
+        return 5 * cells + (per_query + 4 * SUB_ROWS * cpu) * q_batch + per_row * chunk
 
 
 LIST_SLOT_BYTES = 128   # per (query, top-w slot): ~10 float32 / int64 copies of the lists
