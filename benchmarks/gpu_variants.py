@@ -29,6 +29,7 @@ from gpu_check import _relevance, median_seconds, mm_f32, scipy_merge, unit
 
 import pefa_gpu as pg
 from pefa_gpu.relevance import as_relevance
+from pefa_gpu.topk import topk_wide
 
 FULL = dict(n=1_000_000, d=768, batch=4096, k=100, xl_n=200_000, xl_d=128, pifa_m=1_000_000)
 DRY = dict(n=6_400, d=32, batch=64, k=10, xl_n=2000, xl_d=16, pifa_m=3000)
@@ -60,36 +61,28 @@ def sync_sites(fn: Callable[[], Any]) -> dict[str, int]:
     return dict(sites)
 
 
-def group_topk(scores: torch.Tensor, w: int, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-w of (B, n) scores through the top-w groups of g columns by their maxima (n % g
-    == 0): every score above the w-th group maximum lies in those groups."""
-    b, n = scores.shape
-    best = scores.view(b, n // g, g).amax(2)
-    _, groups = torch.topk(best, w, dim=1, sorted=False)
-    cols = (groups.unsqueeze(2) * g + torch.arange(g, device=scores.device)).reshape(b, -1)
-    v, pos = torch.topk(scores.gather(1, cols), w, dim=1)
-    return v, cols.gather(1, pos)
-
-
 def part_exact(s: dict, dev: str) -> dict[str, Any]:
+    """The GEMM alone; topk_wide's group sizes against plain torch.topk on (B, c) score blocks
+    of c = the XL shapes' 200k / 600k and 1M columns; ExactIndex under three budgets."""
     n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
     w = k + 8
     x = unit(n, d, dev, 0).to(torch.bfloat16)
     qb = unit(b, d, dev, 1).to(torch.bfloat16)
     out: dict[str, Any] = {"gflop": 2 * b * n * d / 1e9}
     out["mm_s"] = median_seconds(lambda: mm_f32(qb, x), dev)
-    scores = mm_f32(qb, x)
-    out["topk_only_s"] = median_seconds(lambda: torch.topk(scores, w, dim=1, sorted=False), dev)
-    ref = torch.sort(torch.topk(scores, k, dim=1).indices, 1).values
-    for g in (16, 40, 64, 200):
-        if n % g:
-            continue
-        out[f"group{g}_select_s"] = median_seconds(lambda: group_topk(scores, w, g), dev)
-        ids = group_topk(scores, w, g)[1][:, :k]
-        out[f"group{g}_same_ids"] = bool(torch.equal(torch.sort(ids, 1).values, ref))
-    del scores
-    out["mm_topk_s"] = median_seconds(
-        lambda: torch.topk(mm_f32(qb, x), w, dim=1, sorted=False), dev)
+    full = mm_f32(qb, x)
+    for c in (n // 5, 3 * n // 5, n):
+        scores = full[:, :c].contiguous() if c < n else full
+        row: dict[str, Any] = {"topk": median_seconds(
+            lambda: torch.topk(scores, w, dim=1, sorted=False), dev)}
+        ref = torch.sort(torch.topk(scores, w, dim=1).indices, 1).values  # no ties: one set
+        for g in (None, 16, 32, 64, 128, 256, 512):
+            row[f"wide_g{g}"] = median_seconds(lambda: topk_wide(scores, w, g), dev)
+            ids = torch.sort(topk_wide(scores, w, g)[1], 1).values
+            row[f"wide_g{g}_same_ids"] = bool(torch.equal(ids, ref))
+        out[f"select_c{c}"] = row
+        del scores
+    del full
     for budget_gib in (None, 2, 8):
         params = {"dtype": "bfloat16"} if budget_gib is None else \
             {"dtype": "bfloat16", "memory_budget": budget_gib << 30}

@@ -34,14 +34,16 @@ def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tens
     return pad_topk(*order_ties(vals, cols), k)
 
 
-def topk_wide(scores: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_wide(scores: torch.Tensor, w: int, group: int | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk(scores, w, dim=1, sorted=False)`` of (B, c) scores, for wide rows through
-    the best w of c / ``GROUPS_PER_SLOT`` w groups of columns by their maxima: a score above
-    the w-th group maximum lies in those groups, so the w scores are the same and only ids of
-    scores tied at the w-th place may differ (a caller's tie check sees those)."""
+    the best w groups of ``group`` columns (default c / (``GROUPS_PER_SLOT`` w), used from
+    ``MIN_GROUP``) by their maxima: a score above the w-th group maximum lies in those groups,
+    so the w scores are the same and only ids of scores tied at the w-th place may differ (a
+    caller's tie check sees those)."""
     b, c = scores.shape
-    g = c // (GROUPS_PER_SLOT * max(w, 1))
-    if g < MIN_GROUP:
+    g = group or c // (GROUPS_PER_SLOT * max(w, 1))
+    if g < (group or MIN_GROUP) or c // g < w:
         return torch.topk(scores, min(w, c), dim=1, sorted=False)
     main = c - c % g
     best = scores[:, :main].unflatten(1, (main // g, g)).amax(2)
