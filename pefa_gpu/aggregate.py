@@ -99,8 +99,9 @@ def transposed_csr(y_csr: Any, device: torch.device) -> torch.Tensor:
     order = torch.argsort(col, stable=True)
     crow = torch.zeros(n + 1, dtype=torch.int64, device=device)
     torch.cumsum(torch.bincount(col, minlength=n), 0, out=crow[1:])
-    with warnings.catch_warnings():  # torch's notice that its sparse CSR support is "beta"
+    with warnings.catch_warnings():  # torch's notices: CSR support "in beta", checks off
         warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta")
+        warnings.filterwarnings("ignore", "Sparse invariant checks are implicitly disabled")
         return torch.sparse_csr_tensor(crow, row[order],
                                        as_tensor(y_csr.data, device, torch.float32)[order],
                                        size=(n, m), check_invariants=False)

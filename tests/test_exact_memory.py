@@ -68,6 +68,7 @@ def _clear_refs_works() -> bool:
     ("torch", 20000, 64, 2000, 1000, 64 * MiB, "float32"),
     ("torch", 50000, 64, 4000, 10, 16 * MiB, "float32"),      # score blocks dominate
     ("torch", 20000, 128, 2000, 100, 16 * MiB, "bfloat16"),   # upcast chunks
+    ("torch", 300000, 16, 64, 10, 64 * MiB, "float32"),       # wide blocks: topk_wide's groups
 ])
 def test_peak_memory_within_budget(engine, n, d, b, k, budget, dtype):
     if engine == "faiss":

@@ -154,7 +154,7 @@ def test_topk_wide_keeps_the_top_w_scores(device, w, c, levels, nan):
     group: the w scores are torch.topk's, at distinct ids holding them; the group path ran."""
     from pefa_gpu import topk as topk_module
 
-    assert c // (topk_module.GROUPS_PER_SLOT * w) >= topk_module.MIN_GROUP  # groups used
+    assert topk_module.group_size(c, w, device == "cuda")  # groups are used
     rng = np.random.default_rng(c + w + levels)
     scores = rng.integers(0, levels, (6, c)).astype(np.float32)
     scores[1] = 0.0  # one row all tied
@@ -179,13 +179,14 @@ def test_exact_search_with_topk_wide_keeps_the_tie_rule(monkeypatch, k):
     the k-th place in different groups: the float64 top-k, ties to the lower id."""
     import pefa_gpu.index.exact as exact_module
     from pefa_gpu.index import ExactIndex
+    from pefa_gpu.topk import group_size
 
     monkeypatch.setattr(exact_module, "optional_faiss", lambda: None)
     rng = np.random.default_rng(k)
     x = rng.integers(-2, 3, (40_000, 4)).astype(np.float32)  # integer scores: many exact ties
     q = rng.integers(-2, 3, (7, 4)).astype(np.float32)
     index = ExactIndex().build(x)
-    assert index._block_shape(7, k)[1] // (48 * (k + 8)) >= 64  # a block wide enough for groups
+    assert group_size(index._block_shape(7, k)[1], k + 8, False)  # blocks select by groups
     s, i = index.search(torch.from_numpy(q), k)
     want_s, want_i = ref_topk(q.astype(np.float64) @ x.astype(np.float64).T, k)
     np.testing.assert_array_equal(i.numpy(), want_i)

@@ -257,8 +257,9 @@ class ExactIndex(VectorIndex):
         upcast = self._dtype != torch.float32 and (cpu or not _MM_OUT_DTYPE.get(
             str(self.device), True))
         per_row = 4 * self.dim * upcast + TOPK_QUEUE_BYTES * torch.get_num_threads() * cpu
-        cells = q_batch * chunk  # a block's scores: 4 bytes each, < 1 more in topk_wide
-        return 5 * cells + (per_query + 4 * SUB_ROWS * cpu) * q_batch + per_row * chunk
+        cells = q_batch * chunk  # a block's scores: 4 bytes each, topk_wide < 1 (CPU) / 2 more
+        return (5 if cpu else 6) * cells + (per_query + 4 * SUB_ROWS * cpu) * q_batch + \
+            per_row * chunk
 
 
 LIST_SLOT_BYTES = 128   # per (query, top-w slot): ~10 float32 / int64 copies of the lists
