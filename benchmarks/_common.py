@@ -59,13 +59,17 @@ def write_results(name: str, data: dict[str, Any], table_md: str) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     st = stamp()
     (RESULTS / f"{name}.json").write_text(json.dumps({"stamp": st, **data}, indent=2) + "\n")
-    head = (f"_{st['date']} · {st['processor']} ({st['cpus']} cpus) · "
+    (RESULTS / f"{name}.md").write_text(stamp_line(st) + "\n\n" + table_md.rstrip() + "\n")
+    return RESULTS / f"{name}.json"
+
+
+def stamp_line(st: dict[str, Any]) -> str:
+    """A result's first line: date, machine, load and versions from :func:`stamp`."""
+    return (f"_{st['date']} · {st['processor']} ({st['cpus']} cpus) · "
             f"{'GPU ' + st['cuda_device'] if st['cuda_device'] else 'no GPU'} · "
             f"load {st['load_avg_1_5_15'][0]:.1f} · "
             f"torch {st['torch']}, numpy {st['numpy']}, scipy {st['scipy']}"
-            + (f", faiss {st['faiss']}" if "faiss" in st else "") + "_\n\n")
-    (RESULTS / f"{name}.md").write_text(head + table_md.rstrip() + "\n")
-    return RESULTS / f"{name}.json"
+            + (f", faiss {st['faiss']}" if "faiss" in st else "") + "_")
 
 
 def md_table(headers: list[str], rows: list[list[Any]]) -> str:

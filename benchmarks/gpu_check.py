@@ -43,7 +43,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
-from _common import md_table, stamp  # noqa: E402
+from _common import md_table, stamp, stamp_line  # noqa: E402
 
 # sizes of a real run and of a dry run (CPU, seconds)
 FULL = dict(gemm=8192, copy_bytes=1 << 30, exact_n=1_000_000, d=768, batch=4096, k=100,
@@ -578,6 +578,8 @@ def summary_md(data: dict[str, Any]) -> str:
     env, card = data.get("env", {}), data.get("card", {})
     lines = ["# GPU check" + (" (dry run on the CPU: tiny shapes, no meaning)"
                               if data["args"]["dry_run"] else ""), ""]
+    if "stamp" in data:
+        lines += [stamp_line(data["stamp"]), ""]
     if "failed" in env:
         lines += [f"The environment stage failed: {env['failed']}", ""]
     elif env:
