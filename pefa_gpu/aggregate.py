@@ -76,16 +76,10 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
     q = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach()
     if q.shape[0] != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")
-    a = _spmm_transpose(rel.csr, q)
+    a = transposed_csr(rel.csr, q.device) @ q  # torch's CSR product (cuSPARSE on CUDA)
     if initial is not None:
         a = initial.add_(a)
     return normalize_rows_(a) if normalize else a
-
-
-def _spmm_transpose(y_csr: Any, q: torch.Tensor) -> torch.Tensor:
-    """Yᵀ q: scipy CSR (m x n), (m, d) float32 -> (n, d) on q's device, by torch's CSR product
-    (cuSPARSE on CUDA)."""
-    return transposed_csr(y_csr, q.device) @ q
 
 
 def transposed_csr(y_csr: Any, device: torch.device) -> torch.Tensor:
