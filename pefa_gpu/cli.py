@@ -103,10 +103,11 @@ FLAGS = {**{name: f.metadata.get("flag", f"--{name}") for name, f in settings().
 TUNE_TAKES = {"seed", *(name for name in settings() if name not in AXES)}  # --method auto
 
 
-DATA_OPTIONS = {
+DATA_DIR = {
     "data_dir": dict(metavar="DATA_DIR", nargs="?",
                      help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv "
-                          "(or --xmc / --emb, where the command has them)"),
+                          "(or --xmc / --emb, where the command has them)")}
+DATA_OPTIONS = {
     "--train-split": dict(default="train", metavar="NAME",
                           help="qrels split to fit on (default: train)"),
     "--train-pairs": dict(metavar="FILE", help="fit on this pairs file (TSV or parquet: query "
@@ -114,7 +115,8 @@ DATA_OPTIONS = {
                           "qrels/TRAIN_SPLIT.tsv"),
     "--min-score": dict(type=float, default=1.0, metavar="S", help="qrels grade (or pairs "
                         "weight) from which a pair is relevant (default: 1); training pairs "
-                        "count as 1 (binary), nDCG takes the test split's grades as gains"),
+                        "count as 1 (binary), nDCG takes the test split's grades as gains")}
+TEST_OPTIONS = {  # the split the evaluation commands evaluate on
     "--split": dict(default="test", metavar="NAME",
                     help="qrels split to evaluate on (default: test)"),
     "--count-empty": dict(action="store_true", help="count test queries whose qrels are all "
@@ -199,25 +201,6 @@ SEARCH_OPTIONS = {
     "--tag": dict(default=None, help="TREC run tag (default: pefa_gpu)"),
     "--no-text": dict(action="store_true", help="leave out each document's title and text "
                       "snippet (TSV columns title, text; JSON fields title, text)")}
-COMMAND_HELP = {  # command -> (help, description)
-    "eval": ("fit on the training pairs, evaluate on the test split",
-             "Encode (cached), fit each method on the training split, evaluate on the test "
-             "split and print a markdown table."),
-    "sweep": ("the λ × k grid as a table, JSON and plots",
-              "Evaluate every (method, λ, k) of a grid on the test split, searching once per "
-              "method and re-fusing per (λ, k)."),
-    "tune": ("pick method, λ and k on held-out training queries",
-             "Hold out a seeded part of the training queries, choose method/λ/k there (never "
-             "worse than ERM: it keeps ERM, λ = 1, when the training signal does not help), "
-             "refit on all training pairs and report the test result."),
-    "build": ("fit one model on the training pairs and save it",
-              "Fit one model (ERM, PEFA-XS, PEFA-XL, or the choice of `tune`) on the training "
-              "split (or --train-pairs), and save it with the document ids and the name of the "
-              "encoder to --out, for `pefa-gpu search`. Nothing is evaluated."),
-    "search": ("top-k documents for query texts with a built model",
-               "Load a model written by `pefa-gpu build`, encode the queries with the encoder "
-               "the build records (or --model) and write the top-k document ids and scores "
-               "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
 def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
@@ -227,8 +210,6 @@ def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
             f: kw for f, kw in EMBEDDING_OPTIONS.items() if f != "--embeddings"}),
             ("compute", COMPUTE_OPTIONS)]
     build, tune = command == "build", command == "tune"
-    data = {f: kw for f, kw in DATA_OPTIONS.items()
-            if not (build and f in ("--split", "--count-empty"))}
     own = BUILD_OPTIONS if build else {"--methods": dict(
         type=_methods, default=tuple(REGISTRY) if tune else ("erm", "xs", "xl"),
         help=f"comma-separated subset of {','.join(REGISTRY)} (default: "
@@ -239,7 +220,7 @@ def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
         **({"--plot": dict(metavar="PNG", help="recall vs λ plot (default: next to --json, "
                            "same name, .png)")} if command == "sweep" else {}),
         **(TUNE_OPTIONS if tune else {})}
-    return [("", {"data_dir": data.pop("data_dir")}), ("data", data),
+    return [("", DATA_DIR), ("data", {**DATA_OPTIONS, **({} if build else TEST_OPTIONS)}),
             ("embeddings", EMBEDDING_OPTIONS), ("compute", COMPUTE_OPTIONS),
             ("the authors' XMC layout (instead of DATA_DIR)", {} if build else XMC_OPTIONS),
             ("model", MODEL_OPTIONS), ("", own),
@@ -261,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
                "score: λ = 1 is ERM. k is the number of neighbouring training queries in XL.")
     parser.add_argument("--version", action="version", version=f"pefa-gpu {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for command, (help, description) in COMMAND_HELP.items():
+    for command, (_, help, description) in COMMANDS.items():
         p = sub.add_parser(command, help=help, description=description)
         for title, options in _groups(command):
             group = p.add_argument_group(title) if title and options else p
@@ -405,8 +386,7 @@ def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> li
     one stage in ``work/encode-<hash of the texts and --model>``, reused by a rerun."""
     from .encode import default_cache_dir, encode
 
-    cache = (None if args.no_cache else
-             Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir())
+    cache = None if args.no_cache else args.cache_dir or default_cache_dir()  # encode expands ~
     kw = {**dict(batch_size=args.batch_size, device=args.device, cache_dir=cache,
                  show_progress=not args.quiet), **over}
     if "model" not in over:  # (search passes the build's encoder)
@@ -472,11 +452,11 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
-    """The model settings but λ / k as keywords of sweep, tune, fit_config and the pipeline:
-    as given, else their params classes' default."""
+    """The model settings given but λ / k, as keywords of sweep, tune, fit_config and the
+    pipeline (each takes the params classes' defaults for the others)."""
     given = {name: getattr(args, name) for name in settings() if name not in AXES}
-    return dict(backend=args.backend, device=args.device, **more, **{
-        name: next(iter(setting_defaults(name))) if v is None else v for name, v in given.items()})
+    return dict(backend=args.backend, device=args.device, **more,
+                **{name: v for name, v in given.items() if v is not None})
 
 
 def _connect(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
@@ -703,8 +683,25 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"eval": cmd_eval, "sweep": cmd_sweep, "tune": cmd_tune, "build": cmd_build,
-            "search": cmd_search}
+COMMANDS = {  # command -> (function, help, description)
+    "eval": (cmd_eval, "fit on the training pairs, evaluate on the test split",
+             "Encode (cached), fit each method on the training split, evaluate on the test "
+             "split and print a markdown table."),
+    "sweep": (cmd_sweep, "the λ × k grid as a table, JSON and plots",
+              "Evaluate every (method, λ, k) of a grid on the test split, searching once per "
+              "method and re-fusing per (λ, k)."),
+    "tune": (cmd_tune, "pick method, λ and k on held-out training queries",
+             "Hold out a seeded part of the training queries, choose method/λ/k there (never "
+             "worse than ERM: it keeps ERM, λ = 1, when the training signal does not help), "
+             "refit on all training pairs and report the test result."),
+    "build": (cmd_build, "fit one model on the training pairs and save it",
+              "Fit one model (ERM, PEFA-XS, PEFA-XL, or the choice of `tune`) on the training "
+              "split (or --train-pairs), and save it with the document ids and the name of the "
+              "encoder to --out, for `pefa-gpu search`. Nothing is evaluated."),
+    "search": (cmd_search, "top-k documents for query texts with a built model",
+               "Load a model written by `pefa-gpu build`, encode the queries with the encoder "
+               "the build records (or --model) and write the top-k document ids and scores "
+               "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -720,7 +717,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _setup(args)
         with contextlib.ExitStack() as stack:
             _connect(args, stack)
-            return COMMANDS[args.command](args)
+            return COMMANDS[args.command][0](args)
     except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, (PefaError, ValueError, FileNotFoundError)) else 1
