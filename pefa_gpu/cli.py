@@ -15,12 +15,19 @@ import pkgutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from .errors import InputError, PefaError
 from .methods import AXES, REGISTRY, defaults, fit_config, setting_defaults, settings
+
+if TYPE_CHECKING:  # the command stays torch-free until a command runs
+    from .arrays import ArrayLike
+    from .datasets import BeirDataset
+    from .encode import EncoderLike
+    from .relevance import RelevanceLike
+    from .sweep import Config
 
 log = logging.getLogger("pefa_gpu")
 
@@ -52,7 +59,7 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _each(item: Any) -> Any:
+def _each(item: Callable[[str], Any]) -> Callable[[str], tuple]:
     """A comma-separated list of ``item``'s values (at least one) as a tuple."""
     def parse(text: str) -> tuple:
         vals = tuple(item(x.strip()) for x in text.split(",") if x.strip())
@@ -359,15 +366,15 @@ def _setup(args: argparse.Namespace) -> None:
 class _Data:
     name: str
     doc_ids: list[str]
-    P: Any
-    Q_train: Any
-    Y_train: Any
-    Q_test: Any = None
-    Y_test: Any = None
-    corpus: Any = None  # the BeirDataset, when the data came from one
+    P: ArrayLike
+    Q_train: ArrayLike
+    Y_train: RelevanceLike
+    Q_test: ArrayLike | None = None
+    Y_test: RelevanceLike | None = None
+    corpus: BeirDataset | None = None  # when the data came from a BEIR folder
 
 
-def resolve_model_arg(spec: str | None) -> Any:
+def resolve_model_arg(spec: str | None) -> EncoderLike:
     """``--model``: None, a sentence-transformers name or folder, or ``module:attribute`` naming
     a callable texts -> array (a class is instantiated with no arguments)."""
     if spec is None or ":" not in spec or Path(spec).exists():
@@ -508,7 +515,7 @@ def _evaluate(args: argparse.Namespace, data: _Data, groups: list[tuple]
     return rows, last, timings
 
 
-def _result_row(cfg: Any, metrics: dict) -> dict:
+def _result_row(cfg: Config, metrics: dict) -> dict:
     """A table / JSON row of a :class:`pefa_gpu.Config` (ERM: no λ; NUDGE: its step, gamma)."""
     lam = None if cfg.method == "erm" or cfg.lam is None else float(cfg.lam)
     return {"method": cfg.method, "lam": lam, "k": None if cfg.k is None else int(cfg.k),
@@ -586,8 +593,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                **_model_kwargs(args, show_progress=not args.quiet))
     print(f"validation: {res.n_val} held-out training queries (seed {args.seed}), fitted on "
           f"the other {res.n_fit}; objective = mean of {res.metric}")
-    if res.coverage:
-        c = res.coverage
+    if c := res.coverage:
         print(f"coverage: {c['val_coverage']:.2f} of validation pairs have a trained-on "
               f"document; test estimate {c['test_coverage_estimate']:.2f} (label-free, from "
               f"plain top-1 documents); validation matched to {c['matched_coverage']:.2f}")
@@ -640,7 +646,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------ search
 
-def _search_encoder(args: argparse.Namespace, info: dict) -> Any:
+def _search_encoder(args: argparse.Namespace, info: dict) -> EncoderLike:
     """--model when given (with a warning when it differs from the build's record), else
     what the build's record allows (see :func:`pefa_gpu.builds.encoder_from_record`)."""
     from .builds import BUILD_MANIFEST, encoder_from_record, encoder_record
