@@ -288,7 +288,10 @@ def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = 
 def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
     """``root / rel`` (``root`` a real path) for a path a manifest names: relative, no ``..``,
     no link anywhere, a regular ``kind`` ("file" / "dir")."""
-    _check_relpath(rel, where)
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
+            or any(part in ("", ".", "..") for part in rel.split("/")):
+        raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
+                          f"paths inside itself)")
     path = root / rel
     if Path(os.path.realpath(path)) != path:
         raise FormatError(f"{path} leads through a symbolic link; links inside a save are never "
@@ -301,13 +304,6 @@ def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
         raise FormatError(f"{path} is not a {'folder' if kind == 'dir' else 'regular file'} "
                           f"(listed in {where})")
     return path
-
-
-def _check_relpath(rel: Any, where: Path) -> None:
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
-            or any(part in ("", ".", "..") for part in rel.split("/")):
-        raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
-                          f"paths inside itself)")
 
 
 def _check_listed(data: Path, files: dict[str, Any], where: Path, under: str = "") -> None:
@@ -376,10 +372,10 @@ class SaveDir:
 
     def file(self, rel: Any) -> Path:
         """A listed regular file inside the save."""
-        _check_relpath(rel, self.where)
+        path = _safe_path(self.data, rel, self.where, kind="file")
         if rel not in self.manifest["files"]:
             raise FormatError(f"{self.where} uses {rel!r}, which its files table does not list")
-        return _safe_path(self.data, rel, self.where, kind="file")
+        return path
 
     def folder(self, rel: Any) -> Path:
         """A folder inside the save whose every file is listed."""
