@@ -41,9 +41,12 @@ DATA_MARKER = ".pefa-data"  # in every data folder, holding its name: proof that
 _TMP_TAG = ".pefa-tmp-"
 _DATA_NAME = re.compile(r"pefa-data-[0-9a-f]{16}\Z")
 
-# torch dtypes numpy cannot hold (or that as_tensor refuses): (field name, raw numpy dtype)
-_WRAPPED = {torch.bfloat16: ("bfloat16", np.dtype("<u2")), torch.bool: ("bool", np.dtype("u1"))}
-_BY_FIELD = {field: (tdtype, raw) for tdtype, (field, raw) in _WRAPPED.items()}
+# torch dtypes stored bit-exact -> (their bits in torch, their numpy dtype): to_numpy widens
+# float16; numpy lacks bfloat16 and as_tensor refuses bool, so those two are one-field dtypes
+_BITS = {torch.float16: (torch.int16, np.dtype(np.float16)),
+         torch.bfloat16: (torch.int16, np.dtype([("bfloat16", "<u2")])),
+         torch.bool: (torch.uint8, np.dtype([("bool", "u1")]))}
+_BY_WRAPPED = {raw: tdtype for tdtype, (_, raw) in _BITS.items() if raw.names}
 
 PathLike = str | os.PathLike
 _PENDING: dict[Path, dict[str, tuple[tuple, str]]] = {}  # data folder -> its save's known files
@@ -62,12 +65,9 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
         raise TypeError(f"save_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     out = _with_suffix(path, ".npy")
     t = tensor.detach()
-    if t.dtype in _WRAPPED:
-        field, raw = _WRAPPED[t.dtype]
-        signed = torch.int16 if raw.itemsize == 2 else torch.uint8
-        arr = to_numpy(t.contiguous().view(signed)).view(raw).view([(field, raw)])
-    elif t.dtype == torch.float16:  # to_numpy widens half precision; keep it bit-exact
-        arr = to_numpy(t.contiguous().view(torch.int16)).view(np.float16)
+    if t.dtype in _BITS:
+        bits, raw = _BITS[t.dtype]
+        arr = to_numpy(t.contiguous().view(bits)).view(raw)
     else:
         arr = to_numpy(t)
     with open(out, "wb") as fh:
@@ -108,10 +108,10 @@ def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
         raise FormatError(f"{p} holds {arr.dtype} in non-native byte order; pefa_gpu writes "
                           f"native (little-endian) arrays")
     if arr.dtype.names:  # a wrapped dtype
-        if len(arr.dtype.names) != 1 or arr.dtype.names[0] not in _BY_FIELD:
+        if arr.dtype not in _BY_WRAPPED:
             raise FormatError(f"{p} holds an unknown structured dtype {arr.dtype}")
-        tdtype, raw = _BY_FIELD[arr.dtype.names[0]]
-        t = as_tensor(arr.view(raw).view(f"i{raw.itemsize}"), device=device, name=str(p))
+        tdtype = _BY_WRAPPED[arr.dtype]
+        t = as_tensor(arr.view(f"i{arr.dtype.itemsize}"), device=device, name=str(p))
         t = t.view(tdtype) if tdtype != torch.bool else t.bool()
     else:
         t = as_tensor(arr, device=device, name=str(p))
@@ -288,7 +288,10 @@ def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = 
 def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
     """``root / rel`` (``root`` a real path) for a path a manifest names: relative, no ``..``,
     no link anywhere, a regular ``kind`` ("file" / "dir")."""
-    _check_relpath(rel, where)
+    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
+            or any(part in ("", ".", "..") for part in rel.split("/")):
+        raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
+                          f"paths inside itself)")
     path = root / rel
     if Path(os.path.realpath(path)) != path:
         raise FormatError(f"{path} leads through a symbolic link; links inside a save are never "
@@ -301,13 +304,6 @@ def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
         raise FormatError(f"{path} is not a {'folder' if kind == 'dir' else 'regular file'} "
                           f"(listed in {where})")
     return path
-
-
-def _check_relpath(rel: Any, where: Path) -> None:
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
-            or any(part in ("", ".", "..") for part in rel.split("/")):
-        raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
-                          f"paths inside itself)")
 
 
 def _check_listed(data: Path, files: dict[str, Any], where: Path, under: str = "") -> None:
@@ -376,10 +372,10 @@ class SaveDir:
 
     def file(self, rel: Any) -> Path:
         """A listed regular file inside the save."""
-        _check_relpath(rel, self.where)
+        path = _safe_path(self.data, rel, self.where, kind="file")
         if rel not in self.manifest["files"]:
             raise FormatError(f"{self.where} uses {rel!r}, which its files table does not list")
-        return _safe_path(self.data, rel, self.where, kind="file")
+        return path
 
     def folder(self, rel: Any) -> Path:
         """A folder inside the save whose every file is listed."""
@@ -561,7 +557,6 @@ class PendingSave:
     def commit(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Write the manifest (``fields``, files table, checksum) over the old one; returns it."""
         files = describe_files(self.data, self.known)
-        _link_duplicates(self.data, files)
         fsync_tree(self.data)
         full = {**fields, "format": self.fmt, "format_version": FORMAT_VERSION,
                 "data": self.data.name, "files": files}
@@ -611,25 +606,6 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
             if made_root:  # the folder this save made, if nothing else was put there
                 with contextlib.suppress(OSError):
                     root.rmdir()
-
-
-def _link_duplicates(root: Path, files: dict[str, dict[str, Any]]) -> None:
-    """Hard-link files with identical contents (stored once); where links fail, copies stay."""
-    first: dict[tuple[int, str], Path] = {}
-    for rel, info in files.items():
-        key = (info["bytes"], info["sha256"])
-        if info["bytes"] == 0 or key not in first:
-            first.setdefault(key, root / rel)
-            continue
-        dup = root / rel
-        if os.path.samefile(first[key], dup):  # linked already (rename would keep the spare)
-            continue
-        spare = dup.with_name(dup.name + ".link")
-        try:
-            os.link(first[key], spare)
-            os.replace(spare, dup)
-        except OSError:
-            spare.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------- output files

@@ -140,7 +140,7 @@ def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
     m = manifest(erm_save)
     path = data_file(erm_save, m["state"]["doc_embeddings"]["file"])
     arr = np.load(path)
-    path.unlink()  # it may be hard-linked to the index's copy: write a new file
+    path.unlink()  # write a new file
     np.save(path, arr.astype(">f4"))
     resign(erm_save)
     with pytest.raises(FormatError, match=r"doc_embeddings\.npy holds >f4 in non-native"):

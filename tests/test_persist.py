@@ -224,7 +224,7 @@ def test_xl_derived_y_state_is_rebuilt(tmp_path, data):
                          ids=lambda v: getattr(v, "__name__", v))
 def test_a_save_holds_the_documents_once(tmp_path, cls, dtype, mmap):
     """A float32 exact index is the doc_embeddings tensor: one file, one tensor after a load.
-    Bytes written (a hard link counted twice): P once, not twice; a float16 index apart."""
+    Bytes written: P once, not twice; a float16 index apart."""
     n, m, d = 3000, 500, 32
     s = make_synthetic(n, m, d, n_test=20, seed=3)
     model = cls(device="cpu", index_params={"dtype": dtype})

@@ -366,6 +366,14 @@ def test_a_file_missing_from_the_files_table_is_refused(xl_save):
         pg.load(path, device="cpu", mmap=True)
 
 
+def test_an_attribute_naming_an_unlisted_file_is_refused(xl_save):
+    _, path = xl_save
+    for name in ("absent.npy", "query_index"):  # not a file of the table (absent, a folder)
+        edit_manifest(path, edit=lambda m: m["state"]["doc_embeddings"].update(file=name))
+        with pytest.raises(FormatError, match=f"{name}"):
+            pg.load(path, device="cpu")
+
+
 def test_an_unlisted_file_in_the_data_folder_is_refused(xl_save):
     _, path = xl_save
     (data_folder(path) / "query_index" / "extra.npy").write_bytes(b"x")
