@@ -106,15 +106,13 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     for cfg, _, ids in sweep_search(P, q_all[fit_rows], y_fit, q_all[val_rows], methods, lams,
                                     ks, topk=topk, device=dev, **sweep_kwargs):
         gains[cfg] = per_q = per_query_recall(ids, y_val, rec_ks)
-        rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
-                     **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
+        rows.append({**dataclasses.asdict(cfg), **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
                      "objective": float(np.nanmean(per_q))})
     erm_vals = next(v for c, v in gains.items() if c.method == "erm")
     ok = ~np.isnan(erm_vals)
     erm_obj = float(np.mean(erm_vals[ok]))
     # the best by objective; on ties the earlier in grid order (ERM first, then the methods)
-    best_row = max(rows, key=lambda r: r["objective"])
-    best = Config(best_row["method"], best_row["lam"], best_row["k"], best_row["gamma"])
+    best = max(gains, key=lambda c: np.nanmean(gains[c]))
     diff = gains[best][ok] - erm_vals[ok]
     gain = float(diff.mean())
     se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else float("inf")
