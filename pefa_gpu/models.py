@@ -92,17 +92,6 @@ class _Model:
             or self.SearchParams()
 
     @property
-    def doc_embeddings(self) -> torch.Tensor:
-        """(n, d) float32 document embeddings on the model's device."""
-        return self._doc_embeddings
-
-    @doc_embeddings.setter
-    def doc_embeddings(self, value: torch.Tensor) -> None:
-        self._doc_embeddings = value
-        view = value.device.type == "cpu" and value.dtype == torch.float32  # for CPU fusion
-        self._host_docs = value.detach().numpy() if view else None
-
-    @property
     def index_search_params(self) -> Params:
         """The backend's search defaults (e.g. HNSWSearchParams) for every index of the model;
         assign the backend's ``SearchParams`` (or None)."""
@@ -550,7 +539,7 @@ class PEFAXL(_Model):
         p, docs = self.params, self.doc_embeddings
         if isinstance(q, np.ndarray) or q.device.type == "cpu":  # CPU batches fuse in numpy
             q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
-            docs = to_numpy(docs) if self._host_docs is None else self._host_docs
+            docs = to_numpy(docs)
         out = fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks, topk=topk,
                    knn_norm=p.knn_norm, rescore=p.rescore, batch_size=batch_size,
                    erm_exact=bool(getattr(self.index, "exact_scores", False)))
