@@ -143,13 +143,12 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     """(fitting pairs matched to the estimated test coverage, info): ``val_coverage``,
     ``proxy_val`` / ``proxy_test`` (top-1 documents with a training pair),
     ``test_coverage_estimate``, ``matched_coverage`` (module docstring)."""
-    dev = resolve_device(device)
     yf, yv = as_relevance(y_fit, allow_empty=True).csr, as_relevance(y_val, allow_empty=True).csr
     ya = as_relevance(y_all).csr
     n = yf.shape[1]
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
-    erm = ERM(backend=backend, device=dev).fit(P)
+    erm = ERM(backend=backend, device=device).fit(P)
     top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
     top_test = to_numpy(erm.search(test_queries, 1)[1])[:, 0]
     proxy_val = float(cov_fit[top_val[top_val >= 0]].mean()) if (top_val >= 0).any() else 0.0
@@ -172,5 +171,4 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
         drop[newly] = True
         covered -= int(pairs_per_doc[newly].sum())
     info["matched_coverage"] = covered / total
-    keep_cols = sp.diags((~drop).astype(np.float32))
-    return Relevance(yf @ keep_cols), info
+    return Relevance(yf @ sp.diags((~drop).astype(np.float32))), info
