@@ -6,7 +6,7 @@ settings.
                                                [--encode-docs 300] [--repeats 2]
 
 1. Encode (SciFact abstracts, the offline all-MiniLM-L6-v2): pg.encode in this process against
-   the encode stage on a local Ray cluster with 1 and 2 workers (Ray Data actors).
+   the encode stage on a local Ray cluster with 1 and 2 workers (Ray actors).
 2. A synthetic set (``pg.make_synthetic``; default 100k documents) end to end: write the
    stages, aggregate (PIFA + E), build ERM / XS / XL shards, search the test queries, evaluate;
    per stage, with (a) the library in one process (PEFAXS / PEFAXL fit + search), (b) the

@@ -4,7 +4,7 @@
     with distributed.connect("local", workers=2) as runner:     # or "auto", "ray://head:10001"
         scores, ids = pp.search(build, queries, runner=runner)  # every stage takes runner=
 
-The tasks are the pipeline's own functions, placed here: encoders on a Ray Data actor pool,
+The tasks are the pipeline's own functions, placed here: encoders on a pool of Ray actors,
 map / reduce tasks through the object store, search actors per block of shards. Failed tasks
 and actors are retried (``max_retries``; writes are atomic). Paths must be on storage every
 node sees. Ray is imported on use.
@@ -38,7 +38,7 @@ def _ray():
         import ray
     except ImportError as exc:
         raise MissingDependencyError("the distributed pipeline needs Ray: pip install "
-                                     "'pefa_gpu[ray]' (ray[data])") from exc
+                                     "'pefa_gpu[ray]'") from exc
     return ray
 
 
@@ -105,31 +105,18 @@ class RayRunner:
 
     def encode(self, fn: Callable, calls: Sequence[dict[str, Any]],
                show_progress: bool = True) -> None:
-        """``fn(**call)`` for each call (texts, index, lo, fingerprint) on a Ray Data actor
-        pool, one shard per actor call."""
-        ray = _ray()
-        import ray.data
+        """``fn(**call)`` for each call (texts, index, lo, fingerprint) on a pool of encoder
+        actors (restarted and the call retried if one dies), one shard per actor call."""
+        from ray.util import ActorPool
         from tqdm.auto import tqdm
 
-        # "" for no fingerprint: Ray Data would hand a None column back as NaN
-        rows = [{**c, "fingerprint": c["fingerprint"] or "", "texts": list(c["texts"])}
-                for c in calls]
-        ctx = ray.data.DataContext.get_current()
-        bars = ctx.enable_progress_bars
-        ctx.enable_progress_bars = False
-        try:
-            ds = ray.data.from_items(rows, override_num_blocks=len(rows))
-            ds = ds.map_batches(_ShardEncoder, fn_constructor_kwargs={"fn": fn},
-                                batch_size=1, batch_format="numpy",
-                                compute=ray.data.ActorPoolStrategy(
-                                    size=min(self.workers, len(rows))),
-                                num_cpus=1, num_gpus=1 if self.gpus else 0)
-            with tqdm(total=len(rows), desc="encode", unit="shard",
-                      disable=not show_progress) as bar:
-                for _ in ds.iter_rows():
-                    bar.update(1)
-        finally:
-            ctx.enable_progress_bars = bars
+        actor = _ray().remote(_ShardEncoder).options(
+            num_cpus=1, num_gpus=1 if self.gpus else 0, max_restarts=self.max_retries,
+            max_task_retries=self.max_retries)
+        pool = ActorPool([actor.remote(fn) for _ in range(min(self.workers, len(calls)))])
+        for _ in tqdm(pool.map_unordered(lambda a, call: a.encode.remote(call), calls),
+                      total=len(calls), desc="encode", unit="shard", disable=not show_progress):
+            pass
 
     def servers(self, server: Callable, build: str | Path,
                 groups: Sequence[tuple[list[int], list[int]]], device: Any = None) -> "RayFanout":
@@ -168,17 +155,13 @@ def _reduce_parts(fn: Callable, n_parts: int, *values: Any):
 
 
 class _ShardEncoder:
-    """A Ray Data actor: encodes one shard of texts per call into its stage folder."""
+    """An encoder actor: encodes one shard of texts per call into its stage folder."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
 
-    def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        for index, lo, fp, texts in zip(batch["index"], batch["lo"], batch["fingerprint"],
-                                        batch["texts"]):
-            self.fn([str(t) for t in texts], index=int(index), lo=int(lo),
-                    fingerprint=str(fp) or None)
-        return {"index": batch["index"]}
+    def encode(self, call: dict[str, Any]) -> None:
+        self.fn(**call)
 
 
 class _ServerActor:

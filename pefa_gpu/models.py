@@ -92,17 +92,6 @@ class _Model:
             or self.SearchParams()
 
     @property
-    def doc_embeddings(self) -> torch.Tensor:
-        """(n, d) float32 document embeddings on the model's device."""
-        return self._doc_embeddings
-
-    @doc_embeddings.setter
-    def doc_embeddings(self, value: torch.Tensor) -> None:
-        self._doc_embeddings = value
-        view = value.device.type == "cpu" and value.dtype == torch.float32  # for CPU fusion
-        self._host_docs = value.detach().numpy() if view else None
-
-    @property
     def index_search_params(self) -> Params:
         """The backend's search defaults (e.g. HNSWSearchParams) for every index of the model;
         assign the backend's ``SearchParams`` (or None)."""
@@ -135,10 +124,11 @@ class _Model:
         if not self.n_docs:
             raise InputError(f"{type(self).__name__} is not fitted: call fit() first")
 
-    def as_queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
+    def as_queries(self, queries: ArrayLike, check: bool | None = None,
+                   name: str = "queries") -> torch.Tensor:
         """Queries as searched: (B, d) float32 on the device, detached."""
         self.check_fitted()
-        return as_embeddings(queries, self.device, "queries", dim=self.dim, check_norm=False,
+        return as_embeddings(queries, self.device, name, dim=self.dim, check_norm=False,
                              check_finite=training.check_default(queries, check)).detach()
 
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
@@ -150,10 +140,10 @@ class _Model:
             raise InputError("P has no rows: there are no documents to index")
         if Q is None:
             return p, None, None
-        if not copy_queries and self.device.type == "cpu" and isinstance(Q, np.ndarray) \
-                and Q.ndim == 2 and Q.shape[1] == p.shape[1]:
-            return p, Q, as_relevance(Y, shape=(Q.shape[0], p.shape[0]))
-        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], copy=copy_queries).detach()
+        host = not copy_queries and self.device.type == "cpu" and isinstance(Q, np.ndarray) \
+            and Q.ndim == 2 and Q.shape[1] == p.shape[1]
+        q = Q if host else as_embeddings(Q, self.device, "Q", dim=p.shape[1],
+                                         copy=copy_queries).detach()
         return p, q, as_relevance(Y, shape=(q.shape[0], p.shape[0]))
 
     def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
@@ -175,8 +165,7 @@ class _Model:
             scores = torch.empty((b, topk), device=self.device)
             ids = torch.empty((b, topk), dtype=torch.long, device=self.device)
             for lo in range(0, b, rows):
-                q = as_embeddings(queries[lo:lo + rows], self.device, f"queries[{lo}:]",
-                                  dim=self.dim, check_norm=False, check_finite=check).detach()
+                q = self.as_queries(queries[lo:lo + rows], check, f"queries[{lo}:]")
                 scores[lo:lo + rows], ids[lo:lo + rows] = self._search(
                     q, topk, model_sp, index_sp, checked=check)
             return scores, ids
@@ -311,9 +300,8 @@ class _AdaptedDocuments(_Model):
         return e.reshape(*ids.shape, -1)
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        sums = torch.zeros(p.shape[0], p.shape[1], device=p.device)
-        if getattr(self.params, "augment_docs", False):  # PEFA-XS: 0 + p, as fit gives
-            sums = sums + p.float()
+        # PEFA-XS' augment_docs: p_j is document j's first query, as in fit
+        sums = p if getattr(self.params, "augment_docs", False) else torch.zeros_like(p)
         self.doc_embeddings = torch.cat([self.doc_embeddings, p])
         self.doc_sums = torch.cat([self.doc_sums, sums])
         self.index.add(self._adapt(p, sums))
@@ -393,21 +381,19 @@ class NUDGE(_AdaptedDocuments):
         if gamma is None and Q_val is not None:
             q_val = as_embeddings(Q_val, self.device, "Q_val", dim=p.shape[1]).detach()
             y_val = as_relevance(Y_val, shape=(q_val.shape[0], p.shape[0]), name="Y_val",
-                                 allow_empty=True).csr
+                                 allow_empty=True)
             g_fit = sums
         elif gamma is None:
             if q.shape[0] < 2:
                 raise InputError(f"NUDGE chooses gamma on held-out training queries and needs "
                                  f"at least 2 of them, got {q.shape[0]}: give Q_val / Y_val "
                                  f"or set gamma")
-            fit_rows, val_rows = split_queries(q.shape[0], self.params.val_fraction,
-                                               self.params.seed)
-            g_fit = pifa(rel.rows(fit_rows), q[as_tensor(fit_rows, device=self.device)],
-                         normalize=False, device=self.device)
-            q_val, y_val = q[as_tensor(val_rows, device=self.device)], rel.rows(val_rows).csr
+            fit, val = split_queries(q.shape[0], self.params.val_fraction, self.params.seed)
+            g_fit = pifa(rel.rows(fit), q[fit], normalize=False, device=self.device)
+            q_val, y_val = q[val], rel.rows(val)
         if gamma is None:
             gamma = nudge.choose_gamma(self.params.variant, normalize_rows(p), g_fit, q_val,
-                                       y_val, self.params.val_k)
+                                       y_val.csr, self.params.val_k)
         self.fitted_gamma, self.doc_sums = float(gamma), sums
         return self._fitted(p, self._adapt(p, sums))
 
@@ -553,7 +539,7 @@ class PEFAXL(_Model):
         p, docs = self.params, self.doc_embeddings
         if isinstance(q, np.ndarray) or q.device.type == "cpu":  # CPU batches fuse in numpy
             q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
-            docs = to_numpy(docs) if self._host_docs is None else self._host_docs
+            docs = to_numpy(docs)
         out = fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks, topk=topk,
                    knn_norm=p.knn_norm, rescore=p.rescore, batch_size=batch_size,
                    erm_exact=bool(getattr(self.index, "exact_scores", False)))

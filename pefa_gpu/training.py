@@ -50,14 +50,12 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
     """A (B x n) Relevance / scipy matrix, a list of id lists or a (B, P) -1 padded int array
     -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs): InputError."""
-    rows = None
     if isinstance(positives, Relevance) or sp.issparse(positives):
         csr = as_relevance(positives, name="positives", allow_empty=True).csr
-        rows = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
-    elif isinstance(positives, (list, tuple)) and all(
-            isinstance(r, (list, tuple, np.ndarray)) for r in positives):
+        positives = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
+    if isinstance(positives, (list, tuple)) and all(
+            isinstance(r, (list, tuple, np.ndarray)) for r in positives):  # ragged rows
         rows = [np.asarray(r, dtype=np.int64).ravel() for r in positives]
-    if rows is not None:  # ragged rows -> a -1 padded array
         if len(rows) != batch:
             raise InputError(f"positives has {len(rows)} rows but there are {batch} queries")
         positives = np.full((batch, max([r.size for r in rows] + [1])), -1, dtype=np.int64)

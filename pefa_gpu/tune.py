@@ -106,15 +106,13 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     for cfg, _, ids in sweep_search(P, q_all[fit_rows], y_fit, q_all[val_rows], methods, lams,
                                     ks, topk=topk, device=dev, **sweep_kwargs):
         gains[cfg] = per_q = per_query_recall(ids, y_val, rec_ks)
-        rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
-                     **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
+        rows.append({**dataclasses.asdict(cfg), **evaluate(ids, y_val, sorted({10, 100, *rec_ks})),
                      "objective": float(np.nanmean(per_q))})
     erm_vals = next(v for c, v in gains.items() if c.method == "erm")
     ok = ~np.isnan(erm_vals)
     erm_obj = float(np.mean(erm_vals[ok]))
     # the best by objective; on ties the earlier in grid order (ERM first, then the methods)
-    best_row = max(rows, key=lambda r: r["objective"])
-    best = Config(best_row["method"], best_row["lam"], best_row["k"], best_row["gamma"])
+    best = max(gains, key=lambda c: np.nanmean(gains[c]))
     diff = gains[best][ok] - erm_vals[ok]
     gain = float(diff.mean())
     se = float(diff.std(ddof=1) / math.sqrt(diff.size)) if diff.size > 1 else float("inf")
@@ -145,13 +143,12 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     """(fitting pairs matched to the estimated test coverage, info): ``val_coverage``,
     ``proxy_val`` / ``proxy_test`` (top-1 documents with a training pair),
     ``test_coverage_estimate``, ``matched_coverage`` (module docstring)."""
-    dev = resolve_device(device)
     yf, yv = as_relevance(y_fit, allow_empty=True).csr, as_relevance(y_val, allow_empty=True).csr
     ya = as_relevance(y_all).csr
     n = yf.shape[1]
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
-    erm = ERM(backend=backend, device=dev).fit(P)
+    erm = ERM(backend=backend, device=device).fit(P)
     top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
     top_test = to_numpy(erm.search(test_queries, 1)[1])[:, 0]
     proxy_val = float(cov_fit[top_val[top_val >= 0]].mean()) if (top_val >= 0).any() else 0.0
@@ -174,5 +171,4 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
         drop[newly] = True
         covered -= int(pairs_per_doc[newly].sum())
     info["matched_coverage"] = covered / total
-    keep_cols = sp.diags((~drop).astype(np.float32))
-    return Relevance(yf @ keep_cols), info
+    return Relevance(yf @ sp.diags((~drop).astype(np.float32))), info

@@ -442,7 +442,7 @@ def test_ray_worker_killed_mid_stage_is_retried(tmp_path, ray_runner):
 
 
 class DiesOnFirstBatch(BowEncoder):
-    """An encoder whose first call kills its Ray Data actor's process."""
+    """An encoder whose first call kills its encoder actor's process."""
 
     cache_key = BowEncoder.cache_key
 
