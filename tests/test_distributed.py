@@ -343,6 +343,16 @@ def test_bad_input_is_named(tmp_path):
         pp.search(b, np.full((2, 12), np.nan, np.float32))
     with pytest.raises(InputError, match="topk"):
         pp.search(b, T, topk=0)
+    bad = T.copy()
+    bad[7, 2] = np.inf  # a row stage that write_rows and encode would refuse: read per round
+    entry = pp.write_shard(tmp_path / "bad" / "shard-00000", {"rows": [0, len(T)]},
+                           {"embeddings": torch.from_numpy(bad)})
+    bad = pp.write_stage(tmp_path / "bad", pp.Stage(stage="rows", shards=(entry,), n=len(T),
+                                                    dim=12))
+    xl = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, candidates=20)
+    for build in (b, xl):
+        with pytest.raises(InputError, match=r"queries\[4:8\] contains NaN or inf"):
+            pp.search(build, bad, batch_size=4)
     with pytest.raises(FormatError, match="not 'aggregate'"):
         pp.build("xs", tmp_path / "b", docs, embeddings=docs)
     with pytest.raises(InputError, match="strings"):

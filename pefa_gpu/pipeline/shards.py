@@ -158,9 +158,10 @@ def open_entry(folder: str | Path, entry: Entry, device: Any = "cpu") -> Shard:
 
 def remove_shard(path: Path) -> None:
     """Remove the complete shard at ``path`` (manifest, data, the folder when then empty)."""
-    if _shard_fields(path) is None:
+    try:
+        save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
+    except (FormatError, FileNotFoundError):
         return
-    save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
     (save.root / SHARD_MANIFEST).unlink()
     shutil.rmtree(save.data)
     with contextlib.suppress(OSError):
@@ -312,16 +313,13 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
                  fingerprint: str | None, model: Any = None, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None,
                  normalize: bool = True) -> Entry:
-    """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
-    ``fingerprint`` is there; returns its stage entry."""
-    path = Path(out) / shard_name("shard", index)
-    fields = _written(path, fingerprint) if fingerprint is not None else None
-    if fields is not None:
-        return Entry.of(path, fields)
+    """Encode texts (rows lo ..) into ``out/shard-<index>`` (its manifest keeps their
+    ``fingerprint``); returns its stage entry."""
     emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
-                 normalize=normalize, cache_dir=cache_dir, show_progress=False)
-    return write_shard(path, {"stage": "encode", "rows": [lo, lo + len(texts)],
-                              "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
+                       normalize=normalize, cache_dir=cache_dir, show_progress=False)
+    return write_shard(Path(out) / shard_name("shard", index),
+                       {"stage": "encode", "rows": [lo, lo + len(texts)],
+                        "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
 
 
 def encode(texts: Sequence[str], out: str | Path, model: Any = None,
