@@ -26,7 +26,7 @@ from ..errors import FormatError, InputError
 from ..params import XLParams
 from ..persist import load as load_model
 from ..relevance import as_relevance
-from ..storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
+from ..storage import (PendingSave, load_csr, load_tensor, open_save, save_csr, save_tensor,
                        write_output_file, writing_save)
 from .runner import LocalRunner
 
@@ -109,18 +109,23 @@ def write_shard(path: str | Path, fields: dict[str, Any],
     """Write a shard atomically (``fields`` with ``rows`` [lo, hi] in its manifest, a model in
     ``model/``, ``export_hnsw``: and ``hnsw.faiss``); returns its stage entry."""
     with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
-        tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
-                 for name, t in (tensors or {}).items()}
-        mmeta = {name: save_csr(w.data / name, m) for name, m in (matrices or {}).items()}
-        if model is not None:
-            model.save(w.data / "model")
-            if export_hnsw:
-                model.export_hnsw(w.data / "hnsw.faiss")
-        manifest = w.commit({**fields, "tensors": tmeta, "matrices": mmeta,
-                             "model": "model" if model is not None else None,
-                             "hnsw": "hnsw.faiss" if model is not None and export_hnsw
-                             else None})
-    return Entry.of(path, manifest)
+        return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
+
+
+def commit_shard(w: PendingSave, fields: dict[str, Any], tensors: dict[str, Any] | None = None,
+                 matrices: dict[str, sp.spmatrix] | None = None, model: Any = None,
+                 export_hnsw: bool = False) -> dict[str, Any]:
+    """:func:`write_shard` into a shard being written (``writing_save``); its manifest."""
+    tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
+             for name, t in (tensors or {}).items()}
+    mmeta = {name: save_csr(w.data / name, m) for name, m in (matrices or {}).items()}
+    if model is not None:
+        model.save(w.data / "model")
+        if export_hnsw:
+            model.export_hnsw(w.data / "hnsw.faiss")
+    return w.commit({**fields, "tensors": tmeta, "matrices": mmeta,
+                     "model": "model" if model is not None else None,
+                     "hnsw": "hnsw.faiss" if model is not None and export_hnsw else None})
 
 
 @dataclasses.dataclass
