@@ -188,11 +188,10 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
 
     run = runner or LocalRunner()
     work = Path(work)
-    docs = _as_rows(P, work / "docs", "docs")
-    train = _as_rows(Q, work / "queries", "queries")
-    n, m = Rows(docs).n, Rows(train).n
-    doc_rows = doc_rows or max(-(-n // run.workers), 1)
-    rel = write_relevance(Y, work / "pairs", rows=query_rows or max(-(-m // run.workers), 1))
+    docs, train = _as_rows(P, work, "docs"), _as_rows(Q, work, "queries")
+    doc_rows = doc_rows or max(-(-Rows(docs).n // run.workers), 1)
+    query_rows = query_rows or max(-(-Rows(train).n // run.workers), 1)
+    rel = write_relevance(Y, work / "pairs", rows=query_rows)
     common = dict(backend=backend, index_params=index_params, device=device,
                   doc_rows=doc_rows, runner=run)
 
@@ -218,9 +217,9 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
     return results
 
 
-def _as_rows(x: Any, folder: Path, what: str) -> Path:
-    """A row stage folder as is; an array written as one under ``folder``."""
+def _as_rows(x: Any, work: Path, name: str) -> Path:
+    """A row stage folder as is; an array written as one, ``work/<name>``."""
     if isinstance(x, (str, Path)):
         read_stage(x)
         return Path(x)
-    return write_rows(x, folder, stage=what)
+    return write_rows(x, work / name, stage=name)
