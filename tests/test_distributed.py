@@ -187,6 +187,24 @@ def test_shard_servers_keep_results_on_the_device(tmp_path):
     assert_same_ranking(s, i, lib_s.cpu(), lib_i.cpu())
 
 
+def test_evaluate_configs_on_arrays_equals_the_library(tmp_path):
+    """Arrays written as row stages, one index per method (XS: per lam), each config's lam / k
+    at search: the metrics of the library's models."""
+    from pefa_gpu.sweep import Config
+
+    P, Q, Y, T, Yt = make_data(12)
+    configs = [Config("erm"), Config("xs", 0.3), Config("xl", 0.2, 4), Config("xl", 0.6, 8)]
+    got = pp.evaluate_configs(P, Q, Y, T, Yt, configs, tmp_path, candidates=30, doc_rows=70,
+                              query_rows=130, show_progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs", "erm", "pairs", "queries",
+                                                        "xl", "xs-0.3", "xs-0.3-index"]
+    models = [pg.ERM(device="cpu").fit(P), pg.PEFAXS(lam=0.3, device="cpu").fit(P, Q, Y),
+              *(pg.PEFAXL(lam=lam, k=k, search_params=pg.XLSearchParams(candidates=30),
+                          device="cpu").fit(P, Q, Y) for lam, k in ((0.2, 4), (0.6, 8)))]
+    for cfg, res, model in zip(configs, got, models):
+        assert res == pg.evaluate(model.search(T, 100)[1], Yt, (10, 100)), cfg
+
+
 def test_neighbours_merge_equals_pefaxl(tmp_path):
     P, Q, Y, T, _ = make_data(4)
     xl = pg.PEFAXL(k=10, search_params=pg.XLSearchParams(candidates=30), device="cpu").fit(P, Q, Y)
@@ -343,6 +361,16 @@ def test_bad_input_is_named(tmp_path):
         pp.search(b, np.full((2, 12), np.nan, np.float32))
     with pytest.raises(InputError, match="topk"):
         pp.search(b, T, topk=0)
+    bad = T.copy()
+    bad[7, 2] = np.inf  # a row stage that write_rows and encode would refuse: read per round
+    entry = pp.write_shard(tmp_path / "bad" / "shard-00000", {"rows": [0, len(T)]},
+                           {"embeddings": torch.from_numpy(bad)})
+    bad = pp.write_stage(tmp_path / "bad", pp.Stage(stage="rows", shards=(entry,), n=len(T),
+                                                    dim=12))
+    xl = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, candidates=20)
+    for build in (b, xl):
+        with pytest.raises(InputError, match=r"queries\[4:8\] contains NaN or inf"):
+            pp.search(build, bad, batch_size=4)
     with pytest.raises(FormatError, match="not 'aggregate'"):
         pp.build("xs", tmp_path / "b", docs, embeddings=docs)
     with pytest.raises(InputError, match="strings"):

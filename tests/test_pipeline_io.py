@@ -137,6 +137,8 @@ def test_a_build_task_holds_its_rows_once(tmp_path, m):
     assert xl_peak < 1.5 * (P.nbytes + Q.nbytes)  # was 2 copies of each
     assert erm_peak < 1.5 * P.nbytes
     assert sorted(p.name for p in (tmp_path / "xl").iterdir()) == [entry.name]
+    files = pp.read_shard(tmp_path / "xl" / entry.name).fields["files"]
+    assert {f.split("/")[0] for f in files} == {"model", "query_rows.npy"}  # not the scratch
     model = pp.read_shard(tmp_path / "xl" / entry.name).model
     np.testing.assert_array_equal(model.query_index.vectors.numpy(), Q)
     np.testing.assert_array_equal(model.doc_embeddings.numpy(), P)
@@ -166,32 +168,26 @@ KILLED_BUILD = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_a_killed_xl_build_leaves_scratch_that_the_next_build_removes(tmp_path):
-    """Only scratch folders with the library's marker holding their name and nothing else are
-    removed: a foreign folder, a forged marker, an extra file, a link are kept."""
+    """The queries' copy that a killed build task leaves in its shard's unfinished save is
+    removed when the next build writes that shard; what the library did not write is kept."""
     P, Q, Y, docs, queries, rel = make_stages(tmp_path, 4)
     child = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(tmp_path)],
                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert child.returncode == -9
     out = tmp_path / "xl"
-    (left,) = out.glob(".scratch-*")  # what the kill left: marker and the queries' copy
-    assert sorted(f.name for f in left.iterdir()) == [".pefa-scratch", "q.npy"]
-    kept = {".scratch-user": {"notes.txt": "mine"},
-            ".scratch-forged": {".pefa-scratch": "someone-else"},
-            ".scratch-extra": {".pefa-scratch": ".scratch-extra", "q.npy": "", "x.txt": "mine"}}
-    for name, files in kept.items():
-        (out / name).mkdir()
-        for f, text in files.items():
-            (out / name / f).write_text(text)
-    target = tmp_path / "elsewhere"
-    target.mkdir()
-    (target / ".pefa-scratch").write_text(".scratch-link")
-    (out / ".scratch-link").symlink_to(target)
+    (left,) = (out / "doc-00000").iterdir()  # what the kill left: marker and the queries' copy
+    assert sorted(f.name for f in left.iterdir()) == [".pefa-data", "q.npy"]
+    kept = {out / "notes.txt": "mine", out / ".scratch-user" / "q.npy": "mine",
+            out / "doc-00000.old" / "q.npy": "mine"}
+    for path, text in kept.items():
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
     pp.build("xl", out, docs, queries=queries, relevance=rel, doc_rows=100)
     assert not left.exists()
-    assert sorted(f.name for f in out.glob(".scratch-*")) == sorted([*kept, ".scratch-link"])
-    for name, files in kept.items():
-        assert {f: (out / name / f).read_text() for f in files} == files
-    assert (target / ".pefa-scratch").read_text() == ".scratch-link"
+    assert {path: path.read_text() for path in kept} == kept
+    for s in range(3):  # the committed shards hold no copy of the queries
+        shard = pp.read_shard(out / f"doc-{s:05d}")
+        assert "q.npy" not in shard.fields["files"] and shard.tensors["query_rows"].numel()
     assert pp.read_stage(out, "build").n == P.shape[0]
 
 

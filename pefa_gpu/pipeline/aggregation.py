@@ -59,7 +59,7 @@ def split_queries(queries: str | Path, relevance: str | Path, shard: int,
         return blocks
     q, sums = Rows(queries).read(lo, hi), {}
     for s, part in enumerate(blocks):
-        docs = np.flatnonzero(np.diff(part.y.tocsc().indptr)).astype(np.int64)
+        docs = np.unique(part.y.indices).astype(np.int64)  # the range's documents with a pair
         if docs.size:
             sums[f"docs-{s}"] = torch.from_numpy(docs)
             sums[f"sums-{s}"] = pifa(part.y[:, docs], q[part.queries - lo], normalize=False,

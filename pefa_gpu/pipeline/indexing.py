@@ -4,9 +4,6 @@ shard) and PEFA-XL's query index shards."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,14 +16,13 @@ from ..errors import InputError
 from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
 from ..params import XLParams, XLSearchParams
+from ..storage import writing_save
 from .aggregation import Part, check_pairs, split_queries
 from .runner import LocalRunner
-from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, read_stage, shard_name, split,
-                     write_shard, write_stage)
+from .shards import (DEFAULT_ROWS, SHARD_FORMAT, SHARD_MANIFEST, Entry, Rows, Stage,
+                     commit_shard, read_stage, shard_name, split, write_shard, write_stage)
 
 METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
-SCRATCH = ".scratch-"           # a PEFA-XL build task's folder in the output, removed after it
-SCRATCH_MARKER = ".pefa-scratch"  # written first in each, holding its name: proof it is ours
 
 
 def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path, name: str,
@@ -52,12 +48,12 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
     lo, hi = doc_range
     p = Rows(docs).read(lo, hi)  # a view of the map: the model's copy is the only one in memory
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
-    Path(out).mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=SCRATCH, dir=out) as scratch:
-        (Path(scratch) / SCRATCH_MARKER).write_text(Path(scratch).name, encoding="ascii")
-        if rows.size:  # the range's queries (a popular range has many) gathered on disk, alike
+    path = Path(out) / shard_name("doc", index)
+    with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
+        if rows.size:  # the range's queries (a popular range has many) gathered on disk, in
+            # the shard's unfinished save (a killed task's is removed by the next write)
             q = Rows(queries).take(rows, np.lib.format.open_memmap(
-                Path(scratch) / "q.npy", "w+", np.float32, (rows.size, p.shape[1])))
+                w.data / "q.npy", "w+", np.float32, (rows.size, p.shape[1])))
             y = sp.vstack([pt.y for pt in parts], format="csr")
         else:
             q = p[:1]
@@ -65,26 +61,11 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
         model = PEFAXL(backend=backend, device=device, index_params=index_params,
                        search_params=XLSearchParams(candidates=candidates),
                        **params.to_dict()).fit(p, q, y)
-    entry = write_shard(Path(out) / shard_name("doc", index), {"stage": "build", "rows": [lo, hi]},
-                        {"query_rows": torch.from_numpy(rows.astype(np.int64))}, model=model,
-                        export_hnsw=export_hnsw)
-    return entry, sum(pt.nbytes for pt in parts)
-
-
-def remove_scratch(out: Path) -> None:
-    """Remove the scratch folders that killed PEFA-XL build tasks left in ``out``: those
-    holding our marker (with their name) and nothing but regular files the task writes."""
-    for folder in out.glob(SCRATCH + "*"):
-        try:
-            names = set(os.listdir(folder)) if not folder.is_symlink() else {"link"}
-            if names <= {SCRATCH_MARKER, "q.npy"} and all(
-                    stat.S_ISREG(os.lstat(folder / f).st_mode) for f in names) and (
-                    folder / SCRATCH_MARKER).read_text(encoding="ascii") == folder.name:
-                (folder / "q.npy").unlink(missing_ok=True)
-                (folder / SCRATCH_MARKER).unlink()  # the marker last
-                folder.rmdir()
-        except (OSError, UnicodeDecodeError):  # not ours, or not removable: left as it is
-            continue
+        (w.data / "q.npy").unlink(missing_ok=True)
+        manifest = commit_shard(w, {"stage": "build", "rows": [lo, hi]},
+                                {"query_rows": torch.from_numpy(rows.astype(np.int64))},
+                                model=model, export_hnsw=export_hnsw)
+    return Entry.of(path, manifest), sum(pt.nbytes for pt in parts)
 
 
 def build(method: str, out: str | Path, docs: str | Path, *,
@@ -113,7 +94,6 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         candidates = XLSearchParams(candidates=candidates).candidates
         rel = read_stage(relevance, "relevance")
         check_pairs(rel, Rows(queries), prows)
-        remove_scratch(Path(out))
         ranges = split(prows.n, doc_rows)
         maps = [(str(queries), str(relevance), r, ranges) for r in range(len(rel.shards))]
         reduces = [(str(queries), str(docs), rng, str(out), s, params, candidates, *index,

@@ -37,20 +37,16 @@ class _Loaded(NamedTuple):
     model: Any
     query_rows: torch.Tensor | None  # a PEFA-XL shard's training queries (global rows)
 
+    def search(self, q: torch.Tensor, k: int, params: dict | None) -> Result:
+        """Its index's top-k of checked queries (a PEFA-XL shard's: the passage index's);
+        ``params`` change the backend's search settings (None: its own)."""
+        return self.model.index.search(q.to(self.model.device), k, params)
+
 
 def _load(folder: Path, entry: Entry, device: Any) -> _Loaded:
     shard = open_entry(folder, entry, device=device)
     rows = shard.tensors.get("query_rows")
     return _Loaded(*entry.rows, shard.model, None if rows is None else rows.to(shard.model.device))
-
-
-def _search(s: _Loaded, q: torch.Tensor, k: int, params: dict | None) -> Result:
-    """An ERM shard's search (a PEFA-XL shard's: its passage index); ``params`` change the
-    backend's search settings (None: its own)."""
-    if s.query_rows is not None:
-        return s.model.index.search(q.to(s.model.device), k, params)
-    typed = s.model.index_search_params.replace(**params) if params else None
-    return s.model.search(q.to(s.model.device), k, index_params=typed)
 
 
 def _gather(shards: Sequence[_Loaded], k: int,
@@ -76,11 +72,11 @@ class ShardServer:
 
     def erm(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k over the document shards (XL's: the passage index)."""
-        return _gather(self.docs, k, lambda s, kk: _search(s, q, kk, params))
+        return _gather(self.docs, k, lambda s, kk: s.search(q, kk, params))
 
     def knn(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k training queries over this server's query shards (global rows)."""
-        return _gather(self.queries, k, lambda s, kk: _search(s, q, kk, params))
+        return _gather(self.queries, k, lambda s, kk: s.search(q, kk, params))
 
     def fuse(self, q: torch.Tensor, erm: Result, knn: Result, topk: int, lam: float,
              k: int) -> Result | None:
@@ -161,21 +157,21 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
         source = Rows(queries)
         if source.dim != info.dim:
             raise InputError(f"queries have dimension {source.dim}, the build {info.dim}")
-        n_q, read = source.n, lambda lo, hi: torch.from_numpy(source.read(lo, hi))
+        n_q, read = source.n, lambda lo, hi: as_embeddings(
+            source.read(lo, hi), "cpu", f"queries[{lo}:{hi}]", check_norm=False)
     else:
         qall = as_embeddings(queries, "cpu", "queries", dim=info.dim, check_norm=False)
         n_q, read = qall.shape[0], lambda lo, hi: qall[lo:hi]
     run = runner or LocalRunner()
-    out = []
+    out = [(torch.empty(0, topk), torch.empty(0, topk, dtype=torch.long))]
     with run.servers(ShardServer, build, server_groups(info, run.workers), device) as fan:
         for lo in tqdm(range(0, n_q, batch_size), desc="search", unit="batch",
                        disable=not show_progress):
             q = read(lo, min(lo + batch_size, n_q)).contiguous()
             out.append([t.cpu() for t in search_batch(fan, info, q, topk, lam, k, candidates,
                                                       params)])
-    if not out:
-        return torch.empty(0, topk), torch.empty(0, topk, dtype=torch.long)
-    return torch.cat([s for s, _ in out]), torch.cat([i for _, i in out])
+    scores, ids = map(torch.cat, zip(*out))
+    return scores, ids
 
 
 def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
@@ -192,11 +188,10 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
 
     run = runner or LocalRunner()
     work = Path(work)
-    docs = _as_rows(P, work / "docs", "docs")
-    train = _as_rows(Q, work / "queries", "queries")
-    n, m = Rows(docs).n, Rows(train).n
-    doc_rows = doc_rows or max(-(-n // run.workers), 1)
-    rel = write_relevance(Y, work / "pairs", rows=query_rows or max(-(-m // run.workers), 1))
+    docs, train = _as_rows(P, work, "docs"), _as_rows(Q, work, "queries")
+    doc_rows = doc_rows or max(-(-Rows(docs).n // run.workers), 1)
+    query_rows = query_rows or max(-(-Rows(train).n // run.workers), 1)
+    rel = write_relevance(Y, work / "pairs", rows=query_rows)
     common = dict(backend=backend, index_params=index_params, device=device,
                   doc_rows=doc_rows, runner=run)
 
@@ -216,15 +211,15 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
         key = (cfg.method, cfg.lam) if cfg.method == "xs" else (cfg.method,)
         if key not in built:
             built[key] = index(cfg)
-        xl_kw = dict(lam=cfg.lam, k=cfg.k) if cfg.method == "xl" else {}
-        _, ids = search(built[key], queries, topk=topk, device=device, runner=run, **xl_kw)
+        _, ids = search(built[key], queries, topk=topk, lam=cfg.lam, k=cfg.k, device=device,
+                        runner=run)
         results.append(evaluate(ids, Y_test, ks, count_empty=count_empty))
     return results
 
 
-def _as_rows(x: Any, folder: Path, what: str) -> Path:
-    """A row stage folder as is; an array written as one under ``folder``."""
+def _as_rows(x: Any, work: Path, name: str) -> Path:
+    """A row stage folder as is; an array written as one, ``work/<name>``."""
     if isinstance(x, (str, Path)):
         read_stage(x)
         return Path(x)
-    return write_rows(x, folder, stage=what)
+    return write_rows(x, work / name, stage=name)

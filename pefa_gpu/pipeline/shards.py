@@ -26,7 +26,7 @@ from ..errors import FormatError, InputError
 from ..params import XLParams
 from ..persist import load as load_model
 from ..relevance import as_relevance
-from ..storage import (load_csr, load_tensor, open_save, save_csr, save_tensor,
+from ..storage import (PendingSave, load_csr, load_tensor, open_save, save_csr, save_tensor,
                        write_output_file, writing_save)
 from .runner import LocalRunner
 
@@ -109,18 +109,23 @@ def write_shard(path: str | Path, fields: dict[str, Any],
     """Write a shard atomically (``fields`` with ``rows`` [lo, hi] in its manifest, a model in
     ``model/``, ``export_hnsw``: and ``hnsw.faiss``); returns its stage entry."""
     with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
-        tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
-                 for name, t in (tensors or {}).items()}
-        mmeta = {name: save_csr(w.data / name, m) for name, m in (matrices or {}).items()}
-        if model is not None:
-            model.save(w.data / "model")
-            if export_hnsw:
-                model.export_hnsw(w.data / "hnsw.faiss")
-        manifest = w.commit({**fields, "tensors": tmeta, "matrices": mmeta,
-                             "model": "model" if model is not None else None,
-                             "hnsw": "hnsw.faiss" if model is not None and export_hnsw
-                             else None})
-    return Entry.of(path, manifest)
+        return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
+
+
+def commit_shard(w: PendingSave, fields: dict[str, Any], tensors: dict[str, Any] | None = None,
+                 matrices: dict[str, sp.spmatrix] | None = None, model: Any = None,
+                 export_hnsw: bool = False) -> dict[str, Any]:
+    """:func:`write_shard` into a shard being written (``writing_save``); its manifest."""
+    tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
+             for name, t in (tensors or {}).items()}
+    mmeta = {name: save_csr(w.data / name, m) for name, m in (matrices or {}).items()}
+    if model is not None:
+        model.save(w.data / "model")
+        if export_hnsw:
+            model.export_hnsw(w.data / "hnsw.faiss")
+    return w.commit({**fields, "tensors": tmeta, "matrices": mmeta,
+                     "model": "model" if model is not None else None,
+                     "hnsw": "hnsw.faiss" if model is not None and export_hnsw else None})
 
 
 @dataclasses.dataclass
@@ -158,9 +163,10 @@ def open_entry(folder: str | Path, entry: Entry, device: Any = "cpu") -> Shard:
 
 def remove_shard(path: Path) -> None:
     """Remove the complete shard at ``path`` (manifest, data, the folder when then empty)."""
-    if _shard_fields(path) is None:
+    try:
+        save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
+    except (FormatError, FileNotFoundError):
         return
-    save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
     (save.root / SHARD_MANIFEST).unlink()
     shutil.rmtree(save.data)
     with contextlib.suppress(OSError):
@@ -312,16 +318,13 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
                  fingerprint: str | None, model: Any = None, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None,
                  normalize: bool = True) -> Entry:
-    """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
-    ``fingerprint`` is there; returns its stage entry."""
-    path = Path(out) / shard_name("shard", index)
-    fields = _written(path, fingerprint) if fingerprint is not None else None
-    if fields is not None:
-        return Entry.of(path, fields)
+    """Encode texts (rows lo ..) into ``out/shard-<index>`` (its manifest keeps their
+    ``fingerprint``); returns its stage entry."""
     emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
-                 normalize=normalize, cache_dir=cache_dir, show_progress=False)
-    return write_shard(path, {"stage": "encode", "rows": [lo, lo + len(texts)],
-                              "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
+                       normalize=normalize, cache_dir=cache_dir, show_progress=False)
+    return write_shard(Path(out) / shard_name("shard", index),
+                       {"stage": "encode", "rows": [lo, lo + len(texts)],
+                        "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
 
 
 def encode(texts: Sequence[str], out: str | Path, model: Any = None,
