@@ -49,11 +49,12 @@ class RowSource:
 
 class MemmapSource(RowSource):
     """A numpy memory map: read from its file with pread where its rows lie there in order,
-    else copied into the buffers piece by piece, the mapped pages released after each."""
+    else copied into the buffers piece by piece, the mapped pages released after each. A
+    copy-on-write map may hold changes its file lacks: only copied, its pages kept."""
 
     def __init__(self, x: np.memmap):
         super().__init__(x)
-        self._mm = getattr(x, "_mmap", None)
+        self._mm = getattr(x, "_mmap", None) if getattr(x, "mode", "c") != "c" else None
         self._base = None if self._mm is None else np.frombuffer(self._mm, np.uint8).ctypes.data
         self._file = None if self._base is None else self._locate()
         if not hasattr(self._mm, "madvise"):

@@ -337,3 +337,16 @@ def test_memmap_views(tmp_path, rows):
     out_wide = pg.pifa(Y, rows_view, normalize=False, device="cpu", memory_budget=budget * 2)
     np.testing.assert_allclose(out_wide.numpy(), ref_pifa(Y, full[5:], False), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("cols", [8, 4])
+def test_copy_on_write_memmap_is_read_with_its_changes_and_kept(tmp_path, cols):
+    """A copy-on-write map holds changes its file lacks: they are summed (not the file's
+    values) and still there afterwards (releasing its pages would drop them)."""
+    np.save(tmp_path / "c.npy", np.ones((1000, 8), np.float32))
+    mm = np.load(tmp_path / "c.npy", mmap_mode="c")
+    mm[500:] = 2.0
+    Y = sp.csr_matrix(np.ones((1000, 1), np.float32))
+    out = pg.pifa(Y, mm[:, :cols], normalize=False, device="cpu", memory_budget=1 << 20)
+    np.testing.assert_array_equal(out.numpy(), np.full((1, cols), 1500.0, np.float32))
+    assert (mm[500:] == 2.0).all() and (mm[:500] == 1.0).all()
