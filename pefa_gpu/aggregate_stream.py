@@ -93,7 +93,7 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
                   data: np.ndarray, m: int, a: np.ndarray) -> int:
     """scipy's CSC product accumulates each chunk into ``a`` (n, d); returns the rows read."""
     n, d = a.shape
-    buffers = [np.empty((rows, d), dtype=src.dtype)] if src.owns_reads else []
+    buffers = [np.empty((rows, d), dtype=src.dtype)]  # untouched (no memory) but by a memmap
     conv, seen = None, 0
     for start, chunk in src.chunks(rows, buffers):
         r = chunk.shape[0]
@@ -181,8 +181,7 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
         finite = torch.ones((), dtype=torch.bool, device=device)
         seen, batch = 0, 0
         try:
-            reads = src.chunks(rows, [v["q"] for v in q.views] if src.owns_reads else [])
-            for i, (start, chunk) in enumerate(reads):
+            for i, (start, chunk) in enumerate(src.chunks(rows, [v["q"] for v in q.views])):
                 slot, r = i % 2, chunk.shape[0]
                 _check_rows(start, r, m)
                 host = q.views[slot]["q"]

@@ -15,7 +15,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.aggregate_stream import chunk_rows, pifa_streamed
 from pefa_gpu.relevance import Relevance
-from pefa_gpu.stream import array_source, row_source
+from pefa_gpu.stream import RowSource, row_source
 
 
 def ref_pifa(Y: sp.spmatrix, Q: np.ndarray, normalize: bool) -> np.ndarray:
@@ -106,7 +106,7 @@ def test_index_add_kernel_and_dtypes(tmp_path, rows, dtype):
     out = pifa_streamed(Relevance(Y), src, torch.device("cpu"), budget, kernel="index_add")
     np.testing.assert_allclose(out.numpy(), ref_pifa(Y, Qd.astype(np.float32), False),
                                rtol=1e-5, atol=1e-5)
-    scipy_k = pifa_streamed(Relevance(Y), array_source(Qd), torch.device("cpu"),
+    scipy_k = pifa_streamed(Relevance(Y), RowSource(Qd), torch.device("cpu"),
                             budget_for(rows, Y.shape[1], Q.shape[1], itemsize), kernel="scipy")
     np.testing.assert_allclose(out.numpy(), scipy_k.numpy(), rtol=1e-6, atol=1e-6)
 
