@@ -55,12 +55,10 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     d = src.dim
     budget = max(DEFAULT_BUDGET, n * d * 4 + DEFAULT_BUDGET // 2) if memory_budget is None \
         else check_positive_int(memory_budget, "memory_budget")
-    if d == 0:  # an empty iterator
-        if m:
-            raise InputError(f"Y has {m} rows (queries) but Q has 0 rows")
-        return torch.zeros(n, 0, device=device)
     if src.rows is not None and src.rows != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
+    if d == 0:  # an empty iterator, for a Y without rows
+        return torch.zeros(n, 0, device=device)
     kernels = ("scipy", "index_add") if device.type == "cpu" and csc_matvecs else ("index_add",)
     kernel = kernels[0] if kernel == "auto" else kernel
     if kernel not in kernels:

@@ -131,9 +131,9 @@ class IteratorSource(RowSource):
     def __init__(self, it: Iterator[Any], name: str):
         self._it = iter(it)
         self.name = name
-        self.rows = None
         first = next(self._it, None)
         self._first = None if first is None else self._check(first, 0)
+        self.rows = 0 if first is None else None  # else known when the iterator ends
         self.dim = 0 if self._first is None else self._first.shape[1]
         self.dtype = np.dtype(np.float32) if self._first is None else self._first.dtype
 

@@ -220,6 +220,8 @@ def test_empty_relevance_and_no_rows(tmp_path):
     assert out.shape == (4, 3) and not out.any()
     out = pg.pifa(sp.csr_matrix((0, 4), dtype=np.float32), iter([]), device="cpu")
     assert out.shape == (4, 0)
+    with pytest.raises(pg.InputError, match="Y has 5 rows .queries. but Q has 0 rows"):
+        pg.pifa(Y, iter([]), device="cpu")
 
 
 def test_errors(tmp_path):
