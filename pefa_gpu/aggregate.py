@@ -13,7 +13,7 @@ from .arrays import as_embeddings, as_tensor, is_bfloat16, resolve_device
 from .errors import InputError
 from .relevance import as_relevance
 from .aggregate_stream import pifa_streamed
-from .stream import array_source, row_source
+from .stream import RowSource, row_source
 
 _BLOCK = 1 << 14  # rows per step of pefa_xs and normalize_rows_ (their temporaries)
 
@@ -69,7 +69,7 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
         x = Q.detach().numpy() if host else Q
         if not (isinstance(x, np.ndarray) and (x.dtype.kind == "f" or is_bfloat16(x.dtype))):
             x = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach().numpy()
-        src = array_source(x, "Q")
+        src = RowSource(x, "Q")
     if src is not None:
         a = pifa_streamed(rel, src, dev, memory_budget, initial=initial)
         return normalize_rows_(a) if normalize else a

@@ -55,12 +55,10 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     d = src.dim
     budget = max(DEFAULT_BUDGET, n * d * 4 + DEFAULT_BUDGET // 2) if memory_budget is None \
         else check_positive_int(memory_budget, "memory_budget")
-    if d == 0:  # an empty iterator
-        if m:
-            raise InputError(f"Y has {m} rows (queries) but Q has 0 rows")
-        return torch.zeros(n, 0, device=device)
     if src.rows is not None and src.rows != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
+    if d == 0:  # an empty iterator, for a Y without rows
+        return torch.zeros(n, 0, device=device)
     kernels = ("scipy", "index_add") if device.type == "cpu" and csc_matvecs else ("index_add",)
     kernel = kernels[0] if kernel == "auto" else kernel
     if kernel not in kernels:
@@ -93,7 +91,7 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
                   data: np.ndarray, m: int, a: np.ndarray) -> int:
     """scipy's CSC product accumulates each chunk into ``a`` (n, d); returns the rows read."""
     n, d = a.shape
-    buffers = [np.empty((rows, d), dtype=src.dtype)] if src.owns_reads else []
+    buffers = [np.empty((rows, d), dtype=src.dtype)]  # untouched (no memory) but by a memmap
     conv, seen = None, 0
     for start, chunk in src.chunks(rows, buffers):
         r = chunk.shape[0]
@@ -181,8 +179,7 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
         finite = torch.ones((), dtype=torch.bool, device=device)
         seen, batch = 0, 0
         try:
-            reads = src.chunks(rows, [v["q"] for v in q.views] if src.owns_reads else [])
-            for i, (start, chunk) in enumerate(reads):
+            for i, (start, chunk) in enumerate(src.chunks(rows, [v["q"] for v in q.views])):
                 slot, r = i % 2, chunk.shape[0]
                 _check_rows(start, r, m)
                 host = q.views[slot]["q"]

@@ -124,7 +124,7 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     """A checked (rows, d) ``dtype`` matrix on ``device``: InputError on a wrong rank, d = 0, d !=
     ``dim`` or NaN / inf (``check_finite``: no device sync when False); a warning for rows not
     L2-normalised (``check_norm``). ``copy``: never shares memory with ``x``."""
-    t = as_tensor(x, device=device, name=name)
+    t = as_tensor(x, device=device, dtype=dtype, name=name)
     if t.ndim == 1 and dim is not None and t.shape[0] == dim:
         t = t.unsqueeze(0)
     if t.ndim != 2:
@@ -134,9 +134,7 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     if dim is not None and t.shape[1] != dim:
         raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
                          f"(the dimension the model was fitted with)")
-    if t.dtype != dtype:
-        t = t.to(dtype)
-    if copy and _same_memory(x, t):  # (a cast above has copied already)
+    if copy and _same_memory(x, t):  # (a cast in as_tensor has copied already)
         t = host_clone(t) if t.device.type == "cpu" else t.clone()
     if check_finite and t.numel() and not all_finite(t):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()

@@ -30,15 +30,14 @@ Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
 
 
 class RowSource:
-    """(rows, d) floats in row order (here an in-memory array in views; ``rows`` None for an
-    iterator until it ends). ``chunks(max_rows, buffers)`` yields (start, (r <= max_rows, d)
+    """(rows, d) floats in row order (here a 2-D float array ``x``, in views; ``rows`` None for
+    an iterator until it ends). ``chunks(max_rows, buffers)`` yields (start, (r <= max_rows, d)
     chunk); one read into ``buffers`` (in rotation) is valid until its buffer comes round."""
 
     rows: int | None
-    owns_reads: bool = True
 
-    def __init__(self, x: np.ndarray):
-        self.x = x
+    def __init__(self, x: np.ndarray, name: str = "Q"):
+        self.x = _checked(x, name)
         self.rows, self.dim = x.shape
         self.dtype = x.dtype
 
@@ -49,11 +48,12 @@ class RowSource:
 
 class MemmapSource(RowSource):
     """A numpy memory map: read from its file with pread where its rows lie there in order,
-    else copied into the buffers piece by piece, the mapped pages released after each."""
+    else copied into the buffers piece by piece, the mapped pages released after each. A
+    copy-on-write map may hold changes its file lacks: only copied, its pages kept."""
 
-    def __init__(self, x: np.memmap):
-        super().__init__(x)
-        self._mm = getattr(x, "_mmap", None)
+    def __init__(self, x: np.memmap, name: str):
+        super().__init__(x, name)
+        self._mm = getattr(x, "_mmap", None) if getattr(x, "mode", "c") != "c" else None
         self._base = None if self._mm is None else np.frombuffer(self._mm, np.uint8).ctypes.data
         self._file = None if self._base is None else self._locate()
         if not hasattr(self._mm, "madvise"):
@@ -128,14 +128,12 @@ def _pread_chunks(path: str | Path, offset: int, rows: int, row_bytes: int, max_
 class IteratorSource(RowSource):
     """An iterator of (r, d) chunks, used as they come (their memory is the caller's)."""
 
-    owns_reads = False
-
     def __init__(self, it: Iterator[Any], name: str):
         self._it = iter(it)
         self.name = name
-        self.rows = None
         first = next(self._it, None)
         self._first = None if first is None else self._check(first, 0)
+        self.rows = 0 if first is None else None  # else known when the iterator ends
         self.dim = 0 if self._first is None else self._first.shape[1]
         self.dtype = np.dtype(np.float32) if self._first is None else self._first.dtype
 
@@ -172,16 +170,11 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
                              f"(save it C-ordered)")
         x = mm
     if isinstance(x, np.memmap):
-        return MemmapSource(_checked(x, name))
+        return MemmapSource(x, name)
     if isinstance(x, (np.ndarray, torch.Tensor, list, tuple)) or hasattr(x, "__dlpack__") \
             or hasattr(x, "__array__") or not hasattr(x, "__iter__"):
         return None  # an array (as_tensor reads it) or no source at all
     return IteratorSource(x, name)
-
-
-def array_source(x: np.ndarray, name: str = "Q") -> RowSource:
-    """A source over an in-memory 2-D float numpy array."""
-    return RowSource(_checked(x, name))
 
 
 def _checked(x: np.ndarray, name: str) -> np.ndarray:

@@ -54,8 +54,7 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     def queries(count: int) -> tuple[np.ndarray, Relevance]:
         target = np.minimum(np.searchsorted(cum, rng.random(count)), n - 1)
         n_rel = np.minimum(rng.zipf(rel_exponent, count), max_rel)
-        extra = n_rel - 1
-        owner = np.repeat(np.arange(count), extra)
+        owner = np.repeat(np.arange(count), n_rel - 1)
         z = doc_cluster[target[owner]]
         others = start[z] + (rng.random(owner.size) * size[z]).astype(np.int64)
         qi = np.concatenate([np.arange(count), owner])

@@ -76,7 +76,7 @@ PATHS = {
     .fit(P, Q, Y).score(torch.from_numpy(T), torch.zeros(12, 3, dtype=torch.long,
                                                            device="cpu")),
     "pifa-staged": lambda P, Q, Y, T, Yt: pg.aggregate_stream.pifa_streamed(
-        pg.relevance.Relevance(Y), pg.stream.array_source(Q), torch.device("cpu"), 1 << 20,
+        pg.relevance.Relevance(Y), pg.stream.RowSource(Q), torch.device("cpu"), 1 << 20,
         kernel="index_add"),
     "sweep-k10": lambda P, Q, Y, T, Yt: pg.sweep(P, Q, Y, T, Yt, lams=(0.5,), ks=(4,),
                                                  metric_ks=(10,), device="cpu",

@@ -15,7 +15,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.aggregate_stream import chunk_rows, pifa_streamed
 from pefa_gpu.relevance import Relevance
-from pefa_gpu.stream import array_source, row_source
+from pefa_gpu.stream import RowSource, row_source
 
 
 def ref_pifa(Y: sp.spmatrix, Q: np.ndarray, normalize: bool) -> np.ndarray:
@@ -106,7 +106,7 @@ def test_index_add_kernel_and_dtypes(tmp_path, rows, dtype):
     out = pifa_streamed(Relevance(Y), src, torch.device("cpu"), budget, kernel="index_add")
     np.testing.assert_allclose(out.numpy(), ref_pifa(Y, Qd.astype(np.float32), False),
                                rtol=1e-5, atol=1e-5)
-    scipy_k = pifa_streamed(Relevance(Y), array_source(Qd), torch.device("cpu"),
+    scipy_k = pifa_streamed(Relevance(Y), RowSource(Qd), torch.device("cpu"),
                             budget_for(rows, Y.shape[1], Q.shape[1], itemsize), kernel="scipy")
     np.testing.assert_allclose(out.numpy(), scipy_k.numpy(), rtol=1e-6, atol=1e-6)
 
@@ -220,6 +220,8 @@ def test_empty_relevance_and_no_rows(tmp_path):
     assert out.shape == (4, 3) and not out.any()
     out = pg.pifa(sp.csr_matrix((0, 4), dtype=np.float32), iter([]), device="cpu")
     assert out.shape == (4, 0)
+    with pytest.raises(pg.InputError, match="Y has 5 rows .queries. but Q has 0 rows"):
+        pg.pifa(Y, iter([]), device="cpu")
 
 
 def test_errors(tmp_path):
@@ -337,3 +339,16 @@ def test_memmap_views(tmp_path, rows):
     out_wide = pg.pifa(Y, rows_view, normalize=False, device="cpu", memory_budget=budget * 2)
     np.testing.assert_allclose(out_wide.numpy(), ref_pifa(Y, full[5:], False), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("cols", [8, 4])
+def test_copy_on_write_memmap_is_read_with_its_changes_and_kept(tmp_path, cols):
+    """A copy-on-write map holds changes its file lacks: they are summed (not the file's
+    values) and still there afterwards (releasing its pages would drop them)."""
+    np.save(tmp_path / "c.npy", np.ones((1000, 8), np.float32))
+    mm = np.load(tmp_path / "c.npy", mmap_mode="c")
+    mm[500:] = 2.0
+    Y = sp.csr_matrix(np.ones((1000, 1), np.float32))
+    out = pg.pifa(Y, mm[:, :cols], normalize=False, device="cpu", memory_budget=1 << 20)
+    np.testing.assert_array_equal(out.numpy(), np.full((1, cols), 1500.0, np.float32))
+    assert (mm[500:] == 2.0).all() and (mm[:500] == 1.0).all()

@@ -138,3 +138,18 @@ def test_held_out_split_settings_are_checked(make, bad):
     with pytest.raises(pg.InputError, match=next(iter(bad))):
         make(**bad)
     make(val_fraction=0.5, seed=3)  # the limits are strict, a valid pair is kept
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("size", [1, 384, 70_000, 1 << 20])
+@pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), -float("inf")])
+def test_all_finite_against_numpy(dtype, size, bad):
+    from pefa_gpu.arrays import all_finite
+
+    rng = np.random.default_rng(size)
+    x = rng.uniform(-60000, 60000, size)
+    if bad is not None:
+        x[rng.integers(size)] = bad
+    t = torch.from_numpy(x).to(dtype)
+    assert all_finite(t.reshape(-1, 1)) is bool(np.isfinite(t.double().numpy()).all())
+    assert all_finite(t) is (bad is None)
