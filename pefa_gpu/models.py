@@ -448,18 +448,16 @@ class PEFAXL(_Model):
 
     def _set_relevance(self, y_train: sp.csr_matrix) -> None:
         """Y from its training block (m x n), over the identity with ``augment_docs``."""
-        y = y_train
-        if self.params.augment_docs:
+        if self.params.augment_docs:  # row m + j: document j
             eye = sp.identity(y_train.shape[1], dtype="float32", format="csr")
-            y = sp.vstack([y_train, eye], format="csr")
-        self.relevance = Relevance(y)
+            y_train = sp.vstack([y_train, eye], format="csr")
+        self.relevance = Relevance(y_train)
         self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
     def _train_block(self, n_cols: int) -> sp.csr_matrix:
         """The training block of Y (m x n_cols, the columns beyond n_docs empty)."""
-        m = self.n_train_queries
-        y = self.relevance.csr[:m]
-        return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(m, n_cols))
+        y = self.relevance.csr[:self.n_train_queries]
+        return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(y.shape[0], n_cols))
 
     @property
     def n_train_queries(self) -> int:
