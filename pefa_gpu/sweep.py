@@ -184,7 +184,7 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in lams]  # per λ, batch
     for s in range(0, max(b, 1), q_batch):  # one empty batch without queries
         qb = q[s:s + q_batch]
-        best = [(qb.new_empty(len(qb), 0), torch.empty(len(qb), 0, dtype=torch.long))] * len(lams)
+        best = [(qb.new_empty(len(qb), 0), qb.new_empty(len(qb), 0, dtype=torch.long))] * len(lams)
         for c in range(0, n, chunk):
             tops = _xs_block_topk(qb @ p[c:c + chunk].T, qb @ a[c:c + chunk].T, lams, topk,
                                   max(1, block_cells // 4))
