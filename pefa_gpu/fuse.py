@@ -21,7 +21,8 @@ Array = Any  # a numpy array or a torch tensor (one kind per call)
 class _Numpy:
     """The fusion's operations that numpy and torch spell differently: numpy."""
 
-    cat, int64 = staticmethod(np.concatenate), np.int64
+    cat, where, searchsorted = map(staticmethod, (np.concatenate, np.where, np.searchsorted))
+    int64, float32 = np.int64, np.float32
     arange = staticmethod(lambda n, like: np.arange(n, dtype=np.int64))
     full = staticmethod(lambda shape, value, dtype, like: np.full(shape, value, dtype))
     repeat = staticmethod(lambda x, counts, total: x.repeat(counts))
@@ -34,7 +35,8 @@ class _Numpy:
 class _Torch:
     """The same on torch tensors (any device; no host synchronisation)."""
 
-    cat, int64 = staticmethod(torch.cat), torch.int64
+    cat, where, searchsorted = map(staticmethod, (torch.cat, torch.where, torch.searchsorted))
+    int64, float32 = torch.int64, torch.float32
     arange = staticmethod(lambda n, like: torch.arange(n, device=like.device))
     full = staticmethod(lambda shape, value, dtype, like: torch.full(shape, value, dtype=dtype,
                                                                      device=like.device))
@@ -50,10 +52,6 @@ class _Torch:
 def ops(x: Array) -> type[_Numpy] | type[_Torch]:
     """The operations for ``x``'s kind of array."""
     return _Numpy if isinstance(x, np.ndarray) else _Torch
-
-
-def _xp(x: Array) -> Any:
-    return np if isinstance(x, np.ndarray) else torch
 
 
 class RelevanceRows:
@@ -116,8 +114,7 @@ def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
             return triton_rowdots.rowdots(queries, docs, batch, doc)
         return as_tensor(rowdots(*map(to_numpy, (queries, docs, batch, doc))))
     step = max(1, (1 << 22) // max(1, docs.shape[1]))
-    cuts = [0, len(batch)] if len(queries) == 1 else \
-        [0, *(np.flatnonzero(batch[1:] != batch[:-1]) + 1).tolist(), len(batch)]
+    cuts = [0, *(np.flatnonzero(batch[1:] != batch[:-1]) + 1).tolist(), len(batch)]
     parts = [np.multiply(docs[doc[s:min(s + step, hi)]], queries[batch[lo]]).sum(1, np.float32)
              for lo, hi in zip(cuts[:-1], cuts[1:]) for s in range(lo, hi, step)]
     return np.concatenate([np.empty(0, np.float32), *parts])
@@ -164,11 +161,11 @@ class CandidateTable:
         """Top ``topk`` of lam f_erm + (1 - lam) f_knn (``knn`` from :meth:`knn_scores`):
         (B, topk) float32 scores, int64 ids, ties to the lower id, -1 / -inf padded."""
         f_knn, dead = knn
-        xp = _xp(self.ids)
+        xp = ops(self.ids)
         fused = xp.where(self.ids >= 0, lam * self.erm, float("-inf"))
         flat = fused.reshape(-1)
         flat[self.cells] = xp.where(dead, float("-inf"), flat[self.cells] + (1.0 - lam) * f_knn)
-        if xp is np:
+        if xp is _Numpy:
             return select_topk(fused, self.ids, topk)
         top, ids = merge_topk(fused + 0.0, self.ids, topk)
         return top, torch.where(top > float("-inf"), ids, -1)
@@ -181,7 +178,7 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     rows (-1 padded). ``rescore``: f_erm = <q, p_j> for every candidate (``erm_exact``: the ERM
     scores are, so only the extras get dot products), else 0 outside C."""
     (es, ei), (ks, ki) = erm, knn
-    xp, np_ = ops(ei), _xp(ei)
+    xp = ops(ei)
     b, kp = ei.shape
     n, kn = rows.shape[1], ki.shape[1]
     slot, doc, y = votes(ki, rows)
@@ -192,48 +189,45 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     x = xp.flatnonzero(extra)
     x_row, x_doc = u_row[x], key[x] % (n + 1)
     # an extra's rank among its row's extras gives its column after C
-    rank = xp.arange(len(x), ei) - np_.searchsorted(x_row, x_row)
+    rank = xp.arange(len(x), ei) - xp.searchsorted(x_row, x_row)
     width = kp + (int(rank.max()) + 1 if len(x) else 0)
     col[x] = kp + rank
     cells = u_row * width + col
     table_ids = xp.full((b, width), -1, xp.int64, ei)
     table_ids[:, :kp] = ids
     table_ids.reshape(-1)[cells[x]] = x_doc
-    table_erm = xp.full((b, width), 0.0, np_.float32, ei)
-    if rescore and not erm_exact:
-        v = xp.flatnonzero(table_ids >= 0)
+    table_erm = xp.full((b, width), 0.0, xp.float32, ei)
+    table_erm[:, :kp] = xp.where(ids >= 0, es, 0.0)  # cast to float32 on assignment
+    if rescore:  # <q, p_j> for the extras, or for every candidate unless the ERM's are exact
+        v = cells[x] if erm_exact else xp.flatnonzero(table_ids >= 0)
         table_erm.reshape(-1)[v] = rowdots(queries, docs, v // width, table_ids.reshape(-1)[v])
-    else:
-        table_erm[:, :kp] = np_.where(ids >= 0, es, 0.0)  # cast to float32 on assignment
-        if rescore and len(x):
-            table_erm.reshape(-1)[cells[x]] = rowdots(queries, docs, x_row, x_doc)
     return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot,
-                          xp.astype(ks, np_.float32).reshape(-1)[slot], y, kn)
+                          xp.astype(ks, xp.float32).reshape(-1)[slot], y, kn)
 
 
 def _columns_in_c(ei: Array, key: Array, n: int) -> tuple[Array, Array]:
     """ERM ids (B, Kp) and sorted keys b (n + 1) + doc (U,) -> ids with -1 at padding and at
     each repeat of an id after its first column, and (U,) each key's column in C (-1: none)."""
-    xp, np_ = ops(ei), _xp(ei)
+    xp = ops(ei)
     b, kp = ei.shape
     valid = ei >= 0
-    ids = np_.where(valid, ei, -1)
+    ids = xp.where(valid, ei, -1)
     if kp == 0:
         return ids, xp.full(key.shape, -1, xp.int64, key)
     # each row's ids packed above their column and sorted (padding last): repeats adjacent
     bits = max(1, (kp - 1).bit_length())
-    packed = (np_.where(valid, ei, n) << bits) | xp.arange(kp, ei)
+    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, ei)
     if xp is _Numpy and ((n + 1) << bits) < 2**31:  # int32 sorts twice as fast
         packed = packed.astype(np.int32)
-    packed = xp.astype(np_.sort(packed, 1) if xp is _Numpy else torch.sort(packed, 1).values,
+    packed = xp.astype(np.sort(packed, 1) if xp is _Numpy else torch.sort(packed, 1).values,
                        xp.int64)
     s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
     r = xp.flatnonzero((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
     w = max(kp - 1, 1)
     ids[r // w, s_col[r // w, r % w + 1]] = -1  # a repeated id keeps its first column
     sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
-    at = np_.searchsorted(sorted_keys, key).clip(max=b * kp - 1)
-    return ids, np_.where(sorted_keys[at] == key, s_col.reshape(-1)[at], -1)
+    at = xp.searchsorted(sorted_keys, key).clip(max=b * kp - 1)
+    return ids, xp.where(sorted_keys[at] == key, s_col.reshape(-1)[at], -1)
 
 
 def select_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -273,8 +267,7 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
             f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
             for lam in lams:
                 parts[(lam, k)].append(table.topk(lam, f_knn, topk))
-    return {key: v[0] if len(v) == 1 else (xp.cat([x for x, _ in v]), xp.cat([y for _, y in v]))
-            for key, v in parts.items()}
+    return {key: v[0] if len(v) == 1 else tuple(map(xp.cat, zip(*v))) for key, v in parts.items()}
 
 
 def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,
@@ -285,7 +278,7 @@ def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: in
         return knn
     xp, ids = ops(knn[1]), erm[1][:, :k]
     scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
-    rows = xp.cat([knn[1], _xp(ids).where(ids >= 0, ids + m, -1)], 1)
+    rows = xp.cat([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
     return select_topk(scores, rows, k) if xp is _Numpy else merge_topk(scores, rows, k)
 
 

@@ -24,8 +24,7 @@ from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
-                     XLParams, XLSearchParams, XSParams, XSSearchParams, check_positive,
-                     check_unit_interval)
+                     XLParams, XLSearchParams, XSParams, XSSearchParams, check_unit_interval)
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 
@@ -435,18 +434,16 @@ class PEFAXL(_Model):
 
     def _set_relevance(self, y_train: sp.csr_matrix) -> None:
         """Y from its training block (m x n), over the identity with ``augment_docs``."""
-        y = y_train
-        if self.params.augment_docs:
+        if self.params.augment_docs:  # row m + j: document j
             eye = sp.identity(y_train.shape[1], dtype="float32", format="csr")
-            y = sp.vstack([y_train, eye], format="csr")
-        self.relevance = Relevance(y)
+            y_train = sp.vstack([y_train, eye], format="csr")
+        self.relevance = Relevance(y_train)
         self.relevance_rows = RelevanceRows(self.relevance, self.device)
 
     def _train_block(self, n_cols: int) -> sp.csr_matrix:
         """The training block of Y (m x n_cols, the columns beyond n_docs empty)."""
-        m = self.n_train_queries
-        y = self.relevance.csr[:m]
-        return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(m, n_cols))
+        y = self.relevance.csr[:self.n_train_queries]
+        return sp.csr_matrix((y.data, y.indices, y.indptr), shape=(y.shape[0], n_cols))
 
     @property
     def n_train_queries(self) -> int:
@@ -474,8 +471,8 @@ class PEFAXL(_Model):
         return searches(q, search, kp=kp, k=k, m=self.n_train_queries, n=self.n_docs,
                         augment_docs=self.params.augment_docs)
 
-    # search topk + PRUNE_MARGIN passages instead of ``candidates`` where that gives the same
-    # result (see _unprunable); False: always ``candidates``
+    # rows that _unprunable allows fuse the top topk + PRUNE_MARGIN passages instead of
+    # ``candidates`` (the same result); False: always ``candidates``
     prune_candidates: bool = True
     PRUNE_MARGIN = 8
 
@@ -491,20 +488,15 @@ class PEFAXL(_Model):
                  and getattr(self.index, "exact_scores", False)
                  and self.relevance_rows.nonnegative)
         q = to_numpy(q) if host else q
-        width = kt if prune else kp
-        erm, knn = self._searches(q, width, p.k, index_sp, None, host, checked)
+        erm, knn = self._searches(q, kt if prune else kp, p.k, index_sp, None, host, checked)
         rest = _unprunable(erm, knn, topk, p.lam) if prune else []
         if prune and len(rest) == q.shape[0]:  # no row prunes (one query, say): one full search
-            erm, width, rest = _index_search(self.index, q, kp, index_sp, host, checked), kp, []
-
-        def fused(x: Array, passages: tuple[Array, Array], neighbours: tuple[Array, Array]
-                  ) -> tuple[Array, Array]:
-            return self.fuse_grid(x, passages, neighbours, (p.lam,), (p.k,), topk)[(p.lam, p.k)]
-        s, i = fused(q, (erm[0][:, :width], erm[1][:, :width]), knn)
+            erm, rest = _index_search(self.index, q, kp, index_sp, host, checked), []
+        s, i = self.fuse(q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk)  # pruned: < kp wide
         if len(rest):  # the neighbours stay; only the passages widen to kp
-            s[rest], i[rest] = fused(q[rest], _index_search(self.index, q[rest], kp, index_sp,
-                                                            host, checked),
-                                     (knn[0][rest], knn[1][rest]))
+            s[rest], i[rest] = self.fuse(q[rest], _index_search(self.index, q[rest], kp, index_sp,
+                                                                host, checked),
+                                         (knn[0][rest], knn[1][rest]), topk)
         return s, i
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
@@ -520,11 +512,9 @@ class PEFAXL(_Model):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fuse a passage search erm (B, Kp) and :meth:`neighbours` knn (B, >= k) -> (B, topk)
         scores and ids; ``lam`` / ``k`` override the model's."""
-        lam = self.params.lam if lam is None else lam
-        k = self.params.k if k is None else k
-        check_unit_interval(lam, "lam")
-        check_positive(k, "k")
-        return self.fuse_grid(q, erm, knn, (lam,), (k,), topk, batch_size)[(lam, k)]
+        p = self.params.replace(lam=self.params.lam if lam is None else lam,
+                                k=self.params.k if k is None else k)  # checked
+        return self.fuse_grid(q, erm, knn, (p.lam,), (p.k,), topk, batch_size)[(p.lam, p.k)]
 
     def fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
                   lams: Sequence[float], ks: Sequence[int], topk: int,

@@ -119,8 +119,6 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
     timings = {} if timings is None else timings
-    bar = tqdm(total=len(grid(methods, lams, ks)), desc="sweep", unit="config",
-               disable=not show_progress)
     common = dict(backend=backend, device=dev)
     # exact backend: ERM's top-k is the prefix of XL's passage search (same index, same tie
     # rule), so with both methods the passage index is built and searched once
@@ -137,7 +135,8 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                     search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
         qq = xl.as_queries(q)
         return xl, qq, xl.index.search(qq, candidates)
-    try:
+    with tqdm(total=len(grid(methods, lams, ks)), desc="sweep", unit="config",
+              disable=not show_progress) as bar:
         for method in methods:
             t0 = time.perf_counter()
             if method == "erm":
@@ -165,8 +164,6 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
             for item in out:
                 bar.update(1)
                 yield item
-    finally:
-        bar.close()
 
 
 # bytes a cell of a score block costs in _xs_all_lams: its two float32 scores, their maximum
@@ -180,28 +177,23 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     of at most ``block_cells`` float32 cells (default: ``memory_budget`` / XS_CELL_BYTES)."""
     if block_cells is None:  # xs has the exact backend here
         block_cells = max(1, xs.index.memory_budget // XS_CELL_BYTES)
-    p = xs.doc_embeddings.float()
-    a = normalize_rows(xs.doc_sums)
+    p, a = xs.doc_embeddings.float(), normalize_rows(xs.doc_sums)
     b, n = q.shape[0], p.shape[0]
     q_batch = max(1, min(b, block_cells // max(min(n, 4096), 1)))
     chunk = max(block_cells // q_batch, topk, 1)
-    batches: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in lams]  # per λ, batch
     for s in range(0, max(b, 1), q_batch):  # one empty batch without queries
         qb = q[s:s + q_batch]
-        best: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(lams)
+        best = [(qb.new_empty(len(qb), 0), qb.new_empty(len(qb), 0, dtype=torch.long))] * len(lams)
         for c in range(0, n, chunk):
-            sp_ = qb @ p[c:c + chunk].T
-            sa_ = qb @ a[c:c + chunk].T
-            for li, (v, i) in enumerate(_xs_block_topk(sp_, sa_, lams, topk,
-                                                       max(1, block_cells // 4))):
-                i = torch.where(i >= 0, i + c, -1)
-                if best[li] is not None:
-                    v, i = merge_topk(torch.cat([best[li][0], v], 1),
-                                      torch.cat([best[li][1], i], 1), topk)
-                best[li] = (v, i)
-        batches.append(best)
-    return [(torch.cat([r[li][0] for r in batches]), torch.cat([r[li][1] for r in batches]))
-            for li in range(len(lams))]
+            tops = _xs_block_topk(qb @ p[c:c + chunk].T, qb @ a[c:c + chunk].T, lams, topk,
+                                  max(1, block_cells // 4))
+            best = [merge_topk(torch.cat([bv, v], 1),
+                               torch.cat([bi, torch.where(i >= 0, i + c, -1)], 1), topk)
+                    for (bv, bi), (v, i) in zip(best, tops)]
+        for part, top in zip(parts, best):
+            part.append(top)
+    return [tuple(map(torch.cat, zip(*part))) for part in parts]
 
 
 def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,

@@ -80,3 +80,18 @@ def test_fuse_without_queries_gives_empty_tables_of_the_input_kind(kind, rescore
         assert s.shape == i.shape == (0, 7)
         assert isinstance(s, np.ndarray if kind == "numpy" else torch.Tensor)
         assert str(s.dtype).endswith("float32") and str(i.dtype).endswith("int64")
+
+
+@pytest.mark.parametrize("bad,match", [({"lam": 1.5}, "lam must be a number in"),
+                                       ({"lam": True}, "lam must be"),
+                                       ({"k": 0}, "k must be a positive integer"),
+                                       ({"k": 2.0}, "k must be a positive integer")])
+def test_fuse_names_a_bad_lam_or_k(bad, match):
+    rng = np.random.default_rng(5)
+    P, Q, T = (rng.standard_normal((r, 6)).astype(np.float32) for r in (40, 20, 3))
+    Y = sp.random(20, 40, density=0.1, random_state=5, format="csr", dtype=np.float32)
+    xl = pg.PEFAXL(device="cpu", k=4).fit(P, Q, Y)
+    q = torch.from_numpy(T)
+    erm = xl.index.search(q, 10)
+    with pytest.raises(pg.InputError, match=match):
+        xl.fuse(q, erm, xl.neighbours(q, 4, erm), 5, **bad)
