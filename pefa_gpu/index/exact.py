@@ -98,8 +98,9 @@ class ExactIndex(VectorIndex):
         if q.shape[0] == 0 or self.ntotal == 0:
             return empty_results(q.shape[0], k, self.device)
         kk = min(k, self.ntotal)
-        vals, ids, rescan = self._first_pass(q, kk)
-        rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
+        w = self._pass_width(kk)
+        vals, ids, rescan = self._pass(q, kk, w)
+        rows = torch.arange(q.shape[0], device=self.device)
         while rescan is not None:  # unsettled rows: passes 4x wider until none is left
             rows = rows[rescan.nonzero().squeeze(1)]  # on CUDA: a host synchronisation
             if not rows.numel():
@@ -107,10 +108,6 @@ class ExactIndex(VectorIndex):
             w = min(self.ntotal, 4 * w)
             vals[rows], ids[rows], rescan = self._pass(q[rows], kk, w)
         return pad_topk(vals, ids, k)
-
-    def _first_pass(self, q: torch.Tensor, kk: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self._pass(q, kk, self._pass_width(kk))
 
     def _pass(self, q: torch.Tensor, kk: int, w: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
