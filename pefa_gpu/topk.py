@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 PAD_ID = -1
 PAD_SCORE = float("-inf")
@@ -104,9 +105,7 @@ def pad_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tenso
     short = k - vals.shape[1]
     if short <= 0:
         return vals, ids
-    b = vals.shape[0]
-    return (torch.cat([vals, vals.new_full((b, short), PAD_SCORE)], dim=1),
-            torch.cat([ids, ids.new_full((b, short), PAD_ID)], dim=1))
+    return F.pad(vals, (0, short), value=PAD_SCORE), F.pad(ids, (0, short), value=PAD_ID)
 
 
 def _select(table: torch.Tensor, kk: int,
@@ -145,8 +144,7 @@ def _lowest_equal(table: torch.Tensor, vals: torch.Tensor, cols: torch.Tensor,
     eq = _same(table, kth)
     if keys is None:
         rank_dtype = torch.int32 if w < 2**31 else torch.long
-        rank = torch.arange(w, 0, -1, device=table.device, dtype=rank_dtype)
-        key = torch.where(eq, rank, torch.zeros((), dtype=rank_dtype, device=table.device))
+        key = torch.where(eq, torch.arange(w, 0, -1, device=table.device, dtype=rank_dtype), 0)
     else:
         key = torch.where(eq, -keys, torch.iinfo(torch.long).min)
     low = torch.topk(key, kk, dim=1).indices  # the columns holding the kk-th value, lowest first
@@ -160,8 +158,7 @@ def _order_runs(vals: torch.Tensor, ids: torch.Tensor,
                 same: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (R, w) lists by (run of equal values, id); ``same`` (R, w-1) marks a value equal to
     the one before it (runs by ==: CUDA's radix sorts put -0.0 before +0.0)."""
-    run = torch.cat([torch.zeros_like(same[:, :1], dtype=torch.long),
-                     (~same).long().cumsum(1)], 1)
+    run = F.pad((~same).long().cumsum(1), (1, 0))  # each entry's run number, from 0
     o = torch.argsort(_id_key(ids), dim=1, stable=True)
     o = o.gather(1, torch.argsort(run.gather(1, o), dim=1, stable=True))
     return vals.gather(1, o), ids.gather(1, o)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
@@ -156,11 +157,8 @@ class ExactIndex(VectorIndex):
             self._max_norm = float(torch.linalg.vector_norm(self.vectors, dim=1).max())
         ulps = max(32.0, 2.0 * self.dim ** 0.5) * 2.0**-24
         tol = torch.linalg.vector_norm(q, dim=1, keepdim=True) * (self._max_norm * ulps)
-        near = torch.zeros_like(vals, dtype=torch.bool)
-        pairs = vals[:, :-1] - vals[:, 1:] <= tol
-        near[:, :-1] |= pairs
-        near[:, 1:] |= pairs
-        rows, cols = near.nonzero(as_tuple=True)
+        pairs = F.pad(vals[:, :-1] - vals[:, 1:] <= tol, (1, 1))  # False beyond both ends
+        rows, cols = (pairs[:, :-1] | pairs[:, 1:]).nonzero(as_tuple=True)
         if not rows.numel():
             return vals, ids, tol
         vals = vals.clone()
