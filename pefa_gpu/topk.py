@@ -4,7 +4,10 @@ CUDA the tie passes run on every row under a mask (no host synchronisation)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 
 PAD_ID = -1
 PAD_SCORE = float("-inf")
@@ -24,14 +27,7 @@ def masked(t: torch.Tensor) -> bool:
 def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores`` (B, N) float -> (B, k) scores sorted descending and int64 ids (column +
     ``offset``) with the tie rule, padded with (-inf, -1) when N < k."""
-    b, n = scores.shape
-    kk = min(k, n)
-    if kk == 0 or b == 0:
-        return pad_topk(scores.new_empty(b, 0), scores.new_empty(b, 0, dtype=torch.long), k)
-    vals, cols = _select(scores, kk, None)
-    if offset:
-        cols = cols + offset
-    return pad_topk(*order_ties(vals, cols), k)
+    return _best(scores, None, k, offset)
 
 
 def topk_wide(scores: torch.Tensor, w: int, group: int | None = None
@@ -65,21 +61,26 @@ def group_size(c: int, w: int, cuda: bool) -> int:
 def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Best k of candidates ``vals`` (B, C) float / ``ids`` (B, C) int64 (any order; repeats
     kept) -> (B, k) with the tie rule (-1 last), padded with (-inf, -1) when C < k."""
-    b, c = vals.shape
-    kk = min(k, c)
+    return _best(vals, ids, k)
+
+
+def _best(table: torch.Tensor, ids: torch.Tensor | None, k: int, offset: int = 0
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_topk` of ``table`` (B, W) and ``ids`` (None: the columns + ``offset``)."""
+    b, w = table.shape
+    kk = min(k, w)
     if kk == 0 or b == 0:
-        return pad_topk(vals.new_empty(b, 0), ids.new_empty(b, 0), k)
-    top, pos = _select(vals, kk, _id_key(ids))
-    return pad_topk(*order_ties(top, ids.gather(1, pos)), k)
+        return pad_topk(table.new_empty(b, 0), table.new_empty(b, 0, dtype=torch.long), k)
+    vals, cols = _select(table, kk, None if ids is None else _id_key(ids))
+    return pad_topk(*order_ties(vals, cols + offset if ids is None else ids.gather(1, cols)), k)
 
 
 def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidates (B, w) sorted descending -> (B, kk): :func:`merge_topk` where ``settle``
-    (B,) bool, the first kk elsewhere (no host synchronisation)."""
-    v, i = merge_topk(vals, ids, kk)
-    return (torch.where(settle.unsqueeze(1), v, vals[:, :kk]),
-            torch.where(settle.unsqueeze(1), i, ids[:, :kk]))
+    (B,) bool, the first kk elsewhere."""
+    return _redo_rows(settle, lambda v, i: merge_topk(v, i, kk), (vals[:, :kk], ids[:, :kk]),
+                      vals, ids)
 
 
 def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,13 +90,8 @@ def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     if w < 2 or b == 0:
         return vals.contiguous(), ids.contiguous()
     same = _same(vals[:, 1:], vals[:, :-1])
-    if masked(vals):
-        return _order_runs(vals, ids, same)
-    rows = same.any(1).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return vals.contiguous(), ids.contiguous()
-    v, i = _order_runs(vals[rows], ids[rows], same[rows])
-    return vals.index_copy(0, rows, v), ids.index_copy(0, rows, i)
+    vals, ids = _redo_rows(same.any(1), _order_runs, (vals, ids), vals, ids, same)
+    return vals.contiguous(), ids.contiguous()
 
 
 def boundary_tied(vals: torch.Tensor, k: int) -> torch.Tensor:
@@ -109,9 +105,7 @@ def pad_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tenso
     short = k - vals.shape[1]
     if short <= 0:
         return vals, ids
-    b = vals.shape[0]
-    return (torch.cat([vals, vals.new_full((b, short), PAD_SCORE)], dim=1),
-            torch.cat([ids, ids.new_full((b, short), PAD_ID)], dim=1))
+    return F.pad(vals, (0, short), value=PAD_SCORE), F.pad(ids, (0, short), value=PAD_ID)
 
 
 def _select(table: torch.Tensor, kk: int,
@@ -123,16 +117,21 @@ def _select(table: torch.Tensor, kk: int,
     vals, cols = torch.topk(table, kk + 1, dim=1)
     tied = boundary_tied(vals, kk)
     vals, cols = vals[:, :kk], cols[:, :kk]
-    if masked(table):  # every row under a mask: no synchronisation
-        new_v, new_c = _lowest_equal(table, vals, cols, keys)
-        t = tied.unsqueeze(1)
-        return torch.where(t, new_v, vals), torch.where(t, new_c, cols)
-    rows = tied.nonzero().squeeze(1)
+    return _redo_rows(tied, _lowest_equal, (vals, cols), table, vals, cols, keys)
+
+
+def _redo_rows(redo: torch.Tensor, fn: Callable[..., tuple], old: tuple,
+               *args: torch.Tensor | None) -> tuple:
+    """``old`` tensors (B, ...) with the rows where ``redo`` (B,) bool replaced by those of
+    ``fn(*args)``: computed on every row under a mask (see :func:`masked`), or on the picked
+    rows of ``args`` only."""
+    if masked(old[0]):
+        return tuple(torch.where(redo.unsqueeze(1), n, o) for n, o in zip(fn(*args), old))
+    rows = redo.nonzero().squeeze(1)
     if rows.numel() == 0:
-        return vals, cols
-    new_v, new_c = _lowest_equal(table[rows], vals[rows], cols[rows],
-                                 None if keys is None else keys[rows])
-    return vals.index_copy(0, rows, new_v), cols.index_copy(0, rows, new_c)
+        return old
+    new = fn(*(None if a is None else a[rows] for a in args))
+    return tuple(o.index_copy(0, rows, n) for o, n in zip(old, new))
 
 
 def _lowest_equal(table: torch.Tensor, vals: torch.Tensor, cols: torch.Tensor,
@@ -145,8 +144,7 @@ def _lowest_equal(table: torch.Tensor, vals: torch.Tensor, cols: torch.Tensor,
     eq = _same(table, kth)
     if keys is None:
         rank_dtype = torch.int32 if w < 2**31 else torch.long
-        rank = torch.arange(w, 0, -1, device=table.device, dtype=rank_dtype)
-        key = torch.where(eq, rank, torch.zeros((), dtype=rank_dtype, device=table.device))
+        key = torch.where(eq, torch.arange(w, 0, -1, device=table.device, dtype=rank_dtype), 0)
     else:
         key = torch.where(eq, -keys, torch.iinfo(torch.long).min)
     low = torch.topk(key, kk, dim=1).indices  # the columns holding the kk-th value, lowest first
@@ -160,8 +158,7 @@ def _order_runs(vals: torch.Tensor, ids: torch.Tensor,
                 same: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (R, w) lists by (run of equal values, id); ``same`` (R, w-1) marks a value equal to
     the one before it (runs by ==: CUDA's radix sorts put -0.0 before +0.0)."""
-    run = torch.cat([torch.zeros_like(same[:, :1], dtype=torch.long),
-                     (~same).long().cumsum(1)], 1)
+    run = F.pad((~same).long().cumsum(1), (1, 0))  # each entry's run number, from 0
     o = torch.argsort(_id_key(ids), dim=1, stable=True)
     o = o.gather(1, torch.argsort(run.gather(1, o), dim=1, stable=True))
     return vals.gather(1, o), ids.gather(1, o)

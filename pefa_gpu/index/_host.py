@@ -97,8 +97,7 @@ class HostBackend(Index):
             return
         x = self._float32(vectors, self.dim)
         if x.shape[0]:
-            self._append(x)
-        self._fallback = None
+            self._append(x)  # (the exact fallback sees the new count and is rebuilt)
 
     def search(self, queries: Any, k: int, params: Params | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:

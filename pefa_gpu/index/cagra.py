@@ -112,14 +112,15 @@ class CagraIndex(VectorIndex):
         self.vectors = torch.empty(0, 0, device=self.device)
         self._graph: Any = None
         self._res: Any = None  # faiss: StandardGpuResources; cuVS: {stream: Resources}
-        self._exact: ExactIndex | None = None
+        self._exact = ExactIndex({"memory_budget": self.params.memory_budget}, self.device)
 
     def build(self, vectors: Any) -> "CagraIndex":
         v = device_float32(vectors, "vectors", self.device)
         if v.shape[1] == 0:
             raise InputError(f"vectors must be 2-D (n, d) with d > 0, got {tuple(v.shape)}")
         self.vectors = v  # never changed in place: a graph may refer to it
-        self._exact = self._graph = None
+        self._exact.build(v)  # the same tensor
+        self._graph = None
         if self.engine is not None and self.ntotal > self.params.intermediate_graph_degree:
             self._graph = self._build_graph()
         return self
@@ -193,9 +194,6 @@ class CagraIndex(VectorIndex):
                       name="queries").detach()  # (cuVS reads no tensor that needs grad)
         self.check_queries(q)
         if self._graph is None or k > self.max_k or k >= self.ntotal:
-            if self._exact is None:
-                self._exact = ExactIndex({"memory_budget": self.params.memory_budget},
-                                         self.device).build(self.vectors)
             return self._exact.search(q, k)
         q = q.contiguous()
         return rescore(q, self.vectors, self._candidate_ids(q, k, sp), self.params.memory_budget)

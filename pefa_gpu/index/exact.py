@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
@@ -98,8 +99,9 @@ class ExactIndex(VectorIndex):
         if q.shape[0] == 0 or self.ntotal == 0:
             return empty_results(q.shape[0], k, self.device)
         kk = min(k, self.ntotal)
-        vals, ids, rescan = self._first_pass(q, kk)
-        rows, w = torch.arange(q.shape[0], device=self.device), self._pass_width(kk)
+        w = self._pass_width(kk)
+        vals, ids, rescan = self._pass(q, kk, w)
+        rows = torch.arange(q.shape[0], device=self.device)
         while rescan is not None:  # unsettled rows: passes 4x wider until none is left
             rows = rows[rescan.nonzero().squeeze(1)]  # on CUDA: a host synchronisation
             if not rows.numel():
@@ -107,10 +109,6 @@ class ExactIndex(VectorIndex):
             w = min(self.ntotal, 4 * w)
             vals[rows], ids[rows], rescan = self._pass(q[rows], kk, w)
         return pad_topk(vals, ids, k)
-
-    def _first_pass(self, q: torch.Tensor, kk: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        return self._pass(q, kk, self._pass_width(kk))
 
     def _pass(self, q: torch.Tensor, kk: int, w: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -159,11 +157,8 @@ class ExactIndex(VectorIndex):
             self._max_norm = float(torch.linalg.vector_norm(self.vectors, dim=1).max())
         ulps = max(32.0, 2.0 * self.dim ** 0.5) * 2.0**-24
         tol = torch.linalg.vector_norm(q, dim=1, keepdim=True) * (self._max_norm * ulps)
-        near = torch.zeros_like(vals, dtype=torch.bool)
-        pairs = vals[:, :-1] - vals[:, 1:] <= tol
-        near[:, :-1] |= pairs
-        near[:, 1:] |= pairs
-        rows, cols = near.nonzero(as_tuple=True)
+        pairs = F.pad(vals[:, :-1] - vals[:, 1:] <= tol, (1, 1))  # False beyond both ends
+        rows, cols = (pairs[:, :-1] | pairs[:, 1:]).nonzero(as_tuple=True)
         if not rows.numel():
             return vals, ids, tol
         vals = vals.clone()

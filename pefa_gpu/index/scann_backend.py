@@ -121,14 +121,12 @@ class ScannIndex(HostBackend):
             reorder = max(params.reorder or auto_reorder(k), k)
         else:
             leaves = reorder = -1  # brute force: no tree, every score exact already
-        if q.shape[0] > 1 and self.threads > 1:
-            ids, dist = self._index.search_batched_parallel(q, k, reorder, leaves)
-        else:
-            ids, dist = self._index.search_batched(q, k, reorder, leaves)
-        ids, dist = np.asarray(ids), np.asarray(dist, dtype=np.float32)
-        missing = np.isnan(dist)  # ScaNN pads with NaN distances (and id 0)
-        ids = np.where(missing, -1, ids.astype(np.int64))
-        return dist, ids
+        parallel = q.shape[0] > 1 and self.threads > 1
+        search = self._index.search_batched_parallel if parallel else self._index.search_batched
+        ids, dist = search(q, k, reorder, leaves)
+        dist = np.asarray(dist, dtype=np.float32)
+        # ScaNN pads with NaN distances (and id 0)
+        return dist, np.where(np.isnan(dist), -1, np.asarray(ids, dtype=np.int64))
 
     def save(self, directory: str | Path) -> None:
         """ScaNN's assets (relative paths) and ``scann.json`` into ``directory``."""

@@ -98,16 +98,14 @@ class ShardedIndex(Index):
         # each shard launched before any result is gathered (GPUs overlap where a shard's
         # search does not wait for its device)
         for shard, off in zip(self.shards, self.offsets):
-            if shard.ntotal == 0:
-                continue
-            s, i = shard.search(q.to(shard.device, non_blocking=True), min(k, shard.ntotal), sp)
-            vals.append(s)
-            ids.append(torch.where(i >= 0, i + off, i))
+            if shard.ntotal:
+                s, i = shard.search(q.to(shard.device, non_blocking=True), min(k, shard.ntotal), sp)
+                vals.append(s)
+                ids.append(torch.where(i >= 0, i + off, i))
         if not vals:
             return empty_results(q.shape[0], k, self.device)
-        vals = [v.to(self.device, torch.float32) for v in vals]
-        ids = [i.to(self.device) for i in ids]
-        return merge_topk(torch.cat(vals, 1), torch.cat(ids, 1), k)
+        return merge_topk(torch.cat([v.to(self.device, torch.float32) for v in vals], 1),
+                          torch.cat([i.to(self.device) for i in ids], 1), k)
 
     @property
     def exact_scores(self) -> bool:
