@@ -110,13 +110,19 @@ class RayRunner:
         from ray.util import ActorPool
         from tqdm.auto import tqdm
 
-        actor = _ray().remote(_ShardEncoder).options(
+        ray = _ray()
+        actor = ray.remote(_ShardEncoder).options(
             num_cpus=1, num_gpus=1 if self.gpus else 0, max_restarts=self.max_retries,
             max_task_retries=self.max_retries)
-        pool = ActorPool([actor.remote(fn) for _ in range(min(self.workers, len(calls)))])
-        for _ in tqdm(pool.map_unordered(lambda a, call: a.encode.remote(call), calls),
-                      total=len(calls), desc="encode", unit="shard", disable=not show_progress):
-            pass
+        actors = [actor.remote(fn) for _ in range(min(self.workers, len(calls)))]
+        try:  # the actors hold GPUs and a model: stopped here, not when collected
+            for _ in tqdm(ActorPool(actors).map_unordered(lambda a, c: a.encode.remote(c), calls),
+                          total=len(calls), desc="encode", unit="shard",
+                          disable=not show_progress):
+                pass
+        finally:
+            for a in actors:
+                ray.kill(a)
 
     def servers(self, server: Callable, build: str | Path,
                 groups: Sequence[tuple[list[int], list[int]]], device: Any = None) -> "RayFanout":
