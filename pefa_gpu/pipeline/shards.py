@@ -318,13 +318,16 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
                  fingerprint: str | None, model: Any = None, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None,
                  normalize: bool = True) -> Entry:
-    """Encode texts (rows lo ..) into ``out/shard-<index>`` (its manifest keeps their
-    ``fingerprint``); returns its stage entry."""
+    """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
+    ``fingerprint`` is there; returns its stage entry."""
+    path = Path(out) / shard_name("shard", index)
+    fields = _written(path, fingerprint) if fingerprint is not None else None
+    if fields is not None:
+        return Entry.of(path, fields)
     emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
                        normalize=normalize, cache_dir=cache_dir, show_progress=False)
-    return write_shard(Path(out) / shard_name("shard", index),
-                       {"stage": "encode", "rows": [lo, lo + len(texts)],
-                        "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
+    return write_shard(path, {"stage": "encode", "rows": [lo, lo + len(texts)],
+                              "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
 
 
 def encode(texts: Sequence[str], out: str | Path, model: Any = None,
@@ -339,9 +342,9 @@ def encode(texts: Sequence[str], out: str | Path, model: Any = None,
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
                     "shard is encoded again on every run")
+    cache = None if cache_dir is None else str(Path(cache_dir).expanduser())  # the driver's ~
     task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
-                             device=device, normalize=normalize,
-                             cache_dir=None if cache_dir is None else str(cache_dir))
+                             device=device, normalize=normalize, cache_dir=cache)
     plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
                  fingerprint=encode_fingerprint(texts[lo:hi], identity, normalize))
             for i, (lo, hi) in enumerate(split(len(texts), rows))]
