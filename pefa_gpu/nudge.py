@@ -65,7 +65,9 @@ def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
     lows, highs, step = [], [], max(1, BLOCK_CELLS // d.shape[0])
     for s in range(0, q.shape[0], step):
         b = slice(s, s + step)
-        yb = y[b].tocoo()  # a block without pairs adds empty bounds
+        yb = y[b].tocoo()
+        if not yb.nnz:  # (its two (step, n) products would bound no pair)
+            continue
         rows = as_tensor(yb.row.astype(np.int64), device=d.device)
         cols = as_tensor(yb.col.astype(np.int64), device=d.device).unsqueeze(1)
         s = (q[b] @ d.T)[rows]                      # (pairs, n) <q, d_j>
