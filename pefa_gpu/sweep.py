@@ -18,7 +18,7 @@ from .methods import REGISTRY, takes
 from .metrics import evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
-from .params import XLSearchParams, check_positive, check_unit_interval
+from .params import XLParams, XLSearchParams, check_positive, check_unit_interval
 from .relevance import RelevanceLike
 from .topk import merge_topk, topk_rows
 
@@ -105,8 +105,9 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                  methods: Sequence[str] = DEFAULT_METHODS,
                  lams: Sequence[float] = PAPER_LAMS, ks: Sequence[int] = PAPER_KS,
                  topk: int = 100, device: DeviceLike = None, backend: str = "exact",
-                 candidates: int = 500, knn_norm: str = "k", rescore: bool = True,
-                 augment_docs: bool = True, show_progress: bool = True,
+                 candidates: int = XLSearchParams.candidates, knn_norm: str = XLParams.knn_norm,
+                 rescore: bool = XLParams.rescore, augment_docs: bool = XLParams.augment_docs,
+                 show_progress: bool = True,
                  timings: dict[str, float] | None = None
                  ) -> Iterator[tuple[Config, torch.Tensor, torch.Tensor]]:
     """Yield (config, scores (B, topk) float32, ids (B, topk) int64) for every grid point of

@@ -12,7 +12,7 @@ from ..arrays import as_embeddings, check_positive_int, check_topk
 from ..errors import InputError
 from ..fuse import searches
 from ..metrics import evaluate
-from ..params import check_unit_interval
+from ..params import XLParams, XLSearchParams, check_unit_interval
 from ..topk import merge_topk
 from .aggregation import aggregate
 from .indexing import build
@@ -176,8 +176,9 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
 
 def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
                      configs: Sequence[Any], work: str | Path, *, backend: str = "exact",
-                     index_params: Any = None, candidates: int = 500, knn_norm: str = "k",
-                     rescore: bool = True, augment_docs: bool = True, device: Any = None,
+                     index_params: Any = None, candidates: int = XLSearchParams.candidates,
+                     knn_norm: str = XLParams.knn_norm, rescore: bool = XLParams.rescore,
+                     augment_docs: bool = XLParams.augment_docs, device: Any = None,
                      ks: Sequence[int] = (10, 100), topk: int = 100, count_empty: bool = False,
                      doc_rows: int | None = None, query_rows: int | None = None,
                      runner: Any = None, show_progress: bool = True) -> list[dict[str, Any]]:
