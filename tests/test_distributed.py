@@ -326,6 +326,11 @@ def test_encode_resumes_after_a_kill_and_shares_the_cache(tmp_path):
     enc = BowEncoder()
     pp.encode(texts, out, model=enc, rows=40, show_progress=False)
     assert enc.seen == 0
+    # a retried shard call (a Ray actor that died after the commit) encodes nothing either
+    fp = _shard_fields(out / "shard-00001")["fingerprint"]
+    enc = BowEncoder()
+    entry = pp.encode_shard(texts[40:80], out, 1, 40, fp, model=enc)
+    assert enc.seen == 0 and (entry.name, entry.rows) == ("shard-00001", (40, 80))
     # pg.encode's cache and the pipeline's encode share their work both ways
     cache = tmp_path / "cache"
     pg.encode(texts[:100], model=BowEncoder(), cache_dir=cache, show_progress=False)
