@@ -512,8 +512,8 @@ class PEFAXL(_Model):
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Fuse a passage search erm (B, Kp) and :meth:`neighbours` knn (B, >= k) -> (B, topk)
         scores and ids; ``lam`` / ``k`` override the model's."""
-        p = self.params.replace(lam=self.params.lam if lam is None else lam,
-                                k=self.params.k if k is None else k)  # checked
+        p = self.params if lam is None and k is None else self.params.replace(
+            lam=self.params.lam if lam is None else lam, k=self.params.k if k is None else k)
         return self.fuse_grid(q, erm, knn, (p.lam,), (p.k,), topk, batch_size)[(p.lam, p.k)]
 
     def fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
