@@ -24,8 +24,9 @@ Paths, each a process of its own per n (the peak RSS of one never counts in anot
 - ``pecos``: the authors' path (libpecos HNSW, scipy PIFA and the scipy merge, as in
   ``benchmarks/peers.py``), run in its own virtual environment (``--pecos-python``).
 
-Per stage: wall seconds, CPU seconds, bytes read from storage (all repeats), peak RSS growth (VmHWM, reset before the stage) and the peak of
-anonymous memory (RssAnon, sampled every 20 ms: memory-mapped input files do not count), the
+Per stage: wall seconds and CPU seconds (exact fits and searches: the best of 3 up to 1M, each
+result freed before the next), bytes read from storage (all repeats), peak RSS growth (VmHWM,
+reset before the stage) and the peak of anonymous memory (RssAnon, sampled every 20 ms: memory-mapped input files do not count), the
 bytes of the arrays the stage must hold, and the load average. ``report`` fits the exponent of
 time and memory in n per stage (least squares on log-log over the points measured) and writes
 results/scale_curve.{json,md,png}.
@@ -166,15 +167,20 @@ class Stage:
         self.t, self.cpu, self.read = time.perf_counter(), time.process_time(), read_bytes()
         return self
 
-    def repeat(self, fn, times: int) -> None:
+    def repeat(self, fn, times: int):
         """Run ``fn`` ``times`` times; the stage's seconds are the best of them (a shared
-        machine's load comes and goes), wall and CPU each."""
+        machine's load comes and goes, and so does the kernel's compaction of memory for the
+        huge pages of a fresh allocation), wall and CPU each. Returns the last result (each
+        result is freed before the next call)."""
+        result = None
         for _ in range(times):
+            result = None
             t, c = time.perf_counter(), time.process_time()
-            fn()
+            result = fn()
             wall, cpu = time.perf_counter() - t, time.process_time() - c
             best = self.best or (wall, cpu)
             self.best = (min(best[0], wall), min(best[1], cpu))
+        return result
 
     def __exit__(self, *exc) -> None:
         seconds, cpu = self.best or (time.perf_counter() - self.t, time.process_time() - self.cpu)
@@ -222,15 +228,15 @@ def fits(holds: int) -> bool:
 
 def held_bytes(n: int, nnz: int, method: str, backend: str, dtype: str) -> int:
     """Bytes of the arrays a fitted model must hold: ERM P; PEFA-XS P, the sums and its index
-    of E; PEFA-XL P, Q (their indices share them on exact float32) and Y with the identity
-    block, twice (the CSR and its per-row copy), 12 bytes per entry. An index's own copy of
-    the vectors: none for exact float32 built from a kept array, half for float16, a whole
-    one plus the level-0 graph (2M links of 4 bytes per row) for hnsw."""
+    of E; PEFA-XL P, its two indices (on exact float32 they share P and a copy of Q) and Y
+    with the identity block, twice (the CSR and its per-row copy), 12 bytes per entry. An
+    index's own copy of the vectors: none for exact float32 built from a kept array, half for
+    float16, a whole one plus the level-0 graph (2M links of 4 bytes per row) for hnsw."""
     row = n * D * 4
     own = {"float16": 0.5 * row}.get(dtype, 0) if backend == "exact" else row + n * M * 2 * 4
     y = 2 * 12 * (nnz + n)
     return int({"erm": row + own, "xs": 2 * row + (own or row) + 12 * (nnz + n),
-                "xl": 2 * row + 2 * own + y}[method])
+                "xl": row + (2 * own or row) + y}[method])
 
 
 # -- the library in memory ------------------------------------------------------------------------
@@ -246,6 +252,9 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
     y_bytes = Y.data.nbytes + Y.indices.nbytes + Y.indptr.nbytes
     t = torch.from_numpy(np.array(T))
     rec: list = []
+    with Stage(rec, "read", 0):  # the maps' pages, so that the first stage does not pay them
+        for x in (P, Q):
+            x.reshape(-1).view(np.uint8)[::4096].sum()
     with Stage(rec, "pifa", n * row + y_bytes):
         buffer = min(2**28, n * row // 4)  # read buffer: a fixed 256 MiB was 2x Q at 100k
         pg.pifa(Y, Q, normalize=False, device="cpu", memory_budget=n * row + buffer)
@@ -271,13 +280,11 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
                      f"{available_bytes() / 2**30:.1f} GiB available", **tag)
                 continue
             kw = dict(backend=backend, device="cpu", index_params=iparams)
-            with Stage(rec, "fit", holding, **tag):
-                if method == "erm":
-                    model = pg.ERM(**kw).fit(P)
-                elif method == "xs":
-                    model = pg.PEFAXS(lam=XS_LAM, **kw).fit(P, Q, Y)
-                else:
-                    model = pg.PEFAXL(lam=XL_LAM, k=XL_K, **kw).fit(P, Q, Y)
+            fit = {"erm": lambda: pg.ERM(**kw).fit(P),
+                   "xs": lambda: pg.PEFAXS(lam=XS_LAM, **kw).fit(P, Q, Y),
+                   "xl": lambda: pg.PEFAXL(lam=XL_LAM, k=XL_K, **kw).fit(P, Q, Y)}[method]
+            with Stage(rec, "fit", holding, **tag) as st:
+                model = st.repeat(fit, 1 if backend.startswith("hnsw") else repeats(n))
             if backend.startswith("hnsw"):
                 model.index_search_params = model.index_search_params.replace(ef_search=EFS)
             model.search(t[:10], TOPK)  # warm-up
@@ -472,8 +479,8 @@ def _held(r: dict) -> int:
 def curves(rows: list[dict]) -> list[dict]:
     """One entry per (path, stage, method, backend, dtype): its points and fitted exponents."""
     groups: dict = {}
-    for r in rows:
-        if "seconds" in r:
+    for r in rows:  # (the "read" rows only bring the input maps' pages in)
+        if "seconds" in r and r["stage"] != "read":
             groups.setdefault(_key(r), {})[r["n"]] = r   # a later run of a point replaces it
     out = []
     for k, pts in sorted(groups.items()):

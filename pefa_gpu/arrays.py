@@ -73,7 +73,9 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
     if t.dtype == torch.bool or t.is_complex():
         raise InputError(f"{name} has dtype {t.dtype}; a real-valued array is needed")
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
-        return t  # nothing to move (skips a torch dispatch: this runs on every search)
+        # nothing to move (skips a torch dispatch: this runs on every search); read-only numpy
+        # rows are copied, torch tensors being writable
+        return host_clone(t) if _read_only(x) else t
     return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype)
 
 
@@ -85,10 +87,12 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
         bf16 = is_bfloat16(x.dtype)
         if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
             raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
-        # read-only arrays (np.load(mmap_mode="r")) are copied: torch tensors are writable
-        a = x if x.flags.c_contiguous and x.flags.writeable else np.array(x, order="C")
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 \
-            else torch.from_numpy(a)
+        a = x if x.flags.c_contiguous else np.array(x, order="C")
+        if not a.flags.writeable:  # a read-only view: as_tensor reads it, never returns it
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return _from_numpy(a, bf16)
+        return _from_numpy(a, bf16)
     if hasattr(x, "__dlpack__"):
         try:
             return torch.from_dlpack(x)
@@ -102,6 +106,15 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
             raise InputError(f"{name} could not be turned into a numeric array: {exc}") from exc
     raise InputError(f"{name} must be an array (numpy, torch, cupy or DLPack), "
                      f"got {type(x).__name__}")
+
+
+def _from_numpy(a: np.ndarray, bf16: bool) -> torch.Tensor:
+    return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
+
+
+def _read_only(x: Any) -> bool:
+    """A numpy array torch must not write (np.load(mmap_mode="r"), a broadcast view)."""
+    return isinstance(x, np.ndarray) and not x.flags.writeable and x.flags.c_contiguous
 
 
 def to_numpy(x: ArrayLike) -> np.ndarray:

@@ -132,8 +132,8 @@ class _Model:
 
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
                     Y: RelevanceLike | None = None, copy_queries: bool = True):
-        """(p, q, relevance) checked; p a copy, q too with ``copy_queries`` (else a host
-        array as given: a memory map stays one)."""
+        """(p, q, relevance) checked; p a copy, q too with ``copy_queries`` (else not copied,
+        and a host array as given, to be checked by its reader: a memory map stays one)."""
         p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
@@ -424,10 +424,11 @@ class PEFAXL(_Model):
     def fit(self, P: ArrayLike, Q: ArrayLike, Y: RelevanceLike) -> "PEFAXL":
         """P: (n, d) documents, Q: (m, d) training queries, Y: (m, n) relevance; with
         ``augment_docs`` document j is also row m + j of Y (labelled with itself)."""
-        p, q, rel = self._embeddings(P, Q, Y)
+        query_index = self.new_index()  # one that copies its rows needs no copy of Q first
+        p, q, rel = self._embeddings(P, Q, Y, copy_queries=not query_index.copies_rows)
         self.doc_embeddings = p
         self.index = self.new_index().build(p)
-        self.query_index = self.new_index().build(q)
+        self.query_index = query_index.build(q)
         self.dim, self.n_docs = p.shape[1], p.shape[0]
         self._set_relevance(rel.csr)
         return self

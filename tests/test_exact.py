@@ -3,11 +3,14 @@ the CPU, torch blocks), ties at the k-th place, duplicates, several chunks and b
 storage, empty inputs. The top-k functions themselves: tests/test_topk.py; memory:
 tests/test_exact_memory.py."""
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 import torch
 
 import pefa_gpu.index.exact as exact_module
+from pefa_gpu.errors import InputError
 from pefa_gpu.index import ExactIndex, make_index
 from pefa_gpu.topk import merge_topk, settle_masked, topk_rows
 from conftest import DEVICES, unit_rows
@@ -83,6 +86,29 @@ def test_exact_low_precision_storage(dtype, tol):
     np.testing.assert_allclose(scores.numpy(), rv, atol=1e-5)
     full, _ = ref.exact_search(X, T, 10)
     np.testing.assert_allclose(scores.numpy(), full, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_exact_low_precision_rows_from_a_read_only_map_and_overflow(dtype, tmp_path):
+    """A read-only memory map is cast straight into the index (never written); a value past
+    float16's range (inf after the cast) or a NaN is refused, on build and on add."""
+    rng = np.random.default_rng(6)
+    X = unit_rows(rng, 300, 16)
+    np.save(tmp_path / "X.npy", X)
+    mapped = np.load(tmp_path / "X.npy", mmap_mode="r")
+    index = ExactIndex({"dtype": dtype}, device="cpu").build(mapped)
+    want = torch.from_numpy(X).to(getattr(torch, dtype))
+    assert torch.equal(index.vectors, want)
+    np.testing.assert_array_equal(np.load(tmp_path / "X.npy"), X)
+    big = X[:2] * 1e6
+    with pytest.raises(InputError, match="NaN or inf") if dtype == "float16" else nullcontext():
+        ExactIndex({"dtype": dtype}, device="cpu").build(big)
+    bad = X[:2].copy()
+    bad[1, 3] = np.nan
+    for call in (ExactIndex({"dtype": dtype}, device="cpu").build, index.add):
+        with pytest.raises(InputError, match="NaN or inf"):
+            call(bad)
+    assert index.ntotal == 300
 
 
 def test_exact_pads_when_k_exceeds_n_and_add_appends():

@@ -3,6 +3,7 @@
 import re
 
 import numpy as np
+import scipy.sparse as sp
 import pytest
 import torch
 
@@ -125,6 +126,28 @@ def test_a_fitted_model_keeps_its_own_copy_of_the_documents():
     before = model.search(P[:2], 3)
     P[:] = 0.0
     after = model.search(unit_rows(np.random.default_rng(3), 50, 8)[:2], 3)
+    assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_xl_copies_the_training_queries_only_for_an_index_that_would_share_them(dtype,
+                                                                             monkeypatch):
+    """A float16 query index casts Q straight (no float32 copy of Q first); a float32 one
+    shares its rows, so it gets a copy. Either way, editing Q after the fit changes nothing."""
+    from pefa_gpu.index import ExactIndex
+
+    rng = np.random.default_rng(4)
+    P, Q = unit_rows(rng, 40, 8), unit_rows(rng, 30, 8)
+    Y = sp.csr_matrix((np.ones(30, np.float32), rng.integers(0, 40, 30), np.arange(31)), (30, 40))
+    given, build = [], ExactIndex.build
+    monkeypatch.setattr(ExactIndex, "build", lambda self, v: given.append(v) or build(self, v))
+    model = pg.PEFAXL(device="cpu", index_params={"dtype": dtype}).fit(P, Q, Y)
+    rows = given[1].numpy() if isinstance(given[1], torch.Tensor) else given[1]
+    assert np.shares_memory(rows, Q) == (dtype == "float16")
+    T = unit_rows(rng, 5, 8)
+    before = model.search(T, 6)
+    Q[:] = 0.0
+    after = model.search(T, 6)
     assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
 
 

@@ -56,6 +56,7 @@ class HostBackend(Index):
     max_k: ClassVar[int] = 2**62
     builds_empty: ClassVar[bool] = False  # whether build takes (0, d) vectors
     on_gpu = False  # True: searched with tensors on the device (a faiss GPU index)
+    copies_rows = True  # the library holds its own copy
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         super().__init__(params, device)

@@ -44,6 +44,8 @@ class Index(abc.ABC):
     name: ClassVar[str]
     Params: ClassVar[type[Params]]
     SearchParams: ClassVar[type[Params]] = NoSearchParams
+    copies_rows: ClassVar[bool] = False  # True: build / add keep no reference to their rows
+
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         if isinstance(params, dict):
             fields = [{f.name for f in dataclasses.fields(c)} for c in (self.SearchParams,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..arrays import as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
+from ..arrays import all_finite, as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from ..storage import load_tensor, save_tensor
@@ -44,6 +44,7 @@ class ExactIndex(VectorIndex):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)
         self.exact_scores = self.params.dtype == "float32"  # scores: fp32 <q, x>, exactly
+        self.copies_rows = not self.exact_scores  # 16-bit rows are a cast, float32 ones shared
         self._store(torch.empty(0, 0, dtype=self._dtype, device=self.device))
 
     def _store(self, v: torch.Tensor, owned: bool = False) -> None:
@@ -57,15 +58,23 @@ class ExactIndex(VectorIndex):
         given = self.params.memory_budget
         return default_memory_budget(self.device) if given is None else given
 
+    def _rows(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Rows as stored: float32 ones as given (shared), others cast and then checked finite
+        (a float16 overflow is inf)."""
+        v = as_tensor(vectors, device=self.device, dtype=self._dtype, name="vectors").detach()
+        if self.copies_rows and v.numel() and not all_finite(v):
+            raise InputError(f"vectors hold NaN or inf as {self.params.dtype} (beyond its range?)")
+        return v
+
     def build(self, vectors: torch.Tensor) -> "ExactIndex":
-        v = as_tensor(vectors, device=self.device, name="vectors").detach()
+        v = self._rows(vectors)
         if v.ndim != 2:
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
-        self._store(v.to(self._dtype).contiguous())
+        self._store(v.contiguous())
         return self
 
     def add(self, vectors: torch.Tensor) -> None:
-        v = as_tensor(vectors, device=self.device, name="vectors").detach().to(self._dtype)
+        v = self._rows(vectors)
         if self.ntotal == 0 and self.dim == 0:
             self.build(v)
         else:
