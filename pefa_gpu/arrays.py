@@ -65,9 +65,10 @@ def is_bfloat16(dtype: Any) -> bool:
 
 
 def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None = None,
-              name: str = "array") -> torch.Tensor:
+              name: str = "array", copy: bool = False) -> torch.Tensor:
     """Any array-like (torch, numpy, cupy, DLPack, nested sequences) -> a torch tensor on
-    ``device`` (and ``dtype`` when given), zero-copy where the device and dtype match."""
+    ``device`` (and ``dtype`` when given), zero-copy where the device and dtype match unless
+    ``copy`` (then it never shares memory with ``x``)."""
     dev = resolve_device(device) if device is not None else None
     t = _as_torch(x, name)
     if t.dtype == torch.bool or t.is_complex():
@@ -75,7 +76,9 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
         # nothing to move (skips a torch dispatch: this runs on every search); read-only numpy
         # rows are copied, torch tensors being writable
-        return host_clone(t) if _read_only(x) else t
+        if not (copy or _read_only(x)) or not _same_memory(x, t):
+            return t
+        return host_clone(t) if t.device.type == "cpu" else t.clone()
     return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype)
 
 
@@ -137,7 +140,7 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     """A checked (rows, d) ``dtype`` matrix on ``device``: InputError on a wrong rank, d = 0, d !=
     ``dim`` or NaN / inf (``check_finite``: no device sync when False); a warning for rows not
     L2-normalised (``check_norm``). ``copy``: never shares memory with ``x``."""
-    t = as_tensor(x, device=device, dtype=dtype, name=name)
+    t = as_tensor(x, device=device, dtype=dtype, name=name, copy=copy)
     if t.ndim == 1 and dim is not None and t.shape[0] == dim:
         t = t.unsqueeze(0)
     if t.ndim != 2:
@@ -147,8 +150,6 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     if dim is not None and t.shape[1] != dim:
         raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
                          f"(the dimension the model was fitted with)")
-    if copy and _same_memory(x, t):  # (a cast in as_tensor has copied already)
-        t = host_clone(t) if t.device.type == "cpu" else t.clone()
     if check_finite and t.numel() and not all_finite(t):
         bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
         raise InputError(f"{name} contains NaN or inf (rows {bad}...)")

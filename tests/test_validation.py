@@ -129,15 +129,17 @@ def test_a_fitted_model_keeps_its_own_copy_of_the_documents():
     assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_xl_copies_the_training_queries_only_for_an_index_that_would_share_them(dtype,
-                                                                             monkeypatch):
-    """A float16 query index casts Q straight (no float32 copy of Q first); a float32 one
-    shares its rows, so it gets a copy. Either way, editing Q after the fit changes nothing."""
+@pytest.mark.parametrize("dtype,q_dtype", [("float32", np.float32), ("float16", np.float32),
+                                           ("float16", np.float16)])
+def test_xl_copies_the_training_queries_only_for_an_index_that_would_share_them(
+        dtype, q_dtype, monkeypatch):
+    """A float16 query index casts Q straight (no float32 copy of Q first), and copies a Q
+    already in float16; a float32 one shares its rows, so it gets a copy. Either way, editing Q
+    after the fit changes nothing."""
     from pefa_gpu.index import ExactIndex
 
     rng = np.random.default_rng(4)
-    P, Q = unit_rows(rng, 40, 8), unit_rows(rng, 30, 8)
+    P, Q = unit_rows(rng, 40, 8), unit_rows(rng, 30, 8).astype(q_dtype)
     Y = sp.csr_matrix((np.ones(30, np.float32), rng.integers(0, 40, 30), np.arange(31)), (30, 40))
     given, build = [], ExactIndex.build
     monkeypatch.setattr(ExactIndex, "build", lambda self, v: given.append(v) or build(self, v))

@@ -59,9 +59,10 @@ class ExactIndex(VectorIndex):
         return default_memory_budget(self.device) if given is None else given
 
     def _rows(self, vectors: torch.Tensor) -> torch.Tensor:
-        """Rows as stored: float32 ones as given (shared), others cast and then checked finite
-        (a float16 overflow is inf)."""
-        v = as_tensor(vectors, device=self.device, dtype=self._dtype, name="vectors").detach()
+        """Rows as stored: float32 ones as given (shared), others a cast or a copy, checked
+        finite (a float16 overflow is inf)."""
+        v = as_tensor(vectors, device=self.device, dtype=self._dtype, name="vectors",
+                      copy=self.copies_rows).detach()
         if self.copies_rows and v.numel() and not all_finite(v):
             raise InputError(f"vectors hold NaN or inf as {self.params.dtype} (beyond its range?)")
         return v
