@@ -58,29 +58,30 @@ class ExactIndex(VectorIndex):
         given = self.params.memory_budget
         return default_memory_budget(self.device) if given is None else given
 
-    def _rows(self, vectors: torch.Tensor) -> torch.Tensor:
-        """Rows as stored: float32 ones as given (shared), others a cast or a copy, checked
+    def _rows(self, vectors: torch.Tensor, copy: bool) -> torch.Tensor:
+        """Rows in the stored dtype (``copy``: never the caller's memory); 16-bit ones checked
         finite (a float16 overflow is inf)."""
         v = as_tensor(vectors, device=self.device, dtype=self._dtype, name="vectors",
-                      copy=self.copies_rows).detach()
+                      copy=copy).detach()
         if self.copies_rows and v.numel() and not all_finite(v):
             raise InputError(f"vectors hold NaN or inf as {self.params.dtype} (beyond its range?)")
         return v
 
     def build(self, vectors: torch.Tensor) -> "ExactIndex":
-        v = self._rows(vectors)
+        """Float32 rows are kept as given (shared), 16-bit ones as the index's own copy."""
+        v = self._rows(vectors, copy=self.copies_rows)
         if v.ndim != 2:
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
-        self._store(v.contiguous())
+        self._store(v.contiguous(), owned=self.copies_rows)
         return self
 
     def add(self, vectors: torch.Tensor) -> None:
-        v = self._rows(vectors)
         if self.ntotal == 0 and self.dim == 0:
-            self.build(v)
-        else:
-            self.check_rows(v)
-            self._store(torch.cat([self.vectors, v]), owned=True)
+            self.build(vectors)
+            return
+        v = self._rows(vectors, copy=False)  # (the concatenation copies)
+        self.check_rows(v)
+        self._store(torch.cat([self.vectors, v]), owned=True)
 
     def update(self, ids: torch.Tensor, vectors: torch.Tensor) -> None:
         """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) (first copying rows that may
