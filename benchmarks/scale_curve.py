@@ -24,10 +24,11 @@ Paths, each a process of its own per n (the peak RSS of one never counts in anot
 - ``pecos``: the authors' path (libpecos HNSW, scipy PIFA and the scipy merge, as in
   ``benchmarks/peers.py``), run in its own virtual environment (``--pecos-python``).
 
-Per stage: wall seconds and CPU seconds (exact fits and searches: the best of 3 up to 1M, each
+Per stage: wall seconds and CPU seconds (exact fits: the best of 3, searches too up to 1M, each
 result freed before the next), bytes read from storage (all repeats), peak RSS growth (VmHWM,
-reset before the stage) and the peak of anonymous memory (RssAnon, sampled every 20 ms: memory-mapped input files do not count), the
-bytes of the arrays the stage must hold, and the load average. ``report`` fits the exponent of
+reset before the stage) and the peak of anonymous memory (RssAnon, sampled every 20 ms:
+memory-mapped input files do not count), the bytes of the arrays the stage must hold, and the
+load average. ``report`` fits the exponent of
 time and memory in n per stage (least squares on log-log over the points measured) and writes
 results/scale_curve.{json,md,png}.
 """
@@ -58,6 +59,7 @@ D, N_TEST, TOPK, CHUNK = 384, 2000, 100, 250_000
 M, EFC, EFS = 32, 500, 300
 XS_LAM, XL_LAM, XL_K, XL_KP = 0.5, 0.1, 16, 500
 DENSE_EXTRA = 4  # dense shape: relevant documents besides the target
+METHODS = ("erm", "xs", "xl")
 BACKENDS = ("exact", "float16", "hnsw", "hnswlib")  # float16: exact with float16 storage
 F16_MAX = 1_000_000  # float16 rows up to this n (on the CPU a 16-bit search is several times
 # slower than float32: it converts each block)
@@ -242,7 +244,7 @@ def held_bytes(n: int, nnz: int, method: str, backend: str, dtype: str) -> int:
 # -- the library in memory ------------------------------------------------------------------------
 
 def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Path,
-              chosen: tuple[str, ...] = BACKENDS) -> list:
+              chosen: tuple[str, ...] = BACKENDS, methods: tuple[str, ...] = METHODS) -> list:
     import torch
 
     import pefa_gpu as pg
@@ -266,10 +268,8 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
     backends = [kinds[b] for b in chosen if n <= upto[b] and (shape == "product" or b == "exact")]
     for backend, dtype, iparams in backends:
         nnz = Y.nnz
-        holds = {method: held_bytes(n, nnz, method, backend, dtype)
-                 for method in ("erm", "xs", "xl")}
-        if shape != "product":
-            holds.pop("erm")
+        holds = {method: held_bytes(n, nnz, method, backend, dtype) for method in methods
+                 if shape == "product" or method != "erm"}
         for method, holding in holds.items():
             tag = dict(method=method, backend=backend, dtype=dtype)
             if backend.startswith("hnsw") and method != "erm" and n > hnsw_xl_max:
@@ -284,7 +284,7 @@ def run_model(folder: Path, shape: str, hnsw_max: int, hnsw_xl_max: int, tmp: Pa
                    "xs": lambda: pg.PEFAXS(lam=XS_LAM, **kw).fit(P, Q, Y),
                    "xl": lambda: pg.PEFAXL(lam=XL_LAM, k=XL_K, **kw).fit(P, Q, Y)}[method]
             with Stage(rec, "fit", holding, **tag) as st:
-                model = st.repeat(fit, 1 if backend.startswith("hnsw") else repeats(n))
+                model = st.repeat(fit, 1 if backend.startswith("hnsw") else 3)
             if backend.startswith("hnsw"):
                 model.index_search_params = model.index_search_params.replace(ef_search=EFS)
             model.search(t[:10], TOPK)  # warm-up
@@ -343,6 +343,7 @@ def run_pipeline(folder: Path, tmp: Path, stages: tuple[str, ...] = ("aggregate"
                       times or repeats(P.shape[0]))
         skip(rec, "save", "", bytes_on_disk=dir_bytes(work / f"build-{method}"), **tag)
         shutil.rmtree(work / f"build-{method}")
+        shutil.rmtree(work / "xs", ignore_errors=True)  # (disk: 5M needs ~55 GB at most)
     shutil.rmtree(work)
     return rec
 
@@ -417,7 +418,7 @@ def point(args) -> None:
     try:
         if args.path == "model":
             run_model(folder, "product", args.hnsw_max, args.hnsw_xl_max, tmp,
-                      tuple(args.backends.split(",")))
+                      tuple(args.backends.split(",")), tuple(args.methods.split(",")))
         elif args.path == "dense":
             run_model(folder, "dense", 0, 0, tmp)
         elif args.path == "pipeline":
@@ -431,7 +432,8 @@ def point(args) -> None:
 
 
 def run_all(args) -> None:
-    common = ["--backends", args.backends, "--data", args.data, "--out", args.out, "--hnsw-max", str(args.hnsw_max),
+    common = ["--backends", args.backends, "--methods", args.methods, "--data", args.data,
+              "--out", args.out, "--hnsw-max", str(args.hnsw_max),
               "--hnsw-xl-max", str(args.hnsw_xl_max)]
     for n in args.sizes:
         folder = Path(args.data) / f"n{n}"
@@ -660,6 +662,7 @@ def main() -> None:
     ap.add_argument("--n", type=int)
     ap.add_argument("--backends", default=",".join(BACKENDS),
                     help="the model path's backends (float16: exact with float16 storage)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="the model path's methods")
     ap.add_argument("--path", choices=("model", "dense", "pipeline", "pecos"))
     ap.add_argument("--data", default="/tmp/pefa-scale-curve")
     ap.add_argument("--out", default="/tmp/pefa-scale-curve/curve.jsonl",
