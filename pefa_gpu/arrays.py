@@ -150,9 +150,8 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
     if dim is not None and t.shape[1] != dim:
         raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
                          f"(the dimension the model was fitted with)")
-    if check_finite and t.numel() and not all_finite(t):
-        bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
-        raise InputError(f"{name} contains NaN or inf (rows {bad}...)")
+    if check_finite:
+        require_finite(t, name)
     if check_norm and t.shape[0]:
         norms = torch.linalg.vector_norm(t.float(), dim=1)
         off = (norms - 1).abs() > 1e-2
@@ -161,6 +160,15 @@ def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
                           f"(norms from {float(norms.min()):.3g} to {float(norms.max()):.3g}); "
                           f"PEFA expects unit-norm embeddings", UserWarning, stacklevel=3)
     return t
+
+
+def require_finite(x: torch.Tensor | np.ndarray, name: str) -> None:
+    """InputError naming the first rows of ``x`` (rows, d) that hold NaN / inf; a numpy array
+    (a read-only memory map too) is read where it lies."""
+    t = _as_torch(x, name) if isinstance(x, np.ndarray) else x
+    if t.numel() and not all_finite(t):
+        bad = (~torch.isfinite(t)).any(dim=1).nonzero().flatten()[:5].tolist()
+        raise InputError(f"{name} contains NaN or inf (rows {bad}...)")
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -18,8 +18,8 @@ import torch
 
 from . import export, nudge, persist, training
 from .aggregate import normalize_rows, pefa_xs, pifa
-from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, resolve_device,
-                     to_numpy)
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, require_finite,
+                     resolve_device, to_numpy)
 from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
@@ -133,7 +133,7 @@ class _Model:
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
                     Y: RelevanceLike | None = None, copy_queries: bool = True):
         """(p, q, relevance) checked; p a copy, q too with ``copy_queries`` (else not copied,
-        and a host array as given, to be checked by its reader: a memory map stays one)."""
+        and a host array as given: a memory map stays one)."""
         p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
@@ -426,6 +426,8 @@ class PEFAXL(_Model):
         ``augment_docs`` document j is also row m + j of Y (labelled with itself)."""
         query_index = self.new_index()  # one that copies its rows needs no copy of Q first
         p, q, rel = self._embeddings(P, Q, Y, copy_queries=not query_index.copies_rows)
+        if isinstance(q, np.ndarray):  # Q as given (a memory map stays one): checked in place
+            require_finite(q, "Q")
         self.doc_embeddings = p
         self.index = self.new_index().build(p)
         self.query_index = query_index.build(q)

@@ -153,6 +153,21 @@ def test_xl_copies_the_training_queries_only_for_an_index_that_would_share_them(
     assert torch.equal(before[1], after[1]) and torch.equal(before[0], after[0])
 
 
+@pytest.mark.parametrize("make", [lambda: pg.PEFAXS(), lambda: pg.PEFAXL(),
+                                  lambda: pg.PEFAXL(index_params={"dtype": "float16"})],
+                         ids=["xs", "xl", "xl-float16"])
+def test_nan_in_a_memory_mapped_q_is_named(make, tmp_path):
+    """Q read where it lies (a memory map, never copied first) is still checked: the error
+    names Q and the row, whichever index reads it."""
+    rng = np.random.default_rng(8)
+    P, Q = unit_rows(rng, 40, 8), unit_rows(rng, 30, 8)
+    Q[7, 5] = np.inf
+    np.save(tmp_path / "Q.npy", Q)
+    Y = sp.csr_matrix((np.ones(30, np.float32), rng.integers(0, 40, 30), np.arange(31)), (30, 40))
+    with pytest.raises(pg.InputError, match=r"Q contains NaN or inf \(rows \[7\]"):
+        make().fit(P, np.load(tmp_path / "Q.npy", mmap_mode="r"), Y)
+
+
 @pytest.mark.parametrize("bad", [dict(val_fraction=v) for v in (0, 1.0, -0.1, True, "0.2",
                                                                   float("nan"), float("inf"))]
                          + [dict(seed=s) for s in (1.5, True, "0", None)])
