@@ -132,8 +132,8 @@ class _Model:
 
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
                     Y: RelevanceLike | None = None, copy_queries: bool = True):
-        """(p, q, relevance) checked; p a copy, q too with ``copy_queries`` (else not copied,
-        and a host array as given: a memory map stays one)."""
+        """(p, q, relevance): p a checked copy; q checked, a copy with ``copy_queries``, else
+        not copied (a host numpy array as given, unchecked: a memory map stays one)."""
         p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
