@@ -44,7 +44,7 @@ class Index(abc.ABC):
     name: ClassVar[str]
     Params: ClassVar[type[Params]]
     SearchParams: ClassVar[type[Params]] = NoSearchParams
-    copies_rows: ClassVar[bool] = False  # True: build / add keep no reference to their rows
+    copies_rows: bool = False  # True: build / add keep no reference to their rows
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
         if isinstance(params, dict):
