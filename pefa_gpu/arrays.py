@@ -76,9 +76,9 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
         # nothing to move (skips a torch dispatch: this runs on every search); read-only numpy
         # rows are copied, torch tensors being writable
-        if not (copy or _read_only(x)) or not _same_memory(x, t):
-            return t
-        return host_clone(t) if t.device.type == "cpu" else t.clone()
+        if (copy or _read_only(x)) and _same_memory(x, t):
+            return host_clone(t) if t.device.type == "cpu" else t.clone()
+        return t
     return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype)
 
 
