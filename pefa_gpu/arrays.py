@@ -79,7 +79,8 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
         if (copy or _read_only(x)) and _same_memory(x, t):
             return host_clone(t) if t.device.type == "cpu" else t.clone()
         return t
-    return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype)
+    # copy: 'cuda' and t's 'cuda:0' differ above, yet .to() returns t itself between them
+    return t.to(device=dev if dev is not None else t.device, dtype=dtype or t.dtype, copy=copy)
 
 
 def _as_torch(x: Any, name: str) -> torch.Tensor:
