@@ -67,6 +67,8 @@ CUDA_PATHS: list[tuple[str, list[str]]] = [
      ["test_models.py::", "test_scale.py::", "test_gpu_readiness.py::test_cuda_vote"]),
     ("Triton re-scoring kernel (triton_rowdots: device guard, current stream)",
      ["test_triton_rowdots.py::"]),
+    ("Triton top-k GEMM (triton_topk: exact search's candidates without its score matrix)",
+     ["test_triton_topk.py::"]),
     ("faiss GPU IVF (device pointers, torch's stream, reconstruct, nprobe limit)",
      ["test_backends.py::*ivf-cuda", "test_gpu_paths.py::test_ivf_"]),
     ("CAGRA (faiss GpuIndexCagra or cuVS; re-scoring; loads without CAGRA)",

@@ -175,7 +175,42 @@ def part_votes(s: dict, dev: str) -> dict[str, Any]:
     return {"votes_sync_sites": sync_sites(lambda: fuse.votes(ki, rows))}
 
 
-PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa}
+def part_tiles(s: dict, dev: str) -> dict[str, Any]:
+    """Exact search with and without pefa_gpu.triton_topk (the selection inside the GEMM), and
+    the kernel alone under other tile shapes (BM, BN, BK, warps, stages)."""
+    from pefa_gpu import triton_topk as tt
+
+    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
+    w = k + 8
+    tt.ON_CPU = dev == "cpu"  # a dry run: under TRITON_INTERPRET=1
+    x = unit(n, d, dev, 0).to(torch.bfloat16)
+    q = unit(b, d, dev, 1)
+    index = pg.make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    out: dict[str, Any] = {"gflop": 2 * b * n * d / 1e9, "usable": tt.usable(x, w)}
+    out["mm_s"] = median_seconds(lambda: mm_f32(q.to(x.dtype), x), dev)
+    out["index_tiles_s"] = median_seconds(lambda: index.search(q, k), dev)
+    with_tiles = index.search(q, k)[1]
+    out["unsettled_rows"] = int(tt.tile_topw(q, x, w)[2].sum())
+    usable, tt.usable = tt.usable, lambda rows, w: False
+    try:
+        out["index_blocks_s"] = median_seconds(lambda: index.search(q, k), dev)
+        blocks = index.search(q, k)[1]
+    finally:
+        tt.usable = usable
+    out["same_ids_share"] = float((with_tiles == blocks).all(1).float().mean())
+    out["tiles_vs_blocks"] = out["index_blocks_s"] / out["index_tiles_s"]
+    shape = (tt.BM, tt.BN, tt.BK, tt.WARPS, tt.STAGES)
+    for cfg in [shape, (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3)]:
+        tt.BM, tt.BN, tt.BK, tt.WARPS, tt.STAGES = cfg
+        if tt.tile_topw(q, x, w) is None:  # a shape that does not compile (warned)
+            out[f"kernel_{cfg}"] = tt._FAILED.pop((str(x.device), x.dtype))[:200]
+        else:
+            out[f"kernel_{cfg}_s"] = median_seconds(lambda: tt.tile_topw(q, x, w), dev)
+    tt.BM, tt.BN, tt.BK, tt.WARPS, tt.STAGES = shape
+    return out
+
+PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa,
+         "tiles": part_tiles}
 
 
 def main() -> None:

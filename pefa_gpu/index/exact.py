@@ -180,20 +180,33 @@ class ExactIndex(VectorIndex):
         vals, pos = torch.sort(vals, dim=1, descending=True, stable=True)
         return vals, ids.gather(1, pos), tol
 
-    def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-w of (B, d) float32 queries by (B, chunk) score blocks and :func:`topk_wide`."""
+    def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None,
+                    tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-w of (B, d) float32 queries by (B, chunk) score blocks and :func:`topk_wide`, or
+        where ``tiles`` and :mod:`..triton_topk` serves a chunk, by its tiles (the rows they
+        leave unsettled: by blocks)."""
         best_v = q.new_empty(q.shape[0], 0)
         best_i = best_v.long()
+        unsettled = None
         for c in range(0, self.ntotal, chunk):
-            block = _scores(q, self.vectors[c:c + chunk], buf)
-            v, i = topk_wide(block, w)
-            del block  # CUDA: freed before the next block is allocated
+            rows = self.vectors[c:c + chunk]
+            got = _tile_topw(q, rows, w) if tiles else None
+            if got is None:
+                block = _scores(q, rows, buf)
+                v, i = topk_wide(block, w)
+                del block  # CUDA: freed before the next block is allocated
+            else:
+                v, i, u = got
+                unsettled = u if unsettled is None else unsettled | u
             best_v, pos = torch.topk(torch.cat([best_v, v], 1),
                                      min(w, best_v.shape[1] + v.shape[1]), dim=1, sorted=False)
             best_i = torch.cat([best_i, i + c], 1).gather(1, pos)
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
-        return best_v, best_i.gather(1, pos)
+        best_i = best_i.gather(1, pos)
+        redo = None if unsettled is None else unsettled.nonzero().squeeze(1)  # a host sync
+        if redo is not None and redo.numel():
+            best_v[redo], best_i[redo] = self._torch_pass(q[redo], w, chunk, buf, tiles=False)
+        return best_v, best_i
 
     def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,6 +306,17 @@ def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """(..., d) queries and rows (broadcast) -> (...) float32 inner products rounded once from
     float64: the same two vectors always get the same score."""
     return (q.double() * x.double()).sum(-1).float()
+
+
+def _tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`..triton_topk.tile_topw` where it serves 16-bit ``rows``, else None (imported
+    only then: it imports Triton)."""
+    if rows.dtype == torch.float32:
+        return None
+    from .. import triton_topk  # noqa: PLC0415
+
+    return triton_topk.tile_topw(q, rows, w) if triton_topk.usable(rows, w) else None
 
 
 _MM_OUT_DTYPE: dict[str, bool] = {}  # device -> torch.mm(..., out_dtype=float32) works there

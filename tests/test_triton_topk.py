@@ -1,0 +1,121 @@
+"""The Triton top-k GEMM (pefa_gpu.triton_topk) against the float64 reference: its candidates
+and unsettled rows, and exact search through it (ties, duplicates, the rows it leaves to score
+blocks, a failing kernel); on the CPU under Triton's interpreter, on CUDA compiled."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+import pefa_gpu.index.exact as exact_module  # noqa: E402
+from pefa_gpu import triton_topk as tt  # noqa: E402  (after the skip: imports triton)
+from pefa_gpu.index import make_index  # noqa: E402
+import reference as ref  # noqa: E402
+from test_triton_rowdots import DEVICES, kernel_device  # noqa: E402
+
+pytestmark = pytest.mark.triton
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def any_size(monkeypatch):
+    """The kernel serves the CPU (interpreter) and the tests' small indices."""
+    monkeypatch.setattr(tt, "ON_CPU", True)
+    monkeypatch.setattr(tt, "UNSETTLED_SHARE", 1e9)
+
+
+def stored(x: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.from_numpy(x.astype(np.float32)).to(dtype).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_candidates_are_the_reference_top_w_where_settled(device, dtype):
+    dev = kernel_device(device)
+    rng = np.random.default_rng(0)
+    rows = stored(rng.standard_normal((1300, 40)), dtype, dev)  # 6 tiles, the last partial
+    q = stored(rng.standard_normal((7, 40)), dtype, dev)
+    vals, ids, unsettled = tt.tile_topw(q.float(), rows, 4)
+    rv, ri = ref.exact_search(rows.cpu().double().numpy(), q.cpu().double().numpy(), 4)
+    settled = ~unsettled.cpu().numpy()
+    assert settled.any()
+    np.testing.assert_array_equal(ids.cpu().numpy()[settled], ri[settled])
+    np.testing.assert_allclose(vals.cpu().numpy()[settled], rv[settled], rtol=1e-5, atol=1e-5)
+    assert ids.dtype == torch.int64 and vals.dtype == torch.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_three_top_rows_in_one_tile_leave_the_row_unsettled(device):
+    dev = kernel_device(device)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((1024, 16)) * 0.1
+    x[[5, 9, 200]] = [3.0] * 16  # three copies of the best row, one tile (of 256)
+    x[[300, 600]] = -2.0  # the best two for query 1 (-1, ..., -1): two tiles
+    q = np.ones((2, 16))
+    q[1] = -1.0
+    vals, ids, unsettled = tt.tile_topw(stored(q, torch.bfloat16, dev),
+                                        stored(x, torch.bfloat16, dev), 2)
+    assert unsettled.tolist() == [True, False]
+    assert sorted(ids[0].tolist()) == [5, 9]  # of equal scores in a tile: the lower ids
+    assert sorted(ids[1].tolist()) == [300, 600]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [1, 6])
+def test_exact_search_through_tiles_equals_the_reference_with_ties(device, dtype, k,
+                                                                    monkeypatch):
+    dev = kernel_device(device)
+    rng = np.random.default_rng(k)
+    x = rng.integers(-2, 3, (2600, 12)).astype(np.float32)  # integer scores: real ties
+    x[700:705] = x[3]  # duplicates across tiles and within one
+    q = rng.integers(-2, 3, (9, 12)).astype(np.float32)
+    q[0] = x[3]
+    calls = {"tiles": 0, "blocks": 0}
+    tiles, blocks = tt.tile_topw, exact_module._scores
+
+    def counted(key, fn):
+        return lambda *a: (calls.__setitem__(key, calls[key] + 1), fn(*a))[1]
+
+    monkeypatch.setattr(tt, "tile_topw", counted("tiles", tiles))
+    monkeypatch.setattr(exact_module, "_scores", counted("blocks", blocks))
+    index = make_index("exact", dev, {"dtype": str(dtype).replace("torch.", "")}).build(x)
+    vals, ids = index.search(torch.from_numpy(q).to(dev), k)
+    rv, ri = ref.exact_search(x, q, k)
+    np.testing.assert_array_equal(ids.cpu().numpy(), ri)
+    np.testing.assert_array_equal(vals.cpu().numpy(), rv.astype(np.float32))
+    assert calls["tiles"] >= 1 and calls["blocks"] >= 1  # heavy ties: some rows re-scored
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_failing_kernel_warns_once_and_score_blocks_serve(device, monkeypatch):
+    dev = kernel_device(device)
+    monkeypatch.setattr(tt, "_FAILED", {})
+
+    class Broken:
+        def __getitem__(self, grid):
+            raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(tt, "_tile_best_kernel", Broken())
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3000, 8)).astype(np.float32)
+    q = rng.standard_normal((4, 8)).astype(np.float32)
+    index = make_index("exact", dev, {"dtype": "float16"}).build(x)
+    with pytest.warns(RuntimeWarning, match="Triton top-k kernel failed"):
+        _, ids = index.search(torch.from_numpy(q).to(dev), 3)
+    _, ids2 = index.search(torch.from_numpy(q).to(dev), 3)  # no second warning: not tried
+    x16 = torch.from_numpy(x).half().double().numpy()
+    np.testing.assert_array_equal(ids.cpu().numpy(), ref.exact_search(x16, q, 3)[1])
+    assert torch.equal(ids, ids2)
+
+
+def test_usable_only_for_16_bit_rows_many_tiles_and_a_kernel_device(monkeypatch):
+    rows = torch.zeros(100_000, 4, dtype=torch.bfloat16)
+    monkeypatch.setattr(tt, "UNSETTLED_SHARE", 0.02)
+    assert tt.usable(rows, 10)  # 10^3 256^2 <= 0.12 * 10^10
+    assert not tt.usable(rows, 200)  # too few tiles: many rows would be unsettled
+    assert not tt.usable(rows.float(), 10)
+    monkeypatch.setattr(tt, "ON_CPU", False)
+    assert not tt.usable(rows, 10)
