@@ -39,9 +39,9 @@ if triton is not None:
         cols = tl.arange(0, BN)[None, :]
         acc = tl.where(rn[None, :] < n, acc, float("-inf"))
         out, ok = rm * tiles + tl.program_id(1), rm < b
-        v1, i1 = tl.max(acc, axis=1), tl.argmax(acc, axis=1)  # argmax: the lowest column
+        v1, i1 = tl.max(acc, axis=1, return_indices=True)  # of equal ones, the lowest column
         acc = tl.where(cols == i1[:, None], float("-inf"), acc)
-        v2, i2 = tl.max(acc, axis=1), tl.argmax(acc, axis=1)
+        v2, i2 = tl.max(acc, axis=1, return_indices=True)
         acc = tl.where(cols == i2[:, None], float("-inf"), acc)
         tl.store(val_ptr + 2 * out, v1, mask=ok)
         tl.store(val_ptr + 2 * out + 1, v2, mask=ok)
