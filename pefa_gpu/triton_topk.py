@@ -1,8 +1,9 @@
 """Exact search's top-w candidates without its (B, n) score matrix: a Triton GEMM of 16-bit
 queries and rows whose epilogue keeps, per query and tile of ``BN`` rows, the best two scores
 with their ids and the third score. The best w of those are a row's true top-w, ties included,
-unless some tile's third score reaches the w-th: such a row is unsettled (the caller scores it
-in full). On CUDA only (``ON_CPU``: under TRITON_INTERPRET=1 too, for the tests)."""
+unless some tile's third score reaches the w-th or a score is not finite: such a row is
+unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under TRITON_INTERPRET=1
+too, for the tests)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
     vals = torch.empty(b, tiles, 2, device=rows.device)
     ids = torch.empty(b, tiles, 2, device=rows.device, dtype=torch.int32)
     third = torch.empty(b, tiles, device=rows.device)
+    odd = ~torch.isfinite(q).all(1)  # NaN / inf queries: scored by the caller, zeros here
+    q = q.masked_fill(odd.unsqueeze(1), 0.0)
     if rows.is_cuda:
         q = q.to(rows.dtype)
     else:  # Triton's interpreter: float32 (exact products), its bfloat16 dots are wrong
@@ -89,4 +92,5 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
                       stacklevel=2)
         return None
     top, pos = torch.topk(vals.view(b, -1), w, dim=1)
-    return top, ids.view(b, -1).gather(1, pos).long(), (third >= top[:, -1:]).any(1)
+    odd |= ~torch.isfinite(top).all(1)  # an overflow: inf, NaN
+    return top, ids.view(b, -1).gather(1, pos).long(), (third >= top[:, -1:]).any(1) | odd

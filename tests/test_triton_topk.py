@@ -119,3 +119,23 @@ def test_usable_only_for_16_bit_rows_many_tiles_and_a_kernel_device(monkeypatch)
     assert not tt.usable(rows.float(), 10)
     monkeypatch.setattr(tt, "ON_CPU", False)
     assert not tt.usable(rows, 10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_with_nan_or_inf_scores_go_to_score_blocks(device, monkeypatch):
+    dev = kernel_device(device)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3000, 8)).astype(np.float32)
+    x[17] = 0.0  # inf * 0: a NaN score in the inf query's row
+    q = rng.standard_normal((4, 8)).astype(np.float32)
+    q[1, 2], q[2, 5] = np.nan, np.inf
+    rows = stored(x, torch.bfloat16, dev)
+    assert tt.tile_topw(torch.from_numpy(q).to(dev), rows, 5)[2].tolist() == \
+        [False, True, True, False]
+    index = make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    got = index.search(torch.from_numpy(q).to(dev), 5)
+    monkeypatch.setattr(tt, "ON_CPU", False)
+    monkeypatch.setattr(tt, "usable", lambda rows, w: False)
+    blocks = index.search(torch.from_numpy(q).to(dev), 5)  # NaN first: test_exact pins it
+    assert torch.equal(got[1], blocks[1])
+    assert torch.equal(got[0].isnan(), blocks[0].isnan())
