@@ -12,6 +12,7 @@ pytest.importorskip("triton")
 import pefa_gpu.index.exact as exact_module  # noqa: E402
 from pefa_gpu import triton_topk as tt  # noqa: E402  (after the skip: imports triton)
 from pefa_gpu.index import make_index  # noqa: E402
+from pefa_gpu.triton_rowdots import interpreted  # noqa: E402
 import reference as ref  # noqa: E402
 from test_triton_rowdots import DEVICES, kernel_device  # noqa: E402
 
@@ -139,3 +140,34 @@ def test_rows_with_nan_or_inf_scores_go_to_score_blocks(device, monkeypatch):
     blocks = index.search(torch.from_numpy(q).to(dev), 5)  # NaN first: test_exact pins it
     assert torch.equal(got[1], blocks[1])
     assert torch.equal(got[0].isnan(), blocks[0].isnan())
+
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(2600, 4000), d=st.integers(1, 70), b=st.integers(1, 12),
+       k=st.integers(1, 12), levels=st.sampled_from([2, 5, 1000]),
+       dtype=st.sampled_from(["float16", "bfloat16"]), transposed=st.booleans())
+def test_exact_search_through_tiles_over_shapes_dtypes_and_layouts(n, d, b, k, levels, dtype,
+                                                                   transposed):
+    """Any shape, few or many score levels (ties), queries as a transposed view: the index's
+    ids and scores through the tiles equal the float64 reference (integers: exact scores)."""
+    if not interpreted():
+        return  # compiled Triton runs the other tests
+    rng = np.random.default_rng([n, d, b, k, levels])
+    x = rng.integers(0, levels, (n, d)).astype(np.float32) - levels // 2
+    q = rng.integers(-2, 3, (d, b) if transposed else (b, d)).astype(np.float32)
+    qt = torch.from_numpy(q).T if transposed else torch.from_numpy(q)
+    called = []
+    tile_topw = tt.tile_topw
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tt, "tile_topw", lambda *a: called.append(1) or tile_topw(*a))
+        vals, ids = make_index("exact", "cpu", {"dtype": dtype}).build(x).search(qt, k)
+    x16 = torch.from_numpy(x).to(getattr(torch, dtype)).double().numpy()
+    rv, ri = ref.exact_search(x16, qt.numpy(), k)
+    assert called
+    np.testing.assert_array_equal(ids.numpy(), ri)
+    np.testing.assert_array_equal(vals.numpy(), rv.astype(np.float32))
