@@ -357,6 +357,13 @@ def test_bad_input_is_named(tmp_path):
     other = pp.write_rows(Q[:10], tmp_path / "few", rows=100)
     with pytest.raises(InputError, match="400 x 240 but there are 10 query"):
         pp.aggregate(other, rel, docs, tmp_path / "a")
+    with pytest.raises(InputError, match="400 x 240 but there are 10 query"):
+        pp.build("xl", tmp_path / "b", docs, queries=other, relevance=rel)
+    narrow = pp.write_rows(Q[:, :5], tmp_path / "narrow", rows=100)
+    for run in (lambda: pp.aggregate(narrow, rel, docs, tmp_path / "a"),
+                lambda: pp.build("xl", tmp_path / "b", docs, queries=narrow, relevance=rel)):
+        with pytest.raises(InputError, match="queries have dimension 5, documents"):
+            run()
     with pytest.raises(InputError, match="lam"):
         pp.aggregate(queries, rel, docs, tmp_path / "a", lam=1.5)
     b = pp.build("erm", tmp_path / "erm", docs)
