@@ -5,14 +5,14 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import InputError
+from .params import check_held_out
 
 
 def split_queries(n_queries: int, val_fraction: float = 0.2, seed: int = 0
                   ) -> tuple[np.ndarray, np.ndarray]:
     """A seeded split of query rows 0..n-1 into (fit rows, validation rows), both sorted int64
     and disjoint; at least one row on each side."""
-    if not 0.0 < val_fraction < 1.0:
-        raise InputError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
+    check_held_out(val_fraction, seed)
     if n_queries < 2:
         raise InputError(f"a validation split needs at least 2 training queries, got {n_queries}")
     n_val = min(max(1, int(round(val_fraction * n_queries))), n_queries - 1)

@@ -21,7 +21,7 @@ from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.fuse import neighbours
 from pefa_gpu.pipeline.serving import _merge
-from pefa_gpu.pipeline.shards import _shard_fields
+from pefa_gpu.pipeline.shards import _complete
 from reference import exact_search, normalize, xl_search
 from textdata import BowEncoder
 
@@ -240,7 +240,7 @@ def test_shard_writes_are_atomic_and_stages_checked(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert calls["n"] == 2
     assert np.array_equal(pp.read_rows(out), before)
-    assert _shard_fields(tmp_path / "new" / "shard-00000") is None
+    assert _complete(tmp_path / "new" / "shard-00000") is None
     assert not [p for p in (tmp_path / "new" / "shard-00000").rglob("*") if p.is_file()]
     # a shard rewritten after its stage was written is refused, not mixed in
     pp.write_shard(tmp_path / "docs" / "shard-00001", {"rows": [100, 200]},
@@ -315,8 +315,8 @@ def test_encode_resumes_after_a_kill_and_shares_the_cache(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == 9, proc.stderr
     # shards 0 and 1 are complete, shard 2 was being encoded: nothing of it is visible
-    assert _shard_fields(out / "shard-00000") and _shard_fields(out / "shard-00001")
-    assert _shard_fields(out / "shard-00002") is None
+    assert _complete(out / "shard-00000") and _complete(out / "shard-00001")
+    assert _complete(out / "shard-00002") is None
     enc = BowEncoder()
     pp.encode(texts, out, model=enc, rows=40, show_progress=False)
     assert enc.seen == 120  # shards 2, 3, 4 only
@@ -327,7 +327,7 @@ def test_encode_resumes_after_a_kill_and_shares_the_cache(tmp_path):
     pp.encode(texts, out, model=enc, rows=40, show_progress=False)
     assert enc.seen == 0
     # a retried shard call (a Ray actor that died after the commit) encodes nothing either
-    fp = _shard_fields(out / "shard-00001")["fingerprint"]
+    fp = _complete(out / "shard-00001").manifest["fingerprint"]
     enc = BowEncoder()
     entry = pp.encode_shard(texts[40:80], out, 1, 40, fp, model=enc)
     assert enc.seen == 0 and (entry.name, entry.rows) == ("shard-00001", (40, 80))
@@ -357,6 +357,13 @@ def test_bad_input_is_named(tmp_path):
     other = pp.write_rows(Q[:10], tmp_path / "few", rows=100)
     with pytest.raises(InputError, match="400 x 240 but there are 10 query"):
         pp.aggregate(other, rel, docs, tmp_path / "a")
+    with pytest.raises(InputError, match="400 x 240 but there are 10 query"):
+        pp.build("xl", tmp_path / "b", docs, queries=other, relevance=rel)
+    narrow = pp.write_rows(Q[:, :5], tmp_path / "narrow", rows=100)
+    for run in (lambda: pp.aggregate(narrow, rel, docs, tmp_path / "a"),
+                lambda: pp.build("xl", tmp_path / "b", docs, queries=narrow, relevance=rel)):
+        with pytest.raises(InputError, match="queries have dimension 5, documents"):
+            run()
     with pytest.raises(InputError, match="lam"):
         pp.aggregate(queries, rel, docs, tmp_path / "a", lam=1.5)
     b = pp.build("erm", tmp_path / "erm", docs)

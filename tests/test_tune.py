@@ -41,8 +41,11 @@ def test_split_is_seeded_and_disjoint():
     assert not np.array_equal(split_queries(50, 0.2, seed=4)[1], a_val)
     with pytest.raises(InputError):
         split_queries(1)
-    with pytest.raises(InputError):
-        split_queries(10, 1.5)
+    for bad in (1.5, 0, True, "0.2", float("nan")):  # a string or bool: the same InputError
+        with pytest.raises(InputError, match="val_fraction"):
+            split_queries(10, bad)
+    with pytest.raises(InputError, match="seed"):
+        split_queries(10, 0.2, seed=1.5)
 
 
 def test_per_query_recall_matches_loop():

@@ -32,13 +32,17 @@ class Part:
             + self.y.indptr.nbytes
 
 
-def check_pairs(rel: Stage, queries: Rows, docs: Rows) -> None:
-    """Y (a relevance stage) must be (queries x documents), both of one dimension."""
-    if queries.n != rel.m or docs.n != rel.n:
-        raise InputError(f"Y is {rel.m} x {rel.n} but there are {queries.n} query and "
+def read_pairs(relevance: str | Path, queries: str | Path, docs: Rows, doc_rows: int
+               ) -> tuple[Stage, list[tuple[int, int]]]:
+    """The relevance stage of Y, which must be (queries x documents), both of one dimension,
+    and the ranges of ``doc_rows`` documents."""
+    rel, q = read_stage(relevance, "relevance"), Rows(queries)
+    if q.n != rel.m or docs.n != rel.n:
+        raise InputError(f"Y is {rel.m} x {rel.n} but there are {q.n} query and "
                          f"{docs.n} document embeddings")
-    if queries.dim != docs.dim:
-        raise InputError(f"queries have dimension {queries.dim}, documents {docs.dim}")
+    if q.dim != docs.dim:
+        raise InputError(f"queries have dimension {q.dim}, documents {docs.dim}")
+    return rel, split(rel.n, doc_rows)
 
 
 def split_queries(queries: str | Path, relevance: str | Path, shard: int,
@@ -98,11 +102,10 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     """PIFA Yᵀ Q (and PEFA-XS's E, given ``lam``) per range of ``doc_rows`` documents from row
     stages of Q (m, d) and P (n, d) and a relevance stage of Y; no task holds more than one
     query shard or one range, the partial sums wait on disk (``out/part-<r>``, removed)."""
-    rel, prows = read_stage(relevance, "relevance"), Rows(docs)
-    check_pairs(rel, Rows(queries), prows)
+    prows = Rows(docs)
+    rel, ranges = read_pairs(relevance, queries, prows, doc_rows)
     if lam is not None:
         check_unit_interval(lam, "lam")
-    ranges = split(rel.n, doc_rows)
     maps = [(str(queries), str(relevance), r, ranges, str(out)) for r in range(len(rel.shards))]
     reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
                for s, rng in enumerate(ranges)]

@@ -17,7 +17,7 @@ from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
 from ..params import XLParams, XLSearchParams
 from ..storage import writing_save
-from .aggregation import Part, check_pairs, split_queries
+from .aggregation import Part, read_pairs, split_queries
 from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, SHARD_FORMAT, SHARD_MANIFEST, Entry, Rows, Stage,
                      commit_shard, read_stage, shard_name, split, write_shard, write_stage)
@@ -92,9 +92,7 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         params = XLParams(lam=lam, k=k, knn_norm=knn_norm, rescore=rescore,
                           augment_docs=augment_docs)
         candidates = XLSearchParams(candidates=candidates).candidates
-        rel = read_stage(relevance, "relevance")
-        check_pairs(rel, Rows(queries), prows)
-        ranges = split(prows.n, doc_rows)
+        rel, ranges = read_pairs(relevance, queries, prows, doc_rows)
         maps = [(str(queries), str(relevance), r, ranges) for r in range(len(rel.shards))]
         reduces = [(str(queries), str(docs), rng, str(out), s, params, candidates, *index,
                     export_hnsw) for s, rng in enumerate(ranges)]

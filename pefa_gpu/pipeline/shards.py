@@ -26,8 +26,8 @@ from ..errors import FormatError, InputError
 from ..params import XLParams
 from ..persist import load as load_model
 from ..relevance import as_relevance
-from ..storage import (PendingSave, load_csr, load_tensor, open_save, save_csr, save_tensor,
-                       write_output_file, writing_save)
+from ..storage import (PendingSave, SaveDir, load_csr, load_tensor, open_save, save_csr,
+                       save_tensor, write_output_file, writing_save)
 from .runner import LocalRunner
 
 log = logging.getLogger("pefa_gpu")
@@ -161,24 +161,22 @@ def open_entry(folder: str | Path, entry: Entry, device: Any = "cpu") -> Shard:
     return read_shard(Path(folder) / entry.name, device=device, expect_sha=entry.manifest_sha256)
 
 
-def remove_shard(path: Path) -> None:
-    """Remove the complete shard at ``path`` (manifest, data, the folder when then empty)."""
+def _complete(path: Path) -> SaveDir | None:
+    """The complete shard at ``path`` (sizes checked), else None."""
     try:
-        save = open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
-    except (FormatError, FileNotFoundError):
-        return
-    (save.root / SHARD_MANIFEST).unlink()
-    shutil.rmtree(save.data)
-    with contextlib.suppress(OSError):
-        save.root.rmdir()
-
-
-def _shard_fields(path: Path) -> dict[str, Any] | None:
-    """The manifest of a complete shard at ``path`` (sizes checked), else None."""
-    try:
-        return open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False).manifest
+        return open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
     except (FormatError, FileNotFoundError):
         return None
+
+
+def remove_shard(path: Path) -> None:
+    """Remove the complete shard at ``path`` (manifest, data, the folder when then empty)."""
+    save = _complete(path)
+    if save is not None:
+        (save.root / SHARD_MANIFEST).unlink()
+        shutil.rmtree(save.data)
+        with contextlib.suppress(OSError):
+            save.root.rmdir()
 
 
 def split(n: int, rows: int) -> list[tuple[int, int]]:
@@ -310,8 +308,8 @@ def encode_fingerprint(texts: Sequence[str], identity: str | None, normalize: bo
 
 def _written(path: Path, fingerprint: str | None) -> dict[str, Any] | None:
     """The manifest of the complete shard at ``path`` encoded with ``fingerprint``, else None."""
-    fields = _shard_fields(path)
-    return fields if fields is not None and fields.get("fingerprint") == fingerprint else None
+    save = _complete(path)
+    return save.manifest if save and save.manifest.get("fingerprint") == fingerprint else None
 
 
 def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
