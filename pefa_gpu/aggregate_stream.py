@@ -64,9 +64,6 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     if kernel not in kernels:
         raise InputError(f"kernel={kernel!r} is not available on {device}")
     rows = int(min(chunk_rows(budget, n, d, src.dtype.itemsize, kernel), max(m, 1)))
-    csr = rel.csr
-    indices = csr.indices
-    indptr = csr.indptr.astype(indices.dtype, copy=False)
     if initial is not None and (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
                                 or initial.device.type != device.type
                                 or not initial.is_contiguous()):
@@ -74,9 +71,9 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
                          f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
     a = torch.zeros((n, d), dtype=torch.float32, device=device) if initial is None else initial
     if kernel == "index_add":
-        _stream_staged(src, rows, indptr, indices, csr.data, m, a)
+        _stream_staged(src, rows, rel.csr, a)
     else:
-        _stream_scipy(src, rows, indptr, indices, csr.data, m, a.numpy())
+        _stream_scipy(src, rows, rel.csr, a.numpy())
     return a
 
 
@@ -93,10 +90,10 @@ def _read_rows(src: RowSource, rows: int, m: int, buffers: list[np.ndarray]) -> 
         raise InputError(f"Y has {m} rows (queries) but Q has {seen} rows")
 
 
-def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                  data: np.ndarray, m: int, a: np.ndarray) -> None:
-    """scipy's CSC product accumulates each chunk into ``a`` (n, d)."""
-    n, d = a.shape
+def _stream_scipy(src: RowSource, rows: int, y: Any, a: np.ndarray) -> None:
+    """scipy's CSC product accumulates each chunk into ``a`` (n, d); ``y``: Y's scipy CSR."""
+    (m, n), d = y.shape, a.shape[1]
+    indptr = y.indptr.astype(y.indices.dtype, copy=False)  # the kernel's one index type
     buffers = [np.empty((rows, d), dtype=src.dtype)]  # untouched (no memory) but by a memmap
     conv = None
     for start, chunk in _read_rows(src, rows, m, buffers):
@@ -112,7 +109,7 @@ def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nda
             raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...)")
         ptr = indptr[start:start + r + 1]
         # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
-        csc_matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
+        csc_matvecs(n, r, d, ptr, y.indices, y.data, x.reshape(-1), a.reshape(-1))
 
 
 class Staging:
@@ -167,10 +164,9 @@ class Staging:
             self._consumed[slot] = done
 
 
-def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                   data: np.ndarray, m: int, a: torch.Tensor) -> None:
+def _stream_staged(src: RowSource, rows: int, y: Any, a: torch.Tensor) -> None:
     """The index_add kernel (module docstring): ``a += Y[R]ᵀ Q[R]`` for every chunk R of
-    ``src`` on the current stream, entries batched by ``rows``."""
+    ``src`` on the current stream, entries batched by ``rows``; ``y``: Y's scipy CSR."""
     device = a.device  # a tensor's: on CUDA with its index
     cuda = device.type == "cuda"
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
@@ -181,7 +177,7 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
         finite = torch.ones((), dtype=torch.bool, device=device)
         batch = 0
         try:
-            for i, (start, chunk) in enumerate(_read_rows(src, rows, m,
+            for i, (start, chunk) in enumerate(_read_rows(src, rows, y.shape[0],
                                                           [v["q"] for v in q.views])):
                 slot, r = i % 2, chunk.shape[0]
                 host = q.views[slot]["q"]
@@ -189,14 +185,14 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
                     np.copyto(host[:r], chunk, casting="unsafe")
                 x = q.upload(slot, r)["q"].float()
                 finite &= torch.isfinite(x).all()
-                ptr = indptr[start:start + r + 1]
+                ptr = y.indptr[start:start + r + 1]
                 for e0 in range(int(ptr[0]), int(ptr[-1]), rows):
                     e1 = min(e0 + rows, int(ptr[-1]))
                     e_slot, e = batch % 2, e1 - e0
                     entries.wait_host(e_slot)
                     v = entries.views[e_slot]
-                    v["doc"][:e] = indices[e0:e1]
-                    v["w"][:e] = data[e0:e1]
+                    v["doc"][:e] = y.indices[e0:e1]
+                    v["w"][:e] = y.data[e0:e1]
                     # each entry's row in the chunk: the last row starting at or before it
                     np.subtract(np.searchsorted(ptr, np.arange(e0, e1), side="right"), 1,
                                 out=v["row"][:e])
