@@ -15,7 +15,7 @@ import torch
 from .arrays import as_tensor, check_positive_int
 from .errors import InputError
 from .relevance import Relevance
-from .stream import RowSource
+from .stream import Chunks, RowSource
 
 try:  # scipy's in-place CSC kernel (private: where it is missing, index_add runs on the CPU)
     from scipy.sparse._sparsetools import csc_matvecs
@@ -64,9 +64,6 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     if kernel not in kernels:
         raise InputError(f"kernel={kernel!r} is not available on {device}")
     rows = int(min(chunk_rows(budget, n, d, src.dtype.itemsize, kernel), max(m, 1)))
-    csr = rel.csr
-    indices = csr.indices
-    indptr = csr.indptr.astype(indices.dtype, copy=False)
     if initial is not None and (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
                                 or initial.device.type != device.type
                                 or not initial.is_contiguous()):
@@ -74,43 +71,45 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
                          f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
     a = torch.zeros((n, d), dtype=torch.float32, device=device) if initial is None else initial
     if kernel == "index_add":
-        seen = _stream_staged(src, rows, indptr, indices, csr.data, m, a)
+        _stream_staged(src, rows, rel.csr, a)
     else:
-        seen = _stream_scipy(src, rows, indptr, indices, csr.data, m, a.numpy())
-    if seen != m:
-        raise InputError(f"Y has {m} rows (queries) but Q has {seen} rows")
+        _stream_scipy(src, rows, rel.csr, a.numpy())
     return a
 
 
-def _check_rows(start: int, r: int, m: int) -> None:
-    if start + r > m:
-        raise InputError(f"Y has {m} rows (queries) but Q has more than {m} rows")
-
-
-def _stream_scipy(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                  data: np.ndarray, m: int, a: np.ndarray) -> int:
-    """scipy's CSC product accumulates each chunk into ``a`` (n, d); returns the rows read."""
-    n, d = a.shape
-    buffers = [np.empty((rows, d), dtype=src.dtype)]  # untouched (no memory) but by a memmap
-    conv, seen = None, 0
+def _read_rows(src: RowSource, rows: int, m: int, buffers: list[np.ndarray]) -> Chunks:
+    """``src.chunks(rows, buffers)``, InputError as soon as Q has more rows than Y, and at
+    the end when it has fewer."""
+    seen = 0
     for start, chunk in src.chunks(rows, buffers):
+        seen = start + chunk.shape[0]
+        if seen > m:
+            raise InputError(f"Y has {m} rows (queries) but Q has more than {m} rows")
+        yield start, chunk
+    if seen != m:
+        raise InputError(f"Y has {m} rows (queries) but Q has {seen} rows")
+
+
+def _stream_scipy(src: RowSource, rows: int, y: Any, a: np.ndarray) -> None:
+    """scipy's CSC product accumulates each chunk into ``a`` (n, d); ``y``: Y's scipy CSR."""
+    (m, n), d = y.shape, a.shape[1]
+    indptr = y.indptr.astype(y.indices.dtype, copy=False)  # the kernel's one index type
+    buffers = [np.empty((rows, d), dtype=src.dtype)]  # untouched (no memory) but by a memmap
+    conv = None
+    for start, chunk in _read_rows(src, rows, m, buffers):
         r = chunk.shape[0]
-        _check_rows(start, r, m)
-        if chunk.dtype != np.float32:
-            if conv is None:
-                conv = np.empty((rows, d), dtype=np.float32)
+        if chunk.dtype == np.float32:
+            x = np.ascontiguousarray(chunk)
+        else:  # into one float32 buffer, made at the first chunk that needs it
+            conv = np.empty((rows, d), dtype=np.float32) if conv is None else conv
             x = conv[:r]
             np.copyto(x, chunk, casting="unsafe")
-        else:
-            x = np.ascontiguousarray(chunk)
         if x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):  # in place
             bad = np.flatnonzero(~np.isfinite(x).all(axis=1))[:5] + start
             raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...)")
         ptr = indptr[start:start + r + 1]
         # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
-        csc_matvecs(n, r, d, ptr, indices, data, x.reshape(-1), a.reshape(-1))
-        seen = start + r
-    return seen
+        csc_matvecs(n, r, d, ptr, y.indices, y.data, x.reshape(-1), a.reshape(-1))
 
 
 class Staging:
@@ -165,10 +164,9 @@ class Staging:
             self._consumed[slot] = done
 
 
-def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.ndarray,
-                   data: np.ndarray, m: int, a: torch.Tensor) -> int:
+def _stream_staged(src: RowSource, rows: int, y: Any, a: torch.Tensor) -> None:
     """The index_add kernel (module docstring): ``a += Y[R]ᵀ Q[R]`` for every chunk R of
-    ``src`` on the current stream, entries batched by ``rows``; returns the rows read."""
+    ``src`` on the current stream, entries batched by ``rows``; ``y``: Y's scipy CSR."""
     device = a.device  # a tensor's: on CUDA with its index
     cuda = device.type == "cuda"
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():
@@ -177,24 +175,24 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
         entries = Staging(rows, {"doc": (0, np.int64), "row": (0, np.int64),
                                  "w": (0, np.float32)}, device, copier)
         finite = torch.ones((), dtype=torch.bool, device=device)
-        seen, batch = 0, 0
+        batch = 0
         try:
-            for i, (start, chunk) in enumerate(src.chunks(rows, [v["q"] for v in q.views])):
+            for i, (start, chunk) in enumerate(_read_rows(src, rows, y.shape[0],
+                                                          [v["q"] for v in q.views])):
                 slot, r = i % 2, chunk.shape[0]
-                _check_rows(start, r, m)
                 host = q.views[slot]["q"]
                 if chunk.ctypes.data != host.ctypes.data:  # an iterator's or an array's chunk
                     np.copyto(host[:r], chunk, casting="unsafe")
                 x = q.upload(slot, r)["q"].float()
                 finite &= torch.isfinite(x).all()
-                ptr = indptr[start:start + r + 1]
+                ptr = y.indptr[start:start + r + 1]
                 for e0 in range(int(ptr[0]), int(ptr[-1]), rows):
                     e1 = min(e0 + rows, int(ptr[-1]))
                     e_slot, e = batch % 2, e1 - e0
                     entries.wait_host(e_slot)
                     v = entries.views[e_slot]
-                    v["doc"][:e] = indices[e0:e1]
-                    v["w"][:e] = data[e0:e1]
+                    v["doc"][:e] = y.indices[e0:e1]
+                    v["w"][:e] = y.data[e0:e1]
                     # each entry's row in the chunk: the last row starting at or before it
                     np.subtract(np.searchsorted(ptr, np.arange(e0, e1), side="right"), 1,
                                 out=v["row"][:e])
@@ -203,7 +201,6 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
                     entries.release(e_slot)
                     batch += 1
                 q.release(slot)
-                seen = start + r
                 # before the source refills the other slot, its previous copy must be done
                 q.wait_host((i + 1) % 2)
         finally:  # also on an error: no copy may still be writing when the buffers are freed
@@ -211,4 +208,3 @@ def _stream_staged(src: RowSource, rows: int, indptr: np.ndarray, indices: np.nd
                 copier.synchronize()
         if not bool(finite):
             raise InputError("Q contains NaN or inf")
-    return seen

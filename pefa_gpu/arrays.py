@@ -76,7 +76,7 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
         # nothing to move (skips a torch dispatch: this runs on every search); read-only numpy
         # rows are copied, torch tensors being writable
-        if (copy or _read_only(x)) and _same_memory(x, t):
+        if (copy or isinstance(x, np.ndarray) and not x.flags.writeable) and _same_memory(x, t):
             return host_clone(t) if t.device.type == "cpu" else t.clone()
         return t
     # copy: 'cuda' and t's 'cuda:0' differ above, yet .to() returns t itself between them
@@ -114,11 +114,6 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
 
 def _from_numpy(a: np.ndarray, bf16: bool) -> torch.Tensor:
     return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
-
-
-def _read_only(x: Any) -> bool:
-    """A numpy array torch must not write (np.load(mmap_mode="r"), a broadcast view)."""
-    return isinstance(x, np.ndarray) and not x.flags.writeable and x.flags.c_contiguous
 
 
 def to_numpy(x: ArrayLike) -> np.ndarray:

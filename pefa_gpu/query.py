@@ -264,7 +264,6 @@ class QueryModel(_Saved):
                params: Params | None = None, index_params: Params | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the model's ``search``, on :meth:`queries`."""
-        self.model.check_fitted()
         return self.model.search(self.queries(queries), topk, check=False, params=params,
                                  index_params=index_params)
 

@@ -224,6 +224,18 @@ def test_empty_relevance_and_no_rows(tmp_path):
         pg.pifa(Y, iter([]), device="cpu")
 
 
+@pytest.mark.parametrize("kernel", ["scipy", "index_add"])
+def test_row_count_is_checked_by_both_kernels(kernel):
+    Y, Q = make_data(2)
+    m = Y.shape[0]
+    budget = budget_for(7, Y.shape[1], Q.shape[1], staged=kernel == "index_add")
+    for chunks, says in (([Q, Q[:3]], f"Q has more than {m} rows"),
+                         ([Q[:100], Q[100:-1]], f"Q has {m - 1} rows")):
+        src = row_source(iter(chunks))
+        with pytest.raises(pg.InputError, match=f"Y has {m} rows .queries. but {says}"):
+            pifa_streamed(Relevance(Y), src, torch.device("cpu"), budget, kernel=kernel)
+
+
 def test_errors(tmp_path):
     Y, Q = make_data(1)
     with pytest.raises(pg.InputError, match="rows"):

@@ -262,6 +262,8 @@ def test_bad_input():
         pg.QueryModel(pg.ERM(device="cpu").fit(P[:, :5]), a)
     with pytest.raises(InputError, match="not fitted"):
         pg.QueryModel(pg.ERM(device="cpu").fit(P), pg.QueryAdapter(alpha=1.0))
+    with pytest.raises(InputError, match="ERM is not fitted"):
+        pg.QueryModel(pg.ERM(device="cpu"), prf=pg.VectorPRF()).search(T)
 
 
 def test_sweep_and_fit_config_match_the_reference():
