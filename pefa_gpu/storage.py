@@ -604,11 +604,8 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
 def check_output_file(path: PathLike, what: str = "output") -> Path:
     """``path`` if it is absent or a regular file in a writable folder; else :class:`InputError`."""
     p = Path(path)
-    try:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # absent: nothing replaced
         mode = os.lstat(p).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        mode = None
-    if mode is not None:
         if stat.S_ISLNK(mode):
             raise InputError(f"{what} {p} is a symbolic link (to {os.readlink(p)!r}); outputs "
                              f"are written only to regular files: name the file itself")
