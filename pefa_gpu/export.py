@@ -55,8 +55,7 @@ def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> tor
     order = torch.argsort(score, descending=True, stable=True)
     order = order[torch.argsort(dst[order], stable=True)]  # by target, closest first
     src, dst = src[order], dst[order]
-    counts = torch.bincount(dst, minlength=n)
-    rank = torch.arange(dst.numel(), device=dev) - (torch.cumsum(counts, 0) - counts)[dst]
+    rank = torch.arange(dst.numel(), device=dev) - torch.searchsorted(dst, dst)  # its target's
     keep = rank < half
     rev = torch.full((n, half), -1, dtype=torch.long, device=dev)
     rev[dst[keep], rank[keep]] = src[keep]

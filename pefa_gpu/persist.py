@@ -239,15 +239,12 @@ def _backend(name: object, where: Path) -> type[Index]:
 
 
 def _registered_name(index: Index) -> str:
-    """The registry name of an index's backend."""
-    for name in (getattr(index, "name", None), *backend_names()):
-        try:
-            if name in backend_names() and backend_class(name) is type(index):
-                return name
-        except ImportError:
-            continue
-    raise InputError(f"{type(index).__name__} is not a registered backend; register_backend() "
-                     f"it before saving")
+    """The registry name of an index's backend: its class's ``name``, registered as that class."""
+    name = getattr(index, "name", None)
+    if name not in backend_names() or backend_class(name) is not type(index):
+        raise InputError(f"{type(index).__name__} is not registered as backend {name!r}; "
+                         f"register_backend() it before saving")
+    return name
 
 
 load = load_model

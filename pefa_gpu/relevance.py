@@ -84,13 +84,7 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
                  name: str = "Y", allow_empty: bool = False) -> Relevance:
     """A :class:`Relevance` from a Relevance, a scipy sparse matrix or a dense 2-D array;
     ``shape`` entries that are not None must match; empty only with ``allow_empty``."""
-    if isinstance(y, Relevance):
-        rel = y
-    elif sp.issparse(y) or (isinstance(y, (np.ndarray, torch.Tensor)) and y.ndim == 2):
-        rel = Relevance(y, name)
-    else:
-        raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a 2-D "
-                         f"numpy array or torch tensor, got {type(y).__name__}")
+    rel = y if isinstance(y, Relevance) else Relevance(y, name)
     for have, want, what, of in zip(rel.shape, shape, ("rows (queries)", "columns (documents)"),
                                     ("query", "document")):
         if want is not None and have != want:
@@ -107,9 +101,10 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
     from a dense 2-D numpy array / torch tensor."""
     if not sp.issparse(y):
         if isinstance(y, torch.Tensor):
-            y = y.detach().cpu().numpy() if y.layout == torch.strided else y
+            y = to_numpy(y) if y.layout == torch.strided else y  # bfloat16 widened
         if not isinstance(y, np.ndarray) or y.ndim != 2:
-            raise InputError(f"{name} must be a 2-D matrix, got {type(y).__name__} of shape "
+            raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
+                             f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
         return _finite(sp.csr_matrix(_real(y, name), dtype=np.float32), name)  # copies
     if y.ndim != 2:

@@ -306,15 +306,6 @@ def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
     return path
 
 
-def _check_listed(data: Path, files: dict[str, Any], where: Path, under: str = "") -> None:
-    """No entry under ``data / under`` that ``files`` does not list as a regular file."""
-    prefix = f"{under}/" if under else ""
-    extra = [prefix + rel for rel, st in _walk_files(data / under)
-             if prefix + rel not in files or not stat.S_ISREG(st.st_mode)]
-    if extra:
-        raise FormatError(f"{data / under} holds {extra[:5]}, which {where} does not list")
-
-
 # ---------------------------------------------------------------------------- manifest
 
 def strict_json(text: str) -> Any:
@@ -378,10 +369,8 @@ class SaveDir:
         return path
 
     def folder(self, rel: Any) -> Path:
-        """A folder inside the save whose every file is listed."""
-        path = _safe_path(self.data, rel, self.where, kind="dir")
-        _check_listed(self.data, self.manifest["files"], self.where, rel)
-        return path
+        """A folder inside the save (:func:`open_save` found every file in it listed)."""
+        return _safe_path(self.data, rel, self.where, kind="dir")
 
 
 def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
@@ -410,7 +399,10 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
             raise FormatError(f"{p} is {what}: {size} bytes, the manifest says {info['bytes']}")
         if checksums and sha256_file(p) != info["sha256"]:
             raise FormatError(f"{p} is corrupted: its sha256 does not match the manifest")
-    _check_listed(data, manifest["files"], where)
+    extra = [rel for rel, st in _walk_files(data)
+             if rel not in manifest["files"] or not stat.S_ISREG(st.st_mode)]
+    if extra:
+        raise FormatError(f"{data} holds {extra[:5]}, which {where} does not list")
     return SaveDir(root, data, manifest, where)
 
 
@@ -448,13 +440,12 @@ def _fsync_dir(path: Path) -> None:
 
 def fsync_tree(root: PathLike) -> None:
     """fsync every file and folder under ``root`` and ``root`` itself."""
-    for p in Path(root).rglob("*"):
+    for p in [*Path(root).rglob("*"), Path(root)]:
         if p.is_file():
             with open(p, "rb") as fh:
                 os.fsync(fh.fileno())
         elif p.is_dir():
             _fsync_dir(p)
-    _fsync_dir(Path(root))
 
 
 def _data_folder(folder: Path, partial: bool = False) -> bool:
@@ -613,11 +604,8 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
 def check_output_file(path: PathLike, what: str = "output") -> Path:
     """``path`` if it is absent or a regular file in a writable folder; else :class:`InputError`."""
     p = Path(path)
-    try:
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # absent: nothing replaced
         mode = os.lstat(p).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        mode = None
-    if mode is not None:
         if stat.S_ISLNK(mode):
             raise InputError(f"{what} {p} is a symbolic link (to {os.readlink(p)!r}); outputs "
                              f"are written only to regular files: name the file itself")

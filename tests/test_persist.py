@@ -15,7 +15,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu import storage
 from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
-from pefa_gpu.index import ExactParams, backend_class, backend_names
+from pefa_gpu.index import ExactIndex, ExactParams, backend_class, backend_names
 from pefa_gpu.synthetic import make_synthetic
 
 from conftest import DEVICES, make_model, unit_rows
@@ -276,6 +276,17 @@ def test_cpu_library_saves_are_movable_folders(tmp_path, data, backend, index_pa
 def test_save_unfitted_or_unsaveable(tmp_path):
     with pytest.raises(InputError, match="not fitted"):
         pg.PEFAXS(device="cpu").save(tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_index_of_an_unregistered_class_is_refused_at_save(tmp_path, data):
+    class Unregistered(ExactIndex):  # inherits name "exact", which names another class
+        pass
+
+    model = pg.ERM(device="cpu").fit(data[0])
+    model.index = Unregistered(device="cpu").build(data[0])
+    with pytest.raises(InputError, match="Unregistered is not registered as backend 'exact'"):
+        model.save(tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 

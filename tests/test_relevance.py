@@ -77,3 +77,20 @@ def test_huge_ids_without_a_shape_are_a_clear_error():
 def test_dense_y_of_objects_or_strings_is_a_clear_error(dense):
     with pytest.raises(ValueError, match=f"Y has dtype {dense.dtype}; relevance weights must"):
         pg.as_relevance(dense)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dense_torch_y_of_any_float_dtype_is_read(dtype):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    dense = rng.integers(0, 4, size=(5, 7)) * (rng.random((5, 7)) < 0.4)  # small ints: exact
+    got = pg.as_relevance(torch.tensor(dense, dtype=getattr(torch, dtype)), allow_empty=True)
+    assert got.csr.dtype == np.float32
+    np.testing.assert_array_equal(got.csr.toarray().astype(np.float64), dense.astype(np.float64))
+
+
+@pytest.mark.parametrize("bad", [[[1, 0]], np.ones(3), "Y"])
+def test_a_y_that_is_no_matrix_is_named_by_as_relevance_and_relevance(bad):
+    for make in (pg.as_relevance, pg.Relevance):
+        with pytest.raises(ValueError, match="must be a scipy sparse matrix, a pefa_gpu"):
+            make(bad)
