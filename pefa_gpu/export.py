@@ -8,6 +8,7 @@ forward then up to M reverse edges per row; the last two as a base-level ``Index
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import secrets
@@ -167,7 +168,7 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
     if not path.parent.is_dir():
         raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
     prefix = f".{path.name}.pefa-tmp-"  # a marked temporary folder, renamed when complete
-    for old in path.parent.glob(prefix + "*"):  # those of killed exports
+    for old in path.parent.glob(glob.escape(prefix) + "*"):  # those of killed exports
         if old.is_dir() and not old.is_symlink() and (old / _EXPORT_MARKER).is_file():
             shutil.rmtree(old, ignore_errors=True)
     tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"

@@ -141,3 +141,11 @@ def test_xl_export_directory_is_new_atomic_and_cleans_killed_exports(tmp_path, m
         model.export_hnsw(tmp_path / "xl", M=8)
     assert users.is_dir() and not killed.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".xl.pefa-tmp-mine", "xl"]
+
+
+def test_a_killed_export_of_another_name_is_kept_when_the_name_holds_glob_characters(tmp_path):
+    other = tmp_path / ".xa.pefa-tmp-0123456789ab"  # "x[ab]" as a pattern matches ".xa..."
+    other.mkdir()
+    (other / ".pefa-export-tmp").write_text("")
+    out = _xl().export_hnsw(tmp_path / "x[ab]", M=8)
+    assert out.name == "x[ab]" and other.is_dir()
