@@ -29,7 +29,6 @@ class _Numpy:
     flatnonzero = staticmethod(np.flatnonzero)
     astype = staticmethod(lambda x, dtype: x.astype(dtype))
     unique = staticmethod(lambda x: np.unique(x, return_inverse=True))
-    divide = staticmethod(np.divide)
 
 
 class _Torch:
@@ -45,8 +44,6 @@ class _Torch:
     flatnonzero = staticmethod(lambda mask: mask.reshape(-1).nonzero().squeeze(1))
     astype = staticmethod(lambda x, dtype: x.to(dtype))
     unique = staticmethod(lambda x: torch.unique(x, sorted=True, return_inverse=True))
-    # by the value, not times its reciprocal (as CUDA divides by a host scalar)
-    divide = staticmethod(lambda x, v: x / torch.full((), v, dtype=x.dtype, device=x.device))
 
 
 def ops(x: Array) -> type[_Numpy] | type[_Torch]:
@@ -141,7 +138,9 @@ class CandidateTable:
         """(U,) f_knn from the first ``k`` neighbours (float32, summed by rank) and (U,) dead:
         outside C and voted by none of them."""
         at, rank = self.entry_cell, self.entry_slot % max(self.n_neighbours, 1)
-        vote = ops(at).divide(self.entry_score, divisor) * self.entry_y
+        xp = ops(at)
+        # by a float32 array: CUDA would multiply by a host scalar's reciprocal
+        vote = self.entry_score / xp.full((), divisor, xp.float32, at) * self.entry_y
         if isinstance(at, np.ndarray):
             if k < self.n_neighbours:
                 at, vote = at[rank < k], vote[rank < k]

@@ -428,10 +428,8 @@ class PEFAXL(_Model):
         p, q, rel = self._embeddings(P, Q, Y, copy_queries=not query_index.copies_rows)
         if isinstance(q, np.ndarray):  # Q as given (a memory map stays one): checked in place
             require_finite(q, "Q")
-        self.doc_embeddings = p
-        self.index = self.new_index().build(p)
+        self._fitted(p, p)
         self.query_index = query_index.build(q)
-        self.dim, self.n_docs = p.shape[1], p.shape[0]
         self._set_relevance(rel.csr)
         return self
 
@@ -463,14 +461,14 @@ class PEFAXL(_Model):
         return self._searches(q, 0, k, params, erm)[1]
 
     def _searches(self, q: Array, kp: int, k: int, params: Params | None,
-                  erm: tuple[Array, Array] | None = None, host: bool = False,
-                  checked: bool = True) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
-        """:func:`pefa_gpu.fuse.searches` on this model's indices (numpy arrays when
-        ``host``); ``erm`` serves where it is wide enough."""
+                  erm: tuple[Array, Array] | None = None, checked: bool = True
+                  ) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
+        """:func:`pefa_gpu.fuse.searches` on this model's indices (numpy results for numpy
+        queries); ``erm`` serves where it is wide enough."""
         def search(x: Array, w_erm: int, w_knn: int) -> tuple[Any, tuple[Array, Array]]:
             e = erm if erm is not None and erm[1].shape[1] >= w_erm else \
-                _index_search(self.index, x, w_erm, params, host, checked) if w_erm else None
-            return e, _index_search(self.query_index, x, w_knn, params, host, checked)
+                _index_search(self.index, x, w_erm, params, checked) if w_erm else None
+            return e, _index_search(self.query_index, x, w_knn, params, checked)
         return searches(q, search, kp=kp, k=k, m=self.n_train_queries, n=self.n_docs,
                         augment_docs=self.params.augment_docs)
 
@@ -484,22 +482,20 @@ class PEFAXL(_Model):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Searches and fusion (a CPU batch as numpy arrays), with fewer passages where
         pruning applies: rescore, lam > 0, votes >= 0, exact ERM scores."""
-        p, host = self.params, q.device.type == "cpu"
+        p, q = self.params, to_numpy(q) if q.device.type == "cpu" else q
         kp = min(model_sp.candidates, self.index.ntotal)
         kt = max(topk + self.PRUNE_MARGIN, p.k)
         prune = (self.prune_candidates and p.rescore and p.lam > 0 and kt < kp
                  and getattr(self.index, "exact_scores", False)
                  and self.relevance_rows.nonnegative)
-        q = to_numpy(q) if host else q
-        erm, knn = self._searches(q, kt if prune else kp, p.k, index_sp, None, host, checked)
+        erm, knn = self._searches(q, kt if prune else kp, p.k, index_sp, None, checked)
         rest = _unprunable(erm, knn, topk, p.lam) if prune else []
         if prune and len(rest) == q.shape[0]:  # no row prunes (one query, say): one full search
-            erm, rest = _index_search(self.index, q, kp, index_sp, host, checked), []
+            erm, rest = _index_search(self.index, q, kp, index_sp, checked), []
         s, i = self.fuse(q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk)  # pruned: < kp wide
         if len(rest):  # the neighbours stay; only the passages widen to kp
-            s[rest], i[rest] = self.fuse(q[rest], _index_search(self.index, q[rest], kp, index_sp,
-                                                                host, checked),
-                                         (knn[0][rest], knn[1][rest]), topk)
+            full = _index_search(self.index, q[rest], kp, index_sp, checked)
+            s[rest], i[rest] = self.fuse(q[rest], full, (knn[0][rest], knn[1][rest]), topk)
         return s, i
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
@@ -594,11 +590,12 @@ class PEFAXL(_Model):
 
 
 def _index_search(index: Index, q: Array, k: int, params: Params | None,
-                  host: bool, checked: bool = True) -> tuple[Array, Array]:
-    """``index.search(q, k, params)`` -> numpy arrays when ``host`` (faiss backends skip the
+                  checked: bool = True) -> tuple[Array, Array]:
+    """``index.search(q, k, params)``: numpy arrays for numpy ``q`` (faiss backends skip the
     torch hand-off; ``checked``: q has no NaN / inf), else tensors."""
+    host = isinstance(q, np.ndarray)
     if host and hasattr(index, "search_host"):
-        scores, ids = index.search_host(to_numpy(q), k, check_finite=not checked, params=params)
+        scores, ids = index.search_host(q, k, check_finite=not checked, params=params)
     else:
         scores, ids = index.search(as_tensor(q), k, params)
         scores, ids = (to_numpy(scores), to_numpy(ids)) if host else (scores, ids)
