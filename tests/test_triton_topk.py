@@ -12,7 +12,7 @@ pytest.importorskip("triton")
 import pefa_gpu.index.exact as exact_module  # noqa: E402
 from pefa_gpu import triton_topk as tt  # noqa: E402  (after the skip: imports triton)
 from pefa_gpu.index import make_index  # noqa: E402
-from pefa_gpu.triton_rowdots import interpreted  # noqa: E402
+from pefa_gpu.triton_rowdots import available  # noqa: E402
 import reference as ref  # noqa: E402
 from test_triton_rowdots import DEVICES, kernel_device  # noqa: E402
 
@@ -155,7 +155,7 @@ def test_exact_search_through_tiles_over_shapes_dtypes_and_layouts(n, d, b, k, l
                                                                    transposed):
     """Any shape, few or many score levels (ties), queries as a transposed view: the index's
     ids and scores through the tiles equal the float64 reference (integers: exact scores)."""
-    if not interpreted():
+    if not available(torch.device("cpu")):
         return  # compiled Triton runs the other tests
     rng = np.random.default_rng([n, d, b, k, levels])
     x = rng.integers(0, levels, (n, d)).astype(np.float32) - levels // 2
