@@ -23,7 +23,7 @@ from .errors import InputError, PefaError
 from .methods import AXES, REGISTRY, defaults, fit_config, setting_defaults, settings
 
 if TYPE_CHECKING:  # the command stays torch-free until a command runs
-    from .arrays import ArrayLike
+    from .arrays import ArrayLike, DeviceLike
     from .datasets import BeirDataset
     from .encode import EncoderLike
     from .relevance import RelevanceLike
@@ -93,21 +93,18 @@ def _settings(form: str, names: Sequence[str]) -> dict[str, dict]:
             out[meta["flag"]] = dict(dest=name, default=None, help=meta["help"],
                                      action="store_false" if field.default else "store_true")
             continue
-        values, mv = setting_defaults(name), meta["metavar"]
+        values, mv, parse = setting_defaults(name), meta["metavar"], TYPES[field.type]
         default = "the build's" if form == "search" else ", ".join(
             str(v) if len(values) == 1 else f"{v} for {m}" for v, m in values.items())
-        kw = dict(type=TYPES[field.type], metavar=mv, help=f"{meta['help']} (default: {default})")
-        if form == "point":
-            kw.update(type=_each(kw["type"]), metavar=f"{mv}[,{mv}...]")
-        if form == "grid":
-            kw.update(type=_each(kw["type"]), metavar=f"{mv},{mv}...", help=GRID_HELP[name])
-        out[f"--{name}"] = kw
+        out[f"--{name}"] = dict(
+            type=_each(parse) if form in ("point", "grid") else parse,
+            metavar={"point": f"{mv}[,{mv}...]", "grid": f"{mv},{mv}..."}.get(form, mv),
+            help=GRID_HELP[name] if form == "grid" else f"{meta['help']} (default: {default})")
     return out
 
 
 FLAGS = {**{name: f.metadata.get("flag", f"--{name}") for name, f in settings().items()},
          "seed": "--seed"}  # the model settings' flags and tune's --seed
-TUNE_TAKES = {"seed", *(name for name in settings() if name not in AXES)}  # --method auto
 
 
 DATA_DIR = {
@@ -275,7 +272,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")
     if args.command == "build":
-        taken = TUNE_TAKES if args.method == "auto" else set(REGISTRY[args.method].takes)
+        taken = ({"seed", *settings()} - set(AXES) if args.method == "auto"  # tune's
+                 else set(REGISTRY[args.method].takes))
         _refuse_unused(args, taken, f"--method {args.method}")
         from .builds import BUILD_FORMAT, BUILD_MANIFEST
         from .storage import check_save_target
@@ -388,16 +386,16 @@ def resolve_model_arg(spec: str | None) -> EncoderLike:
     return obj() if isinstance(obj, type) else obj
 
 
-def _encode(args: argparse.Namespace, lists: list[list[str]], **over: Any) -> list:
-    """One array per list of texts (``over``: encode's keywords instead of the options'); --ray:
+def _encode(args: argparse.Namespace, lists: list[list[str]], model: EncoderLike = None,
+            device: DeviceLike = None) -> list:
+    """One array per list of texts by ``model`` on ``device`` (None: --model, --device); --ray:
     one stage in ``work/encode-<hash of the texts and --model>``, reused by a rerun."""
     from .encode import default_cache_dir, encode
 
     cache = None if args.no_cache else args.cache_dir or default_cache_dir()  # encode expands ~
-    kw = {**dict(batch_size=args.batch_size, device=args.device, cache_dir=cache,
-                 show_progress=not args.quiet), **over}
-    if "model" not in over:  # (search passes the build's encoder)
-        kw["model"] = resolve_model_arg(args.model)
+    kw = dict(model=resolve_model_arg(args.model) if model is None else model,
+              device=args.device if device is None else device, batch_size=args.batch_size,
+              cache_dir=cache, show_progress=not args.quiet)
     if args.runner is None:
         return [encode(texts, **kw) for texts in lists]
     from .pipeline import Rows, encode as encode_stage

@@ -104,11 +104,11 @@ def setting_defaults(name: str) -> dict[Any, str]:
 
 def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
                Y: RelevanceLike | None = None, device: DeviceLike = None, backend: str = "exact",
-               candidates: int | None = None, **params: Any) -> Model | QueryModel:
+               **params: Any) -> Model | QueryModel:
     """The model ``config`` (a :class:`pefa_gpu.Config`) names, fitted (a QueryModel for the
     query side); settings go to the methods that take them, None takes the params default."""
     m = method(config.method)
-    given = {"lam": config.lam, "k": config.k, "candidates": candidates, **params}
+    given = {"lam": config.lam, "k": config.k, **params}
     kw = {key: v for key, v in given.items()  # a setting no method takes: the model refuses it
           if v is not None and (key in m.takes or not takes(REGISTRY, key))}
     search = PARAMS[m.model][1]
