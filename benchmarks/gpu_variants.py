@@ -176,8 +176,9 @@ def part_votes(s: dict, dev: str) -> dict[str, Any]:
 
 
 def part_tiles(s: dict, dev: str) -> dict[str, Any]:
-    """Exact search with and without pefa_gpu.triton_topk (the selection inside the GEMM), and
-    the kernel alone under other tile shapes (BM, BN, BK, warps, stages)."""
+    """Exact search with and without pefa_gpu.triton_topk (the selection inside the GEMM), the
+    unsettled rows' score blocks alone, and tile_topw (the kernel and its candidates' topk)
+    under other tile shapes (BM, BN, BK, warps, stages)."""
     from pefa_gpu import triton_topk as tt
 
     n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
@@ -190,7 +191,12 @@ def part_tiles(s: dict, dev: str) -> dict[str, Any]:
     out["mm_s"] = median_seconds(lambda: mm_f32(q.to(x.dtype), x), dev)
     out["index_tiles_s"] = median_seconds(lambda: index.search(q, k), dev)
     with_tiles = index.search(q, k)[1]
-    out["unsettled_rows"] = int(tt.tile_topw(q, x, w)[2].sum())
+    redo = tt.tile_topw(q, x, w)[2].nonzero().squeeze(1)
+    out["unsettled_rows"] = redo.numel()
+    _, _, chunk = index._plan(b, k)  # the unsettled rows' score blocks, alone
+    buf = None if dev == "cuda" else torch.empty(b * (chunk + 1024))  # the CPU's score buffer
+    out["unsettled_blocks_s"] = median_seconds(
+        lambda: index._torch_pass(q[redo], w, chunk, buf, tiles=False), dev)
     usable, tt.usable = tt.usable, lambda rows, w: False
     try:
         out["index_blocks_s"] = median_seconds(lambda: index.search(q, k), dev)
