@@ -203,8 +203,8 @@ class ExactIndex(VectorIndex):
             best_i = torch.cat([best_i, i + c], 1).gather(1, pos)
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
         best_i = best_i.gather(1, pos)
-        redo = None if unsettled is None else unsettled.nonzero().squeeze(1)  # a host sync
-        if redo is not None and redo.numel():
+        redo = [] if unsettled is None else unsettled.nonzero().squeeze(1)  # a host sync
+        if len(redo):
             best_v[redo], best_i[redo] = self._torch_pass(q[redo], w, chunk, buf, tiles=False)
         return best_v, best_i
 
