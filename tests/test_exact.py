@@ -3,6 +3,8 @@ the CPU, torch blocks), ties at the k-th place, duplicates, several chunks and b
 storage, empty inputs. The top-k functions themselves: tests/test_topk.py; memory:
 tests/test_exact_memory.py."""
 
+import subprocess
+import sys
 from contextlib import nullcontext
 
 import numpy as np
@@ -86,6 +88,19 @@ def test_exact_low_precision_storage(dtype, tol):
     np.testing.assert_allclose(scores.numpy(), rv, atol=1e-5)
     full, _ = ref.exact_search(X, T, 10)
     np.testing.assert_allclose(scores.numpy(), full, atol=tol)
+
+
+def test_low_precision_cpu_search_does_not_import_triton():
+    """The Triton tile kernel serves CUDA rows only: a CPU search leaves Triton unimported."""
+    child = ("import sys, numpy as np; from pefa_gpu.index import make_index; "
+             "x = np.eye(300, 16, dtype=np.float32); "
+             "make_index('exact', 'cpu', {'dtype': 'bfloat16'}).build(x).search(x[:3], 2); "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' "
+             "or m.endswith('triton_topk')))")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
