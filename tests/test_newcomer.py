@@ -69,8 +69,13 @@ def test_interrupted_encoding_resumes_byte_identical(tmp_path):
 
     # 1. interrupted once 256 texts (one chunk: 16 batches of 16) are encoded
     env = _env(SLOW_ENCODER_LOG=str(log), SLOW_ENCODER_BLOCK="256")
-    proc = subprocess.Popen(_command() + [str(a) for a in run] + ["--cache-dir", str(cache)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # a child inherits an ignored SIGINT (this suite run as a background job): let it reach it
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(_command() + [str(a) for a in run] + ["--cache-dir", str(cache)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     blocked = Path(f"{log}.blocked")
     deadline = time.monotonic() + 120
     while not blocked.exists() and proc.poll() is None and time.monotonic() < deadline:
