@@ -316,6 +316,56 @@ def test_a_forged_ivf_save_returning_ids_beyond_the_documents_is_refused(tmp_pat
         pg.load(save, device="cpu")
 
 
+def test_a_forged_ivf_save_with_more_centroids_than_lists_is_refused_at_load(tmp_path):
+    """faiss reads it; its search then aborted the process (faiss 1.13) or raised a raw
+    RuntimeError (1.15)."""
+    faiss = pytest.importorskip("faiss")
+    rng = np.random.default_rng(5)
+    quantizer = faiss.IndexFlatIP(D)
+    quantizer.add(unit_rows(rng, 4, D))
+    index = faiss.IndexIVFFlat(quantizer, D, 4, faiss.METRIC_INNER_PRODUCT)
+    index.is_trained = True
+    index.add(unit_rows(rng, 300, D))
+    index.quantizer.add(10 * unit_rows(rng, 60, D))  # centroids 4..63 name no list
+    (tmp_path / "ix").mkdir()
+    faiss.write_index(index, str(tmp_path / "ix" / "index.faiss"))
+    res = load_and_search("ivf", tmp_path / "ix", {"nlist": 4})
+    assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
+                                                                      res.stdout, res.stderr[-500:])
+    assert "centroids (64), lists (4 of 4)" in res.stdout
+
+
+HNSW_FORGERIES = {
+    "a neighbour beyond the rows": lambda h, a: a["neighbors"].__setitem__(5, 10**6),
+    "a neighbour below -1": lambda h, a: a["neighbors"].__setitem__(5, -7),
+    "the entry point beyond the rows": lambda h, a: setattr(h, "entry_point", 10**6),
+    "a level beyond the table": lambda h, a: a["levels"].__setitem__(3, 99),
+    "a list beyond the neighbours": lambda h, a: a["offsets"].__setitem__(-1, 10**9),
+    "the top level above the entry point's": lambda h, a: setattr(h, "max_level", 40),
+}
+
+
+@pytest.mark.parametrize("how", [None, *HNSW_FORGERIES])
+def test_a_forged_faiss_hnsw_graph_is_refused(how):
+    """faiss 1.13 read such graphs and searched them out of bounds (a segfault); the load's
+    own check refuses them whichever faiss reads them."""
+    faiss = pytest.importorskip("faiss")
+    from pefa_gpu.index.hnsw import _check_graph
+
+    index = faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT)
+    index.add(unit_rows(np.random.default_rng(6), 300, D))
+    h = index.hnsw
+    arrays = {name: faiss.rev_swig_ptr(getattr(h, name).data(), getattr(h, name).size())
+              for name in ("levels", "offsets", "neighbors")}  # views: edits reach the graph
+    if how is None:
+        _check_graph(faiss, index, "ix")
+        _check_graph(faiss, faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT), "empty")
+        return
+    HNSW_FORGERIES[how](h, arrays)
+    with pytest.raises(FormatError, match="ix: the saved HNSW graph does not fit its 300 rows"):
+        _check_graph(faiss, index, "ix")
+
+
 def test_ids_beyond_the_index_from_any_backend_search_are_a_clear_error(data, monkeypatch):
     P, Q, y, queries = data
     xl = pg.PEFAXL(device="cpu", k=2).fit(P, Q, y)

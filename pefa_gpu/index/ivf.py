@@ -206,8 +206,18 @@ class IVFIndex(FaissBackend):
 
 
 def _check_list_ids(faiss: Any, index: Any, directory: str | Path) -> None:
-    """FormatError unless the ids in a saved IVF index's lists are 0..ntotal-1, each once."""
-    lists, n = index.invlists, int(index.ntotal)
+    """FormatError unless a saved IVF index has one centroid a list, its lists' codes are of
+    its code size, and the ids in its lists are 0..ntotal-1, each once (faiss 1.13 aborted the
+    process on a search of more centroids than lists)."""
+    lists, n, q = index.invlists, int(index.ntotal), index.quantizer
+    pq = getattr(index, "pq", None)
+    if q.ntotal != index.nlist or q.d != index.d or lists.nlist != index.nlist \
+            or lists.code_size != index.code_size or pq is not None and (
+                pq.d != index.d or pq.code_size != index.code_size
+                or pq.centroids.size() != pq.d * pq.ksub):
+        raise FormatError(f"{directory}: the saved IVF index's centroids ({q.ntotal}), lists "
+                          f"({lists.nlist} of {index.nlist}) or codes do not agree: a forged "
+                          f"or corrupted index")
     ids = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
            for i in range(index.nlist) if lists.list_size(i)]
     ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
