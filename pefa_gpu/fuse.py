@@ -253,20 +253,34 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
          ) -> dict[tuple[float, int], tuple[Array, Array]]:
     """{(lam, k): ((B, topk) float32 scores, int64 ids)} for lams x ks, of ``erm``'s kind
     (arguments as :func:`candidate_table`; the first k of ``knn`` vote with w(s) = s / k for
-    ``knn_norm`` "k", else s), per ``batch_size`` queries (default 4096)."""
-    xp, n_queries = ops(erm[1]), len(erm[1])
-    step = batch_size or 4096
+    ``knn_norm`` "k", else s), per ``batch_size`` queries (default 4096; see :func:`batches`)."""
+    xp, knn = ops(erm[1]), (knn[0][:, :max(ks)], knn[1][:, :max(ks)])
     parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
-    for s in range(0, max(n_queries, 1), step):  # one empty batch without queries
-        b = slice(s, s + step)
+    for b in batches(knn[1], rows, batch_size or 4096):
         table = candidate_table(queries[b], docs, rows, (erm[0][b], erm[1][b]),
-                                (knn[0][b, :max(ks)], knn[1][b, :max(ks)]), rescore=rescore,
-                                erm_exact=erm_exact)
+                                (knn[0][b], knn[1][b]), rescore=rescore, erm_exact=erm_exact)
         for k in ks:
             f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
             for lam in lams:
                 parts[(lam, k)].append(table.topk(lam, f_knn, topk))
     return {key: v[0] if len(v) == 1 else tuple(map(xp.cat, zip(*v))) for key, v in parts.items()}
+
+
+VOTES_PER_QUERY = 256  # a batch of `step` queries holds at most step * this many votes
+
+
+def batches(knn_rows: Array, rows: RelevanceRows, step: int) -> list[slice]:
+    """Query ranges of ``step`` queries, fewer where a query's neighbours (B, K) Y rows hold
+    more than VOTES_PER_QUERY votes, so that a long row of Y cannot widen a batch's candidate
+    table past ``step`` * VOTES_PER_QUERY cells beyond C; one empty range without queries."""
+    lengths = rows.host[1] if isinstance(knn_rows, np.ndarray) else rows.tensors[1]
+    votes = to_numpy(lengths[knn_rows].sum(1))
+    out = []
+    for lo in range(0, len(votes), step):
+        hi = min(lo + step, len(votes))
+        size = max(1, min(step, step * VOTES_PER_QUERY // max(1, int(votes[lo:hi].max()))))
+        out += [slice(s, min(s + size, hi)) for s in range(lo, hi, size)]
+    return out or [slice(0, 0)]
 
 
 def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,
