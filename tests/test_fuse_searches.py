@@ -97,7 +97,7 @@ def test_fuse_names_a_bad_lam_or_k(bad, match):
         xl.fuse(q, erm, xl.neighbours(q, 4, erm), 5, **bad)
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", ["numpy", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_long_row_of_y_narrows_the_fusion_batches_and_keeps_the_results(kind, monkeypatch):
     """Training query 0 is relevant to every document and the first neighbour of every test
     query: batches of 4096 queries would hold 40 x 600 votes; with 1 vote a query allowed on
@@ -113,7 +113,8 @@ def test_a_long_row_of_y_narrows_the_fusion_batches_and_keeps_the_results(kind, 
     P, Q, T = (np.float32(x / np.linalg.norm(x, axis=1, keepdims=True)) for x in (P, Q, T))
     rows, cols = np.r_[np.zeros(n), np.arange(1, m)], np.r_[np.arange(n), rng.integers(0, n, m - 1)]
     Y = sp.csr_matrix((np.ones(n + m - 1, np.float32), (rows, cols)), shape=(m, n))
-    model = pg.PEFAXL(device="cpu", k=6, lam=0.4, search_params=pg.XLSearchParams(candidates=20))
+    dev = "cpu" if kind == "numpy" else kind
+    model = pg.PEFAXL(device=dev, k=6, lam=0.4, search_params=pg.XLSearchParams(candidates=20))
     model.fit(P, Q, Y)
     monkeypatch.setattr(fuse, "VOTES_PER_QUERY", 1)
     real, widths = fuse.candidate_table, []
@@ -123,12 +124,12 @@ def test_a_long_row_of_y_narrows_the_fusion_batches_and_keeps_the_results(kind, 
         widths.append(table.ids.shape)
         return table
     monkeypatch.setattr(fuse, "candidate_table", spy)
-    q = T if kind == "numpy" else torch.from_numpy(T)
-    erm = model.index.search(torch.from_numpy(T), 20)
-    erm = erm if kind == "torch" else tuple(x.numpy() for x in erm)
-    s, i = model.fuse(q, erm, model.neighbours(torch.from_numpy(T), 6), 10)
+    t = torch.from_numpy(T).to(dev)
+    erm = model.index.search(t, 20)
+    erm = tuple(x.numpy() for x in erm) if kind == "numpy" else erm
+    s, i = model.fuse(T if kind == "numpy" else t, erm, model.neighbours(t, 6), 10)
     assert len(widths) > 1 and sum(b for b, _ in widths) == len(T)
     assert all(b * (w - 20) <= 4096 for b, w in widths)
     want_s, want_i = ref.xl_search(P, Q, Y, T, lam=0.4, k=6, candidates=20, topk_out=10)
-    np.testing.assert_array_equal(i.numpy(), want_i)
-    np.testing.assert_allclose(s.numpy(), want_s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(i.cpu().numpy(), want_i)
+    np.testing.assert_allclose(s.cpu().numpy(), want_s, rtol=1e-5, atol=1e-6)
