@@ -335,35 +335,43 @@ def test_a_forged_ivf_save_with_more_centroids_than_lists_is_refused_at_load(tmp
     assert "centroids (64), lists (4 of 4)" in res.stdout
 
 
-HNSW_FORGERIES = {
-    "a neighbour beyond the rows": lambda h, a: a["neighbors"].__setitem__(5, 10**6),
-    "a neighbour below -1": lambda h, a: a["neighbors"].__setitem__(5, -7),
-    "the entry point beyond the rows": lambda h, a: setattr(h, "entry_point", 10**6),
-    "a level beyond the table": lambda h, a: a["levels"].__setitem__(3, 99),
-    "a list beyond the neighbours": lambda h, a: a["offsets"].__setitem__(-1, 10**9),
-    "the top level above the entry point's": lambda h, a: setattr(h, "max_level", 40),
-}
-
-
-@pytest.mark.parametrize("how", [None, *HNSW_FORGERIES])
-def test_a_forged_faiss_hnsw_graph_is_refused(how):
-    """faiss 1.13 read such graphs and searched them out of bounds (a segfault); the load's
-    own check refuses them whichever faiss reads them."""
-    faiss = pytest.importorskip("faiss")
-    from pefa_gpu.index.hnsw import _check_graph
-
+@pytest.mark.parametrize("how", ["a neighbour beyond the rows", "the entry point beyond the rows",
+                                 "a list beyond the neighbours"])
+def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):
+    """faiss >= 1.14 checks the links as it reads them (1.13 searched them out of bounds: a
+    segfault); the load turns its error into a FormatError naming the file."""
+    faiss = pytest.importorskip("faiss", minversion="1.14")
     index = faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT)
     index.add(unit_rows(np.random.default_rng(6), 300, D))
     h = index.hnsw
-    arrays = {name: faiss.rev_swig_ptr(getattr(h, name).data(), getattr(h, name).size())
-              for name in ("levels", "offsets", "neighbors")}  # views: edits reach the graph
-    if how is None:
-        _check_graph(faiss, index, "ix")
-        _check_graph(faiss, faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT), "empty")
-        return
-    HNSW_FORGERIES[how](h, arrays)
-    with pytest.raises(FormatError, match="ix: the saved HNSW graph does not fit its 300 rows"):
-        _check_graph(faiss, index, "ix")
+    links = faiss.rev_swig_ptr(h.neighbors.data(), h.neighbors.size())  # a view: edits stick
+    if how == "a neighbour beyond the rows":
+        links[5] = 10**6
+    elif how == "the entry point beyond the rows":
+        h.entry_point = 10**6
+    else:
+        faiss.rev_swig_ptr(h.offsets.data(), h.offsets.size())[-1] = 10**9
+    (tmp_path / "ix").mkdir()
+    faiss.write_index(index, str(tmp_path / "ix" / "index.faiss"))
+    res = load_and_search("hnsw", tmp_path / "ix", {"M": 4})
+    assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
+                                                                      res.stdout, res.stderr[-500:])
+    assert "index.faiss could not be read by faiss" in res.stdout
+
+
+def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch):
+    """It would search a forged saved graph out of bounds (tests above)."""
+    pytest.importorskip("faiss")
+    import types
+
+    from pefa_gpu.errors import MissingDependencyError
+    from pefa_gpu.index._faiss import import_faiss
+
+    monkeypatch.setitem(sys.modules, "faiss", types.SimpleNamespace(__version__="1.13.2"))
+    with pytest.raises(MissingDependencyError, match=r"faiss 1\.13\.2 is too old: .*>= 1\.14"):
+        import_faiss()
+    monkeypatch.setitem(sys.modules, "faiss", types.SimpleNamespace(__version__="1.14.3"))
+    assert import_faiss().__version__ == "1.14.3"
 
 
 def test_ids_beyond_the_index_from_any_backend_search_are_a_clear_error(data, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 from typing import Any, Iterator
 
 import numpy as np
@@ -16,11 +17,20 @@ from ..topk import PAD_SCORE, order_ties, pad_topk
 from .base import import_optional
 
 
+MIN_FAISS = (1, 14)  # from 1.14 faiss checks a saved HNSW graph's links as it reads it
+
+
 def import_faiss() -> Any:
-    """The faiss module, or MissingDependencyError saying how to install it."""
-    return import_optional("faiss", "this backend needs faiss: `pip install faiss-cpu` (CPU) or "
-                           "`conda install -c pytorch faiss-gpu` (GPU); or `pip install "
-                           "pefa_gpu[faiss]`")
+    """The faiss module (>= 1.14), or MissingDependencyError saying how to install it."""
+    install = ("`pip install 'faiss-cpu>=1.15'` (CPU) or `conda install -c pytorch faiss-gpu` "
+               "(GPU); or `pip install pefa_gpu[faiss]`")
+    faiss = import_optional("faiss", f"this backend needs faiss: {install}")
+    version = getattr(faiss, "__version__", "0")
+    if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < MIN_FAISS:
+        raise MissingDependencyError(f"faiss {version} is too old: pefa_gpu needs faiss >= 1.14 "
+                                     f"(older faiss searches a forged saved graph out of "
+                                     f"bounds); {install}")
+    return faiss
 
 
 @functools.lru_cache(maxsize=1)

@@ -93,30 +93,8 @@ class HNSWIndex(FaissBackend):
              device: Any = None) -> "HNSWIndex":
         index, _ = cls._read(directory, {"IndexHNSWFlat": "hnsw"})
         out = cls(params, device)
-        _check_graph(out._faiss, index, directory)
         if index.hnsw.nb_neighbors(1) != out.params.M:
             raise FormatError(f"{directory}: the saved graph has M={index.hnsw.nb_neighbors(1)},"
                               f" params say M={out.params.M}")
         out._index, out._dim = index, int(index.d)
         return out
-
-
-def _check_graph(faiss: Any, index: Any, directory: str | Path) -> None:
-    """FormatError unless a saved graph's levels, neighbour lists, neighbours and entry point
-    stay within its rows (faiss 1.13 searched a forged graph out of bounds: a segfault)."""
-    h, n = index.hnsw, int(index.ntotal)
-    levels, offsets, nbrs, cum = (
-        faiss.rev_swig_ptr(v.data(), v.size()) if v.size() else np.zeros(0, np.int64)
-        for v in (h.levels, h.offsets, h.neighbors, h.cum_nneighbor_per_level))
-    ok = index.storage.ntotal == n and index.storage.d == index.d and len(levels) == n \
-        and len(offsets) == n + 1 and offsets[0] == 0 and offsets[-1] == len(nbrs) \
-        and len(cum) and cum[0] == 0 and (np.diff(cum) >= 0).all()
-    if ok and n:
-        entry = h.entry_point
-        ok = 1 <= levels.min() and levels.max() < len(cum) and 0 <= entry < n \
-            and 0 <= h.max_level < levels[entry] and -1 <= nbrs.min() and nbrs.max() < n \
-            and np.array_equal(np.diff(offsets.astype(np.int64)), cum[levels])
-    if not ok:
-        raise FormatError(f"{directory}: the saved HNSW graph does not fit its {n} rows (its "
-                          f"levels, lists, neighbours or entry point): a forged or corrupted "
-                          f"index")
