@@ -22,7 +22,7 @@ MIN_FAISS = (1, 14)  # from 1.14 faiss checks a saved HNSW graph's links as it r
 
 def import_faiss() -> Any:
     """The faiss module (>= 1.14), or MissingDependencyError saying how to install it."""
-    install = ("`pip install 'faiss-cpu>=1.15'` (CPU) or `conda install -c pytorch faiss-gpu` "
+    install = ("`pip install faiss-cpu` (CPU) or `conda install -c pytorch faiss-gpu` "
                "(GPU); or `pip install pefa_gpu[faiss]`")
     faiss = import_optional("faiss", f"this backend needs faiss: {install}")
     version = getattr(faiss, "__version__", "0")
