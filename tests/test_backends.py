@@ -470,6 +470,22 @@ def test_hnswlib_scores_are_similarities_and_vectors_come_back():
         index.reconstruct(torch.tensor([500]))
 
 
+@pytest.mark.parametrize("backend,params", [
+    ("exact", {}), ("exact", {"dtype": "bfloat16"}),
+    pytest.param("hnsw", {"M": 4}, marks=FAISS), pytest.param("ivf", {"nlist": 2}, marks=FAISS),
+    pytest.param("hnswlib", {"M": 4}, marks=HNSWLIB)])
+def test_reconstruct_returns_rows_and_refuses_ids_outside_the_index(backend, params):
+    x = unit_rows(np.random.default_rng(23), 120, 8)
+    index = make_index(backend, "cpu", params).build(x)
+    want = torch.from_numpy(x).to(getattr(torch, params.get("dtype", "float32"))).float()
+    ids = torch.tensor([[3, 0, 119], [7, 7, 1]])
+    got = index.reconstruct(ids)
+    assert got.dtype == torch.float32 and torch.equal(got, want[ids])
+    for bad in ([-1], [120], [2, 10**9]):  # -1 is not the last row
+        with pytest.raises(InputError, match=r"ids must lie in \[0, 120\)"):
+            index.reconstruct(torch.tensor(bad))
+
+
 @HNSWLIB
 def test_hnswlib_load_checks_the_files(tmp_path):
     cls = backend_class("hnswlib")

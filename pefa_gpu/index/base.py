@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..arrays import resolve_device
+from ..arrays import as_tensor, resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params, check_nonnegative, check_positive, checked
 from ..topk import PAD_ID, PAD_SCORE
@@ -203,6 +203,11 @@ class VectorIndex(Index):
     """An index that keeps its rows as the tensor ``vectors`` (n, d)."""
 
     vectors: torch.Tensor
+
+    def reconstruct(self, ids: Any) -> torch.Tensor:
+        """Checked ids (a host synchronisation on CUDA; ``vectors[ids]`` is the unchecked way)."""
+        i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
+        return self.vectors[i].float()
 
     @property
     def ntotal(self) -> int:

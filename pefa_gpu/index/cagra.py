@@ -18,8 +18,7 @@ from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from ._faiss import (device_float32, faiss_pointer, faiss_search_parameters, import_faiss,
                      on_current_stream, optional_faiss, search_tensors)
-from .base import (IndexParams, VectorIndex, check_budget, check_row_ids, checked, count,
-                   positive)
+from .base import IndexParams, VectorIndex, check_budget, checked, count, positive
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -132,10 +131,6 @@ class CagraIndex(VectorIndex):
             self.check_rows(v)
             v = torch.cat([self.vectors, v])
         self.build(v)
-
-    def reconstruct(self, ids: Any) -> torch.Tensor:
-        return self.vectors[check_row_ids(as_tensor(ids, device=self.device, name="ids"),
-                                          self.ntotal)]
 
     def _build_graph(self) -> Any:
         p = self.params

@@ -97,10 +97,6 @@ class ExactIndex(VectorIndex):
         vectors[i] = v.to(self._dtype)
         self._store(vectors, owned=True)
 
-    def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape, valid ids, not checked) -> (*ids.shape, d) float32."""
-        return self.vectors[ids].float()
-
     def search(self, queries: torch.Tensor, k: int, params: NoSearchParams | dict | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """``params``: none to give (only ``{}`` or None)."""
