@@ -64,6 +64,9 @@ def test_add_update_reconstruct_and_small_budget_shards():
     np.testing.assert_array_equal(i.numpy(), ref_i)
     ids = torch.tensor([0, 16, 33, 96, 60])
     assert torch.equal(idx.reconstruct(ids), torch.from_numpy(X[ids.numpy()]))
+    for bad in ([-1], [len(X)]):  # not a zero row
+        with pytest.raises(pg.InputError, match="out of range"):
+            idx.reconstruct(torch.tensor(bad))
     new = np.ones((5, X.shape[1]), np.float32)
     idx.update(ids, torch.from_numpy(new))
     X2 = X.copy()

@@ -130,7 +130,7 @@ class ShardedIndex(Index):
                 shard.update(local[mask].to(shard.device), v[mask].to(shard.device))
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
-        i = ids.to(self.device)
+        i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
         out = torch.zeros(*i.shape, self.dim, device=self.device)
         for shard, mask, local in self._route(i):
             got = shard.reconstruct(local.clamp(0, max(shard.ntotal - 1, 0)).to(shard.device))
