@@ -87,7 +87,11 @@ def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, t
 def _solve(gram: torch.Tensor, cross: torch.Tensor, alpha: float) -> torch.Tensor:
     """W = I + (gram + αI)⁻¹ cross: (d, d) float64 (Cholesky of the SPD matrix)."""
     eye = torch.eye(gram.shape[0], dtype=torch.float64, device=gram.device)
-    chol = torch.linalg.cholesky(gram + alpha * eye)
+    chol, failed = torch.linalg.cholesky_ex(gram + alpha * eye)
+    if int(failed):
+        raise InputError(f"alpha={alpha!r} is too small: QᵀQ + αI of the training queries is "
+                         f"not positive definite in float64 (they span fewer than "
+                         f"{gram.shape[0]} directions); use a larger alpha")
     return eye + torch.cholesky_solve(cross, chol)
 
 

@@ -258,6 +258,9 @@ def test_bad_input():
                                                                 fit)[:, None]).tocsr(), P)
     with pytest.raises(InputError, match="at least 2"):
         pg.QueryAdapter(device="cpu").fit(Q[3:4], Y[3:4], P)
+    same = np.repeat(Q[:1], Q.shape[0], 0)  # one direction: Q^T Q + alpha I singular in float64
+    with pytest.raises(InputError, match=r"alpha=1e-300 is too small: .* larger alpha"):
+        pg.QueryAdapter(alpha=1e-300, device="cpu").fit(same, Y, P)
     with pytest.raises(InputError, match="dimension"):
         pg.QueryModel(pg.ERM(device="cpu").fit(P[:, :5]), a)
     with pytest.raises(InputError, match="not fitted"):
