@@ -266,21 +266,24 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
     return {key: v[0] if len(v) == 1 else tuple(map(xp.cat, zip(*v))) for key, v in parts.items()}
 
 
-VOTES_PER_QUERY = 256  # a batch of `step` queries holds at most step * this many votes
+VOTES_PER_QUERY = 256  # a batch's table: at most batch_size * this many cells beyond C
 
 
 def batches(knn_rows: Array, rows: RelevanceRows, step: int) -> list[slice]:
-    """Query ranges of ``step`` queries, fewer where a query's neighbours (B, K) Y rows hold
-    more than VOTES_PER_QUERY votes, so that a long row of Y cannot widen a batch's candidate
-    table past ``step`` * VOTES_PER_QUERY cells beyond C; one empty range without queries."""
+    """Query ranges of at most ``step`` queries whose count times their widest vote count
+    (over their neighbours' (B, K) Y rows) stays within ``step`` * VOTES_PER_QUERY, or of one
+    query: a long row of Y narrows only the batch it is in. One empty range without queries."""
     lengths = rows.host[1] if isinstance(knn_rows, np.ndarray) else rows.tensors[1]
-    votes = to_numpy(lengths[knn_rows].sum(1))
-    out = []
-    for lo in range(0, len(votes), step):
-        hi = min(lo + step, len(votes))
-        size = max(1, min(step, step * VOTES_PER_QUERY // max(1, int(votes[lo:hi].max()))))
-        out += [slice(s, min(s + size, hi)) for s in range(lo, hi, size)]
-    return out or [slice(0, 0)]
+    counts, cap = to_numpy(lengths[knn_rows].sum(1)), step * VOTES_PER_QUERY
+    if not len(counts) or min(step, len(counts)) * int(counts.max()) <= cap:  # no long row
+        return [slice(s, s + step) for s in range(0, max(len(counts), 1), step)]
+    out, start, widest = [], 0, 0
+    for i, c in enumerate(counts.tolist()):
+        widest = max(widest, c)
+        if i > start and (i - start == step or (i + 1 - start) * widest > cap):
+            out.append(slice(start, i))
+            start, widest = i, c
+    return [*out, slice(start, len(counts))]
 
 
 def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: int,

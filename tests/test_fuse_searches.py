@@ -97,12 +97,12 @@ def test_fuse_names_a_bad_lam_or_k(bad, match):
         xl.fuse(q, erm, xl.neighbours(q, 4, erm), 5, **bad)
 
 
-@pytest.mark.parametrize("kind", ["numpy", "cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind", ["numpy", "torch", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_a_long_row_of_y_narrows_the_fusion_batches_and_keeps_the_results(kind, monkeypatch):
     """Training query 0 is relevant to every document and the first neighbour of every test
-    query: batches of 4096 queries would hold 40 x 600 votes; with 1 vote a query allowed on
-    average, each batch's table stays within 4096 cells beyond C, and the results equal the
-    float64 reference."""
+    query: one batch would hold 40 x 600 votes; with 1 vote a query allowed, each batch's table
+    stays within 4096 cells beyond C, and the results equal the float64 reference. numpy: the
+    CPU fusion; torch: the same core on CPU tensors (what CUDA runs)."""
     import reference as ref
 
     rng = np.random.default_rng(8)
@@ -113,7 +113,7 @@ def test_a_long_row_of_y_narrows_the_fusion_batches_and_keeps_the_results(kind, 
     P, Q, T = (np.float32(x / np.linalg.norm(x, axis=1, keepdims=True)) for x in (P, Q, T))
     rows, cols = np.r_[np.zeros(n), np.arange(1, m)], np.r_[np.arange(n), rng.integers(0, n, m - 1)]
     Y = sp.csr_matrix((np.ones(n + m - 1, np.float32), (rows, cols)), shape=(m, n))
-    dev = "cpu" if kind == "numpy" else kind
+    dev = "cuda" if kind == "cuda" else "cpu"
     model = pg.PEFAXL(device=dev, k=6, lam=0.4, search_params=pg.XLSearchParams(candidates=20))
     model.fit(P, Q, Y)
     monkeypatch.setattr(fuse, "VOTES_PER_QUERY", 1)
@@ -121,15 +121,39 @@ def test_a_long_row_of_y_narrows_the_fusion_batches_and_keeps_the_results(kind, 
 
     def spy(queries, *args, **kwargs):
         table = real(queries, *args, **kwargs)
-        widths.append(table.ids.shape)
+        widths.append((table.ids.shape, type(table.ids)))
         return table
     monkeypatch.setattr(fuse, "candidate_table", spy)
     t = torch.from_numpy(T).to(dev)
-    erm = model.index.search(t, 20)
-    erm = tuple(x.numpy() for x in erm) if kind == "numpy" else erm
-    s, i = model.fuse(T if kind == "numpy" else t, erm, model.neighbours(t, 6), 10)
-    assert len(widths) > 1 and sum(b for b, _ in widths) == len(T)
-    assert all(b * (w - 20) <= 4096 for b, w in widths)
+    erm, knn = model.index.search(t, 20), model.neighbours(t, 6)
+    if kind == "numpy":
+        s, i = model.fuse(T, tuple(x.numpy() for x in erm), knn, 10)
+    else:  # the core itself: the model hands CPU tensors to numpy
+        s, i = fuse.fuse(t, erm, knn, model.relevance_rows, model.doc_embeddings, lams=(0.4,),
+                         ks=(6,), knn_norm="k", rescore=True, erm_exact=True, topk=10)[(0.4, 6)]
+    assert {kind_ for _, kind_ in widths} == {np.ndarray if kind == "numpy" else torch.Tensor}
+    assert len(widths) > 1 and sum(shape[0] for shape, _ in widths) == len(T)
+    assert all(b * (w - 20) <= 4096 for (b, w), _ in widths)
     want_s, want_i = ref.xl_search(P, Q, Y, T, lam=0.4, k=6, candidates=20, topk_out=10)
-    np.testing.assert_array_equal(i.cpu().numpy(), want_i)
-    np.testing.assert_allclose(s.cpu().numpy(), want_s, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(i.cpu()), want_i)
+    np.testing.assert_allclose(np.asarray(s.cpu()), want_s, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_only_the_batch_holding_a_long_row_narrows(kind, monkeypatch):
+    """Neighbour rows: query 100 votes through a row of 1,000 documents, the others through
+    rows of one (-1: padding, no votes). With room for 4,096 cells, the batches cut around
+    query 100 alone: 100 queries, then query 100 with 3 more (4 x 1,000 <= 4,096), the rest."""
+    y = sp.csr_matrix((np.ones(1300, np.float32),
+                       (np.r_[np.zeros(1000, int), np.arange(1, 301)],
+                        np.r_[np.arange(1000), np.arange(300)])), shape=(301, 2000))
+    rows = fuse.RelevanceRows(pg.Relevance(y), "cpu")
+    knn = np.ones((201, 2), np.int64)
+    knn[:, 1], knn[100, 0] = -1, 0
+    knn = knn if kind == "numpy" else torch.from_numpy(knn)
+    monkeypatch.setattr(fuse, "VOTES_PER_QUERY", 1)
+    assert fuse.batches(knn, rows, 4096) == [slice(0, 100), slice(100, 104), slice(104, 201)]
+    assert fuse.batches(knn[:0], rows, 4096) == [slice(0, 4096)]  # one empty batch
+    monkeypatch.setattr(fuse, "VOTES_PER_QUERY", 256)
+    assert fuse.batches(knn, rows, 4096) == [slice(0, 4096)]  # no long row: one batch
+    assert fuse.batches(knn, rows, 64)[:2] == [slice(0, 64), slice(64, 100)]  # cut before 100
