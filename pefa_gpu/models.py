@@ -23,7 +23,6 @@ from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk
 from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
-from .index.base import VectorIndex
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
                      XLParams, XLSearchParams, XSParams, XSSearchParams, check_unit_interval)
 from .relevance import Relevance, RelevanceLike, as_relevance
@@ -549,7 +548,7 @@ class PEFAXL(_Model):
         _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded
         rows, m = nbr.clamp_min(0), self.n_train_queries
         flat, qi = rows.reshape(-1).clamp_max(m - 1), self.query_index  # valid: no id check
-        vecs = (qi.vectors[flat] if isinstance(qi, VectorIndex) else qi.reconstruct(flat)).float()
+        vecs = getattr(qi, "rows_unchecked", qi.reconstruct)(flat).float()
         vecs = vecs.reshape(*rows.shape, -1)
         if p.augment_docs:  # row m + j: document j
             docs = self.doc_embeddings[(rows - m).clamp_min(0)].float()

@@ -12,7 +12,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.index import make_index
 from pefa_gpu.index.sharded import ShardedIndex
-from conftest import make_model
+from conftest import make_model, unit_rows
 
 
 def ref_search(X: np.ndarray, T: np.ndarray, k: int):
@@ -67,6 +67,9 @@ def test_add_update_reconstruct_and_small_budget_shards():
     for bad in ([-1], [len(X)]):  # not a zero row
         with pytest.raises(pg.InputError, match="out of range"):
             idx.reconstruct(torch.tensor(bad))
+    two = make_index("sharded", "cpu", {"devices": ["cpu"] * 3}).build(torch.from_numpy(X[:2]))
+    assert 0 in [shard.ntotal for shard in two.shards]  # an empty shard is passed over
+    assert torch.equal(two.reconstruct(torch.tensor([1, 0])), torch.from_numpy(X[[1, 0]]))
     new = np.ones((5, X.shape[1]), np.float32)
     idx.update(ids, torch.from_numpy(new))
     X2 = X.copy()
@@ -173,3 +176,25 @@ def test_a_forged_offset_table_is_refused(tmp_path, offsets):
     (tmp_path / "shards.json").write_text(json.dumps({**meta, "offsets": offsets}))
     with pytest.raises(pg.errors.FormatError, match="offsets"):
         ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
+
+
+def test_xl_scoring_over_sharded_indices_checks_no_ids(monkeypatch):
+    """Its neighbours' rows are valid by construction: reading them makes no id check (on
+    CUDA each one is a host synchronisation), and the scores equal the unsharded model's."""
+    import pefa_gpu.index.base as base
+    import pefa_gpu.index.sharded as sharded
+
+    rng = np.random.default_rng(4)
+    P, Q, T = (unit_rows(rng, r, 8) for r in (60, 40, 5))
+    Y = sp.csr_matrix((np.ones(40, np.float32), (np.arange(40), rng.integers(0, 60, 40))),
+                      shape=(40, 60))
+    xl = pg.PEFAXL(backend="sharded", device="cpu", k=4,
+                   index_params={"devices": ["cpu"] * 2}).fit(P, Q, Y)
+    want = pg.PEFAXL(device="cpu", k=4).fit(P, Q, Y).score(T, torch.arange(10).repeat(5, 1))
+    checks = []
+    for module in (base, sharded):
+        real = module.check_row_ids
+        monkeypatch.setattr(module, "check_row_ids",
+                            lambda *a, real=real, **k: checks.append(1) or real(*a, **k))
+    got = xl.score(T, torch.arange(10).repeat(5, 1))
+    assert checks == [] and torch.allclose(got, want, atol=1e-6)

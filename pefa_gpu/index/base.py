@@ -205,9 +205,14 @@ class VectorIndex(Index):
     vectors: torch.Tensor
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
-        """Checked ids (a host synchronisation on CUDA; ``vectors[ids]`` is the unchecked way)."""
+        """Stored rows ``ids`` (any shape) -> (*ids.shape, d) float32; InputError naming ids
+        outside [0, ntotal) (two host synchronisations on CUDA)."""
         i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
-        return self.vectors[i].float()
+        return self.rows_unchecked(i)
+
+    def rows_unchecked(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`reconstruct` of int64 ids on the device known to be valid: no check."""
+        return self.vectors[ids].float()
 
     @property
     def ntotal(self) -> int:

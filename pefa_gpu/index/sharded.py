@@ -131,10 +131,17 @@ class ShardedIndex(Index):
 
     def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
         i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
-        out = torch.zeros(*i.shape, self.dim, device=self.device)
-        for shard, mask, local in self._route(i):
-            got = shard.reconstruct(local.clamp(0, max(shard.ntotal - 1, 0)).to(shard.device))
-            out = torch.where(mask.unsqueeze(-1), got.to(self.device).float(), out)
+        return self.rows_unchecked(i)
+
+    def rows_unchecked(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`reconstruct` of valid int64 ids on the device: no check (shards of vectors
+        are read without one too)."""
+        out = torch.zeros(*ids.shape, self.dim, device=self.device)
+        for shard, mask, local in self._route(ids):
+            if shard.ntotal:
+                local = local.clamp(0, shard.ntotal - 1).to(shard.device)
+                got = getattr(shard, "rows_unchecked", shard.reconstruct)(local)
+                out = torch.where(mask.unsqueeze(-1), got.to(self.device).float(), out)
         return out
 
     def save(self, directory: str | Path) -> None:
