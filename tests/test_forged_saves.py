@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import tracemalloc
+import types
 import zipfile
 from pathlib import Path
 
@@ -332,14 +333,14 @@ def test_a_forged_ivf_save_with_more_centroids_than_lists_is_refused_at_load(tmp
     res = load_and_search("ivf", tmp_path / "ix", {"nlist": 4})
     assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
                                                                       res.stdout, res.stderr[-500:])
-    assert "centroids (64), lists (4 of 4)" in res.stdout
+    assert "has 64 centroids of dimension 8 and 4 lists for nlist=4" in res.stdout
 
 
 @pytest.mark.parametrize("how", ["a neighbour beyond the rows", "the entry point beyond the rows",
                                  "a list beyond the neighbours"])
 def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):
-    """faiss >= 1.14 checks the links as it reads them (1.13 searched them out of bounds: a
-    segfault); the load turns its error into a FormatError naming the file."""
+    """faiss' own check as it reads the graph, which the faiss >= 1.14 floor relies on (1.13
+    searched such a graph out of bounds: a segfault); the load names the file."""
     faiss = pytest.importorskip("faiss", minversion="1.14")
     index = faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT)
     index.add(unit_rows(np.random.default_rng(6), 300, D))
@@ -359,17 +360,21 @@ def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):
     assert "index.faiss could not be read by faiss" in res.stdout
 
 
-def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch):
-    """It would search a forged saved graph out of bounds (tests above)."""
-    pytest.importorskip("faiss")
-    import types
-
+def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):
+    """It would search a forged saved graph out of bounds (tests above); exact search on the
+    CPU then runs without it, saying so."""
     from pefa_gpu.errors import MissingDependencyError
-    from pefa_gpu.index._faiss import import_faiss
+    from pefa_gpu.index._faiss import import_faiss, optional_faiss
 
     monkeypatch.setitem(sys.modules, "faiss", types.SimpleNamespace(__version__="1.13.2"))
     with pytest.raises(MissingDependencyError, match=r"faiss 1\.13\.2 is too old: .*>= 1\.14"):
         import_faiss()
+    optional_faiss.cache_clear()
+    try:
+        assert optional_faiss() is None
+        assert "runs on torch instead" in caplog.text
+    finally:
+        optional_faiss.cache_clear()
     monkeypatch.setitem(sys.modules, "faiss", types.SimpleNamespace(__version__="1.14.3"))
     assert import_faiss().__version__ == "1.14.3"
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
+import sys
 from typing import Any, Iterator
 
 import numpy as np
@@ -35,10 +37,13 @@ def import_faiss() -> Any:
 
 @functools.lru_cache(maxsize=1)
 def optional_faiss() -> Any:
-    """The faiss module, or None when it is not installed."""
+    """The faiss module, or None when it is not installed (or too old: warned once)."""
     try:
         return import_faiss()
-    except MissingDependencyError:
+    except MissingDependencyError as exc:
+        if "faiss" in sys.modules:  # imported, but too old
+            logging.getLogger("pefa_gpu").warning("%s; exact search on the CPU runs on torch "
+                                                  "instead", exc)
         return None
 
 

@@ -200,24 +200,20 @@ class IVFIndex(FaissBackend):
         if kind != out.params.kind:
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={out.params.kind!r}")
-        _check_list_ids(out._faiss, index, directory)
+        _check_lists(out._faiss, index, directory)
         out._index, out._dim = out._to_device(index), int(index.d)
         return out
 
 
-def _check_list_ids(faiss: Any, index: Any, directory: str | Path) -> None:
-    """FormatError unless a saved IVF index has one centroid a list, its lists' codes are of
-    its code size, and the ids in its lists are 0..ntotal-1, each once (faiss 1.13 aborted the
-    process on a search of more centroids than lists)."""
+def _check_lists(faiss: Any, index: Any, directory: str | Path) -> None:
+    """FormatError unless a saved IVF index has one centroid a list (faiss reads more, and its
+    search then aborted the process in 1.13) and the ids 0..ntotal-1 in its lists, each once
+    (faiss itself checks the codes' and the PQ codebook's sizes as it reads them)."""
     lists, n, q = index.invlists, int(index.ntotal), index.quantizer
-    pq = getattr(index, "pq", None)
-    if q.ntotal != index.nlist or q.d != index.d or lists.nlist != index.nlist \
-            or lists.code_size != index.code_size or pq is not None and (
-                pq.d != index.d or pq.code_size != index.code_size
-                or pq.centroids.size() != pq.d * pq.ksub):
-        raise FormatError(f"{directory}: the saved IVF index's centroids ({q.ntotal}), lists "
-                          f"({lists.nlist} of {index.nlist}) or codes do not agree: a forged "
-                          f"or corrupted index")
+    if (q.ntotal, q.d, lists.nlist) != (index.nlist, index.d, index.nlist):
+        raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
+                          f"dimension {q.d} and {lists.nlist} lists for nlist={index.nlist}, "
+                          f"d={index.d}: a forged or corrupted index")
     ids = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
            for i in range(index.nlist) if lists.list_size(i)]
     ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
