@@ -333,7 +333,30 @@ def test_a_forged_ivf_save_with_more_centroids_than_lists_is_refused_at_load(tmp
     res = load_and_search("ivf", tmp_path / "ix", {"nlist": 4})
     assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
                                                                       res.stdout, res.stderr[-500:])
-    assert "has 64 centroids of dimension 8 and 4 lists for nlist=4" in res.stdout
+    assert "has 64 centroids of dimension 8, 4 lists and codes of 32 bytes for nlist=4" \
+        in res.stdout
+
+
+def test_a_forged_ivf_pq_save_with_codes_wider_than_its_lists_is_refused_at_load(tmp_path):
+    """faiss reads a product quantizer of 16-byte codes over lists of 4-byte codes (its search
+    and reconstruct then decode past each code)."""
+    faiss = pytest.importorskip("faiss")
+    from pefa_gpu.index import make_index
+
+    params = {"kind": "pq", "nlist": 4, "pq_m": 4}
+    (tmp_path / "ix").mkdir()
+    make_index("ivf", "cpu", params).build(unit_rows(np.random.default_rng(7), 400, D)).save(
+        tmp_path / "ix")
+    path = tmp_path / "ix" / "index.faiss"
+    index = faiss.read_index(str(path))
+    pq = index.pq
+    pq.M, pq.nbits, pq.dsub, pq.ksub, pq.code_size = 8, 16, 1, 65536, 16
+    faiss.copy_array_to_vector(np.zeros(D * 65536, np.float32), pq.centroids)
+    faiss.write_index(index, str(path))
+    res = load_and_search("ivf", tmp_path / "ix", params)
+    assert res.returncode == 0 and res.stdout.startswith("refused:"), (res.returncode,
+                                                                      res.stdout, res.stderr[-500:])
+    assert "codes of 16 bytes for nlist=4, d=8, code size 4" in res.stdout
 
 
 @pytest.mark.parametrize("how", ["a neighbour beyond the rows", "the entry point beyond the rows",
@@ -372,7 +395,7 @@ def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, capl
     optional_faiss.cache_clear()
     try:
         assert optional_faiss() is None
-        assert "runs on torch instead" in caplog.text
+        assert "faiss 1.13.2 is too old" in caplog.text and "carrying on without it" in caplog.text
     finally:
         optional_faiss.cache_clear()
     monkeypatch.setitem(sys.modules, "faiss", types.SimpleNamespace(__version__="1.14.3"))

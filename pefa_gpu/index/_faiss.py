@@ -27,7 +27,7 @@ def import_faiss() -> Any:
     install = ("`pip install faiss-cpu` (CPU) or `conda install -c pytorch faiss-gpu` "
                "(GPU); or `pip install pefa_gpu[faiss]`")
     faiss = import_optional("faiss", f"this backend needs faiss: {install}")
-    version = getattr(faiss, "__version__", "0")
+    version = str(getattr(faiss, "__version__", None) or "0")
     if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < MIN_FAISS:
         raise MissingDependencyError(f"faiss {version} is too old: pefa_gpu needs faiss >= 1.14 "
                                      f"(older faiss searches a forged saved graph out of "
@@ -42,8 +42,7 @@ def optional_faiss() -> Any:
         return import_faiss()
     except MissingDependencyError as exc:
         if "faiss" in sys.modules:  # imported, but too old
-            logging.getLogger("pefa_gpu").warning("%s; exact search on the CPU runs on torch "
-                                                  "instead", exc)
+            logging.getLogger("pefa_gpu").warning("%s; carrying on without it", exc)
         return None
 
 

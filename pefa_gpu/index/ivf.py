@@ -207,13 +207,16 @@ class IVFIndex(FaissBackend):
 
 def _check_lists(faiss: Any, index: Any, directory: str | Path) -> None:
     """FormatError unless a saved IVF index has one centroid a list (faiss reads more, and its
-    search then aborted the process in 1.13) and the ids 0..ntotal-1 in its lists, each once
-    (faiss itself checks the codes' and the PQ codebook's sizes as it reads them)."""
+    search then aborted the process in 1.13), IVF-PQ codes of the lists' size (faiss reads a
+    product quantizer of another) and the ids 0..ntotal-1 in its lists, each once."""
     lists, n, q = index.invlists, int(index.ntotal), index.quantizer
-    if (q.ntotal, q.d, lists.nlist) != (index.nlist, index.d, index.nlist):
+    codes = getattr(index, "pq", index)  # IVF-Flat: its own
+    if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
+            index.nlist, index.d, index.nlist, index.d, index.code_size):
         raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
-                          f"dimension {q.d} and {lists.nlist} lists for nlist={index.nlist}, "
-                          f"d={index.d}: a forged or corrupted index")
+                          f"dimension {q.d}, {lists.nlist} lists and codes of {codes.code_size} "
+                          f"bytes for nlist={index.nlist}, d={index.d}, code size "
+                          f"{index.code_size}: a forged or corrupted index")
     ids = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
            for i in range(index.nlist) if lists.list_size(i)]
     ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
