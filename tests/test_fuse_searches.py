@@ -85,7 +85,9 @@ def test_fuse_without_queries_gives_empty_tables_of_the_input_kind(kind, rescore
 @pytest.mark.parametrize("bad,match", [({"lam": 1.5}, "lam must be a number in"),
                                        ({"lam": True}, "lam must be"),
                                        ({"k": 0}, "k must be a positive integer"),
-                                       ({"k": 2.0}, "k must be a positive integer")])
+                                       ({"k": 2.0}, "k must be a positive integer"),
+                                       ({"batch_size": 0}, "batch_size must be a positive"),
+                                       ({"batch_size": -3}, "batch_size must be a positive")])
 def test_fuse_names_a_bad_lam_or_k(bad, match):
     rng = np.random.default_rng(5)
     P, Q, T = (rng.standard_normal((r, 6)).astype(np.float32) for r in (40, 20, 3))
