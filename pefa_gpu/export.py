@@ -81,8 +81,9 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
                ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32
                ) -> faiss.IndexHNSW:
     """A CPU faiss HNSW index over ``vectors`` (n, d), inner product, built by ``method``."""
-    check_positive(M, "M")
-    check_positive(ef_construction, "ef_construction")
+    for name, value in (("M", M), ("ef_search", ef_search), ("ef_construction", ef_construction),
+                        ("entrypoints", entrypoints)):
+        check_positive(value, name)
     check_choice(method, "method", ("auto", "hnsw", "cagra", "knn"))
     faiss = import_faiss()
     dev = resolve_device(device)
@@ -130,6 +131,7 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
     over ``vectors`` with the same M, method auto / hnsw) to the file ``path`` atomically."""
     faiss = import_faiss()
     check_output_file(path, "export path")
+    check_positive(kwargs.get("ef_search", 300), "ef_search")  # also where the graph is kept
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
         else None
     if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw") \

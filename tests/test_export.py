@@ -93,6 +93,18 @@ def test_export_paths_are_checked_before_the_build(tmp_path, monkeypatch):
     assert calls == [] and (tmp_path / "real").read_text() == "keep"
 
 
+@pytest.mark.parametrize("setting", ["M", "ef_search", "ef_construction", "entrypoints"])
+def test_export_settings_are_positive_integers(tmp_path, setting):
+    x, _ = clustered(4, n=50)
+    for bad in (0, -1, 2.5):  # ef_search=-1 was written into the file as it was
+        with pytest.raises(InputError, match=f"{setting} must be a positive integer"):
+            export.export_hnsw(x, tmp_path / "x.faiss", device="cpu", **{setting: bad})
+    assert not (tmp_path / "x.faiss").exists()
+    model = pg.ERM(backend="hnsw", device="cpu", index_params={"M": 8}).fit(x)
+    with pytest.raises(InputError, match="ef_search must be a positive integer"):
+        model.export_hnsw(tmp_path / "x.faiss", M=8, ef_search=-1)  # its own graph, kept
+
+
 def test_a_failed_export_leaves_nothing_and_keeps_the_old_file(tmp_path, monkeypatch):
     x, _ = clustered(4, n=300)
     target = tmp_path / "x.faiss"
