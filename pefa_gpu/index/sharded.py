@@ -141,7 +141,7 @@ class ShardedIndex(Index):
             if shard.ntotal:
                 local = local.clamp(0, shard.ntotal - 1).to(shard.device)
                 got = getattr(shard, "rows_unchecked", shard.reconstruct)(local)
-                out = torch.where(mask.unsqueeze(-1), got.to(self.device).float(), out)
+                out = torch.where(mask.unsqueeze(-1), got.to(self.device), out)
         return out
 
     def save(self, directory: str | Path) -> None:
