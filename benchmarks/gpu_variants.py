@@ -1,7 +1,7 @@
 """Variants timed side by side on a GPU, to choose designs for the GPU check's targets:
 exact search's top-k selection, PEFA-XL's cost split (its two searches, the fusion by batch
 size, a scipy sparse-product merge of the same searches), PIFA's host and device parts, and
-where host synchronisations happen.
+where host synchronisations happen, and a kernel-level profile of an exact and an XL search.
 
     python3 benchmarks/gpu_variants.py --out DIR            # on CUDA (about 2 minutes)
     python3 benchmarks/gpu_variants.py --out DIR --dry-run  # on the CPU, tiny shapes
@@ -215,8 +215,53 @@ def part_tiles(s: dict, dev: str) -> dict[str, Any]:
     tt.BM, tt.BN, tt.BK, tt.WARPS, tt.STAGES = shape
     return out
 
+
+def kernel_table(fn: Callable[[], Any], dev: str, top: int = 12) -> dict[str, Any]:
+    """One call of ``fn`` under torch.profiler (after a warm-up): wall ms, the sum of its
+    device kernels' ms, and the ``top`` kernels by device time [name, ms, calls]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=acts) as prof:
+        fn()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    rows = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return {"wall_ms": 1e3 * wall,
+            "kernels_ms": sum(e.self_device_time_total for e in rows) / 1e3,
+            "launches": sum(e.count for e in rows),
+            "top": [[e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count]
+                    for e in rows[:top]]}
+
+
+def part_profile(s: dict, dev: str) -> dict[str, Any]:
+    """Where one exact search (bf16 rows, the tiles' kernel) and one PEFA-XL search spend
+    their time: device kernels against wall time (the rest: host work and gaps)."""
+    from pefa_gpu.synthetic import make_synthetic
+
+    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
+    x = unit(n, d, dev, 0).to(torch.bfloat16)
+    q = unit(b, d, dev, 1)
+    index = pg.make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    out: dict[str, Any] = {"exact": kernel_table(lambda: index.search(q, k), dev),
+                           "exact_sync_sites": sync_sites(lambda: index.search(q, k))}
+    del x, index
+    data = make_synthetic(s["xl_n"], 3 * s["xl_n"], s["xl_d"], b, seed=1)
+    xl = pg.PEFAXL(device=dev, lam=0.5, k=32, search_params=pg.XLSearchParams(
+        candidates=2 * k)).fit(data.P, data.Q, data.Y)
+    qx = torch.from_numpy(data.Q_test).to(dev)
+    out["xl"] = kernel_table(lambda: xl.search(qx, k), dev)
+    out["erm"] = kernel_table(lambda: xl.index.search(qx, k), dev)
+    return out
+
 PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa,
-         "tiles": part_tiles}
+         "tiles": part_tiles, "profile": part_profile}
 
 
 def main() -> None:
