@@ -13,6 +13,7 @@ import logging
 import os
 import pkgutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -101,10 +102,6 @@ def _settings(form: str, names: Sequence[str]) -> dict[str, dict]:
             metavar={"point": f"{mv}[,{mv}...]", "grid": f"{mv},{mv}..."}.get(form, mv),
             help=GRID_HELP[name] if form == "grid" else f"{meta['help']} (default: {default})")
     return out
-
-
-FLAGS = {**{name: f.metadata.get("flag", f"--{name}") for name, f in settings().items()},
-         "seed": "--seed"}  # the model settings' flags and tune's --seed
 
 
 DATA_DIR = {
@@ -332,9 +329,10 @@ def _check_ray(args: argparse.Namespace) -> None:
 
 
 def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
-    """A model setting given (not None) that no method of ``why`` takes is an error."""
-    for name, flag in FLAGS.items():
+    """A model setting (or --seed) given (not None) that no method of ``why`` takes is an error."""
+    for name, field in {**settings(), "seed": None}.items():
         if getattr(args, name, None) is not None and name not in taken:
+            flag = field.metadata.get("flag", f"--{name}") if field else "--seed"
             users = [m for m in REGISTRY if name in REGISTRY[m].takes] or ["--method auto"]
             raise InputError(f"{flag} has no effect with {why}; drop it (it is a setting of "
                              f"{', '.join(users)})")
@@ -470,8 +468,6 @@ def _connect(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
     args.runner = None
     if getattr(args, "ray", None) is None:
         return
-    import tempfile
-
     from .distributed import connect
 
     noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
@@ -595,8 +591,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"coverage: {c['val_coverage']:.2f} of validation pairs have a trained-on "
               f"document; test estimate {c['test_coverage_estimate']:.2f} (label-free, from "
               f"plain top-1 documents); validation matched to {c['matched_coverage']:.2f}")
-    print()
-    print(markdown_table(res.validation.rows, ("objective", *METRICS)), end="")
+    print("\n" + markdown_table(res.validation.rows, ("objective", *METRICS)), end="")
     print(f"\nchosen: {res.chosen.label()} — {res.reason}\n")
     configs = [res.chosen] if res.chosen.method == "erm" else [Config("erm", 1.0), res.chosen]
     groups = [((c.method,), *(() if v is None else (v,) for v in (c.lam, c.k))) for c in configs]
