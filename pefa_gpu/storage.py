@@ -116,11 +116,12 @@ def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
     else:
         t = as_tensor(arr, device=device, name=str(p))
     if meta is not None:
-        want = (meta.get("dtype"), list(meta.get("shape", [])))
+        want = (meta.get("dtype"), meta.get("shape", []))
         got = (dtype_name(t.dtype), list(t.shape))
         if want != got:
+            shape = tuple(want[1]) if isinstance(want[1], list) else want[1]  # forged: any JSON
             raise FormatError(f"{p} holds dtype {got[0]} shape {tuple(got[1])}, but the manifest "
-                              f"says dtype {want[0]} shape {tuple(want[1])}")
+                              f"says dtype {want[0]} shape {shape!r}")
     return t
 
 
@@ -183,9 +184,8 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
         raise TypeError(f"save_csr takes a scipy sparse matrix, got {type(matrix).__name__}")
     csr = sp.csr_matrix(matrix)
     out = _with_suffix(path, ".npz")
-    with open(out, "wb") as fh:
-        np.savez(fh, indptr=csr.indptr, indices=csr.indices, data=csr.data,
-                 shape=np.asarray(csr.shape, dtype=np.int64))
+    np.savez(out, indptr=csr.indptr, indices=csr.indices, data=csr.data,
+             shape=np.asarray(csr.shape, dtype=np.int64))
     return {"file": out.name, "shape": list(csr.shape), "nnz": int(csr.nnz),
             "dtype": str(csr.dtype)}
 
@@ -260,12 +260,9 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
 def _walk_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
     """(relative posix path, lstat) of every non-folder entry under ``root`` (links not
     followed, data-folder markers left out), sorted."""
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        dirnames.sort()
-        base = Path(dirpath)
-        for name in sorted(filenames) + [d for d in dirnames if (base / d).is_symlink()]:
-            if name != DATA_MARKER:
-                yield (base / name).relative_to(root).as_posix(), os.lstat(base / name)
+    for path in sorted(root.rglob("*")):  # rglob never descends into a linked folder
+        if path.name != DATA_MARKER and (path.is_symlink() or not path.is_dir()):
+            yield path.relative_to(root).as_posix(), os.lstat(path)
 
 
 def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = None
@@ -624,10 +621,6 @@ def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], An
     atomically, keeping its permissions."""
     p = check_output_file(path, what)
     p.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        mode = stat.S_IMODE(os.stat(p).st_mode)
-    except FileNotFoundError:
-        mode = None
     tmp = p.with_name(f".{p.name}{_TMP_TAG}{secrets.token_hex(6)}{p.suffix}")
     try:
         with open(tmp, "xb") as fh:  # O_EXCL, mode 0o666 less the umask
@@ -637,8 +630,8 @@ def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], An
             content(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
-        if mode is not None:
-            os.chmod(tmp, mode)
+        with contextlib.suppress(FileNotFoundError):  # the permissions of the file replaced
+            shutil.copymode(p, tmp)
         check_output_file(p, what)  # still a regular file (or absent) right before the rename
         os.replace(tmp, p)
     except BaseException:

@@ -148,6 +148,16 @@ def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
         pg.load(erm_save, device="cpu")
 
 
+@pytest.mark.parametrize("shape", [None, 5, "60x8"])
+def test_a_tensor_entry_whose_shape_is_not_a_list_is_refused(erm_save, shape):
+    m = manifest(erm_save)
+    m["state"]["doc_embeddings"]["shape"] = shape
+    (erm_save / "manifest.json").write_text(json.dumps(m))
+    resign(erm_save)  # was a TypeError: 'int' object is not iterable
+    with pytest.raises(FormatError, match=r"doc_embeddings\.npy holds .* manifest says .*shape"):
+        pg.load(erm_save, device="cpu")
+
+
 def forge_index_entry(save: Path, edit) -> None:
     m = manifest(save)
     edit(m["state"])
