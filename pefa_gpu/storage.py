@@ -191,9 +191,8 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
 
 
 def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matrix:
-    """Read a matrix written by :func:`save_csr` or scipy's ``save_npz`` (CSR or CSC) as CSR; no
-    member inflates past what the shape and nnz allow (``meta``'s, its manifest entry, else the
-    file's own). Raises :class:`FormatError`."""
+    """A :func:`save_csr` or scipy ``save_npz`` (CSR or CSC) file as CSR, no member inflating past
+    what the shape and nnz (``meta``'s, else the file's) allow; else :class:`FormatError`."""
     p = _with_suffix(path, ".npz")
     if not p.is_file():
         raise FormatError(f"{p} is missing")
@@ -267,9 +266,8 @@ def _walk_files(root: Path) -> Iterator[tuple[str, os.stat_result]]:
 
 def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = None
                    ) -> dict[str, dict[str, Any]]:
-    """``{relative path: {"bytes", "sha256"}}`` of the regular files under ``root`` (anything else:
-    :class:`InputError`); ``known``: {relative path: (:func:`_stamp`, sha256)} of files hashed
-    as they were written, read again only if changed since."""
+    """``{relative path: {"bytes", "sha256"}}`` of the regular files under ``root`` (else
+    :class:`InputError`); a file of ``known`` ({path: (stamp, sha256)}) unchanged is not read."""
     root = Path(root)
     out = {}
     for rel, st in _walk_files(root):
@@ -464,32 +462,28 @@ def _data_folder(folder: Path, partial: bool = False) -> bool:
 
 
 def _ours(root: Path, entry: str, name: str) -> bool:
-    """An entry of a save folder that pefa_gpu wrote: a data folder or a manifest being
-    written."""
+    """An entry of a save folder that pefa_gpu wrote: a data folder or a manifest being written."""
     if entry.startswith(f".{name}{_TMP_TAG}"):
         return os.path.isfile(root / entry) and not os.path.islink(root / entry)
     return _data_folder(root / entry, partial=True)
 
 
-def _save_root(target: PathLike) -> Path:
-    """The real folder a save to ``target`` writes into (links resolved, never replaced)."""
+def _save_target(target: PathLike, name: str, fmt: str) -> tuple[Path, str | None]:
+    """The real folder a save to ``target`` writes into (links resolved, never replaced) and the
+    data folder of the save there (None: none yet); :class:`InputError` unless saving there
+    replaces only pefa_gpu's own files."""
     p = Path(target)
     if os.path.islink(p) and not p.exists():
         raise InputError(f"cannot save to {p}: it is a symbolic link to {os.readlink(p)!r}, "
                          f"which does not exist")
-    return Path(os.path.realpath(p))
-
-
-def _current_data(root: Path, name: str, fmt: str) -> str | None:
-    """The data folder of the save now at ``root`` (None: none yet); :class:`InputError` unless
-    saving there replaces only pefa_gpu's own files."""
+    root = Path(os.path.realpath(p))
     if not os.path.lexists(root):
-        return None
+        return root, None
     if not root.is_dir():
         raise InputError(f"cannot save to {root}: it exists and is not a directory")
     if os.path.lexists(root / name):
         try:
-            return read_manifest(root, name, fmt)["data"]
+            return root, read_manifest(root, name, fmt)["data"]
         except FormatError as exc:
             raise InputError(f"refusing to save into {root}: its {name} is not an intact "
                              f"{fmt} manifest of this version ({exc}); move it away or choose "
@@ -498,7 +492,7 @@ def _current_data(root: Path, name: str, fmt: str) -> str | None:
     if others:
         raise InputError(f"refusing to save into {root}: it is a non-empty directory that is "
                          f"not a {fmt} save (it holds {others[:5]})")
-    return None
+    return root, None
 
 
 def _remove_stale(root: Path, name: str, keep: str | None) -> None:
@@ -517,8 +511,7 @@ def _remove_stale(root: Path, name: str, keep: str | None) -> None:
 
 def check_save_target(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> Path:
     """The real folder of ``target``; :class:`InputError` where :func:`writing_save` would fail."""
-    root = _save_root(target)
-    _current_data(root, name, fmt)
+    root = _save_target(target, name, fmt)[0]
     _check_writable_folder(root, f"cannot save to {target}")
     return root
 
@@ -553,7 +546,7 @@ class PendingSave:
             text = json.dumps(full, indent=1, sort_keys=True, allow_nan=False) + "\n"
         except (TypeError, ValueError) as exc:
             raise InputError(f"the manifest cannot be written as JSON: {exc}") from exc
-        _current_data(self.root, self.name, self.fmt)  # nothing foreign appeared meanwhile
+        _save_target(self.root, self.name, self.fmt)  # nothing foreign appeared meanwhile
         write_output_file(self.root / self.name, text, "manifest")  # the commit point
         self.committed = True
         _remove_stale(self.root, self.name, keep=self.data.name)
@@ -566,8 +559,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     """Write a save into the folder ``target`` (links followed): files into a fresh data folder,
     then ``commit()``; a crash leaves the old save or the new one. Only an empty folder or a save
     of the same kind is written into, replacing only pefa_gpu's own entries."""
-    root = _save_root(target)
-    current = _current_data(root, name, fmt)
+    root, current = _save_target(target, name, fmt)
     pending = data = None
     made_root = not os.path.lexists(root)
     try:
