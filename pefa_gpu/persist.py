@@ -89,10 +89,13 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
     backend = manifest.get("backend")
     _backend(backend, where)
     device = resolve_device(device)  # a bad device is the caller's error, not the save's
-    try:  # params not a table: a TypeError too
+    params = manifest.get("params")
+    if not isinstance(params, dict):
+        raise FormatError(f"{where} has no 'params' table")
+    try:
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
                     search_params=cls.SearchParams.coerce(manifest.get("search_params")),
-                    **manifest.get("params"))
+                    **params)
         model.index_search_params = model.index_search_params.coerce(
             manifest.get("index_search_params"))
     except (InputError, TypeError) as exc:
