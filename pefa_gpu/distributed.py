@@ -1,14 +1,7 @@
-"""The pipeline's stages on a Ray cluster: the runner that :mod:`pefa_gpu.pipeline` takes.
-
-    from pefa_gpu import distributed, pipeline as pp
-    with distributed.connect("local", workers=2) as runner:     # or "auto", "ray://head:10001"
-        scores, ids = pp.search(build, queries, runner=runner)  # every stage takes runner=
-
-The tasks are the pipeline's own functions, placed here: encoders on a pool of Ray actors,
-map / reduce tasks through the object store, search actors per block of shards. Failed tasks
-and actors are retried (``max_retries``; writes are atomic). Paths must be on storage every
-node sees. Ray is imported on use.
-"""
+"""The pipeline's stages on a Ray cluster (README: "Beyond one machine (Ray)"): the same
+shard tasks, encoders on a pool of Ray actors, map / reduce tasks through the object store,
+search actors per block of shards. Failed tasks and actors are retried (``max_retries``;
+writes are atomic). Paths must be on storage every node sees. Ray is imported on use."""
 
 from __future__ import annotations
 

@@ -1,17 +1,9 @@
 """The offline pipeline as functions over shards: encode, aggregate, build, search, evaluate.
 
-    from pefa_gpu import pipeline as pp
-    pp.write_rows(P, "work/docs")                         # or pp.encode(texts, "work/docs")
-    pp.encode(train_texts, "work/queries")
-    pp.write_relevance(Y, "work/pairs", rows=100_000)     # Y: (m x n), split by query ranges
-    pp.aggregate("work/queries", "work/pairs", "work/docs", "work/xs", lam=0.5)
-    pp.build("xs", "work/xs-index", docs="work/docs", embeddings="work/xs")
-    scores, ids = pp.search("work/xs-index", test_queries, topk=100)
-
 ``runner=`` (:class:`LocalRunner`, :class:`pefa_gpu.distributed.RayRunner`) places the shard
 tasks, the same functions in the same order either way (bit for bit on the CPU). A stage's
-``stage.json`` (:class:`Stage`, written last) lists its shards' checksums. README: "Beyond one
-machine (Ray)".
+``stage.json`` (:class:`Stage`, written last) lists its shards' checksums. Usage: README,
+"Beyond one machine (Ray)".
 """
 
 from .aggregation import Part, aggregate, reduce_sums, split_queries
