@@ -29,9 +29,8 @@ _ENTRY_BYTES = 4 * 20 + 16
 
 
 def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int:
-    """Rows of Q per chunk such that the output and the ``kernel``'s buffers (read buffer and
-    float32 copy; for index_add also the device copies, gather workspace and entry batches) fit
-    in ``budget`` bytes, else InputError."""
+    """Rows of Q per chunk such that the output and the ``kernel``'s buffers fit in ``budget``
+    bytes (index_add's: staging slots, device copies, gather space, entries); else InputError."""
     out_bytes = n * dim * 4
     if kernel == "index_add":
         per_row = dim * (4 * itemsize + 4 + 8) + _ENTRY_BYTES
@@ -78,8 +77,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
 
 
 def _read_rows(src: RowSource, rows: int, m: int, buffers: list[np.ndarray]) -> Chunks:
-    """``src.chunks(rows, buffers)``, InputError as soon as Q has more rows than Y, and at
-    the end when it has fewer."""
+    """``src.chunks(rows, buffers)``; InputError when Q has more rows than Y, or fewer."""
     seen = 0
     for start, chunk in src.chunks(rows, buffers):
         seen = start + chunk.shape[0]
@@ -113,26 +111,21 @@ def _stream_scipy(src: RowSource, rows: int, y: Any, a: np.ndarray) -> None:
 
 
 class Staging:
-    """Two slots in rotation, each named host buffers (pinned on CUDA; written through
-    ``views[slot]``, numpy arrays over their memory) and device buffers of the same shapes.
-    ``buffers``: name -> (row width or 0 for 1-D, numpy dtype). On CUDA the uploads run on
-    ``copier`` (a side stream), ordered by events; on the CPU they are plain copies."""
+    """Two slots in rotation of named host buffers (pinned on CUDA; ``views``: numpy over them)
+    and device twins; ``buffers``: name -> (row width or 0 for 1-D, numpy dtype). On CUDA the
+    uploads run on ``copier`` (a side stream), ordered by events; on the CPU, plain copies."""
 
     def __init__(self, rows: int, buffers: dict[str, tuple[int, Any]], device: torch.device,
                  copier: Any = None):
         self.copier = copier
-        self.host: list[dict[str, torch.Tensor]] = []
-        self.views: list[dict[str, np.ndarray]] = []
-        self.dev: list[dict[str, torch.Tensor]] = []
-        for _ in range(2):
-            host = {k: torch.empty((rows, w) if w else (rows,), device="cpu",
-                                   dtype=as_tensor(np.empty(0, dt)).dtype,
-                                   pin_memory=device.type == "cuda")
-                    for k, (w, dt) in buffers.items()}
-            self.host.append(host)
-            self.views.append({k: t.view(torch.uint8).numpy().view(buffers[k][1])
-                               for k, t in host.items()})
-            self.dev.append({k: torch.empty_like(t, device=device) for k, t in host.items()})
+        self.host = [{k: torch.empty((rows, w) if w else (rows,), device="cpu",
+                                     dtype=as_tensor(np.empty(0, dt)).dtype,
+                                     pin_memory=device.type == "cuda")
+                      for k, (w, dt) in buffers.items()} for _ in range(2)]
+        self.views = [{k: t.view(torch.uint8).numpy().view(buffers[k][1]) for k, t in h.items()}
+                      for h in self.host]
+        self.dev = [{k: torch.empty_like(t, device=device) for k, t in h.items()}
+                    for h in self.host]
         self._copied: list[Any] = [None, None]    # event: the slot's last copy is done
         self._consumed: list[Any] = [None, None]  # event: the device stopped reading the slot
 
@@ -165,8 +158,7 @@ class Staging:
 
 
 def _stream_staged(src: RowSource, rows: int, y: Any, a: torch.Tensor) -> None:
-    """The index_add kernel (module docstring): ``a += Y[R]ᵀ Q[R]`` for every chunk R of
-    ``src`` on the current stream, entries batched by ``rows``; ``y``: Y's scipy CSR."""
+    """The index_add kernel: ``a += Y[R]ᵀ Q[R]`` per chunk R of ``src``; ``y``: Y's scipy CSR."""
     device = a.device  # a tensor's: on CUDA with its index
     cuda = device.type == "cuda"
     with torch.cuda.device(device) if cuda else contextlib.nullcontext():

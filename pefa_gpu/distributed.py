@@ -84,8 +84,7 @@ class RayRunner:
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
-        """As :meth:`pefa_gpu.pipeline.LocalRunner.map_reduce`; reduce task s gets part s of
-        every map, in map order, through the object store."""
+        """As :meth:`pefa_gpu.pipeline.LocalRunner.map_reduce`, through the object store."""
         ray = _ray()
         n = len(reduce_calls)
         mapper = self._task(_map_parts, False, num_returns=n)

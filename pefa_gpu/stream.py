@@ -102,8 +102,7 @@ class MemmapSource(RowSource):
 
 def _pread_chunks(path: str | Path, offset: int, rows: int, row_bytes: int, max_rows: int,
                   buffers: list[np.ndarray]) -> Chunks:
-    """Read C-ordered rows at ``offset`` of ``path`` into ``buffers`` (in rotation), keeping
-    them out of the page cache."""
+    """C-ordered rows at ``offset`` of ``path`` read into ``buffers``, out of the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
         if hasattr(os, "posix_fadvise"):

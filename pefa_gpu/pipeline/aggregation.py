@@ -28,14 +28,12 @@ class Part:
 
     @property
     def nbytes(self) -> int:
-        return self.queries.nbytes + self.y.data.nbytes + self.y.indices.nbytes \
-            + self.y.indptr.nbytes
+        return sum(a.nbytes for a in (self.queries, self.y.data, self.y.indices, self.y.indptr))
 
 
 def read_pairs(relevance: str | Path, queries: str | Path, docs: Rows, doc_rows: int
                ) -> tuple[Stage, list[tuple[int, int]]]:
-    """The relevance stage of Y, which must be (queries x documents), both of one dimension,
-    and the ranges of ``doc_rows`` documents."""
+    """The relevance stage of Y (checked against Q and P) and the ranges of ``doc_rows`` docs."""
     rel, q = read_stage(relevance, "relevance"), Rows(queries)
     if q.n != rel.m or docs.n != rel.n:
         raise InputError(f"Y is {rel.m} x {rel.n} but there are {q.n} query and "

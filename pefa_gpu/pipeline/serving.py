@@ -38,8 +38,7 @@ class _Loaded(NamedTuple):
     query_rows: torch.Tensor | None  # a PEFA-XL shard's training queries (global rows)
 
     def search(self, q: torch.Tensor, k: int, params: dict | None) -> Result:
-        """Its index's top-k of checked queries (a PEFA-XL shard's: the passage index's);
-        ``params`` change the backend's search settings (None: its own)."""
+        """Its (PEFA-XL: passage) index's top-k; ``params``: search settings (None: its own)."""
         return self.model.index.search(q.to(self.model.device), k, params)
 
 
@@ -51,8 +50,7 @@ def _load(folder: Path, entry: Entry, device: Any) -> _Loaded:
 
 def _gather(shards: Sequence[_Loaded], k: int,
             search: Callable[[_Loaded, int], Result]) -> Result | None:
-    """``search(shard, min(k, its size))`` on every shard, ids made global, merged as they
-    come (None without shards)."""
+    """``search(shard, min(k, its size))`` on each shard, ids made global, merged (None: none)."""
     out = None
     for s in shards:
         sc, i = search(s, min(k, s.model.n_docs))
@@ -81,8 +79,7 @@ class ShardServer:
     def fuse(self, q: torch.Tensor, erm: Result, knn: Result, topk: int, lam: float,
              k: int) -> Result | None:
         """PEFA-XL's fused top-``topk`` over this server's documents: each shard fuses the
-        global candidates and neighbours in its own numbering (-1 where not its own); a
-        document's fused score needs only its embedding and its column of Y."""
+        global candidates and neighbours in its own numbering (-1 where not its own)."""
         def one(s: _Loaded, kk: int) -> Result:
             dev, e_ids = s.model.device, erm[1].to(s.model.device)
             e_local = torch.where((e_ids >= s.lo) & (e_ids < s.hi), e_ids - s.lo, -1)
@@ -141,8 +138,7 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
            batch_size: int = DEFAULT_BATCH, device: Any = None, runner: Any = None,
            show_progress: bool = False, params: dict | None = None) -> Result:
     """Search a :func:`build` stage: (B, d) queries or a row stage -> (B, topk) float32 scores,
-    int64 ids on the CPU (-1 padded, ties to the lower id); ``params``: every index's search
-    settings (``{"ef_search": 500}``)."""
+    int64 ids on the CPU (-1 padded, ties to the lower id); ``params``: indexes' search settings."""
     from tqdm.auto import tqdm
 
     batch_size = check_positive_int(batch_size, "batch_size")
@@ -170,8 +166,7 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
             q = read(lo, min(lo + batch_size, n_q)).contiguous()
             out.append([t.cpu() for t in search_batch(fan, info, q, topk, lam, k, candidates,
                                                       params)])
-    scores, ids = map(torch.cat, zip(*out))
-    return scores, ids
+    return tuple(map(torch.cat, zip(*out)))
 
 
 def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
