@@ -1,8 +1,7 @@
 """Out-of-core PIFA: A = Yᵀ Q with Q streamed in row chunks R, ``A += Y[R]ᵀ Q[R]``, by scipy's
-CSC kernel in place (CPU) or ``index_add`` (CUDA; on the CPU on request): chunks of Q and batches
-of their Y entries pass through two host staging slots (pinned on CUDA), copied to the device on
-a side stream while the previous one is added. ``memory_budget`` bytes cover the (n, d) float32
-output and every buffer allocated here (not Y, already in memory)."""
+CSC kernel in place (CPU) or ``index_add`` (CUDA; on the CPU on request), fed through two host
+staging slots (pinned on CUDA) uploaded on a side stream. ``memory_budget`` bytes cover the
+(n, d) float32 output and every buffer allocated here (not Y, already in memory)."""
 
 from __future__ import annotations
 
@@ -143,8 +142,7 @@ class Staging:
             for k, t in host.items():
                 dev[k][:r].copy_(t[:r], non_blocking=cuda)
             if cuda:
-                self._copied[slot] = torch.cuda.Event()
-                self._copied[slot].record(self.copier)
+                self._copied[slot] = self.copier.record_event()
         if cuda:
             torch.cuda.current_stream().wait_event(self._copied[slot])
         return {k: t[:r] for k, t in dev.items()}
@@ -152,9 +150,7 @@ class Staging:
     def release(self, slot: int) -> None:
         """The current stream has queued every read of the slot's device buffers."""
         if self.copier is not None:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream())
-            self._consumed[slot] = done
+            self._consumed[slot] = torch.cuda.current_stream().record_event()
 
 
 def _stream_staged(src: RowSource, rows: int, y: Any, a: torch.Tensor) -> None:

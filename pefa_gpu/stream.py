@@ -1,8 +1,6 @@
 """Row-chunk sources for out-of-core inputs (a ``.npy`` path, a memory map, an array, an
-iterator of chunks), read in order into caller-owned buffers with bounded host memory: files
-are read with ``os.pread`` (nothing mapped is touched), other memory maps are copied a piece at
-a time and their pages released with ``madvise(MADV_DONTNEED)``.
-"""
+iterator of chunks) read in order into caller-owned buffers: files with ``os.pread``, other
+memory maps a piece at a time, their pages released (``madvise``) after each."""
 
 from __future__ import annotations
 

@@ -106,8 +106,7 @@ def write_shard(path: str | Path, fields: dict[str, Any],
                 tensors: dict[str, Any] | None = None,
                 matrices: dict[str, sp.spmatrix] | None = None,
                 model: Any = None, export_hnsw: bool = False) -> Entry:
-    """Write a shard atomically (``fields`` with ``rows`` [lo, hi] in its manifest, a model in
-    ``model/``, ``export_hnsw``: and ``hnsw.faiss``); returns its stage entry."""
+    """Write a shard atomically (manifest ``fields`` with ``rows`` [lo, hi]); its stage entry."""
     with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
 
@@ -225,8 +224,7 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
 
 
 class Rows:
-    """The rows of a row stage (``write_rows`` / ``encode`` / ``aggregate``: ``tensor``), read
-    from its memory-mapped shards."""
+    """The rows (``tensor``) of a row stage, read from its memory-mapped shards."""
 
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
         self.folder = Path(folder)
