@@ -21,7 +21,7 @@ try:
 except ImportError:  # numpy < 2
     byte_bounds = np.byte_bounds
 
-_FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see _checked)
+_FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see RowSource)
 _RELEASE_BYTES = 1 << 20  # a memory map is copied and released in pieces of about this size
 
 Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
@@ -35,9 +35,20 @@ class RowSource:
     rows: int | None
 
     def __init__(self, x: np.ndarray, name: str = "Q"):
-        self.x = _checked(x, name)
+        dt = x.dtype
+        if x.ndim != 2:
+            raise InputError(f"{name} must be 2-D (rows, dim), got shape {x.shape}")
+        if x.shape[1] == 0:
+            raise InputError(f"{name} has dimension 0")
+        if not (dt.type in _FLOATS or is_bfloat16(dt)):
+            if dt.kind == "V" and dt.itemsize == 2 and dt.names is None:
+                raise InputError(f"{name} has dtype {dt.str} (2-byte raw items): that is how "
+                                 f"numpy saves bfloat16, and a .npy file does not say so; pass "
+                                 f"np.load(path, mmap_mode='r').view(ml_dtypes.bfloat16) instead")
+            raise InputError(f"{name} has dtype {dt}; float16, float32, float64 or bfloat16 "
+                             f"(ml_dtypes) is needed")
+        self.x, self.dtype = x, dt
         self.rows, self.dim = x.shape
-        self.dtype = x.dtype
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         for s in range(0, self.rows, max_rows):
@@ -172,20 +183,3 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
             or hasattr(x, "__array__") or not hasattr(x, "__iter__"):
         return None  # an array (as_tensor reads it) or no source at all
     return IteratorSource(x, name)
-
-
-def _checked(x: np.ndarray, name: str) -> np.ndarray:
-    """``x`` if it is a 2-D float array (bfloat16 included), else InputError."""
-    dt = x.dtype
-    if x.ndim != 2:
-        raise InputError(f"{name} must be 2-D (rows, dim), got shape {x.shape}")
-    if x.shape[1] == 0:
-        raise InputError(f"{name} has dimension 0")
-    if dt.type in _FLOATS or is_bfloat16(dt):
-        return x
-    if dt.kind == "V" and dt.itemsize == 2 and dt.names is None:
-        raise InputError(f"{name} has dtype {dt.str} (2-byte raw items): that is how numpy "
-                         f"saves bfloat16, and a .npy file does not say so; pass "
-                         f"np.load(path, mmap_mode='r').view(ml_dtypes.bfloat16) instead")
-    raise InputError(f"{name} has dtype {dt}; float16, float32, float64 or bfloat16 "
-                     f"(ml_dtypes) is needed")
