@@ -245,8 +245,7 @@ class Rows:
             raise InputError(f"rows [{lo}, {hi}) are outside {self.folder} (0 .. {self.n})")
         parts = [self._part(i)[max(lo, a) - a:min(hi, b) - a]
                  for i, (a, b) in enumerate(s.rows for s in self.shards) if a < hi and lo < b]
-        if not parts:
-            return np.zeros((0, self.dim), dtype=np.float32)
+        parts = parts or [np.zeros((0, self.dim), dtype=np.float32)]
         return np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts),
                                     dtype=np.float32)
 
