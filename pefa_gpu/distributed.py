@@ -85,15 +85,14 @@ class RayRunner:
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:
         """As :meth:`pefa_gpu.pipeline.LocalRunner.map_reduce`, through the object store."""
-        ray = _ray()
         n = len(reduce_calls)
         mapper = self._task(_map_parts, False, num_returns=n)
         refs = [mapper.remote(map_fn, n, *args) for args in map_calls]
         if n == 1:
             refs = [[r] for r in refs]
         reducer = self._task(_reduce_parts, gpu)
-        return ray.get([reducer.remote(reduce_fn, len(refs), *[r[s] for r in refs], *args)
-                        for s, args in enumerate(reduce_calls)])
+        return _ray().get([reducer.remote(reduce_fn, len(refs), *[r[s] for r in refs], *args)
+                           for s, args in enumerate(reduce_calls)])
 
     def encode(self, fn: Callable, calls: Sequence[dict[str, Any]],
                show_progress: bool = True) -> None:
@@ -121,8 +120,7 @@ class RayRunner:
         """Search actors, one per group of shards, each a ``server(build, doc shards, query
         shards, device)``. Without GPUs they are kept for the next search (no logical CPU,
         spread over the nodes); with GPUs each holds one until the search ends."""
-        ray = _ray()
-        actor = ray.remote(_ServerActor).options(
+        actor = _ray().remote(_ServerActor).options(
             num_cpus=1 if self.gpus else 0, max_restarts=self.max_retries,
             max_task_retries=self.max_retries,
             **({"num_gpus": 1} if self.gpus else {"scheduling_strategy": "SPREAD"}))

@@ -170,8 +170,7 @@ def _complete(path: Path) -> SaveDir | None:
 
 def remove_shard(path: Path) -> None:
     """Remove the complete shard at ``path`` (manifest, data, the folder when then empty)."""
-    save = _complete(path)
-    if save is not None:
+    if (save := _complete(path)) is not None:
         (save.root / SHARD_MANIFEST).unlink()
         shutil.rmtree(save.data)
         with contextlib.suppress(OSError):
@@ -316,8 +315,7 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
     """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
     ``fingerprint`` is there; returns its stage entry."""
     path = Path(out) / shard_name("shard", index)
-    fields = _written(path, fingerprint) if fingerprint is not None else None
-    if fields is not None:
+    if fingerprint is not None and (fields := _written(path, fingerprint)) is not None:
         return Entry.of(path, fields)
     emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
                        normalize=normalize, cache_dir=cache_dir, show_progress=False)
