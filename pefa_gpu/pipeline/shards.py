@@ -20,8 +20,7 @@ import scipy.sparse as sp
 import torch
 
 from ..arrays import as_embeddings, as_tensor, check_positive_int
-from ..encode import _check_texts, resolve_model
-from ..encode import encode as encode_texts
+from ..encode import _check_texts, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
 from ..params import XLParams
 from ..persist import load as load_model
