@@ -12,7 +12,7 @@ import torch
 from .arrays import as_embeddings, as_tensor, is_bfloat16, resolve_device
 from .errors import InputError
 from .relevance import as_relevance
-from .aggregate_stream import pifa_streamed
+from .aggregate_stream import check_initial, pifa_streamed
 from .stream import RowSource, row_source
 
 _BLOCK = 1 << 14  # rows per step of pefa_xs and normalize_rows_ (their temporaries)
@@ -76,6 +76,7 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
     q = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach()
     if q.shape[0] != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")
+    check_initial(initial, rel.shape[1], q.shape[1], dev)
     a = transposed_csr(rel.csr, q.device) @ q  # torch's CSR product (cuSPARSE on CUDA)
     if initial is not None:
         a = initial.add_(a)

@@ -43,6 +43,16 @@ def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int
     return left // per_row
 
 
+def check_initial(initial: torch.Tensor | None, n: int, d: int, device: torch.device) -> None:
+    """InputError unless ``initial`` is None or a contiguous (n, d) float32 tensor on
+    ``device``'s type."""
+    if initial is not None and (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
+                                or initial.device.type != device.type
+                                or not initial.is_contiguous()):
+        raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device}, "
+                         f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
+
+
 def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
                   memory_budget: int | None, kernel: str = "auto",
                   initial: torch.Tensor | None = None) -> torch.Tensor:
@@ -62,11 +72,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     if kernel not in kernels:
         raise InputError(f"kernel={kernel!r} is not available on {device}")
     rows = int(min(chunk_rows(budget, n, d, src.dtype.itemsize, kernel), max(m, 1)))
-    if initial is not None and (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
-                                or initial.device.type != device.type
-                                or not initial.is_contiguous()):
-        raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device}, "
-                         f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
+    check_initial(initial, n, d, device)
     a = torch.zeros((n, d), dtype=torch.float32, device=device) if initial is None else initial
     if kernel == "index_add":
         _stream_staged(src, rows, rel.csr, a)

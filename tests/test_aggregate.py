@@ -91,12 +91,14 @@ def test_pifa_from_initial_sums(device, q_kind):
     np.testing.assert_array_equal(copy(q), q_before)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", ["shape", "dim", "dtype"])
-def test_pifa_initial_of_the_wrong_shape_is_refused(bad):
+def test_pifa_initial_of_the_wrong_shape_is_refused(bad, device):
+    """On CUDA a device tensor Q takes the in-memory product (not the streamed path)."""
     rng = np.random.default_rng(5)
-    Q = unit_rows(rng, 10, 6)
+    Q = torch.from_numpy(unit_rows(rng, 10, 6)).to(device)
     Y = random_relevance(rng, 10, 4, 12)
     initial = {"shape": torch.zeros(5, 6), "dim": torch.zeros(4, 7),
-               "dtype": torch.zeros(4, 6, dtype=torch.float64)}[bad]
+               "dtype": torch.zeros(4, 6, dtype=torch.float64)}[bad].to(device)
     with pytest.raises(pg.InputError, match="initial"):
-        pg.pifa(Y, Q, normalize=False, initial=initial)
+        pg.pifa(Y, Q, normalize=False, initial=initial, device=device)
