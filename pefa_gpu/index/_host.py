@@ -17,8 +17,8 @@ from ..arrays import as_tensor, check_topk, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..storage import strict_json
-from ._faiss import (faiss_threads, host_float32, import_faiss, normalise_results,
-                     search_tensors)
+from ._faiss import (faiss_pointer, faiss_threads, host_float32, import_faiss,
+                     normalise_results, on_current_stream, search_tensors)
 from .base import Index, check_row_ids, empty_results
 from .exact import ExactIndex
 
@@ -31,10 +31,8 @@ def write_description(path: Path, fmt: str, **fields: Any) -> None:
 
 
 def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
-    """The description at ``path``: ``fmt`` version 1, int ``dim`` and ``ntotal`` > 0, every
-    ``expected`` field equal to its value; else FormatError."""
-    if not path.is_file():
-        raise FormatError(f"{path} is missing: not a saved index of this backend")
+    """The description at ``path`` (a file): ``fmt`` version 1, int ``dim`` and ``ntotal`` > 0,
+    every ``expected`` field equal to its value; else FormatError."""
     try:
         meta = strict_json(path.read_text())
         ok = (isinstance(meta, dict) and meta.get("format") == fmt
@@ -50,10 +48,11 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
 
 
 class HostBackend(Index):
-    """``_index``: the library's index (None before build); ``max_k``: the largest k the
-    library answers (tests lower it), larger k: exact search."""
+    """``_index``: the library's index (None before build); ``max_k`` (``gpu_max_k`` on the
+    GPU): the largest k the library answers (tests lower it), larger k: exact search."""
 
     max_k: ClassVar[int] = 2**62
+    gpu_max_k: ClassVar[int] = 2**62
     builds_empty: ClassVar[bool] = False  # whether build takes (0, d) vectors
     on_gpu = False  # True: searched with tensors on the device (a faiss GPU index)
     copies_rows = True  # the library holds its own copy
@@ -121,16 +120,16 @@ class HostBackend(Index):
         self.check_queries(q)
         if q.shape[0] == 0 or self.ntotal == 0:
             return empty_results(q.shape[0], k, self.device)
-        if k > self._k_limit():
+        if k > (self.gpu_max_k if self.on_gpu else self.max_k):
             return self._exact_search(q, k)
         scores, ids = self._raw_search(q, min(k, self.ntotal), sp)
         return normalise_results(as_tensor(scores), as_tensor(ids), k)
 
     def _queries(self, queries: Any, check_finite: bool) -> Any:
+        if self.on_gpu:  # faiss reads the tensor where it is: no host copy, values not read
+            return as_tensor(queries, device=self.device, dtype=torch.float32,
+                             name="queries").detach()
         return host_float32(queries, "queries", check_finite=check_finite)
-
-    def _k_limit(self) -> int:
-        return self.max_k
 
     def _exact_search(self, q: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An exact search over the stored rows, on the index's device."""
@@ -153,7 +152,8 @@ class HostBackend(Index):
 
 
 class FaissBackend(HostBackend):
-    """A faiss index; ``_faiss_params(params, k)``: a search's faiss settings."""
+    """A faiss index; ``_faiss_params(params, k)``: a search's faiss settings,
+    ``_set_search_defaults(index)``: ``search_params`` written into the faiss index."""
 
     def __init__(self, params: Any = None, device: Any = None):
         super().__init__(params, device)
@@ -168,13 +168,6 @@ class FaissBackend(HostBackend):
     def _count(self) -> int:
         return int(self._index.ntotal)
 
-    def _queries(self, queries: Any, check_finite: bool) -> Any:
-        if not self.on_gpu:
-            return super()._queries(queries, check_finite)
-        # faiss reads the tensor where it is: no host copy, values not read
-        return as_tensor(queries, device=self.device, dtype=torch.float32,
-                         name="queries").detach()
-
     def _raw_search(self, q: Any, k: int, params: Params) -> tuple[Any, Any]:
         if self.on_gpu:
             return search_tensors(self._faiss, self._index, q, k, self._faiss_params(params, k),
@@ -182,8 +175,28 @@ class FaissBackend(HostBackend):
         with faiss_threads(self._faiss, self.params.threads):
             return self._index.search(q, k, params=self._faiss_params(params, k))
 
-    def _write(self, index: Any, directory: str | Path) -> None:
-        self._faiss.write_index(index, str(self._save_dir(directory) / FAISS_FILE))
+    def _append(self, x: Any) -> None:
+        self._call(self._index, "add", x)
+
+    def _call(self, index: Any, method: str, x: Any) -> None:
+        """``index.train`` / ``add`` the rows ``x``: numpy, or a device tensor by its pointer."""
+        with faiss_threads(self._faiss, self.params.threads):
+            if isinstance(x, np.ndarray):
+                getattr(index, method)(x)
+                return
+            with on_current_stream(self._faiss, self._gpu_res, x.device):
+                getattr(index, method + "_c")(x.shape[0], faiss_pointer(self._faiss, x))
+
+    def _cpu_index(self) -> Any:
+        """The index itself on the CPU; a CPU copy of all of it (through the host) on the GPU."""
+        return self._faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``index.faiss``: a CPU copy whose search settings are ``search_params``."""
+        directory = self._save_dir(directory)
+        cpu = self._cpu_index()
+        self._set_search_defaults(cpu)
+        self._faiss.write_index(cpu, str(directory / FAISS_FILE))
 
     @classmethod
     def _read(cls, directory: str | Path, kinds: dict[str, str]) -> tuple[Any, str]:

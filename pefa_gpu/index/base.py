@@ -19,8 +19,7 @@ from ..topk import PAD_ID, PAD_SCORE
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IndexParams(Params):
-    """Build or search settings of a backend; fields made by :func:`positive` / :func:`count`
-    are checked on construction."""
+    """A backend's build or search settings (:func:`positive` / :func:`count` fields checked)."""
 
 
 def positive(default: int) -> Any:
@@ -205,8 +204,7 @@ class VectorIndex(Index):
     vectors: torch.Tensor
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
-        """Stored rows ``ids`` (any shape) -> (*ids.shape, d) float32; InputError naming ids
-        outside [0, ntotal) (two host synchronisations on CUDA)."""
+        """Stored rows ``ids`` (any shape) -> (*ids.shape, d) float32 (ids checked: 2 syncs)."""
         i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
         return self.rows_unchecked(i)
 

@@ -48,14 +48,12 @@ class HNSWIndex(FaissBackend):
         f = self._faiss
         index = f.IndexHNSWFlat(x.shape[1], self.params.M, f.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = self.params.ef_construction
-        index.hnsw.efSearch = self.search_params.ef_search  # for direct users of faiss_index
-        with faiss_threads(f, self.params.threads):
-            index.add(x)
+        self._set_search_defaults(index)  # for direct users of faiss_index
+        self._call(index, "add", x)
         return index
 
-    def _append(self, x: np.ndarray) -> None:
-        with faiss_threads(self._faiss, self.params.threads):
-            self._index.add(x)
+    def _set_search_defaults(self, index: Any) -> None:
+        index.hnsw.efSearch = self.search_params.ef_search
 
     def _faiss_params(self, params: HNSWSearchParams, k: int) -> Any:
         return faiss_search_parameters("SearchParametersHNSW", efSearch=max(params.ef_search, k))
@@ -81,12 +79,6 @@ class HNSWIndex(FaissBackend):
     def faiss_index(self) -> Any:
         """The underlying ``faiss.IndexHNSWFlat`` (None before build)."""
         return self._index
-
-    def save(self, directory: str | Path) -> None:
-        """Write ``index.faiss`` (its efSearch that of ``search_params``, for its readers)."""
-        if self._index is not None:
-            self._index.hnsw.efSearch = self.search_params.ef_search
-        self._write(self._index, directory)
 
     @classmethod
     def load(cls, directory: str | Path, params: HNSWParams | dict | None = None,

@@ -107,7 +107,7 @@ class HnswlibIndex(HostBackend):
              device: Any = None) -> "HnswlibIndex":
         """Read an index written by :meth:`save`; its header must agree with ``hnswlib.json``
         and with ``params.M`` (else FormatError)."""
-        meta = read_description(Path(directory) / META_FILE, META_FORMAT, space="ip")
+        meta = read_description(cls._saved_file(directory, META_FILE), META_FORMAT, space="ip")
         dim, ntotal = meta["dim"], meta["ntotal"]
         index_path = cls._saved_file(directory, INDEX_FILE)
         out = cls(params, device)

@@ -16,8 +16,7 @@ from ..arrays import as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from .base import IndexParams, check_row_ids, checked, count, positive
-from ._faiss import (device_float32, faiss_has_gpu, faiss_pointer, faiss_search_parameters,
-                     faiss_threads, host_float32, on_current_stream)
+from ._faiss import device_float32, faiss_has_gpu, faiss_search_parameters, host_float32
 from ._host import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
@@ -78,9 +77,6 @@ class IVFIndex(FaissBackend):
         self._want_gpu = self.device.type == "cuda" and faiss_has_gpu(self._faiss)
         self.exact_scores = self.params.kind == "flat"  # IVF-PQ scores are approximations
 
-    def _k_limit(self) -> int:
-        return self.gpu_max_k if self.on_gpu else self.max_k
-
     def _to_device(self, cpu_index: Any) -> Any:
         """Move a CPU faiss index to the GPU when wanted; on failure stay on the CPU."""
         self._gpu_res = None
@@ -127,18 +123,9 @@ class IVFIndex(FaissBackend):
         return index
 
     def _append(self, x: Any) -> None:
-        self._call(self._index, "add", x)
+        super()._append(x)
         if self._rows is not None:  # IVF-Flat stores the rows as given; PQ codes differ
             self._rows = torch.cat([self._rows, x]) if self.exact_scores else None
-
-    def _call(self, index: Any, method: str, x: Any) -> None:
-        """``index.train`` / ``add`` the rows ``x``: numpy, or a device tensor by its pointer."""
-        with faiss_threads(self._faiss, self.params.threads):
-            if isinstance(x, np.ndarray):
-                getattr(index, method)(x)
-                return
-            with on_current_stream(self._faiss, self._gpu_res, x.device):
-                getattr(index, method + "_c")(x.shape[0], faiss_pointer(self._faiss, x))
 
     @property
     def nprobe(self) -> int:
@@ -159,10 +146,6 @@ class IVFIndex(FaissBackend):
 
     def _faiss_params(self, params: IVFSearchParams, k: int) -> Any:
         return faiss_search_parameters("SearchParametersIVF", nprobe=self._nprobe(params))
-
-    def _cpu_index(self) -> Any:
-        """The index itself on the CPU; a CPU copy of all of it (through the host) on the GPU."""
-        return self._faiss.index_gpu_to_cpu(self._index) if self.on_gpu else self._index
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         cpu = self._cpu_index()
@@ -185,12 +168,8 @@ class IVFIndex(FaissBackend):
             self._rows = as_tensor(rows, device=self.device)
         return self._rows
 
-    def save(self, directory: str | Path) -> None:
-        """Write ``index.faiss`` (a CPU copy, its nprobe that of ``search_params``)."""
-        cpu = self._cpu_index() if self._index is not None else None
-        if cpu is not None:
-            cpu.nprobe = self.nprobe
-        self._write(cpu, directory)
+    def _set_search_defaults(self, index: Any) -> None:
+        index.nprobe = self.nprobe
 
     @classmethod
     def load(cls, directory: str | Path, params: IVFParams | dict | None = None,

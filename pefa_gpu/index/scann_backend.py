@@ -140,7 +140,7 @@ class ScannIndex(HostBackend):
              device: Any = None) -> "ScannIndex":
         """Read an index written by :meth:`save`, its files checked first."""
         directory = Path(directory)
-        meta_path = directory / META_FILE
+        meta_path = cls._saved_file(directory, META_FILE)
         meta = read_description(meta_path, META_FORMAT)
         dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta.get("num_leaves")
         if isinstance(leaves, bool) or not isinstance(leaves, int) or leaves < 0:

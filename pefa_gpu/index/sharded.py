@@ -14,7 +14,7 @@ from ..arrays import as_tensor, check_topk, resolve_device
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..topk import merge_topk
-from .base import Index, check_row_ids, empty_results
+from .base import Index, VectorIndex, check_row_ids, empty_results
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,9 +129,7 @@ class ShardedIndex(Index):
             if bool(mask.any()):
                 shard.update(local[mask].to(shard.device), v[mask].to(shard.device))
 
-    def reconstruct(self, ids: torch.Tensor) -> torch.Tensor:
-        i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
-        return self.rows_unchecked(i)
+    reconstruct = VectorIndex.reconstruct  # ids checked, then rows_unchecked
 
     def rows_unchecked(self, ids: torch.Tensor) -> torch.Tensor:
         """:meth:`reconstruct` of valid int64 ids on the device: no check (shards of vectors
