@@ -30,8 +30,7 @@ def import_faiss() -> Any:
     version = str(getattr(faiss, "__version__", None) or "0")
     if tuple(int(x) for x in re.findall(r"\d+", version)[:2]) < MIN_FAISS:
         raise MissingDependencyError(f"faiss {version} is too old: pefa_gpu needs faiss >= 1.14 "
-                                     f"(older faiss searches a forged saved graph out of "
-                                     f"bounds); {install}")
+                                     f"(older faiss reads forged graphs out of bounds); {install}")
     return faiss
 
 

@@ -17,7 +17,7 @@ from ..arrays import as_tensor, check_topk, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..storage import strict_json
-from ._faiss import (faiss_pointer, faiss_threads, host_float32, import_faiss,
+from ._faiss import (device_float32, faiss_pointer, faiss_threads, host_float32, import_faiss,
                      normalise_results, on_current_stream, search_tensors)
 from .base import Index, check_row_ids, empty_results
 from .exact import ExactIndex
@@ -55,6 +55,7 @@ class HostBackend(Index):
     gpu_max_k: ClassVar[int] = 2**62
     builds_empty: ClassVar[bool] = False  # whether build takes (0, d) vectors
     on_gpu = False  # True: searched with tensors on the device (a faiss GPU index)
+    _want_gpu = False  # True: built onto the GPU
     copies_rows = True  # the library holds its own copy
 
     def __init__(self, params: Params | dict | None = None, device: Any = None):
@@ -77,7 +78,10 @@ class HostBackend(Index):
         return self.params.threads or os.cpu_count() or 1
 
     def _float32(self, vectors: Any, dim: int | None = None) -> Any:
-        """Rows to give the library: (rows, d) float32, checked (see :func:`host_float32`)."""
+        """Rows to give the library: (rows, d) float32, checked; device rows for an index on
+        (or, building, bound for) the GPU, else numpy."""
+        if self.on_gpu if dim is not None else self._want_gpu:
+            return device_float32(vectors, "vectors", self.device, dim)
         return host_float32(vectors, "vectors", dim=dim)
 
     def build(self, vectors: Any) -> "HostBackend":
@@ -138,7 +142,11 @@ class HostBackend(Index):
         return self._fallback.search(as_tensor(q, device=self.device).float(), k)
 
     def reconstruct(self, ids: Any) -> torch.Tensor:
-        i = check_row_ids(as_tensor(ids, device="cpu", name="ids"), self.ntotal)
+        """On the GPU a gather from the device copy of the rows (:meth:`_stored_vectors`)."""
+        where = self.device if self.on_gpu else "cpu"
+        i = check_row_ids(as_tensor(ids, device=where, name="ids"), self.ntotal)
+        if self.on_gpu:
+            return self._stored_vectors()[i]
         rows = self._read_rows(np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64))
         return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
 

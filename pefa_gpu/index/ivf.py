@@ -15,8 +15,8 @@ import torch
 from ..arrays import as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from .base import IndexParams, check_row_ids, checked, count, positive
-from ._faiss import device_float32, faiss_has_gpu, faiss_search_parameters, host_float32
+from .base import IndexParams, checked, count, positive
+from ._faiss import faiss_has_gpu, faiss_search_parameters, host_float32
 from ._host import FaissBackend
 
 log = logging.getLogger("pefa_gpu")
@@ -93,12 +93,6 @@ class IVFIndex(FaissBackend):
         self._gpu_res = res
         return gpu_index
 
-    def _float32(self, vectors: Any, dim: int | None = None) -> Any:
-        """Device rows for an index on (or, building, bound for) the GPU, else host rows."""
-        if self.on_gpu if dim is not None else self._want_gpu:
-            return device_float32(vectors, "vectors", self.device, dim)
-        return host_float32(vectors, "vectors", dim=dim)
-
     def _new_index(self, x: Any) -> Any:
         """Train on a seeded sample of ``x`` (n, d) and add them all."""
         (n, d), p, f = x.shape, self.params, self._faiss
@@ -151,13 +145,6 @@ class IVFIndex(FaissBackend):
         cpu = self._cpu_index()
         cpu.make_direct_map()  # keeps itself up to date on later adds
         return cpu.reconstruct_batch(ids)
-
-    def reconstruct(self, ids: Any) -> torch.Tensor:
-        """On the GPU a gather from the device copy of the rows."""
-        if not self.on_gpu:
-            return super().reconstruct(ids)
-        i = check_row_ids(as_tensor(ids, device=self.device, name="ids"), self.ntotal)
-        return self._stored_vectors()[i]
 
     def _stored_vectors(self) -> torch.Tensor:
         """The rows (IVF-PQ: decoded) on the device; on the GPU read once and kept."""

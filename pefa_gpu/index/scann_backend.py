@@ -20,14 +20,6 @@ META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann
 META_FORMAT = "pefa_gpu-scann"
 
 
-def import_scann() -> Any:
-    """ScaNN's numpy searcher module (never TensorFlow)."""
-    package = import_optional("scann.scann_ops.py", "backend 'scann' needs ScaNN: `pip "
-                              "install scann` (wheels for Linux x86-64), or `pip install "
-                              "pefa_gpu[scann]`")
-    return importlib.import_module(package.__name__ + ".scann_ops_pybind")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ScannParams(IndexParams):
     """Build settings. num_leaves: tree leaves (0 = :func:`auto_num_leaves`). dims_per_block:
@@ -77,7 +69,11 @@ class ScannIndex(HostBackend):
 
     def __init__(self, params: ScannParams | dict | None = None, device: Any = None):
         super().__init__(params, device)
-        self._scann = import_scann()
+        package = import_optional("scann.scann_ops.py", "backend 'scann' needs ScaNN: `pip "
+                                  "install scann` (wheels for Linux x86-64), or `pip install "
+                                  "pefa_gpu[scann]`")
+        # ScaNN's numpy searcher module (never TensorFlow)
+        self._scann = importlib.import_module(package.__name__ + ".scann_ops_pybind")
         self.num_leaves = 0  # leaves of the trained tree (0: a brute-force searcher)
 
     def _count(self) -> int:

@@ -27,11 +27,10 @@ class ShardedParams(Params):
     backend_params: dict[str, Any] | None = None
 
     def validate(self) -> None:
-        if self.devices is not None:
-            if not isinstance(self.devices, (list, tuple)) or not self.devices or \
-                    not all(isinstance(d, str) for d in self.devices):
-                raise InputError(f"devices must be a non-empty list of device strings, got "
-                                 f"{self.devices!r}")
+        devices = self.devices
+        if devices is not None and (not isinstance(devices, (list, tuple)) or not devices
+                                    or not all(isinstance(d, str) for d in devices)):
+            raise InputError(f"devices must be a non-empty list of device strings, got {devices!r}")
         if self.backend == "sharded":
             raise InputError("backend='sharded' cannot shard itself")
         if self.backend_params is not None and not isinstance(self.backend_params, dict):
