@@ -88,8 +88,7 @@ class HostBackend(Index):
         """vectors: (n, d) float -> a fresh index over them; returns self."""
         x = self._float32(vectors)
         if x.shape[1] == 0 or (x.shape[0] == 0 and not self.builds_empty):
-            raise InputError(f"{self.name} needs a non-empty (n, d) matrix, got "
-                             f"{tuple(x.shape)}")
+            raise InputError(f"{self.name} needs a non-empty (n, d) matrix, got {tuple(x.shape)}")
         self._fallback = None
         self._index, self._dim = self._new_index(x), x.shape[1]
         return self

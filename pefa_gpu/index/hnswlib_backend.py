@@ -125,10 +125,9 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
     """FormatError unless the hnswlib file agrees with the description (rows, dim, M) and with
     itself (layout, labels 0..n-1, every link to a node of its level): hnswlib trusts it."""
     size = path.stat().st_size
-    raw = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
-    if raw.size < _HEADER.size:
-        raise FormatError(f"{path} is truncated: {raw.size} bytes, shorter than hnswlib's "
-                          f"header")
+    if size < _HEADER.size:
+        raise FormatError(f"{path} is truncated: {size} bytes, shorter than hnswlib's header")
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
     (offset0, _, count, per_element, label_offset, data_offset, maxlevel, enter, max_m, max_m0,
      m, _, _) = _HEADER.unpack(raw[:_HEADER.size].tobytes())
     if count != ntotal or label_offset - data_offset != 4 * dim:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -174,8 +173,7 @@ def _check_assets(directory: Path) -> dict[str, Path]:
     for asset in assets.assets:
         name = asset.asset_path
         target = (directory / name).resolve()
-        if (not name or os.path.isabs(name) or Path(name).name != name
-                or target.parent != root or not target.is_file()):
+        if not name or Path(name).name != name or target.parent != root or not target.is_file():
             raise FormatError(f"{path} lists asset {name!r}, which is not a file inside "
                               f"{directory}")
         kind = asset.DESCRIPTOR.fields_by_name["asset_type"].enum_type
