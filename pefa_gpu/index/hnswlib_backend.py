@@ -142,12 +142,9 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
                           f"entry point or top level do not fit {count} vectors of {dim} "
                           f"floats with M={M})")
     end0 = _HEADER.size + count * per_element
-    if raw.size < end0:
-        raise FormatError(f"{path} is truncated ({raw.size} bytes for {count} vectors of "
-                          f"{per_element} bytes)")
     # upper levels: per node a uint32 byte count, then `level` lists of count + max_m ids
     links = 4 + 4 * max_m
-    levels, blocks = _upper_levels(path, raw, count, end0, links)
+    levels, blocks = _upper_levels(path, raw, count, end0, links)  # (level 0 truncated: too)
     if levels[enter] != maxlevel:
         raise FormatError(f"{path}: the entry point {enter} is on level {levels[enter]}, the "
                           f"header says the top level is {maxlevel}")

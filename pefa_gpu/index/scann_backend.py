@@ -90,8 +90,7 @@ class ScannIndex(HostBackend):
             if leaves > n:
                 raise InputError(f"num_leaves={leaves} is more than the {n} vectors")
             sample = min(n, p.train_size or 100_000)
-            threshold = float("nan") if p.anisotropic_threshold is None else \
-                p.anisotropic_threshold
+            threshold = float("nan") if p.anisotropic_threshold is None else p.anisotropic_threshold
             builder = (builder
                        .tree(num_leaves=leaves, num_leaves_to_search=auto_leaves_to_search(leaves),
                              training_sample_size=sample, random_init=False)
