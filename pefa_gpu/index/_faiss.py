@@ -88,8 +88,7 @@ def host_float32(x: Any, name: str, dim: int | None = None,
     return a
 
 
-def device_float32(x: Any, name: str, device: torch.device,
-                   dim: int | None = None) -> torch.Tensor:
+def device_float32(x: Any, name: str, device: torch.device, dim: int | None = None) -> torch.Tensor:
     """:func:`host_float32` as a contiguous float32 tensor on ``device`` (for GPU indices)."""
     t = as_tensor(x, device=device, dtype=torch.float32, name=name).detach()
     if t.ndim != 2 or (dim is not None and t.shape[1] != dim):

@@ -163,8 +163,7 @@ class CagraIndex(VectorIndex):
             self._res[stream] = Resources(stream=stream)
         return self._res[stream]
 
-    def _candidate_ids(self, q: torch.Tensor, k: int,
-                       params: CagraSearchParams) -> torch.Tensor:
+    def _candidate_ids(self, q: torch.Tensor, k: int, params: CagraSearchParams) -> torch.Tensor:
         """(B, k) int64 candidate ids from the graph (invalid: < 0 or >= ntotal)."""
         settings = {"itopk_size": max(params.itopk_size, k), "search_width": params.search_width,
                     "max_iterations": params.max_iterations}

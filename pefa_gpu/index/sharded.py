@@ -51,8 +51,7 @@ class ShardedIndex(Index):
         self.SearchParams = self._cls.SearchParams
         self.search_params = None
         names = self.params.devices or [str(self.device)]
-        if self.params.devices is None and self.device.type == "cuda" and \
-                self.device.index is None:
+        if self.params.devices is None and self.device.type == "cuda" and self.device.index is None:
             names = [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         self.devices = [resolve_device(d) for d in names]
         self.shards: list[Index] = []
