@@ -500,3 +500,27 @@ def test_nan_ranks_first():
     rest = np.delete(np.arange(30003), 21000)
     _, ri = ref.exact_search(X[rest], T, 9)
     np.testing.assert_array_equal(ids[:, 1:].numpy(), rest[ri])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["default", "blocks", "bfloat16"])
+@pytest.mark.parametrize("k", [5, 44])
+def test_runs_of_nan_or_inf_longer_than_the_candidates_keep_the_lowest_ids(device, path, k):
+    """A NaN query (every score NaN) or an inf one (+inf for half the rows) ties far more rows
+    than a pass keeps (k + 8): the result is still the lowest ids of the run, on every path."""
+    rng = np.random.default_rng(41)
+    X = unit_rows(rng, 5000, 8)
+    X[:, 0] = np.where(X[:, 0] == 0, 0.5, X[:, 0])  # no 0 * inf
+    T = unit_rows(rng, 3, 8)
+    T[0, 2], T[1, 0] = np.nan, np.inf
+    with pytest.MonkeyPatch.context() as mp:
+        if path == "blocks":
+            mp.setattr(exact_module, "optional_faiss", lambda: None)
+        params = {"dtype": "bfloat16"} if path == "bfloat16" else {}
+        scores, ids = make_index("exact", device, params).build(X).search(
+            torch.from_numpy(T).to(device), k)
+    stored = torch.from_numpy(X).bfloat16().double().numpy() if path == "bfloat16" else X
+    assert ids[0].tolist() == list(range(k)) and scores[0].isnan().all()
+    assert ids[1].tolist() == np.flatnonzero(stored[:, 0] > 0)[:k].tolist()
+    assert (scores[1] == np.inf).all()
+    np.testing.assert_array_equal(ids[2].cpu().numpy(), ref.exact_search(stored, T[2:], k)[1][0])

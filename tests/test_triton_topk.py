@@ -171,3 +171,26 @@ def test_exact_search_through_tiles_over_shapes_dtypes_and_layouts(n, d, b, k, l
     assert called
     np.testing.assert_array_equal(ids.numpy(), ri)
     np.testing.assert_array_equal(vals.numpy(), rv.astype(np.float32))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("share", [1e-9, 1.0])
+def test_unsettled_rows_beyond_the_redo_share_are_searched_again(device, share, monkeypatch):
+    """Up to REDO_SHARE of a pass's rows are re-scored by blocks without a host sync; the
+    unsettled rows beyond (here all but one, or none) go through a second, wider pass. Either
+    way the ids and scores equal the float64 reference."""
+    dev = kernel_device(device)
+    rng = np.random.default_rng(12)
+    x = rng.integers(-2, 3, (2600, 12)).astype(np.float32)  # integer scores: many ties
+    q = rng.integers(-2, 3, (16, 12)).astype(np.float32)
+    monkeypatch.setattr(exact_module, "REDO_SHARE", share)
+    index = make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    passes = []
+    one_pass = index._pass
+    monkeypatch.setattr(index, "_pass", lambda q, kk, w: passes.append(len(q)) or
+                        one_pass(q, kk, w))
+    vals, ids = index.search(torch.from_numpy(q).to(dev), 4)
+    rv, ri = ref.exact_search(x, q, 4)
+    np.testing.assert_array_equal(ids.cpu().numpy(), ri)
+    np.testing.assert_array_equal(vals.cpu().numpy(), rv.astype(np.float32))
+    assert passes[0] == 16 and (len(passes) > 1) == (share < 1)

@@ -5,6 +5,7 @@ CPU); rows whose tied run may reach past them are searched again, 4x as wide."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -133,26 +134,30 @@ class ExactIndex(VectorIndex):
         return torch.cat(vals), torch.cat(ids), None if rescan[0] is None else torch.cat(rescan)
 
     def _candidates(self, faiss: Any, q: torch.Tensor, w: int, chunk: int,
-                    buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, d) queries -> (B, w) top-w scores sorted descending, ids, and the scoring error
-        (B, 1) on faiss' BLAS path, 0 elsewhere."""
+                    buf: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(B, d) queries -> (B, w) top-w scores sorted descending, ids, the scoring error
+        (B, 1) on faiss' BLAS path (0 elsewhere), and (B,) bool rows left unsettled (or None)."""
         if faiss is None:
-            return (*self._torch_pass(q.float(), w, chunk, buf),
-                    torch.zeros((), device=self.device))
+            vals, ids, left = self._torch_pass(q.float(), w, chunk, buf)
+            return vals, ids, torch.zeros((), device=self.device), left
         vals, ids = self._faiss_pass(faiss, q, w)
         if q.shape[0] * self.dim < faiss.cvar.distance_compute_blas_threshold:
-            return vals, ids, torch.zeros(())
-        return self._rescore_near_ties(q.float(), vals, ids)
+            return vals, ids, torch.zeros(()), None
+        return (*self._rescore_near_ties(q.float(), vals, ids), None)
 
-    def _settle(self, vals: torch.Tensor, ids: torch.Tensor, tol: torch.Tensor, kk: int
+    def _settle(self, vals: torch.Tensor, ids: torch.Tensor, tol: torch.Tensor,
+                left: torch.Tensor | None, kk: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Candidates (B, w) sorted descending -> (B, kk) with the tie rule, and ``rescan``: rows
-        whose last candidate is not two scoring errors below the kk-th score."""
+        whose last candidate is not two scoring errors below the kk-th score, or ``left``."""
         if vals.shape[1] == kk:
             return (*order_ties(vals, ids), None)
         tied = boundary_tied(vals, kk)
-        rescan = vals[:, kk - 1] - vals[:, -1] <= 2 * tol.squeeze(-1) \
-            if vals.shape[1] < self.ntotal else None
+        rescan = ~(vals[:, kk - 1] - vals[:, -1] > 2 * tol.squeeze(-1)) \
+            if vals.shape[1] < self.ntotal else None  # NaN (inf - inf, a NaN run): rescan
+        if left is not None:  # (the tiles serve only w < n: rescan is a mask)
+            rescan = rescan | left
         settle = tied if rescan is None else tied & ~rescan
         return (*order_ties(*settle_masked(vals, ids, settle, kk)), rescan)
 
@@ -178,10 +183,10 @@ class ExactIndex(VectorIndex):
         return vals, ids.gather(1, pos), tol
 
     def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None,
-                    tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                    tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Top-w of (B, d) float32 queries by (B, chunk) score blocks and :func:`topk_wide`, or
         where ``tiles`` and :mod:`..triton_topk` serves a chunk, by its tiles (the rows they
-        leave unsettled: by blocks)."""
+        leave unsettled: by blocks, see :meth:`_redo`); and (B,) bool rows left (or None)."""
         best_v = q.new_empty(q.shape[0], 0)
         best_i = best_v.long()
         unsettled = None
@@ -200,10 +205,24 @@ class ExactIndex(VectorIndex):
             best_i = torch.cat([best_i, i + c], 1).gather(1, pos)
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
         best_i = best_i.gather(1, pos)
-        redo = [] if unsettled is None else unsettled.nonzero().squeeze(1)  # a host sync
-        if len(redo):
-            best_v[redo], best_i[redo] = self._torch_pass(q[redo], w, chunk, buf, tiles=False)
-        return best_v, best_i
+        if unsettled is None:
+            return best_v, best_i, None
+        return self._redo(q, best_v, best_i, unsettled, w, chunk, buf)
+
+    def _redo(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
+              unsettled: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-w lists (B, w) with up to ``REDO_SHARE`` of the ``unsettled`` (B,) rows re-scored
+        by blocks, picked without a host synchronisation; and (B,) bool the unsettled rows
+        beyond those (left for the caller to search again)."""
+        b = q.shape[0]
+        rows = torch.nonzero_static(unsettled, size=math.ceil(REDO_SHARE * b),
+                                    fill_value=b).squeeze(1)  # b: padding
+        new_v, new_i, _ = self._torch_pass(q[rows.clamp_max(b - 1)], w, chunk, buf, tiles=False)
+        out = [torch.cat([t, t[:1]]) for t in (vals, ids, unsettled)]  # row b: the padding's
+        for t, part in zip(out, (new_v, new_i, False)):
+            t[rows] = part
+        return out[0][:b], out[1][:b], out[2][:b]
 
     def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,6 +303,7 @@ FAISS_QUERY_BYTES = 4096  # per query of a faiss pass: its share of faiss' 1024-
 RESCORE_PAIR_BYTES = 8 * 36  # per pair and dimension rescored at once
 TOPK_QUEUE_BYTES = 16   # per chunk row and thread: torch's CPU top-k queue
 TIE_MARGIN = 8          # first-pass candidates beyond k
+REDO_SHARE = 0.04       # of a pass's queries, re-scored by blocks after the tiles, at most
 MAX_BATCH = 8192        # queries per block, at most
 MIN_CHUNK = 1024        # rows per block, at least (or w)
 SUB_ROWS = 1024         # rows per CPU GEMM (_scores)
