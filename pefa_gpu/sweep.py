@@ -34,9 +34,8 @@ METHODS: tuple[str, ...] = tuple(REGISTRY)  # every method a grid can name (tune
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One point of the grid: method 'erm', 'nudge-m', 'nudge-n', 'adapter', 'prf' (lam, k
-    None), 'xs', 'adapter+xs' (k None) or 'xl'. gamma: the step a NUDGE fit chose (set on the
-    configs a sweep yields; not part of a config's identity)."""
+    """One point of the grid: a :data:`pefa_gpu.methods.REGISTRY` method, lam / k None off its
+    axes; gamma: the step a NUDGE fit chose (not part of a config's identity)."""
 
     method: str
     lam: float | None = None
@@ -140,23 +139,24 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
               disable=not show_progress) as bar:
         for method in methods:
             t0 = time.perf_counter()
-            if method == "erm":
-                s, i = passage()[2] if reuse else ERM(**common).fit(P).search(q, topk)
-                out = [(Config("erm"), s[:, :topk].contiguous(), i[:, :topk].contiguous())]
-            elif method in NUDGE_METHODS:
-                nudge = NUDGE(variant=method[-1].upper(), **common).fit(P, Q, Y)
+            spec = REGISTRY[method]
+            if spec.model == "NUDGE":
+                nudge = NUDGE(**dict(spec.fixed), **common).fit(P, Q, Y)
                 out = [(Config(method, gamma=nudge.fitted_gamma), *nudge.search(q, topk))]
-            elif method in ("xs", "adapter+xs"):  # the plain or the adapted queries
+            elif spec.model == "PEFAXS":  # the plain or the adapted queries
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
-                qq = query_side("adapter")(q) if REGISTRY[method].query else q
+                qq = query_side("adapter")(q) if spec.query else q
                 results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact" else
                            [xs.new_index().build(xs.xs_embeddings(lam)).search(qq, topk)
                             for lam in lams])  # other backends: one index over E(λ) per λ
                 out = [(Config(method, lam), s, i) for lam, (s, i) in zip(lams, results)]
-            elif method in ("adapter", "prf"):
+            elif spec.query:  # ERM over the adapted or fed-back queries
                 erm = query_side("erm")
-                qq = query_side("adapter")(q) if method == "adapter" else VectorPRF()(q, erm)
+                qq = query_side("adapter")(q) if "adapter" in spec.query else VectorPRF()(q, erm)
                 out = [(Config(method), *erm.search(qq, topk))]
+            elif method == "erm":
+                s, i = passage()[2] if reuse else ERM(**common).fit(P).search(q, topk)
+                out = [(Config("erm"), s[:, :topk].contiguous(), i[:, :topk].contiguous())]
             else:
                 xl, qq, erm = passage()
                 fused = xl.fuse_grid(qq, erm, xl.neighbours(qq, max(ks), erm), lams, ks, topk)
@@ -242,12 +242,10 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
     allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
     metric_ks = tuple(metric_ks)
     timings: dict[str, float] = {}
-    rows = []
-    for cfg, _, ids in sweep_search(P, Q, Y, queries, methods, lams, ks,
-                                    topk=max(metric_ks), device=device, timings=timings,
-                                    **kwargs):
-        rows.append({"method": cfg.method, "lam": cfg.lam, "k": cfg.k, "gamma": cfg.gamma,
-                     **evaluate(ids, Y_test, metric_ks)})
+    rows = [{**dataclasses.asdict(cfg), **evaluate(ids, Y_test, metric_ks)}
+            for cfg, _, ids in sweep_search(P, Q, Y, queries, methods, lams, ks,
+                                            topk=max(metric_ks), device=device,
+                                            timings=timings, **kwargs)]
     return SweepResult(rows, timings)
 
 
@@ -260,15 +258,11 @@ def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
     if bad or not methods:
         raise InputError(f"methods must be a non-empty subset of {list(METHODS)}, got "
                          f"{list(methods)}")
-    lams = tuple(float(x) if isinstance(x, int) and not isinstance(x, bool) else x
-                 for x in lams)
-    if takes(methods, "lam") and not lams:
-        raise InputError("lams is empty: give at least one λ in [0, 1]")
-    for lam in lams:
-        check_unit_interval(lam, "lam")
-    ks = tuple(ks)
-    if takes(methods, "k") and not ks:
-        raise InputError("ks is empty: give at least one k > 0 for XL")
-    for k in ks:
-        check_positive(k, "k")
-    return methods, lams, ks
+    lams, ks = tuple(lams), tuple(ks)
+    for axis, values, check, want in (("lam", lams, check_unit_interval, "one λ in [0, 1]"),
+                                      ("k", ks, check_positive, "one k > 0 for XL")):
+        if takes(methods, axis) and not values:
+            raise InputError(f"{axis}s is empty: give at least {want}")
+        for value in values:
+            check(value, axis)
+    return methods, tuple(float(x) if isinstance(x, int) else x for x in lams), ks

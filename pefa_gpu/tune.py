@@ -99,8 +99,7 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
             return TuneResult(chosen, metric, SweepResult([], {}), float("nan"), chosen,
                               float("nan"), float("nan"), reason, int(fit_rows.size),
                               int(val_rows.size), seed, coverage)
-    methods = tuple(dict.fromkeys(["erm", *(methods.split(",") if isinstance(methods, str)
-                                            else methods)]))
+    methods = ["erm", *(methods.split(",") if isinstance(methods, str) else methods)]
     topk = max(*rec_ks, 100)
     rows, gains = [], {}
     for cfg, _, ids in sweep_search(P, q_all[fit_rows], y_fit, q_all[val_rows], methods, lams,
