@@ -30,17 +30,15 @@ def save_build(model: Model, out: str | Path, doc_ids: Sequence[str], info: dict
                ) -> Path:
     """Write a build folder at ``out`` atomically (``info``: manifest fields; of ``texts`` a
     snippet is kept)."""
+    tables = {"doc_ids": {"doc_ids": list(doc_ids)}}  # manifest field -> its <field>.json
+    if titles is not None and texts is not None:
+        tables["doc_text"] = {"titles": [one_line(t) for t in titles],
+                              "snippets": [one_line(t, SNIPPET_CHARS) for t in texts]}
     with writing_save(out, BUILD_MANIFEST, BUILD_FORMAT) as w:
         model.save(w.data / "model")
-        (w.data / "doc_ids.json").write_text(json.dumps({"doc_ids": list(doc_ids)}) + "\n",
-                                             encoding="utf-8")
-        fields = {**info, "model": "model", "doc_ids": "doc_ids.json"}
-        if titles is not None and texts is not None:
-            table = {"titles": [one_line(t) for t in titles],
-                     "snippets": [one_line(t, SNIPPET_CHARS) for t in texts]}
-            (w.data / "doc_text.json").write_text(json.dumps(table) + "\n", encoding="utf-8")
-            fields["doc_text"] = "doc_text.json"
-        w.commit(fields)
+        for field, table in tables.items():
+            (w.data / f"{field}.json").write_text(json.dumps(table) + "\n", encoding="utf-8")
+        w.commit({**info, "model": "model", **{field: f"{field}.json" for field in tables}})
     return Path(out)
 
 
@@ -59,12 +57,7 @@ def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] 
     file = save.file(rel)
     if sha256_file(file) != save.manifest["files"][rel]["sha256"]:
         raise FormatError(f"{file} is corrupted: its sha256 does not match the manifest")
-    try:
-        table = json.loads(file.read_text(encoding="utf-8"))
-        titles, snippets = table["titles"], table["snippets"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{file} is not a document text table ({type(exc).__name__}: {exc})"
-                          ) from None
+    titles, snippets = _json_fields(file, "a document text table", "titles", "snippets")
     for name, col in (("titles", titles), ("snippets", snippets)):
         if not isinstance(col, list) or len(col) != n_docs \
                 or not all(isinstance(t, str) for t in col):
@@ -91,11 +84,7 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
     info = save.manifest
     ids_file = save.file(info.get("doc_ids"))
     model = load_model(save.folder(info.get("model")), device=device, verify=False)
-    try:
-        doc_ids = json.loads(ids_file.read_text(encoding="utf-8"))["doc_ids"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise FormatError(f"{ids_file} is not a document id list ({type(exc).__name__}: {exc}); "
-                          f'expected {{"doc_ids": ["id", ...]}}') from None
+    doc_ids, = _json_fields(ids_file, 'a document id list {"doc_ids": ["id", ...]}', "doc_ids")
     if not isinstance(doc_ids, list) or not all(isinstance(d, str) for d in doc_ids):
         raise FormatError(f'{ids_file}: "doc_ids" must be a list of strings')
     if len(set(doc_ids)) != len(doc_ids):
@@ -109,6 +98,15 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
         raise FormatError(f"{ids_file}: {len(doc_ids)} document ids for a model of "
                           f"{model.n_docs} documents")
     return model, doc_ids, info
+
+
+def _json_fields(file: Path, what: str, *keys: str) -> list:
+    """The ``keys`` of the JSON object in ``file``; else FormatError saying it is not ``what``."""
+    try:
+        table = json.loads(file.read_text(encoding="utf-8"))
+        return [table[key] for key in keys]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FormatError(f"{file} is not {what} ({type(exc).__name__}: {exc})") from None
 
 
 def encoder_record(model: str | None, embeddings: str | None) -> dict[str, str]:
