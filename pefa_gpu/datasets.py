@@ -134,7 +134,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
     if not path.exists():
         raise InputError(f"{path} not found (a BEIR folder has corpus.jsonl, queries.jsonl and "
                          f"qrels/)")
-    ids, texts, titles, seen = [], [], [], set()
+    records: dict[str, tuple[str, str]] = {}  # id -> (text, title)
     for lineno, line in text_lines(path):
         if not line.strip():
             continue
@@ -151,19 +151,13 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
             if rec.get(field) is not None and not isinstance(rec[field], str):
                 raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "
                                  f"{type(rec[field]).__name__}")
-        if rid in seen:
+        if rid in records:
             raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
-        seen.add(rid)
-        text = rec.get("text") or ""
-        title = str(rec.get("title", "") or "")
-        if kind == "document":
-            text = f"{title} {text}" if title else text
-        ids.append(rid)
-        texts.append(text)
-        titles.append(title)
-    if not ids:
+        text, title = rec.get("text") or "", rec.get("title") or ""
+        records[rid] = (f"{title} {text}" if title and kind == "document" else text, title)
+    if not records:
         raise InputError(f"{path}: no records")
-    return ids, texts, titles
+    return list(records), [text for text, _ in records.values()], [t for _, t in records.values()]
 
 
 def load_beir(data_dir: str | Path) -> BeirDataset:

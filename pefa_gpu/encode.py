@@ -170,8 +170,12 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
         identity = (f"st-path:{Path(name).resolve()}" if Path(name).exists() else f"st:{name}")
         return _lazy(functools.partial(_load_named, name, dev), dev, identity, name)
     if any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__):
+        try:
+            name = model[0].auto_model.config._name_or_path
+        except Exception:
+            name = None
         return _Encoder(functools.partial(_st_encode, model, dev), _weights_identity(model),
-                        _st_name(model))
+                        str(name) if name else f"SentenceTransformer@{id(model):x}")
     if callable(model):
         # only an explicit cache_key identifies a callable: two instances of one class, a
         # functools.partial or an edited function share a name but not their outputs
@@ -307,14 +311,6 @@ def _weights_identity(st_model: Any) -> str:
         h.update(k.encode())
         h.update(to_numpy(v.float()).tobytes())
     return f"st-weights:{h.hexdigest()}|max_seq_length={getattr(st_model, 'max_seq_length', None)}"
-
-
-def _st_name(st_model: Any) -> str:
-    try:
-        name = st_model[0].auto_model.config._name_or_path
-    except Exception:
-        name = None
-    return str(name) if name else f"SentenceTransformer@{id(st_model):x}"
 
 
 class _Cache:

@@ -70,7 +70,22 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
     wanted = ("abs", "tst", *AUGMENTATIONS[aug])
     ys = {src: read_csr(_inside(xmc_root, FILES[src][0])) for src in wanted}
     xs = {src: read_matrix(_inside(emb_root, FILES[src][1])) for src in wanted}
-    _check_shapes(ys, xs, xmc_root, emb_root)
+    y_abs, x_abs = xmc_root / FILES["abs"][0], emb_root / FILES["abs"][1]
+    n, d = ys["abs"].shape[1], xs["abs"].shape[1]
+    if d == 0:
+        raise InputError(f"{x_abs} has dimension 0")
+    for src in wanted:  # each Y has its X's rows and the abstracts' columns; each X their dim
+        y_path, x_path = xmc_root / FILES[src][0], emb_root / FILES[src][1]
+        if ys[src].shape[0] != xs[src].shape[0]:
+            raise InputError(f"{y_path} has {ys[src].shape[0]} rows but {x_path} has "
+                             f"{xs[src].shape[0]}: row i of both must be the same query")
+        if ys[src].shape[1] != n:
+            raise InputError(f"{y_path} has {ys[src].shape[1]} document columns but {y_abs} "
+                             f"has {n}")
+        if xs[src].shape[1] != d:
+            raise InputError(f"{x_path} has dimension {xs[src].shape[1]} but {x_abs} has {d}")
+        if src != "tst" and ys[src].nnz == 0:
+            raise InputError(f"{y_path} has no (query, document) pair")
     if normalize:
         xs = {src: to_numpy(normalize_rows(as_tensor(x, device="cpu"))) for src, x in xs.items()}
     P = to_numpy(pifa(ys["abs"], xs["abs"], normalize=True, device="cpu"))
@@ -117,27 +132,6 @@ def read_csr(path: Path) -> sp.csr_matrix:
     if mat.nnz and not np.isfinite(mat.data).all():
         raise FormatError(f"{path} holds NaN or inf entries")
     return mat
-
-
-def _check_shapes(ys: dict[str, sp.csr_matrix], xs: dict[str, np.ndarray], xmc_root: Path,
-                  emb_root: Path) -> None:
-    """Each Y has its X's rows and the abstracts' columns; each X their dim."""
-    y_abs, x_abs = xmc_root / FILES["abs"][0], emb_root / FILES["abs"][1]
-    n, d = ys["abs"].shape[1], xs["abs"].shape[1]
-    if d == 0:
-        raise InputError(f"{x_abs} has dimension 0")
-    for src in ys:
-        y_path, x_path = xmc_root / FILES[src][0], emb_root / FILES[src][1]
-        if ys[src].shape[0] != xs[src].shape[0]:
-            raise InputError(f"{y_path} has {ys[src].shape[0]} rows but {x_path} has "
-                             f"{xs[src].shape[0]}: row i of both must be the same query")
-        if ys[src].shape[1] != n:
-            raise InputError(f"{y_path} has {ys[src].shape[1]} document columns but {y_abs} "
-                             f"has {n}")
-        if xs[src].shape[1] != d:
-            raise InputError(f"{x_path} has dimension {xs[src].shape[1]} but {x_abs} has {d}")
-        if src != "tst" and ys[src].nnz == 0:
-            raise InputError(f"{y_path} has no (query, document) pair")
 
 
 __all__ = ["AUGMENTATIONS", "FILES", "XMCData", "load_xmc", "read_csr"]
