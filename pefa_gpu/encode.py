@@ -75,12 +75,11 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     enc = resolve_model(model, dev)
     keys = [hashlib.sha256(t.encode("utf-8")).digest() for t in texts]
     distinct = dict(zip(keys, texts))
-    cache = None
-    if cache_dir is not None and enc.identity is None:
+    cache = (None if cache_dir is None or enc.identity is None else
+             _Cache(Path(cache_dir).expanduser(), enc.identity))
+    if cache_dir is not None and cache is None:
         log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
                     "not caching", enc.name)
-    elif cache_dir is not None:
-        cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
     rows = cache.lookup(set(keys)) if cache else {}
     if cache is not None and len(rows) == len(distinct):
         log.info("encode: all %d distinct texts read from the cache", len(distinct))

@@ -30,6 +30,7 @@ DEFAULT_METHODS: tuple[str, ...] = ("erm", "xs", "xl")
 NUDGE_METHODS: tuple[str, ...] = tuple(m for m in REGISTRY if REGISTRY[m].model == "NUDGE")
 QUERY_METHODS: tuple[str, ...] = tuple(m for m in REGISTRY if REGISTRY[m].query)
 METHODS: tuple[str, ...] = tuple(REGISTRY)  # every method a grid can name (tune's default)
+TABLE_METRICS: tuple[str, ...] = ("recall@10", "recall@100", "ndcg@10")  # markdown columns
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,13 +67,11 @@ class SweepResult:
             raise InputError(f"metric {metric!r} is not one of {sorted(rows[0])}")
         return max(rows, key=lambda r: r[metric])
 
-    def to_markdown(self, metrics: Sequence[str] = ("recall@10", "recall@100", "ndcg@10")
-                    ) -> str:
+    def to_markdown(self, metrics: Sequence[str] = TABLE_METRICS) -> str:
         return markdown_table(self.rows, metrics)
 
 
-def markdown_table(rows: Sequence[dict[str, Any]],
-                   metrics: Sequence[str] = ("recall@10", "recall@100", "ndcg@10")) -> str:
+def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS) -> str:
     """Rows of method / lam / k / metrics as a markdown table (4 decimals); a γ column when a
     row has a NUDGE step ("gamma")."""
     gamma = any(r.get("gamma") is not None for r in rows)
