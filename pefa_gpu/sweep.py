@@ -105,8 +105,7 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                  topk: int = 100, device: DeviceLike = None, backend: str = "exact",
                  candidates: int = XLSearchParams.candidates, knn_norm: str = XLParams.knn_norm,
                  rescore: bool = XLParams.rescore, augment_docs: bool = XLParams.augment_docs,
-                 show_progress: bool = True,
-                 timings: dict[str, float] | None = None
+                 show_progress: bool = True, timings: dict[str, float] | None = None
                  ) -> Iterator[tuple[Config, torch.Tensor, torch.Tensor]]:
     """Yield (config, scores (B, topk) float32, ids (B, topk) int64) for every grid point of
     P (n, d) documents, Q (m, d) training queries, Y (m, n) relevance and queries (B, d);
