@@ -77,9 +77,8 @@ class BeirDataset:
         rows = np.asarray(sorted(listed if keep_empty else {q for q, _ in pairs}), np.int64)
         qi, di = np.asarray(list(pairs), dtype=np.int64).T
         weights = None if binary else np.fromiter(pairs.values(), np.float32, len(pairs))
-        y = Relevance.from_pairs(np.searchsorted(rows, qi), di, weights,
-                                 shape=(rows.size, len(self.corpus_ids)))
-        return rows, y
+        return rows, Relevance.from_pairs(np.searchsorted(rows, qi), di, weights,
+                                          shape=(rows.size, len(self.corpus_ids)))
 
     def embeddings(self, model: str = "all-MiniLM-L6-v2") -> tuple[np.ndarray, np.ndarray]:
         """Precomputed (corpus, queries) float32 embeddings from ``embeddings/{model}/``."""

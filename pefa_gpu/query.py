@@ -292,8 +292,7 @@ class QueryModel(_Saved):
         loaded = {}
         for name, rel in parts.items():  # every file was checked against the outer manifest
             part = persist.load_model(save.folder(rel), device=device, mmap=mmap, verify=False)
-            if want[name] is not None and not isinstance(part, want[name]) or \
-                    want[name] is None and isinstance(part, (QueryModel, QueryAdapter, VectorPRF)):
+            if not isinstance(part, want[name]) if want[name] else isinstance(part, _Saved):
                 raise FormatError(f"{save.where}: part {name!r} holds a {type(part).__name__}")
             loaded[name] = part
         return cls(loaded["model"], loaded.get("adapter"), loaded.get("prf"))

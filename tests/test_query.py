@@ -222,6 +222,27 @@ def test_saves_are_verified(tmp_path):
         pg.load(tmp_path / "a")
 
 
+def test_a_query_model_save_with_swapped_parts_is_refused(tmp_path):
+    from pefa_gpu import storage
+
+    P, Q, Y, _ = problem(6)
+    erm = pg.ERM(device="cpu").fit(P)
+    pg.QueryModel(erm, pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P),
+                  pg.VectorPRF()).save(tmp_path / "qm")
+    man = tmp_path / "qm" / "manifest.json"
+    data = json.loads(man.read_text())
+    for parts, match in (({"model": "adapter"}, "part 'model' holds a QueryAdapter"),
+                         ({"model": "model", "adapter": "prf"}, "part 'adapter' holds a VectorPRF"),
+                         ({"model": "model", "prf": "model"}, "part 'prf' holds a ERM")):
+        forged = dict(data, parts=parts)
+        forged["manifest_sha256"] = storage.manifest_checksum(forged)
+        man.write_text(json.dumps(forged))
+        with pytest.raises(FormatError, match=match):
+            pg.load(tmp_path / "qm")
+    man.write_text(json.dumps(data))
+    assert isinstance(pg.load(tmp_path / "qm").model, pg.ERM)
+
+
 def test_bad_input():
     P, Q, Y, T = problem(7)
     for alpha in (0, -1.0, float("nan"), float("inf"), True, "1"):
