@@ -250,8 +250,8 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
 def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
                 ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
     if isinstance(methods, str):
-        methods = [m.strip() for m in methods.split(",") if m.strip()]
-    methods = tuple(dict.fromkeys(m.lower() for m in methods))
+        methods = [m for m in methods.split(",") if m.strip()]
+    methods = tuple(dict.fromkeys(m.strip().lower() for m in methods))
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise InputError(f"methods must be a non-empty subset of {list(METHODS)}, got "

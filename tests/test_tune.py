@@ -70,6 +70,8 @@ def test_tune_picks_pefa_when_training_signal_helps(tmp_path):
     P, Q, Y, Qt, Yt = _arrays(write_beir(tmp_path / "d", n_topics=8, docs_per_topic=6,
                                          train_per_doc=3, seed=1, mismatch=True))
     res = tune(P, Q, Y, seed=0, methods=("erm", "xs", "xl"), **SMALL)
+    spaced = tune(P, Q, Y, seed=0, methods="xs, XL", **SMALL)  # as sweep reads the string
+    assert spaced.chosen == res.chosen and spaced.validation.rows == res.validation.rows
     assert res.n_fit + res.n_val == Q.shape[0]
     assert _val_objective(res, res.chosen) >= res.erm_objective
     assert res.chosen.method in ("xs", "xl"), res.reason
