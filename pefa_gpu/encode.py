@@ -272,6 +272,7 @@ def _check_hub(name: str) -> None:
     """Raise MissingDependencyError at once (one request, no retries) unless the hub can
     serve ``name``."""
     import huggingface_hub
+    from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     def unavailable(why: str) -> MissingDependencyError:
@@ -283,7 +284,7 @@ def _check_hub(name: str) -> None:
             f"HF_HUB_OFFLINE=1)")
 
     env = os.environ.get("HF_HUB_OFFLINE", "").strip().lower()
-    if huggingface_hub.constants.HF_HUB_OFFLINE or env in ("1", "true", "yes", "on"):
+    if constants.HF_HUB_OFFLINE or env in ("1", "true", "yes", "on"):
         raise unavailable("HF_HUB_OFFLINE is set")
     missing = []
     for repo in _hub_names(name):
