@@ -134,30 +134,29 @@ class ExactIndex(VectorIndex):
         return torch.cat(vals), torch.cat(ids), None if rescan[0] is None else torch.cat(rescan)
 
     def _candidates(self, faiss: Any, q: torch.Tensor, w: int, chunk: int,
-                    buf: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(B, d) queries -> (B, w) top-w scores sorted descending, ids, the scoring error
-        (B, 1) on faiss' BLAS path (0 elsewhere), and (B,) bool rows left unsettled (or None)."""
+                    buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, d) queries -> (B, w) top-w scores sorted descending, ids, and the scoring error:
+        (B, 1) on faiss' BLAS path and where the tiles left rows (inf), 0 elsewhere. A torch pass
+        (:meth:`_torch_pass`), or faiss' exhaustive search (CPU, float32)."""
         if faiss is None:
-            vals, ids, left = self._torch_pass(q.float(), w, chunk, buf)
-            return vals, ids, torch.zeros((), device=self.device), left
-        vals, ids = self._faiss_pass(faiss, q, w)
+            return self._torch_pass(q.float(), w, chunk, buf)
+        with faiss_threads(faiss, torch.get_num_threads()):  # faiss' exhaustive search, float32
+            dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
+                                  metric=faiss.METRIC_INNER_PRODUCT)
+        vals, ids = as_tensor(dist), as_tensor(ids)
         if q.shape[0] * self.dim < faiss.cvar.distance_compute_blas_threshold:
-            return vals, ids, torch.zeros(()), None
-        return (*self._rescore_near_ties(q.float(), vals, ids), None)
+            return vals, ids, torch.zeros(())
+        return self._rescore_near_ties(q.float(), vals, ids)
 
-    def _settle(self, vals: torch.Tensor, ids: torch.Tensor, tol: torch.Tensor,
-                left: torch.Tensor | None, kk: int
+    def _settle(self, vals: torch.Tensor, ids: torch.Tensor, tol: torch.Tensor, kk: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Candidates (B, w) sorted descending -> (B, kk) with the tie rule, and ``rescan``: rows
-        whose last candidate is not two scoring errors below the kk-th score, or ``left``."""
+        whose last candidate is not two scoring errors below the kk-th score."""
         if vals.shape[1] == kk:
             return (*order_ties(vals, ids), None)
         tied = boundary_tied(vals, kk)
         rescan = ~(vals[:, kk - 1] - vals[:, -1] > 2 * tol.squeeze(-1)) \
             if vals.shape[1] < self.ntotal else None  # NaN (inf - inf, a NaN run): rescan
-        if left is not None:  # (the tiles serve only w < n: rescan is a mask)
-            rescan = rescan | left
         settle = tied if rescan is None else tied & ~rescan
         return (*order_ties(*settle_masked(vals, ids, settle, kk)), rescan)
 
@@ -183,10 +182,10 @@ class ExactIndex(VectorIndex):
         return vals, ids.gather(1, pos), tol
 
     def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None,
-                    tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-w of (B, d) float32 queries by (B, chunk) score blocks and :func:`topk_wide`, or
         where ``tiles`` and :mod:`..triton_topk` serves a chunk, by its tiles (the rows they
-        leave unsettled: by blocks, see :meth:`_redo`); and (B,) bool rows left (or None)."""
+        leave unsettled: by blocks, see :meth:`_redo`); and the scoring error (0 or (B, 1))."""
         best_v = q.new_empty(q.shape[0], 0)
         best_i = best_v.long()
         unsettled = None
@@ -206,15 +205,15 @@ class ExactIndex(VectorIndex):
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
         best_i = best_i.gather(1, pos)
         if unsettled is None:
-            return best_v, best_i, None
+            return best_v, best_i, torch.zeros((), device=q.device)
         return self._redo(q, best_v, best_i, unsettled, w, chunk, buf)
 
     def _redo(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
               unsettled: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-w lists (B, w) with up to ``REDO_SHARE`` of the ``unsettled`` (B,) rows re-scored
-        by blocks, picked without a host synchronisation; and (B,) bool the unsettled rows
-        beyond those (left for the caller to search again)."""
+        by blocks, picked without a host synchronisation; and the scoring error (B, 1): inf for
+        the unsettled rows beyond those (so they are searched again), else 0."""
         b = q.shape[0]
         rows = torch.nonzero_static(unsettled, size=math.ceil(REDO_SHARE * b),
                                     fill_value=b).squeeze(1)  # b: padding
@@ -222,15 +221,7 @@ class ExactIndex(VectorIndex):
         out = [torch.cat([t, t[:1]]) for t in (vals, ids, unsettled)]  # row b: the padding's
         for t, part in zip(out, (new_v, new_i, False)):
             t[rows] = part
-        return out[0][:b], out[1][:b], out[2][:b]
-
-    def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_torch_pass` by faiss' exhaustive inner-product search (CPU, float32)."""
-        with faiss_threads(faiss, torch.get_num_threads()):
-            dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
-                                  metric=faiss.METRIC_INNER_PRODUCT)
-        return as_tensor(dist), as_tensor(ids)
+        return out[0][:b], out[1][:b], torch.where(out[2][:b, None], float("inf"), 0.0)
 
     def save(self, directory: str | Path) -> None:
         """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
