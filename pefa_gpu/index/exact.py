@@ -136,14 +136,10 @@ class ExactIndex(VectorIndex):
     def _candidates(self, faiss: Any, q: torch.Tensor, w: int, chunk: int,
                     buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, d) queries -> (B, w) top-w scores sorted descending, ids, and the scoring error:
-        (B, 1) on faiss' BLAS path and where the tiles left rows (inf), 0 elsewhere. A torch pass
-        (:meth:`_torch_pass`), or faiss' exhaustive search (CPU, float32)."""
+        (B, 1) on faiss' BLAS path and where the tiles left rows (inf), 0 elsewhere."""
         if faiss is None:
             return self._torch_pass(q.float(), w, chunk, buf)
-        with faiss_threads(faiss, torch.get_num_threads()):  # faiss' exhaustive search, float32
-            dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
-                                  metric=faiss.METRIC_INNER_PRODUCT)
-        vals, ids = as_tensor(dist), as_tensor(ids)
+        vals, ids = self._faiss_pass(faiss, q, w)
         if q.shape[0] * self.dim < faiss.cvar.distance_compute_blas_threshold:
             return vals, ids, torch.zeros(())
         return self._rescore_near_ties(q.float(), vals, ids)
@@ -222,6 +218,14 @@ class ExactIndex(VectorIndex):
         for t, part in zip(out, (new_v, new_i, False)):
             t[rows] = part
         return out[0][:b], out[1][:b], torch.where(out[2][:b, None], float("inf"), 0.0)
+
+    def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_torch_pass` by faiss' exhaustive inner-product search (CPU, float32)."""
+        with faiss_threads(faiss, torch.get_num_threads()):
+            dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
+                                  metric=faiss.METRIC_INNER_PRODUCT)
+        return as_tensor(dist), as_tensor(ids)
 
     def save(self, directory: str | Path) -> None:
         """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
