@@ -15,6 +15,7 @@ from pefa_gpu.index import make_index  # noqa: E402
 from pefa_gpu.triton_rowdots import available  # noqa: E402
 import reference as ref  # noqa: E402
 from test_triton_rowdots import DEVICES, kernel_device  # noqa: E402
+from conftest import cuda_syncs  # noqa: E402
 
 pytestmark = pytest.mark.triton
 DTYPES = [torch.bfloat16, torch.float16]
@@ -194,3 +195,22 @@ def test_unsettled_rows_beyond_the_redo_share_are_searched_again(device, share, 
     np.testing.assert_array_equal(ids.cpu().numpy(), ri)
     np.testing.assert_array_equal(vals.cpu().numpy(), rv.astype(np.float32))
     assert passes[0] == 16 and (len(passes) > 1) == (share < 1)
+
+
+@pytest.mark.gpu
+def test_a_search_through_the_tiles_synchronises_once():
+    """The unsettled rows are re-scored without a host synchronisation: the one left is the
+    rescan check at the end (the queue holds the merge and tie rule while the kernel runs)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((200000, 32)).astype(np.float32)  # ~0.2% of rows unsettled
+    q = torch.from_numpy(rng.standard_normal((300, 32)).astype(np.float32)).cuda()
+    index = make_index("exact", "cuda", {"dtype": "bfloat16"}).build(x)
+    assert tt.usable(index.vectors, 18)
+    index.search(q, 10)  # compiles the kernel
+    (vals, ids), syncs = cuda_syncs(lambda: index.search(q, 10))
+    rv, ri = ref.exact_search(index.vectors.double().cpu().numpy(),
+                              q.to(torch.bfloat16).double().cpu().numpy(), 10)
+    assert syncs == 1
+    assert (ids.cpu().numpy() == ri).mean() > 0.99  # 16-bit products: rare near-tie swaps

@@ -214,10 +214,11 @@ class ExactIndex(VectorIndex):
         rows = torch.nonzero_static(unsettled, size=math.ceil(REDO_SHARE * b),
                                     fill_value=b).squeeze(1)  # b: padding
         new_v, new_i, _ = self._torch_pass(q[rows.clamp_max(b - 1)], w, chunk, buf, tiles=False)
-        out = [torch.cat([t, t[:1]]) for t in (vals, ids, unsettled)]  # row b: the padding's
-        for t, part in zip(out, (new_v, new_i, False)):
+        out = [torch.cat([t, t[:1]]) for t in (vals, ids)]  # row b: the padding's results
+        for t, part in zip(out, (new_v, new_i)):
             t[rows] = part
-        return out[0][:b], out[1][:b], torch.where(out[2][:b, None], float("inf"), 0.0)
+        left = unsettled & ~unsettled.new_zeros(b + 1).index_fill_(0, rows, True)[:b]
+        return out[0][:b], out[1][:b], torch.where(left[:, None], float("inf"), 0.0)
 
     def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
