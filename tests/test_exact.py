@@ -507,7 +507,8 @@ def test_nan_ranks_first():
 @pytest.mark.parametrize("k", [5, 44])
 def test_runs_of_nan_or_inf_longer_than_the_candidates_keep_the_lowest_ids(device, path, k):
     """A NaN query (every score NaN) or an inf one (+inf for half the rows) ties far more rows
-    than a pass keeps (k + 8): the result is still the lowest ids of the run, on every path."""
+    than a pass keeps (k + 8): the result is still the lowest ids of the run, for each storage,
+    with faiss' search on or off."""
     rng = np.random.default_rng(41)
     X = unit_rows(rng, 5000, 8)
     X[:, 0] = np.where(X[:, 0] == 0, 0.5, X[:, 0])  # no 0 * inf
@@ -523,5 +524,27 @@ def test_runs_of_nan_or_inf_longer_than_the_candidates_keep_the_lowest_ids(devic
     assert ids[0].tolist() == list(range(k)) and scores[0].isnan().all()
     assert ids[1].tolist() == np.flatnonzero(stored[:, 0] > 0)[:k].tolist()
     assert (scores[1] == np.inf).all()
-    if path != "bfloat16":  # (on CUDA 16-bit rows meet 16-bit queries: near ties may swap)
-        np.testing.assert_array_equal(ids[2].cpu().numpy(), ref.exact_search(X, T[2:], k)[1][0])
+    q2 = T[2:]  # on CUDA 16-bit rows meet 16-bit queries
+    if path == "bfloat16" and device != "cpu":
+        q2 = torch.from_numpy(q2).bfloat16().double().numpy()
+    np.testing.assert_array_equal(ids[2].cpu().numpy(), ref.exact_search(stored, q2, k)[1][0])
+
+
+@pytest.mark.parametrize("faiss_on", [True, False])
+def test_a_nan_row_in_the_index_takes_one_pass(faiss_on, monkeypatch):
+    """A float32 index may hold a NaN row: it ranks first where it is a candidate and ends its
+    run there, so no query is searched again (it was widened to the whole index)."""
+    faiss = pytest.importorskip("faiss") if faiss_on else None
+    monkeypatch.setattr(exact_module, "optional_faiss", lambda: faiss)
+    rng = np.random.default_rng(8)
+    X = unit_rows(rng, 4000, 16)
+    X[123, 5] = np.nan
+    T = unit_rows(rng, 300, 16)
+    index = ExactIndex().build(X)
+    widths = []
+    one_pass = index._pass
+    monkeypatch.setattr(index, "_pass", lambda q, kk, w: widths.append(w) or one_pass(q, kk, w))
+    for k in (1, 10):
+        widths.clear()
+        index.search(T, k)
+        assert widths == [k + 8]

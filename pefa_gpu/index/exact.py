@@ -5,7 +5,6 @@ CPU); rows whose tied run may reach past them are searched again, 4x as wide."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -151,8 +150,9 @@ class ExactIndex(VectorIndex):
         if vals.shape[1] == kk:
             return (*order_ties(vals, ids), None)
         tied = boundary_tied(vals, kk)
-        rescan = ~(vals[:, kk - 1] - vals[:, -1] > 2 * tol.squeeze(-1)) \
-            if vals.shape[1] < self.ntotal else None  # NaN (inf - inf, a NaN run): rescan
+        kth, last = vals[:, kk - 1], vals[:, -1]  # a NaN difference: a run of NaN / inf
+        rescan = ~(kth - last > 2 * tol.squeeze(-1)) & (last.isnan() | ~kth.isnan()) \
+            if vals.shape[1] < self.ntotal else None
         settle = tied if rescan is None else tied & ~rescan
         return (*order_ties(*settle_masked(vals, ids, settle, kk)), rescan)
 
@@ -161,8 +161,9 @@ class ExactIndex(VectorIndex):
         """faiss BLAS candidates (B, w) -> the same, re-sorted, scores within ``tol`` (B, 1) of a
         neighbour's replaced by :func:`canonical_scores` (copies then tie), and ``tol``:
         max(32, 2 sqrt(d)) ulps of |q| max |x|."""
-        if self._max_norm is None:  # float32 rows: a reduction, no copy
-            self._max_norm = float(torch.linalg.vector_norm(self.vectors, dim=1).max())
+        if self._max_norm is None:  # float32 rows: a reduction, no copy; NaN / inf rows left out
+            norms = torch.linalg.vector_norm(self.vectors, dim=1)
+            self._max_norm = float(norms.nan_to_num(0.0, posinf=0.0).max())
         ulps = max(32.0, 2.0 * self.dim ** 0.5) * 2.0**-24
         tol = torch.linalg.vector_norm(q, dim=1, keepdim=True) * (self._max_norm * ulps)
         pairs = F.pad(vals[:, :-1] - vals[:, 1:] <= tol, (1, 1))  # False beyond both ends
@@ -208,11 +209,13 @@ class ExactIndex(VectorIndex):
               unsettled: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-w lists (B, w) with up to ``REDO_SHARE`` of the ``unsettled`` (B,) rows re-scored
-        by blocks, picked without a host synchronisation; and the scoring error (B, 1): inf for
-        the unsettled rows beyond those (so they are searched again), else 0."""
-        b = q.shape[0]
-        rows = torch.nonzero_static(unsettled, size=math.ceil(REDO_SHARE * b),
-                                    fill_value=b).squeeze(1)  # b: padding
+        by blocks, picked without a host synchronisation (a stable sort); and the scoring error
+        (B, 1): inf for the unsettled rows beyond those (so they are searched again), else 0."""
+        b, size = q.shape[0], int(REDO_SHARE * q.shape[0])
+        if size == 0:  # a small batch: every unsettled row is searched again
+            return vals, ids, torch.where(unsettled[:, None], float("inf"), 0.0)
+        first = torch.sort((~unsettled).byte(), stable=True).indices[:size]  # unsettled first
+        rows = torch.where(unsettled[first], first, b)  # b: padding
         new_v, new_i, _ = self._torch_pass(q[rows.clamp_max(b - 1)], w, chunk, buf, tiles=False)
         out = [torch.cat([t, t[:1]]) for t in (vals, ids)]  # row b: the padding's results
         for t, part in zip(out, (new_v, new_i)):
