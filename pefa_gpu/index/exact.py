@@ -211,17 +211,15 @@ class ExactIndex(VectorIndex):
         """Top-w lists (B, w) with up to ``REDO_SHARE`` of the ``unsettled`` (B,) rows re-scored
         by blocks, picked without a host synchronisation (a stable sort); and the scoring error
         (B, 1): inf for the unsettled rows beyond those (so they are searched again), else 0."""
-        b, size = q.shape[0], int(REDO_SHARE * q.shape[0])
-        if size == 0:  # a small batch: every unsettled row is searched again
-            return vals, ids, torch.where(unsettled[:, None], float("inf"), 0.0)
-        first = torch.sort((~unsettled).byte(), stable=True).indices[:size]  # unsettled first
-        rows = torch.where(unsettled[first], first, b)  # b: padding
-        new_v, new_i, _ = self._torch_pass(q[rows.clamp_max(b - 1)], w, chunk, buf, tiles=False)
-        out = [torch.cat([t, t[:1]]) for t in (vals, ids)]  # row b: the padding's results
-        for t, part in zip(out, (new_v, new_i)):
-            t[rows] = part
-        left = unsettled & ~unsettled.new_zeros(b + 1).index_fill_(0, rows, True)[:b]
-        return out[0][:b], out[1][:b], torch.where(left[:, None], float("inf"), 0.0)
+        size = int(REDO_SHARE * q.shape[0])  # a small batch: every unsettled row searched again
+        if size:  # the first rows in unsettled-first order, re-scored where unsettled
+            first = torch.sort((~unsettled).byte(), stable=True).indices[:size]
+            new_v, new_i, _ = self._torch_pass(q[first], w, chunk, buf, tiles=False)
+            hit = unsettled[first].unsqueeze(1)
+            vals[first] = torch.where(hit, new_v, vals[first])
+            ids[first] = torch.where(hit, new_i, ids[first])
+            unsettled = unsettled.index_fill(0, first, False)
+        return vals, ids, torch.where(unsettled[:, None], float("inf"), 0.0)
 
     def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
