@@ -27,6 +27,7 @@ class ShardedParams(Params):
     backend_params: dict[str, Any] | None = None
 
     def validate(self) -> None:
+        super().validate()
         devices = self.devices
         if devices is not None and (not isinstance(devices, (list, tuple)) or not devices
                                     or not all(isinstance(d, str) for d in devices)):
