@@ -296,7 +296,10 @@ def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: in
     xp, ids = ops(knn[1]), erm[1][:, :k]
     scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
     rows = xp.cat([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
-    return select_topk(scores, rows, k) if xp is _Numpy else merge_topk(scores, rows, k)
+    if xp is _Numpy:
+        return select_topk(scores, rows, k)
+    top, rows = merge_topk(scores, rows, k)
+    return top, torch.where(top > float("-inf"), rows, -1)  # as select_topk: NaN, -inf: none
 
 
 def searches(q: Array, search: Any, *, kp: int, k: int, m: int, n: int, augment_docs: bool

@@ -159,3 +159,15 @@ def test_only_the_batch_holding_a_long_row_narrows(kind, monkeypatch):
     monkeypatch.setattr(fuse, "VOTES_PER_QUERY", 256)
     assert fuse.batches(knn, rows, 4096) == [slice(0, 4096)]  # no long row: one batch
     assert fuse.batches(knn, rows, 64)[:2] == [slice(0, 64), slice(64, 100)]  # cut before 100
+
+
+def test_neighbours_drop_nan_and_minus_inf_scores_alike_in_numpy_and_torch():
+    """A neighbour scored NaN or -inf (unchecked data) is no neighbour on either path (numpy:
+    CPU batches; torch: CUDA and training), so both vote alike."""
+    knn = (np.array([[np.nan, 1.0], [0.5, -np.inf]], np.float32), np.array([[0, 1], [2, 3]]))
+    erm = (np.array([[-np.inf, 0.2], [0.9, 0.1]], np.float32), np.array([[7, 4], [5, 6]]))
+    got_np = fuse.neighbours(knn, erm, 10, 3, augment_docs=True)
+    got_t = fuse.neighbours(tuple(map(torch.from_numpy, knn)), tuple(map(torch.from_numpy, erm)),
+                            10, 3, augment_docs=True)
+    np.testing.assert_array_equal(got_t[1].numpy(), got_np[1])
+    np.testing.assert_array_equal(got_np[1], [[-1, 1, 14], [15, 2, 16]])  # NaN: first, as -1
