@@ -105,9 +105,7 @@ def mrr_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10,)) -
 
 
 def _check_ks(ks: Iterable[int]) -> tuple[int, ...]:
-    if isinstance(ks, (int, np.integer)):
-        ks = (ks,)
-    ks = tuple(ks)
+    ks = (ks,) if isinstance(ks, (int, np.integer)) else tuple(ks)
     if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0
                      for k in ks):
         raise InputError(f"ks must be positive integers, got {ks!r}")
