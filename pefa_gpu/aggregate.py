@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import warnings
+from typing import Any
 
 import numpy as np
 import torch
