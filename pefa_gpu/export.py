@@ -189,8 +189,7 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
             raise InputError(f"export path {path} appeared during the export; not replaced")
         os.rename(tmp, path)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing there once renamed
     return path
 
 
