@@ -88,20 +88,25 @@ def recall_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 
                 ) -> dict[int, float]:
     """{k: Recall@k}: |relevant ∩ top-k| / |relevant|, averaged over queries with a relevant
     document."""
-    res = evaluate(ids, Y_test, ks)
-    return {k: res[f"recall@{k}"] for k in _check_ks(ks)}
+    return _metric("recall", ids, Y_test, ks)
 
 
 def ndcg_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10,)) -> dict[int, float]:
     """{k: nDCG@k} with linear gains Y_test[q, j] and log2 discounts."""
-    res = evaluate(ids, Y_test, ks)
-    return {k: res[f"ndcg@{k}"] for k in _check_ks(ks)}
+    return _metric("ndcg", ids, Y_test, ks)
 
 
 def mrr_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10,)) -> dict[int, float]:
     """{k: MRR@k}: mean reciprocal rank of the first relevant document in the top k (0 if none)."""
+    return _metric("mrr", ids, Y_test, ks)
+
+
+def _metric(name: str, ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int]
+            ) -> dict[int, float]:
+    """{k: ``name``@k} of :func:`evaluate` (``ks`` read once: an iterator serves)."""
+    ks = _check_ks(ks)
     res = evaluate(ids, Y_test, ks)
-    return {k: res[f"mrr@{k}"] for k in _check_ks(ks)}
+    return {k: res[f"{name}@{k}"] for k in ks}
 
 
 def _check_ks(ks: Iterable[int]) -> tuple[int, ...]:

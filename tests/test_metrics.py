@@ -97,3 +97,11 @@ def test_no_queries_or_no_ranks():
     Y = pg.Relevance.from_pairs([0], [1], shape=(2, 5))
     with pytest.raises(pg.InputError, match="0 ranks per query"):
         pg.evaluate(np.zeros((2, 0), np.int64), Y, ks=(1,))
+
+
+def test_the_metric_functions_read_ks_once():
+    """ks may be any iterable, an iterator too (it was consumed twice: InputError)."""
+    ids = np.array([[0, 1, 2], [2, 1, 0]])
+    y = pg.Relevance.from_pairs([0, 1], [1, 1], shape=(2, 3))
+    for fn in (pg.recall_at_k, pg.ndcg_at_k, pg.mrr_at_k):
+        assert fn(ids, y, iter([1, 2])) == fn(ids, y, (1, 2))
