@@ -547,8 +547,8 @@ class PEFAXL(_Model):
             f_erm = torch.where(in_c, f_erm, torch.zeros((), dtype=q.dtype, device=q.device))
         _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded
         rows, m = nbr.clamp_min(0), self.n_train_queries
-        flat, qi = rows.reshape(-1).clamp_max(m - 1), self.query_index  # valid: no id check
-        vecs = getattr(qi, "rows_unchecked", qi.reconstruct)(flat).reshape(*rows.shape, -1)
+        flat = rows.reshape(-1).clamp_max(m - 1)  # valid: no id check
+        vecs = self.query_index.rows_unchecked(flat).reshape(*rows.shape, -1)
         if p.augment_docs:  # row m + j: document j
             docs = self.doc_embeddings[(rows - m).clamp_min(0)].float()
             vecs = torch.where((rows >= m).unsqueeze(2), docs, vecs)

@@ -99,6 +99,11 @@ class Index(abc.ABC):
         """Stored rows ``ids`` (any shape, int64) -> (*ids.shape, d) float32 on the device."""
         raise NotImplementedError(f"backend {self.name!r} cannot return its stored vectors")
 
+    def rows_unchecked(self, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`reconstruct` of int64 ids on the device known to be valid (a backend that
+        can skip its id check says so by overriding this)."""
+        return self.reconstruct(ids)
+
     @property
     @abc.abstractmethod
     def ntotal(self) -> int:
@@ -209,8 +214,7 @@ class VectorIndex(Index):
         return self.rows_unchecked(i)
 
     def rows_unchecked(self, ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`reconstruct` of int64 ids on the device known to be valid: no check."""
-        return self.vectors[ids].float()
+        return self.vectors[ids].float()  # no check
 
     @property
     def ntotal(self) -> int:

@@ -137,8 +137,8 @@ class ShardedIndex(Index):
         for shard, mask, local in self._route(ids):
             if shard.ntotal:
                 local = local.clamp(0, shard.ntotal - 1).to(shard.device)
-                got = getattr(shard, "rows_unchecked", shard.reconstruct)(local)
-                out = torch.where(mask.unsqueeze(-1), got.to(self.device), out)
+                out = torch.where(mask.unsqueeze(-1),
+                                  shard.rows_unchecked(local).to(self.device), out)
         return out
 
     def save(self, directory: str | Path) -> None:
