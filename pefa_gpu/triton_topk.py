@@ -24,11 +24,11 @@ ON_CPU = False  # tests: the kernel serves CPU rows as well (Triton's interprete
 
 if triton is not None:
     @triton.jit
-    def _tile_best_kernel(q_ptr, x_ptr, val_ptr, idx_ptr, third_ptr, b, n, d, tiles,
-                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        # axis 0 (queries) runs fastest: each tile of rows is read by every query block in turn
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    def _tile_scores(q_ptr, x_ptr, qb, tb, b, n, d,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """(BM, BN) float32 products of query block ``qb`` and row tile ``tb``; -inf past n."""
+        rm = qb * BM + tl.arange(0, BM)
+        rn = tb * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, d, BK):
@@ -37,18 +37,33 @@ if triton is not None:
             x = tl.load(x_ptr + rn[None, :] * d + (k0 + rk)[:, None],
                         mask=(rn[None, :] < n) & ((k0 + rk)[:, None] < d), other=0.0)
             acc = tl.dot(a, x, acc)
+        return acc
+
+    @triton.jit
+    def _store_best(acc, val_ptr, idx_ptr, third_ptr, qb, tb, b, n, tiles,
+                    BM: tl.constexpr, BN: tl.constexpr):
+        """Writes each query's best two scores of ``acc`` with their row ids, and its third."""
+        rm = qb * BM + tl.arange(0, BM)
         cols = tl.arange(0, BN)[None, :]
-        acc = tl.where(rn[None, :] < n, acc, float("-inf"))
-        out, ok = rm * tiles + tl.program_id(1), rm < b
+        acc = tl.where(tb * BN + cols < n, acc, float("-inf"))
+        out, ok = rm * tiles + tb, rm < b
         v1, i1 = tl.max(acc, axis=1, return_indices=True)  # of equal ones, the lowest column
         acc = tl.where(cols == i1[:, None], float("-inf"), acc)
         v2, i2 = tl.max(acc, axis=1, return_indices=True)
         acc = tl.where(cols == i2[:, None], float("-inf"), acc)
         tl.store(val_ptr + 2 * out, v1, mask=ok)
         tl.store(val_ptr + 2 * out + 1, v2, mask=ok)
-        tl.store(idx_ptr + 2 * out, tl.program_id(1) * BN + i1, mask=ok)
-        tl.store(idx_ptr + 2 * out + 1, tl.program_id(1) * BN + i2, mask=ok)
+        tl.store(idx_ptr + 2 * out, tb * BN + i1, mask=ok)
+        tl.store(idx_ptr + 2 * out + 1, tb * BN + i2, mask=ok)
         tl.store(third_ptr + out, tl.max(acc, axis=1), mask=ok)
+
+    @triton.jit
+    def _tile_best_kernel(q_ptr, x_ptr, val_ptr, idx_ptr, third_ptr, b, n, d, tiles,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        # axis 0 (queries) runs fastest: each tile of rows is read by every query block in turn
+        qb, tb = tl.program_id(0), tl.program_id(1)
+        acc = _tile_scores(q_ptr, x_ptr, qb, tb, b, n, d, BM, BN, BK)
+        _store_best(acc, val_ptr, idx_ptr, third_ptr, qb, tb, b, n, tiles, BM, BN)
 
 _FAILED: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> why the kernel failed
 
