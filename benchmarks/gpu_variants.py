@@ -178,7 +178,7 @@ def part_votes(s: dict, dev: str) -> dict[str, Any]:
 def part_tiles(s: dict, dev: str) -> dict[str, Any]:
     """Exact search with and without pefa_gpu.triton_topk (the selection inside the GEMM), the
     unsettled rows' score blocks alone, and tile_topw (the kernel and its candidates' topk)
-    under other tile shapes (BM, BN, BK, warps, stages)."""
+    and the search keeping 2 or 3 scores a tile (KEEP) and re-scoring shares (REDO_SHARE)."""
     from pefa_gpu import triton_topk as tt
 
     n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
@@ -205,109 +205,20 @@ def part_tiles(s: dict, dev: str) -> dict[str, Any]:
         tt.usable = usable
     out["same_ids_share"] = float((with_tiles == blocks).all(1).float().mean())
     out["tiles_vs_blocks"] = out["index_blocks_s"] / out["index_tiles_s"]
-    shape = (tt.BM, tt.BN, tt.BK, tt.WARPS, tt.STAGES)
-    for cfg in [shape, (128, 256, 64, 8, 2), (256, 128, 64, 8, 3), (128, 128, 64, 8, 3)]:
-        tt.BM, tt.BN, tt.BK, tt.WARPS, tt.STAGES = cfg
-        if tt.tile_topw(q, x, w) is None:  # a shape that does not compile (warned)
-            out[f"kernel_{cfg}"] = tt._FAILED.pop((str(x.device), x.dtype))[:200]
-        else:
-            out[f"kernel_{cfg}_s"] = median_seconds(lambda: tt.tile_topw(q, x, w), dev)
-    tt.BM, tt.BN, tt.BK, tt.WARPS, tt.STAGES = shape
-    return out
+    import pefa_gpu.index.exact as exact_module
 
-
-def _persistent_topw(q: torch.Tensor, x: torch.Tensor, w: int, cfg: tuple, tma: bool,
-                     sms: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """tile_topw through a persistent kernel (programs looping over the tiles, flattened so
-    the next tile's loads overlap this one's selection), with TMA loads or not; cfg: (BM, BN,
-    BK, warps, stages, warp_specialize, programs per SM)."""
-    import triton
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    bm, bn, bk, warps, stages, ws, per_sm = cfg
-    b, n, d = q.shape[0], *x.shape
-    programs = per_sm * sms
-    tiles, qblocks = triton.cdiv(n, bn), triton.cdiv(b, bm)
-    vals = torch.empty(b, tiles, 2, device=x.device)
-    ids = torch.empty(b, tiles, 2, device=x.device, dtype=torch.int32)
-    third = torch.empty(b, tiles, device=x.device)
-    q = q.to(x.dtype).contiguous()
-    common = dict(BM=bm, BN=bn, BK=bk, PROGRAMS=programs, WS=ws, num_warps=warps,
-                  num_stages=stages)
-    if tma:
-        qd = TensorDescriptor(q, list(q.shape), list(q.stride()), [bm, bk])
-        xd = TensorDescriptor(x, list(x.shape), list(x.stride()), [bn, bk])
-        _persistent_tma_kernel[(programs,)](qd, xd, vals, ids, third, b, n, d, tiles, qblocks,
-                                            **common)
-    else:
-        _persistent_kernel[(programs,)](q, x, vals, ids, third, b, n, d, tiles, qblocks,
-                                        **common)
-    top, pos = torch.topk(vals.view(b, -1), w, dim=1)
-    return top, ids.view(b, -1).gather(1, pos).long(), (third >= top[:, -1:]).any(1)
-
-
-try:
-    import triton
-    import triton.language as tl
-
-    from pefa_gpu.triton_topk import _store_best, _tile_scores
-
-    @triton.jit
-    def _persistent_kernel(q_ptr, x_ptr, val_ptr, idx_ptr, third_ptr, b, n, d, tiles, qblocks,
-                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                           PROGRAMS: tl.constexpr, WS: tl.constexpr):
-        for t in tl.range(tl.program_id(0), qblocks * tiles, PROGRAMS, flatten=True,
-                          warp_specialize=WS):
-            qb, tb = t % qblocks, t // qblocks  # query blocks fastest, as the grid kernel
-            acc = _tile_scores(q_ptr, x_ptr, qb, tb, b, n, d, BM, BN, BK)
-            _store_best(acc, val_ptr, idx_ptr, third_ptr, qb, tb, b, n, tiles, BM, BN)
-
-    @triton.jit
-    def _persistent_tma_kernel(q_desc, x_desc, val_ptr, idx_ptr, third_ptr, b, n, d, tiles,
-                               qblocks, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                               PROGRAMS: tl.constexpr, WS: tl.constexpr):
-        for t in tl.range(tl.program_id(0), qblocks * tiles, PROGRAMS, flatten=True,
-                          warp_specialize=WS):
-            qb, tb = t % qblocks, t // qblocks
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, d, BK):  # out-of-range rows and queries load as zeros
-                acc = tl.dot(q_desc.load([qb * BM, k0]), x_desc.load([tb * BN, k0]).T, acc)
-            _store_best(acc, val_ptr, idx_ptr, third_ptr, qb, tb, b, n, tiles, BM, BN)
-except ImportError:  # no triton: the part records the failure
-    pass
-
-
-def part_persistent(s: dict, dev: str) -> dict[str, Any]:
-    """tile_topw's grid kernel against persistent ones (pointer or TMA loads, warp
-    specialisation asked for or not): the same candidates, and each one's time."""
-    from pefa_gpu import triton_topk as tt
-
-    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
-    w = k + 8
-    tt.ON_CPU = dev == "cpu"
-    x = unit(n, d, dev, 0).to(torch.bfloat16)
-    q = unit(b, d, dev, 1)
-    ref = tt.tile_topw(q, x, w)
-    out: dict[str, Any] = {"grid_s": median_seconds(lambda: tt.tile_topw(q, x, w), dev)}
-    if dev == "cpu":  # the interpreter's bfloat16 dots are wrong: float32 rows there
-        x, q = x.float(), q.bfloat16().float()
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if dev == "cuda" else 3
-    configs = [(False, (128, 256, 64, 8, 3, False, 1)), (True, (128, 256, 64, 8, 3, False, 1)),
-               (True, (128, 256, 64, 8, 4, False, 1)), (True, (128, 256, 128, 8, 2, False, 1)),
-               (True, (128, 256, 64, 8, 3, True, 1)), (False, (128, 256, 64, 8, 3, True, 1)),
-               (True, (128, 128, 64, 4, 3, False, 2)), (True, (128, 256, 64, 8, 3, False, 2))]
-    for tma, cfg in configs:
-        name = f"{'tma' if tma else 'pointers'}_{cfg}"
-        try:
-            got = _persistent_topw(q, x, w, cfg, tma, sms)
-            want = _persistent_topw(q, x, w, (*cfg[:4], 3, False, 1), False, sms) \
-                if cfg[:3] != (tt.BM, tt.BN, tt.BK) else ref  # the same tiles' candidates
-            out[f"{name}_same_ids"] = float((got[1] == want[1]).all(1).float().mean())
-            out[f"{name}_max_score_diff"] = float((got[0] - want[0]).abs().max())
-            out[f"{name}_s"] = median_seconds(
-                lambda: _persistent_topw(q, x, w, cfg, tma, sms), dev)
-        except Exception as exc:  # noqa: BLE001 (a variant that does not compile: recorded)
-            out[name] = f"{type(exc).__name__}: {exc}"[:300]
+    keep, share = tt.KEEP, exact_module.REDO_SHARE
+    try:  # scores kept per tile, and the share of queries re-scored by blocks without a sync
+        for tt.KEEP, exact_module.REDO_SHARE in [(2, 0.04), (2, 0.02), (3, 0.04), (3, 0.01),
+                                                 (3, 0.005)]:
+            name = f"keep{tt.KEEP}_redo{exact_module.REDO_SHARE}"
+            out[f"{name}_unsettled"] = int(tt.tile_topw(q, x, w)[2].sum())
+            out[f"{name}_topw_s"] = median_seconds(lambda: tt.tile_topw(q, x, w), dev)
+            out[f"{name}_search_s"] = median_seconds(lambda: index.search(q, k), dev)
+            got = index.search(q, k)[1]
+            out[f"{name}_same_ids_share"] = float((got == blocks).all(1).float().mean())
+    finally:
+        tt.KEEP, exact_module.REDO_SHARE = keep, share
     return out
 
 
@@ -360,7 +271,7 @@ def part_profile(s: dict, dev: str) -> dict[str, Any]:
     return out
 
 PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa,
-         "tiles": part_tiles, "profile": part_profile, "persistent": part_persistent}
+         "tiles": part_tiles, "profile": part_profile}
 
 
 def main() -> None:

@@ -34,11 +34,16 @@ def stored(x: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_candidates_are_the_reference_top_w_where_settled(device, dtype):
+@pytest.mark.parametrize("d", [40, 37])  # rows of 16-byte multiples (TMA loads), or not
+@pytest.mark.parametrize("keep", [2, 3])
+def test_candidates_are_the_reference_top_w_where_settled(device, dtype, d, keep, monkeypatch):
     dev = kernel_device(device)
-    rng = np.random.default_rng(0)
-    rows = stored(rng.standard_normal((1300, 40)), dtype, dev)  # 6 tiles, the last partial
-    q = stored(rng.standard_normal((7, 40)), dtype, dev)
+    monkeypatch.setattr(tt, "KEEP", keep)
+    rng = np.random.default_rng(d)
+    rows = stored(rng.standard_normal((1300, d)), dtype, dev)  # 6 tiles, the last partial
+    q = stored(rng.standard_normal((7, d)), dtype, dev)
+    made, describe = [], tt.TensorDescriptor
+    monkeypatch.setattr(tt, "TensorDescriptor", lambda *a: made.append(a) or describe(*a))
     vals, ids, unsettled = tt.tile_topw(q.float(), rows, 4)
     rv, ri = ref.exact_search(rows.cpu().double().numpy(), q.cpu().double().numpy(), 4)
     settled = ~unsettled.cpu().numpy()
@@ -46,11 +51,14 @@ def test_candidates_are_the_reference_top_w_where_settled(device, dtype):
     np.testing.assert_array_equal(ids.cpu().numpy()[settled], ri[settled])
     np.testing.assert_allclose(vals.cpu().numpy()[settled], rv[settled], rtol=1e-5, atol=1e-5)
     assert ids.dtype == torch.int64 and vals.dtype == torch.float32
+    assert len(made) == (2 if d == 40 else 0)  # d = 37: 74 (bf16) / 148 (interpreter) bytes
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_three_top_rows_in_one_tile_leave_the_row_unsettled(device):
+@pytest.mark.parametrize("keep", [2, 3])
+def test_more_top_rows_in_one_tile_than_kept_leave_the_row_unsettled(device, keep, monkeypatch):
     dev = kernel_device(device)
+    monkeypatch.setattr(tt, "KEEP", keep)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1024, 16)) * 0.1
     x[[5, 9, 200]] = [3.0] * 16  # three copies of the best row, one tile (of 256)
@@ -59,8 +67,11 @@ def test_three_top_rows_in_one_tile_leave_the_row_unsettled(device):
     q[1] = -1.0
     vals, ids, unsettled = tt.tile_topw(stored(q, torch.bfloat16, dev),
                                         stored(x, torch.bfloat16, dev), 2)
-    assert unsettled.tolist() == [True, False]
-    assert sorted(ids[0].tolist()) == [5, 9]  # of equal scores in a tile: the lower ids
+    assert unsettled.tolist() == [keep == 2, False]
+    if keep == 2:  # of equal scores in a tile: the lower ids
+        assert sorted(ids[0].tolist()) == [5, 9]
+    else:  # all three kept: the tie rule is the caller's
+        assert set(ids[0].tolist()) < {5, 9, 200}
     assert sorted(ids[1].tolist()) == [300, 600]
 
 
