@@ -222,6 +222,38 @@ def part_tiles(s: dict, dev: str) -> dict[str, Any]:
     return out
 
 
+def part_gaps(s: dict, dev: str) -> dict[str, Any]:
+    """tile_topw and exact search (bf16 rows) timed three ways: CUDA events around each call
+    (as gpu_check), the host's time to queue one tile_topw, and 10 calls queued back to back
+    with one synchronisation; and their kernels over 5 calls under torch.profiler. Events
+    above back-to-back: host latency; above the kernels' sum: gaps or clocks."""
+    from pefa_gpu import triton_topk as tt
+
+    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
+    w = k + 8
+    tt.ON_CPU = dev == "cpu"
+    x = unit(n, d, dev, 0).to(torch.bfloat16)
+    q = unit(b, d, dev, 1)
+    index = pg.make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    out: dict[str, Any] = {}
+    for name, fn in [("topw", lambda: tt.tile_topw(q, x, w)),
+                     ("search", lambda: index.search(q, k))]:
+        out[f"{name}_events_s"] = median_seconds(fn, dev)
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        fn()
+        out[f"{name}_queued_s"] = time.perf_counter() - t
+        sync()
+        t = time.perf_counter()
+        for _ in range(10):
+            fn()
+        sync()
+        out[f"{name}_back_to_back_s"] = (time.perf_counter() - t) / 10
+        out[f"{name}_profile_5_calls"] = kernel_table(lambda: [fn() for _ in range(5)], dev, 6)
+    return out
+
+
 def kernel_table(fn: Callable[[], Any], dev: str, top: int = 12) -> dict[str, Any]:
     """One call of ``fn`` under torch.profiler (after a warm-up): wall ms, the sum of its
     device kernels' ms, and the ``top`` kernels by device time [name, ms, calls] (calls 12
@@ -271,7 +303,7 @@ def part_profile(s: dict, dev: str) -> dict[str, Any]:
     return out
 
 PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa,
-         "tiles": part_tiles, "profile": part_profile}
+         "tiles": part_tiles, "profile": part_profile, "gaps": part_gaps}
 
 
 def main() -> None:
