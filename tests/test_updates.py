@@ -241,6 +241,15 @@ def test_exact_index_update_and_reconstruct():
             idx.update(torch.tensor(ids), vec)
 
 
+def test_a_16_bit_exact_index_refuses_rows_beyond_its_range_on_update():
+    idx = ExactIndex({"dtype": "float16"}, device="cpu").build(torch.ones(4, 3))
+    with pytest.raises(pg.InputError, match="NaN or inf as float16"):
+        idx.update(torch.tensor([2]), torch.full((1, 3), 1e6))  # float16 tops out at 65504
+    with pytest.raises(pg.InputError, match="NaN or inf"):
+        idx.update(torch.tensor([2]), torch.full((1, 3), float("nan")))
+    assert torch.equal(idx.vectors, torch.ones(4, 3, dtype=torch.float16))
+
+
 @pytest.mark.parametrize("kind,opts", [MODELS[0], MODELS[1], MODELS[3]])
 def test_updates_after_save_and_load_equal_refit(kind, opts, tmp_path):
     rng = np.random.default_rng(21)

@@ -88,13 +88,13 @@ class ExactIndex(VectorIndex):
         """Overwrite rows ``ids`` (r,) with ``vectors`` (r, d) (first copying rows that may
         share the caller's memory)."""
         i = as_tensor(ids, device=self.device, name="ids").detach().flatten()
-        v = as_tensor(vectors, device=self.device, name="vectors").detach()
+        v = self._rows(vectors, copy=False)
         if v.ndim != 2 or v.shape != (i.numel(), self.dim):
             raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}) for "
                              f"{i.numel()} ids, got {tuple(v.shape)}")
         i = check_row_ids(i, self.ntotal, distinct=True)
         vectors = self.vectors if self._owned else self.vectors.clone()
-        vectors[i] = v.to(self._dtype)
+        vectors[i] = v
         self._store(vectors, owned=True)
 
     def search(self, queries: torch.Tensor, k: int, params: NoSearchParams | dict | None = None
