@@ -29,9 +29,9 @@ if triton is not None:
     @triton.jit
     def _tile_scores(q_ptr, x_ptr, qb, tb, b, n, d,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """(BM, BN) float32 products of query block ``qb`` and row tile ``tb``; -inf past n."""
-        rm = qb * BM + tl.arange(0, BM)
-        rn = tb * BN + tl.arange(0, BN)
+        """(BM, BN) float32 products of query block ``qb`` and row tile ``tb``."""
+        rm = (qb * BM + tl.arange(0, BM)).to(tl.int64)  # offsets row * d past 2^31
+        rn = (tb * BN + tl.arange(0, BN)).to(tl.int64)
         rk = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k0 in range(0, d, BK):
@@ -49,7 +49,7 @@ if triton is not None:
         rm = qb * BM + tl.arange(0, BM)
         cols = tl.arange(0, BN)[None, :]
         acc = tl.where(tb * BN + cols < n, acc, float("-inf"))
-        out, ok = rm * tiles + tb, rm < b
+        out, ok = rm.to(tl.int64) * tiles + tb, rm < b
         for j in tl.static_range(KEEP):
             v, i = tl.max(acc, axis=1, return_indices=True)  # of equal ones, the lowest column
             acc = tl.where(cols == i[:, None], float("-inf"), acc)
