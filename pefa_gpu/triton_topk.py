@@ -95,6 +95,14 @@ def usable(rows: torch.Tensor, w: int) -> bool:
         KEEP * (n // BN) >= w and unsettled_share(n, w) <= UNSETTLED_SHARE
 
 
+def _tma(q: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether the kernel loads through TMA: 16-byte aligned rows, on a GPU of compute
+    capability 9 (Hopper) or later (or the CPU, under the interpreter)."""
+    aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
+                  for t in (q, rows))
+    return aligned and (not rows.is_cuda or torch.cuda.get_device_capability(rows.device)[0] >= 9)
+
+
 def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(B, d) float queries, (n, d) 16-bit rows -> (B, w) float32 scores sorted descending,
@@ -116,9 +124,8 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
         rows.device).multi_processor_count if rows.is_cuda else 4)
     try:  # the kernel's pointers belong to rows' GPU, whichever device is current
         with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():
-            tma = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
-                      for t in (q, rows))
-            if tma:  # TMA loads need 16-byte aligned rows
+            tma = _tma(q, rows)
+            if tma:
                 q, rows = (TensorDescriptor(t, list(t.shape), list(t.stride()), [bm, BK])
                            for t, bm in ((q, BM), (rows, BN)))
             _tile_best_kernel[(programs,)](
