@@ -25,7 +25,7 @@ from .errors import InputError
 from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
-from .params import check_choice, check_positive
+from .params import MAX_HNSW_EF, MAX_HNSW_M, check_at_most, check_choice
 from .storage import check_output_file, write_output_file
 
 if TYPE_CHECKING:
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
 
 def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> torch.Tensor:
     """(n, d) vectors -> (n, degree) int64 exact inner-product neighbours on ``device``, self
-    excluded, half forward and half reverse edges, no duplicates, -1 padded."""
-    check_positive(degree, "degree")
+    excluded, half forward and half reverse edges, no duplicates, -1 padded (``degree`` at
+    most 2 ``MAX_HNSW_M``: an HNSW level 0's links)."""
+    degree = check_at_most(degree, "degree", 2 * MAX_HNSW_M)
     dev = resolve_device(device)
     v = as_tensor(vectors, device=dev, dtype=torch.float32, name="vectors")
     n = v.shape[0]
@@ -80,10 +81,13 @@ def _first_unique(ids: torch.Tensor, width: int) -> torch.Tensor:
 def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",
                ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32
                ) -> faiss.IndexHNSW:
-    """A CPU faiss HNSW index over ``vectors`` (n, d), inner product, built by ``method``."""
-    for name, value in (("M", M), ("ef_search", ef_search), ("ef_construction", ef_construction),
-                        ("entrypoints", entrypoints)):
-        check_positive(value, name)
+    """A CPU faiss HNSW index over ``vectors`` (n, d), inner product, built by ``method``
+    (``M`` at most ``MAX_HNSW_M``; the ef's and entrypoints at most ``MAX_HNSW_EF``)."""
+    # Python ints from here on (faiss' SWIG refuses numpy integers)
+    M = check_at_most(M, "M", MAX_HNSW_M)
+    ef_search = check_at_most(ef_search, "ef_search", MAX_HNSW_EF)
+    ef_construction = check_at_most(ef_construction, "ef_construction", MAX_HNSW_EF)
+    entrypoints = check_at_most(entrypoints, "entrypoints", MAX_HNSW_EF)
     check_choice(method, "method", ("auto", "hnsw", "cagra", "knn"))
     faiss = import_faiss()
     dev = resolve_device(device)
@@ -131,15 +135,16 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
     over ``vectors`` with the same M, method auto / hnsw) to the file ``path`` atomically."""
     faiss = import_faiss()
     check_output_file(path, "export path")
-    check_positive(kwargs.get("ef_search", 300), "ef_search")  # also where the graph is kept
+    # checked here too: a kept graph skips build_hnsw
+    ef_search = check_at_most(kwargs.get("ef_search", 300), "ef_search", MAX_HNSW_EF)
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
         else None
     if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw") \
             or graph.hnsw.nb_neighbors(1) != kwargs.get("M", 32):
         graph = build_hnsw(vectors, **kwargs)
     ef = graph.hnsw.efSearch
-    graph.hnsw.efSearch = kwargs.get("ef_search", 300)  # stored in the file; a reused index's
-    try:                                                # own searches pass theirs explicitly
+    graph.hnsw.efSearch = ef_search  # stored in the file; a reused index's own
+    try:                             # searches pass theirs explicitly
         return write_output_file(path, lambda tmp: faiss.write_index(graph, str(tmp)),
                                  "export path")
     finally:

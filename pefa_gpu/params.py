@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -81,9 +82,33 @@ def check_unit_interval(value: Any, name: str) -> None:
         raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
-def check_positive(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+def _is_int(value: Any) -> bool:
+    """A Python or numpy integer (np.int64(16), ...), not a bool (nor np.bool_)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def check_positive(value: Any, name: str) -> int:
+    """``value`` (a Python or numpy int > 0) as a Python int, else InputError."""
+    if not _is_int(value) or value <= 0:
         raise InputError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+# HNSW sizes (faiss and hnswlib). M: the graph degree; level 0 holds 2M links per vector (n *
+# 8M bytes), and their docs use M from 4 to 64, rarely above 100. ef: beam widths, a few
+# hundred to a few thousand in practice. Far larger values only make faiss / hnswlib try to
+# allocate enormous buffers (or overflow their C ints), so they are refused up front.
+MAX_HNSW_M = 2048
+MAX_HNSW_EF = 2**20
+
+
+def check_at_most(value: Any, name: str, top: int) -> int:
+    """``value`` (a Python or numpy int in [1, ``top``]) as a Python int, else InputError
+    naming ``name`` and the bound."""
+    value = check_positive(value, name)
+    if value > top:
+        raise InputError(f"{name} must be at most {top}, got {value!r}")
+    return value
 
 
 def check_choice(value: Any, name: str, choices: tuple) -> None:
@@ -91,10 +116,12 @@ def check_choice(value: Any, name: str, choices: tuple) -> None:
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def check_nonnegative(value: Any, name: str, zero: str = "") -> None:
-    """An int >= 0; ``zero`` says what 0 means, for the error message."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+def check_nonnegative(value: Any, name: str, zero: str = "") -> int:
+    """A Python or numpy int >= 0 as a Python int; ``zero`` says what 0 means, for the error
+    message."""
+    if not _is_int(value) or value < 0:
         raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, got {value!r}")
+    return int(value)
 
 
 # The models' own settings (pefa_gpu.models): here, so that the CLI reads their defaults

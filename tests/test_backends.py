@@ -16,6 +16,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import backend_class, make_index
+from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M
 
 from conftest import make_model, unit_rows
 
@@ -297,6 +298,25 @@ def test_cagra_search_params_per_call():
     _, high = index.search(q, 10, params={"itopk_size": 256, "search_width": 4})
     assert recall(high.cpu().numpy(), truth) >= max(0.95, recall(low.cpu().numpy(), truth))
     assert index.search_params == backend_class("cagra").SearchParams()
+
+
+@pytest.mark.parametrize("backend", ["hnsw", "hnswlib"])
+def test_hnsw_sizes_are_bounded_naming_the_setting_and_the_bound(backend):
+    cls = backend_class(backend)  # the params only: neither faiss nor hnswlib is reached
+    p = cls.Params(M=MAX_HNSW_M, ef_construction=np.int64(MAX_HNSW_EF))  # the bounds are taken
+    assert (p.M, p.ef_construction) == (MAX_HNSW_M, MAX_HNSW_EF) and type(p.M) is int
+    assert cls.SearchParams(ef_search=MAX_HNSW_EF).ef_search == MAX_HNSW_EF
+    for make, name, top in [(cls.Params, "M", MAX_HNSW_M),
+                            (cls.Params, "ef_construction", MAX_HNSW_EF),
+                            (cls.SearchParams, "ef_search", MAX_HNSW_EF)]:
+        for bad in (top + 1, 10**9, np.int64(2**40)):
+            with pytest.raises(InputError, match=f"{name} must be at most {top}, got {int(bad)}"):
+                make(**{name: bad})
+    with pytest.raises(InputError, match=f"M must be at most {MAX_HNSW_M}"):
+        make_index(backend, "cpu", {"M": 10**9})
+    p = cls.Params(M=8)
+    with pytest.raises(InputError, match=f"M must be at most {MAX_HNSW_M}"):
+        p.replace(M=10**9)
 
 
 @FAISS

@@ -12,6 +12,7 @@ import scipy.sparse as sp
 import pefa_gpu as pg
 from pefa_gpu import export
 from pefa_gpu.errors import InputError
+from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M
 from conftest import unit_rows
 
 faiss = pytest.importorskip("faiss")
@@ -103,6 +104,65 @@ def test_export_settings_are_positive_integers(tmp_path, setting):
     model = pg.ERM(backend="hnsw", device="cpu", index_params={"M": 8}).fit(x)
     with pytest.raises(InputError, match="ef_search must be a positive integer"):
         model.export_hnsw(tmp_path / "x.faiss", M=8, ef_search=-1)  # its own graph, kept
+
+
+@pytest.mark.parametrize("setting,top", [("M", MAX_HNSW_M), ("ef_search", MAX_HNSW_EF),
+                                         ("ef_construction", MAX_HNSW_EF),
+                                         ("entrypoints", MAX_HNSW_EF)])
+def test_export_sizes_are_bounded_before_faiss_is_reached(tmp_path, monkeypatch, setting, top):
+    x, _ = clustered(4, n=50)
+
+    def no_faiss():
+        raise AssertionError(f"faiss was reached with {setting} beyond {top}")
+
+    monkeypatch.setattr(export, "import_faiss", no_faiss)  # M=10**9 would allocate ~n * 8 GB
+    for bad in (top + 1, 10**9, np.int64(10**9)):
+        with pytest.raises(InputError, match=f"{setting} must be at most {top}, got {int(bad)}"):
+            export.build_hnsw(x, device="cpu", **{setting: bad})
+    monkeypatch.undo()
+    model = pg.ERM(backend="hnsw", device="cpu", index_params={"M": 8}).fit(x)
+    with pytest.raises(InputError, match=f"ef_search must be at most {MAX_HNSW_EF}"):
+        model.export_hnsw(tmp_path / "x.faiss", M=8, ef_search=10**9)  # its own graph, kept
+    assert not (tmp_path / "x.faiss").exists()
+
+
+def test_knn_graph_degree_is_bounded_by_an_hnsw_level_0():
+    x, _ = clustered(4, n=50)
+    top = 2 * MAX_HNSW_M
+    assert export.knn_graph(x, top, "cpu").shape == (50, top)  # the bound itself is taken
+    with pytest.raises(InputError, match=f"degree must be at most {top}, got {top + 1}"):
+        export.knn_graph(x, top + 1, "cpu")
+
+
+@pytest.mark.parametrize("method", ["hnsw", "knn"])
+def test_numpy_integer_settings_export_the_same_file_as_python_ints(tmp_path, method):
+    x, q = clustered(6, n=400)
+    threads = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(1)  # one thread: faiss' HNSW build is then deterministic
+    try:
+        plain = export.export_hnsw(x, tmp_path / "a.faiss", M=8, ef_search=40,
+                                   ef_construction=64, entrypoints=4, method=method,
+                                   device="cpu")
+        numpy = export.export_hnsw(x, tmp_path / "b.faiss", M=np.int64(8),
+                                   ef_search=np.int32(40), ef_construction=np.uint16(64),
+                                   entrypoints=np.int64(4), method=method, device="cpu")
+    finally:
+        faiss.omp_set_num_threads(threads)
+    assert plain.read_bytes() == numpy.read_bytes()
+    index = faiss.read_index(str(numpy))
+    assert (index.hnsw.nb_neighbors(0), index.hnsw.efSearch) == (16, 40)
+    assert np.array_equal(export.knn_graph(x, np.int64(6), "cpu"), export.knn_graph(x, 6, "cpu"))
+    # a model's own graph is kept for a numpy M, and its file says the numpy ef_search
+    model = pg.ERM(backend="hnsw", device="cpu", index_params={"M": np.int64(8)}).fit(x)
+    kept = faiss.read_index(str(model.export_hnsw(tmp_path / "m.faiss", M=np.int64(8),
+                                                  ef_search=np.int64(128))))
+    assert kept.hnsw.efSearch == 128 and kept.hnsw.nb_neighbors(1) == 8
+    params = faiss.SearchParametersHNSW()
+    params.efSearch = 128
+    truth = exact_top(x, q, 10)
+    mine = model.index.faiss_index.search(q, 10, params=params)[1]
+    assert np.array_equal(kept.search(q, 10)[1], mine)
+    assert recall(kept.search(q, 10)[1], truth) >= 0.9
 
 
 def test_a_failed_export_leaves_nothing_and_keeps_the_old_file(tmp_path, monkeypatch):

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import pefa_gpu as pg
+from pefa_gpu.errors import InputError
+from pefa_gpu.params import check_at_most, check_nonnegative, check_positive
 from conftest import unit_rows
 
 
@@ -96,6 +98,23 @@ def test_numpy_scalars_are_accepted_as_params():
     s = pg.XLSearchParams(candidates=np.int32(50))
     assert s == pg.XLSearchParams(candidates=50) and type(s.candidates) is int
     assert pg.XLSearchParams.from_json(s.to_json()) == s
+
+
+@pytest.mark.parametrize("check", [check_positive, check_nonnegative,
+                                   lambda v, name: check_at_most(v, name, 16)])
+def test_integer_checks_take_numpy_integers_and_return_python_ints(check):
+    for value in (16, np.int64(16), np.int32(16), np.uint8(16)):
+        out = check(value, "n")
+        assert out == 16 and type(out) is int
+    for bad in (True, np.bool_(True), 16.0, np.float64(16), "16", None, -1, np.int64(-1)):
+        with pytest.raises(InputError, match=f"n must be .*, got {re.escape(repr(bad))}"):
+            check(bad, "n")
+
+
+def test_check_at_most_names_the_bound():
+    assert check_at_most(np.int64(16), "M", 16) == 16
+    with pytest.raises(InputError, match="M must be at most 16, got 17"):
+        check_at_most(np.int64(17), "M", 16)
 
 
 @pytest.mark.parametrize("bad", [np.array([["a", "b"]]), np.array([[b"x", b"y"]]),

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError
-from .base import IndexParams, check_number, checked, count, positive
+from ..params import MAX_HNSW_EF, MAX_HNSW_M
+from .base import IndexParams, at_most, check_number, checked, count
 from ._faiss import faiss_search_parameters, faiss_threads
 from ._host import FaissBackend
 
@@ -20,8 +21,8 @@ class HNSWParams(IndexParams):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width at
     build time. threads: faiss' OpenMP threads for build and search (0 = all cores)."""
 
-    M: int = positive(32)
-    ef_construction: int = positive(500)
+    M: int = at_most(32, MAX_HNSW_M)
+    ef_construction: int = at_most(500, MAX_HNSW_EF)
     threads: int = count(0, "all cores")
 
 
@@ -31,7 +32,7 @@ class HNSWSearchParams(IndexParams):
     most this many times ef rows are scanned exactly, where a walk would visit them all (0 =
     never)."""
 
-    ef_search: int = positive(300)
+    ef_search: int = at_most(300, MAX_HNSW_EF)
     full_scan_factor: float = checked(12.0, check_number)
 
 

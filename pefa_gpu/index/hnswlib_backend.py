@@ -14,7 +14,8 @@ import numpy as np
 
 from ..arrays import to_numpy
 from ..errors import FormatError
-from .base import IndexParams, count, import_optional, positive
+from ..params import MAX_HNSW_EF, MAX_HNSW_M
+from .base import IndexParams, at_most, count, import_optional
 from ._host import HostBackend, read_description, write_description
 
 log = logging.getLogger("pefa_gpu")
@@ -33,8 +34,8 @@ class HnswlibParams(IndexParams):
     while inserting. seed: of the level assignment. threads: for inserting and searching (0 =
     every core; more than one makes the graph depend on thread timing)."""
 
-    M: int = positive(32)
-    ef_construction: int = positive(500)
+    M: int = at_most(32, MAX_HNSW_M)
+    ef_construction: int = at_most(500, MAX_HNSW_EF)
     seed: int = count(100)
     threads: int = count(0, "every core")
 
@@ -43,7 +44,7 @@ class HnswlibParams(IndexParams):
 class HnswlibSearchParams(IndexParams):
     """Search settings. ef_search: beam width (hnswlib uses max(ef_search, k))."""
 
-    ef_search: int = positive(300)
+    ef_search: int = at_most(300, MAX_HNSW_EF)
 
 
 class HnswlibIndex(HostBackend):
