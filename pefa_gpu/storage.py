@@ -78,6 +78,12 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
     return {"file": out.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
 
 
+def _written(dtype: np.dtype) -> bool:
+    """A plain dtype :func:`save_tensor` writes: a float of 2, 4 or 8 bytes or an integer
+    (bool, complex, strings, datetimes, long double: never)."""
+    return dtype.kind in "iu" or dtype.kind == "f" and dtype.itemsize <= 8
+
+
 def _known(path: Path, header: int, body: np.ndarray) -> None:
     """Tell the commit of each save being written that ``path`` holds its first ``header``
     bytes then the C-contiguous ``body``: their sha256 is taken here, from memory."""
@@ -107,6 +113,9 @@ def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
     if not arr.dtype.isnative:
         raise FormatError(f"{p} holds {arr.dtype} in non-native byte order; pefa_gpu writes "
                           f"native (little-endian) arrays")
+    if not arr.dtype.names and not _written(arr.dtype):
+        raise FormatError(f"{p} holds dtype {arr.dtype}, which pefa_gpu never writes (real "
+                          f"floats and integers only; bool and bfloat16 as one-field records)")
     if arr.dtype.names:  # a wrapped dtype
         if arr.dtype not in _BY_WRAPPED:
             raise FormatError(f"{p} holds an unknown structured dtype {arr.dtype}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -145,6 +146,38 @@ def test_a_big_endian_npy_is_refused_naming_the_file(erm_save):
     np.save(path, arr.astype(">f4"))
     resign(erm_save)
     with pytest.raises(FormatError, match=r"doc_embeddings\.npy holds >f4 in non-native"):
+        pg.load(erm_save, device="cpu")
+
+
+FORGED_DTYPES = {"bool": lambda a: a > 0, "complex64": lambda a: a.astype(np.complex64),
+                 "unicode": lambda a: a.astype(str),
+                 "long double": lambda a: a.astype(np.longdouble),
+                 "datetime": lambda a: a.astype("datetime64[s]")}
+
+
+@pytest.mark.parametrize("kind", FORGED_DTYPES)
+@pytest.mark.parametrize("mmap", [False, True])
+def test_a_npy_of_a_dtype_pefa_gpu_never_writes_is_a_format_error(tmp_path, kind, mmap):
+    arr = FORGED_DTYPES[kind](np.arange(-3, 9).reshape(3, 4))
+    if arr.dtype == np.float64:
+        pytest.skip("long double is float64 on this platform")
+    np.save(tmp_path / "t.npy", arr)  # was an InputError (or a TypeError for long double)
+    with pytest.raises(FormatError, match=rf"t\.npy holds dtype {re.escape(str(arr.dtype))}, "
+                                          r"which pefa_gpu never writes"):
+        storage.load_tensor(tmp_path / "t", "cpu", mmap=mmap)
+
+
+@pytest.mark.parametrize("kind", ["bool", "complex64", "unicode"])
+def test_a_save_whose_tensor_has_a_dtype_pefa_gpu_never_writes_is_refused(erm_save, kind):
+    entry = manifest(erm_save)["state"]["doc_embeddings"]
+    path = data_file(erm_save, entry["file"])
+    arr = FORGED_DTYPES[kind](np.load(path))
+    path.unlink()
+    np.save(path, arr)
+    entry.update(dtype=str(arr.dtype))  # the manifest agrees with the forged file
+    forge_index_entry(erm_save, lambda state: state.update(doc_embeddings=entry))
+    dtype = re.escape(str(arr.dtype))
+    with pytest.raises(FormatError, match=rf"doc_embeddings\.npy holds dtype {dtype}"):
         pg.load(erm_save, device="cpu")
 
 
