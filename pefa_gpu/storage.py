@@ -63,6 +63,8 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
     """Write ``tensor`` to ``path`` + ``.npy``; returns ``{"file", "dtype", "shape"}``."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"save_tensor takes a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_complex():  # load_tensor refuses complex files: a real tensor only
+        raise InputError(f"save_tensor stores real tensors, got dtype {dtype_name(tensor.dtype)}")
     out = _with_suffix(path, ".npy")
     t = tensor.detach()
     if t.dtype in _BITS:

@@ -108,6 +108,12 @@ def test_empty_tensor_round_trip(tmp_path):
         assert storage.load_tensor(tmp_path / "e", "cpu", mmap=mmap).shape == (0, 4)
 
 
+def test_a_complex_tensor_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(InputError, match="save_tensor stores real tensors, got dtype complex64"):
+        storage.save_tensor(tmp_path / "c", torch.zeros(3, dtype=torch.complex64))
+    assert list(tmp_path.iterdir()) == []  # was written, then refused by load_tensor
+
+
 def test_load_tensor_rejects_bad_files(tmp_path):
     meta = storage.save_tensor(tmp_path / "t", torch.ones(100, 10))
     with pytest.raises(FormatError, match="manifest says dtype float32 shape \\(10, 10\\)"):
