@@ -1,8 +1,8 @@
 """Exact search's top-w candidates without its (B, n) score matrix: a Triton GEMM of 16-bit
 queries and rows whose epilogue keeps, per query and tile of ``BN`` rows, the best ``KEEP``
 scores with their ids and the next score. The best w of those are a query's true top-w, ties
-included, unless some tile's next score reaches the w-th or a score is not finite: such a query
-is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under TRITON_INTERPRET=1
+included, unless some tile's next score reaches the w-th or a kept score is not finite: such a
+query is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under TRITON_INTERPRET=1
 too, for the tests)."""
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # the score blocks serve
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # Triton before 3.4: pointer loads
+    TensorDescriptor = None
 
 BM, BN, BK, WARPS, STAGES = 128, 256, 64, 8, 3  # queries / rows / dimensions a step, per program
 KEEP = 2  # best scores (with their ids) kept per query and tile of rows
@@ -61,7 +64,7 @@ if triton is not None:
     def _tile_best_kernel(q, x, val_ptr, idx_ptr, next_ptr, b, n, d, tiles, qblocks,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           KEEP: tl.constexpr, PROGRAMS: tl.constexpr, TMA: tl.constexpr):
-        # persistent: PROGRAMS programs walk the (query block, row tile) pairs, query blocks
+        # persistent: programs PROGRAMS apart walk the (query block, row tile) pairs, query blocks
         # fastest (each tile of rows is read by every query block in turn); the loop flattened
         # so that the next pair's loads overlap this one's selection
         for t in tl.range(tl.program_id(0), qblocks * tiles, PROGRAMS, flatten=True):
@@ -96,11 +99,13 @@ def usable(rows: torch.Tensor, w: int) -> bool:
 
 
 def _tma(q: torch.Tensor, rows: torch.Tensor) -> bool:
-    """Whether the kernel loads through TMA: 16-byte aligned rows, on a GPU of compute
-    capability 9 (Hopper) or later (or the CPU, under the interpreter)."""
+    """Whether the kernel loads through TMA: Triton's tensor descriptors, 16-byte aligned rows,
+    an NVIDIA GPU of compute capability 9 (Hopper) or later (or the CPU, under the
+    interpreter)."""
     aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                   for t in (q, rows))
-    return aligned and (not rows.is_cuda or torch.cuda.get_device_capability(rows.device)[0] >= 9)
+    return TensorDescriptor is not None and aligned and (not rows.is_cuda or (
+        torch.version.hip is None and torch.cuda.get_device_capability(rows.device)[0] >= 9))
 
 
 def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
@@ -120,15 +125,15 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
         q, rows = q.float().to(rows.dtype).float(), rows.float()
     q, rows = q.contiguous(), rows.contiguous()
     qblocks = triton.cdiv(b, BM)
-    programs = min(qblocks * tiles, torch.cuda.get_device_properties(
-        rows.device).multi_processor_count if rows.is_cuda else 4)
+    programs = torch.cuda.get_device_properties(rows.device).multi_processor_count \
+        if rows.is_cuda else 4  # the loop's stride (one compile a device); fewer may start
     try:  # the kernel's pointers belong to rows' GPU, whichever device is current
         with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():
             tma = _tma(q, rows)
             if tma:
                 q, rows = (TensorDescriptor(t, list(t.shape), list(t.stride()), [bm, BK])
                            for t, bm in ((q, BM), (rows, BN)))
-            _tile_best_kernel[(programs,)](
+            _tile_best_kernel[(min(programs, qblocks * tiles),)](
                 q, rows, vals, ids, after, b, n, d, tiles, qblocks, BM=BM, BN=BN,
                 BK=BK, KEEP=KEEP, PROGRAMS=programs, TMA=tma, num_warps=WARPS, num_stages=STAGES)
     except Exception as exc:  # a compiler or launcher error: score blocks serve from now on

@@ -41,7 +41,7 @@ def test_candidates_are_the_reference_top_w_where_settled(device, dtype, d, keep
     monkeypatch.setattr(tt, "KEEP", keep)
     rng = np.random.default_rng(d)
     rows = stored(rng.standard_normal((1300, d)), dtype, dev)  # 6 tiles, the last partial
-    q = stored(rng.standard_normal((7, d)), dtype, dev)
+    q = stored(rng.standard_normal((130, d)), dtype, dev)  # two query blocks, one partial
     made, describe = [], tt.TensorDescriptor
     monkeypatch.setattr(tt, "TensorDescriptor", lambda *a: made.append(a) or describe(*a))
     vals, ids, unsettled = tt.tile_topw(q.float(), rows, 4)
@@ -51,7 +51,39 @@ def test_candidates_are_the_reference_top_w_where_settled(device, dtype, d, keep
     np.testing.assert_array_equal(ids.cpu().numpy()[settled], ri[settled])
     np.testing.assert_allclose(vals.cpu().numpy()[settled], rv[settled], rtol=1e-5, atol=1e-5)
     assert ids.dtype == torch.int64 and vals.dtype == torch.float32
-    assert len(made) == (2 if d == 40 else 0)  # d = 37: 74 (bf16) / 148 (interpreter) bytes
+    hopper = not rows.is_cuda or torch.cuda.get_device_capability(rows.device)[0] >= 9
+    assert len(made) == (2 if d == 40 and hopper else 0)  # d = 37: 74 / 148 (interpreter) bytes
+
+
+class _CudaRows:
+    """The attributes of a CUDA tensor that triton_topk._tma reads."""
+
+    is_cuda, device = True, "cuda:0"
+
+    def __init__(self, row_bytes: int):
+        self.row_bytes = row_bytes
+
+    def data_ptr(self) -> int:
+        return 2**20
+
+    def stride(self, dim: int) -> int:
+        return self.row_bytes // 2
+
+    def element_size(self) -> int:
+        return 2
+
+
+@pytest.mark.parametrize("capability, hip, row_bytes, tma", [
+    ((9, 0), None, 80, True), ((8, 6), None, 80, False), ((9, 0), None, 74, False),
+    ((9, 4), "6.2", 80, False)])  # Hopper, Ampere, unaligned rows, ROCm (its gfx numbers)
+def test_tma_loads_only_on_hopper_or_later_nvidia_gpus_with_aligned_rows(
+        capability, hip, row_bytes, tma, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    rows = _CudaRows(row_bytes)
+    assert tt._tma(rows, rows) is tma
+    monkeypatch.setattr(tt, "TensorDescriptor", None)  # a Triton before 3.4
+    assert tt._tma(rows, rows) is False
 
 
 @pytest.mark.parametrize("device", DEVICES)
