@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import as_tensor, check_positive_int
+from .arrays import as_tensor
 from .errors import InputError
+from .params import check_positive
 from .relevance import Relevance
 from .stream import Chunks, RowSource
 
@@ -62,7 +63,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     m, n = rel.shape
     d = src.dim
     budget = max(DEFAULT_BUDGET, n * d * 4 + DEFAULT_BUDGET // 2) if memory_budget is None \
-        else check_positive_int(memory_budget, "memory_budget")
+        else check_positive(memory_budget, "memory_budget")
     if src.rows is not None and src.rows != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
     if d == 0:  # an empty iterator, for a Y without rows

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .errors import InputError
+from .params import check_positive
 
 # what enters the library as an array: numpy, torch (any device), nested sequences (and
 # anything with __dlpack__ or __array__, which as_tensor reads as well)
@@ -203,20 +204,13 @@ def _same_memory(x: Any, t: torch.Tensor) -> bool:
     return True  # cupy, DLPack and others (on any device, CUDA included): copy to be safe
 
 
-def check_positive_int(value: Any, name: str) -> int:
-    """``value`` as an int > 0, else InputError."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise InputError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
-
-
 MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the documents it holds
 
 
 def check_topk(k: Any, n: int, name: str = "topk") -> int:
     """``k`` as an int in [1, max(n, MAX_PADDED_TOPK)] (ranks beyond the ``n`` rows are -1 /
     -inf padding), else InputError."""
-    k = check_positive_int(k, name)
+    k = check_positive(k, name)
     if k > max(int(n), MAX_PADDED_TOPK):
         raise InputError(f"{name}={k} but there are only {n} documents to rank: ask for at most "
                          f"{max(int(n), MAX_PADDED_TOPK)} ({MAX_PADDED_TOPK} or the number of "

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .arrays import check_positive_int
+from .params import check_positive
 from .errors import InputError, MissingDependencyError
 from .pipeline.runner import Fanout
 
@@ -45,7 +45,7 @@ def connect(address: str = "local", workers: int | None = None,
     if not isinstance(address, str) or not address:
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
     if workers is not None:
-        check_positive_int(workers, "workers")
+        check_positive(workers, "workers")
     started = not ray.is_initialized()
     if started:  # workers' output and INFO lines stay in Ray's log files
         init_kwargs = {"log_to_driver": False, "logging_level": logging.WARNING, **init_kwargs}

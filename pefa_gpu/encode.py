@@ -22,9 +22,9 @@ import numpy as np
 import torch
 
 from .aggregate import normalize_rows
-from .arrays import DeviceLike, as_embeddings, as_tensor, check_positive_int, resolve_device
-from .arrays import to_numpy
+from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
 from .errors import InputError, MissingDependencyError
+from .params import check_positive
 from .storage import write_output_file
 
 log = logging.getLogger("pefa_gpu")
@@ -70,7 +70,7 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     """``texts`` -> (len(texts), d) float32 on ``device`` ((1, d) for one string); rows
     L2-normalised when ``normalize`` (a zero row stays zero)."""
     texts = _check_texts(texts)
-    batch_size = check_positive_int(batch_size, "batch_size")
+    batch_size = check_positive(batch_size, "batch_size")
     dev = resolve_device(device)
     enc = resolve_model(model, dev)
     keys = [hashlib.sha256(t.encode("utf-8")).digest() for t in texts]

@@ -11,7 +11,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .arrays import as_tensor, check_positive_int, resolve_device, to_numpy
+from .arrays import as_tensor, resolve_device, to_numpy
+from .params import check_positive
 from .relevance import Relevance
 from .topk import merge_topk
 
@@ -256,7 +257,7 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
     ``knn_norm`` "k", else s), per ``batch_size`` queries (default 4096; see :func:`batches`)."""
     xp, knn = ops(erm[1]), (knn[0][:, :max(ks)], knn[1][:, :max(ks)])
     parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
-    step = 4096 if batch_size is None else check_positive_int(batch_size, "batch_size")
+    step = 4096 if batch_size is None else check_positive(batch_size, "batch_size")
     for b in batches(knn[1], rows, step):
         table = candidate_table(queries[b], docs, rows, (erm[0][b], erm[1][b]),
                                 (knn[0][b], knn[1][b]), rescore=rescore, erm_exact=erm_exact)

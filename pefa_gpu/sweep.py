@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .aggregate import normalize_rows
-from .arrays import ArrayLike, DeviceLike, as_embeddings, check_positive_int, resolve_device
+from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device
 from .errors import InputError
 from .methods import REGISTRY, takes
 from .metrics import evaluate
@@ -113,7 +113,7 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
     from tqdm.auto import tqdm
 
     methods, lams, ks = _check_grid(methods, lams, ks)
-    topk = check_positive_int(topk, "topk")
+    topk = check_positive(topk, "topk")
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
     timings = {} if timings is None else timings

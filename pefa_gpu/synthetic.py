@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from .arrays import check_positive_int
+from .params import check_positive
 from .errors import InputError
 from .params import check_nonnegative
 from .relevance import Relevance
@@ -32,7 +32,7 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     """``n`` documents, ``m`` training and ``n_test`` test queries in ``d`` dimensions. Zipf
     exponents: ``popularity`` of the targets, ``rel_exponent`` of the relevant documents per
     query (at most ``max_rel``); noise norms relative to the unit centre / target."""
-    n, m, d = (check_positive_int(v, k) for v, k in ((n, "n"), (m, "m"), (d, "d")))
+    n, m, d = (check_positive(v, k) for v, k in ((n, "n"), (m, "m"), (d, "d")))
     check_nonnegative(n_test, "n_test")
     if popularity <= 0 or rel_exponent <= 1:
         raise InputError(f"popularity must be > 0 and rel_exponent > 1, got {popularity!r}, "

@@ -10,8 +10,9 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from .arrays import ArrayLike, as_tensor, check_positive_int, check_topk
+from .arrays import ArrayLike, as_tensor, check_topk
 from .errors import InputError
+from .params import check_positive
 from .protocol import Model
 from .relevance import Relevance, as_relevance
 
@@ -73,7 +74,7 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     ``skip_top`` of them (likely false negatives); ``batch_size`` queries per search."""
     if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
         raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
-    batch_size = check_positive_int(batch_size, "batch_size")
+    batch_size = check_positive(batch_size, "batch_size")
     chk = check_default(queries, check)
     q = model.as_queries(queries, check=chk)
     n = check_topk(n, model.n_docs, "n")

@@ -8,11 +8,11 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..arrays import as_embeddings, check_positive_int, check_topk
+from ..arrays import as_embeddings, check_topk
 from ..errors import InputError
 from ..fuse import searches
 from ..metrics import evaluate
-from ..params import XLParams, XLSearchParams, check_unit_interval
+from ..params import XLParams, XLSearchParams, check_positive, check_unit_interval
 from ..topk import merge_topk
 from .aggregation import aggregate
 from .indexing import build
@@ -141,14 +141,14 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     int64 ids on the CPU (-1 padded, ties to the lower id); ``params``: indexes' search settings."""
     from tqdm.auto import tqdm
 
-    batch_size = check_positive_int(batch_size, "batch_size")
+    batch_size = check_positive(batch_size, "batch_size")
     info = read_stage(build, "build")
     topk = check_topk(topk, info.n)
     if lam is not None:
         check_unit_interval(lam, "lam")
     for v, what in ((k, "k"), (candidates, "candidates")):
         if v is not None:
-            check_positive_int(v, what)
+            check_positive(v, what)
     if isinstance(queries, (str, Path)):
         source = Rows(queries)
         if source.dim != info.dim:

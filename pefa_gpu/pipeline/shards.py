@@ -19,10 +19,10 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from ..arrays import as_embeddings, as_tensor, check_positive_int
+from ..arrays import as_embeddings, as_tensor
 from ..encode import _check_texts, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
-from ..params import XLParams
+from ..params import XLParams, check_positive
 from ..persist import load as load_model
 from ..relevance import as_relevance
 from ..storage import (PendingSave, SaveDir, load_csr, load_tensor, open_save, save_csr,
@@ -178,7 +178,7 @@ def remove_shard(path: Path) -> None:
 
 def split(n: int, rows: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of at most ``rows`` rows covering 0 .. n (one empty range for n = 0)."""
-    rows = check_positive_int(rows, "rows")
+    rows = check_positive(rows, "rows")
     return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)] or [(0, 0)]
 
 
