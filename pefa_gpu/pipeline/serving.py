@@ -13,6 +13,7 @@ from ..errors import InputError
 from ..fuse import searches
 from ..metrics import evaluate
 from ..params import XLParams, XLSearchParams, check_positive, check_unit_interval
+from ..protocol import Model
 from ..topk import merge_topk
 from .aggregation import aggregate
 from .indexing import build
@@ -34,7 +35,7 @@ def _merge(parts: Sequence[Result | None], k: int) -> Result:
 class _Loaded(NamedTuple):
     lo: int
     hi: int
-    model: Any
+    model: Model
     query_rows: torch.Tensor | None  # a PEFA-XL shard's training queries (global rows)
 
     def search(self, q: torch.Tensor, k: int, params: dict | None) -> Result:

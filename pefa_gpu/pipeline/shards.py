@@ -20,10 +20,11 @@ import scipy.sparse as sp
 import torch
 
 from ..arrays import as_embeddings, as_tensor
-from ..encode import _check_texts, encode as encode_texts, resolve_model
+from ..encode import EncoderLike, _check_texts, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
 from ..params import XLParams, check_positive
 from ..persist import load as load_model
+from ..protocol import Model
 from ..relevance import as_relevance
 from ..storage import (PendingSave, SaveDir, load_csr, load_tensor, open_save, save_csr,
                        save_tensor, write_output_file, writing_save)
@@ -104,14 +105,14 @@ class Stage:
 def write_shard(path: str | Path, fields: dict[str, Any],
                 tensors: dict[str, Any] | None = None,
                 matrices: dict[str, sp.spmatrix] | None = None,
-                model: Any = None, export_hnsw: bool = False) -> Entry:
+                model: Model | None = None, export_hnsw: bool = False) -> Entry:
     """Write a shard atomically (manifest ``fields`` with ``rows`` [lo, hi]); its stage entry."""
     with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
 
 
 def commit_shard(w: PendingSave, fields: dict[str, Any], tensors: dict[str, Any] | None = None,
-                 matrices: dict[str, sp.spmatrix] | None = None, model: Any = None,
+                 matrices: dict[str, sp.spmatrix] | None = None, model: Model | None = None,
                  export_hnsw: bool = False) -> dict[str, Any]:
     """:func:`write_shard` into a shard being written (``writing_save``); its manifest."""
     tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
@@ -133,7 +134,7 @@ class Shard:
     fields: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     matrices: dict[str, sp.csr_matrix]
-    model: Any = None
+    model: Model | None = None
 
 
 def read_shard(path: str | Path, device: Any = "cpu", mmap: bool = True,
@@ -308,7 +309,7 @@ def _written(path: Path, fingerprint: str | None) -> dict[str, Any] | None:
 
 
 def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
-                 fingerprint: str | None, model: Any = None, batch_size: int = 64,
+                 fingerprint: str | None, model: EncoderLike = None, batch_size: int = 64,
                  device: Any = None, cache_dir: str | Path | None = None,
                  normalize: bool = True) -> Entry:
     """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
@@ -322,7 +323,7 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
                               "fingerprint": fingerprint}, {"embeddings": emb.cpu()})
 
 
-def encode(texts: Sequence[str], out: str | Path, model: Any = None,
+def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
            rows: int = 10_000, batch_size: int = 64, device: Any = None,
            cache_dir: str | Path | None = None, normalize: bool = True,
            show_progress: bool = True, runner: Any = None) -> Path:
