@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import as_embeddings, as_tensor, is_bfloat16, resolve_device
+from .arrays import DeviceLike, as_embeddings, as_tensor, is_bfloat16, resolve_device
 from .errors import InputError
 from .relevance import as_relevance
 from .aggregate_stream import check_initial, pifa_streamed
@@ -51,7 +51,7 @@ def pefa_xs(p: torch.Tensor, sums: torch.Tensor, lam: float) -> torch.Tensor:
     return e
 
 
-def pifa(Y: Any, Q: Any, normalize: bool = True, device: Any = None,
+def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
          memory_budget: int | None = None, initial: torch.Tensor | None = None) -> torch.Tensor:
     """Yᵀ Q: (m x n) relevance, (m, d) queries -> (n, d) float32 on ``device``, rows
     L2-normalised when ``normalize`` (documents without queries stay 0); float32 sums. ``Q`` a

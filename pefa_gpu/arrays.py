@@ -131,7 +131,7 @@ def to_numpy(x: ArrayLike) -> np.ndarray:
     return to_numpy(as_tensor(x))
 
 
-def as_embeddings(x: Any, device: Any, name: str, dim: int | None = None,
+def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,
                   dtype: torch.dtype = torch.float32, check_norm: bool = True,
                   copy: bool = False, check_finite: bool = True) -> torch.Tensor:
     """A checked (rows, d) ``dtype`` matrix on ``device``: InputError on a wrong rank, d = 0, d !=

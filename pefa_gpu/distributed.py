@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from .arrays import DeviceLike
 from .params import check_positive
 from .errors import InputError, MissingDependencyError
 from .pipeline.runner import Fanout
@@ -116,7 +117,8 @@ class RayRunner:
                 ray.kill(a)
 
     def servers(self, server: Callable, build: str | Path,
-                groups: Sequence[tuple[list[int], list[int]]], device: Any = None) -> "RayFanout":
+                groups: Sequence[tuple[list[int], list[int]]],
+                device: DeviceLike = None) -> "RayFanout":
         """Search actors, one per group of shards, each a ``server(build, doc shards, query
         shards, device)``. Without GPUs they are kept for the next search (no logical CPU,
         spread over the nodes); with GPUs each holds one until the search ends."""

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from .arrays import as_tensor, resolve_device, to_numpy
+from .arrays import DeviceLike, as_tensor, resolve_device, to_numpy
 from .params import check_positive
 from .relevance import Relevance
 from .topk import merge_topk
@@ -57,7 +57,7 @@ class RelevanceRows:
     (numpy) = (starts, lengths, indices int64, data float32), one empty row appended for the
     padding row -1; ``nonnegative``: every entry >= 0."""
 
-    def __init__(self, relevance: Relevance, device: Any):
+    def __init__(self, relevance: Relevance, device: DeviceLike):
         csr = relevance.csr
         self.shape: tuple[int, int] = csr.shape
         indptr = np.asarray(csr.indptr, dtype=np.int64)

@@ -4,8 +4,8 @@ name; optional ones are imported only when asked for."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
+from ..arrays import DeviceLike
 from ..errors import InputError
 from ..params import Params
 from .base import Index
@@ -42,7 +42,7 @@ def backend_class(name: str) -> type[Index]:
     return getattr(importlib.import_module(module), cls)
 
 
-def make_index(backend: str, device: Any = None, params: Params | dict | None = None,
+def make_index(backend: str, device: DeviceLike = None, params: Params | dict | None = None,
                search_params: Params | dict | None = None) -> Index:
     """A new, empty index: ``params`` its build settings, ``search_params`` its search
     defaults (the backend's Params / SearchParams, or dicts)."""

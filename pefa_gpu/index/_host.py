@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, check_topk, to_numpy
+from ..arrays import DeviceLike, as_tensor, check_topk, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..storage import strict_json
@@ -58,7 +58,7 @@ class HostBackend(Index):
     _want_gpu = False  # True: built onto the GPU
     copies_rows = True  # the library holds its own copy
 
-    def __init__(self, params: Params | dict | None = None, device: Any = None):
+    def __init__(self, params: Params | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
         self._index: Any = None
         self._dim = 0
@@ -162,7 +162,7 @@ class FaissBackend(HostBackend):
     """A faiss index; ``_faiss_params(params, k)``: a search's faiss settings,
     ``_set_search_defaults(index)``: ``search_params`` written into the faiss index."""
 
-    def __init__(self, params: Any = None, device: Any = None):
+    def __init__(self, params: Any = None, device: DeviceLike = None):
         super().__init__(params, device)
         self._faiss = import_faiss()
         self._gpu_res: Any = None  # the faiss GPU resources of an index on the GPU

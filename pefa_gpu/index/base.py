@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..arrays import as_tensor, resolve_device
+from ..arrays import DeviceLike, as_tensor, resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params, check_at_most, check_nonnegative, check_positive, checked
 from ..topk import PAD_ID, PAD_SCORE
@@ -51,7 +51,7 @@ class Index(abc.ABC):
     SearchParams: ClassVar[type[Params]] = NoSearchParams
     copies_rows: bool = False  # True: build / add keep no reference to their rows
 
-    def __init__(self, params: Params | dict | None = None, device: Any = None):
+    def __init__(self, params: Params | dict | None = None, device: DeviceLike = None):
         if isinstance(params, dict):
             fields = [{f.name for f in dataclasses.fields(c)} for c in (self.SearchParams,
                                                                          self.Params)]
@@ -125,7 +125,7 @@ class Index(abc.ABC):
         raise NotImplementedError(f"backend {self.name!r} cannot be saved yet")
 
     @classmethod
-    def load(cls, directory: str | Path, params: Params, device: Any = None) -> "Index":
+    def load(cls, directory: str | Path, params: Params, device: DeviceLike = None) -> "Index":
         """Read an index written by :meth:`save` (search settings are not part of it)."""
         raise NotImplementedError(f"backend {cls.name!r} cannot be loaded yet")
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..arrays import as_tensor, check_topk, cuda_index
+from ..arrays import DeviceLike, as_tensor, check_topk, cuda_index
 from ..errors import InputError, MissingDependencyError
 from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
@@ -102,7 +102,7 @@ class CagraIndex(VectorIndex):
     max_k: ClassVar[int] = 1024
     exact_scores = True  # candidates are re-scored exactly
 
-    def __init__(self, params: CagraParams | dict | None = None, device: Any = None,
+    def __init__(self, params: CagraParams | dict | None = None, device: DeviceLike = None,
                  need_engine: bool = True):
         super().__init__(params, device)
         self.engine = _engine(self.device)  # None: exact search over the stored vectors
@@ -198,7 +198,7 @@ class CagraIndex(VectorIndex):
 
     @classmethod
     def load(cls, directory: str | Path, params: CagraParams | dict | None = None,
-             device: Any = None) -> "CagraIndex":
+             device: DeviceLike = None) -> "CagraIndex":
         """Read ``vectors.npy`` and rebuild the graph (exact search where no engine runs)."""
         vectors = load_tensor(cls._saved_file(directory, "vectors.npy"))
         out = cls(params, device, need_engine=False)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..arrays import all_finite, as_tensor, check_topk, host_empty, resolve_dtype, to_numpy
+from ..arrays import (DeviceLike, all_finite, as_tensor, check_topk, host_empty, resolve_dtype,
+                      to_numpy)
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from ..storage import load_tensor, save_tensor
@@ -41,7 +42,7 @@ class ExactIndex(VectorIndex):
     Params = ExactParams
     SearchParams = ExactSearchParams
 
-    def __init__(self, params: ExactParams | dict | None = None, device: Any = None):
+    def __init__(self, params: ExactParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
         self._dtype = resolve_dtype(self.params.dtype)
         self.exact_scores = self.params.dtype == "float32"  # scores: fp32 <q, x>, exactly
@@ -235,7 +236,7 @@ class ExactIndex(VectorIndex):
 
     @classmethod
     def load(cls, directory: str | Path, params: ExactParams | dict | None = None,
-             device: Any = None, mmap: bool = False) -> "ExactIndex":
+             device: DeviceLike = None, mmap: bool = False) -> "ExactIndex":
         """Read ``vectors.npy``; ``mmap=True`` maps it (copy-on-write) on a CPU device."""
         out = cls(params, device)
         v = load_tensor(Path(directory) / "vectors.npy", out.device, mmap=mmap)

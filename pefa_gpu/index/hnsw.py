@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import DeviceLike
 from ..errors import FormatError
 from ..params import MAX_HNSW_EF, MAX_HNSW_M
 from .base import IndexParams, at_most, check_number, checked, count
@@ -83,7 +84,7 @@ class HNSWIndex(FaissBackend):
 
     @classmethod
     def load(cls, directory: str | Path, params: HNSWParams | dict | None = None,
-             device: Any = None) -> "HNSWIndex":
+             device: DeviceLike = None) -> "HNSWIndex":
         index, _ = cls._read(directory, {"IndexHNSWFlat": "hnsw"})
         out = cls(params, device)
         if index.hnsw.nb_neighbors(1) != out.params.M:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import to_numpy
+from ..arrays import DeviceLike, to_numpy
 from ..errors import FormatError
 from ..params import MAX_HNSW_EF, MAX_HNSW_M
 from .base import IndexParams, at_most, count, import_optional
@@ -55,7 +55,7 @@ class HnswlibIndex(HostBackend):
     SearchParams = HnswlibSearchParams
     exact_scores = True  # 1 - fl(1 - <q, x>) in float64: within 6e-8 of <q, x>
 
-    def __init__(self, params: HnswlibParams | dict | None = None, device: Any = None):
+    def __init__(self, params: HnswlibParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
         self._hnswlib = import_optional("hnswlib", "backend 'hnswlib' needs hnswlib: `pip "
                                         "install hnswlib` (builds with g++), or `pip install "
@@ -105,7 +105,7 @@ class HnswlibIndex(HostBackend):
 
     @classmethod
     def load(cls, directory: str | Path, params: HnswlibParams | dict | None = None,
-             device: Any = None) -> "HnswlibIndex":
+             device: DeviceLike = None) -> "HnswlibIndex":
         """Read an index written by :meth:`save`; its header must agree with ``hnswlib.json``
         and with ``params.M`` (else FormatError)."""
         meta = read_description(cls._saved_file(directory, META_FILE), META_FORMAT, space="ip")

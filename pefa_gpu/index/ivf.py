@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..arrays import as_tensor, cuda_index, to_numpy
+from ..arrays import DeviceLike, as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from .base import IndexParams, checked, count, positive
@@ -70,7 +70,7 @@ class IVFIndex(FaissBackend):
     gpu_max_k: ClassVar[int] = 2048
     gpu_max_nprobe: ClassVar[int] = 2048  # faiss GPU's k-selection limit (without cuVS)
 
-    def __init__(self, params: IVFParams | dict | None = None, device: Any = None):
+    def __init__(self, params: IVFParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
         self._rows: torch.Tensor | None = None  # GPU: the stored rows on the device, once read
         self._nprobe_warned = False
@@ -160,7 +160,7 @@ class IVFIndex(FaissBackend):
 
     @classmethod
     def load(cls, directory: str | Path, params: IVFParams | dict | None = None,
-             device: Any = None) -> "IVFIndex":
+             device: DeviceLike = None) -> "IVFIndex":
         index, kind = cls._read(directory, {"IndexIVFFlat": "flat", "IndexIVFPQ": "pq"})
         out = cls(params, device)
         if kind != out.params.kind:

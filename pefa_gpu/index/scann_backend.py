@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import DeviceLike
 from ..errors import FormatError, InputError
 from .base import IndexParams, check_number, checked, count, import_optional, positive
 from ._host import HostBackend, read_description, write_description
@@ -66,7 +67,7 @@ class ScannIndex(HostBackend):
     SearchParams = ScannSearchParams
     exact_scores = True  # float32 re-ordering (or float32 brute force) scores every result
 
-    def __init__(self, params: ScannParams | dict | None = None, device: Any = None):
+    def __init__(self, params: ScannParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
         package = import_optional("scann.scann_ops.py", "backend 'scann' needs ScaNN: `pip "
                                   "install scann` (wheels for Linux x86-64), or `pip install "
@@ -131,7 +132,7 @@ class ScannIndex(HostBackend):
 
     @classmethod
     def load(cls, directory: str | Path, params: ScannParams | dict | None = None,
-             device: Any = None) -> "ScannIndex":
+             device: DeviceLike = None) -> "ScannIndex":
         """Read an index written by :meth:`save`, its files checked first."""
         directory = Path(directory)
         meta_path = cls._saved_file(directory, META_FILE)

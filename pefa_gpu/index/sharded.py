@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..arrays import as_tensor, check_topk, resolve_device
+from ..arrays import DeviceLike, as_tensor, check_topk, resolve_device
 from ..errors import FormatError, InputError
 from ..params import Params
 from ..topk import merge_topk
@@ -44,7 +44,7 @@ class ShardedIndex(Index):
     name = "sharded"
     Params = ShardedParams
 
-    def __init__(self, params: ShardedParams | dict | None = None, device: Any = None):
+    def __init__(self, params: ShardedParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
         from . import backend_class
 
@@ -152,7 +152,7 @@ class ShardedIndex(Index):
 
     @classmethod
     def load(cls, directory: str | Path, params: ShardedParams | dict | None = None,
-             device: Any = None) -> "ShardedIndex":
+             device: DeviceLike = None) -> "ShardedIndex":
         """Read what :meth:`save` wrote; shard i goes to the i-th device of the new index."""
         out = cls(params, device)
         d = Path(directory)

@@ -12,6 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+from ..arrays import DeviceLike
 from ..errors import InputError
 from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
@@ -26,7 +27,7 @@ METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "x
 
 
 def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path, name: str,
-                     backend: str, index_params: Any, device: Any, export_hnsw: bool,
+                     backend: str, index_params: Any, device: DeviceLike, export_hnsw: bool,
                      tensor: str = "embeddings") -> Entry:
     """An ERM over rows lo .. hi-1 of a row stage (P, E or Q) saved as ``out/<name>``."""
     lo, hi = rows
@@ -40,7 +41,7 @@ def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path
 
 def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
                    doc_range: tuple[int, int], out: str | Path, index: int, params: XLParams,
-                   candidates: int, backend: str, index_params: Any, device: Any,
+                   candidates: int, backend: str, index_params: Any, device: DeviceLike,
                    export_hnsw: bool) -> tuple[Entry, int]:
     """Reduce task of PEFA-XL's build for a document range: a PEFAXL over its P, the queries
     with a pair there and their Y as ``out/doc-<index>`` with their rows (``query_rows``; no
@@ -71,7 +72,7 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
 def build(method: str, out: str | Path, docs: str | Path, *,
           embeddings: str | Path | None = None, queries: str | Path | None = None,
           relevance: str | Path | None = None, doc_rows: int = DEFAULT_ROWS,
-          backend: str = "exact", index_params: Any = None, device: Any = None,
+          backend: str = "exact", index_params: Any = None, device: DeviceLike = None,
           lam: float = 0.1, k: int = 16, candidates: int = 500, knn_norm: str = "k",
           rescore: bool = True, augment_docs: bool = True, export_hnsw: bool = False,
           runner: Any = None) -> Path:

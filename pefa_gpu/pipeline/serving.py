@@ -8,7 +8,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
-from ..arrays import as_embeddings, check_topk
+from ..arrays import DeviceLike, as_embeddings, check_topk
 from ..errors import InputError
 from ..fuse import searches
 from ..metrics import evaluate
@@ -43,7 +43,7 @@ class _Loaded(NamedTuple):
         return self.model.index.search(q.to(self.model.device), k, params)
 
 
-def _load(folder: Path, entry: Entry, device: Any) -> _Loaded:
+def _load(folder: Path, entry: Entry, device: DeviceLike) -> _Loaded:
     shard = open_entry(folder, entry, device=device)
     rows = shard.tensors.get("query_rows")
     return _Loaded(*entry.rows, shard.model, None if rows is None else rows.to(shard.model.device))
@@ -63,7 +63,7 @@ class ShardServer:
     """Some shards of a :func:`build` stage on ``device``; a search round's merged top-k."""
 
     def __init__(self, build: str | Path, doc_shards: Sequence[int],
-                 query_shards: Sequence[int] = (), device: Any = None):
+                 query_shards: Sequence[int] = (), device: DeviceLike = None):
         folder = Path(build)
         self.info = read_stage(folder, "build")
         self.docs = [_load(folder, self.info.shards[s], device) for s in doc_shards]
@@ -136,7 +136,7 @@ def server_groups(info: Stage, workers: int) -> list[tuple[list[int], list[int]]
 
 def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None = None,
            k: int | None = None, candidates: int | None = None,
-           batch_size: int = DEFAULT_BATCH, device: Any = None, runner: Any = None,
+           batch_size: int = DEFAULT_BATCH, device: DeviceLike = None, runner: Any = None,
            show_progress: bool = False, params: dict | None = None) -> Result:
     """Search a :func:`build` stage: (B, d) queries or a row stage -> (B, topk) float32 scores,
     int64 ids on the CPU (-1 padded, ties to the lower id); ``params``: indexes' search settings."""
@@ -174,7 +174,7 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
                      configs: Sequence[Any], work: str | Path, *, backend: str = "exact",
                      index_params: Any = None, candidates: int = XLSearchParams.candidates,
                      knn_norm: str = XLParams.knn_norm, rescore: bool = XLParams.rescore,
-                     augment_docs: bool = XLParams.augment_docs, device: Any = None,
+                     augment_docs: bool = XLParams.augment_docs, device: DeviceLike = None,
                      ks: Sequence[int] = (10, 100), topk: int = 100, count_empty: bool = False,
                      doc_rows: int | None = None, query_rows: int | None = None,
                      runner: Any = None, show_progress: bool = True) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
-from ..arrays import as_embeddings, as_tensor
+from ..arrays import DeviceLike, as_embeddings, as_tensor
 from ..encode import EncoderLike, _check_texts, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
 from ..params import XLParams, check_positive
@@ -137,7 +137,7 @@ class Shard:
     model: Model | None = None
 
 
-def read_shard(path: str | Path, device: Any = "cpu", mmap: bool = True,
+def read_shard(path: str | Path, device: DeviceLike = "cpu", mmap: bool = True,
                expect_sha: str | None = None) -> Shard:
     """Read a :func:`write_shard` shard (``mmap``: mapped, sizes checked; else sha256 too)
     that has the checksum ``expect_sha`` (its stage's) when given."""
@@ -155,7 +155,7 @@ def read_shard(path: str | Path, device: Any = "cpu", mmap: bool = True,
     return Shard(fields, tensors, matrices, model)
 
 
-def open_entry(folder: str | Path, entry: Entry, device: Any = "cpu") -> Shard:
+def open_entry(folder: str | Path, entry: Entry, device: DeviceLike = "cpu") -> Shard:
     """The shard of a stage ``folder`` that ``entry`` names, checked against it."""
     return read_shard(Path(folder) / entry.name, device=device, expect_sha=entry.manifest_sha256)
 
@@ -310,7 +310,7 @@ def _written(path: Path, fingerprint: str | None) -> dict[str, Any] | None:
 
 def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
                  fingerprint: str | None, model: EncoderLike = None, batch_size: int = 64,
-                 device: Any = None, cache_dir: str | Path | None = None,
+                 device: DeviceLike = None, cache_dir: str | Path | None = None,
                  normalize: bool = True) -> Entry:
     """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
     ``fingerprint`` is there; returns its stage entry."""
@@ -324,7 +324,7 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
 
 
 def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
-           rows: int = 10_000, batch_size: int = 64, device: Any = None,
+           rows: int = 10_000, batch_size: int = 64, device: DeviceLike = None,
            cache_dir: str | Path | None = None, normalize: bool = True,
            show_progress: bool = True, runner: Any = None) -> Path:
     """Encode ``texts`` into a row stage of ``rows``-text shards on the runner's workers,
