@@ -2,8 +2,8 @@
 queries and rows whose epilogue keeps, per query and tile of ``BN`` rows, the best ``KEEP``
 scores with their ids and the next score. The best w of those are a query's true top-w, ties
 included, unless some tile's next score reaches the w-th or a kept score is not finite: such a
-query is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under TRITON_INTERPRET=1
-too, for the tests)."""
+query is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under
+TRITON_INTERPRET=1 too, for the tests)."""
 
 from __future__ import annotations
 
@@ -30,37 +30,6 @@ ON_CPU = False  # tests: the kernel serves CPU rows as well (Triton's interprete
 
 if triton is not None:
     @triton.jit
-    def _tile_scores(q_ptr, x_ptr, qb, tb, b, n, d,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        """(BM, BN) float32 products of query block ``qb`` and row tile ``tb``."""
-        rm = (qb * BM + tl.arange(0, BM)).to(tl.int64)  # offsets row * d past 2^31
-        rn = (tb * BN + tl.arange(0, BN)).to(tl.int64)
-        rk = tl.arange(0, BK)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, d, BK):
-            a = tl.load(q_ptr + rm[:, None] * d + (k0 + rk)[None, :],
-                        mask=(rm[:, None] < b) & ((k0 + rk)[None, :] < d), other=0.0)
-            x = tl.load(x_ptr + rn[None, :] * d + (k0 + rk)[:, None],
-                        mask=(rn[None, :] < n) & ((k0 + rk)[:, None] < d), other=0.0)
-            acc = tl.dot(a, x, acc)
-        return acc
-
-    @triton.jit
-    def _store_best(acc, val_ptr, idx_ptr, next_ptr, qb, tb, b, n, tiles,
-                    BM: tl.constexpr, BN: tl.constexpr, KEEP: tl.constexpr):
-        """Writes each query's best KEEP scores of ``acc`` with their row ids, and the next."""
-        rm = qb * BM + tl.arange(0, BM)
-        cols = tl.arange(0, BN)[None, :]
-        acc = tl.where(tb * BN + cols < n, acc, float("-inf"))
-        out, ok = rm.to(tl.int64) * tiles + tb, rm < b
-        for j in tl.static_range(KEEP):
-            v, i = tl.max(acc, axis=1, return_indices=True)  # of equal ones, the lowest column
-            acc = tl.where(cols == i[:, None], float("-inf"), acc)
-            tl.store(val_ptr + KEEP * out + j, v, mask=ok)
-            tl.store(idx_ptr + KEEP * out + j, tb * BN + i, mask=ok)
-        tl.store(next_ptr + out, tl.max(acc, axis=1), mask=ok)
-
-    @triton.jit
     def _tile_best_kernel(q, x, val_ptr, idx_ptr, next_ptr, b, n, d, tiles, qblocks,
                           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           KEEP: tl.constexpr, PROGRAMS: tl.constexpr, TMA: tl.constexpr):
@@ -69,13 +38,28 @@ if triton is not None:
         # so that the next pair's loads overlap this one's selection
         for t in tl.range(tl.program_id(0), qblocks * tiles, PROGRAMS, flatten=True):
             qb, tb = t % qblocks, t // qblocks
+            rm, cols = qb * BM + tl.arange(0, BM), tl.arange(0, BN)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
             if TMA:  # q, x: tensor descriptors; rows and queries out of range load as zeros
-                acc = tl.zeros((BM, BN), dtype=tl.float32)
                 for k0 in range(0, d, BK):
                     acc = tl.dot(q.load([qb * BM, k0]), x.load([tb * BN, k0]).T, acc)
-            else:  # q, x: pointers
-                acc = _tile_scores(q, x, qb, tb, b, n, d, BM, BN, BK)
-            _store_best(acc, val_ptr, idx_ptr, next_ptr, qb, tb, b, n, tiles, BM, BN, KEEP)
+            else:  # q, x: pointers, 64-bit offsets (row * d past 2^31)
+                rq, rx, rk = rm.to(tl.int64), (tb * BN + cols).to(tl.int64), tl.arange(0, BK)
+                for k0 in range(0, d, BK):
+                    a = tl.load(q + rq[:, None] * d + (k0 + rk)[None, :],
+                                mask=(rq[:, None] < b) & ((k0 + rk)[None, :] < d), other=0.0)
+                    xt = tl.load(x + rx[None, :] * d + (k0 + rk)[:, None],
+                                 mask=(rx[None, :] < n) & ((k0 + rk)[:, None] < d), other=0.0)
+                    acc = tl.dot(a, xt, acc)
+            # each query's best KEEP scores with their row ids, then the next score
+            acc = tl.where(tb * BN + cols[None, :] < n, acc, float("-inf"))
+            out, ok = rm.to(tl.int64) * tiles + tb, rm < b
+            for j in tl.static_range(KEEP):
+                v, i = tl.max(acc, axis=1, return_indices=True)  # of equal ones, the lowest column
+                acc = tl.where(cols[None, :] == i[:, None], float("-inf"), acc)
+                tl.store(val_ptr + KEEP * out + j, v, mask=ok)
+                tl.store(idx_ptr + KEEP * out + j, tb * BN + i, mask=ok)
+            tl.store(next_ptr + out, tl.max(acc, axis=1), mask=ok)
 
 _FAILED: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> why the kernel failed
 

@@ -90,7 +90,7 @@ class ExactIndex(VectorIndex):
         share the caller's memory)."""
         i = as_tensor(ids, device=self.device, name="ids").detach().flatten()
         v = self._rows(vectors, copy=False)
-        if v.ndim != 2 or v.shape != (i.numel(), self.dim):
+        if v.shape != (i.numel(), self.dim):
             raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}) for "
                              f"{i.numel()} ids, got {tuple(v.shape)}")
         i = check_row_ids(i, self.ntotal, distinct=True)
