@@ -1,8 +1,9 @@
 """Exact search's top-w candidates without its (B, n) score matrix: a Triton GEMM of 16-bit
 queries and rows whose epilogue keeps, per query and tile of ``BN`` rows, the best ``KEEP``
 scores with their ids and the next score. The best w of those are a query's true top-w, ties
-included, unless some tile's next score reaches the w-th or a kept score is not finite: such a
-query is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under
+included, unless some tile's next score reaches the w-th: such a tile is scored in full (the
+worst one of up to ``REDO_SHARE`` of the queries); a query with another such tile, or a score
+not finite, is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under
 TRITON_INTERPRET=1 too, for the tests)."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ except ImportError:  # Triton before 3.4: pointer loads
 BM, BN, BK, WARPS, STAGES = 128, 256, 64, 8, 3  # queries / rows / dimensions a step, per program
 KEEP = 2  # best scores (with their ids) kept per query and tile of rows
 UNSETTLED_SHARE = 0.02  # at most this share of rows expected unsettled (rows in random order)
+REDO_SHARE = 0.04  # of the queries, at most, get their worst tile scored in full
+REDO_BYTES = 2**27  # ... and at most this many bytes of gathered rows (float32) at once
 ON_CPU = False  # tests: the kernel serves CPU rows as well (Triton's interpreter)
 
 if triton is not None:
@@ -114,11 +117,10 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
     try:  # the kernel's pointers belong to rows' GPU, whichever device is current
         with torch.cuda.device(rows.device) if rows.is_cuda else contextlib.nullcontext():
             tma = _tma(q, rows)
-            if tma:
-                q, rows = (TensorDescriptor(t, list(t.shape), list(t.stride()), [bm, BK])
-                           for t, bm in ((q, BM), (rows, BN)))
+            loads = [TensorDescriptor(t, list(t.shape), list(t.stride()), [bm, BK])
+                     for t, bm in ((q, BM), (rows, BN))] if tma else [q, rows]
             _tile_best_kernel[(min(programs, qblocks * tiles),)](
-                q, rows, vals, ids, after, b, n, d, tiles, qblocks, BM=BM, BN=BN,
+                *loads, vals, ids, after, b, n, d, tiles, qblocks, BM=BM, BN=BN,
                 BK=BK, KEEP=KEEP, PROGRAMS=programs, TMA=tma, num_warps=WARPS, num_stages=STAGES)
     except Exception as exc:  # a compiler or launcher error: score blocks serve from now on
         _FAILED[key] = f"{type(exc).__name__}: {exc}"
@@ -127,5 +129,30 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
                       stacklevel=2)
         return None
     top, pos = torch.topk(vals.view(b, -1), w, dim=1)
-    odd |= ~torch.isfinite(top).all(1)  # an overflow: inf, NaN
-    return top, ids.view(b, -1).gather(1, pos).long(), (after >= top[:, -1:]).any(1) | odd
+    top, ids, unsettled = _score_worst_tiles(q, rows, top, ids.view(b, -1).gather(1, pos).long(),
+                                             after)
+    return top, ids, unsettled | odd | ~torch.isfinite(top).all(1)  # odd: inf, NaN
+
+
+def _score_worst_tiles(q: torch.Tensor, rows: torch.Tensor, top: torch.Tensor, ids: torch.Tensor,
+                       after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Top-w lists (B, w) from the kept scores, and each tile's next score ``after`` (B, tiles)
+    -> the lists with the worst tile (highest next score) of up to ``REDO_SHARE`` of the
+    queries, unsettled ones first, scored in full (no host synchronisation), and (B,) bool
+    unsettled: some other tile's next score reaches the w-th."""
+    (b, w), (n, d) = top.shape, rows.shape
+    nxt, worst = torch.topk(after, min(2, after.shape[1]), dim=1)  # the two worst tiles
+    unsettled = nxt[:, 0] >= top[:, -1]
+    size = min(b, math.ceil(REDO_SHARE * b), max(1, REDO_BYTES // (6 * BN * d)))
+    r = torch.sort((~unsettled).byte(), stable=True).indices[:size]
+    hit, tile = unsettled[r], worst[r, 0]
+    cols = tile[:, None] * BN + torch.arange(BN, device=rows.device)
+    scores = torch.bmm(rows[cols.clamp_max(n - 1)].float(), q[r].float().unsqueeze(2))
+    v = torch.cat([top[r].masked_fill(ids[r] // BN == tile[:, None], float("-inf")),
+                   scores.squeeze(2).masked_fill(cols >= n, float("-inf"))], 1)
+    v, pos = torch.topk(v, w, dim=1)  # the tile's kept scores replaced by all of its scores
+    top[r] = torch.where(hit[:, None], v, top[r])
+    ids[r] = torch.where(hit[:, None], torch.cat([ids[r], cols], 1).gather(1, pos), ids[r])
+    second = nxt[r, -1] if nxt.shape[1] > 1 else torch.full_like(v[:, 0], float("-inf"))
+    unsettled[r] = hit & (second >= v[:, -1])
+    return top, ids, unsettled

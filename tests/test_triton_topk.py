@@ -88,23 +88,30 @@ def test_tma_loads_only_on_hopper_or_later_nvidia_gpus_with_aligned_rows(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("keep", [2, 3])
-def test_more_top_rows_in_one_tile_than_kept_leave_the_row_unsettled(device, keep, monkeypatch):
+@pytest.mark.parametrize("redo", [0.0, 1.0])
+def test_more_top_rows_in_one_tile_than_kept_leave_the_row_unsettled(device, keep, redo,
+                                                                     monkeypatch):
+    """Three of query 0's top rows in one tile: with 2 kept a tile the row is unsettled,
+    unless that tile is scored in full (redo); query 2 has two such tiles: the redo scores one."""
     dev = kernel_device(device)
     monkeypatch.setattr(tt, "KEEP", keep)
+    monkeypatch.setattr(tt, "REDO_SHARE", redo)
     rng = np.random.default_rng(1)
     x = rng.standard_normal((1024, 16)) * 0.1
-    x[[5, 9, 200]] = [3.0] * 16  # three copies of the best row, one tile (of 256)
+    x[[5, 9, 200], :8] = 3.0  # three copies of query 0's best row, one tile (of 256)
     x[[300, 600]] = -2.0  # the best two for query 1 (-1, ..., -1): two tiles
-    q = np.ones((2, 16))
-    q[1] = -1.0
+    x[[260, 270, 280, 520, 530, 540], 8:] = 3.0  # query 2's best six: three in each of two tiles
+    q = np.zeros((3, 16))
+    q[0, :8], q[1], q[2, 8:] = 1.0, -1.0, 1.0
     vals, ids, unsettled = tt.tile_topw(stored(q, torch.bfloat16, dev),
                                         stored(x, torch.bfloat16, dev), 2)
-    assert unsettled.tolist() == [keep == 2, False]
-    if keep == 2:  # of equal scores in a tile: the lower ids
+    assert unsettled.tolist() == [keep == 2 and not redo, False, keep == 2]
+    if keep == 2 and not redo:  # of equal scores in a tile: the lower ids
         assert sorted(ids[0].tolist()) == [5, 9]
-    else:  # all three kept: the tie rule is the caller's
+    else:  # all three seen: the tie rule is the caller's
         assert set(ids[0].tolist()) < {5, 9, 200}
     assert sorted(ids[1].tolist()) == [300, 600]
+    np.testing.assert_allclose(vals[:2].cpu().numpy(), [[24.0, 24.0], [32.0, 32.0]], rtol=1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -219,25 +226,31 @@ def test_exact_search_through_tiles_over_shapes_dtypes_and_layouts(n, d, b, k, l
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("share", [1e-9, 1.0])
-def test_unsettled_rows_beyond_the_redo_share_are_searched_again(device, share, monkeypatch):
-    """Up to REDO_SHARE of a pass's rows are re-scored by blocks without a host sync; the
-    unsettled rows beyond (here all but one, or none) go through a second, wider pass. Either
-    way the ids and scores equal the float64 reference."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_unsettled_rows_beyond_the_redo_share_are_searched_again(device, share, k, monkeypatch):
+    """Each query has three copies of its best row in one tile (unsettled with 2 kept a tile)
+    and six more of its top nine in six other tiles. Up to REDO_SHARE of a pass's rows get that
+    tile scored in full without a host sync; the rows beyond (here all but one, or none) go
+    through a second, wider pass. Either way the ids and scores equal the float64 reference."""
     dev = kernel_device(device)
-    rng = np.random.default_rng(12)
-    x = rng.integers(-2, 3, (2600, 12)).astype(np.float32)  # integer scores: many ties
-    q = rng.integers(-2, 3, (16, 12)).astype(np.float32)
-    monkeypatch.setattr(exact_module, "REDO_SHARE", share)
+    x = np.zeros((11 * 256, 16), np.float32)  # 11 tiles
+    for i in range(16):  # query i: column i
+        tile = i % 11
+        x[tile * 256 + 3 * i + np.arange(3), i] = 10.0
+        others = (tile + 1 + np.arange(8)) % 11
+        x[others * 256 + 100 + i, i] = 9.0 - 0.5 * np.arange(8)
+    q = np.eye(16, dtype=np.float32)
+    monkeypatch.setattr(tt, "REDO_SHARE", share)
     index = make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
     passes = []
     one_pass = index._pass
     monkeypatch.setattr(index, "_pass", lambda q, kk, w: passes.append(len(q)) or
                         one_pass(q, kk, w))
-    vals, ids = index.search(torch.from_numpy(q).to(dev), 4)
-    rv, ri = ref.exact_search(x, q, 4)
+    vals, ids = index.search(torch.from_numpy(q).to(dev), k)
+    rv, ri = ref.exact_search(x, q, k)
     np.testing.assert_array_equal(ids.cpu().numpy(), ri)
     np.testing.assert_array_equal(vals.cpu().numpy(), rv.astype(np.float32))
-    assert passes[0] == 16 and (len(passes) > 1) == (share < 1)
+    assert passes == ([16] if share == 1.0 else [16, 15])
 
 
 @pytest.mark.gpu

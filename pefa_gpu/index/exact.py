@@ -179,48 +179,31 @@ class ExactIndex(VectorIndex):
         vals, pos = torch.sort(vals, dim=1, descending=True, stable=True)
         return vals, ids.gather(1, pos), tol
 
-    def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None,
-                    tiles: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _torch_pass(self, q: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-w of (B, d) float32 queries by (B, chunk) score blocks and :func:`topk_wide`, or
-        where ``tiles`` and :mod:`..triton_topk` serves a chunk, by its tiles (the rows they
-        leave unsettled: by blocks, see :meth:`_redo`); and the scoring error (0 or (B, 1))."""
-        best_v = q.new_empty(q.shape[0], 0)
-        best_i = best_v.long()
-        unsettled = None
+        by :mod:`..triton_topk`'s tiles where they serve a chunk; and the scoring error (B, 1):
+        inf for the rows the tiles leave unsettled (searched again), else 0."""
+        best_v, best_i, unsettled = None, None, torch.zeros(q.shape[0], dtype=torch.bool,
+                                                            device=q.device)
         for c in range(0, self.ntotal, chunk):
             rows = self.vectors[c:c + chunk]
-            got = _tile_topw(q, rows, w) if tiles else None
+            got = _tile_topw(q, rows, w)
             if got is None:
                 block = _scores(q, rows, buf)
                 v, i = topk_wide(block, w)
                 del block  # CUDA: freed before the next block is allocated
             else:
                 v, i, u = got
-                unsettled = u if unsettled is None else unsettled | u
+                unsettled |= u
+            if best_v is None:
+                best_v, best_i = v, i + c
+                continue
             best_v, pos = torch.topk(torch.cat([best_v, v], 1),
                                      min(w, best_v.shape[1] + v.shape[1]), dim=1, sorted=False)
             best_i = torch.cat([best_i, i + c], 1).gather(1, pos)
         best_v, pos = torch.sort(best_v, dim=1, descending=True)
-        best_i = best_i.gather(1, pos)
-        if unsettled is None:
-            return best_v, best_i, torch.zeros((), device=q.device)
-        return self._redo(q, best_v, best_i, unsettled, w, chunk, buf)
-
-    def _redo(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor,
-              unsettled: torch.Tensor, w: int, chunk: int, buf: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Top-w lists (B, w) with up to ``REDO_SHARE`` of the ``unsettled`` (B,) rows re-scored
-        by blocks, picked without a host synchronisation (a stable sort); and the scoring error
-        (B, 1): inf for the unsettled rows beyond those (so they are searched again), else 0."""
-        size = int(REDO_SHARE * q.shape[0])  # a small batch: every unsettled row searched again
-        if size:  # the first rows in unsettled-first order, re-scored where unsettled
-            first = torch.sort((~unsettled).byte(), stable=True).indices[:size]
-            new_v, new_i, _ = self._torch_pass(q[first], w, chunk, buf, tiles=False)
-            hit = unsettled[first].unsqueeze(1)
-            vals[first] = torch.where(hit, new_v, vals[first])
-            ids[first] = torch.where(hit, new_i, ids[first])
-            unsettled = unsettled.index_fill(0, first, False)
-        return vals, ids, torch.where(unsettled[:, None], float("inf"), 0.0)
+        return best_v, best_i.gather(1, pos), torch.where(unsettled[:, None], float("inf"), 0.0)
 
     def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -301,7 +284,6 @@ FAISS_QUERY_BYTES = 4096  # per query of a faiss pass: its share of faiss' 1024-
 RESCORE_PAIR_BYTES = 8 * 36  # per pair and dimension rescored at once
 TOPK_QUEUE_BYTES = 16   # per chunk row and thread: torch's CPU top-k queue
 TIE_MARGIN = 8          # first-pass candidates beyond k
-REDO_SHARE = 0.04       # of a pass's queries, re-scored by blocks after the tiles, at most
 MAX_BATCH = 8192        # queries per block, at most
 MIN_CHUNK = 1024        # rows per block, at least (or w)
 SUB_ROWS = 1024         # rows per CPU GEMM (_scores)
