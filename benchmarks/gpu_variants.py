@@ -178,8 +178,8 @@ def part_votes(s: dict, dev: str) -> dict[str, Any]:
 def part_tiles(s: dict, dev: str) -> dict[str, Any]:
     """Exact search with and without pefa_gpu.triton_topk (the selection inside the GEMM), and
     tile_topw (the kernel, its candidates' topk and the worst tiles scored in full) and the
-    search keeping 2 or 3 scores a tile (KEEP) with several shares of queries whose worst tile
-    is scored in full (REDO_SHARE; 0: the unsettled rows before that)."""
+    search keeping 2 or 3 scores a tile (KEEP), several shares of queries whose worst tiles are
+    scored in full (REDO_SHARE; 0: the unsettled rows before that) and 1 or 2 such tiles."""
     from pefa_gpu import triton_topk as tt
 
     n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
@@ -200,17 +200,18 @@ def part_tiles(s: dict, dev: str) -> dict[str, Any]:
         tt.usable = usable
     out["same_ids_share"] = float((with_tiles == blocks).all(1).float().mean())
     out["tiles_vs_blocks"] = out["index_blocks_s"] / out["index_tiles_s"]
-    keep, share = tt.KEEP, tt.REDO_SHARE
+    keep, share, worst = tt.KEEP, tt.REDO_SHARE, tt.REDO_TILES
     try:
-        for tt.KEEP, tt.REDO_SHARE in [(2, 0.04), (2, 0.0), (2, 0.1), (3, 0.04)]:
-            name = f"keep{tt.KEEP}_redo{tt.REDO_SHARE}"
+        for tt.KEEP, tt.REDO_SHARE, tt.REDO_TILES in [(2, 0.04, 2), (2, 0.0, 2), (2, 0.04, 1),
+                                                      (3, 0.04, 2)]:
+            name = f"keep{tt.KEEP}_redo{tt.REDO_SHARE}_tiles{tt.REDO_TILES}"
             out[f"{name}_unsettled"] = int(tt.tile_topw(q, x, w)[2].sum())
             out[f"{name}_topw_s"] = median_seconds(lambda: tt.tile_topw(q, x, w), dev)
             out[f"{name}_search_s"] = median_seconds(lambda: index.search(q, k), dev)
             got = index.search(q, k)[1]
             out[f"{name}_same_ids_share"] = float((got == blocks).all(1).float().mean())
     finally:
-        tt.KEEP, tt.REDO_SHARE = keep, share
+        tt.KEEP, tt.REDO_SHARE, tt.REDO_TILES = keep, share, worst
     return out
 
 

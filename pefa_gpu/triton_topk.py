@@ -1,9 +1,9 @@
 """Exact search's top-w candidates without its (B, n) score matrix: a Triton GEMM of 16-bit
 queries and rows whose epilogue keeps, per query and tile of ``BN`` rows, the best ``KEEP``
 scores with their ids and the next score. The best w of those are a query's true top-w, ties
-included, unless some tile's next score reaches the w-th: such a tile is scored in full (the
-worst one of up to ``REDO_SHARE`` of the queries); a query with another such tile, or a score
-not finite, is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under
+included, unless some tile's next score reaches the w-th: the ``REDO_TILES`` worst tiles of
+up to ``REDO_SHARE`` of the queries are then scored in full; a query with another such tile,
+or a score not finite, is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under
 TRITON_INTERPRET=1 too, for the tests)."""
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import math
 import warnings
 
 import torch
+
+from .triton_rowdots import rowdots
 
 try:
     import triton
@@ -27,8 +29,8 @@ except ImportError:  # Triton before 3.4: pointer loads
 BM, BN, BK, WARPS, STAGES = 128, 256, 64, 8, 3  # queries / rows / dimensions a step, per program
 KEEP = 2  # best scores (with their ids) kept per query and tile of rows
 UNSETTLED_SHARE = 0.02  # at most this share of rows expected unsettled (rows in random order)
-REDO_SHARE = 0.04  # of the queries, at most, get their worst tile scored in full
-REDO_BYTES = 2**27  # ... and at most this many bytes of gathered rows (float32) at once
+REDO_SHARE = 0.04  # of the queries, at most, get their worst tiles scored in full
+REDO_TILES = 2  # ... that many of them
 ON_CPU = False  # tests: the kernel serves CPU rows as well (Triton's interpreter)
 
 if triton is not None:
@@ -137,22 +139,24 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
 def _score_worst_tiles(q: torch.Tensor, rows: torch.Tensor, top: torch.Tensor, ids: torch.Tensor,
                        after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-w lists (B, w) from the kept scores, and each tile's next score ``after`` (B, tiles)
-    -> the lists with the worst tile (highest next score) of up to ``REDO_SHARE`` of the
-    queries, unsettled ones first, scored in full (no host synchronisation), and (B,) bool
-    unsettled: some other tile's next score reaches the w-th."""
-    (b, w), (n, d) = top.shape, rows.shape
-    nxt, worst = torch.topk(after, min(2, after.shape[1]), dim=1)  # the two worst tiles
-    unsettled = nxt[:, 0] >= top[:, -1]
-    size = min(b, math.ceil(REDO_SHARE * b), max(1, REDO_BYTES // (6 * BN * d)))
-    r = torch.sort((~unsettled).byte(), stable=True).indices[:size]
-    hit, tile = unsettled[r], worst[r, 0]
-    cols = tile[:, None] * BN + torch.arange(BN, device=rows.device)
-    scores = torch.bmm(rows[cols.clamp_max(n - 1)].float(), q[r].float().unsqueeze(2))
-    v = torch.cat([top[r].masked_fill(ids[r] // BN == tile[:, None], float("-inf")),
-                   scores.squeeze(2).masked_fill(cols >= n, float("-inf"))], 1)
-    v, pos = torch.topk(v, w, dim=1)  # the tile's kept scores replaced by all of its scores
-    top[r] = torch.where(hit[:, None], v, top[r])
-    ids[r] = torch.where(hit[:, None], torch.cat([ids[r], cols], 1).gather(1, pos), ids[r])
-    second = nxt[r, -1] if nxt.shape[1] > 1 else torch.full_like(v[:, 0], float("-inf"))
-    unsettled[r] = hit & (second >= v[:, -1])
+    -> the lists with the ``REDO_TILES`` worst tiles (highest next scores) of up to
+    ``REDO_SHARE`` of the queries, unsettled ones first, scored in full (no host
+    synchronisation), and (B,) bool unsettled: some other tile's next score reaches the w-th."""
+    (b, w), tiles = top.shape, after.shape[1]
+    unsettled = after.amax(1) >= top[:, -1]
+    r = torch.sort((~unsettled).byte(), stable=True).indices[:math.ceil(REDO_SHARE * b)]
+    hit, redo = unsettled[r, None], min(REDO_TILES, tiles)
+    nxt, worst = torch.topk(after[r], min(redo + 1, tiles), dim=1)
+    cols = (worst[:, :redo, None] * BN + torch.arange(BN, device=rows.device)).flatten(1)
+    past = cols >= rows.shape[0]  # the last tile's columns past n
+    cols = cols.masked_fill(past, 0)
+    scores = rowdots(q, rows, r[:, None].expand_as(cols).flatten(), cols.flatten())
+    mine = (ids[r, :, None] // BN == worst[:, None, :redo]).any(2)  # kept in those tiles
+    v = torch.cat([top[r].masked_fill(mine, float("-inf")),
+                   scores.view_as(cols).masked_fill(past, float("-inf"))], 1)
+    v, pos = torch.topk(v, w, dim=1)  # the kept scores of those tiles replaced by all of theirs
+    i = torch.cat([ids[r], cols], 1).gather(1, pos)
+    top[r], ids[r] = torch.where(hit, v, top[r]), torch.where(hit, i, ids[r])
+    left = nxt[:, redo] if nxt.shape[1] > redo else torch.full_like(v[:, 0], float("-inf"))
+    unsettled[r] = hit[:, 0] & (left >= v[:, -1])
     return top, ids, unsettled

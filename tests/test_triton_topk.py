@@ -92,26 +92,29 @@ def test_tma_loads_only_on_hopper_or_later_nvidia_gpus_with_aligned_rows(
 def test_more_top_rows_in_one_tile_than_kept_leave_the_row_unsettled(device, keep, redo,
                                                                      monkeypatch):
     """Three of query 0's top rows in one tile: with 2 kept a tile the row is unsettled,
-    unless that tile is scored in full (redo); query 2 has two such tiles: the redo scores one."""
+    unless that tile is scored in full (redo); query 2 has three rows in each of REDO_TILES + 1
+    tiles: the redo scores REDO_TILES of them; query 3 in REDO_TILES tiles: all scored."""
     dev = kernel_device(device)
     monkeypatch.setattr(tt, "KEEP", keep)
     monkeypatch.setattr(tt, "REDO_SHARE", redo)
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((1024, 16)) * 0.1
+    x = rng.standard_normal((2048, 24)) * 0.1  # 8 tiles
     x[[5, 9, 200], :8] = 3.0  # three copies of query 0's best row, one tile (of 256)
     x[[300, 600]] = -2.0  # the best two for query 1 (-1, ..., -1): two tiles
-    x[[260, 270, 280, 520, 530, 540], 8:] = 3.0  # query 2's best six: three in each of two tiles
-    q = np.zeros((3, 16))
-    q[0, :8], q[1], q[2, 8:] = 1.0, -1.0, 1.0
+    for dims, tiles in ((slice(8, 16), tt.REDO_TILES + 1), (slice(16, 24), tt.REDO_TILES)):
+        x[256 * (np.arange(tiles) + 2)[:, None] + [10, 20, 30], dims] = 3.0
+    q = np.zeros((4, 24))
+    q[0, :8], q[1], q[2, 8:16], q[3, 16:] = 1.0, -1.0, 1.0, 1.0
     vals, ids, unsettled = tt.tile_topw(stored(q, torch.bfloat16, dev),
                                         stored(x, torch.bfloat16, dev), 2)
-    assert unsettled.tolist() == [keep == 2 and not redo, False, keep == 2]
+    assert unsettled.tolist() == [keep == 2 and not redo, False, keep == 2,
+                                  keep == 2 and not redo]
     if keep == 2 and not redo:  # of equal scores in a tile: the lower ids
         assert sorted(ids[0].tolist()) == [5, 9]
     else:  # all three seen: the tie rule is the caller's
         assert set(ids[0].tolist()) < {5, 9, 200}
     assert sorted(ids[1].tolist()) == [300, 600]
-    np.testing.assert_allclose(vals[:2].cpu().numpy(), [[24.0, 24.0], [32.0, 32.0]], rtol=1e-2)
+    np.testing.assert_allclose(vals[:2].cpu().numpy(), [[24.0, 24.0], [48.0, 48.0]], rtol=1e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -229,16 +232,17 @@ def test_exact_search_through_tiles_over_shapes_dtypes_and_layouts(n, d, b, k, l
 @pytest.mark.parametrize("k", [1, 3])
 def test_unsettled_rows_beyond_the_redo_share_are_searched_again(device, share, k, monkeypatch):
     """Each query has three copies of its best row in one tile (unsettled with 2 kept a tile)
-    and six more of its top nine in six other tiles. Up to REDO_SHARE of a pass's rows get that
+    and eight more of its top rows in eight other tiles. Up to REDO_SHARE of a pass's rows get that
     tile scored in full without a host sync; the rows beyond (here all but one, or none) go
     through a second, wider pass. Either way the ids and scores equal the float64 reference."""
     dev = kernel_device(device)
-    x = np.zeros((11 * 256, 16), np.float32)  # 11 tiles
+    x = np.zeros((11 * 256 - 100, 16), np.float32)  # 11 tiles, the last one partial
     for i in range(16):  # query i: column i
         tile = i % 11
         x[tile * 256 + 3 * i + np.arange(3), i] = 10.0
         others = (tile + 1 + np.arange(8)) % 11
         x[others * 256 + 100 + i, i] = 9.0 - 0.5 * np.arange(8)
+    x[0, 10] = 10.0  # a fourth copy for query 10, whose three lie in the last tile
     q = np.eye(16, dtype=np.float32)
     monkeypatch.setattr(tt, "REDO_SHARE", share)
     index = make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
