@@ -75,14 +75,6 @@ def _best(table: torch.Tensor, ids: torch.Tensor | None, k: int, offset: int = 0
     return pad_topk(*order_ties(vals, cols + offset if ids is None else ids.gather(1, cols)), k)
 
 
-def settle_masked(vals: torch.Tensor, ids: torch.Tensor, settle: torch.Tensor, kk: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Candidates (B, w) sorted descending -> (B, kk): :func:`merge_topk` where ``settle``
-    (B,) bool, the first kk elsewhere."""
-    return _redo_rows(settle, lambda v, i: merge_topk(v, i, kk), (vals[:, :kk], ids[:, :kk]),
-                      vals, ids)
-
-
 def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, w) scores sorted descending and int64 ids -> contiguous lists with each run of equal
     scores in ascending id order (-1 last)."""

@@ -14,7 +14,7 @@ import torch
 import pefa_gpu.index.exact as exact_module
 from pefa_gpu.errors import InputError
 from pefa_gpu.index import ExactIndex, make_index
-from pefa_gpu.topk import merge_topk, settle_masked, topk_rows
+from pefa_gpu.topk import merge_topk, order_ties, topk_rows
 from conftest import DEVICES, unit_rows
 import reference as ref
 
@@ -290,28 +290,23 @@ def test_empty_corpus_and_empty_batch(engine):
     assert s.shape == (0, 5) and i.shape == (0, 5) and i.dtype == torch.int64
 
 
-def test_settle_masked_equals_the_reference_on_tied_candidates():
-    """The CUDA branch of the first pass (run here on CPU tensors): rows tied at the kk-th
-    place take the lowest ids of the tied run from their candidates, the others keep their
-    first kk; against a float64 / id sort of the same candidates."""
+def test_order_ties_of_tied_candidates_equals_the_reference():
+    """A first pass's settling (both tie strategies: test_masked_strategy reruns it): tied
+    candidates sorted descending come back ordered by score, then id (-1 last), so their first
+    kk are the tie rule's top kk; against a float64 / id sort of the same candidates."""
     rng = np.random.default_rng(21)
-    b, w, kk = 40, 18, 10
+    b, w = 40, 18
     vals = np.sort(rng.integers(0, 6, (b, w)).astype(np.float32), axis=1)[:, ::-1].copy()
+    vals[1] = np.arange(w)[::-1]  # no ties
     ids = np.stack([rng.permutation(1000)[:w] for _ in range(b)])
     ids[::7, -1] = -1  # padding
     vals[::7, -1] = -np.inf
-    settle = torch.from_numpy(vals[:, kk - 1] == vals[:, kk])
-    settle[::3] = False  # some tied rows not settled: they keep their first kk
-    v, i = settle_masked(torch.from_numpy(vals), torch.from_numpy(ids), settle, kk)
+    v, i = order_ties(torch.from_numpy(vals), torch.from_numpy(ids))
     for r in range(b):
-        if settle[r]:
-            order = sorted(range(w), key=lambda c: (-float(vals[r, c]),
-                                                    ids[r, c] if ids[r, c] >= 0 else 10**9))[:kk]
-        else:
-            order = list(range(kk))
+        order = sorted(range(w), key=lambda c: (-float(vals[r, c]),
+                                                ids[r, c] if ids[r, c] >= 0 else 10**9))
         np.testing.assert_array_equal(i[r].numpy(), ids[r, order])
         np.testing.assert_array_equal(v[r].numpy(), vals[r, order])
-    assert settle.sum() > 3
 
 
 def reference_with_copies(X, T, k, copies):

@@ -17,7 +17,7 @@ from ..arrays import (DeviceLike, all_finite, as_tensor, check_topk, host_empty,
 from ..errors import FormatError, InputError
 from ..params import check_choice
 from ..storage import load_tensor, save_tensor
-from ..topk import boundary_tied, order_ties, pad_topk, settle_masked, topk_wide
+from ..topk import order_ties, pad_topk, topk_wide
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
                    checked, empty_results)
@@ -146,16 +146,15 @@ class ExactIndex(VectorIndex):
 
     def _settle(self, vals: torch.Tensor, ids: torch.Tensor, tol: torch.Tensor, kk: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Candidates (B, w) sorted descending -> (B, kk) with the tie rule, and ``rescan``: rows
-        whose last candidate is not two scoring errors below the kk-th score."""
-        if vals.shape[1] == kk:
-            return (*order_ties(vals, ids), None)
-        tied = boundary_tied(vals, kk)
-        kth, last = vals[:, kk - 1], vals[:, -1]  # a NaN difference: a run of NaN / inf
-        rescan = ~(kth - last > 2 * tol.squeeze(-1)) & (last.isnan() | ~kth.isnan()) \
-            if vals.shape[1] < self.ntotal else None
-        settle = tied if rescan is None else tied & ~rescan
-        return (*order_ties(*settle_masked(vals, ids, settle, kk)), rescan)
+        """Candidates (B, w) sorted descending -> the first kk in the tie rule's order, and
+        ``rescan``: rows whose last candidate is not two scoring errors below the kk-th score
+        (None when w = n)."""
+        rescan = None
+        if kk < vals.shape[1] < self.ntotal:  # a NaN difference: a run of NaN / inf
+            kth, last = vals[:, kk - 1], vals[:, -1]
+            rescan = ~(kth - last > 2 * tol.squeeze(-1)) & (last.isnan() | ~kth.isnan())
+        vals, ids = order_ties(vals, ids)
+        return vals[:, :kk].contiguous(), ids[:, :kk].contiguous(), rescan
 
     def _rescore_near_ties(self, q: torch.Tensor, vals: torch.Tensor, ids: torch.Tensor
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
