@@ -99,8 +99,9 @@ def _tma(q: torch.Tensor, rows: torch.Tensor) -> bool:
 
 def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(B, d) float queries, (n, d) 16-bit rows -> (B, w) float32 scores sorted descending,
-    int64 ids, and (B,) bool unsettled; None where the kernel fails (warned once)."""
+    """(B, d) float queries, (n, d) 16-bit rows -> (B, w) float32 scores sorted descending
+    (ties in any order), int64 ids, and (B,) bool unsettled; None where the kernel fails
+    (warned once)."""
     (b, d), n, key = q.shape, rows.shape[0], (str(rows.device), rows.dtype)
     tiles = triton.cdiv(n, BN)
     vals = torch.empty(b, tiles, KEEP, device=rows.device)
@@ -151,12 +152,13 @@ def _score_worst_tiles(q: torch.Tensor, rows: torch.Tensor, top: torch.Tensor, i
     past = cols >= rows.shape[0]  # the last tile's columns past n
     cols = cols.masked_fill(past, 0)
     scores = rowdots(q, rows, r[:, None].expand_as(cols).flatten(), cols.flatten())
-    mine = (ids[r, :, None] // BN == worst[:, None, :redo]).any(2)  # kept in those tiles
-    v = torch.cat([top[r].masked_fill(mine, float("-inf")),
+    old_v, old_i = top[r], ids[r]
+    mine = (old_i[:, :, None] // BN == worst[:, None, :redo]).any(2)  # kept in those tiles
+    v = torch.cat([old_v.masked_fill(mine, float("-inf")),
                    scores.view_as(cols).masked_fill(past, float("-inf"))], 1)
     v, pos = torch.topk(v, w, dim=1)  # the kept scores of those tiles replaced by all of theirs
-    i = torch.cat([ids[r], cols], 1).gather(1, pos)
-    top[r], ids[r] = torch.where(hit, v, top[r]), torch.where(hit, i, ids[r])
+    i = torch.cat([old_i, cols], 1).gather(1, pos)
+    top[r], ids[r] = torch.where(hit, v, old_v), torch.where(hit, i, old_i)
     left = nxt[:, redo] if nxt.shape[1] > redo else torch.full_like(v[:, 0], float("-inf"))
     unsettled[r] = hit[:, 0] & (left >= v[:, -1])
     return top, ids, unsettled

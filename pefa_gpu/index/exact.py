@@ -195,14 +195,16 @@ class ExactIndex(VectorIndex):
             else:
                 v, i, u = got
                 unsettled |= u
-            if best_v is None:
-                best_v, best_i = v, i + c
+            if best_v is None:  # the tiles' lists come sorted: one chunk needs no sort
+                best_v, best_i, ordered = v, i + c, got is not None
                 continue
             best_v, pos = torch.topk(torch.cat([best_v, v], 1),
                                      min(w, best_v.shape[1] + v.shape[1]), dim=1, sorted=False)
-            best_i = torch.cat([best_i, i + c], 1).gather(1, pos)
-        best_v, pos = torch.sort(best_v, dim=1, descending=True)
-        return best_v, best_i.gather(1, pos), torch.where(unsettled[:, None], float("inf"), 0.0)
+            best_i, ordered = torch.cat([best_i, i + c], 1).gather(1, pos), False
+        if not ordered:
+            best_v, pos = torch.sort(best_v, dim=1, descending=True)
+            best_i = best_i.gather(1, pos)
+        return best_v, best_i, torch.where(unsettled[:, None], float("inf"), 0.0)
 
     def _faiss_pass(self, faiss: Any, q: torch.Tensor, w: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
