@@ -247,6 +247,53 @@ def part_gaps(s: dict, dev: str) -> dict[str, Any]:
     return out
 
 
+def part_timeline(s: dict, dev: str) -> dict[str, Any]:
+    """One tile_topw and one exact search (bf16 rows) under torch.profiler, on the device's
+    clock: the idle time from the call's start on the host to its first kernel, between
+    kernels (the largest gaps, with the kernels either side) and from the last kernel to the
+    call's return; kernels and memsets / copies counted alike."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from pefa_gpu import triton_topk as tt
+
+    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
+    tt.ON_CPU = dev == "cpu"
+    x = unit(n, d, dev, 0).to(torch.bfloat16)
+    q = unit(b, d, dev, 1)
+    index = pg.make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    out: dict[str, Any] = {}
+    for name, fn in [("topw", lambda: tt.tile_topw(q, x, k + 8)),
+                     ("search", lambda: index.search(q, k))]:
+        fn()
+        sync()
+        with profile(activities=acts) as prof:
+            with record_function("call"):
+                fn()
+            sync()
+        events = prof.events()
+        call = next(e.time_range for e in events if e.name == "call")
+        ks = sorted((e for e in events if e.device_type == DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+        if not ks:
+            out[name] = {"kernels": 0, "call_us": call.end - call.start}
+            continue
+        gaps = sorted(((ks[i + 1].time_range.start - ks[i].time_range.end, ks[i].name[:60],
+                        ks[i + 1].name[:60]) for i in range(len(ks) - 1)), reverse=True)
+        out[name] = {"kernels": len(ks), "call_us": call.end - call.start,
+                     "busy_us": sum(e.time_range.end - e.time_range.start for e in ks),
+                     "before_first_us": ks[0].time_range.start - call.start,
+                     "between_us": sum(g[0] for g in gaps),
+                     "after_last_us": call.end - ks[-1].time_range.end,
+                     "largest_gaps_us": gaps[:12],
+                     "first_kernels": [e.name[:60] for e in ks[:4]],
+                     "host_launches_us": [(round(e.time_range.start - call.start, 1), e.name)
+                                          for e in events if "aunch" in e.name][:12]}
+    return out
+
+
 def kernel_table(fn: Callable[[], Any], dev: str, top: int = 12) -> dict[str, Any]:
     """One call of ``fn`` under torch.profiler (after a warm-up): wall ms, the sum of its
     device kernels' ms, and the ``top`` kernels by device time [name, ms, calls] (calls 12
@@ -296,7 +343,8 @@ def part_profile(s: dict, dev: str) -> dict[str, Any]:
     return out
 
 PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa,
-         "tiles": part_tiles, "profile": part_profile, "gaps": part_gaps}
+         "tiles": part_tiles, "profile": part_profile, "gaps": part_gaps,
+         "timeline": part_timeline}
 
 
 def main() -> None:
