@@ -165,10 +165,7 @@ class CandidateTable:
         fused = xp.where(self.ids >= 0, lam * self.erm, float("-inf"))
         flat = fused.reshape(-1)
         flat[self.cells] = xp.where(dead, float("-inf"), flat[self.cells] + (1.0 - lam) * f_knn)
-        if xp is _Numpy:
-            return select_topk(fused, self.ids, topk)
-        top, ids = merge_topk(fused + 0.0, self.ids, topk)
-        return top, torch.where(top > float("-inf"), ids, -1)
+        return select_topk(fused, self.ids, topk)
 
 
 def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
@@ -230,9 +227,13 @@ def _columns_in_c(ei: Array, key: Array, n: int) -> tuple[Array, Array]:
     return ids, xp.where(sorted_keys[at] == key, s_col.reshape(-1)[at], -1)
 
 
-def select_topk(scores: np.ndarray, ids: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`pefa_gpu.topk.merge_topk` on numpy: scores (B, W) float32, ids (B, W) int64
-    distinct per row, < 2**32 -> (B, k); one key per cell (score bits descending, then id)."""
+def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
+    """:func:`pefa_gpu.topk.merge_topk` of scores (B, W) float32, ids (B, W) int64 distinct per
+    row, < 2**32 -> (B, k), id -1 at a -inf / NaN score, +0.0 for -0.0; on numpy one key per
+    cell (score bits descending, then id)."""
+    if not isinstance(scores, np.ndarray):
+        top, ids = merge_topk(scores + 0.0, ids, k)
+        return top, torch.where(top > float("-inf"), ids, -1)
     b, w = scores.shape
     kk = min(k, w)
     out_s, out_i = np.full((b, k), -np.inf, np.float32), np.full((b, k), -1, np.int64)
@@ -297,10 +298,7 @@ def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: in
     xp, ids = ops(knn[1]), erm[1][:, :k]
     scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
     rows = xp.cat([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
-    if xp is _Numpy:
-        return select_topk(scores, rows, k)
-    top, rows = merge_topk(scores, rows, k)
-    return top, torch.where(top > float("-inf"), rows, -1)  # as select_topk: NaN, -inf: none
+    return select_topk(scores, rows, k)
 
 
 def searches(q: Array, search: Any, *, kp: int, k: int, m: int, n: int, augment_docs: bool

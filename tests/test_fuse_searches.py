@@ -171,3 +171,19 @@ def test_neighbours_drop_nan_and_minus_inf_scores_alike_in_numpy_and_torch():
                             10, 3, augment_docs=True)
     np.testing.assert_array_equal(got_t[1].numpy(), got_np[1])
     np.testing.assert_array_equal(got_np[1], [[-1, 1, 14], [15, 2, 16]])  # NaN: first, as -1
+
+
+def test_neighbours_give_the_same_bits_in_numpy_and_torch_at_signed_zeros():
+    """Neighbours scored -0.0 and +0.0 tie (the lower row first) and come back as +0.0 on both
+    paths, so numpy (CPU batches) and torch (CUDA, training) give the same bits."""
+    knn = (np.array([[-0.0, -0.5, 0.25], [0.0, -0.0, -0.0]], np.float32),
+           np.array([[3, 1, 2], [4, 0, 5]]))
+    erm = (np.array([[0.0, -0.0], [-0.0, -1.0]], np.float32), np.array([[7, 4], [5, 6]]))
+    got_np = fuse.neighbours(knn, erm, 10, 4, augment_docs=True)
+    got_t = fuse.neighbours(tuple(map(torch.from_numpy, knn)), tuple(map(torch.from_numpy, erm)),
+                            10, 4, augment_docs=True)
+    np.testing.assert_array_equal(got_np[1], [[2, 3, 14, 17], [0, 4, 5, 15]])
+    np.testing.assert_array_equal(got_t[1].numpy(), got_np[1])
+    np.testing.assert_array_equal(got_np[0], [[0.25, 0, 0, 0], [0, 0, 0, 0]])
+    np.testing.assert_array_equal(got_t[0].numpy().view(np.int32), got_np[0].view(np.int32))
+    assert not np.signbit(got_np[0]).any()

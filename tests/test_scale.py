@@ -145,9 +145,10 @@ def test_a_repeated_erm_id_keeps_its_first_entry(kind, device, rescore, erm_exac
             assert len(set(row[row >= 0].tolist())) == (row >= 0).sum()
 
 
-def test_select_topk_tie_rule():
-    """numpy tables (torch ones use topk.merge_topk): equal scores go to the lower id, at the
-    k-th place too, however many tie there; rows with fewer candidates than k are padded;
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_select_topk_tie_rule(kind):
+    """numpy tables and torch ones (through topk.merge_topk): equal scores go to the lower id,
+    at the k-th place too, however many tie there; rows with fewer candidates than k are padded;
     -0.0 ties with 0.0 and comes back as 0.0."""
     rng = np.random.default_rng(0)
     b, w = 40, 30
@@ -158,7 +159,11 @@ def test_select_topk_tie_rule():
     scores[2::5, 10:] = -np.inf  # no candidate there
     ids[2::5, 10:] = -1
     for k in (1, 7, 10, 30, 45):
-        s, i = select_topk(scores, ids, k)
+        if kind == "numpy":
+            s, i = select_topk(scores, ids, k)
+        else:
+            s, i = (t.numpy() for t in select_topk(torch.from_numpy(scores),
+                                                   torch.from_numpy(ids), k))
         for r in range(b):
             ref = sorted((-float(v), int(j)) for v, j in zip(scores[r], ids[r]) if j >= 0)[:k]
             want_i = [j for _, j in ref] + [-1] * (k - len(ref))
