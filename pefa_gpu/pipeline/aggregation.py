@@ -88,10 +88,9 @@ def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tupl
     tensors: dict[str, Any] = {"sums": torch.from_numpy(acc)}
     if lam is not None:
         tensors["embeddings"] = pefa_xs(torch.from_numpy(p), tensors["sums"], lam)
-    entry = write_shard(Path(out) / shard_name("doc", index),
-                        {"stage": "aggregate", "rows": [lo, hi], "lam": lam,
-                         "augment_docs": augment_docs}, tensors)
-    return entry, moved
+    return write_shard(Path(out) / shard_name("doc", index),
+                       {"stage": "aggregate", "rows": [lo, hi], "lam": lam,
+                        "augment_docs": augment_docs}, tensors), moved
 
 
 def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
