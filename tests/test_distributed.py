@@ -203,6 +203,10 @@ def test_evaluate_configs_on_arrays_equals_the_library(tmp_path):
                           device="cpu").fit(P, Q, Y) for lam, k in ((0.2, 4), (0.6, 8)))]
     for cfg, res, model in zip(configs, got, models):
         assert res == pg.evaluate(model.search(T, 100)[1], Yt, (10, 100)), cfg
+    for bad in ({"doc_rows": 0}, {"query_rows": 0}):  # refused, not taken as the default
+        with pytest.raises(InputError, match="rows must be a positive integer, got 0"):
+            pp.evaluate_configs(P, Q, Y, T, Yt, configs[:1], tmp_path / "bad", **bad,
+                                show_progress=False)
 
 
 def test_neighbours_merge_equals_pefaxl(tmp_path):

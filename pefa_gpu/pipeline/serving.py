@@ -186,8 +186,8 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
     run = runner or LocalRunner()
     work = Path(work)
     docs, train = _as_rows(P, work, "docs"), _as_rows(Q, work, "queries")
-    doc_rows = doc_rows or max(-(-Rows(docs).n // run.workers), 1)
-    query_rows = query_rows or max(-(-Rows(train).n // run.workers), 1)
+    doc_rows = max(-(-Rows(docs).n // run.workers), 1) if doc_rows is None else doc_rows
+    query_rows = max(-(-Rows(train).n // run.workers), 1) if query_rows is None else query_rows
     rel = write_relevance(Y, work / "pairs", rows=query_rows)
     common = dict(backend=backend, index_params=index_params, device=device,
                   doc_rows=doc_rows, runner=run)
