@@ -162,10 +162,9 @@ def open_entry(folder: str | Path, entry: Entry, device: DeviceLike = "cpu") -> 
 
 def _complete(path: Path) -> SaveDir | None:
     """The complete shard at ``path`` (sizes checked), else None."""
-    try:
+    with contextlib.suppress(FormatError, FileNotFoundError):
         return open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
-    except (FormatError, FileNotFoundError):
-        return None
+    return None
 
 
 def remove_shard(path: Path) -> None:
@@ -191,11 +190,10 @@ def write_stage(folder: str | Path, stage: Stage) -> Path:
     """Write ``folder/stage.json`` atomically (replacing only a stage file), the commit point."""
     path = Path(folder) / STAGE_FILE
     if os.path.lexists(path):
-        try:
+        ours = False
+        with contextlib.suppress(OSError, ValueError, AttributeError):
             ours = stat.S_ISREG(os.lstat(path).st_mode) and json.loads(
                 path.read_text(encoding="utf-8")).get("format") == STAGE_FORMAT
-        except (OSError, ValueError, AttributeError):
-            ours = False
         if not ours:
             raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
     write_output_file(path, stage.to_json(), STAGE_FILE)
@@ -253,8 +251,7 @@ class Rows:
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
-        if out is None:
-            out = np.empty((len(rows), self.dim), dtype=np.float32)
+        out = np.empty((len(rows), self.dim), dtype=np.float32) if out is None else out
         cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
         for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
             if b > a:  # read into ``out``: no second copy of the rows
