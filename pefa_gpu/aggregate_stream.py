@@ -60,8 +60,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     """Yᵀ Q: (m x n) relevance, ``src`` (m, d) -> (n, d) float32 on ``device``, accumulated
     in place into ``initial`` when given (a contiguous (n, d) float32 tensor there).
     ``kernel``: 'auto' (scipy on the CPU, index_add on CUDA), 'scipy' or 'index_add'."""
-    m, n = rel.shape
-    d = src.dim
+    (m, n), d = rel.shape, src.dim
     budget = max(DEFAULT_BUDGET, n * d * 4 + DEFAULT_BUDGET // 2) if memory_budget is None \
         else check_positive(memory_budget, "memory_budget")
     if src.rows is not None and src.rows != m:

@@ -76,8 +76,7 @@ def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tupl
                 augment_docs: bool) -> tuple[Entry, int]:
     """Reduce task of a document range: P (``augment_docs``) plus the partial sums in
     query-shard order (and E, given ``lam``) as ``out/doc-<index>``; (entry, bytes received)."""
-    lo, hi = doc_range
-    p = Rows(docs).read(lo, hi)
+    p = Rows(docs).read(*doc_range)
     acc = p.copy() if augment_docs else np.zeros_like(p)
     moved = 0
     for part in filter(None, parts):
@@ -89,7 +88,7 @@ def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tupl
     if lam is not None:
         tensors["embeddings"] = pefa_xs(torch.from_numpy(p), tensors["sums"], lam)
     return write_shard(Path(out) / shard_name("doc", index),
-                       {"stage": "aggregate", "rows": [lo, hi], "lam": lam,
+                       {"stage": "aggregate", "rows": list(doc_range), "lam": lam,
                         "augment_docs": augment_docs}, tensors), moved
 
 

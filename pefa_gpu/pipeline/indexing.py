@@ -30,12 +30,11 @@ def build_rows_shard(vectors: str | Path, rows: tuple[int, int], out: str | Path
                      backend: str, index_params: Any, device: DeviceLike, export_hnsw: bool,
                      tensor: str = "embeddings") -> Entry:
     """An ERM over rows lo .. hi-1 of a row stage (P, E or Q) saved as ``out/<name>``."""
-    lo, hi = rows
-    x = Rows(vectors, tensor).read(lo, hi)
+    x = Rows(vectors, tensor).read(*rows)
     with warnings.catch_warnings():  # PEFA-XS's E is not unit-norm, by design
         warnings.filterwarnings("ignore", message=".*not L2-normalised", category=UserWarning)
         model = ERM(backend=backend, device=device, index_params=index_params).fit(x)
-    return write_shard(Path(out) / name, {"stage": "build", "rows": [lo, hi]}, model=model,
+    return write_shard(Path(out) / name, {"stage": "build", "rows": list(rows)}, model=model,
                        export_hnsw=export_hnsw)
 
 
