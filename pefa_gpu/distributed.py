@@ -80,8 +80,9 @@ class RayRunner:
                                          max_retries=self.max_retries, **options)
 
     def map(self, fn: Callable, calls: Sequence[tuple], gpu: bool = False) -> list:
-        """[fn(*args) for args in calls] as Ray tasks."""
-        return _ray().get([self._task(fn, gpu).remote(*args) for args in calls])
+        """[fn(*args) for args in calls] as Ray tasks (of one remote function)."""
+        task = self._task(fn, gpu)
+        return _ray().get([task.remote(*args) for args in calls])
 
     def map_reduce(self, map_fn: Callable, map_calls: Sequence[tuple], reduce_fn: Callable,
                    reduce_calls: Sequence[tuple], gpu: bool = False) -> list:

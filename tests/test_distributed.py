@@ -439,6 +439,22 @@ def test_ray_stages_equal_one_process_bit_for_bit(tmp_path, ray_runner):
     assert torch.equal(cluster["xl"][1], xl.search(T, 20)[1])
 
 
+def _double(x):
+    return 2 * x
+
+
+@pytest.mark.ray
+def test_ray_map_exports_one_remote_function(ray_runner, monkeypatch):
+    """RayRunner.map makes one Ray remote function for all its calls (not one per call, each
+    pickled and exported to the cluster again)."""
+    made = []
+    real = type(ray_runner)._task
+    monkeypatch.setattr(type(ray_runner), "_task",
+                        lambda self, fn, gpu, **kw: made.append(fn) or real(self, fn, gpu, **kw))
+    assert ray_runner.map(_double, [(1,), (2,), (3,)]) == [2, 4, 6]
+    assert made == [_double]
+
+
 class KillOnce:
     """Wraps a stage function: its first call, in whichever worker, kills that worker's
     process (a marker file makes the retry run normally)."""
