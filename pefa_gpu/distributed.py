@@ -70,6 +70,8 @@ class RayRunner:
         if not ray.is_initialized():
             raise InputError("RayRunner needs a connected Ray cluster: use "
                              "pefa_gpu.distributed.connect(...) or ray.init(...) first")
+        if workers is not None:
+            check_positive(workers, "workers")
         res = ray.cluster_resources()
         self.gpus = int(res.get("GPU", 0))
         self.workers = int(workers or self.gpus or max(int(res.get("CPU", 1)), 1))

@@ -455,6 +455,13 @@ def test_ray_map_exports_one_remote_function(ray_runner, monkeypatch):
     assert made == [_double]
 
 
+@pytest.mark.ray
+def test_ray_runner_refuses_bad_workers(ray_runner):
+    for bad in (0, -1, 1.5):  # refused, not taken as the default (0) or used (-1: no actors)
+        with pytest.raises(InputError, match="workers must be a positive integer"):
+            type(ray_runner)(workers=bad)
+
+
 class KillOnce:
     """Wraps a stage function: its first call, in whichever worker, kills that worker's
     process (a marker file makes the retry run normally)."""
