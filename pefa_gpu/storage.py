@@ -80,12 +80,6 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
     return {"file": out.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
 
 
-def _written(dtype: np.dtype) -> bool:
-    """A plain dtype :func:`save_tensor` writes: a float of 2, 4 or 8 bytes or an integer
-    (bool, complex, strings, datetimes, long double: never)."""
-    return dtype.kind in "iu" or dtype.kind == "f" and dtype.itemsize <= 8
-
-
 def _known(path: Path, header: int, body: np.ndarray) -> None:
     """Tell the commit of each save being written that ``path`` holds its first ``header``
     bytes then the C-contiguous ``body``: their sha256 is taken here, from memory."""
@@ -112,20 +106,20 @@ def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
     dtype and shape match ``meta`` (what save_tensor returned)."""
     p = _with_suffix(path, ".npy")
     arr = read_npy(p, mmap_mode="c" if mmap else None)
-    if not arr.dtype.isnative:
-        raise FormatError(f"{p} holds {arr.dtype} in non-native byte order; pefa_gpu writes "
+    dt = arr.dtype
+    if not dt.isnative:
+        raise FormatError(f"{p} holds {dt} in non-native byte order; pefa_gpu writes "
                           f"native (little-endian) arrays")
-    if not arr.dtype.names and not _written(arr.dtype):
-        raise FormatError(f"{p} holds dtype {arr.dtype}, which pefa_gpu never writes (real "
-                          f"floats and integers only; bool and bfloat16 as one-field records)")
-    if arr.dtype.names:  # a wrapped dtype
-        if arr.dtype not in _BY_WRAPPED:
-            raise FormatError(f"{p} holds an unknown structured dtype {arr.dtype}")
-        tdtype = _BY_WRAPPED[arr.dtype]
-        t = as_tensor(arr.view(f"i{arr.dtype.itemsize}"), device=device, name=str(p))
-        t = t.view(tdtype) if tdtype != torch.bool else t.bool()
-    else:
+    if dt.names:  # a wrapped dtype
+        if dt not in _BY_WRAPPED:
+            raise FormatError(f"{p} holds an unknown structured dtype {dt}")
+        t = as_tensor(arr.view(f"i{dt.itemsize}"), device=device, name=str(p))
+        t = t.view(_BY_WRAPPED[dt]) if _BY_WRAPPED[dt] != torch.bool else t.bool()
+    elif dt.kind in "iu" or dt.kind == "f" and dt.itemsize <= 8:  # what save_tensor writes
         t = as_tensor(arr, device=device, name=str(p))
+    else:  # bool, complex, strings, datetimes, long double
+        raise FormatError(f"{p} holds dtype {dt}, which pefa_gpu never writes (real "
+                          f"floats and integers only; bool and bfloat16 as one-field records)")
     if meta is not None:
         want = (meta.get("dtype"), meta.get("shape", []))
         got = (dtype_name(t.dtype), list(t.shape))
@@ -294,8 +288,8 @@ def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = 
 def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
     """``root / rel`` (``root`` a real path) for a path a manifest names: relative, no ``..``,
     no link anywhere, a regular ``kind`` ("file" / "dir")."""
-    if not isinstance(rel, str) or not rel or rel.startswith("/") or "\\" in rel \
-            or any(part in ("", ".", "..") for part in rel.split("/")):
+    if not isinstance(rel, str) or "\\" in rel or any(
+            part in ("", ".", "..") for part in rel.split("/")):
         raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
                           f"paths inside itself)")
     path = root / rel
@@ -335,11 +329,10 @@ def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> di
         raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): "
                           f"{'nested too deeply' if isinstance(exc, RecursionError) else exc}"
                           ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
-        raise FormatError(f"{path} is not a {fmt} manifest (format="
-                          f"{manifest.get('format') if isinstance(manifest, dict) else None!r})")
+    if (got := manifest.get("format") if isinstance(manifest, dict) else None) != fmt:
+        raise FormatError(f"{path} is not a {fmt} manifest (format={got!r})")
     version = manifest.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool):
+    if type(version) is not int:  # JSON: bool is the only other int
         raise FormatError(f"{path} has no integer format_version (got {version!r})")
     if version != FORMAT_VERSION:
         age, todo = (("newer", "upgrade pefa_gpu to load it") if version > FORMAT_VERSION else
@@ -511,11 +504,8 @@ def _remove_stale(root: Path, name: str, keep: str | None) -> None:
     for entry in os.listdir(root):
         if entry == keep or not _ours(root, entry, name):
             continue
-        try:
-            if entry.startswith("."):
-                os.unlink(root / entry)
-            else:
-                shutil.rmtree(root / entry)
+        try:  # a manifest being written (a file) or a data folder
+            (os.unlink if entry.startswith(".") else shutil.rmtree)(root / entry)
         except OSError as exc:  # e.g. mapped files on Windows: the next save tries again
             log.warning("could not remove %s left by an earlier save: %s", root / entry, exc)
 
