@@ -114,7 +114,7 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
 def _check_shapes(model: Model, where: Path) -> None:
     """n_docs and dim agree with every loaded array and index (else FormatError)."""
     n, d = model.n_docs, model.dim
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in (n, d)):
+    if not all(type(v) is int and v > 0 for v in (n, d)):  # JSON values: not bool
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
     for name, (rows, cols) in model._saved_shapes().items():
         value = getattr(model, name, None) if name in type(model)._saved else None
@@ -160,9 +160,9 @@ def _save_value(folder: Path, name: str, value: Any, values: dict[str, Any]) -> 
 def _vectors_of(index: Index, t: Any) -> bool:
     """``t`` is the float32 exact ``index``'s matrix itself (the same memory)."""
     v = index.vectors if type(index) is ExactIndex else None
-    return isinstance(t, torch.Tensor) and v is not None and v.dtype == torch.float32 and \
-        t.dtype == v.dtype and t.device == v.device and t.shape == v.shape and \
-        t.stride() == v.stride() and t.data_ptr() == v.data_ptr()
+    return isinstance(t, torch.Tensor) and v is not None and v.dtype == torch.float32 and (
+        t.dtype, t.device, t.shape, t.stride(), t.data_ptr()) == (
+        v.dtype, v.device, v.shape, v.stride(), v.data_ptr())
 
 
 def _load_value(save: storage.SaveDir, name: str, entry: Any, device: torch.device,

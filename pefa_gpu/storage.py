@@ -398,8 +398,7 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
             raise FormatError(f"{p} is {what}: {size} bytes, the manifest says {info['bytes']}")
         if checksums and sha256_file(p) != info["sha256"]:
             raise FormatError(f"{p} is corrupted: its sha256 does not match the manifest")
-    extra = [rel for rel, st in _walk_files(data)
-             if rel not in manifest["files"] or not stat.S_ISREG(st.st_mode)]
+    extra = [rel for rel, _ in _walk_files(data) if rel not in manifest["files"]]
     if extra:
         raise FormatError(f"{data} holds {extra[:5]}, which {where} does not list")
     return SaveDir(root, data, manifest, where)

@@ -1,6 +1,6 @@
 """storage.py's checks on a small save written directly (no model): unsafe paths a manifest
-names, manifests that are not a pefa_gpu save's, and what a new save removes (its own leftovers,
-nothing else)."""
+names, manifests that are not a pefa_gpu save's, what a new save removes (its own leftovers,
+nothing else); persist.py's: an index saved by reference, n_docs and dim of a forged save."""
 
 from __future__ import annotations
 
@@ -8,11 +8,17 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
+import pefa_gpu as pg
 from pefa_gpu import storage
 from pefa_gpu.errors import FormatError
+from pefa_gpu.index import ExactIndex
+from pefa_gpu.persist import _vectors_of
+
+from conftest import unit_rows
 
 
 def small_save(path: Path) -> Path:
@@ -46,6 +52,32 @@ def test_a_files_table_naming_an_unsafe_path_is_refused(tmp_path, rel):
     edit_manifest(path, files={**files, rel: {"bytes": 1, "sha256": "0" * 64}})
     with pytest.raises(FormatError, match=f"unsafe path {rel!r}".replace("\\", "\\\\")):
         storage.open_save(path)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links, FIFOs")
+@pytest.mark.parametrize("what", ["file", "link", "fifo", "folder"])
+def test_a_listed_file_not_regular_or_an_unlisted_entry_is_refused(tmp_path, what):
+    def make(p: Path) -> None:
+        if what == "file":
+            p.write_bytes(b"x")
+        elif what == "link":
+            p.symlink_to(tmp_path / "outside.npy")
+        elif what == "fifo":
+            os.mkfifo(p)
+        else:
+            p.mkdir()
+            (p / "t.npy").write_bytes(b"x")
+    (tmp_path / "outside.npy").write_bytes(b"x")
+    path = small_save(tmp_path / "s")
+    data = storage.open_save(path).data
+    make(data / "extra.npy")
+    with pytest.raises(FormatError, match=r"extra\.npy.*does not list"):
+        storage.open_save(path)
+    if what != "file":
+        (data / "t.npy").unlink()
+        make(data / "t.npy")
+        with pytest.raises(FormatError, match=r"t\.npy (is not a regular file|leads through a sym)"):
+            storage.open_save(path)
 
 
 @pytest.mark.parametrize("body,match", [
@@ -84,3 +116,26 @@ def test_a_new_save_removes_only_the_leftovers_of_earlier_saves(tmp_path):
     assert sorted(os.listdir(path)) == sorted([*mine, "manifest.json", new])
     assert (path / "notes.txt").read_text() == "mine"
     assert (tmp_path / "target.txt").read_text() == "keep"
+
+
+# ---------------------------------------------------------------------------- persist.py
+
+def test_an_index_is_saved_as_a_reference_only_over_its_own_float32_memory():
+    m = torch.randn(6, 4)
+    index = ExactIndex({"dtype": "float32"}, "cpu").build(m)
+    v = index.vectors
+    assert _vectors_of(index, v) and _vectors_of(index, v.view(6, 4))
+    for other in (v.clone(), v[:5], v.T.contiguous().T, v.reshape(4, 6), v.numpy(), None):
+        assert not _vectors_of(index, other)
+    half = ExactIndex({"dtype": "float16"}, "cpu").build(m)
+    assert not _vectors_of(half, half.vectors)
+
+
+@pytest.mark.parametrize("value", [True, 60.0, "60", 0, -1, None])
+def test_n_docs_or_dim_not_a_positive_integer_is_refused(tmp_path, value):
+    pg.ERM(device="cpu").fit(unit_rows(np.random.default_rng(3), 60, 8)).save(tmp_path / "m")
+    state = json.loads((tmp_path / "m" / "manifest.json").read_text())["state"]
+    for name in ("n_docs", "dim"):
+        edit_manifest(tmp_path / "m", state={**state, name: {"kind": "json", "value": value}})
+        with pytest.raises(FormatError, match="n_docs and dim must be positive integers"):
+            pg.load(tmp_path / "m", device="cpu")
