@@ -111,10 +111,10 @@ def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
         raise FormatError(f"{p} holds {dt} in non-native byte order; pefa_gpu writes "
                           f"native (little-endian) arrays")
     if dt.names:  # a wrapped dtype
-        if dt not in _BY_WRAPPED:
+        if (tdtype := _BY_WRAPPED.get(dt)) is None:
             raise FormatError(f"{p} holds an unknown structured dtype {dt}")
         t = as_tensor(arr.view(f"i{dt.itemsize}"), device=device, name=str(p))
-        t = t.view(_BY_WRAPPED[dt]) if _BY_WRAPPED[dt] != torch.bool else t.bool()
+        t = t.view(tdtype) if tdtype != torch.bool else t.bool()
     elif dt.kind in "iu" or dt.kind == "f" and dt.itemsize <= 8:  # what save_tensor writes
         t = as_tensor(arr, device=device, name=str(p))
     else:  # bool, complex, strings, datetimes, long double

@@ -34,6 +34,24 @@ def edit_manifest(path: Path, **fields) -> None:
     (path / "manifest.json").write_text(json.dumps(m))
 
 
+@pytest.mark.parametrize("dtype", [torch.bool, torch.bfloat16, torch.float16, torch.float32,
+                                   torch.float64, torch.int8, torch.uint8, torch.int64])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_every_real_dtype_loads_back_bit_exact(tmp_path, dtype, mmap):
+    t = (torch.arange(-6, 6) * 1.37).reshape(3, 4).to(dtype)
+    meta = storage.save_tensor(tmp_path / "t", t.T)  # a transposed view too
+    back = storage.load_tensor(tmp_path / "t", "cpu", mmap=mmap, meta=meta)
+    assert back.dtype == dtype and torch.equal(back, t.T)
+
+
+@pytest.mark.parametrize("dtype", [[("x", "<u2")], [("bool", "u1"), ("b", "u1")],
+                                   [("bfloat16", "<i2")]], ids=str)
+def test_a_structured_dtype_pefa_gpu_does_not_write_is_refused(tmp_path, dtype):
+    np.save(tmp_path / "t.npy", np.zeros(3, dtype=dtype))
+    with pytest.raises(FormatError, match=r"t\.npy holds an unknown structured dtype"):
+        storage.load_tensor(tmp_path / "t", "cpu")
+
+
 UNSAFE = ["", "/etc/passwd", "a//t.npy", "./t.npy", "a/../t.npy", "..", "t.npy/", "a\\t.npy"]
 
 
