@@ -39,6 +39,7 @@ CHECKSUM_KEY = "manifest_sha256"
 DATA_PREFIX = "pefa-data-"
 DATA_MARKER = ".pefa-data"  # in every data folder, holding its name: proof that it is ours
 _TMP_TAG = ".pefa-tmp-"
+MAX_MANIFEST_BYTES = 64 * 2**20  # a manifest lists files: ~200 bytes each
 _DATA_NAME = re.compile(r"pefa-data-[0-9a-f]{16}\Z")
 
 # torch dtypes stored bit-exact -> (their bits in torch, their numpy dtype): to_numpy widens
@@ -319,10 +320,14 @@ def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> di
     """``root / name``: a ``fmt`` manifest of this version with a matching checksum."""
     path = Path(root) / name
     try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise FormatError(f"{path} is not a regular file (links are never followed)")
+        st = os.lstat(path)
     except FileNotFoundError:
         raise FormatError(f"{root} is not a {fmt} save: it has no {name}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{path} is not a regular file (links are never followed)")
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{path} is {st.st_size} bytes, more than a manifest's "
+                          f"{MAX_MANIFEST_BYTES} (not one pefa_gpu wrote)")
     try:
         manifest = strict_json(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -407,9 +412,9 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
 def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MANIFEST) -> Any:
     """``read()`` of the save at ``directory``, retried once if it fails while the save is
     replaced; twice is a :class:`FormatError`."""
-    def stamp() -> bytes | None:
+    def stamp() -> tuple[int, int, int] | None:  # os.replace gives a new inode
         try:
-            return (Path(directory) / name).read_bytes()
+            return _stamp(os.stat(Path(directory) / name))
         except OSError:
             return None
 

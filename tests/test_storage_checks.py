@@ -114,6 +114,21 @@ def test_a_manifest_of_another_format_is_refused_naming_what_it_holds(tmp_path, 
         storage.open_save(tmp_path)
 
 
+def test_a_manifest_larger_than_any_pefa_gpu_writes_is_refused_unread(tmp_path, monkeypatch):
+    """A forged multi-GB manifest.json is refused from its size, before it is read (here: the
+    limit lowered to just under a real one's size, so the file is small)."""
+    path = small_save(tmp_path / "s")
+    size = (path / "manifest.json").stat().st_size
+    monkeypatch.setattr(storage, "MAX_MANIFEST_BYTES", size - 1)
+    read = []
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: read.append(a) or "{}")
+    with pytest.raises(FormatError, match=rf"is {size} bytes, more than a manifest's {size - 1}"):
+        storage.open_save(path)
+    assert not read
+    monkeypatch.undo()  # the real limit: the same save opens
+    assert storage.open_save(path).manifest["note"] == "x"
+
+
 @pytest.mark.skipif(os.name != "posix", reason="symbolic links")
 def test_a_new_save_removes_only_the_leftovers_of_earlier_saves(tmp_path):
     path = small_save(tmp_path / "s")
