@@ -191,6 +191,17 @@ def test_a_killed_xl_build_leaves_scratch_that_the_next_build_removes(tmp_path):
     assert pp.read_stage(out, "build").n == P.shape[0]
 
 
+@pytest.mark.parametrize("name", ["../evil", "a/b", "a\\b", "", ".", "..", "/tmp/evil", 3])
+def test_a_shard_tensor_name_that_is_not_a_plain_file_name_is_refused(tmp_path, name):
+    """write_rows' name becomes a file in each shard's data folder: a path is refused before
+    anything is written (it wrote ../evil.npy beside the data folder)."""
+    x = np.ones((5, 2), np.float32)
+    with pytest.raises(InputError, match="must be a plain file name"):
+        pp.write_rows(x, tmp_path / "x", name=name)
+    assert sorted(p.name for p in tmp_path.rglob("*")) in ([], ["x"], ["shard-00000", "x"])
+    assert not list(tmp_path.rglob("*.npy"))
+
+
 def test_rows_take_reads_rows_across_shards(tmp_path):
     x = np.random.default_rng(3).standard_normal((250, 8)).astype(np.float32)
     rows = pp.Rows(pp.write_rows(x, tmp_path / "x", rows=100))

@@ -115,6 +115,11 @@ def commit_shard(w: PendingSave, fields: dict[str, Any], tensors: dict[str, Any]
                  matrices: dict[str, sp.spmatrix] | None = None, model: Model | None = None,
                  export_hnsw: bool = False) -> dict[str, Any]:
     """:func:`write_shard` into a shard being written (``writing_save``); its manifest."""
+    for name in [*(tensors or {}), *(matrices or {})]:  # files in the shard's data folder
+        if not isinstance(name, str) or not name.strip(".") or Path(name).name != name \
+                or "\\" in name:
+            raise InputError(f"a shard's tensor or matrix name must be a plain file name, got "
+                             f"{name!r}")
     tmeta = {name: save_tensor(w.data / name, as_tensor(t, name=name))
              for name, t in (tensors or {}).items()}
     mmeta = {name: save_csr(w.data / name, m) for name, m in (matrices or {}).items()}
