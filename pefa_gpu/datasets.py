@@ -54,8 +54,8 @@ class BeirDataset:
             raise InputError(f"{path} not found; splits here: {have}")
         pairs: dict[tuple[int, int], float] = {}
         listed = set()
-        lines = (line for _, line in text_lines(path))
-        for lineno, row in enumerate(csv.reader(lines, delimiter="\t"), start=1):
+        lines = csv.reader((line for _, line in text_lines(path)), delimiter="\t")
+        for lineno, row in enumerate(lines, start=1):
             if not row or (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
                                                                        "qid")):
                 continue
@@ -196,11 +196,10 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     if not path.is_file():
         raise InputError(f"pairs file {path} not found")
     index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
-    parquet = path.suffix.lower() in (".parquet", ".pq")
-    records = _parquet_records(path) if parquet else _tsv_records(path)
+    read = _parquet_records if path.suffix.lower() in (".parquet", ".pq") else _tsv_records
     keys: dict[str, int] = {}
     qrows, docs, weights = [], [], []
-    for where, q, d, w in records:
+    for where, q, d, w in read(path):
         if not q.strip():
             raise InputError(f"{where}: empty query")
         if queries is not None and q not in queries:
@@ -221,8 +220,7 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
                              None if binary else np.asarray(weights, dtype=np.float32),
                              shape=(len(keys), len(index)))
     qkeys = list(keys)
-    texts = [queries[k] for k in qkeys] if queries is not None else qkeys
-    return Pairs(path, qkeys, texts, y)
+    return Pairs(path, qkeys, qkeys if queries is None else [queries[k] for k in qkeys], y)
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
@@ -271,15 +269,12 @@ def _parquet_records(path: Path):
         return next((names.index(c) for c in choices if c in names),
                     pos if pos < len(names) else None)
 
-    qi, di = pick(_QUERY_COLS, 0), pick(_DOC_COLS, 1)
-    wi = pick(_WEIGHT_COLS, 2) if len(names) > 2 else None
-    if qi is None or di is None or len({qi, di, wi} - {None}) < (3 if wi is not None else 2):
+    picked = [pick(_QUERY_COLS, 0), pick(_DOC_COLS, 1), pick(_WEIGHT_COLS, 2)][:len(names)]
+    if len(picked) < 2 or len(set(picked)) < len(picked):
         raise InputError(f"{path}: needs columns (query, doc_id[, weight]), has "
                          f"{table.column_names}")
-    cols = [table.column(i).to_pylist() for i in (qi, di)]
-    ws = table.column(wi).to_pylist() if wi is not None else [None] * table.num_rows
-    for row, (q, d, w) in enumerate(zip(*cols, ws)):
+    for row, (q, d, *w) in enumerate(zip(*(table.column(i).to_pylist() for i in picked))):
         where = f"{path}: row {row}"
         if q is None or d is None:
             raise InputError(f"{where}: missing query or document id")
-        yield where, str(q), str(d).strip(), w
+        yield where, str(q), str(d).strip(), w[0] if w else None

@@ -91,8 +91,7 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
     P = to_numpy(pifa(ys["abs"], xs["abs"], normalize=True, device="cpu"))
     if missing := int(np.count_nonzero(ys["abs"].getnnz(axis=0) == 0)):
         log.warning("%s: %d of %d documents have no abstract row; their passage embedding is "
-                    "zero (ERM cannot rank them above 0)", xmc_root / FILES["abs"][0],
-                    missing, ys["abs"].shape[1])
+                    "zero (ERM cannot rank them above 0)", y_abs, missing, n)
     train = AUGMENTATIONS[aug]
     Q = np.ascontiguousarray(np.vstack([xs[s] for s in train]), dtype=np.float32)
     Y = sp.vstack([ys[s] for s in train], format="csr")

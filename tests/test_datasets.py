@@ -153,6 +153,32 @@ def test_pairs_parquet(tmp_path):
         load_pairs(p, DOCS)
 
 
+@pytest.mark.parametrize("columns,expected", [
+    ({"a": ["x", "y"], "b": ["b", "a"]}, [[0, 1, 0, 0], [1, 0, 0, 0]]),  # by position
+    ({"a": ["x", "y"], "b": ["b", "a"], "c": [2.0, 3.0]}, [[0, 2, 0, 0], [3, 0, 0, 0]]),
+    ({"label": [2.0, 3.0], "pid": ["b", "a"], "qid": ["x", "y"]}, [[0, 2, 0, 0], [3, 0, 0, 0]]),
+    ({"score": [2.0, 3.0], "query": ["x", "y"]}, None),  # doc_id by position is the query
+    ({"doc_id": ["b", "a"]}, None),
+    ({"query": ["x", "y"]}, None),
+])
+def test_pairs_parquet_columns_by_name_else_position(tmp_path, columns, expected):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    p = tmp_path / "pairs.pq"
+    pq.write_table(pa.table(columns), p)
+    if expected is None:
+        with pytest.raises(InputError, match="needs columns"):
+            load_pairs(p, DOCS, binary=False)
+        return
+    pairs = load_pairs(p, DOCS, binary=False)
+    assert pairs.query_keys == ["x", "y"]
+    np.testing.assert_array_equal(pairs.relevance.csr.toarray(), expected)
+    query_column = "qid" if "qid" in columns else "a"
+    pq.write_table(pa.table({**columns, query_column: ["x", None]}), p)
+    with pytest.raises(InputError, match="row 1: missing query"):
+        load_pairs(p, DOCS)
+
+
 def test_beir_null_text_and_title(tmp_path):
     root = write_beir(tmp_path / "d")
     with open(root / "corpus.jsonl", "a") as f:
