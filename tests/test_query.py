@@ -1,6 +1,7 @@
 """QueryAdapter and VectorPRF against float64 references written here, their saves, bad input."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -251,6 +252,12 @@ def test_bad_input():
     for kw in ({"k": 0}, {"k": 1.5}, {"beta": -0.1}, {"beta": float("nan")}):
         with pytest.raises(InputError):
             pg.VectorPRF(**kw)
+    for beta in (-0.1, float("nan"), float("inf"), True, "1", None):
+        with pytest.raises(InputError, match=f"beta must be a finite number >= 0, got "
+                                             f"{re.escape(repr(beta))}"):
+            pg.VectorPRF(beta=beta)
+    for beta in (0, 0.0, 2, np.float64(0.5)):  # any finite int or float >= 0
+        assert pg.VectorPRF(beta=beta).params.beta == beta
     a = pg.QueryAdapter(alpha=1.0, device="cpu")
     with pytest.raises(InputError, match="not fitted"):
         a(T)
