@@ -289,6 +289,26 @@ def test_ivf_nprobe_per_call(device):
     assert index.search_params.nprobe == 0 and index.nprobe == 32  # automatic: 5/8, >= 32
 
 
+@FAISS
+@pytest.mark.parametrize("params,match", [
+    ({"nlist": 10, "train_size": 5}, r"5 training vectors for nlist=10: k-means needs at "
+                                     r"least 10"),
+    ({"kind": "pq", "nlist": 4, "pq_m": 4, "pq_nbits": 12}, r"1024 training vectors for "
+     r"nlist=4 and 2\^12 codes a sub-quantizer: k-means needs at least 4096"),
+    ({"kind": "pq", "nlist": 4, "pq_m": 4, "train_size": 100}, r"needs at least 256")])
+def test_ivf_with_fewer_training_vectors_than_centres_is_refused_naming_them(params, match):
+    """faiss' own refusal was a RuntimeError naming its source line ('nx >= k')."""
+    x = unit_rows(np.random.default_rng(5), 2000, 32)
+    with pytest.raises(InputError, match=match):
+        make_index("ivf", "cpu", {**params, "threads": 1}).build(x)
+
+
+def test_ivf_pq_nbits_past_faiss_limit_is_refused():
+    with pytest.raises(InputError, match="pq_nbits"):
+        backend_class("ivf").Params(pq_nbits=25)
+    assert backend_class("ivf").Params(pq_nbits=24).pq_nbits == 24
+
+
 @pytest.mark.gpu
 def test_cagra_search_params_per_call():
     x, q = easy_data(19, n=5000)

@@ -15,7 +15,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from .base import IndexParams, checked, count, positive
+from .base import IndexParams, at_most, checked, count
 from ._faiss import faiss_has_gpu, faiss_search_parameters, host_float32
 from ._host import FaissBackend
 
@@ -31,7 +31,7 @@ class IVFParams(IndexParams):
     kind: str = checked("flat", check_choice, ("flat", "pq"))
     nlist: int = count(0, "automatic")
     pq_m: int = count(0, "automatic")
-    pq_nbits: int = positive(8)
+    pq_nbits: int = at_most(8, 24)  # faiss' limit; 2^pq_nbits codes a sub-quantizer
     train_size: int = count(0, "automatic")
     seed: int = count(0)
     threads: int = count(0, "all cores")
@@ -110,6 +110,11 @@ class IVFIndex(FaissBackend):
         if not self.on_gpu and not isinstance(x, np.ndarray):  # the move to the GPU failed
             x = host_float32(x, "vectors", check_finite=False)
         size = min(n, p.train_size or 256 * nlist)
+        need = max(nlist, 2**p.pq_nbits if p.kind == "pq" else 0)  # k-means: points >= centres
+        if size < need:
+            raise InputError(f"{size} training vectors for nlist={nlist}" + (
+                f" and 2^{p.pq_nbits} codes a sub-quantizer" if p.kind == "pq" else "") +
+                f": k-means needs at least {need}; raise train_size, or lower nlist / pq_nbits")
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
         self._rows = None
         self._call(index, "train", to_numpy(x[rows]))  # faiss GPU trains IVF on the CPU
