@@ -303,6 +303,16 @@ def test_ivf_with_fewer_training_vectors_than_centres_is_refused_naming_them(par
         make_index("ivf", "cpu", {**params, "threads": 1}).build(x)
 
 
+@SCANN
+def test_scann_with_fewer_training_vectors_than_leaves_is_refused_naming_them():
+    """ScaNN's own refusal was an untyped RuntimeError."""
+    x = unit_rows(np.random.default_rng(6), 600, 16)
+    with pytest.raises(InputError, match=r"50 training vectors for num_leaves=100: k-means "
+                                         r"needs at least 100"):
+        make_index("scann", "cpu", {"num_leaves": 100, "train_size": 50,
+                                    "brute_force_below": 10, "threads": 1}).build(x)
+
+
 def test_ivf_pq_nbits_past_faiss_limit_is_refused():
     with pytest.raises(InputError, match="pq_nbits"):
         backend_class("ivf").Params(pq_nbits=25)

@@ -91,6 +91,9 @@ class ScannIndex(HostBackend):
             if leaves > n:
                 raise InputError(f"num_leaves={leaves} is more than the {n} vectors")
             sample = min(n, p.train_size or 100_000)
+            if sample < leaves:
+                raise InputError(f"{sample} training vectors for num_leaves={leaves}: k-means "
+                                 f"needs at least {leaves}; raise train_size or lower num_leaves")
             threshold = float("nan") if p.anisotropic_threshold is None else p.anisotropic_threshold
             builder = (builder
                        .tree(num_leaves=leaves, num_leaves_to_search=auto_leaves_to_search(leaves),
