@@ -25,9 +25,8 @@ from .aggregate import normalize_rows, pifa
 from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_device
 from .errors import FormatError, InputError
 from .index import make_index
-from .index.base import check_number
 from .metrics import recall_at_k
-from .params import Params, check_held_out, check_positive
+from .params import Params, check_held_out, check_number, check_positive
 from .protocol import Model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries

@@ -179,16 +179,6 @@ def check_budget(value: Any, name: str, none_ok: bool = False) -> None:
                          f"{value!r}")
 
 
-def check_number(value: Any, name: str, none_ok: bool = False) -> None:
-    """A finite int or float (>= 0 unless ``none_ok``, which also allows None)."""
-    if none_ok and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not -float("inf") < value < float("inf") or (not none_ok and value < 0):
-        want = "a finite number or None" if none_ok else "a finite number >= 0"
-        raise InputError(f"{name} must be {want}, got {value!r}")
-
-
 def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> torch.Tensor:
     """Integer row ids (any shape) -> int64; InputError naming ids outside [0, ntotal) (and
     repeats if ``distinct``)."""

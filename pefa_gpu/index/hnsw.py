@@ -11,8 +11,8 @@ import numpy as np
 
 from ..arrays import DeviceLike
 from ..errors import FormatError
-from ..params import MAX_HNSW_EF, MAX_HNSW_M
-from .base import IndexParams, at_most, check_number, checked, count
+from ..params import MAX_HNSW_EF, MAX_HNSW_M, check_number
+from .base import IndexParams, at_most, checked, count
 from ._faiss import faiss_search_parameters, faiss_threads
 from ._host import FaissBackend
 

@@ -13,7 +13,8 @@ import numpy as np
 
 from ..arrays import DeviceLike
 from ..errors import FormatError, InputError
-from .base import IndexParams, check_number, checked, count, import_optional, positive
+from ..params import check_number
+from .base import IndexParams, checked, count, import_optional, positive
 from ._host import HostBackend, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
