@@ -56,7 +56,9 @@ if triton is not None:
                     xt = tl.load(x + rx[None, :] * d + (k0 + rk)[:, None],
                                  mask=(rx[None, :] < n) & ((k0 + rk)[:, None] < d), other=0.0)
                     acc = tl.dot(a, xt, acc)
-            # each query's best KEEP scores with their row ids, then the next score
+            # each query's best KEEP scores with their row ids, then the next score; a NaN score
+            # as +inf (its query is then unsettled), rows past n as -inf
+            acc = tl.where(acc == acc, acc, float("inf"))
             acc = tl.where(tb * BN + cols[None, :] < n, acc, float("-inf"))
             out, ok = rm.to(tl.int64) * tiles + tb, rm < b
             for j in tl.static_range(KEEP):
@@ -107,9 +109,7 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
     vals = torch.empty(b, tiles, KEEP, device=rows.device)
     ids = torch.empty(b, tiles, KEEP, device=rows.device, dtype=torch.int32)
     after = torch.empty(b, tiles, device=rows.device)  # the (KEEP + 1)-th score of each tile
-    odd = ~torch.isfinite(q).all(1)  # NaN / inf queries: scored by the caller, zeros here
-    q = q.masked_fill(odd.unsqueeze(1), 0.0)
-    if rows.is_cuda:
+    if rows.is_cuda:  # the kernel is launched first, the queries checked after it
         q = q.to(rows.dtype)
     else:  # Triton's interpreter: float32 (exact products), its bfloat16 dots are wrong
         q, rows = q.float().to(rows.dtype).float(), rows.float()
@@ -134,7 +134,9 @@ def tile_topw(q: torch.Tensor, rows: torch.Tensor, w: int
     top, pos = torch.topk(vals.view(b, -1), w, dim=1)
     top, ids, unsettled = _score_worst_tiles(q, rows, top, ids.view(b, -1).gather(1, pos).long(),
                                              after)
-    return top, ids, unsettled | odd | ~torch.isfinite(top).all(1)  # odd: inf, NaN
+    odd = ~torch.isfinite(q).all(1)  # NaN / inf queries (in rows' dtype): scored by the caller
+    top = top.masked_fill(odd.unsqueeze(1), 0.0)  # (their lists: any order, NaN first or not)
+    return top, ids, unsettled | odd | ~torch.isfinite(top).all(1)
 
 
 def _score_worst_tiles(q: torch.Tensor, rows: torch.Tensor, top: torch.Tensor, ids: torch.Tensor,

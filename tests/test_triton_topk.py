@@ -196,6 +196,26 @@ def test_rows_with_nan_or_inf_scores_go_to_score_blocks(device, monkeypatch):
     assert torch.equal(got[0].isnan(), blocks[0].isnan())
 
 
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scores_beyond_float32_of_finite_queries_go_to_score_blocks(device, monkeypatch):
+    dev = kernel_device(device)
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((3000, 8)).astype(np.float32)
+    x[40, :2] = 1e30  # with q[1]: 2e60, inf in float32 (products exact or not)
+    q = rng.standard_normal((3, 8)).astype(np.float32)
+    q[1, :2] = 1e30
+    rows = stored(x, torch.bfloat16, dev)
+    assert tt.tile_topw(torch.from_numpy(q).to(dev), rows, 5)[2].tolist() == \
+        [False, True, False]
+    index = make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    got = index.search(torch.from_numpy(q).to(dev), 5)
+    monkeypatch.setattr(tt, "usable", lambda rows, w: False)
+    blocks = index.search(torch.from_numpy(q).to(dev), 5)
+    assert not blocks[0][1].isfinite().all()  # the reference holds the score ...
+    assert torch.equal(got[1], blocks[1])  # ... and the tiles' search the same ids
+    assert torch.equal(got[0].isnan(), blocks[0].isnan())
+
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
