@@ -253,8 +253,9 @@ def test_cuda_vote_sums_equal_numpy_to_the_bit_run_after_run(k, divisor):
 
 def _fake_cuda_memory(monkeypatch, free, reserved, allocated):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+    stats = {"reserved_bytes": {"all": {"current": reserved}},
+             "allocated_bytes": {"all": {"current": allocated}}} if reserved else {}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: stats)
 
 
 def test_default_budget_is_256_mib_on_cpu_and_a_quarter_of_free_cuda_memory(monkeypatch):

@@ -296,8 +296,10 @@ def default_memory_budget(device: torch.device) -> int:
     if device.type != "cuda":
         return 256 * 2**20
     free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return max(2**16, (free + cached) // 4)
+    stats = torch.cuda.memory_stats_as_nested_dict(device)  # {} before torch's first allocation
+    cached = [stats.get(f"{kind}_bytes", {}).get("all", {}).get("current", 0)
+              for kind in ("reserved", "allocated")]
+    return max(2**16, (free + cached[0] - cached[1]) // 4)
 
 
 def canonical_scores(q: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
