@@ -1,7 +1,8 @@
 """Variants timed side by side on a GPU, to choose designs for the GPU check's targets:
 exact search's top-k selection, PEFA-XL's cost split (its two searches, the fusion by batch
 size, a scipy sparse-product merge of the same searches), PIFA's host and device parts, and
-where host synchronisations happen, and a kernel-level profile of an exact and an XL search.
+where host synchronisations happen, a kernel-level profile of an exact and an XL search, and
+the host's time before exact search's Triton launch (``host``).
 
     python3 benchmarks/gpu_variants.py --out DIR            # on CUDA (about 2 minutes)
     python3 benchmarks/gpu_variants.py --out DIR --dry-run  # on the CPU, tiny shapes
@@ -294,6 +295,69 @@ def part_timeline(s: dict, dev: str) -> dict[str, Any]:
     return out
 
 
+def part_host(s: dict, dev: str) -> dict[str, Any]:
+    """The host's share of one exact search (bf16 rows), after a synchronisation: seconds from
+    the call to the Triton kernel's launch, in the launch, and from it to the return (the
+    search synchronises once: the device's time too); medians of 10 after 3. The search's
+    CUDA-event time beside them, and cProfile's top functions over 10 searches and 10 tile_topw
+    calls."""
+    import cProfile
+    import pstats
+
+    from pefa_gpu import triton_topk as tt
+
+    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
+    tt.ON_CPU = dev == "cpu"
+    x = unit(n, d, dev, 0).to(torch.bfloat16)
+    q = unit(b, d, dev, 1)
+    index = pg.make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    kernel, stamps, share = tt._tile_best_kernel, [], tt.UNSETTLED_SHARE
+    tt.UNSETTLED_SHARE = 1e9 if dev == "cpu" else share  # a dry run's small index: tiles too
+
+    class Stamped:  # the kernel, its launch stamped
+        def __getitem__(self, grid):
+            launch = kernel[grid]
+
+            def run(*args, **kwargs):
+                stamps.append(time.perf_counter())
+                launch(*args, **kwargs)
+                stamps.append(time.perf_counter())
+            return run
+
+    out: dict[str, Any] = {"events_s": median_seconds(lambda: index.search(q, k), dev)}
+    tt._tile_best_kernel = Stamped()
+    try:
+        for name, fn in [("search", lambda: index.search(q, k)),
+                         ("topw", lambda: tt.tile_topw(q, x, k + 8))]:
+            parts = []
+            for _ in range(13):
+                sync()
+                stamps.clear()
+                t = time.perf_counter()
+                fn()
+                end = time.perf_counter()
+                parts.append((stamps[0] - t, stamps[1] - stamps[0], end - stamps[1]))
+            for i, what in enumerate(["to_launch_s", "launch_s", "after_launch_s"]):
+                out[f"{name}_{what}"] = float(np.median([p[i] for p in parts[3:]]))
+    finally:
+        tt._tile_best_kernel, tt.UNSETTLED_SHARE = kernel, share
+    for name, fn in [("search", lambda: index.search(q, k)),
+                     ("topw", lambda: tt.tile_topw(q, x, k + 8))]:
+        sync()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(10):
+            fn()
+        prof.disable()
+        sync()
+        top = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:15]
+        out[f"{name}_cprofile_own_ms_per_call"] = [  # [function, own ms, cumulative ms] a call
+            [f"{Path(f).name}:{line} {fn}", round(st[2] * 100, 3), round(st[3] * 100, 3)]
+            for (f, line, fn), st in top]  # by own time
+    return out
+
+
 def kernel_table(fn: Callable[[], Any], dev: str, top: int = 12) -> dict[str, Any]:
     """One call of ``fn`` under torch.profiler (after a warm-up): wall ms, the sum of its
     device kernels' ms, and the ``top`` kernels by device time [name, ms, calls] (calls 12
@@ -344,7 +408,7 @@ def part_profile(s: dict, dev: str) -> dict[str, Any]:
 
 PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa,
          "tiles": part_tiles, "profile": part_profile, "gaps": part_gaps,
-         "timeline": part_timeline}
+         "timeline": part_timeline, "host": part_host}
 
 
 def main() -> None:
