@@ -196,7 +196,6 @@ def test_rows_with_nan_or_inf_scores_go_to_score_blocks(device, monkeypatch):
     assert torch.equal(got[0].isnan(), blocks[0].isnan())
 
 
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_scores_beyond_float32_of_finite_queries_go_to_score_blocks(device, monkeypatch):
     dev = kernel_device(device)
@@ -215,6 +214,7 @@ def test_scores_beyond_float32_of_finite_queries_go_to_score_blocks(device, monk
     assert not blocks[0][1].isfinite().all()  # the reference holds the score ...
     assert torch.equal(got[1], blocks[1])  # ... and the tiles' search the same ids
     assert torch.equal(got[0].isnan(), blocks[0].isnan())
+
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
