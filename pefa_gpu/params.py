@@ -111,12 +111,17 @@ def check_at_most(value: Any, name: str, top: int) -> int:
     return value
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+        -float("inf") < value < float("inf")
+
+
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:
     """A finite int or float (>= 0 unless ``none_ok``, which also allows None)."""
     if none_ok and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not -float("inf") < value < float("inf") or (not none_ok and value < 0):
+    if not is_number(value) or (not none_ok and value < 0):
         want = "a finite number or None" if none_ok else "a finite number >= 0"
         raise InputError(f"{name} must be {want}, got {value!r}")
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,7 @@ from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_dev
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
-from .params import Params, check_held_out, check_number, check_positive
+from .params import Params, check_held_out, check_number, check_positive, is_number
 from .protocol import Model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
@@ -49,7 +48,7 @@ class AdapterParams(Params):
     seed: int = 0
 
     def validate(self) -> None:
-        if self.alpha is not None and not (_number(self.alpha) and self.alpha > 0):
+        if self.alpha is not None and not (is_number(self.alpha) and self.alpha > 0):
             raise InputError(f"alpha must be None or a finite number > 0, got {self.alpha!r}")
         check_held_out(self.val_fraction, self.seed)
 
@@ -64,11 +63,6 @@ class PRFParams(Params):
     def validate(self) -> None:
         check_positive(self.k, "k")
         check_number(self.beta, "beta")
-
-
-def _number(x: Any) -> bool:
-    """``x`` is a finite int or float (not a bool)."""
-    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +188,7 @@ class QueryAdapter(_Saved):
         w = storage.load_tensor(save.file(meta.get("file")), out.device, meta=meta)
         a = m.get("fitted_alpha")
         if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] \
-                or not (_number(a) and a > 0) or not bool(torch.isfinite(w).all()):
+                or not (is_number(a) and a > 0) or not bool(torch.isfinite(w).all()):
             raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix and "
                               f"fitted_alpha a number > 0, got {w.dtype} {tuple(w.shape)}, "
                               f"{a!r}")
