@@ -23,9 +23,8 @@ def normalize_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def normalize_rows_(a: torch.Tensor) -> torch.Tensor:
-    """Π in place on a (rows, d) float32 tensor, safe at any magnitude float32 holds (each row
-    is first divided by its largest |entry|); rows holding inf / NaN become NaN (a warning
-    names them, on the CPU)."""
+    """Π in place on a (rows, d) float32 tensor, overflow-safe (each row first divided by its
+    largest |entry|); rows holding inf / NaN become NaN (named in a warning on the CPU)."""
     for s in range(0, a.shape[0], _BLOCK):
         b = a[s:s + _BLOCK]
         top = b.abs().amax(dim=1, keepdim=True) if b.shape[1] else b[:, :1]
@@ -77,8 +76,7 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
         raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")
     check_initial(initial, rel.shape[1], q.shape[1], dev)
     a = transposed_csr(rel.csr, q.device) @ q  # torch's CSR product (cuSPARSE on CUDA)
-    if initial is not None:
-        a = initial.add_(a)
+    a = a if initial is None else initial.add_(a)
     return normalize_rows_(a) if normalize else a
 
 

@@ -57,9 +57,8 @@ def check_initial(initial: torch.Tensor | None, n: int, d: int, device: torch.de
 def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
                   memory_budget: int | None, kernel: str = "auto",
                   initial: torch.Tensor | None = None) -> torch.Tensor:
-    """Yᵀ Q: (m x n) relevance, ``src`` (m, d) -> (n, d) float32 on ``device``, accumulated
-    in place into ``initial`` when given (a contiguous (n, d) float32 tensor there).
-    ``kernel``: 'auto' (scipy on the CPU, index_add on CUDA), 'scipy' or 'index_add'."""
+    """Yᵀ Q: (m x n) relevance, ``src`` (m, d) -> (n, d) float32 on ``device``, summed into
+    ``initial`` if given; ``kernel``: 'auto' (CPU: scipy, CUDA: index_add), 'scipy', 'index_add'."""
     (m, n), d = rel.shape, src.dim
     budget = max(DEFAULT_BUDGET, n * d * 4 + DEFAULT_BUDGET // 2) if memory_budget is None \
         else check_positive(memory_budget, "memory_budget")

@@ -145,11 +145,10 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     batch_size = check_positive(batch_size, "batch_size")
     info = read_stage(build, "build")
     topk = check_topk(topk, info.n)
-    if lam is not None:
-        check_unit_interval(lam, "lam")
-    for v, what in ((k, "k"), (candidates, "candidates")):
+    for v, what, check in ((lam, "lam", check_unit_interval), (k, "k", check_positive),
+                           (candidates, "candidates", check_positive)):
         if v is not None:
-            check_positive(v, what)
+            check(v, what)
     if isinstance(queries, (str, Path)):
         source = Rows(queries)
         if source.dim != info.dim:
