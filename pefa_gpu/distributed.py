@@ -49,11 +49,10 @@ def connect(address: str = "local", workers: int | None = None,
         check_positive(workers, "workers")
     started = not ray.is_initialized()
     if started:  # workers' output and INFO lines stay in Ray's log files
-        init_kwargs = {"log_to_driver": False, "logging_level": logging.WARNING, **init_kwargs}
-        if address == "local":
-            ray.init(num_cpus=workers, include_dashboard=False, **init_kwargs)
-        else:
-            ray.init(address=address, **init_kwargs)
+        where = ({"num_cpus": workers, "include_dashboard": False} if address == "local"
+                 else {"address": address})
+        ray.init(**where, **{"log_to_driver": False, "logging_level": logging.WARNING,
+                             **init_kwargs})
     try:
         yield RayRunner(workers)
     finally:
