@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mmap
 import os
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -85,8 +84,7 @@ class MemmapSource(RowSource):
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         if self._file is not None:
-            yield from _pread_chunks(*self._file, self.rows, self.dim * self.dtype.itemsize,
-                                     max_rows, buffers)
+            yield from self._pread(max_rows, buffers)
             return
         step = max(1, _RELEASE_BYTES // max(1, self.dim * self.dtype.itemsize))
         for i, s in enumerate(range(0, self.rows, max_rows)):
@@ -98,6 +96,29 @@ class MemmapSource(RowSource):
                 self._release(view)
             yield s, buf
 
+    def _pread(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
+        """The rows read from the map's file into ``buffers``, kept out of the page cache."""
+        (path, offset), rows, row_bytes = self._file, self.rows, self.dim * self.dtype.itemsize
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for i, s in enumerate(range(0, rows, max_rows)):
+                r = min(max_rows, rows - s)
+                buf = buffers[i % len(buffers)][:r]
+                mv = memoryview(buf.reshape(-1).view(np.uint8))
+                pos, want, got = offset + s * row_bytes, r * row_bytes, 0
+                while got < want:
+                    k = os.preadv(fd, [mv[got:]], pos + got)
+                    if k <= 0:
+                        raise InputError(f"{path}: unexpected end of file at byte {pos + got}")
+                    got += k
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, pos, want, os.POSIX_FADV_DONTNEED)
+                yield s, buf
+        finally:
+            os.close(fd)
+
     def _release(self, view: np.ndarray) -> None:
         if self._base is None or view.size == 0:
             return
@@ -107,30 +128,6 @@ class MemmapSource(RowSource):
             self._mm.madvise(mmap.MADV_DONTNEED, start, hi - self._base - start)
         except (OSError, ValueError):  # not fatal: resident memory may just grow
             self._base = None
-
-
-def _pread_chunks(path: str | Path, offset: int, rows: int, row_bytes: int, max_rows: int,
-                  buffers: list[np.ndarray]) -> Chunks:
-    """C-ordered rows at ``offset`` of ``path`` read into ``buffers``, out of the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        for i, s in enumerate(range(0, rows, max_rows)):
-            r = min(max_rows, rows - s)
-            buf = buffers[i % len(buffers)][:r]
-            mv = memoryview(buf.reshape(-1).view(np.uint8))
-            pos, want, got = offset + s * row_bytes, r * row_bytes, 0
-            while got < want:
-                k = os.preadv(fd, [mv[got:]], pos + got)
-                if k <= 0:
-                    raise InputError(f"{path}: unexpected end of file at byte {pos + got}")
-                got += k
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, pos, want, os.POSIX_FADV_DONTNEED)
-            yield s, buf
-    finally:
-        os.close(fd)
 
 
 class IteratorSource(RowSource):
