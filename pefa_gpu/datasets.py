@@ -263,13 +263,9 @@ def _parquet_records(path: Path):
     except Exception as exc:
         raise InputError(f"{path}: not a readable parquet file ({exc})") from None
     names = [c.lower() for c in table.column_names]
-
-    def pick(choices: tuple[str, ...], pos: int) -> int | None:
-        """The first of ``choices`` among the columns, else column ``pos`` if there is one."""
-        return next((names.index(c) for c in choices if c in names),
-                    pos if pos < len(names) else None)
-
-    picked = [pick(_QUERY_COLS, 0), pick(_DOC_COLS, 1), pick(_WEIGHT_COLS, 2)][:len(names)]
+    # query, doc, weight: the first of their names among the columns, else their position
+    picked = [next((names.index(c) for c in choices if c in names), pos) for pos, choices
+              in enumerate((_QUERY_COLS, _DOC_COLS, _WEIGHT_COLS))][:len(names)]
     if len(picked) < 2 or len(set(picked)) < len(picked):
         raise InputError(f"{path}: needs columns (query, doc_id[, weight]), has "
                          f"{table.column_names}")

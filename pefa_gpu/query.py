@@ -25,7 +25,7 @@ from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_dev
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
-from .params import Params, check_held_out, check_number, check_positive, is_number
+from .params import Params, check_held_out, check_number, check_positive, checked, is_number
 from .protocol import Model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
@@ -57,12 +57,8 @@ class AdapterParams(Params):
 class PRFParams(Params):
     """k: feedback documents per query; beta: their mean's weight (a finite number >= 0)."""
 
-    k: int = 3
-    beta: float = 0.5
-
-    def validate(self) -> None:
-        check_positive(self.k, "k")
-        check_number(self.beta, "beta")
+    k: int = checked(3, check_positive)
+    beta: float = checked(0.5, check_number)
 
 
 def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,10 +129,8 @@ class QueryAdapter(_Saved):
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         t = pifa(rel.transpose(), p, device=p.device)  # T = Π(Y P): (m, d)
-        alpha = self.params.alpha
         self.validation = {}
-        if alpha is None:
-            alpha = self._choose_alpha(p, q, t, rel)
+        alpha = self.params.alpha or self._choose_alpha(p, q, t, rel)  # a set alpha is > 0
         self.W = _solve(*_normal_equations(q, t), alpha).float()
         self.fitted_alpha = float(alpha)
         return self
@@ -266,13 +260,12 @@ class QueryModel(_Saved):
 
     def save(self, directory: str | Path) -> None:
         """Write the model, adapter and feedback settings into ``directory`` atomically."""
+        parts = {k: v for k, v in (("model", self.model), ("adapter", self.adapter),
+                                   ("prf", self.prf)) if v is not None}
         with storage.writing_save(directory) as w:
-            parts = {"model": self.model, "adapter": self.adapter, "prf": self.prf}
             for name, part in parts.items():
-                if part is not None:
-                    part.save(w.data / name)
-            w.commit({**self._header(), "parts": {k: k for k, v in parts.items()
-                                                 if v is not None}})
+                part.save(w.data / name)
+            w.commit({**self._header(), "parts": {k: k for k in parts}})
 
     @classmethod
     def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "QueryModel":

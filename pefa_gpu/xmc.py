@@ -100,8 +100,6 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
                    sources={s: int(ys[s].shape[0]) for s in train})
 
 
-# ------------------------------------------------------------------------------ files
-
 def _folder(path: str | Path, what: str) -> Path:
     root = Path(path).expanduser()
     if not root.is_dir():
