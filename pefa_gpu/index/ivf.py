@@ -69,6 +69,7 @@ class IVFIndex(FaissBackend):
     SearchParams = IVFSearchParams
     gpu_max_k: ClassVar[int] = 2048
     gpu_max_nprobe: ClassVar[int] = 2048  # faiss GPU's k-selection limit (without cuVS)
+    saved_kinds = {"IndexIVFFlat": "flat", "IndexIVFPQ": "pq"}
 
     def __init__(self, params: IVFParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
@@ -97,8 +98,12 @@ class IVFIndex(FaissBackend):
         """Train on a seeded sample of ``x`` (n, d) and add them all."""
         (n, d), p, f = x.shape, self.params, self._faiss
         nlist = p.nlist or auto_nlist(n)
-        if nlist > n:
-            raise InputError(f"nlist={nlist} is more than the {n} vectors to train on")
+        size = min(n, p.train_size or 256 * nlist)
+        need = max(nlist, 2**p.pq_nbits if p.kind == "pq" else 0)  # k-means: points >= centres
+        if size < need:
+            raise InputError(f"{size} training vectors for nlist={nlist}" + (
+                f" and 2^{p.pq_nbits} codes a sub-quantizer" if p.kind == "pq" else "") +
+                f": k-means needs at least {need}; raise train_size, or lower nlist / pq_nbits")
         if p.kind == "flat":
             spec = f"IVF{nlist},Flat"
         else:
@@ -109,12 +114,6 @@ class IVFIndex(FaissBackend):
         index = self._to_device(f.index_factory(d, spec, f.METRIC_INNER_PRODUCT))
         if not self.on_gpu and not isinstance(x, np.ndarray):  # the move to the GPU failed
             x = host_float32(x, "vectors", check_finite=False)
-        size = min(n, p.train_size or 256 * nlist)
-        need = max(nlist, 2**p.pq_nbits if p.kind == "pq" else 0)  # k-means: points >= centres
-        if size < need:
-            raise InputError(f"{size} training vectors for nlist={nlist}" + (
-                f" and 2^{p.pq_nbits} codes a sub-quantizer" if p.kind == "pq" else "") +
-                f": k-means needs at least {need}; raise train_size, or lower nlist / pq_nbits")
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
         self._rows = None
         self._call(index, "train", to_numpy(x[rows]))  # faiss GPU trains IVF on the CPU
@@ -163,17 +162,12 @@ class IVFIndex(FaissBackend):
     def _set_search_defaults(self, index: Any) -> None:
         index.nprobe = self.nprobe
 
-    @classmethod
-    def load(cls, directory: str | Path, params: IVFParams | dict | None = None,
-             device: DeviceLike = None) -> "IVFIndex":
-        index, kind = cls._read(directory, {"IndexIVFFlat": "flat", "IndexIVFPQ": "pq"})
-        out = cls(params, device)
-        if kind != out.params.kind:
+    def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
+        if kind != self.params.kind:
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
-                              f"kind={out.params.kind!r}")
-        _check_lists(out._faiss, index, directory)
-        out._index, out._dim = out._to_device(index), int(index.d)
-        return out
+                              f"kind={self.params.kind!r}")
+        _check_lists(self._faiss, index, directory)
+        return self._to_device(index)
 
 
 def _check_lists(faiss: Any, index: Any, directory: str | Path) -> None:
