@@ -163,30 +163,27 @@ class IVFIndex(FaissBackend):
         index.nprobe = self.nprobe
 
     def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
+        """FormatError unless the saved index is of ``params.kind`` with one centroid a list
+        (faiss reads more, and its search then aborted the process in 1.13), IVF-PQ codes of
+        the lists' size (faiss reads a product quantizer of another) and the ids 0..ntotal-1 in
+        its lists, each once; then moved to the GPU where wanted."""
         if kind != self.params.kind:
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={self.params.kind!r}")
-        _check_lists(self._faiss, index, directory)
+        lists, n, q = index.invlists, int(index.ntotal), index.quantizer
+        codes = getattr(index, "pq", index)  # IVF-Flat: its own
+        if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
+                index.nlist, index.d, index.nlist, index.d, index.code_size):
+            raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
+                              f"dimension {q.d}, {lists.nlist} lists and codes of "
+                              f"{codes.code_size} bytes for nlist={index.nlist}, d={index.d}, "
+                              f"code size {index.code_size}: a forged or corrupted index")
+        ids = [self._faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
+               for i in range(index.nlist) if lists.list_size(i)]
+        ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        if ids.size != n or (n and (ids.min() < 0 or ids.max() >= n
+                                    or np.bincount(ids, minlength=n).max() > 1)):
+            span = f"{ids.min()}..{ids.max()}" if ids.size else "-..-"
+            raise FormatError(f"{directory}: the IVF lists hold {ids.size} ids ({span}), not "
+                              f"each of 0..{n - 1} once: a forged or corrupted index")
         return self._to_device(index)
-
-
-def _check_lists(faiss: Any, index: Any, directory: str | Path) -> None:
-    """FormatError unless a saved IVF index has one centroid a list (faiss reads more, and its
-    search then aborted the process in 1.13), IVF-PQ codes of the lists' size (faiss reads a
-    product quantizer of another) and the ids 0..ntotal-1 in its lists, each once."""
-    lists, n, q = index.invlists, int(index.ntotal), index.quantizer
-    codes = getattr(index, "pq", index)  # IVF-Flat: its own
-    if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
-            index.nlist, index.d, index.nlist, index.d, index.code_size):
-        raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
-                          f"dimension {q.d}, {lists.nlist} lists and codes of {codes.code_size} "
-                          f"bytes for nlist={index.nlist}, d={index.d}, code size "
-                          f"{index.code_size}: a forged or corrupted index")
-    ids = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
-           for i in range(index.nlist) if lists.list_size(i)]
-    ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    if ids.size != n or (n and (ids.min() < 0 or ids.max() >= n
-                                or np.bincount(ids, minlength=n).max() > 1)):
-        raise FormatError(f"{directory}: the IVF lists hold {ids.size} ids "
-                          f"({ids.min() if ids.size else '-'}..{ids.max() if ids.size else '-'})"
-                          f", not each of 0..{n - 1} once: a forged or corrupted index")
