@@ -19,7 +19,7 @@ from ..params import Params
 from ..storage import strict_json
 from ._faiss import (device_float32, faiss_pointer, faiss_threads, host_float32, import_faiss,
                      normalise_results, on_current_stream, search_tensors)
-from .base import Index, VectorIndex, empty_results
+from .base import Index, check_row_ids, empty_results
 from .exact import ExactIndex
 
 FAISS_FILE = "index.faiss"
@@ -138,14 +138,14 @@ class HostBackend(Index):
             self._fallback = ExactIndex(device=self.device).build(self._stored_vectors())
         return self._fallback.search(as_tensor(q, device=self.device).float(), k)
 
-    reconstruct = VectorIndex.reconstruct  # ids checked, then rows_unchecked
-
-    def rows_unchecked(self, ids: torch.Tensor) -> torch.Tensor:
+    def reconstruct(self, ids: Any) -> torch.Tensor:
         """On the GPU a gather from the device copy of the rows (:meth:`_stored_vectors`)."""
+        where = self.device if self.on_gpu else "cpu"
+        i = check_row_ids(as_tensor(ids, device=where, name="ids"), self.ntotal)
         if self.on_gpu:
-            return self._stored_vectors()[ids]
-        rows = self._read_rows(np.ascontiguousarray(to_numpy(ids.flatten()), dtype=np.int64))
-        return as_tensor(rows, device=self.device).reshape(*ids.shape, self.dim)
+            return self._stored_vectors()[i]
+        rows = self._read_rows(np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64))
+        return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:
         """The stored rows ``ids`` (r,) int64 -> (r, d) float32."""
