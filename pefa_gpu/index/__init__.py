@@ -47,8 +47,7 @@ def make_index(backend: str, device: DeviceLike = None, params: Params | dict | 
     """A new, empty index: ``params`` its build settings, ``search_params`` its search
     defaults (the backend's Params / SearchParams, or dicts)."""
     index = backend_class(backend)(params, device)
-    if search_params is not None:
-        index.search_params = search_params
+    index.search_params = search_params  # None: the defaults
     return index
 
 

@@ -119,7 +119,11 @@ class HostBackend(Index):
         """:meth:`search`'s results where the library leaves them (the CPU or the GPU)."""
         k = check_topk(k, self.ntotal, "k")
         sp = self.resolve_search_params(params)
-        q = self._queries(queries, check_finite)
+        if self.on_gpu:  # faiss reads the tensor where it is: no host copy, values not read
+            q = as_tensor(queries, device=self.device, dtype=torch.float32,
+                          name="queries").detach()
+        else:
+            q = host_float32(queries, "queries", check_finite=check_finite)
         self.check_queries(q)
         if q.shape[0] == 0 or self.ntotal == 0:
             return empty_results(q.shape[0], k, self.device)
@@ -127,12 +131,6 @@ class HostBackend(Index):
             return self._exact_search(q, k)
         scores, ids = self._raw_search(q, min(k, self.ntotal), sp)
         return normalise_results(as_tensor(scores), as_tensor(ids), k)
-
-    def _queries(self, queries: Any, check_finite: bool) -> Any:
-        if self.on_gpu:  # faiss reads the tensor where it is: no host copy, values not read
-            return as_tensor(queries, device=self.device, dtype=torch.float32,
-                             name="queries").detach()
-        return host_float32(queries, "queries", check_finite=check_finite)
 
     def _exact_search(self, q: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """An exact search over the stored rows, on the index's device."""
@@ -160,7 +158,9 @@ class HostBackend(Index):
 
 class FaissBackend(HostBackend):
     """A faiss index; ``_faiss_params(params, k)``: a search's faiss settings,
-    ``_set_search_defaults(index)``: ``search_params`` written into the faiss index."""
+    ``_set_search_defaults(index)``: ``search_params`` written into the faiss index;
+    ``saved_kinds``: faiss class names a save may hold -> their kinds, ``_adopt(index, kind,
+    directory)``: a read index checked against ``params`` (FormatError), as it will be held."""
 
     def __init__(self, params: Any = None, device: DeviceLike = None):
         super().__init__(params, device)
@@ -206,17 +206,20 @@ class FaissBackend(HostBackend):
         self._faiss.write_index(cpu, str(directory / FAISS_FILE))
 
     @classmethod
-    def _read(cls, directory: str | Path, kinds: dict[str, str]) -> tuple[Any, str]:
-        """The saved faiss index and its kind: ``kinds`` maps faiss class names to kinds; an
-        index of another class or metric is a FormatError."""
+    def load(cls, directory: str | Path, params: Params | dict | None = None,
+             device: DeviceLike = None) -> "FaissBackend":
+        """Read ``index.faiss``: an inner-product index of a class in ``saved_kinds`` that
+        :meth:`_adopt` accepts, else FormatError (search settings are not part of it)."""
         path = cls._saved_file(directory, FAISS_FILE)
         faiss = import_faiss()
         try:
             index = faiss.read_index(str(path))
         except Exception as exc:  # faiss raises RuntimeError on a corrupt file
             raise FormatError(f"{path} could not be read by faiss: {exc}") from exc
-        kind = kinds.get(type(index).__name__)
+        kind = cls.saved_kinds.get(type(index).__name__)
         if kind is None or index.metric_type != faiss.METRIC_INNER_PRODUCT:
-            raise FormatError(f"{directory}: expected an inner-product {' or '.join(kinds)}, "
-                              f"found {type(index).__name__}")
-        return index, kind
+            raise FormatError(f"{directory}: expected an inner-product "
+                              f"{' or '.join(cls.saved_kinds)}, found {type(index).__name__}")
+        out = cls(params, device)
+        out._index, out._dim = out._adopt(index, kind, directory), int(index.d)
+        return out

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import DeviceLike
 from ..errors import FormatError
 from ..params import MAX_HNSW_EF, MAX_HNSW_M, check_number
 from .base import IndexParams, at_most, checked, count
@@ -45,6 +44,7 @@ class HNSWIndex(FaissBackend):
     SearchParams = HNSWSearchParams
     exact_scores = True  # flat storage: returned scores are fp32 <q, x_j>
     builds_empty = True
+    saved_kinds = {"IndexHNSWFlat": "hnsw"}
 
     def _new_index(self, x: np.ndarray) -> Any:
         f = self._faiss
@@ -82,13 +82,8 @@ class HNSWIndex(FaissBackend):
         """The underlying ``faiss.IndexHNSWFlat`` (None before build)."""
         return self._index
 
-    @classmethod
-    def load(cls, directory: str | Path, params: HNSWParams | dict | None = None,
-             device: DeviceLike = None) -> "HNSWIndex":
-        index, _ = cls._read(directory, {"IndexHNSWFlat": "hnsw"})
-        out = cls(params, device)
-        if index.hnsw.nb_neighbors(1) != out.params.M:
+    def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
+        if index.hnsw.nb_neighbors(1) != self.params.M:
             raise FormatError(f"{directory}: the saved graph has M={index.hnsw.nb_neighbors(1)},"
-                              f" params say M={out.params.M}")
-        out._index, out._dim = index, int(index.d)
-        return out
+                              f" params say M={self.params.M}")
+        return index

@@ -69,6 +69,7 @@ class IVFIndex(FaissBackend):
     SearchParams = IVFSearchParams
     gpu_max_k: ClassVar[int] = 2048
     gpu_max_nprobe: ClassVar[int] = 2048  # faiss GPU's k-selection limit (without cuVS)
+    saved_kinds = {"IndexIVFFlat": "flat", "IndexIVFPQ": "pq"}
 
     def __init__(self, params: IVFParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
@@ -97,8 +98,12 @@ class IVFIndex(FaissBackend):
         """Train on a seeded sample of ``x`` (n, d) and add them all."""
         (n, d), p, f = x.shape, self.params, self._faiss
         nlist = p.nlist or auto_nlist(n)
-        if nlist > n:
-            raise InputError(f"nlist={nlist} is more than the {n} vectors to train on")
+        size = min(n, p.train_size or 256 * nlist)
+        need = max(nlist, 2**p.pq_nbits if p.kind == "pq" else 0)  # k-means: points >= centres
+        if size < need:
+            raise InputError(f"{size} training vectors for nlist={nlist}" + (
+                f" and 2^{p.pq_nbits} codes a sub-quantizer" if p.kind == "pq" else "") +
+                f": k-means needs at least {need}; raise train_size, or lower nlist / pq_nbits")
         if p.kind == "flat":
             spec = f"IVF{nlist},Flat"
         else:
@@ -109,12 +114,6 @@ class IVFIndex(FaissBackend):
         index = self._to_device(f.index_factory(d, spec, f.METRIC_INNER_PRODUCT))
         if not self.on_gpu and not isinstance(x, np.ndarray):  # the move to the GPU failed
             x = host_float32(x, "vectors", check_finite=False)
-        size = min(n, p.train_size or 256 * nlist)
-        need = max(nlist, 2**p.pq_nbits if p.kind == "pq" else 0)  # k-means: points >= centres
-        if size < need:
-            raise InputError(f"{size} training vectors for nlist={nlist}" + (
-                f" and 2^{p.pq_nbits} codes a sub-quantizer" if p.kind == "pq" else "") +
-                f": k-means needs at least {need}; raise train_size, or lower nlist / pq_nbits")
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
         self._rows = None
         self._call(index, "train", to_numpy(x[rows]))  # faiss GPU trains IVF on the CPU
@@ -163,36 +162,28 @@ class IVFIndex(FaissBackend):
     def _set_search_defaults(self, index: Any) -> None:
         index.nprobe = self.nprobe
 
-    @classmethod
-    def load(cls, directory: str | Path, params: IVFParams | dict | None = None,
-             device: DeviceLike = None) -> "IVFIndex":
-        index, kind = cls._read(directory, {"IndexIVFFlat": "flat", "IndexIVFPQ": "pq"})
-        out = cls(params, device)
-        if kind != out.params.kind:
+    def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
+        """FormatError unless the saved index is of ``params.kind`` with one centroid a list
+        (faiss reads more, and its search then aborted the process in 1.13), IVF-PQ codes of
+        the lists' size (faiss reads a product quantizer of another) and the ids 0..ntotal-1 in
+        its lists, each once; then moved to the GPU where wanted."""
+        if kind != self.params.kind:
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
-                              f"kind={out.params.kind!r}")
-        _check_lists(out._faiss, index, directory)
-        out._index, out._dim = out._to_device(index), int(index.d)
-        return out
-
-
-def _check_lists(faiss: Any, index: Any, directory: str | Path) -> None:
-    """FormatError unless a saved IVF index has one centroid a list (faiss reads more, and its
-    search then aborted the process in 1.13), IVF-PQ codes of the lists' size (faiss reads a
-    product quantizer of another) and the ids 0..ntotal-1 in its lists, each once."""
-    lists, n, q = index.invlists, int(index.ntotal), index.quantizer
-    codes = getattr(index, "pq", index)  # IVF-Flat: its own
-    if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
-            index.nlist, index.d, index.nlist, index.d, index.code_size):
-        raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
-                          f"dimension {q.d}, {lists.nlist} lists and codes of {codes.code_size} "
-                          f"bytes for nlist={index.nlist}, d={index.d}, code size "
-                          f"{index.code_size}: a forged or corrupted index")
-    ids = [faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
-           for i in range(index.nlist) if lists.list_size(i)]
-    ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-    if ids.size != n or (n and (ids.min() < 0 or ids.max() >= n
-                                or np.bincount(ids, minlength=n).max() > 1)):
-        raise FormatError(f"{directory}: the IVF lists hold {ids.size} ids "
-                          f"({ids.min() if ids.size else '-'}..{ids.max() if ids.size else '-'})"
-                          f", not each of 0..{n - 1} once: a forged or corrupted index")
+                              f"kind={self.params.kind!r}")
+        lists, n, q = index.invlists, int(index.ntotal), index.quantizer
+        codes = getattr(index, "pq", index)  # IVF-Flat: its own
+        if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
+                index.nlist, index.d, index.nlist, index.d, index.code_size):
+            raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
+                              f"dimension {q.d}, {lists.nlist} lists and codes of "
+                              f"{codes.code_size} bytes for nlist={index.nlist}, d={index.d}, "
+                              f"code size {index.code_size}: a forged or corrupted index")
+        ids = [self._faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
+               for i in range(index.nlist) if lists.list_size(i)]
+        ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
+        if ids.size != n or (n and (ids.min() < 0 or ids.max() >= n
+                                    or np.bincount(ids, minlength=n).max() > 1)):
+            span = f"{ids.min()}..{ids.max()}" if ids.size else "-..-"
+            raise FormatError(f"{directory}: the IVF lists hold {ids.size} ids ({span}), not "
+                              f"each of 0..{n - 1} once: a forged or corrupted index")
+        return self._to_device(index)
