@@ -295,7 +295,8 @@ def test_ivf_nprobe_per_call(device):
                                      r"least 10"),
     ({"kind": "pq", "nlist": 4, "pq_m": 4, "pq_nbits": 12}, r"1024 training vectors for "
      r"nlist=4 and 2\^12 codes a sub-quantizer: k-means needs at least 4096"),
-    ({"kind": "pq", "nlist": 4, "pq_m": 4, "train_size": 100}, r"needs at least 256")])
+    ({"kind": "pq", "nlist": 4, "pq_m": 4, "train_size": 100}, r"needs at least 256"),
+    ({"nlist": 2500}, r"nlist=2500 is more than the 2000 vectors to train on")])
 def test_ivf_with_fewer_training_vectors_than_centres_is_refused_naming_them(params, match):
     """faiss' own refusal was a RuntimeError naming its source line ('nx >= k')."""
     x = unit_rows(np.random.default_rng(5), 2000, 32)
@@ -592,7 +593,7 @@ def test_scann_settings_and_automatic_sizes():
     x = unit_rows(np.random.default_rng(24), 600, 8)
     assert make_index("scann", "cpu").build(x).num_leaves == 0  # below brute_force_below
     assert make_index("scann", "cpu", {"brute_force_below": 600}).build(x).num_leaves == 12
-    with pytest.raises(InputError, match="num_leaves=700"):
+    with pytest.raises(InputError, match="num_leaves=700 is more than the 600 vectors"):
         make_index("scann", "cpu", {"brute_force_below": 0, "num_leaves": 700}).build(x)
 
 

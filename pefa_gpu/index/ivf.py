@@ -98,6 +98,8 @@ class IVFIndex(FaissBackend):
         """Train on a seeded sample of ``x`` (n, d) and add them all."""
         (n, d), p, f = x.shape, self.params, self._faiss
         nlist = p.nlist or auto_nlist(n)
+        if nlist > n:
+            raise InputError(f"nlist={nlist} is more than the {n} vectors to train on")
         size = min(n, p.train_size or 256 * nlist)
         need = max(nlist, 2**p.pq_nbits if p.kind == "pq" else 0)  # k-means: points >= centres
         if size < need:

@@ -89,6 +89,8 @@ class ScannIndex(HostBackend):
             builder = builder.score_brute_force(False)
         else:
             leaves = p.num_leaves or auto_num_leaves(n)
+            if leaves > n:
+                raise InputError(f"num_leaves={leaves} is more than the {n} vectors")
             sample = min(n, p.train_size or 100_000)
             if sample < leaves:
                 raise InputError(f"{sample} training vectors for num_leaves={leaves}: k-means "
