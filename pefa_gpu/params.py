@@ -77,8 +77,14 @@ def checked(default: Any, check: Callable[..., None], *extra: Any, **metadata: A
     return dataclasses.field(default=default, metadata={"check": (check, *extra), **metadata})
 
 
+def is_number(value: Any) -> bool:
+    """A finite int or float (not a bool)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
+        -float("inf") < value < float("inf")
+
+
 def check_unit_interval(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+    if not is_number(value) or not 0.0 <= value <= 1.0:
         raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
@@ -94,27 +100,19 @@ def check_positive(value: Any, name: str) -> int:
     return int(value)
 
 
-# HNSW sizes (faiss and hnswlib). M: the graph degree; level 0 holds 2M links per vector (n *
-# 8M bytes), and their docs use M from 4 to 64, rarely above 100. ef: beam widths, a few
-# hundred to a few thousand in practice. Far larger values only make faiss / hnswlib try to
-# allocate enormous buffers (or overflow their C ints), so they are refused up front.
+# HNSW sizes (faiss, hnswlib): M, the graph degree (n * 8M bytes at level 0; docs use 4 to 64),
+# and ef, beam widths (hundreds to thousands); far larger ones only make them allocate enormous
+# buffers (or overflow C ints), so they are refused up front.
 MAX_HNSW_M = 2048
 MAX_HNSW_EF = 2**20
 
 
 def check_at_most(value: Any, name: str, top: int) -> int:
-    """``value`` (a Python or numpy int in [1, ``top``]) as a Python int, else InputError
-    naming ``name`` and the bound."""
+    """``value`` (a Python or numpy int in [1, ``top``]) as a Python int, else InputError."""
     value = check_positive(value, name)
     if value > top:
         raise InputError(f"{name} must be at most {top}, got {value!r}")
     return value
-
-
-def is_number(value: Any) -> bool:
-    """A finite int or float (not a bool)."""
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and \
-        -float("inf") < value < float("inf")
 
 
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:
@@ -132,8 +130,7 @@ def check_choice(value: Any, name: str, choices: tuple) -> None:
 
 
 def check_nonnegative(value: Any, name: str, zero: str = "") -> int:
-    """A Python or numpy int >= 0 as a Python int; ``zero`` says what 0 means, for the error
-    message."""
+    """A Python or numpy int >= 0 as a Python int; ``zero``: what 0 means, for the message."""
     if not _is_int(value) or value < 0:
         raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, got {value!r}")
     return int(value)
@@ -141,7 +138,6 @@ def check_nonnegative(value: Any, name: str, zero: str = "") -> int:
 
 # The models' own settings (pefa_gpu.models): here, so that the CLI reads their defaults
 # without importing torch.
-NUDGE_VARIANTS: tuple[str, ...] = ("M", "N")
 BOOLS = (True, False)
 LAM_HELP = "λ in [0, 1], weight of the ERM score"
 AUGMENT_FLAG = {"flag": "--no-augment",
@@ -181,7 +177,7 @@ class NUDGEParams(Params):
     Y_val, else on a seeded (``seed``) ``val_fraction`` of the training queries held out.
     val_k: NUDGE-N's validation top-k (nudge-ft's default 1)."""
 
-    variant: str = checked("N", check_choice, NUDGE_VARIANTS)
+    variant: str = checked("N", check_choice, ("M", "N"))
     gamma: float | None = None
     val_fraction: float = 0.2
     seed: int = 0
@@ -199,8 +195,7 @@ class NUDGEParams(Params):
 
 def check_held_out(val_fraction: Any, seed: Any) -> None:
     """InputError unless 0 < ``val_fraction`` < 1 (a number) and ``seed`` is an int."""
-    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)) \
-            or not 0.0 < val_fraction < 1.0:
+    if not is_number(val_fraction) or not 0.0 < val_fraction < 1.0:
         raise InputError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise InputError(f"seed must be an int, got {seed!r}")
