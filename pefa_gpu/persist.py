@@ -122,9 +122,11 @@ def _check_shapes(model: Model, where: Path) -> None:
     if not all(type(v) is int and v > 0 for v in (n, d)):  # JSON values: not bool
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
     for name, (rows, cols) in model._saved_shapes().items():
-        value = getattr(model, name, None) if name in type(model)._saved else None
-        if value is None:
+        if name not in type(model)._saved:
             continue
+        value = getattr(model, name)
+        if not isinstance(value, (Index, torch.Tensor, Relevance)) and not sp.issparse(value):
+            raise FormatError(f"{where}: {name} is a {type(value).__name__}, not an array or index")
         shape = (value.ntotal, value.dim) if isinstance(value, Index) else tuple(value.shape)
         if len(shape) != 2 or (rows is not None and shape[0] != rows) or shape[1] != cols:
             want = ("?" if rows is None else rows, cols)
