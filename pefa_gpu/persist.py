@@ -73,7 +73,12 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
                 expect: type | None) -> Any:
     save = storage.open_save(directory, checksums=not mmap if verify is None else verify)
     manifest, where = save.manifest, save.where
-    cls = _model_class(manifest.get("class"), where)
+    for module in ("models", "query"):  # the classes register as these modules define them;
+        importlib.import_module(f"{__package__}.{module}")  # both import this one: not at the top
+    if not isinstance(name := manifest.get("class"), str) or name not in _MODELS:
+        raise FormatError(f"{where} holds class {name!r}, which is not a pefa_gpu model "
+                          f"(known: {sorted(_MODELS)})")
+    cls = _MODELS[name]
     if expect is not None and not issubclass(cls, expect):
         raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
     if hasattr(cls, "_from_save"):  # a query-side part (pefa_gpu.query): its own layout
@@ -117,9 +122,11 @@ def _check_shapes(model: Model, where: Path) -> None:
     if not all(type(v) is int and v > 0 for v in (n, d)):  # JSON values: not bool
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
     for name, (rows, cols) in model._saved_shapes().items():
-        value = getattr(model, name, None) if name in type(model)._saved else None
-        if value is None:
+        if name not in type(model)._saved:
             continue
+        value = getattr(model, name)
+        if not isinstance(value, (Index, torch.Tensor, Relevance)) and not sp.issparse(value):
+            raise FormatError(f"{where}: {name} is a {type(value).__name__}, not an array or index")
         shape = (value.ntotal, value.dim) if isinstance(value, Index) else tuple(value.shape)
         if len(shape) != 2 or (rows is not None and shape[0] != rows) or shape[1] != cols:
             want = ("?" if rows is None else rows, cols)
@@ -139,7 +146,11 @@ def _save_value(folder: Path, name: str, value: Any, values: dict[str, Any]) -> 
     if sp.issparse(value):
         return {"kind": "csr", **storage.save_csr(folder / name, value)}
     if isinstance(value, Index):
-        entry = {"kind": "index", "backend": _registered_name(value), "params":
+        backend = getattr(value, "name", None)  # registered as this very class
+        if backend not in backend_names() or backend_class(backend) is not type(value):
+            raise InputError(f"{type(value).__name__} is not registered as backend {backend!r}; "
+                             f"register_backend() it before saving")
+        entry = {"kind": "index", "backend": backend, "params":
                  value.params.to_dict(), "search_params": value.search_params.to_dict(),
                  "ntotal": value.ntotal, "dim": value.dim}
         if shared := [k for k, t in values.items() if _vectors_of(value, t)]:
@@ -217,16 +228,6 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
 
 # ---------------------------------------------------------------------------- names -> classes
 
-def _model_class(name: object, where: Path) -> type:
-    """The registered model class called ``name``."""
-    for module in ("models", "query"):  # the classes register as these modules define them;
-        importlib.import_module(f"{__package__}.{module}")  # both import this one: not at the top
-    if not isinstance(name, str) or name not in _MODELS:
-        raise FormatError(f"{where} holds class {name!r}, which is not a pefa_gpu model "
-                          f"(known: {sorted(_MODELS)})")
-    return _MODELS[name]
-
-
 def _backend(name: object, where: Path) -> type[Index]:
     if not isinstance(name, str) or name not in backend_names():
         raise FormatError(f"{where} was saved with backend {name!r}, which is not registered "
@@ -236,15 +237,6 @@ def _backend(name: object, where: Path) -> type[Index]:
     except ImportError as exc:
         raise MissingDependencyError(f"{where} needs backend {name!r}, which cannot be "
                                      f"imported: {exc}") from exc
-
-
-def _registered_name(index: Index) -> str:
-    """The registry name of an index's backend: its class's ``name``, registered as that class."""
-    name = getattr(index, "name", None)
-    if name not in backend_names() or backend_class(name) is not type(index):
-        raise InputError(f"{type(index).__name__} is not registered as backend {name!r}; "
-                         f"register_backend() it before saving")
-    return name
 
 
 load = load_model

@@ -517,19 +517,8 @@ def _remove_stale(root: Path, name: str, keep: str | None) -> None:
 def check_save_target(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> Path:
     """The real folder of ``target``; :class:`InputError` where :func:`writing_save` would fail."""
     root = _save_target(target, name, fmt)[0]
-    _check_writable_folder(root, f"cannot save to {target}")
+    check_output_file(root / name, "save manifest")  # as commit() checks it
     return root
-
-
-def _check_writable_folder(path: Path, what: str) -> None:
-    """The nearest existing ancestor of the folder ``path`` is a folder we may write in."""
-    folder = path.absolute()
-    while not os.path.exists(folder) and folder != folder.parent:
-        folder = folder.parent
-    if not folder.is_dir():
-        raise InputError(f"{what}: {folder} is a file, not a folder")
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(f"{what}: no write permission in {folder}")
 
 
 class PendingSave:
@@ -608,7 +597,13 @@ def check_output_file(path: PathLike, what: str = "output") -> Path:
         if not stat.S_ISREG(mode):
             raise InputError(f"{what} {p} is not a regular file (a device, FIFO or socket); "
                              f"outputs replace only regular files")
-    _check_writable_folder(p.absolute().parent, f"cannot write {what} {p}")
+    folder = p.absolute().parent  # its nearest existing ancestor must be a writable folder
+    while not os.path.exists(folder) and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise InputError(f"cannot write {what} {p}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(f"cannot write {what} {p}: no write permission in {folder}")
     return p
 
 

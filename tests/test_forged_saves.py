@@ -198,6 +198,15 @@ def forge_index_entry(save: Path, edit) -> None:
     resign(save)
 
 
+@pytest.mark.parametrize("name", ["doc_embeddings", "index"])
+@pytest.mark.parametrize("value", [None, [[0.5] * D] * N, "x"], ids=["null", "list", "str"])
+def test_an_array_or_index_forged_as_a_json_value_is_refused(erm_save, name, value):
+    forge_index_entry(erm_save, lambda state: state.update({name: {"kind": "json",
+                                                                   "value": value}}))
+    with pytest.raises(FormatError, match=name):  # was an AttributeError, or null loaded
+        pg.load(erm_save, device="cpu")
+
+
 @pytest.mark.parametrize("cls,target", [(pg.ERM, "nope"), (pg.ERM, "dim"), (pg.ERM, ["x"]),
                                         (pg.PEFAXL, "relevance"), (pg.PEFAXL, "query_index")],
                          ids=str)

@@ -374,6 +374,14 @@ def test_wrong_or_unknown_class(tmp_path, saved_xs):
         pg.load(path, device="cpu")
 
 
+@pytest.mark.parametrize("forged", [["PEFAXS"], {"PEFAXS": 1}, None])
+def test_a_class_that_is_not_a_string_is_a_format_error(tmp_path, saved_xs, forged):
+    path = copy_save(saved_xs[1], tmp_path / "s")
+    _edit_manifest(path, **{"class": forged})  # unhashable JSON: no TypeError from a lookup
+    with pytest.raises(FormatError, match="which is not a pefa_gpu model"):
+        pg.load(path, device="cpu")
+
+
 def test_bad_params_or_backend_in_manifest(tmp_path, saved_xs):
     path = copy_save(saved_xs[1], tmp_path / "s")
     _edit_manifest(path, params={"lam": 0.3, "augment_docs": True, "temperature": 2})

@@ -153,6 +153,16 @@ def test_a_new_save_removes_only_the_leftovers_of_earlier_saves(tmp_path):
 
 # ---------------------------------------------------------------------------- persist.py
 
+def test_check_save_target_refuses_what_writing_save_would(tmp_path):
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(pg.InputError, match="afile is a file, not a folder"):
+        storage.check_save_target(tmp_path / "afile" / "out")
+    with pytest.raises(pg.InputError, match="exists and is not a directory"):
+        storage.check_save_target(tmp_path / "afile")
+    assert storage.check_save_target(tmp_path / "new" / "s") == tmp_path.resolve() / "new" / "s"
+    assert storage.check_save_target(small_save(tmp_path / "s")) == tmp_path.resolve() / "s"
+
+
 def test_an_index_is_saved_as_a_reference_only_over_its_own_float32_memory():
     m = torch.randn(6, 4)
     index = ExactIndex({"dtype": "float32"}, "cpu").build(m)
