@@ -125,8 +125,11 @@ def _check_shapes(model: Model, where: Path) -> None:
         if name not in type(model)._saved:
             continue
         value = getattr(model, name)
-        if not isinstance(value, (Index, torch.Tensor, Relevance)) and not sp.issparse(value):
-            raise FormatError(f"{where}: {name} is a {type(value).__name__}, not an array or index")
+        kind = Index if name.endswith("index") else Relevance if name == "relevance" else \
+            torch.Tensor  # what the models save under each name
+        if not isinstance(value, kind):
+            raise FormatError(f"{where}: {name} is a {type(value).__name__}, not a "
+                              f"{kind.__name__}")
         shape = (value.ntotal, value.dim) if isinstance(value, Index) else tuple(value.shape)
         if len(shape) != 2 or (rows is not None and shape[0] != rows) or shape[1] != cols:
             want = ("?" if rows is None else rows, cols)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 import pefa_gpu as pg
 from pefa_gpu import storage
@@ -205,6 +206,29 @@ def test_an_array_or_index_forged_as_a_json_value_is_refused(erm_save, name, val
                                                                    "value": value}}))
     with pytest.raises(FormatError, match=name):  # was an AttributeError, or null loaded
         pg.load(erm_save, device="cpu")
+
+
+@pytest.mark.parametrize("cls,name,kind", [
+    (pg.PEFAXS, "doc_sums", "csr"), (pg.PEFAXS, "doc_sums", "relevance"),
+    (pg.ERM, "index", "tensor"), (pg.PEFAXL, "query_index", "tensor"),
+    (pg.PEFAXL, "relevance", "tensor"), (pg.PEFAXL, "relevance", "csr")],
+    ids=lambda v: getattr(v, "__name__", v))
+def test_a_saved_value_of_the_wrong_kind_but_the_right_shape_is_refused(tmp_path, data, cls,
+                                                                         name, kind):
+    """These passed the shape check and failed at search time (or, Y as a tensor, at load)."""
+    save = tmp_path / "m"
+    (cls(device="cpu").fit(data[0]) if cls is pg.ERM else cls(device="cpu").fit(*data[:3])
+     ).save(save)
+    rows, cols = (M, N) if name == "relevance" else (N, D)
+    folder = save / manifest(save)["data"]
+    if kind == "tensor":
+        entry = {"kind": kind, **storage.save_tensor(folder / "forged", torch.zeros(rows, cols))}
+    else:
+        entry = {"kind": kind, **storage.save_csr(folder / "forged", sp.random(
+            rows, cols, 0.5, "csr", dtype=np.float32, random_state=0))}
+    forge_index_entry(save, lambda state: state.update({name: entry}))
+    with pytest.raises(FormatError, match=rf"{name} is a \w+, not a"):
+        pg.load(save, device="cpu")
 
 
 @pytest.mark.parametrize("cls,target", [(pg.ERM, "nope"), (pg.ERM, "dim"), (pg.ERM, ["x"]),
