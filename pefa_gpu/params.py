@@ -105,6 +105,7 @@ def check_positive(value: Any, name: str) -> int:
 # buffers (or overflow C ints), so they are refused up front.
 MAX_HNSW_M = 2048
 MAX_HNSW_EF = 2**20
+MAX_THREADS = 4096  # CPU threads of a backend: faiss, hnswlib and ScaNN take a C int
 
 
 def check_at_most(value: Any, name: str, top: int) -> int:
@@ -129,10 +130,13 @@ def check_choice(value: Any, name: str, choices: tuple) -> None:
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
-def check_nonnegative(value: Any, name: str, zero: str = "") -> int:
-    """A Python or numpy int >= 0 as a Python int; ``zero``: what 0 means, for the message."""
+def check_nonnegative(value: Any, name: str, zero: str = "", top: int | None = None) -> int:
+    """A Python or numpy int >= 0 (and <= ``top``) as a Python int; ``zero``: what 0 means, for
+    the message."""
     if not _is_int(value) or value < 0:
         raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, got {value!r}")
+    if top is not None and value > top:
+        raise InputError(f"{name} must be at most {top}, got {value!r}")
     return int(value)
 
 

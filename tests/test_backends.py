@@ -16,7 +16,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import backend_class, make_index
-from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M
+from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS
 
 from conftest import make_model, unit_rows
 
@@ -348,6 +348,15 @@ def test_hnsw_sizes_are_bounded_naming_the_setting_and_the_bound(backend):
     p = cls.Params(M=8)
     with pytest.raises(InputError, match=f"M must be at most {MAX_HNSW_M}"):
         p.replace(M=10**9)
+
+
+@pytest.mark.parametrize("backend", ["hnsw", "ivf", "hnswlib", "scann"])
+def test_threads_beyond_a_c_int_are_refused_naming_the_setting(backend):
+    cls = backend_class(backend)  # were passed to faiss / hnswlib / ScaNN: a raw OverflowError
+    assert cls.Params(threads=MAX_THREADS).threads == MAX_THREADS
+    for bad in (MAX_THREADS + 1, 2**31, 2**63, 10**400):
+        with pytest.raises(InputError, match=f"threads must be at most {MAX_THREADS}, got"):
+            cls.Params(threads=bad)
 
 
 @FAISS

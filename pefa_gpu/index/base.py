@@ -33,9 +33,10 @@ def at_most(default: int, top: int) -> Any:
     return checked(default, check_at_most, top)
 
 
-def count(default: int, zero: str = "") -> Any:
-    """An :class:`IndexParams` field holding an int >= 0; ``zero`` says what 0 means."""
-    return checked(default, check_nonnegative, zero)
+def count(default: int, zero: str = "", top: int | None = None) -> Any:
+    """An :class:`IndexParams` field holding an int >= 0 (at most ``top``); ``zero`` says what
+    0 means."""
+    return checked(default, check_nonnegative, zero, top)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

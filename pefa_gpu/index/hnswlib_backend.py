@@ -14,7 +14,7 @@ import numpy as np
 
 from ..arrays import DeviceLike, to_numpy
 from ..errors import FormatError
-from ..params import MAX_HNSW_EF, MAX_HNSW_M
+from ..params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS
 from .base import IndexParams, at_most, count, import_optional
 from ._host import HostBackend, read_description, write_description
 
@@ -37,7 +37,7 @@ class HnswlibParams(IndexParams):
     M: int = at_most(32, MAX_HNSW_M)
     ef_construction: int = at_most(500, MAX_HNSW_EF)
     seed: int = count(100)
-    threads: int = count(0, "every core")
+    threads: int = count(0, "every core", MAX_THREADS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

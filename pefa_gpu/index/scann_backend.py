@@ -13,7 +13,7 @@ import numpy as np
 
 from ..arrays import DeviceLike
 from ..errors import FormatError, InputError
-from ..params import check_number
+from ..params import MAX_THREADS, check_number
 from .base import IndexParams, checked, count, import_optional, positive
 from ._host import HostBackend, read_description, write_description
 
@@ -33,7 +33,7 @@ class ScannParams(IndexParams):
     anisotropic_threshold: float | None = checked(0.2, check_number, True)
     train_size: int = count(0, "automatic")
     brute_force_below: int = count(4096)
-    threads: int = count(0, "every core")
+    threads: int = count(0, "every core", MAX_THREADS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
