@@ -169,7 +169,8 @@ class XLParams(Params):
     the ERM candidates). augment_docs: documents also join as queries labelled with themselves."""
 
     lam: float = checked(0.1, check_unit_interval, help=LAM_HELP, metavar="L")
-    k: int = checked(16, check_positive, help="XL neighbours", metavar="K")
+    k: int = checked(16, check_at_most, 2**53, help="XL neighbours",  # fuse divides by k
+                     metavar="K")
     knn_norm: str = checked("k", check_choice, ("k", "none"))
     rescore: bool = checked(True, check_choice, BOOLS)
     augment_docs: bool = checked(True, check_choice, BOOLS, **AUGMENT_FLAG)

@@ -258,6 +258,15 @@ def test_xl_candidates_and_k_beyond_what_exists_equal_the_reference():
     np.testing.assert_allclose(s.numpy(), want_s, rtol=1e-4, atol=1e-6)
 
 
+def test_an_xl_k_beyond_what_a_float_holds_is_refused_naming_it():
+    P, Q, T, Y = data(7)  # fuse divides by k and sized its memory with k: a raw OverflowError
+    for bad in (2**53 + 1, 10**400):
+        with pytest.raises(InputError, match=f"k must be at most {2**53}, got {bad}"):
+            pg.PEFAXL(device="cpu", k=bad)
+    xl = pg.PEFAXL(device="cpu", k=2**53).fit(P, Q, Y)
+    assert xl.search(T, 5)[1].shape == (T.shape[0], 5)
+
+
 def test_mine_negatives_clamps_skip_top_and_bounds_n():
     P, Q, T, Y = data(7)
     xs = pg.PEFAXS(device="cpu").fit(P, Q, Y)
