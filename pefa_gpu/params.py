@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import sys
 from typing import Any, Callable, TypeVar
 
 import numpy as np
@@ -78,9 +79,9 @@ def checked(default: Any, check: Callable[..., None], *extra: Any, **metadata: A
 
 
 def is_number(value: Any) -> bool:
-    """A finite int or float (not a bool)."""
+    """A finite int or float (not a bool) that a float holds (10**400 does not)."""
     return not isinstance(value, bool) and isinstance(value, (int, float)) and \
-        -float("inf") < value < float("inf")
+        -sys.float_info.max <= value <= sys.float_info.max
 
 
 def check_unit_interval(value: Any, name: str) -> None:

@@ -186,8 +186,13 @@ class QueryAdapter(_Saved):
             raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix and "
                               f"fitted_alpha a number > 0, got {w.dtype} {tuple(w.shape)}, "
                               f"{a!r}")
+        pairs = m.get("validation") or []
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(map(is_number, p)) for p in pairs):
+            raise FormatError(f"{save.where}: validation must be a list of [alpha, recall] "
+                              f"number pairs, got {pairs!r:.200}")
         out.W, out.fitted_alpha = w, float(a)
-        out.validation = {float(x): float(v) for x, v in m.get("validation") or []}
+        out.validation = {float(x): float(v) for x, v in pairs}
         return out
 
 
@@ -281,7 +286,10 @@ class QueryModel(_Saved):
             if not isinstance(part, want[name]) if want[name] else isinstance(part, _Saved):
                 raise FormatError(f"{save.where}: part {name!r} holds a {type(part).__name__}")
             loaded[name] = part
-        return cls(loaded["model"], loaded.get("adapter"), loaded.get("prf"))
+        try:  # e.g. an adapter of another dimension than the model
+            return cls(loaded["model"], loaded.get("adapter"), loaded.get("prf"))
+        except InputError as exc:
+            raise FormatError(f"{save.where}: {exc}") from None
 
 
 for _cls in (QueryAdapter, VectorPRF, QueryModel):

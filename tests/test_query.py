@@ -244,6 +244,41 @@ def test_a_query_model_save_with_swapped_parts_is_refused(tmp_path):
     assert isinstance(pg.load(tmp_path / "qm").model, pg.ERM)
 
 
+def resign(save, edit=lambda m: None):
+    """Apply ``edit`` to the manifest of ``save`` and recompute its files table and checksum."""
+    from pefa_gpu import storage
+
+    m = json.loads((save / "manifest.json").read_text())
+    edit(m)
+    m["files"] = storage.describe_files(save / m["data"])
+    m["manifest_sha256"] = storage.manifest_checksum(m)
+    (save / "manifest.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("field, value", [
+    ("fitted_alpha", 10**400), ("validation", "junk"), ("validation", 3),
+    ("validation", [[1.0]]), ("validation", [[1.0, None]]), ("validation", [["a", 0.5]]),
+    ("validation", {"1.0": 0.5})])
+def test_a_forged_adapter_setting_is_a_format_error(tmp_path, field, value):
+    P, Q, Y, _ = problem(6)  # were a raw ValueError / TypeError / OverflowError
+    pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P).save(tmp_path / "a")
+    resign(tmp_path / "a", lambda m: m.update({field: value}))
+    with pytest.raises(FormatError, match=field):
+        pg.load(tmp_path / "a")
+
+
+def test_a_query_model_whose_adapter_has_another_dimension_is_a_format_error(tmp_path):
+    P, Q, Y, _ = problem(6)
+    pg.QueryModel(pg.ERM(device="cpu").fit(P),
+                  pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P)).save(tmp_path / "qm")
+    P, Q, Y, _ = problem(6, d=6)
+    inner = next((tmp_path / "qm").glob("pefa-data-*")) / "adapter"
+    pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P).save(inner)  # was an InputError
+    resign(tmp_path / "qm")
+    with pytest.raises(FormatError, match="adapter maps dimension 6, the model holds dimension 10"):
+        pg.load(tmp_path / "qm")
+
+
 def test_bad_input():
     P, Q, Y, T = problem(7)
     for alpha in (0, -1.0, float("nan"), float("inf"), True, "1"):
