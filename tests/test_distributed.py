@@ -290,6 +290,91 @@ def test_stage_files_are_typed_and_checked(tmp_path):
             pp.read_stage(b)
 
 
+
+def test_stage_rows_that_do_not_tile_the_stage_are_refused(tmp_path):
+    """Forged shard rows (gaps, overlaps, floats, beyond n), counts or a PEFA-XL build without
+    its params or query shards: were wrong rows or ids beyond n, or a raw error."""
+    import json
+
+    P, Q, Y, T, _ = make_data(10)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=100,
+                 lam=0.3, k=8, candidates=20)
+    for folder in (docs, b):
+        path = folder / "stage.json"
+        body = json.loads(path.read_text())
+        first = body["shards"][0]
+        for edit in ({"shards": body["shards"][1:]}, {"shards": []}, {"dim": -1}, {"n": 10**30},
+                     {"shards": [{**first, "rows": [1, first["rows"][1]]}, *body["shards"][1:]]},
+                     {"shards": [{**first, "rows": [0, 1.5]}, *body["shards"][1:]]},
+                     {"shards": [{**first, "rows": [0, 2**63]}, *body["shards"][1:]]}):
+            path.write_text(json.dumps({**body, **edit}))
+            with pytest.raises(FormatError, match="stage.json is damaged"):
+                pp.search(b, T, topk=10) if folder == b else pp.read_rows(docs)
+        path.write_text(json.dumps(body))
+    body = json.loads((b / "stage.json").read_text())
+    for edit in ({"params": None}, {"query_shards": []}):
+        (b / "stage.json").write_text(json.dumps({**body, **edit}))
+        with pytest.raises(FormatError, match="stage.json is damaged"):
+            pp.search(b, T, topk=10)
+
+
+def test_a_build_shard_holding_another_shards_model_or_forged_rows_is_refused(tmp_path):
+    """A shard's files are re-signed (as a forger can) and its stage entry updated: its model
+    must cover its rows (were ids beyond n) and PEFA-XL's query rows be sorted global rows."""
+    import json
+    import shutil
+
+    from pefa_gpu import storage
+    from pefa_gpu.pipeline.shards import SHARD_MANIFEST
+
+    P, Q, Y, T, _ = make_data(10)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=100,
+                 lam=0.3, k=8, candidates=20)
+    body = json.loads((b / "stage.json").read_text())
+
+    def forged(shard, edit):
+        """``edit(data folder, manifest)`` on a copy of the build; its path."""
+        out = tmp_path / "forged"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(b, out)
+        m = json.loads((out / shard / SHARD_MANIFEST).read_text())
+        edit(out / shard / m["data"], m)
+        m["files"] = storage.describe_files(out / shard / m["data"])
+        m["manifest_sha256"] = storage.manifest_checksum(m)
+        (out / shard / SHARD_MANIFEST).write_text(json.dumps(m))
+        for e in body["shards"] + body["query_shards"]:
+            if e["name"] == shard:
+                e["manifest_sha256"] = m["manifest_sha256"]
+        (out / "stage.json").write_text(json.dumps(body))
+        return out
+
+    def model_of(other):
+        def edit(data, m):
+            shutil.rmtree(data / "model")
+            src = b / other / json.loads((b / other / SHARD_MANIFEST).read_text())["data"]
+            shutil.copytree(src / "model", data / "model")
+        return edit
+
+    def query_rows(rows):
+        def edit(data, m):
+            m["tensors"]["query_rows"] = storage.save_tensor(data / "query_rows", rows)
+        return edit
+
+    rows = pp.read_shard(b / "doc-00000").tensors["query_rows"]
+    for shard, edit in (("doc-00000", model_of("doc-00002")),  # 40 documents, not 100
+                        ("query-00000", model_of("query-00003")),
+                        ("doc-00000", model_of("query-00000")),  # an ERM, not a PEFAXL
+                        ("doc-00000", query_rows(rows.flip(0))),
+                        ("doc-00000", query_rows(rows + 10**6)),
+                        ("doc-00000", query_rows(rows[:, None])),
+                        ("doc-00000", query_rows(torch.arange(1000)))):
+        with pytest.raises(FormatError, match=f"{shard} does not hold the"):
+            pp.search(forged(shard, edit), T, topk=10)
+        body = json.loads((b / "stage.json").read_text())
+
+
 _KILLER = """
 import sys
 sys.path[:0] = {paths!r}

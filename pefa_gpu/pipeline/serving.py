@@ -9,9 +9,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 
 from ..arrays import DeviceLike, as_embeddings, check_topk
-from ..errors import InputError
+from ..errors import FormatError, InputError
 from ..fuse import searches
 from ..metrics import evaluate
+from ..models import ERM, PEFAXL
 from ..params import XLParams, XLSearchParams, check_positive, check_unit_interval
 from ..protocol import Model
 from ..topk import merge_topk
@@ -43,10 +44,21 @@ class _Loaded(NamedTuple):
         return self.model.index.search(q.to(self.model.device), k, params)
 
 
-def _load(folder: Path, entry: Entry, device: DeviceLike) -> _Loaded:
+def _load(folder: Path, entry: Entry, device: DeviceLike, info: Stage, xl: bool) -> _Loaded:
+    """A build shard, checked: an ERM (``xl``: a PEFAXL and its sorted query rows) of its rows."""
     shard = open_entry(folder, entry, device=device)
-    rows = shard.tensors.get("query_rows")
-    return _Loaded(*entry.rows, shard.model, None if rows is None else rows.to(shard.model.device))
+    model, rows, (lo, hi) = shard.model, shard.tensors.get("query_rows"), entry.rows
+    want = PEFAXL if xl else ERM
+    ok = type(model) is want and model.n_docs == hi - lo and model.dim == info.dim
+    if ok and xl:  # global training-query rows, at most one per row of the model
+        ok = rows is not None and rows.dtype == torch.int64 and rows.ndim == 1 \
+            and rows.numel() <= model.n_train_queries \
+            and bool(((rows >= 0) & (rows < info.m)).all() and (rows.diff() > 0).all())
+    if not ok:
+        raise FormatError(f"{folder / entry.name} does not hold the {want.__name__} of its "
+                          f"{hi - lo} rows, dimension {info.dim}"
+                          f"{' (and its query rows)' if xl else ''}")
+    return _Loaded(lo, hi, model, None if rows is None else rows.to(model.device))
 
 
 def _gather(shards: Sequence[_Loaded], k: int,
@@ -66,8 +78,11 @@ class ShardServer:
                  query_shards: Sequence[int] = (), device: DeviceLike = None):
         folder = Path(build)
         self.info = read_stage(folder, "build")
-        self.docs = [_load(folder, self.info.shards[s], device) for s in doc_shards]
-        self.queries = [_load(folder, self.info.query_shards[r], device) for r in query_shards]
+        xl = self.info.method == "xl"
+        self.docs = [_load(folder, self.info.shards[s], device, self.info, xl)
+                     for s in doc_shards]
+        self.queries = [_load(folder, self.info.query_shards[r], device, self.info, False)
+                        for r in query_shards]
 
     def erm(self, q: torch.Tensor, k: int, params: dict | None = None) -> Result | None:
         """Top-k over the document shards (XL's: the passage index)."""

@@ -51,7 +51,9 @@ class Entry:
     def of(cls, path: str | Path, manifest: dict[str, Any]) -> "Entry":
         """The entry of the shard at ``path`` with this (read or written) manifest."""
         lo, hi = manifest["rows"]
-        return cls(Path(path).name, (int(lo), int(hi)), str(manifest["manifest_sha256"]))
+        if type(lo) is not int or type(hi) is not int:
+            raise TypeError(f"shard {Path(path).name!r} has rows {manifest['rows']!r}, not ints")
+        return cls(Path(path).name, (lo, hi), str(manifest["manifest_sha256"]))
 
 
 _TYPES = {"int": int, "str": str, "bool": bool, "float | None": (int, float, type(None)),
@@ -93,7 +95,24 @@ class Stage:
             fields[key] = tuple(Entry.of(e["name"], e) for e in body.get(key, ()))
         if fields.get("params") is not None:
             fields["params"] = XLParams.from_dict(fields["params"])
-        return cls(**fields)
+        stage = cls(**fields)
+        counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz}
+        if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
+            raise ValueError(f"{bad} must be ints >= 0")
+        xl = stage.method == "xl"
+        if xl and stage.params is None:
+            raise ValueError("a PEFA-XL build without its params")
+        rows = stage.m if stage.stage == "relevance" else stage.n
+        for key, entries, total in (("shards", stage.shards, rows),
+                                    ("query_shards", stage.query_shards, stage.m)):
+            ranges = [e.rows for e in entries]  # split() makes one shard at least
+            ends = [0, *(hi for _, hi in ranges)]
+            if (entries or key == "shards" or xl) and not (
+                    entries and [lo for lo, _ in ranges] == ends[:-1] and ends[-1] == total
+                    and all(lo <= hi for lo, hi in ranges)):
+                raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in "
+                                 f"order")
+        return stage
 
     def to_json(self) -> str:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -236,8 +255,10 @@ class Rows:
 
     def _part(self, i: int) -> np.ndarray:
         t = open_entry(self.folder, self.shards[i]).tensors.get(self.tensor)
-        if t is None:
-            raise FormatError(f"{self.folder / self.shards[i].name} holds no {self.tensor!r}")
+        lo, hi = self.shards[i].rows
+        if t is None or tuple(t.shape) != (hi - lo, self.dim):
+            raise FormatError(f"{self.folder / self.shards[i].name} holds no {self.tensor!r} of "
+                              f"its stage's shape ({hi - lo}, {self.dim})")
         return t.numpy()
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
