@@ -325,8 +325,9 @@ class _Cache:
                 keys = np.load(kpath)
                 vecs = np.load(kpath.with_name(kpath.name[:-9] + ".vecs.npy"), mmap_mode="r")
                 if keys.ndim != 2 or keys.shape[1] != 32 or vecs.ndim != 2 \
-                        or vecs.shape[0] != keys.shape[0]:
-                    raise ValueError(f"shapes {keys.shape} / {vecs.shape}")
+                        or vecs.shape[0] != keys.shape[0] or keys.dtype != np.uint8 \
+                        or vecs.dtype != np.float32:  # as write() saves them
+                    raise ValueError(f"{keys.dtype} {keys.shape} / {vecs.dtype} {vecs.shape}")
             except (OSError, ValueError) as exc:
                 warnings.warn(f"encode cache: ignoring unreadable shard {kpath} ({exc})",
                               UserWarning, stacklevel=4)

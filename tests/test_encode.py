@@ -69,6 +69,18 @@ def test_corrupt_shard_is_ignored(tmp_path):
     np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [bool, np.complex64, np.float16, ">f4", np.uint8])
+def test_a_shard_of_another_dtype_than_the_cache_writes_is_ignored(tmp_path, dtype):
+    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
+    for p in tmp_path.rglob("*.vecs.npy"):  # were read back as float32: bool gave 0 / 1 rows
+        np.save(p, (np.load(p) + 0.25).astype(dtype))
+    enc = BowEncoder()
+    with pytest.warns(UserWarning, match="unreadable shard"):
+        out = encode(TEXTS, model=enc, cache_dir=tmp_path, device="cpu", show_progress=False)
+    assert enc.seen == 4
+    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
 def test_callable_without_identity_is_not_cached(tmp_path, caplog):
     calls = []
 
