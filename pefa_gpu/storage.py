@@ -208,7 +208,8 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
             fmt = fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else fmt
             if fmt not in ("csr", "csc"):
                 raise FormatError(f"{p} holds sparse format {fmt!r}; expected 'csr' (or 'csc')")
-            shape = tuple(int(s) for s in _npz_member(z, "shape", 16, p))
+            raw = _npz_member(z, "shape", 16, p)
+            shape = tuple(int(s) for s in raw)
             if len(shape) != 2 or min(shape) < 0:
                 raise FormatError(f"{p} holds shape {shape}, not (rows, columns)")
             if meta is not None and (list(shape) != meta.get("shape")
@@ -218,11 +219,16 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
             indptr = _npz_member(z, "indptr", 8 * (shape[fmt == "csc"] + 1), p)
             nnz = meta["nnz"] if meta is not None else min(int(indptr[-1]), shape[0] * shape[1])
             indices, data = (_npz_member(z, k, 16 * nnz, p) for k in ("indices", "data"))
+            if {a.dtype.kind for a in (raw, indptr, indices)} - set("iu") \
+                    or data.dtype.kind not in "biuf":
+                raise FormatError(f"{p} holds shape, indptr, indices, data of dtypes {raw.dtype}, "
+                                  f"{indptr.dtype}, {indices.dtype}, {data.dtype}; expected "
+                                  f"integers and real numbers")
         mat = (sp.csr_matrix if fmt == "csr" else sp.csc_matrix)((data, indices, indptr), shape)
         mat.check_format(full_check=True)
     except FormatError:
         raise
-    except (ValueError, TypeError, OSError, EOFError, KeyError, IndexError,
+    except (ValueError, TypeError, OSError, EOFError, KeyError, IndexError, OverflowError,
             zipfile.BadZipFile) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
     csr = mat.tocsr()

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.sparse as sp
 import torch
 
 import pefa_gpu as pg
@@ -182,3 +183,27 @@ def test_n_docs_or_dim_not_a_positive_integer_is_refused(tmp_path, value):
         edit_manifest(tmp_path / "m", state={**state, name: {"kind": "json", "value": value}})
         with pytest.raises(FormatError, match="n_docs and dim must be positive integers"):
             pg.load(tmp_path / "m", device="cpu")
+
+
+@pytest.mark.parametrize("member, value", [
+    ("shape", np.array([5.5, 7.0])), ("shape", np.array(["5", "7"])),
+    ("shape", np.array([2**63, 7], dtype=np.uint64)), ("indptr", "float"), ("indices", "float"),
+    ("data", "complex"), ("data", "U5"), ("data", "M8[s]")])
+def test_a_csr_npz_member_of_a_non_numeric_dtype_is_refused(tmp_path, member, value):
+    """Were read converted (floats truncated to indices, strings parsed, complex losing its
+    imaginary part) or a raw OverflowError."""
+    import io
+    import zipfile
+
+    good = sp.random(5, 7, density=0.4, format="csr", random_state=0, dtype=np.float32)
+    members = {"indptr": good.indptr, "indices": good.indices, "data": good.data,
+               "shape": np.array(good.shape), "format": np.array("csr")}
+    members[member] = value if isinstance(value, np.ndarray) else members[member].astype(value)
+    path = tmp_path / "y.npz"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, arr in members.items():
+            buf = io.BytesIO()
+            np.save(buf, arr)
+            z.writestr(f"{name}.npy", buf.getvalue())
+    with pytest.raises(FormatError, match="y.npz"):
+        storage.load_csr(path)
