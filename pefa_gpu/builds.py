@@ -105,7 +105,7 @@ def _json_fields(file: Path, what: str, *keys: str) -> list:
     try:
         table = json.loads(file.read_text(encoding="utf-8"))
         return [table[key] for key in keys]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise FormatError(f"{file} is not {what} ({type(exc).__name__}: {exc})") from None
 
 

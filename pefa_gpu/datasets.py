@@ -55,7 +55,7 @@ class BeirDataset:
         pairs: dict[tuple[int, int], float] = {}
         listed = set()
         lines = csv.reader((line for _, line in text_lines(path)), delimiter="\t")
-        for lineno, row in enumerate(lines, start=1):
+        for lineno, row in enumerate(_csv_rows(lines, path), start=1):
             if not row or (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
                                                                        "qid")):
                 continue
@@ -96,6 +96,15 @@ class BeirDataset:
                                  f"{part}.jsonl")
             out.append(arr)
         return out[0], out[1]
+
+
+def _csv_rows(reader: Any, path: Path):
+    """The rows of a ``csv.reader``; its errors (a field over csv's size limit, e.g. from an
+    unclosed quote) as InputError naming the line."""
+    try:
+        yield from reader
+    except csv.Error as exc:
+        raise InputError(f"{path}:{reader.line_num}: {exc} (an unclosed quote?)") from None
 
 
 def text_lines(path: Path):
@@ -139,8 +148,9 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
+            raise InputError(f"{path}:{lineno}: not valid JSON "
+                             f"({getattr(exc, 'msg', exc)})") from None
         except RecursionError:
             raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
         if not isinstance(rec, dict) or "_id" not in rec:

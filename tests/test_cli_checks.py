@@ -202,6 +202,15 @@ def test_a_malformed_doc_ids_file_is_named(built, content, match):
         load_build(built, device="cpu")
 
 
+@pytest.mark.parametrize("field", ["doc_ids", "doc_text"])
+def test_a_build_table_nested_too_deeply_is_a_format_error(built, field):
+    from pefa_gpu.builds import load_doc_text
+
+    forge_file(built, field, "[" * 200_000 + "]" * 200_000)  # was a raw RecursionError
+    with pytest.raises(pg.FormatError, match=f"{field}.json is not a"):
+        load_build(built, device="cpu") if field == "doc_ids" else load_doc_text(built, 36)
+
+
 # ---------------------------------------------------------------------------- item 3: outputs
 
 def test_outputs_are_checked_before_any_work_and_never_replace_links(tmp_path, capsys):

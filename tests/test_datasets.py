@@ -63,6 +63,19 @@ def test_beir_bad_qrels_line(beir, row, match):
     assert f"{path}:{n + 1}" in str(err.value)
 
 
+@pytest.mark.parametrize("name,line,match", [
+    ("corpus.jsonl", '{"_id": ' + "9" * 5000 + ', "text": "x"}', "not valid JSON.*4300 digits"),
+    ("queries.jsonl", '{"_id": "q", "text": ' + "9" * 5000 + "}", "not valid JSON"),
+    ("qrels/train.tsv", "tr0_0\t" + "x" * 200_000 + "\t1", "field larger than field limit"),
+    ("qrels/train.tsv", '"tr0_0\td0_0\t1\n' + "tr0_0\td0_0\t1\n" * 20_000, "unclosed quote")])
+def test_a_line_python_cannot_parse_is_an_input_error_naming_the_file(beir, name, line, match):
+    with open(beir / name, "a") as f:  # were a raw ValueError / csv.Error
+        f.write(line + "\n")
+    with pytest.raises(InputError, match=match) as err:
+        load_beir(beir).qrels("train")
+    assert f"{beir / name}:" in str(err.value)
+
+
 def test_beir_empty_split_and_missing(beir, tmp_path):
     (beir / "qrels" / "dev.tsv").write_text("query-id\tcorpus-id\tscore\n")
     with pytest.raises(InputError, match="dev.tsv: no"):

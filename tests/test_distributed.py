@@ -288,6 +288,9 @@ def test_stage_files_are_typed_and_checked(tmp_path):
         path.write_text(json.dumps({**body, **edit}))
         with pytest.raises(FormatError, match="stage.json is damaged"):
             pp.read_stage(b)
+    path.write_text("[" * 200_000 + "]" * 200_000)  # was a raw RecursionError
+    with pytest.raises(FormatError, match="stage.json is unreadable"):
+        pp.read_stage(b)
 
 
 

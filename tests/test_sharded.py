@@ -178,6 +178,14 @@ def test_a_forged_offset_table_is_refused(tmp_path, offsets):
         ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
 
 
+def test_a_shard_table_nested_too_deeply_is_a_format_error(tmp_path):
+    X = np.random.default_rng(0).standard_normal((80, 6)).astype(np.float32)
+    ShardedIndex({"devices": ["cpu"] * 2}, "cpu").build(torch.from_numpy(X)).save(tmp_path)
+    (tmp_path / "shards.json").write_text("[" * 200_000 + "]" * 200_000)  # a RecursionError
+    with pytest.raises(pg.errors.FormatError, match="shards.json is missing or unreadable"):
+        ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
+
+
 def test_xl_scoring_over_sharded_indices_checks_no_ids(monkeypatch):
     """Its neighbours' rows are valid by construction: reading them makes no id check (on
     CUDA each one is a host synchronisation), and the scores equal the unsharded model's."""

@@ -159,7 +159,7 @@ class ShardedIndex(Index):
         try:
             meta = json.loads((d / "shards.json").read_text())
             offsets, sizes = list(meta["offsets"]), list(meta["sizes"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise FormatError(f"{d / 'shards.json'} is missing or unreadable: {exc}") from exc
         if len(offsets) != len(out.devices):
             raise FormatError(f"{d} holds {len(offsets)} shards but the index has "

@@ -232,7 +232,7 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
     except FileNotFoundError:
         raise FormatError(f"{folder} holds no complete stage ({STAGE_FILE} missing: not run "
                           f"yet, or interrupted)") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
         raise FormatError(f"{path} is unreadable: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
         raise FormatError(f"{path} is not a pefa_gpu stage file")
