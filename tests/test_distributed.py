@@ -316,6 +316,11 @@ def test_stage_rows_that_do_not_tile_the_stage_are_refused(tmp_path):
                 pp.search(b, T, topk=10) if folder == b else pp.read_rows(docs)
         path.write_text(json.dumps(body))
     body = json.loads((b / "stage.json").read_text())
+    for name in ("..", ".", ""):  # were read as shards: the stage folder or its parent
+        edit = {"shards": [{**body["shards"][0], "name": name}, *body["shards"][1:]]}
+        (b / "stage.json").write_text(json.dumps({**body, **edit}))
+        with pytest.raises(FormatError, match="stage.json is damaged.*not a folder in the"):
+            pp.search(b, T, topk=10)
     for edit in ({"params": None}, {"query_shards": []}):
         (b / "stage.json").write_text(json.dumps({**body, **edit}))
         with pytest.raises(FormatError, match="stage.json is damaged"):

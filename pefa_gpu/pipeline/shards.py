@@ -51,6 +51,8 @@ class Entry:
     def of(cls, path: str | Path, manifest: dict[str, Any]) -> "Entry":
         """The entry of the shard at ``path`` with this (read or written) manifest."""
         lo, hi = manifest["rows"]
+        if Path(path).name in ("", ".", ".."):  # the stage folder or its parent
+            raise ValueError(f"a shard is named {str(path)!r}, not a folder in the stage")
         if type(lo) is not int or type(hi) is not int:
             raise TypeError(f"shard {Path(path).name!r} has rows {manifest['rows']!r}, not ints")
         return cls(Path(path).name, (lo, hi), str(manifest["manifest_sha256"]))
