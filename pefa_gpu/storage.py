@@ -219,11 +219,7 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
             indptr = _npz_member(z, "indptr", 8 * (shape[fmt == "csc"] + 1), p)
             nnz = meta["nnz"] if meta is not None else min(int(indptr[-1]), shape[0] * shape[1])
             indices, data = (_npz_member(z, k, 16 * nnz, p) for k in ("indices", "data"))
-            if {a.dtype.kind for a in (raw, indptr, indices)} - set("iu") \
-                    or data.dtype.kind not in "biuf":
-                raise FormatError(f"{p} holds shape, indptr, indices, data of dtypes {raw.dtype}, "
-                                  f"{indptr.dtype}, {indices.dtype}, {data.dtype}; expected "
-                                  f"integers and real numbers")
+            _check_kinds(p, raw, indptr, indices, data)
         mat = (sp.csr_matrix if fmt == "csr" else sp.csc_matrix)((data, indices, indptr), shape)
         mat.check_format(full_check=True)
     except FormatError:
@@ -235,6 +231,15 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
     if meta is not None and csr.nnz != nnz:
         raise FormatError(f"{p} holds nnz {csr.nnz}, but the manifest says nnz {nnz}")
     return csr
+
+
+def _check_kinds(p: Path, *members: np.ndarray) -> None:
+    """shape, indptr, indices hold integers, data real numbers (or bool); else FormatError."""
+    *ints, data = members
+    if {a.dtype.kind for a in ints} - set("iu") or data.dtype.kind not in "biuf":
+        raise FormatError(f"{p} holds shape, indptr, indices, data of dtypes "
+                          f"{', '.join(str(a.dtype) for a in members)}; expected integers "
+                          f"and real numbers")
 
 
 def _npz_member(z: zipfile.ZipFile, name: str, limit: int, p: Path) -> np.ndarray:

@@ -97,30 +97,34 @@ class Stage:
             fields[key] = tuple(Entry.of(e["name"], e) for e in body.get(key, ()))
         if fields.get("params") is not None:
             fields["params"] = XLParams.from_dict(fields["params"])
-        stage = cls(**fields)
-        counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz}
-        if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
-            raise ValueError(f"{bad} must be ints >= 0")
-        xl = stage.method == "xl"
-        if xl and stage.params is None:
-            raise ValueError("a PEFA-XL build without its params")
-        rows = stage.m if stage.stage == "relevance" else stage.n
-        for key, entries, total in (("shards", stage.shards, rows),
-                                    ("query_shards", stage.query_shards, stage.m)):
-            ranges = [e.rows for e in entries]  # split() makes one shard at least
-            ends = [0, *(hi for _, hi in ranges)]
-            if (entries or key == "shards" or xl) and not (
-                    entries and [lo for lo, _ in ranges] == ends[:-1] and ends[-1] == total
-                    and all(lo <= hi for lo, hi in ranges)):
-                raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in "
-                                 f"order")
-        return stage
+        return _checked(cls(**fields))
 
     def to_json(self) -> str:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if getattr(self, f.name) != f.default}
         return json.dumps({"format": STAGE_FORMAT, "format_version": 1, **body}, indent=1,
                           sort_keys=True, default=dataclasses.asdict) + "\n"
+
+
+def _checked(stage: Stage) -> Stage:
+    """``stage`` if its counts are ints >= 0 and its shards tile their rows (else ValueError)."""
+    counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz}
+    if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
+        raise ValueError(f"{bad} must be ints >= 0")
+    xl = stage.method == "xl"
+    if xl and stage.params is None:
+        raise ValueError("a PEFA-XL build without its params")
+    rows = stage.m if stage.stage == "relevance" else stage.n
+    for key, entries, total in (("shards", stage.shards, rows),
+                                ("query_shards", stage.query_shards, stage.m)):
+        ranges = [e.rows for e in entries]  # split() makes one shard at least
+        ends = [0, *(hi for _, hi in ranges)]
+        if (entries or key == "shards" or xl) and not (
+                entries and [lo for lo, _ in ranges] == ends[:-1] and ends[-1] == total
+                and all(lo <= hi for lo, hi in ranges)):
+            raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in "
+                             f"order")
+    return stage
 
 
 def write_shard(path: str | Path, fields: dict[str, Any],
