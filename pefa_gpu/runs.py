@@ -80,9 +80,10 @@ def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndar
     flat = [(qid, *row) for qid, _, rows in hits for row in rows]
     if fmt == "trec":
         for qid, _, d, _, _ in flat:
-            if any(c.isspace() for c in qid + d):
-                raise InputError(f"the TREC run format cannot hold ids with spaces "
-                                 f"({qid!r}, {d!r})")
+            for what, value in (("query", qid), ("document", d)):
+                if any(c.isspace() for c in value):
+                    raise InputError(f"the TREC run format cannot hold ids with spaces: "
+                                     f"{what} id {value!r} (use --format tsv or json)")
         return "".join(f"{qid} Q0 {d} {r} {s:.6f} {tag}\n" for qid, r, d, s, _ in flat)
     lines = ["query_id\trank\tdoc_id\tscore" + ("\ttitle\ttext" if doc_text else "")]
     lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(f"\t{v}" for v in more.values())
