@@ -26,7 +26,7 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
     :func:`query_id`); a bad line: InputError naming file:line."""
     p = Path(path)
     if not p.is_file():
-        raise InputError(f"queries file {p} not found")
+        raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out = []
     for lineno, line in text_lines(p):
         line = line.rstrip("\r\n")
@@ -61,6 +61,8 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
     for qid, text in [(query_id(t), t) for t in texts] + (read_queries(path) if path else []):
         if seen.setdefault(qid, text) != text:
             raise InputError(f"query id {qid!r} is given twice with different texts")
+    if not seen:
+        raise InputError(f"no queries: the queries file {path} holds none")
     return list(seen.items())
 
 

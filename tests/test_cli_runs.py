@@ -58,3 +58,8 @@ def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
         queries([], f)
     with pytest.raises(pg.InputError, match="not found"):
         read_queries(tmp_path / "none.txt")
+    with pytest.raises(pg.InputError, match="is not a file"):  # it said "not found"
+        read_queries(tmp_path)
+    f.write_text("\n  \n")
+    with pytest.raises(pg.InputError, match=f"the queries file {f} holds none"):
+        queries([], f)  # it gave 'queries has dimension 0' after loading the build
