@@ -194,7 +194,8 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     ``min_score`` dropped; ``binary``: 1 per pair, else repeated pairs add up."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"pairs file {path} not found")
+        raise InputError(f"pairs file {path} "
+                         + ("is not a file" if path.exists() else "not found"))
     index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
     read = _parquet_records if path.suffix.lower() in (".parquet", ".pq") else _tsv_records
     keys: dict[str, int] = {}

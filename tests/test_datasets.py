@@ -134,6 +134,8 @@ def test_pairs_empty(tmp_path):
         load_pairs(p, DOCS)
     with pytest.raises(InputError, match="not found"):
         load_pairs(tmp_path / "missing.tsv", DOCS)
+    with pytest.raises(InputError, match="is not a file"):  # a folder: it said "not found"
+        load_pairs(tmp_path, DOCS)
 
 
 def test_pairs_parquet(tmp_path):
