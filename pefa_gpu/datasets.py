@@ -91,9 +91,10 @@ class BeirDataset:
                                  f"encode the texts instead: pg.encode(ds.corpus_texts) and "
                                  f"pg.encode(ds.query_texts)")
             arr = read_matrix(path)  # names the file: text, truncated, objects, NaN
-            if arr.shape[0] != rows:
-                raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
-                                 f"{part}.jsonl")
+            d = out[0].shape[1] if out else "d"  # the queries: the corpus' dimension
+            if arr.shape[0] != rows or out and arr.shape[1] != d:
+                raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, {d}) to match "
+                                 f"{part}.jsonl" + (" and corpus.npy" if out else ""))
             out.append(arr)
         return out[0], out[1]
 

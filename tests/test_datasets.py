@@ -260,3 +260,18 @@ def test_bad_embeddings_files_are_named(beir, content, match):
         path.write_bytes(content)
     with pytest.raises(ValueError, match=match):
         load_beir(beir).embeddings("e")
+
+
+def test_query_embeddings_of_another_dimension_are_named(beir):
+    """It loaded and failed later with 'queries has dimension 5, expected 48 (the dimension
+    the model was fitted with)', naming no file."""
+    from textdata import write_embeddings
+
+    write_embeddings(beir, "e")
+    path = beir / "embeddings" / "e" / "queries.npy"
+    x = np.load(path)
+    np.save(path, x[:, :5])
+    d = np.load(beir / "embeddings" / "e" / "corpus.npy").shape[1]
+    with pytest.raises(InputError, match=rf"queries.npy has shape \({len(x)}, 5\), expected "
+                                         rf"\({len(x)}, {d}\) to match queries.jsonl and corpus"):
+        load_beir(beir).embeddings("e")
