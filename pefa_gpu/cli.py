@@ -312,6 +312,10 @@ def _check_args(args: argparse.Namespace) -> None:
     from .storage import check_output_file
 
     resolve_device(args.device)
+    if args.command == "tune":
+        from .tune import parse_metric
+
+        parse_metric(args.metric)
     if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
     for name in ("out", "json", "plot"):

@@ -411,6 +411,7 @@ def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
     (["sweep", "--plot", "r.tsv"], "matplotlib cannot write .tsv files"),
     (["eval", "--device", "meta"], "only cpu and cuda devices"),
     (["eval", "--threads", str(2**31 - 1)], "--threads must be at most the"),
+    (["tune", "--metric", "ndcg@10"], "metric must be recall@K terms"),
 ])
 def test_outputs_device_and_threads_are_checked_before_data(argv, match, tmp_path, capsys):
     if "--plot" in argv:
