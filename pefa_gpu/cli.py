@@ -284,6 +284,8 @@ def _check_args(args: argparse.Namespace) -> None:
             flag = name.upper() if name in ("data_dir", "model_dir") else \
                 f"--{name.replace('_', '-')}"
             raise InputError(f"{flag} is empty: give a value or leave the option out")
+    if args.quiet and args.verbose:
+        raise InputError("give either --quiet (no log lines) or --verbose (more), not both")
     _check_data(args)
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},

@@ -271,6 +271,7 @@ def test_counts_must_be_positive(argv, match, tmp_path, capsys):
     (["build", "--method", "xs", "--k", "4", "--out", "X"], "--k has no effect"),
     (["build", "--method", "xl", "--seed", "3", "--out", "X"], "--seed has no effect"),
     (["eval", "--model", "m", "--embeddings", "e"], "either --embeddings"),
+    (["eval", "-q", "-v"], "either --quiet (no log lines) or --verbose (more), not both"),
 ])
 def test_options_that_do_nothing_are_refused_before_data(argv, match, tmp_path, capsys):
     code, _, err = run(capsys, argv[0], tmp_path / "no-data", *argv[1:])
