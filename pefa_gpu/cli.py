@@ -384,6 +384,8 @@ def _check_search(args: argparse.Namespace) -> None:
         raise InputError("no queries: give query texts or --queries FILE")
     formats = {".json": "json", ".trec": "trec", ".run": "trec"}
     args.format = args.format or formats.get(Path(args.out or "").suffix.lower(), "tsv")
+    if args.no_text and args.format == "trec":
+        raise InputError("--no-text has no effect on a TREC run (it holds no text); drop it")
     if args.tag is not None and args.format != "trec":
         raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
                          "ending in .trec / .run)")

@@ -285,6 +285,8 @@ def test_search_argument_errors(tmp_path, capsys):
     assert code == 2 and "--tag names a TREC run" in err
     code, _, err = run(capsys, "search", tmp_path, "q", "--format", "trec", "--tag", "a b")
     assert code == 2 and "one word" in err
+    code, _, err = run(capsys, "search", tmp_path, "q", "--out", tmp_path / "r.run", "--no-text")
+    assert code == 2 and "--no-text has no effect on a TREC run" in err
 
 
 def test_build_help_describes_build(capsys):
