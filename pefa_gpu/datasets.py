@@ -226,14 +226,16 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
-    """A score or weight: 1 when absent (None), else a finite number >= ``at_least``."""
+    """A score or weight: 1 when absent (None), else a number >= ``at_least`` that float32 (Y's
+    dtype) holds."""
     try:
         x = 1.0 if raw is None else float(raw)
     except (TypeError, ValueError):
         raise InputError(f"{where}: {what} {raw!r} is not a number") from None
-    if not math.isfinite(x) or x < at_least:
+    if not abs(x) <= float(np.finfo(np.float32).max) or x < at_least:  # NaN, inf, 1e308
         raise InputError(f"{where}: {what} {raw!r} must be a finite number"
-                         + (f" >= {at_least:g}" if at_least > -math.inf else ""))
+                         + (f" >= {at_least:g}" if at_least > -math.inf else "")
+                         + " within float32's range (±3.4e38)")
     return x
 
 

@@ -52,6 +52,7 @@ def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
     ("nobody\td0_0\t1", "query id 'nobody'"),
     ("tr0_0\td0_0\thigh", "not a number"),
     ("tr0_0", "expected"),
+    ("tr0_0\td0_0\t1e308", "within float32's range"),  # it said 'Y contains NaN or inf'
 ])
 def test_beir_bad_qrels_line(beir, row, match):
     path = beir / "qrels" / "train.tsv"
@@ -117,6 +118,8 @@ def test_pairs_with_query_ids(tmp_path):
     ("q\ta\tlots\n", "not a number", 1),
     ("q\ta\t-1\n", ">= 0", 1),
     ("q\ta\tnan\n", ">= 0", 1),
+    ("q\ta\t-1e39\n", "within float32's range", 1),
+    ("q\ta\t1e39\n", "within float32's range", 1),
     ("\tb\n", "empty query", 1),
 ])
 def test_pairs_malformed(tmp_path, text, match, line):
