@@ -347,8 +347,9 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
 def _check_plot(args: argparse.Namespace) -> None:
     """--plot: not --json's file, and a suffix matplotlib writes (checked when it is here;
     without it the plot fails later, saying so)."""
-    if args.json and Path(args.plot).resolve() == Path(args.json).resolve():
-        raise InputError(f"--plot {args.plot} is --json's file too; give another name")
+    if args.json and Path(args.plot).resolve().is_relative_to(Path(args.json).resolve()):
+        raise InputError(f"--plot {args.plot} is (or is inside) --json's file; give another "
+                         f"name")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:

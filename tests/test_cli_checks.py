@@ -410,7 +410,8 @@ def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
 
 
 @pytest.mark.parametrize("argv,match", [
-    (["sweep", "--json", "r.json", "--plot", "r.json"], "--plot r.json is --json's file too"),
+    (["sweep", "--json", "r.json", "--plot", "r.json"], "--plot r.json is (or is inside) --j"),
+    (["sweep", "--json", "r.json", "--plot", "r.json/p.png"], "is (or is inside) --json's file"),
     (["sweep", "--plot", "r.tsv"], "matplotlib cannot write .tsv files"),
     (["eval", "--device", "meta"], "only cpu and cuda devices"),
     (["eval", "--threads", str(2**31 - 1)], "--threads must be at most the"),
