@@ -115,19 +115,6 @@ def check_at_most(value: Any, name: str, top: int) -> int:
     return value
 
 
-# Thread counts (faiss' OpenMP pool, hnswlib): 0 = every core; pools of 10^5 threads crash
-# OpenMP (a segfault; 2^31: an abort), so far more than any machine's cores are refused.
-MAX_THREADS = 1024
-
-
-def check_threads(value: Any, name: str, zero: str) -> int:
-    """An int in [0, MAX_THREADS] (0: ``zero``), else InputError."""
-    value = check_nonnegative(value, name, zero)
-    if value > MAX_THREADS:
-        raise InputError(f"{name} must be at most {MAX_THREADS}, got {value!r}")
-    return value
-
-
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:
     """A finite int or float (>= 0 unless ``none_ok``, which also allows None)."""
     if none_ok and value is None:

@@ -16,7 +16,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import backend_class, make_index
-from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS
+from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M
 
 from conftest import make_model, unit_rows
 
@@ -348,18 +348,6 @@ def test_hnsw_sizes_are_bounded_naming_the_setting_and_the_bound(backend):
     p = cls.Params(M=8)
     with pytest.raises(InputError, match=f"M must be at most {MAX_HNSW_M}"):
         p.replace(M=10**9)
-
-
-@pytest.mark.parametrize("backend", ["hnsw", "ivf", "hnswlib"])
-def test_thread_counts_are_bounded(backend):
-    """threads=100000 made OpenMP segfault, 2**31 - 1 abort ('libgomp: Out of memory')."""
-    cls = backend_class(backend)  # the params only: neither faiss nor hnswlib is reached
-    assert cls.Params(threads=np.int64(MAX_THREADS)).threads == MAX_THREADS
-    for bad in (MAX_THREADS + 1, 100_000, 2**31 - 1, 2**40):
-        with pytest.raises(InputError, match=f"threads must be at most {MAX_THREADS}, got {bad}"):
-            cls.Params(threads=bad)
-    with pytest.raises(InputError, match="threads must be an int >= 0"):
-        cls.Params(threads=-1)
 
 
 @FAISS

@@ -13,8 +13,7 @@ import torch
 
 from ..arrays import DeviceLike, as_tensor, resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import (Params, check_at_most, check_nonnegative, check_positive, check_threads,
-                      checked)
+from ..params import Params, check_at_most, check_nonnegative, check_positive, checked
 from ..topk import PAD_ID, PAD_SCORE
 
 
@@ -37,11 +36,6 @@ def at_most(default: int, top: int) -> Any:
 def count(default: int, zero: str = "") -> Any:
     """An :class:`IndexParams` field holding an int >= 0; ``zero`` says what 0 means."""
     return checked(default, check_nonnegative, zero)
-
-
-def thread_count(zero: str) -> Any:
-    """An :class:`IndexParams` field holding a thread count in [0, MAX_THREADS], default 0."""
-    return checked(0, check_threads, zero)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
