@@ -33,6 +33,8 @@ def resolve_device(device: DeviceLike = None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = _torch_device(device)
+    if dev.type not in ("cpu", "cuda"):
+        raise InputError(f"device={device!r}: only cpu and cuda devices are supported")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"device={device!r} asked for CUDA, but torch sees no CUDA device")
     return dev

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import pkgutil
 import sys
@@ -46,6 +47,27 @@ def _lam(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"λ must lie in [0, 1], got {text!r}")
+    return v
+
+
+def _finite(text: str) -> float:
+    """A finite number (not nan, not inf)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
+
+
+def _seed(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return v
 
 
@@ -114,7 +136,7 @@ DATA_OPTIONS = {
     "--train-pairs": dict(metavar="FILE", help="fit on this pairs file (TSV or parquet: query "
                           "text or id, document id, optional weight) instead of "
                           "qrels/TRAIN_SPLIT.tsv"),
-    "--min-score": dict(type=float, default=1.0, metavar="S", help="qrels grade (or pairs "
+    "--min-score": dict(type=_finite, default=1.0, metavar="S", help="qrels grade (or pairs "
                         "weight) from which a pair is relevant (default: 1); training pairs "
                         "count as 1 (binary), nDCG takes the test split's grades as gains")}
 TEST_OPTIONS = {  # the split the evaluation commands evaluate on
@@ -166,15 +188,15 @@ RAY_OPTIONS = {  # the cluster (see pefa_gpu.distributed)
                        "every node sees (needed for a remote cluster; default with local: a "
                        "temporary folder); encoded shards there are reused by the next run")}
 TUNE_OPTIONS = {
-    "--val-fraction": dict(type=float, default=0.2, metavar="F", help="share of training "
+    "--val-fraction": dict(type=_finite, default=0.2, metavar="F", help="share of training "
                            "queries held out for validation (default: 0.2)"),
-    "--seed": dict(type=int, default=0, help="seed of the split (default: 0)"),
+    "--seed": dict(type=_seed, default=0, help="seed of the split (default: 0)"),
     "--metric": dict(default="recall@10,recall@100", help="validation objective: mean of these "
                      "recalls (default: recall@10,recall@100)"),
     "--no-coverage-match": dict(action="store_true", help="do not lower the validation queries' "
                                 "coverage by training pairs to the coverage estimated for the "
                                 "test queries (see pefa_gpu.tune)"),
-    "--min-z": dict(type=float, default=2.0, metavar="Z", help="keep ERM unless the best "
+    "--min-z": dict(type=_finite, default=2.0, metavar="Z", help="keep ERM unless the best "
                     "configuration's validation gain is at least Z standard errors (paired "
                     "over queries; default: 2)")}
 BUILD_OPTIONS = {
@@ -182,7 +204,7 @@ BUILD_OPTIONS = {
                      "the choice of `tune`; NUDGE chooses its step on 20%% of the training "
                      "queries (default: xs)"),
     **_settings("one", AXES),
-    "--seed": dict(type=int, default=None,
+    "--seed": dict(type=_seed, default=None,
                    help="--method auto: seed of the validation split (default: 0)"),
     "--out": dict(required=True, metavar="MODEL_DIR", help="where to save: a new or empty "
                   "folder, or an earlier build (replaced once the new one is complete; other "
@@ -257,6 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
     """Every rule across options, and the outputs' writability, before any data is read;
     InputError. Options that would do nothing for the chosen methods are refused."""
+    for name, value in vars(args).items():  # '' would silently mean "not given" or "here"
+        if value == "":
+            flag = name.upper() if name in ("data_dir", "model_dir") else \
+                f"--{name.replace('_', '-')}"
+            raise InputError(f"{flag} is empty: give a value or leave the option out")
+    if args.quiet and args.verbose:
+        raise InputError("give either --quiet (no log lines) or --verbose (more), not both")
     _check_data(args)
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
@@ -278,13 +307,58 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.command == "search":
         _check_search(args)
     _check_ray(args)
-    from .storage import check_output_file  # imports torch: after the checks above
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):
+        raise InputError(f"--threads must be at most the {os.cpu_count() or 1} CPUs here, got "
+                         f"{args.threads}")
+    from .arrays import resolve_device  # imports torch: after the checks above
+    from .storage import check_output_file
 
+    resolve_device(args.device)
+    if args.command == "tune":
+        from .tune import parse_metric
+
+        parse_metric(args.metric)
     if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
-    for name in ("out",) if args.command == "search" else ("json", "plot"):
+    for name in ("out", "json", "plot"):
         if getattr(args, name, None):
-            check_output_file(getattr(args, name), f"--{name}")
+            _check_not_input(args, getattr(args, name), f"--{name}")
+            if name != "out" or args.command == "search":
+                check_output_file(getattr(args, name), f"--{name}")
+    if args.command == "sweep" and args.plot:
+        _check_plot(args)
+
+
+def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
+    """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
+    qrels/ and embeddings/, --train-pairs, --queries, --xmc, --emb, the build searched."""
+    files = [getattr(args, name, None) for name in ("train_pairs", "queries")]
+    folders = [getattr(args, name, None) for name in ("xmc", "emb", "model_dir")]
+    if getattr(args, "data_dir", None):
+        files += [Path(args.data_dir, "corpus.jsonl"), Path(args.data_dir, "queries.jsonl")]
+        folders += [Path(args.data_dir, "qrels"), Path(args.data_dir, "embeddings")]
+    out = Path(path).resolve()
+    if any(f and out == Path(f).resolve() for f in files) or any(
+            f and out.is_relative_to(Path(f).resolve()) for f in folders):
+        raise InputError(f"{flag} {path} is (or is inside) one of the command's inputs; "
+                         f"write the output elsewhere")
+
+
+def _check_plot(args: argparse.Namespace) -> None:
+    """--plot: not --json's file, and a suffix matplotlib writes (checked when it is here;
+    without it the plot fails later, saying so)."""
+    if args.json and Path(args.plot).resolve().is_relative_to(Path(args.json).resolve()):
+        raise InputError(f"--plot {args.plot} is (or is inside) --json's file; give another "
+                         f"name")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        return
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    suffix = Path(args.plot).suffix.lower().lstrip(".")
+    if suffix and suffix not in kinds:
+        raise InputError(f"--plot {args.plot}: matplotlib cannot write .{suffix} files; use "
+                         f"one of {', '.join('.' + k for k in sorted(kinds))}")
 
 
 def _check_data(args: argparse.Namespace) -> None:
@@ -311,6 +385,8 @@ def _check_search(args: argparse.Namespace) -> None:
         raise InputError("no queries: give query texts or --queries FILE")
     formats = {".json": "json", ".trec": "trec", ".run": "trec"}
     args.format = args.format or formats.get(Path(args.out or "").suffix.lower(), "tsv")
+    if args.no_text and args.format == "trec":
+        raise InputError("--no-text has no effect on a TREC run (it holds no text); drop it")
     if args.tag is not None and args.format != "trec":
         raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
                          "ending in .trec / .run)")
@@ -719,7 +795,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return COMMANDS[args.command][0](args)
     except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, (PefaError, ValueError, FileNotFoundError)) else 1
+        bad_data = (PefaError, ValueError, FileNotFoundError, IsADirectoryError,
+                    NotADirectoryError)
+        return 2 if isinstance(exc, bad_data) else 1
     except MemoryError as exc:
         print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
               f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)

@@ -91,9 +91,10 @@ class BeirDataset:
                                  f"encode the texts instead: pg.encode(ds.corpus_texts) and "
                                  f"pg.encode(ds.query_texts)")
             arr = read_matrix(path)  # names the file: text, truncated, objects, NaN
-            if arr.shape[0] != rows:
-                raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, d) to match "
-                                 f"{part}.jsonl")
+            d = out[0].shape[1] if out else "d"  # the queries: the corpus' dimension
+            if arr.shape[0] != rows or out and arr.shape[1] != d:
+                raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, {d}) to match "
+                                 f"{part}.jsonl" + (" and corpus.npy" if out else ""))
             out.append(arr)
         return out[0], out[1]
 
@@ -204,7 +205,8 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     ``min_score`` dropped; ``binary``: 1 per pair, else repeated pairs add up."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"pairs file {path} not found")
+        raise InputError(f"pairs file {path} "
+                         + ("is not a file" if path.exists() else "not found"))
     index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
     read = _parquet_records if path.suffix.lower() in (".parquet", ".pq") else _tsv_records
     keys: dict[str, int] = {}
@@ -234,14 +236,16 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
-    """A score or weight: 1 when absent (None), else a finite number >= ``at_least``."""
+    """A score or weight: 1 when absent (None), else a number >= ``at_least`` that float32 (Y's
+    dtype) holds."""
     try:
         x = 1.0 if raw is None else float(raw)
     except (TypeError, ValueError):
         raise InputError(f"{where}: {what} {raw!r} is not a number") from None
-    if not math.isfinite(x) or x < at_least:
+    if not abs(x) <= float(np.finfo(np.float32).max) or x < at_least:  # NaN, inf, 1e308
         raise InputError(f"{where}: {what} {raw!r} must be a finite number"
-                         + (f" >= {at_least:g}" if at_least > -math.inf else ""))
+                         + (f" >= {at_least:g}" if at_least > -math.inf else "")
+                         + " within float32's range (±3.4e38)")
     return x
 
 

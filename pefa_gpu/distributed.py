@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -47,6 +48,10 @@ def connect(address: str = "local", workers: int | None = None,
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
     if workers is not None:
         check_positive(workers, "workers")
+    if address == "local" and workers is not None and workers > (os.cpu_count() or 1):
+        # num_cpus=2**31-1 made ray.init's local cluster hang
+        raise InputError(f"workers must be at most the {os.cpu_count() or 1} CPUs here for a "
+                         f"local cluster, got {workers}")
     started = not ray.is_initialized()
     if started:  # workers' output and INFO lines stay in Ray's log files
         where = ({"num_cpus": workers, "include_dashboard": False} if address == "local"

@@ -95,7 +95,7 @@ def _choose_gamma_n(d: torch.Tensor, g: torch.Tensor, q: torch.Tensor, y: sp.csr
         return 0.0
     q, y = q[as_tensor(keep, device=q.device)], y[keep]
     k = min(val_k, d.shape[0])
-    denom = as_tensor(np.minimum(n_rel[keep], val_k), dtype=torch.float64)
+    denom = as_tensor(np.minimum(n_rel[keep], k), dtype=torch.float64)
     best, best_acc, step = 0.0, -1.0, max(1, BLOCK_CELLS // d.shape[0])
     for gamma in N_GAMMAS:
         e = nudge_n(d, g, gamma)

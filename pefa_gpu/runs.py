@@ -26,7 +26,7 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
     :func:`query_id`); a bad line: InputError naming file:line."""
     p = Path(path)
     if not p.is_file():
-        raise InputError(f"queries file {p} not found")
+        raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out = []
     for lineno, line in text_lines(p):
         line = line.rstrip("\r\n")
@@ -61,6 +61,8 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
     for qid, text in [(query_id(t), t) for t in texts] + (read_queries(path) if path else []):
         if seen.setdefault(qid, text) != text:
             raise InputError(f"query id {qid!r} is given twice with different texts")
+    if not seen:
+        raise InputError(f"no queries: the queries file {path} holds none")
     return list(seen.items())
 
 
@@ -80,9 +82,10 @@ def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndar
     flat = [(qid, *row) for qid, _, rows in hits for row in rows]
     if fmt == "trec":
         for qid, _, d, _, _ in flat:
-            if any(c.isspace() for c in qid + d):
-                raise InputError(f"the TREC run format cannot hold ids with spaces "
-                                 f"({qid!r}, {d!r})")
+            for what, value in (("query", qid), ("document", d)):
+                if any(c.isspace() for c in value):
+                    raise InputError(f"the TREC run format cannot hold ids with spaces: "
+                                     f"{what} id {value!r} (use --format tsv or json)")
         return "".join(f"{qid} Q0 {d} {r} {s:.6f} {tag}\n" for qid, r, d, s, _ in flat)
     lines = ["query_id\trank\tdoc_id\tscore" + ("\ttitle\ttext" if doc_text else "")]
     lines += [f"{qid}\t{r}\t{d}\t{s:.6f}" + "".join(f"\t{v}" for v in more.values())

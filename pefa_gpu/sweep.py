@@ -263,4 +263,5 @@ def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
             raise InputError(f"{axis}s is empty: give at least {want}")
         for value in values:
             check(value, axis)
-    return methods, tuple(float(x) if isinstance(x, int) else x for x in lams), ks
+    lams = (float(x) if isinstance(x, int) else x for x in lams)  # each value once:
+    return methods, tuple(dict.fromkeys(lams)), tuple(dict.fromkeys(ks))  # a repeat broke XL / XS

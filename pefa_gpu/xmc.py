@@ -111,7 +111,7 @@ def _inside(root: Path, name: str) -> Path:
     """``root / name``: an existing file inside ``root`` (links resolved)."""
     path = root / name
     if not path.is_file():
-        raise InputError(f"{path} not found")
+        raise InputError(f"{path} " + ("is not a file" if path.exists() else "not found"))
     if not path.resolve().is_relative_to(root.resolve()):
         raise InputError(f"{path} points outside {root} (to {path.resolve()}); the files of "
                          f"the folder must lie inside it")

@@ -280,6 +280,7 @@ def test_counts_must_be_positive(argv, match, tmp_path, capsys):
     (["build", "--method", "xs", "--k", "4", "--out", "X"], "--k has no effect"),
     (["build", "--method", "xl", "--seed", "3", "--out", "X"], "--seed has no effect"),
     (["eval", "--model", "m", "--embeddings", "e"], "either --embeddings"),
+    (["eval", "-q", "-v"], "either --quiet (no log lines) or --verbose (more), not both"),
 ])
 def test_options_that_do_nothing_are_refused_before_data(argv, match, tmp_path, capsys):
     code, _, err = run(capsys, argv[0], tmp_path / "no-data", *argv[1:])
@@ -293,6 +294,8 @@ def test_search_argument_errors(tmp_path, capsys):
     assert code == 2 and "--tag names a TREC run" in err
     code, _, err = run(capsys, "search", tmp_path, "q", "--format", "trec", "--tag", "a b")
     assert code == 2 and "one word" in err
+    code, _, err = run(capsys, "search", tmp_path, "q", "--out", tmp_path / "r.run", "--no-text")
+    assert code == 2 and "--no-text has no effect on a TREC run" in err
 
 
 def test_build_help_describes_build(capsys):
@@ -380,3 +383,71 @@ def test_search_output_format_follows_the_out_suffix_unless_given(built, tmp_pat
                                                                               ["Q0", "2"]]
         else:
             assert text.splitlines()[0].startswith("query_id\trank\tdoc_id\tscore")
+
+
+# ---------------------------------------------------------------------------- probe-cli
+
+def test_outputs_never_replace_the_inputs(data, built, tmp_path, capsys):
+    pairs = tmp_path / "pairs.tsv"
+    pairs.write_text("q\td\n")
+    cases = [("eval", data, "--json", data / "corpus.jsonl"),
+             ("eval", data, "--json", data / "qrels" / "test.tsv"),
+             ("tune", data, "--json", data / "embeddings" / "bow" / "corpus.npy"),
+             ("sweep", data, "--plot", data / "qrels" / "new.png"),
+             ("eval", data, "--json", pairs, "--train-pairs", pairs)]
+    before = {p: p.read_bytes() for p in [*data.rglob("*"), pairs] if p.is_file()}
+    for cmd, root, flag, out, *more in cases:
+        code, _, err = run(capsys, cmd, root, "--embeddings", "bow", flag, out, *more, "-q")
+        assert code == 2 and f"{flag} {out} is (or is inside) one of the command's inputs" in err
+    manifest = built / "pefa_build.json"
+    code, _, err = run(capsys, "search", built, "q", "--out", manifest)
+    assert code == 2 and "one of the command's inputs" in err
+    assert {p: p.read_bytes() for p in before} == before and manifest.is_file()
+    ok(capsys, "eval", data, "--embeddings", "bow", "--json", data / "results.json", "-q")
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["eval", "", "--embeddings", "bow"], "DATA_DIR"), (["search", "", "q"], "MODEL_DIR"),
+    (["eval", "D", "--embeddings", ""], "--embeddings"), (["eval", "D", "--json", ""], "--json"),
+    (["sweep", "D", "--plot", ""], "--plot"), (["eval", "D", "--model", ""], "--model"),
+    (["eval", "D", "--train-pairs", ""], "--train-pairs"), (["build", "D", "--out", ""], "--out"),
+    (["eval", "D", "--cache-dir", ""], "--cache-dir"),
+])
+def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and f"{flag} is empty" in err, err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["sweep", "--json", "r.json", "--plot", "r.json"], "--plot r.json is (or is inside) --j"),
+    (["sweep", "--json", "r.json", "--plot", "r.json/p.png"], "is (or is inside) --json's file"),
+    (["sweep", "--plot", "r.tsv"], "matplotlib cannot write .tsv files"),
+    (["eval", "--device", "meta"], "only cpu and cuda devices"),
+    (["eval", "--threads", str(2**31 - 1)], "--threads must be at most the"),
+    (["tune", "--metric", "ndcg@10"], "metric must be recall@K terms"),
+])
+def test_outputs_device_and_threads_are_checked_before_data(argv, match, tmp_path, capsys):
+    if "--plot" in argv:
+        pytest.importorskip("matplotlib")
+    code, _, err = run(capsys, argv[0], tmp_path / "no-data", *argv[1:], "-q")
+    assert code == 2 and match in err and "no-data" not in err, err
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["eval", "--min-score", "nan"], "argument --min-score: must be a finite number"),
+    (["tune", "--min-z", "inf"], "argument --min-z: must be a finite number"),
+    (["tune", "--val-fraction", "nan"], "argument --val-fraction: must be a finite number"),
+    (["tune", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["build", "--method", "auto", "--seed", "x", "--out", "o"], "argument --seed: expected"),
+])
+def test_numbers_must_be_finite_and_seeds_not_negative(argv, match, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([argv[0], str(tmp_path / "no-data"), *argv[1:]])
+    assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_a_folder_where_a_data_file_belongs_is_bad_data(data, capsys):
+    (data / "qrels" / "test.tsv").unlink()
+    (data / "qrels" / "test.tsv").mkdir()
+    code, _, err = run(capsys, "eval", data, "--embeddings", "bow", "-q")
+    assert code == 2 and "Is a directory" in err and "test.tsv" in err

@@ -41,8 +41,10 @@ def test_the_three_formats_skip_padding_and_rank_from_one():
 
 
 def test_trec_refuses_ids_with_spaces():
-    with pytest.raises(pg.InputError, match="cannot hold ids with spaces"):
+    with pytest.raises(pg.InputError, match="cannot hold ids with spaces: query id 'a b'"):
         format_results("trec", [("a b", "t")], SCORES[:1], IDS[:1], DOCS, "t")
+    with pytest.raises(pg.InputError, match="spaces: document id 'd 2'"):  # not the query's
+        format_results("trec", QUERIES[:1], SCORES[:1], IDS[:1], ["d0", "d1", "d 2"], "t")
 
 
 def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
@@ -56,3 +58,8 @@ def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
         queries([], f)
     with pytest.raises(pg.InputError, match="not found"):
         read_queries(tmp_path / "none.txt")
+    with pytest.raises(pg.InputError, match="is not a file"):  # it said "not found"
+        read_queries(tmp_path)
+    f.write_text("\n  \n")
+    with pytest.raises(pg.InputError, match=f"the queries file {f} holds none"):
+        queries([], f)  # it gave 'queries has dimension 0' after loading the build

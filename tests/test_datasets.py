@@ -52,6 +52,7 @@ def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
     ("nobody\td0_0\t1", "query id 'nobody'"),
     ("tr0_0\td0_0\thigh", "not a number"),
     ("tr0_0", "expected"),
+    ("tr0_0\td0_0\t1e308", "within float32's range"),  # it said 'Y contains NaN or inf'
 ])
 def test_beir_bad_qrels_line(beir, row, match):
     path = beir / "qrels" / "train.tsv"
@@ -130,6 +131,8 @@ def test_pairs_with_query_ids(tmp_path):
     ("q\ta\tlots\n", "not a number", 1),
     ("q\ta\t-1\n", ">= 0", 1),
     ("q\ta\tnan\n", ">= 0", 1),
+    ("q\ta\t-1e39\n", "within float32's range", 1),
+    ("q\ta\t1e39\n", "within float32's range", 1),
     ("\tb\n", "empty query", 1),
 ])
 def test_pairs_malformed(tmp_path, text, match, line):
@@ -147,6 +150,8 @@ def test_pairs_empty(tmp_path):
         load_pairs(p, DOCS)
     with pytest.raises(InputError, match="not found"):
         load_pairs(tmp_path / "missing.tsv", DOCS)
+    with pytest.raises(InputError, match="is not a file"):  # a folder: it said "not found"
+        load_pairs(tmp_path, DOCS)
 
 
 def test_pairs_parquet(tmp_path):
@@ -270,4 +275,19 @@ def test_bad_embeddings_files_are_named(beir, content, match):
     else:
         path.write_bytes(content)
     with pytest.raises(ValueError, match=match):
+        load_beir(beir).embeddings("e")
+
+
+def test_query_embeddings_of_another_dimension_are_named(beir):
+    """It loaded and failed later with 'queries has dimension 5, expected 48 (the dimension
+    the model was fitted with)', naming no file."""
+    from textdata import write_embeddings
+
+    write_embeddings(beir, "e")
+    path = beir / "embeddings" / "e" / "queries.npy"
+    x = np.load(path)
+    np.save(path, x[:, :5])
+    d = np.load(beir / "embeddings" / "e" / "corpus.npy").shape[1]
+    with pytest.raises(InputError, match=rf"queries.npy has shape \({len(x)}, 5\), expected "
+                                         rf"\({len(x)}, {d}\) to match queries.jsonl and corpus"):
         load_beir(beir).embeddings("e")

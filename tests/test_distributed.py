@@ -699,6 +699,16 @@ def test_cli_ray_options_are_checked(tmp_path, capsys):
         assert msg in capsys.readouterr().err
 
 
+def test_a_local_cluster_has_at_most_the_cpus_here(tmp_path, capsys):
+    pytest.importorskip("ray")
+    from pefa_gpu.cli import main
+
+    argv = ["eval", str(tmp_path), "--ray", "local", "--workers", str(2**31 - 1)]
+    assert main(argv) == 2  # it hung in ray.init(num_cpus=2**31 - 1)
+    err = capsys.readouterr().err
+    assert f"workers must be at most the {os.cpu_count()} CPUs here for a local cluster" in err
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_scifact_from_text_to_metrics(scifact_dir, tmp_path, ray_runner):

@@ -222,3 +222,10 @@ def test_cli_methods_accept_nudge():
     assert _methods("erm,nudge-m,NUDGE-N") == ("erm", "nudge-m", "nudge-n")
     with pytest.raises(argparse.ArgumentTypeError, match="nudge-n"):
         _methods("nudge")
+
+
+def test_a_val_k_beyond_the_documents_chooses_as_every_document():
+    """val_k >= 2**31 raised OverflowError (np.minimum with int32 counts)."""
+    P, Q, Y, Qv, Yv, _ = problem(7)
+    fits = [pg.NUDGE(val_k=v, device="cpu").fit(P, Q, Y, Qv, Yv) for v in (len(P), 2**40)]
+    assert fits[0].fitted_gamma == fits[1].fitted_gamma

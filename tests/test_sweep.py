@@ -180,3 +180,16 @@ def test_no_test_queries_give_empty_results_for_every_config():
     for _, s, i in out:
         assert s.shape == i.shape == (0, 6)
         assert s.dtype == torch.float32 and i.dtype == torch.int64
+
+
+def test_a_repeated_lam_or_k_counts_once():
+    """A repeat made XS / XL yield results of twice the queries ('ids has 10 rows but Y_test
+    has 5 queries' in sweep; pefa-gpu eval --k 4,4 failed the same way)."""
+    P, Q, Y, test = _data(3)
+    Yt = sp.csr_matrix((np.ones(12, np.float32), (np.arange(12), np.arange(12))), shape=(12, 60))
+    once = pg.sweep(P, Q, Y, test, Yt, lams=(0.5, 0.2), ks=(4,), device="cpu",
+                    show_progress=False)
+    twice = pg.sweep(P, Q, Y, test, Yt, lams=(0.5, 0.2, 0.5, 1 / 2), ks=(4, np.int64(4)),
+                     device="cpu", show_progress=False)
+    assert twice.rows == once.rows
+    assert grid("xl", (0.5, 0.5), (4, 4)) == [Config("xl", 0.5, 4)]

@@ -46,6 +46,8 @@ def test_fit_errors(cls, data):
     (lambda: pg.PEFAXL(k=2.5), "k must"), (lambda: pg.XLSearchParams(candidates=-1), "candidates"),
     (lambda: pg.PEFAXL(knn_norm="sum"), "knn_norm"), (lambda: pg.PEFAXS(lamda=0.5), "lamda"),
     (lambda: pg.ERM(backend="nope"), "backend"), (lambda: pg.ERM(device="tpu"), "device"),
+    (lambda: pg.ERM(device="meta"), "only cpu and cuda"),
+    (lambda: pg.ERM(device="mps"), "only cpu and cuda"),
 ])
 def test_param_errors(make, msg):
     with pytest.raises(ValueError, match=msg):

@@ -191,6 +191,9 @@ def test_missing_folders_and_files(folders, tmp_path):
     (emb / "X.tst.npy").unlink()
     with pytest.raises(InputError, match=r"X\.tst\.npy not found"):
         pg.load_xmc(xmc, emb)
+    (emb / "X.tst.npy").mkdir()
+    with pytest.raises(InputError, match=r"X\.tst\.npy is not a file"):  # it said "not found"
+        pg.load_xmc(xmc, emb)
     with pytest.raises(InputError, match="aug='v6'"):
         pg.load_xmc(xmc, emb, aug="v6")
 
