@@ -279,6 +279,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(args: argparse.Namespace) -> None:
     """Every rule across options, and the outputs' writability, before any data is read;
     InputError. Options that would do nothing for the chosen methods are refused."""
+    _check_values(args)
+    _check_data(args)
+    _check_methods(args)
+    if args.command == "search":
+        _check_search(args)
+    _check_ray(args)
+    _check_outputs(args)
+
+
+def _check_values(args: argparse.Namespace) -> None:
+    """No '' value, not both --quiet and --verbose, --threads at most the CPUs here."""
     for name, value in vars(args).items():  # '' would silently mean "not given" or "here"
         if value == "":
             flag = name.upper() if name in ("data_dir", "model_dir") else \
@@ -286,7 +297,13 @@ def _check_args(args: argparse.Namespace) -> None:
             raise InputError(f"{flag} is empty: give a value or leave the option out")
     if args.quiet and args.verbose:
         raise InputError("give either --quiet (no log lines) or --verbose (more), not both")
-    _check_data(args)
+    if args.threads is not None and args.threads > (os.cpu_count() or 1):
+        raise InputError(f"--threads must be at most the {os.cpu_count() or 1} CPUs here, got "
+                         f"{args.threads}")
+
+
+def _check_methods(args: argparse.Namespace) -> None:
+    """Settings the chosen methods take (and where they run); tune's split; build's target."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -304,13 +321,11 @@ def _check_args(args: argparse.Namespace) -> None:
         from .builds import BUILD_FORMAT, BUILD_MANIFEST
         from .storage import check_save_target
         check_save_target(args.out, BUILD_MANIFEST, BUILD_FORMAT)
-    if args.command == "search":
-        _check_search(args)
-    _check_ray(args)
-    if args.threads is not None and args.threads > (os.cpu_count() or 1):
-        raise InputError(f"--threads must be at most the {os.cpu_count() or 1} CPUs here, got "
-                         f"{args.threads}")
-    from .arrays import resolve_device  # imports torch: after the checks above
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """--device, tune's --metric, and --out / --json / --plot: writable, not an input."""
+    from .arrays import resolve_device  # imports torch: after the other checks
     from .storage import check_output_file
 
     resolve_device(args.device)
