@@ -212,3 +212,23 @@ def test_all_finite_against_numpy(dtype, size, bad):
     t = torch.from_numpy(x).to(dtype)
     assert all_finite(t.reshape(-1, 1)) is bool(np.isfinite(t.double().numpy()).all())
     assert all_finite(t) is (bad is None)
+
+
+@pytest.mark.parametrize("make", [lambda: pg.ERM(device="cpu"), lambda: pg.PEFAXS(device="cpu"),
+                                  lambda: pg.PEFAXL(device="cpu", k=4),
+                                  lambda: pg.NUDGE(device="cpu", gamma=0.5)])
+def test_big_endian_arrays_are_read_as_their_values(make):
+    """A '>f4' array (np.load of a file written so) was torch.from_numpy's bare ValueError
+    ('byte order different from the native'); it is now read as the numbers it holds."""
+    rng = np.random.default_rng(9)
+    P, Q, T = (unit_rows(rng, n, 8) for n in (30, 20, 5))
+    Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
+    fit = (lambda m, p, q: m.fit(p)) if isinstance(make(), pg.ERM) else \
+        (lambda m, p, q: m.fit(p, q, Y))
+    want = fit(make(), P, Q).search(T, 5)
+    big = [a.astype(">f4") for a in (P, Q, T)]
+    model = fit(make(), big[0], big[1])
+    got = model.search(big[2], 5)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert torch.equal(model.score(big[2], got[1]), model.score(T, got[1]))
+    assert np.array_equal(big[0], P)  # the caller's arrays as they were
