@@ -232,3 +232,34 @@ def test_big_endian_arrays_are_read_as_their_values(make):
     assert all(torch.equal(w, g) for w, g in zip(want, got))
     assert torch.equal(model.score(big[2], got[1]), model.score(T, got[1]))
     assert np.array_equal(big[0], P)  # the caller's arrays as they were
+
+
+def test_xl_fuse_checks_its_searches_lams_and_ks():
+    """fuse / fuse_grid took malformed searches to numpy's broadcasting / IndexError / max()
+    errors, or fused them silently (knn of other rows, ks=(0,), lam=2 or NaN);
+    neighbours(k=None) was a bare TypeError."""
+    rng = np.random.default_rng(3)
+    P, Q, T = unit_rows(rng, 30, 8), unit_rows(rng, 20, 8), unit_rows(rng, 5, 8)
+    Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
+    xl = pg.PEFAXL(device="cpu", k=4).fit(P, Q, Y)
+    q = torch.from_numpy(T)
+    erm, knn = xl.index.search(q, 10), xl.neighbours(q, 4)
+    want = xl.search(T, 5)
+    got = xl.fuse(q, erm, knn, 5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for bad_erm, bad_knn in [((erm[0][:3], erm[1][:3]), knn), (erm, (knn[0][:3], knn[1][:3])),
+                             ((erm[0], erm[1][:, :5]), knn), (erm, (knn[0], knn[1].float())),
+                             ((erm[0][0], erm[1][0]), knn), ((erm[0],), knn), (erm, None)]:
+        with pytest.raises(InputError, match=r"must be \(scores, ids\): float and integer"):
+            xl.fuse(q, bad_erm, bad_knn, 5)
+    for bad_q in (q[:, :4], q[None], T.tolist(), q.long()):
+        with pytest.raises(InputError, match=r"q must be a \(B, 8\) float array"):
+            xl.fuse(bad_q, erm, knn, 5)
+    for lams, ks, match in [((0.5,), (), "must not be empty"), ((2.0,), (4,), "lam must be"),
+                            ((float("nan"),), (4,), "lam must be"), ((0.5,), (0,), "k must be"),
+                            ((0.5,), (1.5,), "k must be"), (0.5, 4, "must be sequences")]:
+        with pytest.raises(InputError, match=match):
+            xl.fuse_grid(q, erm, knn, lams, ks, 5)
+    for k in (None, "3", 0):
+        with pytest.raises(InputError, match="k must be a positive integer"):
+            xl.neighbours(q, k)
