@@ -189,7 +189,7 @@ def test_nan_in_a_memory_mapped_q_is_named(make, tmp_path):
 
 @pytest.mark.parametrize("bad", [dict(val_fraction=v) for v in (0, 1.0, -0.1, True, "0.2",
                                                                   float("nan"), float("inf"))]
-                         + [dict(seed=s) for s in (1.5, True, "0", None)])
+                         + [dict(seed=s) for s in (1.5, True, "0", None, -1)])
 @pytest.mark.parametrize("make", [lambda **kw: pg.NUDGE(**kw),
                                   lambda **kw: pg.QueryAdapter(**kw)],
                          ids=["nudge", "query-adapter"])
