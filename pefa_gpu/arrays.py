@@ -74,6 +74,8 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
     t = _as_torch(x, name)
     if t.dtype == torch.bool or t.is_complex():
         raise InputError(f"{name} has dtype {t.dtype}; a real-valued array is needed")
+    if t.layout != torch.strided or t.is_meta:  # torch.sparse_coo / _csr, or holding no data
+        raise InputError(f"{name} is a {t.layout} tensor on {t.device}; pass a dense array")
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
         # nothing to move (skips a torch dispatch: this runs on every search); read-only numpy
         # rows are copied, torch tensors being writable

@@ -263,3 +263,17 @@ def test_xl_fuse_checks_its_searches_lams_and_ks():
     for k in (None, "3", 0):
         with pytest.raises(InputError, match="k must be a positive integer"):
             xl.neighbours(q, k)
+
+
+def test_sparse_and_meta_tensors_are_named_not_torch_errors():
+    """A torch sparse tensor was a TypeError / RuntimeError from torch ('Cannot access data
+    pointer'), a meta tensor a NotImplementedError ('Cannot copy out of meta tensor')."""
+    rng = np.random.default_rng(4)
+    P, T = unit_rows(rng, 20, 8), torch.from_numpy(unit_rows(rng, 3, 8))
+    erm = pg.ERM(device="cpu").fit(P)
+    for bad, what in [(T.to_sparse(), "torch.sparse_coo"), (T.to_sparse_csr(), "torch.sparse_csr"),
+                      (torch.empty(3, 8, device="meta"), "torch.strided tensor on meta")]:
+        for call in (lambda: erm.search(bad, 2), lambda: erm.add_documents(bad),
+                     lambda: pg.ERM(device="cpu").fit(bad)):
+            with pytest.raises(InputError, match=re.escape(what)):
+                call()
