@@ -863,3 +863,18 @@ def test_host_backends_refuse_bool_complex_object_and_string_rows(backend, param
         with pytest.raises(InputError, match=re.escape(f"vectors has dtype {dtype}")):
             index.add(bad[:3])
     assert index.ntotal == 40
+
+
+@pytest.mark.parametrize("backend,params", [
+    pytest.param("hnsw", {}, marks=FAISS), pytest.param("ivf", {"nlist": 2}, marks=FAISS),
+    pytest.param("hnswlib", {}, marks=HNSWLIB),
+    pytest.param("scann", {"num_leaves": 2}, marks=SCANN)])
+def test_a_thread_count_beyond_a_c_int_is_refused_when_the_params_are_made(backend, params):
+    """threads=2**31 passed the params and failed at build time in faiss (OverflowError) or
+    the bindings of hnswlib / ScaNN (TypeError naming their C++ signatures)."""
+    from pefa_gpu.index.base import MAX_THREADS
+    for bad in (2**31, 2**62, MAX_THREADS + 1):
+        with pytest.raises(InputError, match=f"threads must be at most {MAX_THREADS}"):
+            make_index(backend, "cpu", {**params, "threads": bad})
+    x = unit_rows(np.random.default_rng(9), 40, 8)
+    assert make_index(backend, "cpu", {**params, "threads": 2}).build(x).ntotal == 40

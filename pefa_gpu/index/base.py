@@ -38,6 +38,21 @@ def count(default: int, zero: str = "") -> Any:
     return checked(default, check_nonnegative, zero)
 
 
+MAX_THREADS = 4096  # more is refused: faiss / hnswlib / ScaNN take a C int and spawn them
+
+
+def thread_count(zero: str) -> Any:
+    """An :class:`IndexParams` field holding a thread count in [0, MAX_THREADS] (0: ``zero``)."""
+    return checked(0, _check_threads, zero)
+
+
+def _check_threads(value: Any, name: str, zero: str) -> int:
+    value = check_nonnegative(value, name, zero)
+    if value > MAX_THREADS:
+        raise InputError(f"{name} must be at most {MAX_THREADS}, got {value!r}")
+    return value
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NoSearchParams(IndexParams):
     """The search settings of a backend that has none to tune."""

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..errors import FormatError
 from ..params import MAX_HNSW_EF, MAX_HNSW_M, check_number
-from .base import IndexParams, at_most, checked, count
+from .base import IndexParams, at_most, checked, thread_count
 from ._faiss import faiss_search_parameters, faiss_threads
 from ._host import FaissBackend
 
@@ -23,7 +23,7 @@ class HNSWParams(IndexParams):
 
     M: int = at_most(32, MAX_HNSW_M)
     ef_construction: int = at_most(500, MAX_HNSW_EF)
-    threads: int = count(0, "all cores")
+    threads: int = thread_count("all cores")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

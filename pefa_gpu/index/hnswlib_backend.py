@@ -15,7 +15,7 @@ import numpy as np
 from ..arrays import DeviceLike, to_numpy
 from ..errors import FormatError
 from ..params import MAX_HNSW_EF, MAX_HNSW_M
-from .base import IndexParams, at_most, count, import_optional
+from .base import IndexParams, at_most, count, import_optional, thread_count
 from ._host import HostBackend, read_description, write_description
 
 log = logging.getLogger("pefa_gpu")
@@ -37,7 +37,7 @@ class HnswlibParams(IndexParams):
     M: int = at_most(32, MAX_HNSW_M)
     ef_construction: int = at_most(500, MAX_HNSW_EF)
     seed: int = count(100)
-    threads: int = count(0, "every core")
+    threads: int = thread_count("every core")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,7 +15,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice
-from .base import IndexParams, at_most, checked, count
+from .base import IndexParams, at_most, checked, count, thread_count
 from ._faiss import faiss_has_gpu, faiss_search_parameters, host_float32
 from ._host import FaissBackend
 
@@ -36,7 +36,7 @@ class IVFParams(IndexParams):
     pq_nbits: int = at_most(8, 24)  # faiss' limit; 2^pq_nbits codes a sub-quantizer
     train_size: int = count(0, "automatic")
     seed: int = count(0)
-    threads: int = count(0, "all cores")
+    threads: int = thread_count("all cores")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ import numpy as np
 from ..arrays import DeviceLike
 from ..errors import FormatError, InputError
 from ..params import check_number
-from .base import IndexParams, checked, count, import_optional, positive
+from .base import IndexParams, checked, count, import_optional, positive, thread_count
 from ._host import HostBackend, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
@@ -33,7 +33,7 @@ class ScannParams(IndexParams):
     anisotropic_threshold: float | None = checked(0.2, check_number, True)
     train_size: int = count(0, "automatic")
     brute_force_below: int = count(4096)
-    threads: int = count(0, "every core")
+    threads: int = thread_count("every core")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
