@@ -587,7 +587,11 @@ class PEFAXL(_Model):
         _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded
         rows, m = nbr.clamp_min(0), self.n_train_queries
         flat = rows.reshape(-1).clamp_max(m - 1)  # valid: no id check
-        vecs = self.query_index.rows_unchecked(flat).reshape(*rows.shape, -1)
+        try:
+            vecs = self.query_index.rows_unchecked(flat).reshape(*rows.shape, -1)
+        except NotImplementedError as exc:  # ScaNN keeps no rows to return
+            raise InputError(f"PEFAXL.score needs the training queries' vectors: {exc} (fit "
+                             f"with another backend to score)") from exc
         if p.augment_docs:  # row m + j: document j
             docs = self.doc_embeddings[(rows - m).clamp_min(0)].float()
             vecs = torch.where((rows >= m).unsqueeze(2), docs, vecs)

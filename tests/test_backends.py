@@ -878,3 +878,15 @@ def test_a_thread_count_beyond_a_c_int_is_refused_when_the_params_are_made(backe
             make_index(backend, "cpu", {**params, "threads": bad})
     x = unit_rows(np.random.default_rng(9), 40, 8)
     assert make_index(backend, "cpu", {**params, "threads": 2}).build(x).ntotal == 40
+
+
+@SCANN
+def test_xl_score_on_scann_says_the_backend_keeps_no_query_vectors():
+    """It was the query index's NotImplementedError from inside score's neighbour gather."""
+    rng = np.random.default_rng(10)
+    P, Q, T = unit_rows(rng, 30, 8), unit_rows(rng, 20, 8), unit_rows(rng, 3, 8)
+    Y = pg.Relevance.from_pairs(np.arange(20), np.arange(20), shape=(20, 30))
+    xl = pg.PEFAXL(device="cpu", k=4, backend="scann").fit(P, Q, Y)
+    with pytest.raises(InputError, match="PEFAXL.score needs the training queries' vectors: "
+                                         "backend 'scann' cannot return its stored vectors"):
+        xl.score(T, xl.search(T, 5)[1])
