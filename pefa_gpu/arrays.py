@@ -94,9 +94,10 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
         bf16 = is_bfloat16(x.dtype)
         if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
             raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
-        # C order, native byte order (torch reads no big-endian '>f4', as np.load may give)
-        a = x if x.flags.c_contiguous and x.dtype.isnative else \
-            np.array(x, order="C", dtype=x.dtype.newbyteorder("="))
+        # C order, native byte order (torch reads no big-endian '>f4', as np.load may give),
+        # no negative stride (numpy calls a reversed (1, d) view C-contiguous; torch refuses it)
+        a = x if x.flags.c_contiguous and x.dtype.isnative and min(x.strides, default=0) >= 0 \
+            else np.array(x, order="C", dtype=x.dtype.newbyteorder("="))
         if not a.flags.writeable:  # a read-only view: as_tensor reads it, never returns it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)

@@ -277,3 +277,20 @@ def test_sparse_and_meta_tensors_are_named_not_torch_errors():
                      lambda: pg.ERM(device="cpu").fit(bad)):
             with pytest.raises(InputError, match=re.escape(what)):
                 call()
+
+
+def test_a_reversed_single_row_view_is_read_as_its_values():
+    """x[::-1] of a (1, d) array has a negative row stride yet numpy calls it C-contiguous:
+    torch.from_numpy's bare ValueError ('negative strides are not supported') in search,
+    score, fit and add_documents."""
+    rng = np.random.default_rng(12)
+    P, T = unit_rows(rng, 20, 8), unit_rows(rng, 1, 8)
+    rev = T[::-1]
+    assert rev.flags.c_contiguous and rev.strides[0] < 0
+    erm = pg.ERM(device="cpu").fit(P)
+    want = erm.search(T, 3)
+    got = erm.search(rev, 3)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(erm.score(rev, got[1]), erm.score(T, got[1]))
+    assert erm.add_documents(rev).n_docs == 21
+    assert pg.ERM(device="cpu").fit(P[:1][::-1]).n_docs == 1
