@@ -84,6 +84,9 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     """(B, n) int64 ids, best first, -1 where too few: per query (B, d) the best documents
     of ``model.search`` that are not its positives (:func:`as_positive_ids`), after skipping
     ``skip_top`` of them (likely false negatives); ``batch_size`` queries per search."""
+    if not all(hasattr(model, a) for a in ("as_queries", "search", "n_docs", "device")):
+        raise TypeError(f"mine_negatives: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
+                        f"got {type(model).__name__}")
     if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
         raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
     batch_size = check_positive(batch_size, "batch_size")

@@ -266,3 +266,10 @@ def test_ragged_positives_must_hold_integer_ids():
                                                 f"ids, got {what}"):
             pg.mine_negatives(erm, q, bad, 3)
     assert pg.mine_negatives(erm, q, [[], [np.int32(1)]], 3).shape == (2, 3)
+
+
+def test_mine_negatives_names_a_model_that_is_not_one():
+    """It was an AttributeError ('str' object has no attribute 'as_queries')."""
+    with pytest.raises(TypeError, match="mine_negatives: model must be a pefa_gpu model .*got "
+                                        "str"):
+        pg.mine_negatives("xs", np.ones((1, 4), np.float32), [[0]], 3)
