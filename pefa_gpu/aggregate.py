@@ -17,9 +17,13 @@ from .stream import RowSource, row_source
 _BLOCK = 1 << 14  # rows per step of pefa_xs and normalize_rows_ (their temporaries)
 
 
-def normalize_rows(x: torch.Tensor) -> torch.Tensor:
-    """Π(x) = x / ‖x‖ row-wise, Π(0) = 0: (rows, d) float -> a new (rows, d) float32."""
-    return normalize_rows_(x.float().clone(memory_format=torch.contiguous_format))
+def normalize_rows(x: Any) -> torch.Tensor:
+    """Π(x) = x / ‖x‖ row-wise, Π(0) = 0: (rows, d) float (numpy, torch, ...) -> a new (rows,
+    d) float32 where x lies."""
+    t = as_tensor(x, name="x")  # a tensor as it is; bool / complex / objects refused
+    if t.ndim != 2:
+        raise InputError(f"normalize_rows takes a (rows, d) matrix, got shape {tuple(t.shape)}")
+    return normalize_rows_(t.float().clone(memory_format=torch.contiguous_format))
 
 
 def normalize_rows_(a: torch.Tensor) -> torch.Tensor:

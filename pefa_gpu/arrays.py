@@ -76,6 +76,8 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
     t = _as_torch(x, name)
     if t.dtype == torch.bool or t.is_complex():
         raise InputError(f"{name} has dtype {t.dtype}; a real-valued array is needed")
+    if t.layout != torch.strided or t.is_meta:  # torch.sparse_coo / _csr, or holding no data
+        raise InputError(f"{name} is a {t.layout} tensor on {t.device}; pass a dense array")
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
         # nothing to move (skips a torch dispatch: this runs on every search); read-only numpy
         # rows are copied, torch tensors being writable
@@ -94,7 +96,10 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
         bf16 = is_bfloat16(x.dtype)
         if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
             raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
-        a = x if x.flags.c_contiguous else np.array(x, order="C")
+        # C order, native byte order (torch reads no big-endian '>f4', as np.load may give),
+        # no negative stride (numpy calls a reversed (1, d) view C-contiguous; torch refuses it)
+        a = x if x.flags.c_contiguous and x.dtype.isnative and min(x.strides, default=0) >= 0 \
+            else np.array(x, order="C", dtype=x.dtype.newbyteorder("="))
         if not a.flags.writeable:  # a read-only view: as_tensor reads it, never returns it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)

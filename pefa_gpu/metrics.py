@@ -25,6 +25,8 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     b, n = rel.shape
     if ids.shape[0] != b:
         raise InputError(f"ids has {ids.shape[0]} rows but Y_test has {b} queries")
+    if ids.dtype.kind not in "iuf":  # bool, complex, objects, strings
+        raise InputError(f"ids must be integer document ids, got dtype {ids.dtype}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer) and \
             not (np.all(np.isfinite(ids)) and np.all(ids == np.round(ids))):
         raise InputError(f"ids must be integer document ids, got dtype {ids.dtype} with "
@@ -110,7 +112,10 @@ def _metric(name: str, ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int]
 
 
 def _check_ks(ks: Iterable[int]) -> tuple[int, ...]:
-    ks = (ks,) if isinstance(ks, (int, np.integer)) else tuple(ks)
+    try:
+        ks = (ks,) if isinstance(ks, (int, np.integer)) else tuple(ks)
+    except TypeError:  # None, a float: not iterable
+        raise InputError(f"ks must be positive integers, got {ks!r}") from None
     if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k <= 0
                      for k in ks):
         raise InputError(f"ks must be positive integers, got {ks!r}")

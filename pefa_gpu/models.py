@@ -24,7 +24,8 @@ from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
-                     XLParams, XLSearchParams, XSParams, XSSearchParams, check_unit_interval)
+                     XLParams, XLSearchParams, XSParams, XSSearchParams, check_positive,
+                     check_unit_interval)
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 
@@ -458,7 +459,7 @@ class PEFAXL(_Model):
         (B, <= k) scores and ``relevance`` rows, -1 padded; ``erm``: a passage search already
         made; ``params``: the backend's ``SearchParams`` for both indices."""
         params = self._typed(self._index_search_class, params, "neighbours params")
-        return self._searches(q, 0, k, params, erm)[1]
+        return self._searches(q, 0, check_positive(k, "k"), params, erm)[1]
 
     def _searches(self, q: Array, kp: int, k: int, params: Params | None,
                   erm: tuple[Array, Array] | None = None, checked: bool = True
@@ -492,10 +493,13 @@ class PEFAXL(_Model):
         rest = _unprunable(erm, knn, topk, p.lam) if prune else []
         if prune and len(rest) == q.shape[0]:  # no row prunes (one query, say): one full search
             erm, rest = _index_search(self.index, q, kp, index_sp, checked), []
-        s, i = self.fuse(q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk)  # pruned: < kp wide
+        key = (p.lam, p.k)  # fused unchecked: these searches are this model's own
+        s, i = self._fuse_grid(q, (erm[0][:, :kp], erm[1][:, :kp]), knn, (p.lam,), (p.k,),
+                               topk)[key]
         if len(rest):  # the neighbours stay; only the passages widen to kp
             full = _index_search(self.index, q[rest], kp, index_sp, checked)
-            s[rest], i[rest] = self.fuse(q[rest], full, (knn[0][rest], knn[1][rest]), topk)
+            s[rest], i[rest] = self._fuse_grid(q[rest], full, (knn[0][rest], knn[1][rest]),
+                                               (p.lam,), (p.k,), topk)[key]
         return s, i
 
     def _query_bytes(self, topk: int, model_sp: Params) -> int:
@@ -521,6 +525,41 @@ class PEFAXL(_Model):
                   ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` (``knn`` with max(ks)
         neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device (numpy: the CPU)."""
+        lams, ks = self._check_fusion(q, erm, knn, lams, ks)
+        return self._fuse_grid(q, erm, knn, lams, ks, topk, batch_size)
+
+    def _check_fusion(self, q: Any, erm: Any, knn: Any, lams: Any, ks: Any
+                      ) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """InputError unless q is (B, d) float, erm / knn (scores, ids) pairs of (B, w) float /
+        integer arrays, lams numbers in [0, 1] and ks positive ints (no device sync)."""
+        self.check_fitted()
+        try:
+            lams, ks = tuple(lams), tuple(ks)
+        except TypeError:
+            raise InputError(f"lams and ks must be sequences, got {lams!r} and {ks!r}") from None
+        if not lams or not ks:
+            raise InputError(f"lams and ks must not be empty, got {lams!r} and {ks!r}")
+        for lam in lams:
+            check_unit_interval(lam, "lam")
+        for k in ks:
+            check_positive(k, "k")
+        if not _is_float(q) or q.ndim != 2 or q.shape[1] != self.dim:
+            raise InputError(f"q must be a (B, {self.dim}) float array, got "
+                             f"{type(q).__name__} {getattr(q, 'shape', '')}")
+        for name, pair in (("erm", erm), ("knn", knn)):
+            ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_float(pair[0]) \
+                and _is_float(pair[1], integer=True) and pair[0].ndim == 2 \
+                and pair[0].shape == pair[1].shape and pair[0].shape[0] == q.shape[0]
+            if not ok:
+                raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
+                                 f"shape (B={q.shape[0]}, w), got {_described(pair)}")
+        return lams, ks
+
+    def _fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
+                   lams: Sequence[float], ks: Sequence[int], topk: int,
+                   batch_size: int | None = None
+                   ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`fuse_grid` of arguments known to be well formed."""
         topk = check_topk(topk, self.n_docs)
         self.check_fitted()
         if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
@@ -548,7 +587,11 @@ class PEFAXL(_Model):
         _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded
         rows, m = nbr.clamp_min(0), self.n_train_queries
         flat = rows.reshape(-1).clamp_max(m - 1)  # valid: no id check
-        vecs = self.query_index.rows_unchecked(flat).reshape(*rows.shape, -1)
+        try:
+            vecs = self.query_index.rows_unchecked(flat).reshape(*rows.shape, -1)
+        except NotImplementedError as exc:  # ScaNN keeps no rows to return
+            raise InputError(f"PEFAXL.score needs the training queries' vectors: {exc} (fit "
+                             f"with another backend to score)") from exc
         if p.augment_docs:  # row m + j: document j
             docs = self.doc_embeddings[(rows - m).clamp_min(0)].float()
             vecs = torch.where((rows >= m).unsqueeze(2), docs, vecs)
@@ -603,6 +646,22 @@ def _index_search(index: Index, q: Array, k: int, params: Params | None,
         raise FormatError(f"the {index.name!r} index returned ids outside [0, {index.ntotal}) "
                           f"(a corrupted or forged index)")
     return scores, ids
+
+
+def _is_float(x: Any, integer: bool = False) -> bool:
+    """Whether ``x`` is a numpy array or tensor of floats (``integer``: of integers)."""
+    if isinstance(x, torch.Tensor):
+        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool) \
+            if integer else x.is_floating_point()
+    return isinstance(x, np.ndarray) and x.dtype.kind in ("iu" if integer else "f")
+
+
+def _described(pair: Any) -> str:
+    """A (scores, ids) pair's types, dtypes and shapes, for a message."""
+    if not isinstance(pair, (tuple, list)):
+        return type(pair).__name__
+    return ", ".join(f"{type(a).__name__} {getattr(a, 'dtype', '')} {getattr(a, 'shape', '')}"
+                     for a in pair)
 
 
 def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int,

@@ -200,11 +200,11 @@ class NUDGEParams(Params):
 
 
 def check_held_out(val_fraction: Any, seed: Any) -> None:
-    """InputError unless 0 < ``val_fraction`` < 1 (a number) and ``seed`` is an int."""
+    """InputError unless 0 < ``val_fraction`` < 1 (a number) and ``seed`` is an int >= 0."""
     if not is_number(val_fraction) or not 0.0 < val_fraction < 1.0:
         raise InputError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise InputError(f"seed must be an int, got {seed!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's rule
+        raise InputError(f"seed must be an int >= 0, got {seed!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ import torch
 from .arrays import ArrayLike, to_numpy
 from .errors import InputError
 
-MAX_ROWS = 2**31  # Y rows (queries) a Relevance may have; its CSR row pointers are int64
+MAX_ROWS = 2**31  # Y rows (queries) and columns (documents) a Relevance may have
 
 
 class Relevance:
@@ -32,13 +32,13 @@ class Relevance:
             raise InputError(f"query_ids has {qi.size} entries but doc_ids has {di.size}")
         if shape is None:
             shape = (_inferred_size(qi, "query_ids"), _inferred_size(di, "doc_ids"))
-        if len(shape) != 2 or any(isinstance(s, bool) or not isinstance(s, (int, np.integer))
-                                  for s in shape):
+        if not hasattr(shape, "__len__") or len(shape) != 2 or any(
+                isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in shape):
             raise InputError(f"shape must be two integers (queries, documents), got {shape!r}")
         m, n = int(shape[0]), int(shape[1])
-        if m < 0 or n < 0 or m > MAX_ROWS:
+        if m < 0 or n < 0 or m > MAX_ROWS or n > MAX_ROWS:
             raise InputError(f"shape={tuple(shape)} is not a usable (queries, documents) shape "
-                             f"(at most {MAX_ROWS} queries)")
+                             f"(at most {MAX_ROWS} queries and documents)")
         _check_ids(qi, m, "from_pairs", "query")
         _check_ids(di, n, "from_pairs", "document")
         w = np.ones(qi.size, bool) if weights is None else np.asarray(  # bool: duplicates are 1
@@ -64,6 +64,8 @@ class Relevance:
         idx = np.asarray(index)
         if idx.dtype == bool and idx.shape == (m,):
             idx = np.flatnonzero(idx)
+        if idx.ndim > 1:
+            raise InputError(f"rows takes a 1-D array of row positions, got shape {idx.shape}")
         if idx.size and idx.dtype.kind not in "iu":
             raise InputError(f"rows takes integer row positions, got dtype {idx.dtype}")
         bad = idx[(idx < 0) | (idx >= m)] if idx.size else idx
@@ -111,6 +113,9 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
     _real(y, name)
     m, n = (int(s) for s in y.shape)
+    if m > MAX_ROWS or n > MAX_ROWS:  # converting allocates row pointers of that length
+        raise InputError(f"{name} has shape {y.shape}: at most {MAX_ROWS} rows (queries) and "
+                         f"columns (documents)")
     if y.format in ("csr", "csc"):
         csr = _compressed_csr(y, m, n, name)
     else:
@@ -137,6 +142,9 @@ def _compressed_csr(y: RelevanceLike, m: int, n: int, name: str) -> sp.csr_matri
     """A new float32 CSR matrix from a CSR / CSC matrix whose index arrays are checked first."""
     major, minor = (m, n) if y.format == "csr" else (n, m)
     indptr, indices = np.asarray(y.indptr), np.asarray(y.indices)
+    if indices.ndim != 1 or np.ndim(y.data) != 1:
+        raise InputError(f"{name} ({y.format}): indices and data must be 1-D, got shapes "
+                         f"{indices.shape} and {np.shape(y.data)}")
     if indptr.ndim != 1 or indptr.shape[0] != major + 1 or indptr.dtype.kind not in "iu":
         raise InputError(f"{name} ({y.format}): indptr must be {major + 1} integers, got "
                          f"{indptr.dtype} shape {indptr.shape}")

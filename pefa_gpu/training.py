@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import scipy.sparse as sp
 import torch
@@ -56,7 +58,7 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
         positives = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
     if isinstance(positives, (list, tuple)) and all(
             isinstance(r, (list, tuple, np.ndarray)) for r in positives):  # ragged rows
-        rows = [np.asarray(r, dtype=np.int64).ravel() for r in positives]
+        rows = [_id_row(r, i) for i, r in enumerate(positives)]
         if len(rows) != batch:
             raise InputError(f"positives has {len(rows)} rows but there are {batch} queries")
         positives = np.full((batch, max([r.size for r in rows] + [1])), -1, dtype=np.int64)
@@ -66,12 +68,25 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
     return out if out.shape[1] else torch.full((batch, 1), -1, dtype=torch.long, device=device)
 
 
+def _id_row(row: Any, i: int) -> np.ndarray:
+    """Row ``i`` of ragged positives as int64 ids; floats, strings, ids past int64: InputError
+    (as a dense array's)."""
+    a = np.asarray(row).ravel()
+    if a.size and a.dtype.kind not in "iu":
+        raise InputError(f"positives row {i} must hold integer document ids, got {a.dtype} "
+                         f"{a[:5].tolist()}")
+    return a.astype(np.int64)
+
+
 def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: int = 8,
                    skip_top: int = 0, batch_size: int = 1024, check: bool | None = None
                    ) -> torch.Tensor:
     """(B, n) int64 ids, best first, -1 where too few: per query (B, d) the best documents
     of ``model.search`` that are not its positives (:func:`as_positive_ids`), after skipping
     ``skip_top`` of them (likely false negatives); ``batch_size`` queries per search."""
+    if not all(hasattr(model, a) for a in ("as_queries", "search", "n_docs", "device")):
+        raise TypeError(f"mine_negatives: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
+                        f"got {type(model).__name__}")
     if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
         raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
     batch_size = check_positive(batch_size, "batch_size")

@@ -25,6 +25,7 @@ from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device, to_num
 from .errors import InputError
 from .methods import fit_config
 from .models import ERM
+from .params import is_number
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
@@ -84,6 +85,8 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     (t, d): the queries to serve, for coverage matching. ERM is always a candidate.
     ``sweep_kwargs`` go to :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, ...)."""
     rec_ks = parse_metric(metric)
+    if not is_number(min_z) or min_z < 0:
+        raise InputError(f"min_z must be a finite number >= 0, got {min_z!r}")
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
     rel = as_relevance(Y, shape=(q_all.shape[0], None))

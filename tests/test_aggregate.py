@@ -102,3 +102,17 @@ def test_pifa_initial_of_the_wrong_shape_is_refused(bad, device):
                "dtype": torch.zeros(4, 6, dtype=torch.float64)}[bad].to(device)
     with pytest.raises(pg.InputError, match="initial"):
         pg.pifa(Y, Q, normalize=False, initial=initial, device=device)
+
+
+def test_normalize_rows_takes_any_array_and_refuses_what_is_not_a_real_matrix():
+    """pg.normalize_rows(numpy) was an AttributeError ('no attribute float'), a 0-d tensor an
+    IndexError; bool / complex tensors were normalised as 0 / 1 and their real part."""
+    x = np.array([[3.0, 4.0], [0.0, 0.0]])
+    want = torch.tensor([[0.6, 0.8], [0.0, 0.0]])
+    for given in (x, x.tolist(), x.astype(np.float16), x.astype(">f8"), torch.from_numpy(x)):
+        assert torch.allclose(pg.normalize_rows(given), want)
+    for bad, match in [(x[0], r"got shape \(2,\)"), (torch.tensor(1.0), r"got shape \(\)"),
+                       (x > 0, "dtype"), (torch.from_numpy(x).to(torch.complex64), "dtype"),
+                       (x.astype(object), "dtype")]:
+        with pytest.raises(pg.InputError, match=match):
+            pg.normalize_rows(bad)

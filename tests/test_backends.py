@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -828,3 +829,58 @@ def test_export_graph_built_on_gpu_serves_on_cpu(tmp_path):
     index = faiss.read_index(str(path))
     _, i = index.search(q, 10)
     assert recall(i, ref_topk(q, x, 10)[1]) >= 0.95
+
+
+@FAISS
+def test_ivf_refuses_training_rows_its_float32_k_means_overflows():
+    """Finite rows of norm ~1e38 aborted the process inside faiss' k-means ('invalid cluster
+    assignment'); from 1e20 the inner products overflowed and searches found nothing."""
+    code = ("import numpy as np, pefa_gpu as pg\n"
+            "x = np.full((40, 8), 3e38, np.float32)\n"
+            "try:\n"
+            "    pg.make_index('ivf', 'cpu', {'nlist': 2, 'threads': 1}).build(x)\n"
+            "except pg.InputError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-500:]
+    assert "a row norm of 8.49e+38 is beyond what ivf's float32 k-means holds" in out.stdout
+    x = unit_rows(np.random.default_rng(7), 40, 8)
+    x[5] *= 1e20
+    with pytest.raises(InputError, match="normalise the rows"):
+        make_index("ivf", "cpu", {"nlist": 2, "threads": 1}).build(x)
+    x[5] /= 1e10  # 1e10: the products still fit
+    assert make_index("ivf", "cpu", {"nlist": 2, "threads": 1}).build(x).ntotal == 40
+
+
+@pytest.mark.parametrize("backend,params", [
+    pytest.param("hnsw", {"M": 4}, marks=FAISS), pytest.param("ivf", {"nlist": 2}, marks=FAISS),
+    pytest.param("hnswlib", {"M": 4}, marks=HNSWLIB),
+    pytest.param("scann", {"num_leaves": 2}, marks=SCANN)])
+def test_host_backends_refuse_bool_complex_object_and_string_rows(backend, params):
+    """host_float32 cast them: bool to 0 / 1, complex dropping its imaginary part, objects
+    element by element, strings a bare numpy ValueError; as_tensor refuses them all."""
+    x = unit_rows(np.random.default_rng(8), 40, 8)
+    index = make_index(backend, "cpu", {**params, "threads": 1}).build(x)
+    for bad in (x > 0, x.astype(np.complex64), x.astype(object), np.full((40, 8), "x"),
+                torch.from_numpy(x > 0), torch.from_numpy(x.astype(np.complex64))):
+        dtype = str(bad.dtype).replace("torch.", "").replace("complex64", "complex")
+        with pytest.raises(InputError, match=re.escape(f"has dtype {dtype}")):
+            make_index(backend, "cpu", {**params, "threads": 1}).build(bad)
+        with pytest.raises(InputError, match=re.escape(f"queries has dtype {dtype}")):
+            index.search(bad[:3], 2)
+        with pytest.raises(InputError, match=re.escape(f"vectors has dtype {dtype}")):
+            index.add(bad[:3])
+    assert index.ntotal == 40
+
+
+@SCANN
+def test_xl_score_on_scann_says_the_backend_keeps_no_query_vectors():
+    """It was the query index's NotImplementedError from inside score's neighbour gather."""
+    rng = np.random.default_rng(10)
+    P, Q, T = unit_rows(rng, 30, 8), unit_rows(rng, 20, 8), unit_rows(rng, 3, 8)
+    Y = pg.Relevance.from_pairs(np.arange(20), np.arange(20), shape=(20, 30))
+    xl = pg.PEFAXL(device="cpu", k=4, backend="scann").fit(P, Q, Y)
+    with pytest.raises(InputError, match="PEFAXL.score needs the training queries' vectors: "
+                                         "backend 'scann' cannot return its stored vectors"):
+        xl.score(T, xl.search(T, 5)[1])

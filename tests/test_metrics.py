@@ -105,3 +105,18 @@ def test_the_metric_functions_read_ks_once():
     y = pg.Relevance.from_pairs([0, 1], [1, 1], shape=(2, 3))
     for fn in (pg.recall_at_k, pg.ndcg_at_k, pg.mrr_at_k):
         assert fn(ids, y, iter([1, 2])) == fn(ids, y, (1, 2))
+
+
+def test_ids_of_a_non_number_dtype_and_ks_that_are_not_integers_are_input_errors():
+    """Object / string ids raised numpy's isfinite TypeError, bool and complex ones were read
+    as 0 / 1 and as their real part; ks=None was tuple()'s bare TypeError."""
+    y = sp.csr_matrix(np.eye(2, 5, dtype=np.float32))
+    ids = np.array([[0, 1], [1, 0]])
+    for bad in (ids.astype(object), ids.astype(str), ids > 0, ids + 1j,
+                torch.from_numpy(ids > 0)):
+        with pytest.raises(pg.InputError, match="ids must be integer document ids, got dtype"):
+            pg.evaluate(bad, y, ks=(2,))
+    for fn in (pg.evaluate, pg.recall_at_k, pg.ndcg_at_k, pg.mrr_at_k):
+        with pytest.raises(pg.InputError, match="ks must be positive integers, got None"):
+            fn(ids, y, ks=None)
+    assert pg.recall_at_k(ids.astype(np.float32), y, ks=2) == {2: 1.0}

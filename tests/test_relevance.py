@@ -5,6 +5,7 @@ import pytest
 import scipy.sparse as sp
 
 import pefa_gpu as pg
+from pefa_gpu.errors import InputError
 
 
 def test_from_pairs_binary_collapses_duplicates():
@@ -94,3 +95,35 @@ def test_a_y_that_is_no_matrix_is_named_by_as_relevance_and_relevance(bad):
     for make in (pg.as_relevance, pg.Relevance):
         with pytest.raises(ValueError, match="must be a scipy sparse matrix, a pefa_gpu"):
             make(bad)
+
+
+def test_a_sparse_y_of_more_than_2_31_rows_or_columns_is_refused_before_allocation():
+    """A one-entry COO / CSC of shape (2^40, 1) or (1, 2^40) raised MemoryError (8 TiB of row
+    pointers) in as_relevance, Relevance.transpose or pifa; from_pairs bounded rows only."""
+    def coo(shape):
+        return sp.coo_matrix((np.ones(1, np.float32), (np.zeros(1, np.int64),
+                                                       np.zeros(1, np.int64))), shape=shape)
+    csc = sp.csc_matrix((np.ones(1, np.float32), np.zeros(1, np.int64), np.array([0, 1])),
+                        shape=(2**40, 1))
+    for y in (coo((2**40, 1)), coo((1, 2**40)), csc):
+        with pytest.raises(InputError, match=r"at most 2147483648 rows \(queries\) and columns"):
+            pg.as_relevance(y)
+    with pytest.raises(InputError, match=r"at most 2147483648 rows"):
+        pg.pifa(coo((1, 2**40)), np.ones((1, 4), np.float32), device="cpu")
+    with pytest.raises(InputError, match=r"shape=\(1, 4611686018427387904\) is not a usable"):
+        pg.Relevance.from_pairs([0], [0], shape=(1, 2**62))
+    assert pg.as_relevance(coo((1, 2**31))).shape == (1, 2**31)
+
+
+def test_malformed_shapes_rows_and_index_arrays_are_input_errors():
+    """Each was a bare TypeError / IndexError / ValueError from Python or scipy."""
+    with pytest.raises(InputError, match="shape must be two integers"):
+        pg.Relevance.from_pairs([0], [0], shape=5)  # len() of an int
+    y = pg.Relevance.from_pairs([0, 1], [0, 1])
+    with pytest.raises(InputError, match=r"1-D array of row positions, got shape \(1, 2\)"):
+        y.rows([[0, 1]])  # scipy: 'Indexing that leads to >2D'
+    for attr in ("indices", "data"):
+        bad = sp.csr_matrix(np.eye(3, dtype=np.float32))
+        setattr(bad, attr, getattr(bad, attr).reshape(-1, 1))
+        with pytest.raises(InputError, match="indices and data must be 1-D"):
+            pg.as_relevance(bad)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import scipy.sparse as sp
@@ -193,3 +195,17 @@ def test_a_repeated_lam_or_k_counts_once():
                      device="cpu", show_progress=False)
     assert twice.rows == once.rows
     assert grid("xl", (0.5, 0.5), (4, 4)) == [Config("xl", 0.5, 4)]
+
+
+def test_sweep_refuses_metric_ks_and_grids_that_are_not_sequences_of_positive_ints():
+    """metric_ks=[] was max()'s bare ValueError, metric_ks=None and lams=0.5 / ks=4 bare
+    TypeErrors naming no argument."""
+    P, Q, Y, test = _data()
+    y_test = sp.csr_matrix(np.eye(test.shape[0], P.shape[0], dtype=np.float32))
+    for kw, match in [({"metric_ks": []}, "ks must be positive integers, got ()"),
+                      ({"metric_ks": None}, "ks must be positive integers, got None"),
+                      ({"metric_ks": [0]}, "ks must be positive integers, got (0,)"),
+                      ({"lams": 0.5}, "lams and ks must be sequences"),
+                      ({"ks": 4}, "lams and ks must be sequences")]:
+        with pytest.raises(InputError, match=re.escape(match)):
+            pg.sweep(P, Q, Y, test, y_test, device="cpu", show_progress=False, **kw)

@@ -252,3 +252,24 @@ def test_cuda_search_synchronises_once_score_and_backward_never():
             torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert enc.weight.grad is not None
+
+
+def test_ragged_positives_must_hold_integer_ids():
+    """A ragged row of strings was int()'s bare ValueError, an id past int64 an OverflowError,
+    and a float id was truncated silently ([[0.5]] mined as if document 0 were a positive)."""
+    rng = np.random.default_rng(11)
+    erm = pg.ERM(device="cpu").fit(unit_rows(rng, 30, 8))
+    q = unit_rows(rng, 2, 8)
+    for bad, what in [([[0, "a"], [1]], "<U"), ([[2**70], [1]], "object"),
+                      ([[0.5], [1]], "float64")]:
+        with pytest.raises(pg.InputError, match=f"positives row 0 must hold integer document "
+                                                f"ids, got {what}"):
+            pg.mine_negatives(erm, q, bad, 3)
+    assert pg.mine_negatives(erm, q, [[], [np.int32(1)]], 3).shape == (2, 3)
+
+
+def test_mine_negatives_names_a_model_that_is_not_one():
+    """It was an AttributeError ('str' object has no attribute 'as_queries')."""
+    with pytest.raises(TypeError, match="mine_negatives: model must be a pefa_gpu model .*got "
+                                        "str"):
+        pg.mine_negatives("xs", np.ones((1, 4), np.float32), [[0]], 3)

@@ -152,3 +152,19 @@ def test_tune_with_cold_test_queries_keeps_erm(tmp_path):
     r_model = pg.evaluate(model.search(Qt, 100)[1], Yt)["recall@10"]
     r_erm = pg.evaluate(erm.search(Qt, 100)[1], Yt)["recall@10"]
     assert r_model >= r_erm - 1e-12, res.reason
+
+
+def test_tune_refuses_a_negative_seed_and_a_min_z_that_is_not_a_number():
+    """seed=-1 was numpy's bare 'expected non-negative integer' ValueError; min_z=NaN was
+    taken (every gain then 'not significant'), min_z='x' a bare TypeError."""
+    rng = np.random.default_rng(0)
+    P, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (30, 20))
+    Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
+    for kw, match in [({"seed": -1}, "seed must be an int >= 0, got -1"),
+                      ({"min_z": float("nan")}, "min_z must be a finite number >= 0, got nan"),
+                      ({"min_z": "x"}, "min_z must be a finite number >= 0, got 'x'"),
+                      ({"min_z": -1.0}, "min_z must be a finite number >= 0")]:
+        with pytest.raises(InputError, match=match):
+            tune(P, Q, Y, **{**SMALL, **kw})
+    with pytest.raises(InputError, match="seed must be an int >= 0"):
+        split_queries(10, 0.2, seed=-1)

@@ -191,7 +191,7 @@ def test_nan_in_a_memory_mapped_q_is_named(make, tmp_path):
 
 @pytest.mark.parametrize("bad", [dict(val_fraction=v) for v in (0, 1.0, -0.1, True, "0.2",
                                                                   float("nan"), float("inf"))]
-                         + [dict(seed=s) for s in (1.5, True, "0", None)])
+                         + [dict(seed=s) for s in (1.5, True, "0", None, -1)])
 @pytest.mark.parametrize("make", [lambda **kw: pg.NUDGE(**kw),
                                   lambda **kw: pg.QueryAdapter(**kw)],
                          ids=["nudge", "query-adapter"])
@@ -214,3 +214,85 @@ def test_all_finite_against_numpy(dtype, size, bad):
     t = torch.from_numpy(x).to(dtype)
     assert all_finite(t.reshape(-1, 1)) is bool(np.isfinite(t.double().numpy()).all())
     assert all_finite(t) is (bad is None)
+
+
+@pytest.mark.parametrize("make", [lambda: pg.ERM(device="cpu"), lambda: pg.PEFAXS(device="cpu"),
+                                  lambda: pg.PEFAXL(device="cpu", k=4),
+                                  lambda: pg.NUDGE(device="cpu", gamma=0.5)])
+def test_big_endian_arrays_are_read_as_their_values(make):
+    """A '>f4' array (np.load of a file written so) was torch.from_numpy's bare ValueError
+    ('byte order different from the native'); it is now read as the numbers it holds."""
+    rng = np.random.default_rng(9)
+    P, Q, T = (unit_rows(rng, n, 8) for n in (30, 20, 5))
+    Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
+    fit = (lambda m, p, q: m.fit(p)) if isinstance(make(), pg.ERM) else \
+        (lambda m, p, q: m.fit(p, q, Y))
+    want = fit(make(), P, Q).search(T, 5)
+    big = [a.astype(">f4") for a in (P, Q, T)]
+    model = fit(make(), big[0], big[1])
+    got = model.search(big[2], 5)
+    assert all(torch.equal(w, g) for w, g in zip(want, got))
+    assert torch.equal(model.score(big[2], got[1]), model.score(T, got[1]))
+    assert np.array_equal(big[0], P)  # the caller's arrays as they were
+
+
+def test_xl_fuse_checks_its_searches_lams_and_ks():
+    """fuse / fuse_grid took malformed searches to numpy's broadcasting / IndexError / max()
+    errors, or fused them silently (knn of other rows, ks=(0,), lam=2 or NaN);
+    neighbours(k=None) was a bare TypeError."""
+    rng = np.random.default_rng(3)
+    P, Q, T = unit_rows(rng, 30, 8), unit_rows(rng, 20, 8), unit_rows(rng, 5, 8)
+    Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
+    xl = pg.PEFAXL(device="cpu", k=4).fit(P, Q, Y)
+    q = torch.from_numpy(T)
+    erm, knn = xl.index.search(q, 10), xl.neighbours(q, 4)
+    want = xl.search(T, 5)
+    got = xl.fuse(q, erm, knn, 5)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for bad_erm, bad_knn in [((erm[0][:3], erm[1][:3]), knn), (erm, (knn[0][:3], knn[1][:3])),
+                             ((erm[0], erm[1][:, :5]), knn), (erm, (knn[0], knn[1].float())),
+                             ((erm[0][0], erm[1][0]), knn), ((erm[0],), knn), (erm, None)]:
+        with pytest.raises(InputError, match=r"must be \(scores, ids\): float and integer"):
+            xl.fuse(q, bad_erm, bad_knn, 5)
+    for bad_q in (q[:, :4], q[None], T.tolist(), q.long()):
+        with pytest.raises(InputError, match=r"q must be a \(B, 8\) float array"):
+            xl.fuse(bad_q, erm, knn, 5)
+    for lams, ks, match in [((0.5,), (), "must not be empty"), ((2.0,), (4,), "lam must be"),
+                            ((float("nan"),), (4,), "lam must be"), ((0.5,), (0,), "k must be"),
+                            ((0.5,), (1.5,), "k must be"), (0.5, 4, "must be sequences")]:
+        with pytest.raises(InputError, match=match):
+            xl.fuse_grid(q, erm, knn, lams, ks, 5)
+    for k in (None, "3", 0):
+        with pytest.raises(InputError, match="k must be a positive integer"):
+            xl.neighbours(q, k)
+
+
+def test_sparse_and_meta_tensors_are_named_not_torch_errors():
+    """A torch sparse tensor was a TypeError / RuntimeError from torch ('Cannot access data
+    pointer'), a meta tensor a NotImplementedError ('Cannot copy out of meta tensor')."""
+    rng = np.random.default_rng(4)
+    P, T = unit_rows(rng, 20, 8), torch.from_numpy(unit_rows(rng, 3, 8))
+    erm = pg.ERM(device="cpu").fit(P)
+    for bad, what in [(T.to_sparse(), "torch.sparse_coo"), (T.to_sparse_csr(), "torch.sparse_csr"),
+                      (torch.empty(3, 8, device="meta"), "torch.strided tensor on meta")]:
+        for call in (lambda: erm.search(bad, 2), lambda: erm.add_documents(bad),
+                     lambda: pg.ERM(device="cpu").fit(bad)):
+            with pytest.raises(InputError, match=re.escape(what)):
+                call()
+
+
+def test_a_reversed_single_row_view_is_read_as_its_values():
+    """x[::-1] of a (1, d) array has a negative row stride yet numpy calls it C-contiguous:
+    torch.from_numpy's bare ValueError ('negative strides are not supported') in search,
+    score, fit and add_documents."""
+    rng = np.random.default_rng(12)
+    P, T = unit_rows(rng, 20, 8), unit_rows(rng, 1, 8)
+    rev = T[::-1]
+    assert rev.flags.c_contiguous and rev.strides[0] < 0
+    erm = pg.ERM(device="cpu").fit(P)
+    want = erm.search(T, 3)
+    got = erm.search(rev, 3)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(erm.score(rev, got[1]), erm.score(T, got[1]))
+    assert erm.add_documents(rev).n_docs == 21
+    assert pg.ERM(device="cpu").fit(P[:1][::-1]).n_docs == 1

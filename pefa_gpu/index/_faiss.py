@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..arrays import all_finite, as_tensor, cuda_index, to_numpy
+from ..arrays import all_finite, as_tensor, cuda_index, is_bfloat16, to_numpy
 from ..errors import InputError, MissingDependencyError
 from ..topk import PAD_SCORE, order_ties, pad_topk
 from .base import import_optional
@@ -78,6 +78,8 @@ def host_float32(x: Any, name: str, dim: int | None = None,
                  check_finite: bool = True) -> np.ndarray:
     """(rows, d) C-contiguous float32 numpy array; checks rank, dim and finiteness."""
     a = to_numpy(x if isinstance(x, (np.ndarray, torch.Tensor)) else as_tensor(x, name=name))
+    if a.dtype.kind not in "iuf" and not is_bfloat16(a.dtype):  # as as_tensor refuses them
+        raise InputError(f"{name} has dtype {a.dtype}; a real-valued array is needed")
     a = np.ascontiguousarray(a, dtype=np.float32)
     if a.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {a.shape}")

@@ -19,6 +19,8 @@ from .base import IndexParams, at_most, checked, count
 from ._faiss import faiss_has_gpu, faiss_search_parameters, host_float32
 from ._host import FaissBackend
 
+MAX_TRAIN_NORM = math.sqrt(np.finfo(np.float32).max)  # a product of two such rows: float32 max
+
 log = logging.getLogger("pefa_gpu")
 
 
@@ -117,8 +119,13 @@ class IVFIndex(FaissBackend):
         if not self.on_gpu and not isinstance(x, np.ndarray):  # the move to the GPU failed
             x = host_float32(x, "vectors", check_finite=False)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
+        sample = to_numpy(x[rows])
+        top = float(np.linalg.norm(sample.astype(np.float64), axis=1).max())
+        if top > MAX_TRAIN_NORM:  # faiss' float32 k-means: inf scores, an abort near 1e38
+            raise InputError(f"vectors: a row norm of {top:.3g} is beyond what ivf's float32 "
+                             f"k-means holds ({MAX_TRAIN_NORM:.3g}): normalise the rows")
         self._rows = None
-        self._call(index, "train", to_numpy(x[rows]))  # faiss GPU trains IVF on the CPU
+        self._call(index, "train", sample)  # faiss GPU trains IVF on the CPU
         self._call(index, "add", x)
         return index
 
