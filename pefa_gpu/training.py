@@ -36,6 +36,8 @@ def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check:
     if i.ndim != 2 or i.shape[0] != batch or i.is_floating_point():
         raise InputError(f"{name} must be integers of shape (B={batch}, K), -1 padded, got "
                          f"{i.dtype} shape {tuple(i.shape)}")
+    if i.dtype == torch.uint64 and bool((i.view(torch.int64) < 0).any()):  # .long() wraps
+        raise InputError(f"{name} hold ids beyond int64 ({i.dtype})")
     i = i.long()
     if check and i.numel() and (int(i.min()) < -1 or int(i.max()) >= n_docs):
         bad = i[(i < -1) | (i >= n_docs)][:5].tolist()
@@ -72,7 +74,7 @@ def _id_row(row: Any, i: int) -> np.ndarray:
     """Row ``i`` of ragged positives as int64 ids; floats, strings, ids past int64: InputError
     (as a dense array's)."""
     a = np.asarray(row).ravel()
-    if a.size and a.dtype.kind not in "iu":
+    if a.size and (a.dtype.kind not in "iu" or a.dtype == np.uint64 and a.max() >= 2**63):
         raise InputError(f"positives row {i} must hold integer document ids, got {a.dtype} "
                          f"{a[:5].tolist()}")
     return a.astype(np.int64)

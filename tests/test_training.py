@@ -268,6 +268,22 @@ def test_ragged_positives_must_hold_integer_ids():
     assert pg.mine_negatives(erm, q, [[], [np.int32(1)]], 3).shape == (2, 3)
 
 
+def test_ids_beyond_int64_are_refused_not_wrapped_to_padding():
+    """uint64 2**64 - 1 became -1 (padding) in the int64 cast: a positive silently dropped, a
+    score id read as 'no document'."""
+    rng = np.random.default_rng(12)
+    erm = pg.ERM(device="cpu").fit(unit_rows(rng, 30, 8))
+    q = unit_rows(rng, 2, 8)
+    with pytest.raises(pg.InputError, match="positives row 0 must hold integer document ids"):
+        pg.mine_negatives(erm, q, [[2**64 - 1], [1]], 3)
+    big = np.array([[2**64 - 1], [1]], dtype=np.uint64)
+    with pytest.raises(pg.InputError, match=r"positives hold ids beyond int64"):
+        pg.mine_negatives(erm, q, big, 3)
+    with pytest.raises(pg.InputError, match=r"ids hold ids beyond int64"):
+        erm.score(q, big)
+    assert pg.mine_negatives(erm, q, big.clip(max=5), 3).shape == (2, 3)  # small uint64: fine
+
+
 def test_mine_negatives_names_a_model_that_is_not_one():
     """It was an AttributeError ('str' object has no attribute 'as_queries')."""
     with pytest.raises(TypeError, match="mine_negatives: model must be a pefa_gpu model .*got "
