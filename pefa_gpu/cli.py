@@ -748,16 +748,22 @@ def _search_encoder(args: argparse.Namespace, info: dict) -> EncoderLike:
 def cmd_search(args: argparse.Namespace) -> int:
     from .arrays import to_numpy
     from .builds import load_build, load_doc_text
+    from .query import QueryModel
     from .runs import format_results, queries
     from .storage import write_output_file
 
     texts = queries(args.texts, args.queries)
     model, doc_ids, info = load_build(args.model_dir, device=args.device)
-    q, = _encode(args, [[t for _, t in texts]], model=_search_encoder(args, info),
-                 device=model.device)
     given = {name: getattr(args, name) for name in settings(search=True)
              if getattr(args, name) is not None}
-    params = model.SearchParams.from_dict(given) if given else None
+    search_params = (model.model if isinstance(model, QueryModel) else model).SearchParams
+    unused = set(given) - {f.name for f in dataclasses.fields(search_params)}
+    if unused:  # before the queries are encoded
+        raise InputError(f"{', '.join(sorted('--' + n for n in unused))}: no effect on this "
+                         f"{info.get('method')} build; drop it")
+    q, = _encode(args, [[t for _, t in texts]], model=_search_encoder(args, info),
+                 device=model.device)
+    params = search_params.from_dict(given) if given else None
     # no more results than documents: the rows beyond them would be padding, never printed
     scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
     doc_text = None if args.no_text else load_doc_text(args.model_dir, len(doc_ids))

@@ -126,6 +126,14 @@ def test_an_edited_encoder_record_is_refused(built, capsys):
     assert code == 2 and "changed after it was written" in err
 
 
+def test_search_settings_the_build_does_not_take_are_refused_naming_the_flag(built, capsys):
+    """It was 'XSSearchParams got unknown keys', naming no flag, after the queries were
+    encoded."""
+    code, _, err = run(capsys, "search", built, "a query", "--candidates", "5", "--device",
+                       "cpu", "-q")
+    assert code == 2 and "--candidates: no effect on this xs build; drop it" in err
+
+
 # ---------------------------------------------------------------------------- item 13: encoder
 
 def test_precomputed_embeddings_need_an_encoder_to_search_from_text(data, tmp_path, capsys,

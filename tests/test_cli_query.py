@@ -72,6 +72,10 @@ def test_build_and_search_adapter_xs(data, tmp_path, capsys):
     _, ids = ref.search(bow_unit([text]).astype(np.float32), 3)
     assert [r["doc_id"] for r in json.loads(out.out)[0]["results"]] == \
         [doc_ids[int(j)] for j in ids[0]]
+    code = main(["search", str(model_dir), text, "--candidates", "5", "--device", "cpu",
+                 "--model", "textdata:BowEncoder", "--cache-dir", str(tmp_path / "c"), "-q"])
+    assert code == 2 and "--candidates: no effect on this adapter+xs build" in \
+        capsys.readouterr().err  # was an AttributeError: QueryModel has no SearchParams
 
 
 @pytest.mark.parametrize("argv", [
