@@ -161,7 +161,8 @@ COMPUTE_OPTIONS = {
     "--device": dict(metavar="D",
                      help="cpu, cuda, cuda:1 ... (default: CUDA when available, else CPU)"),
     "--threads": dict(type=_positive_int, metavar="N",
-                      help="CPU threads for torch (default: torch's choice)"),
+                      help="CPU threads for torch, at most this machine's CPUs (default: torch's "
+                           "choice)"),
     "--quiet -q": dict(action="store_true",
                        help="no progress bars and no log lines, only results"),
     "--verbose -v": dict(action="store_true", help="also the INFO lines of the libraries "
@@ -182,8 +183,9 @@ MODEL_OPTIONS = {
 RAY_OPTIONS = {  # the cluster (see pefa_gpu.distributed)
     "--ray": dict(metavar="ADDRESS", help="run the pipeline on Ray: 'local' starts a cluster on "
                   "this machine, anything else is passed to ray.init(address=...) (e.g. auto)"),
-    "--workers": dict(type=_positive_int, metavar="N", help="--ray: CPUs of a local cluster; "
-                      "encoder and search actors (default: all CPUs, or the cluster's GPUs)"),
+    "--workers": dict(type=_positive_int, metavar="N", help="--ray: CPUs of a local cluster "
+                      "(at most this machine's); encoder and search actors (default: all "
+                      "CPUs, or the cluster's GPUs)"),
     "--work-dir": dict(metavar="DIR", help="--ray: folder for the stages' shards, on storage "
                        "every node sees (needed for a remote cluster; default with local: a "
                        "temporary folder); encoded shards there are reused by the next run")}
