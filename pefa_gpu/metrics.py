@@ -59,7 +59,7 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
              count_empty: bool = False) -> dict[str, float]:
     """{"recall@k", "ndcg@k" (graded gains), "mrr@k" for each k; "n_queries" averaged over,
     "n_skipped", "n_empty" (without a relevant document)}: ids (B, K >= every k), Y_test (B x n)."""
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     gains, n_rel, ideal = _gains(ids, Y_test)
     width = gains.shape[1]
     if max(ks) > width:
@@ -106,12 +106,13 @@ def mrr_at_k(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10,)) -
 def _metric(name: str, ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int]
             ) -> dict[int, float]:
     """{k: ``name``@k} of :func:`evaluate` (``ks`` read once: an iterator serves)."""
-    ks = _check_ks(ks)
+    ks = check_ks(ks)
     res = evaluate(ids, Y_test, ks)
     return {k: res[f"{name}@{k}"] for k in ks}
 
 
-def _check_ks(ks: Iterable[int]) -> tuple[int, ...]:
+def check_ks(ks: Iterable[int]) -> tuple[int, ...]:
+    """``ks`` (positive ints, or one) as a tuple; else InputError."""
     try:
         ks = (ks,) if isinstance(ks, (int, np.integer)) else tuple(ks)
     except TypeError:  # None, a float: not iterable

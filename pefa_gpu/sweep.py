@@ -15,7 +15,7 @@ from .aggregate import normalize_rows
 from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device
 from .errors import InputError
 from .methods import REGISTRY, takes
-from .metrics import _check_ks, evaluate
+from .metrics import check_ks, evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
 from .params import XLParams, XLSearchParams, check_positive, check_unit_interval
@@ -238,7 +238,7 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
           device: DeviceLike = None, **kwargs: Any) -> SweepResult:
     """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
     allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
-    metric_ks = _check_ks(metric_ks)  # InputError for None, () or a k <= 0
+    metric_ks = check_ks(metric_ks)  # InputError for None, () or a k <= 0
     timings: dict[str, float] = {}
     rows = [{**dataclasses.asdict(cfg), **evaluate(ids, Y_test, metric_ks)}
             for cfg, _, ids in sweep_search(P, Q, Y, queries, methods, lams, ks,
