@@ -39,12 +39,17 @@ MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option 
 
 # ------------------------------------------------------------------------------ arguments
 
+def _parsed(text: str, cast: Callable[[str], Any], want: str) -> Any:
+    """``cast(text)``, else an ArgumentTypeError saying ``want``."""
+    try:
+        return cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+
+
 def _lam(text: str) -> float:
     """--lam L: a number in [0, 1] (the same rule and message in every subcommand)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    v = _parsed(text, float, "a number")
     if not 0.0 <= v <= 1.0:
         raise argparse.ArgumentTypeError(f"λ must lie in [0, 1], got {text!r}")
     return v
@@ -52,30 +57,21 @@ def _lam(text: str) -> float:
 
 def _finite(text: str) -> float:
     """A finite number (not nan, not inf)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    v = _parsed(text, float, "a number")
     if not math.isfinite(v):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return v
 
 
 def _seed(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    v = _parsed(text, int, "an integer >= 0")
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return v
 
 
 def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    v = _parsed(text, int, "a positive integer")
     if not 0 < v <= MAX_COUNT:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}" if v <= 0
                                          else f"must be at most {MAX_COUNT}, got {text!r}")

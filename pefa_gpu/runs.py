@@ -62,7 +62,7 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
         if seen.setdefault(qid, text) != text:
             raise InputError(f"query id {qid!r} is given twice with different texts")
     if not seen:
-        raise InputError(f"no queries: the queries file {path} holds none")
+        raise InputError("no queries" + (f": the queries file {path} holds none" if path else ""))
     return list(seen.items())
 
 
