@@ -229,24 +229,13 @@ def _columns_in_c(ei: Array, key: Array, n: int) -> tuple[Array, Array]:
 
 def select_topk(scores: Array, ids: Array, k: int) -> tuple[Array, Array]:
     """:func:`pefa_gpu.topk.merge_topk` of scores (B, W) float32, ids (B, W) int64 distinct per
-    row, < 2**32 -> (B, k), id -1 at a -inf / NaN score, +0.0 for -0.0; on numpy one key per
-    cell (score bits descending, then id)."""
-    if not isinstance(scores, np.ndarray):
-        top, ids = merge_topk(scores + 0.0, ids, k)
-        return top, torch.where(top > float("-inf"), ids, -1)
-    b, w = scores.shape
-    kk = min(k, w)
-    out_s, out_i = np.full((b, k), -np.inf, np.float32), np.full((b, k), -1, np.int64)
-    if kk == 0 or b == 0:
-        return out_s, out_i
-    bits = (scores + 0.0).view(np.int32).astype(np.int64)
-    key = ~np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # ascending as the score descends
-    best = np.partition((key << 32) | (ids & (2**32 - 1)), kk - 1, axis=1)[:, :kk]
-    best.sort(axis=1)  # id -1 sorts last
-    bits = ~(best >> 32)
-    top = np.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).astype(np.int32).view(np.float32)
-    out_s[:, :kk], out_i[:, :kk] = top, np.where(top > -np.inf, best & (2**32 - 1), -1)
-    return out_s, out_i
+    row -> (B, k) of their kind, id -1 at a -inf / NaN score, +0.0 for -0.0."""
+    host = isinstance(scores, np.ndarray)
+    if host:
+        scores, ids = torch.from_numpy(scores), torch.from_numpy(ids)
+    top, ids = merge_topk(scores + 0.0, ids, k)
+    ids = torch.where(top > float("-inf"), ids, -1)
+    return (top.numpy(), ids.numpy()) if host else (top, ids)
 
 
 def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
