@@ -24,8 +24,8 @@ from .errors import FormatError, InputError
 from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
-                     XLParams, XLSearchParams, XSParams, XSSearchParams, check_positive,
-                     check_unit_interval)
+                     XLParams, XLSearchParams, XSParams, XSSearchParams, check_grid,
+                     check_positive, check_unit_interval)
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 
@@ -533,26 +533,19 @@ class PEFAXL(_Model):
         """InputError unless q is (B, d) float, erm / knn (scores, ids) pairs of (B, w) float /
         integer arrays, lams numbers in [0, 1] and ks positive ints (no device sync)."""
         self.check_fitted()
-        try:
-            lams, ks = tuple(lams), tuple(ks)
-        except TypeError:
-            raise InputError(f"lams and ks must be sequences, got {lams!r} and {ks!r}") from None
-        if not lams or not ks:
-            raise InputError(f"lams and ks must not be empty, got {lams!r} and {ks!r}")
-        for lam in lams:
-            check_unit_interval(lam, "lam")
-        for k in ks:
-            check_positive(k, "k")
-        if not _is_float(q) or q.ndim != 2 or q.shape[1] != self.dim:
+        lams, ks = check_grid(lams, ks)
+        if _kind(q) != "f" or q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"q must be a (B, {self.dim}) float array, got "
                              f"{type(q).__name__} {getattr(q, 'shape', '')}")
         for name, pair in (("erm", erm), ("knn", knn)):
-            ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_float(pair[0]) \
-                and _is_float(pair[1], integer=True) and pair[0].ndim == 2 \
-                and pair[0].shape == pair[1].shape and pair[0].shape[0] == q.shape[0]
+            pair = pair if isinstance(pair, (tuple, list)) else (pair,)
+            ok = len(pair) == 2 and _kind(pair[0]) == "f" and _kind(pair[1]) in ("i", "u") \
+                and pair[0].ndim == 2 and pair[0].shape == pair[1].shape and len(pair[0]) == len(q)
             if not ok:
+                got = ", ".join(f"{type(a).__name__} {getattr(a, 'dtype', '')} "
+                                f"{getattr(a, 'shape', '')}" for a in pair)
                 raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
-                                 f"shape (B={q.shape[0]}, w), got {_described(pair)}")
+                                 f"shape (B={q.shape[0]}, w), got {got}")
         return lams, ks
 
     def _fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
@@ -648,20 +641,13 @@ def _index_search(index: Index, q: Array, k: int, params: Params | None,
     return scores, ids
 
 
-def _is_float(x: Any, integer: bool = False) -> bool:
-    """Whether ``x`` is a numpy array or tensor of floats (``integer``: of integers)."""
+def _kind(x: Any) -> str:
+    """A numpy array's or tensor's dtype kind as numpy names it ('f', 'i', 'u', 'b', 'c'; torch
+    integers all 'i'), '' for anything else."""
     if isinstance(x, torch.Tensor):
-        return not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool) \
-            if integer else x.is_floating_point()
-    return isinstance(x, np.ndarray) and x.dtype.kind in ("iu" if integer else "f")
-
-
-def _described(pair: Any) -> str:
-    """A (scores, ids) pair's types, dtypes and shapes, for a message."""
-    if not isinstance(pair, (tuple, list)):
-        return type(pair).__name__
-    return ", ".join(f"{type(a).__name__} {getattr(a, 'dtype', '')} {getattr(a, 'shape', '')}"
-                     for a in pair)
+        return "b" if x.dtype == torch.bool else "c" if x.is_complex() else \
+            "f" if x.is_floating_point() else "i"
+    return x.dtype.kind if isinstance(x, np.ndarray) else ""
 
 
 def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int,

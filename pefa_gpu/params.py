@@ -101,6 +101,25 @@ def check_positive(value: Any, name: str) -> int:
     return int(value)
 
 
+def check_grid(lams: Any, ks: Any, empty_ok: tuple[bool, bool] = (False, False)
+               ) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    """lams (numbers in [0, 1]) and ks (positive ints) as tuples with each value once (a repeat
+    fused its queries twice); an axis may be empty where ``empty_ok`` says so."""
+    try:
+        lams, ks = tuple(lams), tuple(ks)
+    except TypeError:  # a lone number
+        raise InputError(f"lams and ks must be sequences, got {lams!r} and {ks!r}") from None
+    for axis, values, check, ok, want in (
+            ("lam", lams, check_unit_interval, empty_ok[0], "one λ in [0, 1]"),
+            ("k", ks, check_positive, empty_ok[1], "one k > 0")):
+        if not values and not ok:
+            raise InputError(f"{axis}s is empty: give at least {want}")
+        for value in values:
+            check(value, axis)
+    lams = (float(x) if isinstance(x, int) else x for x in lams)
+    return tuple(dict.fromkeys(lams)), tuple(dict.fromkeys(ks))
+
+
 # HNSW sizes (faiss, hnswlib): M, the graph degree (n * 8M bytes at level 0; docs use 4 to 64),
 # and ef, beam widths (hundreds to thousands); far larger ones only make them allocate enormous
 # buffers (or overflow C ints), so they are refused up front.

@@ -18,7 +18,7 @@ from .methods import REGISTRY, takes
 from .metrics import check_ks, evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
-from .params import XLParams, XLSearchParams, check_positive, check_unit_interval
+from .params import XLParams, XLSearchParams, check_grid, check_positive
 from .relevance import RelevanceLike
 from .topk import merge_topk, topk_rows
 
@@ -256,15 +256,4 @@ def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
     if bad or not methods:
         raise InputError(f"methods must be a non-empty subset of {list(METHODS)}, got "
                          f"{list(methods)}")
-    try:
-        lams, ks = tuple(lams), tuple(ks)
-    except TypeError:  # a lone number
-        raise InputError(f"lams and ks must be sequences, got {lams!r} and {ks!r}") from None
-    for axis, values, check, want in (("lam", lams, check_unit_interval, "one λ in [0, 1]"),
-                                      ("k", ks, check_positive, "one k > 0 for XL")):
-        if takes(methods, axis) and not values:
-            raise InputError(f"{axis}s is empty: give at least {want}")
-        for value in values:
-            check(value, axis)
-    lams = (float(x) if isinstance(x, int) else x for x in lams)  # each value once:
-    return methods, tuple(dict.fromkeys(lams)), tuple(dict.fromkeys(ks))  # a repeat broke XL / XS
+    return (methods, *check_grid(lams, ks, (not takes(methods, "lam"), not takes(methods, "k"))))

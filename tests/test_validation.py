@@ -257,7 +257,7 @@ def test_xl_fuse_checks_its_searches_lams_and_ks():
     for bad_q in (q[:, :4], q[None], T.tolist(), q.long()):
         with pytest.raises(InputError, match=r"q must be a \(B, 8\) float array"):
             xl.fuse(bad_q, erm, knn, 5)
-    for lams, ks, match in [((0.5,), (), "must not be empty"), ((2.0,), (4,), "lam must be"),
+    for lams, ks, match in [((0.5,), (), "ks is empty"), ((2.0,), (4,), "lam must be"),
                             ((float("nan"),), (4,), "lam must be"), ((0.5,), (0,), "k must be"),
                             ((0.5,), (1.5,), "k must be"), (0.5, 4, "must be sequences")]:
         with pytest.raises(InputError, match=match):
@@ -265,6 +265,10 @@ def test_xl_fuse_checks_its_searches_lams_and_ks():
     for k in (None, "3", 0):
         with pytest.raises(InputError, match="k must be a positive integer"):
             xl.neighbours(q, k)
+    # a repeated λ or k fused every query twice: 2B rows under one key
+    twice = xl.fuse_grid(q, erm, knn, (0.5, 0.5, 0.5), (4, 4), 5)
+    once = xl.fuse_grid(q, erm, knn, (0.5,), (4,), 5)
+    assert list(twice) == [(0.5, 4)] and all(map(torch.equal, twice[(0.5, 4)], once[(0.5, 4)]))
 
 
 def test_sparse_and_meta_tensors_are_named_not_torch_errors():
