@@ -554,7 +554,6 @@ class PEFAXL(_Model):
                    ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`fuse_grid` of arguments known to be well formed."""
         topk = check_topk(topk, self.n_docs)
-        self.check_fitted()
         if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
             raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
         p, docs = self.params, self.doc_embeddings
