@@ -531,7 +531,7 @@ class PEFAXL(_Model):
     def _check_fusion(self, q: Any, erm: Any, knn: Any, lams: Any, ks: Any
                       ) -> tuple[tuple[float, ...], tuple[int, ...]]:
         """InputError unless q is (B, d) float, erm / knn (scores, ids) pairs of (B, w) float /
-        integer arrays, lams numbers in [0, 1] and ks positive ints (no device sync)."""
+        integer arrays with ids in range, lams numbers in [0, 1] and ks positive ints."""
         self.check_fitted()
         lams, ks = check_grid(lams, ks)
         if _kind(q) != "f" or q.ndim != 2 or q.shape[1] != self.dim:
@@ -546,6 +546,11 @@ class PEFAXL(_Model):
                                 f"{getattr(a, 'shape', '')}" for a in pair)
                 raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
                                  f"shape (B={q.shape[0]}, w), got {got}")
+        rows = self.relevance.shape[0]
+        for name, ids, top in (("erm", erm[1], self.n_docs), ("knn", knn[1], rows)):
+            if bool(((ids < -1) | (ids >= top)).any()):  # on CUDA: one synchronisation
+                raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
+                                 f"{int(ids.min())} .. {int(ids.max())}")
         return lams, ks
 
     def _fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],

@@ -265,6 +265,13 @@ def test_xl_fuse_checks_its_searches_lams_and_ks():
     for k in (None, "3", 0):
         with pytest.raises(InputError, match="k must be a positive integer"):
             xl.neighbours(q, k)
+    # ids outside [-1, n) / [-1, rows of Y): a document id n + 5 came back as a result, a
+    # neighbour row past Y was numpy's IndexError (on CUDA: reads past the arrays)
+    for value, name in ((30 + 5, "erm"), (-7, "erm"), (10**6, "knn")):
+        pair = erm if name == "erm" else knn
+        forged = (pair[0], torch.full_like(pair[1], value))
+        with pytest.raises(InputError, match=rf"{name} ids must be in \[-1, "):
+            xl.fuse(q, *((forged, knn) if name == "erm" else (erm, forged)), 5)
     # a repeated λ or k fused every query twice: 2B rows under one key
     twice = xl.fuse_grid(q, erm, knn, (0.5, 0.5, 0.5), (4, 4), 5)
     once = xl.fuse_grid(q, erm, knn, (0.5,), (4,), 5)
