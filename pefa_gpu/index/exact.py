@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from ..arrays import (DeviceLike, all_finite, as_tensor, check_topk, host_empty, resolve_dtype,
                       to_numpy)
 from ..errors import FormatError, InputError
-from ..params import check_choice
+from ..params import check_choice, checked
 from ..storage import load_tensor, save_tensor
 from ..topk import order_ties, pad_topk, topk_wide
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
-                   checked, empty_results)
+                   empty_results)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
