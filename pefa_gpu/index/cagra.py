@@ -56,8 +56,8 @@ class CagraSearchParams(IndexParams):
 
 
 def _engine(device: torch.device) -> str | None:
-    """'faiss' or 'cuvs', whichever can build CAGRA on ``device`` here; None if neither."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    """'faiss' or 'cuvs', whichever builds CAGRA on the (resolved) ``device``; None if neither."""
+    if device.type != "cuda":
         return None
     faiss = optional_faiss()
     if faiss is not None and hasattr(faiss, "GpuIndexCagra") and faiss.get_num_gpus() > 0:
@@ -70,9 +70,7 @@ def _engine(device: torch.device) -> str | None:
 
 
 def _install_message(device: torch.device) -> str:
-    if device.type != "cuda":
-        return _INSTALL + f"; device is {device}"
-    return _INSTALL + ("" if torch.cuda.is_available() else "; torch sees no CUDA device")
+    return _INSTALL + ("" if device.type == "cuda" else f"; device is {device}")
 
 
 def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
@@ -127,11 +125,8 @@ class CagraIndex(VectorIndex):
 
     def add(self, vectors: Any) -> None:
         """Append rows; CAGRA graphs are immutable, so the graph is rebuilt."""
-        v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors")
-        if self.ntotal:
-            self.check_rows(v)
-            v = torch.cat([self.vectors, v])
-        self.build(v)
+        v = device_float32(vectors, "vectors", self.device, self.dim if self.ntotal else None)
+        self.build(torch.cat([self.vectors, v]) if self.ntotal else v)
 
     def _build_graph(self) -> Any:
         p = self.params
