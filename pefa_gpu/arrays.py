@@ -18,8 +18,6 @@ from .params import check_positive
 ArrayLike = np.ndarray | torch.Tensor | Sequence[Any]
 DeviceLike = str | int | torch.device | None  # None: CUDA when available, else the CPU
 
-_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64")}
-
 
 def _torch_device(device: DeviceLike) -> torch.device:
     try:
@@ -47,13 +45,6 @@ def cuda_index(device: DeviceLike) -> int:
     if dev.type != "cuda":
         raise InputError(f"device={device!r} is not a CUDA device")
     return dev.index if dev.index is not None else torch.cuda.current_device()
-
-
-def resolve_dtype(dtype: Any) -> torch.dtype:
-    """A torch float dtype from a torch dtype or one of 'float32', 'float16', 'bfloat16'."""
-    if isinstance(dtype, (str, torch.dtype)) and (dtype in _DTYPES or dtype in _DTYPES.values()):
-        return _DTYPES.get(dtype, dtype)
-    raise InputError(f"dtype={dtype!r} is not one of {sorted(_DTYPES)}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from .arrays import ArrayLike, as_tensor, check_topk
 from .errors import InputError
-from .params import check_positive
+from .params import check_nonnegative, check_positive
 from .protocol import Model
 from .relevance import Relevance, as_relevance
 
@@ -89,13 +89,12 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     if not all(hasattr(model, a) for a in ("as_queries", "search", "n_docs", "device")):
         raise TypeError(f"mine_negatives: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
                         f"got {type(model).__name__}")
-    if isinstance(skip_top, bool) or not isinstance(skip_top, (int, np.integer)) or skip_top < 0:
-        raise InputError(f"skip_top must be an integer >= 0, got {skip_top!r}")
+    skip_top = check_nonnegative(skip_top, "skip_top")
     batch_size = check_positive(batch_size, "batch_size")
     chk = check_default(queries, check)
     q = model.as_queries(queries, check=chk)
     n = check_topk(n, model.n_docs, "n")
-    skip_top = min(int(skip_top), model.n_docs)
+    skip_top = min(skip_top, model.n_docs)
     pos = as_positive_ids(positives, q.shape[0], model.device, model.n_docs if chk else None)
     # enough that n non-positives survive if they exist; never more than every document
     depth = min(n + skip_top + pos.shape[1], model.n_docs)

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from ..arrays import all_finite, as_tensor, cuda_index, is_bfloat16, to_numpy
+from ..arrays import as_tensor, cuda_index, is_bfloat16, require_finite, to_numpy
 from ..errors import InputError, MissingDependencyError
 from ..topk import PAD_SCORE, order_ties, pad_topk
 from .base import import_optional
@@ -96,8 +96,7 @@ def device_float32(x: Any, name: str, device: torch.device, dim: int | None = No
     if t.ndim != 2 or (dim is not None and t.shape[1] != dim):
         raise InputError(f"{name} must have shape (rows, {dim if dim is not None else 'd'}), "
                          f"got {tuple(t.shape)}")
-    if t.numel() and not all_finite(t):  # no temporary of t's size
-        raise InputError(f"{name} contains NaN or inf")
+    require_finite(t, name)
     return t.contiguous()
 
 

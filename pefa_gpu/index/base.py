@@ -13,30 +13,13 @@ import torch
 
 from ..arrays import DeviceLike, as_tensor, resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
-from ..params import Params, check_at_most, check_nonnegative, check_positive, checked
+from ..params import Params
 from ..topk import PAD_ID, PAD_SCORE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class IndexParams(Params):
-    """A backend's build or search settings (:func:`positive` / :func:`at_most` /
-    :func:`count` fields checked)."""
-
-
-def positive(default: int) -> Any:
-    """An :class:`IndexParams` field holding a positive int."""
-    return checked(default, check_positive)
-
-
-def at_most(default: int, top: int) -> Any:
-    """An :class:`IndexParams` field holding an int in [1, ``top``]."""
-    return checked(default, check_at_most, top)
-
-
-def count(default: int, zero: str = "", top: int | None = None) -> Any:
-    """An :class:`IndexParams` field holding an int >= 0 (at most ``top``); ``zero`` says what
-    0 means."""
-    return checked(default, check_nonnegative, zero, top)
+    """A backend's build or search settings (``params.checked`` fields checked)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

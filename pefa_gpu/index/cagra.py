@@ -14,11 +14,12 @@ import torch
 
 from ..arrays import DeviceLike, as_tensor, check_topk, cuda_index
 from ..errors import InputError, MissingDependencyError
+from ..params import check_nonnegative, check_positive, checked
 from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from ._faiss import (device_float32, faiss_pointer, faiss_search_parameters, import_faiss,
                      on_current_stream, optional_faiss, search_tensors)
-from .base import IndexParams, VectorIndex, check_budget, checked, count, positive
+from .base import IndexParams, VectorIndex, check_budget
 from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
@@ -33,8 +34,8 @@ class CagraParams(IndexParams):
     """Build settings. graph_degree / intermediate_graph_degree: of the final and the
     pre-pruning k-NN graph. memory_budget: bytes of a re-scoring block and exact searches."""
 
-    graph_degree: int = positive(64)
-    intermediate_graph_degree: int = positive(128)
+    graph_degree: int = checked(64, check_positive)
+    intermediate_graph_degree: int = checked(128, check_positive)
     memory_budget: int = checked(256 * 2**20, check_budget)
 
     def validate(self) -> None:
@@ -49,14 +50,14 @@ class CagraSearchParams(IndexParams):
     """CAGRA's search settings. itopk_size: the internal list (raised to k). search_width:
     nodes expanded per iteration."""
 
-    itopk_size: int = positive(128)
-    search_width: int = positive(1)
-    max_iterations: int = count(0, "automatic")
+    itopk_size: int = checked(128, check_positive)
+    search_width: int = checked(1, check_positive)
+    max_iterations: int = checked(0, check_nonnegative, "automatic")
 
 
 def _engine(device: torch.device) -> str | None:
-    """'faiss' or 'cuvs', whichever can build CAGRA on ``device`` here; None if neither."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    """'faiss' or 'cuvs', whichever builds CAGRA on the (resolved) ``device``; None if neither."""
+    if device.type != "cuda":
         return None
     faiss = optional_faiss()
     if faiss is not None and hasattr(faiss, "GpuIndexCagra") and faiss.get_num_gpus() > 0:
@@ -69,9 +70,7 @@ def _engine(device: torch.device) -> str | None:
 
 
 def _install_message(device: torch.device) -> str:
-    if device.type != "cuda":
-        return _INSTALL + f"; device is {device}"
-    return _INSTALL + ("" if torch.cuda.is_available() else "; torch sees no CUDA device")
+    return _INSTALL + ("" if device.type == "cuda" else f"; device is {device}")
 
 
 def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
@@ -126,11 +125,8 @@ class CagraIndex(VectorIndex):
 
     def add(self, vectors: Any) -> None:
         """Append rows; CAGRA graphs are immutable, so the graph is rebuilt."""
-        v = as_tensor(vectors, device=self.device, dtype=torch.float32, name="vectors")
-        if self.ntotal:
-            self.check_rows(v)
-            v = torch.cat([self.vectors, v])
-        self.build(v)
+        v = device_float32(vectors, "vectors", self.device, self.dim if self.ntotal else None)
+        self.build(torch.cat([self.vectors, v]) if self.ntotal else v)
 
     def _build_graph(self) -> Any:
         p = self.params

@@ -12,15 +12,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..arrays import (DeviceLike, all_finite, as_tensor, check_topk, host_empty, resolve_dtype,
-                      to_numpy)
+from ..arrays import DeviceLike, all_finite, as_tensor, check_topk, host_empty, to_numpy
 from ..errors import FormatError, InputError
-from ..params import check_choice
+from ..params import check_choice, checked
 from ..storage import load_tensor, save_tensor
 from ..topk import order_ties, pad_topk, topk_wide
 from ._faiss import faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
-                   checked, empty_results)
+                   empty_results)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +43,7 @@ class ExactIndex(VectorIndex):
 
     def __init__(self, params: ExactParams | dict | None = None, device: DeviceLike = None):
         super().__init__(params, device)
-        self._dtype = resolve_dtype(self.params.dtype)
+        self._dtype = getattr(torch, self.params.dtype)  # one of ExactParams' dtype choices
         self.exact_scores = self.params.dtype == "float32"  # scores: fp32 <q, x>, exactly
         self.copies_rows = not self.exact_scores  # 16-bit rows are a cast, float32 ones shared
         self._store(torch.empty(0, 0, dtype=self._dtype, device=self.device))

@@ -10,8 +10,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError
-from ..params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS, check_number
-from .base import IndexParams, at_most, checked, count
+from ..params import (MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS, check_at_most, check_nonnegative,
+                      check_number, checked)
+from .base import IndexParams
 from ._faiss import faiss_search_parameters, faiss_threads
 from ._host import FaissBackend
 
@@ -21,9 +22,9 @@ class HNSWParams(IndexParams):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width at
     build time. threads: faiss' OpenMP threads for build and search (0 = all cores)."""
 
-    M: int = at_most(32, MAX_HNSW_M)
-    ef_construction: int = at_most(500, MAX_HNSW_EF)
-    threads: int = count(0, "all cores", MAX_THREADS)
+    M: int = checked(32, check_at_most, MAX_HNSW_M)
+    ef_construction: int = checked(500, check_at_most, MAX_HNSW_EF)
+    threads: int = checked(0, check_nonnegative, "all cores", MAX_THREADS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,7 @@ class HNSWSearchParams(IndexParams):
     most this many times ef rows are scanned exactly, where a walk would visit them all (0 =
     never)."""
 
-    ef_search: int = at_most(300, MAX_HNSW_EF)
+    ef_search: int = checked(300, check_at_most, MAX_HNSW_EF)
     full_scan_factor: float = checked(12.0, check_number)
 
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from ..arrays import DeviceLike, to_numpy
 from ..errors import FormatError
-from ..params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS
-from .base import IndexParams, at_most, count, import_optional
+from ..params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS, check_at_most, check_nonnegative, checked
+from .base import IndexParams, import_optional
 from ._host import HostBackend, read_description, write_description
 
 log = logging.getLogger("pefa_gpu")
@@ -34,17 +34,17 @@ class HnswlibParams(IndexParams):
     while inserting. seed: of the level assignment. threads: for inserting and searching (0 =
     every core; more than one makes the graph depend on thread timing)."""
 
-    M: int = at_most(32, MAX_HNSW_M)
-    ef_construction: int = at_most(500, MAX_HNSW_EF)
-    seed: int = count(100)
-    threads: int = count(0, "every core", MAX_THREADS)
+    M: int = checked(32, check_at_most, MAX_HNSW_M)
+    ef_construction: int = checked(500, check_at_most, MAX_HNSW_EF)
+    seed: int = checked(100, check_nonnegative)
+    threads: int = checked(0, check_nonnegative, "every core", MAX_THREADS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HnswlibSearchParams(IndexParams):
     """Search settings. ef_search: beam width (hnswlib uses max(ef_search, k))."""
 
-    ef_search: int = at_most(300, MAX_HNSW_EF)
+    ef_search: int = checked(300, check_at_most, MAX_HNSW_EF)
 
 
 class HnswlibIndex(HostBackend):

@@ -14,8 +14,8 @@ import torch
 
 from ..arrays import DeviceLike, as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
-from ..params import MAX_THREADS, check_choice
-from .base import IndexParams, at_most, checked, count
+from ..params import MAX_THREADS, check_at_most, check_choice, check_nonnegative, checked
+from .base import IndexParams
 from ._faiss import faiss_has_gpu, faiss_search_parameters, host_float32
 from ._host import FaissBackend
 
@@ -31,12 +31,12 @@ class IVFParams(IndexParams):
     retrain."""
 
     kind: str = checked("flat", check_choice, ("flat", "pq"))
-    nlist: int = count(0, "automatic")
-    pq_m: int = count(0, "automatic")
-    pq_nbits: int = at_most(8, 24)  # faiss' limit; 2^pq_nbits codes a sub-quantizer
-    train_size: int = count(0, "automatic")
-    seed: int = count(0)
-    threads: int = count(0, "all cores", MAX_THREADS)
+    nlist: int = checked(0, check_nonnegative, "automatic")
+    pq_m: int = checked(0, check_nonnegative, "automatic")
+    pq_nbits: int = checked(8, check_at_most, 24)  # faiss' limit; 2^pq_nbits codes a sub-quantizer
+    train_size: int = checked(0, check_nonnegative, "automatic")
+    seed: int = checked(0, check_nonnegative)
+    threads: int = checked(0, check_nonnegative, "all cores", MAX_THREADS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -44,7 +44,7 @@ class IVFSearchParams(IndexParams):
     """nprobe: lists visited per query (0 = :func:`auto_nprobe`; at most nlist, and 2048 on
     the GPU, lowered with a warning)."""
 
-    nprobe: int = count(0, "automatic")
+    nprobe: int = checked(0, check_nonnegative, "automatic")
 
 
 def auto_nlist(n: int) -> int:

@@ -13,8 +13,8 @@ import numpy as np
 
 from ..arrays import DeviceLike
 from ..errors import FormatError, InputError
-from ..params import MAX_THREADS, check_number
-from .base import IndexParams, checked, count, import_optional, positive
+from ..params import MAX_THREADS, check_nonnegative, check_number, check_positive, checked
+from .base import IndexParams, import_optional
 from ._host import HostBackend, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
@@ -28,12 +28,12 @@ class ScannParams(IndexParams):
     plain k-means codes). train_size: training sample (0 = min(n, 100000)).
     brute_force_below: fewer rows are searched by brute force. threads: 0 = every core."""
 
-    num_leaves: int = count(0, "automatic")
-    dims_per_block: int = positive(2)
+    num_leaves: int = checked(0, check_nonnegative, "automatic")
+    dims_per_block: int = checked(2, check_positive)
     anisotropic_threshold: float | None = checked(0.2, check_number, True)
-    train_size: int = count(0, "automatic")
-    brute_force_below: int = count(4096)
-    threads: int = count(0, "every core", MAX_THREADS)
+    train_size: int = checked(0, check_nonnegative, "automatic")
+    brute_force_below: int = checked(4096, check_nonnegative)
+    threads: int = checked(0, check_nonnegative, "every core", MAX_THREADS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,8 +41,8 @@ class ScannSearchParams(IndexParams):
     """leaves_to_search: leaves scored per query, reorder: candidates re-scored exactly (at
     least k); 0: :func:`auto_leaves_to_search`, :func:`auto_reorder`."""
 
-    leaves_to_search: int = count(0, "automatic")
-    reorder: int = count(0, "automatic")
+    leaves_to_search: int = checked(0, check_nonnegative, "automatic")
+    reorder: int = checked(0, check_nonnegative, "automatic")
 
 
 def auto_num_leaves(n: int) -> int:
