@@ -28,10 +28,7 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
     if not p.is_file():
         raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out = []
-    for lineno, line in text_lines(p):
-        line = line.rstrip("\r\n")
-        if not line.strip():
-            continue
+    for lineno, line in text_lines(p, data=True):
         if p.suffix == ".jsonl":
             try:
                 rec = json.loads(line)
@@ -62,7 +59,8 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
         if seen.setdefault(qid, text) != text:
             raise InputError(f"query id {qid!r} is given twice with different texts")
     if not seen:
-        raise InputError("no queries" + (f": the queries file {path} holds none" if path else ""))
+        raise InputError("no queries: " + (f"the queries file {path} holds none" if path else
+                                           "give query texts or --queries FILE"))
     return list(seen.items())
 
 
