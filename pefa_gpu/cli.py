@@ -400,7 +400,7 @@ def _check_search(args: argparse.Namespace) -> None:
     if args.tag is not None and args.format != "trec":
         raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
                          "ending in .trec / .run)")
-    if args.tag is not None and (not args.tag or any(c.isspace() for c in args.tag)):
+    if args.tag is not None and any(c.isspace() for c in args.tag):  # '': _check_values
         raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
 
 
