@@ -392,7 +392,9 @@ def _check_data(args: argparse.Namespace) -> None:
 
 
 def _check_search(args: argparse.Namespace) -> None:
-    """--format (else from --out's suffix) and --tag agree (no queries: :func:`runs.queries`)."""
+    """Queries given; --format (else from --out's suffix) and --tag agree."""
+    if not args.texts and not args.queries:
+        raise InputError("no queries: give query texts or --queries FILE")
     formats = {".json": "json", ".trec": "trec", ".run": "trec"}
     args.format = args.format or formats.get(Path(args.out or "").suffix.lower(), "tsv")
     if args.no_text and args.format == "trec":

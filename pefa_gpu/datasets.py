@@ -109,9 +109,8 @@ def _csv_rows(reader: Any, path: Path):
 
 
 def text_lines(path: Path, data: bool = False):
-    """(line number, text) of each line of a UTF-8 file, a leading BOM dropped (``data``: only
-    the non-blank lines, without their line break); not UTF-8: InputError naming the line and
-    byte."""
+    """(line number, text) per line of a UTF-8 file, a leading BOM dropped; ``data``: non-blank
+    lines only, without their line break. Not UTF-8: InputError naming the line and byte."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:

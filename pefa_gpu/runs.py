@@ -59,8 +59,7 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
         if seen.setdefault(qid, text) != text:
             raise InputError(f"query id {qid!r} is given twice with different texts")
     if not seen:
-        raise InputError("no queries: " + (f"the queries file {path} holds none" if path else
-                                           "give query texts or --queries FILE"))
+        raise InputError("no queries" + (f": the queries file {path} holds none" if path else ""))
     return list(seen.items())
 
 
