@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -403,7 +402,7 @@ def _check_search(args: argparse.Namespace) -> None:
     if args.tag is not None and args.format != "trec":
         raise InputError("--tag names a TREC run: it needs --format trec (or an --out "
                          "ending in .trec / .run)")
-    if args.tag is not None and (not args.tag or any(c.isspace() for c in args.tag)):
+    if args.tag is not None and any(c.isspace() for c in args.tag):  # '': _check_values
         raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
 
 
@@ -485,14 +484,11 @@ def _encode(args: argparse.Namespace, lists: list[list[str]], model: EncoderLike
               cache_dir=cache, show_progress=not args.quiet)
     if args.runner is None:
         return [encode(texts, **kw) for texts in lists]
-    from .pipeline import Rows, encode as encode_stage
+    from .pipeline import Rows, encode as encode_stage, encode_fingerprint
 
     texts = [t for texts in lists for t in texts]
-    h = hashlib.sha256(repr(args.model).encode())
-    for t in texts:
-        h.update(hashlib.sha256(t.encode("utf-8")).digest())
-    out = Rows(encode_stage(texts, args.work / f"encode-{h.hexdigest()[:16]}",
-                            runner=args.runner, **kw))
+    key = encode_fingerprint(texts, repr(args.model), True)[:16]
+    out = Rows(encode_stage(texts, args.work / f"encode-{key}", runner=args.runner, **kw))
     bounds = np.cumsum([0, *map(len, lists)])
     return [out.read(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
 

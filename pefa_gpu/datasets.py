@@ -108,9 +108,9 @@ def _csv_rows(reader: Any, path: Path):
         raise InputError(f"{path}:{reader.line_num}: {exc} (an unclosed quote?)") from None
 
 
-def text_lines(path: Path):
-    """(line number, text) of each line of a UTF-8 file, a leading BOM dropped; not UTF-8:
-    InputError naming the line and byte."""
+def text_lines(path: Path, data: bool = False):
+    """(line number, text) per line of a UTF-8 file, a leading BOM dropped; ``data``: non-blank
+    lines only, without their line break. Not UTF-8: InputError naming the line and byte."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -119,7 +119,9 @@ def text_lines(path: Path):
                 raise InputError(f"{path}:{lineno}: not valid UTF-8 (byte 0x{raw[exc.start]:02x} "
                                  f"at column {exc.start + 1}); save the file as UTF-8"
                                  ) from None
-            yield lineno, line.removeprefix("\ufeff") if lineno == 1 else line
+            line = line.removeprefix("\ufeff") if lineno == 1 else line
+            if not data or line.strip():
+                yield lineno, line.rstrip("\r\n") if data else line
 
 
 def record_id(value: object, where: str, kind: str) -> str:
@@ -144,9 +146,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
         raise InputError(f"{path} not found (a BEIR folder has corpus.jsonl, queries.jsonl and "
                          f"qrels/)")
     records: dict[str, tuple[str, str]] = {}  # id -> (text, title)
-    for lineno, line in text_lines(path):
-        if not line.strip():
-            continue
+    for lineno, line in text_lines(path, data=True):
         try:
             rec = json.loads(line)
         except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
@@ -254,10 +254,7 @@ def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> flo
 
 def _tsv_records(path: Path):
     """(where, query, doc, weight-or-None) per data line of a TSV pairs file."""
-    for lineno, line in text_lines(path):
-        line = line.rstrip("\r\n")
-        if not line.strip():
-            continue
+    for lineno, line in text_lines(path, data=True):
         row = line.split("\t")
         if lineno == 1 and row[0].strip().lower() in _QUERY_COLS and len(row) >= 2 \
                 and row[1].strip().lower() in _DOC_COLS:

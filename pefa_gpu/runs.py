@@ -28,10 +28,7 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
     if not p.is_file():
         raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out = []
-    for lineno, line in text_lines(p):
-        line = line.rstrip("\r\n")
-        if not line.strip():
-            continue
+    for lineno, line in text_lines(p, data=True):
         if p.suffix == ".jsonl":
             try:
                 rec = json.loads(line)

@@ -199,9 +199,10 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
 
     run = runner or LocalRunner()
     work = Path(work)
-    docs, train = _as_rows(P, work, "docs"), _as_rows(Q, work, "queries")
-    doc_rows = max(-(-Rows(docs).n // run.workers), 1) if doc_rows is None else doc_rows
-    query_rows = max(-(-Rows(train).n // run.workers), 1) if query_rows is None else query_rows
+    prows, qrows = _as_rows(P, work, "docs"), _as_rows(Q, work, "queries")
+    docs, train = prows.folder, qrows.folder
+    doc_rows = max(-(-prows.n // run.workers), 1) if doc_rows is None else doc_rows
+    query_rows = max(-(-qrows.n // run.workers), 1) if query_rows is None else query_rows
     rel = write_relevance(Y, work / "pairs", rows=query_rows)
     common = dict(backend=backend, index_params=index_params, device=device,
                   doc_rows=doc_rows, runner=run)
@@ -228,9 +229,6 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
     return results
 
 
-def _as_rows(x: Any, work: Path, name: str) -> Path:
-    """A row stage folder as is; an array written as one, ``work/<name>``."""
-    if isinstance(x, (str, Path)):
-        read_stage(x)
-        return Path(x)
-    return write_rows(x, work / name, stage=name)
+def _as_rows(x: Any, work: Path, name: str) -> Rows:
+    """A row stage folder, or an array written as one (``work/<name>``), opened."""
+    return Rows(x if isinstance(x, (str, Path)) else write_rows(x, work / name, stage=name))
