@@ -487,7 +487,7 @@ def _encode(args: argparse.Namespace, lists: list[list[str]], model: EncoderLike
     from .pipeline import Rows, encode as encode_stage, encode_fingerprint
 
     texts = [t for texts in lists for t in texts]
-    key = encode_fingerprint(texts, repr(args.model), True)[:16]
+    key = encode_fingerprint(texts, repr(args.model), normalize=True)[:16]  # encode's default
     out = Rows(encode_stage(texts, args.work / f"encode-{key}", runner=args.runner, **kw))
     bounds = np.cumsum([0, *map(len, lists)])
     return [out.read(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
