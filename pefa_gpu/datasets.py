@@ -163,6 +163,9 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
                                  f"{type(rec[field]).__name__}")
         if rid in records:
             raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
+        if rec.get("text") is None and (kind == "query" or not rec.get("title")):
+            raise InputError(f"{path}:{lineno}: {kind} {rid!r} has no 'text'"
+                             + (" and no 'title'" if kind == "document" else ""))
         text, title = rec.get("text") or "", rec.get("title") or ""
         records[rid] = (f"{title} {text}" if title and kind == "document" else text, title)
     if not records:

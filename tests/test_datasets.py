@@ -36,6 +36,10 @@ def test_beir_round_trip(beir):
     ("corpus.jsonl", '{"_id": "d0_0", "text": "dup"}', "duplicate document id"),
     ("corpus.jsonl", '{"_id": "z", "text": ["not", "a", "string"]}', "must be a string"),
     ("queries.jsonl", '{"_id": "", "text": "empty id"}', "empty query id"),
+    # were read as "" (a query scoring 0 against every document)
+    ("queries.jsonl", '{"_id": "q9", "title": "t"}', "query 'q9' has no 'text'$"),
+    ("queries.jsonl", '{"_id": "q9", "text": null}', "query 'q9' has no 'text'$"),
+    ("corpus.jsonl", '{"_id": "d9", "title": ""}', "document 'd9' has no 'text' and no 'title'"),
 ])
 def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
     path = beir / name
@@ -197,12 +201,19 @@ def test_pairs_parquet_columns_by_name_else_position(tmp_path, columns, expected
         load_pairs(p, DOCS)
 
 
-def test_beir_null_text_and_title(tmp_path):
-    root = write_beir(tmp_path / "d")
+def test_beir_title_only_and_empty_documents_load(tmp_path):
+    root = write_beir(tmp_path / "d")  # BEIR has title-only documents; "" texts load as ""
     with open(root / "corpus.jsonl", "a") as f:
-        f.write(json.dumps({"_id": "nulls", "title": None, "text": None}) + "\n")
+        f.write(json.dumps({"_id": "nulls", "title": "T", "text": None}) + "\n")
+        f.write(json.dumps({"_id": "untexted", "title": "T"}) + "\n")
+        f.write(json.dumps({"_id": "empty", "title": "", "text": ""}) + "\n")
     ds = load_beir(root)
-    assert ds.corpus_texts[ds.doc_index["nulls"]] == ""
+    assert [ds.corpus_texts[ds.doc_index[d]] for d in ("nulls", "untexted", "empty")] == [
+        "T ", "T ", ""]
+    with open(root / "corpus.jsonl", "a") as f:
+        f.write(json.dumps({"_id": "nulls2", "title": None, "text": None}) + "\n")
+    with pytest.raises(InputError, match="'nulls2' has no 'text' and no 'title'"):
+        load_beir(root)
 
 
 # -- clear errors and the qrels defaults ----------------------------------------------------
