@@ -91,6 +91,10 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     if not texts:
         return torch.empty(0, 0, dtype=torch.float32, device=dev)
     dims = {rows[k].shape[0] for k in distinct}
+    if len(dims) != 1 and cache is not None:  # rows cached by a former model of this key:
+        rows = cache.lookup(set(keys))  # model.json now holds the new d, the old are ignored
+        _encode_missing(enc, distinct, rows, batch_size, cache, show_progress)
+        dims = {rows[k].shape[0] for k in distinct}
     if len(dims) != 1:
         raise InputError(f"encoder {enc.name} gave embeddings of several dimensions {dims}")
     out = as_embeddings(np.stack([rows[k] for k in keys]), dev, f"the output of {enc.name}",
@@ -311,8 +315,9 @@ def _weights_identity(st_model: Any) -> str:
 
 
 class _Cache:
-    """``root/<sha256(identity)[:24]>/``: ``model.json`` and shards ``<name>.keys.npy``
-    ((S, 32) uint8 text digests) + ``<name>.vecs.npy`` ((S, d) float32 raw embeddings)."""
+    """``root/<sha256(identity)[:24]>/``: ``model.json`` (identity, d) and shards
+    ``<name>.keys.npy`` ((S, 32) uint8 text digests) + ``<name>.vecs.npy`` ((S, d) float32 raw
+    embeddings). A shard of another d than model.json's (else the first shard's) is ignored."""
 
     def __init__(self, root: Path, identity: str):
         self.dir = root / hashlib.sha256(identity.encode()).hexdigest()[:24]
@@ -320,6 +325,7 @@ class _Cache:
 
     def lookup(self, wanted: set[bytes]) -> dict[bytes, np.ndarray]:
         found: dict[bytes, np.ndarray] = {}
+        dim = self._dim()
         for kpath in sorted(self.dir.glob("*.keys.npy")):
             try:
                 keys = np.load(kpath)
@@ -328,19 +334,31 @@ class _Cache:
                         or vecs.shape[0] != keys.shape[0] or keys.dtype != np.uint8 \
                         or vecs.dtype != np.float32:  # as write() saves them
                     raise ValueError(f"{keys.dtype} {keys.shape} / {vecs.dtype} {vecs.shape}")
+                if dim is not None and vecs.shape[1] != dim:  # another model's, or forged
+                    raise ValueError(f"rows of dimension {vecs.shape[1]}, the cache's is {dim}")
             except (OSError, ValueError) as exc:
                 warnings.warn(f"encode cache: ignoring unreadable shard {kpath} ({exc})",
                               UserWarning, stacklevel=4)
                 continue
+            dim = vecs.shape[1]
             for row, k in enumerate(map(bytes, keys)):
                 if k in wanted and k not in found:
                     found[k] = np.asarray(vecs[row], dtype=np.float32)
         return found
 
+    def _dim(self) -> int | None:
+        """The d that model.json records; None: none (absent, unreadable, or an old cache)."""
+        try:
+            dim = json.loads((self.dir / "model.json").read_text("utf-8")).get("dim")
+        except (OSError, ValueError, AttributeError, RecursionError):
+            return None
+        return dim if type(dim) is int else None
+
     def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
         meta = self.dir / "model.json"
-        if not meta.exists():
-            write_output_file(meta, json.dumps({"identity": self.identity}), "encode cache")
+        if self._dim() != vecs.shape[1]:  # new, or the model's d changed: its shards count
+            write_output_file(meta, json.dumps({"identity": self.identity,
+                                                "dim": int(vecs.shape[1])}), "encode cache")
         karr = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
         name = hashlib.sha256(karr.tobytes()).hexdigest()[:20]
         # vectors first: a shard counts only once its keys file exists

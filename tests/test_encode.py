@@ -81,6 +81,28 @@ def test_a_shard_of_another_dtype_than_the_cache_writes_is_ignored(tmp_path, dty
     np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
 
 
+def test_a_shard_of_another_dimension_than_the_cache_is_ignored(tmp_path):
+    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
+    for p in tmp_path.rglob("*.vecs.npy"):  # forged: were returned as (5, 5) embeddings
+        np.save(p, np.ones((np.load(p).shape[0], 5), np.float32))
+    enc = BowEncoder()
+    with pytest.warns(UserWarning, match="unreadable shard.*dimension 5, the cache's is 48"):
+        out = encode(TEXTS, model=enc, cache_dir=tmp_path, device="cpu", show_progress=False)
+    assert enc.seen == 4
+    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
+def test_a_cache_key_reused_by_a_model_of_another_dimension_re_encodes(tmp_path):
+    kw = dict(cache_dir=tmp_path, device="cpu", show_progress=False)
+    encode(TEXTS[:2], model=BowEncoder(dim=16), **kw)
+    enc = BowEncoder()  # same cache_key, d 48: was "gave embeddings of several dimensions"
+    with pytest.warns(UserWarning, match="dimension 16, the cache's is 48"):
+        out = encode(TEXTS, model=enc, **kw)
+    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+    again = BowEncoder()  # the re-encoded texts' shard replaced the d 16 one
+    assert torch.equal(encode(TEXTS, model=again, **kw), out) and again.calls == 0
+
+
 def test_callable_without_identity_is_not_cached(tmp_path, caplog):
     calls = []
 
