@@ -19,7 +19,7 @@ import scipy.sparse as sp
 import torch
 
 from pefa_gpu import pipeline as pp
-from pefa_gpu.errors import InputError
+from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index.exact import ExactIndex
 
 
@@ -153,6 +153,21 @@ def test_a_foreign_folder_in_the_way_is_refused_and_kept(tmp_path):
         pp.aggregate(queries, rel, docs, out, lam=0.4, doc_rows=60)
     assert (out / "part-00003" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == ["part-00003"]  # ours removed
+
+
+def test_a_stage_shard_linked_outside_its_stage_is_refused(tmp_path):
+    stage = pp.write_rows(np.zeros((4, 3), np.float32), tmp_path / "rows", rows=2)
+    shard = stage / "shard-00001"
+    shard.rename(tmp_path / "moved")
+    os.symlink("../moved", shard)  # its own shard, outside the stage: was read
+    with pytest.raises(FormatError, match="shard-00001 leads outside its stage folder"):
+        pp.read_rows(stage, 2, 4)
+    os.unlink(shard)
+    pp.write_rows(np.ones((4, 3), np.float32), tmp_path / "other", rows=2)
+    os.symlink(tmp_path / "other" / "shard-00001", shard)  # said "rewritten after its stage"
+    with pytest.raises(FormatError, match="leads outside"):
+        pp.read_rows(stage)
+    assert pp.read_rows(stage, 0, 2).tolist() == [[0.0] * 3] * 2  # the other shard reads
 
 
 KILLED_BUILD = textwrap.dedent("""

@@ -187,7 +187,10 @@ def read_shard(path: str | Path, device: DeviceLike = "cpu", mmap: bool = True,
 
 def open_entry(folder: str | Path, entry: Entry, device: DeviceLike = "cpu") -> Shard:
     """The shard of a stage ``folder`` that ``entry`` names, checked against it."""
-    return read_shard(Path(folder) / entry.name, device=device, expect_sha=entry.manifest_sha256)
+    path = Path(folder) / entry.name
+    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder)):
+        raise FormatError(f"{path} leads outside its stage folder {folder} (a link?)")
+    return read_shard(path, device=device, expect_sha=entry.manifest_sha256)
 
 
 def _complete(path: Path) -> SaveDir | None:
