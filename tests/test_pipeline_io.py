@@ -170,6 +170,16 @@ def test_a_stage_shard_linked_outside_its_stage_is_refused(tmp_path):
     assert pp.read_rows(stage, 0, 2).tolist() == [[0.0] * 3] * 2  # the other shard reads
 
 
+def test_a_scratch_shard_linked_outside_is_refused_and_its_target_kept(tmp_path):
+    _, _, _, docs, queries, rel = make_stages(tmp_path, 3)
+    (tmp_path / "xs").mkdir()
+    os.symlink(docs / "shard-00000", tmp_path / "xs" / "part-00000")
+    before = pp.read_rows(docs)
+    with pytest.raises(InputError, match="part-00000 leads outside its stage folder"):
+        pp.aggregate(queries, rel, docs, tmp_path / "xs", lam=0.4, doc_rows=60)
+    assert np.array_equal(pp.read_rows(docs), before)  # was written through, then removed
+
+
 KILLED_BUILD = textwrap.dedent("""
     import os, signal, sys
     from pefa_gpu import PEFAXL, pipeline as pp

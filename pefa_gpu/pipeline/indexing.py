@@ -21,7 +21,8 @@ from ..storage import writing_save
 from .aggregation import Part, read_pairs, split_queries
 from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, SHARD_FORMAT, SHARD_MANIFEST, Entry, Rows, Stage,
-                     commit_shard, read_stage, shard_name, split, write_shard, write_stage)
+                     commit_shard, in_stage, read_stage, shard_name, split, write_shard,
+                     write_stage)
 
 METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
 
@@ -49,7 +50,7 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
     p = Rows(docs).read(lo, hi)  # a view of the map: the model's copy is the only one in memory
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
     path = Path(out) / shard_name("doc", index)
-    with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
+    with writing_save(in_stage(path), SHARD_MANIFEST, SHARD_FORMAT) as w:
         if rows.size:  # the range's queries (a popular range has many) gathered on disk, in
             # the shard's unfinished save (a killed task's is removed by the next write)
             q = Rows(queries).take(rows, np.lib.format.open_memmap(

@@ -132,7 +132,7 @@ def write_shard(path: str | Path, fields: dict[str, Any],
                 matrices: dict[str, sp.spmatrix] | None = None,
                 model: Model | None = None, export_hnsw: bool = False) -> Entry:
     """Write a shard atomically (manifest ``fields`` with ``rows`` [lo, hi]); its stage entry."""
-    with writing_save(path, SHARD_MANIFEST, SHARD_FORMAT) as w:
+    with writing_save(in_stage(Path(path)), SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
 
 
@@ -187,16 +187,22 @@ def read_shard(path: str | Path, device: DeviceLike = "cpu", mmap: bool = True,
 
 def open_entry(folder: str | Path, entry: Entry, device: DeviceLike = "cpu") -> Shard:
     """The shard of a stage ``folder`` that ``entry`` names, checked against it."""
-    path = Path(folder) / entry.name
-    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder)):
-        raise FormatError(f"{path} leads outside its stage folder {folder} (a link?)")
+    path = in_stage(Path(folder) / entry.name, FormatError)
     return read_shard(path, device=device, expect_sha=entry.manifest_sha256)
 
 
+def in_stage(path: Path, error: type[Exception] = InputError) -> Path:
+    """``path``, a stage's shard, if it resolves inside its stage folder; else ``error``."""
+    if not Path(os.path.realpath(path)).is_relative_to(os.path.realpath(path.parent)):
+        raise error(f"{path} leads outside its stage folder {path.parent} (a link?)")
+    return path
+
+
 def _complete(path: Path) -> SaveDir | None:
-    """The complete shard at ``path`` (sizes checked), else None."""
-    with contextlib.suppress(FormatError, FileNotFoundError):
-        return open_save(path, SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
+    """The complete shard at ``path`` (sizes checked), else None (also: a link out of the
+    stage, never read nor removed)."""
+    with contextlib.suppress(FormatError, FileNotFoundError, InputError):
+        return open_save(in_stage(path), SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
     return None
 
 
