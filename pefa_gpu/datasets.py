@@ -140,6 +140,19 @@ def record_id(value: object, where: str, kind: str) -> str:
     return value
 
 
+def _json_record(line: str, where: str) -> dict:
+    """One JSON object with an '_id' field, else InputError naming ``where`` (file:line)."""
+    try:
+        rec = json.loads(line)
+    except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
+        raise InputError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+    except RecursionError:
+        raise InputError(f"{where}: JSON nested too deeply") from None
+    if not isinstance(rec, dict) or "_id" not in rec:
+        raise InputError(f"{where}: a record needs an '_id' field")
+    return rec
+
+
 def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]:
     """ids, texts and titles of a .jsonl file."""
     if not path.exists():
@@ -147,15 +160,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
                          f"qrels/)")
     records: dict[str, tuple[str, str]] = {}  # id -> (text, title)
     for lineno, line in text_lines(path, data=True):
-        try:
-            rec = json.loads(line)
-        except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
-            raise InputError(f"{path}:{lineno}: not valid JSON "
-                             f"({getattr(exc, 'msg', exc)})") from None
-        except RecursionError:
-            raise InputError(f"{path}:{lineno}: JSON nested too deeply") from None
-        if not isinstance(rec, dict) or "_id" not in rec:
-            raise InputError(f"{path}:{lineno}: a record needs an '_id' field")
+        rec = _json_record(line, f"{path}:{lineno}")
         rid = record_id(rec["_id"], f"{path}:{lineno}", kind)
         for field in ("text", "title"):
             if rec.get(field) is not None and not isinstance(rec[field], str):
