@@ -12,7 +12,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from .aggregate import normalize_rows
-from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device
+from .arrays import ArrayLike, DeviceLike, as_embeddings, check_topk, resolve_device
 from .errors import InputError
 from .methods import REGISTRY, takes
 from .metrics import check_ks, evaluate
@@ -131,8 +131,8 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
         xl = PEFAXL(lam=lams[0], k=max(ks), knn_norm=knn_norm, rescore=rescore,
                     augment_docs=augment_docs, **common,
                     search_params=XLSearchParams(candidates=candidates)).fit(P, Q, Y)
-        qq = xl.as_queries(q)
-        return xl, qq, xl.index.search(qq, candidates)
+        qq = xl.as_queries(q)  # candidates beyond the documents clamped, as PEFAXL.search's
+        return xl, qq, xl.index.search(qq, min(candidates, max(xl.index.ntotal, topk)))
     with tqdm(total=len(grid(methods, lams, ks)), desc="sweep", unit="config",
               disable=not show_progress) as bar:
         for method in methods:
@@ -174,6 +174,7 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
                  block_cells: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Exact top-k of ``λ <q,P> + (1-λ) <q,Π(A)>`` for every λ from two score passes, in blocks
     of at most ``block_cells`` float32 cells (default: ``memory_budget`` / XS_CELL_BYTES)."""
+    topk = check_topk(topk, xs.n_docs)  # bounded before any (B, topk) table
     if block_cells is None:  # xs has the exact backend here
         block_cells = max(1, xs.index.memory_budget // XS_CELL_BYTES)
     p, a = xs.doc_embeddings.float(), normalize_rows(xs.doc_sums)

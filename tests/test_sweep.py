@@ -209,3 +209,21 @@ def test_sweep_refuses_metric_ks_and_grids_that_are_not_sequences_of_positive_in
                       ({"ks": 4}, "lams and ks must be sequences")]:
         with pytest.raises(InputError, match=re.escape(match)):
             pg.sweep(P, Q, Y, test, y_test, device="cpu", show_progress=False, **kw)
+
+
+def test_sweep_bounds_xs_topk_and_clamps_xl_candidates_as_the_models_do():
+    """XS' two-pass path took topk=10**9 unbounded (a (B, topk) table: 24 GB asked for); XL's
+    passage search refused candidates beyond max(n, 10,000) as 'k=...', which PEFAXL clamps."""
+    P, Q, Y, test = _data(0)
+    with pytest.raises(InputError, match="topk=1000000000"):
+        list(sweep_search(P, Q, Y, test, methods=("xs",), lams=(0.5,), topk=10**9,
+                          device="cpu", show_progress=False))
+    cands = 10**6
+    out = list(sweep_search(P, Q, Y, test, methods=("erm", "xl"), lams=(0.5,), ks=(4,),
+                            topk=10, candidates=cands, device="cpu", show_progress=False))
+    model = pg.PEFAXL(lam=0.5, k=4, search_params=pg.XLSearchParams(candidates=cands),
+                      device="cpu").fit(P, Q, Y)
+    s2, i2 = model.search(test, 10)
+    assert torch.equal(out[1][2], i2)
+    torch.testing.assert_close(out[1][1], s2, atol=1e-6, rtol=0)
+    assert torch.equal(out[0][2], pg.ERM(device="cpu").fit(P).search(test, 10)[1])
