@@ -31,11 +31,11 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
             not (np.all(np.isfinite(ids)) and np.all(ids == np.round(ids))):
         raise InputError(f"ids must be integer document ids, got dtype {ids.dtype} with "
                          f"non-integer values")
-    ids = ids.astype(np.int64)
-    if ids.size and ids.min() < -1:
-        raise InputError(f"ids contain {int(ids.min())}: only -1 marks padding")
+    if ids.size and ids.min() < -1:  # checked in their own dtype: 1e20 or 2**64 - 1 are
+        raise InputError(f"ids contain {int(ids.min())}: only -1 marks padding")  # not wrapped
     if ids.size and ids.max() >= n:
         raise InputError(f"ids contain document {int(ids.max())} but Y_test has {n} documents")
+    ids = ids.astype(np.int64)
     # first occurrence of each id in a row only
     order = np.argsort(ids, axis=1, kind="stable")
     first = np.empty_like(ids, dtype=bool)
@@ -44,7 +44,7 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     valid = (ids >= 0) & first
     rows = np.repeat(np.arange(b), ids.shape[1])
     cols = np.where(valid, ids, 0).ravel()
-    picked = rel[rows, cols] if ids.size else np.zeros(0)  # scipy: a sparse 1 x 0 for none
+    picked = rel[rows, cols] if ids.size and n else np.zeros(ids.size)  # scipy: 1 x 0 for none
     gains = np.asarray(picked).reshape(ids.shape) * valid
     positive = rel.maximum(0)  # explicit zeros and negative grades dropped
     n_rel = np.diff(positive.indptr)

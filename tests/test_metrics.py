@@ -120,3 +120,15 @@ def test_ids_of_a_non_number_dtype_and_ks_that_are_not_integers_are_input_errors
         with pytest.raises(pg.InputError, match="ks must be positive integers, got None"):
             fn(ids, y, ks=None)
     assert pg.recall_at_k(ids.astype(np.float32), y, ks=2) == {2: 1.0}
+
+
+def test_ids_beyond_int64_and_a_relevance_without_documents():
+    """ids of 1e20 (float) or 2**63 + 5 (uint64) were cast first and reported as
+    '-9223372036854775808: only -1 marks padding'; Y_test of 0 columns with padding-only ids was
+    scipy's IndexError."""
+    y = sp.csr_matrix(np.eye(2, 4, dtype=np.float32))
+    for big in (np.full((2, 1), 1e20), np.full((2, 1), 2**63 + 5, np.uint64)):
+        with pytest.raises(pg.InputError, match=r"ids contain document \d+ but Y_test has 4"):
+            pg.evaluate(big, y, ks=(1,))
+    res = pg.evaluate(np.full((3, 2), -1), sp.csr_matrix((3, 0)), ks=(1,), count_empty=True)
+    assert res["n_queries"] == 3 and res["n_empty"] == 3 and res["recall@1"] == 0.0
