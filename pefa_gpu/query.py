@@ -209,6 +209,9 @@ class VectorPRF(_Saved):
 
     def __call__(self, queries: ArrayLike, model: Model) -> torch.Tensor:
         """(B, d) queries, a fitted model -> (B, d) float32 on the model's device."""
+        if not all(hasattr(model, a) for a in ("as_queries", "search")):  # a QueryModel too
+            raise TypeError(f"VectorPRF: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
+                            f"got {type(model).__name__}")
         q = model.as_queries(queries)
         _, ids = model.search(q, self.params.k, check=False)
         valid = (ids >= 0).unsqueeze(2)
@@ -232,6 +235,13 @@ class QueryModel(_Saved):
 
     def __init__(self, model: Model, adapter: QueryAdapter | None = None,
                  prf: VectorPRF | None = None):
+        for name, part, cls in (("adapter", adapter, QueryAdapter), ("prf", prf, VectorPRF)):
+            if part is not None and not isinstance(part, cls):
+                raise TypeError(f"QueryModel: {name} must be a {cls.__name__} or None, got "
+                                f"{type(part).__name__}")
+        if not all(hasattr(model, a) for a in ("as_queries", "search", "dim")):
+            raise TypeError(f"QueryModel: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
+                            f"got {type(model).__name__}")
         if adapter is not None and adapter.W is None:
             raise InputError("QueryModel: the adapter is not fitted")
         if adapter is not None and adapter.W.shape[0] != model.dim:

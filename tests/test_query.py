@@ -445,3 +445,18 @@ def test_scifact_tune_over_every_family(scifact_dir):
     erm = pg.recall_at_k(pg.ERM(device="cpu").fit(P).search(Qa[te], 100)[1], Yt, ks=(10, 100))
     assert r[10] >= 0.91 and r[10] >= erm[10] - 0.005 and r[100] >= erm[100] - 0.005, \
         (res.reason, r, erm)
+
+
+def test_prf_and_query_model_name_arguments_that_are_not_models_or_parts():
+    """VectorPRF()(q, 'x') or (q, a QueryModel) and QueryModel('x') / adapter='x' / prf='x'
+    were AttributeErrors ('str' object has no attribute 'as_queries' / 'W') or, for prf, a
+    'str' object is not callable at search time; now TypeErrors naming the argument."""
+    P, Q, Y, T = problem(4)
+    erm = pg.ERM(device="cpu").fit(P)
+    qm = pg.QueryModel(erm, prf=pg.VectorPRF())
+    for model in ("x", qm):
+        with pytest.raises(TypeError, match="VectorPRF: model must be a pefa_gpu model"):
+            pg.VectorPRF()(T, model)
+    for args, what in ((("x",), "model"), ((erm, "x"), "adapter"), ((erm, None, "x"), "prf")):
+        with pytest.raises(TypeError, match=f"QueryModel: {what} must be a"):
+            pg.QueryModel(*args)
