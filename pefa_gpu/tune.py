@@ -92,6 +92,10 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     rel = as_relevance(Y, shape=(q_all.shape[0], None))
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
+    if not (y_val.csr.data > 0).any():  # every objective would be NaN: nothing to compare
+        raise InputError(f"tune: none of the {val_rows.size} held-out training queries has a "
+                         f"relevant document, so no configuration can be compared with ERM: "
+                         f"change seed / val_fraction")
     coverage, chosen = None, Config("erm", 1.0, None)
     if test_queries is not None:
         y_fit, coverage = match_coverage(P, q_all[val_rows], y_fit, y_val, rel, test_queries,

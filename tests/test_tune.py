@@ -168,3 +168,15 @@ def test_tune_refuses_a_negative_seed_and_a_min_z_that_is_not_a_number():
             tune(P, Q, Y, **{**SMALL, **kw})
     with pytest.raises(InputError, match="seed must be an int >= 0"):
         split_queries(10, 0.2, seed=-1)
+
+
+def test_tune_refuses_a_validation_split_without_a_relevant_document():
+    """Every held-out query without a pair gave NaN objectives (numpy's 'mean of empty slice'
+    warnings) and the reason 'no configuration beats ERM ... the training signal does not
+    help', which nothing had measured."""
+    rng = np.random.default_rng(0)
+    P, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (30, 20))
+    fit_rows, _ = split_queries(20, 0.2, seed=0)
+    Y = sp.csr_matrix((np.ones(fit_rows.size, np.float32), (fit_rows, fit_rows)), shape=(20, 30))
+    with pytest.raises(InputError, match="none of the 4 held-out training queries has a rel"):
+        tune(P, Q, Y, **SMALL)
