@@ -145,6 +145,16 @@ def check_number(value: Any, name: str, none_ok: bool = False) -> None:
         raise InputError(f"{name} must be {want}, got {value!r}")
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_scale(value: Any, name: str) -> None:
+    """A finite number >= 0 that float32 holds: it scales float32 rows (1e39 made them inf)."""
+    if not is_number(value) or not 0 <= value <= FLOAT32_MAX:
+        raise InputError(f"{name} must be a finite number >= 0, got {value!r} (at most "
+                         f"float32's {FLOAT32_MAX:.4g})")
+
+
 def check_choice(value: Any, name: str, choices: tuple) -> None:
     if value not in choices:
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
@@ -210,7 +220,7 @@ class NUDGEParams(Params):
 
     def validate(self) -> None:
         super().validate()
-        top = 4.0 if self.variant == "N" else float("inf")
+        top = 4.0 if self.variant == "N" else FLOAT32_MAX  # M: γ scales float32 rows
         if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(
                 self.gamma, (int, float)) or not 0.0 <= self.gamma <= top):
             raise InputError(f"gamma must be None or a number in [0, {top:g}] for NUDGE-"

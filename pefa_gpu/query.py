@@ -25,7 +25,7 @@ from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_dev
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
-from .params import Params, check_held_out, check_number, check_positive, checked, is_number
+from .params import Params, check_held_out, check_positive, check_scale, checked, is_number
 from .protocol import Model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
@@ -58,7 +58,7 @@ class PRFParams(Params):
     """k: feedback documents per query; beta: their mean's weight (a finite number >= 0)."""
 
     k: int = checked(3, check_positive)
-    beta: float = checked(0.5, check_number)
+    beta: float = checked(0.5, check_scale)
 
 
 def _normal_equations(q: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -229,3 +229,16 @@ def test_a_val_k_beyond_the_documents_chooses_as_every_document():
     P, Q, Y, Qv, Yv, _ = problem(7)
     fits = [pg.NUDGE(val_k=v, device="cpu").fit(P, Q, Y, Qv, Yv) for v in (len(P), 2**40)]
     assert fits[0].fitted_gamma == fits[1].fitted_gamma
+
+
+def test_a_step_beyond_float32_is_refused_not_nan_results():
+    """NUDGE-M's gamma and VectorPRF's beta scale float32 rows: gamma=1e39 (or inf) was taken
+    and every search score came back NaN; a QueryModel with beta=1e300 searched inf queries
+    unchecked (NaN scores). Now InputErrors naming them; float32's max itself is taken."""
+    for gamma in (1e39, float("inf"), 10**400):
+        with pytest.raises(pg.InputError, match="gamma must be None or a number in"):
+            pg.NUDGE(variant="M", gamma=gamma)
+    with pytest.raises(pg.InputError, match="beta must be a finite number >= 0, got 1e\\+300"):
+        pg.VectorPRF(beta=1e300)
+    big = float(np.finfo(np.float32).max)
+    assert pg.NUDGE(variant="M", gamma=big).params.gamma == pg.VectorPRF(beta=big).params.beta
