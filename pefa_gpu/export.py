@@ -129,13 +129,21 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
     return index
 
 
+_HNSW_SETTINGS = ("M", "device", "method", "ef_search", "ef_construction", "entrypoints")
+
+
 def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = None,
                 **kwargs: Any) -> Path:
     """Write :func:`build_hnsw`'s index (or ``index``'s own graph: an ``hnsw`` backend index
     over ``vectors`` with the same M, method auto / hnsw) to the file ``path`` atomically."""
     faiss = import_faiss()
     check_output_file(path, "export path")
-    # checked here too: a kept graph skips build_hnsw
+    # checked here too: a kept graph skips build_hnsw (which ignored a misspelt keyword)
+    unknown = sorted(set(kwargs) - set(_HNSW_SETTINGS))
+    if unknown:
+        raise TypeError(f"export_hnsw() got unexpected keyword arguments {unknown}")
+    for name in ("ef_construction", "entrypoints"):
+        check_at_most(kwargs.get(name, 1), name, MAX_HNSW_EF)
     ef_search = check_at_most(kwargs.get("ef_search", 300), "ef_search", MAX_HNSW_EF)
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
         else None

@@ -221,3 +221,19 @@ def test_a_killed_export_of_another_name_is_kept_when_the_name_holds_glob_charac
     (other / ".pefa-export-tmp").write_text("")
     out = _xl().export_hnsw(tmp_path / "x[ab]", M=8)
     assert out.name == "x[ab]" and other.is_dir()
+
+
+def test_a_kept_graph_checks_the_settings_it_does_not_use(tmp_path):
+    """An hnsw model's own graph skipped build_hnsw, so a misspelt keyword (ef_constrution=)
+    or ef_construction=-1 / entrypoints=0 was ignored silently there, while the other
+    backends' export raised; now the same TypeError / InputError on both."""
+    x, _ = clustered(4, n=50)
+    for backend in ("hnsw", "exact"):
+        model = pg.ERM(backend=backend, device="cpu", index_params={"M": 8} if backend ==
+                       "hnsw" else None).fit(x)
+        with pytest.raises(TypeError, match="unexpected keyword argument.*ef_constrution"):
+            model.export_hnsw(tmp_path / "x.faiss", M=8, ef_constrution=64)
+        for setting in ("ef_construction", "entrypoints"):
+            with pytest.raises(InputError, match=f"{setting} must be a positive integer"):
+                model.export_hnsw(tmp_path / "x.faiss", M=8, **{setting: -1})
+        assert not (tmp_path / "x.faiss").exists()
