@@ -107,6 +107,9 @@ def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
                **params: Any) -> Model | QueryModel:
     """The model ``config`` (a :class:`pefa_gpu.Config`) names, fitted (a QueryModel for the
     query side); settings go to the methods that take them, None takes the params default."""
+    if not all(hasattr(config, a) for a in ("method", "lam", "k")):
+        raise TypeError(f"fit_config: config must be a pefa_gpu.Config (method, lam, k), got "
+                        f"{type(config).__name__}")
     m = method(config.method)
     given = {"lam": config.lam, "k": config.k, **params}
     kw = {key: v for key, v in given.items()  # a setting no method takes: the model refuses it

@@ -19,7 +19,7 @@ from .metrics import check_ks, evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
 from .params import XLParams, XLSearchParams, check_grid, check_positive
-from .relevance import RelevanceLike
+from .relevance import RelevanceLike, as_relevance
 from .topk import merge_topk, topk_rows
 
 log = logging.getLogger("pefa_gpu")
@@ -90,7 +90,7 @@ def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABL
 def grid(methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER_LAMS,
          ks: Sequence[int] = PAPER_KS) -> list[Config]:
     """The configurations of a sweep, in the order it reports them."""
-    methods, lams, ks = _check_grid(methods, lams, ks)
+    methods, lams, ks = check_sweep_grid(methods, lams, ks)
     out: list[Config] = []
     for m in methods:
         axes = REGISTRY[m].axes
@@ -112,7 +112,7 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
     ``timings`` (when given) accumulates seconds per method."""
     from tqdm.auto import tqdm
 
-    methods, lams, ks = _check_grid(methods, lams, ks)
+    methods, lams, ks = check_sweep_grid(methods, lams, ks)
     topk = check_positive(topk, "topk")
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
@@ -240,6 +240,8 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
     """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
     allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
     metric_ks = check_ks(metric_ks)  # InputError for None, () or a k <= 0
+    # a Y_test of other columns than documents was scored as if it fitted (before any fit)
+    Y_test = as_relevance(Y_test, (_rows(queries), _rows(P)), "Y_test", allow_empty=True)
     timings: dict[str, float] = {}
     rows = [{**dataclasses.asdict(cfg), **evaluate(ids, Y_test, metric_ks)}
             for cfg, _, ids in sweep_search(P, Q, Y, queries, methods, lams, ks,
@@ -248,10 +250,26 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
     return SweepResult(rows, timings)
 
 
-def _check_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
-                ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
+def _rows(x: Any) -> int | None:
+    """Rows of a 2-D array-like that has a shape (numpy, torch, cupy), else None."""
+    shape = getattr(x, "shape", None)
+    return int(shape[0]) if shape is not None and len(shape) == 2 else None
+
+
+def check_sweep_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
+                     ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
+    """Methods (names, or one comma-separated string), λs and ks of a grid as tuples, each
+    once; else InputError."""
     if isinstance(methods, str):
         methods = [m for m in methods.split(",") if m.strip()]
+    given = methods
+    try:  # None or a number was tuple()'s bare TypeError
+        methods = tuple(methods)
+    except TypeError:
+        methods = (None,)
+    if not all(isinstance(m, str) for m in methods):
+        raise InputError(f"methods must be a non-empty subset of {list(METHODS)} (a sequence of "
+                         f"names or one comma-separated string), got {given!r:.100}")
     methods = tuple(dict.fromkeys(m.strip().lower() for m in methods))
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:

@@ -28,7 +28,8 @@ from .models import ERM
 from .params import is_number
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
-from .sweep import METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, sweep_search
+from .sweep import (METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, check_sweep_grid,
+                    sweep_search)
 from .metrics import _gains, evaluate
 
 log = logging.getLogger("pefa_gpu")
@@ -106,7 +107,7 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
             return TuneResult(chosen, metric, SweepResult([], {}), float("nan"), chosen,
                               float("nan"), float("nan"), reason, int(fit_rows.size),
                               int(val_rows.size), seed, coverage)
-    methods = ["erm", *(methods.split(",") if isinstance(methods, str) else methods)]
+    methods = ["erm", *check_sweep_grid(methods, lams, ks)[0]]
     topk = max(*rec_ks, 100)
     rows, gains = [], {}
     for cfg, _, ids in sweep_search(P, q_all[fit_rows], y_fit, q_all[val_rows], methods, lams,

@@ -227,3 +227,26 @@ def test_sweep_bounds_xs_topk_and_clamps_xl_candidates_as_the_models_do():
     assert torch.equal(out[1][2], i2)
     torch.testing.assert_close(out[1][1], s2, atol=1e-6, rtol=0)
     assert torch.equal(out[0][2], pg.ERM(device="cpu").fit(P).search(test, 10)[1])
+
+
+def test_sweep_and_tune_name_methods_that_are_not_names_and_check_y_test_first():
+    """methods=None / 5 were bare TypeErrors ('NoneType' object is not iterable; tune: 'Value
+    after * must be an iterable'); a Y_test of more columns than documents was scored as if
+    it fitted (its extra documents counted as missed), of other rows refused after the first
+    fit only. fit_config('xl') was an AttributeError ('str' has no attribute 'method')."""
+    P, Q, Y, test = _data(0)
+    kw = dict(device="cpu", show_progress=False)
+    for bad in (None, 5, [1, 2]):
+        with pytest.raises(InputError, match=r"methods must be a non-empty subset.*got"):
+            pg.sweep(P, Q, Y, test, sp.csr_matrix((12, 60)), methods=bad, **kw)
+        with pytest.raises(InputError, match=r"methods must be a non-empty subset.*got"):
+            pg.tune(P, Q, Y, methods=bad, **kw)
+    y_test = sp.csr_matrix((np.ones(12), (np.arange(12), np.arange(12) + 50)), shape=(12, 63))
+    with pytest.raises(InputError, match="Y_test has 63 columns .* but there are 60 document"):
+        pg.sweep(P, Q, Y, test, y_test, methods=("erm",), metric_ks=(5,), **kw)
+    with pytest.raises(InputError, match="Y_test has 11 rows .* but there are 12 query"):
+        pg.sweep(P, Q, Y, test, y_test[:11, :60], methods=("erm",), metric_ks=(5,), **kw)
+    with pytest.raises(TypeError, match="config must be a pefa_gpu.Config"):
+        pg.fit_config("xl", P, Q, Y, device="cpu")
+    assert pg.sweep(P, Q, Y, test, y_test[:, :60], methods=iter(["erm"]), metric_ks=(5,),
+                    **kw).rows[0]["method"] == "erm"
