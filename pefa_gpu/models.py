@@ -399,6 +399,8 @@ class NUDGE(_AdaptedDocuments):
 
     def nudge_embeddings(self, gamma: float | None = None) -> torch.Tensor:
         """The adapted documents E (n, d) float32; ``gamma`` defaults to ``fitted_gamma``."""
+        if gamma is not None:  # checked as the params check it (NUDGE-N: 5 was a math error)
+            self.params.replace(gamma=gamma)
         return self._adapt(self.doc_embeddings, self.doc_sums, gamma)
 
     def _adapt(self, p: torch.Tensor, sums: torch.Tensor, gamma: float | None = None

@@ -200,8 +200,8 @@ def test_save_load_updates_and_score(tmp_path, variant):
 
 def test_sweep_and_tune_take_nudge():
     P, Q, Y, _, _, T = problem(9)
-    Yt = sp.csr_matrix((np.ones(15, np.float32), (np.arange(15), np.arange(15) % 60)),
-                       shape=(15, 60))
+    Yt = sp.csr_matrix((np.ones(15, np.float32), (np.arange(15), np.arange(15))),
+                       shape=(15, len(P)))  # (15, 60) over 40 documents: sweep refuses it
     res = pg.sweep(P, Q, Y, T, Yt, methods="erm,nudge-m,nudge-n", show_progress=False)
     assert [r["method"] for r in res.rows] == ["erm", "nudge-m", "nudge-n"]
     for row in res.rows[1:]:
@@ -242,3 +242,18 @@ def test_a_step_beyond_float32_is_refused_not_nan_results():
         pg.VectorPRF(beta=1e300)
     big = float(np.finfo(np.float32).max)
     assert pg.NUDGE(variant="M", gamma=big).params.gamma == pg.VectorPRF(beta=big).params.beta
+
+
+def test_nudge_embeddings_checks_gamma_as_the_params_do():
+    """nudge_embeddings(gamma) took any value: NUDGE-N's 5 or -1 was a bare 'math domain
+    error', NaN gave NaN rows, NUDGE-M's -1 moved documents backwards, 'x' a TypeError that
+    named nothing; now the params' InputError (a valid gamma as before)."""
+    rng = np.random.default_rng(0)
+    P, Q = (rng.standard_normal((n, 6)).astype(np.float32) for n in (20, 15))
+    Y = sp.csr_matrix((np.ones(15, np.float32), (np.arange(15), np.arange(15))), shape=(15, 20))
+    for variant, bad in (("N", (5, -1, float("nan"), "x")), ("M", (-1, float("inf"), "x"))):
+        model = pg.NUDGE(variant=variant, gamma=0.5, device="cpu").fit(P, Q, Y)
+        for gamma in bad:
+            with pytest.raises(pg.InputError, match=f"gamma must be None or a number in"):
+                model.nudge_embeddings(gamma)
+        assert torch.equal(model.nudge_embeddings(0.5), model.nudge_embeddings())
