@@ -109,6 +109,8 @@ def check_grid(lams: Any, ks: Any, empty_ok: tuple[bool, bool] = (False, False)
         lams, ks = tuple(lams), tuple(ks)
     except TypeError:  # a lone number
         raise InputError(f"lams and ks must be sequences, got {lams!r} and {ks!r}") from None
+    # numpy scalars as Python numbers, as Params take them (np.float32(0.5) was refused)
+    lams, ks = (tuple(x.item() if isinstance(x, np.generic) else x for x in a) for a in (lams, ks))
     for axis, values, check, ok, want in (
             ("lam", lams, check_unit_interval, empty_ok[0], "one λ in [0, 1]"),
             ("k", ks, check_positive, empty_ok[1], "one k > 0")):

@@ -250,3 +250,16 @@ def test_sweep_and_tune_name_methods_that_are_not_names_and_check_y_test_first()
         pg.fit_config("xl", P, Q, Y, device="cpu")
     assert pg.sweep(P, Q, Y, test, y_test[:, :60], methods=iter(["erm"]), metric_ks=(5,),
                     **kw).rows[0]["method"] == "erm"
+
+
+def test_numpy_scalar_lams_are_taken_as_the_params_take_them():
+    """PEFAXS(lam=np.float32(0.5)) and XLParams take numpy scalars; a grid of them was refused
+    with 'lam must be a number in [0, 1], got np.float32(0.5)' (sweep, tune, fuse_grid)."""
+    P, Q, Y, test = _data(1)
+    lam = np.float32(0.5)
+    assert grid("xs,xl", (lam,), (np.int32(4),)) == [Config("xs", 0.5), Config("xl", 0.5, 4)]
+    xl = pg.PEFAXL(k=4, device="cpu").fit(P, Q, Y)
+    q = xl.as_queries(test)
+    erm, knn = xl.index.search(q, 20), xl.neighbours(q, 4)
+    fused = xl.fuse_grid(q, erm, knn, (lam,), (4,), 10)
+    assert torch.equal(fused[(0.5, 4)][1], xl.fuse(q, erm, knn, 10, lam=0.5)[1])
