@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
@@ -411,8 +410,13 @@ class NUDGE(_AdaptedDocuments):
 
     def _restore(self) -> None:
         g = self.fitted_gamma
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0 <= g < math.inf:
-            raise FormatError(f"NUDGE save: fitted_gamma must be a finite number >= 0, got {g!r}")
+        try:  # the variant's range (N: 5 was a math error once documents were added)
+            ok = g is not None and self.params.replace(gamma=g) is not None
+        except InputError:
+            ok = False
+        if not ok:
+            raise FormatError(f"NUDGE save: fitted_gamma must be a finite number in NUDGE-"
+                              f"{self.params.variant}'s range, got {self.fitted_gamma!r}")
 
 
 class PEFAXL(_Model):

@@ -491,3 +491,18 @@ def test_ids_beyond_the_index_from_any_backend_search_are_a_clear_error(data, mo
     monkeypatch.setattr(xl.index, "search", forged)
     with pytest.raises(FormatError, match=r"returned ids outside \[0, "):
         xl.search(queries, 5)
+
+
+@pytest.mark.parametrize("variant,gamma", [("N", 5.0), ("M", 1e39), ("N", None), ("M", -1.0)])
+def test_a_nudge_fitted_gamma_outside_its_variants_range_is_refused(tmp_path, variant, gamma):
+    """A forged fitted_gamma of 5 for NUDGE-N loaded and add_documents then raised a bare 'math
+    domain error'; 1e39 for NUDGE-M loaded and gave NaN scores for the added documents."""
+    P = np.eye(4, dtype=np.float32)
+    model = pg.NUDGE(variant=variant, device="cpu").fit(P, P, sp.csr_matrix(np.eye(4)))
+    model.save(tmp_path / "s")
+    m = manifest(tmp_path / "s")
+    m["state"]["fitted_gamma"]["value"] = gamma
+    m["manifest_sha256"] = storage.manifest_checksum(m)
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(FormatError, match="fitted_gamma must be a finite number in NUDGE-"):
+        pg.load(tmp_path / "s")
