@@ -465,9 +465,11 @@ def resolve_model_arg(spec: str | None) -> EncoderLike:
         return spec
     try:
         obj = pkgutil.resolve_name(spec)
-    except (ImportError, AttributeError, ValueError) as exc:
+    except Exception as exc:  # also what the module raises as it is imported (SyntaxError, ...)
         module, _, attr = spec.partition(":")
-        raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({exc})"
+        why = exc if isinstance(exc, (ImportError, AttributeError, ValueError)) else \
+            f"{type(exc).__name__}: {exc}"
+        raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({why})"
                          ) from None
     return obj() if isinstance(obj, type) else obj
 

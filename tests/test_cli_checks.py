@@ -105,6 +105,21 @@ def test_a_model_spec_that_cannot_be_imported_is_named(spec, why):
     assert str(info.value).startswith(f"--model {spec!r}: cannot import") and why in str(info.value)
 
 
+@pytest.mark.parametrize("source, why", [
+    ("x = (\n", "SyntaxError: '(' was never closed"),
+    ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here")])
+def test_a_model_module_that_fails_as_it_is_imported_is_named(source, why, tmp_path,
+                                                               monkeypatch):
+    from pefa_gpu.cli import resolve_model_arg
+
+    (tmp_path / "broken_enc_31.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(pg.InputError) as info:  # was the module's traceback
+        resolve_model_arg("broken_enc_31:encode")
+    assert str(info.value).startswith("--model 'broken_enc_31:encode': cannot import")
+    assert why in str(info.value)
+
+
 def test_a_callable_encoder_must_be_given_again(built, tmp_path, capsys):
     info = json.loads((built / "pefa_build.json").read_text())
     assert info["encoder"] == {"kind": "callable", "name": "textdata:BowEncoder"}
