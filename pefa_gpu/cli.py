@@ -133,7 +133,8 @@ DATA_OPTIONS = {
                           "qrels/TRAIN_SPLIT.tsv"),
     "--min-score": dict(type=_finite, default=1.0, metavar="S", help="qrels grade (or pairs "
                         "weight) from which a pair is relevant (default: 1); training pairs "
-                        "count as 1 (binary), nDCG takes the test split's grades as gains")}
+                        "count as 1 (binary), nDCG takes the test split's grades as gains (so "
+                        "> 0 where a test split is scored)")}
 TEST_OPTIONS = {  # the split the evaluation commands evaluate on
     "--split": dict(default="test", metavar="NAME",
                     help="qrels split to evaluate on (default: test)"),
@@ -300,7 +301,8 @@ def _check_values(args: argparse.Namespace) -> None:
 
 
 def _check_methods(args: argparse.Namespace) -> None:
-    """Settings the chosen methods take (and where they run); tune's split; build's target."""
+    """Settings the chosen methods take (and where they run); a relevant grade > 0 where a test
+    split is scored; tune's split; build's target."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -308,6 +310,10 @@ def _check_methods(args: argparse.Namespace) -> None:
         if args.command == "eval" and args.ray is not None and one_process:
             raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
                              f"pipeline's stages; drop --ray or these methods")
+    if args.command in ("eval", "sweep", "tune") and args.min_score <= 0:
+        raise InputError(f"--min-score must be > 0 here, got {args.min_score:g}: the test "
+                         f"split's grades are nDCG's gains, and a pair graded 0 or below counts "
+                         f"as not relevant")
     if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")

@@ -448,6 +448,9 @@ def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
     (["eval", "--device", "meta"], "only cpu and cuda devices"),
     (["eval", "--threads", str(2**31 - 1)], "--threads must be at most the"),
     (["tune", "--metric", "ndcg@10"], "metric must be recall@K terms"),
+    (["eval", "--min-score", "0"], "--min-score must be > 0 here, got 0"),  # were scored as
+    (["sweep", "--min-score", "-1"], "--min-score must be > 0 here, got -1"),  # not relevant
+    (["tune", "--min-score", "-0.5"], "a pair graded 0 or below counts as not relevant"),
 ])
 def test_outputs_device_and_threads_are_checked_before_data(argv, match, tmp_path, capsys):
     if "--plot" in argv:
