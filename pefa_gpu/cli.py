@@ -515,6 +515,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     train_texts: list[str] | None = None
     if args.train_pairs:
         pairs = load_pairs(args.train_pairs, ds.doc_index, min_score=args.min_score)
+        _check_pair_keys(args.train_pairs, pairs.query_keys, ds.query_index)
         if all(k in ds.query_index for k in pairs.query_keys):
             train_rows = np.asarray([ds.query_index[k] for k in pairs.query_keys])
         else:
@@ -545,6 +546,17 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test[0] if test else None,
                  y_test, corpus=ds)
+
+
+def _check_pair_keys(path: str, keys: list[str], query_ids: dict[str, int]) -> None:
+    """A pairs file gives its queries as ids of queries.jsonl or as texts, not some of each (the
+    ids would be encoded as texts)."""
+    ids = [k for k in keys if k in query_ids]
+    if ids and len(ids) < len(keys):
+        other = next(k for k in keys if k not in query_ids)
+        raise InputError(f"{path}: {len(ids)} of its {len(keys)} queries are ids of "
+                         f"queries.jsonl (e.g. {ids[0]!r}) and the others are not (e.g. "
+                         f"{other!r}); give every query as an id, or every one as a text")
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
