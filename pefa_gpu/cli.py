@@ -818,7 +818,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``pefa-gpu``'s exit status: 0 ok, 2 bad input or data, 1 a failed write or read (e.g. a
     full disk), 130 Ctrl-C."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "texts", None) is not None \
+            and not any(e.startswith("-") for e in extra):
+        args.texts += extra  # search's QUERY texts after an option: argparse leaves them over
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
         parser.print_help()
         return 2

@@ -120,6 +120,20 @@ def test_a_model_module_that_fails_as_it_is_imported_is_named(source, why, tmp_p
     assert why in str(info.value)
 
 
+def test_query_texts_after_options_are_queries(built, tmp_path, capsys):
+    common = ["--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c", "--device", "cpu",
+              "-q", "--no-text"]
+    want = ok(capsys, "search", built, "first query", "second query", "--topk", "3", *common)
+    # were 'pefa-gpu: error: unrecognized arguments: first query'
+    assert ok(capsys, "search", built, "--topk", "3", "first query", *common,
+              "second query") == want
+    assert ok(capsys, "search", built, "first query", "--topk", "3", "second query",
+              *common) == want
+    with pytest.raises(SystemExit):
+        main(["search", str(built), "--topk", "3", "a query", "--no-such-flag"])
+    assert "unrecognized arguments: a query --no-such-flag" in capsys.readouterr().err
+
+
 def test_a_callable_encoder_must_be_given_again(built, tmp_path, capsys):
     info = json.loads((built / "pefa_build.json").read_text())
     assert info["encoder"] == {"kind": "callable", "name": "textdata:BowEncoder"}
