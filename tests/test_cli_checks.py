@@ -443,6 +443,17 @@ def test_outputs_never_replace_the_inputs(data, built, tmp_path, capsys):
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", data / "results.json", "-q")
 
 
+def test_outputs_never_replace_embeddings_named_outside_the_data_folder(data, tmp_path, capsys):
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(data / "embeddings" / "bow", outside)
+    before = {p: p.read_bytes() for p in outside.iterdir()}
+    for name in (outside, os.path.relpath(outside, data / "embeddings")):
+        code, _, err = run(capsys, "eval", data, "--embeddings", name, "--json",
+                           outside / "corpus.npy", "-q")  # was replaced by the JSON
+        assert code == 2 and "one of the command's inputs" in err, err
+    assert {p: p.read_bytes() for p in outside.iterdir()} == before
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["eval", "", "--embeddings", "bow"], "DATA_DIR"), (["search", "", "q"], "MODEL_DIR"),
     (["eval", "D", "--embeddings", ""], "--embeddings"), (["eval", "D", "--json", ""], "--json"),
