@@ -349,8 +349,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
     """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
-    qrels/ and embeddings/ (and --embeddings' folder), --train-pairs, --queries, --xmc, --emb,
-    the build searched."""
+    qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
+    --queries, --xmc, --emb, the build searched."""
     files = [getattr(args, name, None) for name in ("train_pairs", "queries")]
     folders = [getattr(args, name, None) for name in ("xmc", "emb", "model_dir")]
     if getattr(args, "data_dir", None):
@@ -358,6 +358,8 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
         folders += [Path(args.data_dir, "qrels"), Path(args.data_dir, "embeddings")]
         if getattr(args, "embeddings", None):  # a NAME may lead out of embeddings/ (../x, /x)
             folders.append(Path(args.data_dir, "embeddings", args.embeddings))
+        files += [Path(args.data_dir, "qrels", f"{getattr(args, name)}.tsv")  # so may a split
+                  for name in ("train_split", "split") if getattr(args, name, None)]
     out = Path(path).resolve()
     if any(f and out == Path(f).resolve() for f in files) or any(
             f and out.is_relative_to(Path(f).resolve()) for f in folders):

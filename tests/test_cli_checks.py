@@ -443,7 +443,7 @@ def test_outputs_never_replace_the_inputs(data, built, tmp_path, capsys):
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", data / "results.json", "-q")
 
 
-def test_outputs_never_replace_embeddings_named_outside_the_data_folder(data, tmp_path, capsys):
+def test_outputs_never_replace_embeddings_or_splits_named_outside_the_data_folder(data, tmp_path, capsys):
     outside = tmp_path / "elsewhere"
     shutil.copytree(data / "embeddings" / "bow", outside)
     before = {p: p.read_bytes() for p in outside.iterdir()}
@@ -452,6 +452,14 @@ def test_outputs_never_replace_embeddings_named_outside_the_data_folder(data, tm
                            outside / "corpus.npy", "-q")  # was replaced by the JSON
         assert code == 2 and "one of the command's inputs" in err, err
     assert {p: p.read_bytes() for p in outside.iterdir()} == before
+    split = tmp_path / "split.tsv"
+    split.write_bytes((data / "qrels" / "test.tsv").read_bytes())
+    for flag in ("--split", "--train-split"):
+        code, _, err = run(capsys, "eval", data, "--embeddings", "bow", flag,
+                           os.path.relpath(tmp_path / "split", data / "qrels"), "--json", split,
+                           "-q")  # was replaced by the JSON
+        assert code == 2 and "one of the command's inputs" in err, err
+    assert split.read_bytes() == (data / "qrels" / "test.tsv").read_bytes()
 
 
 @pytest.mark.parametrize("argv,flag", [
