@@ -338,6 +338,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
         parse_metric(args.metric)
     if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
+        if args.plot == args.json:
+            raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
+                             f"the same file; give --json a .json name, or --plot")
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")
@@ -379,9 +382,10 @@ def _check_plot(args: argparse.Namespace) -> None:
         return
     kinds = FigureCanvasBase.get_supported_filetypes()
     suffix = Path(args.plot).suffix.lower().lstrip(".")
-    if suffix and suffix not in kinds:
-        raise InputError(f"--plot {args.plot}: matplotlib cannot write .{suffix} files; use "
-                         f"one of {', '.join('.' + k for k in sorted(kinds))}")
+    if suffix not in kinds:  # none: the format was read from the temporary file's name
+        raise InputError(f"--plot {args.plot}: matplotlib cannot write "
+                         + (f".{suffix} files" if suffix else "a name without a suffix")
+                         + f"; use one of {', '.join('.' + k for k in sorted(kinds))}")
 
 
 def _check_data(args: argparse.Namespace) -> None:

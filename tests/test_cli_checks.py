@@ -478,6 +478,8 @@ def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
     (["sweep", "--json", "r.json", "--plot", "r.json"], "--plot r.json is (or is inside) --j"),
     (["sweep", "--json", "r.json", "--plot", "r.json/p.png"], "is (or is inside) --json's file"),
     (["sweep", "--plot", "r.tsv"], "matplotlib cannot write .tsv files"),
+    (["sweep", "--plot", "plot"], "matplotlib cannot write a name without a suffix"),  # was
+    (["sweep", "--json", "r.png"], "the same file; give --json a .json name"),  # after data
     (["eval", "--device", "meta"], "only cpu and cuda devices"),
     (["eval", "--threads", str(2**31 - 1)], "--threads must be at most the"),
     (["tune", "--metric", "ndcg@10"], "metric must be recall@K terms"),
