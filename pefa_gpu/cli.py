@@ -823,16 +823,23 @@ COMMANDS = {  # command -> (function, help, description)
                "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
+def _take_query_texts(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      extra: list[str]) -> None:
+    """search's QUERY texts that argparse leaves over when they follow an option (after '--',
+    any text); other leftovers: argparse's error."""
+    cut = extra.index("--") if "--" in extra else len(extra)
+    if getattr(args, "texts", None) is None or any(e.startswith("-") for e in extra[:cut]):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.texts += extra[:cut] + extra[cut + 1:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pefa-gpu``'s exit status: 0 ok, 2 bad input or data, 1 a failed write or read (e.g. a
     full disk), 130 Ctrl-C."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra and getattr(args, "texts", None) is not None \
-            and not any(e.startswith("-") for e in extra):
-        args.texts += extra  # search's QUERY texts after an option: argparse leaves them over
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        _take_query_texts(parser, args, extra)
     if not args.command:
         parser.print_help()
         return 2

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pefa_gpu as pg
-from pefa_gpu import storage
+from pefa_gpu import runs, storage
 from pefa_gpu.builds import load_build
 from pefa_gpu.cli import main
 from textdata import bow_unit, write_beir, write_embeddings
@@ -129,6 +129,9 @@ def test_query_texts_after_options_are_queries(built, tmp_path, capsys):
               "second query") == want
     assert ok(capsys, "search", built, "first query", "--topk", "3", "second query",
               *common) == want
+    dashed = ok(capsys, "search", built, "first query", "--topk", "3", *common, "--",
+                "-dash query")
+    assert runs.query_id("-dash query") in dashed and runs.query_id("first query") in dashed
     with pytest.raises(SystemExit):
         main(["search", str(built), "--topk", "3", "a query", "--no-such-flag"])
     assert "unrecognized arguments: a query --no-such-flag" in capsys.readouterr().err
