@@ -353,7 +353,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
     """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
     qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
-    --queries, --xmc, --emb, the build searched."""
+    --queries, --xmc, --emb, the build searched; nor replace any build's files."""
     files = [getattr(args, name, None) for name in ("train_pairs", "queries")]
     folders = [getattr(args, name, None) for name in ("xmc", "emb", "model_dir")]
     if getattr(args, "data_dir", None):
@@ -368,6 +368,13 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
             f and out.is_relative_to(Path(f).resolve()) for f in folders):
         raise InputError(f"{flag} {path} is (or is inside) one of the command's inputs; "
                          f"write the output elsewhere")
+    from .builds import BUILD_MANIFEST
+    from .storage import DATA_MARKER
+
+    if out.name == BUILD_MANIFEST and out.is_file() or any(
+            (p / DATA_MARKER).is_file() for p in out.parents):
+        raise InputError(f"{flag} {path} is (or is inside) a saved build or model's files; write "
+                         f"the output elsewhere")
 
 
 def _check_plot(args: argparse.Namespace) -> None:

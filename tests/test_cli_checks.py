@@ -465,6 +465,26 @@ def test_outputs_never_replace_embeddings_or_splits_named_outside_the_data_folde
     assert split.read_bytes() == (data / "qrels" / "test.tsv").read_bytes()
 
 
+def test_outputs_never_replace_a_builds_files(data, built, tmp_path, capsys):
+    manifest = built / "pefa_build.json"
+    data_folder = next(built.glob("pefa-data-*"))
+    before = {p: p.read_bytes() for p in built.rglob("*") if p.is_file()}
+    for out in (manifest, data_folder / "doc_ids.json", data_folder / "new.json"):
+        code, _, err = run(capsys, "eval", data, "--embeddings", "bow", "--json", out, "-q")
+        assert code == 2 and "a saved build or model's files" in err, err  # eval wrote there
+    other = tmp_path / "other"
+    shutil.copytree(built, other)
+    code, _, err = run(capsys, "search", other, "a query", "--out", manifest, "-q")
+    assert code == 2 and "a saved build or model's files" in err, err
+    assert {p: p.read_bytes() for p in built.rglob("*") if p.is_file()} == before
+    ok(capsys, "eval", data, "--embeddings", "bow", "--json", built / "r.json", "-q")  # beside it
+
+
+def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys):
+    code, _, err = run(capsys, "search", built / "pefa_build.json", "a query", "-q")
+    assert code == 2 and "is a file; give the folder" in err, err  # was 'pefa_build.json missing'
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["eval", "", "--embeddings", "bow"], "DATA_DIR"), (["search", "", "q"], "MODEL_DIR"),
     (["eval", "D", "--embeddings", ""], "--embeddings"), (["eval", "D", "--json", ""], "--json"),
