@@ -248,6 +248,18 @@ def test_a_pairs_file_mixing_query_ids_and_texts_is_refused(data, tmp_path, caps
     assert repr(ds.query_ids[0]) in err and "'q-typo'" in err
 
 
+def test_python_dash_m_runs_the_command():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(pg.__file__).resolve().parents[1])  # was 'No module named pefa_gpu.__main__'
+    res = subprocess.run([sys.executable, "-m", "pefa_gpu", "--version"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("pefa-gpu "), res.stderr
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])
