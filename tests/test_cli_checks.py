@@ -446,7 +446,8 @@ def test_outputs_never_replace_the_inputs(data, built, tmp_path, capsys):
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", data / "results.json", "-q")
 
 
-def test_outputs_never_replace_embeddings_or_splits_named_outside_the_data_folder(data, tmp_path, capsys):
+def test_outputs_never_replace_embeddings_or_splits_named_outside_the_data_folder(
+        data, tmp_path, capsys):
     outside = tmp_path / "elsewhere"
     shutil.copytree(data / "embeddings" / "bow", outside)
     before = {p: p.read_bytes() for p in outside.iterdir()}
