@@ -77,6 +77,8 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
     root = Path(path)
     if not root.exists():
         raise InputError(f"{root} does not exist (give the folder `pefa-gpu build --out` wrote)")
+    if not root.is_dir():  # e.g. its pefa_build.json: it said 'pefa_build.json missing'
+        raise InputError(f"{root} is a file; give the folder `pefa-gpu build --out` wrote")
     if not (root / BUILD_MANIFEST).is_file():
         raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
                           f"the build is incomplete or this is another kind of folder)")

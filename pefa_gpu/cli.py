@@ -133,7 +133,8 @@ DATA_OPTIONS = {
                           "qrels/TRAIN_SPLIT.tsv"),
     "--min-score": dict(type=_finite, default=1.0, metavar="S", help="qrels grade (or pairs "
                         "weight) from which a pair is relevant (default: 1); training pairs "
-                        "count as 1 (binary), nDCG takes the test split's grades as gains")}
+                        "count as 1 (binary), nDCG takes the test split's grades as gains (so "
+                        "> 0 where a test split is scored)")}
 TEST_OPTIONS = {  # the split the evaluation commands evaluate on
     "--split": dict(default="test", metavar="NAME",
                     help="qrels split to evaluate on (default: test)"),
@@ -300,7 +301,8 @@ def _check_values(args: argparse.Namespace) -> None:
 
 
 def _check_methods(args: argparse.Namespace) -> None:
-    """Settings the chosen methods take (and where they run); tune's split; build's target."""
+    """Settings the chosen methods take (and where they run); a relevant grade > 0 where a test
+    split is scored; tune's split; build's target."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -308,6 +310,10 @@ def _check_methods(args: argparse.Namespace) -> None:
         if args.command == "eval" and args.ray is not None and one_process:
             raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
                              f"pipeline's stages; drop --ray or these methods")
+    if args.command in ("eval", "sweep", "tune") and args.min_score <= 0:
+        raise InputError(f"--min-score must be > 0 here, got {args.min_score:g}: the test "
+                         f"split's grades are nDCG's gains, and a pair graded 0 or below counts "
+                         f"as not relevant")
     if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")
@@ -332,6 +338,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
         parse_metric(args.metric)
     if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
+        if args.plot == args.json:
+            raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
+                             f"the same file; give --json a .json name, or --plot")
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")
@@ -343,17 +352,29 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
     """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
-    qrels/ and embeddings/, --train-pairs, --queries, --xmc, --emb, the build searched."""
+    qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
+    --queries, --xmc, --emb, the build searched; nor replace any build's files."""
     files = [getattr(args, name, None) for name in ("train_pairs", "queries")]
     folders = [getattr(args, name, None) for name in ("xmc", "emb", "model_dir")]
     if getattr(args, "data_dir", None):
         files += [Path(args.data_dir, "corpus.jsonl"), Path(args.data_dir, "queries.jsonl")]
         folders += [Path(args.data_dir, "qrels"), Path(args.data_dir, "embeddings")]
+        if getattr(args, "embeddings", None):  # a NAME may lead out of embeddings/ (../x, /x)
+            folders.append(Path(args.data_dir, "embeddings", args.embeddings))
+        files += [Path(args.data_dir, "qrels", f"{getattr(args, name)}.tsv")  # so may a split
+                  for name in ("train_split", "split") if getattr(args, name, None)]
     out = Path(path).resolve()
     if any(f and out == Path(f).resolve() for f in files) or any(
             f and out.is_relative_to(Path(f).resolve()) for f in folders):
         raise InputError(f"{flag} {path} is (or is inside) one of the command's inputs; "
                          f"write the output elsewhere")
+    from .builds import BUILD_MANIFEST
+    from .storage import DATA_MARKER
+
+    if out.name == BUILD_MANIFEST and out.is_file() or any(
+            (p / DATA_MARKER).is_file() for p in out.parents):
+        raise InputError(f"{flag} {path} is (or is inside) a saved build or model's files; write "
+                         f"the output elsewhere")
 
 
 def _check_plot(args: argparse.Namespace) -> None:
@@ -368,9 +389,10 @@ def _check_plot(args: argparse.Namespace) -> None:
         return
     kinds = FigureCanvasBase.get_supported_filetypes()
     suffix = Path(args.plot).suffix.lower().lstrip(".")
-    if suffix and suffix not in kinds:
-        raise InputError(f"--plot {args.plot}: matplotlib cannot write .{suffix} files; use "
-                         f"one of {', '.join('.' + k for k in sorted(kinds))}")
+    if suffix not in kinds:  # none: the format was read from the temporary file's name
+        raise InputError(f"--plot {args.plot}: matplotlib cannot write "
+                         + (f".{suffix} files" if suffix else "a name without a suffix")
+                         + f"; use one of {', '.join('.' + k for k in sorted(kinds))}")
 
 
 def _check_data(args: argparse.Namespace) -> None:
@@ -465,9 +487,11 @@ def resolve_model_arg(spec: str | None) -> EncoderLike:
         return spec
     try:
         obj = pkgutil.resolve_name(spec)
-    except (ImportError, AttributeError, ValueError) as exc:
+    except Exception as exc:  # also what the module raises as it is imported (SyntaxError, ...)
         module, _, attr = spec.partition(":")
-        raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({exc})"
+        why = exc if isinstance(exc, (ImportError, AttributeError, ValueError)) else \
+            f"{type(exc).__name__}: {exc}"
+        raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({why})"
                          ) from None
     return obj() if isinstance(obj, type) else obj
 
@@ -507,6 +531,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     train_texts: list[str] | None = None
     if args.train_pairs:
         pairs = load_pairs(args.train_pairs, ds.doc_index, min_score=args.min_score)
+        _check_pair_keys(args.train_pairs, pairs.query_keys, ds.query_index)
         if all(k in ds.query_index for k in pairs.query_keys):
             train_rows = np.asarray([ds.query_index[k] for k in pairs.query_keys])
         else:
@@ -537,6 +562,17 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test[0] if test else None,
                  y_test, corpus=ds)
+
+
+def _check_pair_keys(path: str, keys: list[str], query_ids: dict[str, int]) -> None:
+    """A pairs file gives its queries as ids of queries.jsonl or as texts, not some of each (the
+    ids would be encoded as texts)."""
+    ids = [k for k in keys if k in query_ids]
+    if ids and len(ids) < len(keys):
+        other = next(k for k in keys if k not in query_ids)
+        raise InputError(f"{path}: {len(ids)} of its {len(keys)} queries are ids of "
+                         f"queries.jsonl (e.g. {ids[0]!r}) and the others are not (e.g. "
+                         f"{other!r}); give every query as an id, or every one as a text")
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -794,11 +830,23 @@ COMMANDS = {  # command -> (function, help, description)
                "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
+def _take_query_texts(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                      extra: list[str]) -> None:
+    """search's QUERY texts that argparse leaves over when they follow an option (after '--',
+    any text); other leftovers: argparse's error."""
+    cut = extra.index("--") if "--" in extra else len(extra)
+    if getattr(args, "texts", None) is None or any(e.startswith("-") for e in extra[:cut]):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.texts += extra[:cut] + extra[cut + 1:]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pefa-gpu``'s exit status: 0 ok, 2 bad input or data, 1 a failed write or read (e.g. a
     full disk), 130 Ctrl-C."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _take_query_texts(parser, args, extra)
     if not args.command:
         parser.print_help()
         return 2

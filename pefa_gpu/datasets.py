@@ -91,8 +91,9 @@ class BeirDataset:
                                  f"encode the texts instead: pg.encode(ds.corpus_texts) and "
                                  f"pg.encode(ds.query_texts)")
             arr = read_matrix(path)  # names the file: text, truncated, objects, NaN
-            d = out[0].shape[1] if out else "d"  # the queries: the corpus' dimension
-            if arr.shape[0] != rows or out and arr.shape[1] != d:
+            d = out[0].shape[1] if out else "d >= 1"  # the queries: the corpus' dimension
+            bad_dim = arr.shape[1] != d if out else arr.shape[1] == 0
+            if arr.shape[0] != rows or bad_dim:
                 raise InputError(f"{path} has shape {arr.shape}, expected ({rows}, {d}) to match "
                                  f"{part}.jsonl" + (" and corpus.npy" if out else ""))
             out.append(arr)

@@ -27,9 +27,9 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
     p = Path(path)
     if not p.is_file():
         raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
-    out = []
+    out, suffix = [], p.suffix.lower()  # Q.JSONL too (its lines were taken as query texts)
     for lineno, line in text_lines(p, data=True):
-        if p.suffix == ".jsonl":
+        if suffix == ".jsonl":
             try:
                 rec = json.loads(line)
                 text = rec["text"]
@@ -40,7 +40,7 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
                                  ) from None
             out.append((record_id(rec["_id"], f"{p}:{lineno}", "query") if "_id" in rec
                         else query_id(text), text))
-        elif p.suffix == ".tsv":
+        elif suffix == ".tsv":
             parts = line.split("\t")
             if len(parts) != 2:
                 raise InputError(f"{p}:{lineno}: expected 'id<TAB>text', got {len(parts)} "

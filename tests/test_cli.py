@@ -236,6 +236,30 @@ def test_train_pairs_file(data, tmp_path, capsys):
         assert ra["recall@10"] == pytest.approx(rb["recall@10"], abs=1e-6)
 
 
+def test_a_pairs_file_mixing_query_ids_and_texts_is_refused(data, tmp_path, capsys):
+    ds = pg.load_beir(data)
+    pairs = tmp_path / "pairs.tsv"  # the last id misspelt: the others were encoded as texts
+    pairs.write_text(f"{ds.query_ids[0]}\t{ds.corpus_ids[0]}\n"
+                     f"{ds.query_ids[1]}\t{ds.corpus_ids[1]}\nq-typo\t{ds.corpus_ids[2]}\n")
+    code = main(["eval", str(data), "--train-pairs", str(pairs), "--model",
+                 "textdata:BowEncoder", "--no-cache", "--device", "cpu", "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "2 of its 3 queries are ids of queries.jsonl" in err, err
+    assert repr(ds.query_ids[0]) in err and "'q-typo'" in err
+
+
+def test_python_dash_m_runs_the_command():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(pg.__file__).resolve().parents[1])  # was 'No module named pefa_gpu.__main__'
+    res = subprocess.run([sys.executable, "-m", "pefa_gpu", "--version"], capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": root}, timeout=120)
+    assert res.returncode == 0 and res.stdout.startswith("pefa-gpu "), res.stderr
+
+
 def test_help(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--help"])

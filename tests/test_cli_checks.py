@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import pefa_gpu as pg
-from pefa_gpu import storage
+from pefa_gpu import runs, storage
 from pefa_gpu.builds import load_build
 from pefa_gpu.cli import main
 from textdata import bow_unit, write_beir, write_embeddings
@@ -103,6 +103,38 @@ def test_a_model_spec_that_cannot_be_imported_is_named(spec, why):
     with pytest.raises(pg.InputError) as info:
         resolve_model_arg(spec)
     assert str(info.value).startswith(f"--model {spec!r}: cannot import") and why in str(info.value)
+
+
+@pytest.mark.parametrize("source, why", [
+    ("x = (\n", "SyntaxError: '(' was never closed"),
+    ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here")])
+def test_a_model_module_that_fails_as_it_is_imported_is_named(source, why, tmp_path,
+                                                               monkeypatch):
+    from pefa_gpu.cli import resolve_model_arg
+
+    (tmp_path / "broken_enc_31.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(pg.InputError) as info:  # was the module's traceback
+        resolve_model_arg("broken_enc_31:encode")
+    assert str(info.value).startswith("--model 'broken_enc_31:encode': cannot import")
+    assert why in str(info.value)
+
+
+def test_query_texts_after_options_are_queries(built, tmp_path, capsys):
+    common = ["--model", "textdata:BowEncoder", "--cache-dir", tmp_path / "c", "--device", "cpu",
+              "-q", "--no-text"]
+    want = ok(capsys, "search", built, "first query", "second query", "--topk", "3", *common)
+    # were 'pefa-gpu: error: unrecognized arguments: first query'
+    assert ok(capsys, "search", built, "--topk", "3", "first query", *common,
+              "second query") == want
+    assert ok(capsys, "search", built, "first query", "--topk", "3", "second query",
+              *common) == want
+    dashed = ok(capsys, "search", built, "first query", "--topk", "3", *common, "--",
+                "-dash query")
+    assert runs.query_id("-dash query") in dashed and runs.query_id("first query") in dashed
+    with pytest.raises(SystemExit):
+        main(["search", str(built), "--topk", "3", "a query", "--no-such-flag"])
+    assert "unrecognized arguments: a query --no-such-flag" in capsys.readouterr().err
 
 
 def test_a_callable_encoder_must_be_given_again(built, tmp_path, capsys):
@@ -414,6 +446,46 @@ def test_outputs_never_replace_the_inputs(data, built, tmp_path, capsys):
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", data / "results.json", "-q")
 
 
+def test_outputs_never_replace_embeddings_or_splits_named_outside_the_data_folder(
+        data, tmp_path, capsys):
+    outside = tmp_path / "elsewhere"
+    shutil.copytree(data / "embeddings" / "bow", outside)
+    before = {p: p.read_bytes() for p in outside.iterdir()}
+    for name in (outside, os.path.relpath(outside, data / "embeddings")):
+        code, _, err = run(capsys, "eval", data, "--embeddings", name, "--json",
+                           outside / "corpus.npy", "-q")  # was replaced by the JSON
+        assert code == 2 and "one of the command's inputs" in err, err
+    assert {p: p.read_bytes() for p in outside.iterdir()} == before
+    split = tmp_path / "split.tsv"
+    split.write_bytes((data / "qrels" / "test.tsv").read_bytes())
+    for flag in ("--split", "--train-split"):
+        code, _, err = run(capsys, "eval", data, "--embeddings", "bow", flag,
+                           os.path.relpath(tmp_path / "split", data / "qrels"), "--json", split,
+                           "-q")  # was replaced by the JSON
+        assert code == 2 and "one of the command's inputs" in err, err
+    assert split.read_bytes() == (data / "qrels" / "test.tsv").read_bytes()
+
+
+def test_outputs_never_replace_a_builds_files(data, built, tmp_path, capsys):
+    manifest = built / "pefa_build.json"
+    data_folder = next(built.glob("pefa-data-*"))
+    before = {p: p.read_bytes() for p in built.rglob("*") if p.is_file()}
+    for out in (manifest, data_folder / "doc_ids.json", data_folder / "new.json"):
+        code, _, err = run(capsys, "eval", data, "--embeddings", "bow", "--json", out, "-q")
+        assert code == 2 and "a saved build or model's files" in err, err  # eval wrote there
+    other = tmp_path / "other"
+    shutil.copytree(built, other)
+    code, _, err = run(capsys, "search", other, "a query", "--out", manifest, "-q")
+    assert code == 2 and "a saved build or model's files" in err, err
+    assert {p: p.read_bytes() for p in built.rglob("*") if p.is_file()} == before
+    ok(capsys, "eval", data, "--embeddings", "bow", "--json", built / "r.json", "-q")  # beside it
+
+
+def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys):
+    code, _, err = run(capsys, "search", built / "pefa_build.json", "a query", "-q")
+    assert code == 2 and "is a file; give the folder" in err, err  # was 'pefa_build.json missing'
+
+
 @pytest.mark.parametrize("argv,flag", [
     (["eval", "", "--embeddings", "bow"], "DATA_DIR"), (["search", "", "q"], "MODEL_DIR"),
     (["eval", "D", "--embeddings", ""], "--embeddings"), (["eval", "D", "--json", ""], "--json"),
@@ -430,9 +502,14 @@ def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
     (["sweep", "--json", "r.json", "--plot", "r.json"], "--plot r.json is (or is inside) --j"),
     (["sweep", "--json", "r.json", "--plot", "r.json/p.png"], "is (or is inside) --json's file"),
     (["sweep", "--plot", "r.tsv"], "matplotlib cannot write .tsv files"),
+    (["sweep", "--plot", "plot"], "matplotlib cannot write a name without a suffix"),  # was
+    (["sweep", "--json", "r.png"], "the same file; give --json a .json name"),  # after data
     (["eval", "--device", "meta"], "only cpu and cuda devices"),
     (["eval", "--threads", str(2**31 - 1)], "--threads must be at most the"),
     (["tune", "--metric", "ndcg@10"], "metric must be recall@K terms"),
+    (["eval", "--min-score", "0"], "--min-score must be > 0 here, got 0"),  # were scored as
+    (["sweep", "--min-score", "-1"], "--min-score must be > 0 here, got -1"),  # not relevant
+    (["tune", "--min-score", "-0.5"], "a pair graded 0 or below counts as not relevant"),
 ])
 def test_outputs_device_and_threads_are_checked_before_data(argv, match, tmp_path, capsys):
     if "--plot" in argv:

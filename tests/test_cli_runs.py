@@ -47,6 +47,13 @@ def test_trec_refuses_ids_with_spaces():
         format_results("trec", QUERIES[:1], SCORES[:1], IDS[:1], ["d0", "d1", "d 2"], "t")
 
 
+def test_query_files_are_read_by_their_suffix_in_any_case(tmp_path):
+    (tmp_path / "Q.JSONL").write_text('{"_id": "a1", "text": "first"}\n')
+    (tmp_path / "Q.Tsv").write_text("b1\tsecond\n")
+    assert read_queries(tmp_path / "Q.JSONL") == [("a1", "first")]  # were the lines as texts
+    assert read_queries(tmp_path / "Q.Tsv") == [("b1", "second")]
+
+
 def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
     f = tmp_path / "q.tsv"
     f.write_text("x1\tsecond\n\nx2\tfirst\n")

@@ -289,6 +289,20 @@ def test_bad_embeddings_files_are_named(beir, content, match):
         load_beir(beir).embeddings("e")
 
 
+def test_corpus_embeddings_of_no_dimension_are_named(beir):
+    """A (n, 0) corpus.npy was read, then queries.npy was blamed: 'has shape (m, 48), expected
+    (m, 0)'."""
+    from textdata import write_embeddings
+
+    write_embeddings(beir, "e")
+    path = beir / "embeddings" / "e" / "corpus.npy"
+    n = len(np.load(path))
+    np.save(path, np.zeros((n, 0), np.float32))
+    with pytest.raises(InputError, match=rf"corpus.npy has shape \({n}, 0\), expected "
+                                         rf"\({n}, d >= 1\) to match corpus.jsonl$"):
+        load_beir(beir).embeddings("e")
+
+
 def test_query_embeddings_of_another_dimension_are_named(beir):
     """It loaded and failed later with 'queries has dimension 5, expected 48 (the dimension
     the model was fitted with)', naming no file."""
