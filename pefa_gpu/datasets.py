@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, MissingDependencyError
+from .params import FLOAT32_MAX
 from .relevance import Relevance
 from .storage import read_matrix
 
@@ -244,9 +245,6 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     return Pairs(path, qkeys, qkeys if queries is None else [queries[k] for k in qkeys], y)
 
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)  # a score or weight lands in float32 Y
-
-
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
     """A score or weight: 1 when absent (None), else a number >= ``at_least`` that float32 (Y's
     dtype) holds."""
@@ -254,7 +252,7 @@ def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> flo
         x = 1.0 if raw is None else float(raw)
     except (TypeError, ValueError):
         raise InputError(f"{where}: {what} {raw!r} is not a number") from None
-    if not abs(x) <= _FLOAT32_MAX or x < at_least:  # NaN, inf, 1e308
+    if not abs(x) <= FLOAT32_MAX or x < at_least:  # NaN, inf, 1e308 (Y is float32)
         raise InputError(f"{where}: {what} {raw!r} must be a finite number"
                          + (f" >= {at_least:g}" if at_least > -math.inf else "")
                          + " within float32's range (±3.4e38)")

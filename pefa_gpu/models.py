@@ -411,12 +411,10 @@ class NUDGE(_AdaptedDocuments):
     def _restore(self) -> None:
         g = self.fitted_gamma
         try:  # the variant's range (N: 5 was a math error once documents were added)
-            ok = g is not None and self.params.replace(gamma=g) is not None
+            self.params.replace(gamma=float("nan") if g is None else g)  # None: refused too
         except InputError:
-            ok = False
-        if not ok:
             raise FormatError(f"NUDGE save: fitted_gamma must be a finite number in NUDGE-"
-                              f"{self.params.variant}'s range, got {self.fitted_gamma!r}")
+                              f"{self.params.variant}'s range, got {g!r}") from None
 
 
 class PEFAXL(_Model):

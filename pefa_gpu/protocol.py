@@ -51,3 +51,10 @@ class Model(Protocol):
     def _saved_shapes(self) -> dict[str, tuple[int | None, int]]: ...
 
     def _restore(self) -> None: ...
+
+
+def check_model(model: Any, who: str, reads: tuple[str, ...]) -> None:
+    """TypeError naming ``who`` unless ``model`` has the attributes ``reads`` that it reads."""
+    if not all(hasattr(model, a) for a in reads):
+        raise TypeError(f"{who}: model must be a pefa_gpu model (ERM, PEFAXS, ...), got "
+                        f"{type(model).__name__}")

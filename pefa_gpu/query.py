@@ -26,7 +26,7 @@ from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
 from .params import Params, check_held_out, check_positive, check_scale, checked, is_number
-from .protocol import Model
+from .protocol import Model, check_model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
 from .training import check_default
@@ -209,9 +209,7 @@ class VectorPRF(_Saved):
 
     def __call__(self, queries: ArrayLike, model: Model) -> torch.Tensor:
         """(B, d) queries, a fitted model -> (B, d) float32 on the model's device."""
-        if not all(hasattr(model, a) for a in ("as_queries", "search")):  # a QueryModel too
-            raise TypeError(f"VectorPRF: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
-                            f"got {type(model).__name__}")
+        check_model(model, "VectorPRF", ("as_queries", "search"))  # a QueryModel too
         q = model.as_queries(queries)
         _, ids = model.search(q, self.params.k, check=False)
         valid = (ids >= 0).unsqueeze(2)
@@ -239,9 +237,7 @@ class QueryModel(_Saved):
             if part is not None and not isinstance(part, cls):
                 raise TypeError(f"QueryModel: {name} must be a {cls.__name__} or None, got "
                                 f"{type(part).__name__}")
-        if not all(hasattr(model, a) for a in ("as_queries", "search", "dim")):
-            raise TypeError(f"QueryModel: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
-                            f"got {type(model).__name__}")
+        check_model(model, "QueryModel", ("as_queries", "search", "dim"))
         if adapter is not None and adapter.W is None:
             raise InputError("QueryModel: the adapter is not fitted")
         if adapter is not None and adapter.W.shape[0] != model.dim:

@@ -15,7 +15,7 @@ import torch
 from .arrays import ArrayLike, as_tensor, check_topk
 from .errors import InputError
 from .params import check_nonnegative, check_positive
-from .protocol import Model
+from .protocol import Model, check_model
 from .relevance import Relevance, as_relevance
 
 
@@ -86,9 +86,7 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     """(B, n) int64 ids, best first, -1 where too few: per query (B, d) the best documents
     of ``model.search`` that are not its positives (:func:`as_positive_ids`), after skipping
     ``skip_top`` of them (likely false negatives); ``batch_size`` queries per search."""
-    if not all(hasattr(model, a) for a in ("as_queries", "search", "n_docs", "device")):
-        raise TypeError(f"mine_negatives: model must be a pefa_gpu model (ERM, PEFAXS, ...), "
-                        f"got {type(model).__name__}")
+    check_model(model, "mine_negatives", ("as_queries", "search", "n_docs", "device"))
     skip_top = check_nonnegative(skip_top, "skip_top")
     batch_size = check_positive(batch_size, "batch_size")
     chk = check_default(queries, check)

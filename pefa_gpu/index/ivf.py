@@ -14,12 +14,13 @@ import torch
 
 from ..arrays import DeviceLike, as_tensor, cuda_index, to_numpy
 from ..errors import FormatError, InputError
-from ..params import MAX_THREADS, check_at_most, check_choice, check_nonnegative, checked
+from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_choice, check_nonnegative,
+                      checked)
 from .base import IndexParams
 from ._faiss import faiss_has_gpu, faiss_search_parameters, host_float32
 from ._host import FaissBackend
 
-MAX_TRAIN_NORM = math.sqrt(np.finfo(np.float32).max)  # a product of two such rows: float32 max
+MAX_TRAIN_NORM = math.sqrt(FLOAT32_MAX)  # a product of two such rows: float32 max
 
 log = logging.getLogger("pefa_gpu")
 
