@@ -58,38 +58,34 @@ def test_cache_is_keyed_by_model(tmp_path):
     assert other.seen == 4 and out.shape == (5, 16)
 
 
-def test_corrupt_shard_is_ignored(tmp_path):
+def _forged_shards_are_ignored(tmp_path, forge, match="unreadable shard"):
+    """Encode TEXTS, rewrite each cached vectors file with ``forge(path)``, encode again: the
+    shards are warned about and every text is encoded afresh."""
     encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
     for p in tmp_path.rglob("*.vecs.npy"):
-        p.write_bytes(b"garbage")
+        forge(p)
     enc = BowEncoder()
-    with pytest.warns(UserWarning, match="unreadable shard"):
+    with pytest.warns(UserWarning, match=match):
         out = encode(TEXTS, model=enc, cache_dir=tmp_path, device="cpu", show_progress=False)
     assert enc.seen == 4
     np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
+def test_corrupt_shard_is_ignored(tmp_path):
+    _forged_shards_are_ignored(tmp_path, lambda p: p.write_bytes(b"garbage"))
 
 
 @pytest.mark.parametrize("dtype", [bool, np.complex64, np.float16, ">f4", np.uint8])
 def test_a_shard_of_another_dtype_than_the_cache_writes_is_ignored(tmp_path, dtype):
-    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
-    for p in tmp_path.rglob("*.vecs.npy"):  # were read back as float32: bool gave 0 / 1 rows
-        np.save(p, (np.load(p) + 0.25).astype(dtype))
-    enc = BowEncoder()
-    with pytest.warns(UserWarning, match="unreadable shard"):
-        out = encode(TEXTS, model=enc, cache_dir=tmp_path, device="cpu", show_progress=False)
-    assert enc.seen == 4
-    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+    # were read back as float32: bool gave 0 / 1 rows
+    _forged_shards_are_ignored(tmp_path, lambda p: np.save(p, (np.load(p) + 0.25).astype(dtype)))
 
 
 def test_a_shard_of_another_dimension_than_the_cache_is_ignored(tmp_path):
-    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
-    for p in tmp_path.rglob("*.vecs.npy"):  # forged: were returned as (5, 5) embeddings
-        np.save(p, np.ones((np.load(p).shape[0], 5), np.float32))
-    enc = BowEncoder()
-    with pytest.warns(UserWarning, match="unreadable shard.*dimension 5, the cache's is 48"):
-        out = encode(TEXTS, model=enc, cache_dir=tmp_path, device="cpu", show_progress=False)
-    assert enc.seen == 4
-    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+    # forged: were returned as (5, 5) embeddings
+    _forged_shards_are_ignored(tmp_path,
+                               lambda p: np.save(p, np.ones((np.load(p).shape[0], 5), np.float32)),
+                               "unreadable shard.*dimension 5, the cache's is 48")
 
 
 def test_a_cache_key_reused_by_a_model_of_another_dimension_re_encodes(tmp_path):
