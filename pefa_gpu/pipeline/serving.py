@@ -114,9 +114,8 @@ def _local_rows(r: torch.Tensor, m: int, s: _Loaded) -> torch.Tensor:
         pos = torch.searchsorted(rows, r.clamp(0, max(m - 1, 0))).clamp_max(rows.numel() - 1)
         local_ = torch.where((r >= 0) & (r < m) & (rows[pos] == r), pos, local_)
     if s.model.params.augment_docs:
-        doc = r - m
-        mine = (r >= m) & (doc >= s.lo) & (doc < s.hi)
-        local_ = torch.where(mine, s.model.n_train_queries + doc - s.lo, local_)
+        mine = (r >= m + s.lo) & (r < m + s.hi)  # document r - m, one of the shard's
+        local_ = torch.where(mine, s.model.n_train_queries + r - m - s.lo, local_)
     return local_
 
 

@@ -263,10 +263,9 @@ class Rows:
     """The rows (``tensor``) of a row stage, read from its memory-mapped shards."""
 
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
-        self.folder = Path(folder)
-        self.info = read_stage(self.folder)
-        self.tensor, self.shards = tensor, self.info.shards
-        self.n, self.dim = self.shards[-1].rows[1] if self.shards else 0, self.info.dim
+        self.folder, self.tensor = Path(folder), tensor
+        info = read_stage(self.folder)  # its shards tile rows 0 .. n (one shard at least)
+        self.shards, self.n, self.dim = info.shards, info.shards[-1].rows[1], info.dim
 
     def _part(self, i: int) -> np.ndarray:
         t = open_entry(self.folder, self.shards[i]).tensors.get(self.tensor)
