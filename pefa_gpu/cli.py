@@ -38,43 +38,28 @@ MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option 
 
 # ------------------------------------------------------------------------------ arguments
 
-def _parsed(text: str, cast: Callable[[str], Any], want: str) -> Any:
-    """``cast(text)``, else an ArgumentTypeError saying ``want``."""
-    try:
-        return cast(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+def _number(cast: Callable[[str], Any], want: str,
+            *rules: tuple[Callable[[Any], bool], str]) -> Callable[[str], Any]:
+    """An option's type: ``cast(text)``, else an ArgumentTypeError saying ``want``; then each
+    (ok, must) rule, an ArgumentTypeError saying ``must`` where ``ok(value)`` is false."""
+    def parse(text: str) -> Any:
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        for ok, must in rules:
+            if not ok(v):
+                raise argparse.ArgumentTypeError(f"{must}, got {text!r}")
+        return v
+    return parse
 
 
-def _lam(text: str) -> float:
-    """--lam L: a number in [0, 1] (the same rule and message in every subcommand)."""
-    v = _parsed(text, float, "a number")
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"λ must lie in [0, 1], got {text!r}")
-    return v
-
-
-def _finite(text: str) -> float:
-    """A finite number (not nan, not inf)."""
-    v = _parsed(text, float, "a number")
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return v
-
-
-def _seed(text: str) -> int:
-    v = _parsed(text, int, "an integer >= 0")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return v
-
-
-def _positive_int(text: str) -> int:
-    v = _parsed(text, int, "a positive integer")
-    if not 0 < v <= MAX_COUNT:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}" if v <= 0
-                                         else f"must be at most {MAX_COUNT}, got {text!r}")
-    return v
+# the option types; _lam: the one rule and message of a λ in every subcommand
+_lam = _number(float, "a number", (lambda v: 0.0 <= v <= 1.0, "λ must lie in [0, 1]"))
+_finite = _number(float, "a number", (math.isfinite, "must be a finite number"))
+_seed = _number(int, "an integer >= 0", (lambda v: v >= 0, "must be an integer >= 0"))
+_positive_int = _number(int, "a positive integer", (lambda v: v > 0, "must be a positive integer"),
+                        (lambda v: v <= MAX_COUNT, f"must be at most {MAX_COUNT}"))
 
 
 def _each(item: Callable[[str], Any]) -> Callable[[str], tuple]:
@@ -310,10 +295,10 @@ def _check_methods(args: argparse.Namespace) -> None:
         if args.command == "eval" and args.ray is not None and one_process:
             raise InputError(f"{', '.join(one_process)}: in one process only, not on the "
                              f"pipeline's stages; drop --ray or these methods")
-    if args.command in ("eval", "sweep", "tune") and args.min_score <= 0:
-        raise InputError(f"--min-score must be > 0 here, got {args.min_score:g}: the test "
-                         f"split's grades are nDCG's gains, and a pair graded 0 or below counts "
-                         f"as not relevant")
+        if args.min_score <= 0:
+            raise InputError(f"--min-score must be > 0 here, got {args.min_score:g}: the "
+                             f"test split's grades are nDCG's gains, and a pair graded 0 or below "
+                             f"counts as not relevant")
     if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
         raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
                          f"{args.val_fraction}")
@@ -354,18 +339,17 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
     """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
     qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
     --queries, --xmc, --emb, the build searched; nor replace any build's files."""
-    files = [getattr(args, name, None) for name in ("train_pairs", "queries")]
-    folders = [getattr(args, name, None) for name in ("xmc", "emb", "model_dir")]
+    inputs = [getattr(args, name, None)
+              for name in ("train_pairs", "queries", "xmc", "emb", "model_dir")]
     if getattr(args, "data_dir", None):
-        files += [Path(args.data_dir, "corpus.jsonl"), Path(args.data_dir, "queries.jsonl")]
-        folders += [Path(args.data_dir, "qrels"), Path(args.data_dir, "embeddings")]
+        inputs += [Path(args.data_dir, name)
+                   for name in ("corpus.jsonl", "queries.jsonl", "qrels", "embeddings")]
         if getattr(args, "embeddings", None):  # a NAME may lead out of embeddings/ (../x, /x)
-            folders.append(Path(args.data_dir, "embeddings", args.embeddings))
-        files += [Path(args.data_dir, "qrels", f"{getattr(args, name)}.tsv")  # so may a split
-                  for name in ("train_split", "split") if getattr(args, name, None)]
+            inputs.append(Path(args.data_dir, "embeddings", args.embeddings))
+        inputs += [Path(args.data_dir, "qrels", f"{getattr(args, name)}.tsv")  # so may a split
+                   for name in ("train_split", "split") if getattr(args, name, None)]
     out = Path(path).resolve()
-    if any(f and out == Path(f).resolve() for f in files) or any(
-            f and out.is_relative_to(Path(f).resolve()) for f in folders):
+    if any(f and out.is_relative_to(Path(f).resolve()) for f in inputs):
         raise InputError(f"{flag} {path} is (or is inside) one of the command's inputs; "
                          f"write the output elsewhere")
     from .builds import BUILD_MANIFEST
@@ -531,11 +515,9 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     train_texts: list[str] | None = None
     if args.train_pairs:
         pairs = load_pairs(args.train_pairs, ds.doc_index, min_score=args.min_score)
-        _check_pair_keys(args.train_pairs, pairs.query_keys, ds.query_index)
-        if all(k in ds.query_index for k in pairs.query_keys):
-            train_rows = np.asarray([ds.query_index[k] for k in pairs.query_keys])
-        else:
-            train_rows, train_texts = None, pairs.query_texts
+        train_rows = _pair_rows(args.train_pairs, pairs.query_keys, ds.query_index)
+        if train_rows is None:
+            train_texts = pairs.query_texts
         y_train = pairs.relevance
     else:
         train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score, binary=True)
@@ -564,15 +546,16 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
                  y_test, corpus=ds)
 
 
-def _check_pair_keys(path: str, keys: list[str], query_ids: dict[str, int]) -> None:
-    """A pairs file gives its queries as ids of queries.jsonl or as texts, not some of each (the
-    ids would be encoded as texts)."""
+def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndarray | None:
+    """The queries.jsonl rows of a pairs file's queries when it gives them as ids, None when as
+    texts; not some of each (the ids would be encoded as texts)."""
     ids = [k for k in keys if k in query_ids]
     if ids and len(ids) < len(keys):
         other = next(k for k in keys if k not in query_ids)
         raise InputError(f"{path}: {len(ids)} of its {len(keys)} queries are ids of "
                          f"queries.jsonl (e.g. {ids[0]!r}) and the others are not (e.g. "
                          f"{other!r}); give every query as an id, or every one as a text")
+    return np.asarray([query_ids[k] for k in keys]) if len(ids) == len(keys) else None
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -830,23 +813,16 @@ COMMANDS = {  # command -> (function, help, description)
                "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
-def _take_query_texts(parser: argparse.ArgumentParser, args: argparse.Namespace,
-                      extra: list[str]) -> None:
-    """search's QUERY texts that argparse leaves over when they follow an option (after '--',
-    any text); other leftovers: argparse's error."""
-    cut = extra.index("--") if "--" in extra else len(extra)
-    if getattr(args, "texts", None) is None or any(e.startswith("-") for e in extra[:cut]):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.texts += extra[:cut] + extra[cut + 1:]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``pefa-gpu``'s exit status: 0 ok, 2 bad input or data, 1 a failed write or read (e.g. a
     full disk), 130 Ctrl-C."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if extra:
-        _take_query_texts(parser, args, extra)
+    if extra:  # search's QUERY texts left over after an option (after '--': any text)
+        cut = extra.index("--") if "--" in extra else len(extra)
+        if getattr(args, "texts", None) is None or any(e.startswith("-") for e in extra[:cut]):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.texts += extra[:cut] + extra[cut + 1:]
     if not args.command:
         parser.print_help()
         return 2
