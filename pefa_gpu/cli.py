@@ -493,7 +493,11 @@ def resolve_model_arg(spec: str | None) -> EncoderLike:
             f"{type(exc).__name__}: {exc}"
         raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({why})"
                          ) from None
-    return obj() if isinstance(obj, type) else obj
+    obj = obj() if isinstance(obj, type) else obj
+    if not callable(obj):  # os:sep is '/', which encode would take as a model folder
+        raise InputError(f"--model {spec!r} names a {type(obj).__name__}, not a callable "
+                         f"texts -> array (module:function, or a class)")
+    return obj
 
 
 def _encode(args: argparse.Namespace, lists: list[list[str]], model: EncoderLike = None,

@@ -105,6 +105,12 @@ def test_a_model_spec_that_cannot_be_imported_is_named(spec, why):
     assert str(info.value).startswith(f"--model {spec!r}: cannot import") and why in str(info.value)
 
 
+@pytest.mark.parametrize("spec, kind", [("os:sep", "str"), ("math:pi", "float")])
+def test_a_model_spec_naming_no_callable_is_refused(spec, kind, built, capsys):
+    code, _, err = run(capsys, "search", built, "q", "--model", spec, "-q")  # os:sep: folder '/'
+    assert code == 2 and f"--model {spec!r} names a {kind}, not a callable" in err, err
+
+
 @pytest.mark.parametrize("source, why", [
     ("x = (\n", "SyntaxError: '(' was never closed"),
     ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here")])
