@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -353,9 +354,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
     """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
     qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
-    --queries, --xmc, --emb, the build searched; nor replace any build's files."""
+    --queries, --xmc, --emb, the build searched, --model's folder or module file; nor replace
+    any build's files. (search has no DATA_DIR: a build records no data folder.)"""
     files = [getattr(args, name, None) for name in ("train_pairs", "queries")]
     folders = [getattr(args, name, None) for name in ("xmc", "emb", "model_dir")]
+    folders.append(_model_source(getattr(args, "model", None)))
     if getattr(args, "data_dir", None):
         files += [Path(args.data_dir, "corpus.jsonl"), Path(args.data_dir, "queries.jsonl")]
         folders += [Path(args.data_dir, "qrels"), Path(args.data_dir, "embeddings")]
@@ -375,6 +378,20 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
             (p / DATA_MARKER).is_file() for p in out.parents):
         raise InputError(f"{flag} {path} is (or is inside) a saved build or model's files; write "
                          f"the output elsewhere")
+
+
+def _model_source(spec: str | None) -> str | None:
+    """--model's folder, or the file of its module:attribute's module (found, not run; a
+    dotted module's packages are imported)."""
+    if spec and Path(spec).exists():
+        return spec
+    if not spec or ":" not in spec:  # a hub name (or none)
+        return None
+    try:
+        found = importlib.util.find_spec(spec.partition(":")[0])
+    except Exception:  # not importable: resolve_model_arg says why when the model is made
+        return None
+    return found.origin if found is not None and found.has_location else None
 
 
 def _check_plot(args: argparse.Namespace) -> None:

@@ -452,6 +452,18 @@ def test_outputs_never_replace_the_inputs(data, built, tmp_path, capsys):
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", data / "results.json", "-q")
 
 
+def test_outputs_never_replace_the_model_module_or_folder(built, tmp_path, capsys, monkeypatch):
+    module = tmp_path / "enc_module_b4.py"
+    module.write_text("from textdata import BowEncoder\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "st").mkdir()
+    for model, out in (("enc_module_b4:BowEncoder", module), (tmp_path / "st", tmp_path / "st/r")):
+        code, _, err = run(capsys, "search", built, "q", "--model", model, "--out", out, "-q")
+        assert code == 2 and "one of the command's inputs" in err, err  # was written over
+    assert module.read_text() == "from textdata import BowEncoder\n"
+    assert not (tmp_path / "st" / "r").exists()
+
+
 def test_outputs_never_replace_embeddings_or_splits_named_outside_the_data_folder(
         data, tmp_path, capsys):
     outside = tmp_path / "elsewhere"
