@@ -16,6 +16,7 @@ import pkgutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -872,9 +873,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        _check_args(args)
-        _setup(args)
         with contextlib.ExitStack() as stack:
+            if args.quiet:  # a Python warning: one line, not its source line too
+                stack.enter_context(warnings.catch_warnings())
+                warnings.showwarning = lambda message, category, *_: print(
+                    f"pefa-gpu {args.command}: {category.__name__}: {message}", file=sys.stderr)
+            _check_args(args)
+            _setup(args)
             _connect(args, stack)
             return COMMANDS[args.command][0](args)
     except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write

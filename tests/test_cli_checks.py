@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +164,20 @@ def test_an_edited_encoder_record_is_refused(built, capsys):
     path.write_text(json.dumps(info))
     code, _, err = run(capsys, "search", built, "q", "--device", "cpu", "-q")
     assert code == 2 and "changed after it was written" in err
+
+
+def test_quiet_prints_a_python_warning_as_one_line(built, tmp_path):
+    shard = next((tmp_path / "c").rglob("*.keys.npy"))
+    shard.write_bytes(b"garbage")
+    root = Path(pg.__file__).resolve().parents[1]  # a process of its own: pytest keeps warnings
+    res = subprocess.run(
+        [sys.executable, "-m", "pefa_gpu", "search", built, "q", "--model", "textdata:BowEncoder",
+         "--cache-dir", tmp_path / "c", "--device", "cpu", "-q", "--no-text"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])})
+    assert res.returncode == 0 and len(res.stderr.splitlines()) == 1, res.stderr  # + a source
+    assert res.stderr.startswith(f"pefa-gpu search: UserWarning: encode cache: ignoring "
+                                 f"unreadable shard {shard} (")
 
 
 def test_search_settings_the_build_does_not_take_are_refused_naming_the_flag(built, capsys):
