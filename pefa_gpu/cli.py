@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ import pkgutil
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -338,9 +340,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
     """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
     qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
-    --queries, --xmc, --emb, the build searched; nor replace any build's files."""
+    --queries, --xmc, --emb, the build searched, --model's folder or module file; nor replace
+    any build's files. (search has no DATA_DIR: a build records no data folder.)"""
     inputs = [getattr(args, name, None)
               for name in ("train_pairs", "queries", "xmc", "emb", "model_dir")]
+    inputs.append(_model_source(getattr(args, "model", None)))
     if getattr(args, "data_dir", None):
         inputs += [Path(args.data_dir, name)
                    for name in ("corpus.jsonl", "queries.jsonl", "qrels", "embeddings")]
@@ -359,6 +363,20 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
             (p / DATA_MARKER).is_file() for p in out.parents):
         raise InputError(f"{flag} {path} is (or is inside) a saved build or model's files; write "
                          f"the output elsewhere")
+
+
+def _model_source(spec: str | None) -> str | None:
+    """--model's folder, or the file of its module:attribute's module (found, not run; a
+    dotted module's packages are imported)."""
+    if spec and Path(spec).exists():
+        return spec
+    if not spec or ":" not in spec:  # a hub name (or none)
+        return None
+    try:
+        found = importlib.util.find_spec(spec.partition(":")[0])
+    except Exception:  # not importable: resolve_model_arg says why when the model is made
+        return None
+    return found.origin if found is not None and found.has_location else None
 
 
 def _check_plot(args: argparse.Namespace) -> None:
@@ -477,7 +495,11 @@ def resolve_model_arg(spec: str | None) -> EncoderLike:
             f"{type(exc).__name__}: {exc}"
         raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({why})"
                          ) from None
-    return obj() if isinstance(obj, type) else obj
+    obj = obj() if isinstance(obj, type) else obj
+    if not callable(obj):  # os:sep is '/', which encode would take as a model folder
+        raise InputError(f"--model {spec!r} names a {type(obj).__name__}, not a callable "
+                         f"texts -> array (module:function, or a class)")
+    return obj
 
 
 def _encode(args: argparse.Namespace, lists: list[list[str]], model: EncoderLike = None,
@@ -827,9 +849,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        _check_args(args)
-        _setup(args)
         with contextlib.ExitStack() as stack:
+            if args.quiet:  # a Python warning: one line, not its source line too
+                stack.enter_context(warnings.catch_warnings())
+                warnings.showwarning = lambda message, category, *_: print(
+                    f"pefa-gpu {args.command}: {category.__name__}: {message}", file=sys.stderr)
+            _check_args(args)
+            _setup(args)
             _connect(args, stack)
             return COMMANDS[args.command][0](args)
     except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write

@@ -80,6 +80,7 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     if cache_dir is not None and cache is None:
         log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
                     "not caching", enc.name)
+    cache = cache if cache is None or cache.usable() else None
     rows = cache.lookup(set(keys)) if cache else {}
     if cache is not None and len(rows) == len(distinct):
         log.info("encode: all %d distinct texts read from the cache", len(distinct))
@@ -317,7 +318,8 @@ def _weights_identity(st_model: Any) -> str:
 class _Cache:
     """``root/<sha256(identity)[:24]>/``: ``model.json`` (identity, d) and shards
     ``<name>.keys.npy`` ((S, 32) uint8 text digests) + ``<name>.vecs.npy`` ((S, d) float32 raw
-    embeddings). A shard of another d than model.json's (else the first shard's) is ignored."""
+    embeddings). A shard of another d than model.json's (else the first shard's) is ignored;
+    a folder whose model.json records another identity is neither read nor written."""
 
     def __init__(self, root: Path, identity: str):
         self.dir = root / hashlib.sha256(identity.encode()).hexdigest()[:24]
@@ -346,13 +348,28 @@ class _Cache:
                     found[k] = np.asarray(vecs[row], dtype=np.float32)
         return found
 
+    def _meta(self) -> dict:
+        """model.json's fields; {} when it is absent or unreadable."""
+        try:
+            meta = json.loads((self.dir / "model.json").read_text("utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return {}
+        return meta if isinstance(meta, dict) else {}
+
     def _dim(self) -> int | None:
         """The d that model.json records; None: none (absent, unreadable, or an old cache)."""
-        try:
-            dim = json.loads((self.dir / "model.json").read_text("utf-8")).get("dim")
-        except (OSError, ValueError, AttributeError, RecursionError):
-            return None
+        dim = self._meta().get("dim")
         return dim if type(dim) is int else None
+
+    def usable(self) -> bool:
+        """False, with a warning, when model.json records another model (a copied or edited
+        folder): its rows are never served, and this call caches nothing there."""
+        recorded = self._meta().get("identity", self.identity)  # none: an older cache
+        if recorded != self.identity:
+            warnings.warn(f"encode cache: ignoring {self.dir}: its model.json records "
+                          f"{recorded!r}, not this model's {self.identity!r}; delete the folder "
+                          f"to cache again", UserWarning, stacklevel=3)
+        return recorded == self.identity
 
     def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
         meta = self.dir / "model.json"

@@ -48,12 +48,17 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
             out.append((record_id(parts[0], f"{p}:{lineno}", "query"), parts[1]))
         else:
             out.append((query_id(line), line))
+        if not out[-1][1].strip():  # a slip (an unset variable?): refused, not searched
+            raise InputError(f"{p}:{lineno}: empty query text {out[-1][1]!r}")
     return out
 
 
 def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[str, str]]:
     """(id, text) of ``texts``, then of the file ``path``, each once; one id with two texts:
-    InputError."""
+    InputError. An empty (or whitespace) text: InputError naming its position."""
+    for i, text in enumerate(texts, start=1):
+        if not text.strip():
+            raise InputError(f"QUERY text {i} is empty ({text!r}): give a text or leave it out")
     seen: dict[str, str] = {}
     for qid, text in [(query_id(t), t) for t in texts] + (read_queries(path) if path else []):
         if seen.setdefault(qid, text) != text:

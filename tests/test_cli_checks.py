@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -105,6 +107,12 @@ def test_a_model_spec_that_cannot_be_imported_is_named(spec, why):
     assert str(info.value).startswith(f"--model {spec!r}: cannot import") and why in str(info.value)
 
 
+@pytest.mark.parametrize("spec, kind", [("os:sep", "str"), ("math:pi", "float")])
+def test_a_model_spec_naming_no_callable_is_refused(spec, kind, built, capsys):
+    code, _, err = run(capsys, "search", built, "q", "--model", spec, "-q")  # os:sep: folder '/'
+    assert code == 2 and f"--model {spec!r} names a {kind}, not a callable" in err, err
+
+
 @pytest.mark.parametrize("source, why", [
     ("x = (\n", "SyntaxError: '(' was never closed"),
     ("raise RuntimeError('no GPU here')\n", "RuntimeError: no GPU here")])
@@ -156,6 +164,20 @@ def test_an_edited_encoder_record_is_refused(built, capsys):
     path.write_text(json.dumps(info))
     code, _, err = run(capsys, "search", built, "q", "--device", "cpu", "-q")
     assert code == 2 and "changed after it was written" in err
+
+
+def test_quiet_prints_a_python_warning_as_one_line(built, tmp_path):
+    shard = next((tmp_path / "c").rglob("*.keys.npy"))
+    shard.write_bytes(b"garbage")
+    root = Path(pg.__file__).resolve().parents[1]  # a process of its own: pytest keeps warnings
+    res = subprocess.run(
+        [sys.executable, "-m", "pefa_gpu", "search", built, "q", "--model", "textdata:BowEncoder",
+         "--cache-dir", tmp_path / "c", "--device", "cpu", "-q", "--no-text"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])})
+    assert res.returncode == 0 and len(res.stderr.splitlines()) == 1, res.stderr  # + a source
+    assert res.stderr.startswith(f"pefa-gpu search: UserWarning: encode cache: ignoring "
+                                 f"unreadable shard {shard} (")
 
 
 def test_search_settings_the_build_does_not_take_are_refused_naming_the_flag(built, capsys):
@@ -444,6 +466,18 @@ def test_outputs_never_replace_the_inputs(data, built, tmp_path, capsys):
     assert code == 2 and "one of the command's inputs" in err
     assert {p: p.read_bytes() for p in before} == before and manifest.is_file()
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", data / "results.json", "-q")
+
+
+def test_outputs_never_replace_the_model_module_or_folder(built, tmp_path, capsys, monkeypatch):
+    module = tmp_path / "enc_module_b4.py"
+    module.write_text("from textdata import BowEncoder\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "st").mkdir()
+    for model, out in (("enc_module_b4:BowEncoder", module), (tmp_path / "st", tmp_path / "st/r")):
+        code, _, err = run(capsys, "search", built, "q", "--model", model, "--out", out, "-q")
+        assert code == 2 and "one of the command's inputs" in err, err  # was written over
+    assert module.read_text() == "from textdata import BowEncoder\n"
+    assert not (tmp_path / "st" / "r").exists()
 
 
 def test_outputs_never_replace_embeddings_or_splits_named_outside_the_data_folder(

@@ -70,3 +70,14 @@ def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
     f.write_text("\n  \n")
     with pytest.raises(pg.InputError, match=f"the queries file {f} holds none"):
         queries([], f)  # it gave 'queries has dimension 0' after loading the build
+
+
+@pytest.mark.parametrize("texts,lines,match", [
+    (["a", ""], "", r"QUERY text 2 is empty \(''\)"), (["  "], "", r"QUERY text 1 is empty"),
+    ([], '{"_id": "x", "text": "a"}\n{"_id": "y", "text": ""}\n', r"q.jsonl:2: empty query"),
+    ([], "x\ta\ny\t \n", r"q.tsv:2: empty query text ' '")])
+def test_empty_query_texts_are_refused_naming_their_position(tmp_path, texts, lines, match):
+    f = tmp_path / ("q.tsv" if "\t" in lines else "q.jsonl")
+    f.write_text(lines or '{"_id": "x", "text": "a"}\n')
+    with pytest.raises(pg.InputError, match=match):  # were searched: every score 0
+        queries(texts, f)

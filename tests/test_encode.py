@@ -99,6 +99,19 @@ def test_a_cache_key_reused_by_a_model_of_another_dimension_re_encodes(tmp_path)
     assert torch.equal(encode(TEXTS, model=again, **kw), out) and again.calls == 0
 
 
+def test_a_cache_folder_whose_model_json_names_another_model_is_never_served(tmp_path):
+    kw = dict(cache_dir=tmp_path, device="cpu", show_progress=False)
+    encode(TEXTS, model=BowEncoder(), **kw)
+    next(tmp_path.rglob("model.json")).write_text('{"identity": "st:other-model", "dim": 48}')
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    enc = BowEncoder()  # was served the folder's rows without a call
+    with pytest.warns(UserWarning, match="records 'st:other-model', not this model's"):
+        out = encode(TEXTS, model=enc, **kw)
+    assert enc.seen == 4 and {p: p.read_bytes() for p in before} == before
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == sorted(before)
+    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
 def test_callable_without_identity_is_not_cached(tmp_path, caplog):
     calls = []
 
