@@ -158,7 +158,8 @@ def check_scale(value: Any, name: str) -> None:
 
 
 def check_choice(value: Any, name: str, choices: tuple) -> None:
-    if value not in choices:
+    """``value`` one of ``choices``; of boolean choices only a bool (1 == True in Python)."""
+    if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 

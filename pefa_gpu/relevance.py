@@ -11,7 +11,9 @@ import torch
 from .arrays import ArrayLike, to_numpy
 from .errors import InputError
 
-MAX_ROWS = 2**31  # Y rows (queries) and columns (documents) a Relevance may have
+# Y rows (queries) and columns (documents) a Relevance may have: its row pointers (and Yᵀ's)
+# stay int32 (2^31 rows were 16 GiB of int64 row pointers for a one-entry Y)
+MAX_ROWS = 2**31 - 1
 
 
 class Relevance:

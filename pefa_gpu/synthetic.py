@@ -5,6 +5,7 @@ target and others of its cluster)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 
@@ -33,12 +34,18 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     exponents: ``popularity`` of the targets, ``rel_exponent`` of the relevant documents per
     query (at most ``max_rel``); noise norms relative to the unit centre / target."""
     n, m, d = (check_positive(v, k) for v, k in ((n, "n"), (m, "m"), (d, "d")))
-    check_nonnegative(n_test, "n_test")
+    n_test, max_rel = check_nonnegative(n_test, "n_test"), check_positive(max_rel, "max_rel")
     if popularity <= 0 or rel_exponent <= 1:
         raise InputError(f"popularity must be > 0 and rel_exponent > 1, got {popularity!r}, "
                          f"{rel_exponent!r}")
+    c = check_positive(clusters, "clusters") if clusters else max(1, int(np.sqrt(n)))
+    need = 4 * d * (n + m + n_test + c)  # P, Q, Q_test and the centres as float32
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:  # numpy's MemoryError (or the OOM killer) otherwise
+        raise InputError(f"make_synthetic(n={n}, m={m}, d={d}, n_test={n_test}, clusters={c}) "
+                         f"needs {need / 2**30:.4g} GiB of float32 rows, more than this "
+                         f"machine's {memory / 2**30:.4g} GiB of memory")
     rng = np.random.default_rng(seed)
-    c = clusters or max(1, int(np.sqrt(n)))
     centres = _unit(rng.standard_normal((c, d), dtype=np.float32))
     # cluster sizes are uneven (Zipf-like); documents sorted by cluster
     weights = 1.0 / np.arange(1, c + 1) ** 0.8

@@ -9,6 +9,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .errors import InputError
+
 PAD_ID = -1
 PAD_SCORE = float("-inf")
 
@@ -67,6 +69,8 @@ def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Ten
 def _best(table: torch.Tensor, ids: torch.Tensor | None, k: int, offset: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_topk` of ``table`` (B, W) and ``ids`` (None: the columns + ``offset``)."""
+    if k < 0:  # k > W is padding, which callers bound (a sweep's last block is narrower)
+        raise InputError(f"k must be an int >= 0, got {k!r}")
     b, w = table.shape
     kk = min(k, w)
     if kk == 0 or b == 0:

@@ -126,6 +126,21 @@ def test_exact_low_precision_rows_from_a_read_only_map_and_overflow(dtype, tmp_p
     assert index.ntotal == 300
 
 
+def test_exact_float32_rows_holding_nan_or_inf_are_refused():
+    """ExactIndex alone took float32 rows holding NaN / inf (only 16-bit ones were checked):
+    now build, add and update refuse them, and the index is left as it was."""
+    X = np.eye(4, dtype=np.float32)
+    index = ExactIndex(device="cpu").build(X)
+    for value in (np.nan, np.inf, -np.inf):
+        bad = X[:2].copy()
+        bad[1, 3] = value
+        for call in (ExactIndex(device="cpu").build, index.add,
+                     lambda v: index.update([0, 1], v)):
+            with pytest.raises(InputError, match="vectors hold NaN or inf as float32"):
+                call(bad)
+    assert index.ntotal == 4 and torch.equal(index.vectors, torch.eye(4))
+
+
 def test_exact_pads_when_k_exceeds_n_and_add_appends():
     X = np.eye(3, dtype=np.float32)
     index = make_index("exact", device="cpu").build(X)
@@ -484,11 +499,11 @@ def test_nan_ranks_first():
     a later block. The other ids equal the reference without that row."""
     rng = np.random.default_rng(33)
     X = unit_rows(rng, 30003, 16)
-    X[21000, 3] = np.nan
     T = unit_rows(rng, 40, 16)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(exact_module, "optional_faiss", lambda: None)
         index = ExactIndex({"memory_budget": 2**20}).build(X)
+        index.vectors[21000, 3] = np.nan  # build refuses it (a loaded file may not)
         assert index._plan(40, 10)[2] < 21000
         scores, ids = index.search(T, 10)
     assert (ids[:, 0] == 21000).all() and torch.isnan(scores[:, 0]).all()
@@ -527,15 +542,16 @@ def test_runs_of_nan_or_inf_longer_than_the_candidates_keep_the_lowest_ids(devic
 
 @pytest.mark.parametrize("faiss_on", [True, False])
 def test_a_nan_row_in_the_index_takes_one_pass(faiss_on, monkeypatch):
-    """A float32 index may hold a NaN row: it ranks first where it is a candidate and ends its
-    run there, so no query is searched again (it was widened to the whole index)."""
+    """A float32 index may hold a NaN row (from a loaded file, or the caller's shared rows
+    written after build, which refuses it): it ranks first where it is a candidate and ends
+    its run there, so no query is searched again (it was widened to the whole index)."""
     faiss = pytest.importorskip("faiss") if faiss_on else None
     monkeypatch.setattr(exact_module, "optional_faiss", lambda: faiss)
     rng = np.random.default_rng(8)
     X = unit_rows(rng, 4000, 16)
-    X[123, 5] = np.nan
     T = unit_rows(rng, 300, 16)
     index = ExactIndex().build(X)
+    index.vectors[123, 5] = np.nan  # build refuses it (a loaded file may not)
     widths = []
     one_pass = index._pass
     monkeypatch.setattr(index, "_pass", lambda q, kk, w: widths.append(w) or one_pass(q, kk, w))

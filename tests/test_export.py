@@ -134,6 +134,16 @@ def test_knn_graph_degree_is_bounded_by_an_hnsw_level_0():
         export.knn_graph(x, top + 1, "cpu")
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_knn_graph_alone_refuses_nan_or_inf_vectors(value):
+    """knn_graph called alone built its graph over NaN / inf rows (only build_hnsw checked
+    them first); its exact index refuses them now."""
+    x, _ = clustered(5, n=50)
+    x[7, 3] = value
+    with pytest.raises(InputError, match="vectors hold NaN or inf"):
+        export.knn_graph(x, 8, "cpu")
+
+
 @pytest.mark.parametrize("method", ["hnsw", "knn"])
 def test_numpy_integer_settings_export_the_same_file_as_python_ints(tmp_path, method):
     x, q = clustered(6, n=400)

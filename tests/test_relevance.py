@@ -66,12 +66,12 @@ def test_huge_ids_without_a_shape_are_a_clear_error():
     with pytest.raises(ValueError, match="query_ids holds 4611686018427387904, so without "
                                          "shape="):
         pg.Relevance.from_pairs([2**62], [0])
-    with pytest.raises(ValueError, match="doc_ids holds 2147483648"):
-        pg.Relevance.from_pairs([0], [2**31])
+    with pytest.raises(ValueError, match="doc_ids holds 2147483647"):
+        pg.Relevance.from_pairs([0], [2**31 - 1])
     with pytest.raises(ValueError, match=r"shape=\(4611686018427387904, 3\) is not a usable"):
         pg.Relevance.from_pairs([0], [1], shape=(2**62, 3))
-    wide = pg.Relevance.from_pairs([0], [2**31 - 1])  # the largest inferred size still works
-    assert wide.shape == (1, 2**31) and wide.nnz == 1
+    wide = pg.Relevance.from_pairs([0], [2**31 - 2])  # the largest inferred size still works
+    assert wide.shape == (1, 2**31 - 1) and wide.nnz == 1
 
 
 @pytest.mark.parametrize("dense", [np.array([[1, None]], dtype=object), np.array([["a", "b"]])])
@@ -106,13 +106,27 @@ def test_a_sparse_y_of_more_than_2_31_rows_or_columns_is_refused_before_allocati
     csc = sp.csc_matrix((np.ones(1, np.float32), np.zeros(1, np.int64), np.array([0, 1])),
                         shape=(2**40, 1))
     for y in (coo((2**40, 1)), coo((1, 2**40)), csc):
-        with pytest.raises(InputError, match=r"at most 2147483648 rows \(queries\) and columns"):
+        with pytest.raises(InputError, match=r"at most 2147483647 rows \(queries\) and columns"):
             pg.as_relevance(y)
-    with pytest.raises(InputError, match=r"at most 2147483648 rows"):
+    with pytest.raises(InputError, match=r"at most 2147483647 rows"):
         pg.pifa(coo((1, 2**40)), np.ones((1, 4), np.float32), device="cpu")
     with pytest.raises(InputError, match=r"shape=\(1, 4611686018427387904\) is not a usable"):
         pg.Relevance.from_pairs([0], [0], shape=(1, 2**62))
-    assert pg.as_relevance(coo((1, 2**31))).shape == (1, 2**31)
+    assert pg.as_relevance(coo((1, 2**31 - 1))).shape == (1, 2**31 - 1)
+
+
+def test_a_y_of_2_31_rows_or_columns_is_refused_before_its_row_pointers():
+    """Shape (2^31, 1) passed the old bound (at most 2^31) and asked for 16 GiB of int64 row
+    pointers (MemoryError), as did Yᵀ of a (1, 2^31) Y: now at most 2^31 - 1 (int32)."""
+    for shape in ((2**31, 1), (1, 2**31)):
+        y = sp.coo_matrix((np.ones(1, np.float32), (np.zeros(1, np.int64),
+                                                    np.zeros(1, np.int64))), shape=shape)
+        for make in (pg.Relevance, pg.as_relevance):
+            with pytest.raises(InputError, match=rf"Y has shape \({shape[0]}, {shape[1]}\): at "
+                                                 r"most 2147483647 rows \(queries\)"):
+                make(y)
+        with pytest.raises(InputError, match=r"at most 2147483647 queries and documents"):
+            pg.Relevance.from_pairs([0], [0], shape=shape)
 
 
 def test_malformed_shapes_rows_and_index_arrays_are_input_errors():

@@ -188,3 +188,17 @@ def test_synthetic_is_seeded_and_structured():
     assert per_doc.max() > 20 * per_doc.mean() and (per_doc == 0).any()
     with pytest.raises(pg.InputError):
         make_synthetic(0, 10)
+
+
+@pytest.mark.parametrize("sizes", [dict(n=2**40, m=10), dict(n=10, m=2**40),
+                                   dict(n=10, m=10, d=2**40), dict(n=10, m=10, n_test=2**40),
+                                   dict(n=10, m=10, clusters=2**40)])
+def test_synthetic_sizes_beyond_memory_are_a_clear_error(sizes):
+    """make_synthetic(2**40, ...) was numpy's MemoryError (8 TiB of float64 popularity), a
+    negative clusters or max_rel=0 numpy's ValueError: now InputErrors naming the sizes."""
+    with pytest.raises(pg.InputError, match=r"make_synthetic\(n=.*\) needs .* GiB of float32 "
+                                            r"rows, more than this machine's .* GiB of memory"):
+        make_synthetic(**sizes)
+    for bad, msg in ((dict(clusters=-1), "clusters must be"), (dict(max_rel=0), "max_rel must")):
+        with pytest.raises(pg.InputError, match=msg):
+            make_synthetic(10, 10, **bad)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from pefa_gpu.errors import InputError
 from pefa_gpu.topk import boundary_tied, merge_topk, order_ties, topk_rows
 from conftest import DEVICES
 
@@ -98,6 +99,17 @@ def test_rows_shorter_than_k_and_empty_inputs():
     assert i.tolist() == [[-1, -1, -1]] * 2
     v, i = merge_topk(torch.empty(2, 0), torch.empty(2, 0, dtype=torch.long), 2)
     assert i.tolist() == [[-1, -1]] * 2
+
+
+def test_a_negative_k_is_a_clear_error():
+    """k = -1 was torch's IndexError (on an empty slice); k = 0 gives (B, 0) lists as before."""
+    s = torch.rand(3, 5)
+    for k in (-1, -7):
+        with pytest.raises(InputError, match=f"k must be an int >= 0, got {k}"):
+            topk_rows(s, k)
+        with pytest.raises(InputError, match=f"k must be an int >= 0, got {k}"):
+            merge_topk(s, torch.arange(5).expand(3, 5), k)
+    assert topk_rows(s, 0)[1].shape == (3, 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -48,6 +48,9 @@ def test_fit_errors(cls, data):
     (lambda: pg.ERM(backend="nope"), "backend"), (lambda: pg.ERM(device="tpu"), "device"),
     (lambda: pg.ERM(device="meta"), "only cpu and cuda"),
     (lambda: pg.ERM(device="mps"), "only cpu and cuda"),
+    # 1 == True in Python: a boolean choice took 1 / 0 / 1.0 (and stored them so)
+    (lambda: pg.PEFAXL(augment_docs=1), r"augment_docs must be one of \[True, False\], got 1"),
+    (lambda: pg.PEFAXL(rescore=0.0), r"rescore must be one of \[True, False\], got 0.0"),
 ])
 def test_param_errors(make, msg):
     with pytest.raises(ValueError, match=msg):

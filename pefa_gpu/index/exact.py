@@ -60,11 +60,11 @@ class ExactIndex(VectorIndex):
         return default_memory_budget(self.device) if given is None else given
 
     def _rows(self, vectors: torch.Tensor, copy: bool) -> torch.Tensor:
-        """Rows in the stored dtype (``copy``: never the caller's memory); 16-bit ones checked
-        finite (a float16 overflow is inf)."""
+        """Rows in the stored dtype (``copy``: never the caller's memory), checked finite (a
+        float16 overflow is inf; NaN rows made every score NaN)."""
         v = as_tensor(vectors, device=self.device, dtype=self._dtype, name="vectors",
                       copy=copy).detach()
-        if self.copies_rows and v.numel() and not all_finite(v):
+        if v.numel() and not all_finite(v):
             raise InputError(f"vectors hold NaN or inf as {self.params.dtype} (beyond its range?)")
         return v
 
