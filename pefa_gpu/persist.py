@@ -203,9 +203,10 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
     cls = _backend(entry.get("backend"), where)
     try:
         params = cls.Params.from_dict(entry.get("params") or {})
+        search = cls.SearchParams.coerce(entry.get("search_params"))
     except (InputError, TypeError) as exc:
-        raise FormatError(f"{where}: params of index {name!r} do not fit backend "
-                          f"{cls.name!r}: {exc}") from exc
+        raise FormatError(f"{where}: params or search params of index {name!r} do not fit "
+                          f"backend {cls.name!r}: {exc}") from exc
     options = {"mmap": mmap} if mmap and "mmap" in inspect.signature(cls.load).parameters \
         else {}
     if shared is None:  # its folder: inside the save, every file in it listed
@@ -217,11 +218,7 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
             raise FormatError(f"{where}: index {name!r} over attribute {shared!r} needs a float32 "
                               f"exact index and a loaded float32 matrix")
         index = cls(params, device).build(t)
-    try:
-        index.search_params = entry.get("search_params")
-    except (InputError, TypeError) as exc:
-        raise FormatError(f"{where}: search params of index {name!r} do not fit backend "
-                          f"{cls.name!r}: {exc}") from exc
+    index.search_params = search
     if (index.ntotal, index.dim) != (entry.get("ntotal"), entry.get("dim")):
         raise FormatError(f"{where}: index {name!r} holds {index.ntotal} vectors of dimension "
                           f"{index.dim}; the manifest says {entry.get('ntotal')} of dimension "

@@ -166,8 +166,7 @@ def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
 
 
 def read_matrix(path: PathLike) -> np.ndarray:
-    """A (rows, d) real finite ``.npy`` matrix as float32 (:func:`read_npy`'s checks; any other
-    content: :class:`FormatError`, "is not a readable .npy array")."""
+    """A (rows, d) real finite ``.npy`` matrix as float32; else :class:`FormatError`."""
     try:
         arr = read_npy(path, mmap_mode="r")
     except FormatError as exc:
@@ -204,12 +203,11 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
         raise FormatError(f"{p} is missing")
     try:
         with zipfile.ZipFile(p) as z:
-            fmt = _npz_member(z, "format", 64, p).item() if "format.npy" in z.namelist() else "csr"
-            fmt = fmt.decode("ascii", "replace") if isinstance(fmt, bytes) else fmt
+            fmt = (_npz_member(z, "format", 64, p, "SU").astype(str).item()
+                   if "format.npy" in z.namelist() else "csr")
             if fmt not in ("csr", "csc"):
                 raise FormatError(f"{p} holds sparse format {fmt!r}; expected 'csr' (or 'csc')")
-            raw = _npz_member(z, "shape", 16, p)
-            shape = tuple(int(s) for s in raw)
+            shape = tuple(int(s) for s in _npz_member(z, "shape", 16, p))
             if len(shape) != 2 or min(shape) < 0:
                 raise FormatError(f"{p} holds shape {shape}, not (rows, columns)")
             if meta is not None and (list(shape) != meta.get("shape")
@@ -218,8 +216,8 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
                                   f"{meta.get('shape')} nnz {meta.get('nnz')}")
             indptr = _npz_member(z, "indptr", 8 * (shape[fmt == "csc"] + 1), p)
             nnz = meta["nnz"] if meta is not None else min(int(indptr[-1]), shape[0] * shape[1])
-            indices, data = (_npz_member(z, k, 16 * nnz, p) for k in ("indices", "data"))
-            _check_kinds(p, raw, indptr, indices, data)
+            indices = _npz_member(z, "indices", 16 * nnz, p)
+            data = _npz_member(z, "data", 16 * nnz, p, "biuf")
         mat = (sp.csr_matrix if fmt == "csr" else sp.csc_matrix)((data, indices, indptr), shape)
         mat.check_format(full_check=True)
     except FormatError:
@@ -233,25 +231,21 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
     return csr
 
 
-def _check_kinds(p: Path, *members: np.ndarray) -> None:
-    """shape, indptr, indices hold integers, data real numbers (or bool); else FormatError."""
-    *ints, data = members
-    if {a.dtype.kind for a in ints} - set("iu") or data.dtype.kind not in "biuf":
-        raise FormatError(f"{p} holds shape, indptr, indices, data of dtypes "
-                          f"{', '.join(str(a.dtype) for a in members)}; expected integers "
-                          f"and real numbers")
-
-
-def _npz_member(z: zipfile.ZipFile, name: str, limit: int, p: Path) -> np.ndarray:
-    """Array ``name`` of an open .npz, inflating at most its ``limit`` bytes of elements plus
-    a header (at most 64 KiB)."""
+def _npz_member(z: zipfile.ZipFile, name: str, limit: int, p: Path, kinds: str = "iu"
+                ) -> np.ndarray:
+    """Array ``name`` of an open .npz, of a dtype kind in ``kinds`` (default: integers),
+    inflating at most its ``limit`` bytes of elements plus a header (at most 64 KiB)."""
     limit = 2**16 + max(limit, 0)
     info = z.getinfo(f"{name}.npy")
     if info.file_size > limit:  # zipfile inflates no more than this declared size
         raise FormatError(f"{p}: member {name} inflates past the {limit} bytes its shape and "
                           f"nnz allow")
     with z.open(info) as fh:
-        return np.lib.format.read_array(fh, allow_pickle=False)
+        arr = np.lib.format.read_array(fh, allow_pickle=False)
+    if arr.dtype.kind not in kinds:
+        want = {"iu": "integers", "biuf": "real numbers", "SU": "text"}[kinds]
+        raise FormatError(f"{p}: member {name} holds dtype {arr.dtype}; expected {want}")
+    return arr
 
 
 # ---------------------------------------------------------------------------- checksums
@@ -414,8 +408,7 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
             raise FormatError(f"{p} is {what}: {size} bytes, the manifest says {info['bytes']}")
         if checksums and sha256_file(p) != info["sha256"]:
             raise FormatError(f"{p} is corrupted: its sha256 does not match the manifest")
-    extra = [rel for rel, _ in _walk_files(data) if rel not in manifest["files"]]
-    if extra:
+    if extra := [rel for rel, _ in _walk_files(data) if rel not in manifest["files"]]:
         raise FormatError(f"{data} holds {extra[:5]}, which {where} does not list")
     return SaveDir(root, data, manifest, where)
 
@@ -488,9 +481,8 @@ def _ours(root: Path, entry: str, name: str) -> bool:
 
 
 def _save_target(target: PathLike, name: str, fmt: str) -> tuple[Path, str | None]:
-    """The real folder a save to ``target`` writes into (links resolved, never replaced) and the
-    data folder of the save there (None: none yet); :class:`InputError` unless saving there
-    replaces only pefa_gpu's own files."""
+    """(real folder of ``target``, data folder of the save there or None); :class:`InputError`
+    unless saving there replaces only pefa_gpu's own files."""
     p = Path(target)
     if os.path.islink(p) and not p.exists():
         raise InputError(f"cannot save to {p}: it is a symbolic link to {os.readlink(p)!r}, "
