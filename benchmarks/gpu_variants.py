@@ -406,9 +406,132 @@ def part_profile(s: dict, dev: str) -> dict[str, Any]:
     out["erm"] = kernel_table(lambda: xl.index.search(qx, k), dev)
     return out
 
+
+try:  # the epilogue part's kernels (a copy of pefa_gpu.triton_topk's, with switches)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+if triton is not None:
+    @triton.jit
+    def _max_nan(a, b):
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _epilogue_variant(q, x, val_ptr, idx_ptr, next_ptr, b, n, d, tiles, qblocks,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          KEEP: tl.constexpr, PROGRAMS: tl.constexpr, TMA: tl.constexpr,
+                          NAN_PASS: tl.constexpr, BOUNDS_LAST: tl.constexpr,
+                          EQ_ARGMAX: tl.constexpr):
+        for t in tl.range(tl.program_id(0), qblocks * tiles, PROGRAMS, flatten=True):
+            qb, tb = t % qblocks, t // qblocks
+            rm, cols = qb * BM + tl.arange(0, BM), tl.arange(0, BN)
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            if TMA:
+                for k0 in range(0, d, BK):
+                    acc = tl.dot(q.load([qb * BM, k0]), x.load([tb * BN, k0]).T, acc)
+            else:
+                rq, rx, rk = rm.to(tl.int64), (tb * BN + cols).to(tl.int64), tl.arange(0, BK)
+                for k0 in range(0, d, BK):
+                    a = tl.load(q + rq[:, None] * d + (k0 + rk)[None, :],
+                                mask=(rq[:, None] < b) & ((k0 + rk)[None, :] < d), other=0.0)
+                    xt = tl.load(x + rx[None, :] * d + (k0 + rk)[:, None],
+                                 mask=(rx[None, :] < n) & ((k0 + rk)[:, None] < d), other=0.0)
+                    acc = tl.dot(a, xt, acc)
+            if NAN_PASS:
+                acc = tl.where(acc == acc, acc, float("inf"))
+            if BOUNDS_LAST:
+                if tb * BN + BN > n:
+                    acc = tl.where(tb * BN + cols[None, :] < n, acc, float("-inf"))
+            else:
+                acc = tl.where(tb * BN + cols[None, :] < n, acc, float("-inf"))
+            out, ok = rm.to(tl.int64) * tiles + tb, rm < b
+            for j in tl.static_range(KEEP):
+                if EQ_ARGMAX:
+                    v = tl.max(acc, axis=1)
+                    i = tl.min(tl.where(acc == v[:, None], cols[None, :], BN - 1), axis=1)
+                else:
+                    v, i = tl.max(acc, axis=1, return_indices=True)
+                acc = tl.where(cols[None, :] == i[:, None], float("-inf"), acc)
+                tl.store(val_ptr + KEEP * out + j, v, mask=ok)
+                tl.store(idx_ptr + KEEP * out + j, tb * BN + i, mask=ok)
+            if NAN_PASS:
+                tl.store(next_ptr + out, tl.max(acc, axis=1), mask=ok)
+            else:
+                tl.store(next_ptr + out, tl.reduce(acc, 1, _max_nan), mask=ok)
+
+
+def part_epilogue(s: dict, dev: str) -> dict[str, Any]:
+    """The Triton top-k kernel's epilogue in variants, each timed as tile_topw and as the whole
+    exact search (bf16 rows), its ids against the library kernel's: ``nan_pass`` (NaN scores
+    made +inf in a pass of their own, else caught by a NaN-propagating maximum of the next
+    scores), ``bounds_last`` (rows past n masked in the last tile only, by a branch) and
+    ``eq_argmax`` (a tile's best by a maximum, then the lowest column equal to it, instead of
+    one (value, index) reduction); and the card's 8192^3 bf16 GEMM in the same call."""
+    from pefa_gpu import triton_topk as tt
+
+    class Launch:  # the library's launch, into the variant kernel with these flags
+        def __init__(self, **flags):
+            self.flags = flags
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: _epilogue_variant[grid](*args, **kwargs, **self.flags)
+
+    n, d, b, k = s["n"], s["d"], s["batch"], s["k"]
+    tt.ON_CPU = dev == "cpu"
+    share = tt.UNSETTLED_SHARE
+    tt.UNSETTLED_SHARE = 1e9 if dev == "cpu" else share  # a dry run's small index: tiles too
+    x = unit(n, d, dev, 0).to(torch.bfloat16)
+    q = unit(b, d, dev, 1)
+    index = pg.make_index("exact", dev, {"dtype": "bfloat16"}).build(x)
+    out: dict[str, Any] = {}
+    if dev == "cuda":
+        a = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
+        t_mm = median_seconds(lambda: torch.mm(a, a), dev)
+        out["card_bf16_tflops"] = 2 * 8192 ** 3 / t_mm / 1e12
+        del a
+    base = index.search(q, k)
+    kernel, worst = tt._tile_best_kernel, tt._score_worst_tiles
+
+    def nan_as_inf(q, rows, top, ids, after):  # the host's side of a NaN next score
+        return worst(q, rows, top, ids, after.nan_to_num(nan=float("inf")))
+    try:
+        for name, flags in [("library", None), ("baseline", (True, False, False)),
+                            ("bounds_last", (True, True, False)),
+                            ("eq_argmax", (True, False, True)),
+                            ("bounds_last_eq_argmax", (True, True, True)),
+                            ("no_nan_pass", (False, False, False)),
+                            ("all_three", (False, True, True)), ("library_again", None)]:
+            if flags is not None:
+                tt._tile_best_kernel = Launch(NAN_PASS=flags[0], BOUNDS_LAST=flags[1],
+                                              EQ_ARGMAX=flags[2])
+                tt._score_worst_tiles = worst if flags[0] else nan_as_inf
+            try:
+                got = index.search(q, k)
+                out[f"{name}_same_ids"] = bool(torch.equal(got[1], base[1]))
+                out[f"{name}_same_scores"] = bool(torch.equal(got[0], base[0]))
+                out[f"{name}_topw_s"] = median_seconds(lambda: tt.tile_topw(q, x, k + 8), dev)
+                out[f"{name}_search_s"] = median_seconds(lambda: index.search(q, k), dev)
+                out[f"{name}_unsettled"] = int(tt.tile_topw(q, x, k + 8)[2].sum())
+            except Exception as exc:  # noqa: BLE001 (a variant that does not compile)
+                out[f"{name}_failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                tt._tile_best_kernel, tt._score_worst_tiles = kernel, worst
+                if tt._FAILED:
+                    out[f"{name}_kernel_failed"] = str(tt._FAILED)[:300]
+                tt._FAILED.clear()
+    finally:
+        tt.UNSETTLED_SHARE = share
+    if "card_bf16_tflops" in out and "library_search_s" in out:
+        for key in [key for key in out if key.endswith("_search_s")]:
+            out[key.replace("_search_s", "_share_of_card")] = \
+                2 * b * n * d / out[key] / 1e12 / out["card_bf16_tflops"]
+    return out
+
+
 PARTS = {"votes": part_votes, "exact": part_exact, "xl": part_xl, "pifa": part_pifa,
          "tiles": part_tiles, "profile": part_profile, "gaps": part_gaps,
-         "timeline": part_timeline, "host": part_host}
+         "timeline": part_timeline, "host": part_host, "epilogue": part_epilogue}
 
 
 def main() -> None:
