@@ -59,7 +59,8 @@ if triton is not None:
             # each query's best KEEP scores with their row ids, then the next score; a NaN score
             # as +inf (its query is then unsettled), rows past n as -inf
             acc = tl.where(acc == acc, acc, float("inf"))
-            acc = tl.where(tb * BN + cols[None, :] < n, acc, float("-inf"))
+            if tb * BN + BN > n:  # the last tile only
+                acc = tl.where(tb * BN + cols[None, :] < n, acc, float("-inf"))
             out, ok = rm.to(tl.int64) * tiles + tb, rm < b
             for j in tl.static_range(KEEP):
                 v, i = tl.max(acc, axis=1, return_indices=True)  # of equal ones, the lowest column

@@ -55,6 +55,22 @@ def test_candidates_are_the_reference_top_w_where_settled(device, dtype, d, keep
     assert len(made) == (2 if d == 40 and hopper else 0)  # d = 37: 74 / 148 (interpreter) bytes
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [40, 37])
+def test_rows_past_the_last_tile_never_rank_above_negative_scores(device, d):
+    """Every score negative: the last tile's padding (zeros as loaded) must still rank last."""
+    dev = kernel_device(device)
+    rng = np.random.default_rng(7)
+    rows = stored(-np.abs(rng.standard_normal((1300, d))), torch.bfloat16, dev)  # 6 tiles
+    q = stored(np.abs(rng.standard_normal((20, d))), torch.bfloat16, dev)
+    vals, ids, unsettled = tt.tile_topw(q.float(), rows, 4)
+    rv, ri = ref.exact_search(rows.cpu().double().numpy(), q.cpu().double().numpy(), 4)
+    settled = ~unsettled.cpu().numpy()
+    assert settled.sum() >= 10 and (rv < 0).all()
+    np.testing.assert_array_equal(ids.cpu().numpy()[settled], ri[settled])
+    np.testing.assert_allclose(vals.cpu().numpy()[settled], rv[settled], rtol=1e-5, atol=1e-5)
+
+
 class _CudaRows:
     """The attributes of a CUDA tensor that triton_topk._tma reads."""
 
