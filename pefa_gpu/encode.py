@@ -75,12 +75,7 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     enc = resolve_model(model, dev)
     keys = [hashlib.sha256(t.encode("utf-8")).digest() for t in texts]
     distinct = dict(zip(keys, texts))
-    cache = (None if cache_dir is None or enc.identity is None else
-             _Cache(Path(cache_dir).expanduser(), enc.identity))
-    if cache_dir is not None and cache is None:
-        log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
-                    "not caching", enc.name)
-    cache = cache if cache is None or cache.usable() else None
+    cache = _open_cache(cache_dir, enc)
     rows = cache.lookup(set(keys)) if cache else {}
     if cache is not None and len(rows) == len(distinct):
         log.info("encode: all %d distinct texts read from the cache", len(distinct))
@@ -101,6 +96,19 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     out = as_embeddings(np.stack([rows[k] for k in keys]), dev, f"the output of {enc.name}",
                         check_norm=False)
     return normalize_rows(out) if normalize else out
+
+
+def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
+    """``enc``'s cache under ``cache_dir``; None without one, for an encoder without an
+    identity (warned) or a folder another model wrote (warned by :meth:`_Cache.usable`)."""
+    if cache_dir is None:
+        return None
+    if enc.identity is None:
+        log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
+                    "not caching", enc.name)
+        return None
+    cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
+    return cache if cache.usable() else None
 
 
 def _check_texts(texts: Any) -> list[str]:
@@ -368,7 +376,7 @@ class _Cache:
         if recorded != self.identity:
             warnings.warn(f"encode cache: ignoring {self.dir}: its model.json records "
                           f"{recorded!r}, not this model's {self.identity!r}; delete the folder "
-                          f"to cache again", UserWarning, stacklevel=3)
+                          f"to cache again", UserWarning, stacklevel=4)
         return recorded == self.identity
 
     def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
