@@ -4,7 +4,7 @@ CUDA the tie passes run on every row under a mask (no host synchronisation)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +64,16 @@ def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Ten
     """Best k of candidates ``vals`` (B, C) float / ``ids`` (B, C) int64 (any order; repeats
     kept) -> (B, k) with the tie rule (-1 last), padded with (-inf, -1) when C < k."""
     return _best(vals, ids, k)
+
+
+def merge_lists(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], k: int,
+                as_is: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_topk` of (scores, ids) (B, w_i) on one device (None skipped), scores as
+    float32; ``as_is``: a lone list at least k wide is only cut to k (its ties kept: HNSW's)."""
+    parts = [(p[0].float(), p[1]) for p in parts if p is not None]
+    if as_is and len(parts) == 1 and parts[0][1].shape[1] >= k:
+        return parts[0][0][:, :k], parts[0][1][:, :k]
+    return merge_topk(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), k)
 
 
 def _best(table: torch.Tensor, ids: torch.Tensor | None, k: int, offset: int = 0

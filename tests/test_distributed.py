@@ -20,8 +20,8 @@ import pefa_gpu as pg
 from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.fuse import neighbours
-from pefa_gpu.pipeline.serving import _merge
 from pefa_gpu.pipeline.shards import _complete
+from pefa_gpu.topk import merge_lists
 from reference import exact_search, normalize, xl_search
 from textdata import BowEncoder
 
@@ -216,7 +216,7 @@ def test_neighbours_merge_equals_pefaxl(tmp_path):
     erm = xl.index.search(q, 30)
     want = xl.neighbours(q, 10, erm)
     parts = [xl.query_index.search(q, 10)]
-    got = neighbours(_merge(parts, 10), erm, Q.shape[0], 10, augment_docs=True)
+    got = neighbours(merge_lists(parts, 10, as_is=True), erm, Q.shape[0], 10, augment_docs=True)
     assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pefa_gpu.errors import InputError
-from pefa_gpu.topk import boundary_tied, merge_topk, order_ties, topk_rows
+from pefa_gpu.topk import boundary_tied, merge_lists, merge_topk, order_ties, topk_rows
 from conftest import DEVICES
 
 
@@ -142,6 +142,24 @@ def test_merge_of_split_top_lists_equals_one_top_k():
         v, i = merge_topk(torch.cat([p[0] for p in parts], 1),
                           torch.cat([p[1] for p in parts], 1), k)
         assert_same((v, i), ref_topk(s, k))
+
+
+def test_merge_lists_skips_none_casts_scores_and_keeps_a_lone_list_as_is():
+    """merge_lists: float64 lists (None skipped) merged as merge_topk's float32; ``as_is``: one
+    list at least k wide is cut to k with its ties in its own order (an HNSW's), else merged."""
+    rng = np.random.default_rng(3)
+    s = rng.integers(0, 4, (20, 90)).astype(np.float64)
+    parts = [topk_rows(torch.from_numpy(s[:, a:a + 30]), 12, offset=a) for a in (0, 30, 60)]
+    for as_is in (False, True):
+        v, i = merge_lists([None, *parts, None], 12, as_is=as_is)
+        assert v.dtype == torch.float32 and i.dtype == torch.int64
+        assert_same((v, i), ref_topk(s, 12))
+    lone = (torch.tensor([[2.0, 1.0, 1.0, 0.5]], dtype=torch.float64), torch.tensor([[4, 9, 2, 1]]))
+    v, i = merge_lists([None, lone], 3, as_is=True)
+    assert i.tolist() == [[4, 9, 2]] and v.dtype == torch.float32
+    assert merge_lists([lone], 3)[1].tolist() == [[4, 2, 9]]  # merged: ties to the lower id
+    v, i = merge_lists([lone], 6, as_is=True)  # narrower than k: merged and padded
+    assert i.tolist() == [[4, 2, 9, 1, -1, -1]] and v[0, 4:].isneginf().all()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -13,7 +13,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, check_topk, resolve_device
 from ..errors import FormatError, InputError
 from ..params import Params
-from ..topk import merge_topk
+from ..topk import merge_lists
 from .base import Index, VectorIndex, check_row_ids, empty_results
 
 
@@ -93,18 +93,16 @@ class ShardedIndex(Index):
         k = check_topk(k, self.ntotal, "k")
         q = as_tensor(queries, name="queries").detach()
         self.check_queries(q)
-        vals, ids = [], []
+        parts = []
         # each shard launched before any result is gathered (GPUs overlap where a shard's
         # search does not wait for its device)
         for shard, off in zip(self.shards, self.offsets):
             if shard.ntotal:
                 s, i = shard.search(q.to(shard.device, non_blocking=True), min(k, shard.ntotal), sp)
-                vals.append(s)
-                ids.append(torch.where(i >= 0, i + off, i))
-        if not vals:
+                parts.append((s, torch.where(i >= 0, i + off, i)))
+        if not parts:
             return empty_results(q.shape[0], k, self.device)
-        return merge_topk(torch.cat([v.to(self.device, torch.float32) for v in vals], 1),
-                          torch.cat([i.to(self.device) for i in ids], 1), k)
+        return merge_lists([(s.to(self.device), i.to(self.device)) for s, i in parts], k)
 
     @property
     def exact_scores(self) -> bool:

@@ -15,7 +15,7 @@ from ..metrics import evaluate
 from ..models import ERM, PEFAXL
 from ..params import XLParams, XLSearchParams, check_positive, check_unit_interval
 from ..protocol import Model
-from ..topk import merge_topk
+from ..topk import merge_lists
 from .aggregation import aggregate
 from .indexing import build
 from .runner import LocalRunner
@@ -23,14 +23,6 @@ from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance,
 
 DEFAULT_BATCH = 8192        # test queries per search round (each round reads every shard)
 Result = tuple[torch.Tensor, torch.Tensor]
-
-
-def _merge(parts: Sequence[Result | None], k: int) -> Result:
-    """Top-k of several shards' (B, *) results (global ids), ties to the lower id."""
-    parts = [p for p in parts if p is not None]
-    if len(parts) == 1 and parts[0][1].shape[1] >= k:
-        return parts[0][0][:, :k], parts[0][1][:, :k]
-    return merge_topk(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), k)
 
 
 class _Loaded(NamedTuple):
@@ -63,11 +55,11 @@ def _load(folder: Path, entry: Entry, device: DeviceLike, info: Stage, xl: bool)
 
 def _gather(shards: Sequence[_Loaded], k: int,
             search: Callable[[_Loaded, int], Result]) -> Result | None:
-    """``search(shard, min(k, its size))`` on each shard, ids made global, merged (None: none)."""
+    """``search(shard, min(k, its size))`` on each shard, ids global, merged to k (None: none)."""
     out = None
     for s in shards:
         sc, i = search(s, min(k, s.model.n_docs))
-        out = _merge([out, (sc.float(), torch.where(i >= 0, i + s.lo, i))], k)  # pads to k
+        out = merge_lists([out, (sc, torch.where(i >= 0, i + s.lo, i))], k, as_is=True)
     return out
 
 
@@ -126,7 +118,7 @@ def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
     PEFA-XL merges the passage and query searches, then each document shard fuses."""
     if info.method != "xl":
         (parts,) = fan.call(("erm", (q, topk, params)))
-        return _merge(parts, topk)
+        return merge_lists(parts, topk, as_is=True)
     p = info.params
     lam = p.lam if lam is None else lam
     k = p.k if k is None else k
@@ -134,10 +126,10 @@ def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
 
     def search(x: torch.Tensor, w_erm: int, w_knn: int) -> tuple[Result, Result]:
         erm, knn = fan.call(("erm", (x, w_erm, params)), ("knn", (x, w_knn, params)))
-        return _merge(erm, w_erm), _merge(knn, w_knn)
+        return merge_lists(erm, w_erm, as_is=True), merge_lists(knn, w_knn, as_is=True)
     erm, knn = searches(q, search, kp=kp, k=k, m=info.m, n=info.n, augment_docs=p.augment_docs)
     (parts,) = fan.call(("fuse", (q, (erm[0][:, :kp], erm[1][:, :kp]), knn, topk, lam, k)))
-    return _merge(parts, topk)
+    return merge_lists(parts, topk, as_is=True)
 
 
 def server_groups(info: Stage, workers: int) -> list[tuple[list[int], list[int]]]:
