@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -14,7 +16,9 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels (tests marked triton) run in Triton's
     os.environ.setdefault("TRITON_INTERPRET", "1")  # interpreter; read when triton is imported
 
-SHARED = Path(os.environ.get("PEFA_SHARED", Path(__file__).resolve().parents[1].parent / "shared"))
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+SHARED = Path(os.environ.get("PEFA_SHARED", ROOT.parent / "shared"))
 SCIFACT = SHARED / "datasets" / "scifact"
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -48,6 +52,20 @@ def scifact_dir() -> Path:
     if not (SCIFACT / "corpus.jsonl").exists():
         pytest.skip(f"SciFact not found at {SCIFACT} (set PEFA_SHARED to the shared/ folder)")
     return SCIFACT
+
+
+def run_python(*argv, env: dict | None = None, returncode: int | None = 0,
+               timeout: float = 300, cwd=None) -> subprocess.CompletedProcess:
+    """``python *argv`` (``"-c", code, args...``, a script or ``"-m", module``) in a fresh
+    interpreter that imports this checkout and tests/ first, with ``env`` over os.environ; text
+    output captured. Asserts the exit status is ``returncode`` (None: unchecked)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), str(TESTS), os.environ.get("PYTHONPATH")]))
+    res = subprocess.run([sys.executable, *map(str, argv)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path, **(env or {})}, timeout=timeout,
+                         cwd=cwd)
+    assert returncode in (None, res.returncode), (res.returncode, res.stdout[-2000:],
+                                                  res.stderr[-3000:])
+    return res
 
 
 def unit_rows(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import backend_class, make_index
 from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS
 
-from conftest import make_model, unit_rows
+from conftest import make_model, run_python, unit_rows
 
 try:
     import faiss
@@ -467,9 +466,7 @@ def test_missing_faiss_is_a_clear_error(monkeypatch):
 def test_import_does_not_load_faiss():
     code = ("import sys, pefa_gpu; "
             "print(*[m in sys.modules for m in ('faiss', 'hnswlib', 'scann')])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == "False False False"
+    assert run_python("-c", code).stdout.strip() == "False False False"
 
 
 @pytest.mark.parametrize("name,module,hint", [
@@ -641,7 +638,7 @@ def test_scann_builds_the_same_tree_in_every_process(tmp_path):
             "i = pg.make_index('scann', 'cpu', {'threads': 1}).build(np.load(d + '/x.npy'));"
             "np.save(d + '/ids.npy', i.search(np.load(d + '/q.npy'), 10, "
             "{'leaves_to_search': 20})[1].numpy())")
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, capture_output=True)
+    run_python("-c", code, tmp_path)
     index = make_index("scann", "cpu", {"threads": 1}).build(x)
     assert index.num_leaves == 77
     ids = index.search(q, 10, {"leaves_to_search": 20})[1].numpy()
@@ -805,8 +802,7 @@ def test_export_hnsw_xl_directory_loads_in_a_plain_process(tmp_path):
         "a = faiss.read_index(d + '/passages.faiss'); b = faiss.read_index(d + '/queries.faiss');"
         "print(a.ntotal, b.ntotal, int((a.search(t, 5)[1] >= 0).all()),"
         " int((b.search(t, 5)[1] >= 0).all()))")
-    res = subprocess.run([sys.executable, "-c", code, str(out), str(tmp_path / "t.npy")],
-                         capture_output=True, text=True, check=True)
+    res = run_python("-c", code, out, tmp_path / "t.npy")
     # queries.faiss holds the 400 training queries; documents are neighbours via passages.faiss
     assert res.stdout.split() == ["800", "400", "1", "1"]
     assert (out / "relevance.npz").is_file() and (out / "export.json").is_file()
@@ -841,9 +837,7 @@ def test_ivf_refuses_training_rows_its_float32_k_means_overflows():
             "    pg.make_index('ivf', 'cpu', {'nlist': 2, 'threads': 1}).build(x)\n"
             "except pg.InputError as exc:\n"
             "    print(exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-500:]
+    out = run_python("-c", code, timeout=120)
     assert "a row norm of 8.49e+38 is beyond what ivf's float32 k-means holds" in out.stdout
     x = unit_rows(np.random.default_rng(7), 40, 8)
     x[5] *= 1e20

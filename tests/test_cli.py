@@ -11,6 +11,7 @@ import pytest
 import pefa_gpu as pg
 from pefa_gpu.builds import load_build
 from pefa_gpu.cli import main
+from conftest import run_python
 from textdata import BowEncoder, bow_unit, write_beir, write_embeddings
 
 ROW_KEYS = {"method", "lam", "k", "recall@10", "recall@100", "ndcg@10", "mrr@10"}
@@ -248,16 +249,9 @@ def test_a_pairs_file_mixing_query_ids_and_texts_is_refused(data, tmp_path, caps
     assert repr(ds.query_ids[0]) in err and "'q-typo'" in err
 
 
-def test_python_dash_m_runs_the_command():
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(pg.__file__).resolve().parents[1])  # was 'No module named pefa_gpu.__main__'
-    res = subprocess.run([sys.executable, "-m", "pefa_gpu", "--version"], capture_output=True,
-                         text=True, env={**os.environ, "PYTHONPATH": root}, timeout=120)
-    assert res.returncode == 0 and res.stdout.startswith("pefa-gpu "), res.stderr
+def test_python_dash_m_runs_the_command():  # was 'No module named pefa_gpu.__main__'
+    res = run_python("-m", "pefa_gpu", "--version", timeout=120)
+    assert res.stdout.startswith("pefa-gpu "), res.stderr
 
 
 def test_help(capsys):

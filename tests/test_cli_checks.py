@@ -9,8 +9,6 @@ import json
 import os
 import shutil
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +18,7 @@ import pefa_gpu as pg
 from pefa_gpu import runs, storage
 from pefa_gpu.builds import load_build
 from pefa_gpu.cli import main
+from conftest import run_python
 from textdata import bow_unit, write_beir, write_embeddings
 
 
@@ -169,13 +168,10 @@ def test_an_edited_encoder_record_is_refused(built, capsys):
 def test_quiet_prints_a_python_warning_as_one_line(built, tmp_path):
     shard = next((tmp_path / "c").rglob("*.keys.npy"))
     shard.write_bytes(b"garbage")
-    root = Path(pg.__file__).resolve().parents[1]  # a process of its own: pytest keeps warnings
-    res = subprocess.run(
-        [sys.executable, "-m", "pefa_gpu", "search", built, "q", "--model", "textdata:BowEncoder",
-         "--cache-dir", tmp_path / "c", "--device", "cpu", "-q", "--no-text"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])})
-    assert res.returncode == 0 and len(res.stderr.splitlines()) == 1, res.stderr  # + a source
+    # a process of its own: pytest keeps warnings
+    res = run_python("-m", "pefa_gpu", "search", built, "q", "--model", "textdata:BowEncoder",
+                     "--cache-dir", tmp_path / "c", "--device", "cpu", "-q", "--no-text")
+    assert len(res.stderr.splitlines()) == 1, res.stderr  # + a source
     assert res.stderr.startswith(f"pefa-gpu search: UserWarning: encode cache: ignoring "
                                  f"unreadable shard {shard} (")
 

@@ -6,8 +6,6 @@ atomic and resumable shard writes, and workers killed mid-stage."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.fuse import neighbours
 from pefa_gpu.pipeline.shards import _complete
 from pefa_gpu.topk import merge_lists
+from conftest import run_python
 from reference import exact_search, normalize, xl_search
 from textdata import BowEncoder
 
@@ -409,8 +408,7 @@ def test_encode_resumes_after_a_kill_and_shares_the_cache(tmp_path):
     out = tmp_path / "enc"
     script = _KILLER.format(paths=[str(TESTS)], texts=str(tmp_path / "texts.txt"),
                             out=str(out))
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
-    assert proc.returncode == 9, proc.stderr
+    run_python("-c", script, returncode=9)
     # shards 0 and 1 are complete, shard 2 was being encoded: nothing of it is visible
     assert _complete(out / "shard-00000") and _complete(out / "shard-00001")
     assert _complete(out / "shard-00002") is None

@@ -3,8 +3,6 @@ the CPU, torch blocks), ties at the k-th place, duplicates, several chunks and b
 storage, empty inputs. The top-k functions themselves: tests/test_topk.py; memory:
 tests/test_exact_memory.py."""
 
-import subprocess
-import sys
 from contextlib import nullcontext
 
 import numpy as np
@@ -15,7 +13,7 @@ import pefa_gpu.index.exact as exact_module
 from pefa_gpu.errors import InputError
 from pefa_gpu.index import ExactIndex, make_index
 from pefa_gpu.topk import merge_topk, order_ties, topk_rows
-from conftest import DEVICES, unit_rows
+from conftest import DEVICES, run_python, unit_rows
 import reference as ref
 
 
@@ -97,10 +95,7 @@ def test_low_precision_cpu_search_does_not_import_triton():
              "make_index('exact', 'cpu', {'dtype': 'bfloat16'}).build(x).search(x[:3], 2); "
              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' "
              "or m.endswith('triton_topk')))")
-    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert run_python("-c", child).stdout.strip() == "[]"
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

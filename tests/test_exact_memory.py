@@ -11,13 +11,12 @@ separately against the budget over a grid of shapes.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import run_python
 from pefa_gpu.index import ExactIndex
 from pefa_gpu.index.exact import TIE_MARGIN
 
@@ -73,9 +72,7 @@ def _clear_refs_works() -> bool:
 def test_peak_memory_within_budget(engine, n, d, b, k, budget, dtype):
     if engine == "faiss":
         pytest.importorskip("faiss")
-    res = subprocess.run([sys.executable, "-c", CHILD, engine, str(n), str(d), str(b), str(k),
-                          str(budget), dtype], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    res = run_python("-c", CHILD, engine, n, d, b, k, budget, dtype)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     assert rec["faiss"] == (engine == "faiss")
     work = rec["grew"] - rec["result"]

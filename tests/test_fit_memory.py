@@ -12,11 +12,10 @@ temporary, the fits grew by 3.7x (ERM), 9.2x (XS) and 5.7x (XL) the size of P.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
+from conftest import run_python
 from test_exact_memory import _clear_refs_works
 
 CHILD = r"""
@@ -53,8 +52,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(not _clear_refs_works(), reason="needs /proc/self/clear_refs (Linux)")
 def test_fit_peak_memory_is_what_the_model_keeps(tmp_path):
     n, d = 150_000, 384
-    out = subprocess.run([sys.executable, "-c", CHILD, str(n), str(d), str(tmp_path)],
-                         capture_output=True, text=True, check=True)
+    out = run_python("-c", CHILD, n, d, tmp_path)
     grew = json.loads(out.stdout.strip().splitlines()[-1])
     matrix = n * d * 4
     # (matrices kept, input maps read whole)

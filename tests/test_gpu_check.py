@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, run_python
 
 
 @pytest.fixture(scope="module")
@@ -26,10 +24,8 @@ def gpu_check():
 @pytest.mark.slow  # ~1-2 min: every stage in its own process, and pytest -m gpu collecting
 def test_dry_run_runs_every_stage_and_writes_both_files(tmp_path):
     out = tmp_path / "out"
-    res = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"),
-                          "--dry-run", "--out", str(out)], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = run_python(ROOT / "benchmarks" / "gpu_check.py", "--dry-run", "--out", out,
+                     cwd=tmp_path, timeout=600)
     assert "gpu_check stages: env, card, tests, exact, xl, pifa, stream, triton, ann" in res.stdout
     data = json.loads((out / "gpu.json").read_text())
     md = (out / "gpu.md").read_text()

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -16,6 +14,7 @@ import pefa_gpu as pg
 from pefa_gpu.aggregate_stream import chunk_rows, pifa_streamed
 from pefa_gpu.relevance import Relevance
 from pefa_gpu.stream import RowSource, row_source
+from conftest import run_python
 
 
 def ref_pifa(Y: sp.spmatrix, Q: np.ndarray, normalize: bool) -> np.ndarray:
@@ -317,9 +316,7 @@ def test_peak_resident_memory_within_budget(tmp_path, mode):
     mm.flush()
     del mm
     budget = 8 * 2**20
-    res = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode, str(m), str(n),
-                          str(budget)], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr
+    res = run_python("-c", _CHILD, path, mode, m, n, budget, timeout=120)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     grew = rec["after"]["VmHWM"] - max(rec["before"]["VmRSS"], 0)
     q_bytes = m * d * 4

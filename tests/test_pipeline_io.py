@@ -8,8 +8,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import subprocess
-import sys
 import textwrap
 import tracemalloc
 
@@ -21,6 +19,7 @@ import torch
 from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index.exact import ExactIndex
+from conftest import run_python
 
 
 def array_bytes(x) -> int:
@@ -196,9 +195,7 @@ def test_a_killed_xl_build_leaves_scratch_that_the_next_build_removes(tmp_path):
     """The queries' copy that a killed build task leaves in its shard's unfinished save is
     removed when the next build writes that shard; what the library did not write is kept."""
     P, Q, Y, docs, queries, rel = make_stages(tmp_path, 4)
-    child = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(tmp_path)],
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    assert child.returncode == -9
+    run_python("-c", KILLED_BUILD, tmp_path, returncode=-9)
     out = tmp_path / "xl"
     (left,) = (out / "doc-00000").iterdir()  # what the kill left: marker and the queries' copy
     assert sorted(f.name for f in left.iterdir()) == [".pefa-data", "q.npy"]

@@ -8,8 +8,6 @@ adds in a fresh subprocess (VmHWM, reset through /proc/self/clear_refs), minus i
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +15,7 @@ import pytest
 import scipy.sparse as sp
 
 import pefa_gpu as pg
-from conftest import make_model, unit_rows
+from conftest import make_model, run_python, unit_rows
 from reference import exact_search, xl_search
 from test_exact_memory import _clear_refs_works
 
@@ -66,9 +64,7 @@ print(json.dumps({"grew": after["VmHWM"] - before["VmRSS"],
     ("xl", "float32", 1000, 1000, 16 * MiB),   # d6866eb: +101 MiB (fusion tables)
 ])
 def test_a_search_keeps_to_the_budget_over_its_queries(model, dtype, b, topk, budget):
-    res = subprocess.run([sys.executable, "-c", CHILD, model, dtype, str(b), str(topk),
-                          str(budget)], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
+    res = run_python("-c", CHILD, model, dtype, b, topk, budget)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     work = rec["grew"] - rec["result"]
     assert work <= 1.5 * budget, (work / MiB, budget / MiB)

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import ast
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 import pefa_gpu as pg
+from conftest import ROOT, run_python
 from textdata import write_beir
 
-ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
@@ -58,11 +54,8 @@ def test_python_api_snippet_runs_as_pasted_on_a_plain_beir_folder(tmp_path):
     assert not (data / "embeddings").exists()
     script = tmp_path / "snippet.py"
     script.write_text(code.replace("../shared/datasets/scifact", str(data)))
-    env = {**os.environ, "HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT),
-           "HF_HUB_OFFLINE": "1"}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                         env=env, timeout=600, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
+    res = run_python(script, env={"HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"},
+                     timeout=600, cwd=tmp_path)
     recall, metrics = map(ast.literal_eval, res.stdout.splitlines())
     assert set(recall) == {10, 100} and all(0 <= v <= 1 for v in recall.values())
     assert metrics["n_queries"] == 9 and 0 <= metrics["recall@10"] <= 1

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import run_python
+
 pytest.importorskip("triton")
 from pefa_gpu import triton_rowdots as tr  # noqa: E402  (after the skip: imports triton)
 from pefa_gpu.errors import InputError  # noqa: E402
@@ -174,10 +176,5 @@ def test_cuda_launch_guards_the_device_and_uses_the_current_stream():
 
 
 def test_import_does_not_load_triton():
-    import subprocess
-    import sys
-
     code = "import sys, pefa_gpu, pefa_gpu.fuse; print('triton' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    assert out == "False"
+    assert run_python("-c", code).stdout.strip() == "False"
