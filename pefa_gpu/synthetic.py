@@ -9,9 +9,8 @@ import os
 
 import numpy as np
 
-from .params import check_positive
 from .errors import InputError
-from .params import check_nonnegative
+from .params import check_nonnegative, check_positive
 from .relevance import Relevance
 
 
@@ -39,13 +38,10 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
         raise InputError(f"popularity must be > 0 and rel_exponent > 1, got {popularity!r}, "
                          f"{rel_exponent!r}")
     c = check_positive(clusters, "clusters") if clusters else max(1, int(np.sqrt(n)))
-    need = 4 * d * (n + m + n_test + c)  # P, Q, Q_test and the centres as float32
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > memory:  # numpy's MemoryError (or the OOM killer) otherwise
-        raise InputError(f"make_synthetic(n={n}, m={m}, d={d}, n_test={n_test}, clusters={c}) "
-                         f"needs {need / 2**30:.4g} GiB of float32 rows, more than this "
-                         f"machine's {memory / 2**30:.4g} GiB of memory")
-    rng = np.random.default_rng(seed)
+    sizes = f"make_synthetic(n={n}, m={m}, d={d}, n_test={n_test}, clusters={c}"
+    # P, Q, Q_test and the centres as float32: numpy's MemoryError (or the OOM killer) otherwise
+    _check_memory(4 * d * (n + m + n_test + c), f"{sizes}) needs", "float32 rows")
+    rng = np.random.default_rng(check_nonnegative(seed, "seed"))
     centres = _unit(rng.standard_normal((c, d), dtype=np.float32))
     # cluster sizes are uneven (Zipf-like); documents sorted by cluster
     weights = 1.0 / np.arange(1, c + 1) ** 0.8
@@ -61,6 +57,9 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     def queries(count: int) -> tuple[np.ndarray, Relevance]:
         target = np.minimum(np.searchsorted(cum, rng.random(count)), n - 1)
         n_rel = np.minimum(rng.zipf(rel_exponent, count), max_rel)
+        pairs = n_rel.sum(dtype=np.float64)  # no int64 overflow for a huge max_rel
+        _check_memory(48 * pairs, f"{sizes}, max_rel={max_rel}, rel_exponent={rel_exponent}) "
+                      f"drew {pairs:.4g} relevant pairs: about", "index arrays")
         owner = np.repeat(np.arange(count), n_rel - 1)
         z = doc_cluster[target[owner]]
         others = start[z] + (rng.random(owner.size) * size[z]).astype(np.int64)
@@ -74,6 +73,17 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     Q, Y = queries(m)
     Q_test, Y_test = queries(n_test)
     return SyntheticData(P=P, Q=Q, Y=Y, Q_test=Q_test, Y_test=Y_test)
+
+
+def _check_memory(need: float, what: str, of: str) -> None:
+    """InputError if ``need`` bytes exceed physical memory (where the OS tells it)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: unknown, unchecked
+        return
+    if need > memory:
+        raise InputError(f"{what} {need / 2**30:.4g} GiB of {of}, more than this machine's "
+                         f"{memory / 2**30:.4g} GiB of memory")
 
 
 def _unit(x: np.ndarray) -> np.ndarray:

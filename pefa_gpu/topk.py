@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .errors import InputError
+from .params import check_nonnegative
 
 PAD_ID = -1
 PAD_SCORE = float("-inf")
@@ -79,8 +79,7 @@ def merge_lists(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], k: in
 def _best(table: torch.Tensor, ids: torch.Tensor | None, k: int, offset: int = 0
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_topk` of ``table`` (B, W) and ``ids`` (None: the columns + ``offset``)."""
-    if k < 0:  # k > W is padding, which callers bound (a sweep's last block is narrower)
-        raise InputError(f"k must be an int >= 0, got {k!r}")
+    k = check_nonnegative(k, "k")  # k > W is padding (a sweep's last block is narrower)
     b, w = table.shape
     kk = min(k, w)
     if kk == 0 or b == 0:

@@ -202,3 +202,13 @@ def test_synthetic_sizes_beyond_memory_are_a_clear_error(sizes):
     for bad, msg in ((dict(clusters=-1), "clusters must be"), (dict(max_rel=0), "max_rel must")):
         with pytest.raises(pg.InputError, match=msg):
             make_synthetic(10, 10, **bad)
+
+
+def test_synthetic_seed_and_relevant_pair_counts_are_checked():
+    """seed=-1 was numpy's ValueError (not naming seed); a huge max_rel with rel_exponent near 1
+    drew ~4e17 relevant pairs and gave numpy's MemoryError."""
+    with pytest.raises(pg.InputError, match="seed must be an int >= 0, got -1"):
+        make_synthetic(10, 10, seed=-1)
+    with pytest.raises(pg.InputError, match=r"max_rel=1000000000000, rel_exponent=1.0001\) drew "
+                                            r".* relevant pairs: about .* GiB of index arrays"):
+        make_synthetic(100, 10**6, 4, 0, max_rel=10**12, rel_exponent=1.0001)

@@ -101,10 +101,11 @@ def test_rows_shorter_than_k_and_empty_inputs():
     assert i.tolist() == [[-1, -1]] * 2
 
 
-def test_a_negative_k_is_a_clear_error():
-    """k = -1 was torch's IndexError (on an empty slice); k = 0 gives (B, 0) lists as before."""
+def test_a_negative_or_non_int_k_is_a_clear_error():
+    """k = -1 was torch's IndexError (on an empty slice), k = True torch's RuntimeError and
+    k = 2.0 a TypeError; k = 0 gives (B, 0) lists as before."""
     s = torch.rand(3, 5)
-    for k in (-1, -7):
+    for k in (-1, -7, True, 2.0):
         with pytest.raises(InputError, match=f"k must be an int >= 0, got {k}"):
             topk_rows(s, k)
         with pytest.raises(InputError, match=f"k must be an int >= 0, got {k}"):
