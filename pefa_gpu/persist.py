@@ -217,7 +217,10 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
                 t, torch.Tensor) or t.dtype != torch.float32 or t.ndim != 2:
             raise FormatError(f"{where}: index {name!r} over attribute {shared!r} needs a float32 "
                               f"exact index and a loaded float32 matrix")
-        index = cls(params, device).build(t)
+        try:
+            index = cls(params, device).build(t)
+        except InputError as exc:  # rows not finite
+            raise FormatError(f"{where}: index {name!r} over attribute {shared!r}: {exc}") from exc
     index.search_params = search
     if (index.ntotal, index.dim) != (entry.get("ntotal"), entry.get("dim")):
         raise FormatError(f"{where}: index {name!r} holds {index.ntotal} vectors of dimension "

@@ -500,3 +500,18 @@ def test_a_nudge_fitted_gamma_outside_its_variants_range_is_refused(tmp_path, va
     (tmp_path / "s" / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(FormatError, match="fitted_gamma must be a finite number in NUDGE-"):
         pg.load(tmp_path / "s")
+
+
+@pytest.mark.parametrize("rel", ["query_index/vectors.npy", "doc_embeddings.npy"])
+def test_a_save_whose_vectors_hold_nan_is_refused_at_load(tmp_path, data, rel):
+    """An exact index's rows are checked finite at build; a forged save's vectors.npy was loaded
+    as is and every search of a NaN row's scores was NaN."""
+    save = tmp_path / "xl"
+    pg.PEFAXL(device="cpu", k=2).fit(*data[:3]).save(save)
+    path = data_file(save, rel)
+    arr = np.load(path)
+    arr[3, 1] = np.nan
+    np.save(path, arr)
+    resign(save)
+    with pytest.raises(FormatError, match=rel.split("/")[-1].split(".")[0]):
+        pg.load(save, device="cpu")

@@ -223,9 +223,10 @@ class ExactIndex(VectorIndex):
         """Read ``vectors.npy``; ``mmap=True`` maps it (copy-on-write) on a CPU device."""
         out = cls(params, device)
         v = load_tensor(Path(directory) / "vectors.npy", out.device, mmap=mmap)
-        if v.ndim != 2 or v.dtype != out._dtype:
+        if v.ndim != 2 or v.dtype != out._dtype or (v.numel() and not all_finite(v)):
             raise FormatError(f"{Path(directory) / 'vectors.npy'} holds {v.dtype} shape "
-                              f"{tuple(v.shape)}; expected a 2-D {out.params.dtype} matrix")
+                              f"{tuple(v.shape)}; expected a 2-D {out.params.dtype} matrix of "
+                              f"finite numbers")
         out._store(v)
         return out
 
