@@ -292,6 +292,7 @@ def _parquet_records(path: Path):
                          f"{table.column_names}")
     for row, (q, d, *w) in enumerate(zip(*(table.column(i).to_pylist() for i in picked))):
         where = f"{path}: row {row}"
-        if q is None or d is None:
-            raise InputError(f"{where}: missing query or document id")
+        if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in (q, d)):
+            raise InputError(f"{where}: missing query or document id, or one that is not a "
+                             f"string or integer: {q!r}, {d!r}")
         yield where, str(q), str(d).strip(), w[0] if w else None

@@ -201,6 +201,20 @@ def test_pairs_parquet_columns_by_name_else_position(tmp_path, columns, expected
         load_pairs(p, DOCS)
 
 
+@pytest.mark.parametrize("cell", [["x", "y"], {"q": "x"}, 1.5, True, b"x"])
+def test_a_parquet_query_cell_that_is_not_a_string_or_integer_is_refused(tmp_path, cell):
+    """A list cell was read as the query text "['x', 'y']" (a struct, float, bool or bytes
+    cell as their repr); integer ids still read as their digits."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    p = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"query": [cell, cell], "doc_id": ["a", "b"]}), p)
+    with pytest.raises(InputError, match=r"row 0: .* not a string or integer"):
+        load_pairs(p, DOCS)
+    pq.write_table(pa.table({"query": [7, 8], "doc_id": ["a", "b"]}), p)
+    assert load_pairs(p, DOCS).query_keys == ["7", "8"]
+
+
 def test_beir_title_only_and_empty_documents_load(tmp_path):
     root = write_beir(tmp_path / "d")  # BEIR has title-only documents; "" texts load as ""
     with open(root / "corpus.jsonl", "a") as f:
