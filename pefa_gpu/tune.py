@@ -28,9 +28,9 @@ from .models import ERM
 from .params import is_number
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
-from .sweep import (METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, check_sweep_grid,
-                    sweep_search)
-from .metrics import _gains, evaluate
+from .sweep import (METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, _rows,
+                    check_sweep_grid, sweep_search)
+from .metrics import _gains, check_ks, evaluate
 
 log = logging.getLogger("pefa_gpu")
 __all__ = ["TuneResult", "fit_config", "match_coverage", "parse_metric", "per_query_recall",
@@ -62,7 +62,7 @@ def parse_metric(metric: str) -> tuple[int, ...]:
     ks = []
     for part in str(metric).split(","):
         name, _, k = part.strip().partition("@")
-        if name != "recall" or not k.isdigit() or int(k) <= 0:
+        if name != "recall" or not k.isdecimal() or int(k) <= 0:  # isdigit: '²' too
             raise InputError(f"metric must be recall@K terms joined by commas (e.g. "
                              f"'recall@10,recall@100'), got {metric!r}")
         ks.append(int(k))
@@ -72,6 +72,7 @@ def parse_metric(metric: str) -> tuple[int, ...]:
 def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.ndarray:
     """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| (NaN: no relevant document)
     for ids (B, K) int64, -1 padded (a repeat counts once), Y (B x n) (> 0: relevant)."""
+    ks = check_ks(ks)  # () divided by zero; 0 or -1 cut the ranks silently
     gains, n_rel, _ = _gains(ids, Y)
     return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)
                for k in ks) / len(ks)
@@ -90,7 +91,7 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
         raise InputError(f"min_z must be a finite number >= 0, got {min_z!r}")
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
-    rel = as_relevance(Y, shape=(q_all.shape[0], None))
+    rel = as_relevance(Y, shape=(q_all.shape[0], _rows(P)))  # columns: P's documents
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
     if not (y_val.csr.data > 0).any():  # every objective would be NaN: nothing to compare
@@ -150,12 +151,13 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     """(fitting pairs matched to the estimated test coverage, info): ``val_coverage``,
     ``proxy_val`` / ``proxy_test`` (top-1 documents with a training pair),
     ``test_coverage_estimate``, ``matched_coverage`` (module docstring)."""
-    yf, yv = as_relevance(y_fit, allow_empty=True).csr, as_relevance(y_val, allow_empty=True).csr
-    ya = as_relevance(y_all).csr
-    n = yf.shape[1]
+    erm = ERM(backend=backend, device=device).fit(P)
+    n = erm.n_docs  # columns of other widths were an IndexError, or indexed silently
+    yf = as_relevance(y_fit, (None, n), "y_fit", allow_empty=True).csr
+    yv = as_relevance(y_val, (_rows(q_val), n), "y_val", allow_empty=True).csr
+    ya = as_relevance(y_all, (None, n), "y_all").csr
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
-    erm = ERM(backend=backend, device=device).fit(P)
     top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
     top_test = to_numpy(erm.search(test_queries, 1)[1])[:, 0]
     proxy_val = float(cov_fit[top_val[top_val >= 0]].mean()) if (top_val >= 0).any() else 0.0

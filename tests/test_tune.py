@@ -180,3 +180,26 @@ def test_tune_refuses_a_validation_split_without_a_relevant_document():
     Y = sp.csr_matrix((np.ones(fit_rows.size, np.float32), (fit_rows, fit_rows)), shape=(20, 30))
     with pytest.raises(InputError, match="none of the 4 held-out training queries has a rel"):
         tune(P, Q, Y, **SMALL)
+
+
+def test_metric_ks_and_relevance_widths_are_checked():
+    """metric='recall@²' was int()'s bare ValueError (str.isdigit takes '²'); per_query_recall
+    with ks=() divided by zero and with ks=(0,) / (-1,) cut the ranks silently; a Y with fewer
+    columns than P's documents was refused as 'ids contain document 19 but Y_test has 5
+    documents'; match_coverage with a y_fit narrower than P was numpy's IndexError."""
+    rng = np.random.default_rng(0)
+    P, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (20, 30))
+    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    Y = sp.csr_matrix((np.ones(30, np.float32), (np.arange(30), np.arange(30) % 20)))
+    with pytest.raises(InputError, match="recall@K terms"):
+        tune(P, Q, Y, metric="recall@²", **SMALL)
+    for ks in ((), (0,), (-1,), None):
+        with pytest.raises(InputError, match="ks must be positive integers"):
+            per_query_recall(np.array([[3, 0]]), sp.csr_matrix(np.eye(1, 5)), ks)
+    with pytest.raises(InputError, match="Y has 5 columns .documents. but there are 20"):
+        tune(P, Q, Y[:, :5], **SMALL)
+    from pefa_gpu.tune import match_coverage
+    for y_fit, y_val, match in [(Y[:20, :5], Y[20:], "y_fit has 5 columns"),
+                                (Y[:20], Y[20:], "y_val has 10 rows .queries. but there are 5")]:
+        with pytest.raises(InputError, match=match):
+            match_coverage(P, Q[20:25], y_fit, y_val, Y, Q[:3], device="cpu")
