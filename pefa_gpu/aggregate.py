@@ -23,6 +23,9 @@ def normalize_rows(x: Any) -> torch.Tensor:
     t = as_tensor(x, name="x")  # a tensor as it is; bool / complex / objects refused
     if t.ndim != 2:
         raise InputError(f"normalize_rows takes a (rows, d) matrix, got shape {tuple(t.shape)}")
+    if t.dtype == torch.float64 and t.shape[1]:  # float64 rows past float32's range (1e300:
+        top = t.abs().amax(dim=1, keepdim=True)  # NaN rows; 1e-300: zero rows) scaled first
+        t = t / torch.where(top > 0, top, 1.0)
     return normalize_rows_(t.float().clone(memory_format=torch.contiguous_format))
 
 
@@ -67,7 +70,7 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
     src = row_source(Q, "Q")
     if src is None and dev.type == "cpu":  # float arrays are read in place, in their dtype
         host = isinstance(Q, torch.Tensor) and Q.device.type == "cpu" and \
-            Q.dtype in (torch.float16, torch.float32, torch.float64)
+            Q.layout == torch.strided and Q.dtype in (torch.float16, torch.float32, torch.float64)
         x = Q.detach().numpy() if host else Q
         if not (isinstance(x, np.ndarray) and (x.dtype.kind == "f" or is_bfloat16(x.dtype))):
             x = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach().numpy()

@@ -46,12 +46,14 @@ def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int
 
 def check_initial(initial: torch.Tensor | None, n: int, d: int, device: torch.device) -> None:
     """InputError unless ``initial`` is None or a contiguous (n, d) float32 tensor on
-    ``device``'s type."""
+    ``device``'s type that does not require grad (it is written in place)."""
     if initial is not None and (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
                                 or initial.device.type != device.type
-                                or not initial.is_contiguous()):
-        raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device}, "
-                         f"got {tuple(initial.shape)} {initial.dtype} on {initial.device}")
+                                or not initial.is_contiguous() or initial.requires_grad):
+        raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device} "
+                         f"that does not require grad, got {tuple(initial.shape)} "
+                         f"{initial.dtype} on {initial.device}"
+                         f"{' requiring grad' if initial.requires_grad else ''}")
 
 
 def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
@@ -105,10 +107,12 @@ def _stream_scipy(src: RowSource, rows: int, y: Any, a: np.ndarray) -> None:
         else:  # into one float32 buffer, made at the first chunk that needs it
             conv = np.empty((rows, d), dtype=np.float32) if conv is None else conv
             x = conv[:r]
-            np.copyto(x, chunk, casting="unsafe")
+            with np.errstate(over="ignore"):  # refused below, by name
+                np.copyto(x, chunk, casting="unsafe")
         if x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):  # in place
             bad = np.flatnonzero(~np.isfinite(x).all(axis=1))[:5] + start
-            raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...)")
+            raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...) or values "
+                             f"beyond float32's range (±3.4e38)")
         ptr = indptr[start:start + r + 1]
         # A += (Y[rows])ᵀ x in place; Y[rows] CSR = Y[rows]ᵀ CSC
         csc_matvecs(n, r, d, ptr, y.indices, y.data, x.reshape(-1), a.reshape(-1))
@@ -200,4 +204,4 @@ def _stream_staged(src: RowSource, rows: int, y: Any, a: torch.Tensor) -> None:
             if copier is not None:
                 copier.synchronize()
         if not bool(finite):
-            raise InputError("Q contains NaN or inf")
+            raise InputError("Q contains NaN or inf or values beyond float32's range (±3.4e38)")

@@ -92,14 +92,17 @@ def test_pifa_from_initial_sums(device, q_kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bad", ["shape", "dim", "dtype"])
+@pytest.mark.parametrize("bad", ["shape", "dim", "dtype", "grad"])
 def test_pifa_initial_of_the_wrong_shape_is_refused(bad, device):
-    """On CUDA a device tensor Q takes the in-memory product (not the streamed path)."""
+    """On CUDA a device tensor Q takes the in-memory product (not the streamed path). An
+    initial that requires grad was torch's RuntimeError ("Can't call numpy() on Tensor that
+    requires grad"; on CUDA: a leaf used in an in-place operation)."""
     rng = np.random.default_rng(5)
     Q = torch.from_numpy(unit_rows(rng, 10, 6)).to(device)
     Y = random_relevance(rng, 10, 4, 12)
     initial = {"shape": torch.zeros(5, 6), "dim": torch.zeros(4, 7),
-               "dtype": torch.zeros(4, 6, dtype=torch.float64)}[bad].to(device)
+               "dtype": torch.zeros(4, 6, dtype=torch.float64),
+               "grad": torch.zeros(4, 6)}[bad].to(device).requires_grad_(bad == "grad")
     with pytest.raises(pg.InputError, match="initial"):
         pg.pifa(Y, Q, normalize=False, initial=initial, device=device)
 
@@ -116,3 +119,18 @@ def test_normalize_rows_takes_any_array_and_refuses_what_is_not_a_real_matrix():
                        (x.astype(object), "dtype")]:
         with pytest.raises(pg.InputError, match=match):
             pg.normalize_rows(bad)
+
+
+def test_float64_rows_beyond_float32_and_a_sparse_q():
+    """normalize_rows of finite float64 rows past float32's range gave NaN rows (1e300) or,
+    silently, zero rows (1e-300); pifa of such a Q said 'Q contains NaN or inf' of finite
+    values; a torch sparse Q was torch's bare TypeError ("can't convert Sparse layout tensor
+    to numpy")."""
+    x = np.array([[1e300, -1e300], [3e-300, 4e-300], [0.0, 0.0]])
+    want = torch.tensor([[2 ** -0.5, -(2 ** -0.5)], [0.6, 0.8], [0.0, 0.0]])
+    assert torch.allclose(pg.normalize_rows(x), want)
+    Y = pg.Relevance.from_pairs([0, 1], [0, 0], shape=(2, 1))
+    with pytest.raises(pg.InputError, match="Q contains NaN or inf .* beyond float32's range"):
+        pg.pifa(Y, np.full((2, 2), 1e300), device="cpu")
+    with pytest.raises(pg.InputError, match="Q is a torch.sparse_coo tensor"):
+        pg.pifa(Y, torch.eye(2).to_sparse(), device="cpu")
