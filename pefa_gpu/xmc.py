@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +67,8 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
     if aug not in AUGMENTATIONS:
         raise InputError(f"aug={aug!r} is not one of {sorted(AUGMENTATIONS)} "
                          f"(v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 trn+doc+d2q)")
-    xmc_root, emb_root = _folder(xmc_dir, "XMC"), _folder(emb_dir, "embedding")
+    xmc_root, emb_root = _folder(xmc_dir, "XMC", "xmc_dir"), _folder(emb_dir, "embedding",
+                                                                      "emb_dir")
     wanted = ("abs", "tst", *AUGMENTATIONS[aug])
     ys = {src: read_csr(_inside(xmc_root, FILES[src][0])) for src in wanted}
     xs = {src: read_matrix(_inside(emb_root, FILES[src][1])) for src in wanted}
@@ -100,7 +102,10 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
                    sources={s: int(ys[s].shape[0]) for s in train})
 
 
-def _folder(path: str | Path, what: str) -> Path:
+def _folder(path: str | Path, what: str, name: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)):  # Path(None): a TypeError naming nothing
+        raise TypeError(f"{name} must be a folder path (str or os.PathLike), got "
+                        f"{type(path).__name__}")
     root = Path(path).expanduser()
     if not root.is_dir():
         raise InputError(f"{what} folder {root} does not exist or is not a folder")

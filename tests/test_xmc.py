@@ -196,6 +196,11 @@ def test_missing_folders_and_files(folders, tmp_path):
         pg.load_xmc(xmc, emb)
     with pytest.raises(InputError, match="aug='v6'"):
         pg.load_xmc(xmc, emb, aug="v6")
+    # Path(None) was a TypeError naming no argument ('expected str, bytes or os.PathLike')
+    with pytest.raises(TypeError, match="xmc_dir must be a folder path .* got NoneType"):
+        pg.load_xmc(None, emb)
+    with pytest.raises(TypeError, match="emb_dir must be a folder path .* got int"):
+        pg.load_xmc(xmc, 3)
 
 
 @pytest.mark.parametrize("src,change,match", [
