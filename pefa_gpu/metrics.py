@@ -17,7 +17,8 @@ log = logging.getLogger("pefa_gpu")
 
 
 def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(B, K) gains of the ranked ids, (B,) relevant counts, and (B, R) sorted ideal gains."""
+    """(B, K) gains of the ranked ids, (B,) relevant counts, and (B, min(R, K)) sorted ideal
+    gains (R: the most relevant documents of a query)."""
     ids = np.asarray(to_numpy(ids))
     if ids.ndim != 2:
         raise InputError(f"ids must be 2-D (queries, ranks), got shape {ids.shape}")
@@ -48,10 +49,14 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     gains = np.asarray(picked).reshape(ids.shape) * valid
     positive = rel.maximum(0)  # explicit zeros and negative grades dropped
     n_rel = np.diff(positive.indptr)
-    ideal = np.zeros((b, max(int(n_rel.max(initial=0)), 1)))
-    row = np.repeat(np.arange(b), n_rel)  # each query's grades in descending order
+    # each query's grades in descending order, its first K only: (B, most relevant) floats
+    # were gigabytes for one query relevant to every document
+    ideal = np.zeros((b, max(min(int(n_rel.max(initial=0)), ids.shape[1]), 1)))
+    row = np.repeat(np.arange(b), n_rel)
     order = np.lexsort((-positive.data, row))
-    ideal[row, np.arange(row.size) - positive.indptr[row]] = positive.data[order]
+    rank = np.arange(row.size) - positive.indptr[row]
+    top = rank < ideal.shape[1]
+    ideal[row[top], rank[top]] = positive.data[order][top]
     return np.maximum(gains, 0), n_rel, ideal
 
 
