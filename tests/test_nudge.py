@@ -273,3 +273,30 @@ def test_validation_queries_without_a_relevant_document_warn_that_gamma_is_0(var
     with caplog.at_level("WARNING", logger="pefa_gpu"):
         assert pg.NUDGE(variant=variant, device="cpu").fit(P, Q, Y, Qv, Yv).fitted_gamma > 0
     assert "gamma is 0" not in caplog.text
+
+
+NUDGE_M_MEMORY = r"""
+import resource, numpy as np, scipy.sparse as sp, pefa_gpu as pg
+from pefa_gpu import nudge
+from conftest import unit_rows
+nudge.BLOCK_CELLS = 2**16  # 256 KiB of float32 cells per table
+rng = np.random.default_rng(0)
+N, M = 5000, 200
+P, Q, Qv = unit_rows(rng, N, 16), unit_rows(rng, M, 16), unit_rows(rng, 3, 16)
+Y = sp.csr_matrix((np.ones(M, np.float32), (np.arange(M), rng.integers(0, N, M))), shape=(M, N))
+Yv = sp.csr_matrix(np.r_[np.ones((1, N)), np.eye(2, N)].astype(np.float32))
+pg.NUDGE(variant="M", device="cpu").fit(P[:50], Q[:20], sp.identity(50, format="csr")[:20],
+                                        Qv, Yv[:, :50])  # warm-up
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+pg.NUDGE(variant="M", device="cpu").fit(P, Q, Y, Qv, Yv)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_nudge_m_validation_pairs_are_taken_in_blocks():
+    """NUDGE-M's step search made (pairs, documents) tables for every pair of a block of
+    BLOCK_CELLS / n queries at once: one validation query relevant to all of 5000 documents
+    took 670 MB (n² cells); now BLOCK_CELLS / n pairs at a time (the same γ)."""
+    from conftest import run_python
+    grew_mb = int(run_python("-c", NUDGE_M_MEMORY).stdout.split()[-1])
+    assert grew_mb < 150, grew_mb
