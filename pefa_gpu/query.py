@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 ALPHAS: tuple[float, ...] = (0.1, 0.3, 1.0, 3.0, 10.0)  # QueryAdapter's α grid
 GRAM_ROWS = 1 << 16  # query rows per float64 block of QᵀQ
+PRF_CELLS = 1 << 22  # float32 cells of feedback rows VectorPRF gathers at a time
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -212,10 +213,14 @@ class VectorPRF(_Saved):
         check_model(model, "VectorPRF", ("as_queries", "search"))  # a QueryModel too
         q = model.as_queries(queries)
         _, ids = model.search(q, self.params.k, check=False)
-        valid = (ids >= 0).unsqueeze(2)
-        docs = model.doc_embeddings[ids.clamp_min(0)].float() * valid
-        found = valid.sum(1).clamp_min(1)
-        return q + self.params.beta * (docs.sum(1) / found)
+        total = torch.zeros_like(q)
+        # the (B, k, d) rows PRF_CELLS at most at a time: k=10000 took 100 queries of d=64
+        # 520 MB more (one block, as before, where they fit)
+        step = max(1, PRF_CELLS // max(q.numel(), 1))
+        for j in range(0, ids.shape[1], step):
+            i = ids[:, j:j + step]
+            total += (model.doc_embeddings[i.clamp_min(0)].float() * (i >= 0)[:, :, None]).sum(1)
+        return q + self.params.beta * (total / (ids >= 0).sum(1, keepdim=True).clamp_min(1))
 
     def save(self, directory: str | Path) -> None:
         """Write the settings to ``directory``; read back with :func:`pefa_gpu.load`."""
