@@ -134,3 +134,13 @@ def test_float64_rows_beyond_float32_and_a_sparse_q():
         pg.pifa(Y, np.full((2, 2), 1e300), device="cpu")
     with pytest.raises(pg.InputError, match="Q is a torch.sparse_coo tensor"):
         pg.pifa(Y, torch.eye(2).to_sparse(), device="cpu")
+
+
+def test_pifa_sums_past_the_machines_memory_are_refused_before_allocating():
+    """A one-row Y declaring 2^31 - 1 documents made pifa ask torch for (n, d) float32 sums
+    past any memory: torch's bare RuntimeError ("DefaultCPUAllocator: can't allocate
+    memory")."""
+    Y = sp.csr_matrix((1, 2**31 - 1), dtype=np.float32)
+    with pytest.raises(pg.InputError, match=r"pifa: the \(2147483647, 4096\) float32 sums .* "
+                                             r"GiB of memory, more than this machine's"):
+        pg.pifa(Y, np.ones((1, 4096), np.float32), device="cpu")
