@@ -62,9 +62,10 @@ class SweepResult:
         """The row with the largest ``metric`` (first in grid order on ties)."""
         rows = [r for r in self.rows if method is None or r["method"] == method]
         if not rows:
-            raise InputError(f"no rows for method {method!r}")
-        if metric not in rows[0]:
-            raise InputError(f"metric {metric!r} is not one of {sorted(rows[0])}")
+            raise InputError("no rows" + (f" for method {method!r}" if method else ""))
+        metrics = sorted(set(rows[0]) - {f.name for f in dataclasses.fields(Config)})
+        if not isinstance(metric, str) or metric not in metrics:  # 'lam': None > float
+            raise InputError(f"metric {metric!r} is not one of {metrics}")
         return max(rows, key=lambda r: r[metric])
 
     def to_markdown(self, metrics: Sequence[str] = TABLE_METRICS) -> str:
@@ -74,6 +75,7 @@ class SweepResult:
 def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS) -> str:
     """Rows of method / lam / k / metrics as a markdown table (4 decimals); a γ column when a
     row has a NUDGE step ("gamma")."""
+    metrics = [metrics] if isinstance(metrics, str) else metrics  # not one column per letter
     gamma = any(r.get("gamma") is not None for r in rows)
     head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -160,6 +160,15 @@ def test_sweep_result_metrics_and_table():
     assert table.count("\n") == 5 and "| XL | 0.5 | 4 |" in table
     assert set(res.timings) == {"erm", "xs", "xl"}
     assert res.best("recall@100")["recall@100"] == max(r["recall@100"] for r in res.rows)
+    # a lone metric name was a column per letter ('| r | e | c | ...'); best('lam') / ('k')
+    # compared None with a float (bare TypeError), best(['recall@10']) was 'unhashable type';
+    # no rows at all said 'no rows for method None'
+    assert res.to_markdown("recall@10") == res.to_markdown(["recall@10"])
+    for bad in ("lam", "k", "method", ["recall@10"]):
+        with pytest.raises(InputError, match=r"metric .* is not one of \['mrr@10'"):
+            res.best(bad)
+    with pytest.raises(InputError, match="no rows$"):
+        pg.SweepResult([], {}).best()
 
 
 def test_grid_validation():
