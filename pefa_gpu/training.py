@@ -20,9 +20,12 @@ from .relevance import Relevance, as_relevance
 
 
 def check_default(x: ArrayLike, check: bool | None) -> bool:
-    """``check``, by default True unless ``x`` is a CUDA tensor (a check would sync)."""
-    if check is not None:
+    """``check`` (a bool), by default True unless ``x`` is a CUDA tensor (a check would sync);
+    else InputError ('no' was True, '' or [] False)."""
+    if isinstance(check, (bool, np.bool_)):
         return bool(check)
+    if check is not None:
+        raise InputError(f"check must be True, False or None (the default), got {check!r}")
     return not (isinstance(x, torch.Tensor) and x.is_cuda)
 
 

@@ -216,6 +216,22 @@ def test_mine_negatives_errors():
         pg.mine_negatives(xs, T, np.zeros((B, 2)), n=2)
 
 
+def test_check_must_be_a_bool_or_none():
+    """check='no' was bool('no'), a check; check='' / 0 / [] skipped it silently (NaN queries
+    gave NaN scores); numpy bools stay bools."""
+    P, Q, Y, T = _data(3)
+    xs = _fit("xs", {}, P, Q, Y)
+    a = pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P)
+    for bad in ("no", "", 0, []):
+        for call in (lambda c: xs.search(T * np.nan, 3, check=c),
+                     lambda c: xs.score(T, np.zeros((B, 1), int), check=c),
+                     lambda c: pg.mine_negatives(xs, T, [[0]] * B, n=2, check=c),
+                     lambda c: a(T, check=c)):
+            with pytest.raises(pg.InputError, match="check must be True, False or None"):
+                call(bad)
+    assert xs.search(T, 3, check=np.bool_(False))[1].shape == (B, 3)
+
+
 MINE_MEMORY = r"""
 import resource, numpy as np, scipy.sparse as sp, pefa_gpu as pg
 from conftest import unit_rows
