@@ -65,6 +65,8 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
     in row chunks within ``memory_budget`` bytes (default 512 MiB plus the output). ``initial``:
     a contiguous (n, d) float32 tensor on ``device``, accumulated into in place and returned."""
     dev = resolve_device(device)
+    if not isinstance(normalize, (bool, np.bool_)):  # 'no' normalised
+        raise InputError(f"normalize must be True or False, got {normalize!r}")
     rel = as_relevance(Y, allow_empty=True)
     m = rel.shape[0]
     src = row_source(Q, "Q")

@@ -65,6 +65,8 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
     """{"recall@k", "ndcg@k" (graded gains), "mrr@k" for each k; "n_queries" averaged over,
     "n_skipped", "n_empty" (without a relevant document)}: ids (B, K >= every k), Y_test (B x n)."""
     ks = check_ks(ks)
+    if not isinstance(count_empty, (bool, np.bool_)):  # 'no' counted them
+        raise InputError(f"count_empty must be True or False, got {count_empty!r}")
     gains, n_rel, ideal = _gains(ids, Y_test)
     width = gains.shape[1]
     if max(ks) > width:

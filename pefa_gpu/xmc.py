@@ -67,6 +67,8 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
     if aug not in AUGMENTATIONS:
         raise InputError(f"aug={aug!r} is not one of {sorted(AUGMENTATIONS)} "
                          f"(v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 trn+doc+d2q)")
+    if not isinstance(normalize, (bool, np.bool_)):  # 'no' normalised
+        raise InputError(f"normalize must be True or False, got {normalize!r}")
     xmc_root, emb_root = _folder(xmc_dir, "XMC", "xmc_dir"), _folder(emb_dir, "embedding",
                                                                       "emb_dir")
     wanted = ("abs", "tst", *AUGMENTATIONS[aug])

@@ -134,6 +134,8 @@ def test_float64_rows_beyond_float32_and_a_sparse_q():
         pg.pifa(Y, np.full((2, 2), 1e300), device="cpu")
     with pytest.raises(pg.InputError, match="Q is a torch.sparse_coo tensor"):
         pg.pifa(Y, torch.eye(2).to_sparse(), device="cpu")
+    with pytest.raises(pg.InputError, match="normalize must be True or False, got 'no'"):
+        pg.pifa(Y, np.ones((2, 2), np.float32), normalize="no", device="cpu")  # normalised
 
 
 def test_pifa_sums_past_the_machines_memory_are_refused_before_allocating():

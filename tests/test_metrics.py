@@ -151,3 +151,11 @@ def test_a_query_relevant_to_every_document_costs_no_dense_ideal_table():
     tracemalloc.stop()
     assert res["ndcg@10"] == pytest.approx(1.0 / b)
     assert peak < 32 * 2**20, peak
+
+
+def test_count_empty_must_be_a_bool():
+    """count_empty='no' was truthy: the empty queries were counted as 0."""
+    Y = sp.csr_matrix(np.array([[1, 0], [0, 0]], np.float32))
+    with pytest.raises(pg.InputError, match="count_empty must be True or False, got 'no'"):
+        pg.evaluate(np.array([[0], [1]]), Y, ks=(1,), count_empty="no")
+    assert pg.evaluate(np.array([[0], [1]]), Y, ks=(1,), count_empty=np.True_)["n_queries"] == 2

@@ -201,6 +201,8 @@ def test_missing_folders_and_files(folders, tmp_path):
         pg.load_xmc(None, emb)
     with pytest.raises(TypeError, match="emb_dir must be a folder path .* got int"):
         pg.load_xmc(xmc, 3)
+    with pytest.raises(InputError, match="normalize must be True or False, got 'no'"):
+        pg.load_xmc(xmc, emb, normalize="no")  # it normalised
 
 
 @pytest.mark.parametrize("src,change,match", [
