@@ -183,6 +183,8 @@ def _stream_staged(src: RowSource, rows: int, y: Any, a: torch.Tensor) -> None:
                 host = q.views[slot]["q"]
                 if chunk.ctypes.data != host.ctypes.data:  # an iterator's or an array's chunk
                     np.copyto(host[:r], chunk, casting="unsafe")
+                if not host.dtype.isnative:  # a big-endian .npy: the bytes torch reads as
+                    host[:r].byteswap(inplace=True)  # native ones (were garbage or 'NaN')
                 x = q.upload(slot, r)["q"].float()
                 finite &= torch.isfinite(x).all()
                 ptr = y.indptr[start:start + r + 1]

@@ -93,9 +93,11 @@ def test_path_iterator_and_array_sources(tmp_path, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 13, 300])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, ">f4", ">f2", ">f8"])
 def test_index_add_kernel_and_dtypes(tmp_path, rows, dtype):
-    """The staged gather + index_add pipeline (the CUDA path), run on the CPU."""
+    """The staged gather + index_add pipeline (the CUDA path), run on the CPU. A big-endian
+    .npy (np.save of a '>f4' array) was staged byte for byte and read by torch as native
+    floats: garbage sums or 'Q contains NaN or inf' (the scipy kernel converts)."""
     Y, Q = make_data(7)
     Qd = Q.astype(dtype)
     np.save(tmp_path / "q.npy", Qd)
