@@ -196,10 +196,11 @@ def test_bfloat16_npy_path_is_refused_with_the_way_to_read_it(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", ">f4"])
 def test_staged_pipeline_on_cuda(tmp_path, dtype):
     """The same pipeline with pinned slots, the copy stream and events, on a CUDA device."""
-    dt = {"float16": np.float16, "float32": np.float32}.get(dtype) or _bfloat16()
+    dt = {"float16": np.float16, "float32": np.float32, ">f4": np.dtype(">f4")}.get(dtype) \
+        or _bfloat16()
     Y, Q = make_data(5, m=3000, n=200, d=40)
     Qd = _stored(Q, dt)
     np.save(tmp_path / "q.npy", Qd)
