@@ -67,6 +67,8 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
         else check_positive(memory_budget, "memory_budget")
     if src.rows is not None and src.rows != m:
         raise InputError(f"Y has {m} rows (queries) but Q has {src.rows} rows")
+    if d == 0 and src.rows is None:  # chunks of 0 columns (arrays of them are refused)
+        raise InputError("Q has dimension 0")
     if d == 0:  # an empty iterator, for a Y without rows
         return torch.zeros(n, 0, device=device)
     kernels = ("scipy", "index_add") if device.type == "cpu" and csc_matvecs else ("index_add",)

@@ -268,10 +268,13 @@ def test_errors(tmp_path):
         with pytest.raises(pg.FormatError, match=says):
             pg.pifa(Y, tmp_path / broken, device="cpu")
     np.save(tmp_path / "z.npy", np.ones((Y.shape[0], 0), np.float32))
-    for q in (np.ones((Y.shape[0], 0), np.float32), tmp_path / "z.npy"):
+    # an iterator of such chunks gave (n, 0) sums, whatever its rows
+    for q in (np.ones((Y.shape[0], 0), np.float32), tmp_path / "z.npy", "iter", "iter 5"):
         for budget in (None, 1 << 20):
+            given = iter([np.ones((Y.shape[0] if q == "iter" else 5, 0), np.float32)]) \
+                if isinstance(q, str) else q
             with pytest.raises(pg.InputError, match="Q has dimension 0"):
-                pg.pifa(Y, q, device="cpu", memory_budget=budget)
+                pg.pifa(Y, given, device="cpu", memory_budget=budget)
 
 
 def test_backward_compatible_call():
