@@ -74,6 +74,8 @@ def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.
     for ids (B, K) int64, -1 padded (a repeat counts once), Y (B x n) (> 0: relevant)."""
     ks = check_ks(ks)  # () divided by zero; 0 or -1 cut the ranks silently
     gains, n_rel, _ = _gains(ids, Y)
+    if max(ks) > gains.shape[1]:  # as evaluate: a recall@10 of 5 ranks is not one
+        raise InputError(f"ids have {gains.shape[1]} ranks per query, fewer than k = {max(ks)}")
     return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)
                for k in ks) / len(ks)
 

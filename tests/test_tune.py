@@ -196,6 +196,8 @@ def test_metric_ks_and_relevance_widths_are_checked():
     for ks in ((), (0,), (-1,), None):
         with pytest.raises(InputError, match="ks must be positive integers"):
             per_query_recall(np.array([[3, 0]]), sp.csr_matrix(np.eye(1, 5)), ks)
+    with pytest.raises(InputError, match="ids have 2 ranks per query, fewer than k = 5"):
+        per_query_recall(np.array([[3, 0]]), sp.csr_matrix(np.eye(1, 5)), (1, 5))  # was 1.0
     with pytest.raises(InputError, match="Y has 5 columns .documents. but there are 20"):
         tune(P, Q, Y[:, :5], **SMALL)
     from pefa_gpu.tune import match_coverage
