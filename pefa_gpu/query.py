@@ -146,7 +146,7 @@ class QueryAdapter(_Saved):
         fit_t, val_t = (as_tensor(r, device=self.device) for r in (fit_rows, val_rows))
         gram, cross = _normal_equations(q[fit_t], t[fit_t])
         y_val = rel.rows(val_rows)
-        if not y_val.nnz:
+        if not (y_val.csr.data > 0).any():  # negative weights only: every recall was 0
             raise InputError(f"QueryAdapter: none of the {len(val_rows)} held-out training "
                              f"queries has a relevant document, so alpha cannot be chosen: set "
                              f"alpha or change seed / val_fraction")

@@ -484,3 +484,15 @@ def test_prf_and_query_model_name_arguments_that_are_not_models_or_parts():
     for args, what in ((("x",), "model"), ((erm, "x"), "adapter"), ((erm, None, "x"), "prf")):
         with pytest.raises(TypeError, match=f"QueryModel: {what} must be a"):
             pg.QueryModel(*args)
+
+
+def test_alpha_is_not_chosen_on_held_out_queries_without_a_positive_weight():
+    """Held-out queries whose only pairs weigh < 0 (not relevant to the metric) gave every
+    alpha a held-out Recall@10 of 0, and the largest alpha was taken as if it won."""
+    P, Q, Y, T = problem(6)
+    _, val = split_queries(Q.shape[0], 0.2, 0)
+    Y = Y.tolil()
+    Y[val, :] = 0
+    Y[val, 0] = -1.0
+    with pytest.raises(InputError, match="none of the 24 held-out training queries has a rel"):
+        pg.QueryAdapter(device="cpu").fit(Q, Y.tocsr(), P)
