@@ -64,7 +64,7 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
              normalize: bool = True) -> XMCData:
     """Read the files ``aug`` needs (abs, tst and its sources) -> :class:`XMCData`;
     ``normalize=False`` keeps the embedding rows as stored."""
-    if aug not in AUGMENTATIONS:
+    if not isinstance(aug, str) or aug not in AUGMENTATIONS:  # ['v0']: unhashable type
         raise InputError(f"aug={aug!r} is not one of {sorted(AUGMENTATIONS)} "
                          f"(v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 trn+doc+d2q)")
     if not isinstance(normalize, (bool, np.bool_)):  # 'no' normalised

@@ -196,6 +196,8 @@ def test_missing_folders_and_files(folders, tmp_path):
         pg.load_xmc(xmc, emb)
     with pytest.raises(InputError, match="aug='v6'"):
         pg.load_xmc(xmc, emb, aug="v6")
+    with pytest.raises(InputError, match=r"aug=\['v0'\] is not one of"):  # unhashable type
+        pg.load_xmc(xmc, emb, aug=["v0"])
     # Path(None) was a TypeError naming no argument ('expected str, bytes or os.PathLike')
     with pytest.raises(TypeError, match="xmc_dir must be a folder path .* got NoneType"):
         pg.load_xmc(None, emb)
