@@ -48,13 +48,17 @@ def chunk_rows(budget: int, n: int, dim: int, itemsize: int, kernel: str) -> int
 def check_initial(initial: torch.Tensor | None, n: int, d: int, device: torch.device) -> None:
     """InputError unless ``initial`` is None or a contiguous (n, d) float32 tensor on
     ``device``'s type that does not require grad (it is written in place)."""
-    if initial is not None and (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
-                                or initial.device.type != device.type
-                                or not initial.is_contiguous() or initial.requires_grad):
+    if initial is None:
+        return
+    tensor = isinstance(initial, torch.Tensor)  # a numpy array or a list: named, not read
+    if not tensor or (tuple(initial.shape) != (n, d) or initial.dtype != torch.float32
+                      or initial.device.type != device.type
+                      or not initial.is_contiguous() or initial.requires_grad):
+        got = (f"{tuple(initial.shape)} {initial.dtype} on {initial.device}"
+               f"{' requiring grad' if initial.requires_grad else ''}" if tensor
+               else f"a {type(initial).__name__}")
         raise InputError(f"initial must be a contiguous ({n}, {d}) float32 tensor on {device} "
-                         f"that does not require grad, got {tuple(initial.shape)} "
-                         f"{initial.dtype} on {initial.device}"
-                         f"{' requiring grad' if initial.requires_grad else ''}")
+                         f"that does not require grad, got {got}")
 
 
 def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,

@@ -92,7 +92,7 @@ def test_pifa_from_initial_sums(device, q_kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("bad", ["shape", "dim", "dtype", "grad"])
+@pytest.mark.parametrize("bad", ["shape", "dim", "dtype", "grad", "numpy", "list"])
 def test_pifa_initial_of_the_wrong_shape_is_refused(bad, device):
     """On CUDA a device tensor Q takes the in-memory product (not the streamed path). An
     initial that requires grad was torch's RuntimeError ("Can't call numpy() on Tensor that
@@ -102,7 +102,10 @@ def test_pifa_initial_of_the_wrong_shape_is_refused(bad, device):
     Y = random_relevance(rng, 10, 4, 12)
     initial = {"shape": torch.zeros(5, 6), "dim": torch.zeros(4, 7),
                "dtype": torch.zeros(4, 6, dtype=torch.float64),
-               "grad": torch.zeros(4, 6)}[bad].to(device).requires_grad_(bad == "grad")
+               "grad": torch.zeros(4, 6)}.get(bad, torch.zeros(0))
+    initial = initial.to(device).requires_grad_(bad == "grad")
+    if bad in ("numpy", "list"):  # a list was AttributeError 'list' object has no 'shape'
+        initial = np.zeros((4, 6), np.float32) if bad == "numpy" else [[0.0] * 6] * 4
     with pytest.raises(pg.InputError, match="initial"):
         pg.pifa(Y, Q, normalize=False, initial=initial, device=device)
 
