@@ -21,8 +21,8 @@ from ..storage import writing_save
 from .aggregation import Part, read_pairs, split_queries
 from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, SHARD_FORMAT, SHARD_MANIFEST, Entry, Rows, Stage,
-                     commit_shard, in_stage, read_stage, shard_name, split, write_shard,
-                     write_stage)
+                     check_stage_out, commit_shard, in_stage, read_stage, shard_name, split,
+                     write_shard, write_stage)
 
 METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
 
@@ -82,6 +82,7 @@ def build(method: str, out: str | Path, docs: str | Path, *,
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
     run, prows = runner or LocalRunner(), Rows(docs)
+    check_stage_out(out, "build")
     stage = Stage(stage="build", shards=(), method=method, n=prows.n, dim=prows.dim,
                   backend=backend, index_params=index_params if index_params is None
                   or isinstance(index_params, dict) else index_params.to_dict())

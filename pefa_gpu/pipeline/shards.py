@@ -26,8 +26,9 @@ from ..params import XLParams, check_positive
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
-from ..storage import (PendingSave, SaveDir, load_csr, load_tensor, open_save, save_csr,
-                       save_tensor, write_output_file, writing_save)
+from ..storage import (MAX_MANIFEST_BYTES, PendingSave, SaveDir, check_output_file, load_csr,
+                       load_tensor, open_save, save_csr, save_tensor, strict_json,
+                       write_output_file, writing_save)
 from .runner import LocalRunner
 
 log = logging.getLogger("pefa_gpu")
@@ -225,17 +226,28 @@ def shard_name(kind: str, i: int) -> str:
     return f"{kind}-{i:05d}"
 
 
-def write_stage(folder: str | Path, stage: Stage) -> Path:
-    """Write ``folder/stage.json`` atomically (replacing only a stage file), the commit point."""
-    path = Path(folder) / STAGE_FILE
+def check_stage_out(folder: str | Path, kind: str) -> Path:
+    """``folder/stage.json`` if a ``kind`` stage can be written there: a writable path holding
+    nothing or a ``kind`` stage file; else InputError (before a stage's shards, and at its
+    commit: an input given as the output folder was replaced)."""
+    path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
     if os.path.lexists(path):
-        ours = False
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            ours = stat.S_ISREG(os.lstat(path).st_mode) and json.loads(
-                path.read_text(encoding="utf-8")).get("format") == STAGE_FORMAT
-        if not ours:
+        body = None
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            body = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
             raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
-    write_output_file(path, stage.to_json(), STAGE_FILE)
+        if body.get("stage") != kind:
+            raise InputError(f"refusing to replace {path}: it holds a {body.get('stage')!r} "
+                             f"stage, not a {kind!r} one (an input of this run?); choose "
+                             f"another output folder")
+    return path
+
+
+def write_stage(folder: str | Path, stage: Stage) -> Path:
+    """Write ``folder/stage.json`` atomically (replacing only a stage file of the same kind),
+    the commit point."""
+    write_output_file(check_stage_out(folder, stage.stage), stage.to_json(), STAGE_FILE)
     return Path(folder)
 
 
@@ -243,7 +255,10 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
     """``folder/stage.json`` (FormatError: missing, damaged or not a ``stage`` stage)."""
     path = Path(folder) / STAGE_FILE
     try:
-        body = json.loads(path.read_text(encoding="utf-8"))
+        st = os.stat(path)  # a FIFO was read forever, /dev/zero without bound
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"not a regular file of at most {MAX_MANIFEST_BYTES} bytes")
+        body = strict_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FormatError(f"{folder} holds no complete stage ({STAGE_FILE} missing: not run "
                           f"yet, or interrupted)") from None
@@ -305,6 +320,7 @@ def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "
     if not hasattr(x, "shape") or len(x.shape) != 2:
         raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
     n, d = int(x.shape[0]), int(x.shape[1])
+    check_stage_out(out, stage)
     shards = [write_shard(Path(out) / shard_name("shard", i), {"stage": stage, "rows": [lo, hi]},
                           {name: as_embeddings(x[lo:hi], "cpu", name, check_norm=False)})
               for i, (lo, hi) in enumerate(split(n, rows))]
@@ -321,6 +337,7 @@ def write_relevance(Y: Any, out: str | Path, rows: int = DEFAULT_ROWS) -> Path:
     """Write Y (m x n: scipy sparse, Relevance, dense) as shards of ``rows`` query rows."""
     rel = as_relevance(Y)
     m, n = rel.shape
+    check_stage_out(out, "relevance")
     shards = [write_shard(Path(out) / shard_name("shard", i),
                           {"stage": "relevance", "rows": [lo, hi]},
                           matrices={"relevance": rel.csr[lo:hi]})
@@ -368,6 +385,7 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     keeping shards of the same texts and model (one with a ``cache_key``: picklable)."""
     texts = _check_texts(texts)
     out = Path(out)
+    check_stage_out(out, "encode")
     identity = resolve_model(model, "cpu").identity
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
