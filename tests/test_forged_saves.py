@@ -347,6 +347,24 @@ def test_a_forged_hnswlib_graph_is_refused_at_load(tmp_path, data, how):
     assert "index.bin" in res.stdout
 
 
+@pytest.mark.parametrize("mult", [float("nan"), 1e300, -1.0])
+def test_a_forged_hnswlib_level_multiplier_is_refused_at_load(tmp_path, data, mult):
+    """hnswlib draws an added node's level as -log(u) * mult: NaN, huge or negative made the next
+    add() a raw RuntimeError ('Not enough memory: addPoint failed to allocate linklist')."""
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import backend_class, make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    (tmp_path / "ix").mkdir()
+    make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
+    path = tmp_path / "ix" / "index.bin"
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<d", raw, HNSW_HEADER.size - 16, mult)  # mult, before ef_construction
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="index.bin: hnswlib's header is inconsistent"):
+        backend_class("hnswlib").load(tmp_path / "ix", params)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("asset,value", [("datapoint_to_token.npy", 10**6),
                                          ("datapoint_to_token.npy", -1),

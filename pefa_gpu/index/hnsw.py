@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError
-from ..params import (MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS, check_at_most, check_nonnegative,
+from ..params import (MAX_HNSW_EF, MAX_THREADS, check_at_most, check_hnsw_m, check_nonnegative,
                       check_number, checked)
 from .base import IndexParams
 from ._faiss import faiss_search_parameters, faiss_threads
@@ -22,7 +22,7 @@ class HNSWParams(IndexParams):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width at
     build time. threads: faiss' OpenMP threads for build and search (0 = all cores)."""
 
-    M: int = checked(32, check_at_most, MAX_HNSW_M)
+    M: int = checked(32, check_hnsw_m)
     ef_construction: int = checked(500, check_at_most, MAX_HNSW_EF)
     threads: int = checked(0, check_nonnegative, "all cores", MAX_THREADS)
 
