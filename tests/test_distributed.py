@@ -607,6 +607,11 @@ def test_ray_runner_refuses_bad_workers(ray_runner):
     for bad in (0, -1, 1.5):  # refused, not taken as the default (0) or used (-1: no actors)
         with pytest.raises(InputError, match="workers must be a positive integer"):
             type(ray_runner)(workers=bad)
+    for bad in (-2, "3", 2.5, None, True):  # were Ray's ValueError / TypeError at the first task
+        with pytest.raises(InputError, match="max_retries must be"):
+            type(ray_runner)(max_retries=bad)
+    for ok in (-1, 0, np.int64(-1), np.int64(2)):  # -1: Ray's "no limit"; numpy ints as ints
+        assert type(type(ray_runner)(max_retries=ok).max_retries) is int
 
 
 class KillOnce:
