@@ -471,6 +471,21 @@ def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):
     assert "index.faiss could not be read by faiss" in res.stdout
 
 
+@pytest.mark.parametrize("probas", [[], [1e-12] * 60])
+def test_a_forged_faiss_hnsw_level_draw_is_refused_at_load(tmp_path, probas):
+    """add() draws a node's level from the saved assign_probas, which faiss does not check:
+    none segfaulted, 60 levels of 1e-12 were std::bad_alloc (a MemoryError)."""
+    faiss = pytest.importorskip("faiss", minversion="1.14")
+    index = faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT)
+    index.add(unit_rows(np.random.default_rng(6), 300, D))
+    faiss.copy_array_to_vector(np.array(probas, np.float64), index.hnsw.assign_probas)
+    (tmp_path / "ix").mkdir()
+    faiss.write_index(index, str(tmp_path / "ix" / "index.faiss"))
+    res = load_and_search("hnsw", tmp_path / "ix", {"M": 4})
+    assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
+    assert "level probabilities or links per level are not faiss' for M=4" in res.stdout
+
+
 def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):
     """It would search a forged saved graph out of bounds (tests above); exact search on the
     CPU then runs without it, saying so."""

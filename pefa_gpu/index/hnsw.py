@@ -87,4 +87,11 @@ class HNSWIndex(FaissBackend):
         if index.hnsw.nb_neighbors(1) != self.params.M:
             raise FormatError(f"{directory}: the saved graph has M={index.hnsw.nb_neighbors(1)},"
                               f" params say M={self.params.M}")
+        # the level draw of add(): forged, it segfaulted (none) or asked for unbounded memory
+        f, fresh = self._faiss, self._faiss.HNSW(self.params.M)
+        if any(not np.array_equal(f.vector_to_array(getattr(index.hnsw, name)),
+                                  f.vector_to_array(getattr(fresh, name)))
+               for name in ("assign_probas", "cum_nneighbor_per_level")):
+            raise FormatError(f"{directory}: the saved graph's level probabilities or links per "
+                              f"level are not faiss' for M={self.params.M} (forged or damaged)")
         return index
