@@ -354,6 +354,24 @@ def test_an_output_folder_holding_another_stage_or_a_file_is_refused_before_any_
     assert np.array_equal(pp.read_rows(docs), P[:5])
 
 
+def test_build_index_params_are_checked_before_any_shard(tmp_path):
+    """A list was a raw AttributeError, a numpy int a raw TypeError from stage.json's JSON once
+    every shard was built (the build was left without its stage), backend=5 a TypeError."""
+    P = make_data(12)[0]
+    docs = pp.write_rows(P, tmp_path / "docs", rows=100)
+    for kw, error, match in ((dict(index_params=[4]), TypeError,
+                              "index_params must be a HNSWParams or a dict, got list"),
+                             (dict(index_params={"zz": 1}), InputError, "unknown keys"),
+                             (dict(backend=5), InputError, "backend=5 is unknown")):
+        with pytest.raises(error, match=match):
+            pp.build("erm", tmp_path / "b", docs, **{"backend": "hnsw", **kw})
+        assert not (tmp_path / "b").exists()
+    b = pp.build("erm", tmp_path / "b", docs, backend="hnsw", index_params={"M": np.int64(8)},
+                 doc_rows=100)
+    assert pp.read_stage(b).index_params["M"] == 8
+    assert pp.search(b, P[:3], topk=1)[1].ravel().tolist() == [0, 1, 2]
+
+
 def test_a_stage_file_that_is_a_fifo_or_holds_nan_is_refused(tmp_path):
     """stage.json as a FIFO was read until a writer came (forever), NaN read as a number."""
     import json
