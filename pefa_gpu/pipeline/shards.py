@@ -22,7 +22,7 @@ import torch
 from ..arrays import DeviceLike, as_embeddings, as_tensor
 from ..encode import EncoderLike, _check_texts, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
-from ..params import XLParams, check_positive
+from ..params import XLParams, check_nonnegative, check_positive
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
@@ -292,8 +292,9 @@ class Rows:
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Rows lo .. hi-1, (hi-lo, d) float32: a view of the map when one shard holds them."""
-        hi = self.n if hi is None else hi
-        if not 0 <= lo <= hi <= self.n:
+        lo = check_nonnegative(lo, "lo")  # a float or str was a raw TypeError from a slice
+        hi = self.n if hi is None else check_nonnegative(hi, "hi")
+        if not lo <= hi <= self.n:
             raise InputError(f"rows [{lo}, {hi}) are outside {self.folder} (0 .. {self.n})")
         parts = [self._part(i)[max(lo, a) - a:min(hi, b) - a]
                  for i, (a, b) in enumerate(s.rows for s in self.shards) if a < hi and lo < b]
@@ -303,6 +304,9 @@ class Rows:
 
     def take(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The rows at ascending int64 ``rows``, (len, d) float32 (into ``out`` when given)."""
+        if getattr(rows, "dtype", np.dtype("O")).kind not in "iu":
+            raise InputError(f"rows must be a numpy array of integers, got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)}")
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
