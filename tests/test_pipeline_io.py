@@ -242,6 +242,15 @@ def test_row_bounds_that_are_not_ints_are_named(tmp_path):
             rows.take(bad)
 
 
+@pytest.mark.parametrize("fields", [{}, {"rows": "ab"}, {"rows": [0.5, 1]}, {"rows": [2, 1]},
+                                    {"rows": [0, 1, 2]}, {"rows": [True, 1]}, None])
+def test_a_shard_without_its_rows_is_refused_before_it_is_written(tmp_path, fields):
+    # were a raw KeyError / TypeError from its stage entry, the shard left written
+    with pytest.raises(InputError, match="a shard's fields need 'rows': \\[lo, hi\\]"):
+        pp.write_shard(tmp_path / "s", fields, {"e": torch.ones(1, 2)})
+    assert not (tmp_path / "s").exists()
+
+
 def test_rows_take_reads_rows_across_shards(tmp_path):
     x = np.random.default_rng(3).standard_normal((250, 8)).astype(np.float32)
     rows = pp.Rows(pp.write_rows(x, tmp_path / "x", rows=100))

@@ -133,6 +133,12 @@ def write_shard(path: str | Path, fields: dict[str, Any],
                 matrices: dict[str, sp.spmatrix] | None = None,
                 model: Model | None = None, export_hnsw: bool = False) -> Entry:
     """Write a shard atomically (manifest ``fields`` with ``rows`` [lo, hi]); its stage entry."""
+    # checked first: Entry.of's raw KeyError / TypeError came once the shard was written
+    rows = fields.get("rows") if isinstance(fields, dict) else None
+    if not (isinstance(rows, (list, tuple)) and len(rows) == 2
+            and all(type(r) is int for r in rows) and 0 <= rows[0] <= rows[1]):
+        raise InputError(f"a shard's fields need 'rows': [lo, hi], ints with 0 <= lo <= hi; "
+                         f"got {rows!r}")
     with writing_save(in_stage(Path(path)), SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
 
