@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .arrays import DeviceLike
-from .params import check_positive
+from .params import check_nonnegative, check_positive
 from .errors import InputError, MissingDependencyError
 from .pipeline.runner import Fanout
 
@@ -67,7 +67,8 @@ def connect(address: str = "local", workers: int | None = None,
 
 class RayRunner:
     """Runs the pipeline's shard tasks on the connected Ray cluster. workers: encoder and
-    search actors (default: its GPUs, else its CPUs); max_retries: per task and actor."""
+    search actors (default: its GPUs, else its CPUs); max_retries: per task and actor (-1: no
+    limit, as Ray's)."""
 
     def __init__(self, workers: int | None = None, max_retries: int = 3):
         ray = _ray()
@@ -76,10 +77,13 @@ class RayRunner:
                              "pefa_gpu.distributed.connect(...) or ray.init(...) first")
         if workers is not None:
             check_positive(workers, "workers")
+        # checked here: Ray's ValueError / TypeError came at the stage's first task
+        if max_retries != -1 or isinstance(max_retries, (bool, float)):
+            max_retries = check_nonnegative(max_retries, "max_retries", "or -1: no limit")
         res = ray.cluster_resources()
         self.gpus = int(res.get("GPU", 0))
         self.workers = int(workers or self.gpus or max(int(res.get("CPU", 1)), 1))
-        self.max_retries = max_retries
+        self.max_retries = int(max_retries)  # Ray takes no numpy int
 
     def _task(self, fn: Callable, gpu: bool, **options: Any):
         return _ray().remote(fn).options(num_cpus=1, num_gpus=1 if gpu and self.gpus else 0,

@@ -26,7 +26,7 @@ from .aggregate import normalize_rows
 from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
 from .errors import InputError, MissingDependencyError
 from .params import check_positive
-from .storage import write_output_file
+from .storage import read_npy, write_output_file
 
 log = logging.getLogger("pefa_gpu")
 
@@ -338,8 +338,9 @@ class _Cache:
         dim = self._dim()
         for kpath in sorted(self.dir.glob("*.keys.npy")):
             try:
-                keys = np.load(kpath)
-                vecs = np.load(kpath.with_name(kpath.name[:-9] + ".vecs.npy"), mmap_mode="r")
+                vpath = kpath.with_name(kpath.name[:-9] + ".vecs.npy")
+                keys = read_npy(kpath)  # sizes checked first (np.load took a forged shape)
+                vecs = read_npy(vpath, mmap_mode="r")
                 if keys.ndim != 2 or keys.shape[1] != 32 or vecs.ndim != 2 \
                         or vecs.shape[0] != keys.shape[0] or keys.dtype != np.uint8 \
                         or vecs.dtype != np.float32:  # as write() saves them
@@ -350,10 +351,17 @@ class _Cache:
                 warnings.warn(f"encode cache: ignoring unreadable shard {kpath} ({exc})",
                               UserWarning, stacklevel=4)
                 continue
-            dim = vecs.shape[1]
+            dim, bad = vecs.shape[1], 0
             for row, k in enumerate(map(bytes, keys)):
                 if k in wanted and k not in found:
-                    found[k] = np.asarray(vecs[row], dtype=np.float32)
+                    vec = np.asarray(vecs[row], dtype=np.float32)
+                    if np.isfinite(vec).all():
+                        found[k] = vec
+                    else:  # encoded again (was the model's "output contains NaN" error)
+                        bad += 1
+            if bad:
+                warnings.warn(f"encode cache: ignoring {bad} rows of {vpath} holding NaN or inf",
+                              UserWarning, stacklevel=4)
         return found
 
     def _meta(self) -> dict:

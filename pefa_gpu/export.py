@@ -25,7 +25,7 @@ from .errors import InputError
 from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
-from .params import MAX_HNSW_EF, MAX_HNSW_M, check_at_most, check_choice
+from .params import MAX_HNSW_EF, MAX_HNSW_M, check_at_most, check_choice, check_hnsw_m
 from .storage import check_output_file, write_output_file
 
 if TYPE_CHECKING:
@@ -82,9 +82,9 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
                ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32
                ) -> faiss.IndexHNSW:
     """A CPU faiss HNSW index over ``vectors`` (n, d), inner product, built by ``method``
-    (``M`` at most ``MAX_HNSW_M``; the ef's and entrypoints at most ``MAX_HNSW_EF``)."""
+    (``M`` in [2, ``MAX_HNSW_M``]; the ef's and entrypoints at most ``MAX_HNSW_EF``)."""
     # Python ints from here on (faiss' SWIG refuses numpy integers)
-    M = check_at_most(M, "M", MAX_HNSW_M)
+    M = check_hnsw_m(M, "M")
     ef_search = check_at_most(ef_search, "ef_search", MAX_HNSW_EF)
     ef_construction = check_at_most(ef_construction, "ef_construction", MAX_HNSW_EF)
     entrypoints = check_at_most(entrypoints, "entrypoints", MAX_HNSW_EF)

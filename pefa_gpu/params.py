@@ -138,6 +138,15 @@ def check_at_most(value: Any, name: str, top: int) -> int:
     return value
 
 
+def check_hnsw_m(value: Any, name: str) -> int:
+    """An HNSW degree M in [2, ``MAX_HNSW_M``] as a Python int, else InputError (M = 1: the
+    level multiplier 1 / log M is infinite; faiss segfaulted, hnswlib failed to allocate)."""
+    value = check_at_most(value, name, MAX_HNSW_M)
+    if value < 2:
+        raise InputError(f"{name} must be at least 2 (an HNSW graph's degree), got {value!r}")
+    return value
+
+
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:
     """A finite int or float (>= 0 unless ``none_ok``, which also allows None)."""
     if none_ok and value is None:

@@ -147,7 +147,13 @@ class IteratorSource(RowSource):
         if c.ndim != 2:
             raise InputError(f"{self.name}: the chunk at row {start} has shape {c.shape}; "
                              f"(rows, d) chunks are needed")
-        return c if c.dtype.type in _FLOATS else c.astype(np.float32)
+        if c.dtype.type in _FLOATS:
+            return c
+        # a cast dropped complex chunks' imaginary part; text was numpy's ValueError
+        if c.dtype.kind not in "iu" and not is_bfloat16(c.dtype):
+            raise InputError(f"{self.name}: the chunk at row {start} has dtype {c.dtype}; "
+                             f"real numbers are needed")
+        return c.astype(np.float32)
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         start, chunk = 0, self._first

@@ -332,6 +332,17 @@ def test_cagra_search_params_per_call():
 
 
 @pytest.mark.parametrize("backend", ["hnsw", "hnswlib"])
+def test_an_hnsw_degree_of_one_is_refused(backend):
+    """M=1: the level multiplier 1 / log M is infinite; faiss segfaulted building the graph,
+    hnswlib said 'Not enough memory: addPoint failed to allocate linklist'."""
+    with pytest.raises(InputError, match="M must be at least 2 .*, got 1"):
+        backend_class(backend).Params(M=1)
+    with pytest.raises(InputError, match="M must be at least 2"):
+        make_index(backend, "cpu", {"M": np.int64(1)})
+    assert backend_class(backend).Params(M=2).M == 2
+
+
+@pytest.mark.parametrize("backend", ["hnsw", "hnswlib"])
 def test_hnsw_sizes_are_bounded_naming_the_setting_and_the_bound(backend):
     cls = backend_class(backend)  # the params only: neither faiss nor hnswlib is reached
     p = cls.Params(M=MAX_HNSW_M, ef_construction=np.int64(MAX_HNSW_EF))  # the bounds are taken

@@ -326,6 +326,80 @@ def test_stage_rows_that_do_not_tile_the_stage_are_refused(tmp_path):
             pp.search(b, T, topk=10)
 
 
+def test_an_output_folder_holding_another_stage_or_a_file_is_refused_before_any_shard(
+        tmp_path):
+    """An input given as a stage's output: its stage.json was replaced (build(out=docs) made the
+    documents a build, write_rows into a build unmade it); a file as the folder was an OSError
+    after the work. Now InputErrors before any shard is written, the inputs intact."""
+    P, Q, Y, T, _ = make_data(11)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    erm = pp.build("erm", tmp_path / "erm", docs, doc_rows=100)
+    want = pp.search(erm, T, topk=5)
+    runs = {docs: lambda: pp.build("erm", docs, docs, doc_rows=100),
+            queries: lambda: pp.aggregate(queries, rel, docs, queries, lam=0.4),
+            rel: lambda: pp.write_rows(P, rel, rows=100),
+            erm: lambda: pp.write_rows(P, erm, rows=100)}
+    for folder, run in runs.items():
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(InputError, match=f"{folder / 'stage.json'}: it holds a '"):
+            run()
+        assert sorted(p.name for p in folder.iterdir()) == before
+    assert np.array_equal(pp.read_rows(docs), P) and np.array_equal(pp.read_rows(queries), Q)
+    assert all(torch.equal(x, y) for x, y in zip(pp.search(erm, T, topk=5), want))
+    (tmp_path / "file").write_text("mine")
+    for out in (tmp_path / "file", tmp_path / "file" / "sub"):
+        with pytest.raises(InputError, match="file is a file, not a folder"):
+            pp.write_rows(P, out, rows=100)
+    assert pp.write_rows(P[:5], docs, rows=100) == docs  # a stage of its own kind: rewritten
+    assert np.array_equal(pp.read_rows(docs), P[:5])
+
+
+def test_build_index_params_are_checked_before_any_shard(tmp_path):
+    """A list was a raw AttributeError, a numpy int a raw TypeError from stage.json's JSON once
+    every shard was built (the build was left without its stage), backend=5 a TypeError."""
+    P = make_data(12)[0]
+    docs = pp.write_rows(P, tmp_path / "docs", rows=100)
+    for kw, error, match in ((dict(index_params=[4]), TypeError,
+                              "index_params must be a HNSWParams or a dict, got list"),
+                             (dict(index_params={"zz": 1}), InputError, "unknown keys"),
+                             (dict(backend=5), InputError, "backend=5 is unknown")):
+        with pytest.raises(error, match=match):
+            pp.build("erm", tmp_path / "b", docs, **{"backend": "hnsw", **kw})
+        assert not (tmp_path / "b").exists()
+    b = pp.build("erm", tmp_path / "b", docs, backend="hnsw", index_params={"M": np.int64(8)},
+                 doc_rows=100)
+    assert pp.read_stage(b).index_params["M"] == 8
+    assert pp.search(b, P[:3], topk=1)[1].ravel().tolist() == [0, 1, 2]
+
+
+def test_a_stage_file_that_is_a_fifo_or_holds_nan_is_refused(tmp_path):
+    """stage.json as a FIFO was read until a writer came (forever), NaN read as a number."""
+    import json
+    import threading
+    import time
+
+    docs = pp.write_rows(np.ones((4, 3), np.float32), tmp_path / "docs", rows=2)
+    body = json.loads((docs / "stage.json").read_text())
+    (docs / "stage.json").write_text(json.dumps(body).replace('"dim": 3', '"dim": NaN'))
+    with pytest.raises(FormatError, match="stage.json is unreadable: NaN"):
+        pp.read_stage(docs)
+    os.unlink(docs / "stage.json")
+    os.mkfifo(docs / "stage.json")
+
+    def writer():  # ends the old code's wait (empty JSON) rather than hanging the test
+        for _ in range(50):
+            try:
+                os.close(os.open(docs / "stage.json", os.O_WRONLY | os.O_NONBLOCK))
+                return
+            except OSError:
+                time.sleep(0.1)
+    thread = threading.Thread(target=writer)
+    thread.start()
+    with pytest.raises(FormatError, match="stage.json is unreadable: not a regular file"):
+        pp.read_rows(docs)
+    thread.join()
+
+
 def test_a_build_shard_holding_another_shards_model_or_forged_rows_is_refused(tmp_path):
     """A shard's files are re-signed (as a forger can) and its stage entry updated: its model
     must cover its rows (were ids beyond n) and PEFA-XL's query rows be sorted global rows."""
@@ -551,6 +625,11 @@ def test_ray_runner_refuses_bad_workers(ray_runner):
     for bad in (0, -1, 1.5):  # refused, not taken as the default (0) or used (-1: no actors)
         with pytest.raises(InputError, match="workers must be a positive integer"):
             type(ray_runner)(workers=bad)
+    for bad in (-2, "3", 2.5, None, True):  # were Ray's ValueError / TypeError at the first task
+        with pytest.raises(InputError, match="max_retries must be"):
+            type(ray_runner)(max_retries=bad)
+    for ok in (-1, 0, np.int64(-1), np.int64(2)):  # -1: Ray's "no limit"; numpy ints as ints
+        assert type(type(ray_runner)(max_retries=ok).max_retries) is int
 
 
 class KillOnce:

@@ -88,6 +88,25 @@ def test_a_shard_of_another_dimension_than_the_cache_is_ignored(tmp_path):
                                "unreadable shard.*dimension 5, the cache's is 48")
 
 
+def test_a_shard_holding_nan_is_ignored_not_blamed_on_the_model(tmp_path):
+    # was InputError "the output of textdata.BowEncoder contains NaN or inf" on every run
+    _forged_shards_are_ignored(tmp_path, lambda p: np.save(p, np.load(p) * np.nan),
+                               "ignoring 4 rows of .*vecs.npy holding NaN or inf")
+
+
+def _huge_keys_header(vecs) -> None:
+    """The shard's keys file: a .npy header declaring (2^40, 32) uint8, and 64 bytes."""
+    with open(vecs.with_name(vecs.name.replace(".vecs.", ".keys.")), "wb") as fh:
+        header = {"descr": "|u1", "fortran_order": False, "shape": (2**40, 32)}
+        np.lib.format.write_array_header_1_0(fh, header)
+        fh.write(bytes(64))
+
+
+def test_a_keys_file_declaring_a_huge_shape_is_ignored(tmp_path):
+    # np.load allocated the declared 32 TiB first: numpy's MemoryError
+    _forged_shards_are_ignored(tmp_path, _huge_keys_header, "unreadable shard.*truncated")
+
+
 def test_a_cache_key_reused_by_a_model_of_another_dimension_re_encodes(tmp_path):
     kw = dict(cache_dir=tmp_path, device="cpu", show_progress=False)
     encode(TEXTS[:2], model=BowEncoder(dim=16), **kw)

@@ -126,6 +126,17 @@ def test_export_sizes_are_bounded_before_faiss_is_reached(tmp_path, monkeypatch,
     assert not (tmp_path / "x.faiss").exists()
 
 
+def test_an_hnsw_degree_of_one_is_refused_before_faiss_is_reached(monkeypatch):
+    # M=1: faiss' level multiplier 1 / log M is infinite, a segfault building the graph
+    def no_faiss():
+        raise AssertionError("faiss was reached with M=1")
+
+    monkeypatch.setattr(export, "import_faiss", no_faiss)
+    for method in ("hnsw", "knn"):
+        with pytest.raises(InputError, match="M must be at least 2"):
+            export.build_hnsw(clustered(4, n=50)[0], M=1, method=method, device="cpu")
+
+
 def test_knn_graph_degree_is_bounded_by_an_hnsw_level_0():
     x, _ = clustered(4, n=50)
     top = 2 * MAX_HNSW_M

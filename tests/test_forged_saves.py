@@ -347,6 +347,24 @@ def test_a_forged_hnswlib_graph_is_refused_at_load(tmp_path, data, how):
     assert "index.bin" in res.stdout
 
 
+@pytest.mark.parametrize("mult", [float("nan"), 1e300, -1.0])
+def test_a_forged_hnswlib_level_multiplier_is_refused_at_load(tmp_path, data, mult):
+    """hnswlib draws an added node's level as -log(u) * mult: NaN, huge or negative made the next
+    add() a raw RuntimeError ('Not enough memory: addPoint failed to allocate linklist')."""
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import backend_class, make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    (tmp_path / "ix").mkdir()
+    make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
+    path = tmp_path / "ix" / "index.bin"
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<d", raw, HNSW_HEADER.size - 16, mult)  # mult, before ef_construction
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="index.bin: hnswlib's header is inconsistent"):
+        backend_class("hnswlib").load(tmp_path / "ix", params)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("asset,value", [("datapoint_to_token.npy", 10**6),
                                          ("datapoint_to_token.npy", -1),
@@ -451,6 +469,21 @@ def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):
     res = load_and_search("hnsw", tmp_path / "ix", {"M": 4})
     assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
     assert "index.faiss could not be read by faiss" in res.stdout
+
+
+@pytest.mark.parametrize("probas", [[], [1e-12] * 60])
+def test_a_forged_faiss_hnsw_level_draw_is_refused_at_load(tmp_path, probas):
+    """add() draws a node's level from the saved assign_probas, which faiss does not check:
+    none segfaulted, 60 levels of 1e-12 were std::bad_alloc (a MemoryError)."""
+    faiss = pytest.importorskip("faiss", minversion="1.14")
+    index = faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT)
+    index.add(unit_rows(np.random.default_rng(6), 300, D))
+    faiss.copy_array_to_vector(np.array(probas, np.float64), index.hnsw.assign_probas)
+    (tmp_path / "ix").mkdir()
+    faiss.write_index(index, str(tmp_path / "ix" / "index.faiss"))
+    res = load_and_search("hnsw", tmp_path / "ix", {"M": 4})
+    assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
+    assert "level probabilities or links per level are not faiss' for M=4" in res.stdout
 
 
 def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):

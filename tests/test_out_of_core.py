@@ -254,6 +254,11 @@ def test_errors(tmp_path):
     bad[123, 4] = np.nan
     with pytest.raises(pg.InputError, match="NaN"):
         pg.pifa(Y, iter([bad]), device="cpu")
+    # chunks of text, complex, objects, bools: were numpy's ValueError, or cast to float32
+    # (the imaginary part dropped, 0 / 1 rows)
+    for kind in ("U1", np.complex64, object, bool):
+        with pytest.raises(pg.InputError, match="Q: the chunk at row 0 has dtype"):
+            pg.pifa(Y, iter([Q.astype(kind)]), device="cpu")
     np.save(tmp_path / "i.npy", np.ones((4, 3), np.int32))
     with pytest.raises(pg.InputError, match="dtype"):
         pg.pifa(Y, str(tmp_path / "i.npy"), device="cpu")

@@ -224,6 +224,33 @@ def test_a_shard_tensor_name_that_is_not_a_plain_file_name_is_refused(tmp_path, 
     assert not list(tmp_path.rglob("*.npy"))
 
 
+def test_row_bounds_that_are_not_ints_are_named(tmp_path):
+    """read_rows(folder, 0, 2.5) was a raw TypeError from a slice, lo='a' one from a comparison;
+    Rows.take of float rows a raw casting TypeError."""
+    rows = pp.Rows(pp.write_rows(np.ones((5, 2), np.float32), tmp_path / "x", rows=2))
+    for lo, hi, match in ((0, 2.5, "hi must be an int >= 0, got 2.5"),
+                          ("a", 3, "lo must be an int >= 0, got 'a'"),
+                          (None, 3, "lo must be an int >= 0, got None"),
+                          (0, -1, "hi must be an int >= 0, got -1")):
+        with pytest.raises(InputError, match=match):
+            pp.read_rows(rows.folder, lo, hi)
+    assert pp.read_rows(rows.folder, np.int64(1), np.int64(3)).shape == (2, 2)
+    for bad, match in ((np.array([0.0, 2.5]), "float64"), ([1, 2], "list"),
+                       (np.array(["a"]), "<U1")):
+        with pytest.raises(InputError, match=f"rows must be a numpy array of integers, got "
+                                             f"{match}"):
+            rows.take(bad)
+
+
+@pytest.mark.parametrize("fields", [{}, {"rows": "ab"}, {"rows": [0.5, 1]}, {"rows": [2, 1]},
+                                    {"rows": [0, 1, 2]}, {"rows": [True, 1]}, None])
+def test_a_shard_without_its_rows_is_refused_before_it_is_written(tmp_path, fields):
+    # were a raw KeyError / TypeError from its stage entry, the shard left written
+    with pytest.raises(InputError, match="a shard's fields need 'rows': \\[lo, hi\\]"):
+        pp.write_shard(tmp_path / "s", fields, {"e": torch.ones(1, 2)})
+    assert not (tmp_path / "s").exists()
+
+
 def test_rows_take_reads_rows_across_shards(tmp_path):
     x = np.random.default_rng(3).standard_normal((250, 8)).astype(np.float32)
     rows = pp.Rows(pp.write_rows(x, tmp_path / "x", rows=100))

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FormatError
-from ..params import (MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS, check_at_most, check_nonnegative,
+from ..params import (MAX_HNSW_EF, MAX_THREADS, check_at_most, check_hnsw_m, check_nonnegative,
                       check_number, checked)
 from .base import IndexParams
 from ._faiss import faiss_search_parameters, faiss_threads
@@ -22,7 +22,7 @@ class HNSWParams(IndexParams):
     """Build settings. M: graph degree (level 0 has 2M links). ef_construction: beam width at
     build time. threads: faiss' OpenMP threads for build and search (0 = all cores)."""
 
-    M: int = checked(32, check_at_most, MAX_HNSW_M)
+    M: int = checked(32, check_hnsw_m)
     ef_construction: int = checked(500, check_at_most, MAX_HNSW_EF)
     threads: int = checked(0, check_nonnegative, "all cores", MAX_THREADS)
 
@@ -87,4 +87,11 @@ class HNSWIndex(FaissBackend):
         if index.hnsw.nb_neighbors(1) != self.params.M:
             raise FormatError(f"{directory}: the saved graph has M={index.hnsw.nb_neighbors(1)},"
                               f" params say M={self.params.M}")
+        # the level draw of add(): forged, it segfaulted (none) or asked for unbounded memory
+        f, fresh = self._faiss, self._faiss.HNSW(self.params.M)
+        if any(not np.array_equal(f.vector_to_array(getattr(index.hnsw, name)),
+                                  f.vector_to_array(getattr(fresh, name)))
+               for name in ("assign_probas", "cum_nneighbor_per_level")):
+            raise FormatError(f"{directory}: the saved graph's level probabilities or links per "
+                              f"level are not faiss' for M={self.params.M} (forged or damaged)")
         return index

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import struct
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,8 @@ import numpy as np
 
 from ..arrays import DeviceLike, to_numpy
 from ..errors import FormatError
-from ..params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS, check_at_most, check_nonnegative, checked
+from ..params import (MAX_HNSW_EF, MAX_THREADS, check_at_most, check_hnsw_m, check_nonnegative,
+                      checked)
 from .base import IndexParams, import_optional
 from ._host import HostBackend, read_description, write_description
 
@@ -34,7 +36,7 @@ class HnswlibParams(IndexParams):
     while inserting. seed: of the level assignment. threads: for inserting and searching (0 =
     every core; more than one makes the graph depend on thread timing)."""
 
-    M: int = checked(32, check_at_most, MAX_HNSW_M)
+    M: int = checked(32, check_hnsw_m)
     ef_construction: int = checked(500, check_at_most, MAX_HNSW_EF)
     seed: int = checked(100, check_nonnegative)
     threads: int = checked(0, check_nonnegative, "every core", MAX_THREADS)
@@ -130,7 +132,7 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
         raise FormatError(f"{path} is truncated: {size} bytes, shorter than hnswlib's header")
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     (offset0, _, count, per_element, label_offset, data_offset, maxlevel, enter, max_m, max_m0,
-     m, _, _) = _HEADER.unpack(raw[:_HEADER.size].tobytes())
+     m, mult, _) = _HEADER.unpack(raw[:_HEADER.size].tobytes())
     if count != ntotal or label_offset - data_offset != 4 * dim:
         raise FormatError(f"{path} holds {count} vectors of {(label_offset - data_offset) / 4:g}"
                           f" floats; {path.parent / META_FILE} says {ntotal} of {dim}")
@@ -138,10 +140,11 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
         raise FormatError(f"{path}: the saved graph has M={m}, params say M={M}")
     links0 = 4 + 4 * max_m0  # a level-0 list: count (uint16 + 2 bytes), max_m0 uint32 ids
     if (offset0, max_m, max_m0, data_offset, per_element) != \
-            (0, M, 2 * M, links0, links0 + 4 * dim + 8) or not 0 <= maxlevel or enter >= count:
+            (0, M, 2 * M, links0, links0 + 4 * dim + 8) or not 0 <= maxlevel or enter >= count \
+            or not math.isclose(mult, 1 / math.log(M)):  # NaN: the next add asked for ~2^31
         raise FormatError(f"{path}: hnswlib's header is inconsistent (offsets, M, maxM, maxM0, "
-                          f"entry point or top level do not fit {count} vectors of {dim} "
-                          f"floats with M={M})")
+                          f"entry point, top level or level multiplier do not fit {count} "
+                          f"vectors of {dim} floats with M={M})")
     end0 = _HEADER.size + count * per_element
     # upper levels: per node a uint32 byte count, then `level` lists of count + max_m ids
     links = 4 + 4 * max_m

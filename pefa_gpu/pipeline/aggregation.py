@@ -15,8 +15,8 @@ from ..aggregate import pefa_xs, pifa
 from ..errors import InputError
 from ..params import check_unit_interval
 from .runner import LocalRunner
-from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, open_entry, read_stage, remove_shard,
-                     shard_name, split, write_shard, write_stage)
+from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, check_stage_out, open_entry, read_stage,
+                     remove_shard, shard_name, split, write_shard, write_stage)
 
 
 @dataclasses.dataclass
@@ -102,6 +102,7 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     rel, ranges = read_pairs(relevance, queries, prows, doc_rows)
     if lam is not None:
         check_unit_interval(lam, "lam")
+    check_stage_out(out, "aggregate")
     maps = [(str(queries), str(relevance), r, ranges, str(out)) for r in range(len(rel.shards))]
     reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
                for s, rng in enumerate(ranges)]

@@ -14,6 +14,7 @@ import torch
 
 from ..arrays import DeviceLike
 from ..errors import InputError
+from ..index import backend_class
 from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
 from ..params import XLParams, XLSearchParams
@@ -21,8 +22,8 @@ from ..storage import writing_save
 from .aggregation import Part, read_pairs, split_queries
 from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, SHARD_FORMAT, SHARD_MANIFEST, Entry, Rows, Stage,
-                     commit_shard, in_stage, read_stage, shard_name, split, write_shard,
-                     write_stage)
+                     check_stage_out, commit_shard, in_stage, read_stage, shard_name, split,
+                     write_shard, write_stage)
 
 METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
 
@@ -82,10 +83,13 @@ def build(method: str, out: str | Path, docs: str | Path, *,
     if method not in METHODS:
         raise InputError(f"method must be one of {METHODS}, got {method!r}")
     run, prows = runner or LocalRunner(), Rows(docs)
+    check_stage_out(out, "build")
+    # checked before any shard (a list, a numpy int: raw errors once every shard was built)
+    ix_params = backend_class(backend).Params.coerce(index_params, "index_params")
     stage = Stage(stage="build", shards=(), method=method, n=prows.n, dim=prows.dim,
-                  backend=backend, index_params=index_params if index_params is None
-                  or isinstance(index_params, dict) else index_params.to_dict())
-    index = (backend, index_params, device)
+                  backend=backend, index_params=None if index_params is None
+                  else ix_params.to_dict())
+    index = (backend, ix_params, device)
     if method == "xl":
         if queries is None or relevance is None:
             raise InputError("build('xl') needs queries= and relevance= (the training queries "

@@ -22,12 +22,13 @@ import torch
 from ..arrays import DeviceLike, as_embeddings, as_tensor
 from ..encode import EncoderLike, _check_texts, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
-from ..params import XLParams, check_positive
+from ..params import XLParams, check_nonnegative, check_positive
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
-from ..storage import (PendingSave, SaveDir, load_csr, load_tensor, open_save, save_csr,
-                       save_tensor, write_output_file, writing_save)
+from ..storage import (MAX_MANIFEST_BYTES, PendingSave, SaveDir, check_output_file, load_csr,
+                       load_tensor, open_save, save_csr, save_tensor, strict_json,
+                       write_output_file, writing_save)
 from .runner import LocalRunner
 
 log = logging.getLogger("pefa_gpu")
@@ -132,6 +133,12 @@ def write_shard(path: str | Path, fields: dict[str, Any],
                 matrices: dict[str, sp.spmatrix] | None = None,
                 model: Model | None = None, export_hnsw: bool = False) -> Entry:
     """Write a shard atomically (manifest ``fields`` with ``rows`` [lo, hi]); its stage entry."""
+    # checked first: Entry.of's raw KeyError / TypeError came once the shard was written
+    rows = fields.get("rows") if isinstance(fields, dict) else None
+    if not (isinstance(rows, (list, tuple)) and len(rows) == 2
+            and all(type(r) is int for r in rows) and 0 <= rows[0] <= rows[1]):
+        raise InputError(f"a shard's fields need 'rows': [lo, hi], ints with 0 <= lo <= hi; "
+                         f"got {rows!r}")
     with writing_save(in_stage(Path(path)), SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
 
@@ -225,17 +232,28 @@ def shard_name(kind: str, i: int) -> str:
     return f"{kind}-{i:05d}"
 
 
-def write_stage(folder: str | Path, stage: Stage) -> Path:
-    """Write ``folder/stage.json`` atomically (replacing only a stage file), the commit point."""
-    path = Path(folder) / STAGE_FILE
+def check_stage_out(folder: str | Path, kind: str) -> Path:
+    """``folder/stage.json`` if a ``kind`` stage can be written there: a writable path holding
+    nothing or a ``kind`` stage file; else InputError (before a stage's shards, and at its
+    commit: an input given as the output folder was replaced)."""
+    path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
     if os.path.lexists(path):
-        ours = False
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            ours = stat.S_ISREG(os.lstat(path).st_mode) and json.loads(
-                path.read_text(encoding="utf-8")).get("format") == STAGE_FORMAT
-        if not ours:
+        body = None
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            body = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
             raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
-    write_output_file(path, stage.to_json(), STAGE_FILE)
+        if body.get("stage") != kind:
+            raise InputError(f"refusing to replace {path}: it holds a {body.get('stage')!r} "
+                             f"stage, not a {kind!r} one (an input of this run?); choose "
+                             f"another output folder")
+    return path
+
+
+def write_stage(folder: str | Path, stage: Stage) -> Path:
+    """Write ``folder/stage.json`` atomically (replacing only a stage file of the same kind),
+    the commit point."""
+    write_output_file(check_stage_out(folder, stage.stage), stage.to_json(), STAGE_FILE)
     return Path(folder)
 
 
@@ -243,7 +261,10 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
     """``folder/stage.json`` (FormatError: missing, damaged or not a ``stage`` stage)."""
     path = Path(folder) / STAGE_FILE
     try:
-        body = json.loads(path.read_text(encoding="utf-8"))
+        st = os.stat(path)  # a FIFO was read forever, /dev/zero without bound
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+            raise ValueError(f"not a regular file of at most {MAX_MANIFEST_BYTES} bytes")
+        body = strict_json(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise FormatError(f"{folder} holds no complete stage ({STAGE_FILE} missing: not run "
                           f"yet, or interrupted)") from None
@@ -277,8 +298,9 @@ class Rows:
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Rows lo .. hi-1, (hi-lo, d) float32: a view of the map when one shard holds them."""
-        hi = self.n if hi is None else hi
-        if not 0 <= lo <= hi <= self.n:
+        lo = check_nonnegative(lo, "lo")  # a float or str was a raw TypeError from a slice
+        hi = self.n if hi is None else check_nonnegative(hi, "hi")
+        if not lo <= hi <= self.n:
             raise InputError(f"rows [{lo}, {hi}) are outside {self.folder} (0 .. {self.n})")
         parts = [self._part(i)[max(lo, a) - a:min(hi, b) - a]
                  for i, (a, b) in enumerate(s.rows for s in self.shards) if a < hi and lo < b]
@@ -288,6 +310,9 @@ class Rows:
 
     def take(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The rows at ascending int64 ``rows``, (len, d) float32 (into ``out`` when given)."""
+        if getattr(rows, "dtype", np.dtype("O")).kind not in "iu":
+            raise InputError(f"rows must be a numpy array of integers, got "
+                             f"{getattr(rows, 'dtype', type(rows).__name__)}")
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
@@ -305,6 +330,7 @@ def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "
     if not hasattr(x, "shape") or len(x.shape) != 2:
         raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
     n, d = int(x.shape[0]), int(x.shape[1])
+    check_stage_out(out, stage)
     shards = [write_shard(Path(out) / shard_name("shard", i), {"stage": stage, "rows": [lo, hi]},
                           {name: as_embeddings(x[lo:hi], "cpu", name, check_norm=False)})
               for i, (lo, hi) in enumerate(split(n, rows))]
@@ -321,6 +347,7 @@ def write_relevance(Y: Any, out: str | Path, rows: int = DEFAULT_ROWS) -> Path:
     """Write Y (m x n: scipy sparse, Relevance, dense) as shards of ``rows`` query rows."""
     rel = as_relevance(Y)
     m, n = rel.shape
+    check_stage_out(out, "relevance")
     shards = [write_shard(Path(out) / shard_name("shard", i),
                           {"stage": "relevance", "rows": [lo, hi]},
                           matrices={"relevance": rel.csr[lo:hi]})
@@ -368,6 +395,7 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     keeping shards of the same texts and model (one with a ``cache_key``: picklable)."""
     texts = _check_texts(texts)
     out = Path(out)
+    check_stage_out(out, "encode")
     identity = resolve_model(model, "cpu").identity
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
