@@ -13,10 +13,9 @@ import torch
 
 from .arrays import as_tensor
 from .errors import InputError
-from .params import check_positive
+from .params import check_memory, check_positive
 from .relevance import Relevance
 from .stream import Chunks, RowSource
-from .synthetic import _check_memory
 
 try:  # scipy's in-place CSC kernel (private: where it is missing, index_add runs on the CPU)
     from scipy.sparse._sparsetools import csc_matvecs
@@ -82,7 +81,7 @@ def pifa_streamed(rel: Relevance, src: RowSource, device: torch.device,
     rows = int(min(chunk_rows(budget, n, d, src.dtype.itemsize, kernel), max(m, 1)))
     check_initial(initial, n, d, device)
     if initial is None and device.type == "cpu":  # Y (1, 2^31 - 1): torch's bare RuntimeError
-        _check_memory(n * d * 4, f"pifa: the ({n}, {d}) float32 sums Yᵀ Q need", "memory")
+        check_memory(n * d * 4, f"pifa: the ({n}, {d}) float32 sums Yᵀ Q need", "memory")
     a = torch.zeros((n, d), dtype=torch.float32, device=device) if initial is None else initial
     if kernel == "index_add":
         _stream_staged(src, rows, rel.csr, a)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import os
 import sys
 from typing import Any, Callable, TypeVar
 
@@ -170,6 +171,17 @@ def check_choice(value: Any, name: str, choices: tuple) -> None:
     """``value`` one of ``choices``; of boolean choices only a bool (1 == True in Python)."""
     if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def check_memory(need: float, what: str, of: str) -> None:
+    """InputError if ``need`` bytes exceed physical memory (where the OS tells it)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX: unknown, unchecked
+        return
+    if need > memory:
+        raise InputError(f"{what} {need / 2**30:.4g} GiB of {of}, more than this machine's "
+                         f"{memory / 2**30:.4g} GiB of memory")
 
 
 def check_nonnegative(value: Any, name: str, zero: str = "", top: int | None = None) -> int:

@@ -5,12 +5,11 @@ target and others of its cluster)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
 from .errors import InputError
-from .params import check_nonnegative, check_positive
+from .params import check_memory, check_nonnegative, check_positive
 from .relevance import Relevance
 
 
@@ -40,7 +39,7 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     c = check_positive(clusters, "clusters") if clusters else max(1, int(np.sqrt(n)))
     sizes = f"make_synthetic(n={n}, m={m}, d={d}, n_test={n_test}, clusters={c}"
     # P, Q, Q_test and the centres as float32: numpy's MemoryError (or the OOM killer) otherwise
-    _check_memory(4 * d * (n + m + n_test + c), f"{sizes}) needs", "float32 rows")
+    check_memory(4 * d * (n + m + n_test + c), f"{sizes}) needs", "float32 rows")
     rng = np.random.default_rng(check_nonnegative(seed, "seed"))
     centres = _unit(rng.standard_normal((c, d), dtype=np.float32))
     # cluster sizes are uneven (Zipf-like); documents sorted by cluster
@@ -58,7 +57,7 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
         target = np.minimum(np.searchsorted(cum, rng.random(count)), n - 1)
         n_rel = np.minimum(rng.zipf(rel_exponent, count), max_rel)
         pairs = n_rel.sum(dtype=np.float64)  # no int64 overflow for a huge max_rel
-        _check_memory(48 * pairs, f"{sizes}, max_rel={max_rel}, rel_exponent={rel_exponent}) "
+        check_memory(48 * pairs, f"{sizes}, max_rel={max_rel}, rel_exponent={rel_exponent}) "
                       f"drew {pairs:.4g} relevant pairs: about", "index arrays")
         owner = np.repeat(np.arange(count), n_rel - 1)
         z = doc_cluster[target[owner]]
@@ -73,17 +72,6 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     Q, Y = queries(m)
     Q_test, Y_test = queries(n_test)
     return SyntheticData(P=P, Q=Q, Y=Y, Q_test=Q_test, Y_test=Y_test)
-
-
-def _check_memory(need: float, what: str, of: str) -> None:
-    """InputError if ``need`` bytes exceed physical memory (where the OS tells it)."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # not POSIX: unknown, unchecked
-        return
-    if need > memory:
-        raise InputError(f"{what} {need / 2**30:.4g} GiB of {of}, more than this machine's "
-                         f"{memory / 2**30:.4g} GiB of memory")
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
