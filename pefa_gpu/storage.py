@@ -136,6 +136,8 @@ def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
     object-holding file raises :class:`FormatError` naming it."""
     p = Path(path)
     try:
+        if not stat.S_ISREG(os.stat(p).st_mode):  # open() of a FIFO waits for a writer
+            raise OSError("not a regular file")
         with open(p, "rb") as fh:
             magic = fh.read(6)
             if magic == b"\x93NUMPY":

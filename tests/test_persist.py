@@ -4,6 +4,7 @@ corrupt / foreign / future saves, device moves, memory mapping, params JSON."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import ExactIndex, ExactParams, backend_class, backend_names
 from pefa_gpu.synthetic import make_synthetic
 
-from conftest import DEVICES, make_model, unit_rows
+from conftest import DEVICES, make_model, run_python, unit_rows
 
 N, M, D = 60, 40, 8
 
@@ -131,6 +132,17 @@ def test_load_tensor_rejects_bad_files(tmp_path):
     np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
     with pytest.raises(FormatError, match="obj.npy"):  # never unpickles
         storage.load_tensor(tmp_path / "obj.npy", "cpu")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+def test_a_npy_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    """open() of a FIFO with no writer blocked forever (an encode cache shard, a --emb file)."""
+    os.mkfifo(tmp_path / "t.npy")
+    res = run_python("-c", "import sys\nfrom pefa_gpu import storage\n"
+                     "try:\n    storage.read_npy(sys.argv[1])\n"
+                     "except storage.FormatError as e:\n    print(e)",
+                     tmp_path / "t.npy", timeout=60)
+    assert "t.npy cannot be read" in res.stdout and "not a regular file" in res.stdout
 
 
 def test_csr_round_trip_and_errors(tmp_path):
