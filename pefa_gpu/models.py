@@ -390,7 +390,7 @@ class NUDGE(_AdaptedDocuments):
             fit, val = split_queries(q.shape[0], self.params.val_fraction, self.params.seed)
             g_fit = pifa(rel.rows(fit), q[fit], normalize=False, device=self.device)
             q_val, y_val = q[val], rel.rows(val)
-        if gamma is None and not y_val.nnz:
+        if gamma is None and not (y_val.csr.data > 0).any():  # choose_gamma counts these
             log.warning("NUDGE: the %d validation queries have no relevant document, so gamma "
                         "is 0: the documents do not move", y_val.shape[0])
         if gamma is None:

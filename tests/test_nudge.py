@@ -264,11 +264,12 @@ def test_validation_queries_without_a_relevant_document_warn_that_gamma_is_0(var
     """Q_val / Y_val with no relevant pair chose gamma 0 in silence: NUDGE then equals the ERM
     and nothing said why. A validation set with pairs chooses as before, without the warning."""
     P, Q, Y, Qv, Yv, _ = problem(3)
-    empty = sp.csr_matrix(Yv.shape, dtype=np.float32)
-    with caplog.at_level("WARNING", logger="pefa_gpu"):
-        model = pg.NUDGE(variant=variant, device="cpu").fit(P, Q, Y, Qv, empty)
-    assert model.fitted_gamma == 0.0
-    assert "the 40 validation queries have no relevant document, so gamma is 0" in caplog.text
+    for none in (sp.csr_matrix(Yv.shape, dtype=np.float32), -Yv):  # no pair, or graded <= 0
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pefa_gpu"):
+            model = pg.NUDGE(variant=variant, device="cpu").fit(P, Q, Y, Qv, none)
+        assert model.fitted_gamma == 0.0
+        assert "the 40 validation queries have no relevant document, so gamma is 0" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="pefa_gpu"):
         assert pg.NUDGE(variant=variant, device="cpu").fit(P, Q, Y, Qv, Yv).fitted_gamma > 0
