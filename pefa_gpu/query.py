@@ -260,9 +260,10 @@ class QueryModel(_Saved):
     n_docs = property(lambda self: self.model.n_docs)
     dim = property(lambda self: self.model.dim)
 
-    def queries(self, queries: ArrayLike) -> torch.Tensor:
-        """The queries as the model searches them: (B, d) float32 on its device."""
-        q = self.model.as_queries(queries)
+    def queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
+        """The queries as the model searches them: (B, d) float32 on its device (``check``: for
+        NaN / inf, as :meth:`search`'s)."""
+        q = self.model.as_queries(queries, check)
         if self.adapter is not None:
             q = self.adapter(q, check=False)
         return q if self.prf is None else self.prf(q, self.model)
@@ -271,7 +272,7 @@ class QueryModel(_Saved):
                params: Params | None = None, index_params: Params | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """As the model's ``search``, on :meth:`queries`."""
-        return self.model.search(self.queries(queries), topk, check=False, params=params,
+        return self.model.search(self.queries(queries, check), topk, check=False, params=params,
                                  index_params=index_params)
 
     def save(self, directory: str | Path) -> None:

@@ -496,3 +496,18 @@ def test_alpha_is_not_chosen_on_held_out_queries_without_a_positive_weight():
     Y[val, 0] = -1.0
     with pytest.raises(InputError, match="none of the 24 held-out training queries has a rel"):
         pg.QueryAdapter(device="cpu").fit(Q, Y.tocsr(), P)
+
+
+def test_query_model_search_passes_check_on():
+    """QueryModel.search ignored ``check``: its queries were always checked on the CPU, so
+    check=False (a caller's own checked batch) still paid for and raised on the check."""
+    P, _, _, T = problem(4)[:4]
+    qm = pg.QueryModel(pg.ERM(device="cpu").fit(P))
+    bad = T.copy()
+    bad[1, 2] = np.nan
+    for check in (None, True):
+        with pytest.raises(InputError, match="NaN"):
+            qm.search(bad, 5, check=check)
+    s, i = qm.search(bad, 5, check=False)  # unchecked, as the model's own search
+    assert torch.isnan(s[1]).all() and np.isfinite(s[0].numpy()).all()
+    assert torch.equal(qm.search(T, 5, check=False)[1], qm.search(T, 5)[1])
