@@ -616,6 +616,22 @@ def test_scann_settings_and_automatic_sizes():
 
 
 @SCANN
+def test_scann_sizes_beyond_a_c_int_are_refused_or_capped():
+    # dims_per_block 2^31 aborted the process in ScaNN's C++; reorder 2^31 was pybind's
+    # TypeError not naming it: it now searches as reorder = every row
+    code = ("import pefa_gpu as pg, numpy as np; x = np.eye(8, dtype='float32');"
+            "pg.make_index('scann', 'cpu', {'dims_per_block': 2**31, 'brute_force_below': 0}"
+            ").build(np.tile(x, (40, 1)))")
+    out = run_python("-c", code, returncode=None)
+    assert out.returncode == 1 and "dims_per_block must be at most 2147483647" in out.stderr
+    x = unit_rows(np.random.default_rng(28), 300, 8)
+    index = make_index("scann", "cpu", {"brute_force_below": 0, "num_leaves": 4}).build(x)
+    s, i = index.search(x[:3], 5, {"reorder": 2**31, "leaves_to_search": 4})
+    s0, i0 = index.search(x[:3], 5, {"reorder": 300, "leaves_to_search": 4})
+    assert torch.equal(i, i0) and torch.equal(s, s0)
+
+
+@SCANN
 def test_scann_tree_searching_every_leaf_is_exact():
     rng = np.random.default_rng(25)
     # small-integer vectors: float32 dot products are exact, so scores tie exactly

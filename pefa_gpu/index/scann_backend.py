@@ -13,7 +13,7 @@ import numpy as np
 
 from ..arrays import DeviceLike
 from ..errors import FormatError, InputError
-from ..params import MAX_THREADS, check_nonnegative, check_number, check_positive, checked
+from ..params import MAX_THREADS, check_at_most, check_nonnegative, check_number, checked
 from .base import IndexParams, import_optional
 from ._host import HostBackend, read_description, write_description
 
@@ -29,7 +29,7 @@ class ScannParams(IndexParams):
     brute_force_below: fewer rows are searched by brute force. threads: 0 = every core."""
 
     num_leaves: int = checked(0, check_nonnegative, "automatic")
-    dims_per_block: int = checked(2, check_positive)
+    dims_per_block: int = checked(2, check_at_most, 2**31 - 1)  # a C int: 2^31 aborted ScaNN
     anisotropic_threshold: float | None = checked(0.2, check_number, True)
     train_size: int = checked(0, check_nonnegative, "automatic")
     brute_force_below: int = checked(4096, check_nonnegative)
@@ -117,7 +117,8 @@ class ScannIndex(HostBackend):
         elif self.num_leaves:
             leaves = min(params.leaves_to_search or auto_leaves_to_search(self.num_leaves),
                          self.num_leaves)
-            reorder = max(params.reorder or auto_reorder(k), k)
+            # at most every row (k < ntotal here): ScaNN takes a C int (2^31 was a TypeError)
+            reorder = min(max(params.reorder or auto_reorder(k), k), self.ntotal)
         else:
             leaves = reorder = -1  # brute force: no tree, every score exact already
         parallel = q.shape[0] > 1 and self.threads > 1
