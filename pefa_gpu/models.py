@@ -466,7 +466,15 @@ class PEFAXL(_Model):
         (B, <= k) scores and ``relevance`` rows, -1 padded; ``erm``: a passage search already
         made; ``params``: the backend's ``SearchParams`` for both indices."""
         params = self._typed(self._index_search_class, params, "neighbours params")
-        return self._searches(q, 0, check_positive(k, "k"), params, erm)[1]
+        k = check_positive(k, "k")
+        self.check_fitted()
+        q = q if isinstance(q, (np.ndarray, torch.Tensor)) else as_tensor(q, name="q")
+        if q.ndim != 2 or q.shape[1] != self.dim:  # as the searches check it; then no NaN
+            raise InputError(f"q must have shape (B, {self.dim}), got {tuple(q.shape)}")
+        require_finite(q, "q")  # numpy q was searched unchecked (the searches trust _search's)
+        if erm is not None:  # (its ids become rows m + j: one beyond n was a wrong neighbour)
+            erm = self._checked_pair("erm", erm, q, self.n_docs)
+        return self._searches(q, 0, k, params, erm)[1]
 
     def _searches(self, q: Array, kp: int, k: int, params: Params | None,
                   erm: tuple[Array, Array] | None = None, checked: bool = True
@@ -532,33 +540,46 @@ class PEFAXL(_Model):
                   ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` (``knn`` with max(ks)
         neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device (numpy: the CPU)."""
-        lams, ks = self._check_fusion(q, erm, knn, lams, ks)
+        lams, ks, erm, knn = self._check_fusion(q, erm, knn, lams, ks)
         return self._fuse_grid(q, erm, knn, lams, ks, topk, batch_size)
 
     def _check_fusion(self, q: Any, erm: Any, knn: Any, lams: Any, ks: Any
-                      ) -> tuple[tuple[float, ...], tuple[int, ...]]:
+                      ) -> tuple[tuple[float, ...], tuple[int, ...], tuple, tuple]:
         """InputError unless q is (B, d) float, erm / knn (scores, ids) pairs of (B, w) float /
-        integer arrays with ids in range, lams numbers in [0, 1] and ks positive ints."""
+        integer arrays with ids in range, lams numbers in [0, 1] and ks positive ints; returns
+        them (unsigned ids as int64)."""
         self.check_fitted()
         lams, ks = check_grid(lams, ks)
         if _kind(q) != "f" or q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"q must be a (B, {self.dim}) float array, got "
                              f"{type(q).__name__} {getattr(q, 'shape', '')}")
-        for name, pair in (("erm", erm), ("knn", knn)):
-            pair = pair if isinstance(pair, (tuple, list)) else (pair,)
-            ok = len(pair) == 2 and _kind(pair[0]) == "f" and _kind(pair[1]) in ("i", "u") \
-                and pair[0].ndim == 2 and pair[0].shape == pair[1].shape and len(pair[0]) == len(q)
-            if not ok:
-                got = ", ".join(f"{type(a).__name__} {getattr(a, 'dtype', '')} "
-                                f"{getattr(a, 'shape', '')}" for a in pair)
-                raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
-                                 f"shape (B={q.shape[0]}, w), got {got}")
-        rows = self.relevance.shape[0]
-        for name, ids, top in (("erm", erm[1], self.n_docs), ("knn", knn[1], rows)):
-            if bool(((ids < -1) | (ids >= top)).any()):  # on CUDA: one synchronisation
-                raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
-                                 f"{int(ids.min())} .. {int(ids.max())}")
-        return lams, ks
+        return lams, ks, self._checked_pair("erm", erm, q, self.n_docs, False), \
+            self._checked_pair("knn", knn, q, self.relevance.shape[0], False)
+
+    def _checked_pair(self, name: str, pair: Any, q: Any, top: int, same_kind: bool = True
+                      ) -> tuple[Array, Array]:
+        """``pair`` (scores, ids) of (B, w) float / integer arrays, ids in [-1, top) (unsigned
+        ones as int64: -1 compared as 255 or 2^64 - 1); ``same_kind``: q's kind of array."""
+        pair = pair if isinstance(pair, (tuple, list)) else (pair,)
+        ok = len(pair) == 2 and _kind(pair[0]) == "f" and _kind(pair[1]) in ("i", "u") \
+            and pair[0].ndim == 2 and pair[0].shape == pair[1].shape and len(pair[0]) == len(q)
+        if not ok:
+            got = ", ".join(f"{type(a).__name__} {getattr(a, 'dtype', '')} "
+                            f"{getattr(a, 'shape', '')}" for a in pair)
+            raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
+                             f"shape (B={q.shape[0]}, w), got {got}")
+        scores, ids = pair
+        unsigned = ids.dtype.kind == "u" if isinstance(ids, np.ndarray) else \
+            not ids.dtype.is_signed
+        if bool(((ids >= top) if unsigned else (ids < -1) | (ids >= top)).any()):  # CUDA: 1 sync
+            raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
+                             f"{int(ids.min())} .. {int(ids.max())}")
+        if unsigned:
+            ids = ids.astype(np.int64) if isinstance(ids, np.ndarray) else ids.long()
+        if same_kind and isinstance(q, np.ndarray):
+            return to_numpy(scores), to_numpy(ids)
+        return (as_tensor(scores, device=q.device), as_tensor(ids, device=q.device)) \
+            if same_kind else (scores, ids)
 
     def _fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
                    lams: Sequence[float], ks: Sequence[int], topk: int,
@@ -588,7 +609,7 @@ class PEFAXL(_Model):
             _, cand = self.index.search(q.detach(), kp)
             in_c = (ids.unsqueeze(2) == cand.unsqueeze(1)).any(2)
             f_erm = torch.where(in_c, f_erm, torch.zeros((), dtype=q.dtype, device=q.device))
-        _, nbr = self.neighbours(q.detach(), p.k)                       # (B, K), -1 padded
+        _, nbr = self._searches(q.detach(), 0, p.k, None)[1]            # (B, K), -1 padded
         rows, m = nbr.clamp_min(0), self.n_train_queries
         flat = rows.reshape(-1).clamp_max(m - 1)  # valid: no id check
         try:

@@ -281,6 +281,37 @@ def test_xl_fuse_checks_its_searches_lams_and_ks():
     assert list(twice) == [(0.5, 4)] and all(map(torch.equal, twice[(0.5, 4)], once[(0.5, 4)]))
 
 
+def test_xl_fuse_takes_unsigned_ids_and_neighbours_checks_q_and_erm():
+    """Unsigned ids: numpy uint32 / uint64 were numpy's OverflowError / TypeError in fuse, a
+    torch uint8 pair an 'ids must be in [-1, 30)' error for ids in range (-1 compared as 255).
+    neighbours took an erm of other rows to torch's RuntimeError, one with ids past the
+    documents to neighbour rows past Y, a list to an AttributeError, and NaN numpy queries
+    unchecked."""
+    rng = np.random.default_rng(5)
+    P, Q, T = unit_rows(rng, 30, 8), unit_rows(rng, 20, 8), unit_rows(rng, 5, 8)
+    Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
+    xl = pg.PEFAXL(device="cpu", k=4).fit(P, Q, Y)
+    q = torch.from_numpy(T)
+    erm, knn = xl.index.search(q, 10), xl.neighbours(q, 4)
+    want = xl.fuse(q, erm, knn, 5)
+    as_np = (erm[0].numpy(), erm[1].numpy())
+    for ids in (as_np[1].astype(np.uint32), as_np[1].astype(np.uint64), erm[1].to(torch.uint8)):
+        scores = erm[0] if isinstance(ids, torch.Tensor) else as_np[0]
+        got = xl.fuse(T if isinstance(ids, np.ndarray) else q, (scores, ids), knn, 5)
+        assert all(torch.equal(torch.as_tensor(g), w) for g, w in zip(got, want))
+    with pytest.raises(InputError, match=r"erm ids must be in \[-1, 30\)"):
+        xl.fuse(T, (as_np[0], np.full(as_np[1].shape, 2**63 + 5, np.uint64)), knn, 5)
+    for bad in ((erm[0][:2], erm[1][:2]), [1, 2], (erm[0], erm[1].float())):
+        with pytest.raises(InputError, match=r"erm must be \(scores, ids\)"):
+            xl.neighbours(q, 4, erm=bad)
+    with pytest.raises(InputError, match=r"erm ids must be in \[-1, 30\)"):
+        xl.neighbours(q, 4, erm=(erm[0], erm[1] + 30))
+    with pytest.raises(InputError, match="q contains NaN or inf"):
+        xl.neighbours(T * np.nan, 4)
+    got = xl.neighbours(q, 4, erm=as_np)  # numpy erm, torch q: results as q's
+    assert all(torch.equal(g, w) for g, w in zip(got, knn))
+
+
 def test_sparse_and_meta_tensors_are_named_not_torch_errors():
     """A torch sparse tensor was a TypeError / RuntimeError from torch ('Cannot access data
     pointer'), a meta tensor a NotImplementedError ('Cannot copy out of meta tensor')."""
