@@ -632,6 +632,25 @@ def test_scann_sizes_beyond_a_c_int_are_refused_or_capped():
 
 
 @SCANN
+def test_scann_tree_rows_beyond_float32_k_means_are_refused():
+    # build: ScaNN's C++ aborted the process ('Check failed: cluster_idx < num_clusters'); add
+    # to a tree: a segfault. A brute-force index (no tree) takes them.
+    code = ("import sys, numpy as np, pefa_gpu as pg; from pefa_gpu.errors import InputError\n"
+            "x = np.tile(np.eye(8, dtype='float32'), (40, 1)); p = {'brute_force_below': 0}\n"
+            "for s in (2e19, 1e30):\n"
+            "    try: pg.make_index('scann', 'cpu', p).build(x * s)\n"
+            "    except InputError as e: print(e)\n"
+            "    i = pg.make_index('scann', 'cpu', p).build(x)\n"
+            "    try: i.add(x[:2] * s)\n"
+            "    except InputError as e: print(e)\n"
+            "    assert i.ntotal == 320\n"
+            "pg.make_index('scann', 'cpu').build(x).add(x[:2] * 1e30)\n")
+    out = run_python("-c", code, returncode=None)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("beyond what scann's float32 tree holds") == 4
+
+
+@SCANN
 def test_scann_tree_searching_every_leaf_is_exact():
     rng = np.random.default_rng(25)
     # small-integer vectors: float32 dot products are exact, so scores tie exactly

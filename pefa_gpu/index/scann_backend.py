@@ -13,12 +13,16 @@ import numpy as np
 
 from ..arrays import DeviceLike
 from ..errors import FormatError, InputError
-from ..params import MAX_THREADS, check_at_most, check_nonnegative, check_number, checked
+from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_nonnegative, check_number,
+                      checked)
 from .base import IndexParams, import_optional
 from ._host import HostBackend, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
 META_FORMAT = "pefa_gpu-scann"
+# a tree's k-means: |x - c|^2 <= 4 max|x|^2 in float32 (rows of norm 1.8e19 aborted the process
+# in ScaNN's C++, 'Check failed: cluster_idx < num_clusters'; an add of 1e30 rows segfaulted)
+MAX_TREE_NORM = math.sqrt(FLOAT32_MAX) / 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -88,6 +92,7 @@ class ScannIndex(HostBackend):
             leaves = 0
             builder = builder.score_brute_force(False)
         else:
+            _check_norms(x)
             leaves = p.num_leaves or auto_num_leaves(n)
             if leaves > n:
                 raise InputError(f"num_leaves={leaves} is more than the {n} vectors")
@@ -108,6 +113,8 @@ class ScannIndex(HostBackend):
         return searcher
 
     def _append(self, x: np.ndarray) -> None:
+        if self.num_leaves:  # rows join the tree's leaves
+            _check_norms(x)
         self._index.searcher.upsert([None] * x.shape[0], list(x), min(x.shape[0], 256))
 
     def _raw_search(self, q: np.ndarray, k: int, params: ScannSearchParams
@@ -160,6 +167,14 @@ class ScannIndex(HostBackend):
         searcher.set_num_threads(out.threads)
         out._index, out._dim, out.num_leaves = searcher, dim, leaves
         return out
+
+
+def _check_norms(x: np.ndarray) -> None:
+    """InputError for rows a tree's float32 k-means cannot place (norm above MAX_TREE_NORM)."""
+    top = float(np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64).max()))
+    if top > MAX_TREE_NORM:
+        raise InputError(f"vectors: a row norm of {top:.3g} is beyond what scann's float32 "
+                         f"tree holds ({MAX_TREE_NORM:.3g}): normalise the rows")
 
 
 def _check_assets(directory: Path) -> dict[str, Path]:
