@@ -301,9 +301,9 @@ class _AdaptedDocuments(_Model):
     def _append_documents(self, p: torch.Tensor) -> None:
         # PEFA-XS' augment_docs: p_j is document j's first query, as in fit
         sums = p if getattr(self.params, "augment_docs", False) else torch.zeros_like(p)
+        self.index.add(self._adapt(p, sums))  # first: rows it refuses leave the model as it was
         self.doc_embeddings = torch.cat([self.doc_embeddings, p])
         self.doc_sums = torch.cat([self.doc_sums, sums])
-        self.index.add(self._adapt(p, sums))
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return training.inner(q, self._adapted_rows(ids))

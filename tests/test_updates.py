@@ -250,6 +250,26 @@ def test_a_16_bit_exact_index_refuses_rows_beyond_its_range_on_update():
     assert torch.equal(idx.vectors, torch.ones(4, 3, dtype=torch.float16))
 
 
+@pytest.mark.parametrize("cls", [pg.ERM, pg.PEFAXS, pg.PEFAXL])
+def test_documents_the_index_refuses_leave_the_model_as_it_was(cls, tmp_path):
+    """PEFAXS appended to doc_embeddings / doc_sums before its index refused the rows: n_docs
+    stayed, the arrays grew, so the next add gave document n the refused row's embedding and
+    a save would not load."""
+    rng = np.random.default_rng(23)
+    P, Q, T = unit_rows(rng, 20, D), unit_rows(rng, 10, D), unit_rows(rng, 3, D)
+    Y = sp.csr_matrix(np.eye(10, 20, dtype=np.float32))
+    model = cls(device="cpu", index_params={"dtype": "float16"})
+    model = model.fit(P) if cls is pg.ERM else model.fit(P, Q, Y)
+    with pytest.raises(pg.InputError, match="NaN or inf as float16"):
+        model.add_documents(np.full((2, D), 1e6, np.float32))  # float16 tops out at 65504
+    assert model.n_docs == len(model.doc_embeddings) == model.index.ntotal == 20
+    assert len(getattr(model, "doc_sums", model.doc_embeddings)) == 20
+    model.add_documents(P[:1])
+    assert torch.equal(model.doc_embeddings[20], torch.from_numpy(P[0]))
+    model.save(tmp_path / "m")
+    assert pg.load(tmp_path / "m", device="cpu").n_docs == 21
+
+
 @pytest.mark.parametrize("kind,opts", [MODELS[0], MODELS[1], MODELS[3]])
 def test_updates_after_save_and_load_equal_refit(kind, opts, tmp_path):
     rng = np.random.default_rng(21)
