@@ -270,6 +270,22 @@ def test_documents_the_index_refuses_leave_the_model_as_it_was(cls, tmp_path):
     assert pg.load(tmp_path / "m", device="cpu").n_docs == 21
 
 
+@pytest.mark.parametrize("backend", ["exact", "hnsw"])  # update in place / rebuild
+def test_pairs_the_index_refuses_leave_the_documents_as_they_were(backend):
+    """add_pairs wrote doc_sums before the index took the rows: sums beyond float32 (inf) were
+    refused there and stayed in doc_sums (score then NaN, every later add_pairs refused)."""
+    if backend == "hnsw":
+        pytest.importorskip("faiss")
+    rng = np.random.default_rng(24)
+    P, Q = unit_rows(rng, 20, D), unit_rows(rng, 10, D)
+    model = pg.NUDGE(device="cpu", variant="M", gamma=1.0, backend=backend).fit(
+        P, Q, sp.csr_matrix(np.eye(10, 20, dtype=np.float32)))
+    sums = model.doc_sums.clone()
+    with pytest.raises(pg.InputError, match="NaN or inf"):
+        model.add_pairs(unit_rows(rng, 2, D) * 1e38, np.full((2, 20), 3e38, np.float32))
+    assert torch.equal(model.doc_sums, sums)
+
+
 @pytest.mark.parametrize("kind,opts", [MODELS[0], MODELS[1], MODELS[3]])
 def test_updates_after_save_and_load_equal_refit(kind, opts, tmp_path):
     rng = np.random.default_rng(21)
