@@ -574,13 +574,15 @@ class PEFAXL(_Model):
             raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
                              f"shape (B={q.shape[0]}, w), got {got}")
         scores, ids = pair
-        unsigned = ids.dtype.kind == "u" if isinstance(ids, np.ndarray) else \
-            not ids.dtype.is_signed
-        if bool(((ids >= top) if unsigned else (ids < -1) | (ids >= top)).any()):  # CUDA: 1 sync
+        host = isinstance(ids, np.ndarray)
+        if ids.dtype.kind == "u" if host else not ids.dtype.is_signed:  # as int64 (torch's
+            wide = ids.dtype.itemsize == 8 if host else ids.element_size() == 8  # uint64: no >=)
+            if wide and bool((ids.view(np.int64 if host else torch.int64) < 0).any()):
+                raise InputError(f"{name} ids hold values beyond int64 ({ids.dtype})")
+            ids = ids.astype(np.int64) if host else ids.long()
+        if bool(((ids < -1) | (ids >= top)).any()):  # on CUDA: one synchronisation
             raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
                              f"{int(ids.min())} .. {int(ids.max())}")
-        if unsigned:
-            ids = ids.astype(np.int64) if isinstance(ids, np.ndarray) else ids.long()
         if same_kind and isinstance(q, np.ndarray):
             return to_numpy(scores), to_numpy(ids)
         return (as_tensor(scores, device=q.device), as_tensor(ids, device=q.device)) \

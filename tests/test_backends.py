@@ -553,6 +553,10 @@ def test_reconstruct_returns_rows_and_refuses_ids_outside_the_index(backend, par
     for bad in ([-1], [120], [2, 10**9]):  # -1 is not the last row
         with pytest.raises(InputError, match=r"ids must lie in \[0, 120\)"):
             index.reconstruct(torch.tensor(bad))
+    # uint64 2^63 was named as id -9223372036854775808 (cast first); uint8 ids are ids
+    with pytest.raises(InputError, match=r"ids hold values beyond int64 \(torch.uint64\)"):
+        index.reconstruct(np.array([2**63], np.uint64))
+    assert torch.equal(index.reconstruct(np.array([3], np.uint8)), want[[3]])
 
 
 @HNSWLIB

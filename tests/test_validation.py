@@ -299,8 +299,14 @@ def test_xl_fuse_takes_unsigned_ids_and_neighbours_checks_q_and_erm():
         scores = erm[0] if isinstance(ids, torch.Tensor) else as_np[0]
         got = xl.fuse(T if isinstance(ids, np.ndarray) else q, (scores, ids), knn, 5)
         assert all(torch.equal(torch.as_tensor(g), w) for g, w in zip(got, want))
+    for big in (np.full(as_np[1].shape, 2**63 + 5, np.uint64), torch.full_like(erm[1], 2**63 + 5,
+                                                                             dtype=torch.uint64)):
+        with pytest.raises(InputError, match=r"erm ids hold values beyond int64"):
+            xl.fuse(T, (as_np[0], big), knn, 5)
+    got = xl.fuse(q, (erm[0], erm[1].to(torch.uint64)), knn, 5)  # torch has no uint64 >=
+    assert all(map(torch.equal, got, want))
     with pytest.raises(InputError, match=r"erm ids must be in \[-1, 30\)"):
-        xl.fuse(T, (as_np[0], np.full(as_np[1].shape, 2**63 + 5, np.uint64)), knn, 5)
+        xl.fuse(T, (as_np[0], as_np[1].astype(np.uint16) + 30), knn, 5)
     for bad in ((erm[0][:2], erm[1][:2]), [1, 2], (erm[0], erm[1].float())):
         with pytest.raises(InputError, match=r"erm must be \(scores, ids\)"):
             xl.neighbours(q, 4, erm=bad)

@@ -168,6 +168,8 @@ def check_row_ids(ids: torch.Tensor, ntotal: int, distinct: bool = False) -> tor
     repeats if ``distinct``)."""
     if ids.is_floating_point():
         raise InputError(f"ids must be integers, got dtype {ids.dtype}")
+    if ids.dtype == torch.uint64 and bool((ids.view(torch.int64) < 0).any()):  # .long() wraps
+        raise InputError(f"ids hold values beyond int64 ({ids.dtype})")
     i = ids.long()
     if i.numel() and (int(i.min()) < 0 or int(i.max()) >= ntotal):
         bad = i[(i < 0) | (i >= ntotal)][:5].tolist()
