@@ -231,7 +231,12 @@ class _Model:
         """Write faiss HNSW file(s) for CPU serving (kwargs: :func:`export.export_parts`)."""
         self.check_fitted()
         kwargs.setdefault("device", self.device)
-        return export.export_parts(self._exported(), path, **kwargs)
+        try:
+            parts = self._exported()
+        except NotImplementedError as exc:  # ScaNN keeps no rows to return
+            raise InputError(f"{type(self).__name__}.export_hnsw needs the indexed vectors: "
+                             f"{exc} (fit with another backend to export)") from exc
+        return export.export_parts(parts, path, **kwargs)
 
     def save(self, directory: str | Path) -> None:
         """Write the fitted model into ``directory`` atomically (:func:`pefa_gpu.load`)."""
@@ -284,6 +289,12 @@ class ERM(_Model):
         """P: (n, d) document embeddings."""
         p, _, _ = self._embeddings(P)
         return self._fitted(p, p)
+
+    def _exported(self) -> tuple[torch.Tensor, Index]:
+        try:
+            return super()._exported()
+        except NotImplementedError:  # ScaNN keeps no rows to return: the index's are P
+            return self.doc_embeddings, self.index
 
 
 class _AdaptedDocuments(_Model):

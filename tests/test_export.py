@@ -258,3 +258,21 @@ def test_a_kept_graph_checks_the_settings_it_does_not_use(tmp_path):
             with pytest.raises(InputError, match=f"{setting} must be a positive integer"):
                 model.export_hnsw(tmp_path / "x.faiss", M=8, **{setting: -1})
         assert not (tmp_path / "x.faiss").exists()
+
+
+def test_a_scann_model_exports_its_documents_or_says_what_it_lacks(tmp_path):
+    """ScaNN keeps no rows to return: ERM's export was a bare NotImplementedError though its
+    index rows are P; PEFAXL's (no training-query vectors anywhere) one too."""
+    pytest.importorskip("scann")
+    rng = np.random.default_rng(7)
+    P, Q = unit_rows(rng, 50, 8), unit_rows(rng, 20, 8)
+    erm = pg.ERM(device="cpu", backend="scann").fit(P)
+    out = erm.export_hnsw(tmp_path / "erm.faiss")
+    graph = faiss.read_index(str(out))
+    np.testing.assert_array_equal(graph.reconstruct_n(0, 50), P)
+    Y = sp.csr_matrix(np.eye(20, 50, dtype=np.float32))
+    xl = pg.PEFAXL(device="cpu", backend="scann").fit(P, Q, Y)
+    with pytest.raises(InputError, match="PEFAXL.export_hnsw needs the indexed vectors: "
+                                         "backend 'scann'"):
+        xl.export_hnsw(tmp_path / "xl")
+    assert not (tmp_path / "xl").exists()
