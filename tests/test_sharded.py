@@ -93,6 +93,11 @@ def test_empty_and_errors():
     idx.build(torch.ones(4, 3))
     with pytest.raises(pg.InputError, match="shape"):
         idx.search(torch.ones(2, 5), 1)
+    # fewer rows than shards of a backend that builds no empty index: was named as (0, 8)
+    pytest.importorskip("faiss")
+    ivf = ShardedIndex({"devices": ["cpu"] * 3, "backend": "ivf"}, "cpu")
+    with pytest.raises(pg.InputError, match="2 vectors cannot fill 3 shards: backend 'ivf'"):
+        ivf.build(unit_rows(np.random.default_rng(1), 2, 8))
 
 
 @pytest.mark.parametrize("shards", [2, 5])

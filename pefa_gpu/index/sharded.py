@@ -71,6 +71,9 @@ class ShardedIndex(Index):
         if v.ndim != 2:
             raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
         n, parts = v.shape[0], len(self.devices)
+        if n < parts and not getattr(self._cls, "builds_empty", True):  # was named as (0, d)
+            raise InputError(f"{n} vectors cannot fill {parts} shards: backend "
+                             f"{self.params.backend!r} cannot build an empty shard")
         bounds = [n * i // parts for i in range(parts + 1)]
         self.shards = [self._cls(self.params.backend_params, dev).build(v[lo:hi])
                        for dev, lo, hi in zip(self.devices, bounds[:-1], bounds[1:])]
