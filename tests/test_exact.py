@@ -159,6 +159,9 @@ def test_exact_bad_input():
         make_index("exact", params={"bogus": 1})
     with pytest.raises(ValueError, match="backend"):
         make_index("nope")
+    # rows of dimension 0 were built (ntotal 5, dim 0), then every query was the wrong width
+    with pytest.raises(ValueError, match=r"with d > 0, got shape \(5, 0\)"):
+        make_index("exact", device="cpu").build(np.zeros((5, 0), np.float32))
 
 
 def duplicated_documents(rng, n, d, copies=3, low=-2, high=3):

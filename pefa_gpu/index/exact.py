@@ -71,8 +71,9 @@ class ExactIndex(VectorIndex):
     def build(self, vectors: torch.Tensor) -> "ExactIndex":
         """Float32 rows are kept as given (shared), 16-bit ones as the index's own copy."""
         v = self._rows(vectors, copy=self.copies_rows)
-        if v.ndim != 2:
-            raise InputError(f"vectors must be 2-D, got shape {tuple(v.shape)}")
+        if v.ndim != 2 or v.shape[1] == 0:  # d = 0: built, yet searched as empty (any width)
+            raise InputError(f"vectors must be 2-D (n, d) with d > 0, got shape "
+                             f"{tuple(v.shape)}")
         self._store(v.contiguous(), owned=self.copies_rows)
         return self
 
