@@ -331,6 +331,15 @@ def test_cagra_search_params_per_call():
     assert index.search_params == backend_class("cagra").SearchParams()
 
 
+@pytest.mark.parametrize("rows", [np.full((4, 8), np.nan, np.float32), np.ones(8, np.float32)],
+                         ids=["nan", "1-D"])
+def test_a_cagra_save_of_bad_rows_is_a_format_error(tmp_path, rows):
+    # was the InputError of build ('vectors contains NaN or inf'), as if the caller gave them
+    np.save(tmp_path / "vectors.npy", rows)
+    with pytest.raises(FormatError, match=r"vectors\.npy: vectors"):
+        backend_class("cagra").load(tmp_path, None, "cpu")
+
+
 @pytest.mark.parametrize("backend", ["hnsw", "hnswlib"])
 def test_an_hnsw_degree_of_one_is_refused(backend):
     """M=1: the level multiplier 1 / log M is infinite; faiss segfaulted building the graph,

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..arrays import DeviceLike, as_tensor, check_topk, cuda_index
-from ..errors import InputError, MissingDependencyError
+from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import check_nonnegative, check_positive, checked
 from ..storage import load_tensor, save_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
@@ -196,9 +196,13 @@ class CagraIndex(VectorIndex):
     def load(cls, directory: str | Path, params: CagraParams | dict | None = None,
              device: DeviceLike = None) -> "CagraIndex":
         """Read ``vectors.npy`` and rebuild the graph (exact search where no engine runs)."""
-        vectors = load_tensor(cls._saved_file(directory, "vectors.npy"))
+        path = cls._saved_file(directory, "vectors.npy")
+        vectors = load_tensor(path)
         out = cls(params, device, need_engine=False)
         if out.engine is None and out.device.type == "cuda":
             log.warning("cagra: %s; serving exact search from the stored vectors instead",
                         _install_message(out.device))
-        return out.build(vectors)
+        try:
+            return out.build(vectors)
+        except InputError as exc:  # NaN rows, not (n, d): the file's fault, not the caller's
+            raise FormatError(f"{path}: {exc}") from exc
