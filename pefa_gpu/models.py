@@ -24,7 +24,7 @@ from .fuse import Array, RelevanceRows, fuse, ops, searches
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
                      XLParams, XLSearchParams, XSParams, XSSearchParams, check_grid,
-                     check_positive, check_unit_interval)
+                     check_positive)
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 
@@ -365,8 +365,8 @@ class PEFAXS(_AdaptedDocuments):
 
     def xs_embeddings(self, lam: float | None = None) -> torch.Tensor:
         """E = lam P + (1 - lam) Π(A): (n, d) float32; ``lam`` defaults to the model's."""
-        lam = self.params.lam if lam is None else lam
-        check_unit_interval(lam, "lam")
+        # checked as the params check it (a numpy scalar, np.float32(0.3), was refused)
+        lam = self.params.lam if lam is None else self.params.replace(lam=lam).lam
         return pefa_xs(self.doc_embeddings, self.doc_sums, lam)
 
     def _adapt(self, p: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:

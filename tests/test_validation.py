@@ -318,6 +318,19 @@ def test_xl_fuse_takes_unsigned_ids_and_neighbours_checks_q_and_erm():
     assert all(torch.equal(g, w) for g, w in zip(got, knn))
 
 
+def test_xs_embeddings_takes_a_numpy_lam_as_the_params_do(data):
+    """xs_embeddings(np.float32(0.3)) was 'lam must be a number in [0, 1]', though PEFAXS(lam=)
+    and fuse_grid's lams take numpy scalars."""
+    P, Q, Y, _ = data
+    xs = pg.PEFAXS(device="cpu").fit(P, Q, Y)
+    want = xs.xs_embeddings(float(np.float32(0.3)))
+    assert torch.equal(xs.xs_embeddings(np.float32(0.3)), want)
+    assert torch.equal(xs.xs_embeddings(1), xs.xs_embeddings(1.0))
+    for bad in (np.float64(2.0), True, float("nan"), "0.5"):
+        with pytest.raises(InputError, match="lam must be a number in"):
+            xs.xs_embeddings(bad)
+
+
 def test_sparse_and_meta_tensors_are_named_not_torch_errors():
     """A torch sparse tensor was a TypeError / RuntimeError from torch ('Cannot access data
     pointer'), a meta tensor a NotImplementedError ('Cannot copy out of meta tensor')."""
