@@ -391,6 +391,23 @@ def test_a_forged_scann_token_or_code_file_is_refused_at_load(tmp_path, asset, v
     assert asset in res.stdout
 
 
+@pytest.mark.parametrize("leaves", [401, 2**31])
+def test_a_scann_save_with_more_leaves_than_rows_is_refused_at_load(tmp_path, leaves):
+    """2^31 leaves loaded, then every search was pybind's TypeError (a C int); a tree has at
+    most a leaf a row."""
+    pytest.importorskip("scann")
+    from pefa_gpu.index import backend_class, make_index
+
+    params = {"brute_force_below": 0, "num_leaves": 6}
+    x = unit_rows(np.random.default_rng(4), 400, D)
+    make_index("scann", "cpu", params).build(x).save(tmp_path)
+    meta = json.loads((tmp_path / "scann.json").read_text())
+    (tmp_path / "scann.json").write_text(json.dumps({**meta, "num_leaves": leaves}))
+    with pytest.raises(FormatError, match=r"scann\.json: num_leaves must be an int in \[0, "
+                                          r"ntotal=400\]"):
+        backend_class("scann").load(tmp_path, params, "cpu")
+
+
 def test_a_forged_ivf_save_returning_ids_beyond_the_documents_is_refused(tmp_path, data):
     faiss = pytest.importorskip("faiss")
     P, Q, y, queries = data

@@ -150,8 +150,10 @@ class ScannIndex(HostBackend):
         meta_path = cls._saved_file(directory, META_FILE)
         meta = read_description(meta_path, META_FORMAT)
         dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta.get("num_leaves")
-        if isinstance(leaves, bool) or not isinstance(leaves, int) or leaves < 0:
-            raise FormatError(f"{meta_path}: num_leaves must be an int >= 0, got {leaves!r}")
+        # a tree has at most a leaf a row (2^31 was pybind's TypeError at every search)
+        if isinstance(leaves, bool) or not isinstance(leaves, int) or not 0 <= leaves <= ntotal:
+            raise FormatError(f"{meta_path}: num_leaves must be an int in [0, ntotal={ntotal}], "
+                              f"got {leaves!r}")
         if (directory / PICKLE_FILE).exists():
             raise FormatError(f"{directory / PICKLE_FILE} is a pickle: a saved index is data, "
                               f"never code; refusing to load {directory}")
