@@ -408,6 +408,24 @@ def test_a_scann_save_with_more_leaves_than_rows_is_refused_at_load(tmp_path, le
         backend_class("scann").load(tmp_path, params, "cpu")
 
 
+@pytest.mark.parametrize("params", [{"brute_force_below": 0, "num_leaves": 6}, {}],
+                         ids=["tree", "brute-force"])
+def test_a_scann_save_listing_no_vectors_is_refused_at_load(tmp_path, params):
+    """A tree's asset list without DATASET_NPY aborted the process in ScaNN ('Cannot enable
+    exact reordering when the original dataset is empty'): run in a child process."""
+    pytest.importorskip("scann")
+    from pefa_gpu.index import make_index
+
+    make_index("scann", "cpu", params).build(unit_rows(np.random.default_rng(5), 400, D)).save(
+        tmp_path)
+    listing = tmp_path / "scann_assets.pbtxt"
+    blocks = re.split(r"(?=assets \{)", listing.read_text())
+    listing.write_text("".join(b for b in blocks if "asset_type: DATASET_NPY\n" not in b))
+    res = load_and_search("scann", tmp_path, params)
+    assert res.stdout.startswith("refused:") and "lists no DATASET_NPY" in res.stdout, (
+        res.stdout, res.stderr[-500:])
+
+
 def test_a_forged_ivf_save_returning_ids_beyond_the_documents_is_refused(tmp_path, data):
     faiss = pytest.importorskip("faiss")
     P, Q, y, queries = data

@@ -157,7 +157,11 @@ class ScannIndex(HostBackend):
         if (directory / PICKLE_FILE).exists():
             raise FormatError(f"{directory / PICKLE_FILE} is a pickle: a saved index is data, "
                               f"never code; refusing to load {directory}")
-        _check_arrays(_check_assets(directory), dim, ntotal, leaves)
+        assets = _check_assets(directory)
+        if "DATASET_NPY" not in assets:  # every save lists it (a tree without: ScaNN's abort)
+            raise FormatError(f"{directory / ASSETS_FILE} lists no DATASET_NPY asset (the "
+                              f"vectors): not a pefa_gpu save")
+        _check_arrays(assets, dim, ntotal, leaves)
         out = cls(params, device)
         try:
             searcher = out._scann.load_searcher(str(directory), assets_backcompat_shim=False)
