@@ -426,6 +426,26 @@ def test_a_scann_save_listing_no_vectors_is_refused_at_load(tmp_path, params):
         res.stdout, res.stderr[-500:])
 
 
+def test_a_scann_config_that_loads_but_cannot_search_is_refused_at_load(tmp_path):
+    """AH blocks short of the dimension: ScaNN loaded it, then every search was a raw
+    RuntimeError ('Error during search: SCANN_RET_CHECK_EQ failure')."""
+    pytest.importorskip("scann")
+    from scann.proto import scann_pb2
+
+    from pefa_gpu.index import make_index
+
+    params = {"brute_force_below": 0, "num_leaves": 6}
+    make_index("scann", "cpu", params).build(unit_rows(np.random.default_rng(6), 400, D)).save(
+        tmp_path)
+    config = scann_pb2.ScannConfig()
+    config.ParseFromString((tmp_path / "scann_config.pb").read_bytes())
+    config.hash.asymmetric_hash.projection.num_blocks //= 2
+    (tmp_path / "scann_config.pb").write_bytes(config.SerializeToString())
+    res = load_and_search("scann", tmp_path, params)
+    assert res.stdout.startswith("refused:") and "could not be searched by ScaNN" in res.stdout, (
+        res.stdout, res.stderr[-500:])
+
+
 def test_a_forged_ivf_save_returning_ids_beyond_the_documents_is_refused(tmp_path, data):
     faiss = pytest.importorskip("faiss")
     P, Q, y, queries = data

@@ -172,6 +172,10 @@ class ScannIndex(HostBackend):
                               f"{ntotal}")
         searcher.set_num_threads(out.threads)
         out._index, out._dim, out.num_leaves = searcher, dim, leaves
+        try:  # a config ScaNN loads may fail every search (AH blocks short of the dimension)
+            out._raw_search(np.zeros((1, dim), np.float32), 1, out.search_params)
+        except RuntimeError as exc:
+            raise FormatError(f"{directory} could not be searched by ScaNN: {exc}") from exc
         return out
 
 
