@@ -562,8 +562,7 @@ class PEFAXL(_Model):
     def _check_fusion(self, q: Any, erm: Any, knn: Any, lams: Any, ks: Any
                       ) -> tuple[tuple[float, ...], tuple[int, ...], tuple, tuple]:
         """InputError unless q is (B, d) float, erm / knn (scores, ids) pairs of (B, w) float /
-        integer arrays with ids in range, lams numbers in [0, 1] and ks positive ints; returns
-        them (unsigned ids as int64)."""
+        integer arrays with ids in range, lams numbers in [0, 1] and ks positive ints."""
         self.check_fitted()
         lams, ks = check_grid(lams, ks)
         if _kind(q) != "f" or q.ndim != 2 or q.shape[1] != self.dim:
@@ -574,8 +573,8 @@ class PEFAXL(_Model):
 
     def _checked_pair(self, name: str, pair: Any, q: Any, top: int, same_kind: bool = True
                       ) -> tuple[Array, Array]:
-        """``pair`` (scores, ids) of (B, w) float / integer arrays, ids in [-1, top) (unsigned
-        ones as int64: -1 compared as 255 or 2^64 - 1); ``same_kind``: q's kind of array."""
+        """``pair`` (scores, ids) of (B, w) float / signed integer arrays, ids in [-1, top);
+        ``same_kind``: as q's kind of array."""
         pair = pair if isinstance(pair, (tuple, list)) else (pair,)
         ok = len(pair) == 2 and _kind(pair[0]) == "f" and _kind(pair[1]) in ("i", "u") \
             and pair[0].ndim == 2 and pair[0].shape == pair[1].shape and len(pair[0]) == len(q)
@@ -585,12 +584,8 @@ class PEFAXL(_Model):
             raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
                              f"shape (B={q.shape[0]}, w), got {got}")
         scores, ids = pair
-        host = isinstance(ids, np.ndarray)
-        if ids.dtype.kind == "u" if host else not ids.dtype.is_signed:  # as int64 (torch's
-            wide = ids.dtype.itemsize == 8 if host else ids.element_size() == 8  # uint64: no >=)
-            if wide and bool((ids.view(np.int64 if host else torch.int64) < 0).any()):
-                raise InputError(f"{name} ids hold values beyond int64 ({ids.dtype})")
-            ids = ids.astype(np.int64) if host else ids.long()
+        if ids.dtype.kind == "u" if isinstance(ids, np.ndarray) else not ids.dtype.is_signed:
+            raise InputError(f"{name} ids must be signed integers (-1: padding), got {ids.dtype}")
         if bool(((ids < -1) | (ids >= top)).any()):  # on CUDA: one synchronisation
             raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
                              f"{int(ids.min())} .. {int(ids.max())}")
