@@ -12,6 +12,8 @@ import csv
 import dataclasses
 import json
 import math
+import os
+import stat
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,10 @@ def _csv_rows(reader: Any, path: Path):
 def text_lines(path: Path, data: bool = False):
     """(line number, text) per line of a UTF-8 file, a leading BOM dropped; ``data``: non-blank
     lines only, without their line break. Not UTF-8: InputError naming the line and byte."""
+    mode = os.stat(path).st_mode  # open() of a FIFO waits for a writer; /dev/zero never ends
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a folder: open()'s IsADirectoryError
+        raise InputError(f"{path} is not a regular file (a FIFO, device or socket); save the "
+                         f"data to a file")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:

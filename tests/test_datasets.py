@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from pefa_gpu.datasets import load_beir, load_pairs
 from pefa_gpu.errors import InputError
+from conftest import run_python
 from textdata import write_beir
 
 
@@ -92,6 +94,19 @@ def test_beir_empty_split_and_missing(beir, tmp_path):
         load_beir(beir)
     with pytest.raises(InputError, match="not a directory"):
         load_beir(tmp_path / "nothing")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+@pytest.mark.parametrize("name", ["corpus.jsonl", "qrels/train.tsv"])
+def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
+    """open() of a FIFO with no writer blocked forever (a /dev/zero link read without end)."""
+    (beir / name).unlink()
+    os.mkfifo(beir / name)
+    res = run_python("-c", "import sys\nfrom pefa_gpu.datasets import load_beir\n"
+                     "try:\n    load_beir(sys.argv[1]).qrels('train')\n"
+                     "except ValueError as e:\n    print(type(e).__name__, e)",
+                     beir, timeout=60)
+    assert res.stdout.startswith("InputError") and f"{name} is not a regular file" in res.stdout
 
 
 DOCS = ["a", "b", "c", "d"]
