@@ -864,11 +864,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     NotADirectoryError)
         return 2 if isinstance(exc, bad_data) else 1
     except MemoryError as exc:
-        print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
+        print(f"pefa-gpu {args.command}: error: out of memory ({str(exc) or 'MemoryError'}); "
               f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (encode says what it kept), no trace
-        print(f"pefa-gpu {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"pefa-gpu {args.command}: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130
 
 

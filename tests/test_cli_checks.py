@@ -566,3 +566,16 @@ def test_a_folder_where_a_data_file_belongs_is_bad_data(data, capsys):
     (data / "qrels" / "test.tsv").mkdir()
     code, _, err = run(capsys, "eval", data, "--embeddings", "bow", "-q")
     assert code == 2 and "Is a directory" in err and "test.tsv" in err
+
+
+@pytest.mark.parametrize("exc,code,line", [
+    (KeyboardInterrupt(), 130, "pefa-gpu eval: interrupted"),  # was 'pefa-gpu eval: '
+    (KeyboardInterrupt("kept 3 texts"), 130, "pefa-gpu eval: kept 3 texts"),
+    (MemoryError(), 1, "pefa-gpu eval: error: out of memory (MemoryError); try a smaller"),
+])
+def test_ctrl_c_and_out_of_memory_say_what_happened(exc, code, line, data, capsys, monkeypatch):
+    def fail(*args, **kwargs):
+        raise exc
+    monkeypatch.setattr("pefa_gpu.datasets.load_beir", fail)
+    got, out, err = run(capsys, "eval", data, "--embeddings", "bow", "--device", "cpu", "-q")
+    assert got == code and out == "" and err.startswith(line) and err.count("\n") == 1, err
