@@ -133,18 +133,19 @@ def text_lines(path: Path, data: bool = False):
 
 
 def record_id(value: object, where: str, kind: str) -> str:
-    """A non-empty string id (JSON integers: their digits) without control characters (they
-    would break TSV / TREC outputs); else InputError naming ``where`` and the id."""
+    """A non-empty string id (JSON integers: their digits) without control characters or lone
+    surrogates (they would break TSV / TREC outputs); else InputError naming ``where`` and the
+    id."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
         raise InputError(f"{where}: the {kind} id must be a string, got {value!r}")
     if not value.strip():
         raise InputError(f"{where}: empty {kind} id {value!r}")
-    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")]
-    if bad:
+    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp", "Cs")]
+    if bad:  # Cs: a lone surrogate (JSON's "\ud800"), which UTF-8 output files cannot hold
         raise InputError(f"{where}: the {kind} id {value!r} holds {bad[0]!r}; control "
-                         f"characters would break the TSV / TREC outputs")
+                         f"characters and lone surrogates would break the TSV / TREC outputs")
     return value
 
 

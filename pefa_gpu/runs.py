@@ -17,8 +17,9 @@ DocText = tuple[Sequence[str], Sequence[str]]  # (titles, text snippets) of the 
 
 
 def query_id(text: str) -> str:
-    """A stable id for a query given without one: the same text, the same id, in any run."""
-    return "q-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:10]
+    """A stable id for a query given without one: the same text, the same id, in any run (a
+    lone surrogate too: the encoder refuses such a text, naming it)."""
+    return "q-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
 
 def read_queries(path: str | Path) -> list[tuple[str, str]]:

@@ -579,3 +579,12 @@ def test_ctrl_c_and_out_of_memory_say_what_happened(exc, code, line, data, capsy
     monkeypatch.setattr("pefa_gpu.datasets.load_beir", fail)
     got, out, err = run(capsys, "eval", data, "--embeddings", "bow", "--device", "cpu", "-q")
     assert got == code and out == "" and err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_a_query_text_with_a_lone_surrogate_is_named(built, capsys):
+    """A byte that is not UTF-8 in the shell's argument (sys.argv's surrogateescape) was the
+    query id's raw "'utf-8' codec can't encode character" error."""
+    assert len(runs.query_id("caf\udce9")) == 12  # an id, not an error
+    code, out, err = run(capsys, "search", built, "caf\udce9", "--model", "textdata:BowEncoder",
+                         "--no-cache", "--device", "cpu", "-q")
+    assert code == 2 and out == "" and "is not valid Unicode" in err and "udce9" in err, err
