@@ -176,10 +176,12 @@ def read_matrix(path: PathLike) -> np.ndarray:
     if arr.ndim != 2 or arr.dtype.kind not in "fiu":
         raise FormatError(f"{path} must hold a 2-D real matrix (rows, dim), got {arr.dtype} "
                           f"shape {arr.shape}")
-    out = np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # float64 past float32's range: inf, named below
+        out = np.ascontiguousarray(arr, dtype=np.float32)
     if out.size and not np.isfinite([out.min(), out.max()]).all():  # no temporary of its size
         rows = np.flatnonzero(~np.isfinite(out).all(axis=1))[:5].tolist()
-        raise FormatError(f"{path} holds NaN or inf (rows {rows}...)")
+        raise FormatError(f"{path} holds NaN or inf (rows {rows}...; or values beyond "
+                          f"float32's range, ±3.4e38)")
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -297,6 +298,7 @@ def test_keep_empty_keeps_judged_queries_without_a_relevant_document(beir):
     ("truncate", "corpus.npy is truncated"),
     ("objects", "corpus.npy holds Python objects"),
     ("nan", r"corpus.npy holds NaN or inf \(rows \[2\]"),
+    ("1e300", r"corpus.npy holds NaN or inf \(rows \[2\]\.\.\.; or values beyond float32's"),
     ("1-d", "corpus.npy must hold a 2-D real matrix"),
 ])
 def test_bad_embeddings_files_are_named(beir, content, match):
@@ -308,14 +310,16 @@ def test_bad_embeddings_files_are_named(beir, content, match):
         path.write_bytes(path.read_bytes()[:-100])
     elif content == "objects":
         np.save(path, np.array([None] * 30, dtype=object), allow_pickle=True)
-    elif content in ("nan", "1-d"):
-        x = np.load(path)
-        x[2, 5] = np.nan
-        np.save(path, x if content == "nan" else x[:, 0])
+    elif content in ("nan", "1-d", "1e300"):
+        x = np.load(path).astype(np.float64)
+        x[2, 5] = 1e300 if content == "1e300" else np.nan
+        np.save(path, x[:, 0] if content == "1-d" else x)
     else:
         path.write_bytes(content)
-    with pytest.raises(ValueError, match=match):
-        load_beir(beir).embeddings("e")
+    with warnings.catch_warnings():  # float64 1e300 cast to float32: numpy's overflow warning
+        warnings.simplefilter("error")  # (a second line on the command's stderr)
+        with pytest.raises(ValueError, match=match):
+            load_beir(beir).embeddings("e")
 
 
 def test_corpus_embeddings_of_no_dimension_are_named(beir):
