@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, MissingDependencyError
-from .params import FLOAT32_MAX
+from .params import FLOAT32_MAX, is_number
 from .relevance import Relevance
 from .storage import read_matrix
 
@@ -51,6 +51,7 @@ class BeirDataset:
         """(sorted int64 query rows, Y (rows x n_docs)) of ``split``: pairs scoring >=
         ``min_score``, graded (a repeated pair: its largest score) or ``binary``; queries with
         no such pair kept as empty rows only with ``keep_empty``."""
+        _check_options(min_score, False, binary=binary, keep_empty=keep_empty)
         path = self.root / "qrels" / f"{split}.tsv"
         if not path.exists():
             have = sorted(p.stem for p in (self.root / "qrels").glob("*.tsv"))
@@ -85,7 +86,7 @@ class BeirDataset:
 
     def embeddings(self, model: str = "all-MiniLM-L6-v2") -> tuple[np.ndarray, np.ndarray]:
         """Precomputed (corpus, queries) float32 embeddings from ``embeddings/{model}/``."""
-        folder = self.root / "embeddings" / model
+        folder = self.root / "embeddings" / as_path(model, "model")
         out = []
         for part, rows in (("corpus", len(self.corpus_ids)), ("queries", len(self.query_ids))):
             path = folder / f"{part}.npy"
@@ -101,6 +102,26 @@ class BeirDataset:
                                  f"{part}.jsonl" + (" and corpus.npy" if out else ""))
             out.append(arr)
         return out[0], out[1]
+
+
+def as_path(value: Any, name: str) -> Path:
+    """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name`` (Path(None)'s
+    error names nothing)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    return Path(value)
+
+
+def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
+    """``min_score`` a finite number (or None where ``none_ok``), each flag True or False; else
+    InputError naming it (min_score='1' was a bare TypeError, binary='no' was taken as True)."""
+    x = min_score.item() if isinstance(min_score, (np.integer, np.floating)) else min_score
+    if not (is_number(x) or none_ok and x is None):
+        raise InputError(f"min_score must be a finite number{' or None' if none_ok else ''}, "
+                         f"got {min_score!r}")
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InputError(f"{name} must be True or False, got {value!r}")
 
 
 def _csv_rows(reader: Any, path: Path):
@@ -189,7 +210,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
 
 def load_beir(data_dir: str | Path) -> BeirDataset:
     """Read a BEIR folder: corpus.jsonl, queries.jsonl (qrels are read per split)."""
-    root = Path(data_dir)
+    root = as_path(data_dir, "data_dir")
     if not root.is_dir():
         raise InputError(f"{root} is not a directory")
     cids, ctexts, titles = _read_jsonl(root / "corpus.jsonl", "document")
@@ -220,7 +241,14 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     """(query text, or id with ``queries``; document id; optional weight >= 0) pairs from a
     TSV (optional header) or parquet file (columns by name, else position); weights below
     ``min_score`` dropped; ``binary``: 1 per pair, else repeated pairs add up."""
-    path = Path(path)
+    path = as_path(path, "path")
+    _check_options(min_score, True, binary=binary)
+    if isinstance(doc_ids, (str, bytes)) or not hasattr(doc_ids, "__iter__"):
+        raise TypeError(f"doc_ids must be a list of document ids (or a dict id -> column), got "
+                        f"{type(doc_ids).__name__}")
+    if queries is not None and not isinstance(queries, dict):
+        raise TypeError(f"queries must be a dict query id -> text (or None), got "
+                        f"{type(queries).__name__}")
     if not path.is_file():
         raise InputError(f"pairs file {path} "
                          + ("is not a file" if path.exists() else "not found"))

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .datasets import record_id, text_lines
+from .datasets import as_path, record_id, text_lines
 from .errors import InputError
 
 DocText = tuple[Sequence[str], Sequence[str]]  # (titles, text snippets) of the documents
@@ -25,7 +25,7 @@ def query_id(text: str) -> str:
 def read_queries(path: str | Path) -> list[tuple[str, str]]:
     """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines (ids from
     :func:`query_id`); a bad line: InputError naming file:line."""
-    p = Path(path)
+    p = as_path(path, "path")
     if not p.is_file():
         raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out, suffix = [], p.suffix.lower()  # Q.JSONL too (its lines were taken as query texts)
@@ -57,7 +57,11 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
 def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[str, str]]:
     """(id, text) of ``texts``, then of the file ``path``, each once; one id with two texts:
     InputError. An empty (or whitespace) text: InputError naming its position."""
+    if not isinstance(texts, (list, tuple)):  # a str was searched letter by letter
+        raise TypeError(f"texts must be a list of query texts, got {type(texts).__name__}")
     for i, text in enumerate(texts, start=1):
+        if not isinstance(text, str):
+            raise TypeError(f"QUERY text {i} must be a str, got {type(text).__name__}")
         if not text.strip():
             raise InputError(f"QUERY text {i} is empty ({text!r}): give a text or leave it out")
     seen: dict[str, str] = {}

@@ -110,6 +110,30 @@ def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
     assert res.stdout.startswith("InputError") and f"{name} is not a regular file" in res.stdout
 
 
+@pytest.mark.parametrize("call,err,match", [  # were bare TypeErrors naming nothing, or taken
+    (lambda ds: load_beir(None), TypeError, "data_dir must be a path"),
+    (lambda ds: ds.embeddings(None), TypeError, "model must be a path"),
+    (lambda ds: ds.qrels("train", min_score="1"), InputError, "min_score must be a finite"),
+    (lambda ds: ds.qrels("train", min_score=None), InputError, "min_score must be a finite"),
+    (lambda ds: ds.qrels("train", binary="no"), InputError, "binary must be True or False"),
+    (lambda ds: ds.qrels("test", keep_empty="no"), InputError, "keep_empty must be True or"),
+    (lambda ds: load_pairs(None, ds.corpus_ids), TypeError, "path must be a path"),
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", "d0_0"), TypeError,
+     "doc_ids must be a list"),  # a str: its letters were the corpus
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids,
+                           queries=ds.query_ids), TypeError, "queries must be a dict"),
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids, min_score="1"),
+     InputError, "min_score must be a finite number or None, got '1'"),
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids, binary="no"),
+     InputError, "binary must be True or False"),
+])
+def test_wrong_argument_types_are_named(beir, call, err, match):
+    ds = load_beir(beir)
+    with pytest.raises(err, match=match):
+        call(ds)
+    assert ds.qrels("train", min_score=np.float32(1), binary=np.True_)[1].nnz > 0  # numpy: taken
+
+
 DOCS = ["a", "b", "c", "d"]
 
 
