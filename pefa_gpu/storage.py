@@ -620,7 +620,8 @@ def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], An
     atomically, keeping its permissions."""
     p = check_output_file(path, what)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}{_TMP_TAG}{secrets.token_hex(6)}{p.suffix}")
+    # a name cut to 100 characters: the whole one (up to 255) made a temporary name over 255
+    tmp = p.with_name(f".{p.name[:100]}{_TMP_TAG}{secrets.token_hex(6)}{p.suffix[:16]}")
     try:
         with open(tmp, "xb") as fh:  # O_EXCL, mode 0o666 less the umask
             if not callable(content):
@@ -633,8 +634,12 @@ def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], An
             shutil.copymode(p, tmp)
         check_output_file(p, what)  # still a regular file (or absent) right before the rename
         os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):  # named by the output, not by the temporary file
+            msg = f"cannot write {what} {p}: {exc.strerror or exc}"
+            raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
         raise
     _fsync_dir(p.parent)
     return p

@@ -4,6 +4,7 @@ what it counted (skipped queries, graded gains, MRR, TREC runs)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -302,6 +303,23 @@ def test_json_output_replaces_a_regular_file_atomically_keeping_its_mode(data, t
     assert json.loads(out.read_text())["results"][0]["method"] == "erm"
     assert stat.S_IMODE(out.stat().st_mode) == 0o640
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json", "toy"]
+
+
+def test_a_long_output_name_is_written_and_a_failed_write_names_the_output(data, tmp_path,
+                                                                          capsys):
+    """A 240-character name (the limit is 255) failed after the work: its temporary name was
+    over 255 ('File name too long: .../.aaa...json.pefa-tmp-...json'), naming that file."""
+    out = tmp_path / ("r" * 235 + ".json")
+    ok(capsys, "eval", data, "--embeddings", "bow", "--methods", "erm", "--device", "cpu",
+       "--json", out, "-q")
+    assert json.loads(out.read_text())["results"][0]["method"] == "erm"
+
+    def full(path):
+        path.write_text("part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError, match=f"cannot write --json {tmp_path / 'r.png'}: No space"):
+        storage.write_output_file(tmp_path / "r.png", full, "--json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name, "toy"]
 
 
 # ---------------------------------------------------------------------------- item 18: arguments
