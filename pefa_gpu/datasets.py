@@ -243,16 +243,10 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     ``min_score`` dropped; ``binary``: 1 per pair, else repeated pairs add up."""
     path = as_path(path, "path")
     _check_options(min_score, True, binary=binary)
-    if isinstance(doc_ids, (str, bytes)) or not hasattr(doc_ids, "__iter__"):
-        raise TypeError(f"doc_ids must be a list of document ids (or a dict id -> column), got "
-                        f"{type(doc_ids).__name__}")
-    if queries is not None and not isinstance(queries, dict):
-        raise TypeError(f"queries must be a dict query id -> text (or None), got "
-                        f"{type(queries).__name__}")
+    index = _doc_index(doc_ids, queries)
     if not path.is_file():
         raise InputError(f"pairs file {path} "
                          + ("is not a file" if path.exists() else "not found"))
-    index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
     read = _parquet_records if path.suffix.lower() in (".parquet", ".pq") else _tsv_records
     keys: dict[str, int] = {}
     qrows, docs, weights = [], [], []
@@ -278,6 +272,18 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
                              shape=(len(keys), len(index)))
     qkeys = list(keys)
     return Pairs(path, qkeys, qkeys if queries is None else [queries[k] for k in qkeys], y)
+
+
+def _doc_index(doc_ids: Any, queries: Any) -> dict:
+    """load_pairs' document id -> column; TypeError for doc_ids that are not a list or dict (a
+    str: a corpus of its letters) or queries that are not a dict or None."""
+    if isinstance(doc_ids, (str, bytes)) or not hasattr(doc_ids, "__iter__"):
+        raise TypeError(f"doc_ids must be a list of document ids (or a dict id -> column), got "
+                        f"{type(doc_ids).__name__}")
+    if queries is not None and not isinstance(queries, dict):
+        raise TypeError(f"queries must be a dict query id -> text (or None), got "
+                        f"{type(queries).__name__}")
+    return doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
