@@ -92,3 +92,14 @@ def test_empty_query_texts_are_refused_naming_their_position(tmp_path, texts, li
 def test_wrong_argument_types_are_named(call, match):
     with pytest.raises(TypeError, match=match):
         call()
+
+
+@pytest.mark.parametrize("args,match", [
+    (("xml", QUERIES, SCORES, IDS, DOCS), "fmt must be 'tsv', 'json' or 'trec', got 'xml'"),
+    (("tsv", QUERIES, SCORES, IDS + 5, DOCS), r"ids below the 3 documents"),  # IndexError
+    (("tsv", QUERIES[:1] * 3, SCORES, IDS, DOCS), r"must be \(3, k\) arrays"),  # IndexError
+    (("json", QUERIES, SCORES[:, :2], IDS, DOCS), r"got shapes \(2, 2\) and \(2, 3\)"),
+])
+def test_format_results_refuses_what_it_cannot_write(args, match):
+    with pytest.raises(pg.InputError, match=match):  # xml was written as TSV
+        format_results(*args, "t")
