@@ -73,18 +73,25 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
     return list(seen.items())
 
 
+def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_docs: int
+               ) -> None:
+    """format_results' InputError for a format it does not write (was TSV) or scores / ids that
+    are not (queries, k) rows of ids below ``n_docs`` (were bare IndexErrors, or cut by zip)."""
+    if fmt not in ("tsv", "json", "trec"):
+        raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
+    if np.shape(ids) != np.shape(scores) or np.ndim(ids) != 2 or len(ids) != n_queries \
+            or np.size(ids) and int(np.max(ids)) >= n_docs:
+        raise InputError(f"scores and ids must be ({n_queries}, k) arrays (ids below the "
+                         f"{n_docs} documents), got shapes {np.shape(scores)} and "
+                         f"{np.shape(ids)}")
+
+
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
                    ids: np.ndarray, doc_ids: Sequence[str], tag: str,
                    doc_text: DocText | None = None) -> str:
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
     rows (-1: no result), one per query; doc_text: shown in TSV columns / JSON fields."""
-    if fmt not in ("tsv", "json", "trec"):  # anything else was written as TSV
-        raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
-    if np.shape(ids) != np.shape(scores) or np.ndim(ids) != 2 or len(ids) != len(queries) \
-            or np.size(ids) and int(np.max(ids)) >= len(doc_ids):  # were bare IndexErrors
-        raise InputError(f"scores and ids must be ({len(queries)}, k) arrays (ids below the "
-                         f"{len(doc_ids)} documents), got shapes {np.shape(scores)} and "
-                         f"{np.shape(ids)}")
+    _check_run(fmt, len(queries), scores, ids, len(doc_ids))
     hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
                        {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
                       for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0])
