@@ -529,6 +529,21 @@ def test_outputs_never_replace_a_builds_files(data, built, tmp_path, capsys):
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", built / "r.json", "-q")  # beside it
 
 
+def test_the_encode_cache_is_never_written_into_a_builds_files(built, tmp_path, capsys):
+    """--cache-dir in a build's data folder added files its manifest does not list: every later
+    search failed ('... holds [...model.json], which pefa_build.json does not list')."""
+    data_folder = next(built.glob("pefa-data-*"))
+    search = ["search", built, "a query", "--model", "textdata:BowEncoder", "--device", "cpu",
+              "-q"]
+    for cache in (data_folder, data_folder / "cache"):
+        code, out, err = run(capsys, *search, "--cache-dir", cache)
+        assert code == 2 and out == "" and "--cache-dir" in err and "build or model's" in err
+    assert sorted(p.name for p in data_folder.iterdir()) == sorted(
+        [".pefa-data", "doc_ids.json", "doc_text.json", "model"])
+    ok(capsys, *search, "--cache-dir", built / "cache")  # beside the data folder: not its files
+    ok(capsys, *search, "--no-cache", "--cache-dir", data_folder)  # no cache: nothing written
+
+
 def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys):
     code, _, err = run(capsys, "search", built / "pefa_build.json", "a query", "-q")
     assert code == 2 and "is a file; give the folder" in err, err  # was 'pefa_build.json missing'
