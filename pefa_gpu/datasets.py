@@ -336,4 +336,7 @@ def _parquet_records(path: Path):
         if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in (q, d)):
             raise InputError(f"{where}: missing query or document id, or one that is not a "
                              f"string or integer: {q!r}, {d!r}")
+        if w and w[0] is None:  # None is 'no weight column' below: a null cell was weight 1
+            raise InputError(f"{where}: the weight is missing (null); give every pair a weight "
+                             f"or drop the weight column (then each pair counts 1)")
         yield where, str(q), str(d).strip(), w[0] if w else None

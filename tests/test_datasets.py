@@ -255,6 +255,19 @@ def test_a_parquet_query_cell_that_is_not_a_string_or_integer_is_refused(tmp_pat
     assert load_pairs(p, DOCS).query_keys == ["7", "8"]
 
 
+def test_a_null_parquet_weight_is_refused_not_taken_as_1(tmp_path):
+    """A null weight cell was read as weight 1 (the pair relevant), as a pair without a weight
+    column is."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    p = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"query": ["x", "y"], "doc_id": ["a", "b"], "weight": [2.0, None]}), p)
+    with pytest.raises(InputError, match=r"row 1: the weight is missing \(null\)"):
+        load_pairs(p, DOCS, binary=False)
+    pq.write_table(pa.table({"query": ["x", "y"], "doc_id": ["a", "b"]}), p)
+    assert load_pairs(p, DOCS).relevance.nnz == 2
+
+
 def test_beir_title_only_and_empty_documents_load(tmp_path):
     root = write_beir(tmp_path / "d")  # BEIR has title-only documents; "" texts load as ""
     with open(root / "corpus.jsonl", "a") as f:
