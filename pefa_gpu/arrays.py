@@ -22,7 +22,7 @@ DeviceLike = str | int | torch.device | None  # None: CUDA when available, else 
 def _torch_device(device: DeviceLike) -> torch.device:
     try:
         return device if isinstance(device, torch.device) else torch.device(device)
-    except (RuntimeError, TypeError) as exc:
+    except (RuntimeError, TypeError, ValueError) as exc:  # 2**70: 'Overflow when unpacking'
         raise InputError(f"device={device!r} is not a valid torch device") from exc
 
 

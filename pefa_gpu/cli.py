@@ -314,7 +314,8 @@ def _check_methods(args: argparse.Namespace) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """--device, tune's --metric, and --out / --json / --plot: writable, not an input."""
+    """--device, tune's --metric, --cache-dir not in a save, and --out / --json / --plot:
+    writable, not an input."""
     from .arrays import resolve_device  # imports torch: after the other checks
     from .storage import check_output_file
 
@@ -328,6 +329,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if args.plot == args.json:
             raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
                              f"the same file; give --json a .json name, or --plot")
+    if args.cache_dir and not args.no_cache:  # cache files there broke the build or model
+        _check_not_in_save(os.path.expanduser(args.cache_dir), "--cache-dir")
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")
@@ -356,11 +359,18 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
     if any(f and out.is_relative_to(Path(f).resolve()) for f in inputs):
         raise InputError(f"{flag} {path} is (or is inside) one of the command's inputs; "
                          f"write the output elsewhere")
+    _check_not_in_save(path, flag)
+
+
+def _check_not_in_save(path: str, flag: str) -> None:
+    """An output (a file, or the encode cache's folder) may not replace or add to a build's or
+    a model's files: an unlisted file makes the save fail its check."""
     from .builds import BUILD_MANIFEST
     from .storage import DATA_MARKER
 
+    out = Path(path).resolve()
     if out.name == BUILD_MANIFEST and out.is_file() or any(
-            (p / DATA_MARKER).is_file() for p in out.parents):
+            (p / DATA_MARKER).is_file() for p in (out, *out.parents)):
         raise InputError(f"{flag} {path} is (or is inside) a saved build or model's files; write "
                          f"the output elsewhere")
 
@@ -864,11 +874,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     NotADirectoryError)
         return 2 if isinstance(exc, bad_data) else 1
     except MemoryError as exc:
-        print(f"pefa-gpu {args.command}: error: out of memory ({exc or type(exc).__name__}); "
+        print(f"pefa-gpu {args.command}: error: out of memory ({str(exc) or 'MemoryError'}); "
               f"try a smaller --topk, --batch-size or fewer queries", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # Ctrl-C: one line (encode says what it kept), no trace
-        print(f"pefa-gpu {args.command}: {exc or 'interrupted'}", file=sys.stderr)
+        print(f"pefa-gpu {args.command}: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130
 
 

@@ -12,6 +12,8 @@ import csv
 import dataclasses
 import json
 import math
+import os
+import stat
 import unicodedata
 from pathlib import Path
 from typing import Any
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, MissingDependencyError
-from .params import FLOAT32_MAX
+from .params import FLOAT32_MAX, is_number
 from .relevance import Relevance
 from .storage import read_matrix
 
@@ -49,6 +51,7 @@ class BeirDataset:
         """(sorted int64 query rows, Y (rows x n_docs)) of ``split``: pairs scoring >=
         ``min_score``, graded (a repeated pair: its largest score) or ``binary``; queries with
         no such pair kept as empty rows only with ``keep_empty``."""
+        _check_options(min_score, False, binary=binary, keep_empty=keep_empty)
         path = self.root / "qrels" / f"{split}.tsv"
         if not path.exists():
             have = sorted(p.stem for p in (self.root / "qrels").glob("*.tsv"))
@@ -83,7 +86,7 @@ class BeirDataset:
 
     def embeddings(self, model: str = "all-MiniLM-L6-v2") -> tuple[np.ndarray, np.ndarray]:
         """Precomputed (corpus, queries) float32 embeddings from ``embeddings/{model}/``."""
-        folder = self.root / "embeddings" / model
+        folder = self.root / "embeddings" / as_path(model, "model")
         out = []
         for part, rows in (("corpus", len(self.corpus_ids)), ("queries", len(self.query_ids))):
             path = folder / f"{part}.npy"
@@ -101,6 +104,26 @@ class BeirDataset:
         return out[0], out[1]
 
 
+def as_path(value: Any, name: str) -> Path:
+    """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name`` (Path(None)'s
+    error names nothing)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    return Path(value)
+
+
+def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
+    """``min_score`` a finite number (or None where ``none_ok``), each flag True or False; else
+    InputError naming it (min_score='1' was a bare TypeError, binary='no' was taken as True)."""
+    x = min_score.item() if isinstance(min_score, (np.integer, np.floating)) else min_score
+    if not (is_number(x) or none_ok and x is None):
+        raise InputError(f"min_score must be a finite number{' or None' if none_ok else ''}, "
+                         f"got {min_score!r}")
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise InputError(f"{name} must be True or False, got {value!r}")
+
+
 def _csv_rows(reader: Any, path: Path):
     """The rows of a ``csv.reader``; its errors (a field over csv's size limit, e.g. from an
     unclosed quote) as InputError naming the line."""
@@ -113,6 +136,10 @@ def _csv_rows(reader: Any, path: Path):
 def text_lines(path: Path, data: bool = False):
     """(line number, text) per line of a UTF-8 file, a leading BOM dropped; ``data``: non-blank
     lines only, without their line break. Not UTF-8: InputError naming the line and byte."""
+    mode = os.stat(path).st_mode  # open() of a FIFO waits for a writer; /dev/zero never ends
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):  # a folder: open()'s IsADirectoryError
+        raise InputError(f"{path} is not a regular file (a FIFO, device or socket); save the "
+                         f"data to a file")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -127,18 +154,19 @@ def text_lines(path: Path, data: bool = False):
 
 
 def record_id(value: object, where: str, kind: str) -> str:
-    """A non-empty string id (JSON integers: their digits) without control characters (they
-    would break TSV / TREC outputs); else InputError naming ``where`` and the id."""
+    """A non-empty string id (JSON integers: their digits) without control characters or lone
+    surrogates (they would break TSV / TREC outputs); else InputError naming ``where`` and the
+    id."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
         raise InputError(f"{where}: the {kind} id must be a string, got {value!r}")
     if not value.strip():
         raise InputError(f"{where}: empty {kind} id {value!r}")
-    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp")]
-    if bad:
+    bad = [c for c in value if unicodedata.category(c) in ("Cc", "Zl", "Zp", "Cs")]
+    if bad:  # Cs: a lone surrogate (JSON's "\ud800"), which UTF-8 output files cannot hold
         raise InputError(f"{where}: the {kind} id {value!r} holds {bad[0]!r}; control "
-                         f"characters would break the TSV / TREC outputs")
+                         f"characters and lone surrogates would break the TSV / TREC outputs")
     return value
 
 
@@ -182,7 +210,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
 
 def load_beir(data_dir: str | Path) -> BeirDataset:
     """Read a BEIR folder: corpus.jsonl, queries.jsonl (qrels are read per split)."""
-    root = Path(data_dir)
+    root = as_path(data_dir, "data_dir")
     if not root.is_dir():
         raise InputError(f"{root} is not a directory")
     cids, ctexts, titles = _read_jsonl(root / "corpus.jsonl", "document")
@@ -213,11 +241,12 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     """(query text, or id with ``queries``; document id; optional weight >= 0) pairs from a
     TSV (optional header) or parquet file (columns by name, else position); weights below
     ``min_score`` dropped; ``binary``: 1 per pair, else repeated pairs add up."""
-    path = Path(path)
+    path = as_path(path, "path")
+    _check_options(min_score, True, binary=binary)
+    index = _doc_index(doc_ids, queries)
     if not path.is_file():
         raise InputError(f"pairs file {path} "
                          + ("is not a file" if path.exists() else "not found"))
-    index = doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
     read = _parquet_records if path.suffix.lower() in (".parquet", ".pq") else _tsv_records
     keys: dict[str, int] = {}
     qrows, docs, weights = [], [], []
@@ -243,6 +272,18 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
                              shape=(len(keys), len(index)))
     qkeys = list(keys)
     return Pairs(path, qkeys, qkeys if queries is None else [queries[k] for k in qkeys], y)
+
+
+def _doc_index(doc_ids: Any, queries: Any) -> dict:
+    """load_pairs' document id -> column; TypeError for doc_ids that are not a list or dict (a
+    str: a corpus of its letters) or queries that are not a dict or None."""
+    if isinstance(doc_ids, (str, bytes)) or not hasattr(doc_ids, "__iter__"):
+        raise TypeError(f"doc_ids must be a list of document ids (or a dict id -> column), got "
+                        f"{type(doc_ids).__name__}")
+    if queries is not None and not isinstance(queries, dict):
+        raise TypeError(f"queries must be a dict query id -> text (or None), got "
+                        f"{type(queries).__name__}")
+    return doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
@@ -295,4 +336,7 @@ def _parquet_records(path: Path):
         if not all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in (q, d)):
             raise InputError(f"{where}: missing query or document id, or one that is not a "
                              f"string or integer: {q!r}, {d!r}")
+        if w and w[0] is None:  # None is 'no weight column' below: a null cell was weight 1
+            raise InputError(f"{where}: the weight is missing (null); give every pair a weight "
+                             f"or drop the weight column (then each pair counts 1)")
         yield where, str(q), str(d).strip(), w[0] if w else None

@@ -55,14 +55,16 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
 
 def method(name: str) -> Method:
     """The registry entry of ``name``; InputError naming the known ones."""
-    if name not in REGISTRY:
+    if not isinstance(name, str) or name not in REGISTRY:  # a list: 'unhashable type'
         raise InputError(f"unknown method {name!r}; choose one of {list(REGISTRY)}")
     return REGISTRY[name]
 
 
 def takes(methods: Iterable[str], setting: str) -> bool:
     """Whether any of ``methods`` (names) takes ``setting``."""
-    return any(setting in REGISTRY[m].takes for m in methods)
+    if isinstance(methods, str):  # its letters were taken as names: KeyError 'x'
+        raise TypeError(f"takes: methods must be a list of names, got the str {methods!r}")
+    return any(setting in method(m).takes for m in methods)
 
 
 def model_class(name: str) -> type:

@@ -39,6 +39,8 @@ class Params:
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        if not isinstance(data, dict):  # None: a bare 'NoneType' object is not iterable
+            raise TypeError(f"{cls.__name__}.from_dict takes a dict, got {type(data).__name__}")
         cls._check_keys(data)
         return cls(**data)
 
@@ -54,7 +56,13 @@ class Params:
 
     @classmethod
     def from_json(cls: type[T], text: str) -> T:
-        return cls.from_dict(json.loads(text))
+        try:
+            data = json.loads(text)
+        except ValueError as exc:  # JSONDecodeError: a bare error naming no params
+            raise InputError(f"{cls.__name__}.from_json: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise InputError(f"{cls.__name__}.from_json: expected a JSON object, got {text!r:.80}")
+        return cls.from_dict(data)
 
     def replace(self: T, **changes: Any) -> T:
         """A copy with ``changes``, checked as on construction (unknown keys: InputError)."""
@@ -168,8 +176,10 @@ def check_scale(value: Any, name: str) -> None:
 
 
 def check_choice(value: Any, name: str, choices: tuple) -> None:
-    """``value`` one of ``choices``; of boolean choices only a bool (1 == True in Python)."""
-    if value not in choices or isinstance(value, bool) != isinstance(choices[0], bool):
+    """``value`` one of ``choices`` and of their type: of boolean choices only a bool (1 == True
+    in Python), of strings only a str (a numpy array was compared elementwise: stored, or a bare
+    'truth value of an array is ambiguous')."""
+    if not isinstance(value, type(choices[0])) or value not in choices:
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 

@@ -105,7 +105,8 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
     from a dense 2-D numpy array / torch tensor."""
     if not sp.issparse(y):
         if isinstance(y, torch.Tensor):
-            y = to_numpy(y) if y.layout == torch.strided else y  # bfloat16 widened
+            # bfloat16 widened; a meta tensor (no data: torch's NotImplementedError) is named
+            y = to_numpy(y) if y.layout == torch.strided and not y.is_meta else y
         if not isinstance(y, np.ndarray) or y.ndim != 2:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "

@@ -10,21 +10,22 @@ from typing import Sequence
 
 import numpy as np
 
-from .datasets import record_id, text_lines
+from .datasets import as_path, record_id, text_lines
 from .errors import InputError
 
 DocText = tuple[Sequence[str], Sequence[str]]  # (titles, text snippets) of the documents
 
 
 def query_id(text: str) -> str:
-    """A stable id for a query given without one: the same text, the same id, in any run."""
-    return "q-" + hashlib.sha256(text.encode("utf-8")).hexdigest()[:10]
+    """A stable id for a query given without one: the same text, the same id, in any run (a
+    lone surrogate too: the encoder refuses such a text, naming it)."""
+    return "q-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
 
 def read_queries(path: str | Path) -> list[tuple[str, str]]:
     """(id, text) pairs from .jsonl (_id/text), .tsv (id<TAB>text) or plain lines (ids from
     :func:`query_id`); a bad line: InputError naming file:line."""
-    p = Path(path)
+    p = as_path(path, "path")
     if not p.is_file():
         raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out, suffix = [], p.suffix.lower()  # Q.JSONL too (its lines were taken as query texts)
@@ -56,7 +57,11 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
 def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[str, str]]:
     """(id, text) of ``texts``, then of the file ``path``, each once; one id with two texts:
     InputError. An empty (or whitespace) text: InputError naming its position."""
+    if not isinstance(texts, (list, tuple)):  # a str was searched letter by letter
+        raise TypeError(f"texts must be a list of query texts, got {type(texts).__name__}")
     for i, text in enumerate(texts, start=1):
+        if not isinstance(text, str):
+            raise TypeError(f"QUERY text {i} must be a str, got {type(text).__name__}")
         if not text.strip():
             raise InputError(f"QUERY text {i} is empty ({text!r}): give a text or leave it out")
     seen: dict[str, str] = {}
@@ -68,11 +73,25 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
     return list(seen.items())
 
 
+def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_docs: int
+               ) -> None:
+    """format_results' InputError for a format it does not write (was TSV) or scores / ids that
+    are not (queries, k) rows of ids below ``n_docs`` (were bare IndexErrors, or cut by zip)."""
+    if fmt not in ("tsv", "json", "trec"):
+        raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
+    if np.shape(ids) != np.shape(scores) or np.ndim(ids) != 2 or len(ids) != n_queries \
+            or np.size(ids) and int(np.max(ids)) >= n_docs:
+        raise InputError(f"scores and ids must be ({n_queries}, k) arrays (ids below the "
+                         f"{n_docs} documents), got shapes {np.shape(scores)} and "
+                         f"{np.shape(ids)}")
+
+
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
                    ids: np.ndarray, doc_ids: Sequence[str], tag: str,
                    doc_text: DocText | None = None) -> str:
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
     rows (-1: no result), one per query; doc_text: shown in TSV columns / JSON fields."""
+    _check_run(fmt, len(queries), scores, ids, len(doc_ids))
     hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
                        {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
                       for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0])

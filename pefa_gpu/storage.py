@@ -176,10 +176,12 @@ def read_matrix(path: PathLike) -> np.ndarray:
     if arr.ndim != 2 or arr.dtype.kind not in "fiu":
         raise FormatError(f"{path} must hold a 2-D real matrix (rows, dim), got {arr.dtype} "
                           f"shape {arr.shape}")
-    out = np.ascontiguousarray(arr, dtype=np.float32)
+    with np.errstate(over="ignore"):  # float64 past float32's range: inf, named below
+        out = np.ascontiguousarray(arr, dtype=np.float32)
     if out.size and not np.isfinite([out.min(), out.max()]).all():  # no temporary of its size
         rows = np.flatnonzero(~np.isfinite(out).all(axis=1))[:5].tolist()
-        raise FormatError(f"{path} holds NaN or inf (rows {rows}...)")
+        raise FormatError(f"{path} holds NaN or inf (rows {rows}...; or values beyond "
+                          f"float32's range, ±3.4e38)")
     return out
 
 
@@ -618,7 +620,8 @@ def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], An
     atomically, keeping its permissions."""
     p = check_output_file(path, what)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_name(f".{p.name}{_TMP_TAG}{secrets.token_hex(6)}{p.suffix}")
+    # a name cut to 100 characters: the whole one (up to 255) made a temporary name over 255
+    tmp = p.with_name(f".{p.name[:100]}{_TMP_TAG}{secrets.token_hex(6)}{p.suffix[:16]}")
     try:
         with open(tmp, "xb") as fh:  # O_EXCL, mode 0o666 less the umask
             if not callable(content):
@@ -631,8 +634,12 @@ def write_output_file(path: PathLike, content: str | bytes | Callable[[Path], An
             shutil.copymode(p, tmp)
         check_output_file(p, what)  # still a regular file (or absent) right before the rename
         os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):  # named by the output, not by the temporary file
+            msg = f"cannot write {what} {p}: {exc.strerror or exc}"
+            raise (OSError(exc.errno, msg) if exc.errno else OSError(msg)) from exc
         raise
     _fsync_dir(p.parent)
     return p

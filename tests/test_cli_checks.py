@@ -4,6 +4,7 @@ what it counted (skipped queries, graded gains, MRR, TREC runs)."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -304,6 +305,23 @@ def test_json_output_replaces_a_regular_file_atomically_keeping_its_mode(data, t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["res.json", "toy"]
 
 
+def test_a_long_output_name_is_written_and_a_failed_write_names_the_output(data, tmp_path,
+                                                                          capsys):
+    """A 240-character name (the limit is 255) failed after the work: its temporary name was
+    over 255 ('File name too long: .../.aaa...json.pefa-tmp-...json'), naming that file."""
+    out = tmp_path / ("r" * 235 + ".json")
+    ok(capsys, "eval", data, "--embeddings", "bow", "--methods", "erm", "--device", "cpu",
+       "--json", out, "-q")
+    assert json.loads(out.read_text())["results"][0]["method"] == "erm"
+
+    def full(path):
+        path.write_text("part")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    with pytest.raises(OSError, match=f"cannot write --json {tmp_path / 'r.png'}: No space"):
+        storage.write_output_file(tmp_path / "r.png", full, "--json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name, "toy"]
+
+
 # ---------------------------------------------------------------------------- item 18: arguments
 
 @pytest.mark.parametrize("cmd", ["eval", "sweep", "tune", "build"])
@@ -511,6 +529,21 @@ def test_outputs_never_replace_a_builds_files(data, built, tmp_path, capsys):
     ok(capsys, "eval", data, "--embeddings", "bow", "--json", built / "r.json", "-q")  # beside it
 
 
+def test_the_encode_cache_is_never_written_into_a_builds_files(built, tmp_path, capsys):
+    """--cache-dir in a build's data folder added files its manifest does not list: every later
+    search failed ('... holds [...model.json], which pefa_build.json does not list')."""
+    data_folder = next(built.glob("pefa-data-*"))
+    search = ["search", built, "a query", "--model", "textdata:BowEncoder", "--device", "cpu",
+              "-q"]
+    for cache in (data_folder, data_folder / "cache"):
+        code, out, err = run(capsys, *search, "--cache-dir", cache)
+        assert code == 2 and out == "" and "--cache-dir" in err and "build or model's" in err
+    assert sorted(p.name for p in data_folder.iterdir()) == sorted(
+        [".pefa-data", "doc_ids.json", "doc_text.json", "model"])
+    ok(capsys, *search, "--cache-dir", built / "cache")  # beside the data folder: not its files
+    ok(capsys, *search, "--no-cache", "--cache-dir", data_folder)  # no cache: nothing written
+
+
 def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys):
     code, _, err = run(capsys, "search", built / "pefa_build.json", "a query", "-q")
     assert code == 2 and "is a file; give the folder" in err, err  # was 'pefa_build.json missing'
@@ -566,3 +599,25 @@ def test_a_folder_where_a_data_file_belongs_is_bad_data(data, capsys):
     (data / "qrels" / "test.tsv").mkdir()
     code, _, err = run(capsys, "eval", data, "--embeddings", "bow", "-q")
     assert code == 2 and "Is a directory" in err and "test.tsv" in err
+
+
+@pytest.mark.parametrize("exc,code,line", [
+    (KeyboardInterrupt(), 130, "pefa-gpu eval: interrupted"),  # was 'pefa-gpu eval: '
+    (KeyboardInterrupt("kept 3 texts"), 130, "pefa-gpu eval: kept 3 texts"),
+    (MemoryError(), 1, "pefa-gpu eval: error: out of memory (MemoryError); try a smaller"),
+])
+def test_ctrl_c_and_out_of_memory_say_what_happened(exc, code, line, data, capsys, monkeypatch):
+    def fail(*args, **kwargs):
+        raise exc
+    monkeypatch.setattr("pefa_gpu.datasets.load_beir", fail)
+    got, out, err = run(capsys, "eval", data, "--embeddings", "bow", "--device", "cpu", "-q")
+    assert got == code and out == "" and err.startswith(line) and err.count("\n") == 1, err
+
+
+def test_a_query_text_with_a_lone_surrogate_is_named(built, capsys):
+    """A byte that is not UTF-8 in the shell's argument (sys.argv's surrogateescape) was the
+    query id's raw "'utf-8' codec can't encode character" error."""
+    assert len(runs.query_id("caf\udce9")) == 12  # an id, not an error
+    code, out, err = run(capsys, "search", built, "caf\udce9", "--model", "textdata:BowEncoder",
+                         "--no-cache", "--device", "cpu", "-q")
+    assert code == 2 and out == "" and "is not valid Unicode" in err and "udce9" in err, err

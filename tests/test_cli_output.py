@@ -37,6 +37,7 @@ def set_id(path: Path, lineno: int, value) -> None:
 
 @pytest.mark.parametrize("value,match", [
     ("d\tx", "holds '\\\\t'"), ("d\nx", "holds '\\\\n'"), ("d\u2028x", "holds '\\\\u2028'"),
+    ("d\ud800x", "holds '\\\\ud800'"),  # a lone surrogate: the TSV output failed after the search
     ("", "empty document id"), ("  ", "empty document id"),
     (None, "must be a string, got None"), ([1], "must be a string")])
 def test_corpus_ids_that_would_break_the_outputs_are_refused_with_file_and_line(

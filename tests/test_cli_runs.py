@@ -81,3 +81,25 @@ def test_empty_query_texts_are_refused_naming_their_position(tmp_path, texts, li
     f.write_text(lines or '{"_id": "x", "text": "a"}\n')
     with pytest.raises(pg.InputError, match=match):  # were searched: every score 0
         queries(texts, f)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: queries("abc"), "texts must be a list of query texts, got str"),  # 3 queries
+    (lambda: queries([3]), "QUERY text 1 must be a str, got int"),  # AttributeError 'strip'
+    (lambda: read_queries(None), "path must be a path"),  # pathlib's, naming nothing
+    (lambda: queries(["a"], 3), "path must be a path"),
+])
+def test_wrong_argument_types_are_named(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("args,match", [
+    (("xml", QUERIES, SCORES, IDS, DOCS), "fmt must be 'tsv', 'json' or 'trec', got 'xml'"),
+    (("tsv", QUERIES, SCORES, IDS + 5, DOCS), r"ids below the 3 documents"),  # IndexError
+    (("tsv", QUERIES[:1] * 3, SCORES, IDS, DOCS), r"must be \(3, k\) arrays"),  # IndexError
+    (("json", QUERIES, SCORES[:, :2], IDS, DOCS), r"got shapes \(2, 2\) and \(2, 3\)"),
+])
+def test_format_results_refuses_what_it_cannot_write(args, match):
+    with pytest.raises(pg.InputError, match=match):  # xml was written as TSV
+        format_results(*args, "t")

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import warnings
 
 import numpy as np
 import pytest
 
 from pefa_gpu.datasets import load_beir, load_pairs
 from pefa_gpu.errors import InputError
+from conftest import run_python
 from textdata import write_beir
 
 
@@ -92,6 +95,43 @@ def test_beir_empty_split_and_missing(beir, tmp_path):
         load_beir(beir)
     with pytest.raises(InputError, match="not a directory"):
         load_beir(tmp_path / "nothing")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs (POSIX)")
+@pytest.mark.parametrize("name", ["corpus.jsonl", "qrels/train.tsv"])
+def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
+    """open() of a FIFO with no writer blocked forever (a /dev/zero link read without end)."""
+    (beir / name).unlink()
+    os.mkfifo(beir / name)
+    res = run_python("-c", "import sys\nfrom pefa_gpu.datasets import load_beir\n"
+                     "try:\n    load_beir(sys.argv[1]).qrels('train')\n"
+                     "except ValueError as e:\n    print(type(e).__name__, e)",
+                     beir, timeout=60)
+    assert res.stdout.startswith("InputError") and f"{name} is not a regular file" in res.stdout
+
+
+@pytest.mark.parametrize("call,err,match", [  # were bare TypeErrors naming nothing, or taken
+    (lambda ds: load_beir(None), TypeError, "data_dir must be a path"),
+    (lambda ds: ds.embeddings(None), TypeError, "model must be a path"),
+    (lambda ds: ds.qrels("train", min_score="1"), InputError, "min_score must be a finite"),
+    (lambda ds: ds.qrels("train", min_score=None), InputError, "min_score must be a finite"),
+    (lambda ds: ds.qrels("train", binary="no"), InputError, "binary must be True or False"),
+    (lambda ds: ds.qrels("test", keep_empty="no"), InputError, "keep_empty must be True or"),
+    (lambda ds: load_pairs(None, ds.corpus_ids), TypeError, "path must be a path"),
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", "d0_0"), TypeError,
+     "doc_ids must be a list"),  # a str: its letters were the corpus
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids,
+                           queries=ds.query_ids), TypeError, "queries must be a dict"),
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids, min_score="1"),
+     InputError, "min_score must be a finite number or None, got '1'"),
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids, binary="no"),
+     InputError, "binary must be True or False"),
+])
+def test_wrong_argument_types_are_named(beir, call, err, match):
+    ds = load_beir(beir)
+    with pytest.raises(err, match=match):
+        call(ds)
+    assert ds.qrels("train", min_score=np.float32(1), binary=np.True_)[1].nnz > 0  # numpy: taken
 
 
 DOCS = ["a", "b", "c", "d"]
@@ -215,6 +255,19 @@ def test_a_parquet_query_cell_that_is_not_a_string_or_integer_is_refused(tmp_pat
     assert load_pairs(p, DOCS).query_keys == ["7", "8"]
 
 
+def test_a_null_parquet_weight_is_refused_not_taken_as_1(tmp_path):
+    """A null weight cell was read as weight 1 (the pair relevant), as a pair without a weight
+    column is."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    p = tmp_path / "pairs.parquet"
+    pq.write_table(pa.table({"query": ["x", "y"], "doc_id": ["a", "b"], "weight": [2.0, None]}), p)
+    with pytest.raises(InputError, match=r"row 1: the weight is missing \(null\)"):
+        load_pairs(p, DOCS, binary=False)
+    pq.write_table(pa.table({"query": ["x", "y"], "doc_id": ["a", "b"]}), p)
+    assert load_pairs(p, DOCS).relevance.nnz == 2
+
+
 def test_beir_title_only_and_empty_documents_load(tmp_path):
     root = write_beir(tmp_path / "d")  # BEIR has title-only documents; "" texts load as ""
     with open(root / "corpus.jsonl", "a") as f:
@@ -282,6 +335,7 @@ def test_keep_empty_keeps_judged_queries_without_a_relevant_document(beir):
     ("truncate", "corpus.npy is truncated"),
     ("objects", "corpus.npy holds Python objects"),
     ("nan", r"corpus.npy holds NaN or inf \(rows \[2\]"),
+    ("1e300", r"corpus.npy holds NaN or inf \(rows \[2\]\.\.\.; or values beyond float32's"),
     ("1-d", "corpus.npy must hold a 2-D real matrix"),
 ])
 def test_bad_embeddings_files_are_named(beir, content, match):
@@ -293,14 +347,16 @@ def test_bad_embeddings_files_are_named(beir, content, match):
         path.write_bytes(path.read_bytes()[:-100])
     elif content == "objects":
         np.save(path, np.array([None] * 30, dtype=object), allow_pickle=True)
-    elif content in ("nan", "1-d"):
-        x = np.load(path)
-        x[2, 5] = np.nan
-        np.save(path, x if content == "nan" else x[:, 0])
+    elif content in ("nan", "1-d", "1e300"):
+        x = np.load(path).astype(np.float64)
+        x[2, 5] = 1e300 if content == "1e300" else np.nan
+        np.save(path, x[:, 0] if content == "1-d" else x)
     else:
         path.write_bytes(content)
-    with pytest.raises(ValueError, match=match):
-        load_beir(beir).embeddings("e")
+    with warnings.catch_warnings():  # float64 1e300 cast to float32: numpy's overflow warning
+        warnings.simplefilter("error")  # (a second line on the command's stderr)
+        with pytest.raises(ValueError, match=match):
+            load_beir(beir).embeddings("e")
 
 
 def test_corpus_embeddings_of_no_dimension_are_named(beir):

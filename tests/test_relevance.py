@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 import pefa_gpu as pg
 from pefa_gpu.errors import InputError
@@ -90,7 +91,8 @@ def test_dense_torch_y_of_any_float_dtype_is_read(dtype):
     np.testing.assert_array_equal(got.csr.toarray().astype(np.float64), dense.astype(np.float64))
 
 
-@pytest.mark.parametrize("bad", [[[1, 0]], np.ones(3), "Y"])
+@pytest.mark.parametrize("bad", [[[1, 0]], np.ones(3), "Y",
+                                 torch.empty(2, 2, device="meta")])  # 'Cannot copy out of meta'
 def test_a_y_that_is_no_matrix_is_named_by_as_relevance_and_relevance(bad):
     for make in (pg.as_relevance, pg.Relevance):
         with pytest.raises(ValueError, match="must be a scipy sparse matrix, a pefa_gpu"):

@@ -9,7 +9,9 @@ import torch
 
 import pefa_gpu as pg
 from pefa_gpu.errors import InputError
+from pefa_gpu.methods import method, takes
 from pefa_gpu.params import check_at_most, check_nonnegative, check_positive
+from pefa_gpu.splits import split_queries
 from conftest import unit_rows
 
 
@@ -55,6 +57,29 @@ def test_fit_errors(cls, data):
 def test_param_errors(make, msg):
     with pytest.raises(ValueError, match=msg):
         make()
+
+
+@pytest.mark.parametrize("make,msg", [
+    # an array compared elementwise: stored as the setting, or a bare 'truth value' ValueError
+    (lambda: pg.XLParams(knn_norm=np.array(["k"])), "knn_norm must be one of"),
+    (lambda: pg.PEFAXL(knn_norm=np.array(["k", "k"])), "knn_norm must be one of"),
+    (lambda: pg.ERM(device=2**70), "device=1180591620717411303424 is not a valid"),  # overflow
+    (lambda: pg.XSParams.from_json("{"), "XSParams.from_json: not valid JSON"),  # bare error
+    (lambda: pg.XSParams.from_json("[1]"), "from_json: expected a JSON object"),
+    (lambda: split_queries(10.5), "n_queries must be an int >= 0, got 10.5"),  # AxisError
+    (lambda: split_queries(2**40), "n_queries must be at most"),  # numpy's MemoryError, 8 TiB
+    (lambda: split_queries("10"), "n_queries must be an int"),
+    (lambda: method(["xs"]), r"unknown method \['xs'\]"),  # unhashable type: 'list'
+    (lambda: takes(["zzz"], "lam"), "unknown method 'zzz'"),  # KeyError 'zzz'
+])
+def test_wrong_values_and_types_are_named(make, msg):
+    with pytest.raises(InputError, match=msg):
+        make()
+    with pytest.raises(TypeError, match="from_dict takes a dict, got NoneType"):
+        pg.XSParams.from_dict(None)  # 'NoneType' object is not iterable
+    with pytest.raises(TypeError, match="got the str 'xs'"):
+        takes("xs", "lam")  # its letters: KeyError 'x'
+    assert split_queries(np.int64(5))[1].size == 1 and takes(["xs"], "lam")
 
 
 def test_search_errors(data):
