@@ -23,7 +23,7 @@ import numpy as np
 from .errors import InputError, MissingDependencyError
 from .params import FLOAT32_MAX, is_number
 from .relevance import Relevance
-from .storage import read_matrix
+from .storage import as_path, read_matrix
 
 
 @dataclasses.dataclass
@@ -102,14 +102,6 @@ class BeirDataset:
                                  f"{part}.jsonl" + (" and corpus.npy" if out else ""))
             out.append(arr)
         return out[0], out[1]
-
-
-def as_path(value: Any, name: str) -> Path:
-    """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name`` (Path(None)'s
-    error names nothing)."""
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
-    return Path(value)
 
 
 def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:

@@ -26,7 +26,7 @@ from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
 from .params import MAX_HNSW_EF, MAX_HNSW_M, check_at_most, check_choice, check_hnsw_m
-from .storage import check_output_file, write_output_file
+from .storage import as_path, check_output_file, write_output_file
 
 if TYPE_CHECKING:
     import faiss
@@ -176,7 +176,7 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
     (PEFAXL: relevance.npz rows are the training queries, then document j as row m + j)."""
     if isinstance(parts, tuple):
         return export_hnsw(parts[0], path, index=parts[1], **kwargs)
-    path = Path(path)
+    path = as_path(path, "export path")
     if os.path.lexists(path):
         raise InputError(f"export path {path} exists; an export directory is always new: "
                          f"choose another path or remove it")

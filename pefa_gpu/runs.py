@@ -10,8 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .datasets import as_path, record_id, text_lines
+from .datasets import record_id, text_lines
 from .errors import InputError
+from .storage import as_path
 
 DocText = tuple[Sequence[str], Sequence[str]]  # (titles, text snippets) of the documents
 

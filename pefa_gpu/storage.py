@@ -53,6 +53,14 @@ PathLike = str | os.PathLike
 _PENDING: dict[Path, dict[str, tuple[tuple, str]]] = {}  # data folder -> its save's known files
 
 
+def as_path(value: Any, name: str) -> Path:
+    """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name`` (Path(None)'s
+    error names nothing)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    return Path(value)
+
+
 def _with_suffix(path: PathLike, suffix: str) -> Path:
     p = Path(path)
     return p if p.suffix == suffix else p.with_name(p.name + suffix)
@@ -390,7 +398,7 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
               checksums: bool = True) -> SaveDir:
     """Read and verify a save: manifest, data folder, every listed file's size (and sha256 with
     ``checksums``), nothing unlisted. Raises :class:`FormatError` naming what is wrong."""
-    path = Path(directory)
+    path = as_path(directory, "directory")
     if not path.is_dir():
         if os.path.lexists(path):
             raise FormatError(f"{path} is not a directory: a pefa_gpu save is a directory")
@@ -420,6 +428,8 @@ def open_save(directory: PathLike, name: str = MANIFEST, fmt: str = FORMAT,
 def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MANIFEST) -> Any:
     """``read()`` of the save at ``directory``, retried once if it fails while the save is
     replaced; twice is a :class:`FormatError`."""
+    directory = as_path(directory, "directory")
+
     def stamp() -> tuple[int, int, int] | None:  # os.replace gives a new inode
         try:
             return _stamp(os.stat(Path(directory) / name))
@@ -487,7 +497,7 @@ def _ours(root: Path, entry: str, name: str) -> bool:
 def _save_target(target: PathLike, name: str, fmt: str) -> tuple[Path, str | None]:
     """(real folder of ``target``, data folder of the save there or None); :class:`InputError`
     unless saving there replaces only pefa_gpu's own files."""
-    p = Path(target)
+    p = as_path(target, "directory")
     if os.path.islink(p) and not p.exists():
         raise InputError(f"cannot save to {p}: it is a symbolic link to {os.readlink(p)!r}, "
                          f"which does not exist")
@@ -593,7 +603,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
 
 def check_output_file(path: PathLike, what: str = "output") -> Path:
     """``path`` if it is absent or a regular file in a writable folder; else :class:`InputError`."""
-    p = Path(path)
+    p = as_path(path, what)
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # absent: nothing replaced
         mode = os.lstat(p).st_mode
         if stat.S_ISLNK(mode):

@@ -524,3 +524,16 @@ def test_xl_save_whose_query_index_does_not_match_y_is_refused(tmp_path):
     xl.save(tmp_path / "old")
     with pytest.raises(pg.FormatError, match="refit"):
         pg.load(tmp_path / "old")
+
+
+def test_a_path_argument_that_is_not_a_path_is_named(data):
+    """pg.load(None), save(None), export_hnsw(None) were pathlib's TypeError 'expected str,
+    bytes or os.PathLike object, not NoneType', naming no argument."""
+    P, Q, y, _ = data
+    xl = pg.PEFAXL(device="cpu", k=2).fit(P, Q, y)
+    erm = pg.ERM(device="cpu").fit(P)
+    for call, name in ((lambda: pg.load(None), "directory"), (lambda: xl.save(3), "directory"),
+                       (lambda: xl.export_hnsw(None), "export path"),
+                       (lambda: erm.export_hnsw(None), "export path")):
+        with pytest.raises(TypeError, match=f"^{name} must be a path"):
+            call()
