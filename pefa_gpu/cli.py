@@ -314,8 +314,8 @@ def _check_methods(args: argparse.Namespace) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """--device, tune's --metric, --cache-dir not in a save, and --out / --json / --plot:
-    writable, not an input."""
+    """--device, tune's --metric, --cache-dir / --work-dir not in a save, and --out / --json /
+    --plot: writable, not an input."""
     from .arrays import resolve_device  # imports torch: after the other checks
     from .storage import check_output_file
 
@@ -329,8 +329,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if args.plot == args.json:
             raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
                              f"the same file; give --json a .json name, or --plot")
-    if args.cache_dir and not args.no_cache:  # cache files there broke the build or model
-        _check_not_in_save(os.path.expanduser(args.cache_dir), "--cache-dir")
+    for flag, folder in (("--cache-dir", None if args.no_cache else args.cache_dir),
+                         ("--work-dir", getattr(args, "work_dir", None))):
+        if folder:  # files written there broke the build or model
+            _check_not_in_save(os.path.expanduser(folder), flag)
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")

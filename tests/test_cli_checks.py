@@ -544,6 +544,18 @@ def test_the_encode_cache_is_never_written_into_a_builds_files(built, tmp_path, 
     ok(capsys, *search, "--no-cache", "--cache-dir", data_folder)  # no cache: nothing written
 
 
+def test_the_ray_work_dir_is_never_a_builds_files(built, tmp_path, capsys):
+    """--work-dir in a build's data folder would have written the stages' shards among its
+    files (every later search: '... which pefa_build.json does not list'); refused before Ray
+    starts."""
+    data_folder = next(built.glob("pefa-data-*"))
+    before = sorted(p.name for p in data_folder.iterdir())
+    code, out, err = run(capsys, "eval", tmp_path / "nodata", "--ray", "local", "--work-dir",
+                         data_folder / "work", "-q")
+    assert code == 2 and out == "" and "--work-dir" in err and "build or model's" in err, err
+    assert sorted(p.name for p in data_folder.iterdir()) == before
+
+
 def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys):
     code, _, err = run(capsys, "search", built / "pefa_build.json", "a query", "-q")
     assert code == 2 and "is a file; give the folder" in err, err  # was 'pefa_build.json missing'
