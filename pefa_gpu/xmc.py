@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from .aggregate import normalize_rows, pifa
 from .arrays import as_tensor, to_numpy
 from .errors import FormatError, InputError
 from .relevance import Relevance
-from .storage import load_csr, read_matrix
+from .storage import as_path, load_csr, read_matrix
 
 log = logging.getLogger("pefa_gpu")
 
@@ -105,10 +104,7 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
 
 
 def _folder(path: str | Path, what: str, name: str) -> Path:
-    if not isinstance(path, (str, os.PathLike)):  # Path(None): a TypeError naming nothing
-        raise TypeError(f"{name} must be a folder path (str or os.PathLike), got "
-                        f"{type(path).__name__}")
-    root = Path(path).expanduser()
+    root = as_path(path, name).expanduser()
     if not root.is_dir():
         raise InputError(f"{what} folder {root} does not exist or is not a folder")
     return root

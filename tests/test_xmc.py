@@ -199,9 +199,9 @@ def test_missing_folders_and_files(folders, tmp_path):
     with pytest.raises(InputError, match=r"aug=\['v0'\] is not one of"):  # unhashable type
         pg.load_xmc(xmc, emb, aug=["v0"])
     # Path(None) was a TypeError naming no argument ('expected str, bytes or os.PathLike')
-    with pytest.raises(TypeError, match="xmc_dir must be a folder path .* got NoneType"):
+    with pytest.raises(TypeError, match="xmc_dir must be a path .* got NoneType"):
         pg.load_xmc(None, emb)
-    with pytest.raises(TypeError, match="emb_dir must be a folder path .* got int"):
+    with pytest.raises(TypeError, match="emb_dir must be a path .* got int"):
         pg.load_xmc(xmc, 3)
     with pytest.raises(InputError, match="normalize must be True or False, got 'no'"):
         pg.load_xmc(xmc, emb, normalize="no")  # it normalised
