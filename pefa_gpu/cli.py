@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import logging
@@ -847,6 +848,18 @@ COMMANDS = {  # command -> (function, help, description)
                "(TSV: query, rank, doc_id, score; JSON; or a TREC run).")}
 
 
+def _show_warning(command: str, printed: set[str], message: Warning | str,
+                  category: type[Warning], *_: Any) -> None:
+    """A Python warning as one line of its own (not its source line too; above a progress bar,
+    not after it), each text once: eval's models each warned of the same embeddings."""
+    from tqdm import tqdm
+
+    line = f"pefa-gpu {command}: {category.__name__}: {message}"
+    if line not in printed:
+        printed.add(line)
+        tqdm.write(line, file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``pefa-gpu``'s exit status: 0 ok, 2 bad input or data, 1 a failed write or read (e.g. a
     full disk), 130 Ctrl-C."""
@@ -862,10 +875,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         with contextlib.ExitStack() as stack:
-            if args.quiet:  # a Python warning: one line, not its source line too
-                stack.enter_context(warnings.catch_warnings())
-                warnings.showwarning = lambda message, category, *_: print(
-                    f"pefa-gpu {args.command}: {category.__name__}: {message}", file=sys.stderr)
+            stack.enter_context(warnings.catch_warnings())
+            warnings.showwarning = functools.partial(_show_warning, args.command, set())
             _check_args(args)
             _setup(args)
             _connect(args, stack)

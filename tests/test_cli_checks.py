@@ -177,6 +177,20 @@ def test_quiet_prints_a_python_warning_as_one_line(built, tmp_path):
                                  f"unreadable shard {shard} (")
 
 
+def test_a_warning_prints_once_as_one_line_also_without_quiet(data):
+    """Embeddings off the unit sphere: eval of erm,xs,xl printed the same P warning three times,
+    each with its source line ('p, q, rel = self._embeddings(...)'), among the progress bars."""
+    folder = data / "embeddings" / "bow"
+    for part in ("corpus", "queries"):
+        np.save(folder / f"{part}.npy", 2 * np.load(folder / f"{part}.npy"))
+    res = run_python("-m", "pefa_gpu", "eval", data, "--embeddings", "bow", "--methods",
+                     "erm,xs,xl", "--device", "cpu")
+    lines = [l for l in res.stderr.splitlines() if "not L2-normalised" in l]
+    assert [l.split("UserWarning: ")[1][:3] for l in lines] == ["P: ", "Q: "], res.stderr
+    assert all(l.startswith("pefa-gpu eval: UserWarning: ") for l in lines)
+    assert "_embeddings(" not in res.stderr
+
+
 def test_search_settings_the_build_does_not_take_are_refused_naming_the_flag(built, capsys):
     """It was 'XSSearchParams got unknown keys', naming no flag, after the queries were
     encoded."""
