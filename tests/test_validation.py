@@ -264,16 +264,23 @@ def test_big_endian_arrays_are_read_as_their_values(make):
     assert np.array_equal(big[0], P)  # the caller's arrays as they were
 
 
-def test_xl_fuse_checks_its_searches_lams_and_ks():
-    """fuse / fuse_grid took malformed searches to numpy's broadcasting / IndexError / max()
-    errors, or fused them silently (knn of other rows, ks=(0,), lam=2 or NaN);
-    neighbours(k=None) was a bare TypeError."""
-    rng = np.random.default_rng(3)
+def small_xl(seed):
+    """A PEFA-XL (k=4) over 30 documents and 20 training queries of dimension 8, 5 test queries
+    T (numpy) / q (torch), and their passage search (top 10) and neighbours (top 4)."""
+    rng = np.random.default_rng(seed)
     P, Q, T = unit_rows(rng, 30, 8), unit_rows(rng, 20, 8), unit_rows(rng, 5, 8)
     Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
     xl = pg.PEFAXL(device="cpu", k=4).fit(P, Q, Y)
     q = torch.from_numpy(T)
     erm, knn = xl.index.search(q, 10), xl.neighbours(q, 4)
+    return xl, T, q, erm, knn
+
+
+def test_xl_fuse_checks_its_searches_lams_and_ks():
+    """fuse / fuse_grid took malformed searches to numpy's broadcasting / IndexError / max()
+    errors, or fused them silently (knn of other rows, ks=(0,), lam=2 or NaN);
+    neighbours(k=None) was a bare TypeError."""
+    xl, T, q, erm, knn = small_xl(3)
     want = xl.search(T, 5)
     got = xl.fuse(q, erm, knn, 5)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -313,12 +320,7 @@ def test_xl_fuse_refuses_unsigned_ids_and_neighbours_checks_q_and_erm():
     neighbours took an erm of other rows to torch's RuntimeError, one with ids past the
     documents to neighbour rows past Y, a list to an AttributeError, and NaN numpy queries
     unchecked."""
-    rng = np.random.default_rng(5)
-    P, Q, T = unit_rows(rng, 30, 8), unit_rows(rng, 20, 8), unit_rows(rng, 5, 8)
-    Y = sp.csr_matrix((np.ones(20, np.float32), (np.arange(20), np.arange(20))), shape=(20, 30))
-    xl = pg.PEFAXL(device="cpu", k=4).fit(P, Q, Y)
-    q = torch.from_numpy(T)
-    erm, knn = xl.index.search(q, 10), xl.neighbours(q, 4)
+    xl, T, q, erm, knn = small_xl(5)
     as_np = (erm[0].numpy(), erm[1].numpy())
     for ids in (as_np[1].astype(np.uint32), as_np[1].astype(np.uint64), erm[1].to(torch.uint8),
                 erm[1].to(torch.uint64)):
