@@ -88,7 +88,9 @@ def checked(default: Any, check: Callable[..., None], *extra: Any, **metadata: A
 
 
 def is_number(value: Any) -> bool:
-    """A finite int or float (not a bool) that a float holds (10**400 does not)."""
+    """A finite Python or numpy int or float (not a bool) that a float holds (10**400 does
+    not)."""
+    value = value.item() if isinstance(value, np.generic) else value
     return not isinstance(value, bool) and isinstance(value, (int, float)) and \
         -sys.float_info.max <= value <= sys.float_info.max
 
@@ -266,8 +268,7 @@ def check_held_out(val_fraction: Any, seed: Any) -> None:
     """InputError unless 0 < ``val_fraction`` < 1 (a number) and ``seed`` is an int >= 0."""
     if not is_number(val_fraction) or not 0.0 < val_fraction < 1.0:
         raise InputError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction!r}")
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:  # numpy's rule
-        raise InputError(f"seed must be an int >= 0, got {seed!r}")
+    check_nonnegative(seed, "seed")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

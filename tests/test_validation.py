@@ -82,6 +82,17 @@ def test_wrong_values_and_types_are_named(make, msg):
     assert split_queries(np.int64(5))[1].size == 1 and takes(["xs"], "lam")
 
 
+def test_numpy_numbers_are_numbers():
+    # a numpy val_fraction / seed was refused as "not strictly between 0 and 1" / "not an int"
+    fit, val = split_queries(10, np.float32(0.3), np.int64(2))
+    want = np.random.default_rng(2).permutation(10)
+    assert val.tolist() == sorted(want[:3]) and fit.tolist() == sorted(want[3:])
+    assert pg.NUDGE(val_fraction=np.float64(0.25), seed=np.uint8(1)).params.seed == 1
+    for bad in (np.bool_(True), np.float64("nan"), np.float32(1.0)):
+        with pytest.raises(InputError, match="val_fraction must lie strictly between 0 and 1"):
+            split_queries(10, bad)
+
+
 def test_search_errors(data):
     P, Q, Y, T = data
     model = pg.PEFAXL().fit(P, Q, Y)
