@@ -351,6 +351,17 @@ def test_an_hnsw_degree_of_one_is_refused(backend):
     assert backend_class(backend).Params(M=2).M == 2
 
 
+def test_an_hnswlib_seed_beyond_a_size_t_is_refused():
+    """hnswlib's seed is a size_t: 2^64 was pybind's TypeError listing init_index's overloads
+    after the index was made; 2^64 - 1 builds the same graph as any seed would, searchable."""
+    pytest.importorskip("hnswlib")
+    with pytest.raises(InputError, match="seed must be at most 18446744073709551615"):
+        make_index("hnswlib", "cpu", {"seed": 2**64})
+    x = np.eye(4, 8, dtype=np.float32)
+    index = make_index("hnswlib", "cpu", {"seed": 2**64 - 1}).build(torch.from_numpy(x))
+    assert index.search(torch.from_numpy(x), 1)[1].reshape(-1).tolist() == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("backend", ["hnsw", "hnswlib"])
 def test_hnsw_sizes_are_bounded_naming_the_setting_and_the_bound(backend):
     cls = backend_class(backend)  # the params only: neither faiss nor hnswlib is reached

@@ -38,7 +38,7 @@ class HnswlibParams(IndexParams):
 
     M: int = checked(32, check_hnsw_m)
     ef_construction: int = checked(500, check_at_most, MAX_HNSW_EF)
-    seed: int = checked(100, check_nonnegative)
+    seed: int = checked(100, check_nonnegative, "", 2**64 - 1)  # a size_t in hnswlib
     threads: int = checked(0, check_nonnegative, "every core", MAX_THREADS)
 
 
