@@ -87,6 +87,9 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
         bf16 = is_bfloat16(x.dtype)
         if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
             raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
+        if np.ma.is_masked(x):  # numpy reads a masked array's data, masked entries included
+            raise InputError(f"{name} is a masked array with masked entries: fill them "
+                             f"({name}.filled(value)) or drop their rows first")
         # C order, native byte order (torch reads no big-endian '>f4', as np.load may give),
         # no negative stride (numpy calls a reversed (1, d) view C-contiguous; torch refuses it)
         a = x if x.flags.c_contiguous and x.dtype.isnative and min(x.strides, default=0) >= 0 \

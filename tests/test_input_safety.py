@@ -377,3 +377,16 @@ def test_mine_negatives_refuses_positive_ids_outside_the_documents():
     with pytest.raises(InputError, match="out of range"):
         pg.mine_negatives(xs, Q[:1], wide, n=2)
     assert pg.mine_negatives(xs, Q[:1], [[-1, 3]], n=2).shape == (1, 2)
+
+
+def test_a_masked_array_with_masked_entries_is_refused():
+    """numpy hands over a masked array's data: a masked 5.0 was indexed as P's value."""
+    R = unit_rows(np.random.default_rng(0), 6, D)
+    P = np.ma.masked_array(R.copy())
+    assert pg.ERM().fit(P).search(R[:2], 1)[1].reshape(-1).tolist() == [0, 1]  # nothing masked
+    P[0, 0] = np.ma.masked
+    P.data[0, 0] = 5.0
+    with pytest.raises(InputError, match=r"P is a masked array with masked entries"):
+        pg.ERM().fit(P)
+    with pytest.raises(InputError, match=r"queries is a masked array"):
+        pg.ERM().fit(R).search(P, 1)
