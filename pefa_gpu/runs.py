@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .datasets import record_id, text_lines
+from .datasets import json_record, record_id, text_lines
 from .errors import InputError
 from .storage import as_path
 
@@ -31,27 +31,22 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
         raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out, suffix = [], p.suffix.lower()  # Q.JSONL too (its lines were taken as query texts)
     for lineno, line in text_lines(p, data=True):
+        where = f"{p}:{lineno}"
         if suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-                text = rec["text"]
-                if not isinstance(text, str):
-                    raise TypeError("text is not a string")
-            except (ValueError, KeyError, TypeError, RecursionError):
-                raise InputError(f"{p}:{lineno}: expected a JSON object with a 'text' string"
-                                 ) from None
-            out.append((record_id(rec["_id"], f"{p}:{lineno}", "query") if "_id" in rec
-                        else query_id(text), text))
+            rec = json_record(line, where, "text")
+            if not isinstance(rec["text"], str):
+                raise InputError(f"{where}: expected a JSON object with a 'text' string")
+            qid = record_id(rec["_id"], where, "query") if "_id" in rec else query_id(rec["text"])
+            out.append((qid, rec["text"]))
         elif suffix == ".tsv":
             parts = line.split("\t")
             if len(parts) != 2:
-                raise InputError(f"{p}:{lineno}: expected 'id<TAB>text', got {len(parts)} "
-                                 f"fields")
-            out.append((record_id(parts[0], f"{p}:{lineno}", "query"), parts[1]))
+                raise InputError(f"{where}: expected 'id<TAB>text', got {len(parts)} fields")
+            out.append((record_id(parts[0], where, "query"), parts[1]))
         else:
             out.append((query_id(line), line))
         if not out[-1][1].strip():  # a slip (an unset variable?): refused, not searched
-            raise InputError(f"{p}:{lineno}: empty query text {out[-1][1]!r}")
+            raise InputError(f"{where}: empty query text {out[-1][1]!r}")
     return out
 
 
