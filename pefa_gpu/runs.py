@@ -14,8 +14,6 @@ from .datasets import json_record, record_id, text_lines
 from .errors import InputError
 from .storage import as_path
 
-DocText = tuple[Sequence[str], Sequence[str]]  # (titles, text snippets) of the documents
-
 
 def query_id(text: str) -> str:
     """A stable id for a query given without one: the same text, the same id, in any run (a
@@ -84,9 +82,10 @@ def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_
 
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
                    ids: np.ndarray, doc_ids: Sequence[str], tag: str,
-                   doc_text: DocText | None = None) -> str:
+                   doc_text: tuple[Sequence[str], Sequence[str]] | None = None) -> str:
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
-    rows (-1: no result), one per query; doc_text: shown in TSV columns / JSON fields."""
+    rows (-1: no result), one per query; doc_text: (titles, text snippets) of the documents,
+    shown in TSV columns / JSON fields."""
     _check_run(fmt, len(queries), scores, ids, len(doc_ids))
     hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
                        {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
