@@ -683,17 +683,16 @@ def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dic
 
 # ------------------------------------------------------------------------------ commands
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def cmd_eval(args: argparse.Namespace) -> None:
     data = _load_data(args)
     groups = [((m,), *[(getattr(args, axis) or (defaults(m)[axis],))
                        if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
     rows, last, _ = _evaluate(args, data, groups)
     _report(args, data, last, rows)
-    return 0
 
 
-def cmd_sweep(args: argparse.Namespace) -> int:
+def cmd_sweep(args: argparse.Namespace) -> None:
     from .plots import plot_sweep
     from .sweep import PAPER_KS, PAPER_LAMS, Config
 
@@ -711,10 +710,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.plot:
         plot_sweep(rows, args.plot, title=f"{data.name}: PEFA λ × k sweep")
         log.info("wrote %s", args.plot)
-    return 0
 
 
-def cmd_tune(args: argparse.Namespace) -> int:
+def cmd_tune(args: argparse.Namespace) -> None:
     from .sweep import PAPER_KS, PAPER_LAMS, Config, markdown_table
     from .tune import tune
 
@@ -742,10 +740,9 @@ def cmd_tune(args: argparse.Namespace) -> int:
             validation=[{k: v for k, v in r.items() if k in ("method", "lam", "k", "objective",
                                                              *METRICS)
                          or k == "gamma" and v is not None} for r in res.validation.rows])
-    return 0
 
 
-def cmd_build(args: argparse.Namespace) -> int:
+def cmd_build(args: argparse.Namespace) -> None:
     from .builds import encoder_record, save_build
     from .sweep import Config
     from .tune import tune
@@ -773,7 +770,6 @@ def cmd_build(args: argparse.Namespace) -> int:
         "n_train_queries": int(data.Y_train.shape[0]), "n_pairs": data.Y_train.nnz},
         ds.corpus_titles, texts)
     print(f"built {cfg.label()} on {data.name} ({len(data.doc_ids)} documents) -> {args.out}")
-    return 0
 
 
 # ------------------------------------------------------------------------------ search
@@ -793,7 +789,7 @@ def _search_encoder(args: argparse.Namespace, info: dict) -> EncoderLike:
     return resolve_model_arg(args.model)
 
 
-def cmd_search(args: argparse.Namespace) -> int:
+def cmd_search(args: argparse.Namespace) -> None:
     from .arrays import to_numpy
     from .builds import load_build, load_doc_text
     from .query import QueryModel
@@ -824,7 +820,6 @@ def cmd_search(args: argparse.Namespace) -> int:
         log.info("wrote %s", args.out)
     else:
         sys.stdout.write(text)
-    return 0
 
 
 COMMANDS = {  # command -> (function, help, description)
@@ -880,7 +875,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_args(args)
             _setup(args)
             _connect(args, stack)
-            return COMMANDS[args.command][0](args)
+            COMMANDS[args.command][0](args)
+            return 0
     except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
         bad_data = (PefaError, ValueError, FileNotFoundError, IsADirectoryError,

@@ -162,16 +162,16 @@ def record_id(value: object, where: str, kind: str) -> str:
     return value
 
 
-def _json_record(line: str, where: str) -> dict:
-    """One JSON object with an '_id' field, else InputError naming ``where`` (file:line)."""
+def json_record(line: str, where: str, field: str = "_id") -> dict:
+    """One JSON object with a ``field`` field, else InputError naming ``where`` (file:line)."""
     try:
         rec = json.loads(line)
     except ValueError as exc:  # JSONDecodeError, or an integer of over 4300 digits
         raise InputError(f"{where}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
     except RecursionError:
         raise InputError(f"{where}: JSON nested too deeply") from None
-    if not isinstance(rec, dict) or "_id" not in rec:
-        raise InputError(f"{where}: a record needs an '_id' field")
+    if not isinstance(rec, dict) or field not in rec:
+        raise InputError(f"{where}: expected a JSON object with a {field!r} field")
     return rec
 
 
@@ -182,7 +182,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
                          f"qrels/)")
     records: dict[str, tuple[str, str]] = {}  # id -> (text, title)
     for lineno, line in text_lines(path, data=True):
-        rec = _json_record(line, f"{path}:{lineno}")
+        rec = json_record(line, f"{path}:{lineno}")
         rid = record_id(rec["_id"], f"{path}:{lineno}", kind)
         for field in ("text", "title"):
             if rec.get(field) is not None and not isinstance(rec[field], str):

@@ -100,7 +100,8 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
 
 def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
     """``enc``'s cache under ``cache_dir``; None without one, for an encoder without an
-    identity (warned) or a folder another model wrote (warned by :meth:`_Cache.usable`)."""
+    identity, or where model.json records another model (a copied or edited folder: neither
+    read nor written); both warned."""
     if cache_dir is None:
         return None
     if enc.identity is None:
@@ -108,7 +109,13 @@ def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
                     "not caching", enc.name)
         return None
     cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
-    return cache if cache.usable() else None
+    recorded = cache._meta().get("identity", enc.identity)  # none: an older cache
+    if recorded != enc.identity:
+        warnings.warn(f"encode cache: ignoring {cache.dir}: its model.json records "
+                      f"{recorded!r}, not this model's {enc.identity!r}; delete the folder "
+                      f"to cache again", UserWarning, stacklevel=3)
+        return None
+    return cache
 
 
 def _check_texts(texts: Any) -> list[str]:
@@ -376,16 +383,6 @@ class _Cache:
         """The d that model.json records; None: none (absent, unreadable, or an old cache)."""
         dim = self._meta().get("dim")
         return dim if type(dim) is int else None
-
-    def usable(self) -> bool:
-        """False, with a warning, when model.json records another model (a copied or edited
-        folder): its rows are never served, and this call caches nothing there."""
-        recorded = self._meta().get("identity", self.identity)  # none: an older cache
-        if recorded != self.identity:
-            warnings.warn(f"encode cache: ignoring {self.dir}: its model.json records "
-                          f"{recorded!r}, not this model's {self.identity!r}; delete the folder "
-                          f"to cache again", UserWarning, stacklevel=4)
-        return recorded == self.identity
 
     def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
         meta = self.dir / "model.json"

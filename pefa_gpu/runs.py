@@ -10,11 +10,9 @@ from typing import Sequence
 
 import numpy as np
 
-from .datasets import record_id, text_lines
+from .datasets import json_record, record_id, text_lines
 from .errors import InputError
 from .storage import as_path
-
-DocText = tuple[Sequence[str], Sequence[str]]  # (titles, text snippets) of the documents
 
 
 def query_id(text: str) -> str:
@@ -31,27 +29,22 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
         raise InputError(f"queries file {p} " + ("is not a file" if p.exists() else "not found"))
     out, suffix = [], p.suffix.lower()  # Q.JSONL too (its lines were taken as query texts)
     for lineno, line in text_lines(p, data=True):
+        where = f"{p}:{lineno}"
         if suffix == ".jsonl":
-            try:
-                rec = json.loads(line)
-                text = rec["text"]
-                if not isinstance(text, str):
-                    raise TypeError("text is not a string")
-            except (ValueError, KeyError, TypeError, RecursionError):
-                raise InputError(f"{p}:{lineno}: expected a JSON object with a 'text' string"
-                                 ) from None
-            out.append((record_id(rec["_id"], f"{p}:{lineno}", "query") if "_id" in rec
-                        else query_id(text), text))
+            rec = json_record(line, where, "text")
+            if not isinstance(rec["text"], str):
+                raise InputError(f"{where}: expected a JSON object with a 'text' string")
+            qid = record_id(rec["_id"], where, "query") if "_id" in rec else query_id(rec["text"])
+            out.append((qid, rec["text"]))
         elif suffix == ".tsv":
             parts = line.split("\t")
             if len(parts) != 2:
-                raise InputError(f"{p}:{lineno}: expected 'id<TAB>text', got {len(parts)} "
-                                 f"fields")
-            out.append((record_id(parts[0], f"{p}:{lineno}", "query"), parts[1]))
+                raise InputError(f"{where}: expected 'id<TAB>text', got {len(parts)} fields")
+            out.append((record_id(parts[0], where, "query"), parts[1]))
         else:
             out.append((query_id(line), line))
         if not out[-1][1].strip():  # a slip (an unset variable?): refused, not searched
-            raise InputError(f"{p}:{lineno}: empty query text {out[-1][1]!r}")
+            raise InputError(f"{where}: empty query text {out[-1][1]!r}")
     return out
 
 
@@ -89,9 +82,10 @@ def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_
 
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
                    ids: np.ndarray, doc_ids: Sequence[str], tag: str,
-                   doc_text: DocText | None = None) -> str:
+                   doc_text: tuple[Sequence[str], Sequence[str]] | None = None) -> str:
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
-    rows (-1: no result), one per query; doc_text: shown in TSV columns / JSON fields."""
+    rows (-1: no result), one per query; doc_text: (titles, text snippets) of the documents,
+    shown in TSV columns / JSON fields."""
     _check_run(fmt, len(queries), scores, ids, len(doc_ids))
     hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
                        {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
