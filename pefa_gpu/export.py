@@ -9,6 +9,7 @@ forward then up to M reverse edges per row; the last two as a base-level ``Index
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import os
 import secrets
@@ -129,19 +130,14 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
     return index
 
 
-_HNSW_SETTINGS = ("M", "device", "method", "ef_search", "ef_construction", "entrypoints")
-
-
 def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = None,
                 **kwargs: Any) -> Path:
     """Write :func:`build_hnsw`'s index (or ``index``'s own graph: an ``hnsw`` backend index
     over ``vectors`` with the same M, method auto / hnsw) to the file ``path`` atomically."""
     faiss = import_faiss()
     check_output_file(path, "export path")
-    # checked here too: a kept graph skips build_hnsw (which ignored a misspelt keyword)
-    unknown = sorted(set(kwargs) - set(_HNSW_SETTINGS))
-    if unknown:
-        raise TypeError(f"export_hnsw() got unexpected keyword arguments {unknown}")
+    # checked here too: a kept graph skips build_hnsw (a misspelt keyword: TypeError naming it)
+    inspect.signature(build_hnsw).bind(vectors, **kwargs)
     for name in ("ef_construction", "entrypoints"):
         check_at_most(kwargs.get(name, 1), name, MAX_HNSW_EF)
     ef_search = check_at_most(kwargs.get("ef_search", 300), "ef_search", MAX_HNSW_EF)

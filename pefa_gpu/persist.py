@@ -94,13 +94,10 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
     backend = manifest.get("backend")
     _backend(backend, where)
     device = resolve_device(device)  # a bad device is the caller's error, not the save's
-    params = manifest.get("params")
-    if not isinstance(params, dict):
-        raise FormatError(f"{where} has no 'params' table")
-    try:
+    try:  # params that are not a table: "argument after ** must be a mapping"
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
                     search_params=cls.SearchParams.coerce(manifest.get("search_params")),
-                    **params)
+                    **manifest.get("params"))
         model.index_search_params = model.index_search_params.coerce(
             manifest.get("index_search_params"))
     except (InputError, TypeError) as exc:

@@ -17,7 +17,7 @@ from ..errors import InputError
 from ..index import backend_class
 from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
-from ..params import XLParams, XLSearchParams
+from ..params import XLParams, XLSearchParams, check_choice
 from ..storage import writing_save
 from .aggregation import Part, read_pairs, split_queries
 from .runner import LocalRunner
@@ -80,8 +80,7 @@ def build(method: str, out: str | Path, docs: str | Path, *,
     """An index per document shard: ``erm`` over ``docs``, ``xs`` over ``embeddings``
     (:func:`aggregate`'s E), ``xl`` a :func:`build_xl_shard` per range and an ERM per query
     shard; XL's settings as :class:`pefa_gpu.PEFAXL`'s; ``export_hnsw``: an HNSW file too."""
-    if method not in METHODS:
-        raise InputError(f"method must be one of {METHODS}, got {method!r}")
+    check_choice(method, "method", METHODS)
     run, prows = runner or LocalRunner(), Rows(docs)
     check_stage_out(out, "build")
     # checked before any shard (a list, a numpy int: raw errors once every shard was built)
