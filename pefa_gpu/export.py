@@ -79,6 +79,9 @@ def _first_unique(ids: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(out, (0, width - out.shape[1]), value=-1)
 
 
+HNSW_METHODS = ("auto", "hnsw", "cagra", "knn")
+
+
 def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, method: str = "auto",
                ef_search: int = 300, ef_construction: int = 500, entrypoints: int = 32
                ) -> faiss.IndexHNSW:
@@ -89,7 +92,7 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
     ef_search = check_at_most(ef_search, "ef_search", MAX_HNSW_EF)
     ef_construction = check_at_most(ef_construction, "ef_construction", MAX_HNSW_EF)
     entrypoints = check_at_most(entrypoints, "entrypoints", MAX_HNSW_EF)
-    check_choice(method, "method", ("auto", "hnsw", "cagra", "knn"))
+    check_choice(method, "method", HNSW_METHODS)
     faiss = import_faiss()
     dev = resolve_device(device)
     if method == "auto":
@@ -138,6 +141,8 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
     check_output_file(path, "export path")
     # checked here too: a kept graph skips build_hnsw (a misspelt keyword: TypeError naming it)
     inspect.signature(build_hnsw).bind(vectors, **kwargs)
+    check_hnsw_m(kwargs.get("M", 32), "M")  # both compared below (an array: numpy's error)
+    check_choice(kwargs.get("method", "auto"), "method", HNSW_METHODS)
     for name in ("ef_construction", "entrypoints"):
         check_at_most(kwargs.get(name, 1), name, MAX_HNSW_EF)
     ef_search = check_at_most(kwargs.get("ef_search", 300), "ef_search", MAX_HNSW_EF)

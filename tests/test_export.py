@@ -257,6 +257,11 @@ def test_a_kept_graph_checks_the_settings_it_does_not_use(tmp_path):
         for setting in ("ef_construction", "entrypoints"):
             with pytest.raises(InputError, match=f"{setting} must be a positive integer"):
                 model.export_hnsw(tmp_path / "x.faiss", M=8, **{setting: -1})
+        # compared with the kept graph's before any check: numpy's 'truth value' ValueError
+        with pytest.raises(InputError, match="method must be one of"):
+            model.export_hnsw(tmp_path / "x.faiss", M=8, method=np.array(["hnsw"]))
+        with pytest.raises(InputError, match="M must be"):
+            model.export_hnsw(tmp_path / "x.faiss", M=np.array([8, 8]))
         assert not (tmp_path / "x.faiss").exists()
 
 
