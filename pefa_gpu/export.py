@@ -8,12 +8,14 @@ forward then up to M reverse edges per row; the last two as a base-level ``Index
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import inspect
 import json
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,11 @@ from .storage import as_path, check_output_file, write_output_file
 
 if TYPE_CHECKING:
     import faiss
+
+try:
+    import fcntl
+except ImportError:  # Windows: a killed export's temporary folder is left
+    fcntl = None
 
 
 def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> torch.Tensor:
@@ -183,14 +190,20 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
                          f"choose another path or remove it")
     if not path.parent.is_dir():
         raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
-    prefix = f".{path.name}.pefa-tmp-"  # a marked temporary folder, renamed when complete
+    # a marked temporary folder, renamed when complete (its name cut as write_output_file's)
+    prefix = f".{path.name[:100]}.pefa-tmp-"
     for old in path.parent.glob(glob.escape(prefix) + "*"):  # those of killed exports
-        if old.is_dir() and not old.is_symlink() and (old / _EXPORT_MARKER).is_file():
+        if not old.is_symlink() and _abandoned(old / _EXPORT_MARKER):
             shutil.rmtree(old, ignore_errors=True)
     tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"
     tmp.mkdir()
-    try:
-        (tmp / _EXPORT_MARKER).write_text("")
+    lock = None
+    try:  # the marker appears locked (until the folder is gone): a running export's is kept
+        lock = os.open(tmp / ".lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        if fcntl is not None:
+            with contextlib.suppress(OSError):  # a file system without locks: kept always
+                fcntl.flock(lock, fcntl.LOCK_EX)
+        os.rename(tmp / ".lock", tmp / _EXPORT_MARKER)
         for name, part in parts.items():
             if isinstance(part, tuple):
                 export_hnsw(part[0], tmp / name, index=part[1], **kwargs)
@@ -204,7 +217,24 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
         os.rename(tmp, path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing there once renamed
+        if lock is not None:
+            os.close(lock)
     return path
 
 
 _EXPORT_MARKER = ".pefa-export-tmp"
+
+
+def _abandoned(marker: Path) -> bool:
+    """``marker`` is a regular file no running export holds locked (no fcntl: never known)."""
+    try:
+        if fcntl is None or not stat.S_ISREG(os.lstat(marker).st_mode):
+            return False
+        fd = os.open(marker, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: held
+            return True
+        finally:
+            os.close(fd)
+    except OSError:
+        return False

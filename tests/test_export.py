@@ -244,6 +244,33 @@ def test_a_killed_export_of_another_name_is_kept_when_the_name_holds_glob_charac
     assert out.name == "x[ab]" and other.is_dir()
 
 
+def test_an_export_folder_with_a_long_name_gets_a_temporary_name_within_the_limit(tmp_path):
+    """The temporary folder was '.<name>.pefa-tmp-<12 hex>': past 255 characters (ENAMETOOLONG)
+    for a name of 233 or more; now cut as write_output_file's temporary file names are."""
+    out = export.export_parts({"export.json": {"n": 1}}, tmp_path / ("x" * 250))
+    assert [p.name for p in tmp_path.iterdir()] == ["x" * 250]
+    assert json.loads((out / "export.json").read_text()) == {"n": 1}
+
+
+@pytest.mark.skipif(export.fcntl is None, reason="no flock: temporaries are always kept")
+def test_a_running_exports_temporary_folder_is_kept_a_killed_ones_removed(tmp_path):
+    """Any marked temporary folder of the same name was removed, a running export's too (two
+    exports to one path: the first failed mid-write); now only one whose marker is unlocked."""
+    live, killed = (tmp_path / f".xl.pefa-tmp-{h}" for h in ("0123456789ab", "ba9876543210"))
+    for folder in (live, killed):
+        folder.mkdir()
+        (folder / ".pefa-export-tmp").write_text("")
+        (folder / "relevance.npz").write_bytes(b"partial")
+    with open(live / ".pefa-export-tmp") as held:  # as the running export holds it
+        export.fcntl.flock(held, export.fcntl.LOCK_EX)
+        export.export_parts({"export.json": {"n": 1}}, tmp_path / "xl")
+        assert (live / "relevance.npz").is_file() and not killed.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "xl"]
+    (tmp_path / "xl").rename(tmp_path / "done")  # its exporter gone: removed by the next
+    export.export_parts({"export.json": {"n": 1}}, tmp_path / "xl")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["done", "xl"]
+
+
 def test_a_kept_graph_checks_the_settings_it_does_not_use(tmp_path):
     """An hnsw model's own graph skipped build_hnsw, so a misspelt keyword (ef_constrution=)
     or ef_construction=-1 / entrypoints=0 was ignored silently there, while the other
