@@ -29,9 +29,12 @@ def save_build(model: Model, out: str | Path, doc_ids: Sequence[str], info: dict
                titles: Sequence[str] | None = None, texts: Sequence[str] | None = None
                ) -> Path:
     """Write a build folder at ``out`` atomically (``info``: manifest fields; of ``texts`` a
-    snippet is kept)."""
-    tables = {"doc_ids": {"doc_ids": list(doc_ids)}}  # manifest field -> its <field>.json
+    snippet is kept); the ids, titles and texts are checked as :func:`load_build` checks them."""
+    # checked here: a build load_build refuses (ids repeated, miscounted) was written
+    tables = {"doc_ids": {"doc_ids": check_doc_ids(doc_ids, model.n_docs, "doc_ids")}}
     if titles is not None and texts is not None:
+        titles, texts = (_strings(col, model.n_docs, name)
+                         for name, col in (("titles", titles), ("texts", texts)))
         tables["doc_text"] = {"titles": [one_line(t) for t in titles],
                               "snippets": [one_line(t, SNIPPET_CHARS) for t in texts]}
     with writing_save(out, BUILD_MANIFEST, BUILD_FORMAT) as w:
@@ -87,19 +90,34 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
     ids_file = save.file(info.get("doc_ids"))
     model = load_model(save.folder(info.get("model")), device=device, verify=False)
     doc_ids, = _json_fields(ids_file, 'a document id list {"doc_ids": ["id", ...]}', "doc_ids")
-    if not isinstance(doc_ids, list) or not all(isinstance(d, str) for d in doc_ids):
+    if not isinstance(doc_ids, list):
         raise FormatError(f'{ids_file}: "doc_ids" must be a list of strings')
-    if len(set(doc_ids)) != len(doc_ids):
-        raise FormatError(f"{ids_file}: the document ids are not unique")
     try:
-        for i, d in enumerate(doc_ids):
-            record_id(d, f"{ids_file}: entry {i}", "document")
+        return model, check_doc_ids(doc_ids, model.n_docs, str(ids_file)), info
     except InputError as exc:
         raise FormatError(str(exc)) from None
-    if len(doc_ids) != model.n_docs:
-        raise FormatError(f"{ids_file}: {len(doc_ids)} document ids for a model of "
-                          f"{model.n_docs} documents")
-    return model, doc_ids, info
+
+
+def check_doc_ids(doc_ids: Sequence[str], n_docs: int, where: str) -> list[str]:
+    """``doc_ids`` as a list if they are ``n_docs`` distinct strings :func:`record_id` takes;
+    else InputError naming ``where``."""
+    ids = _strings(doc_ids, None, where)
+    if len(set(ids)) != len(ids):
+        raise InputError(f"{where}: the document ids are not unique")
+    for i, d in enumerate(ids):
+        record_id(d, f"{where}: entry {i}", "document")
+    if len(ids) != n_docs:
+        raise InputError(f"{where}: {len(ids)} document ids for a model of {n_docs} documents")
+    return ids
+
+
+def _strings(values: Sequence[str], n: int | None, where: str) -> list[str]:
+    """``values`` as a list of (``n``) strings; else InputError naming ``where``."""
+    out = list(values) if not isinstance(values, str) and hasattr(values, "__iter__") else None
+    if out is None or not all(isinstance(v, str) for v in out) or n not in (None, len(out)):
+        many = "" if n is None else f"{n} "
+        raise InputError(f"{where}: not a list of {many}strings (one a document)")
+    return out
 
 
 def _json_fields(file: Path, what: str, *keys: str) -> list:

@@ -75,7 +75,9 @@ def test_a_build_whose_document_ids_would_break_the_outputs_is_refused(tmp_path,
     from pefa_gpu.builds import load_build, save_build
 
     model = pg.ERM(device="cpu").fit(__import__("numpy").eye(3, 4, dtype="float32"))
-    save_build(model, tmp_path / "b", ["a", "b\tc", "d"], {"encoder": {"kind": "default"}})
+    with pytest.MonkeyPatch.context() as mp:  # save_build refuses them: a forged build
+        mp.setattr("pefa_gpu.builds.check_doc_ids", lambda ids, n, where: list(ids))
+        save_build(model, tmp_path / "b", ["a", "b\tc", "d"], {"encoder": {"kind": "default"}})
     with pytest.raises(pg.FormatError, match=r"doc_ids\.json: entry 1: .*'b\\tc'"):
         load_build(tmp_path / "b", device="cpu")
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pefa_gpu as pg
@@ -71,6 +72,24 @@ def test_a_build_folder_out_of_space_leaves_nothing(tmp_path, data, monkeypatch)
     assert tree(tmp_path) == []
     monkeypatch.undo()
     save_build(model, tmp_path / "b", [str(i) for i in range(N)], {"encoder": "x"})
+
+
+@pytest.mark.parametrize("ids, texts, message", [
+    (["a", "b", "a"], None, "the document ids are not unique"),
+    (["a", "b"], None, "2 document ids for a model of 3 documents"),
+    ([1, 2, 3], None, "doc_ids: not a list of strings"),
+    (["a", "b\tc", "d"], None, r"entry 1: .*'b\\tc'"),
+    (["a", "b", "c"], ["t", "u"], "texts: not a list of 3 strings"),
+])
+def test_a_build_load_build_would_refuse_is_refused_before_anything_is_written(
+        tmp_path, ids, texts, message):
+    """save_build wrote any ids (repeated, too few, ints) and texts of any length: the build
+    was written, and load_build / search refused it; now InputError and nothing written."""
+    model = pg.ERM(device="cpu").fit(np.eye(3, 4, dtype=np.float32))
+    kw = {} if texts is None else {"titles": ["", "", ""], "texts": texts}
+    with pytest.raises(pg.InputError, match=message):
+        save_build(model, tmp_path / "b", ids, {"encoder": "x"}, **kw)
+    assert tree(tmp_path) == []
 
 
 @pytest.mark.parametrize("marker", [None, "", "pefa-data-01"])
