@@ -283,10 +283,16 @@ def test_stage_files_are_typed_and_checked(tmp_path):
     assert all(torch.equal(x, y) for x, y in zip(pp.search(b, T, topk=10), want))
     for edit in ({"n": "240"}, {"shards": [{"name": "doc-00000"}]}, {"params": {"lam": 2.0}},
                  {"colour": "red"}, {"query_shards": [{"name": "q", "rows": [0],
-                                                       "manifest_sha256": "0"}]}):
+                                                       "manifest_sha256": "0"}]},
+                 # were searched: a candidates of -5 / 0 / True, a lam out of [0, 1]
+                 {"candidates": -5}, {"candidates": 0}, {"candidates": True}, {"lam": -3.0},
+                 {"lam": 5}, {"bytes_shuffled": -1}):
         path.write_text(json.dumps({**body, **edit}))
         with pytest.raises(FormatError, match="stage.json is damaged"):
             pp.read_stage(b)
+    path.write_text(json.dumps({**body, "format_version": 2}))  # a newer one was read as 1
+    with pytest.raises(FormatError, match="stage.json has format_version 2"):
+        pp.search(b, T, topk=10)
     path.write_text("[" * 200_000 + "]" * 200_000)  # was a raw RecursionError
     with pytest.raises(FormatError, match="stage.json is unreadable"):
         pp.read_stage(b)

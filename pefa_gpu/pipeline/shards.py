@@ -22,7 +22,8 @@ import torch
 from ..arrays import DeviceLike, as_embeddings, as_tensor
 from ..encode import EncoderLike, _check_texts, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
-from ..params import XLParams, check_nonnegative, check_positive
+from ..params import (XLParams, XLSearchParams, check_nonnegative, check_positive,
+                      check_unit_interval)
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
@@ -109,12 +110,17 @@ class Stage:
 
 def _checked(stage: Stage) -> Stage:
     """``stage`` if its counts are ints >= 0 and its shards tile their rows (else ValueError)."""
-    counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz}
+    counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz,
+              "candidates": stage.candidates, "bytes_shuffled": stage.bytes_shuffled}
     if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
         raise ValueError(f"{bad} must be ints >= 0")
+    if stage.lam is not None:  # a forged lam or candidates (-5: searched) as the library's
+        check_unit_interval(stage.lam, "lam")
     xl = stage.method == "xl"
     if xl and stage.params is None:
         raise ValueError("a PEFA-XL build without its params")
+    if xl:
+        XLSearchParams(candidates=stage.candidates)
     rows = stage.m if stage.stage == "relevance" else stage.n
     for key, entries, total in (("shards", stage.shards, rows),
                                 ("query_shards", stage.query_shards, stage.m)):
@@ -272,6 +278,9 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
         raise FormatError(f"{path} is unreadable: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
         raise FormatError(f"{path} is not a pefa_gpu stage file")
+    if body.get("format_version") != 1:  # the only version written (a newer one: not read)
+        raise FormatError(f"{path} has format_version {body.get('format_version')!r}; this "
+                          f"pefa_gpu reads stage files of version 1")
     if stage is not None and body.get("stage") != stage:
         raise FormatError(f"{folder} holds a {body.get('stage')!r} stage, not {stage!r}")
     try:
