@@ -154,6 +154,25 @@ def test_a_foreign_folder_in_the_way_is_refused_and_kept(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["part-00003"]  # ours removed
 
 
+def test_a_rerun_with_fewer_shards_removes_the_old_ones_and_nothing_else(tmp_path):
+    """The old run's shards beyond the new ones were left (never read: stage.json lists the
+    shards, checksums included; but their disk space was kept); now removed at the commit,
+    a folder of that name that is not a complete shard kept, as a link and other files."""
+    x = np.arange(40, dtype=np.float32).reshape(20, 2)
+    out = pp.write_rows(x, tmp_path / "rows", rows=2)
+    (out / "shard-00008").rename(tmp_path / "moved")
+    (out / "shard-00008").symlink_to(tmp_path / "moved")
+    (out / "shard-00009" / "pefa_shard.json").unlink()  # no longer a complete shard
+    (out / "doc-00004").mkdir()
+    (out / "notes.txt").write_text("mine")
+    pp.write_rows(x[:5], out, rows=2)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "doc-00004", "notes.txt", "shard-00000", "shard-00001", "shard-00002", "shard-00008",
+        "shard-00009", "stage.json"]
+    assert (tmp_path / "moved" / "pefa_shard.json").is_file()
+    np.testing.assert_array_equal(pp.read_rows(out), x[:5])
+
+
 def test_a_stage_shard_linked_outside_its_stage_is_refused(tmp_path):
     stage = pp.write_rows(np.zeros((4, 3), np.float32), tmp_path / "rows", rows=2)
     shard = stage / "shard-00001"

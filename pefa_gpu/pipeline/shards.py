@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -258,9 +259,18 @@ def check_stage_out(folder: str | Path, kind: str) -> Path:
 
 def write_stage(folder: str | Path, stage: Stage) -> Path:
     """Write ``folder/stage.json`` atomically (replacing only a stage file of the same kind),
-    the commit point."""
+    the commit point; then remove the complete shards it does not list (an earlier run's)."""
     write_output_file(check_stage_out(folder, stage.stage), stage.to_json(), STAGE_FILE)
+    listed = {e.name for e in (*stage.shards, *stage.query_shards)}
+    for entry in os.listdir(folder):  # never read (stage.json lists the shards), but kept
+        path = Path(folder) / entry    # their disk space: a rerun with fewer shards left them
+        if _SHARD_NAME.match(entry) and entry not in listed and not path.is_symlink():
+            with contextlib.suppress(OSError):
+                remove_shard(path)
     return Path(folder)
+
+
+_SHARD_NAME = re.compile(r"(shard|doc|query|part)-[0-9]{5,}\Z")  # shard_name's
 
 
 def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
