@@ -27,6 +27,11 @@ import numpy as np
 import scipy.sparse as sp
 import torch
 
+try:
+    import fcntl
+except ImportError:  # Windows: saves into one folder are not serialised
+    fcntl = None
+
 from .arrays import DeviceLike, as_tensor, dtype_name, to_numpy
 from .errors import FormatError, InputError
 
@@ -570,11 +575,15 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     """Write a save into the folder ``target`` (links followed): files into a fresh data folder,
     then ``commit()``; a crash leaves the old save or the new one. Only an empty folder or a save
     of the same kind is written into, replacing only pefa_gpu's own entries."""
-    root, current = _save_target(target, name, fmt)
-    pending = data = None
+    root = _save_target(target, name, fmt)[0]
+    pending = data = lock = None
     made_root = not os.path.lexists(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
+        # one save at a time here: another's cleanup removed this one's data folder, even
+        # the one its manifest had just committed (two saves both done, the save broken)
+        lock = _lock(root)
+        current = _save_target(root, name, fmt)[1]  # read again: maybe another's, committed
         _remove_stale(root, name, keep=current)
         fresh = root / f"{DATA_PREFIX}{secrets.token_hex(8)}"
         fresh.mkdir()
@@ -597,6 +606,24 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
             if made_root:  # the folder this save made, if nothing else was put there
                 with contextlib.suppress(OSError):
                     root.rmdir()
+        if lock is not None:
+            os.close(lock)
+
+
+def _lock(folder: Path) -> int | None:
+    """An fd of ``folder`` holding its exclusive flock, waiting for another holder (no flock:
+    None; a file system refusing it, e.g. NFS for folders: the fd, unlocked)."""
+    if fcntl is None:
+        return None
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError:
+        pass
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # ---------------------------------------------------------------------------- output files

@@ -183,3 +183,28 @@ def test_loads_while_another_process_saves_get_a_model_or_one_clear_error(tmp_pa
     reads = [json.loads(out.strip().splitlines()[-1]) for out, _ in results[1:]]
     assert saves > 5 and all(r["loaded"] > 5 for r in reads), (saves, reads)
     assert not any(r["wrong"] for r in reads), [(len(r["wrong"]), r["wrong"][:3]) for r in reads]
+
+
+@pytest.mark.skipif(storage.fcntl is None, reason="no flock: saves are not serialised")
+def test_two_saves_into_one_folder_at_once_leave_the_last_save_intact(tmp_path, monkeypatch):
+    """Save b ran between save a's manifest commit and a's cleanup: a's cleanup removed b's
+    data folder, which the manifest (b's) named: both saves returned, the folder was broken.
+    Now a save holds the folder's lock to its end: b waits (here: past the 1 s given), then
+    saves over a."""
+    import threading
+
+    a, b = (pg.ERM(device="cpu").fit(np.eye(n, 3, dtype=np.float32)) for n in (4, 5))
+    target, real, threads = tmp_path / "m", storage.write_output_file, []
+
+    def commit_then_b_saves(path, content, what="output"):
+        out = real(path, content, what)
+        if what == "manifest" and not threads:
+            threads.append(threading.Thread(target=b.save, args=(target,)))
+            threads[0].start()
+            threads[0].join(timeout=1)  # the old code: b saved meanwhile
+        return out
+    monkeypatch.setattr(storage, "write_output_file", commit_then_b_saves)
+    a.save(target)
+    threads[0].join()
+    assert pg.load(target, device="cpu").n_docs == 5
+    assert len([p for p in target.iterdir() if p.name.startswith("pefa-data-")]) == 1
