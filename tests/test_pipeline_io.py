@@ -255,10 +255,13 @@ def test_row_bounds_that_are_not_ints_are_named(tmp_path):
             pp.read_rows(rows.folder, lo, hi)
     assert pp.read_rows(rows.folder, np.int64(1), np.int64(3)).shape == (2, 2)
     for bad, match in ((np.array([0.0, 2.5]), "float64"), ([1, 2], "list"),
-                       (np.array(["a"]), "<U1")):
-        with pytest.raises(InputError, match=f"rows must be a numpy array of integers, got "
-                                             f"{match}"):
+                       (np.array(["a"]), "<U1"), (np.array([[1, 2]]), "int64")):
+        with pytest.raises(InputError, match=f"rows must be a 1-D numpy array of integers, "
+                                             f"got {match}"):
             rows.take(bad)
+    for bad in ([0, 3, 1], [0, 50, 3]):  # were wrong rows or a raw IndexError
+        with pytest.raises(InputError, match="rows must be in ascending order"):
+            rows.take(np.array(bad))
 
 
 @pytest.mark.parametrize("fields", [{}, {"rows": "ab"}, {"rows": [0.5, 1]}, {"rows": [2, 1]},

@@ -329,12 +329,14 @@ class Rows:
 
     def take(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The rows at ascending int64 ``rows``, (len, d) float32 (into ``out`` when given)."""
-        if getattr(rows, "dtype", np.dtype("O")).kind not in "iu":
-            raise InputError(f"rows must be a numpy array of integers, got "
+        if getattr(rows, "dtype", np.dtype("O")).kind not in "iu" or rows.ndim != 1:
+            raise InputError(f"rows must be a 1-D numpy array of integers, got "
                              f"{getattr(rows, 'dtype', type(rows).__name__)}")
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
+        if (np.diff(rows) < 0).any():  # its shards' cuts: a raw IndexError, or wrong rows
+            raise InputError("rows must be in ascending order")
         out = np.empty((len(rows), self.dim), dtype=np.float32) if out is None else out
         cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
         for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
