@@ -462,6 +462,31 @@ def test_a_build_shard_holding_another_shards_model_or_forged_rows_is_refused(tm
         body = json.loads((b / "stage.json").read_text())
 
 
+def test_a_relevance_shard_of_the_wrong_shape_or_without_its_matrix_is_refused(tmp_path):
+    """A relevance shard re-written (as write_shard writes one) with its stage entry updated:
+    no 'relevance' matrix was a raw KeyError, fewer rows or columns wrong sums silently, more
+    rows a raw IndexError."""
+    import json
+
+    P, Q, Y, _, _ = make_data(10)
+    docs, queries, rel = stages(tmp_path, P, Q, Y)
+    body = json.loads((rel / "stage.json").read_text())
+    lo, hi = body["shards"][0]["rows"]
+    for kw in ({"tensors": {"x": torch.zeros(1, 1)}}, {"matrices": {"relevance": Y[lo:hi - 5]}},
+               {"matrices": {"relevance": Y[lo:hi + 5]}},
+               {"matrices": {"relevance": Y[lo:hi, :100]}}):
+        e = pp.write_shard(rel / "shard-00000", {"stage": "relevance", "rows": [lo, hi]}, **kw)
+        body["shards"][0]["manifest_sha256"] = e.manifest_sha256
+        (rel / "stage.json").write_text(json.dumps(body))
+        for run in (lambda: pp.aggregate(queries, rel, docs, tmp_path / "agg", lam=0.3),
+                    lambda: pp.build("xl", tmp_path / "xl", docs, queries=queries,
+                                     relevance=rel, doc_rows=100)):
+            with pytest.raises(FormatError, match=f"shard-00000 holds no relevance matrix of "
+                                                  f"its rows and the stage's documents "
+                                                  f"\\({hi - lo} x 240\\)"):
+                run()
+
+
 _KILLER = """
 import sys
 sys.path[:0] = {paths!r}

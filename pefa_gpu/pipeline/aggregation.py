@@ -12,7 +12,7 @@ import scipy.sparse as sp
 import torch
 
 from ..aggregate import pefa_xs, pifa
-from ..errors import InputError
+from ..errors import FormatError, InputError
 from ..params import check_unit_interval
 from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, check_stage_out, open_entry, read_stage,
@@ -49,9 +49,14 @@ def split_queries(queries: str | Path, relevance: str | Path, shard: int,
     """Map task of query shard ``shard``: a :class:`Part` per document range; with ``spill``
     instead each range's partial Yᵀ Q (docs-<s> (U,) int64 local rows, sums-<s> (U, d)
     float32) in the shard ``spill/part-<shard>``, and per range its entry (None: empty)."""
-    entry = read_stage(relevance, "relevance").shards[shard]
+    info = read_stage(relevance, "relevance")
+    entry = info.shards[shard]
     lo, hi = entry.rows
-    y_csc = open_entry(relevance, entry).matrices["relevance"].tocsc()
+    y = open_entry(relevance, entry).matrices.get("relevance")
+    if y is None or y.shape != (hi - lo, info.n):  # forged: a raw KeyError, or wrong sums
+        raise FormatError(f"{Path(relevance) / entry.name} holds no relevance matrix of its "
+                          f"rows and the stage's documents ({hi - lo} x {info.n})")
+    y_csc = y.tocsc()
     blocks = []
     for d_lo, d_hi in doc_ranges:
         block = y_csc[:, d_lo:d_hi].tocsr()
