@@ -487,6 +487,23 @@ def test_a_relevance_shard_of_the_wrong_shape_or_without_its_matrix_is_refused(t
                 run()
 
 
+def test_encode_reuses_a_shard_only_at_its_rows_and_with_its_embeddings(tmp_path):
+    """A shard was kept by its fingerprint alone (the model, each text): the same texts at
+    other rows (rows=40 then 30 over repeated texts: shard 2 is 20 texts both times) wrote a
+    stage.json whose rows did not tile, and a shard without embeddings was a raw KeyError; now
+    they are encoded again."""
+    out = pp.encode(["same text"] * 100, tmp_path / "enc", model=BowEncoder(), rows=40,
+                    show_progress=False)
+    out = pp.encode(["same text"] * 80, out, model=BowEncoder(), rows=30, show_progress=False)
+    assert [e.rows for e in pp.read_stage(out).shards] == [(0, 30), (30, 60), (60, 80)]
+    fp = pp.read_shard(out / "shard-00000").fields["fingerprint"]
+    pp.write_shard(out / "shard-00000", {"stage": "encode", "rows": [0, 30],
+                                         "fingerprint": fp}, {"x": torch.zeros(30, 48)})
+    enc = BowEncoder()
+    out = pp.encode(["same text"] * 80, out, model=enc, rows=30, show_progress=False)
+    assert enc.calls == 1 and pp.read_rows(out).shape == (80, 48)  # shard 0 only
+
+
 _KILLER = """
 import sys
 sys.path[:0] = {paths!r}

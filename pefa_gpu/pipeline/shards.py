@@ -387,10 +387,17 @@ def encode_fingerprint(texts: Sequence[str], identity: str | None, normalize: bo
     return h.hexdigest()
 
 
-def _written(path: Path, fingerprint: str | None) -> dict[str, Any] | None:
-    """The manifest of the complete shard at ``path`` encoded with ``fingerprint``, else None."""
+def _written(path: Path, fingerprint: str | None, lo: int, n: int) -> dict[str, Any] | None:
+    """The manifest of the complete shard at ``path`` encoded with ``fingerprint``: rows lo ..
+    lo + n-1, (n, d) embeddings; else None (a shard of these texts at other rows, or forged:
+    its rows made a stage.json that did not read, a lack of embeddings a raw KeyError)."""
     save = _complete(path)
-    return save.manifest if save and save.manifest.get("fingerprint") == fingerprint else None
+    m = save.manifest if save and save.manifest.get("fingerprint") == fingerprint else {}
+    meta = m.get("tensors", {}).get("embeddings") if isinstance(m.get("tensors"), dict) else None
+    shape = meta.get("shape") if isinstance(meta, dict) else None
+    ok = m.get("rows") == [lo, lo + n] and isinstance(shape, list) and len(shape) == 2 \
+        and shape[0] == n
+    return m if ok else None
 
 
 def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
@@ -400,7 +407,7 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
     """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
     ``fingerprint`` is there; returns its stage entry."""
     path = Path(out) / shard_name("shard", index)
-    if fingerprint is not None and (fields := _written(path, fingerprint)) is not None:
+    if fingerprint is not None and (fields := _written(path, fingerprint, lo, len(texts))):
         return Entry.of(path, fields)
     emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
                        normalize=normalize, cache_dir=cache_dir, show_progress=False)
@@ -428,14 +435,15 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
                  fingerprint=encode_fingerprint(texts[lo:hi], identity, normalize))
             for i, (lo, hi) in enumerate(split(len(texts), rows))]
     paths = [out / shard_name("shard", kw["index"]) for kw in plan]
+    written = lambda kw, path: _written(path, kw["fingerprint"], kw["lo"], len(kw["texts"]))
     pending = [kw for kw, path in zip(plan, paths)
-               if kw["fingerprint"] is None or _written(path, kw["fingerprint"]) is None]
+               if kw["fingerprint"] is None or written(kw, path) is None]
     if len(pending) < len(plan):
         log.info("encode: %d of %d shards of %s are written already", len(plan) - len(pending),
                  len(plan), out)
     if pending:
         (runner or LocalRunner()).encode(task, pending, show_progress=show_progress)
-    manifests = [_written(path, kw["fingerprint"]) for kw, path in zip(plan, paths)]
+    manifests = [written(kw, path) for kw, path in zip(plan, paths)]
     if None in manifests:
         raise FormatError(f"encode: shard {manifests.index(None)} of {out} is missing after "
                           f"the run")
