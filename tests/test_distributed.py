@@ -206,6 +206,16 @@ def test_evaluate_configs_on_arrays_equals_the_library(tmp_path):
         with pytest.raises(InputError, match="rows must be a positive integer, got 0"):
             pp.evaluate_configs(P, Q, Y, T, Yt, configs[:1], tmp_path / "bad", **bad,
                                 show_progress=False)
+    # checked before any stage is written: lam None / '0.1' were raw format errors, a tuple
+    # an AttributeError, all once P, Q and Y were written
+    for bad, match in ((Config("xs"), "lam must be a number in"),
+                       (Config("xs", "0.1"), "lam must be a number in"),
+                       (Config("xl", 0.3), "k must be a positive integer"),
+                       (("xs", 0.1), "configs must hold pefa_gpu.Config's")):
+        with pytest.raises(InputError, match=match):
+            pp.evaluate_configs(P, Q, Y, T, Yt, [configs[0], bad], tmp_path / "bad2",
+                                show_progress=False)
+        assert not (tmp_path / "bad2").exists()
 
 
 def test_neighbours_merge_equals_pefaxl(tmp_path):

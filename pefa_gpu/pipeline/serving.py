@@ -13,11 +13,13 @@ from ..errors import FormatError, InputError
 from ..fuse import searches
 from ..metrics import evaluate
 from ..models import ERM, PEFAXL
-from ..params import XLParams, XLSearchParams, check_positive, check_unit_interval
+from ..params import (XLParams, XLSearchParams, check_choice, check_positive,
+                      check_unit_interval)
 from ..protocol import Model
+from ..sweep import Config
 from ..topk import merge_lists
 from .aggregation import aggregate
-from .indexing import build
+from .indexing import METHODS, build
 from .runner import LocalRunner
 from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance, write_rows
 
@@ -188,6 +190,14 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
     Y (m x n), Y_test (B x n); shards default to an even split over the workers."""
     from tqdm.auto import tqdm
 
+    for cfg in configs:  # before any stage is written (lam None / '0.1': a raw format error)
+        if not isinstance(cfg, Config):
+            raise InputError(f"configs must hold pefa_gpu.Config's, got {cfg!r}")
+        check_choice(cfg.method, "method", METHODS)
+        if cfg.method != "erm":
+            check_unit_interval(cfg.lam, "lam")
+        if cfg.method == "xl":
+            check_positive(cfg.k, "k")
     run = runner or LocalRunner()
     work = Path(work)
     prows, qrows = _as_rows(P, work, "docs"), _as_rows(Q, work, "queries")
