@@ -173,6 +173,28 @@ def test_a_rerun_with_fewer_shards_removes_the_old_ones_and_nothing_else(tmp_pat
     np.testing.assert_array_equal(pp.read_rows(out), x[:5])
 
 
+@pytest.mark.parametrize("edit", [{"tensors": []}, {"tensors": {"embeddings": 5}},
+                                  {"matrices": "abc"}, {"matrices": {"m": []}}])
+def test_a_shard_manifest_whose_tables_are_not_tables_is_refused(tmp_path, edit):
+    """A shard manifest re-signed (as a forger can) with its stage entry updated: tensors or
+    matrices that are not tables of entries were a raw AttributeError / TypeError."""
+    import json
+
+    from pefa_gpu import storage
+    from pefa_gpu.pipeline.shards import SHARD_MANIFEST
+
+    out = pp.write_rows(np.ones((4, 2), np.float32), tmp_path / "r", rows=2)
+    manifest = out / "shard-00000" / SHARD_MANIFEST
+    m = {**json.loads(manifest.read_text()), **edit}
+    m["manifest_sha256"] = storage.manifest_checksum(m)
+    manifest.write_text(json.dumps(m))
+    stage = json.loads((out / "stage.json").read_text())
+    stage["shards"][0]["manifest_sha256"] = m["manifest_sha256"]
+    (out / "stage.json").write_text(json.dumps(stage))
+    with pytest.raises(FormatError, match="'tensors' and 'matrices' must be tables of file"):
+        pp.read_rows(out)
+
+
 def test_a_stage_shard_linked_outside_its_stage_is_refused(tmp_path):
     stage = pp.write_rows(np.zeros((4, 3), np.float32), tmp_path / "rows", rows=2)
     shard = stage / "shard-00001"

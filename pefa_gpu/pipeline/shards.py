@@ -190,10 +190,15 @@ def read_shard(path: str | Path, device: DeviceLike = "cpu", mmap: bool = True,
     if expect_sha is not None and fields["manifest_sha256"] != expect_sha:
         raise FormatError(f"{path} was rewritten after its stage's {STAGE_FILE} was written "
                           f"(a rerun in progress, or an interrupted one): run the stage again")
-    tensors = {name: load_tensor(save.file(meta["file"]), device, mmap=mmap, meta=meta)
-               for name, meta in fields.get("tensors", {}).items()}
-    matrices = {name: load_csr(save.file(meta["file"]), meta)
-                for name, meta in fields.get("matrices", {}).items()}
+    tables = [fields.get("tensors", {}), fields.get("matrices", {})]
+    if not all(isinstance(t, dict) and all(isinstance(m, dict) for m in t.values())
+               for t in tables):  # forged (re-signed): a raw AttributeError / TypeError
+        raise FormatError(f"{save.where}: 'tensors' and 'matrices' must be tables of file "
+                          f"entries")
+    tensors = {name: load_tensor(save.file(meta.get("file")), device, mmap=mmap, meta=meta)
+               for name, meta in tables[0].items()}
+    matrices = {name: load_csr(save.file(meta.get("file")), meta)
+                for name, meta in tables[1].items()}
     model = (load_model(save.folder(fields["model"]), device=device, mmap=mmap, verify=False)
              if fields.get("model") else None)
     return Shard(fields, tensors, matrices, model)
@@ -396,7 +401,7 @@ def _written(path: Path, fingerprint: str | None, lo: int, n: int) -> dict[str, 
     meta = m.get("tensors", {}).get("embeddings") if isinstance(m.get("tensors"), dict) else None
     shape = meta.get("shape") if isinstance(meta, dict) else None
     ok = m.get("rows") == [lo, lo + n] and isinstance(shape, list) and len(shape) == 2 \
-        and shape[0] == n
+        and shape[0] == n and type(shape[1]) is int
     return m if ok else None
 
 
