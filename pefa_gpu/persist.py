@@ -221,8 +221,8 @@ def _load_index(save: storage.SaveDir, name: str, entry: dict, device: torch.dev
     index.search_params = search
     if (index.ntotal, index.dim) != (entry.get("ntotal"), entry.get("dim")):
         raise FormatError(f"{where}: index {name!r} holds {index.ntotal} vectors of dimension "
-                          f"{index.dim}; the manifest says {entry.get('ntotal')} of dimension "
-                          f"{entry.get('dim')}")
+                          f"{index.dim}; the manifest says {entry.get('ntotal')!r} of dimension "
+                          f"{entry.get('dim')!r}")  # "20": not 20
     return index
 
 

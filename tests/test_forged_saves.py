@@ -603,3 +603,11 @@ def test_a_save_whose_vectors_hold_nan_is_refused_at_load(tmp_path, data, rel):
     resign(save)
     with pytest.raises(FormatError, match=rel.split("/")[-1].split(".")[0]):
         pg.load(save, device="cpu")
+
+
+def test_an_index_count_forged_as_a_string_is_named_as_the_manifest_holds_it(erm_save):
+    """'holds 60 vectors of dimension 8; the manifest says 60 of dimension 8' for ntotal "60":
+    the two read the same; now the manifest's value is quoted."""
+    forge_index_entry(erm_save, lambda state: state["index"].update(ntotal=str(N)))
+    with pytest.raises(FormatError, match=f"the manifest says '{N}' of dimension {D}"):
+        pg.load(erm_save, device="cpu")
