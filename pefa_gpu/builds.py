@@ -116,7 +116,7 @@ def _strings(values: Sequence[str], n: int | None, where: str) -> list[str]:
     out = list(values) if not isinstance(values, str) and hasattr(values, "__iter__") else None
     if out is None or not all(isinstance(v, str) for v in out) or n not in (None, len(out)):
         many = "" if n is None else f"{n} "
-        raise InputError(f"{where}: not a list of {many}strings (one a document)")
+        raise InputError(f"{where} must be a list of {many}strings (one a document)")
     return out
 
 

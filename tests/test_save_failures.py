@@ -77,9 +77,9 @@ def test_a_build_folder_out_of_space_leaves_nothing(tmp_path, data, monkeypatch)
 @pytest.mark.parametrize("ids, texts, message", [
     (["a", "b", "a"], None, "the document ids are not unique"),
     (["a", "b"], None, "2 document ids for a model of 3 documents"),
-    ([1, 2, 3], None, "doc_ids: not a list of strings"),
+    ([1, 2, 3], None, "doc_ids must be a list of strings"),
     (["a", "b\tc", "d"], None, r"entry 1: .*'b\\tc'"),
-    (["a", "b", "c"], ["t", "u"], "texts: not a list of 3 strings"),
+    (["a", "b", "c"], ["t", "u"], "texts must be a list of 3 strings"),
 ])
 def test_a_build_load_build_would_refuse_is_refused_before_anything_is_written(
         tmp_path, ids, texts, message):
