@@ -118,8 +118,9 @@ def _from_numpy(a: np.ndarray, bf16: bool) -> torch.Tensor:
     return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(a)
 
 
-def to_numpy(x: ArrayLike) -> np.ndarray:
-    """Any array-like -> numpy array on the host (detached, copied only when needed)."""
+def to_numpy(x: ArrayLike, name: str = "array") -> np.ndarray:
+    """Any array-like -> numpy array on the host (detached, copied only when needed); ``name``
+    for :func:`as_tensor`'s errors."""
     if isinstance(x, np.ndarray):
         return x
     if isinstance(x, torch.Tensor):
@@ -129,7 +130,7 @@ def to_numpy(x: ArrayLike) -> np.ndarray:
         return (t if t.device.type == "cpu" else t.cpu()).numpy()
     if hasattr(x, "get") and type(x).__module__.startswith("cupy"):
         return x.get()
-    return to_numpy(as_tensor(x))
+    return to_numpy(as_tensor(x, name=name))
 
 
 def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,

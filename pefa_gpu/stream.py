@@ -143,7 +143,7 @@ class IteratorSource(RowSource):
         self.dtype = np.dtype(np.float32) if self._first is None else self._first.dtype
 
     def _check(self, chunk: Any, start: int) -> np.ndarray:
-        c = to_numpy(chunk)
+        c = to_numpy(chunk, f"{self.name}: the chunk at row {start}")
         if c.ndim != 2:
             raise InputError(f"{self.name}: the chunk at row {start} has shape {c.shape}; "
                              f"(rows, d) chunks are needed")

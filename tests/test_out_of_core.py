@@ -259,6 +259,9 @@ def test_errors(tmp_path):
     for kind in ("U1", np.complex64, object, bool):
         with pytest.raises(pg.InputError, match="Q: the chunk at row 0 has dtype"):
             pg.pifa(Y, iter([Q.astype(kind)]), device="cpu")
+    # a chunk that is no array was 'array must be an array ...', naming neither Q nor the row
+    with pytest.raises(pg.InputError, match=r"Q: the chunk at row 50 must be an array .*dict"):
+        pg.pifa(Y, iter([Q[:50], {"rows": 1}]), device="cpu")
     np.save(tmp_path / "i.npy", np.ones((4, 3), np.int32))
     with pytest.raises(pg.InputError, match="dtype"):
         pg.pifa(Y, str(tmp_path / "i.npy"), device="cpu")
