@@ -8,14 +8,12 @@ forward then up to M reverse edges per row; the last two as a base-level ``Index
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import inspect
 import json
 import os
 import secrets
 import shutil
-import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,15 +27,10 @@ from .index import Index
 from .index._faiss import faiss_has_gpu, host_float32, import_faiss
 from .index.exact import ExactIndex
 from .params import MAX_HNSW_EF, MAX_HNSW_M, check_at_most, check_choice, check_hnsw_m
-from .storage import as_path, check_output_file, write_output_file
+from .storage import as_path, check_output_file, lock_folder, write_output_file
 
 if TYPE_CHECKING:
     import faiss
-
-try:
-    import fcntl
-except ImportError:  # Windows: a killed export's temporary folder is left
-    fcntl = None
 
 
 def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> torch.Tensor:
@@ -190,20 +183,21 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
                          f"choose another path or remove it")
     if not path.parent.is_dir():
         raise InputError(f"cannot export to {path}: {path.parent} is not an existing folder")
-    # a marked temporary folder, renamed when complete (its name cut as write_output_file's)
+    # a marked temporary folder, renamed when complete (its name cut as write_output_file's),
+    # locked while its export runs: the cleanup removes those of killed exports only
     prefix = f".{path.name[:100]}.pefa-tmp-"
-    for old in path.parent.glob(glob.escape(prefix) + "*"):  # those of killed exports
-        if not old.is_symlink() and _abandoned(old / _EXPORT_MARKER):
+    for old in path.parent.glob(glob.escape(prefix) + "*"):
+        if old.is_symlink() or not (old / _EXPORT_MARKER).is_file():
+            continue
+        held = lock_folder(old, wait=False)  # None: its export runs (or no flock here)
+        if held is not None:
             shutil.rmtree(old, ignore_errors=True)
+            os.close(held)
     tmp = path.parent / f"{prefix}{secrets.token_hex(6)}"
     tmp.mkdir()
-    lock = None
-    try:  # the marker appears locked (until the folder is gone): a running export's is kept
-        lock = os.open(tmp / ".lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        if fcntl is not None:
-            with contextlib.suppress(OSError):  # a file system without locks: kept always
-                fcntl.flock(lock, fcntl.LOCK_EX)
-        os.rename(tmp / ".lock", tmp / _EXPORT_MARKER)
+    lock = lock_folder(tmp)
+    try:
+        (tmp / _EXPORT_MARKER).write_text("")
         for name, part in parts.items():
             if isinstance(part, tuple):
                 export_hnsw(part[0], tmp / name, index=part[1], **kwargs)
@@ -224,17 +218,3 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
 
 _EXPORT_MARKER = ".pefa-export-tmp"
 
-
-def _abandoned(marker: Path) -> bool:
-    """``marker`` is a regular file no running export holds locked (no fcntl: never known)."""
-    try:
-        if fcntl is None or not stat.S_ISREG(os.lstat(marker).st_mode):
-            return False
-        fd = os.open(marker, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: held
-            return True
-        finally:
-            os.close(fd)
-    except OSError:
-        return False

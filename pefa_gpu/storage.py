@@ -582,7 +582,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
         root.mkdir(parents=True, exist_ok=True)
         # one save at a time here: another's cleanup removed this one's data folder, even
         # the one its manifest had just committed (two saves both done, the save broken)
-        lock = _lock(root)
+        lock = lock_folder(root)
         current = _save_target(root, name, fmt)[1]  # read again: maybe another's, committed
         _remove_stale(root, name, keep=current)
         fresh = root / f"{DATA_PREFIX}{secrets.token_hex(8)}"
@@ -610,17 +610,22 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
             os.close(lock)
 
 
-def _lock(folder: Path) -> int | None:
-    """An fd of ``folder`` holding its exclusive flock, waiting for another holder (no flock:
-    None; a file system refusing it, e.g. NFS for folders: the fd, unlocked)."""
+def lock_folder(folder: Path, wait: bool = True) -> int | None:
+    """An fd of ``folder`` holding its exclusive flock until closed (``wait``: for another
+    holder); None where none is had: no flock here (Windows), a file system refusing it (NFS
+    folders), a folder gone or unreadable, or another holder and not ``wait``."""
     if fcntl is None:
         return None
-    fd = os.open(folder, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except OSError:
-        pass
-    except BaseException:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # gone, or not readable
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:  # BlockingIOError: held; else refused
+        os.close(fd)
+        return None
+    except BaseException:  # Ctrl-C while waiting
         os.close(fd)
         raise
     return fd

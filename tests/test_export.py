@@ -4,13 +4,14 @@ written as it is, paths checked before the build, and nothing left behind by a f
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 import scipy.sparse as sp
 
 import pefa_gpu as pg
-from pefa_gpu import export
+from pefa_gpu import export, storage
 from pefa_gpu.errors import InputError
 from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M
 from conftest import unit_rows
@@ -252,7 +253,7 @@ def test_an_export_folder_with_a_long_name_gets_a_temporary_name_within_the_limi
     assert json.loads((out / "export.json").read_text()) == {"n": 1}
 
 
-@pytest.mark.skipif(export.fcntl is None, reason="no flock: temporaries are always kept")
+@pytest.mark.skipif(storage.fcntl is None, reason="no flock: temporaries are always kept")
 def test_a_running_exports_temporary_folder_is_kept_a_killed_ones_removed(tmp_path):
     """Any marked temporary folder of the same name was removed, a running export's too (two
     exports to one path: the first failed mid-write); now only one whose marker is unlocked."""
@@ -261,10 +262,12 @@ def test_a_running_exports_temporary_folder_is_kept_a_killed_ones_removed(tmp_pa
         folder.mkdir()
         (folder / ".pefa-export-tmp").write_text("")
         (folder / "relevance.npz").write_bytes(b"partial")
-    with open(live / ".pefa-export-tmp") as held:  # as the running export holds it
-        export.fcntl.flock(held, export.fcntl.LOCK_EX)
+    held = storage.lock_folder(live)  # as the running export holds it
+    try:
         export.export_parts({"export.json": {"n": 1}}, tmp_path / "xl")
         assert (live / "relevance.npz").is_file() and not killed.exists()
+    finally:
+        os.close(held)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "xl"]
     (tmp_path / "xl").rename(tmp_path / "done")  # its exporter gone: removed by the next
     export.export_parts({"export.json": {"n": 1}}, tmp_path / "xl")
