@@ -110,18 +110,9 @@ class Stage:
 
 
 def _checked(stage: Stage) -> Stage:
-    """``stage`` if its counts are ints >= 0 and its shards tile their rows (else ValueError)."""
-    counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz,
-              "candidates": stage.candidates, "bytes_shuffled": stage.bytes_shuffled}
-    if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
-        raise ValueError(f"{bad} must be ints >= 0")
-    if stage.lam is not None:  # a forged lam or candidates (-5: searched) as the library's
-        check_unit_interval(stage.lam, "lam")
+    """``stage`` if :func:`_check_values` and its shards tile their rows (else ValueError)."""
+    _check_values(stage)
     xl = stage.method == "xl"
-    if xl and stage.params is None:
-        raise ValueError("a PEFA-XL build without its params")
-    if xl:
-        XLSearchParams(candidates=stage.candidates)
     rows = stage.m if stage.stage == "relevance" else stage.n
     for key, entries, total in (("shards", stage.shards, rows),
                                 ("query_shards", stage.query_shards, stage.m)):
@@ -133,6 +124,21 @@ def _checked(stage: Stage) -> Stage:
             raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in "
                              f"order")
     return stage
+
+
+def _check_values(stage: Stage) -> None:
+    """ValueError unless the counts are ints >= 0, lam in [0, 1] and a PEFA-XL build's params
+    and candidates there and valid (a forged lam or candidates, -5, was searched)."""
+    counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz,
+              "candidates": stage.candidates, "bytes_shuffled": stage.bytes_shuffled}
+    if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
+        raise ValueError(f"{bad} must be ints >= 0")
+    if stage.lam is not None:
+        check_unit_interval(stage.lam, "lam")
+    if stage.method == "xl" and stage.params is None:
+        raise ValueError("a PEFA-XL build without its params")
+    if stage.method == "xl":
+        XLSearchParams(candidates=stage.candidates)
 
 
 def write_shard(path: str | Path, fields: dict[str, Any],
