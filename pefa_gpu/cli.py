@@ -508,7 +508,12 @@ def resolve_model_arg(spec: str | None) -> EncoderLike:
             f"{type(exc).__name__}: {exc}"
         raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({why})"
                          ) from None
-    obj = obj() if isinstance(obj, type) else obj
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as exc:  # a class whose __init__ takes arguments, or fails
+            raise InputError(f"--model {spec!r}: the class {obj.__name__} could not be made "
+                             f"with no arguments ({type(exc).__name__}: {exc})") from exc
     if not callable(obj):  # os:sep is '/', which encode would take as a model folder
         raise InputError(f"--model {spec!r} names a {type(obj).__name__}, not a callable "
                          f"texts -> array (module:function, or a class)")

@@ -24,7 +24,7 @@ import torch
 
 from .aggregate import normalize_rows
 from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
-from .errors import InputError, MissingDependencyError
+from .errors import InputError, MissingDependencyError, PefaError
 from .params import check_positive
 from .storage import read_npy, write_output_file
 
@@ -159,7 +159,7 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
                 vecs = []
                 for b in range(0, len(part), batch_size):
                     batch = [t for _, t in part[b:b + batch_size]]
-                    out = to_numpy(as_tensor(enc.fn(batch), dtype=torch.float32,
+                    out = to_numpy(as_tensor(_call(enc, batch), dtype=torch.float32,
                                              name=f"output of {enc.name}"))
                     if out.ndim != 2 or out.shape[0] != len(batch):
                         raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
@@ -175,6 +175,19 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
                                       cache is not None) from None
 
 
+def _call(enc: _Encoder, batch: list[str]) -> Any:
+    """``enc.fn(batch)``; an exception of the encoder's own (a TypeError of a function taking
+    other arguments, ...) as an InputError naming the encoder and the exception, the
+    library's errors and running out of memory as they are."""
+    try:
+        return enc.fn(batch)
+    except (PefaError, MemoryError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise InputError(f"encoder {enc.name} failed on a batch of {len(batch)} texts: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
 def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
     """None / name / path / SentenceTransformer / callable -> an :class:`_Encoder`. Models
     named by a string load on their first batch: a fully cached call loads none."""
@@ -184,6 +197,13 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
                      DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
         name = str(model)
+        path = Path(name)
+        if os.path.lexists(name) and not path.is_dir():  # stat only: a FIFO is never opened
+            kind = ("a link to nothing" if not path.exists() else "a FIFO (named pipe)"
+                    if path.is_fifo() else "a file" if path.is_file() else "not a folder")
+            raise InputError(f"model {name!r} is {kind}, not a model folder: give a "
+                             f"sentence-transformers folder (with its modules.json), a hub "
+                             f"name, or a callable texts -> array (--model module:function)")
         identity = (f"st-path:{Path(name).resolve()}" if Path(name).exists() else f"st:{name}")
         return _lazy(functools.partial(_load_named, name, dev), dev, identity, name)
     if any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__):

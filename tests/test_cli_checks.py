@@ -647,3 +647,33 @@ def test_a_query_text_with_a_lone_surrogate_is_named(built, capsys):
     code, out, err = run(capsys, "search", built, "caf\udce9", "--model", "textdata:BowEncoder",
                          "--no-cache", "--device", "cpu", "-q")
     assert code == 2 and out == "" and "is not valid Unicode" in err and "udce9" in err, err
+
+
+@pytest.mark.parametrize("module, source, spec, want", [
+    ("enc_fails_41", "def encode(texts, extra):\n    return None\n", "encode",
+     "encoder enc_fails_41.encode failed on a batch of 2 texts: TypeError: encode() missing 1 "
+     "required positional argument: 'extra'"),
+    ("enc_fails_42", "def encode(texts):\n    raise KeyError('k')\n", "encode",
+     "encoder enc_fails_42.encode failed on a batch of 2 texts: KeyError: 'k'"),
+    ("enc_fails_43", "class Enc:\n    def __init__(self, dim):\n        pass\n", "Enc",
+     "--model 'enc_fails_43:Enc': the class Enc could not be made with no arguments "
+     "(TypeError: Enc.__init__() missing 1 required positional argument: 'dim')")])
+def test_a_model_callable_that_fails_is_one_line_naming_it(module, source, spec, want, data,
+                                                           tmp_path, capsys, monkeypatch):
+    """Was the exception's traceback (exit status 1)."""
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run(capsys, "eval", data, "--model", f"{module}:{spec}", "--no-cache",
+                       "--batch-size", "2", "--device", "cpu", "-q")
+    assert code == 2 and err == f"pefa-gpu eval: error: {want}\n", err
+
+
+@pytest.mark.parametrize("kind", ["file", "FIFO (named pipe)"])
+def test_a_model_path_that_is_a_file_or_fifo_says_so(kind, data, tmp_path, capsys):
+    """Was "the folder exists but is not a sentence-transformers model" (a FIFO was handed to
+    sentence-transformers, which may read it)."""
+    path = tmp_path / "model"
+    path.write_text("{}") if kind == "file" else os.mkfifo(path)
+    code, _, err = run(capsys, "eval", data, "--model", path, "--no-cache", "--device", "cpu",
+                       "-q")
+    assert code == 2 and f"model '{path}' is a {kind}, not a model folder" in err, err

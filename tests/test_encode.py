@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 
 import numpy as np
 import pytest
@@ -292,3 +294,42 @@ def test_cached_hub_models_and_local_folders_load_without_the_network(fake_st, m
     assert FakeST.made == [("org/cached", {"device": "cpu", "local_files_only": True}),
                            (str(tmp_path / "folder"), {"device": "cpu",
                                                        "local_files_only": True})]
+
+
+@pytest.mark.parametrize("kind", ["file", "FIFO (named pipe)", "link to nothing"])
+def test_a_model_path_that_is_no_folder_says_what_it_is(kind, fake_st, tmp_path):
+    """Was "the folder exists but is not a sentence-transformers model" (a FIFO was handed to
+    sentence-transformers); only stat'ed now, nothing opened."""
+    path = tmp_path / "m"
+    if kind == "file":
+        path.write_text("{}")
+    elif kind.startswith("FIFO"):
+        os.mkfifo(path)
+    else:
+        path.symlink_to(tmp_path / "gone")
+    with pytest.raises(InputError, match=f"model '{path}' is a {re.escape(kind)}, not a model "
+                                         f"folder"):
+        encode(["a"], model=str(path), device="cpu", show_progress=False)
+    assert FakeST.made == []
+
+
+@pytest.mark.parametrize("exc", [TypeError("f() missing 1 required positional argument"),
+                                 KeyError("k"), RuntimeError("no")])
+def test_an_encoder_that_fails_is_named_with_its_exception(exc):
+    def broken(texts):
+        raise exc
+
+    with pytest.raises(InputError) as info:  # was the encoder's own exception (a traceback)
+        encode(["a", "b"], model=broken, device="cpu", show_progress=False)
+    assert str(info.value).startswith(f"encoder {__name__}.{broken.__qualname__} failed on a "
+                                      f"batch of 2 texts: {type(exc).__name__}: {exc}")
+    assert info.value.__cause__ is exc
+
+
+def test_an_encoder_out_of_memory_or_a_library_error_is_not_renamed():
+    for exc in (MemoryError(), torch.cuda.OutOfMemoryError("cuda"), MissingDependencyError("x")):
+        def broken(texts):
+            raise exc
+
+        with pytest.raises(type(exc)):
+            encode(["a"], model=broken, device="cpu", show_progress=False)
