@@ -598,6 +598,31 @@ def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndar
     return np.asarray([query_ids[k] for k in keys]) if len(ids) == len(keys) else None
 
 
+def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: int) -> None:
+    """The methods that choose their step on training queries they hold out (NUDGE's gamma,
+    the adapter's alpha) fitted on 2 or more (tune and build's auto: on tune's fitting part);
+    the models' own error asks for arguments the command does not have (Q_val, gamma)."""
+    from .splits import split_queries
+
+    held = [m for m in methods if REGISTRY[m].model == "NUDGE" or "adapter" in REGISTRY[m].query]
+    tuned = args.command == "tune" or getattr(args, "method", None) == "auto"
+    if not held or n_train < 2 and tuned:  # tune says that it needs 2 training queries
+        return
+    n_fit = split_queries(n_train, getattr(args, "val_fraction", 0.2), args.seed or 0)[0].size \
+        if tuned else n_train
+    if n_fit >= 2:
+        return
+    where = (f"; {'--method auto' if args.command == 'build' else 'tune'} fits them on {n_fit} of the {n_train} training queries (the "
+             f"others are its validation queries)" if tuned else f", got {n_train}")
+    drop = (f"leave {', '.join(held)} out of --methods" if args.command != "build" else
+            "choose a --method instead of auto" if tuned else "choose another --method")
+    one = len(held) == 1
+    raise InputError(f"{', '.join(held)} choose{'s its' if one else ' their'} step (NUDGE's "
+                     f"gamma, the adapter's alpha) on held-out training queries and "
+                     f"need{'s' if one else ''} at least 2 training queries{where}: give more "
+                     f"training pairs, or {drop}")
+
+
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     """The model settings given but λ / k, as keywords of sweep, tune, fit_config and the
     pipeline (each takes the params classes' defaults for the others)."""
@@ -690,6 +715,7 @@ def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dic
 
 def cmd_eval(args: argparse.Namespace) -> None:
     data = _load_data(args)
+    _check_held_out(args, args.methods, data.Y_train.shape[0])
     groups = [((m,), *[(getattr(args, axis) or (defaults(m)[axis],))
                        if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
@@ -702,6 +728,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from .sweep import PAPER_KS, PAPER_LAMS, Config
 
     data = _load_data(args)
+    _check_held_out(args, args.methods, data.Y_train.shape[0])
     t0 = time.perf_counter()
     rows, last, timings = _evaluate(args, data, [(args.methods, args.lam or PAPER_LAMS,
                                                   args.k or PAPER_KS)])
@@ -722,6 +749,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args)
+    _check_held_out(args, args.methods, data.Y_train.shape[0])
     res = tune(data.P, data.Q_train, data.Y_train, methods=args.methods,
                lams=args.lam or PAPER_LAMS, ks=args.k or PAPER_KS,
                val_fraction=args.val_fraction, seed=args.seed, metric=args.metric,
@@ -753,6 +781,8 @@ def cmd_build(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args, test=False)
+    _check_held_out(args, list(REGISTRY) if args.method == "auto" else [args.method],
+                    data.Y_train.shape[0])
     kw = _model_kwargs(args)
     if args.method == "auto":
         res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0,

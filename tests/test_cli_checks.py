@@ -649,6 +649,32 @@ def test_a_query_text_with_a_lone_surrogate_is_named(built, capsys):
     assert code == 2 and out == "" and "is not valid Unicode" in err and "udce9" in err, err
 
 
+@pytest.mark.parametrize("n_train, argv, want", [
+    (2, ["tune"], "nudge-m, nudge-n, adapter, adapter+xs choose their step (NUDGE's gamma, "
+     "the adapter's alpha) on held-out training queries and need at least 2 training queries; "
+     "tune fits them on 1 of the 2 training queries (the others are its validation queries): "
+     "give more training pairs, or leave nudge-m, nudge-n, adapter, adapter+xs out of "
+     "--methods"),
+    (2, ["build", "--method", "auto"], "--method auto fits them on 1 of the 2 training queries"),
+    (1, ["eval", "--methods", "erm,nudge-n"], "nudge-n chooses its step (NUDGE's gamma, the "
+     "adapter's alpha) on held-out training queries and needs at least 2 training queries, "
+     "got 1: give more training pairs, or leave nudge-n out of --methods"),
+    (1, ["build", "--method", "adapter"], "got 1: give more training pairs, or choose another "
+     "--method")])
+def test_too_few_training_queries_to_hold_out_says_what_the_command_can_do(
+        n_train, argv, want, tmp_path, capsys):
+    """Was NUDGE's "give Q_val / Y_val or set gamma" (the adapter's "set alpha"): arguments of
+    the library the command does not have."""
+    root = write_beir(tmp_path / "few", n_topics=1, docs_per_topic=n_train, train_per_doc=1)
+    write_embeddings(root, "bow")
+    out = ["--out", tmp_path / "b"] if argv[0] == "build" else []
+    code, _, err = run(capsys, *argv, root, "--embeddings", "bow", "--device", "cpu", "-q", *out)
+    assert code == 2 and want in err and err.count("\n") == 1, err
+    assert not (tmp_path / "b").exists()
+    ok(capsys, *argv[:1], root, "--embeddings", "bow", "--device", "cpu", "-q", *out,
+       *(["--method", "xs"] if argv[0] == "build" else ["--methods", "erm,xs,xl"]))
+
+
 @pytest.mark.parametrize("module, source, spec, want", [
     ("enc_fails_41", "def encode(texts, extra):\n    return None\n", "encode",
      "encoder enc_fails_41.encode failed on a batch of 2 texts: TypeError: encode() missing 1 "
