@@ -612,8 +612,9 @@ def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: i
         if tuned else n_train
     if n_fit >= 2:
         return
-    where = (f"; {'--method auto' if args.command == 'build' else 'tune'} fits them on {n_fit} of the {n_train} training queries (the "
-             f"others are its validation queries)" if tuned else f", got {n_train}")
+    who = "--method auto" if args.command == "build" else "tune"
+    where = (f"; {who} fits them on {n_fit} of the {n_train} training queries (the others "
+             f"are its validation queries)" if tuned else f", got {n_train}")
     drop = (f"leave {', '.join(held)} out of --methods" if args.command != "build" else
             "choose a --method instead of auto" if tuned else "choose another --method")
     one = len(held) == 1
