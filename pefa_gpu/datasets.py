@@ -67,11 +67,13 @@ class BeirDataset:
                 raise InputError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>"
                                  f"score', got {len(row)} fields")
             qid, did = row[0], row[1] if len(row) != 4 else row[2]
-            score = _number(row[-1] if len(row) >= 3 else None, f"{path}:{lineno}", "score")
+            where = f"{path}:{lineno}" + (" (4 fields: TREC's query-id, iteration, corpus-id, "
+                                          "score)" if len(row) == 4 else "")
+            score = _number(row[-1] if len(row) >= 3 else None, where, "score")
             for rid, known, what, file in ((qid, self.query_index, "query", "queries"),
                                            (did, self.doc_index, "document", "corpus")):
                 if rid not in known:
-                    raise InputError(f"{path}:{lineno}: {what} id {rid!r} is not in {file}.jsonl")
+                    raise InputError(f"{where}: {what} id {rid!r} is not in {file}.jsonl")
             key = (self.query_index[qid], self.doc_index[did])
             listed.add(key[0])
             if score >= min_score:
@@ -188,6 +190,13 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
             if rec.get(field) is not None and not isinstance(rec[field], str):
                 raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "
                                  f"{type(rec[field]).__name__}")
+            try:  # a lone surrogate: JSON's "\ud800" without its pair; no UTF-8 output holds it
+                (rec.get(field) or "").encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise InputError(f"{path}:{lineno}: field {field!r} holds the lone surrogate "
+                                 f"{rec[field][exc.start]!r} (a JSON escape without its pair) "
+                                 f"at position {exc.start}, which UTF-8 text cannot hold"
+                                 ) from None
         if rid in records:
             raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
         if rec.get("text") is None and (kind == "query" or not rec.get("title")):

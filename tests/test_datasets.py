@@ -43,6 +43,12 @@ def test_beir_round_trip(beir):
     ("queries.jsonl", '{"_id": "q9", "title": "t"}', "query 'q9' has no 'text'$"),
     ("queries.jsonl", '{"_id": "q9", "text": null}', "query 'q9' has no 'text'$"),
     ("corpus.jsonl", '{"_id": "d9", "title": ""}', "document 'd9' has no 'text' and no 'title'"),
+    # were read, then the UTF-8 error of search's output file, or encode's "text N is not
+    # valid Unicode ... (text decoded with errors='surrogateescape'?)"
+    ("corpus.jsonl", '{"_id": "d9", "title": "a\\ud800"}', r"field 'title' holds the lone "
+     r"surrogate '\\ud800' \(a JSON escape without its pair\) at position 1"),
+    ("queries.jsonl", '{"_id": "q9", "text": "\\udfff b"}', "field 'text' holds the lone "
+     "surrogate"),
 ])
 def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
     path = beir / name
@@ -60,6 +66,10 @@ def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
     ("tr0_0\td0_0\thigh", "not a number"),
     ("tr0_0", "expected"),
     ("tr0_0\td0_0\t1e308", "within float32's range"),  # it said 'Y contains NaN or inf'
+    # a 4th field: TREC's layout (query, iteration, document, score), said so (was "document
+    # id '1' is not in corpus.jsonl" for a line with one extra column)
+    ("tr0_0\td0_0\t1\t5", r"\(4 fields: TREC's query-id, iteration, corpus-id, score\): "
+     "document id '1' is not in corpus.jsonl"),
 ])
 def test_beir_bad_qrels_line(beir, row, match):
     path = beir / "qrels" / "train.tsv"
