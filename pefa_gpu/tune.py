@@ -21,7 +21,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy import stats
 
-from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device, to_numpy
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, check_topk, resolve_device,
+                     to_numpy)
 from .errors import InputError
 from .methods import fit_config
 from .models import ERM
@@ -94,6 +95,7 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
     rel = as_relevance(Y, shape=(q_all.shape[0], _rows(P)))  # columns: P's documents
+    check_topk(max(rec_ks), _rows(P), f"metric {metric!r}: K")  # was sweep's topk=K message
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
     if not (y_val.csr.data > 0).any():  # every objective would be NaN: nothing to compare

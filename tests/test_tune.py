@@ -205,3 +205,16 @@ def test_metric_ks_and_relevance_widths_are_checked():
                                 (Y[:20], Y[20:], "y_val has 10 rows .queries. but there are 5")]:
         with pytest.raises(InputError, match=match):
             match_coverage(P, Q[20:25], y_fit, y_val, Y, Q[:3], device="cpu")
+
+
+def test_a_metric_k_beyond_what_a_search_returns_is_named_as_the_metric():
+    """recall@20000 over 3 documents was sweep's 'topk=20000 but there are only 3 documents',
+    after the coverage match had searched: a topk the caller never gave."""
+    eye = np.eye(3, dtype=np.float32)
+    with pytest.raises(InputError, match=r"^metric 'recall@10,recall@20000': K=20000 but there "
+                                         r"are only 3 documents to rank: ask for at most 10000"):
+        tune(eye, eye, sp.identity(3, format="csr"), metric="recall@10,recall@20000",
+             test_queries=eye)
+    res = tune(eye, eye, sp.identity(3, format="csr"), methods=("xs",), lams=(0.5,),
+               metric="recall@10000")  # padded ranks, as before
+    assert res.chosen.method in ("erm", "xs")
