@@ -164,6 +164,17 @@ def record_id(value: object, where: str, kind: str) -> str:
     return value
 
 
+def check_utf8(text: str, where: str, field: str) -> None:
+    """InputError naming ``where`` and ``field`` where ``text`` holds a lone surrogate (JSON's
+    "\\ud800" without its pair), which no UTF-8 output (nor the encoder) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{where}: field {field!r} holds the lone surrogate "
+                         f"{text[exc.start]!r} (a JSON escape without its pair) at position "
+                         f"{exc.start}, which UTF-8 text cannot hold") from None
+
+
 def json_record(line: str, where: str, field: str = "_id") -> dict:
     """One JSON object with a ``field`` field, else InputError naming ``where`` (file:line)."""
     try:
@@ -190,13 +201,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
             if rec.get(field) is not None and not isinstance(rec[field], str):
                 raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "
                                  f"{type(rec[field]).__name__}")
-            try:  # a lone surrogate: JSON's "\ud800" without its pair; no UTF-8 output holds it
-                (rec.get(field) or "").encode("utf-8")
-            except UnicodeEncodeError as exc:
-                raise InputError(f"{path}:{lineno}: field {field!r} holds the lone surrogate "
-                                 f"{rec[field][exc.start]!r} (a JSON escape without its pair) "
-                                 f"at position {exc.start}, which UTF-8 text cannot hold"
-                                 ) from None
+            check_utf8(rec.get(field) or "", f"{path}:{lineno}", field)
         if rid in records:
             raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
         if rec.get("text") is None and (kind == "query" or not rec.get("title")):

@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .datasets import json_record, record_id, text_lines
+from .datasets import check_utf8, json_record, record_id, text_lines
 from .errors import InputError
 from .storage import as_path
 
@@ -34,6 +34,7 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
             rec = json_record(line, where, "text")
             if not isinstance(rec["text"], str):
                 raise InputError(f"{where}: expected a JSON object with a 'text' string")
+            check_utf8(rec["text"], where, "text")  # was encode's "text 0 is not valid Unicode"
             qid = record_id(rec["_id"], where, "query") if "_id" in rec else query_id(rec["text"])
             out.append((qid, rec["text"]))
         elif suffix == ".tsv":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -70,6 +71,16 @@ def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
     f.write_text("\n  \n")
     with pytest.raises(pg.InputError, match=f"the queries file {f} holds none"):
         queries([], f)  # it gave 'queries has dimension 0' after loading the build
+
+
+def test_a_jsonl_query_with_a_lone_surrogate_is_refused_naming_the_line(tmp_path):
+    """Was encode's "text 0 is not valid Unicode ... (text decoded with
+    errors='surrogateescape'?)", naming neither the file nor its line."""
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"_id": "x", "text": "a"}\n{"_id": "y", "text": "b\\udc80"}\n')
+    want = re.escape(f"{f}:2: field 'text' holds the lone surrogate '\\udc80' (a JSON escape")
+    with pytest.raises(pg.InputError, match=f"^{want}"):
+        read_queries(f)
 
 
 @pytest.mark.parametrize("texts,lines,match", [
