@@ -898,8 +898,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # search's QUERY texts left over after an option (after '--': any text)
         cut = extra.index("--") if "--" in extra else len(extra)
-        if getattr(args, "texts", None) is None or any(e.startswith("-") for e in extra[:cut]):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        texts = getattr(args, "texts", None)
+        if texts is None or any(e.startswith("-") for e in extra[:cut]):
+            # search: the texts before the first option are queries, not unrecognized
+            first = 0 if texts is None else next(i for i, e in enumerate(extra)
+                                                 if e.startswith("-"))
+            parser.error(f"unrecognized arguments: {' '.join(extra[first:])}")
         args.texts += extra[:cut] + extra[cut + 1:]
     if not args.command:
         parser.print_help()

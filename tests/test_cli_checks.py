@@ -142,7 +142,11 @@ def test_query_texts_after_options_are_queries(built, tmp_path, capsys):
     assert runs.query_id("-dash query") in dashed and runs.query_id("first query") in dashed
     with pytest.raises(SystemExit):
         main(["search", str(built), "--topk", "3", "a query", "--no-such-flag"])
-    assert "unrecognized arguments: a query --no-such-flag" in capsys.readouterr().err
+    # was 'unrecognized arguments: a query --no-such-flag', the query named as unrecognized
+    assert "unrecognized arguments: --no-such-flag\n" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["search", str(built), "a query", "--lam", "0.3", "another query"])
+    assert "unrecognized arguments: --lam 0.3 another query\n" in capsys.readouterr().err
 
 
 def test_a_callable_encoder_must_be_given_again(built, tmp_path, capsys):
