@@ -43,8 +43,19 @@ EncoderLike = str | Callable[..., Any] | None
 
 
 def default_cache_dir() -> Path:
-    """``$PEFA_GPU_CACHE`` or ``~/.cache/pefa_gpu`` (the CLI's cache)."""
-    return Path(os.environ.get("PEFA_GPU_CACHE", Path.home() / ".cache" / "pefa_gpu"))
+    """``$PEFA_GPU_CACHE`` (an empty one counts as unset) or ``~/.cache/pefa_gpu`` (the CLI's
+    cache)."""
+    return Path(os.environ.get("PEFA_GPU_CACHE") or _expand("~/.cache/pefa_gpu", "the cache"))
+
+
+def _expand(path: str | Path, name: str) -> Path:
+    """``path`` with ``~`` expanded; InputError naming ``name`` where it cannot be (a ``~user``
+    of no user here, or no home directory: Path's bare RuntimeError)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as exc:
+        raise InputError(f"{name} {str(path)!r}: {exc} (no such user, or no $HOME); give a "
+                         f"folder without ~") from None
 
 
 class EncodingInterrupted(KeyboardInterrupt):
@@ -108,7 +119,7 @@ def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
         log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
                     "not caching", enc.name)
         return None
-    cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
+    cache = _Cache(_expand(cache_dir, "cache_dir"), enc.identity)
     recorded = cache._meta().get("identity", enc.identity)  # none: an older cache
     if recorded != enc.identity:
         warnings.warn(f"encode cache: ignoring {cache.dir}: its model.json records "

@@ -333,3 +333,19 @@ def test_an_encoder_out_of_memory_or_a_library_error_is_not_renamed():
 
         with pytest.raises(type(exc)):
             encode(["a"], model=broken, device="cpu", show_progress=False)
+
+
+def test_an_empty_cache_variable_is_unset_and_a_home_that_cannot_be_found_is_named(
+        tmp_path, monkeypatch):
+    """PEFA_GPU_CACHE='' was Path(''): the cache's folders were written into the current
+    folder; a '~user' of no user was pathlib's bare RuntimeError (a traceback in the CLI)."""
+    from pefa_gpu.encode import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PEFA_GPU_CACHE", "")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "pefa_gpu"
+    monkeypatch.setenv("PEFA_GPU_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    with pytest.raises(InputError, match=r"^cache_dir '~no_such_user_83/c': .*give a folder "
+                                         r"without ~"):
+        encode(["a"], model=BowEncoder(), cache_dir="~no_such_user_83/c", show_progress=False)
