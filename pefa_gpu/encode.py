@@ -175,6 +175,9 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
                     if out.ndim != 2 or out.shape[0] != len(batch):
                         raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
                                          f"{len(batch)} texts; expected ({len(batch)}, d)")
+                    if vecs and out.shape[1] != vecs[0].shape[1]:  # was numpy's concatenate error
+                        raise InputError(f"encoder {enc.name} gave embeddings of several "
+                                         f"dimensions {{{vecs[0].shape[1]}, {out.shape[1]}}}")
                     vecs.append(out)
                     bar.update(len(batch))
                 arr = np.concatenate(vecs)

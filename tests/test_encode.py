@@ -349,3 +349,17 @@ def test_an_empty_cache_variable_is_unset_and_a_home_that_cannot_be_found_is_nam
     with pytest.raises(InputError, match=r"^cache_dir '~no_such_user_83/c': .*give a folder "
                                          r"without ~"):
         encode(["a"], model=BowEncoder(), cache_dir="~no_such_user_83/c", show_progress=False)
+
+
+def test_an_encoder_whose_dimension_changes_between_batches_is_named():
+    """Two batches of one chunk were numpy's 'all the input array dimensions except for the
+    concatenation axis must match exactly' ValueError, naming no encoder."""
+    calls = []
+
+    def varying(texts):
+        calls.append(len(texts))
+        return np.ones((len(texts), 3 + len(calls) % 2), np.float32)
+
+    with pytest.raises(InputError, match=r"^encoder .*varying gave embeddings of several "
+                                         r"dimensions \{4, 3\}$"):
+        encode(["a", "b", "c"], model=varying, batch_size=2, device="cpu", show_progress=False)
