@@ -178,7 +178,7 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
                     if vecs and out.shape[1] != vecs[0].shape[1]:  # was numpy's concatenate error
                         raise InputError(f"encoder {enc.name} gave embeddings of several "
                                          f"dimensions {{{vecs[0].shape[1]}, {out.shape[1]}}}")
-                    vecs.append(out)
+                    vecs.append(out.copy())  # an encoder may reuse its output buffer
                     bar.update(len(batch))
                 arr = np.concatenate(vecs)
                 if cache is not None:

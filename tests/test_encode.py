@@ -363,3 +363,17 @@ def test_an_encoder_whose_dimension_changes_between_batches_is_named():
     with pytest.raises(InputError, match=r"^encoder .*varying gave embeddings of several "
                                          r"dimensions \{4, 3\}$"):
         encode(["a", "b", "c"], model=varying, batch_size=2, device="cpu", show_progress=False)
+
+
+def test_an_encoder_that_reuses_its_output_buffer_gets_each_batch_kept():
+    """The batches of a chunk were kept as views until they were joined: an encoder writing
+    each batch into one buffer gave every text of the chunk its last batch's rows."""
+    bow, buf = BowEncoder(), np.zeros((8, 48), np.float32)
+
+    def reusing(texts):
+        buf[:len(texts)] = bow(texts)
+        return buf[:len(texts)]
+
+    texts = [f"w{i} x{i % 3}" for i in range(10)]
+    got = encode(texts, model=reusing, batch_size=3, device="cpu", show_progress=False)
+    np.testing.assert_allclose(got.numpy(), bow_unit(texts), atol=1e-6)
