@@ -334,6 +334,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
                          ("--work-dir", getattr(args, "work_dir", None))):
         if folder:  # files written there broke the build or model
             _check_not_in_save(os.path.expanduser(folder), flag)
+        out = getattr(args, "out", None) if args.command == "build" else None
+        if folder and out and Path(os.path.expanduser(folder)).resolve().is_relative_to(
+                Path(out).resolve()):  # the save refused the folder they filled, at the end
+            raise InputError(f"{flag} {folder} is (or is inside) --out {out}, which holds only "
+                             f"the build's files; give {flag} another folder")
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")

@@ -707,3 +707,13 @@ def test_a_model_path_that_is_a_file_or_fifo_says_so(kind, data, tmp_path, capsy
     code, _, err = run(capsys, "eval", data, "--model", path, "--no-cache", "--device", "cpu",
                        "-q")
     assert code == 2 and f"model '{path}' is a {kind}, not a model folder" in err, err
+
+
+def test_build_refuses_a_cache_folder_inside_its_out_before_any_work(data, tmp_path, capsys):
+    """The cache was written into --out as the texts were encoded, and the save then refused
+    --out as 'a non-empty directory that is not a pefa-gpu-build save', the cache left there."""
+    out = tmp_path / "b"
+    code, _, err = run(capsys, "build", data, "--method", "xs", "--model", "textdata:BowEncoder",
+                       "--device", "cpu", "-q", "--out", out, "--cache-dir", out / "cache")
+    assert code == 2 and f"--cache-dir {out / 'cache'} is (or is inside) --out {out}" in err, err
+    assert not out.exists()
