@@ -95,7 +95,8 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
     rel = as_relevance(Y, shape=(q_all.shape[0], _rows(P)))  # columns: P's documents
-    check_topk(max(rec_ks), _rows(P), f"metric {metric!r}: K")  # was sweep's topk=K message
+    if _rows(P) is not None:  # was sweep's "topk=K" message (P a list: it still is)
+        check_topk(max(rec_ks), _rows(P), f"metric {metric!r}: K")
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
     if not (y_val.csr.data > 0).any():  # every objective would be NaN: nothing to compare

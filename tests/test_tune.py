@@ -218,3 +218,5 @@ def test_a_metric_k_beyond_what_a_search_returns_is_named_as_the_metric():
     res = tune(eye, eye, sp.identity(3, format="csr"), methods=("xs",), lams=(0.5,),
                metric="recall@10000")  # padded ranks, as before
     assert res.chosen.method in ("erm", "xs")
+    res = tune(eye.tolist(), eye, sp.identity(3, format="csr"), methods=("xs",), lams=(0.5,))
+    assert res.chosen.method in ("erm", "xs")  # P without a shape: checked by the search
