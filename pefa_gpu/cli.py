@@ -114,17 +114,17 @@ DATA_DIR = {
                      help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv "
                           "(or --xmc / --emb, where the command has them)")}
 DATA_OPTIONS = {
-    "--train-split": dict(default="train", metavar="NAME",
+    "--train-split": dict(metavar="NAME",
                           help="qrels split to fit on (default: train)"),
     "--train-pairs": dict(metavar="FILE", help="fit on this pairs file (TSV or parquet: query "
                           "text or id, document id, optional weight) instead of "
                           "qrels/TRAIN_SPLIT.tsv"),
-    "--min-score": dict(type=_finite, default=1.0, metavar="S", help="qrels grade (or pairs "
+    "--min-score": dict(type=_finite, metavar="S", help="qrels grade (or pairs "
                         "weight) from which a pair is relevant (default: 1); training pairs "
                         "count as 1 (binary), nDCG takes the test split's grades as gains (so "
                         "> 0 where a test split is scored)")}
 TEST_OPTIONS = {  # the split the evaluation commands evaluate on
-    "--split": dict(default="test", metavar="NAME",
+    "--split": dict(metavar="NAME",
                     help="qrels split to evaluate on (default: test)"),
     "--count-empty": dict(action="store_true", help="count test queries whose qrels are all "
                           "below --min-score as 0 (the trec_eval convention) instead of "
@@ -424,13 +424,24 @@ def _check_data(args: argparse.Namespace) -> None:
             raise InputError("--xmc XMC_DIR and --emb EMB_DIR go together")
         given = [flag for flag, value in (("DATA_DIR", args.data_dir), ("--model", args.model),
                                           ("--embeddings", args.embeddings),
-                                          ("--train-pairs", args.train_pairs)) if value]
-        if given:
-            raise InputError(f"--xmc reads embeddings and pairs from its folders; drop "
-                             f"{', '.join(given)}")
+                                          ("--train-pairs", args.train_pairs),
+                                          ("--train-split", args.train_split),
+                                          ("--split", args.split),
+                                          ("--min-score", args.min_score)) if value is not None]
+        if given:  # the splits and grades were ignored
+            raise InputError(f"--xmc reads embeddings and pairs (weights as stored) from its "
+                             f"folders; drop {', '.join(given)}")
     elif hasattr(args, "data_dir") and args.data_dir is None:
         raise InputError("no data: give DATA_DIR (a BEIR folder)"
                          + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
+    if getattr(args, "train_pairs", None) and args.train_split is not None:  # was ignored
+        raise InputError("--train-split has no effect with --train-pairs (the pairs file is "
+                         "what the models fit on); drop one")
+    if hasattr(args, "min_score"):  # the defaults, once the options were told from them
+        args.train_split = args.train_split or "train"
+        args.min_score = 1.0 if args.min_score is None else args.min_score
+    if hasattr(args, "split"):
+        args.split = args.split or "test"
 
 
 def _check_search(args: argparse.Namespace) -> None:

@@ -375,9 +375,19 @@ def test_counts_must_be_positive(argv, match, tmp_path, capsys):
     (["build", "--method", "xl", "--seed", "3", "--out", "X"], "--seed has no effect"),
     (["eval", "--model", "m", "--embeddings", "e"], "either --embeddings"),
     (["eval", "-q", "-v"], "either --quiet (no log lines) or --verbose (more), not both"),
+    # were ignored: the pairs file is the training split; --xmc's folders hold their splits
+    # and weights
+    (["eval", "--train-pairs", "p.tsv", "--train-split", "dev"], "--train-split has no effect "
+                                                               "with --train-pairs"),
+    (["build", "--train-pairs", "p.tsv", "--train-split", "dev", "--out", "X"],
+     "--train-split has no effect"),
+    (["eval", "--split", "dev"], "drop --split"),
+    (["tune", "--train-split", "dev", "--min-score", "2"], "drop --train-split, --min-score"),
 ])
 def test_options_that_do_nothing_are_refused_before_data(argv, match, tmp_path, capsys):
-    code, _, err = run(capsys, argv[0], tmp_path / "no-data", *argv[1:])
+    data = ["--xmc", tmp_path / "x", "--emb", tmp_path / "e"] if "drop" in match else \
+        [tmp_path / "no-data"]
+    code, _, err = run(capsys, argv[0], *data, *argv[1:])
     assert code == 2 and match in err and "is not a directory" not in err
 
 
