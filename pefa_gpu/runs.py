@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Sequence
 
@@ -68,17 +69,23 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
     return list(seen.items())
 
 
-def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_docs: int
-               ) -> None:
-    """format_results' InputError for a format it does not write (was TSV) or scores / ids that
-    are not (queries, k) rows of ids below ``n_docs`` (were bare IndexErrors, or cut by zip)."""
+def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_docs: int,
+               tag: str, doc_text: tuple[Sequence[str], Sequence[str]] | None) -> None:
+    """format_results' InputError for a format it does not write (was TSV), scores / ids that
+    are not (queries, k) rows of ids in [-1, ``n_docs``) (were bare IndexErrors, cut by zip, or
+    skipped as padding), a TREC tag that is not one word, doc_text of other lengths."""
     if fmt not in ("tsv", "json", "trec"):
         raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
+    if fmt == "trec" and (not isinstance(tag, str) or not tag or any(c.isspace() for c in tag)):
+        raise InputError(f"tag must be one word (a TREC run field), got {tag!r}")
+    if doc_text is not None and any(len(part) != n_docs for part in doc_text):  # IndexError
+        raise InputError(f"doc_text must be (titles, texts) of the {n_docs} documents, got "
+                         f"{' and '.join(str(len(part)) for part in doc_text)}")
     if np.shape(ids) != np.shape(scores) or np.ndim(ids) != 2 or len(ids) != n_queries \
-            or np.size(ids) and int(np.max(ids)) >= n_docs:
+            or np.size(ids) and not -1 <= int(np.min(ids)) <= int(np.max(ids)) < n_docs:
         raise InputError(f"scores and ids must be ({n_queries}, k) arrays (ids below the "
-                         f"{n_docs} documents), got shapes {np.shape(scores)} and "
-                         f"{np.shape(ids)}")
+                         f"{n_docs} documents, -1 for no result), got shapes "
+                         f"{np.shape(scores)} and {np.shape(ids)}")
 
 
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
@@ -87,12 +94,17 @@ def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndar
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
     rows (-1: no result), one per query; doc_text: (titles, text snippets) of the documents,
     shown in TSV columns / JSON fields."""
-    _check_run(fmt, len(queries), scores, ids, len(doc_ids))
+    _check_run(fmt, len(queries), scores, ids, len(doc_ids), tag, doc_text)
     hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
                        {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
                       for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0])
             for b, (qid, t) in enumerate(queries)]
     if fmt == "json":
+        bad = next((qid for qid, _, rows in hits for row in rows if not math.isfinite(row[2])),
+                   None)
+        if bad is not None:  # was written as NaN / Infinity: not JSON
+            raise InputError(f"query {bad!r} has a result scored NaN or inf (embeddings beyond "
+                             f"float32's range?); JSON cannot hold it: use --format tsv")
         return json.dumps([{"query_id": qid, "query": t, "results": [
             {"rank": r, "doc_id": d, "score": s, **more} for r, d, s, more in rows]}
             for qid, t, rows in hits], indent=2) + "\n"

@@ -110,7 +110,16 @@ def test_wrong_argument_types_are_named(call, match):
     (("tsv", QUERIES, SCORES, IDS + 5, DOCS), r"ids below the 3 documents"),  # IndexError
     (("tsv", QUERIES[:1] * 3, SCORES, IDS, DOCS), r"must be \(3, k\) arrays"),  # IndexError
     (("json", QUERIES, SCORES[:, :2], IDS, DOCS), r"got shapes \(2, 2\) and \(2, 3\)"),
+    # an id below -1 was skipped as padding; a TREC tag with a space broke the run's lines; a
+    # NaN / inf score was written as JSON's NaN / Infinity, which JSON readers refuse; doc_text
+    # shorter than the documents was an IndexError
+    (("tsv", QUERIES, SCORES, IDS - 2, DOCS), r"-1 for no result"),
+    (("trec", QUERIES, SCORES, IDS, DOCS, "my run"), "tag must be one word"),
+    (("json", QUERIES, SCORES + np.float32(np.nan), IDS, DOCS), "query 'q1' has a result scored "
+                                                               "NaN or inf"),
+    (("tsv", QUERIES, SCORES, IDS, DOCS, "t", (DOCS, DOCS[:2])), "doc_text must be .titles, "
+                                                                 "texts. of the 3 documents"),
 ])
 def test_format_results_refuses_what_it_cannot_write(args, match):
     with pytest.raises(pg.InputError, match=match):  # xml was written as TSV
-        format_results(*args, "t")
+        format_results(*args, *(() if len(args) > 5 else ("t",)))
