@@ -262,6 +262,9 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
         if queries is not None and q not in queries:
             raise InputError(f"{where}: query id {q!r} is not among the {len(queries)} known "
                              f"queries")
+        if queries is not None and not isinstance(queries[q], str):  # was taken as its text
+            raise InputError(f"{where}: the text queries gives query {q!r} is of type "
+                             f"{type(queries[q]).__name__}, not a string")
         if d not in index:
             raise InputError(f"{where}: document id {d!r} is not in the corpus")
         w = _number(w, where, "weight", at_least=0)
@@ -289,7 +292,21 @@ def _doc_index(doc_ids: Any, queries: Any) -> dict:
     if queries is not None and not isinstance(queries, dict):
         raise TypeError(f"queries must be a dict query id -> text (or None), got "
                         f"{type(queries).__name__}")
-    return doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
+    if isinstance(doc_ids, dict):  # a column out of range was from_pairs' "document ids out of
+        n = len(doc_ids)  # range [0, n)", naming neither the id nor doc_ids
+        bad = [k for k, v in doc_ids.items() if isinstance(v, bool)
+               or not isinstance(v, (int, np.integer)) or not 0 <= v < n]
+        if bad:
+            raise InputError(f"doc_ids maps {bad[0]!r} to {doc_ids[bad[0]]!r}; the columns of "
+                             f"its {n} documents are the integers 0 .. {n - 1}")
+        return doc_ids
+    doc_ids = list(doc_ids)
+    index = {d: i for i, d in enumerate(doc_ids)}
+    if len(index) < len(doc_ids):  # the columns after a repeat were shifted past the end
+        seen: set = set()
+        dup = next(d for d in doc_ids if d in seen or seen.add(d))
+        raise InputError(f"doc_ids holds {dup!r} twice: one id per document (column)")
+    return index
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:

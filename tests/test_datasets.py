@@ -197,6 +197,25 @@ def test_pairs_malformed(tmp_path, text, match, line):
     assert f"{p}:{line}" in str(err.value)
 
 
+def test_pairs_doc_ids_and_queries_are_checked(tmp_path):
+    """A repeated id in doc_ids (or a dict column out of range) was from_pairs' "document ids out
+    of range [0, 2): [2]", naming neither; a query text that is not a string was kept as the
+    text (encode refused it later by position)."""
+    path = tmp_path / "p.tsv"
+    path.write_text("q1\td1\nq2\td2\n")
+    with pytest.raises(InputError, match="doc_ids holds 'd1' twice"):
+        load_pairs(path, ["d1", "d1", "d2"])
+    for bad in (5, -1, "0", True):
+        with pytest.raises(InputError, match=f"doc_ids maps 'd1' to {bad!r}; the columns of its "
+                                             f"2 documents are the integers 0 .. 1"):
+            load_pairs(path, {"d1": bad, "d2": 1})
+    with pytest.raises(InputError, match=f"{path}:2: the text queries gives query 'q2' is of "
+                                         f"type int"):
+        load_pairs(path, ["d1", "d2"], queries={"q1": "one", "q2": 2})
+    pairs = load_pairs(path, iter(["d2", "d1"]), queries={"q1": "one", "q2": "two"})
+    assert pairs.query_texts == ["one", "two"] and pairs.relevance.csr.indices.tolist() == [1, 0]
+
+
 def test_pairs_empty(tmp_path):
     p = tmp_path / "empty.tsv"
     p.write_text("query\tdoc_id\n")
