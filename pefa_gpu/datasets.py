@@ -52,6 +52,8 @@ class BeirDataset:
         ``min_score``, graded (a repeated pair: its largest score) or ``binary``; queries with
         no such pair kept as empty rows only with ``keep_empty``."""
         _check_options(min_score, False, binary=binary, keep_empty=keep_empty)
+        if not isinstance(split, str):  # None was looked for as qrels/None.tsv
+            raise TypeError(f"split must be a str (e.g. 'test'), got {type(split).__name__}")
         path = self.root / "qrels" / f"{split}.tsv"
         if not path.exists():
             have = sorted(p.stem for p in (self.root / "qrels").glob("*.tsv"))

@@ -127,6 +127,7 @@ def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
     (lambda ds: ds.qrels("train", min_score=None), InputError, "min_score must be a finite"),
     (lambda ds: ds.qrels("train", binary="no"), InputError, "binary must be True or False"),
     (lambda ds: ds.qrels("test", keep_empty="no"), InputError, "keep_empty must be True or"),
+    (lambda ds: ds.qrels(None), TypeError, "split must be a str"),  # was 'qrels/None.tsv'
     (lambda ds: load_pairs(None, ds.corpus_ids), TypeError, "path must be a path"),
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", "d0_0"), TypeError,
      "doc_ids must be a list"),  # a str: its letters were the corpus
