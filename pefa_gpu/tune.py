@@ -164,7 +164,12 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
     top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
-    top_test = to_numpy(erm.search(test_queries, 1)[1])[:, 0]
+    # named as given (was 'queries'); none: a test coverage of 0 dropped every fitting pair
+    tq = as_embeddings(test_queries, erm.device, "test_queries", dim=erm.dim, check_norm=False)
+    if not tq.shape[0]:
+        raise InputError("test_queries is empty: the coverage match estimates from the queries "
+                         "to serve; give them, or test_queries=None")
+    top_test = to_numpy(erm.search(tq, 1)[1])[:, 0]
     proxy_val = float(cov_fit[top_val[top_val >= 0]].mean()) if (top_val >= 0).any() else 0.0
     proxy_test = float(cov_all[top_test[top_test >= 0]].mean()) if (top_test >= 0).any() else 0.0
     pairs_per_doc = np.bincount(yv.indices, minlength=n)

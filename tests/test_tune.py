@@ -220,3 +220,18 @@ def test_a_metric_k_beyond_what_a_search_returns_is_named_as_the_metric():
     assert res.chosen.method in ("erm", "xs")
     res = tune(eye.tolist(), eye, sp.identity(3, format="csr"), methods=("xs",), lams=(0.5,))
     assert res.chosen.method in ("erm", "xs")  # P without a shape: checked by the search
+
+
+def test_test_queries_are_named_and_none_of_them_is_refused():
+    """test_queries of another dimension (or NaN) were named 'queries'; none at all gave a test
+    coverage of 0, every fitting pair dropped and ERM kept 'as the training pairs do not reach
+    the documents the test queries look for', which nothing had measured."""
+    rng = np.random.default_rng(0)
+    P, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (30, 40))
+    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    Y = sp.csr_matrix((np.ones(40, np.float32), (np.arange(40), np.arange(40) % 30)))
+    for T, match in ((np.ones((3, 9), np.float32), "test_queries has dimension 9, expected 8"),
+                     (np.full((2, 8), np.nan, np.float32), "test_queries contains NaN"),
+                     (np.zeros((0, 8), np.float32), "test_queries is empty")):
+        with pytest.raises(InputError, match=match):
+            tune(P, Q, Y, test_queries=T, **SMALL)
