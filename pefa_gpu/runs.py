@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from pathlib import Path
 from typing import Sequence
 
@@ -69,11 +68,14 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
     return list(seen.items())
 
 
-def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_docs: int,
-               tag: str, doc_text: tuple[Sequence[str], Sequence[str]] | None) -> None:
+def _check_run(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
+               ids: np.ndarray, n_docs: int, tag: str,
+               doc_text: tuple[Sequence[str], Sequence[str]] | None) -> None:
     """format_results' InputError for a format it does not write (was TSV), scores / ids that
     are not (queries, k) rows of ids in [-1, ``n_docs``) (were bare IndexErrors, cut by zip, or
-    skipped as padding), a TREC tag that is not one word, doc_text of other lengths."""
+    skipped as padding), a TREC tag that is not one word, doc_text of other lengths, a JSON
+    result scored NaN or inf (was written as NaN / Infinity, which JSON readers refuse)."""
+    n_queries = len(queries)
     if fmt not in ("tsv", "json", "trec"):
         raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
     if fmt == "trec" and (not isinstance(tag, str) or not tag or any(c.isspace() for c in tag)):
@@ -86,6 +88,12 @@ def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_
         raise InputError(f"scores and ids must be ({n_queries}, k) arrays (ids below the "
                          f"{n_docs} documents, -1 for no result), got shapes "
                          f"{np.shape(scores)} and {np.shape(ids)}")
+    bad = np.flatnonzero((~np.isfinite(np.asarray(scores, float)) & (np.asarray(ids) >= 0))
+                         .any(1)) if fmt == "json" and np.size(ids) else []
+    if len(bad):
+        raise InputError(f"query {queries[bad[0]][0]!r} has a result scored NaN or inf "
+                         f"(embeddings beyond float32's range?); JSON cannot hold it: use "
+                         f"--format tsv")
 
 
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
@@ -94,17 +102,12 @@ def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndar
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
     rows (-1: no result), one per query; doc_text: (titles, text snippets) of the documents,
     shown in TSV columns / JSON fields."""
-    _check_run(fmt, len(queries), scores, ids, len(doc_ids), tag, doc_text)
+    _check_run(fmt, queries, scores, ids, len(doc_ids), tag, doc_text)
     hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
                        {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
                       for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0])
             for b, (qid, t) in enumerate(queries)]
     if fmt == "json":
-        bad = next((qid for qid, _, rows in hits for row in rows if not math.isfinite(row[2])),
-                   None)
-        if bad is not None:  # was written as NaN / Infinity: not JSON
-            raise InputError(f"query {bad!r} has a result scored NaN or inf (embeddings beyond "
-                             f"float32's range?); JSON cannot hold it: use --format tsv")
         return json.dumps([{"query_id": qid, "query": t, "results": [
             {"rank": r, "doc_id": d, "score": s, **more} for r, d, s, more in rows]}
             for qid, t, rows in hits], indent=2) + "\n"
