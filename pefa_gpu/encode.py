@@ -406,9 +406,13 @@ class _Cache:
         return found
 
     def _meta(self) -> dict:
-        """model.json's fields; {} when it is absent or unreadable."""
+        """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO
+        there was waited on forever)."""
+        path = self.dir / "model.json"
+        if not path.is_file():  # (writing it then names the FIFO)
+            return {}
         try:
-            meta = json.loads((self.dir / "model.json").read_text("utf-8"))
+            meta = json.loads(path.read_text("utf-8"))
         except (OSError, ValueError, RecursionError):
             return {}
         return meta if isinstance(meta, dict) else {}

@@ -13,6 +13,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.encode import encode
 from pefa_gpu.errors import InputError, MissingDependencyError
+from conftest import run_python
 from textdata import BowEncoder, bow_unit
 
 TEXTS = ["the cat sat", "a dog ran far", "the cat sat", "", "birds fly south in winter"]
@@ -131,6 +132,27 @@ def test_a_cache_folder_whose_model_json_names_another_model_is_never_served(tmp
     assert enc.seen == 4 and {p: p.read_bytes() for p in before} == before
     assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == sorted(before)
     np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
+def test_a_model_json_that_is_a_fifo_is_never_read(tmp_path):
+    """model.json was read with read_text: a FIFO there was waited on forever (a hang; here in
+    a child process with a time limit); now the cache's rows are still served and a write
+    names the FIFO."""
+    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
+    meta = next(tmp_path.rglob("model.json"))
+    meta.unlink()
+    os.mkfifo(meta)
+    code = f"""
+import pytest, pefa_gpu as pg
+from textdata import BowEncoder
+kw = dict(cache_dir={str(tmp_path)!r}, device="cpu", show_progress=False)
+enc = BowEncoder()
+pg.encode({TEXTS!r}, model=enc, **kw)  # every row cached: nothing to write
+assert enc.seen == 0
+with pytest.raises(pg.InputError, match="model.json is not a regular file"):
+    pg.encode(["a new text"], model=enc, **kw)
+"""
+    run_python("-c", code, timeout=60)
 
 
 def test_callable_without_identity_is_not_cached(tmp_path, caplog):
