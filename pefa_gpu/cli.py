@@ -114,17 +114,17 @@ DATA_DIR = {
                      help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv "
                           "(or --xmc / --emb, where the command has them)")}
 DATA_OPTIONS = {
-    "--train-split": dict(default="train", metavar="NAME",
+    "--train-split": dict(metavar="NAME",
                           help="qrels split to fit on (default: train)"),
     "--train-pairs": dict(metavar="FILE", help="fit on this pairs file (TSV or parquet: query "
                           "text or id, document id, optional weight) instead of "
                           "qrels/TRAIN_SPLIT.tsv"),
-    "--min-score": dict(type=_finite, default=1.0, metavar="S", help="qrels grade (or pairs "
+    "--min-score": dict(type=_finite, metavar="S", help="qrels grade (or pairs "
                         "weight) from which a pair is relevant (default: 1); training pairs "
                         "count as 1 (binary), nDCG takes the test split's grades as gains (so "
                         "> 0 where a test split is scored)")}
 TEST_OPTIONS = {  # the split the evaluation commands evaluate on
-    "--split": dict(default="test", metavar="NAME",
+    "--split": dict(metavar="NAME",
                     help="qrels split to evaluate on (default: test)"),
     "--count-empty": dict(action="store_true", help="count test queries whose qrels are all "
                           "below --min-score as 0 (the trec_eval convention) instead of "
@@ -334,6 +334,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
                          ("--work-dir", getattr(args, "work_dir", None))):
         if folder:  # files written there broke the build or model
             _check_not_in_save(os.path.expanduser(folder), flag)
+        out = getattr(args, "out", None) if args.command == "build" else None
+        if folder and out and Path(os.path.expanduser(folder)).resolve().is_relative_to(
+                Path(out).resolve()):  # the save refused the folder they filled, at the end
+            raise InputError(f"{flag} {folder} is (or is inside) --out {out}, which holds only "
+                             f"the build's files; give {flag} another folder")
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")
@@ -419,13 +424,24 @@ def _check_data(args: argparse.Namespace) -> None:
             raise InputError("--xmc XMC_DIR and --emb EMB_DIR go together")
         given = [flag for flag, value in (("DATA_DIR", args.data_dir), ("--model", args.model),
                                           ("--embeddings", args.embeddings),
-                                          ("--train-pairs", args.train_pairs)) if value]
-        if given:
-            raise InputError(f"--xmc reads embeddings and pairs from its folders; drop "
-                             f"{', '.join(given)}")
+                                          ("--train-pairs", args.train_pairs),
+                                          ("--train-split", args.train_split),
+                                          ("--split", args.split),
+                                          ("--min-score", args.min_score)) if value is not None]
+        if given:  # the splits and grades were ignored
+            raise InputError(f"--xmc reads embeddings and pairs (weights as stored) from its "
+                             f"folders; drop {', '.join(given)}")
     elif hasattr(args, "data_dir") and args.data_dir is None:
         raise InputError("no data: give DATA_DIR (a BEIR folder)"
                          + (" or --xmc XMC_DIR --emb EMB_DIR" if hasattr(args, "xmc") else ""))
+    if getattr(args, "train_pairs", None) and args.train_split is not None:  # was ignored
+        raise InputError("--train-split has no effect with --train-pairs (the pairs file is "
+                         "what the models fit on); drop one")
+    if hasattr(args, "min_score"):  # the defaults, once the options were told from them
+        args.train_split = args.train_split or "train"
+        args.min_score = 1.0 if args.min_score is None else args.min_score
+    if hasattr(args, "split"):
+        args.split = args.split or "test"
 
 
 def _check_search(args: argparse.Namespace) -> None:
@@ -508,7 +524,12 @@ def resolve_model_arg(spec: str | None) -> EncoderLike:
             f"{type(exc).__name__}: {exc}"
         raise InputError(f"--model {spec!r}: cannot import {attr!r} from {module!r} ({why})"
                          ) from None
-    obj = obj() if isinstance(obj, type) else obj
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as exc:  # a class whose __init__ takes arguments, or fails
+            raise InputError(f"--model {spec!r}: the class {obj.__name__} could not be made "
+                             f"with no arguments ({type(exc).__name__}: {exc})") from exc
     if not callable(obj):  # os:sep is '/', which encode would take as a model folder
         raise InputError(f"--model {spec!r} names a {type(obj).__name__}, not a callable "
                          f"texts -> array (module:function, or a class)")
@@ -591,6 +612,32 @@ def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndar
                          f"queries.jsonl (e.g. {ids[0]!r}) and the others are not (e.g. "
                          f"{other!r}); give every query as an id, or every one as a text")
     return np.asarray([query_ids[k] for k in keys]) if len(ids) == len(keys) else None
+
+
+def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: int) -> None:
+    """The methods that choose their step on training queries they hold out (NUDGE's gamma,
+    the adapter's alpha) fitted on 2 or more (tune and build's auto: on tune's fitting part);
+    the models' own error asks for arguments the command does not have (Q_val, gamma)."""
+    from .splits import split_queries
+
+    held = [m for m in methods if REGISTRY[m].model == "NUDGE" or "adapter" in REGISTRY[m].query]
+    tuned = args.command == "tune" or getattr(args, "method", None) == "auto"
+    if not held or n_train < 2 and tuned:  # tune says that it needs 2 training queries
+        return
+    n_fit = split_queries(n_train, getattr(args, "val_fraction", 0.2), args.seed or 0)[0].size \
+        if tuned else n_train
+    if n_fit >= 2:
+        return
+    who = "--method auto" if args.command == "build" else "tune"
+    where = (f"; {who} fits them on {n_fit} of the {n_train} training queries (the others "
+             f"are its validation queries)" if tuned else f", got {n_train}")
+    drop = (f"leave {', '.join(held)} out of --methods" if args.command != "build" else
+            "choose a --method instead of auto" if tuned else "choose another --method")
+    one = len(held) == 1
+    raise InputError(f"{', '.join(held)} choose{'s its' if one else ' their'} step (NUDGE's "
+                     f"gamma, the adapter's alpha) on held-out training queries and "
+                     f"need{'s' if one else ''} at least 2 training queries{where}: give more "
+                     f"training pairs, or {drop}")
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
@@ -685,6 +732,7 @@ def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dic
 
 def cmd_eval(args: argparse.Namespace) -> None:
     data = _load_data(args)
+    _check_held_out(args, args.methods, data.Y_train.shape[0])
     groups = [((m,), *[(getattr(args, axis) or (defaults(m)[axis],))
                        if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
@@ -697,6 +745,7 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from .sweep import PAPER_KS, PAPER_LAMS, Config
 
     data = _load_data(args)
+    _check_held_out(args, args.methods, data.Y_train.shape[0])
     t0 = time.perf_counter()
     rows, last, timings = _evaluate(args, data, [(args.methods, args.lam or PAPER_LAMS,
                                                   args.k or PAPER_KS)])
@@ -717,6 +766,7 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args)
+    _check_held_out(args, args.methods, data.Y_train.shape[0])
     res = tune(data.P, data.Q_train, data.Y_train, methods=args.methods,
                lams=args.lam or PAPER_LAMS, ks=args.k or PAPER_KS,
                val_fraction=args.val_fraction, seed=args.seed, metric=args.metric,
@@ -748,6 +798,8 @@ def cmd_build(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args, test=False)
+    _check_held_out(args, list(REGISTRY) if args.method == "auto" else [args.method],
+                    data.Y_train.shape[0])
     kw = _model_kwargs(args)
     if args.method == "auto":
         res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0,
@@ -862,8 +914,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # search's QUERY texts left over after an option (after '--': any text)
         cut = extra.index("--") if "--" in extra else len(extra)
-        if getattr(args, "texts", None) is None or any(e.startswith("-") for e in extra[:cut]):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        texts = getattr(args, "texts", None)
+        if texts is None or any(e.startswith("-") for e in extra[:cut]):
+            # search: the texts before the first option are queries, not unrecognized
+            first = 0 if texts is None else next(i for i, e in enumerate(extra)
+                                                 if e.startswith("-"))
+            parser.error(f"unrecognized arguments: {' '.join(extra[first:])}")
         args.texts += extra[:cut] + extra[cut + 1:]
     if not args.command:
         parser.print_help()

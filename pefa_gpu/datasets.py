@@ -52,6 +52,8 @@ class BeirDataset:
         ``min_score``, graded (a repeated pair: its largest score) or ``binary``; queries with
         no such pair kept as empty rows only with ``keep_empty``."""
         _check_options(min_score, False, binary=binary, keep_empty=keep_empty)
+        if not isinstance(split, str):  # None was looked for as qrels/None.tsv
+            raise TypeError(f"split must be a str (e.g. 'test'), got {type(split).__name__}")
         path = self.root / "qrels" / f"{split}.tsv"
         if not path.exists():
             have = sorted(p.stem for p in (self.root / "qrels").glob("*.tsv"))
@@ -67,11 +69,13 @@ class BeirDataset:
                 raise InputError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>"
                                  f"score', got {len(row)} fields")
             qid, did = row[0], row[1] if len(row) != 4 else row[2]
-            score = _number(row[-1] if len(row) >= 3 else None, f"{path}:{lineno}", "score")
+            where = f"{path}:{lineno}" + (" (4 fields: TREC's query-id, iteration, corpus-id, "
+                                          "score)" if len(row) == 4 else "")
+            score = _number(row[-1] if len(row) >= 3 else None, where, "score")
             for rid, known, what, file in ((qid, self.query_index, "query", "queries"),
                                            (did, self.doc_index, "document", "corpus")):
                 if rid not in known:
-                    raise InputError(f"{path}:{lineno}: {what} id {rid!r} is not in {file}.jsonl")
+                    raise InputError(f"{where}: {what} id {rid!r} is not in {file}.jsonl")
             key = (self.query_index[qid], self.doc_index[did])
             listed.add(key[0])
             if score >= min_score:
@@ -162,6 +166,17 @@ def record_id(value: object, where: str, kind: str) -> str:
     return value
 
 
+def check_utf8(text: str, where: str, field: str) -> None:
+    """InputError naming ``where`` and ``field`` where ``text`` holds a lone surrogate (JSON's
+    "\\ud800" without its pair), which no UTF-8 output (nor the encoder) takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{where}: field {field!r} holds the lone surrogate "
+                         f"{text[exc.start]!r} (a JSON escape without its pair) at position "
+                         f"{exc.start}, which UTF-8 text cannot hold") from None
+
+
 def json_record(line: str, where: str, field: str = "_id") -> dict:
     """One JSON object with a ``field`` field, else InputError naming ``where`` (file:line)."""
     try:
@@ -188,6 +203,7 @@ def _read_jsonl(path: Path, kind: str) -> tuple[list[str], list[str], list[str]]
             if rec.get(field) is not None and not isinstance(rec[field], str):
                 raise InputError(f"{path}:{lineno}: field {field!r} must be a string, got "
                                  f"{type(rec[field]).__name__}")
+            check_utf8(rec.get(field) or "", f"{path}:{lineno}", field)
         if rid in records:
             raise InputError(f"{path}:{lineno}: duplicate {kind} id {rid!r}")
         if rec.get("text") is None and (kind == "query" or not rec.get("title")):
@@ -248,6 +264,9 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
         if queries is not None and q not in queries:
             raise InputError(f"{where}: query id {q!r} is not among the {len(queries)} known "
                              f"queries")
+        if queries is not None and not isinstance(queries[q], str):  # was taken as its text
+            raise InputError(f"{where}: the text queries gives query {q!r} is of type "
+                             f"{type(queries[q]).__name__}, not a string")
         if d not in index:
             raise InputError(f"{where}: document id {d!r} is not in the corpus")
         w = _number(w, where, "weight", at_least=0)
@@ -275,7 +294,21 @@ def _doc_index(doc_ids: Any, queries: Any) -> dict:
     if queries is not None and not isinstance(queries, dict):
         raise TypeError(f"queries must be a dict query id -> text (or None), got "
                         f"{type(queries).__name__}")
-    return doc_ids if isinstance(doc_ids, dict) else {d: i for i, d in enumerate(doc_ids)}
+    if isinstance(doc_ids, dict):  # a column out of range was from_pairs' "document ids out of
+        n = len(doc_ids)  # range [0, n)", naming neither the id nor doc_ids
+        bad = [k for k, v in doc_ids.items() if isinstance(v, bool)
+               or not isinstance(v, (int, np.integer)) or not 0 <= v < n]
+        if bad:
+            raise InputError(f"doc_ids maps {bad[0]!r} to {doc_ids[bad[0]]!r}; the columns of "
+                             f"its {n} documents are the integers 0 .. {n - 1}")
+        return doc_ids
+    doc_ids = list(doc_ids)
+    index = {d: i for i, d in enumerate(doc_ids)}
+    if len(index) < len(doc_ids):  # the columns after a repeat were shifted past the end
+        seen: set = set()
+        dup = next(d for d in doc_ids if d in seen or seen.add(d))
+        raise InputError(f"doc_ids holds {dup!r} twice: one id per document (column)")
+    return index
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:

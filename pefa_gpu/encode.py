@@ -24,7 +24,7 @@ import torch
 
 from .aggregate import normalize_rows
 from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
-from .errors import InputError, MissingDependencyError
+from .errors import InputError, MissingDependencyError, PefaError
 from .params import check_positive
 from .storage import read_npy, write_output_file
 
@@ -43,8 +43,19 @@ EncoderLike = str | Callable[..., Any] | None
 
 
 def default_cache_dir() -> Path:
-    """``$PEFA_GPU_CACHE`` or ``~/.cache/pefa_gpu`` (the CLI's cache)."""
-    return Path(os.environ.get("PEFA_GPU_CACHE", Path.home() / ".cache" / "pefa_gpu"))
+    """``$PEFA_GPU_CACHE`` (an empty one counts as unset) or ``~/.cache/pefa_gpu`` (the CLI's
+    cache)."""
+    return Path(os.environ.get("PEFA_GPU_CACHE") or _expand("~/.cache/pefa_gpu", "the cache"))
+
+
+def _expand(path: str | Path, name: str) -> Path:
+    """``path`` with ``~`` expanded; InputError naming ``name`` where it cannot be (a ``~user``
+    of no user here, or no home directory: Path's bare RuntimeError)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as exc:
+        raise InputError(f"{name} {str(path)!r}: {exc} (no such user, or no $HOME); give a "
+                         f"folder without ~") from None
 
 
 class EncodingInterrupted(KeyboardInterrupt):
@@ -108,7 +119,7 @@ def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
         log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
                     "not caching", enc.name)
         return None
-    cache = _Cache(Path(cache_dir).expanduser(), enc.identity)
+    cache = _Cache(_expand(cache_dir, "cache_dir"), enc.identity)
     recorded = cache._meta().get("identity", enc.identity)  # none: an older cache
     if recorded != enc.identity:
         warnings.warn(f"encode cache: ignoring {cache.dir}: its model.json records "
@@ -159,12 +170,15 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
                 vecs = []
                 for b in range(0, len(part), batch_size):
                     batch = [t for _, t in part[b:b + batch_size]]
-                    out = to_numpy(as_tensor(enc.fn(batch), dtype=torch.float32,
+                    out = to_numpy(as_tensor(_call(enc, batch), dtype=torch.float32,
                                              name=f"output of {enc.name}"))
                     if out.ndim != 2 or out.shape[0] != len(batch):
                         raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
                                          f"{len(batch)} texts; expected ({len(batch)}, d)")
-                    vecs.append(out)
+                    if vecs and out.shape[1] != vecs[0].shape[1]:  # was numpy's concatenate error
+                        raise InputError(f"encoder {enc.name} gave embeddings of several "
+                                         f"dimensions {{{vecs[0].shape[1]}, {out.shape[1]}}}")
+                    vecs.append(out.copy())  # an encoder may reuse its output buffer
                     bar.update(len(batch))
                 arr = np.concatenate(vecs)
                 if cache is not None:
@@ -173,6 +187,19 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
         except KeyboardInterrupt:
             raise EncodingInterrupted(len(rows) if cache else 0, len(distinct),
                                       cache is not None) from None
+
+
+def _call(enc: _Encoder, batch: list[str]) -> Any:
+    """``enc.fn(batch)``; an exception of the encoder's own (a TypeError of a function taking
+    other arguments, ...) as an InputError naming the encoder and the exception, the
+    library's errors and running out of memory as they are."""
+    try:
+        return enc.fn(batch)
+    except (PefaError, MemoryError, torch.cuda.OutOfMemoryError):
+        raise
+    except Exception as exc:
+        raise InputError(f"encoder {enc.name} failed on a batch of {len(batch)} texts: "
+                         f"{type(exc).__name__}: {exc}") from exc
 
 
 def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
@@ -184,6 +211,13 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
                      DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
         name = str(model)
+        path = Path(name)
+        if os.path.lexists(name) and not path.is_dir():  # stat only: a FIFO is never opened
+            kind = ("a link to nothing" if not path.exists() else "a FIFO (named pipe)"
+                    if path.is_fifo() else "a file" if path.is_file() else "not a folder")
+            raise InputError(f"model {name!r} is {kind}, not a model folder: give a "
+                             f"sentence-transformers folder (with its modules.json), a hub "
+                             f"name, or a callable texts -> array (--model module:function)")
         identity = (f"st-path:{Path(name).resolve()}" if Path(name).exists() else f"st:{name}")
         return _lazy(functools.partial(_load_named, name, dev), dev, identity, name)
     if any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__):
@@ -372,9 +406,13 @@ class _Cache:
         return found
 
     def _meta(self) -> dict:
-        """model.json's fields; {} when it is absent or unreadable."""
+        """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO
+        there was waited on forever)."""
+        path = self.dir / "model.json"
+        if not path.is_file():  # (writing it then names the FIFO)
+            return {}
         try:
-            meta = json.loads((self.dir / "model.json").read_text("utf-8"))
+            meta = json.loads(path.read_text("utf-8"))
         except (OSError, ValueError, RecursionError):
             return {}
         return meta if isinstance(meta, dict) else {}

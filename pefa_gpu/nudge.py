@@ -24,6 +24,8 @@ import torch
 
 from .aggregate import normalize_rows
 from .arrays import as_tensor
+from .errors import InputError
+from .params import FLOAT32_MAX, check_positive, is_number
 from .topk import topk_rows
 
 N_GAMMAS: tuple[float, ...] = tuple(0.02 * x for x in range(25))  # NUDGE-N's γ grid
@@ -32,12 +34,14 @@ BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
 
 def nudge_m(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
     """NUDGE-M: e = d + γ Π(g). d (n, D) unit rows, g (n, D) query sums -> (n, D) float32."""
+    _check_gamma(gamma, FLOAT32_MAX)  # γ scales float32 rows
     return d.float() + gamma * normalize_rows(g)
 
 
 def nudge_n(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
     """NUDGE-N (module docstring). d (n, D) unit rows, g (n, D) query sums, 0 <= γ <= 4 ->
     (n, D) float32 unit rows (d where a document does not move)."""
+    _check_gamma(gamma, 4.0)  # beyond: math's bare "math domain error"; NaN: NaN rows
     d, g = d.float(), g.float()
     if gamma == 0:
         return d.clone()
@@ -50,10 +54,24 @@ def nudge_n(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
     return torch.where(reach, g_hat, torch.where(stay, d, moved))
 
 
+def _check_gamma(gamma: float, top: float) -> None:
+    if not is_number(gamma) or not 0.0 <= gamma <= top:
+        raise InputError(f"gamma must be a finite number in [0, {top:g}], got {gamma!r}")
+
+
 def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Tensor,
                  y_val: sp.csr_matrix, val_k: int = 1) -> float:
     """γ chosen on validation queries q_val (v, D) with relevance y_val (v x n), for documents
     d (n, D) unit rows with fitting-query sums g (n, D) (module docstring)."""
+    if variant not in ("M", "N"):  # anything else was taken as 'N'
+        raise InputError(f"variant must be 'M' or 'N', got {variant!r}")
+    val_k = check_positive(val_k, "val_k")  # 0 was numpy's reshape error
+    n, dim = d.shape
+    if g.shape != d.shape or q_val.ndim != 2 or q_val.shape[1] != dim \
+            or tuple(y_val.shape) != (q_val.shape[0], n):  # were torch's errors, or taken
+        raise InputError(f"d, g, q_val, y_val must be (n, D), (n, D), (v, D), (v, n); got "
+                         f"{tuple(d.shape)}, {tuple(g.shape)}, {tuple(q_val.shape)}, "
+                         f"{tuple(y_val.shape)}")
     y = sp.csr_matrix(y_val > 0, dtype=np.float32)
     if variant == "M":
         return _choose_gamma_m(d.float(), normalize_rows(g), q_val.float(), y)

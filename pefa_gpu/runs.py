@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .datasets import json_record, record_id, text_lines
+from .datasets import check_utf8, json_record, record_id, text_lines
 from .errors import InputError
 from .storage import as_path
 
@@ -34,6 +34,7 @@ def read_queries(path: str | Path) -> list[tuple[str, str]]:
             rec = json_record(line, where, "text")
             if not isinstance(rec["text"], str):
                 raise InputError(f"{where}: expected a JSON object with a 'text' string")
+            check_utf8(rec["text"], where, "text")  # was encode's "text 0 is not valid Unicode"
             qid = record_id(rec["_id"], where, "query") if "_id" in rec else query_id(rec["text"])
             out.append((qid, rec["text"]))
         elif suffix == ".tsv":
@@ -67,17 +68,32 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
     return list(seen.items())
 
 
-def _check_run(fmt: str, n_queries: int, scores: np.ndarray, ids: np.ndarray, n_docs: int
-               ) -> None:
-    """format_results' InputError for a format it does not write (was TSV) or scores / ids that
-    are not (queries, k) rows of ids below ``n_docs`` (were bare IndexErrors, or cut by zip)."""
+def _check_run(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
+               ids: np.ndarray, n_docs: int, tag: str,
+               doc_text: tuple[Sequence[str], Sequence[str]] | None) -> None:
+    """format_results' InputError for a format it does not write (was TSV), scores / ids that
+    are not (queries, k) rows of ids in [-1, ``n_docs``) (were bare IndexErrors, cut by zip, or
+    skipped as padding), a TREC tag that is not one word, doc_text of other lengths, a JSON
+    result scored NaN or inf (was written as NaN / Infinity, which JSON readers refuse)."""
+    n_queries = len(queries)
     if fmt not in ("tsv", "json", "trec"):
         raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
+    if fmt == "trec" and (not isinstance(tag, str) or not tag or any(c.isspace() for c in tag)):
+        raise InputError(f"tag must be one word (a TREC run field), got {tag!r}")
+    if doc_text is not None and any(len(part) != n_docs for part in doc_text):  # IndexError
+        raise InputError(f"doc_text must be (titles, texts) of the {n_docs} documents, got "
+                         f"{' and '.join(str(len(part)) for part in doc_text)}")
     if np.shape(ids) != np.shape(scores) or np.ndim(ids) != 2 or len(ids) != n_queries \
-            or np.size(ids) and int(np.max(ids)) >= n_docs:
+            or np.size(ids) and not -1 <= int(np.min(ids)) <= int(np.max(ids)) < n_docs:
         raise InputError(f"scores and ids must be ({n_queries}, k) arrays (ids below the "
-                         f"{n_docs} documents), got shapes {np.shape(scores)} and "
-                         f"{np.shape(ids)}")
+                         f"{n_docs} documents, -1 for no result), got shapes "
+                         f"{np.shape(scores)} and {np.shape(ids)}")
+    bad = np.flatnonzero((~np.isfinite(np.asarray(scores, float)) & (np.asarray(ids) >= 0))
+                         .any(1)) if fmt == "json" and np.size(ids) else []
+    if len(bad):
+        raise InputError(f"query {queries[bad[0]][0]!r} has a result scored NaN or inf "
+                         f"(embeddings beyond float32's range?); JSON cannot hold it: use "
+                         f"--format tsv")
 
 
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
@@ -86,7 +102,7 @@ def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndar
     """The run as text: ``fmt`` 'tsv', 'json' or 'trec'; scores / ids (B, k) float32 / int64
     rows (-1: no result), one per query; doc_text: (titles, text snippets) of the documents,
     shown in TSV columns / JSON fields."""
-    _check_run(fmt, len(queries), scores, ids, len(doc_ids))
+    _check_run(fmt, queries, scores, ids, len(doc_ids), tag, doc_text)
     hits = [(qid, t, [(r + 1, doc_ids[int(i)], float(s), {} if doc_text is None else
                        {"title": doc_text[0][int(i)], "text": doc_text[1][int(i)]})
                       for r, (i, s) in enumerate(zip(ids[b], scores[b])) if i >= 0])

@@ -242,6 +242,8 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
     """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
     allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
     metric_ks = check_ks(metric_ks)  # InputError for None, () or a k <= 0
+    if _rows(P) is not None:  # was sweep_search's "topk=K", a name the caller never gave
+        check_topk(max(metric_ks), _rows(P), "metric_ks: k")
     # a Y_test of other columns than documents was scored as if it fitted (before any fit)
     Y_test = as_relevance(Y_test, (_rows(queries), _rows(P)), "Y_test", allow_empty=True)
     timings: dict[str, float] = {}

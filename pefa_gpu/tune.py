@@ -21,7 +21,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy import stats
 
-from .arrays import ArrayLike, DeviceLike, as_embeddings, resolve_device, to_numpy
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, check_topk, resolve_device,
+                     to_numpy)
 from .errors import InputError
 from .methods import fit_config
 from .models import ERM
@@ -94,6 +95,8 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
     rel = as_relevance(Y, shape=(q_all.shape[0], _rows(P)))  # columns: P's documents
+    if _rows(P) is not None:  # was sweep's "topk=K" message (P a list: it still is)
+        check_topk(max(rec_ks), _rows(P), f"metric {metric!r}: K")
     fit_rows, val_rows = split_queries(q_all.shape[0], val_fraction, seed)
     y_fit, y_val = rel.rows(fit_rows), rel.rows(val_rows)
     if not (y_val.csr.data > 0).any():  # every objective would be NaN: nothing to compare
@@ -161,7 +164,12 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
     top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
-    top_test = to_numpy(erm.search(test_queries, 1)[1])[:, 0]
+    # named as given (was 'queries'); none: a test coverage of 0 dropped every fitting pair
+    tq = as_embeddings(test_queries, erm.device, "test_queries", dim=erm.dim, check_norm=False)
+    if not tq.shape[0]:
+        raise InputError("test_queries is empty: the coverage match estimates from the queries "
+                         "to serve; give them, or test_queries=None")
+    top_test = to_numpy(erm.search(tq, 1)[1])[:, 0]
     proxy_val = float(cov_fit[top_val[top_val >= 0]].mean()) if (top_val >= 0).any() else 0.0
     proxy_test = float(cov_all[top_test[top_test >= 0]].mean()) if (top_test >= 0).any() else 0.0
     pairs_per_doc = np.bincount(yv.indices, minlength=n)

@@ -11,7 +11,7 @@ import pytest
 import pefa_gpu as pg
 from pefa_gpu.builds import load_build
 from pefa_gpu.cli import main
-from conftest import run_python
+from conftest import ROOT, run_python
 from textdata import BowEncoder, bow_unit, write_beir, write_embeddings
 
 ROW_KEYS = {"method", "lam", "k", "recall@10", "recall@100", "ndcg@10", "mrr@10"}
@@ -252,6 +252,30 @@ def test_a_pairs_file_mixing_query_ids_and_texts_is_refused(data, tmp_path, caps
 def test_python_dash_m_runs_the_command():  # was 'No module named pefa_gpu.__main__'
     res = run_python("-m", "pefa_gpu", "--version", timeout=120)
     assert res.stdout.startswith("pefa-gpu "), res.stderr
+
+
+EARLY_CTRL_C = """
+import re, runpy, sys
+class CtrlC:  # Ctrl-C as the command imports its modules (numpy, ...), before main runs
+    def find_spec(self, name, path=None, target=None):
+        if name == "pefa_gpu.cli":
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, CtrlC())
+how, sys.argv = sys.argv[1], ["pefa-gpu", "--version"]
+if how == "-m":
+    runpy.run_module("pefa_gpu", run_name="__main__")
+# the console script: import pyproject's entry point, call it
+entry = re.search(r'^pefa-gpu = "(.+):(.+)"$', open(how).read(), re.M)
+sys.exit(getattr(__import__(entry[1], fromlist=[entry[2]]), entry[2])())
+"""
+
+
+@pytest.mark.parametrize("how", ["pyproject.toml", "-m"])
+def test_ctrl_c_while_the_command_starts_exits_quietly_with_130(how):
+    """Was Python's traceback: the console script imported pefa_gpu.cli (numpy, ~0.2 s) before
+    main could catch the KeyboardInterrupt."""
+    res = run_python("-c", EARLY_CTRL_C, how, returncode=None, timeout=120, cwd=ROOT)
+    assert (res.returncode, res.stderr) == (130, "pefa-gpu: interrupted\n"), res.stderr
 
 
 def test_help(capsys):

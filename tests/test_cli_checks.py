@@ -142,7 +142,11 @@ def test_query_texts_after_options_are_queries(built, tmp_path, capsys):
     assert runs.query_id("-dash query") in dashed and runs.query_id("first query") in dashed
     with pytest.raises(SystemExit):
         main(["search", str(built), "--topk", "3", "a query", "--no-such-flag"])
-    assert "unrecognized arguments: a query --no-such-flag" in capsys.readouterr().err
+    # was 'unrecognized arguments: a query --no-such-flag', the query named as unrecognized
+    assert "unrecognized arguments: --no-such-flag\n" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["search", str(built), "a query", "--lam", "0.3", "another query"])
+    assert "unrecognized arguments: --lam 0.3 another query\n" in capsys.readouterr().err
 
 
 def test_a_callable_encoder_must_be_given_again(built, tmp_path, capsys):
@@ -371,9 +375,19 @@ def test_counts_must_be_positive(argv, match, tmp_path, capsys):
     (["build", "--method", "xl", "--seed", "3", "--out", "X"], "--seed has no effect"),
     (["eval", "--model", "m", "--embeddings", "e"], "either --embeddings"),
     (["eval", "-q", "-v"], "either --quiet (no log lines) or --verbose (more), not both"),
+    # were ignored: the pairs file is the training split; --xmc's folders hold their splits
+    # and weights
+    (["eval", "--train-pairs", "p.tsv", "--train-split", "dev"], "--train-split has no effect "
+                                                               "with --train-pairs"),
+    (["build", "--train-pairs", "p.tsv", "--train-split", "dev", "--out", "X"],
+     "--train-split has no effect"),
+    (["eval", "--split", "dev"], "drop --split"),
+    (["tune", "--train-split", "dev", "--min-score", "2"], "drop --train-split, --min-score"),
 ])
 def test_options_that_do_nothing_are_refused_before_data(argv, match, tmp_path, capsys):
-    code, _, err = run(capsys, argv[0], tmp_path / "no-data", *argv[1:])
+    data = ["--xmc", tmp_path / "x", "--emb", tmp_path / "e"] if "drop" in match else \
+        [tmp_path / "no-data"]
+    code, _, err = run(capsys, argv[0], *data, *argv[1:])
     assert code == 2 and match in err and "is not a directory" not in err
 
 
@@ -647,3 +661,69 @@ def test_a_query_text_with_a_lone_surrogate_is_named(built, capsys):
     code, out, err = run(capsys, "search", built, "caf\udce9", "--model", "textdata:BowEncoder",
                          "--no-cache", "--device", "cpu", "-q")
     assert code == 2 and out == "" and "is not valid Unicode" in err and "udce9" in err, err
+
+
+@pytest.mark.parametrize("n_train, argv, want", [
+    (2, ["tune"], "nudge-m, nudge-n, adapter, adapter+xs choose their step (NUDGE's gamma, "
+     "the adapter's alpha) on held-out training queries and need at least 2 training queries; "
+     "tune fits them on 1 of the 2 training queries (the others are its validation queries): "
+     "give more training pairs, or leave nudge-m, nudge-n, adapter, adapter+xs out of "
+     "--methods"),
+    (2, ["build", "--method", "auto"], "--method auto fits them on 1 of the 2 training queries"),
+    (1, ["eval", "--methods", "erm,nudge-n"], "nudge-n chooses its step (NUDGE's gamma, the "
+     "adapter's alpha) on held-out training queries and needs at least 2 training queries, "
+     "got 1: give more training pairs, or leave nudge-n out of --methods"),
+    (1, ["build", "--method", "adapter"], "got 1: give more training pairs, or choose another "
+     "--method")])
+def test_too_few_training_queries_to_hold_out_says_what_the_command_can_do(
+        n_train, argv, want, tmp_path, capsys):
+    """Was NUDGE's "give Q_val / Y_val or set gamma" (the adapter's "set alpha"): arguments of
+    the library the command does not have."""
+    root = write_beir(tmp_path / "few", n_topics=1, docs_per_topic=n_train, train_per_doc=1)
+    write_embeddings(root, "bow")
+    out = ["--out", tmp_path / "b"] if argv[0] == "build" else []
+    code, _, err = run(capsys, *argv, root, "--embeddings", "bow", "--device", "cpu", "-q", *out)
+    assert code == 2 and want in err and err.count("\n") == 1, err
+    assert not (tmp_path / "b").exists()
+    ok(capsys, *argv[:1], root, "--embeddings", "bow", "--device", "cpu", "-q", *out,
+       *(["--method", "xs"] if argv[0] == "build" else ["--methods", "erm,xs,xl"]))
+
+
+@pytest.mark.parametrize("module, source, spec, want", [
+    ("enc_fails_41", "def encode(texts, extra):\n    return None\n", "encode",
+     "encoder enc_fails_41.encode failed on a batch of 2 texts: TypeError: encode() missing 1 "
+     "required positional argument: 'extra'"),
+    ("enc_fails_42", "def encode(texts):\n    raise KeyError('k')\n", "encode",
+     "encoder enc_fails_42.encode failed on a batch of 2 texts: KeyError: 'k'"),
+    ("enc_fails_43", "class Enc:\n    def __init__(self, dim):\n        pass\n", "Enc",
+     "--model 'enc_fails_43:Enc': the class Enc could not be made with no arguments "
+     "(TypeError: Enc.__init__() missing 1 required positional argument: 'dim')")])
+def test_a_model_callable_that_fails_is_one_line_naming_it(module, source, spec, want, data,
+                                                           tmp_path, capsys, monkeypatch):
+    """Was the exception's traceback (exit status 1)."""
+    (tmp_path / f"{module}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, _, err = run(capsys, "eval", data, "--model", f"{module}:{spec}", "--no-cache",
+                       "--batch-size", "2", "--device", "cpu", "-q")
+    assert code == 2 and err == f"pefa-gpu eval: error: {want}\n", err
+
+
+@pytest.mark.parametrize("kind", ["file", "FIFO (named pipe)"])
+def test_a_model_path_that_is_a_file_or_fifo_says_so(kind, data, tmp_path, capsys):
+    """Was "the folder exists but is not a sentence-transformers model" (a FIFO was handed to
+    sentence-transformers, which may read it)."""
+    path = tmp_path / "model"
+    path.write_text("{}") if kind == "file" else os.mkfifo(path)
+    code, _, err = run(capsys, "eval", data, "--model", path, "--no-cache", "--device", "cpu",
+                       "-q")
+    assert code == 2 and f"model '{path}' is a {kind}, not a model folder" in err, err
+
+
+def test_build_refuses_a_cache_folder_inside_its_out_before_any_work(data, tmp_path, capsys):
+    """The cache was written into --out as the texts were encoded, and the save then refused
+    --out as 'a non-empty directory that is not a pefa-gpu-build save', the cache left there."""
+    out = tmp_path / "b"
+    code, _, err = run(capsys, "build", data, "--method", "xs", "--model", "textdata:BowEncoder",
+                       "--device", "cpu", "-q", "--out", out, "--cache-dir", out / "cache")
+    assert code == 2 and f"--cache-dir {out / 'cache'} is (or is inside) --out {out}" in err, err
+    assert not out.exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 
 import numpy as np
 import pytest
@@ -72,6 +73,16 @@ def test_queries_keep_a_repeat_once_and_refuse_one_id_with_two_texts(tmp_path):
         queries([], f)  # it gave 'queries has dimension 0' after loading the build
 
 
+def test_a_jsonl_query_with_a_lone_surrogate_is_refused_naming_the_line(tmp_path):
+    """Was encode's "text 0 is not valid Unicode ... (text decoded with
+    errors='surrogateescape'?)", naming neither the file nor its line."""
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"_id": "x", "text": "a"}\n{"_id": "y", "text": "b\\udc80"}\n')
+    want = re.escape(f"{f}:2: field 'text' holds the lone surrogate '\\udc80' (a JSON escape")
+    with pytest.raises(pg.InputError, match=f"^{want}"):
+        read_queries(f)
+
+
 @pytest.mark.parametrize("texts,lines,match", [
     (["a", ""], "", r"QUERY text 2 is empty \(''\)"), (["  "], "", r"QUERY text 1 is empty"),
     ([], '{"_id": "x", "text": "a"}\n{"_id": "y", "text": ""}\n', r"q.jsonl:2: empty query"),
@@ -99,7 +110,16 @@ def test_wrong_argument_types_are_named(call, match):
     (("tsv", QUERIES, SCORES, IDS + 5, DOCS), r"ids below the 3 documents"),  # IndexError
     (("tsv", QUERIES[:1] * 3, SCORES, IDS, DOCS), r"must be \(3, k\) arrays"),  # IndexError
     (("json", QUERIES, SCORES[:, :2], IDS, DOCS), r"got shapes \(2, 2\) and \(2, 3\)"),
+    # an id below -1 was skipped as padding; a TREC tag with a space broke the run's lines; a
+    # NaN / inf score was written as JSON's NaN / Infinity, which JSON readers refuse; doc_text
+    # shorter than the documents was an IndexError
+    (("tsv", QUERIES, SCORES, IDS - 2, DOCS), r"-1 for no result"),
+    (("trec", QUERIES, SCORES, IDS, DOCS, "my run"), "tag must be one word"),
+    (("json", QUERIES, SCORES + np.float32(np.nan), IDS, DOCS), "query 'q1' has a result scored "
+                                                               "NaN or inf"),
+    (("tsv", QUERIES, SCORES, IDS, DOCS, "t", (DOCS, DOCS[:2])), "doc_text must be .titles, "
+                                                                 "texts. of the 3 documents"),
 ])
 def test_format_results_refuses_what_it_cannot_write(args, match):
     with pytest.raises(pg.InputError, match=match):  # xml was written as TSV
-        format_results(*args, "t")
+        format_results(*args, *(() if len(args) > 5 else ("t",)))

@@ -43,6 +43,12 @@ def test_beir_round_trip(beir):
     ("queries.jsonl", '{"_id": "q9", "title": "t"}', "query 'q9' has no 'text'$"),
     ("queries.jsonl", '{"_id": "q9", "text": null}', "query 'q9' has no 'text'$"),
     ("corpus.jsonl", '{"_id": "d9", "title": ""}', "document 'd9' has no 'text' and no 'title'"),
+    # were read, then the UTF-8 error of search's output file, or encode's "text N is not
+    # valid Unicode ... (text decoded with errors='surrogateescape'?)"
+    ("corpus.jsonl", '{"_id": "d9", "title": "a\\ud800"}', r"field 'title' holds the lone "
+     r"surrogate '\\ud800' \(a JSON escape without its pair\) at position 1"),
+    ("queries.jsonl", '{"_id": "q9", "text": "\\udfff b"}', "field 'text' holds the lone "
+     "surrogate"),
 ])
 def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
     path = beir / name
@@ -60,6 +66,10 @@ def test_beir_malformed_records_name_file_and_line(beir, name, line, match):
     ("tr0_0\td0_0\thigh", "not a number"),
     ("tr0_0", "expected"),
     ("tr0_0\td0_0\t1e308", "within float32's range"),  # it said 'Y contains NaN or inf'
+    # a 4th field: TREC's layout (query, iteration, document, score), said so (was "document
+    # id '1' is not in corpus.jsonl" for a line with one extra column)
+    ("tr0_0\td0_0\t1\t5", r"\(4 fields: TREC's query-id, iteration, corpus-id, score\): "
+     "document id '1' is not in corpus.jsonl"),
 ])
 def test_beir_bad_qrels_line(beir, row, match):
     path = beir / "qrels" / "train.tsv"
@@ -117,6 +127,7 @@ def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
     (lambda ds: ds.qrels("train", min_score=None), InputError, "min_score must be a finite"),
     (lambda ds: ds.qrels("train", binary="no"), InputError, "binary must be True or False"),
     (lambda ds: ds.qrels("test", keep_empty="no"), InputError, "keep_empty must be True or"),
+    (lambda ds: ds.qrels(None), TypeError, "split must be a str"),  # was 'qrels/None.tsv'
     (lambda ds: load_pairs(None, ds.corpus_ids), TypeError, "path must be a path"),
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", "d0_0"), TypeError,
      "doc_ids must be a list"),  # a str: its letters were the corpus
@@ -185,6 +196,25 @@ def test_pairs_malformed(tmp_path, text, match, line):
     with pytest.raises(InputError, match=match) as err:
         load_pairs(p, DOCS)
     assert f"{p}:{line}" in str(err.value)
+
+
+def test_pairs_doc_ids_and_queries_are_checked(tmp_path):
+    """A repeated id in doc_ids (or a dict column out of range) was from_pairs' "document ids out
+    of range [0, 2): [2]", naming neither; a query text that is not a string was kept as the
+    text (encode refused it later by position)."""
+    path = tmp_path / "p.tsv"
+    path.write_text("q1\td1\nq2\td2\n")
+    with pytest.raises(InputError, match="doc_ids holds 'd1' twice"):
+        load_pairs(path, ["d1", "d1", "d2"])
+    for bad in (5, -1, "0", True):
+        with pytest.raises(InputError, match=f"doc_ids maps 'd1' to {bad!r}; the columns of its "
+                                             f"2 documents are the integers 0 .. 1"):
+            load_pairs(path, {"d1": bad, "d2": 1})
+    with pytest.raises(InputError, match=f"{path}:2: the text queries gives query 'q2' is of "
+                                         f"type int"):
+        load_pairs(path, ["d1", "d2"], queries={"q1": "one", "q2": 2})
+    pairs = load_pairs(path, iter(["d2", "d1"]), queries={"q1": "one", "q2": "two"})
+    assert pairs.query_texts == ["one", "two"] and pairs.relevance.csr.indices.tolist() == [1, 0]
 
 
 def test_pairs_empty(tmp_path):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import re
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.encode import encode
 from pefa_gpu.errors import InputError, MissingDependencyError
+from conftest import run_python
 from textdata import BowEncoder, bow_unit
 
 TEXTS = ["the cat sat", "a dog ran far", "the cat sat", "", "birds fly south in winter"]
@@ -129,6 +132,27 @@ def test_a_cache_folder_whose_model_json_names_another_model_is_never_served(tmp
     assert enc.seen == 4 and {p: p.read_bytes() for p in before} == before
     assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == sorted(before)
     np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
+def test_a_model_json_that_is_a_fifo_is_never_read(tmp_path):
+    """model.json was read with read_text: a FIFO there was waited on forever (a hang; here in
+    a child process with a time limit); now the cache's rows are still served and a write
+    names the FIFO."""
+    encode(TEXTS, model=BowEncoder(), cache_dir=tmp_path, device="cpu", show_progress=False)
+    meta = next(tmp_path.rglob("model.json"))
+    meta.unlink()
+    os.mkfifo(meta)
+    code = f"""
+import pytest, pefa_gpu as pg
+from textdata import BowEncoder
+kw = dict(cache_dir={str(tmp_path)!r}, device="cpu", show_progress=False)
+enc = BowEncoder()
+pg.encode({TEXTS!r}, model=enc, **kw)  # every row cached: nothing to write
+assert enc.seen == 0
+with pytest.raises(pg.InputError, match="model.json is not a regular file"):
+    pg.encode(["a new text"], model=enc, **kw)
+"""
+    run_python("-c", code, timeout=60)
 
 
 def test_callable_without_identity_is_not_cached(tmp_path, caplog):
@@ -292,3 +316,86 @@ def test_cached_hub_models_and_local_folders_load_without_the_network(fake_st, m
     assert FakeST.made == [("org/cached", {"device": "cpu", "local_files_only": True}),
                            (str(tmp_path / "folder"), {"device": "cpu",
                                                        "local_files_only": True})]
+
+
+@pytest.mark.parametrize("kind", ["file", "FIFO (named pipe)", "link to nothing"])
+def test_a_model_path_that_is_no_folder_says_what_it_is(kind, fake_st, tmp_path):
+    """Was "the folder exists but is not a sentence-transformers model" (a FIFO was handed to
+    sentence-transformers); only stat'ed now, nothing opened."""
+    path = tmp_path / "m"
+    if kind == "file":
+        path.write_text("{}")
+    elif kind.startswith("FIFO"):
+        os.mkfifo(path)
+    else:
+        path.symlink_to(tmp_path / "gone")
+    with pytest.raises(InputError, match=f"model '{path}' is a {re.escape(kind)}, not a model "
+                                         f"folder"):
+        encode(["a"], model=str(path), device="cpu", show_progress=False)
+    assert FakeST.made == []
+
+
+@pytest.mark.parametrize("exc", [TypeError("f() missing 1 required positional argument"),
+                                 KeyError("k"), RuntimeError("no")])
+def test_an_encoder_that_fails_is_named_with_its_exception(exc):
+    def broken(texts):
+        raise exc
+
+    with pytest.raises(InputError) as info:  # was the encoder's own exception (a traceback)
+        encode(["a", "b"], model=broken, device="cpu", show_progress=False)
+    assert str(info.value).startswith(f"encoder {__name__}.{broken.__qualname__} failed on a "
+                                      f"batch of 2 texts: {type(exc).__name__}: {exc}")
+    assert info.value.__cause__ is exc
+
+
+def test_an_encoder_out_of_memory_or_a_library_error_is_not_renamed():
+    for exc in (MemoryError(), torch.cuda.OutOfMemoryError("cuda"), MissingDependencyError("x")):
+        def broken(texts):
+            raise exc
+
+        with pytest.raises(type(exc)):
+            encode(["a"], model=broken, device="cpu", show_progress=False)
+
+
+def test_an_empty_cache_variable_is_unset_and_a_home_that_cannot_be_found_is_named(
+        tmp_path, monkeypatch):
+    """PEFA_GPU_CACHE='' was Path(''): the cache's folders were written into the current
+    folder; a '~user' of no user was pathlib's bare RuntimeError (a traceback in the CLI)."""
+    from pefa_gpu.encode import default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PEFA_GPU_CACHE", "")
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "pefa_gpu"
+    monkeypatch.setenv("PEFA_GPU_CACHE", str(tmp_path / "c"))
+    assert default_cache_dir() == tmp_path / "c"
+    with pytest.raises(InputError, match=r"^cache_dir '~no_such_user_83/c': .*give a folder "
+                                         r"without ~"):
+        encode(["a"], model=BowEncoder(), cache_dir="~no_such_user_83/c", show_progress=False)
+
+
+def test_an_encoder_whose_dimension_changes_between_batches_is_named():
+    """Two batches of one chunk were numpy's 'all the input array dimensions except for the
+    concatenation axis must match exactly' ValueError, naming no encoder."""
+    calls = []
+
+    def varying(texts):
+        calls.append(len(texts))
+        return np.ones((len(texts), 3 + len(calls) % 2), np.float32)
+
+    with pytest.raises(InputError, match=r"^encoder .*varying gave embeddings of several "
+                                         r"dimensions \{4, 3\}$"):
+        encode(["a", "b", "c"], model=varying, batch_size=2, device="cpu", show_progress=False)
+
+
+def test_an_encoder_that_reuses_its_output_buffer_gets_each_batch_kept():
+    """The batches of a chunk were kept as views until they were joined: an encoder writing
+    each batch into one buffer gave every text of the chunk its last batch's rows."""
+    bow, buf = BowEncoder(), np.zeros((8, 48), np.float32)
+
+    def reusing(texts):
+        buf[:len(texts)] = bow(texts)
+        return buf[:len(texts)]
+
+    texts = [f"w{i} x{i % 3}" for i in range(10)]
+    got = encode(texts, model=reusing, batch_size=3, device="cpu", show_progress=False)
+    np.testing.assert_allclose(got.numpy(), bow_unit(texts), atol=1e-6)

@@ -301,3 +301,25 @@ def test_nudge_m_validation_pairs_are_taken_in_blocks():
     from conftest import run_python
     grew_mb = int(run_python("-c", NUDGE_M_MEMORY).stdout.split()[-1])
     assert grew_mb < 150, grew_mb
+
+
+def test_the_formulas_refuse_what_the_model_would_refuse():
+    """nudge.choose_gamma took variant 'X' as 'N', val_k=0 was numpy's reshape error, a y_val
+    of fewer rows than q_val (or other columns than d) was taken silently or was torch's
+    error; nudge_n's gamma 5 was 'math domain error' and NaN gave NaN rows."""
+    rng = np.random.default_rng(0)
+    d, g, q = (torch.from_numpy(rng.standard_normal((n, 8)).astype(np.float32))
+               for n in (30, 30, 10))
+    y = sp.csr_matrix((np.ones(10, np.float32), (np.arange(10), np.arange(10))), shape=(10, 30))
+    with pytest.raises(pg.InputError, match="variant must be 'M' or 'N', got 'X'"):
+        nudge.choose_gamma("X", d, g, q, y)
+    with pytest.raises(pg.InputError, match="val_k must be a positive integer, got 0"):
+        nudge.choose_gamma("N", d, g, q, y, val_k=0)
+    for args in ((d, g, q, y[:5]), (d, g, q, y[:, :20]), (d, g[:29], q, y), (d, g, q[:, :5], y)):
+        with pytest.raises(pg.InputError, match=r"must be \(n, D\), \(n, D\), \(v, D\), \(v, n\)"):
+            nudge.choose_gamma("M", *args)
+    for fn, bad in ((nudge.nudge_n, (5.0, -1.0, float("nan"))), (nudge.nudge_m, (-1.0, 1e39))):
+        for gamma in bad:
+            with pytest.raises(pg.InputError, match="gamma must be a finite number in"):
+                fn(d, g, gamma)
+    assert isinstance(nudge.choose_gamma("N", d, g, q, y, val_k=3), float)

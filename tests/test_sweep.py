@@ -214,6 +214,8 @@ def test_sweep_refuses_metric_ks_and_grids_that_are_not_sequences_of_positive_in
     for kw, match in [({"metric_ks": []}, "ks must be positive integers, got ()"),
                       ({"metric_ks": None}, "ks must be positive integers, got None"),
                       ({"metric_ks": [0]}, "ks must be positive integers, got (0,)"),
+                      # was sweep_search's 'topk=20000 but ...', a name the caller never gave
+                      ({"metric_ks": [10, 20000]}, "metric_ks: k=20000 but there are only"),
                       ({"lams": 0.5}, "lams and ks must be sequences"),
                       ({"ks": 4}, "lams and ks must be sequences")]:
         with pytest.raises(InputError, match=re.escape(match)):

@@ -205,3 +205,33 @@ def test_metric_ks_and_relevance_widths_are_checked():
                                 (Y[:20], Y[20:], "y_val has 10 rows .queries. but there are 5")]:
         with pytest.raises(InputError, match=match):
             match_coverage(P, Q[20:25], y_fit, y_val, Y, Q[:3], device="cpu")
+
+
+def test_a_metric_k_beyond_what_a_search_returns_is_named_as_the_metric():
+    """recall@20000 over 3 documents was sweep's 'topk=20000 but there are only 3 documents',
+    after the coverage match had searched: a topk the caller never gave."""
+    eye = np.eye(3, dtype=np.float32)
+    with pytest.raises(InputError, match=r"^metric 'recall@10,recall@20000': K=20000 but there "
+                                         r"are only 3 documents to rank: ask for at most 10000"):
+        tune(eye, eye, sp.identity(3, format="csr"), metric="recall@10,recall@20000",
+             test_queries=eye)
+    res = tune(eye, eye, sp.identity(3, format="csr"), methods=("xs",), lams=(0.5,),
+               metric="recall@10000")  # padded ranks, as before
+    assert res.chosen.method in ("erm", "xs")
+    res = tune(eye.tolist(), eye, sp.identity(3, format="csr"), methods=("xs",), lams=(0.5,))
+    assert res.chosen.method in ("erm", "xs")  # P without a shape: checked by the search
+
+
+def test_test_queries_are_named_and_none_of_them_is_refused():
+    """test_queries of another dimension (or NaN) were named 'queries'; none at all gave a test
+    coverage of 0, every fitting pair dropped and ERM kept 'as the training pairs do not reach
+    the documents the test queries look for', which nothing had measured."""
+    rng = np.random.default_rng(0)
+    P, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (30, 40))
+    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    Y = sp.csr_matrix((np.ones(40, np.float32), (np.arange(40), np.arange(40) % 30)))
+    for T, match in ((np.ones((3, 9), np.float32), "test_queries has dimension 9, expected 8"),
+                     (np.full((2, 8), np.nan, np.float32), "test_queries contains NaN"),
+                     (np.zeros((0, 8), np.float32), "test_queries is empty")):
+        with pytest.raises(InputError, match=match):
+            tune(P, Q, Y, test_queries=T, **SMALL)
