@@ -212,9 +212,7 @@ class VectorPRF(_Saved):
         q = model.as_queries(queries)
         _, ids = model.search(q, self.params.k, check=False)
         total = torch.zeros_like(q)
-        # the (B, k, d) rows PRF_CELLS at most at a time: k=10000 took 100 queries of d=64
-        # 520 MB more (one block, as before, where they fit)
-        step = max(1, PRF_CELLS // max(q.numel(), 1))
+        step = max(1, PRF_CELLS // max(q.numel(), 1))  # of the (B, k, d) rows, not all at once
         for j in range(0, ids.shape[1], step):
             i = ids[:, j:j + step]
             total += (model.doc_embeddings[i.clamp_min(0)].float() * (i >= 0)[:, :, None]).sum(1)
