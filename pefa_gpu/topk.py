@@ -21,11 +21,6 @@ _ID_LAST = torch.iinfo(torch.long).max  # the tie key of padding: after every re
 MASKED: bool | None = None
 
 
-def masked(t: torch.Tensor) -> bool:
-    """Whether tie passes over ``t`` run every row under a mask (see ``MASKED``)."""
-    return t.is_cuda if MASKED is None else MASKED
-
-
 def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores`` (B, N) float -> (B, k) scores sorted descending and int64 ids (column +
     ``offset``) with the tie rule, padded with (-inf, -1) when N < k."""
@@ -124,9 +119,9 @@ def _select(table: torch.Tensor, kk: int,
 def _redo_rows(redo: torch.Tensor, fn: Callable[..., tuple], old: tuple,
                *args: torch.Tensor | None) -> tuple:
     """``old`` tensors (B, ...) with the rows where ``redo`` (B,) bool replaced by those of
-    ``fn(*args)``: computed on every row under a mask (see :func:`masked`), or on the picked
-    rows of ``args`` only."""
-    if masked(old[0]):
+    ``fn(*args)``: computed on every row under a mask (see ``MASKED``), or on the picked rows
+    of ``args`` only."""
+    if old[0].is_cuda if MASKED is None else MASKED:
         return tuple(torch.where(redo.unsqueeze(1), n, o) for n, o in zip(fn(*args), old))
     rows = redo.nonzero().squeeze(1)
     if rows.numel() == 0:
