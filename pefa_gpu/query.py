@@ -138,9 +138,7 @@ class QueryAdapter(_Saved):
 
     def _choose_alpha(self, p: torch.Tensor, q: torch.Tensor, t: torch.Tensor, rel: RelevanceLike
                       ) -> float:
-        if q.shape[0] < 2:
-            raise InputError(f"QueryAdapter chooses alpha on held-out training queries and needs"
-                             f" at least 2 of them, got {q.shape[0]}: set alpha")
+        # split_queries refuses fewer than 2 queries (an InputError naming their count)
         fit_rows, val_rows = split_queries(q.shape[0], self.params.val_fraction,
                                            self.params.seed)
         fit_t, val_t = (as_tensor(r, device=self.device) for r in (fit_rows, val_rows))
@@ -214,9 +212,7 @@ class VectorPRF(_Saved):
         q = model.as_queries(queries)
         _, ids = model.search(q, self.params.k, check=False)
         total = torch.zeros_like(q)
-        # the (B, k, d) rows PRF_CELLS at most at a time: k=10000 took 100 queries of d=64
-        # 520 MB more (one block, as before, where they fit)
-        step = max(1, PRF_CELLS // max(q.numel(), 1))
+        step = max(1, PRF_CELLS // max(q.numel(), 1))  # of the (B, k, d) rows, not all at once
         for j in range(0, ids.shape[1], step):
             i = ids[:, j:j + step]
             total += (model.doc_embeddings[i.clamp_min(0)].float() * (i >= 0)[:, :, None]).sum(1)

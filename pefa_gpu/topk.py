@@ -21,15 +21,10 @@ _ID_LAST = torch.iinfo(torch.long).max  # the tie key of padding: after every re
 MASKED: bool | None = None
 
 
-def masked(t: torch.Tensor) -> bool:
-    """Whether tie passes over ``t`` run every row under a mask (see ``MASKED``)."""
-    return t.is_cuda if MASKED is None else MASKED
-
-
 def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``scores`` (B, N) float -> (B, k) scores sorted descending and int64 ids (column +
     ``offset``) with the tie rule, padded with (-inf, -1) when N < k."""
-    return _best(scores, None, k, offset)
+    return merge_topk(scores, None, k, offset)
 
 
 def topk_wide(scores: torch.Tensor, w: int, group: int | None = None
@@ -60,10 +55,18 @@ def group_size(c: int, w: int, cuda: bool) -> int:
     return g if g >= 64 else 0
 
 
-def merge_topk(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_topk(vals: torch.Tensor, ids: torch.Tensor | None, k: int, offset: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Best k of candidates ``vals`` (B, C) float / ``ids`` (B, C) int64 (any order; repeats
-    kept) -> (B, k) with the tie rule (-1 last), padded with (-inf, -1) when C < k."""
-    return _best(vals, ids, k)
+    kept; None: the columns + ``offset``) -> (B, k) with the tie rule (-1 last), padded with
+    (-inf, -1) when C < k."""
+    k = check_nonnegative(k, "k")  # k > C is padding (a sweep's last block is narrower)
+    b, w = vals.shape
+    kk = min(k, w)
+    if kk == 0 or b == 0:
+        return pad_topk(vals.new_empty(b, 0), vals.new_empty(b, 0, dtype=torch.long), k)
+    top, cols = _select(vals, kk, None if ids is None else _id_key(ids))
+    return pad_topk(*order_ties(top, cols + offset if ids is None else ids.gather(1, cols)), k)
 
 
 def merge_lists(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], k: int,
@@ -74,18 +77,6 @@ def merge_lists(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], k: in
     if as_is and len(parts) == 1 and parts[0][1].shape[1] >= k:
         return parts[0][0][:, :k], parts[0][1][:, :k]
     return merge_topk(torch.cat([p[0] for p in parts], 1), torch.cat([p[1] for p in parts], 1), k)
-
-
-def _best(table: torch.Tensor, ids: torch.Tensor | None, k: int, offset: int = 0
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`merge_topk` of ``table`` (B, W) and ``ids`` (None: the columns + ``offset``)."""
-    k = check_nonnegative(k, "k")  # k > W is padding (a sweep's last block is narrower)
-    b, w = table.shape
-    kk = min(k, w)
-    if kk == 0 or b == 0:
-        return pad_topk(table.new_empty(b, 0), table.new_empty(b, 0, dtype=torch.long), k)
-    vals, cols = _select(table, kk, None if ids is None else _id_key(ids))
-    return pad_topk(*order_ties(vals, cols + offset if ids is None else ids.gather(1, cols)), k)
 
 
 def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -128,9 +119,9 @@ def _select(table: torch.Tensor, kk: int,
 def _redo_rows(redo: torch.Tensor, fn: Callable[..., tuple], old: tuple,
                *args: torch.Tensor | None) -> tuple:
     """``old`` tensors (B, ...) with the rows where ``redo`` (B,) bool replaced by those of
-    ``fn(*args)``: computed on every row under a mask (see :func:`masked`), or on the picked
-    rows of ``args`` only."""
-    if masked(old[0]):
+    ``fn(*args)``: computed on every row under a mask (see ``MASKED``), or on the picked rows
+    of ``args`` only."""
+    if old[0].is_cuda if MASKED is None else MASKED:
         return tuple(torch.where(redo.unsqueeze(1), n, o) for n, o in zip(fn(*args), old))
     rows = redo.nonzero().squeeze(1)
     if rows.numel() == 0:

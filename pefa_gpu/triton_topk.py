@@ -72,22 +72,16 @@ if triton is not None:
 _FAILED: dict[tuple[str, torch.dtype], str] = {}  # (device, dtype) -> why the kernel failed
 
 
-def unsettled_share(n: int, w: int) -> float:
-    """About the share of queries a search of n rows for top-w leaves unsettled (some tile
-    holds more than KEEP of its top w; rows in random order): w^(KEEP+1) (BN/n)^KEEP /
-    (KEEP+1)!."""
-    return w ** (KEEP + 1) * (BN / n) ** KEEP / math.factorial(KEEP + 1)
-
-
 def usable(rows: torch.Tensor, w: int) -> bool:
     """Whether :func:`tile_topw` serves top-w over ``rows`` (n, d): 16-bit, on CUDA (or the CPU
     under ``ON_CPU``), the kernel working there, w finite candidates in the whole tiles, and
-    at most ``UNSETTLED_SHARE`` of queries expected unsettled."""
+    at most ``UNSETTLED_SHARE`` of queries expected unsettled (some tile holding more than KEEP
+    of their top w, rows in random order: about w^(KEEP+1) (BN/n)^KEEP / (KEEP+1)!)."""
     n = rows.shape[0]
     return triton is not None and (rows.is_cuda or ON_CPU) and n < 2**31 and \
         rows.dtype in (torch.float16, torch.bfloat16) and \
-        (str(rows.device), rows.dtype) not in _FAILED and \
-        KEEP * (n // BN) >= w and unsettled_share(n, w) <= UNSETTLED_SHARE
+        (str(rows.device), rows.dtype) not in _FAILED and KEEP * (n // BN) >= w and \
+        w ** (KEEP + 1) * (BN / n) ** KEEP / math.factorial(KEEP + 1) <= UNSETTLED_SHARE
 
 
 def _tma(q: torch.Tensor, rows: torch.Tensor) -> bool:
