@@ -138,7 +138,9 @@ class QueryAdapter(_Saved):
 
     def _choose_alpha(self, p: torch.Tensor, q: torch.Tensor, t: torch.Tensor, rel: RelevanceLike
                       ) -> float:
-        # split_queries refuses fewer than 2 queries (an InputError naming their count)
+        if q.shape[0] < 2:
+            raise InputError(f"QueryAdapter chooses alpha on held-out training queries and needs"
+                             f" at least 2 of them, got {q.shape[0]}: set alpha")
         fit_rows, val_rows = split_queries(q.shape[0], self.params.val_fraction,
                                            self.params.seed)
         fit_t, val_t = (as_tensor(r, device=self.device) for r in (fit_rows, val_rows))
