@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +105,7 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
 
 
 def _folder(path: str | Path, what: str, name: str) -> Path:
-    root = as_path(path, name).expanduser()
+    root = Path(os.path.expanduser(as_path(path, name)))  # ~nouser stays: "does not exist"
     if not root.is_dir():
         raise InputError(f"{what} folder {root} does not exist or is not a folder")
     return root

@@ -570,6 +570,10 @@ def test_encode_resumes_after_a_kill_and_shares_the_cache(tmp_path):
     np.testing.assert_array_equal(
         pg.encode(texts, model=enc, cache_dir=cache, show_progress=False).numpy(), want)
     assert enc.seen == 0
+    # a ~user not here: pathlib's bare RuntimeError 'Could not determine home directory'
+    with pytest.raises(InputError, match="cache_dir '~no-such-user-here/c'"):
+        pp.encode(texts, tmp_path / "enc3", model=enc, cache_dir="~no-such-user-here/c",
+                  show_progress=False)
 
 
 def test_bad_input_is_named(tmp_path):

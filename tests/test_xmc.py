@@ -345,3 +345,9 @@ def test_training_source_without_pairs(folders):
     sp.save_npz(xmc / "Y.trn.npz", sp.csr_matrix((23, 40), dtype=np.float32))
     with pytest.raises(InputError, match=r"Y\.trn\.npz has no \(query, document\) pair"):
         pg.load_xmc(xmc, emb)
+
+
+def test_a_folder_of_a_user_not_here_is_named():
+    """'~nouser/x': pathlib's bare RuntimeError 'Could not determine home directory'."""
+    with pytest.raises(InputError, match="XMC folder ~no-such-user-here/x does not exist"):
+        pg.load_xmc("~no-such-user-here/x", "~no-such-user-here/e")

@@ -439,7 +439,8 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
                     "shard is encoded again on every run")
-    cache = None if cache_dir is None else str(Path(cache_dir).expanduser())  # the driver's ~
+    # the driver's ~ (one it cannot expand stays: encode's InputError names it)
+    cache = None if cache_dir is None else os.path.expanduser(cache_dir)
     task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
                              device=device, normalize=normalize, cache_dir=cache)
     plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
