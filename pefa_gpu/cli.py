@@ -909,7 +909,7 @@ def _show_warning(command: str, printed: set[str], message: Warning | str,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``pefa-gpu``'s exit status: 0 ok, 2 bad input or data, 1 a failed write or read (e.g. a
-    full disk), 130 Ctrl-C."""
+    full disk), 130 Ctrl-C, 141 the output's reader gone (a pipe into head)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # search's QUERY texts left over after an option (after '--': any text)
@@ -932,7 +932,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _setup(args)
             _connect(args, stack)
             COMMANDS[args.command][0](args)
+            sys.stdout.flush()  # a reader gone (| head) is found here, in the handlers
             return 0
+    except BrokenPipeError:  # not an error of the command's: no message (as head's writers)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # exit's flush too
+        return 141
     except (PefaError, ValueError, OSError) as exc:  # 2: bad input or data; 1: a failed write
         print(f"pefa-gpu {args.command}: error: {exc}", file=sys.stderr)
         bad_data = (PefaError, ValueError, FileNotFoundError, IsADirectoryError,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -276,6 +278,17 @@ def test_ctrl_c_while_the_command_starts_exits_quietly_with_130(how):
     main could catch the KeyboardInterrupt."""
     res = run_python("-c", EARLY_CTRL_C, how, returncode=None, timeout=120, cwd=ROOT)
     assert (res.returncode, res.stderr) == (130, "pefa-gpu: interrupted\n"), res.stderr
+
+
+def test_a_reader_gone_early_is_no_error(data):
+    """`pefa-gpu eval ... | head -1`: was 'pefa-gpu eval: error: [Errno 32] Broken pipe', exit
+    1, and Python's 'Exception ignored ... BrokenPipeError' at exit."""
+    argv = ["eval", data, "--embeddings", "bow", "--device", "cpu", "--methods", "erm", "-q"]
+    with subprocess.Popen([sys.executable, "-m", "pefa_gpu", *map(str, argv)], cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        proc.stdout.close()  # the reader leaves before the table is written
+        err = proc.stderr.read()
+    assert (proc.returncode, err) == (141, ""), err
 
 
 def test_help(capsys):
