@@ -615,9 +615,9 @@ def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndar
 
 
 def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: int) -> None:
-    """The methods that choose their step on training queries they hold out (NUDGE's gamma,
-    the adapter's alpha) fitted on 2 or more (tune and build's auto: on tune's fitting part);
-    the models' own error asks for arguments the command does not have (Q_val, gamma)."""
+    """NUDGE's gamma and the adapter's alpha are chosen on held-out training queries: 2 or more
+    to fit on (tune and build's auto: of tune's fitting part); the models' own error asks for
+    arguments the command does not have (Q_val, gamma)."""
     from .splits import split_queries
 
     held = [m for m in methods if REGISTRY[m].model == "NUDGE" or "adapter" in REGISTRY[m].query]
@@ -626,18 +626,13 @@ def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: i
         return
     n_fit = split_queries(n_train, getattr(args, "val_fraction", 0.2), args.seed or 0)[0].size \
         if tuned else n_train
-    if n_fit >= 2:
-        return
-    who = "--method auto" if args.command == "build" else "tune"
-    where = (f"; {who} fits them on {n_fit} of the {n_train} training queries (the others "
-             f"are its validation queries)" if tuned else f", got {n_train}")
-    drop = (f"leave {', '.join(held)} out of --methods" if args.command != "build" else
-            "choose a --method instead of auto" if tuned else "choose another --method")
-    one = len(held) == 1
-    raise InputError(f"{', '.join(held)} choose{'s its' if one else ' their'} step (NUDGE's "
-                     f"gamma, the adapter's alpha) on held-out training queries and "
-                     f"need{'s' if one else ''} at least 2 training queries{where}: give more "
-                     f"training pairs, or {drop}")
+    if n_fit < 2:
+        of = f" of {n_train} (the others are tune's validation queries)" if tuned else ""
+        drop = "choose another --method" if args.command == "build" else "leave them out of " \
+            "--methods"
+        raise InputError(f"{', '.join(held)}: the step (NUDGE's gamma, the adapter's alpha) is "
+                         f"chosen on held-out training queries, so at least 2 training queries "
+                         f"are needed, got {n_fit}{of}: give more training pairs, or {drop}")
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:

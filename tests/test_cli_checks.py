@@ -664,15 +664,15 @@ def test_a_query_text_with_a_lone_surrogate_is_named(built, capsys):
 
 
 @pytest.mark.parametrize("n_train, argv, want", [
-    (2, ["tune"], "nudge-m, nudge-n, adapter, adapter+xs choose their step (NUDGE's gamma, "
-     "the adapter's alpha) on held-out training queries and need at least 2 training queries; "
-     "tune fits them on 1 of the 2 training queries (the others are its validation queries): "
-     "give more training pairs, or leave nudge-m, nudge-n, adapter, adapter+xs out of "
-     "--methods"),
-    (2, ["build", "--method", "auto"], "--method auto fits them on 1 of the 2 training queries"),
-    (1, ["eval", "--methods", "erm,nudge-n"], "nudge-n chooses its step (NUDGE's gamma, the "
-     "adapter's alpha) on held-out training queries and needs at least 2 training queries, "
-     "got 1: give more training pairs, or leave nudge-n out of --methods"),
+    (2, ["tune"], "nudge-m, nudge-n, adapter, adapter+xs: the step (NUDGE's gamma, the "
+     "adapter's alpha) is chosen on held-out training queries, so at least 2 training queries "
+     "are needed, got 1 of 2 (the others are tune's validation queries): give more training "
+     "pairs, or leave them out of --methods"),
+    (2, ["build", "--method", "auto"], "got 1 of 2 (the others are tune's validation queries): "
+     "give more training pairs, or choose another --method"),
+    (1, ["eval", "--methods", "erm,nudge-n"], "nudge-n: the step (NUDGE's gamma, the adapter's "
+     "alpha) is chosen on held-out training queries, so at least 2 training queries are "
+     "needed, got 1: give more training pairs, or leave them out of --methods"),
     (1, ["build", "--method", "adapter"], "got 1: give more training pairs, or choose another "
      "--method")])
 def test_too_few_training_queries_to_hold_out_says_what_the_command_can_do(
