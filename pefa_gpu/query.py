@@ -20,7 +20,7 @@ import torch
 
 from . import persist, storage
 from ._version import __version__
-from .aggregate import normalize_rows, pifa
+from .aggregate import normalize_rows, normalize_rows_, pifa
 from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_device
 from .errors import FormatError, InputError
 from .index import make_index
@@ -129,7 +129,12 @@ class QueryAdapter(_Saved):
         p = as_embeddings(P, self.device, "P", check_norm=False).detach()
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
-        t = pifa(rel.transpose(), p, device=p.device)  # T = Π(Y P): (m, d)
+        t = pifa(rel.transpose(), p, normalize=False, device=p.device)  # Y P: (m, d)
+        bad = (~torch.isfinite(t).all(1)).nonzero().squeeze(1)
+        if bad.numel():  # Π of inf is NaN: a NaN W, every adapted query NaN
+            raise InputError(f"Y P, the targets of training queries {bad[:5].tolist()}, "
+                             f"overflow float32 (±3.4e38): scale Y's weights or P down")
+        t = normalize_rows_(t)  # T = Π(Y P)
         self.validation = {}
         alpha = self.params.alpha or self._choose_alpha(p, q, t, rel)  # a set alpha is > 0
         self.W = _solve(*_normal_equations(q, t), alpha).float()

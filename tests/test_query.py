@@ -511,3 +511,15 @@ def test_query_model_search_passes_check_on():
     s, i = qm.search(bad, 5, check=False)  # unchecked, as the model's own search
     assert torch.isnan(s[1]).all() and np.isfinite(s[0].numpy()).all()
     assert torch.equal(qm.search(T, 5, check=False)[1], qm.search(T, 5)[1])
+
+
+def test_adapter_targets_past_float32_are_refused():
+    """A training query whose weighted documents sum past float32 (Y P = inf) made T's row NaN:
+    fit returned a NaN W (a RuntimeWarning on the CPU only) and mapped every query to NaN."""
+    P, Q, Y, T = problem(3)
+    Y = Y.tolil()
+    Y[5, :] = 0
+    Y[5, 0] = Y[5, 1] = 3e38  # documents 0 and 1 are one vector: 6e38 P_0
+    for alpha in (1.0, None):
+        with pytest.raises(InputError, match=r"targets of training queries \[5\], overflow"):
+            pg.QueryAdapter(alpha=alpha, device="cpu").fit(Q, Y.tocsr(), P)
