@@ -76,7 +76,10 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
 def _id_row(row: Any, i: int) -> np.ndarray:
     """Row ``i`` of ragged positives as int64 ids; floats, strings, ids past int64: InputError
     (as a dense array's)."""
-    a = np.asarray(row).ravel()
+    try:
+        a = np.asarray(row).ravel()
+    except ValueError:  # a row holding a list ([0, [1]]): numpy's 'inhomogeneous shape'
+        a = np.asarray(row, dtype=object).ravel()
     if a.size and (a.dtype.kind not in "iu" or a.dtype == np.uint64 and a.max() >= 2**63):
         raise InputError(f"positives row {i} must hold integer document ids, got {a.dtype} "
                          f"{a[:5].tolist()}")

@@ -298,12 +298,13 @@ def test_cuda_search_synchronises_once_score_and_backward_never():
 
 def test_ragged_positives_must_hold_integer_ids():
     """A ragged row of strings was int()'s bare ValueError, an id past int64 an OverflowError,
-    and a float id was truncated silently ([[0.5]] mined as if document 0 were a positive)."""
+    and a float id was truncated silently ([[0.5]] mined as if document 0 were a positive); a row
+    holding a list ([0, [1]]) was numpy's bare ValueError ('inhomogeneous shape')."""
     rng = np.random.default_rng(11)
     erm = pg.ERM(device="cpu").fit(unit_rows(rng, 30, 8))
     q = unit_rows(rng, 2, 8)
     for bad, what in [([[0, "a"], [1]], "<U"), ([[2**70], [1]], "object"),
-                      ([[0.5], [1]], "float64")]:
+                      ([[0.5], [1]], "float64"), ([[0, [1]], [1]], "object")]:
         with pytest.raises(pg.InputError, match=f"positives row 0 must hold integer document "
                                                 f"ids, got {what}"):
             pg.mine_negatives(erm, q, bad, 3)
