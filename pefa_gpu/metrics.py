@@ -19,7 +19,7 @@ log = logging.getLogger("pefa_gpu")
 def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(B, K) gains of the ranked ids, (B,) relevant counts, and (B, min(R, K)) sorted ideal
     gains (R: the most relevant documents of a query)."""
-    ids = np.asarray(to_numpy(ids))
+    ids = np.asarray(to_numpy(ids, "ids"))
     if ids.ndim != 2:
         raise InputError(f"ids must be 2-D (queries, ranks), got shape {ids.shape}")
     rel = as_relevance(Y_test, name="Y_test", allow_empty=True).csr

@@ -159,3 +159,12 @@ def test_count_empty_must_be_a_bool():
     with pytest.raises(pg.InputError, match="count_empty must be True or False, got 'no'"):
         pg.evaluate(np.array([[0], [1]]), Y, ks=(1,), count_empty="no")
     assert pg.evaluate(np.array([[0], [1]]), Y, ks=(1,), count_empty=np.True_)["n_queries"] == 2
+
+
+def test_ids_that_are_no_array_are_named():
+    """ids=None or a ragged list were 'array must be an array ...' / 'array could not be turned
+    into a numeric array': the message named no argument."""
+    y = sp.csr_matrix(np.eye(2, 5, dtype=np.float32))
+    for bad in (None, {}, [[0, 1], [1]]):
+        with pytest.raises(pg.InputError, match=r"^ids "):
+            pg.evaluate(bad, y, ks=(1,))
