@@ -44,7 +44,7 @@ class Relevance:
         _check_ids(qi, m, "from_pairs", "query")
         _check_ids(di, n, "from_pairs", "document")
         w = np.ones(qi.size, bool) if weights is None else np.asarray(  # bool: duplicates are 1
-            _real(np.asarray(weights), "weights"), dtype=np.float32).ravel()
+            _real(_array(weights, "weights"), "weights"), dtype=np.float32).ravel()
         if w.shape != qi.shape:
             raise InputError(f"weights has {w.size} entries but there are {qi.size} pairs")
         return cls(sp.csr_matrix((w, (qi, di)), shape=(m, n)))
@@ -63,7 +63,7 @@ class Relevance:
     def rows(self, index: Any) -> "Relevance":
         """The sub-matrix of the given query rows (0-based positions, or a boolean mask)."""
         m = self.shape[0]
-        idx = np.asarray(index)
+        idx = _array(index, "rows")
         if idx.dtype == bool and idx.shape == (m,):
             idx = np.flatnonzero(idx)
         if idx.ndim > 1:
@@ -203,9 +203,23 @@ def _inferred_size(ids: np.ndarray, name: str) -> int:
     return top + 1
 
 
+def _array(x: Any, name: str) -> np.ndarray:
+    """``x`` as numpy: numpy, torch (bfloat16 widened, CUDA copied), cupy through to_numpy,
+    else np.asarray; what numpy cannot read (a ragged list) is an InputError naming ``name``."""
+    if hasattr(x, "__dlpack__"):
+        return to_numpy(x, name)
+    try:
+        return np.asarray(x)
+    except ValueError as exc:  # 'inhomogeneous shape'
+        raise InputError(f"{name} could not be read as an array: {exc}") from None
+
+
 def _index_array(x: Any, name: str) -> np.ndarray:
-    a = np.asarray(to_numpy(x) if not isinstance(x, (list, tuple, range)) else x).ravel()
+    a = _array(x, name).ravel()
     if a.size and not np.issubdtype(a.dtype, np.integer):
         if not (np.issubdtype(a.dtype, np.floating) and np.all(a == np.round(a))):
             raise InputError(f"{name} must hold integer indices, got dtype {a.dtype}")
+    if a.size and (a.max() >= 2**63 or a.min() < -2**63):  # int64's cast wraps them
+        bad = a[(a >= 2**63) | (a < -2**63)]
+        raise InputError(f"{name} holds ids beyond int64: {bad[:5].tolist()}")
     return a.astype(np.int64)

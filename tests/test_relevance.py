@@ -143,3 +143,22 @@ def test_malformed_shapes_rows_and_index_arrays_are_input_errors():
         setattr(bad, attr, getattr(bad, attr).reshape(-1, 1))
         with pytest.raises(InputError, match="indices and data must be 1-D"):
             pg.as_relevance(bad)
+
+
+def test_from_pairs_and_rows_read_ragged_big_and_bfloat16_arrays_by_name():
+    """A ragged list (query_ids, weights, rows) was numpy's bare ValueError; a float id of inf /
+    1e30 or a uint64 past int64 wrapped in the int64 cast, named as -9223372036854775808 / -1;
+    bfloat16 torch weights were numpy's TypeError 'Got unsupported ScalarType BFloat16'."""
+    with pytest.raises(InputError, match="query_ids could not be read as an array"):
+        pg.Relevance.from_pairs([[0, 1], [2]], [0, 1, 2])
+    with pytest.raises(InputError, match="weights could not be read as an array"):
+        pg.Relevance.from_pairs([0, 1], [0, 1], weights=[[1], [1, 2]])
+    with pytest.raises(InputError, match="rows could not be read as an array"):
+        pg.Relevance.from_pairs([0, 1], [0, 1]).rows([[0], [1, 0]])
+    for bad, shown in ((np.array([0.0, np.inf]), r"\[inf\]"), (np.array([0, 1e30]), r"\[1e\+30\]"),
+                       (np.array([0, 2**64 - 1], np.uint64), r"\[18446744073709551615\]")):
+        with pytest.raises(InputError, match=f"doc_ids holds ids beyond int64: {shown}"):
+            pg.Relevance.from_pairs([0, 1], bad, shape=(2, 2))
+    w = torch.tensor([1.0, 2.5], dtype=torch.bfloat16)
+    y = pg.Relevance.from_pairs([0, 1], [1, 0], weights=w)
+    assert y.csr.toarray().tolist() == [[0.0, 1.0], [2.5, 0.0]]
