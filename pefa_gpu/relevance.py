@@ -43,8 +43,8 @@ class Relevance:
                              f"(at most {MAX_ROWS} queries and documents)")
         _check_ids(qi, m, "from_pairs", "query")
         _check_ids(di, n, "from_pairs", "document")
-        w = np.ones(qi.size, bool) if weights is None else np.asarray(  # bool: duplicates are 1
-            _real(_array(weights, "weights"), "weights"), dtype=np.float32).ravel()
+        w = np.ones(qi.size, bool) if weights is None else _float32(  # bool: duplicates are 1
+            _real(_array(weights, "weights"), "weights"), "weights").ravel()
         if w.shape != qi.shape:
             raise InputError(f"weights has {w.size} entries but there are {qi.size} pairs")
         return cls(sp.csr_matrix((w, (qi, di)), shape=(m, n)))
@@ -111,7 +111,9 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        return _finite(sp.csr_matrix(_real(y, name), dtype=np.float32), name)  # copies
+        c = sp.csr_matrix(_real(y, name))  # copies
+        return _finite(sp.csr_matrix((_float32(c.data, name), c.indices, c.indptr),
+                                     shape=c.shape), name)
     if y.ndim != 2:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
     _real(y, name)
@@ -132,7 +134,7 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
                              f"{rows.shape}, {cols.shape}, {data.shape}")
         _check_ids(rows, m, name, "row (query)")
         _check_ids(cols, n, name, "column (document)")
-        csr = sp.csr_matrix((np.array(data, dtype=np.float32), (_int_copy(rows),
+        csr = sp.csr_matrix((_float32(np.asarray(data), name), (_int_copy(rows),
                                                                 _int_copy(cols))), shape=(m, n))
     csr.sum_duplicates()  # sorts the column ids too
     csr.eliminate_zeros()
@@ -159,7 +161,7 @@ def _compressed_csr(y: RelevanceLike, m: int, n: int, name: str) -> sp.csr_matri
     _check_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
                else "row (query)")
     cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
-    return cls((np.array(y.data[:nnz], dtype=np.float32), _int_copy(indices[:nnz]),
+    return cls((_float32(np.asarray(y.data[:nnz]), name), _int_copy(indices[:nnz]),
                 _int_copy(indptr)), shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
 
 
@@ -185,6 +187,18 @@ def _real(y: Any, name: str) -> Any:
         raise err(f"{name} has dtype {y.dtype}; relevance weights must be real numbers (bool, "
                   f"integer or float)")
     return y
+
+
+def _float32(data: np.ndarray, name: str) -> np.ndarray:
+    """A float32 copy of ``data``; wider floats that round to 0 there (|w| < 1e-45) are an
+    InputError (they were dropped as explicit zeros: a relevant pair gone without a word)."""
+    out = np.array(data, dtype=np.float32)
+    if data.dtype.kind == "f" and data.dtype.itemsize > 4 \
+            and np.count_nonzero(out) != np.count_nonzero(data):
+        tiny = data[(out == 0) & (data != 0)]
+        raise InputError(f"{name} holds weights too small for float32 (nonzero, |w| < 1e-45, "
+                         f"e.g. {tiny[:3].tolist()}): scale them up")
+    return out
 
 
 def _finite(csr: sp.csr_matrix, name: str) -> sp.csr_matrix:

@@ -162,3 +162,18 @@ def test_from_pairs_and_rows_read_ragged_big_and_bfloat16_arrays_by_name():
     w = torch.tensor([1.0, 2.5], dtype=torch.bfloat16)
     y = pg.Relevance.from_pairs([0, 1], [1, 0], weights=w)
     assert y.csr.toarray().tolist() == [[0.0, 1.0], [2.5, 0.0]]
+
+
+@pytest.mark.parametrize("fmt", ["dense", "torch", "csr", "csc", "coo", "lil", "pairs"])
+def test_weights_that_float32_rounds_to_zero_are_refused(fmt):
+    """A float64 weight below float32's smallest (1e-300) became an explicit 0 and was dropped:
+    a relevant pair gone without a word (evaluate skipped its query); inf is refused too."""
+    dense = np.array([[1.0, 1e-300], [0.0, 2.0]])
+    with pytest.raises(InputError, match=r"too small for float32 .*1e-300"):
+        if fmt == "pairs":
+            pg.Relevance.from_pairs([0, 0, 1], [0, 1, 1], weights=[1.0, 1e-300, 2.0])
+        elif fmt in ("dense", "torch"):
+            pg.as_relevance(dense if fmt == "dense" else torch.from_numpy(dense))
+        else:
+            pg.as_relevance(sp.csr_matrix(dense).asformat(fmt))
+    assert pg.as_relevance(sp.csr_matrix([[1.0, 1e-40]])).nnz == 2  # a float32 subnormal
