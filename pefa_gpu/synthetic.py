@@ -9,8 +9,10 @@ import dataclasses
 import numpy as np
 
 from .errors import InputError
-from .params import check_memory, check_nonnegative, check_positive
+from .params import check_memory, check_nonnegative, check_positive, is_number
 from .relevance import Relevance
+
+MAX_NOISE = 1e6  # noise norms: past it a row is noise alone, and float32 squares overflow
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,9 +35,15 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     query (at most ``max_rel``); noise norms relative to the unit centre / target."""
     n, m, d = (check_positive(v, k) for v, k in ((n, "n"), (m, "m"), (d, "d")))
     n_test, max_rel = check_nonnegative(n_test, "n_test"), check_positive(max_rel, "max_rel")
-    if popularity <= 0 or rel_exponent <= 1:
+    real = all(isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+               for x in (popularity, rel_exponent))  # '1' was '<=''s TypeError, NaN taken
+    if not (real and popularity > 0 and rel_exponent > 1):
         raise InputError(f"popularity must be > 0 and rel_exponent > 1, got {popularity!r}, "
                          f"{rel_exponent!r}")
+    for name, v in (("doc_noise", doc_noise), ("query_noise", query_noise)):
+        if not (is_number(v) and 0 <= v <= MAX_NOISE):  # NaN / 1e38: NaN or zero rows
+            raise InputError(f"{name} must be a number in [0, {MAX_NOISE:g}] (a norm relative "
+                             f"to the unit signal), got {v!r}")
     c = check_positive(clusters, "clusters") if clusters else max(1, int(np.sqrt(n)))
     sizes = f"make_synthetic(n={n}, m={m}, d={d}, n_test={n_test}, clusters={c}"
     # P, Q, Q_test and the centres as float32: numpy's MemoryError (or the OOM killer) otherwise
@@ -55,7 +63,7 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
 
     def queries(count: int) -> tuple[np.ndarray, Relevance]:
         target = np.minimum(np.searchsorted(cum, rng.random(count)), n - 1)
-        n_rel = np.minimum(rng.zipf(rel_exponent, count), max_rel)
+        n_rel = np.minimum(rng.zipf(rel_exponent, count), min(max_rel, 2**62))  # (int64)
         pairs = n_rel.sum(dtype=np.float64)  # no int64 overflow for a huge max_rel
         check_memory(48 * pairs, f"{sizes}, max_rel={max_rel}, rel_exponent={rel_exponent}) "
                       f"drew {pairs:.4g} relevant pairs: about", "index arrays")

@@ -212,3 +212,19 @@ def test_synthetic_seed_and_relevant_pair_counts_are_checked():
     with pytest.raises(pg.InputError, match=r"max_rel=1000000000000, rel_exponent=1.0001\) drew "
                                             r".* relevant pairs: about .* GiB of index arrays"):
         make_synthetic(100, 10**6, 4, 0, max_rel=10**12, rel_exponent=1.0001)
+
+
+def test_synthetic_exponents_and_noise_are_checked():
+    """popularity='1' was '<=''s bare TypeError, popularity=NaN taken, rel_exponent=NaN numpy's
+    ValueError; doc_noise / query_noise NaN or 1e38 gave NaN rows, a str a ufunc TypeError;
+    max_rel=10**30 was numpy's OverflowError."""
+    for bad in (dict(popularity="1"), dict(popularity=float("nan")), dict(popularity=True),
+                dict(rel_exponent=float("nan")), dict(rel_exponent=None)):
+        with pytest.raises(pg.InputError, match="popularity must be > 0 and rel_exponent > 1"):
+            make_synthetic(10, 10, 4, 2, **bad)
+    for name in ("doc_noise", "query_noise"):
+        for v in (float("nan"), 1e38, -1.0, "x"):
+            with pytest.raises(pg.InputError, match=f"{name} must be a number in"):
+                make_synthetic(10, 10, 4, 2, **{name: v})
+    data = make_synthetic(10, 10, 4, 2, max_rel=10**30, popularity=float("inf"))
+    assert np.isfinite(data.P).all() and data.Y.nnz >= 10
