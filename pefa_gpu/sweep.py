@@ -76,6 +76,13 @@ def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABL
     """Rows of method / lam / k / metrics as a markdown table (4 decimals); a γ column when a
     row has a NUDGE step ("gamma")."""
     metrics = [metrics] if isinstance(metrics, str) else metrics  # not one column per letter
+    try:  # None / 5 were '*''s bare TypeError, [['recall@10']] 'unhashable type'
+        metrics = list(metrics)
+    except TypeError:
+        metrics = [None]
+    if not all(isinstance(m, str) for m in metrics):
+        raise InputError(f"metrics must be metric names (a str or a sequence of them), got "
+                         f"{metrics!r:.100}")
     gamma = any(r.get("gamma") is not None for r in rows)
     head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

@@ -274,3 +274,14 @@ def test_numpy_scalar_lams_are_taken_as_the_params_take_them():
     erm, knn = xl.index.search(q, 20), xl.neighbours(q, 4)
     fused = xl.fuse_grid(q, erm, knn, (lam,), (4,), 10)
     assert torch.equal(fused[(0.5, 4)][1], xl.fuse(q, erm, knn, 10, lam=0.5)[1])
+
+
+def test_markdown_table_names_metrics_that_are_not_names():
+    """to_markdown(None) / (5) were '*''s bare TypeError ('Value after * must be an iterable'),
+    [['recall@10']] 'unhashable type: list'; none named metrics."""
+    rows = [{"method": "erm", "lam": None, "k": None, "recall@10": 0.5}]
+    res = pg.SweepResult(rows, {})
+    for bad in (None, 5, [["recall@10"]], [1]):
+        with pytest.raises(InputError, match="metrics must be metric names"):
+            res.to_markdown(bad)
+    assert "| ERM |  |  | 0.5000 |" in res.to_markdown(("recall@10",))
