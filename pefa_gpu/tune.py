@@ -26,7 +26,7 @@ from .arrays import (ArrayLike, DeviceLike, as_embeddings, check_topk, resolve_d
 from .errors import InputError
 from .methods import fit_config
 from .models import ERM
-from .params import is_number
+from .params import check_nonnegative, is_number
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 from .sweep import (METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, _rows,
@@ -156,14 +156,17 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     """(fitting pairs matched to the estimated test coverage, info): ``val_coverage``,
     ``proxy_val`` / ``proxy_test`` (top-1 documents with a training pair),
     ``test_coverage_estimate``, ``matched_coverage`` (module docstring)."""
+    seed = check_nonnegative(seed, "seed")  # 1.5 / -2: numpy's errors, only when pairs drop
     erm = ERM(backend=backend, device=device).fit(P)
     n = erm.n_docs  # columns of other widths were an IndexError, or indexed silently
+    # q_val as rows first: a list of other length than y_val's rows was taken
+    qv = as_embeddings(q_val, erm.device, "q_val", dim=erm.dim, check_norm=False)
     yf = as_relevance(y_fit, (None, n), "y_fit", allow_empty=True).csr
-    yv = as_relevance(y_val, (_rows(q_val), n), "y_val", allow_empty=True).csr
+    yv = as_relevance(y_val, (qv.shape[0], n), "y_val", allow_empty=True).csr
     ya = as_relevance(y_all, (None, n), "y_all").csr
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
-    top_val = to_numpy(erm.search(q_val, 1)[1])[:, 0]
+    top_val = to_numpy(erm.search(qv, 1)[1])[:, 0]
     # named as given (was 'queries'); none: a test coverage of 0 dropped every fitting pair
     tq = as_embeddings(test_queries, erm.device, "test_queries", dim=erm.dim, check_norm=False)
     if not tq.shape[0]:

@@ -235,3 +235,18 @@ def test_test_queries_are_named_and_none_of_them_is_refused():
                      (np.zeros((0, 8), np.float32), "test_queries is empty")):
         with pytest.raises(InputError, match=match):
             tune(P, Q, Y, test_queries=T, **SMALL)
+
+
+def test_match_coverage_checks_q_val_rows_and_seed():
+    """A q_val list of other length than y_val's rows was taken (its proxy from other queries);
+    seed=1.5 / -2 were numpy's bare TypeError / ValueError, and only when pairs were dropped."""
+    from pefa_gpu.tune import match_coverage
+    rng = np.random.default_rng(0)
+    P, Q = (rng.standard_normal((n, 8)).astype(np.float32) for n in (20, 30))
+    P /= np.linalg.norm(P, axis=1, keepdims=True)
+    Y = sp.csr_matrix((np.ones(30, np.float32), (np.arange(30), np.arange(30) % 20)))
+    with pytest.raises(InputError, match="y_val has 10 rows .queries. but there are 9"):
+        match_coverage(P, Q[20:29].tolist(), Y[:20], Y[20:], Y, -P, device="cpu")
+    for seed in (1.5, -2, "a"):
+        with pytest.raises(InputError, match="seed must be an int >= 0"):
+            match_coverage(P, Q[20:], Y[:20], Y[20:], Y, -P, seed=seed, device="cpu")
