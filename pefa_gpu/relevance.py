@@ -66,6 +66,9 @@ class Relevance:
         idx = _array(index, "rows")
         if idx.dtype == bool and idx.shape == (m,):
             idx = np.flatnonzero(idx)
+        elif idx.dtype == bool:  # was 'rows takes integer row positions, got dtype bool'
+            raise InputError(f"rows: a boolean mask needs {m} entries (Y's rows), got shape "
+                             f"{idx.shape}")
         if idx.ndim > 1:
             raise InputError(f"rows takes a 1-D array of row positions, got shape {idx.shape}")
         if idx.size and idx.dtype.kind not in "iu":

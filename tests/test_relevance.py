@@ -177,3 +177,12 @@ def test_weights_that_float32_rounds_to_zero_are_refused(fmt):
         else:
             pg.as_relevance(sp.csr_matrix(dense).asformat(fmt))
     assert pg.as_relevance(sp.csr_matrix([[1.0, 1e-40]])).nnz == 2  # a float32 subnormal
+
+
+def test_rows_names_a_boolean_mask_of_another_length():
+    """A mask of 2 entries for 3 rows was 'rows takes integer row positions, got dtype bool'."""
+    y = pg.Relevance(sp.eye(3, format="csr"))
+    for mask in ([True, False], np.ones(4, bool), np.ones((3, 1), bool)):
+        with pytest.raises(InputError, match=r"a boolean mask needs 3 entries .Y's rows., got sh"):
+            y.rows(mask)
+    assert y.rows([False, True, True]).csr.toarray().tolist() == [[0, 1, 0], [0, 0, 1]]
