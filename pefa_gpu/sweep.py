@@ -9,6 +9,7 @@ import logging
 import time
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .aggregate import normalize_rows
@@ -123,6 +124,11 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
 
     methods, lams, ks = check_sweep_grid(methods, lams, ks)
     topk = check_positive(topk, "topk")
+    if not isinstance(show_progress, (bool, np.bool_)):  # 'no' showed the bar
+        raise InputError(f"show_progress must be True or False, got {show_progress!r}")
+    if timings is not None and not isinstance(timings, dict):  # a list: an AttributeError
+        raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
+                         f"got {type(timings).__name__}")  # after the first method's work
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
     timings = {} if timings is None else timings

@@ -285,3 +285,13 @@ def test_markdown_table_names_metrics_that_are_not_names():
         with pytest.raises(InputError, match="metrics must be metric names"):
             res.to_markdown(bad)
     assert "| ERM |  |  | 0.5000 |" in res.to_markdown(("recall@10",))
+
+
+def test_sweep_search_checks_show_progress_and_timings_first():
+    """show_progress='no' showed the bar; timings=[] was an AttributeError ('list' object has no
+    attribute 'get') after the first method's fit and search."""
+    P, Q, Y, test = _data(1)
+    for kw, match in ((dict(show_progress="no"), "show_progress must be True or False"),
+                      (dict(timings=[]), "timings must be a dict")):
+        with pytest.raises(InputError, match=match):
+            next(sweep_search(P, Q, Y, test, "erm", device="cpu", **kw))
