@@ -25,7 +25,8 @@ from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_dev
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
-from .params import Params, check_held_out, check_positive, check_scale, checked, is_number
+from .params import (Params, check_held_out, check_memory, check_positive, check_scale,
+                     checked, is_number)
 from .protocol import Model, check_model
 from .relevance import RelevanceLike, as_relevance
 from .splits import split_queries
@@ -129,6 +130,10 @@ class QueryAdapter(_Saved):
         p = as_embeddings(P, self.device, "P", check_norm=False).detach()
         q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
+        d = p.shape[1]
+        if p.device.type == "cpu":  # 2 rows of d = 30000 asked 14.4 GB: torch's RuntimeError
+            check_memory(7 * 8 * d * d, f"QueryAdapter: the ({d}, {d}) float64 normal "
+                                        f"equations and their solve need about", "memory")
         t = pifa(rel.transpose(), p, normalize=False, device=p.device)  # Y P: (m, d)
         bad = (~torch.isfinite(t).all(1)).nonzero().squeeze(1)
         if bad.numel():  # Π of inf is NaN: a NaN W, every adapted query NaN

@@ -523,3 +523,14 @@ def test_adapter_targets_past_float32_are_refused():
     for alpha in (1.0, None):
         with pytest.raises(InputError, match=r"targets of training queries \[5\], overflow"):
             pg.QueryAdapter(alpha=alpha, device="cpu").fit(Q, Y.tocsr(), P)
+
+
+def test_adapter_normal_equations_beyond_memory_are_refused_before_allocation():
+    """2 training queries of d = 30000 asked torch for 14.4 GB of (d, d) float64 (its bare
+    RuntimeError, or the OOM killer); d = 200000 (1.6 MB of rows) needs ~2 TB."""
+    d = 200_000
+    P = np.zeros((2, d), np.float32)
+    P[0, 0] = P[1, 1] = 1.0
+    with pytest.raises(InputError, match=r"QueryAdapter: the \(200000, 200000\) float64 normal "
+                                         r"equations and their solve need about .* GiB"):
+        pg.QueryAdapter(alpha=1.0, device="cpu").fit(P, sp.eye(2, format="csr"), P)
