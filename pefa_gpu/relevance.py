@@ -114,7 +114,8 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        c = sp.csr_matrix(_real(y, name))  # copies
+        wide = _real(y, name).dtype.kind == "f" and y.dtype.itemsize > 4  # scipy: no float16
+        c = sp.csr_matrix(y) if wide else sp.csr_matrix(y, dtype=np.float32)  # copies
         return _finite(sp.csr_matrix((_float32(c.data, name), c.indices, c.indptr),
                                      shape=c.shape), name)
     if y.ndim != 2:

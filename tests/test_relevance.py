@@ -177,6 +177,7 @@ def test_weights_that_float32_rounds_to_zero_are_refused(fmt):
         else:
             pg.as_relevance(sp.csr_matrix(dense).asformat(fmt))
     assert pg.as_relevance(sp.csr_matrix([[1.0, 1e-40]])).nnz == 2  # a float32 subnormal
+    assert pg.as_relevance(np.array([[1.0, 0.0]], np.float16)).nnz == 1  # no scipy float16
 
 
 def test_rows_names_a_boolean_mask_of_another_length():
