@@ -124,14 +124,9 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
 
     methods, lams, ks = check_sweep_grid(methods, lams, ks)
     topk = check_positive(topk, "topk")
-    if not isinstance(show_progress, (bool, np.bool_)):  # 'no' showed the bar
-        raise InputError(f"show_progress must be True or False, got {show_progress!r}")
-    if timings is not None and not isinstance(timings, dict):  # a list: an AttributeError
-        raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
-                         f"got {type(timings).__name__}")  # after the first method's work
+    timings = _check_reporting(show_progress, timings)
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
-    timings = {} if timings is None else timings
     common = dict(backend=backend, device=dev)
     # exact backend: ERM's top-k is the prefix of XL's passage search (same index, same tie
     # rule), so with both methods the passage index is built and searched once
@@ -178,6 +173,18 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
             for item in out:
                 bar.update(1)
                 yield item
+
+
+def _check_reporting(show_progress: Any, timings: Any) -> dict[str, float]:
+    """``timings`` (a new dict for None); InputError unless ``show_progress`` is a bool (the
+    string 'no' showed the bar) and ``timings`` a dict or None (a list was an AttributeError
+    after the first method's fit and search)."""
+    if not isinstance(show_progress, (bool, np.bool_)):
+        raise InputError(f"show_progress must be True or False, got {show_progress!r}")
+    if timings is not None and not isinstance(timings, dict):
+        raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
+                         f"got {type(timings).__name__}")
+    return {} if timings is None else timings
 
 
 # bytes a cell of a score block costs in _xs_all_lams: its two float32 scores, their maximum
