@@ -10,6 +10,7 @@ import torch
 
 from .arrays import DeviceLike, as_embeddings, as_tensor, is_bfloat16, resolve_device
 from .errors import InputError
+from .params import check_flag
 from .relevance import as_relevance
 from .aggregate_stream import check_initial, pifa_streamed
 from .stream import RowSource, row_source
@@ -65,8 +66,7 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
     in row chunks within ``memory_budget`` bytes (default 512 MiB plus the output). ``initial``:
     a contiguous (n, d) float32 tensor on ``device``, accumulated into in place and returned."""
     dev = resolve_device(device)
-    if not isinstance(normalize, (bool, np.bool_)):  # 'no' normalised
-        raise InputError(f"normalize must be True or False, got {normalize!r}")
+    check_flag(normalize, "normalize")
     rel = as_relevance(Y, allow_empty=True)
     m = rel.shape[0]
     src = row_source(Q, "Q")

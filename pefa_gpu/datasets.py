@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, MissingDependencyError
-from .params import FLOAT32_MAX, is_number
+from .params import FLOAT32_MAX, check_flag, is_number
 from .relevance import Relevance
 from .storage import as_path, read_matrix
 
@@ -116,8 +116,7 @@ def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
         raise InputError(f"min_score must be a finite number{' or None' if none_ok else ''}, "
                          f"got {min_score!r}")
     for name, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
-            raise InputError(f"{name} must be True or False, got {value!r}")
+        check_flag(value, name)
 
 
 def _csv_rows(reader: Any, path: Path):

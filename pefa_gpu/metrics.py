@@ -11,6 +11,7 @@ import numpy as np
 
 from .arrays import ArrayLike, to_numpy
 from .errors import InputError
+from .params import check_flag
 from .relevance import RelevanceLike, as_relevance
 
 log = logging.getLogger("pefa_gpu")
@@ -65,8 +66,7 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
     """{"recall@k", "ndcg@k" (graded gains), "mrr@k" for each k; "n_queries" averaged over,
     "n_skipped", "n_empty" (without a relevant document)}: ids (B, K >= every k), Y_test (B x n)."""
     ks = check_ks(ks)
-    if not isinstance(count_empty, (bool, np.bool_)):  # 'no' counted them
-        raise InputError(f"count_empty must be True or False, got {count_empty!r}")
+    check_flag(count_empty, "count_empty")
     gains, n_rel, ideal = _gains(ids, Y_test)
     width = gains.shape[1]
     if max(ks) > width:

@@ -196,6 +196,13 @@ def check_memory(need: float, what: str, of: str) -> None:
                          f"{memory / 2**30:.4g} GiB of memory")
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """A Python or numpy bool as a bool, else InputError (the string 'no' is truthy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise InputError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
 def check_nonnegative(value: Any, name: str, zero: str = "", top: int | None = None) -> int:
     """A Python or numpy int >= 0 (and <= ``top``) as a Python int; ``zero``: what 0 means, for
     the message."""

@@ -9,7 +9,6 @@ import logging
 import time
 from typing import Any, Iterator, Sequence
 
-import numpy as np
 import torch
 
 from .aggregate import normalize_rows
@@ -19,7 +18,7 @@ from .methods import REGISTRY, takes
 from .metrics import check_ks, evaluate
 from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
-from .params import XLParams, XLSearchParams, check_grid, check_positive
+from .params import XLParams, XLSearchParams, check_flag, check_grid, check_positive
 from .relevance import RelevanceLike, as_relevance
 from .topk import merge_topk, topk_rows
 
@@ -179,8 +178,7 @@ def _check_reporting(show_progress: Any, timings: Any) -> dict[str, float]:
     """``timings`` (a new dict for None); InputError unless ``show_progress`` is a bool (the
     string 'no' showed the bar) and ``timings`` a dict or None (a list was an AttributeError
     after the first method's fit and search)."""
-    if not isinstance(show_progress, (bool, np.bool_)):
-        raise InputError(f"show_progress must be True or False, got {show_progress!r}")
+    check_flag(show_progress, "show_progress")
     if timings is not None and not isinstance(timings, dict):
         raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
                          f"got {type(timings).__name__}")

@@ -22,6 +22,7 @@ import scipy.sparse as sp
 from .aggregate import normalize_rows, pifa
 from .arrays import as_tensor, to_numpy
 from .errors import FormatError, InputError
+from .params import check_flag
 from .relevance import Relevance
 from .storage import as_path, load_csr, read_matrix
 
@@ -67,8 +68,7 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
     if not isinstance(aug, str) or aug not in AUGMENTATIONS:  # ['v0']: unhashable type
         raise InputError(f"aug={aug!r} is not one of {sorted(AUGMENTATIONS)} "
                          f"(v0 trn, v1 doc, v2 d2q, v3 trn+doc, v4 trn+d2q, v5 trn+doc+d2q)")
-    if not isinstance(normalize, (bool, np.bool_)):  # 'no' normalised
-        raise InputError(f"normalize must be True or False, got {normalize!r}")
+    check_flag(normalize, "normalize")
     xmc_root, emb_root = _folder(xmc_dir, "XMC", "xmc_dir"), _folder(emb_dir, "embedding",
                                                                       "emb_dir")
     wanted = ("abs", "tst", *AUGMENTATIONS[aug])
