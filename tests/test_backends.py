@@ -320,6 +320,21 @@ def test_ivf_pq_nbits_past_faiss_limit_is_refused():
     assert backend_class("ivf").Params(pq_nbits=24).pq_nbits == 24
 
 
+@FAISS
+def test_ivf_few_training_vectors_warn_through_the_log_not_faiss_stderr(capfd, caplog):
+    """IVF-PQ on 3,000 vectors printed faiss' 'WARNING clustering 3000 points to 256
+    centroids' to stderr once per sub-quantizer, even under --quiet; now one log line (the
+    index as before: faiss' minimum only warns)."""
+    x = unit_rows(np.random.default_rng(8), 3000, 8)
+    with caplog.at_level("WARNING", logger="pefa_gpu"):
+        index = make_index("ivf", "cpu", {"kind": "pq", "nlist": 8, "threads": 1}).build(x)
+    assert "WARNING clustering" not in capfd.readouterr().err
+    assert [r.getMessage() for r in caplog.records] == [
+        "ivf: 2048 training vectors for 256 k-means centres (faiss suggests 9984): raise "
+        "train_size, or lower nlist / pq_nbits"]
+    assert index.ntotal == 3000
+
+
 @pytest.mark.gpu
 def test_cagra_search_params_per_call():
     x, q = easy_data(19, n=5000)

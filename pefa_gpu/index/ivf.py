@@ -117,6 +117,12 @@ class IVFIndex(FaissBackend):
                 raise InputError(f"pq_m={m} must divide the dimension {d}")
             spec = f"IVF{nlist},PQ{m}x{p.pq_nbits}"
         index = self._to_device(f.index_factory(d, spec, f.METRIC_INNER_PRODUCT))
+        for holder in (index, getattr(index, "pq", None)):  # k-means' stderr line, past -q:
+            if hasattr(holder, "cp"):  # the log line below instead (min only warns in faiss)
+                holder.cp.min_points_per_centroid = 1
+        if size < 39 * need:
+            log.warning("ivf: %d training vectors for %d k-means centres (faiss suggests %d): "
+                        "raise train_size, or lower nlist / pq_nbits", size, need, 39 * need)
         if not self.on_gpu and not isinstance(x, np.ndarray):  # the move to the GPU failed
             x = host_float32(x, "vectors", check_finite=False)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
