@@ -568,13 +568,12 @@ class PEFAXL(_Model):
         if _kind(q) != "f" or q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"q must be a (B, {self.dim}) float array, got "
                              f"{type(q).__name__} {getattr(q, 'shape', '')}")
-        return lams, ks, self._checked_pair("erm", erm, q, self.n_docs, False), \
-            self._checked_pair("knn", knn, q, self.relevance.shape[0], False)
+        return lams, ks, self._checked_pair("erm", erm, q, self.n_docs), \
+            self._checked_pair("knn", knn, q, self.relevance.shape[0])
 
-    def _checked_pair(self, name: str, pair: Any, q: Any, top: int, same_kind: bool = True
-                      ) -> tuple[Array, Array]:
-        """``pair`` (scores, ids) of (B, w) float / signed integer arrays, ids in [-1, top);
-        ``same_kind``: as q's kind of array."""
+    def _checked_pair(self, name: str, pair: Any, q: Any, top: int) -> tuple[Array, Array]:
+        """``pair`` (scores, ids) of (B, w) float / signed integer arrays, ids in [-1, top), as
+        q's kind of array (on q's device)."""
         pair = pair if isinstance(pair, (tuple, list)) else (pair,)
         ok = len(pair) == 2 and _kind(pair[0]) == "f" and _kind(pair[1]) in ("i", "u") \
             and pair[0].ndim == 2 and pair[0].shape == pair[1].shape and len(pair[0]) == len(q)
@@ -589,10 +588,9 @@ class PEFAXL(_Model):
         if bool(((ids < -1) | (ids >= top)).any()):  # on CUDA: one synchronisation
             raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
                              f"{int(ids.min())} .. {int(ids.max())}")
-        if same_kind and isinstance(q, np.ndarray):
+        if isinstance(q, np.ndarray):
             return to_numpy(scores), to_numpy(ids)
-        return (as_tensor(scores, device=q.device), as_tensor(ids, device=q.device)) \
-            if same_kind else (scores, ids)
+        return as_tensor(scores, device=q.device), as_tensor(ids, device=q.device)
 
     def _fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
                    lams: Sequence[float], ks: Sequence[int], topk: int,
