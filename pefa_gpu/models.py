@@ -186,7 +186,8 @@ class _Model:
 
     def score(self, queries: ArrayLike, ids: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """(B, d) queries (float32 / float64, may require grad), (B, K) int64 ids (-1: padding)
-        -> (B, K) differentiable scores in the queries' dtype, -inf at padding (training.py)."""
+        -> (B, K) differentiable scores in the queries' dtype, -inf at padding (training.py);
+        ``check``: ids in range and queries finite (default: unless on CUDA; else NaN there)."""
         self.check_fitted()
         chk = training.check_default(queries, check)
         dtype = torch.float64 if (isinstance(queries, torch.Tensor)
@@ -196,7 +197,9 @@ class _Model:
         i = training.as_ids(ids, q.shape[0], self.n_docs, self.device, chk)
         if i.numel() == 0:  # no queries or no ids
             return torch.empty(i.shape, dtype=q.dtype, device=q.device)
-        return self._score(q, i.clamp_min(0)).masked_fill(i < 0, float("-inf"))
+        s = self._score(q, i.clamp(0, self.n_docs - 1)).masked_fill(i < 0, float("-inf"))
+        # unchecked ids out of range: NaN (indexing with them was a CUDA device assert)
+        return s.masked_fill((i < -1) | (i >= self.n_docs), float("nan"))
 
     def _fitted(self: M, p: torch.Tensor, rows: torch.Tensor) -> M:
         """Take documents p (n, d) and index ``rows`` (n, d); returns the fitted model."""

@@ -155,6 +155,22 @@ def test_score_errors():
         xs.score(np.full((1, D), np.nan, np.float32), np.zeros((1, 1), np.int64))
 
 
+@pytest.mark.parametrize("kind,opts", MODELS)
+def test_unchecked_ids_out_of_range_score_nan_not_a_crash(kind, opts):
+    """score(check=False), the default on CUDA, indexed the documents with ids >= n or < -1:
+    numpy's IndexError here, a device-side assert (the CUDA context lost) on a GPU; those
+    scores are NaN now, the others as checked."""
+    P, Q, Y, T = _data(9)
+    model = _fit(kind, opts, P, Q, Y)
+    ids = np.tile(np.array([3, N, -1, N + 7, -5, 0]), (B, 1))
+    got = model.score(torch.from_numpy(T).requires_grad_(), ids, check=False)
+    bad = (ids >= N) | (ids < -1)
+    assert torch.isnan(got[torch.from_numpy(bad)]).all()
+    fine = np.where(bad, -1, ids)
+    assert torch.equal(got[torch.from_numpy(~bad)], model.score(T, fine)[torch.from_numpy(~bad)])
+    got.nan_to_num(0.0, 0.0, 0.0).sum().backward()  # masked scores pass no gradient
+
+
 def test_search_of_a_query_that_requires_grad_keeps_no_graph():
     P, Q, Y, T = _data(7)
     q = torch.from_numpy(T).requires_grad_()
