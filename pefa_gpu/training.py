@@ -56,11 +56,14 @@ def inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
-    """A (B x n) Relevance / scipy matrix, a list of id lists or a (B, P) -1 padded int array
-    -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs): InputError."""
+    """A (B x n) Relevance / scipy matrix (entries > 0), a list of id lists or a (B, P) -1 padded
+    int array -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs):
+    InputError."""
     if isinstance(positives, Relevance) or sp.issparse(positives):
         csr = as_relevance(positives, name="positives", allow_empty=True).csr
-        positives = [csr.indices[csr.indptr[r]:csr.indptr[r + 1]] for r in range(csr.shape[0])]
+        graded = csr.data > 0  # a grade <= 0 (e.g. -1: judged not relevant) is no positive
+        positives = [csr.indices[lo:hi][graded[lo:hi]]
+                     for lo, hi in zip(csr.indptr[:-1].tolist(), csr.indptr[1:].tolist())]
     if isinstance(positives, (list, tuple)) and all(
             isinstance(r, (list, tuple, np.ndarray)) for r in positives):  # ragged rows
         rows = [_id_row(r, i) for i, r in enumerate(positives)]

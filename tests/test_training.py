@@ -219,6 +219,24 @@ def test_mine_negatives_never_returns_a_positive(kind, opts):
     assert (got[-1] == -1).sum() >= N // 2
 
 
+def test_mine_negatives_takes_only_positive_grades_of_a_matrix():
+    """A matrix's entries <= 0 (a -1 grade: judged not relevant; an explicit 0) counted as
+    positives, so those documents, the surest negatives, were never mined."""
+    P, Q, Y, T = _data(10)
+    model = _fit("erm", {}, P, Q, Y)
+    _, top = model.search(T, topk=3)
+    top = top.numpy()
+    rows = np.repeat(np.arange(B), 3)
+    grades = np.tile(np.array([1.0, -1.0, 0.0], np.float32), B)
+    graded = sp.csr_matrix((grades, (rows, top.reshape(-1))), shape=(B, N))
+    assert graded.nnz == 3 * B  # the zeros stored
+    want = _reference_negatives(model, T, [[row[0]] for row in top], 4, 0)
+    for positives in (graded, pg.Relevance(graded)):
+        got = pg.mine_negatives(model, T, positives, n=4).numpy()
+        np.testing.assert_array_equal(got, want)
+        assert (got[:, 0] == top[:, 1]).all()  # the -1 graded document, mined first
+
+
 def test_mine_negatives_errors():
     P, Q, Y, T = _data(10)
     xs = _fit("xs", {}, P, Q, Y)
