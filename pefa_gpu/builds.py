@@ -82,9 +82,6 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
         raise InputError(f"{root} does not exist (give the folder `pefa-gpu build --out` wrote)")
     if not root.is_dir():  # e.g. its pefa_build.json: it said 'pefa_build.json missing'
         raise InputError(f"{root} is a file; give the folder `pefa-gpu build --out` wrote")
-    if not (root / BUILD_MANIFEST).is_file():
-        raise FormatError(f"{root} is not a `pefa-gpu build` folder ({BUILD_MANIFEST} missing: "
-                          f"the build is incomplete or this is another kind of folder)")
     save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)
     info = save.manifest
     ids_file = save.file(info.get("doc_ids"))

@@ -106,7 +106,10 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
         index = faiss.IndexHNSWFlat(d, M, ip)
         index.hnsw.efConstruction = ef_construction
         index.add(x)
-    elif method == "cagra":
+    else:  # cagra / knn: a graph of base-level links, every vector on level 0 only
+        index = faiss.IndexHNSWCagra(d, M, ip)
+        index.base_level_only = True
+    if method == "cagra":
         if dev.type != "cuda" or not hasattr(faiss, "GpuIndexCagra"):
             raise InputError("method='cagra' needs a CUDA device and faiss-gpu with cuVS")
         cfg = faiss.GpuIndexCagraConfig()
@@ -114,13 +117,9 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
         cfg.device = cuda_index(dev)
         gpu = faiss.GpuIndexCagra(faiss.StandardGpuResources(), d, ip, cfg)
         gpu.train(x)
-        index = faiss.IndexHNSWCagra(d, M, ip)
-        index.base_level_only = True
         gpu.copyTo(index)
-    else:  # knn: the exact graph (n, 2M) as base-level links, every vector on level 0 only
+    elif method == "knn":  # the exact graph (n, 2M)
         graph = to_numpy(knn_graph(vectors, 2 * M, dev)).astype(np.int32)
-        index = faiss.IndexHNSWCagra(d, M, ip)
-        index.base_level_only = True
         faiss.copy_array_to_vector(np.ones(n, dtype=np.int32), index.hnsw.levels)
         index.hnsw.prepare_level_tab(n, True)
         index.storage.add(x)

@@ -81,32 +81,22 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
         raise InputError(f"save_tensor stores real tensors, got dtype {dtype_name(tensor.dtype)}")
     out = _with_suffix(path, ".npy")
     t = tensor.detach()
-    if t.dtype in _BITS:
-        bits, raw = _BITS[t.dtype]
-        arr = to_numpy(t.contiguous().view(bits)).view(raw)
-    else:
-        arr = to_numpy(t)
+    bits, raw = _BITS.get(t.dtype, (None, None))
+    arr = to_numpy(t) if bits is None else to_numpy(t.contiguous().view(bits)).view(raw)
     with open(out, "wb") as fh:
         np.save(fh, arr, allow_pickle=False)
-        size = fh.tell()
-    if arr.flags.c_contiguous or arr.flags.f_contiguous:  # the body is arr's memory as is
-        _known(out, size - arr.nbytes, arr if arr.flags.c_contiguous else arr.T)
-    return {"file": out.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-
-
-def _known(path: Path, header: int, body: np.ndarray) -> None:
-    """Tell the commit of each save being written that ``path`` holds its first ``header``
-    bytes then the C-contiguous ``body``: their sha256 is taken here, from memory."""
-    real = Path(os.path.realpath(path))
+        header = fh.tell() - arr.nbytes
+    # the saves being written that hold it take its sha256 here, from the header and memory
+    real = Path(os.path.realpath(out))
     folders = [f for f in real.parents if f in _PENDING]
-    if not folders:
-        return
-    with open(real, "rb") as fh:
-        sha = hashlib.sha256(fh.read(header))
-        st = os.fstat(fh.fileno())
-    sha.update(body.reshape(-1).view(np.uint8))
-    for folder in folders:
-        _PENDING[folder][real.relative_to(folder).as_posix()] = (_stamp(st), sha.hexdigest())
+    if folders and (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        with open(real, "rb") as fh:
+            sha = hashlib.sha256(fh.read(header))
+            st = os.fstat(fh.fileno())
+        sha.update((arr if arr.flags.c_contiguous else arr.T).reshape(-1).view(np.uint8))
+        for folder in folders:
+            _PENDING[folder][real.relative_to(folder).as_posix()] = (_stamp(st), sha.hexdigest())
+    return {"file": out.name, "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
 
 
 def _stamp(st: os.stat_result) -> tuple[int, int, int]:
