@@ -109,8 +109,8 @@ class BeirDataset:
 
 
 def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
-    """``min_score`` a finite number (or None where ``none_ok``), each flag True or False; else
-    InputError naming it."""
+    """InputError unless ``min_score`` is a finite number (or None where ``none_ok``) and each
+    flag True or False."""
     if not (is_number(min_score) or none_ok and min_score is None):
         raise InputError(f"min_score must be a finite number{' or None' if none_ok else ''}, "
                          f"got {min_score!r}")
@@ -119,8 +119,7 @@ def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
 
 
 def _csv_rows(reader: Any, path: Path):
-    """The rows of a ``csv.reader``; its errors (a field over csv's size limit, e.g. from an
-    unclosed quote) as InputError naming the line."""
+    """A ``csv.reader``'s rows; its errors (an unclosed quote) as InputError naming the line."""
     try:
         yield from reader
     except csv.Error as exc:
@@ -149,8 +148,7 @@ def text_lines(path: Path, data: bool = False):
 
 def record_id(value: object, where: str, kind: str) -> str:
     """A non-empty string id (JSON integers: their digits) without control characters or lone
-    surrogates (they would break TSV / TREC outputs); else InputError naming ``where`` and the
-    id."""
+    surrogates (they break TSV / TREC outputs); else InputError naming ``where`` and the id."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
@@ -312,8 +310,7 @@ def _doc_index(doc_ids: Any, queries: Any) -> dict:
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
-    """A score or weight: 1 when absent (None), else a number >= ``at_least`` that float32 (Y's
-    dtype) holds."""
+    """A score or weight: 1 for None, else a number >= ``at_least`` that float32 (Y's) holds."""
     try:
         x = 1.0 if raw is None else float(raw)
     except (TypeError, ValueError):

