@@ -9,7 +9,6 @@ import os
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
 from .arrays import is_bfloat16, to_numpy
 from .errors import InputError
@@ -180,7 +179,7 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
         x = mm
     if isinstance(x, np.memmap):
         return MemmapSource(x, name)
-    if isinstance(x, (np.ndarray, torch.Tensor, list, tuple)) or hasattr(x, "__dlpack__") \
-            or hasattr(x, "__array__") or not hasattr(x, "__iter__"):
+    if isinstance(x, (list, tuple)) or hasattr(x, "__dlpack__") or hasattr(x, "__array__") \
+            or not hasattr(x, "__iter__"):
         return None  # an array (as_tensor reads it) or no source at all
     return IteratorSource(x, name)

@@ -215,8 +215,7 @@ def in_stage(path: Path, error: type[Exception] = InputError) -> Path:
 
 
 def _complete(path: Path) -> SaveDir | None:
-    """The complete shard at ``path`` (sizes checked), else None (also: a link out of the
-    stage, never read nor removed)."""
+    """The complete shard at ``path`` (sizes checked), else None (a link out of the stage too)."""
     with contextlib.suppress(FormatError, FileNotFoundError, InputError):
         return open_save(in_stage(path), SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
     return None
@@ -242,9 +241,8 @@ def shard_name(kind: str, i: int) -> str:
 
 
 def check_stage_out(folder: str | Path, kind: str) -> Path:
-    """``folder/stage.json`` if a ``kind`` stage can be written there: a writable path holding
-    nothing or a ``kind`` stage file; else InputError (before a stage's shards, and at its
-    commit: an input given as the output folder was replaced)."""
+    """``folder/stage.json`` if it is absent or a ``kind`` stage file in a writable folder, else
+    InputError (an input given as the output folder was replaced)."""
     path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
     if os.path.lexists(path):
         body = None
