@@ -64,9 +64,8 @@ def connect(address: str = "local", workers: int | None = None,
 
 
 class RayRunner:
-    """Runs the pipeline's shard tasks on the connected Ray cluster. workers: encoder and
-    search actors (default: its GPUs, else its CPUs); max_retries: per task and actor (-1: no
-    limit, as Ray's)."""
+    """The pipeline's shard tasks on the connected Ray cluster; workers: encoder and search
+    actors (default: its GPUs, else CPUs); max_retries: per task and actor (-1: no limit)."""
 
     def __init__(self, workers: int | None = None, max_retries: int = 3):
         ray = _ray()
