@@ -46,12 +46,10 @@ def connect(address: str = "local", workers: int | None = None,
     ray = _ray()
     if not isinstance(address, str) or not address:
         raise InputError(f"address must be 'local' or a Ray address, got {address!r}")
-    if workers is not None:
-        check_positive(workers, "workers")
-    if address == "local" and workers is not None and workers > (os.cpu_count() or 1):
-        # num_cpus=2**31-1 made ray.init's local cluster hang
-        raise InputError(f"workers must be at most the {os.cpu_count() or 1} CPUs here for a "
-                         f"local cluster, got {workers}")
+    cpus = os.cpu_count() or 1  # num_cpus=2**31-1 made ray.init's local cluster hang
+    if workers is not None and check_positive(workers, "workers") > cpus and address == "local":
+        raise InputError(f"workers must be at most the {cpus} CPUs here for a local cluster, "
+                         f"got {workers}")
     started = not ray.is_initialized()
     if started:  # workers' output and INFO lines stay in Ray's log files
         where = ({"num_cpus": workers, "include_dashboard": False} if address == "local"
@@ -66,9 +64,8 @@ def connect(address: str = "local", workers: int | None = None,
 
 
 class RayRunner:
-    """Runs the pipeline's shard tasks on the connected Ray cluster. workers: encoder and
-    search actors (default: its GPUs, else its CPUs); max_retries: per task and actor (-1: no
-    limit, as Ray's)."""
+    """The pipeline's shard tasks on the connected Ray cluster; workers: encoder and search
+    actors (default: its GPUs, else CPUs); max_retries: per task and actor (-1: no limit)."""
 
     def __init__(self, workers: int | None = None, max_retries: int = 3):
         ray = _ray()
@@ -77,7 +74,6 @@ class RayRunner:
                              "pefa_gpu.distributed.connect(...) or ray.init(...) first")
         if workers is not None:
             check_positive(workers, "workers")
-        # checked here: Ray's ValueError / TypeError came at the stage's first task
         if max_retries != -1 or isinstance(max_retries, (bool, float)):
             max_retries = check_nonnegative(max_retries, "max_retries", "or -1: no limit")
         res = ray.cluster_resources()

@@ -9,7 +9,6 @@ import os
 from typing import Any, Iterator
 
 import numpy as np
-import torch
 
 from .arrays import is_bfloat16, to_numpy
 from .errors import InputError
@@ -134,25 +133,24 @@ class IteratorSource(RowSource):
     """An iterator of (r, d) chunks, used as they come (their memory is the caller's)."""
 
     def __init__(self, it: Iterator[Any], name: str):
-        self._it = iter(it)
-        self.name = name
-        first = next(self._it, None)
-        self._first = None if first is None else self._check(first, 0)
-        self.rows = 0 if first is None else None  # else known when the iterator ends
+        self._it, self.name = iter(it), name
+        self._first = self._next(0)
+        self.rows = 0 if self._first is None else None  # else known when the iterator ends
         self.dim = 0 if self._first is None else self._first.shape[1]
         self.dtype = np.dtype(np.float32) if self._first is None else self._first.dtype
 
-    def _check(self, chunk: Any, start: int) -> np.ndarray:
-        c = to_numpy(chunk, f"{self.name}: the chunk at row {start}")
+    def _next(self, start: int) -> np.ndarray | None:  # None: the iterator has ended
+        if (chunk := next(self._it, None)) is None:
+            return None
+        where = f"{self.name}: the chunk at row {start}"
+        c = to_numpy(chunk, where)
         if c.ndim != 2:
-            raise InputError(f"{self.name}: the chunk at row {start} has shape {c.shape}; "
-                             f"(rows, d) chunks are needed")
+            raise InputError(f"{where} has shape {c.shape}; (rows, d) chunks are needed")
         if c.dtype.type in _FLOATS:
             return c
         # a cast dropped complex chunks' imaginary part; text was numpy's ValueError
         if c.dtype.kind not in "iu" and not is_bfloat16(c.dtype):
-            raise InputError(f"{self.name}: the chunk at row {start} has dtype {c.dtype}; "
-                             f"real numbers are needed")
+            raise InputError(f"{where} has dtype {c.dtype}; real numbers are needed")
         return c.astype(np.float32)
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
@@ -164,8 +162,7 @@ class IteratorSource(RowSource):
             for s in range(0, chunk.shape[0], max_rows):  # split only for the buffers' size
                 yield start + s, chunk[s:s + max_rows]
             start += chunk.shape[0]
-            nxt = next(self._it, None)
-            chunk = None if nxt is None else self._check(nxt, start)
+            chunk = self._next(start)
         self.rows = start
 
 
@@ -182,7 +179,7 @@ def row_source(x: Any, name: str = "Q") -> RowSource | None:
         x = mm
     if isinstance(x, np.memmap):
         return MemmapSource(x, name)
-    if isinstance(x, (np.ndarray, torch.Tensor, list, tuple)) or hasattr(x, "__dlpack__") \
-            or hasattr(x, "__array__") or not hasattr(x, "__iter__"):
+    if isinstance(x, (list, tuple)) or hasattr(x, "__dlpack__") or hasattr(x, "__array__") \
+            or not hasattr(x, "__iter__"):
         return None  # an array (as_tensor reads it) or no source at all
     return IteratorSource(x, name)

@@ -1,10 +1,6 @@
-"""The offline pipeline as functions over shards: encode, aggregate, build, search, evaluate.
-
-``runner=`` (:class:`LocalRunner`, :class:`pefa_gpu.distributed.RayRunner`) places the shard
-tasks, the same functions in the same order either way (bit for bit on the CPU). A stage's
-``stage.json`` (:class:`Stage`, written last) lists its shards' checksums. Usage: README,
-"Beyond one machine (Ray)".
-"""
+"""The offline pipeline as functions over shards: encode, aggregate, build, search, evaluate;
+``runner=`` places the shard tasks, the same ones in the same order (bit for bit on the CPU)
+either way. Usage: README, "Beyond one machine (Ray)"."""
 
 from .aggregation import Part, aggregate, reduce_sums, split_queries
 from .indexing import METHODS, build, build_rows_shard, build_xl_shard

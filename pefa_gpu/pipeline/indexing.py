@@ -3,7 +3,6 @@ shard) and PEFA-XL's query index shards."""
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -83,11 +82,9 @@ def build(method: str, out: str | Path, docs: str | Path, *,
     check_choice(method, "method", METHODS)
     run, prows = runner or LocalRunner(), Rows(docs)
     check_stage_out(out, "build")
-    # checked before any shard (a list, a numpy int: raw errors once every shard was built)
     ix_params = backend_class(backend).Params.coerce(index_params, "index_params")
-    stage = Stage(stage="build", shards=(), method=method, n=prows.n, dim=prows.dim,
-                  backend=backend, index_params=None if index_params is None
-                  else ix_params.to_dict())
+    stage = dict(stage="build", method=method, n=prows.n, dim=prows.dim, backend=backend,
+                 index_params=None if index_params is None else ix_params.to_dict())
     index = (backend, ix_params, device)
     if method == "xl":
         if queries is None or relevance is None:
@@ -104,8 +101,8 @@ def build(method: str, out: str | Path, docs: str | Path, *,
                                             gpu=True))
         calls = [(str(queries), e.rows, str(out), shard_name("query", r), *index, False)
                  for r, e in enumerate(rel.shards)]
-        return write_stage(out, dataclasses.replace(
-            stage, shards=shards, query_shards=tuple(run.map(build_rows_shard, calls, gpu=True)),
+        return write_stage(out, Stage(
+            **stage, shards=shards, query_shards=tuple(run.map(build_rows_shard, calls, gpu=True)),
             params=params, candidates=candidates, m=rel.m, bytes_shuffled=sum(moved)))
     if method == "xs":
         if embeddings is None:
@@ -116,10 +113,10 @@ def build(method: str, out: str | Path, docs: str | Path, *,
         if agg.n != prows.n:
             raise InputError(f"{embeddings} has {agg.n} rows, {docs} {prows.n}")
         source, ranges = embeddings, [e.rows for e in agg.shards]
-        stage = dataclasses.replace(stage, lam=agg.lam, augment_docs=agg.augment_docs)
+        stage.update(lam=agg.lam, augment_docs=agg.augment_docs)
     else:
         source, ranges = docs, split(prows.n, doc_rows)
     calls = [(str(source), rng, str(out), shard_name("doc", s), *index, export_hnsw)
              for s, rng in enumerate(ranges)]
     shards = tuple(run.map(build_rows_shard, calls, gpu=True))
-    return write_stage(out, dataclasses.replace(stage, shards=shards))
+    return write_stage(out, Stage(**stage, shards=shards))

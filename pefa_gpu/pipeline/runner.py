@@ -3,6 +3,7 @@ shard servers). :class:`pefa_gpu.distributed.RayRunner` has the same methods."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 
@@ -35,7 +36,7 @@ class LocalRunner:
         return Fanout([server(build, d, q, device) for d, q in groups])
 
 
-class Fanout:
+class Fanout(contextlib.AbstractContextManager):
     """Calls a method on every shard server and returns the results in server order."""
 
     def __init__(self, servers: Sequence[Any]):
@@ -47,9 +48,6 @@ class Fanout:
 
     def close(self) -> None:
         self.servers = []
-
-    def __enter__(self) -> "Fanout":
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()

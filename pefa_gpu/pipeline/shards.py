@@ -61,7 +61,7 @@ class Entry:
         return cls(Path(path).name, (lo, hi), str(manifest["manifest_sha256"]))
 
 
-_TYPES = {"int": int, "str": str, "bool": bool, "float | None": (int, float, type(None)),
+_TYPES = {"str": str, "bool": bool, "float | None": (int, float, type(None)),
           "str | None": (str, type(None)), "dict[str, Any] | None": (dict, type(None))}
 
 
@@ -88,19 +88,43 @@ class Stage:
     query_shards: tuple[Entry, ...] = ()
 
     def __post_init__(self) -> None:
-        bad = [f.name for f in dataclasses.fields(self) if f.type in _TYPES
+        fields = dataclasses.fields(self)
+        bad = [f.name for f in fields if f.type in _TYPES
                and not isinstance(getattr(self, f.name), _TYPES[f.type])]
         if bad:
             raise TypeError(f"stage fields {bad} have the wrong type")
+        counts = {f.name: getattr(self, f.name) for f in fields if f.type == "int"}
+        if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
+            raise ValueError(f"{bad} must be ints >= 0")
+        if self.lam is not None:
+            check_unit_interval(self.lam, "lam")
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> "Stage":
+        """A read stage file's Stage; ValueError unless its shards tile their rows in order and
+        a PEFA-XL build has its params and valid candidates (a forged -5 was searched)."""
         fields = {key: v for key, v in body.items() if key not in ("format", "format_version")}
         for key in ("shards", "query_shards"):
             fields[key] = tuple(Entry.of(e["name"], e) for e in body.get(key, ()))
         if fields.get("params") is not None:
             fields["params"] = XLParams.from_dict(fields["params"])
-        return _checked(cls(**fields))
+        stage = cls(**fields)
+        xl = stage.method == "xl"
+        if xl and stage.params is None:
+            raise ValueError("a PEFA-XL build without its params")
+        if xl:
+            XLSearchParams(candidates=stage.candidates)
+        rows = stage.m if stage.stage == "relevance" else stage.n
+        for key, entries, total in (("shards", stage.shards, rows),
+                                    ("query_shards", stage.query_shards, stage.m)):
+            ranges = [e.rows for e in entries]  # split() makes one shard at least
+            ends = [0, *(hi for _, hi in ranges)]
+            if (entries or key == "shards" or xl) and not (
+                    entries and [lo for lo, _ in ranges] == ends[:-1] and ends[-1] == total
+                    and all(lo <= hi for lo, hi in ranges)):
+                raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in "
+                                 f"order")
+        return stage
 
     def to_json(self) -> str:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -109,44 +133,11 @@ class Stage:
                           sort_keys=True, default=dataclasses.asdict) + "\n"
 
 
-def _checked(stage: Stage) -> Stage:
-    """``stage`` if :func:`_check_values` and its shards tile their rows (else ValueError)."""
-    _check_values(stage)
-    xl = stage.method == "xl"
-    rows = stage.m if stage.stage == "relevance" else stage.n
-    for key, entries, total in (("shards", stage.shards, rows),
-                                ("query_shards", stage.query_shards, stage.m)):
-        ranges = [e.rows for e in entries]  # split() makes one shard at least
-        ends = [0, *(hi for _, hi in ranges)]
-        if (entries or key == "shards" or xl) and not (
-                entries and [lo for lo, _ in ranges] == ends[:-1] and ends[-1] == total
-                and all(lo <= hi for lo, hi in ranges)):
-            raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in "
-                             f"order")
-    return stage
-
-
-def _check_values(stage: Stage) -> None:
-    """ValueError unless the counts are ints >= 0, lam in [0, 1] and a PEFA-XL build's params
-    and candidates there and valid (a forged lam or candidates, -5, was searched)."""
-    counts = {"n": stage.n, "dim": stage.dim, "m": stage.m, "nnz": stage.nnz,
-              "candidates": stage.candidates, "bytes_shuffled": stage.bytes_shuffled}
-    if bad := {k: v for k, v in counts.items() if type(v) is not int or not 0 <= v < 2**63}:
-        raise ValueError(f"{bad} must be ints >= 0")
-    if stage.lam is not None:
-        check_unit_interval(stage.lam, "lam")
-    if stage.method == "xl" and stage.params is None:
-        raise ValueError("a PEFA-XL build without its params")
-    if stage.method == "xl":
-        XLSearchParams(candidates=stage.candidates)
-
-
 def write_shard(path: str | Path, fields: dict[str, Any],
                 tensors: dict[str, Any] | None = None,
                 matrices: dict[str, sp.spmatrix] | None = None,
                 model: Model | None = None, export_hnsw: bool = False) -> Entry:
     """Write a shard atomically (manifest ``fields`` with ``rows`` [lo, hi]); its stage entry."""
-    # checked first: Entry.of's raw KeyError / TypeError came once the shard was written
     rows = fields.get("rows") if isinstance(fields, dict) else None
     if not (isinstance(rows, (list, tuple)) and len(rows) == 2
             and all(type(r) is int for r in rows) and 0 <= rows[0] <= rows[1]):
@@ -224,8 +215,7 @@ def in_stage(path: Path, error: type[Exception] = InputError) -> Path:
 
 
 def _complete(path: Path) -> SaveDir | None:
-    """The complete shard at ``path`` (sizes checked), else None (also: a link out of the
-    stage, never read nor removed)."""
+    """The complete shard at ``path`` (sizes checked), else None (a link out of the stage too)."""
     with contextlib.suppress(FormatError, FileNotFoundError, InputError):
         return open_save(in_stage(path), SHARD_MANIFEST, SHARD_FORMAT, checksums=False)
     return None
@@ -251,9 +241,8 @@ def shard_name(kind: str, i: int) -> str:
 
 
 def check_stage_out(folder: str | Path, kind: str) -> Path:
-    """``folder/stage.json`` if a ``kind`` stage can be written there: a writable path holding
-    nothing or a ``kind`` stage file; else InputError (before a stage's shards, and at its
-    commit: an input given as the output folder was replaced)."""
+    """``folder/stage.json`` if it is absent or a ``kind`` stage file in a writable folder, else
+    InputError (an input given as the output folder was replaced)."""
     path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
     if os.path.lexists(path):
         body = None
@@ -398,11 +387,11 @@ def encode_fingerprint(texts: Sequence[str], identity: str | None, normalize: bo
     return h.hexdigest()
 
 
-def _written(path: Path, fingerprint: str | None, lo: int, n: int) -> dict[str, Any] | None:
-    """The manifest of the complete shard at ``path`` encoded with ``fingerprint``: rows lo ..
-    lo + n-1, (n, d) embeddings; else None (a shard of these texts at other rows, or forged:
-    its rows made a stage.json that did not read, a lack of embeddings a raw KeyError)."""
-    save = _complete(path)
+def _written(out: str | Path, texts: Sequence[str], index: int, lo: int,
+             fingerprint: str | None) -> dict[str, Any] | None:
+    """The manifest of the complete shard ``out/shard-<index>`` of ``texts`` (rows lo ..) encoded
+    with ``fingerprint`` and holding their (n, d) embeddings; else None."""
+    save, n = _complete(Path(out) / shard_name("shard", index)), len(texts)
     m = save.manifest if save and save.manifest.get("fingerprint") == fingerprint else {}
     meta = m.get("tensors", {}).get("embeddings") if isinstance(m.get("tensors"), dict) else None
     shape = meta.get("shape") if isinstance(meta, dict) else None
@@ -418,7 +407,7 @@ def encode_shard(texts: Sequence[str], out: str | Path, index: int, lo: int,
     """Encode texts (rows lo ..) into ``out/shard-<index>`` unless a complete shard with this
     ``fingerprint`` is there; returns its stage entry."""
     path = Path(out) / shard_name("shard", index)
-    if fingerprint is not None and (fields := _written(path, fingerprint, lo, len(texts))):
+    if fingerprint is not None and (fields := _written(out, texts, index, lo, fingerprint)):
         return Entry.of(path, fields)
     emb = encode_texts(list(texts), model=model, batch_size=batch_size, device=device,
                        normalize=normalize, cache_dir=cache_dir, show_progress=False)
@@ -446,20 +435,17 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
                  fingerprint=encode_fingerprint(texts[lo:hi], identity, normalize))
             for i, (lo, hi) in enumerate(split(len(texts), rows))]
-    paths = [out / shard_name("shard", kw["index"]) for kw in plan]
-    written = lambda kw, path: _written(path, kw["fingerprint"], kw["lo"], len(kw["texts"]))
-    pending = [kw for kw, path in zip(plan, paths)
-               if kw["fingerprint"] is None or written(kw, path) is None]
+    pending = [kw for kw in plan if kw["fingerprint"] is None or _written(out, **kw) is None]
     if len(pending) < len(plan):
         log.info("encode: %d of %d shards of %s are written already", len(plan) - len(pending),
                  len(plan), out)
     if pending:
         (runner or LocalRunner()).encode(task, pending, show_progress=show_progress)
-    manifests = [written(kw, path) for kw, path in zip(plan, paths)]
+    manifests = [_written(out, **kw) for kw in plan]
     if None in manifests:
         raise FormatError(f"encode: shard {manifests.index(None)} of {out} is missing after "
                           f"the run")
     dim = manifests[0]["tensors"]["embeddings"]["shape"][1] if texts else 0
-    return write_stage(out, Stage(stage="encode", n=len(texts), dim=dim, model=identity,
-                                  normalize=normalize, shards=tuple(
-                                      Entry.of(p, f) for p, f in zip(paths, manifests))))
+    shards = tuple(Entry.of(shard_name("shard", i), f) for i, f in enumerate(manifests))
+    return write_stage(out, Stage(stage="encode", shards=shards, n=len(texts), dim=dim,
+                                  model=identity, normalize=normalize))
