@@ -90,23 +90,27 @@ class ShardServer:
              k: int) -> Result | None:
         """PEFA-XL's fused top-``topk`` over this server's documents: each shard fuses the
         global candidates and neighbours in its own numbering (-1 where not its own)."""
-        m = self.info.m
-
         def one(s: _Loaded, kk: int) -> Result:
-            dev, e_ids, r = s.model.device, erm[1].to(s.model.device), knn[1].to(s.model.device)
+            dev, e_ids = s.model.device, erm[1].to(s.model.device)
             e_local = torch.where((e_ids >= s.lo) & (e_ids < s.hi), e_ids - s.lo, -1)
-            # relevance rows (queries < m, document j as m + j) -> the model's: queries, docs
-            k_local, rows = torch.full_like(r, -1), s.query_rows
-            if rows.numel():
-                pos = torch.searchsorted(rows, r.clamp(0, max(m - 1, 0)))
-                pos = pos.clamp_max(rows.numel() - 1)
-                k_local = torch.where((r >= 0) & (r < m) & (rows[pos] == r), pos, k_local)
-            if s.model.params.augment_docs:
-                mine = (r >= m + s.lo) & (r < m + s.hi)  # document r - m, one of the shard's
-                k_local = torch.where(mine, s.model.n_train_queries + r - m - s.lo, k_local)
+            k_local = _local_rows(knn[1].to(dev), self.info.m, s)
             return s.model.fuse(q.to(dev), (erm[0].to(dev), e_local), (knn[0].to(dev), k_local),
                                 kk, lam=lam, k=k)
         return _gather(self.docs, topk, one)
+
+
+def _local_rows(r: torch.Tensor, m: int, s: _Loaded) -> torch.Tensor:
+    """Global relevance rows (queries < m, document j as m + j) -> the shard model's rows
+    (its training queries, then its documents), -1 where a row is not its own."""
+    local_ = torch.full_like(r, -1)
+    rows = s.query_rows
+    if rows.numel():
+        pos = torch.searchsorted(rows, r.clamp(0, max(m - 1, 0))).clamp_max(rows.numel() - 1)
+        local_ = torch.where((r >= 0) & (r < m) & (rows[pos] == r), pos, local_)
+    if s.model.params.augment_docs:
+        mine = (r >= m + s.lo) & (r < m + s.hi)  # document r - m, one of the shard's
+        local_ = torch.where(mine, s.model.n_train_queries + r - m - s.lo, local_)
+    return local_
 
 
 def search_batch(fan: Any, info: Stage, q: torch.Tensor, topk: int,
