@@ -114,16 +114,7 @@ class Stage:
             raise ValueError("a PEFA-XL build without its params")
         if xl:
             XLSearchParams(candidates=stage.candidates)
-        rows = stage.m if stage.stage == "relevance" else stage.n
-        for key, entries, total in (("shards", stage.shards, rows),
-                                    ("query_shards", stage.query_shards, stage.m)):
-            ranges = [e.rows for e in entries]  # split() makes one shard at least
-            ends = [0, *(hi for _, hi in ranges)]
-            if (entries or key == "shards" or xl) and not (
-                    entries and [lo for lo, _ in ranges] == ends[:-1] and ends[-1] == total
-                    and all(lo <= hi for lo, hi in ranges)):
-                raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in "
-                                 f"order")
+        _check_tiling(stage, xl)
         return stage
 
     def to_json(self) -> str:
@@ -131,6 +122,19 @@ class Stage:
                 if getattr(self, f.name) != f.default}
         return json.dumps({"format": STAGE_FORMAT, "format_version": 1, **body}, indent=1,
                           sort_keys=True, default=dataclasses.asdict) + "\n"
+
+
+def _check_tiling(stage: Stage, xl: bool) -> None:
+    """ValueError unless the shards (and a PEFA-XL build's query shards) tile their rows."""
+    rows = stage.m if stage.stage == "relevance" else stage.n
+    for key, entries, total in (("shards", stage.shards, rows),
+                                ("query_shards", stage.query_shards, stage.m)):
+        ranges = [e.rows for e in entries]  # split() makes one shard at least
+        ends = [0, *(hi for _, hi in ranges)]
+        if (entries or key == "shards" or xl) and not (
+                entries and [lo for lo, _ in ranges] == ends[:-1] and ends[-1] == total
+                and all(lo <= hi for lo, hi in ranges)):
+            raise ValueError(f"its {key} hold rows {ranges[:5]}..., not 0 .. {total} in order")
 
 
 def write_shard(path: str | Path, fields: dict[str, Any],
