@@ -565,6 +565,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     if getattr(args, "xmc", None):
         x = load_xmc(args.xmc, args.emb, aug=args.aug)
         log.info("%s (aug %s): training rows %s", x.name, x.aug, x.sources)
+        _check_held_out(args, x.Y.shape[0])
         return _Data(x.name, [str(j) for j in range(x.n_docs)], x.P, x.Q, x.Y, x.Q_test,
                      x.Y_test)
     ds = load_beir(args.data_dir)
@@ -577,6 +578,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         y_train = pairs.relevance
     else:
         train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score, binary=True)
+    _check_held_out(args, y_train.shape[0])
     tests, y_test = [], None
     if test:  # graded gains; judged queries without a relevant document kept (as empty rows)
         test_rows, y_test = ds.qrels(args.split, min_score=args.min_score, keep_empty=True)
@@ -614,14 +616,14 @@ def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndar
     return np.asarray([query_ids[k] for k in keys]) if len(ids) == len(keys) else None
 
 
-def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: int) -> None:
-    """NUDGE's gamma and the adapter's alpha are chosen on held-out training queries: 2 or more
-    to fit on (tune and build's auto: of tune's fitting part); the models' own error asks for
-    arguments the command does not have (Q_val, gamma)."""
+def _check_held_out(args: argparse.Namespace, n_train: int) -> None:
+    """Methods that choose a step on held-out training queries (NUDGE's gamma, the adapter's
+    alpha) need 2 or more to fit on (tune and build's auto: of tune's fitting part)."""
     from .splits import split_queries
 
-    held = [m for m in methods if REGISTRY[m].model == "NUDGE" or "adapter" in REGISTRY[m].query]
     tuned = args.command == "tune" or getattr(args, "method", None) == "auto"
+    methods = getattr(args, "methods", None) or (REGISTRY if tuned else [args.method])
+    held = [m for m in methods if REGISTRY[m].model == "NUDGE" or "adapter" in REGISTRY[m].query]
     if not held or n_train < 2 and tuned:  # tune says that it needs 2 training queries
         return
     n_fit = split_queries(n_train, getattr(args, "val_fraction", 0.2), args.seed or 0)[0].size \
@@ -727,7 +729,6 @@ def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dic
 
 def cmd_eval(args: argparse.Namespace) -> None:
     data = _load_data(args)
-    _check_held_out(args, args.methods, data.Y_train.shape[0])
     groups = [((m,), *[(getattr(args, axis) or (defaults(m)[axis],))
                        if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
@@ -740,7 +741,6 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from .sweep import PAPER_KS, PAPER_LAMS, Config
 
     data = _load_data(args)
-    _check_held_out(args, args.methods, data.Y_train.shape[0])
     t0 = time.perf_counter()
     rows, last, timings = _evaluate(args, data, [(args.methods, args.lam or PAPER_LAMS,
                                                   args.k or PAPER_KS)])
@@ -761,7 +761,6 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args)
-    _check_held_out(args, args.methods, data.Y_train.shape[0])
     res = tune(data.P, data.Q_train, data.Y_train, methods=args.methods,
                lams=args.lam or PAPER_LAMS, ks=args.k or PAPER_KS,
                val_fraction=args.val_fraction, seed=args.seed, metric=args.metric,
@@ -793,8 +792,6 @@ def cmd_build(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args, test=False)
-    _check_held_out(args, list(REGISTRY) if args.method == "auto" else [args.method],
-                    data.Y_train.shape[0])
     kw = _model_kwargs(args)
     if args.method == "auto":
         res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0,
