@@ -270,22 +270,30 @@ def _check_args(args: argparse.Namespace) -> None:
     _check_methods(args)
     if args.command == "search":
         _check_search(args)
-    _check_ray(args)
     _check_outputs(args)
 
 
+def _flag(name: str) -> str:
+    """The option (or positional) that sets ``args.<name>``: --train-split, DATA_DIR."""
+    return name.upper() if name in ("data_dir", "model_dir") else f"--{name.replace('_', '-')}"
+
+
 def _check_values(args: argparse.Namespace) -> None:
-    """No '' value, not both --quiet and --verbose, --threads at most the CPUs here."""
+    """No '' value; not both --quiet and --verbose; --threads at most the CPUs here; --ray."""
     for name, value in vars(args).items():  # '' would silently mean "not given" or "here"
         if value == "":
-            flag = name.upper() if name in ("data_dir", "model_dir") else \
-                f"--{name.replace('_', '-')}"
-            raise InputError(f"{flag} is empty: give a value or leave the option out")
+            raise InputError(f"{_flag(name)} is empty: give a value or leave the option out")
     if args.quiet and args.verbose:
         raise InputError("give either --quiet (no log lines) or --verbose (more), not both")
     if args.threads is not None and args.threads > (os.cpu_count() or 1):
         raise InputError(f"--threads must be at most the {os.cpu_count() or 1} CPUs here, got "
                          f"{args.threads}")
+    ray = getattr(args, "ray", None)
+    for name in ("workers", "work_dir"):
+        if ray is None and getattr(args, name, None) is not None:
+            raise InputError(f"{_flag(name)} has no effect without --ray")
+    if ray not in (None, "local") and not args.work_dir:
+        raise InputError(f"--ray {ray} needs --work-dir: a folder every node of the cluster sees")
 
 
 def _check_methods(args: argparse.Namespace) -> None:
@@ -422,12 +430,9 @@ def _check_data(args: argparse.Namespace) -> None:
     if getattr(args, "xmc", None) or getattr(args, "emb", None):
         if not (args.xmc and args.emb):
             raise InputError("--xmc XMC_DIR and --emb EMB_DIR go together")
-        given = [flag for flag, value in (("DATA_DIR", args.data_dir), ("--model", args.model),
-                                          ("--embeddings", args.embeddings),
-                                          ("--train-pairs", args.train_pairs),
-                                          ("--train-split", args.train_split),
-                                          ("--split", args.split),
-                                          ("--min-score", args.min_score)) if value is not None]
+        given = [_flag(name) for name in ("data_dir", "model", "embeddings", "train_pairs",
+                                          "train_split", "split", "min_score")
+                 if getattr(args, name) is not None]
         if given:  # the splits and grades were ignored
             raise InputError(f"--xmc reads embeddings and pairs (weights as stored) from its "
                              f"folders; drop {', '.join(given)}")
@@ -457,16 +462,6 @@ def _check_search(args: argparse.Namespace) -> None:
                          "ending in .trec / .run)")
     if args.tag is not None and any(c.isspace() for c in args.tag):  # '': _check_values
         raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
-
-
-def _check_ray(args: argparse.Namespace) -> None:
-    if getattr(args, "ray", None) is None:
-        for name in ("workers", "work_dir"):
-            if getattr(args, name, None) is not None:
-                raise InputError(f"--{name.replace('_', '-')} has no effect without --ray")
-    elif args.ray != "local" and not args.work_dir:
-        raise InputError(f"--ray {args.ray} needs --work-dir: a folder every node of the "
-                         f"cluster sees")
 
 
 def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
