@@ -357,20 +357,22 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
-    """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
-    qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
-    --queries, --xmc, --emb, the build searched, --model's folder or module file; nor replace
-    any build's files. (search has no DATA_DIR: a build records no data folder.)"""
+    """An output may not be (or lie in) what the command reads (DATA_DIR's files, the build
+    searched, --model's folder or module file, ...), nor replace any build's files."""
     inputs = [getattr(args, name, None)
               for name in ("train_pairs", "queries", "xmc", "emb", "model_dir")]
-    inputs.append(_model_source(getattr(args, "model", None)))
-    if getattr(args, "data_dir", None):
-        inputs += [Path(args.data_dir, name)
-                   for name in ("corpus.jsonl", "queries.jsonl", "qrels", "embeddings")]
-        if getattr(args, "embeddings", None):  # a NAME may lead out of embeddings/ (../x, /x)
-            inputs.append(Path(args.data_dir, "embeddings", args.embeddings))
-        inputs += [Path(args.data_dir, "qrels", f"{getattr(args, name)}.tsv")  # so may a split
-                   for name in ("train_split", "split") if getattr(args, name, None)]
+    if getattr(args, "data_dir", None):  # --embeddings' NAME and the splits may lead out (../x)
+        inputs += [Path(args.data_dir, name) for name in (
+            "corpus.jsonl", "queries.jsonl", "qrels", Path("embeddings", args.embeddings or ""),
+            *(Path("qrels", f"{getattr(args, s)}.tsv") for s in ("train_split", "split")
+              if hasattr(args, s)))]
+    spec = getattr(args, "model", None)
+    if spec and Path(spec).exists():
+        inputs.append(spec)
+    elif spec and ":" in spec:  # its module's file (found, not run; a dotted name imports parents)
+        with contextlib.suppress(Exception):  # not importable: resolve_model_arg says why later
+            found = importlib.util.find_spec(spec.partition(":")[0])
+            inputs.append(found.origin if found is not None and found.has_location else None)
     out = Path(path).resolve()
     if any(f and out.is_relative_to(Path(f).resolve()) for f in inputs):
         raise InputError(f"{flag} {path} is (or is inside) one of the command's inputs; "
@@ -389,20 +391,6 @@ def _check_not_in_save(path: str, flag: str) -> None:
             (p / DATA_MARKER).is_file() for p in (out, *out.parents)):
         raise InputError(f"{flag} {path} is (or is inside) a saved build or model's files; write "
                          f"the output elsewhere")
-
-
-def _model_source(spec: str | None) -> str | None:
-    """--model's folder, or the file of its module:attribute's module (found, not run; a
-    dotted module's packages are imported)."""
-    if spec and Path(spec).exists():
-        return spec
-    if not spec or ":" not in spec:  # a hub name (or none)
-        return None
-    try:
-        found = importlib.util.find_spec(spec.partition(":")[0])
-    except Exception:  # not importable: resolve_model_arg says why when the model is made
-        return None
-    return found.origin if found is not None and found.has_location else None
 
 
 def _check_plot(args: argparse.Namespace) -> None:
