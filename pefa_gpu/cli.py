@@ -340,13 +340,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
                              f"the same file; give --json a .json name, or --plot")
     for flag, folder in (("--cache-dir", None if args.no_cache else args.cache_dir),
                          ("--work-dir", getattr(args, "work_dir", None))):
-        if folder:  # files written there broke the build or model
-            _check_not_in_save(os.path.expanduser(folder), flag)
-        out = getattr(args, "out", None) if args.command == "build" else None
-        if folder and out and Path(os.path.expanduser(folder)).resolve().is_relative_to(
-                Path(out).resolve()):  # the save refused the folder they filled, at the end
-            raise InputError(f"{flag} {folder} is (or is inside) --out {out}, which holds only "
-                             f"the build's files; give {flag} another folder")
+        if not folder:
+            continue
+        _check_not_in_save(os.path.expanduser(folder), flag)  # files there broke the save
+        if args.command == "build" and Path(os.path.expanduser(folder)).resolve().is_relative_to(
+                Path(args.out).resolve()):  # the save refused the folder they filled, at the end
+            raise InputError(f"{flag} {folder} is (or is inside) --out {args.out}, which holds "
+                             f"only the build's files; give {flag} another folder")
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")
@@ -462,9 +462,10 @@ def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
                              f"{', '.join(users)})")
 
 
-def _setup(args: argparse.Namespace) -> None:
-    """Log lines on stderr: the library's at INFO (none with --quiet), other libraries' from
-    WARNING (from INFO with --verbose)."""
+def _setup(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    """Log lines on stderr (the library's at INFO, none with --quiet; others' from WARNING, INFO
+    with --verbose), torch's threads; --ray: the cluster (``args.runner``) and the work folder
+    (``args.work``; without --work-dir a temporary one, removed on ``stack``'s exit)."""
     if args.quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -478,6 +479,16 @@ def _setup(args: argparse.Namespace) -> None:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
+    args.runner = None
+    if getattr(args, "ray", None) is None:
+        return
+    from .distributed import connect
+
+    noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
+             {"logging_level": logging.ERROR})
+    args.runner = stack.enter_context(connect(args.ray, args.workers, **noise))
+    args.work = Path(args.work_dir) if args.work_dir else Path(
+        stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
 
 
 # ------------------------------------------------------------------------------ data
@@ -626,21 +637,6 @@ def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     given = {name: getattr(args, name) for name in settings() if name not in AXES}
     return dict(backend=args.backend, device=args.device, **more,
                 **{name: v for name, v in given.items() if v is not None})
-
-
-def _connect(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
-    """With --ray: connect (``args.runner``) and make the work folder (``args.work``, a
-    temporary one removed on ``stack``'s exit unless --work-dir names one)."""
-    args.runner = None
-    if getattr(args, "ray", None) is None:
-        return
-    from .distributed import connect
-
-    noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
-             {"logging_level": logging.ERROR})
-    args.runner = stack.enter_context(connect(args.ray, args.workers, **noise))
-    args.work = Path(args.work_dir) if args.work_dir else Path(
-        stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -801,24 +797,10 @@ def cmd_build(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------ search
 
-def _search_encoder(args: argparse.Namespace, info: dict) -> EncoderLike:
-    """--model when given (with a warning when it differs from the build's record), else
-    what the build's record allows (see :func:`pefa_gpu.builds.encoder_from_record`)."""
-    from .builds import BUILD_MANIFEST, encoder_from_record, encoder_record
-
-    record = info.get("encoder")
-    if not args.model:
-        return encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST)
-    if isinstance(record, dict) and record.get("kind") != "precomputed" \
-            and record != encoder_record(args.model, None):
-        log.warning("the build's embeddings came from %s %r; encoding the queries with "
-                    "--model %r", record.get("kind"), record.get("name"), args.model)
-    return resolve_model_arg(args.model)
-
-
 def cmd_search(args: argparse.Namespace) -> None:
     from .arrays import to_numpy
-    from .builds import load_build, load_doc_text
+    from .builds import BUILD_MANIFEST, encoder_from_record, encoder_record, load_build, \
+        load_doc_text
     from .query import QueryModel
     from .runs import format_results, queries
     from .storage import write_output_file
@@ -832,8 +814,13 @@ def cmd_search(args: argparse.Namespace) -> None:
     if unused:  # before the queries are encoded
         raise InputError(f"{', '.join(sorted('--' + n for n in unused))}: no effect on this "
                          f"{info.get('method')} build; drop it")
-    q, = _encode(args, [[t for _, t in texts]], model=_search_encoder(args, info),
-                 device=model.device)
+    record = info.get("encoder")  # --model (a warning where the build's differs), else the build's
+    if args.model and isinstance(record, dict) and record.get("kind") != "precomputed" \
+            and record != encoder_record(args.model, None):
+        log.warning("the build's embeddings came from %s %r; encoding the queries with "
+                    "--model %r", record.get("kind"), record.get("name"), args.model)
+    q, = _encode(args, [[t for _, t in texts]], device=model.device, model=None if args.model
+                 else encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST))
     params = search_params.from_dict(given) if given else None
     # no more results than documents: the rows beyond them would be padding, never printed
     scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
@@ -904,8 +891,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.enter_context(warnings.catch_warnings())
             warnings.showwarning = functools.partial(_show_warning, args.command, set())
             _check_args(args)
-            _setup(args)
-            _connect(args, stack)
+            _setup(args, stack)
             COMMANDS[args.command][0](args)
             sys.stdout.flush()  # a reader gone (| head) is found here, in the handlers
             return 0
