@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .errors import InputError, PefaError
-from .methods import AXES, REGISTRY, defaults, fit_config, setting_defaults, settings
+from .methods import AXES, REGISTRY, defaults, fit_config, settings
 
 if TYPE_CHECKING:  # the command stays torch-free until a command runs
     from .arrays import ArrayLike, DeviceLike
@@ -99,7 +99,10 @@ def _settings(form: str, names: Sequence[str]) -> dict[str, dict]:
             out[meta["flag"]] = dict(dest=name, default=None, help=meta["help"],
                                      action="store_false" if field.default else "store_true")
             continue
-        values, mv, parse = setting_defaults(name), meta["metavar"], TYPES[field.type]
+        values: dict[Any, str] = {}  # a default -> the first method taking the setting with it
+        for m in (m for m in REGISTRY if name in REGISTRY[m].takes):
+            values.setdefault(defaults(m)[name], m)
+        mv, parse = meta["metavar"], TYPES[field.type]
         default = "the build's" if form == "search" else ", ".join(
             str(v) if len(values) == 1 else f"{v} for {m}" for v, m in values.items())
         out[f"--{name}"] = dict(
