@@ -433,11 +433,9 @@ def _check_data(args: argparse.Namespace) -> None:
     if getattr(args, "train_pairs", None) and args.train_split is not None:  # was ignored
         raise InputError("--train-split has no effect with --train-pairs (the pairs file is "
                          "what the models fit on); drop one")
-    if hasattr(args, "min_score"):  # the defaults, once the options were told from them
-        args.train_split = args.train_split or "train"
-        args.min_score = 1.0 if args.min_score is None else args.min_score
-    if hasattr(args, "split"):
-        args.split = args.split or "test"
+    for name, default in (("train_split", "train"), ("split", "test"), ("min_score", 1.0)):
+        if getattr(args, name, default) is None:  # the defaults, once told from the options
+            setattr(args, name, default)
 
 
 def _check_search(args: argparse.Namespace) -> None:
@@ -566,12 +564,9 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
         return _Data(x.name, [str(j) for j in range(x.n_docs)], x.P, x.Q, x.Y, x.Q_test,
                      x.Y_test)
     ds = load_beir(args.data_dir)
-    train_texts: list[str] | None = None
-    if args.train_pairs:
+    if args.train_pairs:  # train_rows None: the pairs file gives its queries as texts
         pairs = load_pairs(args.train_pairs, ds.doc_index, min_score=args.min_score)
         train_rows = _pair_rows(args.train_pairs, pairs.query_keys, ds.query_index)
-        if train_rows is None:
-            train_texts = pairs.query_texts
         y_train = pairs.relevance
     else:
         train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score, binary=True)
@@ -586,7 +581,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
                         "are optimistic", len(both), ds.query_ids[int(both[0])])
     t0 = time.perf_counter()
     if args.embeddings:
-        if train_texts is not None:
+        if train_rows is None:
             raise InputError(f"{args.train_pairs} holds query texts, not query ids; they need "
                              f"an encoder (drop --embeddings)")
         P, Q_all = ds.embeddings(args.embeddings)
@@ -594,7 +589,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     else:
         P, q_train, *q_test = _encode(args, [
             ds.corpus_texts,
-            train_texts if train_texts is not None else [ds.query_texts[i] for i in train_rows],
+            pairs.query_texts if train_rows is None else [ds.query_texts[i] for i in train_rows],
             *([ds.query_texts[i] for i in rows] for rows in tests)])
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test[0] if test else None,
@@ -637,9 +632,9 @@ def _check_held_out(args: argparse.Namespace, n_train: int) -> None:
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
     """The model settings given but λ / k, as keywords of sweep, tune, fit_config and the
     pipeline (each takes the params classes' defaults for the others)."""
-    given = {name: getattr(args, name) for name in settings() if name not in AXES}
     return dict(backend=args.backend, device=args.device, **more,
-                **{name: v for name, v in given.items() if v is not None})
+                **{name: getattr(args, name) for name in settings()
+                   if name not in AXES and getattr(args, name) is not None})
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -879,12 +874,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # search's QUERY texts left over after an option (after '--': any text)
         cut = extra.index("--") if "--" in extra else len(extra)
-        texts = getattr(args, "texts", None)
-        if texts is None or any(e.startswith("-") for e in extra[:cut]):
-            # search: the texts before the first option are queries, not unrecognized
-            first = 0 if texts is None else next(i for i, e in enumerate(extra)
-                                                 if e.startswith("-"))
-            parser.error(f"unrecognized arguments: {' '.join(extra[first:])}")
+        flags = [0] if getattr(args, "texts", None) is None else [
+            i for i, e in enumerate(extra[:cut]) if e.startswith("-")]
+        if flags:  # search: the texts before the first option are queries, not unrecognized
+            parser.error(f"unrecognized arguments: {' '.join(extra[flags[0]:])}")
         args.texts += extra[:cut] + extra[cut + 1:]
     if not args.command:
         parser.print_help()
