@@ -266,8 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ checks
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Every rule across options, and the outputs' writability, before any data is read;
-    InputError. Options that would do nothing for the chosen methods are refused."""
+    """Every rule across options, and the outputs' writability, before any data is read."""
     _check_values(args)
     _check_data(args)
     _check_methods(args)
@@ -300,8 +299,8 @@ def _check_values(args: argparse.Namespace) -> None:
 
 
 def _check_methods(args: argparse.Namespace) -> None:
-    """Settings the chosen methods take (and where they run); a relevant grade > 0 where a test
-    split is scored; tune's split; build's target."""
+    """Per command: settings its methods take (where they run), --min-score, --val-fraction,
+    build's --out."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -630,8 +629,7 @@ def _check_held_out(args: argparse.Namespace, n_train: int) -> None:
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
-    """The model settings given but λ / k, as keywords of sweep, tune, fit_config and the
-    pipeline (each takes the params classes' defaults for the others)."""
+    """The model settings given (but λ / k), as keywords of sweep, tune, fit_config, pipeline."""
     return dict(backend=args.backend, device=args.device, **more,
                 **{name: getattr(args, name) for name in settings()
                    if name not in AXES and getattr(args, name) is not None})
