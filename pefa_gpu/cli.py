@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from .errors import InputError, PefaError
-from .methods import AXES, REGISTRY, defaults, fit_config, setting_defaults, settings
+from .methods import AXES, REGISTRY, defaults, fit_config, settings
 
 if TYPE_CHECKING:  # the command stays torch-free until a command runs
     from .arrays import ArrayLike, DeviceLike
@@ -99,7 +99,10 @@ def _settings(form: str, names: Sequence[str]) -> dict[str, dict]:
             out[meta["flag"]] = dict(dest=name, default=None, help=meta["help"],
                                      action="store_false" if field.default else "store_true")
             continue
-        values, mv, parse = setting_defaults(name), meta["metavar"], TYPES[field.type]
+        values: dict[Any, str] = {}  # a default -> the first method taking the setting with it
+        for m in (m for m in REGISTRY if name in REGISTRY[m].takes):
+            values.setdefault(defaults(m)[name], m)
+        mv, parse = meta["metavar"], TYPES[field.type]
         default = "the build's" if form == "search" else ", ".join(
             str(v) if len(values) == 1 else f"{v} for {m}" for v, m in values.items())
         out[f"--{name}"] = dict(
@@ -263,34 +266,41 @@ def build_parser() -> argparse.ArgumentParser:
 # ------------------------------------------------------------------------------ checks
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Every rule across options, and the outputs' writability, before any data is read;
-    InputError. Options that would do nothing for the chosen methods are refused."""
+    """Every rule across options, and the outputs' writability, before any data is read."""
     _check_values(args)
     _check_data(args)
     _check_methods(args)
     if args.command == "search":
         _check_search(args)
-    _check_ray(args)
     _check_outputs(args)
 
 
+def _flag(name: str) -> str:
+    """The option (or positional) that sets ``args.<name>``: --train-split, DATA_DIR."""
+    return name.upper() if name in ("data_dir", "model_dir") else f"--{name.replace('_', '-')}"
+
+
 def _check_values(args: argparse.Namespace) -> None:
-    """No '' value, not both --quiet and --verbose, --threads at most the CPUs here."""
+    """No '' value; not both --quiet and --verbose; --threads at most the CPUs here; --ray."""
     for name, value in vars(args).items():  # '' would silently mean "not given" or "here"
         if value == "":
-            flag = name.upper() if name in ("data_dir", "model_dir") else \
-                f"--{name.replace('_', '-')}"
-            raise InputError(f"{flag} is empty: give a value or leave the option out")
+            raise InputError(f"{_flag(name)} is empty: give a value or leave the option out")
     if args.quiet and args.verbose:
         raise InputError("give either --quiet (no log lines) or --verbose (more), not both")
     if args.threads is not None and args.threads > (os.cpu_count() or 1):
         raise InputError(f"--threads must be at most the {os.cpu_count() or 1} CPUs here, got "
                          f"{args.threads}")
+    ray = getattr(args, "ray", None)
+    for name in ("workers", "work_dir"):
+        if ray is None and getattr(args, name, None) is not None:
+            raise InputError(f"{_flag(name)} has no effect without --ray")
+    if ray not in (None, "local") and not args.work_dir:
+        raise InputError(f"--ray {ray} needs --work-dir: a folder every node of the cluster sees")
 
 
 def _check_methods(args: argparse.Namespace) -> None:
-    """Settings the chosen methods take (and where they run); a relevant grade > 0 where a test
-    split is scored; tune's split; build's target."""
+    """Per command: settings its methods take (where they run), --min-score, --val-fraction,
+    build's --out."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -332,13 +342,13 @@ def _check_outputs(args: argparse.Namespace) -> None:
                              f"the same file; give --json a .json name, or --plot")
     for flag, folder in (("--cache-dir", None if args.no_cache else args.cache_dir),
                          ("--work-dir", getattr(args, "work_dir", None))):
-        if folder:  # files written there broke the build or model
-            _check_not_in_save(os.path.expanduser(folder), flag)
-        out = getattr(args, "out", None) if args.command == "build" else None
-        if folder and out and Path(os.path.expanduser(folder)).resolve().is_relative_to(
-                Path(out).resolve()):  # the save refused the folder they filled, at the end
-            raise InputError(f"{flag} {folder} is (or is inside) --out {out}, which holds only "
-                             f"the build's files; give {flag} another folder")
+        if not folder:
+            continue
+        _check_not_in_save(os.path.expanduser(folder), flag)  # files there broke the save
+        if args.command == "build" and Path(os.path.expanduser(folder)).resolve().is_relative_to(
+                Path(args.out).resolve()):  # the save refused the folder they filled, at the end
+            raise InputError(f"{flag} {folder} is (or is inside) --out {args.out}, which holds "
+                             f"only the build's files; give {flag} another folder")
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")
@@ -349,20 +359,22 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
-    """An output may not be (or lie in) what the command reads: DATA_DIR's corpus, queries,
-    qrels/ and embeddings/ (and the splits' files, --embeddings' folder), --train-pairs,
-    --queries, --xmc, --emb, the build searched, --model's folder or module file; nor replace
-    any build's files. (search has no DATA_DIR: a build records no data folder.)"""
+    """An output may not be (or lie in) what the command reads (DATA_DIR's files, the build
+    searched, --model's folder or module file, ...), nor replace any build's files."""
     inputs = [getattr(args, name, None)
               for name in ("train_pairs", "queries", "xmc", "emb", "model_dir")]
-    inputs.append(_model_source(getattr(args, "model", None)))
-    if getattr(args, "data_dir", None):
-        inputs += [Path(args.data_dir, name)
-                   for name in ("corpus.jsonl", "queries.jsonl", "qrels", "embeddings")]
-        if getattr(args, "embeddings", None):  # a NAME may lead out of embeddings/ (../x, /x)
-            inputs.append(Path(args.data_dir, "embeddings", args.embeddings))
-        inputs += [Path(args.data_dir, "qrels", f"{getattr(args, name)}.tsv")  # so may a split
-                   for name in ("train_split", "split") if getattr(args, name, None)]
+    if getattr(args, "data_dir", None):  # --embeddings' NAME and the splits may lead out (../x)
+        inputs += [Path(args.data_dir, name) for name in (
+            "corpus.jsonl", "queries.jsonl", "qrels", Path("embeddings", args.embeddings or ""),
+            *(Path("qrels", f"{getattr(args, s)}.tsv") for s in ("train_split", "split")
+              if hasattr(args, s)))]
+    spec = getattr(args, "model", None)
+    if spec and Path(spec).exists():
+        inputs.append(spec)
+    elif spec and ":" in spec:  # its module's file (found, not run; a dotted name imports parents)
+        with contextlib.suppress(Exception):  # not importable: resolve_model_arg says why later
+            found = importlib.util.find_spec(spec.partition(":")[0])
+            inputs.append(found.origin if found is not None and found.has_location else None)
     out = Path(path).resolve()
     if any(f and out.is_relative_to(Path(f).resolve()) for f in inputs):
         raise InputError(f"{flag} {path} is (or is inside) one of the command's inputs; "
@@ -381,20 +393,6 @@ def _check_not_in_save(path: str, flag: str) -> None:
             (p / DATA_MARKER).is_file() for p in (out, *out.parents)):
         raise InputError(f"{flag} {path} is (or is inside) a saved build or model's files; write "
                          f"the output elsewhere")
-
-
-def _model_source(spec: str | None) -> str | None:
-    """--model's folder, or the file of its module:attribute's module (found, not run; a
-    dotted module's packages are imported)."""
-    if spec and Path(spec).exists():
-        return spec
-    if not spec or ":" not in spec:  # a hub name (or none)
-        return None
-    try:
-        found = importlib.util.find_spec(spec.partition(":")[0])
-    except Exception:  # not importable: resolve_model_arg says why when the model is made
-        return None
-    return found.origin if found is not None and found.has_location else None
 
 
 def _check_plot(args: argparse.Namespace) -> None:
@@ -422,12 +420,9 @@ def _check_data(args: argparse.Namespace) -> None:
     if getattr(args, "xmc", None) or getattr(args, "emb", None):
         if not (args.xmc and args.emb):
             raise InputError("--xmc XMC_DIR and --emb EMB_DIR go together")
-        given = [flag for flag, value in (("DATA_DIR", args.data_dir), ("--model", args.model),
-                                          ("--embeddings", args.embeddings),
-                                          ("--train-pairs", args.train_pairs),
-                                          ("--train-split", args.train_split),
-                                          ("--split", args.split),
-                                          ("--min-score", args.min_score)) if value is not None]
+        given = [_flag(name) for name in ("data_dir", "model", "embeddings", "train_pairs",
+                                          "train_split", "split", "min_score")
+                 if getattr(args, name) is not None]
         if given:  # the splits and grades were ignored
             raise InputError(f"--xmc reads embeddings and pairs (weights as stored) from its "
                              f"folders; drop {', '.join(given)}")
@@ -437,11 +432,9 @@ def _check_data(args: argparse.Namespace) -> None:
     if getattr(args, "train_pairs", None) and args.train_split is not None:  # was ignored
         raise InputError("--train-split has no effect with --train-pairs (the pairs file is "
                          "what the models fit on); drop one")
-    if hasattr(args, "min_score"):  # the defaults, once the options were told from them
-        args.train_split = args.train_split or "train"
-        args.min_score = 1.0 if args.min_score is None else args.min_score
-    if hasattr(args, "split"):
-        args.split = args.split or "test"
+    for name, default in (("train_split", "train"), ("split", "test"), ("min_score", 1.0)):
+        if getattr(args, name, default) is None:  # the defaults, once told from the options
+            setattr(args, name, default)
 
 
 def _check_search(args: argparse.Namespace) -> None:
@@ -459,16 +452,6 @@ def _check_search(args: argparse.Namespace) -> None:
         raise InputError(f"--tag must be one word (a TREC run field), got {args.tag!r}")
 
 
-def _check_ray(args: argparse.Namespace) -> None:
-    if getattr(args, "ray", None) is None:
-        for name in ("workers", "work_dir"):
-            if getattr(args, name, None) is not None:
-                raise InputError(f"--{name.replace('_', '-')} has no effect without --ray")
-    elif args.ray != "local" and not args.work_dir:
-        raise InputError(f"--ray {args.ray} needs --work-dir: a folder every node of the "
-                         f"cluster sees")
-
-
 def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
     """A model setting (or --seed) given (not None) that no method of ``why`` takes is an error."""
     for name, field in {**settings(), "seed": None}.items():
@@ -479,9 +462,10 @@ def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
                              f"{', '.join(users)})")
 
 
-def _setup(args: argparse.Namespace) -> None:
-    """Log lines on stderr: the library's at INFO (none with --quiet), other libraries' from
-    WARNING (from INFO with --verbose)."""
+def _setup(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
+    """Log lines on stderr (the library's at INFO, none with --quiet; others' from WARNING, INFO
+    with --verbose), torch's threads; --ray: the cluster (``args.runner``) and the work folder
+    (``args.work``; without --work-dir a temporary one, removed on ``stack``'s exit)."""
     if args.quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -495,6 +479,16 @@ def _setup(args: argparse.Namespace) -> None:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
+    args.runner = None
+    if getattr(args, "ray", None) is None:
+        return
+    from .distributed import connect
+
+    noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
+             {"logging_level": logging.ERROR})
+    args.runner = stack.enter_context(connect(args.ray, args.workers, **noise))
+    args.work = Path(args.work_dir) if args.work_dir else Path(
+        stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
 
 
 # ------------------------------------------------------------------------------ data
@@ -565,18 +559,17 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     if getattr(args, "xmc", None):
         x = load_xmc(args.xmc, args.emb, aug=args.aug)
         log.info("%s (aug %s): training rows %s", x.name, x.aug, x.sources)
+        _check_held_out(args, x.Y.shape[0])
         return _Data(x.name, [str(j) for j in range(x.n_docs)], x.P, x.Q, x.Y, x.Q_test,
                      x.Y_test)
     ds = load_beir(args.data_dir)
-    train_texts: list[str] | None = None
-    if args.train_pairs:
+    if args.train_pairs:  # train_rows None: the pairs file gives its queries as texts
         pairs = load_pairs(args.train_pairs, ds.doc_index, min_score=args.min_score)
         train_rows = _pair_rows(args.train_pairs, pairs.query_keys, ds.query_index)
-        if train_rows is None:
-            train_texts = pairs.query_texts
         y_train = pairs.relevance
     else:
         train_rows, y_train = ds.qrels(args.train_split, min_score=args.min_score, binary=True)
+    _check_held_out(args, y_train.shape[0])
     tests, y_test = [], None
     if test:  # graded gains; judged queries without a relevant document kept (as empty rows)
         test_rows, y_test = ds.qrels(args.split, min_score=args.min_score, keep_empty=True)
@@ -587,7 +580,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
                         "are optimistic", len(both), ds.query_ids[int(both[0])])
     t0 = time.perf_counter()
     if args.embeddings:
-        if train_texts is not None:
+        if train_rows is None:
             raise InputError(f"{args.train_pairs} holds query texts, not query ids; they need "
                              f"an encoder (drop --embeddings)")
         P, Q_all = ds.embeddings(args.embeddings)
@@ -595,7 +588,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
     else:
         P, q_train, *q_test = _encode(args, [
             ds.corpus_texts,
-            train_texts if train_texts is not None else [ds.query_texts[i] for i in train_rows],
+            pairs.query_texts if train_rows is None else [ds.query_texts[i] for i in train_rows],
             *([ds.query_texts[i] for i in rows] for rows in tests)])
         log.info("embeddings ready in %.1f s", time.perf_counter() - t0)
     return _Data(ds.name, ds.corpus_ids, P, q_train, y_train, q_test[0] if test else None,
@@ -614,14 +607,14 @@ def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndar
     return np.asarray([query_ids[k] for k in keys]) if len(ids) == len(keys) else None
 
 
-def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: int) -> None:
-    """NUDGE's gamma and the adapter's alpha are chosen on held-out training queries: 2 or more
-    to fit on (tune and build's auto: of tune's fitting part); the models' own error asks for
-    arguments the command does not have (Q_val, gamma)."""
+def _check_held_out(args: argparse.Namespace, n_train: int) -> None:
+    """Methods that choose a step on held-out training queries (NUDGE's gamma, the adapter's
+    alpha) need 2 or more to fit on (tune and build's auto: of tune's fitting part)."""
     from .splits import split_queries
 
-    held = [m for m in methods if REGISTRY[m].model == "NUDGE" or "adapter" in REGISTRY[m].query]
     tuned = args.command == "tune" or getattr(args, "method", None) == "auto"
+    methods = getattr(args, "methods", None) or (REGISTRY if tuned else [args.method])
+    held = [m for m in methods if REGISTRY[m].model == "NUDGE" or "adapter" in REGISTRY[m].query]
     if not held or n_train < 2 and tuned:  # tune says that it needs 2 training queries
         return
     n_fit = split_queries(n_train, getattr(args, "val_fraction", 0.2), args.seed or 0)[0].size \
@@ -636,26 +629,10 @@ def _check_held_out(args: argparse.Namespace, methods: Sequence[str], n_train: i
 
 
 def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
-    """The model settings given but λ / k, as keywords of sweep, tune, fit_config and the
-    pipeline (each takes the params classes' defaults for the others)."""
-    given = {name: getattr(args, name) for name in settings() if name not in AXES}
+    """The model settings given (but λ / k), as keywords of sweep, tune, fit_config, pipeline."""
     return dict(backend=args.backend, device=args.device, **more,
-                **{name: v for name, v in given.items() if v is not None})
-
-
-def _connect(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
-    """With --ray: connect (``args.runner``) and make the work folder (``args.work``, a
-    temporary one removed on ``stack``'s exit unless --work-dir names one)."""
-    args.runner = None
-    if getattr(args, "ray", None) is None:
-        return
-    from .distributed import connect
-
-    noise = ({"log_to_driver": True, "logging_level": logging.INFO} if args.verbose else
-             {"logging_level": logging.ERROR})
-    args.runner = stack.enter_context(connect(args.ray, args.workers, **noise))
-    args.work = Path(args.work_dir) if args.work_dir else Path(
-        stack.enter_context(tempfile.TemporaryDirectory(prefix="pefa-gpu-ray-")))
+                **{name: getattr(args, name) for name in settings()
+                   if name not in AXES and getattr(args, name) is not None})
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -727,7 +704,6 @@ def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dic
 
 def cmd_eval(args: argparse.Namespace) -> None:
     data = _load_data(args)
-    _check_held_out(args, args.methods, data.Y_train.shape[0])
     groups = [((m,), *[(getattr(args, axis) or (defaults(m)[axis],))
                        if axis in REGISTRY[m].axes else () for axis in AXES])
               for m in args.methods]  # each method at the given λ / k, else its defaults
@@ -740,7 +716,6 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     from .sweep import PAPER_KS, PAPER_LAMS, Config
 
     data = _load_data(args)
-    _check_held_out(args, args.methods, data.Y_train.shape[0])
     t0 = time.perf_counter()
     rows, last, timings = _evaluate(args, data, [(args.methods, args.lam or PAPER_LAMS,
                                                   args.k or PAPER_KS)])
@@ -761,7 +736,6 @@ def cmd_tune(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args)
-    _check_held_out(args, args.methods, data.Y_train.shape[0])
     res = tune(data.P, data.Q_train, data.Y_train, methods=args.methods,
                lams=args.lam or PAPER_LAMS, ks=args.k or PAPER_KS,
                val_fraction=args.val_fraction, seed=args.seed, metric=args.metric,
@@ -793,8 +767,6 @@ def cmd_build(args: argparse.Namespace) -> None:
     from .tune import tune
 
     data = _load_data(args, test=False)
-    _check_held_out(args, list(REGISTRY) if args.method == "auto" else [args.method],
-                    data.Y_train.shape[0])
     kw = _model_kwargs(args)
     if args.method == "auto":
         res = tune(data.P, data.Q_train, data.Y_train, seed=args.seed or 0,
@@ -821,24 +793,10 @@ def cmd_build(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------------------ search
 
-def _search_encoder(args: argparse.Namespace, info: dict) -> EncoderLike:
-    """--model when given (with a warning when it differs from the build's record), else
-    what the build's record allows (see :func:`pefa_gpu.builds.encoder_from_record`)."""
-    from .builds import BUILD_MANIFEST, encoder_from_record, encoder_record
-
-    record = info.get("encoder")
-    if not args.model:
-        return encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST)
-    if isinstance(record, dict) and record.get("kind") != "precomputed" \
-            and record != encoder_record(args.model, None):
-        log.warning("the build's embeddings came from %s %r; encoding the queries with "
-                    "--model %r", record.get("kind"), record.get("name"), args.model)
-    return resolve_model_arg(args.model)
-
-
 def cmd_search(args: argparse.Namespace) -> None:
     from .arrays import to_numpy
-    from .builds import load_build, load_doc_text
+    from .builds import BUILD_MANIFEST, encoder_from_record, encoder_record, load_build, \
+        load_doc_text
     from .query import QueryModel
     from .runs import format_results, queries
     from .storage import write_output_file
@@ -852,8 +810,13 @@ def cmd_search(args: argparse.Namespace) -> None:
     if unused:  # before the queries are encoded
         raise InputError(f"{', '.join(sorted('--' + n for n in unused))}: no effect on this "
                          f"{info.get('method')} build; drop it")
-    q, = _encode(args, [[t for _, t in texts]], model=_search_encoder(args, info),
-                 device=model.device)
+    record = info.get("encoder")  # --model (a warning where the build's differs), else the build's
+    if args.model and isinstance(record, dict) and record.get("kind") != "precomputed" \
+            and record != encoder_record(args.model, None):
+        log.warning("the build's embeddings came from %s %r; encoding the queries with "
+                    "--model %r", record.get("kind"), record.get("name"), args.model)
+    q, = _encode(args, [[t for _, t in texts]], device=model.device, model=None if args.model
+                 else encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST))
     params = search_params.from_dict(given) if given else None
     # no more results than documents: the rows beyond them would be padding, never printed
     scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
@@ -909,12 +872,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra:  # search's QUERY texts left over after an option (after '--': any text)
         cut = extra.index("--") if "--" in extra else len(extra)
-        texts = getattr(args, "texts", None)
-        if texts is None or any(e.startswith("-") for e in extra[:cut]):
-            # search: the texts before the first option are queries, not unrecognized
-            first = 0 if texts is None else next(i for i, e in enumerate(extra)
-                                                 if e.startswith("-"))
-            parser.error(f"unrecognized arguments: {' '.join(extra[first:])}")
+        flags = [0] if getattr(args, "texts", None) is None else [
+            i for i, e in enumerate(extra[:cut]) if e.startswith("-")]
+        if flags:  # search: the texts before the first option are queries, not unrecognized
+            parser.error(f"unrecognized arguments: {' '.join(extra[flags[0]:])}")
         args.texts += extra[:cut] + extra[cut + 1:]
     if not args.command:
         parser.print_help()
@@ -924,8 +885,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.enter_context(warnings.catch_warnings())
             warnings.showwarning = functools.partial(_show_warning, args.command, set())
             _check_args(args)
-            _setup(args)
-            _connect(args, stack)
+            _setup(args, stack)
             COMMANDS[args.command][0](args)
             sys.stdout.flush()  # a reader gone (| head) is found here, in the handlers
             return 0

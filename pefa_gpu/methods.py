@@ -95,15 +95,6 @@ def settings(search: bool = False) -> dict[str, dataclasses.Field]:
     return {f.name: f for c in classes for f in dataclasses.fields(c) if "help" in f.metadata}
 
 
-def setting_defaults(name: str) -> dict[Any, str]:
-    """Default of setting ``name`` -> the first method that takes it with that default."""
-    out: dict[Any, str] = {}
-    for m in REGISTRY:
-        if name in REGISTRY[m].takes:
-            out.setdefault(defaults(m)[name], m)
-    return out
-
-
 def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
                Y: RelevanceLike | None = None, device: DeviceLike = None, backend: str = "exact",
                **params: Any) -> Model | QueryModel:
