@@ -47,6 +47,14 @@ def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
     return meta
 
 
+def check_row_norms(x: np.ndarray, top: float, what: str) -> None:
+    """InputError when a row of ``x`` (rows, d) has a norm above ``top``, what ``what`` holds."""
+    norm = float(np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64).max()))
+    if norm > top:
+        raise InputError(f"vectors: a row norm of {norm:.3g} is beyond what {what} holds "
+                         f"({top:.3g}): normalise the rows")
+
+
 class HostBackend(Index):
     """``_index``: the library's index (None before build); ``max_k`` (``gpu_max_k`` on the
     GPU): the largest k the library answers (tests lower it), larger k: exact search."""

@@ -18,7 +18,7 @@ from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_choice, che
                       checked)
 from .base import IndexParams
 from ._faiss import faiss_has_gpu, faiss_search_parameters, host_float32
-from ._host import FaissBackend
+from ._host import FaissBackend, check_row_norms
 
 MAX_TRAIN_NORM = math.sqrt(FLOAT32_MAX)  # a product of two such rows: float32 max
 
@@ -127,10 +127,7 @@ class IVFIndex(FaissBackend):
             x = host_float32(x, "vectors", check_finite=False)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
         sample = to_numpy(x[rows])
-        top = float(np.linalg.norm(sample.astype(np.float64), axis=1).max())
-        if top > MAX_TRAIN_NORM:  # faiss' float32 k-means: inf scores, an abort near 1e38
-            raise InputError(f"vectors: a row norm of {top:.3g} is beyond what ivf's float32 "
-                             f"k-means holds ({MAX_TRAIN_NORM:.3g}): normalise the rows")
+        check_row_norms(sample, MAX_TRAIN_NORM, "ivf's float32 k-means")  # else an abort
         self._rows = None
         self._call(index, "train", sample)  # faiss GPU trains IVF on the CPU
         self._call(index, "add", x)

@@ -16,7 +16,7 @@ from ..errors import FormatError, InputError
 from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_nonnegative, check_number,
                       checked)
 from .base import IndexParams, import_optional
-from ._host import HostBackend, read_description, write_description
+from ._host import HostBackend, check_row_norms, read_description, write_description
 
 META_FILE, ASSETS_FILE, PICKLE_FILE = "scann.json", "scann_assets.pbtxt", "scann_docids.pkl"
 META_FORMAT = "pefa_gpu-scann"
@@ -92,7 +92,7 @@ class ScannIndex(HostBackend):
             leaves = 0
             builder = builder.score_brute_force(False)
         else:
-            _check_norms(x)
+            check_row_norms(x, MAX_TREE_NORM, "scann's float32 tree")
             leaves = p.num_leaves or auto_num_leaves(n)
             if leaves > n:
                 raise InputError(f"num_leaves={leaves} is more than the {n} vectors")
@@ -114,7 +114,7 @@ class ScannIndex(HostBackend):
 
     def _append(self, x: np.ndarray) -> None:
         if self.num_leaves:  # rows join the tree's leaves
-            _check_norms(x)
+            check_row_norms(x, MAX_TREE_NORM, "scann's float32 tree")
         self._index.searcher.upsert([None] * x.shape[0], list(x), min(x.shape[0], 256))
 
     def _raw_search(self, q: np.ndarray, k: int, params: ScannSearchParams
@@ -177,14 +177,6 @@ class ScannIndex(HostBackend):
         except RuntimeError as exc:
             raise FormatError(f"{directory} could not be searched by ScaNN: {exc}") from exc
         return out
-
-
-def _check_norms(x: np.ndarray) -> None:
-    """InputError for rows a tree's float32 k-means cannot place (norm above MAX_TREE_NORM)."""
-    top = float(np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64).max()))
-    if top > MAX_TREE_NORM:
-        raise InputError(f"vectors: a row norm of {top:.3g} is beyond what scann's float32 "
-                         f"tree holds ({MAX_TREE_NORM:.3g}): normalise the rows")
 
 
 def _check_assets(directory: Path) -> dict[str, Path]:
