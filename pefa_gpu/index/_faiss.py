@@ -81,10 +81,8 @@ def host_float32(x: Any, name: str, dim: int | None = None,
     if a.dtype.kind not in "iuf" and not is_bfloat16(a.dtype):  # as as_tensor refuses them
         raise InputError(f"{name} has dtype {a.dtype}; a real-valued array is needed")
     a = np.ascontiguousarray(a, dtype=np.float32)
-    if a.ndim != 2:
-        raise InputError(f"{name} must be 2-D (rows, dim), got shape {a.shape}")
-    if dim is not None and a.shape[1] != dim:
-        raise InputError(f"{name} must have shape (rows, {dim}), got {a.shape}")
+    if a.ndim != 2 or (dim is not None and a.shape[1] != dim):
+        raise InputError(f"{name} must have shape (rows, {dim or 'dim'}), got {a.shape}")
     if check_finite and a.size and not np.isfinite(a).all():
         raise InputError(f"{name} contains NaN or inf")
     return a

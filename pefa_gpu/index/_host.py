@@ -219,15 +219,14 @@ class FaissBackend(HostBackend):
         """Read ``index.faiss``: an inner-product index of a class in ``saved_kinds`` that
         :meth:`_adopt` accepts, else FormatError (search settings are not part of it)."""
         path = cls._saved_file(directory, FAISS_FILE)
-        faiss = import_faiss()
+        out = cls(params, device)
         try:
-            index = faiss.read_index(str(path))
+            index = out._faiss.read_index(str(path))
         except Exception as exc:  # faiss raises RuntimeError on a corrupt file
             raise FormatError(f"{path} could not be read by faiss: {exc}") from exc
         kind = cls.saved_kinds.get(type(index).__name__)
-        if kind is None or index.metric_type != faiss.METRIC_INNER_PRODUCT:
+        if kind is None or index.metric_type != out._faiss.METRIC_INNER_PRODUCT:
             raise FormatError(f"{directory}: expected an inner-product "
                               f"{' or '.join(cls.saved_kinds)}, found {type(index).__name__}")
-        out = cls(params, device)
         out._index, out._dim = out._adopt(index, kind, directory), int(index.d)
         return out

@@ -24,10 +24,6 @@ from .exact import ExactIndex
 
 log = logging.getLogger("pefa_gpu")
 
-_INSTALL = ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS "
-            "(`conda install -c pytorch -c nvidia -c rapidsai faiss-gpu-cuvs`) or cuVS "
-            "(`pip install cuvs-cu12`)")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CagraParams(IndexParams):
@@ -70,7 +66,9 @@ def _engine(device: torch.device) -> str | None:
 
 
 def _install_message(device: torch.device) -> str:
-    return _INSTALL + ("" if device.type == "cuda" else f"; device is {device}")
+    return ("backend 'cagra' needs a CUDA device and faiss-gpu with cuVS (`conda install -c "
+            "pytorch -c nvidia -c rapidsai faiss-gpu-cuvs`) or cuVS (`pip install cuvs-cu12`)"
+            + ("" if device.type == "cuda" else f"; device is {device}"))
 
 
 def rescore(q: torch.Tensor, vectors: torch.Tensor, ids: torch.Tensor,
