@@ -177,9 +177,8 @@ class IVFIndex(FaissBackend):
 
     def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
         """FormatError unless the saved index is of ``params.kind`` with one centroid a list
-        (faiss reads more, and its search then aborted the process in 1.13), IVF-PQ codes of
-        the lists' size (faiss reads a product quantizer of another) and the ids 0..ntotal-1 in
-        its lists, each once; then moved to the GPU where wanted."""
+        (faiss 1.13's search aborted on more), IVF-PQ codes of the lists' size and the ids
+        0..ntotal-1 in its lists, each once; then moved to the GPU where wanted."""
         if kind != self.params.kind:
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={self.params.kind!r}")
@@ -194,8 +193,7 @@ class IVFIndex(FaissBackend):
         ids = [self._faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
                for i in range(index.nlist) if lists.list_size(i)]
         ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
-        if ids.size != n or (n and (ids.min() < 0 or ids.max() >= n
-                                    or np.bincount(ids, minlength=n).max() > 1)):
+        if not np.array_equal(np.sort(ids), np.arange(n)):
             span = f"{ids.min()}..{ids.max()}" if ids.size else "-..-"
             raise FormatError(f"{directory}: the IVF lists hold {ids.size} ids ({span}), not "
                               f"each of 0..{n - 1} once: a forged or corrupted index")
