@@ -127,7 +127,7 @@ class IVFIndex(FaissBackend):
             x = host_float32(x, "vectors", check_finite=False)
         rows = np.sort(np.random.default_rng(p.seed).choice(n, size=size, replace=False))
         sample = to_numpy(x[rows])
-        check_row_norms(sample, MAX_TRAIN_NORM, "ivf's float32 k-means")  # else an abort
+        check_row_norms(sample, MAX_TRAIN_NORM, "ivf's float32 k-means")  # else inf, an abort
         self._rows = None
         self._call(index, "train", sample)  # faiss GPU trains IVF on the CPU
         self._call(index, "add", x)
