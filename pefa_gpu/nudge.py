@@ -87,8 +87,7 @@ def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
         if not yb.nnz:  # (its two (step, n) products would bound no pair)
             continue
         qd, qg = q[b] @ d.T, q[b] @ g_hat.T  # (step, n) <q, d_j>, <q, ĝ_j>
-        # (pairs, n) tables ``step`` pairs at a time: a validation query relevant to every one
-        # of 5000 documents took 670 MB at once
+        # (pairs, n) tables ``step`` pairs at a time, not every pair at once (memory)
         for p0 in range(0, yb.nnz, step):
             rows = as_tensor(yb.row[p0:p0 + step].astype(np.int64), device=d.device)
             cols = as_tensor(yb.col[p0:p0 + step].astype(np.int64), device=d.device)[:, None]

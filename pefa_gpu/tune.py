@@ -159,7 +159,6 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     seed = check_nonnegative(seed, "seed")  # 1.5 / -2: numpy's errors, only when pairs drop
     erm = ERM(backend=backend, device=device).fit(P)
     n = erm.n_docs  # columns of other widths were an IndexError, or indexed silently
-    # q_val as rows first: a list of other length than y_val's rows was taken
     qv = as_embeddings(q_val, erm.device, "q_val", dim=erm.dim, check_norm=False)
     yf = as_relevance(y_fit, (None, n), "y_fit", allow_empty=True).csr
     yv = as_relevance(y_val, (qv.shape[0], n), "y_val", allow_empty=True).csr
@@ -167,9 +166,8 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
     top_val = to_numpy(erm.search(qv, 1)[1])[:, 0]
-    # named as given (was 'queries'); none: a test coverage of 0 dropped every fitting pair
     tq = as_embeddings(test_queries, erm.device, "test_queries", dim=erm.dim, check_norm=False)
-    if not tq.shape[0]:
+    if not tq.shape[0]:  # a test coverage of 0 dropped every fitting pair
         raise InputError("test_queries is empty: the coverage match estimates from the queries "
                          "to serve; give them, or test_queries=None")
     top_test = to_numpy(erm.search(tq, 1)[1])[:, 0]
