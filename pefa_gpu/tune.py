@@ -26,7 +26,7 @@ from .arrays import (ArrayLike, DeviceLike, as_embeddings, check_topk, resolve_d
 from .errors import InputError
 from .methods import fit_config
 from .models import ERM
-from .params import check_nonnegative, is_number
+from .params import check_nonnegative, check_number
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 from .sweep import (METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, _rows,
@@ -90,8 +90,7 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     (t, d): the queries to serve, for coverage matching. ERM is always a candidate.
     ``sweep_kwargs`` go to :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, ...)."""
     rec_ks = parse_metric(metric)
-    if not is_number(min_z) or min_z < 0:
-        raise InputError(f"min_z must be a finite number >= 0, got {min_z!r}")
+    check_number(min_z, "min_z")
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
     rel = as_relevance(Y, shape=(q_all.shape[0], _rows(P)))  # columns: P's documents
