@@ -119,9 +119,7 @@ def _check_shapes(model: Model, where: Path) -> None:
     n, d = model.n_docs, model.dim
     if not all(type(v) is int and v > 0 for v in (n, d)):  # JSON values: not bool
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
-    for name, (rows, cols) in model._saved_shapes().items():
-        if name not in type(model)._saved:
-            continue
+    for name, (rows, cols) in model._saved_shapes().items():  # each a name in _saved
         value = getattr(model, name)
         kind = Index if name.endswith("index") else Relevance if name == "relevance" else \
             torch.Tensor  # what the models save under each name
