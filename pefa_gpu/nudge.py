@@ -8,10 +8,9 @@ d_j: unit document rows (n, d); g_j = Σ_i Y[i, j] q_i; ĝ_j = Π(g_j) (0 where 
   parallel to d_j or <d_j, g_j> < 0 (as the authors' nudge-ft).
 
 γ is chosen on validation queries with the g_j of the fitting queries. NUDGE-M: the smallest
-γ >= 0 under which the most validation pairs (q, x) have x as the top-1 (ties win; each pair
-wins on an interval of γ). NUDGE-N: the first γ of nudge-ft's grid (0, 0.02, ..., 0.48) with
-the best mean |top-``val_k`` ∩ relevant| / min(|relevant|, ``val_k``) (queries with no
-relevant document left out).
+γ >= 0 under which the most validation pairs (q, x) have x as the top-1 (ties win). NUDGE-N:
+the first γ of nudge-ft's grid (0, 0.02, ..., 0.48) with the best mean |top-``val_k`` ∩
+relevant| / min(|relevant|, ``val_k``) (queries with no relevant document left out).
 """
 
 from __future__ import annotations
@@ -87,14 +86,13 @@ def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
         if not yb.nnz:  # (its two (step, n) products would bound no pair)
             continue
         qd, qg = q[b] @ d.T, q[b] @ g_hat.T  # (step, n) <q, d_j>, <q, ĝ_j>
-        # (pairs, n) tables ``step`` pairs at a time: a validation query relevant to every one
-        # of 5000 documents took 670 MB at once
+        # (pairs, n) tables ``step`` pairs at a time, not every pair at once (memory)
         for p0 in range(0, yb.nnz, step):
             rows = as_tensor(yb.row[p0:p0 + step].astype(np.int64), device=d.device)
             cols = as_tensor(yb.col[p0:p0 + step].astype(np.int64), device=d.device)[:, None]
             s, t = qd[rows], qg[rows]
             ds, dt = s - s.gather(1, cols), t - t.gather(1, cols)
-            # x wins iff ds_j + γ dt_j <= 0 for every j
+            # x wins iff ds_j + γ dt_j <= 0 for every j: on one interval [lo, hi] of γ
             ratio = -ds / torch.where(dt == 0, 1.0, dt)
             lo = torch.where(dt < 0, ratio, float("-inf")).amax(1).clamp_min(0.0)
             hi = torch.where(dt > 0, ratio, float("inf")).amin(1)

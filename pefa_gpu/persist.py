@@ -81,26 +81,27 @@ def _load_model(directory: str | Path, device: DeviceLike, mmap: bool, verify: b
     cls = _MODELS[name]
     if expect is not None and not issubclass(cls, expect):
         raise FormatError(f"{where}: the save holds a {cls.__name__}, not a {expect.__name__}")
-    if hasattr(cls, "_from_save"):  # a query-side part (pefa_gpu.query): its own layout
-        return cls._from_save(save, device=resolve_device(device), mmap=mmap)
-    state = manifest.get("state")
-    if not isinstance(state, dict):
-        raise FormatError(f"{where} has no 'state' table")
-    if missing := [name for name in cls._saved if name not in state]:
-        raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} needs")
-    if extra := sorted(set(state) - set(cls._saved)):
-        raise FormatError(f"{where} holds attributes {extra} that a {cls.__name__} does not "
-                          f"save (a save of another class?)")
-    backend = manifest.get("backend")
-    _backend(backend, where)
     device = resolve_device(device)  # a bad device is the caller's error, not the save's
     try:  # params that are not a table: "argument after ** must be a mapping"
+        if hasattr(cls, "_from_save"):  # a query-side part (pefa_gpu.query): its own layout
+            return cls._from_save(save, device=device, mmap=mmap)
+        state = manifest.get("state")
+        if not isinstance(state, dict):
+            raise FormatError(f"{where} has no 'state' table")
+        if missing := [name for name in cls._saved if name not in state]:
+            raise FormatError(f"{where} lacks saved attributes {missing} that {cls.__name__} "
+                              f"needs")
+        if extra := sorted(set(state) - set(cls._saved)):
+            raise FormatError(f"{where} holds attributes {extra} that a {cls.__name__} does "
+                              f"not save (a save of another class?)")
+        backend = manifest.get("backend")
+        _backend(backend, where)
         model = cls(backend=backend, device=device, index_params=manifest.get("index_params"),
                     search_params=cls.SearchParams.coerce(manifest.get("search_params")),
                     **manifest.get("params"))
         model.index_search_params = model.index_search_params.coerce(
             manifest.get("index_search_params"))
-    except (InputError, TypeError) as exc:
+    except (InputError, TypeError) as exc:  # the one place for it, pefa_gpu.query's parts too
         raise FormatError(f"{where}: the saved params do not fit {cls.__name__}: {exc}") from exc
     loaded: dict[str, Any] = {}
     indices_last = sorted(cls._saved, key=lambda k: isinstance(state[k], dict) and
@@ -118,9 +119,7 @@ def _check_shapes(model: Model, where: Path) -> None:
     n, d = model.n_docs, model.dim
     if not all(type(v) is int and v > 0 for v in (n, d)):  # JSON values: not bool
         raise FormatError(f"{where}: n_docs and dim must be positive integers, got {n!r}, {d!r}")
-    for name, (rows, cols) in model._saved_shapes().items():
-        if name not in type(model)._saved:
-            continue
+    for name, (rows, cols) in model._saved_shapes().items():  # each a name in _saved
         value = getattr(model, name)
         kind = Index if name.endswith("index") else Relevance if name == "relevance" else \
             torch.Tensor  # what the models save under each name

@@ -98,14 +98,6 @@ class _Saved:
         return {"library_version": __version__, "class": type(self).__name__,
                 "params": self.params.to_dict() if hasattr(self, "params") else {}}
 
-    @classmethod
-    def _saved_params(cls, save: storage.SaveDir) -> dict[str, Any]:
-        try:
-            return cls.Params.from_dict(save.manifest.get("params") or {}).to_dict()
-        except (InputError, TypeError) as exc:
-            raise FormatError(f"{save.where}: the saved params do not fit {cls.__name__}: {exc}"
-                              ) from exc
-
 
 class QueryAdapter(_Saved):
     """The linear map Π(qW) (module docstring); after ``fit``: ``W`` (d, d) float32,
@@ -188,7 +180,7 @@ class QueryAdapter(_Saved):
     @classmethod
     def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "QueryAdapter":
         m = save.manifest
-        out = cls(device=device, **cls._saved_params(save))
+        out = cls(device=device, **(m.get("params") or {}))  # bad params: persist's FormatError
         meta = m.get("W") if isinstance(m.get("W"), dict) else {}
         w = storage.load_tensor(save.file(meta.get("file")), out.device, meta=meta)
         a = m.get("fitted_alpha")
@@ -237,7 +229,7 @@ class VectorPRF(_Saved):
 
     @classmethod
     def _from_save(cls, save: storage.SaveDir, device: DeviceLike, mmap: bool) -> "VectorPRF":
-        return cls(**cls._saved_params(save))
+        return cls(**(save.manifest.get("params") or {}))
 
 
 class QueryModel(_Saved):

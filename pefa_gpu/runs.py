@@ -71,10 +71,8 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
 def _check_run(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
                ids: np.ndarray, n_docs: int, tag: str,
                doc_text: tuple[Sequence[str], Sequence[str]] | None) -> None:
-    """format_results' InputError for a format it does not write (was TSV), scores / ids that
-    are not (queries, k) rows of ids in [-1, ``n_docs``) (were bare IndexErrors, cut by zip, or
-    skipped as padding), a TREC tag that is not one word, doc_text of other lengths, a JSON
-    result scored NaN or inf (was written as NaN / Infinity, which JSON readers refuse)."""
+    """format_results' InputErrors: an unknown format, a TREC tag not one word, doc_text of
+    other lengths, scores / ids not (queries, k) with ids in [-1, ``n_docs``), a JSON NaN / inf."""
     n_queries = len(queries)
     if fmt not in ("tsv", "json", "trec"):
         raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")

@@ -26,7 +26,7 @@ from .arrays import (ArrayLike, DeviceLike, as_embeddings, check_topk, resolve_d
 from .errors import InputError
 from .methods import fit_config
 from .models import ERM
-from .params import check_nonnegative, is_number
+from .params import check_nonnegative, check_number
 from .relevance import Relevance, RelevanceLike, as_relevance
 from .splits import split_queries
 from .sweep import (METHODS, PAPER_KS, PAPER_LAMS, Config, SweepResult, _rows,
@@ -90,8 +90,7 @@ def tune(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, methods: Sequence[str] = 
     (t, d): the queries to serve, for coverage matching. ERM is always a candidate.
     ``sweep_kwargs`` go to :func:`pefa_gpu.sweep.sweep_search` (backend, candidates, ...)."""
     rec_ks = parse_metric(metric)
-    if not is_number(min_z) or min_z < 0:
-        raise InputError(f"min_z must be a finite number >= 0, got {min_z!r}")
+    check_number(min_z, "min_z")
     dev = resolve_device(device)
     q_all = as_embeddings(Q, dev, "Q", check_norm=False)
     rel = as_relevance(Y, shape=(q_all.shape[0], _rows(P)))  # columns: P's documents
@@ -159,7 +158,6 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     seed = check_nonnegative(seed, "seed")  # 1.5 / -2: numpy's errors, only when pairs drop
     erm = ERM(backend=backend, device=device).fit(P)
     n = erm.n_docs  # columns of other widths were an IndexError, or indexed silently
-    # q_val as rows first: a list of other length than y_val's rows was taken
     qv = as_embeddings(q_val, erm.device, "q_val", dim=erm.dim, check_norm=False)
     yf = as_relevance(y_fit, (None, n), "y_fit", allow_empty=True).csr
     yv = as_relevance(y_val, (qv.shape[0], n), "y_val", allow_empty=True).csr
@@ -167,9 +165,8 @@ def match_coverage(P: ArrayLike, q_val: ArrayLike, y_fit: RelevanceLike, y_val: 
     cov_fit = np.bincount(yf.indices, minlength=n) > 0  # documents with a fitting pair
     cov_all = np.bincount(ya.indices, minlength=n) > 0
     top_val = to_numpy(erm.search(qv, 1)[1])[:, 0]
-    # named as given (was 'queries'); none: a test coverage of 0 dropped every fitting pair
     tq = as_embeddings(test_queries, erm.device, "test_queries", dim=erm.dim, check_norm=False)
-    if not tq.shape[0]:
+    if not tq.shape[0]:  # a test coverage of 0 dropped every fitting pair
         raise InputError("test_queries is empty: the coverage match estimates from the queries "
                          "to serve; give them, or test_queries=None")
     top_test = to_numpy(erm.search(tq, 1)[1])[:, 0]
