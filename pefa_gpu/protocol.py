@@ -12,11 +12,12 @@ if TYPE_CHECKING:
     from .arrays import ArrayLike
     from .index import Index
     from .params import Params
+    from .relevance import RelevanceLike
 
 
 class Model(Protocol):
     """A fitted retrieval model: settings, an index over n_docs documents of dimension dim,
-    search, export and save."""
+    search, score, updates, export and save."""
 
     _saved: ClassVar[tuple[str, ...]]  # attributes save() writes and load() restores
     params: Params
@@ -35,6 +36,13 @@ class Model(Protocol):
     def search(self, queries: ArrayLike, topk: int = 100, check: bool | None = None, *,
                params: Params | None = None, index_params: Params | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def score(self, queries: ArrayLike, ids: ArrayLike, check: bool | None = None
+              ) -> torch.Tensor: ...
+
+    def add_documents(self, P_new: ArrayLike) -> Model: ...
+
+    def add_pairs(self, Q_new: ArrayLike, Y_new: RelevanceLike) -> Model: ...
 
     def export_hnsw(self, path: str | Path, **kwargs: Any) -> Path: ...
 
