@@ -44,7 +44,7 @@ class Relevance:
         _check_ids(qi, m, "from_pairs", "query")
         _check_ids(di, n, "from_pairs", "document")
         w = np.ones(qi.size, bool) if weights is None else _float32(  # bool: duplicates are 1
-            _real(_array(weights, "weights"), "weights"), "weights").ravel()
+            _array(weights, "weights"), "weights").ravel()
         if w.shape != qi.shape:
             raise InputError(f"weights has {w.size} entries but there are {qi.size} pairs")
         return cls(sp.csr_matrix((w, (qi, di)), shape=(m, n)))
@@ -64,11 +64,10 @@ class Relevance:
         """The sub-matrix of the given query rows (0-based positions, or a boolean mask)."""
         m = self.shape[0]
         idx = _array(index, "rows")
-        if idx.dtype == bool and idx.shape == (m,):
-            idx = np.flatnonzero(idx)
-        elif idx.dtype == bool:  # was 'rows takes integer row positions, got dtype bool'
+        if idx.dtype == bool and idx.shape != (m,):
             raise InputError(f"rows: a boolean mask needs {m} entries (Y's rows), got shape "
                              f"{idx.shape}")
+        idx = np.flatnonzero(idx) if idx.dtype == bool else idx
         if idx.ndim > 1:
             raise InputError(f"rows takes a 1-D array of row positions, got shape {idx.shape}")
         if idx.size and idx.dtype.kind not in "iu":
@@ -114,13 +113,9 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        wide = _real(y, name).dtype.kind == "f" and y.dtype.itemsize > 4  # scipy: no float16
-        c = sp.csr_matrix(y) if wide else sp.csr_matrix(y, dtype=np.float32)  # copies
-        return _finite(sp.csr_matrix((_float32(c.data, name), c.indices, c.indptr),
-                                     shape=c.shape), name)
+        return _finite(sp.csr_matrix(_float32(y, name)), name)
     if y.ndim != 2:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
-    _real(y, name)
     m, n = (int(s) for s in y.shape)
     if m > MAX_ROWS or n > MAX_ROWS:  # converting allocates row pointers of that length
         raise InputError(f"{name} has shape {y.shape}: at most {MAX_ROWS} rows (queries) and "
@@ -183,19 +178,13 @@ def _int_copy(ids: np.ndarray) -> np.ndarray:
     return np.array(ids, dtype=ids.dtype if ids.dtype.kind == "i" else np.int64)
 
 
-def _real(y: Any, name: str) -> Any:
-    """``y`` if its dtype is bool, integer or float; complex: TypeError; else InputError."""
-    kind = np.dtype(y.dtype).kind
-    if kind not in "biuf":
-        err = TypeError if kind == "c" else InputError
-        raise err(f"{name} has dtype {y.dtype}; relevance weights must be real numbers (bool, "
-                  f"integer or float)")
-    return y
-
-
 def _float32(data: np.ndarray, name: str) -> np.ndarray:
-    """A float32 copy of ``data``; wider floats that round to 0 there (|w| < 1e-45) are an
-    InputError (they were dropped as explicit zeros: a relevant pair gone without a word)."""
+    """A float32 copy of bool / integer / float ``data`` (complex: TypeError, else InputError);
+    wider floats that round to 0 there (|w| < 1e-45: dropped as explicit zeros) InputError."""
+    if data.dtype.kind not in "biuf":
+        err = TypeError if data.dtype.kind == "c" else InputError
+        raise err(f"{name} has dtype {data.dtype}; relevance weights must be real numbers "
+                  f"(bool, integer or float)")
     out = np.array(data, dtype=np.float32)
     if data.dtype.kind == "f" and data.dtype.itemsize > 4 \
             and np.count_nonzero(out) != np.count_nonzero(data):
@@ -234,9 +223,9 @@ def _array(x: Any, name: str) -> np.ndarray:
 
 def _index_array(x: Any, name: str) -> np.ndarray:
     a = _array(x, name).ravel()
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        if not (np.issubdtype(a.dtype, np.floating) and np.all(a == np.round(a))):
-            raise InputError(f"{name} must hold integer indices, got dtype {a.dtype}")
+    if a.size and a.dtype.kind not in "iu" and not (a.dtype.kind == "f"
+                                                    and np.all(a == np.round(a))):
+        raise InputError(f"{name} must hold integer indices, got dtype {a.dtype}")
     if a.size and (a.max() >= 2**63 or a.min() < -2**63):  # int64's cast wraps them
         bad = a[(a >= 2**63) | (a < -2**63)]
         raise InputError(f"{name} holds ids beyond int64: {bad[:5].tolist()}")
