@@ -212,10 +212,9 @@ MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the docume
 def check_topk(k: Any, n: int, name: str = "topk") -> int:
     """``k`` as an int in [1, max(n, MAX_PADDED_TOPK)] (ranks beyond the ``n`` rows are -1 /
     -inf padding), else InputError."""
-    k = check_positive(k, name)
-    if k > max(int(n), MAX_PADDED_TOPK):
+    k, top = check_positive(k, name), max(int(n), MAX_PADDED_TOPK)
+    if k > top:
         raise InputError(f"{name}={k} but there are only {n} documents to rank: ask for at most "
-                         f"{max(int(n), MAX_PADDED_TOPK)} ({MAX_PADDED_TOPK} or the number of "
-                         f"documents, whichever is larger; ranks beyond the documents are -1 "
-                         f"padded)")
+                         f"{top} (the larger of {MAX_PADDED_TOPK} and the number of documents; "
+                         f"ranks beyond the documents are -1 padded)")
     return k
