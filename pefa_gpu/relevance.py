@@ -41,8 +41,8 @@ class Relevance:
         if m < 0 or n < 0 or m > MAX_ROWS or n > MAX_ROWS:
             raise InputError(f"shape={tuple(shape)} is not a usable (queries, documents) shape "
                              f"(at most {MAX_ROWS} queries and documents)")
-        _check_ids(qi, m, "from_pairs", "query")
-        _check_ids(di, n, "from_pairs", "document")
+        qi = _checked_ids(qi, m, "from_pairs", "query")
+        di = _checked_ids(di, n, "from_pairs", "document")
         w = np.ones(qi.size, bool) if weights is None else _float32(  # bool: duplicates are 1
             _array(weights, "weights"), "weights").ravel()
         if w.shape != qi.shape:
@@ -131,10 +131,9 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
         if not rows.shape == cols.shape == data.shape:
             raise InputError(f"{name} (coo): row, col and data must have one length each, got "
                              f"{rows.shape}, {cols.shape}, {data.shape}")
-        _check_ids(rows, m, name, "row (query)")
-        _check_ids(cols, n, name, "column (document)")
-        csr = sp.csr_matrix((_float32(np.asarray(data), name), (_int_copy(rows),
-                                                                _int_copy(cols))), shape=(m, n))
+        rows = _checked_ids(rows, m, name, "row (query)")
+        cols = _checked_ids(cols, n, name, "column (document)")
+        csr = sp.csr_matrix((_float32(np.asarray(data), name), (rows, cols)), shape=(m, n))
     csr.sum_duplicates()  # sorts the column ids too
     csr.eliminate_zeros()
     if y.dtype == bool:  # a bool matrix's duplicates are one True (as scipy reads it)
@@ -157,24 +156,21 @@ def _compressed_csr(y: RelevanceLike, m: int, n: int, name: str) -> sp.csr_matri
             or nnz > min(indices.shape[0], y.data.shape[0]):
         raise InputError(f"{name} ({y.format}): indptr must rise from 0 to at most the "
                          f"{indices.shape[0]} stored entries, got {indptr[:5].tolist()}...")
-    _check_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
-               else "row (query)")
+    ids = _checked_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
+                       else "row (query)")
     cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
-    return cls((_float32(np.asarray(y.data[:nnz]), name), _int_copy(indices[:nnz]),
-                _int_copy(indptr)), shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
+    return cls((_float32(np.asarray(y.data[:nnz]), name), ids, indptr.astype(np.int64)),
+               shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
 
 
-def _check_ids(ids: np.ndarray, size: int, name: str, what: str) -> None:
+def _checked_ids(ids: np.ndarray, size: int, name: str, what: str) -> np.ndarray:
+    """A copy of ``ids`` as signed integers (scipy's index dtypes), each in [0, ``size``)."""
     if ids.dtype.kind not in "iu":
         raise InputError(f"{name}: {what} ids must be integers, got {ids.dtype}")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
         bad = ids[(ids < 0) | (ids >= size)]
         raise InputError(f"{name} holds {what} ids out of range [0, {size}): "
                          f"{bad[:5].tolist()}")
-
-
-def _int_copy(ids: np.ndarray) -> np.ndarray:
-    """A copy of an index array, as signed integers (scipy's index dtypes)."""
     return np.array(ids, dtype=ids.dtype if ids.dtype.kind == "i" else np.int64)
 
 
@@ -229,4 +225,4 @@ def _index_array(x: Any, name: str) -> np.ndarray:
     if a.size and (a.max() >= 2**63 or a.min() < -2**63):  # int64's cast wraps them
         bad = a[(a >= 2**63) | (a < -2**63)]
         raise InputError(f"{name} holds ids beyond int64: {bad[:5].tolist()}")
-    return a.astype(np.int64)
+    return a.astype(np.int64, copy=False)  # copied by _checked_ids
