@@ -11,8 +11,7 @@ import torch
 from .arrays import ArrayLike, to_numpy
 from .errors import InputError
 
-# Y rows (queries) and columns (documents) a Relevance may have: its row pointers (and Yᵀ's)
-# stay int32 (2^31 rows were 16 GiB of int64 row pointers for a one-entry Y)
+# Y's rows (queries) and columns (documents) at most: its row pointers (and Yᵀ's) stay int32
 MAX_ROWS = 2**31 - 1
 
 
@@ -82,7 +81,6 @@ class Relevance:
         return self.csr.T.tocsr()
 
 
-# what the library takes as a relevance matrix Y (queries x documents)
 RelevanceLike = Relevance | sp.spmatrix | sp.sparray | ArrayLike
 
 
@@ -102,9 +100,8 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
 
 
 def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
-    """A new float32 CSR matrix (duplicates summed, zeros dropped, columns sorted) from a
-    sparse matrix, whose index arrays are checked before scipy's native code sees them, or
-    from a dense 2-D numpy array / torch tensor."""
+    """A new float32 CSR matrix (duplicates summed, zeros dropped, columns sorted) from a sparse
+    matrix (index arrays checked before scipy's native code sees them) or a dense 2-D array."""
     if not sp.issparse(y):
         if isinstance(y, torch.Tensor):
             # bfloat16 widened; a meta tensor (no data: torch's NotImplementedError) is named

@@ -14,8 +14,6 @@ from .params import check_nonnegative
 PAD_ID = -1
 PAD_SCORE = float("-inf")
 
-_ID_LAST = torch.iinfo(torch.long).max  # the tie key of padding: after every real id
-
 # tie passes: every row under a mask (True) or the tied rows picked on the host (False);
 # None: masks on CUDA only (tests set True to run the CUDA strategy on CPU tensors)
 MASKED: bool | None = None
@@ -163,4 +161,4 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _id_key(ids: torch.Tensor) -> torch.Tensor:
     """ids, with the padding id -1 after every real id."""
-    return torch.where(ids < 0, _ID_LAST, ids)
+    return torch.where(ids < 0, torch.iinfo(torch.long).max, ids)
