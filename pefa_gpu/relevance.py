@@ -110,7 +110,9 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        return _finite(sp.csr_matrix(_float32(y, name)), name)
+        rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
+        csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
+        return _finite(csr, name)
     if y.ndim != 2:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
     m, n = (int(s) for s in y.shape)
