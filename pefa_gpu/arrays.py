@@ -198,12 +198,10 @@ def host_empty(numel: int) -> torch.Tensor:
 
 
 def _same_memory(x: Any, t: torch.Tensor) -> bool:
-    """Whether ``t`` (made from ``x`` by :func:`as_tensor`) may share ``x``'s memory."""
-    if isinstance(x, torch.Tensor):
-        return x.device == t.device and x.data_ptr() == t.data_ptr()
-    if isinstance(x, np.ndarray):
-        return t.device.type == "cpu" and x.__array_interface__["data"][0] == t.data_ptr()
-    return True  # cupy, DLPack and others (on any device, CUDA included): copy to be safe
+    """Whether ``t`` (``x`` as :func:`_as_torch` reads it) may share ``x``'s memory."""
+    if isinstance(x, np.ndarray):  # not where _as_torch copied it (order, byte order)
+        return x.__array_interface__["data"][0] == t.data_ptr()
+    return True  # torch (t is x), cupy, DLPack and others (on any device): copy to be safe
 
 
 MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the documents it holds
