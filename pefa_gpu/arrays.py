@@ -198,12 +198,10 @@ def host_empty(numel: int) -> torch.Tensor:
 
 
 def _same_memory(x: Any, t: torch.Tensor) -> bool:
-    """Whether ``t`` (made from ``x`` by :func:`as_tensor`) may share ``x``'s memory."""
-    if isinstance(x, torch.Tensor):
-        return x.device == t.device and x.data_ptr() == t.data_ptr()
-    if isinstance(x, np.ndarray):
-        return t.device.type == "cpu" and x.__array_interface__["data"][0] == t.data_ptr()
-    return True  # cupy, DLPack and others (on any device, CUDA included): copy to be safe
+    """Whether ``t`` (``x`` as :func:`_as_torch` reads it) may share ``x``'s memory."""
+    if isinstance(x, np.ndarray):  # not where _as_torch copied it (order, byte order)
+        return x.__array_interface__["data"][0] == t.data_ptr()
+    return True  # torch (t is x), cupy, DLPack and others (on any device): copy to be safe
 
 
 MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the documents it holds
@@ -212,10 +210,9 @@ MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the docume
 def check_topk(k: Any, n: int, name: str = "topk") -> int:
     """``k`` as an int in [1, max(n, MAX_PADDED_TOPK)] (ranks beyond the ``n`` rows are -1 /
     -inf padding), else InputError."""
-    k = check_positive(k, name)
-    if k > max(int(n), MAX_PADDED_TOPK):
+    k, top = check_positive(k, name), max(int(n), MAX_PADDED_TOPK)
+    if k > top:
         raise InputError(f"{name}={k} but there are only {n} documents to rank: ask for at most "
-                         f"{max(int(n), MAX_PADDED_TOPK)} ({MAX_PADDED_TOPK} or the number of "
-                         f"documents, whichever is larger; ranks beyond the documents are -1 "
-                         f"padded)")
+                         f"{top} (the larger of {MAX_PADDED_TOPK} and the number of documents; "
+                         f"ranks beyond the documents are -1 padded)")
     return k

@@ -50,8 +50,7 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     gains = np.asarray(picked).reshape(ids.shape) * valid
     positive = rel.maximum(0)  # explicit zeros and negative grades dropped
     n_rel = np.diff(positive.indptr)
-    # each query's grades in descending order, its first K only: (B, most relevant) floats
-    # were gigabytes for one query relevant to every document
+    # each query's grades in descending order, its first K only (a query may have n of them)
     ideal = np.zeros((b, max(min(int(n_rel.max(initial=0)), ids.shape[1]), 1)))
     row = np.repeat(np.arange(b), n_rel)
     order = np.lexsort((-positive.data, row))

@@ -11,8 +11,7 @@ import torch
 from .arrays import ArrayLike, to_numpy
 from .errors import InputError
 
-# Y rows (queries) and columns (documents) a Relevance may have: its row pointers (and Yᵀ's)
-# stay int32 (2^31 rows were 16 GiB of int64 row pointers for a one-entry Y)
+# Y's rows (queries) and columns (documents) at most: its row pointers (and Yᵀ's) stay int32
 MAX_ROWS = 2**31 - 1
 
 
@@ -41,10 +40,10 @@ class Relevance:
         if m < 0 or n < 0 or m > MAX_ROWS or n > MAX_ROWS:
             raise InputError(f"shape={tuple(shape)} is not a usable (queries, documents) shape "
                              f"(at most {MAX_ROWS} queries and documents)")
-        _check_ids(qi, m, "from_pairs", "query")
-        _check_ids(di, n, "from_pairs", "document")
+        qi = _checked_ids(qi, m, "from_pairs", "query")
+        di = _checked_ids(di, n, "from_pairs", "document")
         w = np.ones(qi.size, bool) if weights is None else _float32(  # bool: duplicates are 1
-            _real(_array(weights, "weights"), "weights"), "weights").ravel()
+            _array(weights, "weights"), "weights").ravel()
         if w.shape != qi.shape:
             raise InputError(f"weights has {w.size} entries but there are {qi.size} pairs")
         return cls(sp.csr_matrix((w, (qi, di)), shape=(m, n)))
@@ -64,11 +63,10 @@ class Relevance:
         """The sub-matrix of the given query rows (0-based positions, or a boolean mask)."""
         m = self.shape[0]
         idx = _array(index, "rows")
-        if idx.dtype == bool and idx.shape == (m,):
-            idx = np.flatnonzero(idx)
-        elif idx.dtype == bool:  # was 'rows takes integer row positions, got dtype bool'
+        if idx.dtype == bool and idx.shape != (m,):
             raise InputError(f"rows: a boolean mask needs {m} entries (Y's rows), got shape "
                              f"{idx.shape}")
+        idx = np.flatnonzero(idx) if idx.dtype == bool else idx
         if idx.ndim > 1:
             raise InputError(f"rows takes a 1-D array of row positions, got shape {idx.shape}")
         if idx.size and idx.dtype.kind not in "iu":
@@ -83,7 +81,6 @@ class Relevance:
         return self.csr.T.tocsr()
 
 
-# what the library takes as a relevance matrix Y (queries x documents)
 RelevanceLike = Relevance | sp.spmatrix | sp.sparray | ArrayLike
 
 
@@ -103,9 +100,8 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
 
 
 def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
-    """A new float32 CSR matrix (duplicates summed, zeros dropped, columns sorted) from a
-    sparse matrix, whose index arrays are checked before scipy's native code sees them, or
-    from a dense 2-D numpy array / torch tensor."""
+    """A new float32 CSR matrix (duplicates summed, zeros dropped, columns sorted) from a sparse
+    matrix (index arrays checked before scipy's native code sees them) or a dense 2-D array."""
     if not sp.issparse(y):
         if isinstance(y, torch.Tensor):
             # bfloat16 widened; a meta tensor (no data: torch's NotImplementedError) is named
@@ -114,13 +110,11 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        wide = _real(y, name).dtype.kind == "f" and y.dtype.itemsize > 4  # scipy: no float16
-        c = sp.csr_matrix(y) if wide else sp.csr_matrix(y, dtype=np.float32)  # copies
-        return _finite(sp.csr_matrix((_float32(c.data, name), c.indices, c.indptr),
-                                     shape=c.shape), name)
+        rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
+        csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
+        return _finite(csr, name)
     if y.ndim != 2:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
-    _real(y, name)
     m, n = (int(s) for s in y.shape)
     if m > MAX_ROWS or n > MAX_ROWS:  # converting allocates row pointers of that length
         raise InputError(f"{name} has shape {y.shape}: at most {MAX_ROWS} rows (queries) and "
@@ -136,10 +130,9 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
         if not rows.shape == cols.shape == data.shape:
             raise InputError(f"{name} (coo): row, col and data must have one length each, got "
                              f"{rows.shape}, {cols.shape}, {data.shape}")
-        _check_ids(rows, m, name, "row (query)")
-        _check_ids(cols, n, name, "column (document)")
-        csr = sp.csr_matrix((_float32(np.asarray(data), name), (_int_copy(rows),
-                                                                _int_copy(cols))), shape=(m, n))
+        rows = _checked_ids(rows, m, name, "row (query)")
+        cols = _checked_ids(cols, n, name, "column (document)")
+        csr = sp.csr_matrix((_float32(np.asarray(data), name), (rows, cols)), shape=(m, n))
     csr.sum_duplicates()  # sorts the column ids too
     csr.eliminate_zeros()
     if y.dtype == bool:  # a bool matrix's duplicates are one True (as scipy reads it)
@@ -162,40 +155,31 @@ def _compressed_csr(y: RelevanceLike, m: int, n: int, name: str) -> sp.csr_matri
             or nnz > min(indices.shape[0], y.data.shape[0]):
         raise InputError(f"{name} ({y.format}): indptr must rise from 0 to at most the "
                          f"{indices.shape[0]} stored entries, got {indptr[:5].tolist()}...")
-    _check_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
-               else "row (query)")
+    ids = _checked_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
+                       else "row (query)")
     cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
-    return cls((_float32(np.asarray(y.data[:nnz]), name), _int_copy(indices[:nnz]),
-                _int_copy(indptr)), shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
+    return cls((_float32(np.asarray(y.data[:nnz]), name), ids, indptr.astype(np.int64)),
+               shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
 
 
-def _check_ids(ids: np.ndarray, size: int, name: str, what: str) -> None:
+def _checked_ids(ids: np.ndarray, size: int, name: str, what: str) -> np.ndarray:
+    """A copy of ``ids`` as signed integers (scipy's index dtypes), each in [0, ``size``)."""
     if ids.dtype.kind not in "iu":
         raise InputError(f"{name}: {what} ids must be integers, got {ids.dtype}")
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= size):
         bad = ids[(ids < 0) | (ids >= size)]
         raise InputError(f"{name} holds {what} ids out of range [0, {size}): "
                          f"{bad[:5].tolist()}")
-
-
-def _int_copy(ids: np.ndarray) -> np.ndarray:
-    """A copy of an index array, as signed integers (scipy's index dtypes)."""
     return np.array(ids, dtype=ids.dtype if ids.dtype.kind == "i" else np.int64)
 
 
-def _real(y: Any, name: str) -> Any:
-    """``y`` if its dtype is bool, integer or float; complex: TypeError; else InputError."""
-    kind = np.dtype(y.dtype).kind
-    if kind not in "biuf":
-        err = TypeError if kind == "c" else InputError
-        raise err(f"{name} has dtype {y.dtype}; relevance weights must be real numbers (bool, "
-                  f"integer or float)")
-    return y
-
-
 def _float32(data: np.ndarray, name: str) -> np.ndarray:
-    """A float32 copy of ``data``; wider floats that round to 0 there (|w| < 1e-45) are an
-    InputError (they were dropped as explicit zeros: a relevant pair gone without a word)."""
+    """A float32 copy of bool / integer / float ``data`` (complex: TypeError, else InputError);
+    wider floats that round to 0 there (|w| < 1e-45: dropped as explicit zeros) InputError."""
+    if data.dtype.kind not in "biuf":
+        err = TypeError if data.dtype.kind == "c" else InputError
+        raise err(f"{name} has dtype {data.dtype}; relevance weights must be real numbers "
+                  f"(bool, integer or float)")
     out = np.array(data, dtype=np.float32)
     if data.dtype.kind == "f" and data.dtype.itemsize > 4 \
             and np.count_nonzero(out) != np.count_nonzero(data):
@@ -234,10 +218,10 @@ def _array(x: Any, name: str) -> np.ndarray:
 
 def _index_array(x: Any, name: str) -> np.ndarray:
     a = _array(x, name).ravel()
-    if a.size and not np.issubdtype(a.dtype, np.integer):
-        if not (np.issubdtype(a.dtype, np.floating) and np.all(a == np.round(a))):
-            raise InputError(f"{name} must hold integer indices, got dtype {a.dtype}")
+    if a.size and a.dtype.kind not in "iu" and not (a.dtype.kind == "f"
+                                                    and np.all(a == np.round(a))):
+        raise InputError(f"{name} must hold integer indices, got dtype {a.dtype}")
     if a.size and (a.max() >= 2**63 or a.min() < -2**63):  # int64's cast wraps them
         bad = a[(a >= 2**63) | (a < -2**63)]
         raise InputError(f"{name} holds ids beyond int64: {bad[:5].tolist()}")
-    return a.astype(np.int64)
+    return a.astype(np.int64, copy=False)  # copied by _checked_ids

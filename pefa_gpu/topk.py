@@ -14,8 +14,6 @@ from .params import check_nonnegative
 PAD_ID = -1
 PAD_SCORE = float("-inf")
 
-_ID_LAST = torch.iinfo(torch.long).max  # the tie key of padding: after every real id
-
 # tie passes: every row under a mask (True) or the tied rows picked on the host (False);
 # None: masks on CUDA only (tests set True to run the CUDA strategy on CPU tensors)
 MASKED: bool | None = None
@@ -29,10 +27,9 @@ def topk_rows(scores: torch.Tensor, k: int, offset: int = 0) -> tuple[torch.Tens
 
 def topk_wide(scores: torch.Tensor, w: int, group: int | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(scores, w, dim=1, sorted=False)`` of (B, c) scores, for wide rows through
-    the best w groups of ``group`` columns (default :func:`group_size`) by their maxima: a score
-    above the w-th group maximum lies in those groups, so the w scores are the same and only
-    ids of scores tied at the w-th place may differ (a caller's tie check sees those)."""
+    """``torch.topk(scores, w, dim=1, sorted=False)`` of (B, c) scores, for wide rows within the
+    best w groups of ``group`` columns (default :func:`group_size`) by their maxima: the same w
+    scores; only ids of scores tied at the w-th place may differ."""
     b, c = scores.shape
     g = group or group_size(c, w, scores.is_cuda)
     if not g or c // g < w:
@@ -82,11 +79,9 @@ def merge_lists(parts: Sequence[tuple[torch.Tensor, torch.Tensor] | None], k: in
 def order_ties(vals: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B, w) scores sorted descending and int64 ids -> contiguous lists with each run of equal
     scores in ascending id order (-1 last)."""
-    b, w = vals.shape
-    if w < 2 or b == 0:
-        return vals.contiguous(), ids.contiguous()
-    same = _same(vals[:, 1:], vals[:, :-1])
-    vals, ids = _redo_rows(same.any(1), _order_runs, (vals, ids), vals, ids, same)
+    if vals.numel() and vals.shape[1] > 1:
+        same = _same(vals[:, 1:], vals[:, :-1])
+        vals, ids = _redo_rows(same.any(1), _order_runs, (vals, ids), vals, ids, same)
     return vals.contiguous(), ids.contiguous()
 
 
@@ -134,8 +129,7 @@ def _lowest_equal(table: torch.Tensor, vals: torch.Tensor, cols: torch.Tensor,
                   keys: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(vals, cols) (R, kk), a top-kk of ``table`` (R, W), with the entries equal to the kk-th
     value replaced by the columns holding it with the lowest ``keys`` (None: columns)."""
-    w = table.shape[1]
-    kk = vals.shape[1]
+    w, kk = table.shape[1], vals.shape[1]
     kth = vals[:, -1:]
     eq = _same(table, kth)
     if keys is None:
@@ -167,4 +161,4 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _id_key(ids: torch.Tensor) -> torch.Tensor:
     """ids, with the padding id -1 after every real id."""
-    return torch.where(ids < 0, _ID_LAST, ids)
+    return torch.where(ids < 0, torch.iinfo(torch.long).max, ids)

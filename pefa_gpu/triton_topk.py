@@ -1,9 +1,6 @@
 """Exact search's top-w candidates without its (B, n) score matrix: a Triton GEMM of 16-bit
 queries and rows whose epilogue keeps, per query and tile of ``BN`` rows, the best ``KEEP``
-scores with their ids and the next score. The best w of those are a query's true top-w, ties
-included, unless some tile's next score reaches the w-th: the ``REDO_TILES`` worst tiles of
-up to ``REDO_SHARE`` of the queries are then scored in full; a query with another such tile,
-or a score not finite, is unsettled (the caller scores it in full). On CUDA only (``ON_CPU``: under
+scores with their ids and the next score (:func:`tile_topw`). On CUDA only (``ON_CPU``: under
 TRITON_INTERPRET=1 too, for the tests)."""
 
 from __future__ import annotations
@@ -86,8 +83,7 @@ def usable(rows: torch.Tensor, w: int) -> bool:
 
 def _tma(q: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether the kernel loads through TMA: Triton's tensor descriptors, 16-byte aligned rows,
-    an NVIDIA GPU of compute capability 9 (Hopper) or later (or the CPU, under the
-    interpreter)."""
+    an NVIDIA GPU of compute capability 9 (Hopper) or later, or the CPU (the interpreter)."""
     aligned = all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
                   for t in (q, rows))
     return TensorDescriptor is not None and aligned and (not rows.is_cuda or (
@@ -138,8 +134,8 @@ def _score_worst_tiles(q: torch.Tensor, rows: torch.Tensor, top: torch.Tensor, i
                        after: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Top-w lists (B, w) from the kept scores, and each tile's next score ``after`` (B, tiles)
     -> the lists with the ``REDO_TILES`` worst tiles (highest next scores) of up to
-    ``REDO_SHARE`` of the queries, unsettled ones first, scored in full (no host
-    synchronisation), and (B,) bool unsettled: some other tile's next score reaches the w-th."""
+    ``REDO_SHARE`` of the queries, unsettled ones first, scored in full, and (B,) bool
+    unsettled: some other tile's next score reaches the w-th (the caller scores those)."""
     (b, w), tiles = top.shape, after.shape[1]
     unsettled = after.amax(1) >= top[:, -1]
     r = torch.sort((~unsettled).byte(), stable=True).indices[:math.ceil(REDO_SHARE * b)]
