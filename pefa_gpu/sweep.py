@@ -27,8 +27,6 @@ log = logging.getLogger("pefa_gpu")
 PAPER_LAMS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 PAPER_KS: tuple[int, ...] = (16, 32, 64)
 DEFAULT_METHODS: tuple[str, ...] = ("erm", "xs", "xl")
-NUDGE_METHODS: tuple[str, ...] = tuple(m for m in REGISTRY if REGISTRY[m].model == "NUDGE")
-QUERY_METHODS: tuple[str, ...] = tuple(m for m in REGISTRY if REGISTRY[m].query)
 METHODS: tuple[str, ...] = tuple(REGISTRY)  # every method a grid can name (tune's default)
 TABLE_METRICS: tuple[str, ...] = ("recall@10", "recall@100", "ndcg@10")  # markdown columns
 

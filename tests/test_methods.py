@@ -72,12 +72,12 @@ def test_cli_help_shows_the_params_defaults(capsys):
 
 
 def test_the_registry_names_the_grid_and_the_pipeline():
-    from pefa_gpu.sweep import METHODS, NUDGE_METHODS, QUERY_METHODS
+    from pefa_gpu.sweep import METHODS
 
     assert METHODS == tuple(REGISTRY) == ("erm", "xs", "xl", "nudge-m", "nudge-n", "adapter",
                                           "prf", "adapter+xs")
-    assert (NUDGE_METHODS, QUERY_METHODS) == (("nudge-m", "nudge-n"),
-                                              ("adapter", "prf", "adapter+xs"))
+    assert [m for m in REGISTRY if REGISTRY[m].model == "NUDGE"] == ["nudge-m", "nudge-n"]
+    assert [m for m in REGISTRY if REGISTRY[m].query] == ["adapter", "prf", "adapter+xs"]
     assert [m for m in REGISTRY if REGISTRY[m].pipeline] == ["erm", "xs", "xl"]
     assert {m: REGISTRY[m].axes for m in ("erm", "xs", "xl", "nudge-n", "adapter+xs")} == {
         "erm": (), "xs": ("lam",), "xl": ("lam", "k"), "nudge-n": (), "adapter+xs": ("lam",)}
