@@ -514,6 +514,28 @@ def test_encode_reuses_a_shard_only_at_its_rows_and_with_its_embeddings(tmp_path
     assert enc.calls == 1 and pp.read_rows(out).shape == (80, 48)  # shard 0 only
 
 
+def test_encode_encodes_again_a_shard_resigned_with_float_rows(tmp_path):
+    """A shard manifest re-signed (as a forger can) with rows [0.0, 30.0] passed encode's reuse
+    test ([0.0, 30.0] == [0, 30]) and the stage stopped with Entry.of's raw TypeError; that
+    shard is encoded again."""
+    import json
+
+    from pefa_gpu import storage
+    from pefa_gpu.pipeline.shards import SHARD_MANIFEST
+
+    texts = [f"claim {i} about cell {i % 7}" for i in range(60)]
+    out = pp.encode(texts, tmp_path / "enc", model=BowEncoder(), rows=30, show_progress=False)
+    want = pp.read_rows(out)
+    manifest = out / "shard-00000" / SHARD_MANIFEST
+    m = {**json.loads(manifest.read_text()), "rows": [0.0, 30.0]}
+    m["manifest_sha256"] = storage.manifest_checksum(m)
+    manifest.write_text(json.dumps(m))
+    enc = BowEncoder()
+    out = pp.encode(texts, out, model=enc, rows=30, show_progress=False)
+    assert enc.calls == 1 and [e.rows for e in pp.read_stage(out).shards] == [(0, 30), (30, 60)]
+    assert torch.equal(torch.as_tensor(pp.read_rows(out)), torch.as_tensor(want))
+
+
 _KILLER = """
 import sys
 sys.path[:0] = {paths!r}

@@ -399,8 +399,8 @@ def _written(out: str | Path, texts: Sequence[str], index: int, lo: int,
     m = save.manifest if save and save.manifest.get("fingerprint") == fingerprint else {}
     meta = m.get("tensors", {}).get("embeddings") if isinstance(m.get("tensors"), dict) else None
     shape = meta.get("shape") if isinstance(meta, dict) else None
-    ok = m.get("rows") == [lo, lo + n] and isinstance(shape, list) and len(shape) == 2 \
-        and shape[0] == n and type(shape[1]) is int
+    ok = m.get("rows") == [lo, lo + n] and all(type(r) is int for r in m["rows"]) \
+        and isinstance(shape, list) and len(shape) == 2 and shape[0] == n and type(shape[1]) is int
     return m if ok else None
 
 
