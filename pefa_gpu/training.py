@@ -57,8 +57,7 @@ def inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
     """A (B x n) Relevance / scipy matrix (entries > 0), a list of id lists or a (B, P) -1 padded
-    int array -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs):
-    InputError."""
+    int array -> (B, P >= 1) int64 on ``device``, -1 padded; ids off [-1, n_docs): InputError."""
     if isinstance(positives, Relevance) or sp.issparse(positives):
         csr = as_relevance(positives, name="positives", allow_empty=True).csr
         graded = csr.data > 0  # a grade <= 0 (e.g. -1: judged not relevant) is no positive
@@ -77,8 +76,7 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
 
 
 def _id_row(row: Any, i: int) -> np.ndarray:
-    """Row ``i`` of ragged positives as int64 ids; floats, strings, ids past int64: InputError
-    (as a dense array's)."""
+    """Row ``i`` of ragged positives as int64 ids; floats, strings, ids past int64: InputError."""
     try:
         a = np.asarray(row).ravel()
     except ValueError:  # a row holding a list ([0, [1]]): numpy's 'inhomogeneous shape'
@@ -108,8 +106,7 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     neg = torch.full((q.shape[0], n + 1), -1, dtype=torch.long, device=model.device)
     for s in range(0, q.shape[0], batch_size):
         p = pos[s:s + batch_size]
-        # enough that n non-positives survive if they exist; never more than every document.
-        # Positives found by a binary search, not a (batch, depth, P) comparison (memory)
+        # enough that n non-positives survive if they exist; never more than every document
         depth = min(n + skip_top + int(counts[s:s + batch_size].max()), model.n_docs)
         _, ids = model.search(q[s:s + batch_size], topk=depth, check=False)
         ids = ids.contiguous()
