@@ -187,10 +187,10 @@ def check_memory(need: float, what: str, of: str) -> None:
                          f"{memory / 2**30:.4g} GiB of memory")
 
 
-def check_flag(value: Any, name: str) -> bool:
+def check_flag(value: Any, name: str, want: str = "True or False") -> bool:
     """A Python or numpy bool as a bool, else InputError (the string 'no' is truthy)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise InputError(f"{name} must be True or False, got {value!r}")
+        raise InputError(f"{name} must be {want}, got {value!r}")
     return bool(value)
 
 

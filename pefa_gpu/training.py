@@ -14,7 +14,7 @@ import torch
 
 from .arrays import ArrayLike, as_tensor, check_topk
 from .errors import InputError
-from .params import check_nonnegative, check_positive
+from .params import check_flag, check_nonnegative, check_positive
 from .protocol import Model, check_model
 from .relevance import Relevance, as_relevance
 
@@ -22,11 +22,9 @@ from .relevance import Relevance, as_relevance
 def check_default(x: ArrayLike, check: bool | None) -> bool:
     """``check`` (a bool), by default True unless ``x`` is a CUDA tensor (a check would sync);
     else InputError ('no' was True, '' or [] False)."""
-    if isinstance(check, (bool, np.bool_)):
-        return bool(check)
-    if check is not None:
-        raise InputError(f"check must be True, False or None (the default), got {check!r}")
-    return not (isinstance(x, torch.Tensor) and x.is_cuda)
+    if check is None:
+        return not (isinstance(x, torch.Tensor) and x.is_cuda)
+    return check_flag(check, "check", "True, False or None (the default)")
 
 
 def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool,
