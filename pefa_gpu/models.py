@@ -82,7 +82,7 @@ class _Model:
 
     @property
     def search_params(self) -> Params:
-        """The model's own search defaults (its ``SearchParams``; assign one, or None)."""
+        """The model's own search defaults (its ``SearchParams``, or None: the defaults)."""
         return self._search_params
 
     @search_params.setter
@@ -92,8 +92,7 @@ class _Model:
 
     @property
     def index_search_params(self) -> Params:
-        """The backend's search defaults (e.g. HNSWSearchParams) for every index of the model;
-        assign the backend's ``SearchParams`` (or None)."""
+        """The backend's ``SearchParams`` (None: the defaults) for every index of the model."""
         index = self.__dict__.get("index")
         return index.search_params if index is not None else self._index_search_params
 
@@ -132,8 +131,8 @@ class _Model:
 
     def _embeddings(self, P: ArrayLike, Q: ArrayLike | None = None,
                     Y: RelevanceLike | None = None, copy_queries: bool = True):
-        """(p, q, relevance): p a checked copy; q checked, a copy with ``copy_queries``, else
-        not copied (a host numpy array as given, unchecked: a memory map stays one)."""
+        """(p, q, relevance): p a checked copy; q a checked copy, or with ``copy_queries=False``
+        as given (a host numpy array, unchecked: a memory map stays one)."""
         p = as_embeddings(P, self.device, "P", copy=True).detach()
         if p.shape[0] == 0:
             raise InputError("P has no rows: there are no documents to index")
@@ -257,8 +256,8 @@ class _Model:
         return training.inner(q, self.doc_embeddings[ids])
 
     def _append_documents(self, p: torch.Tensor) -> None:
-        """Take (r, d) new documents; the caller then sets n_docs. Documents an index holds in
-        their own memory stay one tensor (saved once)."""
+        """Take (r, d) new documents (the caller sets n_docs); rows shared with the index stay
+        one tensor."""
         v, d = getattr(self.index, "vectors", None), self.doc_embeddings
         shared = v is not None and v.data_ptr() == d.data_ptr() and v.shape == d.shape \
             and v.dtype == d.dtype

@@ -82,14 +82,12 @@ class Params:
 
 
 def checked(default: Any, check: Callable[..., None], *extra: Any, **metadata: Any) -> Any:
-    """A field checked on construction by ``check(value, name, *extra)``; ``metadata``: the
-    CLI's "help", "metavar", "flag"."""
+    """A field checked by ``check(value, name, *extra)``; ``metadata``: the CLI's help / flag."""
     return dataclasses.field(default=default, metadata={"check": (check, *extra), **metadata})
 
 
 def is_number(value: Any) -> bool:
-    """A finite Python or numpy int or float (not a bool) that a float holds (10**400 does
-    not)."""
+    """A finite Python or numpy int or float (not a bool) that a float holds (not 10**400)."""
     value = value.item() if isinstance(value, np.generic) else value
     return not isinstance(value, bool) and isinstance(value, (int, float)) and \
         -sys.float_info.max <= value <= sys.float_info.max
@@ -100,16 +98,20 @@ def check_unit_interval(value: Any, name: str) -> None:
         raise InputError(f"{name} must be a number in [0, 1], got {value!r}")
 
 
-def _is_int(value: Any) -> bool:
-    """A Python or numpy integer (np.int64(16), ...), not a bool (nor np.bool_)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+def _check_int(value: Any, name: str, low: int, want: str, top: int | None = None) -> int:
+    """``value`` (a Python or numpy int in [``low``, ``top``], not a bool) as a Python int, else
+    InputError: "{name} must be {want}" below ``low``, "at most {top}" above ``top``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) \
+            or value < low:
+        raise InputError(f"{name} must be {want}, got {value!r}")
+    if top is not None and int(value) > top:
+        raise InputError(f"{name} must be at most {top}, got {int(value)!r}")
+    return int(value)
 
 
 def check_positive(value: Any, name: str) -> int:
     """``value`` (a Python or numpy int > 0) as a Python int, else InputError."""
-    if not _is_int(value) or value <= 0:
-        raise InputError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
+    return _check_int(value, name, 1, "a positive integer")
 
 
 def check_grid(lams: Any, ks: Any, empty_ok: tuple[bool, bool] = (False, False)
@@ -120,8 +122,6 @@ def check_grid(lams: Any, ks: Any, empty_ok: tuple[bool, bool] = (False, False)
         lams, ks = tuple(lams), tuple(ks)
     except TypeError:  # a lone number
         raise InputError(f"lams and ks must be sequences, got {lams!r} and {ks!r}") from None
-    # numpy scalars as Python numbers, as Params take them (np.float32(0.5) was refused)
-    lams, ks = (tuple(x.item() if isinstance(x, np.generic) else x for x in a) for a in (lams, ks))
     for axis, values, check, ok, want in (
             ("lam", lams, check_unit_interval, empty_ok[0], "one λ in [0, 1]"),
             ("k", ks, check_positive, empty_ok[1], "one k > 0")):
@@ -129,13 +129,12 @@ def check_grid(lams: Any, ks: Any, empty_ok: tuple[bool, bool] = (False, False)
             raise InputError(f"{axis}s is empty: give at least {want}")
         for value in values:
             check(value, axis)
-    lams = (float(x) if isinstance(x, int) else x for x in lams)
-    return tuple(dict.fromkeys(lams)), tuple(dict.fromkeys(ks))
+    # numpy scalars as Python numbers, as Params take them (np.float32(0.5) was refused)
+    return tuple(dict.fromkeys(map(float, lams))), tuple(dict.fromkeys(map(int, ks)))
 
 
-# HNSW sizes (faiss, hnswlib): M, the graph degree (n * 8M bytes at level 0; docs use 4 to 64),
-# and ef, beam widths (hundreds to thousands); far larger ones only make them allocate enormous
-# buffers (or overflow C ints), so they are refused up front.
+# HNSW degree M (docs use 4 to 64) and beam widths ef (hundreds to thousands): far larger ones
+# only allocate enormous buffers (or overflow C ints), so they are refused up front.
 MAX_HNSW_M = 2048
 MAX_HNSW_EF = 2**20
 MAX_THREADS = 4096  # CPU threads of a backend: faiss, hnswlib and ScaNN take a C int
@@ -143,19 +142,12 @@ MAX_THREADS = 4096  # CPU threads of a backend: faiss, hnswlib and ScaNN take a 
 
 def check_at_most(value: Any, name: str, top: int) -> int:
     """``value`` (a Python or numpy int in [1, ``top``]) as a Python int, else InputError."""
-    value = check_positive(value, name)
-    if value > top:
-        raise InputError(f"{name} must be at most {top}, got {value!r}")
-    return value
+    return _check_int(value, name, 1, "a positive integer", top)
 
 
 def check_hnsw_m(value: Any, name: str) -> int:
-    """An HNSW degree M in [2, ``MAX_HNSW_M``] as a Python int, else InputError (M = 1: the
-    level multiplier 1 / log M is infinite; faiss segfaulted, hnswlib failed to allocate)."""
-    value = check_at_most(value, name, MAX_HNSW_M)
-    if value < 2:
-        raise InputError(f"{name} must be at least 2 (an HNSW graph's degree), got {value!r}")
-    return value
+    """An HNSW degree M in [2, ``MAX_HNSW_M``] as a Python int (M = 1: faiss segfaulted)."""
+    return _check_int(value, name, 2, "at least 2 (an HNSW graph's degree, an integer)", MAX_HNSW_M)
 
 
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:
@@ -178,9 +170,8 @@ def check_scale(value: Any, name: str) -> None:
 
 
 def check_choice(value: Any, name: str, choices: tuple) -> None:
-    """``value`` one of ``choices`` and of their type: of boolean choices only a bool (1 == True
-    in Python), of strings only a str (a numpy array was compared elementwise: stored, or a bare
-    'truth value of an array is ambiguous')."""
+    """``value`` one of ``choices`` and of their type (of boolean choices only a bool, not 1; of
+    strings only a str, not a numpy array)."""
     if not isinstance(value, type(choices[0])) or value not in choices:
         raise InputError(f"{name} must be one of {list(choices)}, got {value!r}")
 
@@ -196,21 +187,17 @@ def check_memory(need: float, what: str, of: str) -> None:
                          f"{memory / 2**30:.4g} GiB of memory")
 
 
-def check_flag(value: Any, name: str) -> bool:
+def check_flag(value: Any, name: str, want: str = "True or False") -> bool:
     """A Python or numpy bool as a bool, else InputError (the string 'no' is truthy)."""
     if not isinstance(value, (bool, np.bool_)):
-        raise InputError(f"{name} must be True or False, got {value!r}")
+        raise InputError(f"{name} must be {want}, got {value!r}")
     return bool(value)
 
 
 def check_nonnegative(value: Any, name: str, zero: str = "", top: int | None = None) -> int:
     """A Python or numpy int >= 0 (and <= ``top``) as a Python int; ``zero``: what 0 means, for
     the message."""
-    if not _is_int(value) or value < 0:
-        raise InputError(f"{name} must be an int >= 0{f' ({zero})' if zero else ''}, got {value!r}")
-    if top is not None and value > top:
-        raise InputError(f"{name} must be at most {top}, got {value!r}")
-    return int(value)
+    return _check_int(value, name, 0, f"an int >= 0{f' ({zero})' if zero else ''}", top)
 
 
 # The models' own settings (pefa_gpu.models): here, so that the CLI reads their defaults
@@ -264,8 +251,7 @@ class NUDGEParams(Params):
     def validate(self) -> None:
         super().validate()
         top = 4.0 if self.variant == "N" else FLOAT32_MAX  # M: γ scales float32 rows
-        if self.gamma is not None and (isinstance(self.gamma, bool) or not isinstance(
-                self.gamma, (int, float)) or not 0.0 <= self.gamma <= top):
+        if self.gamma is not None and not (is_number(self.gamma) and 0.0 <= self.gamma <= top):
             raise InputError(f"gamma must be None or a number in [0, {top:g}] for NUDGE-"
                              f"{self.variant}, got {self.gamma!r}")
         check_held_out(self.val_fraction, self.seed)

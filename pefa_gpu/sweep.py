@@ -33,8 +33,8 @@ TABLE_METRICS: tuple[str, ...] = ("recall@10", "recall@100", "ndcg@10")  # markd
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One point of the grid: a :data:`pefa_gpu.methods.REGISTRY` method, lam / k None off its
-    axes; gamma: the step a NUDGE fit chose (not part of a config's identity)."""
+    """A grid point: a REGISTRY method, lam / k (None off its axes); gamma: a NUDGE fit's step
+    (not part of a config's identity)."""
 
     method: str
     lam: float | None = None
@@ -73,14 +73,8 @@ class SweepResult:
 def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS) -> str:
     """Rows of method / lam / k / metrics as a markdown table (4 decimals); a γ column when a
     row has a NUDGE step ("gamma")."""
-    metrics = [metrics] if isinstance(metrics, str) else metrics  # not one column per letter
-    try:  # None / 5 were '*''s bare TypeError, [['recall@10']] 'unhashable type'
-        metrics = list(metrics)
-    except TypeError:
-        metrics = [None]
-    if not all(isinstance(m, str) for m in metrics):
-        raise InputError(f"metrics must be metric names (a str or a sequence of them), got "
-                         f"{metrics!r:.100}")
+    metrics = _names([metrics] if isinstance(metrics, str) else metrics,  # not one per letter
+                     "metrics must be metric names (a str or a sequence of them)")
     gamma = any(r.get("gamma") is not None for r in rows)
     head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -173,9 +167,8 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
 
 
 def _check_reporting(show_progress: Any, timings: Any) -> dict[str, float]:
-    """``timings`` (a new dict for None); InputError unless ``show_progress`` is a bool (the
-    string 'no' showed the bar) and ``timings`` a dict or None (a list was an AttributeError
-    after the first method's fit and search)."""
+    """``timings`` (a new dict for None); InputError unless ``show_progress`` is a bool and
+    ``timings`` a dict or None (a list failed after the first method's fit and search)."""
     check_flag(show_progress, "show_progress")
     if timings is not None and not isinstance(timings, dict):
         raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
@@ -257,8 +250,8 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
           device: DeviceLike = None, **kwargs: Any) -> SweepResult:
     """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
     allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
-    metric_ks = check_ks(metric_ks)  # InputError for None, () or a k <= 0
-    if _rows(P) is not None:  # was sweep_search's "topk=K", a name the caller never gave
+    metric_ks = check_ks(metric_ks)
+    if _rows(P) is not None:  # not sweep_search's "topk=K", a name the caller never gave
         check_topk(max(metric_ks), _rows(P), "metric_ks: k")
     # a Y_test of other columns than documents was scored as if it fitted (before any fit)
     Y_test = as_relevance(Y_test, (_rows(queries), _rows(P)), "Y_test", allow_empty=True)
@@ -278,21 +271,25 @@ def _rows(x: Any) -> int | None:
 
 def check_sweep_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence[int]
                      ) -> tuple[tuple[str, ...], tuple[float, ...], tuple[int, ...]]:
-    """Methods (names, or one comma-separated string), λs and ks of a grid as tuples, each
-    once; else InputError."""
+    """Methods (names, or one comma-separated string), λs and ks as tuples, each once."""
     if isinstance(methods, str):
         methods = [m for m in methods.split(",") if m.strip()]
-    given = methods
-    try:  # None or a number was tuple()'s bare TypeError
-        methods = tuple(methods)
-    except TypeError:
-        methods = (None,)
-    if not all(isinstance(m, str) for m in methods):
-        raise InputError(f"methods must be a non-empty subset of {list(METHODS)} (a sequence of "
-                         f"names or one comma-separated string), got {given!r:.100}")
+    methods = _names(methods, f"methods must be a non-empty subset of {list(METHODS)} (a "
+                              f"sequence of names or one comma-separated string)")
     methods = tuple(dict.fromkeys(m.strip().lower() for m in methods))
     bad = [m for m in methods if m not in METHODS]
     if bad or not methods:
         raise InputError(f"methods must be a non-empty subset of {list(METHODS)}, got "
                          f"{list(methods)}")
     return (methods, *check_grid(lams, ks, (not takes(methods, "lam"), not takes(methods, "k"))))
+
+
+def _names(value: Any, must: str) -> tuple[str, ...]:
+    """``value`` (a sequence of str) as a tuple, else InputError "{must}, got {value!r}"."""
+    try:  # None / 5 were tuple()'s bare TypeError, [['recall@10']] 'unhashable type'
+        names = tuple(value)
+    except TypeError:
+        names = (None,)
+    if not all(isinstance(m, str) for m in names):
+        raise InputError(f"{must}, got {value!r:.100}")
+    return names

@@ -14,7 +14,7 @@ import torch
 
 from .arrays import ArrayLike, as_tensor, check_topk
 from .errors import InputError
-from .params import check_nonnegative, check_positive
+from .params import check_flag, check_nonnegative, check_positive
 from .protocol import Model, check_model
 from .relevance import Relevance, as_relevance
 
@@ -22,11 +22,9 @@ from .relevance import Relevance, as_relevance
 def check_default(x: ArrayLike, check: bool | None) -> bool:
     """``check`` (a bool), by default True unless ``x`` is a CUDA tensor (a check would sync);
     else InputError ('no' was True, '' or [] False)."""
-    if isinstance(check, (bool, np.bool_)):
-        return bool(check)
-    if check is not None:
-        raise InputError(f"check must be True, False or None (the default), got {check!r}")
-    return not (isinstance(x, torch.Tensor) and x.is_cuda)
+    if check is None:
+        return not (isinstance(x, torch.Tensor) and x.is_cuda)
+    return check_flag(check, "check", "True, False or None (the default)")
 
 
 def as_ids(ids: ArrayLike, batch: int, n_docs: int, device: torch.device, check: bool,
@@ -57,8 +55,7 @@ def inner(q: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
                     n_docs: int | None = None) -> torch.Tensor:
     """A (B x n) Relevance / scipy matrix (entries > 0), a list of id lists or a (B, P) -1 padded
-    int array -> (B, P) int64 on ``device``, -1 padded, P >= 1; ids outside [-1, n_docs):
-    InputError."""
+    int array -> (B, P >= 1) int64 on ``device``, -1 padded; ids off [-1, n_docs): InputError."""
     if isinstance(positives, Relevance) or sp.issparse(positives):
         csr = as_relevance(positives, name="positives", allow_empty=True).csr
         graded = csr.data > 0  # a grade <= 0 (e.g. -1: judged not relevant) is no positive
@@ -77,8 +74,7 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
 
 
 def _id_row(row: Any, i: int) -> np.ndarray:
-    """Row ``i`` of ragged positives as int64 ids; floats, strings, ids past int64: InputError
-    (as a dense array's)."""
+    """Row ``i`` of ragged positives as int64 ids; floats, strings, ids past int64: InputError."""
     try:
         a = np.asarray(row).ravel()
     except ValueError:  # a row holding a list ([0, [1]]): numpy's 'inhomogeneous shape'
@@ -108,8 +104,7 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     neg = torch.full((q.shape[0], n + 1), -1, dtype=torch.long, device=model.device)
     for s in range(0, q.shape[0], batch_size):
         p = pos[s:s + batch_size]
-        # enough that n non-positives survive if they exist; never more than every document.
-        # Positives found by a binary search, not a (batch, depth, P) comparison (memory)
+        # enough that n non-positives survive if they exist; never more than every document
         depth = min(n + skip_top + int(counts[s:s + batch_size].max()), model.n_docs)
         _, ids = model.search(q[s:s + batch_size], topk=depth, check=False)
         ids = ids.contiguous()
