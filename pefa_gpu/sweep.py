@@ -115,6 +115,7 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
 
     methods, lams, ks = check_sweep_grid(methods, lams, ks)
     topk = check_positive(topk, "topk")
+    candidates = XLSearchParams(candidates=candidates).candidates  # before it is compared
     timings = _check_reporting(show_progress, timings)
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()

@@ -295,3 +295,7 @@ def test_sweep_search_checks_show_progress_and_timings_first():
                       (dict(timings=[]), "timings must be a dict")):
         with pytest.raises(InputError, match=match):
             next(sweep_search(P, Q, Y, test, "erm", device="cpu", **kw))
+    # candidates='a' with erm and xl: a bare TypeError ('>=' between str and int)
+    for bad in ("a", 0, None):
+        with pytest.raises(InputError, match="candidates must be a positive integer"):
+            next(sweep_search(P, Q, Y, test, "erm,xl", device="cpu", candidates=bad))
