@@ -100,8 +100,8 @@ def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
 
 
 def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
-    """<queries[batch[i]], docs[doc[i]]> for pairs grouped by query -> (N,) float32 (on CUDA:
-    the Triton kernel)."""
+    """<queries[batch[i]], docs[doc[i]]> for pairs grouped by query -> (N,) float32: numpy's
+    row sums (CPU tensors too: equal bits), on CUDA the Triton kernel."""
     if not isinstance(batch, np.ndarray):
         if batch.is_cuda:
             from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
@@ -237,7 +237,7 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
          knn_norm: str, rescore: bool, erm_exact: bool, topk: int, batch_size: int | None = None
          ) -> dict[tuple[float, int], tuple[Array, Array]]:
     """{(lam, k): ((B, topk) float32 scores, int64 ids)} of ``erm``'s kind; the first k of
-    ``knn`` vote with w(s) = s / k (``knn_norm`` "k") or s; ``batch_size``: see :func:`batches`."""
+    ``knn`` vote with w(s) = s / k (``knn_norm`` "k") or s; batch_size: 4096 (:func:`batches`)."""
     xp, knn = ops(erm[1]), (knn[0][:, :max(ks)], knn[1][:, :max(ks)])
     parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
     step = 4096 if batch_size is None else check_positive(batch_size, "batch_size")
