@@ -1,6 +1,5 @@
-"""PEFA-XL fusion (DESIGN §1): the one core (:func:`fuse`) behind search, fuse, sweep, tune and
-the pipeline, on numpy arrays (CPU batches) or torch tensors (CUDA) with the same float32
-operations in the same order (equal bits on both)."""
+"""PEFA-XL fusion (DESIGN §1), one core for numpy arrays (CPU batches) and torch tensors (CUDA):
+the same float32 operations in the same order (equal bits on both)."""
 
 from __future__ import annotations
 
@@ -53,9 +52,8 @@ def ops(x: Array) -> type[_Numpy] | type[_Torch]:
 
 
 class RelevanceRows:
-    """Y's rows for the votes, built where Y changes: ``tensors`` (model device) and ``host``
-    (numpy) = (starts, lengths, indices int64, data float32), one empty row appended for the
-    padding row -1; ``nonnegative``: every entry >= 0."""
+    """Y's rows as ``tensors`` (model device) and ``host`` (numpy): (starts, lengths, indices
+    int64, data float32), an empty row appended for the padding row -1."""
 
     def __init__(self, relevance: Relevance, device: DeviceLike):
         csr = relevance.csr
@@ -79,8 +77,7 @@ class RelevanceRows:
         return rows * self.shape[1] + indices
 
     def values(self, rows: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
-        """Y[rows[b, i], docs[b, j]] for valid rows (B, k) and docs (B, K) -> (B, k, K) float32
-        (0 without an entry)."""
+        """Y[rows[b, i], docs[b, j]] of rows (B, k), docs (B, K) -> (B, k, K) float32."""
         keys, data = self.keys, self.tensors[3]
         want = rows.unsqueeze(2) * self.shape[1] + docs.unsqueeze(1)
         if keys.numel() == 0:
@@ -90,8 +87,7 @@ class RelevanceRows:
 
 
 def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
-    """knn_rows (B, K) Y rows (-1 padding) -> (slot, doc, y) per vote: slot b * K + rank
-    ascending, the document and Y's value."""
+    """knn_rows (B, K) Y rows (-1 padding) -> per vote (slot b * K + rank ascending, doc, y)."""
     xp = ops(knn_rows)
     starts, lengths, indices, data = rows.host if xp is _Numpy else rows.tensors
     flat = knn_rows.reshape(-1)
@@ -105,7 +101,7 @@ def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
 
 def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
     """<queries[batch[i]], docs[doc[i]]> for pairs grouped by query -> (N,) float32: numpy's
-    row sums on the CPU (tensors too: equal bits), the Triton kernel on CUDA."""
+    row sums (CPU tensors too: equal bits), on CUDA the Triton kernel."""
     if not isinstance(batch, np.ndarray):
         if batch.is_cuda:
             from . import triton_rowdots  # noqa: PLC0415 (imports triton: only on CUDA)
@@ -120,10 +116,9 @@ def rowdots(queries: Array, docs: Array, batch: Array, doc: Array) -> Array:
 
 @dataclasses.dataclass
 class CandidateTable:
-    """ids (B, W) int64: C in columns < Kp, then the voted documents outside C, -1 where none
-    (padding, a repeated id); erm (B, W) float32 f_erm; cells (U,): flat cell of each voted
-    candidate, extra (U,): outside C; per vote: entry_cell (index into cells), entry_slot
-    (b * K + rank), entry_score (s_i), entry_y; n_neighbours: K."""
+    """ids (B, W): C in columns < Kp, then the voted documents outside C (-1: none); erm (B, W)
+    f_erm; cells / extra (U,): each voted candidate's flat cell / outside C; per vote:
+    entry_cell (into cells), entry_slot (b * K + rank), entry_score, entry_y; n_neighbours: K."""
 
     ids: Array
     erm: Array
@@ -171,9 +166,8 @@ class CandidateTable:
 def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
                     erm: tuple[Array, Array], knn: tuple[Array, Array], *,
                     rescore: bool, erm_exact: bool) -> CandidateTable:
-    """queries (B, d), docs (n, d), erm (B, Kp) passage scores / ids, knn (B, K) scores / Y
-    rows (-1 padded). ``rescore``: f_erm = <q, p_j> for every candidate (``erm_exact``: the ERM
-    scores are, so only the extras get dot products), else 0 outside C."""
+    """queries (B, d), docs (n, d), erm (B, Kp) and knn (B, K) (scores, ids / Y rows). f_erm:
+    <q, p_j> with ``rescore`` (computed for the extras only if ``erm_exact``), else 0 outside C."""
     (es, ei), (ks, ki) = erm, knn
     xp = ops(ei)
     b, kp = ei.shape
@@ -242,9 +236,8 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
          rows: RelevanceRows, docs: Array, *, lams: Sequence[float], ks: Sequence[int],
          knn_norm: str, rescore: bool, erm_exact: bool, topk: int, batch_size: int | None = None
          ) -> dict[tuple[float, int], tuple[Array, Array]]:
-    """{(lam, k): ((B, topk) float32 scores, int64 ids)} for lams x ks, of ``erm``'s kind
-    (arguments as :func:`candidate_table`; the first k of ``knn`` vote with w(s) = s / k for
-    ``knn_norm`` "k", else s), per ``batch_size`` queries (default 4096; see :func:`batches`)."""
+    """{(lam, k): ((B, topk) float32 scores, int64 ids)} of ``erm``'s kind; the first k of
+    ``knn`` vote with w(s) = s / k (``knn_norm`` "k") or s; batch_size: 4096 (:func:`batches`)."""
     xp, knn = ops(erm[1]), (knn[0][:, :max(ks)], knn[1][:, :max(ks)])
     parts: dict[tuple[float, int], list] = {(lam, k): [] for k in ks for lam in lams}
     step = 4096 if batch_size is None else check_positive(batch_size, "batch_size")
@@ -262,9 +255,8 @@ VOTES_PER_QUERY = 256  # a batch's table: at most batch_size * this many cells b
 
 
 def batches(knn_rows: Array, rows: RelevanceRows, step: int) -> list[slice]:
-    """Query ranges of at most ``step`` queries whose count times their widest vote count
-    (over their neighbours' (B, K) Y rows) stays within ``step`` * VOTES_PER_QUERY, or of one
-    query: a long row of Y narrows only the batch it is in. One empty range without queries."""
+    """Ranges of <= ``step`` queries (or one) whose count times their widest vote count stays
+    within ``step`` * VOTES_PER_QUERY: a long row of Y narrows only its batch."""
     lengths = rows.host[1] if isinstance(knn_rows, np.ndarray) else rows.tensors[1]
     counts, cap = to_numpy(lengths[knn_rows].sum(1)), step * VOTES_PER_QUERY
     if not len(counts) or min(step, len(counts)) * int(counts.max()) <= cap:  # no long row
@@ -292,8 +284,8 @@ def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: in
 
 def searches(q: Array, search: Any, *, kp: int, k: int, m: int, n: int, augment_docs: bool
              ) -> tuple[tuple[Array, Array], tuple[Array, Array]]:
-    """PEFA-XL's two searches through ``search(q, w_erm, w_knn)`` (passage top-w_erm, query
-    top-w_knn; a width may be 0) -> passages (B, >= kp) and :func:`neighbours` (B, <= k)."""
+    """PEFA-XL's two searches via ``search(q, w_erm, w_knn)`` (a width may be 0) -> passages
+    (B, >= kp) and :func:`neighbours` (B, <= k)."""
     kn = min(k, m + n if augment_docs else m)
     erm, knn = search(q, max(kp, min(kn, n)) if augment_docs else kp, min(kn, m))
     return erm, neighbours(knn, erm, m, kn, augment_docs)

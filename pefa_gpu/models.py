@@ -480,9 +480,8 @@ class PEFAXL(_Model):
     def neighbours(self, q: torch.Tensor, k: int,
                    erm: tuple[torch.Tensor, torch.Tensor] | None = None,
                    params: Params | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The k nearest training queries (with ``augment_docs`` documents as rows m + j):
-        (B, <= k) scores and ``relevance`` rows, -1 padded; ``erm``: a passage search already
-        made; ``params``: the backend's ``SearchParams`` for both indices."""
+        """The k nearest training queries (documents as rows m + j with ``augment_docs``):
+        (B, <= k) scores and Y rows, -1 padded; ``erm``: a passage search already made."""
         params = self._typed(self._index_search_class, params, "neighbours params")
         k = check_positive(k, "k")
         self.check_fitted()
@@ -558,20 +557,17 @@ class PEFAXL(_Model):
                   ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`fuse` for every (lam, k) of ``lams`` x ``ks`` (``knn`` with max(ks)
         neighbours): {(lam, k): ((B, topk) float32, int64)} on q's device (numpy: the CPU)."""
-        lams, ks, erm, knn = self._check_fusion(q, erm, knn, lams, ks)
-        return self._fuse_grid(q, erm, knn, lams, ks, topk, batch_size)
-
-    def _check_fusion(self, q: Any, erm: Any, knn: Any, lams: Any, ks: Any
-                      ) -> tuple[tuple[float, ...], tuple[int, ...], tuple, tuple]:
-        """InputError unless q is (B, d) float, erm / knn (scores, ids) pairs of (B, w) float /
-        integer arrays with ids in range, lams numbers in [0, 1] and ks positive ints."""
         self.check_fitted()
         lams, ks = check_grid(lams, ks)
         if _kind(q) != "f" or q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"q must be a (B, {self.dim}) float array, got "
                              f"{type(q).__name__} {getattr(q, 'shape', '')}")
-        return lams, ks, self._checked_pair("erm", erm, q, self.n_docs), \
-            self._checked_pair("knn", knn, q, self.relevance.shape[0])
+        erm = self._checked_pair("erm", erm, q, self.n_docs)
+        knn = self._checked_pair("knn", knn, q, self.relevance.shape[0])
+        topk = check_topk(topk, self.n_docs)
+        if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
+            raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
+        return self._fuse_grid(q, erm, knn, lams, ks, topk, batch_size)
 
     def _checked_pair(self, name: str, pair: Any, q: Any, top: int) -> tuple[Array, Array]:
         """``pair`` (scores, ids) of (B, w) float / signed integer arrays, ids in [-1, top), as
@@ -585,7 +581,7 @@ class PEFAXL(_Model):
             raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
                              f"shape (B={q.shape[0]}, w), got {got}")
         scores, ids = pair
-        if ids.dtype.kind == "u" if isinstance(ids, np.ndarray) else not ids.dtype.is_signed:
+        if _kind(ids) == "u":
             raise InputError(f"{name} ids must be signed integers (-1: padding), got {ids.dtype}")
         if bool(((ids < -1) | (ids >= top)).any()):  # on CUDA: one synchronisation
             raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
@@ -598,12 +594,9 @@ class PEFAXL(_Model):
                    lams: Sequence[float], ks: Sequence[int], topk: int,
                    batch_size: int | None = None
                    ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`fuse_grid` of arguments known to be well formed."""
-        topk = check_topk(topk, self.n_docs)
-        if knn[1].shape[1] < min(max(ks), self.relevance.shape[0]):  # the rows there are
-            raise InputError(f"k={max(ks)} but only {knn[1].shape[1]} neighbours were searched")
+        """:meth:`fuse_grid` of checked arguments (CPU batches fused as numpy arrays)."""
         p, docs = self.params, self.doc_embeddings
-        if isinstance(q, np.ndarray) or q.device.type == "cpu":  # CPU batches fuse in numpy
+        if isinstance(q, np.ndarray) or q.device.type == "cpu":
             q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
             docs = to_numpy(docs)
         out = fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks, topk=topk,
@@ -612,9 +605,8 @@ class PEFAXL(_Model):
         return {key: (as_tensor(s), as_tensor(i)) for key, (s, i) in out.items()}
 
     def _score(self, q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """lam f_erm + (1 - lam) f_knn: the k neighbours (and, without rescore, the ERM
-        candidates C) chosen without gradient, the weights w(s_i) = <q, q_i> / k and f_erm =
-        <q, p_j> with it."""
+        """lam f_erm + (1 - lam) f_knn, differentiable in the weights w(s_i) and f_erm =
+        <q, p_j>; the neighbours (and, without rescore, the candidates C) chosen without it."""
         p = self.params
         f_erm = training.inner(q, self.doc_embeddings[ids])
         if not p.rescore:  # f_erm is 0 outside the ERM candidates C
@@ -672,8 +664,7 @@ class PEFAXL(_Model):
 
 def _index_search(index: Index, q: Array, k: int, params: Params | None,
                   checked: bool = True) -> tuple[Array, Array]:
-    """``index.search(q, k, params)``: numpy arrays for numpy ``q`` (faiss backends skip the
-    torch hand-off; ``checked``: q has no NaN / inf), else tensors."""
+    """``index.search(q, k, params)`` as q's kind of array (``checked``: q has no NaN / inf)."""
     host = isinstance(q, np.ndarray)
     if host and hasattr(index, "search_host"):
         scores, ids = index.search_host(q, k, check_finite=not checked, params=params)
@@ -687,11 +678,10 @@ def _index_search(index: Index, q: Array, k: int, params: Params | None,
 
 
 def _kind(x: Any) -> str:
-    """A numpy array's or tensor's dtype kind as numpy names it ('f', 'i', 'u', 'b', 'c'; torch
-    integers all 'i'), '' for anything else."""
+    """x's dtype kind as numpy names it ('f', 'i', 'u', 'b', 'c'), '' for a non-array."""
     if isinstance(x, torch.Tensor):
-        return "b" if x.dtype == torch.bool else "c" if x.is_complex() else \
-            "f" if x.is_floating_point() else "i"
+        return "f" if x.is_floating_point() else "c" if x.is_complex() else \
+            "b" if x.dtype == torch.bool else "i" if x.dtype.is_signed else "u"
     return x.dtype.kind if isinstance(x, np.ndarray) else ""
 
 
