@@ -147,7 +147,10 @@ def check_at_most(value: Any, name: str, top: int) -> int:
 
 def check_hnsw_m(value: Any, name: str) -> int:
     """An HNSW degree M in [2, ``MAX_HNSW_M``] as a Python int (M = 1: faiss segfaulted)."""
-    return _check_int(value, name, 2, "at least 2 (an HNSW graph's degree, an integer)", MAX_HNSW_M)
+    value = check_at_most(value, name, MAX_HNSW_M)
+    if value < 2:
+        raise InputError(f"{name} must be at least 2 (an HNSW graph's degree), got {value!r}")
+    return value
 
 
 def check_number(value: Any, name: str, none_ok: bool = False) -> None:
