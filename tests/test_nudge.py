@@ -254,7 +254,7 @@ def test_nudge_embeddings_checks_gamma_as_the_params_do():
     for variant, bad in (("N", (5, -1, float("nan"), "x")), ("M", (-1, float("inf"), "x"))):
         model = pg.NUDGE(variant=variant, gamma=0.5, device="cpu").fit(P, Q, Y)
         for gamma in bad:
-            with pytest.raises(pg.InputError, match=f"gamma must be None or a number in"):
+            with pytest.raises(pg.InputError, match="gamma must be None or a number in"):
                 model.nudge_embeddings(gamma)
         assert torch.equal(model.nudge_embeddings(0.5), model.nudge_embeddings())
 

@@ -95,7 +95,8 @@ def test_a_listed_file_not_regular_or_an_unlisted_entry_is_refused(tmp_path, wha
     if what != "file":
         (data / "t.npy").unlink()
         make(data / "t.npy")
-        with pytest.raises(FormatError, match=r"t\.npy (is not a regular file|leads through a sym)"):
+        with pytest.raises(FormatError,
+                           match=r"t\.npy (is not a regular file|leads through a sym)"):
             storage.open_save(path)
 
 

@@ -256,7 +256,7 @@ def test_documents_the_index_refuses_leave_the_model_as_it_was(cls, tmp_path):
     stayed, the arrays grew, so the next add gave document n the refused row's embedding and
     a save would not load."""
     rng = np.random.default_rng(23)
-    P, Q, T = unit_rows(rng, 20, D), unit_rows(rng, 10, D), unit_rows(rng, 3, D)
+    P, Q = unit_rows(rng, 20, D), unit_rows(rng, 10, D)
     Y = sp.csr_matrix(np.eye(10, 20, dtype=np.float32))
     model = cls(device="cpu", index_params={"dtype": "float16"})
     model = model.fit(P) if cls is pg.ERM else model.fit(P, Q, Y)
