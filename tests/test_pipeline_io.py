@@ -195,6 +195,15 @@ def test_a_shard_manifest_whose_tables_are_not_tables_is_refused(tmp_path, edit)
         pp.read_rows(out)
 
 
+@pytest.mark.parametrize("stage", [5, "", None])
+def test_write_rows_checks_its_stage_name_before_any_shard(tmp_path, stage):
+    """stage=5 was Stage's TypeError ('stage fields [...] have the wrong type') once every shard
+    was written, leaving them behind."""
+    with pytest.raises(InputError, match="stage must be a non-empty name"):
+        pp.write_rows(np.ones((4, 2), np.float32), tmp_path / "r", rows=2, stage=stage)
+    assert not (tmp_path / "r").exists() or not os.listdir(tmp_path / "r")
+
+
 def test_a_stage_shard_linked_outside_its_stage_is_refused(tmp_path):
     stage = pp.write_rows(np.zeros((4, 3), np.float32), tmp_path / "rows", rows=2)
     shard = stage / "shard-00001"

@@ -354,6 +354,8 @@ def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "
     """Write a (n, d) float matrix (numpy, memmap, torch) as ``rows``-row float32 shards."""
     if not hasattr(x, "shape") or len(x.shape) != 2:
         raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
+    if not isinstance(stage, str) or not stage:  # was Stage's TypeError, after the shards
+        raise InputError(f"stage must be a non-empty name, got {stage!r}")
     n, d = int(x.shape[0]), int(x.shape[1])
     check_stage_out(out, stage)
     shards = [write_shard(Path(out) / shard_name("shard", i), {"stage": stage, "rows": [lo, hi]},
