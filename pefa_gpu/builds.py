@@ -81,7 +81,8 @@ def _load_build(path: str | Path, device: DeviceLike) -> tuple[Model, list[str],
     if not root.exists():
         raise InputError(f"{root} does not exist (give the folder `pefa-gpu build --out` wrote)")
     if not root.is_dir():  # e.g. its pefa_build.json: it said 'pefa_build.json missing'
-        raise InputError(f"{root} is a file; give the folder `pefa-gpu build --out` wrote")
+        raise InputError(f"{root} is {'a file' if root.is_file() else 'not a folder'}; give the "
+                         f"folder `pefa-gpu build --out` wrote")  # a FIFO is not a file
     save = open_save(root, BUILD_MANIFEST, BUILD_FORMAT)
     info = save.manifest
     ids_file = save.file(info.get("doc_ids"))

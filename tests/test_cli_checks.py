@@ -584,9 +584,12 @@ def test_the_ray_work_dir_is_never_a_builds_files(built, tmp_path, capsys):
     assert sorted(p.name for p in data_folder.iterdir()) == before
 
 
-def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys):
+def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys, tmp_path):
     code, _, err = run(capsys, "search", built / "pefa_build.json", "a query", "-q")
     assert code == 2 and "is a file; give the folder" in err, err  # was 'pefa_build.json missing'
+    os.mkfifo(tmp_path / "fifo")  # was called 'a file'
+    code, _, err = run(capsys, "search", tmp_path / "fifo", "a query", "-q")
+    assert code == 2 and "fifo is not a folder; give the folder" in err, err
 
 
 @pytest.mark.parametrize("argv,flag", [
