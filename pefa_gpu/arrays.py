@@ -154,10 +154,12 @@ def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,
     if check_norm and t.shape[0]:
         norms = torch.linalg.vector_norm(t.float(), dim=1)
         off = (norms - 1).abs() > 1e-2
-        if bool(off.any()):
+        if bool(off.any()):  # the extreme rows' norms in float64 (float32's: inf past 1e19)
+            ends = t[torch.stack([norms.argmin(), norms.argmax()])].double()
+            lo, hi = torch.linalg.vector_norm(ends, dim=1).tolist()
             warnings.warn(f"{name}: {int(off.sum())} of {t.shape[0]} rows are not L2-normalised "
-                          f"(norms from {float(norms.min()):.3g} to {float(norms.max()):.3g}); "
-                          f"PEFA expects unit-norm embeddings", UserWarning, stacklevel=3)
+                          f"(norms from {lo:.3g} to {hi:.3g}); PEFA expects unit-norm "
+                          f"embeddings", UserWarning, stacklevel=3)
     return t
 
 

@@ -115,6 +115,18 @@ def test_unnormalised_embeddings_warn_not_fail(data):
     assert model.search(T, 3)[1].shape == (3, 3)
 
 
+def test_the_norm_warning_reports_norms_float32_cannot_square():
+    """Rows scaled by 1e30 / 1e-30 were reported as 'norms from 0 to inf' (float32 squares
+    overflow and underflow); the extreme rows are measured in float64."""
+    P = unit_rows(np.random.default_rng(4), 20, 8)
+    P[3] *= np.float32(1e30)
+    P[5] *= np.float32(1e-30)
+    want = [np.linalg.norm(P[i].astype(np.float64)) for i in (5, 3)]
+    with pytest.warns(UserWarning, match=re.escape(f"2 of 20 rows are not L2-normalised "
+                                                   f"(norms from {want[0]:.3g} to {want[1]:.3g})")):
+        pg.ERM(device="cpu").fit(P)
+
+
 def test_single_query_vector_is_accepted(data):
     P, Q, Y, T = data
     model = pg.ERM().fit(P)
