@@ -213,7 +213,7 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
             raise InputError(f"model {name!r} is {kind}, not a model folder: give a "
                              f"sentence-transformers folder (with its modules.json), a hub "
                              f"name, or a callable texts -> array (--model module:function)")
-        identity = (f"st-path:{Path(name).resolve()}" if Path(name).exists() else f"st:{name}")
+        identity = f"st-path:{path.resolve()}" if path.exists() else f"st:{name}"
         return _lazy(functools.partial(_load_named, name, dev), dev, identity, name)
     if any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__):
         try:

@@ -216,4 +216,3 @@ def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str |
 
 
 _EXPORT_MARKER = ".pefa-export-tmp"
-
