@@ -100,12 +100,14 @@ def mine_negatives(model: Model, queries: ArrayLike, positives: ArrayLike, n: in
     skip_top = min(skip_top, model.n_docs)
     pos = as_positive_ids(positives, q.shape[0], model.device, model.n_docs if chk else None)
     pos = pos.sort(1).values  # -1 padding first; each id found by a binary search
-    counts = (pos >= 0).sum(1).cpu()  # positives per query (one host sync)
+    # positives per query, for each batch's search depth: one host sync, only for several batches
+    counts = (pos >= 0).sum(1).cpu() if q.shape[0] > batch_size else None
     neg = torch.full((q.shape[0], n + 1), -1, dtype=torch.long, device=model.device)
     for s in range(0, q.shape[0], batch_size):
         p = pos[s:s + batch_size]
         # enough that n non-positives survive if they exist; never more than every document
-        depth = min(n + skip_top + int(counts[s:s + batch_size].max()), model.n_docs)
+        most = pos.shape[1] if counts is None else int(counts[s:s + batch_size].max())
+        depth = min(n + skip_top + most, model.n_docs)
         _, ids = model.search(q[s:s + batch_size], topk=depth, check=False)
         ids = ids.contiguous()
         at = torch.searchsorted(p, ids).clamp_max(p.shape[1] - 1)
