@@ -488,7 +488,8 @@ class PEFAXL(_Model):
         q = q if isinstance(q, (np.ndarray, torch.Tensor)) else as_tensor(q, name="q")
         if q.ndim != 2 or q.shape[1] != self.dim:  # as the searches check it; then no NaN
             raise InputError(f"q must have shape (B, {self.dim}), got {tuple(q.shape)}")
-        require_finite(q, "q")  # numpy q was searched unchecked (the searches trust _search's)
+        if training.check_default(q, None):  # as search's default: on CUDA a check would sync
+            require_finite(q, "q")  # numpy q was searched unchecked (the searches trust _search's)
         if erm is not None:  # (its ids become rows m + j: one beyond n was a wrong neighbour)
             erm = self._checked_pair("erm", erm, q, self.n_docs)
         return self._searches(q, 0, k, params, erm)[1]
