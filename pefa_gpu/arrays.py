@@ -149,7 +149,11 @@ def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,
     if dim is not None and t.shape[1] != dim:
         raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
                          f"(the dimension the model was fitted with)")
-    if check_finite:
+    if check_finite and t.numel() and not all_finite(t):
+        src = as_tensor(x, name=name)  # finite before the cast: values past dtype's range
+        if src.dtype != t.dtype and src.is_floating_point() and all_finite(src):
+            raise InputError(f"{name} holds values past {dtype_name(dtype)}'s range (largest "
+                             f"magnitude {src.abs().max().item():.3g}); scale its rows first")
         require_finite(t, name)
     if check_norm and t.shape[0]:
         norms = torch.linalg.vector_norm(t.float(), dim=1)

@@ -403,3 +403,22 @@ def test_a_reversed_single_row_view_is_read_as_its_values():
     assert torch.equal(erm.score(rev, got[1]), erm.score(T, got[1]))
     assert erm.add_documents(rev).n_docs == 21
     assert pg.ERM(device="cpu").fit(P[:1][::-1]).n_docs == 1
+
+
+def test_float64_values_past_float32_range_are_named_not_called_inf():
+    """float64 rows holding 1e39 (finite) became inf in the float32 cast and were reported as
+    'contains NaN or inf'; a real NaN in float64 rows still is."""
+    rng = np.random.default_rng(12)
+    P = unit_rows(rng, 20, 8).astype(np.float64)
+    P[3, 1] = 1e39
+    with pytest.raises(pg.InputError, match=r"P holds values past float32's range \(largest "
+                                            r"magnitude 1e\+39\)"):
+        pg.ERM(device="cpu").fit(P)
+    erm = pg.ERM(device="cpu").fit(unit_rows(rng, 20, 8))
+    q = unit_rows(rng, 2, 8).astype(np.float64)
+    q[1, 0] = -4e38
+    with pytest.raises(pg.InputError, match="queries holds values past float32's range"):
+        erm.search(q, 3)
+    q[1, 0] = np.nan
+    with pytest.raises(pg.InputError, match=r"queries contains NaN or inf \(rows \[1\]"):
+        erm.search(q, 3)
