@@ -355,6 +355,17 @@ def test_a_cagra_save_of_bad_rows_is_a_format_error(tmp_path, rows):
         backend_class("cagra").load(tmp_path, None, "cpu")
 
 
+
+def test_an_unbuilt_cagra_save_loads_empty(tmp_path):
+    """save() accepts an index not built yet (vectors (0, 0)); its load was the FormatError
+    'vectors must be 2-D (n, d) with d > 0'."""
+    from pefa_gpu.index.cagra import CagraIndex
+    CagraIndex(device="cpu", need_engine=False).save(tmp_path)
+    index = backend_class("cagra").load(tmp_path, None, "cpu")
+    assert (index.ntotal, index.dim) == (0, 0)
+    index.build(np.eye(3, 4, dtype=np.float32))  # usable as a new one
+    assert index.search(np.eye(1, 4, dtype=np.float32), 1)[1].tolist() == [[0]]
+
 @pytest.mark.parametrize("backend", ["hnsw", "hnswlib"])
 def test_an_hnsw_degree_of_one_is_refused(backend):
     """M=1: the level multiplier 1 / log M is infinite; faiss segfaulted building the graph,

@@ -200,6 +200,8 @@ class CagraIndex(VectorIndex):
         if out.engine is None and out.device.type == "cuda":
             log.warning("cagra: %s; serving exact search from the stored vectors instead",
                         _install_message(out.device))
+        if vectors.shape == (0, 0):  # saved before it was built
+            return out
         try:
             return out.build(vectors)
         except InputError as exc:  # NaN rows, not (n, d): the file's fault, not the caller's
