@@ -212,7 +212,7 @@ class VectorPRF(_Saved):
 
     def __call__(self, queries: ArrayLike, model: Model) -> torch.Tensor:
         """(B, d) queries, a fitted model -> (B, d) float32 on the model's device."""
-        check_model(model, "VectorPRF", ("as_queries", "search"))  # a QueryModel too
+        check_model(model, "VectorPRF", ("as_queries", "search", "doc_embeddings"))
         q = model.as_queries(queries)
         _, ids = model.search(q, self.params.k, check=False)
         total = torch.zeros_like(q)
@@ -259,6 +259,11 @@ class QueryModel(_Saved):
     device = property(lambda self: self.model.device)
     n_docs = property(lambda self: self.model.n_docs)
     dim = property(lambda self: self.model.dim)
+
+    def as_queries(self, queries: ArrayLike, check: bool | None = None,
+                   name: str = "queries") -> torch.Tensor:
+        """The model's :meth:`as_queries` (checked, converted); :meth:`search` adapts them."""
+        return self.model.as_queries(queries, check, name)
 
     def queries(self, queries: ArrayLike, check: bool | None = None) -> torch.Tensor:
         """The queries as the model searches them: (B, d) float32 on its device (``check``: for

@@ -366,3 +366,24 @@ def test_mine_negatives_names_a_model_that_is_not_one():
     with pytest.raises(TypeError, match="mine_negatives: model must be a pefa_gpu model .*got "
                                         "str"):
         pg.mine_negatives("xs", np.ones((1, 4), np.float32), [[0]], 3)
+
+
+def test_mine_negatives_through_a_query_model_uses_its_adapted_search():
+    """A QueryModel (adapter + PRF over a model) was refused: it had no as_queries. Its
+    negatives are the best non-positives of its own search: adapter, then PRF, then the model,
+    checked against a float64 reference of those steps."""
+    P, Q, Y, T = _data(13)
+    erm = pg.ERM(device="cpu").fit(P)
+    adapter = pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P)
+    qm = pg.QueryModel(erm, adapter, pg.VectorPRF(k=2, beta=0.5))
+    pos = [[0, 5], [], [7], [1, 2, 3], [9], [11]]
+    neg = pg.mine_negatives(qm, T, pos, n=4).numpy()
+    a = T.astype(np.float64) @ adapter.W.double().numpy()  # adapter: q W, rows normalised
+    a /= np.linalg.norm(a, axis=1, keepdims=True)
+    prf_ids = _top(a @ P.T.astype(np.float64), 2)
+    a = a + 0.5 * P.astype(np.float64)[prf_ids].mean(1)
+    order = _top(a @ P.T.astype(np.float64), N)
+    want = np.stack([[j for j in row if j not in set(p)][:4] for row, p in zip(order, pos)])
+    np.testing.assert_array_equal(neg, want)
+    with pytest.raises(TypeError, match="VectorPRF: model must be a pefa_gpu model"):
+        pg.VectorPRF()(T, qm)  # its search would adapt the PRF's queries again
