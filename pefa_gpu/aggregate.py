@@ -75,7 +75,8 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
             Q.layout == torch.strided and Q.dtype in (torch.float16, torch.float32, torch.float64)
         x = Q.detach().numpy() if host else Q
         if not (isinstance(x, np.ndarray) and (x.dtype.kind == "f" or is_bfloat16(x.dtype))):
-            x = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach().numpy()
+            x = as_embeddings(Q, device=dev, name="Q", check_norm=False,  # the stream checks
+                              check_finite=False).detach().numpy()
         src = RowSource(x, "Q")
     if src is not None:
         a = pifa_streamed(rel, src, dev, memory_budget, initial=initial)
