@@ -21,7 +21,7 @@ import scipy.sparse as sp
 import torch
 
 from ..arrays import DeviceLike, as_embeddings, as_tensor
-from ..encode import EncoderLike, _check_texts, encode as encode_texts, resolve_model
+from ..encode import EncoderLike, _check_texts, _expand, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
 from ..params import (XLParams, XLSearchParams, check_nonnegative, check_positive,
                       check_unit_interval)
@@ -101,20 +101,18 @@ class Stage:
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> "Stage":
-        """A read stage file's Stage; ValueError unless its shards tile their rows in order and
-        a PEFA-XL build has its params and valid candidates (a forged -5 was searched)."""
+        """A read stage file's Stage; ValueError unless its rows tile and an XL build is whole."""
         fields = {key: v for key, v in body.items() if key not in ("format", "format_version")}
         for key in ("shards", "query_shards"):
             fields[key] = tuple(Entry.of(e["name"], e) for e in body.get(key, ()))
         if fields.get("params") is not None:
             fields["params"] = XLParams.from_dict(fields["params"])
         stage = cls(**fields)
-        xl = stage.method == "xl"
-        if xl and stage.params is None:
-            raise ValueError("a PEFA-XL build without its params")
-        if xl:
+        if stage.method == "xl":  # its params and valid candidates (a forged -5 was searched)
+            if stage.params is None:
+                raise ValueError("a PEFA-XL build without its params")
             XLSearchParams(candidates=stage.candidates)
-        _check_tiling(stage, xl)
+        _check_tiling(stage, stage.method == "xl")
         return stage
 
     def to_json(self) -> str:
@@ -434,8 +432,7 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
                     "shard is encoded again on every run")
-    # the driver's ~ (one it cannot expand stays: encode's InputError names it)
-    cache = None if cache_dir is None else os.path.expanduser(cache_dir)
+    cache = None if cache_dir is None else str(_expand(cache_dir, "cache_dir"))  # the driver's ~
     task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
                              device=device, normalize=normalize, cache_dir=cache)
     plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
