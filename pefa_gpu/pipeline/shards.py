@@ -67,7 +67,7 @@ _TYPES = {"str": str, "bool": bool, "float | None": (int, float, type(None)),
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage:
-    """A ``stage.json``: the stage's kind, shards and what they hold (defaults not written)."""
+    """A ``stage.json``: its kind, shards (tiling its rows), what they hold; checked when made."""
 
     stage: str
     shards: tuple[Entry, ...]
@@ -98,22 +98,21 @@ class Stage:
             raise ValueError(f"{bad} must be ints >= 0")
         if self.lam is not None:
             check_unit_interval(self.lam, "lam")
+        if self.method == "xl":  # its params and valid candidates (a forged -5 was searched)
+            if self.params is None:
+                raise ValueError("a PEFA-XL build without its params")
+            XLSearchParams(candidates=self.candidates)
+        _check_tiling(self)
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> "Stage":
-        """A read stage file's Stage; ValueError unless its rows tile and an XL build is whole."""
+        """A read stage file's Stage (ValueError / TypeError: not a valid one)."""
         fields = {key: v for key, v in body.items() if key not in ("format", "format_version")}
         for key in ("shards", "query_shards"):
             fields[key] = tuple(Entry.of(e["name"], e) for e in body.get(key, ()))
         if fields.get("params") is not None:
             fields["params"] = XLParams.from_dict(fields["params"])
-        stage = cls(**fields)
-        if stage.method == "xl":  # its params and valid candidates (a forged -5 was searched)
-            if stage.params is None:
-                raise ValueError("a PEFA-XL build without its params")
-            XLSearchParams(candidates=stage.candidates)
-        _check_tiling(stage, stage.method == "xl")
-        return stage
+        return cls(**fields)
 
     def to_json(self) -> str:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -122,9 +121,9 @@ class Stage:
                           sort_keys=True, default=dataclasses.asdict) + "\n"
 
 
-def _check_tiling(stage: Stage, xl: bool) -> None:
+def _check_tiling(stage: Stage) -> None:
     """ValueError unless the shards (and a PEFA-XL build's query shards) tile their rows."""
-    rows = stage.m if stage.stage == "relevance" else stage.n
+    xl, rows = stage.method == "xl", stage.m if stage.stage == "relevance" else stage.n
     for key, entries, total in (("shards", stage.shards, rows),
                                 ("query_shards", stage.query_shards, stage.m)):
         ranges = [e.rows for e in entries]  # split() makes one shard at least
