@@ -1,6 +1,5 @@
-"""The offline pipeline as functions over shards: encode, aggregate, build, search, evaluate;
-``runner=`` places the shard tasks, the same ones in the same order (bit for bit on the CPU)
-either way. Usage: README, "Beyond one machine (Ray)"."""
+"""The offline pipeline over shards (encode, aggregate, build, search, evaluate); ``runner=``
+places the same tasks in the same order, bit for bit on the CPU. README: "Beyond one machine"."""
 
 from .aggregation import Part, aggregate, reduce_sums, split_queries
 from .indexing import METHODS, build, build_rows_shard, build_xl_shard

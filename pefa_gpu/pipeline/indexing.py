@@ -51,8 +51,7 @@ def build_xl_shard(parts: Sequence[Part], queries: str | Path, docs: str | Path,
     rows = np.concatenate([pt.queries for pt in parts]) if parts else np.zeros(0, np.int64)
     path = Path(out) / shard_name("doc", index)
     with writing_save(in_stage(path), SHARD_MANIFEST, SHARD_FORMAT) as w:
-        if rows.size:  # the range's queries (a popular range has many) gathered on disk, in
-            # the shard's unfinished save (a killed task's is removed by the next write)
+        if rows.size:  # its queries (many in a popular range) on disk, in the unfinished save
             q = Rows(queries).take(rows, np.lib.format.open_memmap(
                 w.data / "q.npy", "w+", np.float32, (rows.size, p.shape[1])))
             y = sp.vstack([pt.y for pt in parts], format="csr")

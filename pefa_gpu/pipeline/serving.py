@@ -11,6 +11,7 @@ import torch
 from ..arrays import DeviceLike, as_embeddings, check_topk
 from ..errors import FormatError, InputError
 from ..fuse import searches
+from ..methods import REGISTRY
 from ..metrics import evaluate
 from ..models import ERM, PEFAXL
 from ..params import (XLParams, XLSearchParams, check_choice, check_positive,
@@ -25,6 +26,7 @@ from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance,
 
 DEFAULT_BATCH = 8192        # test queries per search round (each round reads every shard)
 Result = tuple[torch.Tensor, torch.Tensor]
+_CHECKS = {"lam": check_unit_interval, "k": check_positive, "candidates": check_positive}
 
 
 class _Loaded(NamedTuple):
@@ -153,10 +155,9 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     batch_size = check_positive(batch_size, "batch_size")
     info = read_stage(build, "build")
     topk = check_topk(topk, info.n)
-    for v, what, check in ((lam, "lam", check_unit_interval), (k, "k", check_positive),
-                           (candidates, "candidates", check_positive)):
+    for name, v in (("lam", lam), ("k", k), ("candidates", candidates)):
         if v is not None:
-            check(v, what)
+            _CHECKS[name](v, name)
     if isinstance(queries, (str, Path)):
         source = Rows(queries)
         if source.dim != info.dim:
@@ -194,10 +195,8 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
         if not isinstance(cfg, Config):
             raise InputError(f"configs must hold pefa_gpu.Config's, got {cfg!r}")
         check_choice(cfg.method, "method", METHODS)
-        if cfg.method != "erm":
-            check_unit_interval(cfg.lam, "lam")
-        if cfg.method == "xl":
-            check_positive(cfg.k, "k")
+        for axis in REGISTRY[cfg.method].axes:  # xs: lam; xl: lam and k
+            _CHECKS[axis](getattr(cfg, axis), axis)
     run = runner or LocalRunner()
     work = Path(work)
     prows, qrows = (Rows(x if isinstance(x, (str, Path)) else write_rows(x, work / n, stage=n))

@@ -21,7 +21,7 @@ import scipy.sparse as sp
 import torch
 
 from ..arrays import DeviceLike, as_embeddings, as_tensor
-from ..encode import EncoderLike, _check_texts, encode as encode_texts, resolve_model
+from ..encode import EncoderLike, _check_texts, _expand, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
 from ..params import (XLParams, XLSearchParams, check_nonnegative, check_positive,
                       check_unit_interval)
@@ -67,7 +67,7 @@ _TYPES = {"str": str, "bool": bool, "float | None": (int, float, type(None)),
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Stage:
-    """A ``stage.json``: the stage's kind, shards and what they hold (defaults not written)."""
+    """A ``stage.json``: its kind, shards (tiling its rows), what they hold; checked when made."""
 
     stage: str
     shards: tuple[Entry, ...]
@@ -98,24 +98,21 @@ class Stage:
             raise ValueError(f"{bad} must be ints >= 0")
         if self.lam is not None:
             check_unit_interval(self.lam, "lam")
+        if self.method == "xl":  # its params and valid candidates (a forged -5 was searched)
+            if self.params is None:
+                raise ValueError("a PEFA-XL build without its params")
+            XLSearchParams(candidates=self.candidates)
+        _check_tiling(self)
 
     @classmethod
     def from_dict(cls, body: dict[str, Any]) -> "Stage":
-        """A read stage file's Stage; ValueError unless its shards tile their rows in order and
-        a PEFA-XL build has its params and valid candidates (a forged -5 was searched)."""
+        """A read stage file's Stage (ValueError / TypeError: not a valid one)."""
         fields = {key: v for key, v in body.items() if key not in ("format", "format_version")}
         for key in ("shards", "query_shards"):
             fields[key] = tuple(Entry.of(e["name"], e) for e in body.get(key, ()))
         if fields.get("params") is not None:
             fields["params"] = XLParams.from_dict(fields["params"])
-        stage = cls(**fields)
-        xl = stage.method == "xl"
-        if xl and stage.params is None:
-            raise ValueError("a PEFA-XL build without its params")
-        if xl:
-            XLSearchParams(candidates=stage.candidates)
-        _check_tiling(stage, xl)
-        return stage
+        return cls(**fields)
 
     def to_json(self) -> str:
         body = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -124,9 +121,9 @@ class Stage:
                           sort_keys=True, default=dataclasses.asdict) + "\n"
 
 
-def _check_tiling(stage: Stage, xl: bool) -> None:
+def _check_tiling(stage: Stage) -> None:
     """ValueError unless the shards (and a PEFA-XL build's query shards) tile their rows."""
-    rows = stage.m if stage.stage == "relevance" else stage.n
+    xl, rows = stage.method == "xl", stage.m if stage.stage == "relevance" else stage.n
     for key, entries, total in (("shards", stage.shards, rows),
                                 ("query_shards", stage.query_shards, stage.m)):
         ranges = [e.rows for e in entries]  # split() makes one shard at least
@@ -434,8 +431,7 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
                     "shard is encoded again on every run")
-    # the driver's ~ (one it cannot expand stays: encode's InputError names it)
-    cache = None if cache_dir is None else os.path.expanduser(cache_dir)
+    cache = None if cache_dir is None else str(_expand(cache_dir, "cache_dir"))  # the driver's ~
     task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
                              device=device, normalize=normalize, cache_dir=cache)
     plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
