@@ -43,8 +43,7 @@ MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option 
 
 def _number(cast: Callable[[str], Any], want: str,
             *rules: tuple[Callable[[Any], bool], str]) -> Callable[[str], Any]:
-    """An option's type: ``cast(text)``, else an ArgumentTypeError saying ``want``; then each
-    (ok, must) rule, an ArgumentTypeError saying ``must`` where ``ok(value)`` is false."""
+    """An option's type: ``cast(text)`` passing each (ok, must) rule; else ArgumentTypeError."""
     def parse(text: str) -> Any:
         try:
             v = cast(text)
@@ -299,8 +298,7 @@ def _check_values(args: argparse.Namespace) -> None:
 
 
 def _check_methods(args: argparse.Namespace) -> None:
-    """Per command: settings its methods take (where they run), --min-score, --val-fraction,
-    build's --out."""
+    """Settings the methods take (and where they run), --min-score, --val-fraction, --out."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -325,8 +323,7 @@ def _check_methods(args: argparse.Namespace) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """--device, tune's --metric, --cache-dir / --work-dir not in a save, and --out / --json /
-    --plot: writable, not an input."""
+    """--device, --metric; --cache-dir / --work-dir not in a save; outputs writable, no input."""
     from .arrays import resolve_device  # imports torch: after the other checks
     from .storage import check_output_file
 
@@ -359,8 +356,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
-    """An output may not be (or lie in) what the command reads (DATA_DIR's files, the build
-    searched, --model's folder or module file, ...), nor replace any build's files."""
+    """An output may not be (or lie in) what the command reads, nor in a build's files."""
     inputs = [getattr(args, name, None)
               for name in ("train_pairs", "queries", "xmc", "emb", "model_dir")]
     if getattr(args, "data_dir", None):  # --embeddings' NAME and the splits may lead out (../x)
@@ -383,8 +379,7 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
 
 
 def _check_not_in_save(path: str, flag: str) -> None:
-    """An output (a file, or the encode cache's folder) may not replace or add to a build's or
-    a model's files: an unlisted file makes the save fail its check."""
+    """An output (a file or folder) may not replace or add to a saved build's or model's files."""
     from .builds import BUILD_MANIFEST
     from .storage import DATA_MARKER
 
@@ -396,8 +391,7 @@ def _check_not_in_save(path: str, flag: str) -> None:
 
 
 def _check_plot(args: argparse.Namespace) -> None:
-    """--plot: not --json's file, and a suffix matplotlib writes (checked when it is here;
-    without it the plot fails later, saying so)."""
+    """--plot: not --json's file, and a suffix matplotlib (when installed) writes."""
     if args.json and Path(args.plot).resolve().is_relative_to(Path(args.json).resolve()):
         raise InputError(f"--plot {args.plot} is (or is inside) --json's file; give another "
                          f"name")
@@ -463,9 +457,8 @@ def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
 
 
 def _setup(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
-    """Log lines on stderr (the library's at INFO, none with --quiet; others' from WARNING, INFO
-    with --verbose), torch's threads; --ray: the cluster (``args.runner``) and the work folder
-    (``args.work``; without --work-dir a temporary one, removed on ``stack``'s exit)."""
+    """Log levels, torch's threads; --ray: ``args.runner`` and ``args.work`` (without --work-dir
+    a temporary folder, removed on ``stack``'s exit)."""
     if args.quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -596,8 +589,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
 
 
 def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndarray | None:
-    """The queries.jsonl rows of a pairs file's queries when it gives them as ids, None when as
-    texts; not some of each (the ids would be encoded as texts)."""
+    """The queries.jsonl rows of a pairs file's query ids; None for texts; not some of each."""
     ids = [k for k in keys if k in query_ids]
     if ids and len(ids) < len(keys):
         other = next(k for k in keys if k not in query_ids)
@@ -608,8 +600,7 @@ def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndar
 
 
 def _check_held_out(args: argparse.Namespace, n_train: int) -> None:
-    """Methods that choose a step on held-out training queries (NUDGE's gamma, the adapter's
-    alpha) need 2 or more to fit on (tune and build's auto: of tune's fitting part)."""
+    """NUDGE and the adapter choose a step on held-out training queries: 2 or more to fit on."""
     from .splits import split_queries
 
     tuned = args.command == "tune" or getattr(args, "method", None) == "auto"
@@ -639,8 +630,7 @@ def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
 
 def _evaluate(args: argparse.Namespace, data: _Data, groups: list[tuple]
               ) -> tuple[list[dict], dict, dict[str, float]]:
-    """Rows of each (methods, lams, ks) grid on the test split (--ray: on the pipeline's stages
-    when they run every method), the last metrics (for the counts), seconds per method."""
+    """Rows of each (methods, lams, ks) grid on the test split, the last metrics, timings."""
     from tqdm.auto import tqdm
 
     from .metrics import evaluate
@@ -677,8 +667,7 @@ def _result_row(cfg: Config, metrics: dict) -> dict:
 
 def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dict],
             **more: Any) -> None:
-    """The data and the test queries counted (and how), what is relevant, the table; --json:
-    the fields that say what the averages are over, the rows, then ``more``."""
+    """The data, the test queries counted, the table; --json: the counts, rows and ``more``."""
     from .storage import write_output_file
     from .sweep import markdown_table
 
@@ -855,8 +844,7 @@ COMMANDS = {  # command -> (function, help, description)
 
 def _show_warning(command: str, printed: set[str], message: Warning | str,
                   category: type[Warning], *_: Any) -> None:
-    """A Python warning as one line of its own (not its source line too; above a progress bar,
-    not after it), each text once: eval's models each warned of the same embeddings."""
+    """A Python warning as one line above the progress bars, each text once."""
     from tqdm import tqdm
 
     line = f"pefa-gpu {command}: {category.__name__}: {message}"
@@ -881,8 +869,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(warnings.catch_warnings())
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
             warnings.showwarning = functools.partial(_show_warning, args.command, set())
             _check_args(args)
             _setup(args, stack)
