@@ -745,9 +745,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
     _report(args, data, last, rows,
             chosen={"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
             reason=res.reason, coverage=res.coverage,
-            validation=[{k: v for k, v in r.items() if k in ("method", "lam", "k", "objective",
-                                                             *METRICS)
-                         or k == "gamma" and v is not None} for r in res.validation.rows])
+            validation=[{**_result_row(Config(r["method"], r["lam"], r["k"], r["gamma"]), r),
+                         "objective": r["objective"]} for r in res.validation.rows])
 
 
 def cmd_build(args: argparse.Namespace) -> None:
