@@ -192,8 +192,7 @@ BUILD_OPTIONS = {
                      "the choice of `tune`; NUDGE chooses its step on 20%% of the training "
                      "queries (default: xs)"),
     **_settings("one", AXES),
-    "--seed": dict(type=_seed, default=None,
-                   help="--method auto: seed of the validation split (default: 0)"),
+    "--seed": dict(type=_seed, help="--method auto: seed of the validation split (default: 0)"),
     "--out": dict(required=True, metavar="MODEL_DIR", help="where to save: a new or empty "
                   "folder, or an earlier build (replaced once the new one is complete; other "
                   "files there are kept)")}
@@ -806,8 +805,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     q, = _encode(args, [[t for _, t in texts]], device=model.device, model=None if args.model
                  else encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST))
     params = search_params.from_dict(given) if given else None
-    # no more results than documents: the rows beyond them would be padding, never printed
-    scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
+    scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)  # no padding
     doc_text = None if args.no_text else load_doc_text(args.model_dir, len(doc_ids))
     if doc_text is None and not args.no_text:
         log.info("this build keeps no document text (an older build): ids and scores only")
