@@ -297,7 +297,7 @@ def _check_values(args: argparse.Namespace) -> None:
 
 
 def _check_methods(args: argparse.Namespace) -> None:
-    """Settings the methods take (and where they run), --min-score, --val-fraction, --out."""
+    """Methods' settings (and where they run), --min-score, --val-fraction, --metric, --out."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -309,9 +309,12 @@ def _check_methods(args: argparse.Namespace) -> None:
             raise InputError(f"--min-score must be > 0 here, got {args.min_score:g}: the "
                              f"test split's grades are nDCG's gains, and a pair graded 0 or below "
                              f"counts as not relevant")
-    if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
-        raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
-                         f"{args.val_fraction}")
+    if args.command == "tune":
+        if not 0.0 < args.val_fraction < 1.0:
+            raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
+                             f"{args.val_fraction}")
+        from .tune import parse_metric
+        parse_metric(args.metric)
     if args.command == "build":
         taken = ({"seed", *settings()} - set(AXES) if args.method == "auto"  # tune's
                  else set(REGISTRY[args.method].takes))
@@ -322,15 +325,11 @@ def _check_methods(args: argparse.Namespace) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """--device, --metric; --cache-dir / --work-dir not in a save; outputs writable, no input."""
+    """--device; --cache-dir / --work-dir not in a save; outputs writable, not an input."""
     from .arrays import resolve_device  # imports torch: after the other checks
     from .storage import check_output_file
 
     resolve_device(args.device)
-    if args.command == "tune":
-        from .tune import parse_metric
-
-        parse_metric(args.metric)
     if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
         if args.plot == args.json:
