@@ -43,8 +43,7 @@ MAX_COUNT = 2**31 - 1  # the largest count (topk, k, candidates, ...) an option 
 
 def _number(cast: Callable[[str], Any], want: str,
             *rules: tuple[Callable[[Any], bool], str]) -> Callable[[str], Any]:
-    """An option's type: ``cast(text)``, else an ArgumentTypeError saying ``want``; then each
-    (ok, must) rule, an ArgumentTypeError saying ``must`` where ``ok(value)`` is false."""
+    """An option's type: ``cast(text)`` passing each (ok, must) rule; else ArgumentTypeError."""
     def parse(text: str) -> Any:
         try:
             v = cast(text)
@@ -193,8 +192,7 @@ BUILD_OPTIONS = {
                      "the choice of `tune`; NUDGE chooses its step on 20%% of the training "
                      "queries (default: xs)"),
     **_settings("one", AXES),
-    "--seed": dict(type=_seed, default=None,
-                   help="--method auto: seed of the validation split (default: 0)"),
+    "--seed": dict(type=_seed, help="--method auto: seed of the validation split (default: 0)"),
     "--out": dict(required=True, metavar="MODEL_DIR", help="where to save: a new or empty "
                   "folder, or an earlier build (replaced once the new one is complete; other "
                   "files there are kept)")}
@@ -299,8 +297,7 @@ def _check_values(args: argparse.Namespace) -> None:
 
 
 def _check_methods(args: argparse.Namespace) -> None:
-    """Per command: settings its methods take (where they run), --min-score, --val-fraction,
-    build's --out."""
+    """Methods' settings (and where they run), --min-score, --val-fraction, --metric, --out."""
     if args.command in ("eval", "sweep", "tune"):
         _refuse_unused(args, {"seed", *(f for m in args.methods for f in REGISTRY[m].takes)},
                        f"--methods {','.join(args.methods)}")
@@ -312,9 +309,12 @@ def _check_methods(args: argparse.Namespace) -> None:
             raise InputError(f"--min-score must be > 0 here, got {args.min_score:g}: the "
                              f"test split's grades are nDCG's gains, and a pair graded 0 or below "
                              f"counts as not relevant")
-    if args.command == "tune" and not 0.0 < args.val_fraction < 1.0:
-        raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
-                         f"{args.val_fraction}")
+    if args.command == "tune":
+        if not 0.0 < args.val_fraction < 1.0:
+            raise InputError(f"--val-fraction must lie strictly between 0 and 1, got "
+                             f"{args.val_fraction}")
+        from .tune import parse_metric
+        parse_metric(args.metric)
     if args.command == "build":
         taken = ({"seed", *settings()} - set(AXES) if args.method == "auto"  # tune's
                  else set(REGISTRY[args.method].takes))
@@ -325,16 +325,11 @@ def _check_methods(args: argparse.Namespace) -> None:
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    """--device, tune's --metric, --cache-dir / --work-dir not in a save, and --out / --json /
-    --plot: writable, not an input."""
+    """--device; --cache-dir / --work-dir not in a save; outputs writable, not an input."""
     from .arrays import resolve_device  # imports torch: after the other checks
     from .storage import check_output_file
 
     resolve_device(args.device)
-    if args.command == "tune":
-        from .tune import parse_metric
-
-        parse_metric(args.metric)
     if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
         if args.plot == args.json:
@@ -359,8 +354,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
-    """An output may not be (or lie in) what the command reads (DATA_DIR's files, the build
-    searched, --model's folder or module file, ...), nor replace any build's files."""
+    """An output may not be (or lie in) what the command reads, nor in a build's files."""
     inputs = [getattr(args, name, None)
               for name in ("train_pairs", "queries", "xmc", "emb", "model_dir")]
     if getattr(args, "data_dir", None):  # --embeddings' NAME and the splits may lead out (../x)
@@ -383,8 +377,7 @@ def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
 
 
 def _check_not_in_save(path: str, flag: str) -> None:
-    """An output (a file, or the encode cache's folder) may not replace or add to a build's or
-    a model's files: an unlisted file makes the save fail its check."""
+    """An output (a file or folder) may not replace or add to a saved build's or model's files."""
     from .builds import BUILD_MANIFEST
     from .storage import DATA_MARKER
 
@@ -396,8 +389,7 @@ def _check_not_in_save(path: str, flag: str) -> None:
 
 
 def _check_plot(args: argparse.Namespace) -> None:
-    """--plot: not --json's file, and a suffix matplotlib writes (checked when it is here;
-    without it the plot fails later, saying so)."""
+    """--plot: not --json's file, and a suffix matplotlib (when installed) writes."""
     if args.json and Path(args.plot).resolve().is_relative_to(Path(args.json).resolve()):
         raise InputError(f"--plot {args.plot} is (or is inside) --json's file; give another "
                          f"name")
@@ -463,9 +455,8 @@ def _refuse_unused(args: argparse.Namespace, taken: set[str], why: str) -> None:
 
 
 def _setup(args: argparse.Namespace, stack: contextlib.ExitStack) -> None:
-    """Log lines on stderr (the library's at INFO, none with --quiet; others' from WARNING, INFO
-    with --verbose), torch's threads; --ray: the cluster (``args.runner``) and the work folder
-    (``args.work``; without --work-dir a temporary one, removed on ``stack``'s exit)."""
+    """Log levels, torch's threads; --ray: ``args.runner`` and ``args.work`` (without --work-dir
+    a temporary folder, removed on ``stack``'s exit)."""
     if args.quiet:
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -596,8 +587,7 @@ def _load_data(args: argparse.Namespace, test: bool = True) -> _Data:
 
 
 def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndarray | None:
-    """The queries.jsonl rows of a pairs file's queries when it gives them as ids, None when as
-    texts; not some of each (the ids would be encoded as texts)."""
+    """The queries.jsonl rows of a pairs file's query ids; None for texts; not some of each."""
     ids = [k for k in keys if k in query_ids]
     if ids and len(ids) < len(keys):
         other = next(k for k in keys if k not in query_ids)
@@ -608,8 +598,7 @@ def _pair_rows(path: str, keys: list[str], query_ids: dict[str, int]) -> np.ndar
 
 
 def _check_held_out(args: argparse.Namespace, n_train: int) -> None:
-    """Methods that choose a step on held-out training queries (NUDGE's gamma, the adapter's
-    alpha) need 2 or more to fit on (tune and build's auto: of tune's fitting part)."""
+    """NUDGE and the adapter choose a step on held-out training queries: 2 or more to fit on."""
     from .splits import split_queries
 
     tuned = args.command == "tune" or getattr(args, "method", None) == "auto"
@@ -639,8 +628,7 @@ def _model_kwargs(args: argparse.Namespace, **more: Any) -> dict[str, Any]:
 
 def _evaluate(args: argparse.Namespace, data: _Data, groups: list[tuple]
               ) -> tuple[list[dict], dict, dict[str, float]]:
-    """Rows of each (methods, lams, ks) grid on the test split (--ray: on the pipeline's stages
-    when they run every method), the last metrics (for the counts), seconds per method."""
+    """Rows of each (methods, lams, ks) grid on the test split, the last metrics, timings."""
     from tqdm.auto import tqdm
 
     from .metrics import evaluate
@@ -677,8 +665,7 @@ def _result_row(cfg: Config, metrics: dict) -> dict:
 
 def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dict],
             **more: Any) -> None:
-    """The data and the test queries counted (and how), what is relevant, the table; --json:
-    the fields that say what the averages are over, the rows, then ``more``."""
+    """The data, the test queries counted, the table; --json: the counts, rows and ``more``."""
     from .storage import write_output_file
     from .sweep import markdown_table
 
@@ -756,9 +743,8 @@ def cmd_tune(args: argparse.Namespace) -> None:
     _report(args, data, last, rows,
             chosen={"method": res.chosen.method, "lam": res.chosen.lam, "k": res.chosen.k},
             reason=res.reason, coverage=res.coverage,
-            validation=[{k: v for k, v in r.items() if k in ("method", "lam", "k", "objective",
-                                                             *METRICS)
-                         or k == "gamma" and v is not None} for r in res.validation.rows])
+            validation=[{**_result_row(Config(r["method"], r["lam"], r["k"], r["gamma"]), r),
+                         "objective": r["objective"]} for r in res.validation.rows])
 
 
 def cmd_build(args: argparse.Namespace) -> None:
@@ -818,8 +804,7 @@ def cmd_search(args: argparse.Namespace) -> None:
     q, = _encode(args, [[t for _, t in texts]], device=model.device, model=None if args.model
                  else encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST))
     params = search_params.from_dict(given) if given else None
-    # no more results than documents: the rows beyond them would be padding, never printed
-    scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)
+    scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)  # no padding
     doc_text = None if args.no_text else load_doc_text(args.model_dir, len(doc_ids))
     if doc_text is None and not args.no_text:
         log.info("this build keeps no document text (an older build): ids and scores only")
@@ -855,8 +840,7 @@ COMMANDS = {  # command -> (function, help, description)
 
 def _show_warning(command: str, printed: set[str], message: Warning | str,
                   category: type[Warning], *_: Any) -> None:
-    """A Python warning as one line of its own (not its source line too; above a progress bar,
-    not after it), each text once: eval's models each warned of the same embeddings."""
+    """A Python warning as one line above the progress bars, each text once."""
     from tqdm import tqdm
 
     line = f"pefa-gpu {command}: {category.__name__}: {message}"
@@ -881,8 +865,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(warnings.catch_warnings())
+        with warnings.catch_warnings(), contextlib.ExitStack() as stack:
             warnings.showwarning = functools.partial(_show_warning, args.command, set())
             _check_args(args)
             _setup(args, stack)
