@@ -59,8 +59,7 @@ _PENDING: dict[Path, dict[str, tuple[tuple, str]]] = {}  # data folder -> its sa
 
 
 def as_path(value: Any, name: str) -> Path:
-    """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name`` (Path(None)'s
-    error names nothing)."""
+    """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name``."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
     return Path(value)
@@ -269,8 +268,7 @@ def sha256_file(path: PathLike) -> str:
 def manifest_checksum(manifest: dict[str, Any]) -> str:
     """sha256 of the canonical JSON of ``manifest`` less its ``manifest_sha256``."""
     body = {k: v for k, v in manifest.items() if k != CHECKSUM_KEY}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True,
-                      allow_nan=False)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
@@ -539,11 +537,10 @@ class PendingSave:
     def __init__(self, root: Path, data: Path, name: str, fmt: str):
         self.root, self.data, self.name, self.fmt = root, data, name, fmt
         self.committed = False
-        self.known: dict[str, tuple[tuple, str]] = {}  # files hashed as save_tensor wrote them
 
     def commit(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Write the manifest (``fields``, files table, checksum) over the old one; returns it."""
-        files = describe_files(self.data, self.known)
+        files = describe_files(self.data, _PENDING.get(self.data))  # save_tensor hashed some
         fsync_tree(self.data)
         full = {**fields, "format": self.fmt, "format_version": FORMAT_VERSION,
                 "data": self.data.name, "files": files}
@@ -570,8 +567,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     made_root = not os.path.lexists(root)
     try:
         root.mkdir(parents=True, exist_ok=True)
-        # one save at a time here: another's cleanup removed this one's data folder, even
-        # the one its manifest had just committed (two saves both done, the save broken)
+        # one save at a time: another's cleanup would remove this one's data folder
         lock = lock_folder(root)
         current = _save_target(root, name, fmt)[1]  # read again: maybe another's, committed
         _remove_stale(root, name, keep=current)
@@ -580,7 +576,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
         data = fresh  # ours from here on: removed on any error, the marker write's included
         (data / DATA_MARKER).write_text(data.name + "\n", encoding="ascii")
         pending = PendingSave(root, data, name, fmt)
-        _PENDING[data] = pending.known
+        _PENDING[data] = {}
         yield pending
         if not pending.committed:
             raise RuntimeError("writing_save: the block ended without commit()")
@@ -612,11 +608,10 @@ def lock_folder(folder: Path, wait: bool = True) -> int | None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-    except OSError:  # BlockingIOError: held; else refused
+    except BaseException as exc:  # OSError: held or refused; else Ctrl-C while waiting
         os.close(fd)
-        return None
-    except BaseException:  # Ctrl-C while waiting
-        os.close(fd)
+        if isinstance(exc, OSError):
+            return None
         raise
     return fd
 
