@@ -156,9 +156,8 @@ def record_id(value: object, where: str, kind: str) -> str:
 
 
 def check_utf8(text: str, where: str, field: str | None = None) -> None:
-    """InputError where ``text`` holds a lone surrogate, which no UTF-8 output (nor the encoder)
-    takes: naming ``where`` and ``field`` (JSON's "\\ud800" without its pair), or without a
-    ``field`` text ``where`` (a string decoded with errors='surrogateescape')."""
+    """InputError naming ``where`` (and ``field``) where ``text`` holds a lone surrogate, which
+    no UTF-8 output (nor the encoder) takes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

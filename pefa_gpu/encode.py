@@ -398,10 +398,9 @@ class _Cache:
         return dim if type(dim) is int else None
 
     def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
-        meta = self.dir / "model.json"
         if self._dim() != vecs.shape[1]:  # new, or the model's d changed: its shards count
-            write_output_file(meta, json.dumps({"identity": self.identity,
-                                                "dim": int(vecs.shape[1])}), "encode cache")
+            write_output_file(self.dir / "model.json", json.dumps(
+                {"identity": self.identity, "dim": int(vecs.shape[1])}), "encode cache")
         karr = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
         name = hashlib.sha256(karr.tobytes()).hexdigest()[:20]
         # vectors first: a shard counts only once its keys file exists
