@@ -63,11 +63,7 @@ class BeirDataset:
             raise InputError(f"{path} not found; splits here: {have}")
         pairs: dict[tuple[int, int], float] = {}
         listed = set()
-        lines = csv.reader((line for _, line in text_lines(path)), delimiter="\t")
-        for lineno, row in enumerate(_csv_rows(lines, path), start=1):
-            if not row or (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
-                                                                       "qid")):
-                continue
+        for lineno, row in _qrels_rows(path):
             if len(row) not in (2, 3, 4):
                 raise InputError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>"
                                  f"score', got {len(row)} fields")
@@ -111,10 +107,15 @@ class BeirDataset:
         return out[0], out[1]
 
 
-def _csv_rows(reader: Any, path: Path):
-    """A ``csv.reader``'s rows; its errors (an unclosed quote) as InputError naming the line."""
+def _qrels_rows(path: Path):
+    """(line number, fields) per row of a qrels TSV, blank rows and a header skipped; ``csv``'s
+    errors (an unclosed quote) as InputError naming the line."""
+    reader = csv.reader((line for _, line in text_lines(path)), delimiter="\t")
     try:
-        yield from reader
+        for lineno, row in enumerate(reader, start=1):
+            if row and not (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
+                                                                         "qid")):
+                yield lineno, row
     except csv.Error as exc:
         raise InputError(f"{path}:{reader.line_num}: {exc} (an unclosed quote?)") from None
 
