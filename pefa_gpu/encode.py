@@ -9,6 +9,7 @@ raises :class:`EncodingInterrupted` and a re-run resumes, batching as an uninter
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -214,10 +215,9 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
         identity = f"st-path:{path.resolve()}" if path.exists() else f"st:{name}"
         return _lazy(functools.partial(_load_named, name, dev), dev, identity, name)
     if any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__):
-        try:
+        name = None
+        with contextlib.suppress(Exception):
             name = model[0].auto_model.config._name_or_path
-        except Exception:
-            name = None
         return _lazy(lambda: model, dev, _weights_identity(model),
                      str(name) if name else f"SentenceTransformer@{id(model):x}")
     if callable(model):
@@ -291,11 +291,9 @@ def _in_hub_cache(name: str) -> bool:
     from huggingface_hub import try_to_load_from_cache  # installed with sentence-transformers
 
     for repo in _hub_names(name):
-        try:
+        with contextlib.suppress(Exception):  # an invalid repository name: not in the cache
             if isinstance(try_to_load_from_cache(repo, "config.json"), str):
                 return True
-        except Exception:  # an invalid repository name: not in the cache
-            continue
     return False
 
 
