@@ -381,13 +381,9 @@ class _Cache:
 
     def _meta(self) -> dict:
         """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO)."""
-        path = self.dir / "model.json"
-        if not path.is_file():  # (writing it then names the FIFO)
-            return {}
-        try:
-            meta = json.loads(path.read_text("utf-8"))
-        except (OSError, ValueError, RecursionError):
-            return {}
+        path, meta = self.dir / "model.json", {}
+        with contextlib.suppress(OSError, ValueError, RecursionError):  # a FIFO: write() names it
+            meta = json.loads(path.read_text("utf-8")) if path.is_file() else {}
         return meta if isinstance(meta, dict) else {}
 
     def _dim(self) -> int | None:
