@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError, MissingDependencyError
-from .params import FLOAT32_MAX, check_flag, is_number
+from .params import FLOAT32_MAX, check_flag, check_number, is_number
 from .relevance import Relevance
 from .storage import as_path, read_matrix
 
@@ -51,7 +51,10 @@ class BeirDataset:
         """(sorted int64 query rows, Y (rows x n_docs)) of ``split``: pairs scoring >=
         ``min_score``, graded (a repeated pair: its largest score) or ``binary``; queries with
         no such pair kept as empty rows only with ``keep_empty``."""
-        _check_options(min_score, False, binary=binary, keep_empty=keep_empty)
+        if not is_number(min_score):  # any sign: a BEIR score may be negative
+            raise InputError(f"min_score must be a finite number, got {min_score!r}")
+        check_flag(binary, "binary")
+        check_flag(keep_empty, "keep_empty")
         if not isinstance(split, str):  # None was looked for as qrels/None.tsv
             raise TypeError(f"split must be a str (e.g. 'test'), got {type(split).__name__}")
         path = self.root / "qrels" / f"{split}.tsv"
@@ -60,11 +63,7 @@ class BeirDataset:
             raise InputError(f"{path} not found; splits here: {have}")
         pairs: dict[tuple[int, int], float] = {}
         listed = set()
-        lines = csv.reader((line for _, line in text_lines(path)), delimiter="\t")
-        for lineno, row in enumerate(_csv_rows(lines, path), start=1):
-            if not row or (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
-                                                                       "qid")):
-                continue
+        for lineno, row in _qrels_rows(path):
             if len(row) not in (2, 3, 4):
                 raise InputError(f"{path}:{lineno}: expected 'query-id<TAB>corpus-id<TAB>"
                                  f"score', got {len(row)} fields")
@@ -108,20 +107,15 @@ class BeirDataset:
         return out[0], out[1]
 
 
-def _check_options(min_score: Any, none_ok: bool, **flags: Any) -> None:
-    """InputError unless ``min_score`` is a finite number (or None where ``none_ok``) and each
-    flag True or False."""
-    if not (is_number(min_score) or none_ok and min_score is None):
-        raise InputError(f"min_score must be a finite number{' or None' if none_ok else ''}, "
-                         f"got {min_score!r}")
-    for name, value in flags.items():
-        check_flag(value, name)
-
-
-def _csv_rows(reader: Any, path: Path):
-    """A ``csv.reader``'s rows; its errors (an unclosed quote) as InputError naming the line."""
+def _qrels_rows(path: Path):
+    """(line number, fields) per row of a qrels TSV, blank rows and a header skipped; ``csv``'s
+    errors (an unclosed quote) as InputError naming the line."""
+    reader = csv.reader((line for _, line in text_lines(path)), delimiter="\t")
     try:
-        yield from reader
+        for lineno, row in enumerate(reader, start=1):
+            if row and not (lineno == 1 and row[0].strip().lower() in ("query-id", "query_id",
+                                                                         "qid")):
+                yield lineno, row
     except csv.Error as exc:
         raise InputError(f"{path}:{reader.line_num}: {exc} (an unclosed quote?)") from None
 
@@ -163,9 +157,8 @@ def record_id(value: object, where: str, kind: str) -> str:
 
 
 def check_utf8(text: str, where: str, field: str | None = None) -> None:
-    """InputError where ``text`` holds a lone surrogate, which no UTF-8 output (nor the encoder)
-    takes: naming ``where`` and ``field`` (JSON's "\\ud800" without its pair), or without a
-    ``field`` text ``where`` (a string decoded with errors='surrogateescape')."""
+    """InputError naming ``where`` (and ``field``) where ``text`` holds a lone surrogate, which
+    no UTF-8 output (nor the encoder) takes."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -249,7 +242,8 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     TSV (optional header) or parquet file (columns by name, else position); weights below
     ``min_score`` dropped; ``binary``: 1 per pair, else repeated pairs add up."""
     path = as_path(path, "path")
-    _check_options(min_score, True, binary=binary)
+    check_number(min_score, "min_score", none_ok=True)
+    check_flag(binary, "binary")
     index = _doc_index(doc_ids, queries)
     if not path.is_file():
         raise InputError(f"pairs file {path} "

