@@ -319,31 +319,36 @@ def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
 
 # ---------------------------------------------------------------------------- manifest
 
-def strict_json(text: str) -> Any:
-    """``json.loads`` refusing NaN and Infinity (ValueError); deep nesting: RecursionError."""
+def read_json(path: Path, what: str) -> Any:
+    """The JSON in ``path``, a regular file (links are not followed) of at most
+    MAX_MANIFEST_BYTES, NaN / Infinity refused; else FormatError naming it and ``what`` it
+    should be. FileNotFoundError where it is absent."""
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise FormatError(f"{path} is not a regular file (links are never followed)")
+    if st.st_size > MAX_MANIFEST_BYTES:
+        raise FormatError(f"{path} is {st.st_size} bytes, more than a {what}'s "
+                          f"{MAX_MANIFEST_BYTES} (not one pefa_gpu wrote)")
+
     def refuse(name: str) -> Any:
         raise ValueError(f"{name} is not a JSON number")
-    return json.loads(text, parse_constant=refuse)
+    try:
+        return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+    except OSError as exc:
+        raise FormatError(f"{path} is unreadable: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): "
+                          f"{'nested too deeply' if isinstance(exc, RecursionError) else exc}"
+                          ) from None
 
 
 def read_manifest(root: PathLike, name: str = MANIFEST, fmt: str = FORMAT) -> dict[str, Any]:
     """``root / name``: a ``fmt`` manifest of this version with a matching checksum."""
     path = Path(root) / name
     try:
-        st = os.lstat(path)
+        manifest = read_json(path, "manifest")
     except FileNotFoundError:
         raise FormatError(f"{root} is not a {fmt} save: it has no {name}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise FormatError(f"{path} is not a regular file (links are never followed)")
-    if st.st_size > MAX_MANIFEST_BYTES:
-        raise FormatError(f"{path} is {st.st_size} bytes, more than a manifest's "
-                          f"{MAX_MANIFEST_BYTES} (not one pefa_gpu wrote)")
-    try:
-        manifest = strict_json(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise FormatError(f"{path} is not valid JSON (truncated or corrupted?): "
-                          f"{'nested too deeply' if isinstance(exc, RecursionError) else exc}"
-                          ) from None
     if (got := manifest.get("format") if isinstance(manifest, dict) else None) != fmt:
         raise FormatError(f"{path} is not a {fmt} manifest (format={got!r})")
     version = manifest.get("format_version")

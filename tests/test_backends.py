@@ -625,6 +625,7 @@ def test_hnswlib_load_checks_the_files(tmp_path):
             cls.load(tmp_path, {"M": 8}, "cpu")
     (tmp_path / "hnswlib.json").write_text(json.dumps(meta))
     data = (tmp_path / "index.bin").read_bytes()
+    _description_is_read_with_bounds(cls, tmp_path / "hnswlib.json", {"M": 8})
     (tmp_path / "index.bin").write_bytes(data[: len(data) // 2])
     with pytest.raises(FormatError, match="truncated"):
         cls.load(tmp_path, {"M": 8}, "cpu")
@@ -974,3 +975,28 @@ def test_xl_score_on_scann_says_the_backend_keeps_no_query_vectors():
     with pytest.raises(InputError, match="PEFAXL.score needs the training queries' vectors: "
                                          "backend 'scann' cannot return its stored vectors"):
         xl.score(T, xl.search(T, 5)[1])
+
+
+def _description_is_read_with_bounds(cls, path, params):
+    """A saved index's JSON description was read whole, however large (a forged 8 GB file
+    filled memory), through links, and NaN / broken JSON were all 'not a description'."""
+    from pefa_gpu import storage
+
+    good = path.read_text()
+    path.write_text(good + " " * 100)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(storage, "MAX_MANIFEST_BYTES", len(good) + 99)
+        with pytest.raises(FormatError, match=rf"is {len(good) + 100} bytes, more than a "
+                                              rf"description's {len(good) + 99}"):
+            cls.load(path.parent, params, "cpu")
+    (path.parent / "elsewhere.json").write_text(good)
+    path.unlink()
+    path.symlink_to(path.parent / "elsewhere.json")
+    with pytest.raises(FormatError, match="is not a regular file"):
+        cls.load(path.parent, params, "cpu")
+    path.unlink()
+    (path.parent / "elsewhere.json").unlink()
+    path.write_text(good[:-2])
+    with pytest.raises(FormatError, match="is not valid JSON"):
+        cls.load(path.parent, params, "cpu")
+    path.write_text(good)

@@ -16,7 +16,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, check_topk, to_numpy
 from ..errors import FormatError, InputError
 from ..params import Params
-from ..storage import strict_json
+from ..storage import read_json
 from ._faiss import (device_float32, faiss_pointer, faiss_threads, host_float32, import_faiss,
                      normalise_results, on_current_stream, search_tensors)
 from .base import Index, check_row_ids, empty_results
@@ -33,14 +33,11 @@ def write_description(path: Path, fmt: str, **fields: Any) -> None:
 def read_description(path: Path, fmt: str, **expected: Any) -> dict[str, Any]:
     """The description at ``path`` (a file): ``fmt`` version 1, int ``dim`` and ``ntotal`` > 0,
     every ``expected`` field equal to its value; else FormatError."""
-    try:
-        meta = strict_json(path.read_text())
-        ok = (isinstance(meta, dict) and meta.get("format") == fmt
-              and meta.get("format_version") == 1
-              and all(type(meta.get(k)) is int and meta[k] > 0 for k in ("dim", "ntotal"))
-              and all(meta.get(k) == v for k, v in expected.items()))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        ok = False
+    meta = read_json(path, "description")
+    ok = (isinstance(meta, dict) and meta.get("format") == fmt
+          and meta.get("format_version") == 1
+          and all(type(meta.get(k)) is int and meta[k] > 0 for k in ("dim", "ntotal"))
+          and all(meta.get(k) == v for k, v in expected.items()))
     if not ok:
         want = ", ".join(["dim", "ntotal", *(f"{k}={v!r}" for k, v in expected.items())])
         raise FormatError(f"{path} is not a {fmt!r} version 1 description ({want})")

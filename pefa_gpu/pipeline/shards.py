@@ -12,7 +12,6 @@ import logging
 import os
 import re
 import shutil
-import stat
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,9 +27,9 @@ from ..params import (XLParams, XLSearchParams, check_nonnegative, check_positiv
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
-from ..storage import (MAX_MANIFEST_BYTES, PendingSave, SaveDir, check_output_file, load_csr,
-                       load_tensor, open_save, save_csr, save_tensor, strict_json,
-                       write_output_file, writing_save)
+from ..storage import (PendingSave, SaveDir, check_output_file, load_csr, load_tensor,
+                       open_save, read_json, save_csr, save_tensor, write_output_file,
+                       writing_save)
 from .runner import LocalRunner
 
 log = logging.getLogger("pefa_gpu")
@@ -278,15 +277,10 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
     """``folder/stage.json`` (FormatError: missing, damaged or not a ``stage`` stage)."""
     path = Path(folder) / STAGE_FILE
     try:
-        st = os.stat(path)  # a FIFO was read forever, /dev/zero without bound
-        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
-            raise ValueError(f"not a regular file of at most {MAX_MANIFEST_BYTES} bytes")
-        body = strict_json(path.read_text(encoding="utf-8"))
+        body = read_json(path, "stage file")  # a FIFO was read forever, /dev/zero without bound
     except FileNotFoundError:
         raise FormatError(f"{folder} holds no complete stage ({STAGE_FILE} missing: not run "
                           f"yet, or interrupted)") from None
-    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested too deeply
-        raise FormatError(f"{path} is unreadable: {exc}") from None
     if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
         raise FormatError(f"{path} is not a pefa_gpu stage file")
     if body.get("format_version") != 1:  # the only version written (a newer one: not read)
