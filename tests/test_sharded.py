@@ -189,6 +189,16 @@ def test_a_shard_table_nested_too_deeply_is_a_format_error(tmp_path):
     (tmp_path / "shards.json").write_text("[" * 200_000 + "]" * 200_000)  # a RecursionError
     with pytest.raises(pg.errors.FormatError, match="shards.json is missing or unreadable"):
         ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
+    # read through a link, a NaN size taken as a number: now refused as a save's JSON is
+    (tmp_path / "elsewhere.json").write_text('{"offsets": [0, 40], "sizes": [40, 40]}')
+    (tmp_path / "shards.json").unlink()
+    (tmp_path / "shards.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(pg.errors.FormatError, match="is not a regular file"):
+        ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
+    (tmp_path / "shards.json").unlink()
+    (tmp_path / "shards.json").write_text('{"offsets": [0, 40], "sizes": [40, NaN]}')
+    with pytest.raises(pg.errors.FormatError, match="NaN is not a JSON number"):
+        ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
 
 
 def test_xl_scoring_over_sharded_indices_checks_no_ids(monkeypatch):

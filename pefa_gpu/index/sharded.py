@@ -13,6 +13,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, check_topk, resolve_device
 from ..errors import FormatError, InputError
 from ..params import Params
+from ..storage import read_json
 from ..topk import merge_lists
 from .base import Index, VectorIndex, check_row_ids, empty_results
 
@@ -158,9 +159,9 @@ class ShardedIndex(Index):
         out = cls(params, device)
         d = Path(directory)
         try:
-            meta = json.loads((d / "shards.json").read_text())
+            meta = read_json(d / "shards.json", "shard list")
             offsets, sizes = list(meta["offsets"]), list(meta["sizes"])
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        except (OSError, FormatError, KeyError, TypeError) as exc:  # read_json: bounded, no NaN
             raise FormatError(f"{d / 'shards.json'} is missing or unreadable: {exc}") from exc
         if len(offsets) != len(out.devices):
             raise FormatError(f"{d} holds {len(offsets)} shards but the index has "

@@ -246,8 +246,8 @@ def check_stage_out(folder: str | Path, kind: str) -> Path:
     path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
     if os.path.lexists(path):
         body = None
-        with contextlib.suppress(OSError, ValueError, RecursionError):
-            body = json.loads(path.read_text(encoding="utf-8"))
+        with contextlib.suppress(FormatError):  # (a regular file: check_output_file)
+            body = read_json(path, "stage file")
         if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
             raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
         if body.get("stage") != kind:
