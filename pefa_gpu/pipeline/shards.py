@@ -246,7 +246,7 @@ def check_stage_out(folder: str | Path, kind: str) -> Path:
     path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
     if os.path.lexists(path):
         body = None
-        with contextlib.suppress(FormatError):  # (a regular file: check_output_file)
+        with contextlib.suppress(OSError, FormatError):  # gone or unreadable: not a stage
             body = read_json(path, "stage file")
         if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
             raise InputError(f"refusing to replace {path}: it is not a pefa_gpu stage file")
