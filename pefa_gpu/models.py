@@ -612,7 +612,7 @@ class PEFAXL(_Model):
         f_erm = training.inner(q, self.doc_embeddings[ids])
         if not p.rescore:  # f_erm is 0 outside the ERM candidates C
             kp = min(self.search_params.candidates, self.index.ntotal)
-            _, cand = self.index.search(q.detach(), kp)
+            _, cand = _index_search(self.index, q.detach(), kp, None)
             in_c = (ids.unsqueeze(2) == cand.unsqueeze(1)).any(2)
             f_erm = torch.where(in_c, f_erm, torch.zeros((), dtype=q.dtype, device=q.device))
         _, nbr = self._searches(q.detach(), 0, p.k, None)[1]            # (B, K), -1 padded

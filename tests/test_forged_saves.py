@@ -573,6 +573,11 @@ def test_ids_beyond_the_index_from_any_backend_search_are_a_clear_error(data, mo
     monkeypatch.setattr(xl.index, "search", forged)
     with pytest.raises(FormatError, match=r"returned ids outside \[0, "):
         xl.search(queries, 5)
+    xl = pg.PEFAXL(device="cpu", k=2, rescore=False, augment_docs=False).fit(P, Q, y)
+    real = xl.index.search  # score searches the passages only for C (without rescore)
+    monkeypatch.setattr(xl.index, "search", forged)
+    with pytest.raises(FormatError, match=r"returned ids outside \[0, "):
+        xl.score(queries, np.zeros((len(queries), 2), np.int64))
 
 
 @pytest.mark.parametrize("variant,gamma", [("N", 5.0), ("M", 1e39), ("N", None), ("M", -1.0)])
