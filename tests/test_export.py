@@ -146,6 +146,20 @@ def test_knn_graph_degree_is_bounded_by_an_hnsw_level_0():
         export.knn_graph(x, top + 1, "cpu")
 
 
+@pytest.mark.parametrize("shape", [(0, 4), (5, 0)])
+def test_vectors_without_rows_or_width_are_refused_naming_their_shape(tmp_path, shape):
+    """(5, 0) vectors were exported by faiss' builder as an index of 0-wide vectors (knn
+    refused them); knn_graph of no rows said 'k must be a positive integer, got 0'."""
+    for method in ("hnsw", "knn"):
+        with pytest.raises(InputError, match=rf"vectors have shape \({shape[0]}, {shape[1]}\)"):
+            export.export_hnsw(np.zeros(shape, np.float32), tmp_path / "x.faiss", M=4,
+                               method=method, device="cpu")
+    assert not (tmp_path / "x.faiss").exists()
+    if shape[0] == 0:
+        with pytest.raises(InputError, match=r"vectors have shape \(0, 4\): no rows"):
+            export.knn_graph(np.zeros(shape, np.float32), 4, "cpu")
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf])
 def test_knn_graph_alone_refuses_nan_or_inf_vectors(value):
     """knn_graph called alone built its graph over NaN / inf rows (only build_hnsw checked
