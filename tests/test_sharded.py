@@ -80,6 +80,19 @@ def test_add_update_reconstruct_and_small_budget_shards():
         idx.update(torch.tensor([97]), torch.from_numpy(new[:1]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_update_a_later_shard_refuses_leaves_every_shard_unchanged(dtype):
+    """Rows 1 (shard 0) and 7 (shard 1): shard 1 refused its row after shard 0 had written
+    row 1, so a failed update left the index half updated."""
+    idx = ShardedIndex({"devices": ["cpu", "cpu"], "backend_params": {"dtype": dtype}}, "cpu")
+    idx.build(torch.arange(30, dtype=torch.float32).reshape(10, 3))
+    before = idx.reconstruct(torch.arange(10))
+    for value in [float("nan")] + [1e6] * (dtype == "float16"):  # 1e6: float16's inf
+        with pytest.raises(pg.InputError, match="NaN or inf"):
+            idx.update(torch.tensor([1, 7]), torch.tensor([[9.0] * 3, [value] * 3]))
+        assert torch.equal(idx.reconstruct(torch.arange(10)), before)
+
+
 def test_empty_and_errors():
     idx = ShardedIndex({"devices": ["cpu", "cpu"]}, "cpu")
     s, i = idx.search(torch.zeros(2, 3), 4)

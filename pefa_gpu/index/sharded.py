@@ -126,9 +126,18 @@ class ShardedIndex(Index):
         if v.ndim != 2 or v.shape[0] != i.numel():
             raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}), got "
                              f"{tuple(v.shape)}")
-        for shard, mask, local in self._route(i.to(v.device)):
-            if bool(mask.any()):
-                shard.update(local[mask].to(shard.device), v[mask].to(shard.device))
+        done = []  # (shard, local ids, their old rows): put back where a later shard refuses
+        try:
+            for shard, mask, local in self._route(i.to(v.device)):
+                if bool(mask.any()):
+                    at = local[mask].to(shard.device)
+                    old = shard.rows_unchecked(at)
+                    shard.update(at, v[mask].to(shard.device))
+                    done.append((shard, at, old))
+        except Exception:
+            for shard, at, old in done:
+                shard.update(at, old)
+            raise
 
     reconstruct = VectorIndex.reconstruct  # ids checked, then rows_unchecked
 
