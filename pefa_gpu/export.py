@@ -162,13 +162,16 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
 
 
 def index_vectors(index: Index) -> torch.Tensor:
-    """The rows held by a pefa_gpu index (IVF-PQ: decoded)."""
+    """The rows held by a pefa_gpu index (IVF-PQ: decoded; sharded: its shards' rows)."""
     if isinstance(getattr(index, "vectors", None), torch.Tensor):
         return index.vectors
     stored = getattr(index, "_stored_vectors", None)
-    if stored is None:
-        raise InputError(f"cannot read the vectors back from {type(index).__name__}")
-    return stored()
+    if stored is not None:
+        return stored()
+    try:  # a sharded index (it said it could not, yet gives every row back)
+        return index.reconstruct(torch.arange(index.ntotal, device=index.device))
+    except NotImplementedError:
+        raise InputError(f"cannot read the vectors back from {type(index).__name__}") from None
 
 
 def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str | Path,

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 import pefa_gpu as pg
 from pefa_gpu import export, storage
@@ -325,3 +326,21 @@ def test_a_scann_model_exports_its_documents_or_says_what_it_lacks(tmp_path):
                                          "backend 'scann'"):
         xl.export_hnsw(tmp_path / "xl")
     assert not (tmp_path / "xl").exists()
+
+
+def test_models_over_a_sharded_index_export_its_rows(tmp_path):
+    """index_vectors knew no sharded index: ERM and PEFAXL (its query index) over the sharded
+    backend said 'cannot read the vectors back from ShardedIndex', which returns every row."""
+    rng = np.random.default_rng(8)
+    P, Q = unit_rows(rng, 50, 8), unit_rows(rng, 20, 8)
+    shards = {"devices": ["cpu"] * 3}
+    erm = pg.ERM(device="cpu", backend="sharded", index_params=shards).fit(P)
+    graph = faiss.read_index(str(erm.export_hnsw(tmp_path / "erm.faiss", M=4)))
+    np.testing.assert_array_equal(graph.reconstruct_n(0, 50), P)
+    Y = sp.csr_matrix(np.eye(20, 50, dtype=np.float32))
+    xl = pg.PEFAXL(device="cpu", backend="sharded", index_params=shards).fit(P, Q, Y)
+    out = xl.export_hnsw(tmp_path / "xl", M=4)
+    queries = faiss.read_index(str(out / "queries.faiss"))
+    assert queries.ntotal == xl.query_index.ntotal > 0
+    np.testing.assert_array_equal(queries.reconstruct_n(0, queries.ntotal),
+                                  xl.query_index.reconstruct(torch.arange(queries.ntotal)))
