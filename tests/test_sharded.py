@@ -196,6 +196,19 @@ def test_a_forged_offset_table_is_refused(tmp_path, offsets):
         ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
 
 
+def test_shards_of_two_dimensions_are_refused_on_load(tmp_path):
+    """Shard 1 of 4-wide rows beside shard 0 of 6-wide ones loaded; its first search said
+    'queries must have shape (B, 4)' of 6-wide queries."""
+    rng = np.random.default_rng(0)
+    for folder, d in (("a", 6), ("b", 4)):
+        (tmp_path / folder).mkdir()
+        x = torch.from_numpy(rng.standard_normal((80, d)).astype(np.float32))
+        ShardedIndex({"devices": ["cpu"] * 2}, "cpu").build(x).save(tmp_path / folder)
+    (tmp_path / "b" / "shard_1" / "vectors.npy").replace(tmp_path / "a" / "shard_1" / "vectors.npy")
+    with pytest.raises(pg.errors.FormatError, match=r"dimensions \[6, 4\]"):
+        ShardedIndex.load(tmp_path / "a", {"devices": ["cpu"] * 2}, "cpu")
+
+
 def test_a_shard_table_nested_too_deeply_is_a_format_error(tmp_path):
     X = np.random.default_rng(0).standard_normal((80, 6)).astype(np.float32)
     ShardedIndex({"devices": ["cpu"] * 2}, "cpu").build(torch.from_numpy(X)).save(tmp_path)

@@ -177,6 +177,9 @@ class ShardedIndex(Index):
                               f"{len(out.devices)} devices {[str(x) for x in out.devices]}")
         out.shards = [out._cls.load(d / f"shard_{i}", out.params.backend_params, dev)
                       for i, dev in enumerate(out.devices)]
+        if len({s.dim for s in out.shards if s.ntotal}) > 1:  # was searched: 'queries must ...'
+            raise FormatError(f"{d}: its shards hold rows of dimensions "
+                              f"{[s.dim for s in out.shards]}; one index has one dimension")
         if [s.ntotal for s in out.shards] != sizes:
             raise FormatError(f"{d}: shard sizes {[s.ntotal for s in out.shards]} differ from "
                               f"shards.json {sizes}")
