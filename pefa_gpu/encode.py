@@ -27,7 +27,7 @@ from .aggregate import normalize_rows
 from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
 from .datasets import check_utf8
 from .errors import InputError, MissingDependencyError, PefaError
-from .params import check_positive
+from .params import check_flag, check_positive
 from .storage import read_npy, write_output_file
 
 log = logging.getLogger("pefa_gpu")
@@ -80,6 +80,8 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     L2-normalised when ``normalize`` (a zero row stays zero)."""
     texts = _check_texts(texts)
     batch_size = check_positive(batch_size, "batch_size")
+    check_flag(normalize, "normalize")  # 'no' was truthy: rows normalised
+    check_flag(show_progress, "show_progress")
     dev = resolve_device(device)
     enc = resolve_model(model, dev)
     keys = [hashlib.sha256(t.encode("utf-8")).digest() for t in texts]

