@@ -28,7 +28,7 @@ from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_num
 from .datasets import check_utf8
 from .errors import InputError, MissingDependencyError, PefaError
 from .params import check_flag, check_positive
-from .storage import read_npy, write_output_file
+from .storage import as_path, read_npy, write_output_file
 
 log = logging.getLogger("pefa_gpu")
 
@@ -114,11 +114,14 @@ def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
     without an identity, or where model.json records another model (neither read nor written)."""
     if cache_dir is None:
         return None
+    root = _expand(as_path(cache_dir, "cache_dir"), "cache_dir")  # 3: os.fspath's TypeError
+    if cache_dir == "":  # Path(''): the cache's folders were written into the current folder
+        raise InputError("cache_dir is '': give a folder, or None for no cache")
     if enc.identity is None:
         log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
                     "not caching", enc.name)
         return None
-    cache = _Cache(_expand(cache_dir, "cache_dir"), enc.identity)
+    cache = _Cache(root, enc.identity)
     recorded = cache._meta().get("identity", enc.identity)  # none: an older cache
     if recorded != enc.identity:
         warnings.warn(f"encode cache: ignoring {cache.dir}: its model.json records "

