@@ -131,7 +131,9 @@ class ShardedIndex(Index):
             for shard, mask, local in self._route(i.to(v.device)):
                 if bool(mask.any()):
                     at = local[mask].to(shard.device)
-                    old = shard.rows_unchecked(at)
+                    # a backend that cannot update says so (scann cannot return rows either)
+                    old = shard.rows_unchecked(at) if type(shard).update is not Index.update \
+                        else None
                     shard.update(at, v[mask].to(shard.device))
                     done.append((shard, at, old))
         except Exception:
