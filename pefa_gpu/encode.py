@@ -135,7 +135,7 @@ def _check_texts(texts: Any) -> list[str]:
     """``texts`` as a list of valid Unicode strings, else InputError naming the item."""
     if isinstance(texts, str):
         texts = [texts]
-    if isinstance(texts, (bytes, dict)) or not hasattr(texts, "__iter__"):
+    if isinstance(texts, (bytes, dict, set, frozenset)) or not hasattr(texts, "__iter__"):
         raise InputError(f"texts must be a string or a sequence of strings, got "
                          f"{type(texts).__name__}")
     texts = list(texts)

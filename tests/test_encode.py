@@ -257,6 +257,8 @@ def test_offline_default_model_matches_precomputed(scifact_dir, tmp_path):
 
 @pytest.mark.parametrize("texts,match", [(None, "got NoneType"), (42, "got int"),
                                          (b"bytes", "got bytes"),
+                                         # rows in an order the caller cannot know
+                                         ({"b", "a"}, "got set"),
                                          (["fine", "bad \udcff"], "text 1 is not valid Unicode"
                                           ".*lone surrogate '\\\\udcff' at position 4")])
 def test_texts_that_are_not_strings_or_not_unicode(texts, match):
