@@ -284,8 +284,8 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
 
 def _doc_index(doc_ids: Any, queries: Any) -> dict:
     """load_pairs' document id -> column; TypeError for doc_ids that are not a list or dict (a
-    str: a corpus of its letters) or queries that are not a dict or None."""
-    if isinstance(doc_ids, (str, bytes)) or not hasattr(doc_ids, "__iter__"):
+    str: a corpus of its letters; a set: columns in no order) or queries not a dict or None."""
+    if isinstance(doc_ids, (str, bytes, set, frozenset)) or not hasattr(doc_ids, "__iter__"):
         raise TypeError(f"doc_ids must be a list of document ids (or a dict id -> column), got "
                         f"{type(doc_ids).__name__}")
     if queries is not None and not isinstance(queries, dict):

@@ -131,6 +131,8 @@ def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
     (lambda ds: load_pairs(None, ds.corpus_ids), TypeError, "path must be a path"),
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", "d0_0"), TypeError,
      "doc_ids must be a list"),  # a str: its letters were the corpus
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", set(ds.corpus_ids)), TypeError,
+     "doc_ids must be a list"),  # a set: columns in its iteration order
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids,
                            queries=ds.query_ids), TypeError, "queries must be a dict"),
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids, min_score="1"),
