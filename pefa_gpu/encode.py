@@ -210,6 +210,9 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
         return _lazy(functools.partial(_default_model, str(dev)), dev, identity, DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
         name = str(model)
+        if not name.strip():  # '' was loaded as the current folder ('the folder exists but ...')
+            raise InputError(f"model {name!r} names nothing: give a model name or folder, or "
+                             f"None for the offline default")
         path = Path(name)
         if os.path.lexists(name) and not path.is_dir():  # stat only: a FIFO is never opened
             kind = ("a link to nothing" if not path.exists() else "a FIFO (named pipe)"

