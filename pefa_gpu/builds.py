@@ -111,7 +111,8 @@ def check_doc_ids(doc_ids: Sequence[str], n_docs: int, where: str) -> list[str]:
 
 def _strings(values: Sequence[str], n: int | None, where: str) -> list[str]:
     """``values`` as a list of (``n``) strings; else InputError naming ``where``."""
-    out = list(values) if not isinstance(values, str) and hasattr(values, "__iter__") else None
+    out = list(values) if not isinstance(values, (str, set, frozenset, dict)) \
+        and hasattr(values, "__iter__") else None  # a set: in an order no document has
     if out is None or not all(isinstance(v, str) for v in out) or n not in (None, len(out)):
         many = "" if n is None else f"{n} "
         raise InputError(f"{where} must be a list of {many}strings (one a document)")

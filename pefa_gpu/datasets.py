@@ -271,17 +271,21 @@ def load_pairs(path: str | Path, doc_ids: "list[str] | dict[str, int]",
     if not qrows:
         raise InputError(f"{path}: no (query, document) pair"
                          + (f" with weight >= {min_score}" if min_score is not None else ""))
-    y = Relevance.from_pairs(np.asarray(qrows), np.asarray(docs),
-                             None if binary else np.asarray(weights, dtype=np.float32),
-                             shape=(len(keys), len(index)))
-    qkeys = list(keys)
-    return Pairs(path, qkeys, qkeys if queries is None else [queries[k] for k in qkeys], y)
+    try:
+        y = Relevance.from_pairs(np.asarray(qrows), np.asarray(docs),
+                                 None if binary else np.asarray(weights, dtype=np.float32),
+                                 shape=(len(keys), len(index)))
+    except InputError as exc:  # named 'Y', not the file
+        raise InputError(f"{path}: the weights of a repeated pair add up beyond float32's "
+                         f"range ({exc})") from None
+    qkeys = list(keys)  # the texts a list of their own: writing one changed the keys too
+    return Pairs(path, qkeys, list(qkeys) if queries is None else [queries[k] for k in qkeys], y)
 
 
 def _doc_index(doc_ids: Any, queries: Any) -> dict:
     """load_pairs' document id -> column; TypeError for doc_ids that are not a list or dict (a
-    str: a corpus of its letters) or queries that are not a dict or None."""
-    if isinstance(doc_ids, (str, bytes)) or not hasattr(doc_ids, "__iter__"):
+    str: a corpus of its letters; a set: columns in no order) or queries not a dict or None."""
+    if isinstance(doc_ids, (str, bytes, set, frozenset)) or not hasattr(doc_ids, "__iter__"):
         raise TypeError(f"doc_ids must be a list of document ids (or a dict id -> column), got "
                         f"{type(doc_ids).__name__}")
     if queries is not None and not isinstance(queries, dict):

@@ -27,8 +27,8 @@ from .aggregate import normalize_rows
 from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
 from .datasets import check_utf8
 from .errors import InputError, MissingDependencyError, PefaError
-from .params import check_positive
-from .storage import read_npy, write_output_file
+from .params import check_flag, check_positive
+from .storage import as_path, read_npy, write_output_file
 
 log = logging.getLogger("pefa_gpu")
 
@@ -80,6 +80,8 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     L2-normalised when ``normalize`` (a zero row stays zero)."""
     texts = _check_texts(texts)
     batch_size = check_positive(batch_size, "batch_size")
+    check_flag(normalize, "normalize")  # 'no' was truthy: rows normalised
+    check_flag(show_progress, "show_progress")
     dev = resolve_device(device)
     enc = resolve_model(model, dev)
     keys = [hashlib.sha256(t.encode("utf-8")).digest() for t in texts]
@@ -112,11 +114,14 @@ def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
     without an identity, or where model.json records another model (neither read nor written)."""
     if cache_dir is None:
         return None
+    root = _expand(as_path(cache_dir, "cache_dir"), "cache_dir")  # 3: os.fspath's TypeError
+    if cache_dir == "":  # Path(''): the cache's folders were written into the current folder
+        raise InputError("cache_dir is '': give a folder, or None for no cache")
     if enc.identity is None:
         log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
                     "not caching", enc.name)
         return None
-    cache = _Cache(_expand(cache_dir, "cache_dir"), enc.identity)
+    cache = _Cache(root, enc.identity)
     recorded = cache._meta().get("identity", enc.identity)  # none: an older cache
     if recorded != enc.identity:
         warnings.warn(f"encode cache: ignoring {cache.dir}: its model.json records "
@@ -130,7 +135,7 @@ def _check_texts(texts: Any) -> list[str]:
     """``texts`` as a list of valid Unicode strings, else InputError naming the item."""
     if isinstance(texts, str):
         texts = [texts]
-    if isinstance(texts, (bytes, dict)) or not hasattr(texts, "__iter__"):
+    if isinstance(texts, (bytes, dict, set, frozenset)) or not hasattr(texts, "__iter__"):
         raise InputError(f"texts must be a string or a sequence of strings, got "
                          f"{type(texts).__name__}")
     texts = list(texts)
@@ -205,6 +210,9 @@ def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:
         return _lazy(functools.partial(_default_model, str(dev)), dev, identity, DEFAULT_MODEL)
     if isinstance(model, (str, Path)):
         name = str(model)
+        if not name.strip():  # '' was loaded as the current folder ('the folder exists but ...')
+            raise InputError(f"model {name!r} names nothing: give a model name or folder, or "
+                             f"None for the offline default")
         path = Path(name)
         if os.path.lexists(name) and not path.is_dir():  # stat only: a FIFO is never opened
             kind = ("a link to nothing" if not path.exists() else "a FIFO (named pipe)"

@@ -41,6 +41,8 @@ def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> tor
     dev = resolve_device(device)
     v = as_tensor(vectors, device=dev, dtype=torch.float32, name="vectors")
     n = v.shape[0]
+    if n == 0:  # was the exact search's 'k must be a positive integer, got 0'
+        raise InputError(f"vectors have shape {tuple(v.shape)}: no rows to link")
     fwd_s, fwd = ExactIndex(device=dev).build(v).search(v, min(degree + 1, n))
     rows = torch.arange(n, device=dev).unsqueeze(1)
     # drop self (wherever it sits among ties: scored -inf, moved last) and keep `degree`
@@ -100,8 +102,8 @@ def build_hnsw(vectors: ArrayLike, *, M: int = 32, device: DeviceLike = None, me
                   "cagra" if faiss_has_gpu(faiss) and hasattr(faiss, "GpuIndexCagra") else "knn")
     x = host_float32(vectors, "vectors")
     (n, d), ip = x.shape, faiss.METRIC_INNER_PRODUCT
-    if n == 0:
-        raise InputError("vectors are empty: nothing to export")
+    if n == 0 or d == 0:  # d 0: faiss built (and wrote) an index of 0-wide vectors
+        raise InputError(f"vectors have shape {x.shape}: nothing to export")
     if method == "hnsw":
         index = faiss.IndexHNSWFlat(d, M, ip)
         index.hnsw.efConstruction = ef_construction
@@ -160,13 +162,16 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
 
 
 def index_vectors(index: Index) -> torch.Tensor:
-    """The rows held by a pefa_gpu index (IVF-PQ: decoded)."""
+    """The rows held by a pefa_gpu index (IVF-PQ: decoded; sharded: its shards' rows)."""
     if isinstance(getattr(index, "vectors", None), torch.Tensor):
         return index.vectors
     stored = getattr(index, "_stored_vectors", None)
-    if stored is None:
-        raise InputError(f"cannot read the vectors back from {type(index).__name__}")
-    return stored()
+    if stored is not None:
+        return stored()
+    try:  # a sharded index (it said it could not, yet gives every row back)
+        return index.reconstruct(torch.arange(index.ntotal, device=index.device))
+    except NotImplementedError:
+        raise InputError(f"cannot read the vectors back from {type(index).__name__}") from None
 
 
 def export_parts(parts: tuple[torch.Tensor, Index] | dict[str, Any], path: str | Path,

@@ -72,6 +72,7 @@ def _check_run(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
                doc_text: tuple[Sequence[str], Sequence[str]] | None) -> None:
     """format_results' InputErrors: fmt, tag, doc_text, scores / ids (shapes, id range, NaN)."""
     n_queries = len(queries)
+    _check_dtypes(scores, ids)
     if fmt not in ("tsv", "json", "trec"):
         raise InputError(f"fmt must be 'tsv', 'json' or 'trec', got {fmt!r}")
     if fmt == "trec" and (not isinstance(tag, str) or not tag or any(c.isspace() for c in tag)):
@@ -90,6 +91,16 @@ def _check_run(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,
         raise InputError(f"query {queries[bad[0]][0]!r} has a result scored NaN or inf "
                          f"(embeddings beyond float32's range?); JSON cannot hold it: use "
                          f"--format tsv")
+
+
+def _check_dtypes(scores: np.ndarray, ids: np.ndarray) -> None:
+    """InputError unless ids are integers and scores real numbers (a NaN id was a bare
+    ValueError, 1.7 read as document 1, True as document 1, a str score a bare ValueError)."""
+    for name, value, kinds in (("ids", ids, "iu"), ("scores", scores, "iuf")):
+        if np.size(value) and np.asarray(value).dtype.kind not in kinds:
+            raise InputError(f"{name} must be an array of "
+                             f"{'integers' if name == 'ids' else 'real numbers'}, got dtype "
+                             f"{np.asarray(value).dtype}")
 
 
 def format_results(fmt: str, queries: Sequence[tuple[str, str]], scores: np.ndarray,

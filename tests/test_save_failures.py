@@ -80,6 +80,7 @@ def test_a_build_folder_out_of_space_leaves_nothing(tmp_path, data, monkeypatch)
     ([1, 2, 3], None, "doc_ids must be a list of strings"),
     (["a", "b\tc", "d"], None, r"entry 1: .*'b\\tc'"),
     (["a", "b", "c"], ["t", "u"], "texts must be a list of 3 strings"),
+    ({"a", "b", "c"}, None, "doc_ids must be a list of strings"),  # written in the set's order
 ])
 def test_a_build_load_build_would_refuse_is_refused_before_anything_is_written(
         tmp_path, ids, texts, message):

@@ -80,6 +80,19 @@ def test_add_update_reconstruct_and_small_budget_shards():
         idx.update(torch.tensor([97]), torch.from_numpy(new[:1]))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_update_a_later_shard_refuses_leaves_every_shard_unchanged(dtype):
+    """Rows 1 (shard 0) and 7 (shard 1): shard 1 refused its row after shard 0 had written
+    row 1, so a failed update left the index half updated."""
+    idx = ShardedIndex({"devices": ["cpu", "cpu"], "backend_params": {"dtype": dtype}}, "cpu")
+    idx.build(torch.arange(30, dtype=torch.float32).reshape(10, 3))
+    before = idx.reconstruct(torch.arange(10))
+    for value in [float("nan")] + [1e6] * (dtype == "float16"):  # 1e6: float16's inf
+        with pytest.raises(pg.InputError, match="NaN or inf"):
+            idx.update(torch.tensor([1, 7]), torch.tensor([[9.0] * 3, [value] * 3]))
+        assert torch.equal(idx.reconstruct(torch.arange(10)), before)
+
+
 def test_empty_and_errors():
     idx = ShardedIndex({"devices": ["cpu", "cpu"]}, "cpu")
     s, i = idx.search(torch.zeros(2, 3), 4)
@@ -181,6 +194,19 @@ def test_a_forged_offset_table_is_refused(tmp_path, offsets):
     (tmp_path / "shards.json").write_text(json.dumps({**meta, "offsets": offsets}))
     with pytest.raises(pg.errors.FormatError, match="offsets"):
         ShardedIndex.load(tmp_path, {"devices": ["cpu"] * 2}, "cpu")
+
+
+def test_shards_of_two_dimensions_are_refused_on_load(tmp_path):
+    """Shard 1 of 4-wide rows beside shard 0 of 6-wide ones loaded; its first search said
+    'queries must have shape (B, 4)' of 6-wide queries."""
+    rng = np.random.default_rng(0)
+    for folder, d in (("a", 6), ("b", 4)):
+        (tmp_path / folder).mkdir()
+        x = torch.from_numpy(rng.standard_normal((80, d)).astype(np.float32))
+        ShardedIndex({"devices": ["cpu"] * 2}, "cpu").build(x).save(tmp_path / folder)
+    (tmp_path / "b" / "shard_1" / "vectors.npy").replace(tmp_path / "a" / "shard_1" / "vectors.npy")
+    with pytest.raises(pg.errors.FormatError, match=r"dimensions \[6, 4\]"):
+        ShardedIndex.load(tmp_path / "a", {"devices": ["cpu"] * 2}, "cpu")
 
 
 def test_a_shard_table_nested_too_deeply_is_a_format_error(tmp_path):

@@ -345,6 +345,12 @@ def test_training_source_without_pairs(folders):
     sp.save_npz(xmc / "Y.trn.npz", sp.csr_matrix((23, 40), dtype=np.float32))
     with pytest.raises(InputError, match=r"Y\.trn\.npz has no \(query, document\) pair"):
         pg.load_xmc(xmc, emb)
+    # stored zeros only: nnz 3 passed the check, the fit said 'Y has no nonzero entries'
+    zeros = sp.csr_matrix((np.zeros(3, np.float32), ([0, 1, 2], [0, 1, 2])), shape=(23, 40))
+    assert zeros.nnz == 3
+    sp.save_npz(xmc / "Y.trn.npz", zeros)
+    with pytest.raises(InputError, match=r"Y\.trn\.npz has no \(query, document\) pair"):
+        pg.load_xmc(xmc, emb)
 
 
 def test_a_folder_of_a_user_not_here_is_named():

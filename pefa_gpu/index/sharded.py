@@ -126,9 +126,20 @@ class ShardedIndex(Index):
         if v.ndim != 2 or v.shape[0] != i.numel():
             raise InputError(f"vectors must have shape ({i.numel()}, {self.dim}), got "
                              f"{tuple(v.shape)}")
-        for shard, mask, local in self._route(i.to(v.device)):
-            if bool(mask.any()):
-                shard.update(local[mask].to(shard.device), v[mask].to(shard.device))
+        done = []  # (shard, local ids, their old rows): put back where a later shard refuses
+        try:
+            for shard, mask, local in self._route(i.to(v.device)):
+                if bool(mask.any()):
+                    at = local[mask].to(shard.device)
+                    # a backend that cannot update says so (scann cannot return rows either)
+                    old = shard.rows_unchecked(at) if type(shard).update is not Index.update \
+                        else None
+                    shard.update(at, v[mask].to(shard.device))
+                    done.append((shard, at, old))
+        except Exception:
+            for shard, at, old in done:
+                shard.update(at, old)
+            raise
 
     reconstruct = VectorIndex.reconstruct  # ids checked, then rows_unchecked
 
@@ -168,6 +179,9 @@ class ShardedIndex(Index):
                               f"{len(out.devices)} devices {[str(x) for x in out.devices]}")
         out.shards = [out._cls.load(d / f"shard_{i}", out.params.backend_params, dev)
                       for i, dev in enumerate(out.devices)]
+        if len({s.dim for s in out.shards if s.ntotal}) > 1:  # was searched: 'queries must ...'
+            raise FormatError(f"{d}: its shards hold rows of dimensions "
+                              f"{[s.dim for s in out.shards]}; one index has one dimension")
         if [s.ntotal for s in out.shards] != sizes:
             raise FormatError(f"{d}: shard sizes {[s.ntotal for s in out.shards]} differ from "
                               f"shards.json {sizes}")
