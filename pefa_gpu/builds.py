@@ -51,9 +51,13 @@ def one_line(text: str, limit: int | None = None) -> str:
     return flat if limit is None or len(flat) <= limit else flat[:limit - 1].rstrip() + "…"
 
 
-def load_doc_text(path: str | Path, n_docs: int) -> tuple[list[str], list[str]] | None:
-    """(titles, snippets) of a build's ``n_docs`` documents (checked), or None without them."""
+def load_doc_text(path: str | Path, n_docs: int, info: dict | None = None
+                  ) -> tuple[list[str], list[str]] | None:
+    """(titles, snippets) of a build's ``n_docs`` documents (checked), or None without them;
+    ``info``: the manifest :func:`load_build` returned (a build replaced since is refused)."""
     save = open_save(Path(path), BUILD_MANIFEST, BUILD_FORMAT, checksums=False)
+    if info is not None and save.manifest != info:  # its texts would label the old ids
+        raise FormatError(f"{path} changed since its model was loaded; search again")
     rel = save.manifest.get("doc_text")
     if rel is None:
         return None

@@ -805,7 +805,7 @@ def cmd_search(args: argparse.Namespace) -> None:
                  else encoder_from_record(record, Path(args.model_dir) / BUILD_MANIFEST))
     params = search_params.from_dict(given) if given else None
     scores, ids = model.search(q, min(args.topk, model.n_docs), params=params)  # no padding
-    doc_text = None if args.no_text else load_doc_text(args.model_dir, len(doc_ids))
+    doc_text = None if args.no_text else load_doc_text(args.model_dir, len(doc_ids), info)
     if doc_text is None and not args.no_text:
         log.info("this build keeps no document text (an older build): ids and scores only")
     text = format_results(args.format, texts, to_numpy(scores), to_numpy(ids),

@@ -288,6 +288,18 @@ def test_a_build_table_nested_too_deeply_is_a_format_error(built, field):
         load_build(built, device="cpu") if field == "doc_ids" else load_doc_text(built, 36)
 
 
+def test_doc_text_of_a_build_replaced_since_its_model_loaded_is_refused(built):
+    """search loads the build, encodes and searches, then reads the texts: a build replaced
+    meanwhile (same document count) labelled the old ids with the new build's texts."""
+    from pefa_gpu.builds import load_doc_text
+
+    model, doc_ids, info = load_build(built, device="cpu")
+    assert load_doc_text(built, len(doc_ids), info) is not None
+    resign(built / "pefa_build.json", lambda m: m.update(method="another build"))
+    with pytest.raises(pg.FormatError, match="changed since its model was loaded"):
+        load_doc_text(built, len(doc_ids), info)
+
+
 # ---------------------------------------------------------------------------- item 3: outputs
 
 def test_outputs_are_checked_before_any_work_and_never_replace_links(tmp_path, capsys):
