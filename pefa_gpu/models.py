@@ -328,20 +328,15 @@ class _AdaptedDocuments(_Model):
         if not cols.size:
             return
         touched = as_tensor(cols.astype(np.int64), device=self.device)
-        old = self.doc_sums[touched]  # (t, d): a copy, kept until the index has the new rows
+        # pifa refuses sums past float32's range before doc_sums changes: the rows are finite
         self.doc_sums[touched] = pifa(rel.csr[:, cols], q, normalize=False, device=self.device,
-                                      initial=old.clone())
+                                      initial=self.doc_sums[touched])
         try:
-            try:
-                self.index.update(touched, self._adapted_rows(touched))
-            except NotImplementedError:
-                log.info("backend %r cannot update rows: rebuilding the index of %d documents "
-                         "for %d changed ones", self.backend, self.n_docs, touched.numel())
-                self.index = self.new_index().build(self._adapt(self.doc_embeddings,
-                                                                self.doc_sums))
-        except InputError:  # rows the index refuses (inf sums): the model stays as it was
-            self.doc_sums[touched] = old
-            raise
+            self.index.update(touched, self._adapted_rows(touched))
+        except NotImplementedError:
+            log.info("backend %r cannot update rows: rebuilding the index of %d documents for %d "
+                     "changed ones", self.backend, self.n_docs, touched.numel())
+            self.index = self.new_index().build(self._adapt(self.doc_embeddings, self.doc_sums))
 
     def _exported(self) -> tuple[torch.Tensor, Index] | dict[str, Any]:
         return self._adapt(self.doc_embeddings, self.doc_sums), self.index

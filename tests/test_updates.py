@@ -273,7 +273,8 @@ def test_documents_the_index_refuses_leave_the_model_as_it_was(cls, tmp_path):
 @pytest.mark.parametrize("backend", ["exact", "hnsw"])  # update in place / rebuild
 def test_pairs_the_index_refuses_leave_the_documents_as_they_were(backend):
     """add_pairs wrote doc_sums before the index took the rows: sums beyond float32 (inf) were
-    refused there and stayed in doc_sums (score then NaN, every later add_pairs refused)."""
+    refused there and stayed in doc_sums (score then NaN, every later add_pairs refused). pifa
+    now refuses them, naming Yᵀ Q."""
     if backend == "hnsw":
         pytest.importorskip("faiss")
     rng = np.random.default_rng(24)
@@ -281,7 +282,7 @@ def test_pairs_the_index_refuses_leave_the_documents_as_they_were(backend):
     model = pg.NUDGE(device="cpu", variant="M", gamma=1.0, backend=backend).fit(
         P, Q, sp.csr_matrix(np.eye(10, 20, dtype=np.float32)))
     sums = model.doc_sums.clone()
-    with pytest.raises(pg.InputError, match="NaN or inf"):
+    with pytest.raises(pg.InputError, match="Yᵀ Q overflows float32"):
         model.add_pairs(unit_rows(rng, 2, D) * 1e38, np.full((2, 20), 3e38, np.float32))
     assert torch.equal(model.doc_sums, sums)
 
