@@ -134,8 +134,11 @@ class QueryAdapter(_Saved):
         t = normalize_rows_(t)  # T = Π(Y P)
         self.validation = {}
         alpha = self.params.alpha or self._choose_alpha(p, q, t, rel)  # a set alpha is > 0
-        self.W = _solve(*_normal_equations(q, t), alpha).float()
-        self.fitted_alpha = float(alpha)
+        w = _solve(*_normal_equations(q, t), alpha).float()
+        if not bool(torch.isfinite(w).all()):  # tiny queries over a tiny alpha: save/load refuse
+            raise InputError(f"alpha={alpha!r} is too small for these training queries: W "
+                             f"overflows float32 (±3.4e38); use a larger alpha")
+        self.W, self.fitted_alpha = w, float(alpha)
         return self
 
     def _choose_alpha(self, p: torch.Tensor, q: torch.Tensor, t: torch.Tensor, rel: RelevanceLike

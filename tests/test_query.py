@@ -534,3 +534,12 @@ def test_adapter_normal_equations_beyond_memory_are_refused_before_allocation():
     with pytest.raises(InputError, match=r"QueryAdapter: the \(200000, 200000\) float64 normal "
                                          r"equations and their solve need about .* GiB"):
         pg.QueryAdapter(alpha=1.0, device="cpu").fit(P, sp.eye(2, format="csr"), P)
+
+
+def test_adapter_whose_W_overflows_float32_is_refused():
+    """Tiny training queries (1e-40) over alpha=1e-300 gave W = inf: fit returned it, every
+    adapted query was NaN, and its save was refused on load ('W must be a finite ...')."""
+    P, Q, Y, _ = problem(3)
+    with pytest.raises(InputError, match=r"alpha=1e-300 is too small .* W overflows float32"):
+        pg.QueryAdapter(alpha=1e-300, device="cpu").fit(Q * 1e-40, Y, P)
+    assert torch.isfinite(pg.QueryAdapter(alpha=1e-300, device="cpu").fit(Q, Y, P).W).all()
