@@ -63,7 +63,8 @@ def parse_metric(metric: str) -> tuple[int, ...]:
     ks = []
     for part in str(metric).split(","):
         name, _, k = part.strip().partition("@")
-        if name != "recall" or not k.isdecimal() or int(k) <= 0:  # isdigit: '²' too
+        # isdigit: '²' too; over 18 digits: int()'s ValueError past 4300, and no k reaches them
+        if name != "recall" or not k.isdecimal() or len(k) > 18 or int(k) <= 0:
             raise InputError(f"metric must be recall@K terms joined by commas (e.g. "
                              f"'recall@10,recall@100'), got {metric!r}")
         ks.append(int(k))

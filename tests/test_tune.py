@@ -113,6 +113,11 @@ def test_bad_metric():
     with pytest.raises(InputError, match="recall@K"):
         tune(np.eye(3, dtype=np.float32), np.eye(3, dtype=np.float32),
              sp.identity(3, format="csr"), metric="ndcg@10")
+    from pefa_gpu.tune import parse_metric
+    for k in ("1" * 5000, "0" * 4400 + "1"):  # were int()'s ValueError: 'Exceeds the limit (4300
+        with pytest.raises(InputError, match="recall@K terms"):  # digits) ...', no name
+            parse_metric(f"recall@10,recall@{k}")
+    assert parse_metric("recall@000000000000000010") == (10,)
 
 
 def test_match_coverage_lowers_validation_coverage_for_cold_test_queries(tmp_path):
