@@ -79,7 +79,7 @@ def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Te
 
 def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
                     y: sp.csr_matrix) -> float:
-    lows, highs, step = [], [], max(1, BLOCK_CELLS // d.shape[0])
+    lows, highs, step = [], [], max(1, BLOCK_CELLS // max(d.shape[0], 1))  # no documents: 0
     for s0 in range(0, q.shape[0], step):
         b = slice(s0, s0 + step)
         yb = y[b].tocoo()

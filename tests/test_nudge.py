@@ -93,6 +93,9 @@ def test_gamma_m_counts_pairs_and_ties():
     empty = sp.csr_matrix((1, 2), dtype=np.float32)
     assert nudge.choose_gamma("M", d, g, q, empty) == 0.0
     assert nudge.choose_gamma("N", d, g, q, empty) == 0.0
+    none = torch.zeros(0, 2)  # no documents: 'M' was a ZeroDivisionError, 'N' gave 0 already
+    for variant in "MN":
+        assert nudge.choose_gamma(variant, none, none, q, sp.csr_matrix((1, 0))) == 0.0
 
 
 def test_gamma_n_top_k_ties_go_to_the_lower_id():
