@@ -20,7 +20,8 @@ class Relevance:
     arrays are never written), explicit zeros dropped, duplicates summed."""
 
     def __init__(self, csr: Any, name: str = "Y"):
-        self.csr = _own_csr(csr, name)
+        # a Relevance: copied (it was refused as 'must be ... a pefa_gpu.Relevance ...')
+        self.csr = _own_csr(csr.csr if isinstance(csr, Relevance) else csr, name)
 
     @classmethod
     def from_pairs(cls, query_ids: ArrayLike, doc_ids: ArrayLike, weights: ArrayLike | None = None,

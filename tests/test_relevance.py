@@ -187,3 +187,13 @@ def test_rows_names_a_boolean_mask_of_another_length():
         with pytest.raises(InputError, match=r"a boolean mask needs 3 entries .Y's rows., got sh"):
             y.rows(mask)
     assert y.rows([False, True, True]).csr.toarray().tolist() == [[0, 1, 0], [0, 0, 1]]
+
+
+def test_relevance_of_a_relevance_is_a_copy():
+    """Relevance(a Relevance) was refused as 'Y must be a scipy sparse matrix, a
+    pefa_gpu.Relevance or ...', naming the type it was given as one it takes."""
+    y = pg.Relevance(sp.csr_matrix(np.array([[0, 2.0], [1, 0]], np.float32)))
+    z = pg.Relevance(y)
+    assert z.csr is not y.csr and (z.csr != y.csr).nnz == 0
+    z.csr.data[:] = 5
+    np.testing.assert_array_equal(y.csr.data, [2, 1])
