@@ -89,6 +89,11 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
                  name: str = "Y", allow_empty: bool = False) -> Relevance:
     """A :class:`Relevance` from a Relevance, a scipy sparse matrix or a dense 2-D array;
     ``shape`` entries that are not None must match; empty only with ``allow_empty``."""
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # (3,) checked nothing
+            s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)))
+            for s in shape):
+        raise InputError(f"shape must be (queries, documents), each an int or None, got "
+                         f"{shape!r}")
     rel = y if isinstance(y, Relevance) else Relevance(y, name)
     for have, want, what, of in zip(rel.shape, shape, ("rows (queries)", "columns (documents)"),
                                     ("query", "document")):

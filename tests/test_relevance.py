@@ -53,6 +53,10 @@ def test_as_relevance_checks_shape_and_emptiness():
         pg.as_relevance(sp.csr_matrix((3, 3)))
     with pytest.raises(ValueError, match="scipy sparse"):
         pg.as_relevance([[1, 0]])
+    for shape in ((3,), (3, 3, 3), "ab", {3: 3, 4: 4}, (3.0, None), (True, None)):  # (3,): none
+        with pytest.raises(InputError, match=r"shape must be \(queries, documents\)"):
+            pg.as_relevance(m, shape=shape)  # 'ab': 'there are a query embeddings'
+    assert pg.as_relevance(m, shape=[np.int64(3), None]).nnz == 3
 
 
 def test_explicit_zeros_dropped_and_nan_rejected():
