@@ -187,9 +187,9 @@ class QueryAdapter(_Saved):
         meta = m.get("W") if isinstance(m.get("W"), dict) else {}
         w = storage.load_tensor(save.file(meta.get("file")), out.device, meta=meta)
         a = m.get("fitted_alpha")
-        if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] \
+        if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] or not w.numel() \
                 or not (is_number(a) and a > 0) or not bool(torch.isfinite(w).all()):
-            raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix and "
+            raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix (d > 0) and "
                               f"fitted_alpha a number > 0, got {w.dtype} {tuple(w.shape)}, "
                               f"{a!r}")
         pairs = m.get("validation") or []

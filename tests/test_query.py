@@ -269,6 +269,20 @@ def test_a_forged_adapter_setting_is_a_format_error(tmp_path, field, value):
         pg.load(tmp_path / "a")
 
 
+def test_a_forged_adapter_of_dimension_0_is_a_format_error(tmp_path):
+    """A forged W of shape (0, 0) (no fit makes one: queries of dimension 0 are refused)
+    loaded as a fitted adapter that then refused every query ('expected 0')."""
+    P, Q, Y, _ = problem(6)
+    pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P).save(tmp_path / "a")
+
+    def empty_w(m):
+        np.save(next((tmp_path / "a").glob("pefa-data-*")) / "W.npy", np.zeros((0, 0), "f4"))
+        m["W"]["shape"] = [0, 0]
+    resign(tmp_path / "a", empty_w)
+    with pytest.raises(FormatError, match=r"W must be a finite float32 \(d, d\) matrix \(d > 0"):
+        pg.load(tmp_path / "a")
+
+
 def test_a_query_model_whose_adapter_has_another_dimension_is_a_format_error(tmp_path):
     P, Q, Y, _ = problem(6)
     pg.QueryModel(pg.ERM(device="cpu").fit(P),
