@@ -246,6 +246,9 @@ class QueryModel(_Saved):
                 raise TypeError(f"QueryModel: {name} must be a {cls.__name__} or None, got "
                                 f"{type(part).__name__}")
         check_model(model, "QueryModel", ("as_queries", "search", "dim"))
+        if isinstance(model, _Saved):  # a QueryModel: saved, it would not load (nor take a prf)
+            raise TypeError("QueryModel: model must be a pefa_gpu model (ERM, PEFAXS, ...), got a "
+                            "QueryModel: give its model, adapter and prf to one QueryModel")
         if adapter is not None and adapter.W is None:
             raise InputError("QueryModel: the adapter is not fitted")
         if adapter is not None and adapter.W.shape[0] != model.dim:

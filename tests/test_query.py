@@ -283,6 +283,17 @@ def test_a_forged_adapter_of_dimension_0_is_a_format_error(tmp_path):
         pg.load(tmp_path / "a")
 
 
+def test_a_query_model_of_a_query_model_is_refused(tmp_path):
+    """QueryModel(QueryModel(...)) searched and saved, but its save was refused on load ('part
+    'model' holds a QueryModel'), and with a prf it failed at the first search."""
+    P, Q, Y, _ = problem(6)
+    inner = pg.QueryModel(pg.ERM(device="cpu").fit(P),
+                          pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P))
+    for prf in (None, pg.VectorPRF()):
+        with pytest.raises(TypeError, match="model must be a pefa_gpu model .* got a QueryModel"):
+            pg.QueryModel(inner, prf=prf)
+
+
 def test_a_query_model_whose_adapter_has_another_dimension_is_a_format_error(tmp_path):
     P, Q, Y, _ = problem(6)
     pg.QueryModel(pg.ERM(device="cpu").fit(P),
