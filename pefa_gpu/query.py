@@ -21,7 +21,8 @@ import torch
 from . import persist, storage
 from ._version import __version__
 from .aggregate import normalize_rows, normalize_rows_, pifa
-from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_device
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk,
+                     resolve_device)
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
@@ -217,7 +218,8 @@ class VectorPRF(_Saved):
         """(B, d) queries, a fitted model -> (B, d) float32 on the model's device."""
         check_model(model, "VectorPRF", ("as_queries", "search", "doc_embeddings"))
         q = model.as_queries(queries)
-        _, ids = model.search(q, self.params.k, check=False)
+        k = check_topk(self.params.k, model.doc_embeddings.shape[0], "VectorPRF: k")  # not topk
+        _, ids = model.search(q, k, check=False)
         total = torch.zeros_like(q)
         step = max(1, PRF_CELLS // max(q.numel(), 1))  # of the (B, k, d) rows, not all at once
         for j in range(0, ids.shape[1], step):

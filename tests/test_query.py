@@ -283,6 +283,16 @@ def test_a_forged_adapter_of_dimension_0_is_a_format_error(tmp_path):
         pg.load(tmp_path / "a")
 
 
+def test_prf_k_beyond_the_documents_is_named_as_k():
+    """VectorPRF(k=10**6) over 30 documents was refused as 'topk=1000000 but there are only 30
+    documents', a name the caller never gave."""
+    P, _, _, T = problem(6)
+    erm = pg.ERM(device="cpu").fit(P)
+    with pytest.raises(InputError, match="VectorPRF: k=1000000 but there are only 30 documents"):
+        pg.VectorPRF(k=10**6)(T, erm)
+    assert pg.VectorPRF(k=31)(T, erm).shape == T.shape  # ranks past the documents: -1 padding
+
+
 def test_a_query_model_of_a_query_model_is_refused(tmp_path):
     """QueryModel(QueryModel(...)) searched and saved, but its save was refused on load ('part
     'model' holds a QueryModel'), and with a prf it failed at the first search."""
