@@ -326,3 +326,9 @@ def test_the_formulas_refuse_what_the_model_would_refuse():
             with pytest.raises(pg.InputError, match="gamma must be a finite number in"):
                 fn(d, g, gamma)
     assert isinstance(nudge.choose_gamma("N", d, g, q, y, val_k=3), float)
+    with pytest.raises(TypeError, match="choose_gamma: g, q_val must be torch.Tensor, got "
+                                        "ndarray, list"):  # was 'no attribute float'
+        nudge.choose_gamma("M", d, g.numpy(), q.tolist(), y)
+    for fn in (nudge.nudge_m, nudge.nudge_n):
+        with pytest.raises(TypeError, match=f"{fn.__name__}: d must be torch.Tensor, got ndarray"):
+            fn(d.numpy(), g, 0.5)
