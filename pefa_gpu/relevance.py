@@ -116,15 +116,16 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
-        csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
-        return _finite(csr, name)
-    if y.ndim != 2:
+    elif y.ndim != 2:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
-    m, n = (int(s) for s in y.shape)
+    m, n = (int(s) for s in y.shape)  # dense too: a (2**40, 0) array holds no data
     if m > MAX_ROWS or n > MAX_ROWS:  # converting allocates row pointers of that length
         raise InputError(f"{name} has shape {y.shape}: at most {MAX_ROWS} rows (queries) and "
                          f"columns (documents)")
+    if not sp.issparse(y):
+        rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
+        csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
+        return _finite(csr, name)
     if y.format in ("csr", "csc"):
         csr = _compressed_csr(y, m, n, name)
     else:

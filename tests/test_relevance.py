@@ -119,6 +119,12 @@ def test_a_sparse_y_of_more_than_2_31_rows_or_columns_is_refused_before_allocati
     with pytest.raises(InputError, match=r"shape=\(1, 4611686018427387904\) is not a usable"):
         pg.Relevance.from_pairs([0], [0], shape=(1, 2**62))
     assert pg.as_relevance(coo((1, 2**31 - 1))).shape == (1, 2**31 - 1)
+    # dense arrays without data: Y or Yᵀ of 8 TiB of row pointers (MemoryError), and evaluate's
+    for y in (np.zeros((2**40, 0), np.float32), torch.zeros(0, 2**40)):  # scipy ValueError
+        with pytest.raises(InputError, match=r"at most 2147483647 rows"):
+            pg.Relevance(y)
+    with pytest.raises(InputError, match=r"at most 2147483647 rows"):  # 'could not convert
+        pg.evaluate(np.zeros((0, 1), int), np.zeros((0, 2**40)), ks=1)  # integer scalar'
 
 
 def test_a_y_of_2_31_rows_or_columns_is_refused_before_its_row_pointers():
