@@ -79,7 +79,7 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
         log.info("metrics: %d of %d queries have no relevant document and are %s", n_empty,
                  keep.size, "counted as 0" if count_empty else "skipped")
     g, nr, ideal = gains[keep], n_rel[keep], ideal[keep]
-    discount = 1.0 / np.log2(np.arange(2, width + 2))
+    discount = 1.0 / np.log2(np.arange(2, max(ks) + 2))  # not width: ids (0, 2**40) hold none
     hit = g > 0
     denom = max(out["n_queries"], 1)
     for k in ks:
