@@ -203,6 +203,12 @@ def test_metric_ks_and_relevance_widths_are_checked():
             per_query_recall(np.array([[3, 0]]), sp.csr_matrix(np.eye(1, 5)), ks)
     with pytest.raises(InputError, match="ids have 2 ranks per query, fewer than k = 5"):
         per_query_recall(np.array([[3, 0]]), sp.csr_matrix(np.eye(1, 5)), (1, 5))  # was 1.0
+    for ids, match in (([[3], [0]], "ids has 2 rows but Y has 1 queries"),  # were named Y_test,
+                       ([[7]], "ids contain document 7 but Y has 5 documents")):  # evaluate's
+        with pytest.raises(InputError, match=match):
+            per_query_recall(np.array(ids), sp.csr_matrix(np.eye(1, 5)), (1,))
+    with pytest.raises(InputError, match="Y contains NaN"):
+        per_query_recall(np.array([[0]]), sp.csr_matrix([[np.nan]]), (1,))
     with pytest.raises(InputError, match="Y has 5 columns .documents. but there are 20"):
         tune(P, Q, Y[:, :5], **SMALL)
     from pefa_gpu.tune import match_coverage
