@@ -34,7 +34,7 @@ class Relevance:
             raise InputError(f"query_ids has {qi.size} entries but doc_ids has {di.size}")
         if shape is None:
             shape = (_inferred_size(qi, "query_ids"), _inferred_size(di, "doc_ids"))
-        if not hasattr(shape, "__len__") or len(shape) != 2 or any(
+        if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # a dict: KeyError
                 isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in shape):
             raise InputError(f"shape must be two integers (queries, documents), got {shape!r}")
         m, n = int(shape[0]), int(shape[1])

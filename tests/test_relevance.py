@@ -145,6 +145,10 @@ def test_malformed_shapes_rows_and_index_arrays_are_input_errors():
     """Each was a bare TypeError / IndexError / ValueError from Python or scipy."""
     with pytest.raises(InputError, match="shape must be two integers"):
         pg.Relevance.from_pairs([0], [0], shape=5)  # len() of an int
+    for shape in ({1: 1, 2: 2}, np.array(5)):  # KeyError: 0; len() of a 0-d array
+        with pytest.raises(InputError, match="shape must be two integers"):
+            pg.Relevance.from_pairs([0], [0], shape=shape)
+    assert pg.Relevance.from_pairs([0], [0], shape=[np.int64(1), 2]).shape == (1, 2)
     y = pg.Relevance.from_pairs([0, 1], [0, 1])
     with pytest.raises(InputError, match=r"1-D array of row positions, got shape \(1, 2\)"):
         y.rows([[0, 1]])  # scipy: 'Indexing that leads to >2D'
