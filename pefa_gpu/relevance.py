@@ -20,7 +20,7 @@ class Relevance:
     arrays are never written), explicit zeros dropped, duplicates summed."""
 
     def __init__(self, csr: Any, name: str = "Y"):
-        # a Relevance: copied (it was refused as 'must be ... a pefa_gpu.Relevance ...')
+        # a Relevance: a copy of its matrix
         self.csr = _own_csr(csr.csr if isinstance(csr, Relevance) else csr, name)
 
     @classmethod
@@ -34,7 +34,7 @@ class Relevance:
             raise InputError(f"query_ids has {qi.size} entries but doc_ids has {di.size}")
         if shape is None:
             shape = (_inferred_size(qi, "query_ids"), _inferred_size(di, "doc_ids"))
-        if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # a dict: KeyError
+        if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # not a dict's keys
                 isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in shape):
             raise InputError(f"shape must be two integers (queries, documents), got {shape!r}")
         m, n = int(shape[0]), int(shape[1])
@@ -89,7 +89,7 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
                  name: str = "Y", allow_empty: bool = False) -> Relevance:
     """A :class:`Relevance` from a Relevance, a scipy sparse matrix or a dense 2-D array;
     ``shape`` entries that are not None must match; empty only with ``allow_empty``."""
-    if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # (3,) checked nothing
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # zip: (3,) checks rows
             s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)))
             for s in shape):
         raise InputError(f"shape must be (queries, documents), each an int or None, got "
