@@ -17,16 +17,17 @@ from .relevance import RelevanceLike, as_relevance
 log = logging.getLogger("pefa_gpu")
 
 
-def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _gains(ids: ArrayLike, Y_test: RelevanceLike, name: str = "Y_test"
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(B, K) gains of the ranked ids, (B,) relevant counts, and (B, min(R, K)) sorted ideal
     gains (R: the most relevant documents of a query)."""
     ids = np.asarray(to_numpy(ids, "ids"))
     if ids.ndim != 2:
         raise InputError(f"ids must be 2-D (queries, ranks), got shape {ids.shape}")
-    rel = as_relevance(Y_test, name="Y_test", allow_empty=True).csr
+    rel = as_relevance(Y_test, name=name, allow_empty=True).csr
     b, n = rel.shape
     if ids.shape[0] != b:
-        raise InputError(f"ids has {ids.shape[0]} rows but Y_test has {b} queries")
+        raise InputError(f"ids has {ids.shape[0]} rows but {name} has {b} queries")
     if ids.dtype.kind not in "iuf":  # bool, complex, objects, strings
         raise InputError(f"ids must be integer document ids, got dtype {ids.dtype}")
     if ids.size and not np.issubdtype(ids.dtype, np.integer) and \
@@ -36,7 +37,7 @@ def _gains(ids: ArrayLike, Y_test: RelevanceLike) -> tuple[np.ndarray, np.ndarra
     if ids.size and ids.min() < -1:  # checked in their own dtype: 1e20 or 2**64 - 1 are
         raise InputError(f"ids contain {int(ids.min())}: only -1 marks padding")  # not wrapped
     if ids.size and ids.max() >= n:
-        raise InputError(f"ids contain document {int(ids.max())} but Y_test has {n} documents")
+        raise InputError(f"ids contain document {int(ids.max())} but {name} has {n} documents")
     ids = ids.astype(np.int64)
     # first occurrence of each id in a row only
     order = np.argsort(ids, axis=1, kind="stable")
@@ -79,7 +80,7 @@ def evaluate(ids: ArrayLike, Y_test: RelevanceLike, ks: Iterable[int] = (10, 100
         log.info("metrics: %d of %d queries have no relevant document and are %s", n_empty,
                  keep.size, "counted as 0" if count_empty else "skipped")
     g, nr, ideal = gains[keep], n_rel[keep], ideal[keep]
-    discount = 1.0 / np.log2(np.arange(2, width + 2))
+    discount = 1.0 / np.log2(np.arange(2, max(ks) + 2))  # not width: ids (0, 2**40) hold none
     hit = g > 0
     denom = max(out["n_queries"], 1)
     for k in ks:

@@ -34,6 +34,7 @@ BLOCK_CELLS = 2**22  # score cells (queries x documents) per validation step
 def nudge_m(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
     """NUDGE-M: e = d + γ Π(g). d (n, D) unit rows, g (n, D) query sums -> (n, D) float32."""
     _check_gamma(gamma, FLOAT32_MAX)  # γ scales float32 rows
+    _check_tensors("nudge_m", d=d, g=g)
     return d.float() + gamma * normalize_rows(g)
 
 
@@ -41,6 +42,7 @@ def nudge_n(d: torch.Tensor, g: torch.Tensor, gamma: float) -> torch.Tensor:
     """NUDGE-N (module docstring). d (n, D) unit rows, g (n, D) query sums, 0 <= γ <= 4 ->
     (n, D) float32 unit rows (d where a document does not move)."""
     _check_gamma(gamma, 4.0)  # beyond: math's bare "math domain error"; NaN: NaN rows
+    _check_tensors("nudge_n", d=d, g=g)
     d, g = d.float(), g.float()
     if gamma == 0:
         return d.clone()
@@ -58,6 +60,14 @@ def _check_gamma(gamma: float, top: float) -> None:
         raise InputError(f"gamma must be a finite number in [0, {top:g}], got {gamma!r}")
 
 
+def _check_tensors(who: str, **xs: torch.Tensor) -> None:
+    """TypeError naming the arguments that are no torch tensor (numpy's: 'no attribute float')."""
+    bad = {k: type(x).__name__ for k, x in xs.items() if not isinstance(x, torch.Tensor)}
+    if bad:
+        raise TypeError(f"{who}: {', '.join(bad)} must be torch.Tensor, got "
+                        f"{', '.join(bad.values())}")
+
+
 def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Tensor,
                  y_val: sp.csr_matrix, val_k: int = 1) -> float:
     """γ chosen on validation queries q_val (v, D) with relevance y_val (v x n), for documents
@@ -65,6 +75,7 @@ def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Te
     if variant not in ("M", "N"):  # anything else was taken as 'N'
         raise InputError(f"variant must be 'M' or 'N', got {variant!r}")
     val_k = check_positive(val_k, "val_k")  # 0 was numpy's reshape error
+    _check_tensors("choose_gamma", d=d, g=g, q_val=q_val)
     n, dim = d.shape
     if g.shape != d.shape or q_val.ndim != 2 or q_val.shape[1] != dim \
             or tuple(y_val.shape) != (q_val.shape[0], n):  # were torch's errors, or taken
@@ -79,7 +90,7 @@ def choose_gamma(variant: str, d: torch.Tensor, g: torch.Tensor, q_val: torch.Te
 
 def _choose_gamma_m(d: torch.Tensor, g_hat: torch.Tensor, q: torch.Tensor,
                     y: sp.csr_matrix) -> float:
-    lows, highs, step = [], [], max(1, BLOCK_CELLS // d.shape[0])
+    lows, highs, step = [], [], max(1, BLOCK_CELLS // max(d.shape[0], 1))  # no documents: 0
     for s0 in range(0, q.shape[0], step):
         b = slice(s0, s0 + step)
         yb = y[b].tocoo()

@@ -21,7 +21,8 @@ import torch
 from . import persist, storage
 from ._version import __version__
 from .aggregate import normalize_rows, normalize_rows_, pifa
-from .arrays import ArrayLike, DeviceLike, as_embeddings, as_tensor, resolve_device
+from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk,
+                     resolve_device)
 from .errors import FormatError, InputError
 from .index import make_index
 from .metrics import recall_at_k
@@ -134,8 +135,11 @@ class QueryAdapter(_Saved):
         t = normalize_rows_(t)  # T = Π(Y P)
         self.validation = {}
         alpha = self.params.alpha or self._choose_alpha(p, q, t, rel)  # a set alpha is > 0
-        self.W = _solve(*_normal_equations(q, t), alpha).float()
-        self.fitted_alpha = float(alpha)
+        w = _solve(*_normal_equations(q, t), alpha).float()
+        if not bool(torch.isfinite(w).all()):  # tiny queries over a tiny alpha: save/load refuse
+            raise InputError(f"alpha={alpha!r} is too small for these training queries: W "
+                             f"overflows float32 (±3.4e38); use a larger alpha")
+        self.W, self.fitted_alpha = w, float(alpha)
         return self
 
     def _choose_alpha(self, p: torch.Tensor, q: torch.Tensor, t: torch.Tensor, rel: RelevanceLike
@@ -184,9 +188,9 @@ class QueryAdapter(_Saved):
         meta = m.get("W") if isinstance(m.get("W"), dict) else {}
         w = storage.load_tensor(save.file(meta.get("file")), out.device, meta=meta)
         a = m.get("fitted_alpha")
-        if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] \
+        if w.dtype != torch.float32 or w.ndim != 2 or w.shape[0] != w.shape[1] or not w.numel() \
                 or not (is_number(a) and a > 0) or not bool(torch.isfinite(w).all()):
-            raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix and "
+            raise FormatError(f"{save.where}: W must be a finite float32 (d, d) matrix (d > 0) and "
                               f"fitted_alpha a number > 0, got {w.dtype} {tuple(w.shape)}, "
                               f"{a!r}")
         pairs = m.get("validation") or []
@@ -214,7 +218,8 @@ class VectorPRF(_Saved):
         """(B, d) queries, a fitted model -> (B, d) float32 on the model's device."""
         check_model(model, "VectorPRF", ("as_queries", "search", "doc_embeddings"))
         q = model.as_queries(queries)
-        _, ids = model.search(q, self.params.k, check=False)
+        k = check_topk(self.params.k, model.doc_embeddings.shape[0], "VectorPRF: k")  # not topk
+        _, ids = model.search(q, k, check=False)
         total = torch.zeros_like(q)
         step = max(1, PRF_CELLS // max(q.numel(), 1))  # of the (B, k, d) rows, not all at once
         for j in range(0, ids.shape[1], step):
@@ -243,6 +248,9 @@ class QueryModel(_Saved):
                 raise TypeError(f"QueryModel: {name} must be a {cls.__name__} or None, got "
                                 f"{type(part).__name__}")
         check_model(model, "QueryModel", ("as_queries", "search", "dim"))
+        if isinstance(model, _Saved):  # a QueryModel: saved, it would not load (nor take a prf)
+            raise TypeError("QueryModel: model must be a pefa_gpu model (ERM, PEFAXS, ...), got a "
+                            "QueryModel: give its model, adapter and prf to one QueryModel")
         if adapter is not None and adapter.W is None:
             raise InputError("QueryModel: the adapter is not fitted")
         if adapter is not None and adapter.W.shape[0] != model.dim:

@@ -20,7 +20,8 @@ class Relevance:
     arrays are never written), explicit zeros dropped, duplicates summed."""
 
     def __init__(self, csr: Any, name: str = "Y"):
-        self.csr = _own_csr(csr, name)
+        # a Relevance: a copy of its matrix
+        self.csr = _own_csr(csr.csr if isinstance(csr, Relevance) else csr, name)
 
     @classmethod
     def from_pairs(cls, query_ids: ArrayLike, doc_ids: ArrayLike, weights: ArrayLike | None = None,
@@ -33,7 +34,7 @@ class Relevance:
             raise InputError(f"query_ids has {qi.size} entries but doc_ids has {di.size}")
         if shape is None:
             shape = (_inferred_size(qi, "query_ids"), _inferred_size(di, "doc_ids"))
-        if not hasattr(shape, "__len__") or len(shape) != 2 or any(
+        if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # not a dict's keys
                 isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in shape):
             raise InputError(f"shape must be two integers (queries, documents), got {shape!r}")
         m, n = int(shape[0]), int(shape[1])
@@ -88,6 +89,11 @@ def as_relevance(y: RelevanceLike, shape: tuple[int | None, int | None] = (None,
                  name: str = "Y", allow_empty: bool = False) -> Relevance:
     """A :class:`Relevance` from a Relevance, a scipy sparse matrix or a dense 2-D array;
     ``shape`` entries that are not None must match; empty only with ``allow_empty``."""
+    if not isinstance(shape, (tuple, list)) or len(shape) != 2 or any(  # zip: (3,) checks rows
+            s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)))
+            for s in shape):
+        raise InputError(f"shape must be (queries, documents), each an int or None, got "
+                         f"{shape!r}")
     rel = y if isinstance(y, Relevance) else Relevance(y, name)
     for have, want, what, of in zip(rel.shape, shape, ("rows (queries)", "columns (documents)"),
                                     ("query", "document")):
@@ -110,15 +116,16 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
             raise InputError(f"{name} must be a scipy sparse matrix, a pefa_gpu.Relevance or a "
                              f"2-D numpy array or torch tensor, got {type(y).__name__} of shape "
                              f"{getattr(y, 'shape', '?')}")
-        rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
-        csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
-        return _finite(csr, name)
-    if y.ndim != 2:
+    elif y.ndim != 2:
         raise InputError(f"{name} must be 2-D, got shape {y.shape}")
-    m, n = (int(s) for s in y.shape)
+    m, n = (int(s) for s in y.shape)  # dense too: a (2**40, 0) array holds no data
     if m > MAX_ROWS or n > MAX_ROWS:  # converting allocates row pointers of that length
         raise InputError(f"{name} has shape {y.shape}: at most {MAX_ROWS} rows (queries) and "
                          f"columns (documents)")
+    if not sp.issparse(y):
+        rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
+        csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
+        return _finite(csr, name)
     if y.format in ("csr", "csc"):
         csr = _compressed_csr(y, m, n, name)
     else:

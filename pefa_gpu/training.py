@@ -70,7 +70,8 @@ def as_positive_ids(positives: ArrayLike, batch: int, device: torch.device,
         for r, cols in enumerate(rows):
             positives[r, :cols.size] = cols
     out = as_ids(positives, batch, n_docs or 0, device, n_docs is not None, "positives")
-    return out if out.shape[1] else torch.full((batch, 1), -1, dtype=torch.long, device=device)
+    # no ids ((B, 0); or (0, 2**40): torch sorts that in 8 TiB): one column of padding
+    return out if out.numel() else torch.full((batch, 1), -1, dtype=torch.long, device=device)
 
 
 def _id_row(row: Any, i: int) -> np.ndarray:

@@ -63,7 +63,8 @@ def parse_metric(metric: str) -> tuple[int, ...]:
     ks = []
     for part in str(metric).split(","):
         name, _, k = part.strip().partition("@")
-        if name != "recall" or not k.isdecimal() or int(k) <= 0:  # isdigit: '²' too
+        # isdigit: '²' too; over 18 digits: int()'s ValueError past 4300, and no k reaches them
+        if name != "recall" or not k.isdecimal() or len(k) > 18 or int(k) <= 0:
             raise InputError(f"metric must be recall@K terms joined by commas (e.g. "
                              f"'recall@10,recall@100'), got {metric!r}")
         ks.append(int(k))
@@ -74,7 +75,7 @@ def per_query_recall(ids: ArrayLike, Y: RelevanceLike, ks: Sequence[int]) -> np.
     """(B,) mean over ``ks`` of |relevant ∩ top-k| / |relevant| (NaN: no relevant document)
     for ids (B, K) int64, -1 padded (a repeat counts once), Y (B x n) (> 0: relevant)."""
     ks = check_ks(ks)  # () divided by zero; 0 or -1 cut the ranks silently
-    gains, n_rel, _ = _gains(ids, Y)
+    gains, n_rel, _ = _gains(ids, Y, "Y")  # its name here: not evaluate's Y_test
     if max(ks) > gains.shape[1]:  # as evaluate: a recall@10 of 5 ranks is not one
         raise InputError(f"ids have {gains.shape[1]} ranks per query, fewer than k = {max(ks)}")
     return sum(np.where(n_rel > 0, (gains[:, :k] > 0).sum(1) / np.maximum(n_rel, 1), np.nan)

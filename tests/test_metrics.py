@@ -168,3 +168,11 @@ def test_ids_that_are_no_array_are_named():
     for bad in (None, {}, [[0, 1], [1]]):
         with pytest.raises(pg.InputError, match=r"^ids "):
             pg.evaluate(bad, y, ks=(1,))
+
+
+def test_ids_of_no_queries_and_2_40_ranks_cost_nothing():
+    """ids of shape (0, 2**40) hold no data, but evaluate made its discounts for every rank:
+    8 TiB (MemoryError); they are made up to the largest k."""
+    ids = np.zeros((0, 2**40), np.int64)
+    res = pg.evaluate(ids, sp.csr_matrix((0, 5)), ks=(1, 3))
+    assert res["n_queries"] == 0 and res["ndcg@3"] == 0.0

@@ -93,6 +93,9 @@ def test_gamma_m_counts_pairs_and_ties():
     empty = sp.csr_matrix((1, 2), dtype=np.float32)
     assert nudge.choose_gamma("M", d, g, q, empty) == 0.0
     assert nudge.choose_gamma("N", d, g, q, empty) == 0.0
+    none = torch.zeros(0, 2)  # no documents: 'M' was a ZeroDivisionError, 'N' gave 0 already
+    for variant in "MN":
+        assert nudge.choose_gamma(variant, none, none, q, sp.csr_matrix((1, 0))) == 0.0
 
 
 def test_gamma_n_top_k_ties_go_to_the_lower_id():
@@ -323,3 +326,9 @@ def test_the_formulas_refuse_what_the_model_would_refuse():
             with pytest.raises(pg.InputError, match="gamma must be a finite number in"):
                 fn(d, g, gamma)
     assert isinstance(nudge.choose_gamma("N", d, g, q, y, val_k=3), float)
+    with pytest.raises(TypeError, match="choose_gamma: g, q_val must be torch.Tensor, got "
+                                        "ndarray, list"):  # was 'no attribute float'
+        nudge.choose_gamma("M", d, g.numpy(), q.tolist(), y)
+    for fn in (nudge.nudge_m, nudge.nudge_n):
+        with pytest.raises(TypeError, match=f"{fn.__name__}: d must be torch.Tensor, got ndarray"):
+            fn(d.numpy(), g, 0.5)

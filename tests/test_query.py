@@ -269,6 +269,41 @@ def test_a_forged_adapter_setting_is_a_format_error(tmp_path, field, value):
         pg.load(tmp_path / "a")
 
 
+def test_a_forged_adapter_of_dimension_0_is_a_format_error(tmp_path):
+    """A forged W of shape (0, 0) (no fit makes one: queries of dimension 0 are refused)
+    loaded as a fitted adapter that then refused every query ('expected 0')."""
+    P, Q, Y, _ = problem(6)
+    pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P).save(tmp_path / "a")
+
+    def empty_w(m):
+        np.save(next((tmp_path / "a").glob("pefa-data-*")) / "W.npy", np.zeros((0, 0), "f4"))
+        m["W"]["shape"] = [0, 0]
+    resign(tmp_path / "a", empty_w)
+    with pytest.raises(FormatError, match=r"W must be a finite float32 \(d, d\) matrix \(d > 0"):
+        pg.load(tmp_path / "a")
+
+
+def test_prf_k_beyond_the_documents_is_named_as_k():
+    """VectorPRF(k=10**6) over 30 documents was refused as 'topk=1000000 but there are only 30
+    documents', a name the caller never gave."""
+    P, _, _, T = problem(6)
+    erm = pg.ERM(device="cpu").fit(P)
+    with pytest.raises(InputError, match="VectorPRF: k=1000000 but there are only 30 documents"):
+        pg.VectorPRF(k=10**6)(T, erm)
+    assert pg.VectorPRF(k=31)(T, erm).shape == T.shape  # ranks past the documents: -1 padding
+
+
+def test_a_query_model_of_a_query_model_is_refused(tmp_path):
+    """QueryModel(QueryModel(...)) searched and saved, but its save was refused on load ('part
+    'model' holds a QueryModel'), and with a prf it failed at the first search."""
+    P, Q, Y, _ = problem(6)
+    inner = pg.QueryModel(pg.ERM(device="cpu").fit(P),
+                          pg.QueryAdapter(alpha=1.0, device="cpu").fit(Q, Y, P))
+    for prf in (None, pg.VectorPRF()):
+        with pytest.raises(TypeError, match="model must be a pefa_gpu model .* got a QueryModel"):
+            pg.QueryModel(inner, prf=prf)
+
+
 def test_a_query_model_whose_adapter_has_another_dimension_is_a_format_error(tmp_path):
     P, Q, Y, _ = problem(6)
     pg.QueryModel(pg.ERM(device="cpu").fit(P),
@@ -534,3 +569,12 @@ def test_adapter_normal_equations_beyond_memory_are_refused_before_allocation():
     with pytest.raises(InputError, match=r"QueryAdapter: the \(200000, 200000\) float64 normal "
                                          r"equations and their solve need about .* GiB"):
         pg.QueryAdapter(alpha=1.0, device="cpu").fit(P, sp.eye(2, format="csr"), P)
+
+
+def test_adapter_whose_W_overflows_float32_is_refused():
+    """Tiny training queries (1e-40) over alpha=1e-300 gave W = inf: fit returned it, every
+    adapted query was NaN, and its save was refused on load ('W must be a finite ...')."""
+    P, Q, Y, _ = problem(3)
+    with pytest.raises(InputError, match=r"alpha=1e-300 is too small .* W overflows float32"):
+        pg.QueryAdapter(alpha=1e-300, device="cpu").fit(Q * 1e-40, Y, P)
+    assert torch.isfinite(pg.QueryAdapter(alpha=1e-300, device="cpu").fit(Q, Y, P).W).all()

@@ -53,6 +53,10 @@ def test_as_relevance_checks_shape_and_emptiness():
         pg.as_relevance(sp.csr_matrix((3, 3)))
     with pytest.raises(ValueError, match="scipy sparse"):
         pg.as_relevance([[1, 0]])
+    for shape in ((3,), (3, 3, 3), "ab", {3: 3, 4: 4}, (3.0, None), (True, None)):  # (3,): none
+        with pytest.raises(InputError, match=r"shape must be \(queries, documents\)"):
+            pg.as_relevance(m, shape=shape)  # 'ab': 'there are a query embeddings'
+    assert pg.as_relevance(m, shape=[np.int64(3), None]).nnz == 3
 
 
 def test_explicit_zeros_dropped_and_nan_rejected():
@@ -115,6 +119,12 @@ def test_a_sparse_y_of_more_than_2_31_rows_or_columns_is_refused_before_allocati
     with pytest.raises(InputError, match=r"shape=\(1, 4611686018427387904\) is not a usable"):
         pg.Relevance.from_pairs([0], [0], shape=(1, 2**62))
     assert pg.as_relevance(coo((1, 2**31 - 1))).shape == (1, 2**31 - 1)
+    # dense arrays without data: Y or Yᵀ of 8 TiB of row pointers (MemoryError), and evaluate's
+    for y in (np.zeros((2**40, 0), np.float32), torch.zeros(0, 2**40)):  # scipy ValueError
+        with pytest.raises(InputError, match=r"at most 2147483647 rows"):
+            pg.Relevance(y)
+    with pytest.raises(InputError, match=r"at most 2147483647 rows"):  # 'could not convert
+        pg.evaluate(np.zeros((0, 1), int), np.zeros((0, 2**40)), ks=1)  # integer scalar'
 
 
 def test_a_y_of_2_31_rows_or_columns_is_refused_before_its_row_pointers():
@@ -135,6 +145,10 @@ def test_malformed_shapes_rows_and_index_arrays_are_input_errors():
     """Each was a bare TypeError / IndexError / ValueError from Python or scipy."""
     with pytest.raises(InputError, match="shape must be two integers"):
         pg.Relevance.from_pairs([0], [0], shape=5)  # len() of an int
+    for shape in ({1: 1, 2: 2}, np.array(5)):  # KeyError: 0; len() of a 0-d array
+        with pytest.raises(InputError, match="shape must be two integers"):
+            pg.Relevance.from_pairs([0], [0], shape=shape)
+    assert pg.Relevance.from_pairs([0], [0], shape=[np.int64(1), 2]).shape == (1, 2)
     y = pg.Relevance.from_pairs([0, 1], [0, 1])
     with pytest.raises(InputError, match=r"1-D array of row positions, got shape \(1, 2\)"):
         y.rows([[0, 1]])  # scipy: 'Indexing that leads to >2D'
@@ -187,3 +201,13 @@ def test_rows_names_a_boolean_mask_of_another_length():
         with pytest.raises(InputError, match=r"a boolean mask needs 3 entries .Y's rows., got sh"):
             y.rows(mask)
     assert y.rows([False, True, True]).csr.toarray().tolist() == [[0, 1, 0], [0, 0, 1]]
+
+
+def test_relevance_of_a_relevance_is_a_copy():
+    """Relevance(a Relevance) was refused as 'Y must be a scipy sparse matrix, a
+    pefa_gpu.Relevance or ...', naming the type it was given as one it takes."""
+    y = pg.Relevance(sp.csr_matrix(np.array([[0, 2.0], [1, 0]], np.float32)))
+    z = pg.Relevance(y)
+    assert z.csr is not y.csr and (z.csr != y.csr).nnz == 0
+    z.csr.data[:] = 5
+    np.testing.assert_array_equal(y.csr.data, [2, 1])

@@ -387,3 +387,11 @@ def test_mine_negatives_through_a_query_model_uses_its_adapted_search():
     np.testing.assert_array_equal(neg, want)
     with pytest.raises(TypeError, match="VectorPRF: model must be a pefa_gpu model"):
         pg.VectorPRF()(T, qm)  # its search would adapt the PRF's queries again
+
+
+def test_positives_of_no_queries_and_2_40_columns_cost_nothing():
+    """Positives of shape (0, 2**40) (no data) were sorted by torch into 8 TiB (RuntimeError
+    'can't allocate memory'); no ids are one column of padding, as (B, 0) already was."""
+    erm = pg.ERM(device="cpu").fit(np.eye(3, dtype=np.float32))
+    none = torch.zeros(0, 2**40, dtype=torch.long)
+    assert pg.mine_negatives(erm, np.zeros((0, 3), np.float32), none, n=2).shape == (0, 2)

@@ -113,6 +113,11 @@ def test_bad_metric():
     with pytest.raises(InputError, match="recall@K"):
         tune(np.eye(3, dtype=np.float32), np.eye(3, dtype=np.float32),
              sp.identity(3, format="csr"), metric="ndcg@10")
+    from pefa_gpu.tune import parse_metric
+    for k in ("1" * 5000, "0" * 4400 + "1"):  # were int()'s ValueError: 'Exceeds the limit (4300
+        with pytest.raises(InputError, match="recall@K terms"):  # digits) ...', no name
+            parse_metric(f"recall@10,recall@{k}")
+    assert parse_metric("recall@000000000000000010") == (10,)
 
 
 def test_match_coverage_lowers_validation_coverage_for_cold_test_queries(tmp_path):
@@ -198,6 +203,12 @@ def test_metric_ks_and_relevance_widths_are_checked():
             per_query_recall(np.array([[3, 0]]), sp.csr_matrix(np.eye(1, 5)), ks)
     with pytest.raises(InputError, match="ids have 2 ranks per query, fewer than k = 5"):
         per_query_recall(np.array([[3, 0]]), sp.csr_matrix(np.eye(1, 5)), (1, 5))  # was 1.0
+    for ids, match in (([[3], [0]], "ids has 2 rows but Y has 1 queries"),  # were named Y_test,
+                       ([[7]], "ids contain document 7 but Y has 5 documents")):  # evaluate's
+        with pytest.raises(InputError, match=match):
+            per_query_recall(np.array(ids), sp.csr_matrix(np.eye(1, 5)), (1,))
+    with pytest.raises(InputError, match="Y contains NaN"):
+        per_query_recall(np.array([[0]]), sp.csr_matrix([[np.nan]]), (1,))
     with pytest.raises(InputError, match="Y has 5 columns .documents. but there are 20"):
         tune(P, Q, Y[:, :5], **SMALL)
     from pefa_gpu.tune import match_coverage
