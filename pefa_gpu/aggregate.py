@@ -80,17 +80,13 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
         src = RowSource(x, "Q")
     if src is not None:
         a = pifa_streamed(rel, src, dev, memory_budget, initial=initial)
-    else:
-        q = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach()
-        if q.shape[0] != m:
-            raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")
-        check_initial(initial, rel.shape[1], q.shape[1], dev)
-        a = transposed_csr(rel.csr, q.device) @ q  # torch's CSR product (cuSPARSE on CUDA)
-        a = a if initial is None else initial.add_(a)
-    bad = ~torch.isfinite(a).all(1)  # Y and Q are finite: sums past float32's range
-    if bool(bad.any()):  # (a model then blamed its index rows: 'vectors hold NaN or inf')
-        raise InputError(f"Yᵀ Q overflows float32 (±3.4e38) for documents "
-                         f"{bad.nonzero()[:5, 0].tolist()}: scale Y's weights or Q down")
+        return normalize_rows_(a) if normalize else a
+    q = as_embeddings(Q, device=dev, name="Q", check_norm=False).detach()
+    if q.shape[0] != m:
+        raise InputError(f"Y has {m} rows (queries) but Q has {q.shape[0]} rows")
+    check_initial(initial, rel.shape[1], q.shape[1], dev)
+    a = transposed_csr(rel.csr, q.device) @ q  # torch's CSR product (cuSPARSE on CUDA)
+    a = a if initial is None else initial.add_(a)
     return normalize_rows_(a) if normalize else a
 
 

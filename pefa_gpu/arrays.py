@@ -94,6 +94,8 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
         # no negative stride (numpy calls a reversed (1, d) view C-contiguous; torch refuses it)
         a = x if x.flags.c_contiguous and x.dtype.isnative and min(x.strides, default=0) >= 0 \
             else np.array(x, order="C", dtype=x.dtype.newbyteorder("="))
+        if a.dtype.char == "Q":  # numpy's ulonglong (2**63 and up in a list): torch reads uint64
+            a = a.view(np.uint64)
         if not a.flags.writeable:  # a read-only view: as_tensor reads it, never returns it
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
@@ -107,9 +109,10 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
                              f"{exc}") from exc
     if hasattr(x, "__array__") or isinstance(x, (list, tuple)):
         try:
-            return torch.as_tensor(np.asarray(x))
+            a = np.asarray(x)
         except (TypeError, ValueError) as exc:
             raise InputError(f"{name} could not be turned into a numeric array: {exc}") from exc
+        return _as_torch(a, name)
     raise InputError(f"{name} must be an array (numpy, torch, cupy or DLPack), "
                      f"got {type(x).__name__}")
 
@@ -135,10 +138,12 @@ def to_numpy(x: ArrayLike, name: str = "array") -> np.ndarray:
 
 def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,
                   dtype: torch.dtype = torch.float32, check_norm: bool = True,
-                  copy: bool = False, check_finite: bool = True) -> torch.Tensor:
+                  copy: bool = False, check_finite: bool = True,
+                  dim_from: str = "the dimension the model was fitted with") -> torch.Tensor:
     """A checked (rows, d) ``dtype`` matrix on ``device``: InputError on a wrong rank, d = 0, d !=
-    ``dim`` or NaN / inf (``check_finite``: no device sync when False); a warning for rows not
-    L2-normalised (``check_norm``). ``copy``: never shares memory with ``x``."""
+    ``dim`` (``dim_from`` says where it comes from) or NaN / inf (``check_finite``: no device
+    sync when False); a warning for rows not L2-normalised (``check_norm``). ``copy``: never
+    shares memory with ``x``."""
     t = as_tensor(x, device=device, dtype=dtype, name=name, copy=copy)
     if t.ndim == 1 and dim is not None and t.shape[0] == dim:
         t = t.unsqueeze(0)
@@ -147,8 +152,7 @@ def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,
     if t.shape[1] == 0:
         raise InputError(f"{name} has dimension 0")
     if dim is not None and t.shape[1] != dim:
-        raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} "
-                         f"(the dimension the model was fitted with)")
+        raise InputError(f"{name} has dimension {t.shape[1]}, expected {dim} ({dim_from})")
     if check_finite and t.numel() and not all_finite(t):
         src = as_tensor(x, name=name)  # finite before the cast: values past dtype's range
         if src.dtype != t.dtype and src.is_floating_point() and all_finite(src):

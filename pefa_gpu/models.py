@@ -305,6 +305,17 @@ class _AdaptedDocuments(_Model):
 
     _saved = _Model._saved + ("doc_embeddings", "doc_sums")
 
+    def _sums(self, rel: Relevance | sp.csr_matrix, q: torch.Tensor,
+              initial: torch.Tensor | None = None) -> torch.Tensor:
+        """g = Yᵀ q (+ ``initial``): (n, d) float32, refused where it overflows float32 (the
+        index then blamed its rows: 'vectors hold NaN or inf')."""
+        sums = pifa(rel, q, normalize=False, device=self.device, initial=initial)
+        bad = ~torch.isfinite(sums).all(1)
+        if bool(bad.any()):
+            raise InputError(f"Yᵀ Q overflows float32 (±3.4e38) for documents "
+                             f"{bad.nonzero()[:5, 0].tolist()}: scale Y's weights or Q down")
+        return sums
+
     def _adapted_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Index rows of valid ``ids`` (any shape) -> (*ids.shape, d) float32."""
         flat = ids.reshape(-1)
@@ -328,9 +339,8 @@ class _AdaptedDocuments(_Model):
         if not cols.size:
             return
         touched = as_tensor(cols.astype(np.int64), device=self.device)
-        # pifa refuses sums past float32's range before doc_sums changes: the rows are finite
-        self.doc_sums[touched] = pifa(rel.csr[:, cols], q, normalize=False, device=self.device,
-                                      initial=self.doc_sums[touched])
+        # sums past float32's range are refused before doc_sums changes: the rows are finite
+        self.doc_sums[touched] = self._sums(rel.csr[:, cols], q, self.doc_sums[touched])
         try:
             self.index.update(touched, self._adapted_rows(touched))
         except NotImplementedError:
@@ -357,7 +367,7 @@ class PEFAXS(_AdaptedDocuments):
         p, q, rel = self._embeddings(P, Q, Y, copy_queries=False)
         # p_j as document j's first query: add_pairs then equals a refit to the bit (CPU)
         start = p.clone() if self.params.augment_docs else torch.zeros_like(p)
-        self.doc_sums = pifa(rel, q, normalize=False, device=self.device, initial=start)
+        self.doc_sums = self._sums(rel, q, start)
         return self._fitted(p, self._adapt(p, self.doc_sums))
 
     def xs_embeddings(self, lam: float | None = None) -> torch.Tensor:
@@ -384,7 +394,7 @@ class NUDGE(_AdaptedDocuments):
         Y_val (v, n): validation queries for gamma (default: a seeded ``val_fraction`` of Q,
         with g_j from the rest; the documents then move along g_j of all of Q)."""
         p, q, rel = self._embeddings(P, Q, Y)
-        gamma, sums = self.params.gamma, pifa(rel, q, normalize=False, device=self.device)
+        gamma, sums = self.params.gamma, self._sums(rel, q)
         if (Q_val is None) != (Y_val is None):
             raise InputError("NUDGE.fit: Q_val and Y_val go together")
         if gamma is not None and Q_val is not None:

@@ -121,7 +121,8 @@ class QueryAdapter(_Saved):
     def fit(self, Q: ArrayLike, Y: RelevanceLike, P: ArrayLike) -> "QueryAdapter":
         """Q: (m, d) training queries, Y: (m x n) relevance, P: (n, d) documents."""
         p = as_embeddings(P, self.device, "P", check_norm=False).detach()
-        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False).detach()
+        q = as_embeddings(Q, self.device, "Q", dim=p.shape[1], check_norm=False,
+                          dim_from="P's").detach()
         rel = as_relevance(Y, shape=(q.shape[0], p.shape[0]))
         d = p.shape[1]
         if p.device.type == "cpu":  # 2 rows of d = 30000 asked 14.4 GB: torch's RuntimeError

@@ -149,19 +149,3 @@ def test_pifa_sums_past_the_machines_memory_are_refused_before_allocating():
     with pytest.raises(pg.InputError, match=r"pifa: the \(2147483647, 4096\) float32 sums .* "
                                              r"GiB of memory, more than this machine's"):
         pg.pifa(Y, np.ones((1, 4096), np.float32), device="cpu")
-
-
-@pytest.mark.parametrize("streamed", [False, True])
-def test_sums_past_float32s_range_name_y_and_the_documents(streamed, tmp_path):
-    """Finite Y and Q whose Yᵀ Q overflows: pifa gave inf rows (NaN once normalised), and
-    PEFAXS.fit then blamed its index rows ('vectors hold NaN or inf')."""
-    P = np.eye(4, 3, dtype=np.float32)
-    Q = np.tile(np.float32([[1, 0, 0]]), (2, 1))
-    Y = sp.csr_matrix(np.float32([[0, 0, 3e38, 0]] * 2))  # document 2: 6e38
-    if streamed:
-        np.save(tmp_path / "q.npy", Q)
-    q = str(tmp_path / "q.npy") if streamed else Q
-    with pytest.raises(pg.InputError, match=r"overflows float32 .* for documents \[2\]"):
-        pg.pifa(Y, q, device="cpu")
-    with pytest.raises(pg.InputError, match=r"Yᵀ Q overflows float32"):
-        pg.PEFAXS(device="cpu").fit(P, Q, Y)

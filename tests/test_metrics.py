@@ -127,7 +127,8 @@ def test_ids_beyond_int64_and_a_relevance_without_documents():
     '-9223372036854775808: only -1 marks padding'; Y_test of 0 columns with padding-only ids was
     scipy's IndexError."""
     y = sp.csr_matrix(np.eye(2, 4, dtype=np.float32))
-    for big in (np.full((2, 1), 1e20), np.full((2, 1), 2**63 + 5, np.uint64)):
+    # a list past 2**63 is numpy's ulonglong, which torch read as 'can't convert ... uint64'
+    for big in (np.full((2, 1), 1e20), np.full((2, 1), 2**63 + 5, np.uint64), [[2**63]] * 2):
         with pytest.raises(pg.InputError, match=r"ids contain document \d+ but Y_test has 4"):
             pg.evaluate(big, y, ks=(1,))
     res = pg.evaluate(np.full((3, 2), -1), sp.csr_matrix((3, 0)), ks=(1,), count_empty=True)

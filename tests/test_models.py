@@ -258,3 +258,15 @@ def test_repr_lists_the_settings_backend_device_and_size():
     xl = pg.PEFAXL(lam=0.2, k=3, device="cpu", search_params=pg.XLSearchParams(candidates=9))
     assert repr(xl) == ("PEFAXL(lam=0.2, k=3, knn_norm='k', rescore=True, augment_docs=True, "
                         "candidates=9, backend='exact', device='cpu', n_docs=0)")
+
+
+@pytest.mark.parametrize("model", [pg.PEFAXS, pg.NUDGE])
+def test_document_sums_past_float32s_range_name_y_and_the_documents(model):
+    """Finite Y and Q whose Yᵀ Q overflows: PEFAXS.fit blamed its index rows ('vectors hold NaN
+    or inf as float32'), arguments the caller never gave."""
+    P = np.eye(4, 3, dtype=np.float32)
+    Q = np.tile(np.float32([[1, 0, 0]]), (2, 1))
+    Y = sp.csr_matrix(np.float32([[0, 0, 3e38, 0]] * 2))  # document 2: 6e38
+    with pytest.raises(pg.InputError, match=r"Yᵀ Q overflows float32 .* for documents \[2\]"):
+        model(device="cpu", gamma=1.0).fit(P, Q, Y) if model is pg.NUDGE else \
+            model(device="cpu").fit(P, Q, Y)

@@ -333,8 +333,8 @@ def test_bad_input():
     a = pg.QueryAdapter(alpha=1.0, device="cpu")
     with pytest.raises(InputError, match="not fitted"):
         a(T)
-    with pytest.raises(InputError, match="dimension"):
-        a.fit(Q[:, :5], Y, P)
+    with pytest.raises(InputError, match=r"Q has dimension 5, expected \d+ \(P's\)"):
+        a.fit(Q[:, :5], Y, P)  # it said '(the dimension the model was fitted with)'
     with pytest.raises(InputError, match="rows"):
         a.fit(Q[:10], Y, P)
     with pytest.raises(InputError, match="columns"):
@@ -346,7 +346,7 @@ def test_bad_input():
     with pytest.raises(InputError, match="no nonzero"):
         a.fit(Q, sp.csr_matrix(Y.shape, dtype=np.float32), P)
     a.fit(Q, Y, P)
-    with pytest.raises(InputError, match="dimension"):
+    with pytest.raises(InputError, match="dimension the model was fitted with"):
         a(T[:, :4])
     bad = T.copy()
     bad[0, 0] = np.inf
