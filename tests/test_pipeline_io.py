@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import textwrap
 import tracemalloc
@@ -291,8 +292,12 @@ def test_row_bounds_that_are_not_ints_are_named(tmp_path):
                                              f"got {match}"):
             rows.take(bad)
     for bad in ([0, 3, 1], [0, 50, 3]):  # were wrong rows or a raw IndexError
-        with pytest.raises(InputError, match="rows must be in ascending order"):
-            rows.take(np.array(bad))
+        for dt in (np.int64, np.uint64):  # np.diff of uint64 wraps: the order was not checked
+            with pytest.raises(InputError, match="rows must be in ascending order"):
+                rows.take(np.array(bad, dt))
+    for out in (np.empty((2, 3), np.float32), np.empty((2, 2)), [[0, 0], [0, 0]]):
+        with pytest.raises(InputError, match="out must be a \\(2, 2\\) float32"):
+            rows.take(np.array([0, 3]), out)  # was numpy's raw ValueError / TypeError
 
 
 @pytest.mark.parametrize("fields", [{}, {"rows": "ab"}, {"rows": [0.5, 1]}, {"rows": [2, 1]},
@@ -313,6 +318,15 @@ def test_rows_take_reads_rows_across_shards(tmp_path):
         np.testing.assert_array_equal(got, x[want])
     with pytest.raises(InputError, match="outside"):
         rows.take(np.array([3, 250]))
+
+
+def test_rows_take_checks_a_stage_files_dim_before_allocating(tmp_path):
+    # a forged stage.json dim (2^40) was a MemoryError for 8 TiB before any shard was read
+    folder = pp.write_rows(np.ones((10, 4), np.float32), tmp_path / "x", rows=3)
+    body = json.loads((folder / "stage.json").read_text())
+    (folder / "stage.json").write_text(json.dumps({**body, "dim": 2**40}))
+    with pytest.raises(FormatError, match="holds no 'embeddings' of its stage's shape"):
+        pp.Rows(folder).take(np.array([0, 1]))
 
 
 def test_a_search_reads_every_shard_once_per_round(tmp_path, monkeypatch):

@@ -330,13 +330,19 @@ class Rows:
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
-        if (np.diff(rows) < 0).any():  # its shards' cuts: a raw IndexError, or wrong rows
-            raise InputError("rows must be in ascending order")
-        out = np.empty((len(rows), self.dim), dtype=np.float32) if out is None else out
+        if (rows[1:] < rows[:-1]).any():  # its shards' cuts: a raw IndexError, or wrong rows
+            raise InputError("rows must be in ascending order")  # (np.diff wraps for uint64)
+        if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                                or out.shape != (len(rows), self.dim)):
+            raise InputError(f"out must be a ({len(rows)}, {self.dim}) float32 numpy array, "
+                             f"got {getattr(out, 'shape', type(out).__name__)} "
+                             f"{getattr(out, 'dtype', '')}")
         cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
-        for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
-            if b > a:  # read into ``out``: no second copy of the rows
-                np.take(self._part(i), rows[a:b] - s.rows[0], axis=0, out=out[a:b])
+        parts = {i: self._part(i) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a}
+        out = np.empty((len(rows), self.dim), dtype=np.float32) if out is None else out
+        for i, part in parts.items():  # shapes checked (a forged dim was allocated first)
+            a, b, lo = cuts[i], cuts[i + 1], self.shards[i].rows[0]
+            np.take(part, rows[a:b] - lo, axis=0, out=out[a:b])  # no second copy of the rows
         return out
 
 
