@@ -320,6 +320,20 @@ def test_rows_take_reads_rows_across_shards(tmp_path):
         rows.take(np.array([3, 250]))
 
 
+def test_aggregate_sums_past_float32_are_refused_by_name(tmp_path):
+    """Yᵀ Q past float32's range was written (inf sums, NaN E after a warning), and
+    build('xs') then said 'P contains NaN or inf'."""
+    big = np.full((2, 4), np.finfo(np.float32).max, np.float32)
+    queries = pp.write_rows(big, tmp_path / "q")
+    docs = pp.write_rows(np.ones((3, 4), np.float32), tmp_path / "p")
+    rel = pp.write_relevance(sp.csr_matrix(np.ones((2, 3), np.float32)), tmp_path / "y", rows=1)
+    for lam in (None, 0.5):
+        with pytest.raises(InputError, match=r"sums Yᵀ Q of documents \[0, 1, 2\]\.\.\. "
+                                             r"overflow float32"):
+            pp.aggregate(queries, rel, docs, tmp_path / "a", lam=lam)
+        assert not (tmp_path / "a" / "stage.json").exists()
+
+
 def test_rows_take_checks_a_stage_files_dim_before_allocating(tmp_path):
     # a forged stage.json dim (2^40) was a MemoryError for 8 TiB before any shard was read
     folder = pp.write_rows(np.ones((10, 4), np.float32), tmp_path / "x", rows=3)

@@ -87,8 +87,13 @@ def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tupl
     for part in filter(None, parts):
         t = open_entry(out, part).tensors
         rows, sums = t[f"docs-{index}"].numpy(), t[f"sums-{index}"].numpy()
-        acc[rows] += sums
+        with np.errstate(over="ignore"):  # refused below, by name
+            acc[rows] += sums
         moved += rows.nbytes + sums.nbytes
+    if not np.isfinite(acc).all():  # E was NaN (a warning), then build('xs') blamed 'P'
+        bad = np.flatnonzero(~np.isfinite(acc).all(axis=1))[:5] + doc_range[0]
+        raise InputError(f"the sums Yᵀ Q of documents {bad.tolist()}... overflow float32: "
+                         f"scale the query embeddings or Y's weights down")
     tensors: dict[str, Any] = {"sums": torch.from_numpy(acc)}
     if lam is not None:
         tensors["embeddings"] = pefa_xs(torch.from_numpy(p), tensors["sums"], lam)
