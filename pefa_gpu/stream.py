@@ -167,7 +167,8 @@ class IteratorSource(RowSource):
             return c
         # a cast dropped complex chunks' imaginary part; text was numpy's ValueError
         if c.dtype.kind not in "iu" and not is_bfloat16(c.dtype):
-            raise InputError(f"{where} has dtype {c.dtype}; real numbers are needed")
+            raise InputError(f"{where} has dtype {c.dtype}; float16, float32, float64, "
+                             f"bfloat16 (ml_dtypes) or integers are needed")
         return c.astype(np.float32)
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:

@@ -261,6 +261,9 @@ def test_errors(tmp_path):
     for kind in ("U1", np.complex64, object, bool):
         with pytest.raises(pg.InputError, match="Q: the chunk at row 0 has dtype"):
             pg.pifa(Y, iter([Q.astype(kind)]), device="cpu")
+    if np.dtype(np.longdouble).itemsize > 8:  # was told 'real numbers are needed'
+        with pytest.raises(pg.InputError, match="float128; float16, float32, float64, bfloat16"):
+            pg.pifa(Y, iter([Q.astype(np.longdouble)]), device="cpu")
     # a chunk that is no array was 'array must be an array ...', naming neither Q nor the row
     with pytest.raises(pg.InputError, match=r"Q: the chunk at row 50 must be an array .*dict"):
         pg.pifa(Y, iter([Q[:50], {"rows": 1}]), device="cpu")
