@@ -536,6 +536,21 @@ def test_encode_encodes_again_a_shard_resigned_with_float_rows(tmp_path):
     assert torch.equal(torch.as_tensor(pp.read_rows(out)), torch.as_tensor(want))
 
 
+def test_encode_refuses_shards_of_different_dimensions(tmp_path):
+    """A model changed under the same cache_key (its shards kept, a new one of another width)
+    wrote a stage whose every read said a shard is 'not of its stage's shape'."""
+    def enc(texts):
+        return np.ones((len(texts), width), np.float32)
+    enc.cache_key = "same-key"
+    width = 3
+    out = pp.encode(["a", "b"], tmp_path / "enc", model=enc, rows=2, show_progress=False)
+    width = 4
+    with pytest.raises(InputError, match=r"embeddings of dimensions \[3, 4\] \(one changed "
+                                         r"under the same cache_key\?\)"):
+        pp.encode(["a", "b", "c"], out, model=enc, rows=2, show_progress=False)
+    assert pp.read_rows(out).shape == (2, 3)  # the earlier stage is left as it was
+
+
 _KILLER = """
 import sys
 sys.path[:0] = {paths!r}

@@ -447,7 +447,11 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     if None in manifests:
         raise FormatError(f"encode: shard {manifests.index(None)} of {out} is missing after "
                           f"the run")
-    dim = manifests[0]["tensors"]["embeddings"]["shape"][1] if texts else 0
+    dims = [f["tensors"]["embeddings"]["shape"][1] for f in manifests]
+    if len(set(dims)) > 1:  # was written, then every read said a shard is not of its shape
+        raise InputError(f"encode: the model gave {out}'s shards embeddings of dimensions "
+                         f"{sorted(set(dims))} (one changed under the same cache_key?)")
+    dim = dims[0] if texts else 0
     shards = tuple(Entry.of(shard_name("shard", i), f) for i, f in enumerate(manifests))
     return write_stage(out, Stage(stage="encode", shards=shards, n=len(texts), dim=dim,
                                   model=identity, normalize=normalize))
