@@ -309,6 +309,17 @@ def test_a_shard_without_its_rows_is_refused_before_it_is_written(tmp_path, fiel
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("name", [".", "", "sub/.."])
+def test_a_shard_named_as_its_folder_is_refused_before_it_is_written(tmp_path, monkeypatch,
+                                                                      name):
+    # '.' was saved into the working folder, then Entry.of's raw ValueError
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(InputError, match="a shard is named .*, not a folder in the stage"):
+        pp.write_shard(name, {"rows": [0, 1]}, {"e": torch.ones(1, 2)})
+    assert sorted(os.listdir(tmp_path)) == ["sub"] and not os.listdir(tmp_path / "sub")
+
+
 def test_rows_take_reads_rows_across_shards(tmp_path):
     x = np.random.default_rng(3).standard_normal((250, 8)).astype(np.float32)
     rows = pp.Rows(pp.write_rows(x, tmp_path / "x", rows=100))

@@ -143,6 +143,8 @@ def write_shard(path: str | Path, fields: dict[str, Any],
             and all(type(r) is int for r in rows) and 0 <= rows[0] <= rows[1]):
         raise InputError(f"a shard's fields need 'rows': [lo, hi], ints with 0 <= lo <= hi; "
                          f"got {rows!r}")
+    if Path(path).name in ("", ".."):  # Entry.of's ValueError, after the save was written
+        raise InputError(f"a shard is named {str(path)!r}, not a folder in the stage")
     with writing_save(in_stage(Path(path)), SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
 
