@@ -374,3 +374,17 @@ def test_a_search_reads_every_shard_once_per_round(tmp_path, monkeypatch):
     assert torch.equal(got[1], want[1])  # scores: faiss' BLAS path sums in another order
     np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=0, atol=2e-6)
     assert got[1][1, 0] == 7
+
+
+def test_a_file_given_for_a_stage_folder_is_named(tmp_path):
+    """A file for a stage folder (a .npy, the stage.json itself) was a raw NotADirectoryError
+    from every reader (read_stage, read_rows, build, search's queries)."""
+    docs = pp.write_rows(np.eye(3, dtype=np.float32), tmp_path / "p")
+    np.save(tmp_path / "q.npy", np.eye(3, dtype=np.float32))
+    b = pp.build("erm", tmp_path / "b", docs)
+    for file in (tmp_path / "q.npy", docs / "stage.json"):
+        for run in (lambda: pp.read_stage(file), lambda: pp.read_rows(file),
+                    lambda: pp.build("erm", tmp_path / "b2", file), lambda: pp.search(b, file)):
+            with pytest.raises(FormatError, match=f"{file} is not a folder: a stage is a folder "
+                                                  f"holding its stage.json"):
+                run()

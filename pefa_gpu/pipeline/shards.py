@@ -283,6 +283,9 @@ def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
     except FileNotFoundError:
         raise FormatError(f"{folder} holds no complete stage ({STAGE_FILE} missing: not run "
                           f"yet, or interrupted)") from None
+    except NotADirectoryError:  # a file given for the folder (a .npy, its stage.json): raw
+        raise FormatError(f"{folder} is not a folder: a stage is a folder holding its "
+                          f"{STAGE_FILE}") from None
     if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
         raise FormatError(f"{path} is not a pefa_gpu stage file")
     if body.get("format_version") != 1:  # the only version written (a newer one: not read)
