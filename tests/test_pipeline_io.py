@@ -17,6 +17,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
+import pefa_gpu as pg
 from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index.exact import ExactIndex
@@ -388,3 +389,24 @@ def test_a_file_given_for_a_stage_folder_is_named(tmp_path):
             with pytest.raises(FormatError, match=f"{file} is not a folder: a stage is a folder "
                                                   f"holding its stage.json"):
                 run()
+
+
+def test_search_takes_any_path_like_for_a_query_stage(tmp_path):
+    # a PurePosixPath or another os.PathLike was refused as 'queries must be an array'
+    import pathlib
+
+    class Where:
+        def __fspath__(self):
+            return str(queries)
+    x = np.eye(3, dtype=np.float32)
+    docs, queries = pp.write_rows(x, tmp_path / "p"), pp.write_rows(x, tmp_path / "q")
+    b = pp.build("erm", tmp_path / "b", docs)
+    want = pp.search(b, x, topk=2)
+    for q in (pathlib.PurePosixPath(queries), Where()):
+        got = pp.search(b, q, topk=2)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    y = sp.eye(3, dtype=np.float32, format="csr")
+    got = pp.evaluate_configs(pathlib.PurePosixPath(docs), Where(), y, x, y,
+                              [pg.Config("erm")], tmp_path / "w", ks=(1,), topk=2,
+                              show_progress=False)
+    assert got[0]["recall@1"] == 1.0 and not (tmp_path / "w" / "docs").exists()

@@ -3,6 +3,7 @@ device; :func:`search_batch` merges their top-k. :func:`evaluate_configs`: every
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -158,7 +159,7 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     for name, v in (("lam", lam), ("k", k), ("candidates", candidates)):
         if v is not None:
             _CHECKS[name](v, name)
-    if isinstance(queries, (str, Path)):
+    if isinstance(queries, (str, os.PathLike)):  # any other PathLike: 'must be an array'
         source = Rows(queries)
         if source.dim != info.dim:
             raise InputError(f"queries have dimension {source.dim}, the build {info.dim}")
@@ -199,7 +200,8 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
             _CHECKS[axis](getattr(cfg, axis), axis)
     run = runner or LocalRunner()
     work = Path(work)
-    prows, qrows = (Rows(x if isinstance(x, (str, Path)) else write_rows(x, work / n, stage=n))
+    prows, qrows = (Rows(x if isinstance(x, (str, os.PathLike))
+                         else write_rows(x, work / n, stage=n))
                     for x, n in ((P, "docs"), (Q, "queries")))  # arrays written as row stages
     docs, train = prows.folder, qrows.folder
     doc_rows = max(-(-prows.n // run.workers), 1) if doc_rows is None else doc_rows
