@@ -410,3 +410,19 @@ def test_search_takes_any_path_like_for_a_query_stage(tmp_path):
                               [pg.Config("erm")], tmp_path / "w", ks=(1,), topk=2,
                               show_progress=False)
     assert got[0]["recall@1"] == 1.0 and not (tmp_path / "w" / "docs").exists()
+
+
+def test_a_listed_shard_that_is_gone_is_named(tmp_path):
+    # a shard folder deleted (or not copied with its stage) was open_save's raw
+    # FileNotFoundError for every reader
+    import shutil
+
+    x = np.eye(4, dtype=np.float32)
+    docs = pp.write_rows(x, tmp_path / "p", rows=2)
+    b = pp.build("erm", tmp_path / "b", docs, doc_rows=2)
+    for folder, shard, run in ((docs, "shard-00001", lambda: pp.read_rows(docs)),
+                               (b, "doc-00000", lambda: pp.search(b, x, topk=2))):
+        shutil.rmtree(folder / shard)
+        with pytest.raises(FormatError, match=f"{folder / shard} is missing: "
+                                              f"{folder / 'stage.json'} lists it"):
+            run()

@@ -206,6 +206,9 @@ def read_shard(path: str | Path, device: DeviceLike = "cpu", mmap: bool = True,
 def open_entry(folder: str | Path, entry: Entry, device: DeviceLike = "cpu") -> Shard:
     """The shard of a stage ``folder`` that ``entry`` names, checked against it."""
     path = in_stage(Path(folder) / entry.name, FormatError)
+    if not os.path.lexists(path):  # was open_save's raw FileNotFoundError
+        raise FormatError(f"{path} is missing: {Path(folder) / STAGE_FILE} lists it (deleted, "
+                          f"or not copied with its stage?)")
     return read_shard(path, device=device, expect_sha=entry.manifest_sha256)
 
 
