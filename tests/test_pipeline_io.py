@@ -426,3 +426,15 @@ def test_a_listed_shard_that_is_gone_is_named(tmp_path):
         with pytest.raises(FormatError, match=f"{folder / shard} is missing: "
                                               f"{folder / 'stage.json'} lists it"):
             run()
+
+
+def test_a_tensor_a_stage_lacks_is_named_with_what_it_holds(tmp_path):
+    # read_rows(..., tensor='sums') of a row stage, or the default 'embeddings' of a sums-only
+    # aggregate, read as a damaged shard ('holds no ... of its stage's shape'), and nothing more
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 5, n=40, m=60, d=8)
+    sums = pp.aggregate(queries, rel, docs, tmp_path / "sums")
+    for folder, tensor, held in ((docs, "sums", "['embeddings']"), (sums, "embeddings",
+                                                                     "['sums']")):
+        with pytest.raises(FormatError, match=f"holds no '{tensor}' of its stage's shape "
+                                              f".*; it holds \\{held[:-1]}\\]"):
+            pp.read_rows(folder, tensor=tensor)

@@ -311,11 +311,12 @@ class Rows:
         self.shards, self.n, self.dim = info.shards, info.shards[-1].rows[1], info.dim
 
     def _part(self, i: int) -> np.ndarray:
-        t = open_entry(self.folder, self.shards[i]).tensors.get(self.tensor)
-        lo, hi = self.shards[i].rows
-        if t is None or tuple(t.shape) != (hi - lo, self.dim):
+        tensors = open_entry(self.folder, self.shards[i]).tensors
+        t, (lo, hi) = tensors.get(self.tensor), self.shards[i].rows
+        if t is None or tuple(t.shape) != (hi - lo, self.dim):  # tensor='sums' of a row stage
             raise FormatError(f"{self.folder / self.shards[i].name} holds no {self.tensor!r} of "
-                              f"its stage's shape ({hi - lo}, {self.dim})")
+                              f"its stage's shape ({hi - lo}, {self.dim}); it holds "
+                              f"{sorted(tensors)}")
         return t.numpy()
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
