@@ -438,3 +438,29 @@ def test_a_tensor_a_stage_lacks_is_named_with_what_it_holds(tmp_path):
         with pytest.raises(FormatError, match=f"holds no '{tensor}' of its stage's shape "
                                               f".*; it holds \\{held[:-1]}\\]"):
             pp.read_rows(folder, tensor=tensor)
+
+
+def test_a_folder_that_is_no_path_is_named(tmp_path):
+    # each was a raw "expected str, bytes or os.PathLike object, not int", naming nothing
+    x = np.eye(3, dtype=np.float32)
+    y = sp.eye(3, dtype=np.float32, format="csr")
+    docs, queries = pp.write_rows(x, tmp_path / "p"), pp.write_rows(x, tmp_path / "q")
+    rel = pp.write_relevance(y, tmp_path / "y")
+    calls = {"out": [lambda: pp.write_rows(x, 5), lambda: pp.write_relevance(y, 5),
+                     lambda: pp.aggregate(queries, rel, docs, 5), lambda: pp.build("erm", 5, docs),
+                     lambda: pp.encode(["a"], 5, model=lambda t: np.ones((len(t), 2)))],
+             "folder": [lambda: pp.read_rows(5), lambda: pp.read_stage(None)],
+             "queries": [lambda: pp.aggregate(5, rel, docs, tmp_path / "a")],
+             "relevance": [lambda: pp.build("xl", tmp_path / "b", docs, queries=queries,
+                                            relevance=5)],
+             "docs": [lambda: pp.build("erm", tmp_path / "b", 5)],
+             "embeddings": [lambda: pp.build("xs", tmp_path / "b", docs, embeddings=5)],
+             "build": [lambda: pp.search(5, x)],
+             "path": [lambda: pp.write_shard(5, {"rows": [0, 1]})],
+             "work": [lambda: pp.evaluate_configs(x, x, y, x, y, [pg.Config("erm")], 5)]}
+    for name, runs in calls.items():
+        for run in runs:
+            with pytest.raises(TypeError, match=f"{name} must be a path \\(str or os.PathLike\\), "
+                                                f"got (int|NoneType)"):
+                run()
+    assert sorted(os.listdir(tmp_path)) == ["p", "q", "y"]

@@ -15,8 +15,9 @@ from ..aggregate import pefa_xs, pifa
 from ..errors import FormatError, InputError
 from ..params import check_unit_interval
 from .runner import LocalRunner
-from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, check_stage_out, open_entry, read_stage,
-                     remove_shard, shard_name, split, write_shard, write_stage)
+from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, check_folders, check_stage_out,
+                     open_entry, read_stage, remove_shard, shard_name, split, write_shard,
+                     write_stage)
 
 
 @dataclasses.dataclass
@@ -108,6 +109,7 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     """PIFA Yᵀ Q (and PEFA-XS's E, given ``lam``) per range of ``doc_rows`` documents from row
     stages of Q (m, d) and P (n, d) and a relevance stage of Y; no task holds more than one
     query shard or one range, the partial sums wait on disk (``out/part-<r>``, removed)."""
+    check_folders(queries=queries, relevance=relevance, docs=docs, out=out)
     prows = Rows(docs)
     rel, ranges = read_pairs(relevance, queries, prows, doc_rows)
     if lam is not None:

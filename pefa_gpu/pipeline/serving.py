@@ -23,7 +23,8 @@ from ..topk import merge_lists
 from .aggregation import aggregate
 from .indexing import METHODS, build
 from .runner import LocalRunner
-from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance, write_rows
+from .shards import (Entry, Rows, Stage, check_folders, open_entry, read_stage,
+                     write_relevance, write_rows)
 
 DEFAULT_BATCH = 8192        # test queries per search round (each round reads every shard)
 Result = tuple[torch.Tensor, torch.Tensor]
@@ -154,6 +155,7 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     from tqdm.auto import tqdm
 
     batch_size = check_positive(batch_size, "batch_size")
+    check_folders(build=build)
     info = read_stage(build, "build")
     topk = check_topk(topk, info.n)
     for name, v in (("lam", lam), ("k", k), ("candidates", candidates)):
@@ -199,6 +201,7 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
         for axis in REGISTRY[cfg.method].axes:  # xs: lam; xl: lam and k
             _CHECKS[axis](getattr(cfg, axis), axis)
     run = runner or LocalRunner()
+    check_folders(work=work)
     work = Path(work)
     prows, qrows = (Rows(x if isinstance(x, (str, os.PathLike))
                          else write_rows(x, work / n, stage=n))

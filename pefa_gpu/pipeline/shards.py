@@ -27,9 +27,9 @@ from ..params import (XLParams, XLSearchParams, check_nonnegative, check_positiv
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
-from ..storage import (PendingSave, SaveDir, check_output_file, load_csr, load_tensor,
-                       open_save, read_json, save_csr, save_tensor, write_output_file,
-                       writing_save)
+from ..storage import (PendingSave, SaveDir, as_path, check_output_file, load_csr,
+                       load_tensor, open_save, read_json, save_csr, save_tensor,
+                       write_output_file, writing_save)
 from .runner import LocalRunner
 
 log = logging.getLogger("pefa_gpu")
@@ -143,7 +143,7 @@ def write_shard(path: str | Path, fields: dict[str, Any],
             and all(type(r) is int for r in rows) and 0 <= rows[0] <= rows[1]):
         raise InputError(f"a shard's fields need 'rows': [lo, hi], ints with 0 <= lo <= hi; "
                          f"got {rows!r}")
-    if Path(path).name in ("", ".."):  # Entry.of's ValueError, after the save was written
+    if as_path(path, "path").name in ("", ".."):  # was saved, then Entry.of's ValueError
         raise InputError(f"a shard is named {str(path)!r}, not a folder in the stage")
     with writing_save(in_stage(Path(path)), SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
@@ -235,6 +235,13 @@ def remove_shard(path: Path) -> None:
             save.root.rmdir()
 
 
+def check_folders(**folders: Any) -> None:
+    """TypeError naming the first of ``folders`` (name=value; None skipped) that is no path."""
+    for name, value in folders.items():
+        if value is not None:
+            as_path(value, name)
+
+
 def split(n: int, rows: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of at most ``rows`` rows covering 0 .. n (one empty range for n = 0)."""
     rows = check_positive(rows, "rows")
@@ -248,7 +255,7 @@ def shard_name(kind: str, i: int) -> str:
 def check_stage_out(folder: str | Path, kind: str) -> Path:
     """``folder/stage.json`` if it is absent or a ``kind`` stage file in a writable folder, else
     InputError (an input given as the output folder was replaced)."""
-    path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
+    path = check_output_file(as_path(folder, "out") / STAGE_FILE, STAGE_FILE)  # no link, FIFO
     if os.path.lexists(path):
         body = None
         with contextlib.suppress(OSError, FormatError):  # gone or unreadable: not a stage
@@ -280,7 +287,7 @@ _SHARD_NAME = re.compile(r"(shard|doc|query|part)-[0-9]{5,}\Z")  # shard_name's
 
 def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
     """``folder/stage.json`` (FormatError: missing, damaged or not a ``stage`` stage)."""
-    path = Path(folder) / STAGE_FILE
+    path = as_path(folder, "folder") / STAGE_FILE  # (an int: a raw TypeError naming nothing)
     try:
         body = read_json(path, "stage file")  # a FIFO was read forever, /dev/zero without bound
     except FileNotFoundError:
@@ -306,7 +313,7 @@ class Rows:
     """The rows (``tensor``) of a row stage, read from its memory-mapped shards."""
 
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
-        self.folder, self.tensor = Path(folder), tensor
+        self.folder, self.tensor = as_path(folder, "folder"), tensor
         info = read_stage(self.folder)  # its shards tile rows 0 .. n (one shard at least)
         self.shards, self.n, self.dim = info.shards, info.shards[-1].rows[1], info.dim
 
@@ -434,7 +441,7 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     """Encode ``texts`` into a row stage of ``rows``-text shards on the runner's workers,
     keeping shards of the same texts and model (one with a ``cache_key``: picklable)."""
     texts = _check_texts(texts)
-    out = Path(out)
+    out = as_path(out, "out")
     check_stage_out(out, "encode")
     identity = resolve_model(model, "cpu").identity
     if identity is None:
