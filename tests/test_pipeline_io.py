@@ -464,3 +464,16 @@ def test_a_folder_that_is_no_path_is_named(tmp_path):
                                                 f"got (int|NoneType)"):
                 run()
     assert sorted(os.listdir(tmp_path)) == ["p", "q", "y"]
+
+
+def test_aggregate_takes_a_numpy_lam(tmp_path):
+    # np.float32 / np.int64 lam stopped at the first reduce: 'the manifest cannot be written
+    # as JSON: Object of type float32 is not JSON serializable', the map's work lost
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 6, n=40, m=60, d=8)
+    want = pp.read_rows(pp.aggregate(queries, rel, docs, tmp_path / "want", lam=0.25))
+    for i, lam in enumerate((np.float32(0.25), np.float16(0.25))):
+        got = pp.aggregate(queries, rel, docs, tmp_path / f"a{i}", lam=lam)
+        assert pp.read_stage(got).lam == 0.25
+        np.testing.assert_array_equal(pp.read_rows(got), want)
+    assert pp.read_stage(pp.aggregate(queries, rel, docs, tmp_path / "one",
+                                      lam=np.int64(1))).lam == 1.0

@@ -114,6 +114,7 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     rel, ranges = read_pairs(relevance, queries, prows, doc_rows)
     if lam is not None:
         check_unit_interval(lam, "lam")
+        lam = float(lam)  # a numpy float was 'the manifest cannot be written as JSON'
     check_stage_out(out, "aggregate")
     maps = [(str(queries), str(relevance), r, ranges, str(out)) for r in range(len(rel.shards))]
     reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
