@@ -477,3 +477,27 @@ def test_aggregate_takes_a_numpy_lam(tmp_path):
         np.testing.assert_array_equal(pp.read_rows(got), want)
     assert pp.read_stage(pp.aggregate(queries, rel, docs, tmp_path / "one",
                                       lam=np.int64(1))).lam == 1.0
+
+
+def test_flags_that_are_not_bools_are_refused_before_the_work(tmp_path):
+    # encode(normalize=np.bool_(False) / 1 / 'no') encoded every shard, then Stage's raw
+    # TypeError 'stage fields ['normalize'] have the wrong type'; aggregate took
+    # augment_docs='no' as True
+    calls = []
+
+    def enc(texts):
+        calls.append(len(texts))
+        return np.ones((len(texts), 2), np.float32)
+    enc.cache_key = "ones"
+    for bad in (1, "no", None):
+        with pytest.raises(InputError, match=f"normalize must be True or False, got {bad!r}"):
+            pp.encode(["a", "b"], tmp_path / "e", model=enc, normalize=bad, show_progress=False)
+    assert calls == []
+    out = pp.encode(["a", "b"], tmp_path / "e", model=enc, normalize=np.bool_(False),
+                    show_progress=False)
+    assert pp.read_stage(out).normalize is False and (pp.read_rows(out) == 1).all()
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 7, n=40, m=60, d=8)
+    with pytest.raises(InputError, match="augment_docs must be True or False, got 'no'"):
+        pp.aggregate(queries, rel, docs, tmp_path / "a", augment_docs="no")
+    out = pp.aggregate(queries, rel, docs, tmp_path / "a", augment_docs=np.bool_(False))
+    assert pp.read_stage(out).augment_docs is False

@@ -13,7 +13,7 @@ import torch
 
 from ..aggregate import pefa_xs, pifa
 from ..errors import FormatError, InputError
-from ..params import check_unit_interval
+from ..params import check_flag, check_unit_interval
 from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, check_folders, check_stage_out,
                      open_entry, read_stage, remove_shard, shard_name, split, write_shard,
@@ -115,9 +115,10 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     if lam is not None:
         check_unit_interval(lam, "lam")
         lam = float(lam)  # a numpy float was 'the manifest cannot be written as JSON'
+    augment_docs = check_flag(augment_docs, "augment_docs")  # 'no' was taken as True
     check_stage_out(out, "aggregate")
     maps = [(str(queries), str(relevance), r, ranges, str(out)) for r in range(len(rel.shards))]
-    reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
+    reduces = [(str(docs), rng, str(out), s, lam, augment_docs)
                for s, rng in enumerate(ranges)]
     try:
         entries, moved = zip(*(runner or LocalRunner()).map_reduce(split_queries, maps,
@@ -126,5 +127,5 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
         for r in range(len(rel.shards)):
             remove_shard(Path(out) / shard_name("part", r))
     return write_stage(out, Stage(stage="aggregate", shards=entries, n=rel.n, dim=prows.dim,
-                                  lam=lam, augment_docs=bool(augment_docs),
+                                  lam=lam, augment_docs=augment_docs,
                                   bytes_shuffled=sum(moved)))

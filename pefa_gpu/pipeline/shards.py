@@ -22,8 +22,8 @@ import torch
 from ..arrays import DeviceLike, as_embeddings, as_tensor
 from ..encode import EncoderLike, _check_texts, _expand, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
-from ..params import (XLParams, XLSearchParams, check_nonnegative, check_positive,
-                      check_unit_interval)
+from ..params import (XLParams, XLSearchParams, check_flag, check_nonnegative,
+                      check_positive, check_unit_interval)
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
@@ -442,6 +442,7 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     keeping shards of the same texts and model (one with a ``cache_key``: picklable)."""
     texts = _check_texts(texts)
     out = as_path(out, "out")
+    normalize = check_flag(normalize, "normalize")  # np.bool_ / 1: Stage's TypeError at the end
     check_stage_out(out, "encode")
     identity = resolve_model(model, "cpu").identity
     if identity is None:
