@@ -197,7 +197,7 @@ def test_a_shard_manifest_whose_tables_are_not_tables_is_refused(tmp_path, edit)
         pp.read_rows(out)
 
 
-@pytest.mark.parametrize("stage", [5, "", None])
+@pytest.mark.parametrize("stage", [5, "", None, "relevance", "build"])
 def test_write_rows_checks_its_stage_name_before_any_shard(tmp_path, stage):
     """stage=5 was Stage's TypeError ('stage fields [...] have the wrong type') once every shard
     was written, leaving them behind."""
@@ -501,3 +501,16 @@ def test_flags_that_are_not_bools_are_refused_before_the_work(tmp_path):
         pp.aggregate(queries, rel, docs, tmp_path / "a", augment_docs="no")
     out = pp.aggregate(queries, rel, docs, tmp_path / "a", augment_docs=np.bool_(False))
     assert pp.read_stage(out).augment_docs is False
+
+
+def test_a_stage_without_rows_is_not_read_as_rows(tmp_path):
+    # a relevance (or build) stage given for rows was read as 0-wide rows: 'queries have
+    # dimension 0, documents 8' / 'queries have dimension 8, documents 0'
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 8, n=40, m=60, d=8)
+    b = pp.build("erm", tmp_path / "b", docs)
+    for run, bad in ((lambda: pp.build("xl", tmp_path / "x", docs, queries=rel, relevance=rel),
+                      rel), (lambda: pp.aggregate(queries, rel, rel, tmp_path / "a"), rel),
+                     (lambda: pp.read_rows(b), b), (lambda: pp.search(b, b), b)):
+        with pytest.raises(FormatError, match=f"{bad} holds a '(relevance|build)' stage, not "
+                                              f"rows"):
+            run()

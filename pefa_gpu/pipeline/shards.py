@@ -39,6 +39,7 @@ STAGE_FORMAT = "pefa-gpu-stage"
 SHARD_MANIFEST = "pefa_shard.json"
 SHARD_FORMAT = "pefa-gpu-shard"
 DEFAULT_ROWS = 100_000      # rows per shard (documents, queries, texts)
+_NOT_ROWS = ("relevance", "build")  # the stages that hold no rows (Rows refuses them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +316,8 @@ class Rows:
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
         self.folder, self.tensor = as_path(folder, "folder"), tensor
         info = read_stage(self.folder)  # its shards tile rows 0 .. n (one shard at least)
+        if info.stage in _NOT_ROWS:  # read as 0-wide rows: 'queries have dimension 0, ...'
+            raise FormatError(f"{self.folder} holds a {info.stage!r} stage, not rows")
         self.shards, self.n, self.dim = info.shards, info.shards[-1].rows[1], info.dim
 
     def _part(self, i: int) -> np.ndarray:
@@ -367,8 +370,9 @@ def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "
     """Write a (n, d) float matrix (numpy, memmap, torch) as ``rows``-row float32 shards."""
     if not hasattr(x, "shape") or len(x.shape) != 2:
         raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
-    if not isinstance(stage, str) or not stage:  # was Stage's TypeError, after the shards
-        raise InputError(f"stage must be a non-empty name, got {stage!r}")
+    if not isinstance(stage, str) or not stage or stage in _NOT_ROWS:  # Stage's TypeError
+        raise InputError(f"stage must be a non-empty name other than {_NOT_ROWS}, got "
+                         f"{stage!r}")
     n, d = int(x.shape[0]), int(x.shape[1])
     check_stage_out(out, stage)
     shards = [write_shard(Path(out) / shard_name("shard", i), {"stage": stage, "rows": [lo, hi]},
