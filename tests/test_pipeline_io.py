@@ -514,3 +514,12 @@ def test_a_stage_without_rows_is_not_read_as_rows(tmp_path):
         with pytest.raises(FormatError, match=f"{bad} holds a '(relevance|build)' stage, not "
                                               f"rows"):
             run()
+
+
+def test_build_refuses_an_export_hnsw_that_is_not_a_bool(tmp_path):
+    # export_hnsw='no' (truthy) exported an HNSW file next to every shard's model
+    docs = pp.write_rows(np.eye(4, dtype=np.float32), tmp_path / "p", rows=2)
+    for bad in ("no", 1):
+        with pytest.raises(InputError, match=f"export_hnsw must be True or False, got {bad!r}"):
+            pp.build("erm", tmp_path / "b", docs, export_hnsw=bad)
+        assert not (tmp_path / "b").exists()

@@ -16,7 +16,7 @@ from ..errors import InputError
 from ..index import backend_class
 from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
-from ..params import XLParams, XLSearchParams, check_choice
+from ..params import XLParams, XLSearchParams, check_choice, check_flag
 from ..storage import writing_save
 from .aggregation import Part, read_pairs, split_queries
 from .runner import LocalRunner
@@ -81,6 +81,7 @@ def build(method: str, out: str | Path, docs: str | Path, *,
     check_choice(method, "method", METHODS)
     check_folders(out=out, docs=docs, embeddings=embeddings, queries=queries,
                   relevance=relevance)
+    export_hnsw = check_flag(export_hnsw, "export_hnsw")  # 'no' exported one per shard
     run, prows = runner or LocalRunner(), Rows(docs)
     check_stage_out(out, "build")
     ix_params = backend_class(backend).Params.coerce(index_params, "index_params")
