@@ -186,6 +186,19 @@ def test_shard_servers_keep_results_on_the_device(tmp_path):
     assert_same_ranking(s, i, lib_s.cpu(), lib_i.cpu())
 
 
+def test_evaluate_configs_gives_each_xs_lam_its_own_index(tmp_path):
+    """lam 0.1 and 0.1000001 shared the folder xs-0.1 ({:g}): the third config (0.1 again)
+    was searched with the index of 0.1000001."""
+    from pefa_gpu.sweep import Config
+
+    P, Q, Y, T, Yt = make_data(13)
+    lams = (0.1, 0.1000001, 0.1)
+    pp.evaluate_configs(P, Q, Y, T, Yt, [Config("xs", lam) for lam in lams], tmp_path,
+                        show_progress=False)
+    for lam in lams:
+        assert pp.read_stage(tmp_path / f"xs-{lam!r}-index").lam == lam
+
+
 def test_evaluate_configs_on_arrays_equals_the_library(tmp_path):
     """Arrays written as row stages, one index per method (XS: per lam), each config's lam / k
     at search: the metrics of the library's models."""

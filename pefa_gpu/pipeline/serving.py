@@ -214,10 +214,11 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
                   doc_rows=doc_rows, runner=run)
 
     def index(cfg: Any) -> Path:
-        if cfg.method == "xs":
-            agg = aggregate(train, rel, docs, work / f"xs-{cfg.lam:g}", lam=cfg.lam,
+        if cfg.method == "xs":  # {:g} gave 0.1 and 0.1000001 one folder: the later's index
+            name = f"xs-{float(cfg.lam)!r}"  # was then searched for both
+            agg = aggregate(train, rel, docs, work / name, lam=cfg.lam,
                             augment_docs=augment_docs, doc_rows=doc_rows, runner=run)
-            return build("xs", work / f"xs-{cfg.lam:g}-index", docs, embeddings=agg, **common)
+            return build("xs", work / f"{name}-index", docs, embeddings=agg, **common)
         xl = dict(queries=train, relevance=rel, lam=cfg.lam, k=cfg.k, candidates=candidates,
                   knn_norm=knn_norm, rescore=rescore, augment_docs=augment_docs)
         return build(cfg.method, work / cfg.method, docs,
