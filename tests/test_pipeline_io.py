@@ -523,3 +523,12 @@ def test_build_refuses_an_export_hnsw_that_is_not_a_bool(tmp_path):
         with pytest.raises(InputError, match=f"export_hnsw must be True or False, got {bad!r}"):
             pp.build("erm", tmp_path / "b", docs, export_hnsw=bad)
         assert not (tmp_path / "b").exists()
+
+
+def test_split_checks_its_row_count():
+    # n=-5 was [(0, 0)], True one row, 2.5 a raw TypeError naming nothing
+    assert pp.split(5, 2) == [(0, 2), (2, 4), (4, 5)] and pp.split(0, 3) == [(0, 0)]
+    assert pp.split(np.int64(3), 2) == [(0, 2), (2, 3)]
+    for bad in (-5, True, 2.5, "3"):
+        with pytest.raises(InputError, match=f"n must be an int >= 0, got {bad!r}"):
+            pp.split(bad, 2)

@@ -245,7 +245,7 @@ def check_folders(**folders: Any) -> None:
 
 def split(n: int, rows: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of at most ``rows`` rows covering 0 .. n (one empty range for n = 0)."""
-    rows = check_positive(rows, "rows")
+    n, rows = check_nonnegative(n, "n"), check_positive(rows, "rows")  # -5: [(0, 0)]
     return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)] or [(0, 0)]
 
 
