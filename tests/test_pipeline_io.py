@@ -532,3 +532,19 @@ def test_split_checks_its_row_count():
     for bad in (-5, True, 2.5, "3"):
         with pytest.raises(InputError, match=f"n must be an int >= 0, got {bad!r}"):
             pp.split(bad, 2)
+
+
+def test_a_shard_server_takes_distinct_shards_of_its_build(tmp_path):
+    # [0, 0] gave every result twice, [-1] and [True] served other shards, [5] was a raw
+    # IndexError
+    x = np.eye(4, dtype=np.float32)
+    b = pp.build("erm", tmp_path / "b", pp.write_rows(x, tmp_path / "p", rows=2), doc_rows=2)
+    for bad in ([0, 0], [-1], [True], [5], [1.0]):
+        with pytest.raises(InputError, match=r"doc_shards must be distinct shard numbers in "
+                                             r"\[0, 2\)"):
+            pp.ShardServer(b, bad)
+    with pytest.raises(InputError, match=r"query_shards must be distinct shard numbers in "
+                                         r"\[0, 0\), got \[0\]"):
+        pp.ShardServer(b, [0], [0])
+    _, ids = pp.ShardServer(b, [np.int64(1), 0]).erm(torch.from_numpy(x), 4)
+    assert sorted(ids[0].tolist()) == [0, 1, 2, 3]

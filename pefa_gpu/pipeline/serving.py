@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..arrays import DeviceLike, as_embeddings, check_topk
@@ -77,6 +78,12 @@ class ShardServer:
         folder = Path(build)
         self.info = read_stage(folder, "build")
         xl = self.info.method == "xl"
+        for name, picked, n in (("doc_shards", doc_shards, len(self.info.shards)),
+                                ("query_shards", query_shards, len(self.info.query_shards))):
+            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                       and 0 <= i < n for i in picked) or len(set(picked)) < len(picked):
+                raise InputError(f"{name} must be distinct shard numbers in [0, {n}), got "
+                                 f"{list(picked)!r}")  # [0, 0]: each result twice; -1 the last
         self.docs = [_load(folder, self.info.shards[s], device, self.info, xl)
                      for s in doc_shards]
         self.queries = [_load(folder, self.info.query_shards[r], device, self.info, False)
