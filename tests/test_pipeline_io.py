@@ -548,3 +548,17 @@ def test_a_shard_server_takes_distinct_shards_of_its_build(tmp_path):
         pp.ShardServer(b, [0], [0])
     _, ids = pp.ShardServer(b, [np.int64(1), 0]).erm(torch.from_numpy(x), 4)
     assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
+
+
+def test_encode_refuses_an_empty_cache_dir(tmp_path, monkeypatch):
+    # '' was expanded to '.', and the encode cache written into the current folder
+    monkeypatch.chdir(tmp_path)
+
+    def enc(texts):
+        return np.ones((len(texts), 2), np.float32)
+    enc.cache_key = "ones"
+    with pytest.raises(InputError, match="cache_dir is '': give a folder, or None"):
+        pp.encode(["a"], tmp_path / "e", model=enc, cache_dir="", show_progress=False)
+    with pytest.raises(TypeError, match="cache_dir must be a path"):
+        pp.encode(["a"], tmp_path / "e", model=enc, cache_dir=5, show_progress=False)
+    assert os.listdir(tmp_path) == []
