@@ -4,6 +4,7 @@ memory maps a piece at a time, their pages released (``madvise``) after each."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from typing import Any, Iterator
@@ -66,20 +67,21 @@ class MemmapSource(RowSource):
         if not hasattr(self._mm, "madvise"):
             self._base = None
 
-    def _locate(self) -> tuple[str, int] | None:
-        """(file, byte offset of row 0) when the rows can be read from the file directly."""
+    def _locate(self) -> tuple[str, int, int | None] | None:
+        """(file, byte offset of row 0, inode) when the rows can be read from the file directly."""
         x, fname = self.x, getattr(self.x, "filename", None)
         if fname is None or not x.flags.c_contiguous or x.size == 0:
             return None
         start = int(x.offset) - int(x.offset) % mmap.ALLOCATIONGRANULARITY  # the map's in file
-        pos = x.ctypes.data - self._base + start
+        pos, inode = x.ctypes.data - self._base + start, _mapped_inode(self._base)
         try:  # check the guess on the first row before trusting it
-            with open(fname, "rb") as f:
-                f.seek(pos)
-                ok = f.read(x[0].nbytes) == x[0].tobytes()
+            with open(fname, "rb") as f:  # and that the name still leads to the mapped file
+                f.seek(pos)  # (one replaced since, even with the same first row, was read)
+                ok = inode in (None, os.fstat(f.fileno()).st_ino) \
+                    and f.read(x[0].nbytes) == x[0].tobytes()
         except OSError:
             ok = False
-        return (fname, pos) if ok else None
+        return (fname, pos, inode) if ok else None
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         if self._file is not None:
@@ -97,9 +99,13 @@ class MemmapSource(RowSource):
 
     def _pread(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
         """The rows read from the map's file into ``buffers``, kept out of the page cache."""
-        (path, offset), rows, row_bytes = self._file, self.rows, self.dim * self.dtype.itemsize
+        (path, offset, inode), rows = self._file, self.rows
+        row_bytes = self.dim * self.dtype.itemsize
         fd = os.open(path, os.O_RDONLY)
         try:
+            if inode not in (None, os.fstat(fd).st_ino):
+                raise InputError(f"{path} was replaced after it was mapped: the map and the "
+                                 f"file hold different rows")
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             for i, s in enumerate(range(0, rows, max_rows)):
@@ -129,6 +135,17 @@ class MemmapSource(RowSource):
             self._base = None
 
 
+def _mapped_inode(address: int) -> int | None:
+    """The inode of the file mapped at ``address`` (Linux: /proc/self/maps), else None."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/maps") as f:
+        for line in f:
+            span, _, _, _, inode = line.split(maxsplit=5)[:5]
+            lo, hi = (int(v, 16) for v in span.split("-"))
+            if lo <= address < hi:
+                return int(inode)
+    return None
+
+
 class IteratorSource(RowSource):
     """An iterator of (r, d) chunks, used as they come (their memory is the caller's)."""
 
@@ -150,7 +167,8 @@ class IteratorSource(RowSource):
             return c
         # a cast dropped complex chunks' imaginary part; text was numpy's ValueError
         if c.dtype.kind not in "iu" and not is_bfloat16(c.dtype):
-            raise InputError(f"{where} has dtype {c.dtype}; real numbers are needed")
+            raise InputError(f"{where} has dtype {c.dtype}; float16, float32, float64, "
+                             f"bfloat16 (ml_dtypes) or integers are needed")
         return c.astype(np.float32)
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:

@@ -186,6 +186,19 @@ def test_shard_servers_keep_results_on_the_device(tmp_path):
     assert_same_ranking(s, i, lib_s.cpu(), lib_i.cpu())
 
 
+def test_evaluate_configs_gives_each_xs_lam_its_own_index(tmp_path):
+    """lam 0.1 and 0.1000001 shared the folder xs-0.1 ({:g}): the third config (0.1 again)
+    was searched with the index of 0.1000001."""
+    from pefa_gpu.sweep import Config
+
+    P, Q, Y, T, Yt = make_data(13)
+    lams = (0.1, 0.1000001, 0.1)
+    pp.evaluate_configs(P, Q, Y, T, Yt, [Config("xs", lam) for lam in lams], tmp_path,
+                        show_progress=False)
+    for lam in lams:
+        assert pp.read_stage(tmp_path / f"xs-{lam!r}-index").lam == lam
+
+
 def test_evaluate_configs_on_arrays_equals_the_library(tmp_path):
     """Arrays written as row stages, one index per method (XS: per lam), each config's lam / k
     at search: the metrics of the library's models."""
@@ -534,6 +547,21 @@ def test_encode_encodes_again_a_shard_resigned_with_float_rows(tmp_path):
     out = pp.encode(texts, out, model=enc, rows=30, show_progress=False)
     assert enc.calls == 1 and [e.rows for e in pp.read_stage(out).shards] == [(0, 30), (30, 60)]
     assert torch.equal(torch.as_tensor(pp.read_rows(out)), torch.as_tensor(want))
+
+
+def test_encode_refuses_shards_of_different_dimensions(tmp_path):
+    """A model changed under the same cache_key (its shards kept, a new one of another width)
+    wrote a stage whose every read said a shard is 'not of its stage's shape'."""
+    def enc(texts):
+        return np.ones((len(texts), width), np.float32)
+    enc.cache_key = "same-key"
+    width = 3
+    out = pp.encode(["a", "b"], tmp_path / "enc", model=enc, rows=2, show_progress=False)
+    width = 4
+    with pytest.raises(InputError, match=r"embeddings of dimensions \[3, 4\] \(one changed "
+                                         r"under the same cache_key\?\)"):
+        pp.encode(["a", "b", "c"], out, model=enc, rows=2, show_progress=False)
+    assert pp.read_rows(out).shape == (2, 3)  # the earlier stage is left as it was
 
 
 _KILLER = """

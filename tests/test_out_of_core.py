@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
 import textwrap
 
 import numpy as np
@@ -13,7 +15,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.aggregate_stream import chunk_rows, pifa_streamed
 from pefa_gpu.relevance import Relevance
-from pefa_gpu.stream import RowSource, row_source
+from pefa_gpu.stream import MemmapSource, RowSource, row_source
 from conftest import run_python
 
 
@@ -259,6 +261,9 @@ def test_errors(tmp_path):
     for kind in ("U1", np.complex64, object, bool):
         with pytest.raises(pg.InputError, match="Q: the chunk at row 0 has dtype"):
             pg.pifa(Y, iter([Q.astype(kind)]), device="cpu")
+    if np.dtype(np.longdouble).itemsize > 8:  # was told 'real numbers are needed'
+        with pytest.raises(pg.InputError, match="float128; float16, float32, float64, bfloat16"):
+            pg.pifa(Y, iter([Q.astype(np.longdouble)]), device="cpu")
     # a chunk that is no array was 'array must be an array ...', naming neither Q nor the row
     with pytest.raises(pg.InputError, match=r"Q: the chunk at row 50 must be an array .*dict"):
         pg.pifa(Y, iter([Q[:50], {"rows": 1}]), device="cpu")
@@ -375,3 +380,26 @@ def test_copy_on_write_memmap_is_read_with_its_changes_and_kept(tmp_path, cols):
     out = pg.pifa(Y, mm[:, :cols], normalize=False, device="cpu", memory_budget=1 << 20)
     np.testing.assert_array_equal(out.numpy(), np.full((1, cols), 1500.0, np.float32))
     assert (mm[500:] == 2.0).all() and (mm[:500] == 1.0).all()
+
+
+def test_a_memmap_whose_file_was_replaced_is_read_from_the_map(tmp_path):
+    """The rows were read from the file by name: one replaced since the map was made (same
+    first row) was summed instead of the map's rows. Its own file is still read directly."""
+    np.save(tmp_path / "q.npy", np.ones((6, 4), np.float32))
+    mm = np.load(tmp_path / "q.npy", mmap_mode="r")
+    if sys.platform.startswith("linux"):  # where the mapped file is known: read by pread
+        assert MemmapSource(mm, "Q")._file is not None
+    new = np.full((6, 4), 100.0, np.float32)
+    new[0] = 1.0
+    np.save(tmp_path / "new.npy", new)
+    os.replace(tmp_path / "new.npy", tmp_path / "q.npy")
+    Y = sp.csr_matrix(np.eye(6, dtype=np.float32))
+    for kernel in ("scipy", "index_add"):
+        out = pifa_streamed(Relevance(Y), row_source(mm), torch.device("cpu"), None, kernel)
+        np.testing.assert_array_equal(out.numpy(), np.ones((6, 4), np.float32))
+    if sys.platform.startswith("linux"):  # replaced between the check and the read: named
+        src = row_source(np.load(tmp_path / "q.npy", mmap_mode="r"))
+        np.save(tmp_path / "new.npy", new)
+        os.replace(tmp_path / "new.npy", tmp_path / "q.npy")
+        with pytest.raises(pg.InputError, match="q.npy was replaced after it was mapped"):
+            pifa_streamed(Relevance(Y), src, torch.device("cpu"), None, "scipy")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import os
 import textwrap
 import tracemalloc
@@ -16,6 +17,7 @@ import pytest
 import scipy.sparse as sp
 import torch
 
+import pefa_gpu as pg
 from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index.exact import ExactIndex
@@ -195,7 +197,7 @@ def test_a_shard_manifest_whose_tables_are_not_tables_is_refused(tmp_path, edit)
         pp.read_rows(out)
 
 
-@pytest.mark.parametrize("stage", [5, "", None])
+@pytest.mark.parametrize("stage", [5, "", None, "relevance", "build"])
 def test_write_rows_checks_its_stage_name_before_any_shard(tmp_path, stage):
     """stage=5 was Stage's TypeError ('stage fields [...] have the wrong type') once every shard
     was written, leaving them behind."""
@@ -291,8 +293,12 @@ def test_row_bounds_that_are_not_ints_are_named(tmp_path):
                                              f"got {match}"):
             rows.take(bad)
     for bad in ([0, 3, 1], [0, 50, 3]):  # were wrong rows or a raw IndexError
-        with pytest.raises(InputError, match="rows must be in ascending order"):
-            rows.take(np.array(bad))
+        for dt in (np.int64, np.uint64):  # np.diff of uint64 wraps: the order was not checked
+            with pytest.raises(InputError, match="rows must be in ascending order"):
+                rows.take(np.array(bad, dt))
+    for out in (np.empty((2, 3), np.float32), np.empty((2, 2)), [[0, 0], [0, 0]]):
+        with pytest.raises(InputError, match="out must be a \\(2, 2\\) float32"):
+            rows.take(np.array([0, 3]), out)  # was numpy's raw ValueError / TypeError
 
 
 @pytest.mark.parametrize("fields", [{}, {"rows": "ab"}, {"rows": [0.5, 1]}, {"rows": [2, 1]},
@@ -304,6 +310,17 @@ def test_a_shard_without_its_rows_is_refused_before_it_is_written(tmp_path, fiel
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.parametrize("name", [".", "", "sub/.."])
+def test_a_shard_named_as_its_folder_is_refused_before_it_is_written(tmp_path, monkeypatch,
+                                                                      name):
+    # '.' was saved into the working folder, then Entry.of's raw ValueError
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "sub").mkdir()
+    with pytest.raises(InputError, match="a shard is named .*, not a folder in the stage"):
+        pp.write_shard(name, {"rows": [0, 1]}, {"e": torch.ones(1, 2)})
+    assert sorted(os.listdir(tmp_path)) == ["sub"] and not os.listdir(tmp_path / "sub")
+
+
 def test_rows_take_reads_rows_across_shards(tmp_path):
     x = np.random.default_rng(3).standard_normal((250, 8)).astype(np.float32)
     rows = pp.Rows(pp.write_rows(x, tmp_path / "x", rows=100))
@@ -313,6 +330,29 @@ def test_rows_take_reads_rows_across_shards(tmp_path):
         np.testing.assert_array_equal(got, x[want])
     with pytest.raises(InputError, match="outside"):
         rows.take(np.array([3, 250]))
+
+
+def test_aggregate_sums_past_float32_are_refused_by_name(tmp_path):
+    """Yᵀ Q past float32's range was written (inf sums, NaN E after a warning), and
+    build('xs') then said 'P contains NaN or inf'."""
+    big = np.full((2, 4), np.finfo(np.float32).max, np.float32)
+    queries = pp.write_rows(big, tmp_path / "q")
+    docs = pp.write_rows(np.ones((3, 4), np.float32), tmp_path / "p")
+    rel = pp.write_relevance(sp.csr_matrix(np.ones((2, 3), np.float32)), tmp_path / "y", rows=1)
+    for lam in (None, 0.5):
+        with pytest.raises(InputError, match=r"sums Yᵀ Q of documents \[0, 1, 2\]\.\.\. "
+                                             r"overflow float32"):
+            pp.aggregate(queries, rel, docs, tmp_path / "a", lam=lam)
+        assert not (tmp_path / "a" / "stage.json").exists()
+
+
+def test_rows_take_checks_a_stage_files_dim_before_allocating(tmp_path):
+    # a forged stage.json dim (2^40) was a MemoryError for 8 TiB before any shard was read
+    folder = pp.write_rows(np.ones((10, 4), np.float32), tmp_path / "x", rows=3)
+    body = json.loads((folder / "stage.json").read_text())
+    (folder / "stage.json").write_text(json.dumps({**body, "dim": 2**40}))
+    with pytest.raises(FormatError, match="holds no 'embeddings' of its stage's shape"):
+        pp.Rows(folder).take(np.array([0, 1]))
 
 
 def test_a_search_reads_every_shard_once_per_round(tmp_path, monkeypatch):
@@ -335,3 +375,190 @@ def test_a_search_reads_every_shard_once_per_round(tmp_path, monkeypatch):
     assert torch.equal(got[1], want[1])  # scores: faiss' BLAS path sums in another order
     np.testing.assert_allclose(got[0].numpy(), want[0].numpy(), rtol=0, atol=2e-6)
     assert got[1][1, 0] == 7
+
+
+def test_a_file_given_for_a_stage_folder_is_named(tmp_path):
+    """A file for a stage folder (a .npy, the stage.json itself) was a raw NotADirectoryError
+    from every reader (read_stage, read_rows, build, search's queries)."""
+    docs = pp.write_rows(np.eye(3, dtype=np.float32), tmp_path / "p")
+    np.save(tmp_path / "q.npy", np.eye(3, dtype=np.float32))
+    b = pp.build("erm", tmp_path / "b", docs)
+    for file in (tmp_path / "q.npy", docs / "stage.json"):
+        for run in (lambda: pp.read_stage(file), lambda: pp.read_rows(file),
+                    lambda: pp.build("erm", tmp_path / "b2", file), lambda: pp.search(b, file)):
+            with pytest.raises(FormatError, match=f"{file} is not a folder: a stage is a folder "
+                                                  f"holding its stage.json"):
+                run()
+
+
+def test_search_takes_any_path_like_for_a_query_stage(tmp_path):
+    # a PurePosixPath or another os.PathLike was refused as 'queries must be an array'
+    import pathlib
+
+    class Where:
+        def __fspath__(self):
+            return str(queries)
+    x = np.eye(3, dtype=np.float32)
+    docs, queries = pp.write_rows(x, tmp_path / "p"), pp.write_rows(x, tmp_path / "q")
+    b = pp.build("erm", tmp_path / "b", docs)
+    want = pp.search(b, x, topk=2)
+    for q in (pathlib.PurePosixPath(queries), Where()):
+        got = pp.search(b, q, topk=2)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    y = sp.eye(3, dtype=np.float32, format="csr")
+    got = pp.evaluate_configs(pathlib.PurePosixPath(docs), Where(), y, x, y,
+                              [pg.Config("erm")], tmp_path / "w", ks=(1,), topk=2,
+                              show_progress=False)
+    assert got[0]["recall@1"] == 1.0 and not (tmp_path / "w" / "docs").exists()
+
+
+def test_a_listed_shard_that_is_gone_is_named(tmp_path):
+    # a shard folder deleted (or not copied with its stage) was open_save's raw
+    # FileNotFoundError for every reader
+    import shutil
+
+    x = np.eye(4, dtype=np.float32)
+    docs = pp.write_rows(x, tmp_path / "p", rows=2)
+    b = pp.build("erm", tmp_path / "b", docs, doc_rows=2)
+    for folder, shard, run in ((docs, "shard-00001", lambda: pp.read_rows(docs)),
+                               (b, "doc-00000", lambda: pp.search(b, x, topk=2))):
+        shutil.rmtree(folder / shard)
+        with pytest.raises(FormatError, match=f"{folder / shard} is missing: "
+                                              f"{folder / 'stage.json'} lists it"):
+            run()
+
+
+def test_a_tensor_a_stage_lacks_is_named_with_what_it_holds(tmp_path):
+    # read_rows(..., tensor='sums') of a row stage, or the default 'embeddings' of a sums-only
+    # aggregate, read as a damaged shard ('holds no ... of its stage's shape'), and nothing more
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 5, n=40, m=60, d=8)
+    sums = pp.aggregate(queries, rel, docs, tmp_path / "sums")
+    for folder, tensor, held in ((docs, "sums", "['embeddings']"), (sums, "embeddings",
+                                                                     "['sums']")):
+        with pytest.raises(FormatError, match=f"holds no '{tensor}' of its stage's shape "
+                                              f".*; it holds \\{held[:-1]}\\]"):
+            pp.read_rows(folder, tensor=tensor)
+
+
+def test_a_folder_that_is_no_path_is_named(tmp_path):
+    # each was a raw "expected str, bytes or os.PathLike object, not int", naming nothing
+    x = np.eye(3, dtype=np.float32)
+    y = sp.eye(3, dtype=np.float32, format="csr")
+    docs, queries = pp.write_rows(x, tmp_path / "p"), pp.write_rows(x, tmp_path / "q")
+    rel = pp.write_relevance(y, tmp_path / "y")
+    calls = {"out": [lambda: pp.write_rows(x, 5), lambda: pp.write_relevance(y, 5),
+                     lambda: pp.aggregate(queries, rel, docs, 5), lambda: pp.build("erm", 5, docs),
+                     lambda: pp.encode(["a"], 5, model=lambda t: np.ones((len(t), 2)))],
+             "folder": [lambda: pp.read_rows(5), lambda: pp.read_stage(None)],
+             "queries": [lambda: pp.aggregate(5, rel, docs, tmp_path / "a")],
+             "relevance": [lambda: pp.build("xl", tmp_path / "b", docs, queries=queries,
+                                            relevance=5)],
+             "docs": [lambda: pp.build("erm", tmp_path / "b", 5)],
+             "embeddings": [lambda: pp.build("xs", tmp_path / "b", docs, embeddings=5)],
+             "build": [lambda: pp.search(5, x)],
+             "path": [lambda: pp.write_shard(5, {"rows": [0, 1]})],
+             "work": [lambda: pp.evaluate_configs(x, x, y, x, y, [pg.Config("erm")], 5)]}
+    for name, runs in calls.items():
+        for run in runs:
+            with pytest.raises(TypeError, match=f"{name} must be a path \\(str or os.PathLike\\), "
+                                                f"got (int|NoneType)"):
+                run()
+    assert sorted(os.listdir(tmp_path)) == ["p", "q", "y"]
+
+
+def test_aggregate_takes_a_numpy_lam(tmp_path):
+    # np.float32 / np.int64 lam stopped at the first reduce: 'the manifest cannot be written
+    # as JSON: Object of type float32 is not JSON serializable', the map's work lost
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 6, n=40, m=60, d=8)
+    want = pp.read_rows(pp.aggregate(queries, rel, docs, tmp_path / "want", lam=0.25))
+    for i, lam in enumerate((np.float32(0.25), np.float16(0.25))):
+        got = pp.aggregate(queries, rel, docs, tmp_path / f"a{i}", lam=lam)
+        assert pp.read_stage(got).lam == 0.25
+        np.testing.assert_array_equal(pp.read_rows(got), want)
+    assert pp.read_stage(pp.aggregate(queries, rel, docs, tmp_path / "one",
+                                      lam=np.int64(1))).lam == 1.0
+
+
+def test_flags_that_are_not_bools_are_refused_before_the_work(tmp_path):
+    # encode(normalize=np.bool_(False) / 1 / 'no') encoded every shard, then Stage's raw
+    # TypeError 'stage fields ['normalize'] have the wrong type'; aggregate took
+    # augment_docs='no' as True
+    calls = []
+
+    def enc(texts):
+        calls.append(len(texts))
+        return np.ones((len(texts), 2), np.float32)
+    enc.cache_key = "ones"
+    for bad in (1, "no", None):
+        with pytest.raises(InputError, match=f"normalize must be True or False, got {bad!r}"):
+            pp.encode(["a", "b"], tmp_path / "e", model=enc, normalize=bad, show_progress=False)
+    assert calls == []
+    out = pp.encode(["a", "b"], tmp_path / "e", model=enc, normalize=np.bool_(False),
+                    show_progress=False)
+    assert pp.read_stage(out).normalize is False and (pp.read_rows(out) == 1).all()
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 7, n=40, m=60, d=8)
+    with pytest.raises(InputError, match="augment_docs must be True or False, got 'no'"):
+        pp.aggregate(queries, rel, docs, tmp_path / "a", augment_docs="no")
+    out = pp.aggregate(queries, rel, docs, tmp_path / "a", augment_docs=np.bool_(False))
+    assert pp.read_stage(out).augment_docs is False
+
+
+def test_a_stage_without_rows_is_not_read_as_rows(tmp_path):
+    # a relevance (or build) stage given for rows was read as 0-wide rows: 'queries have
+    # dimension 0, documents 8' / 'queries have dimension 8, documents 0'
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 8, n=40, m=60, d=8)
+    b = pp.build("erm", tmp_path / "b", docs)
+    for run, bad in ((lambda: pp.build("xl", tmp_path / "x", docs, queries=rel, relevance=rel),
+                      rel), (lambda: pp.aggregate(queries, rel, rel, tmp_path / "a"), rel),
+                     (lambda: pp.read_rows(b), b), (lambda: pp.search(b, b), b)):
+        with pytest.raises(FormatError, match=f"{bad} holds a '(relevance|build)' stage, not "
+                                              f"rows"):
+            run()
+
+
+def test_build_refuses_an_export_hnsw_that_is_not_a_bool(tmp_path):
+    # export_hnsw='no' (truthy) exported an HNSW file next to every shard's model
+    docs = pp.write_rows(np.eye(4, dtype=np.float32), tmp_path / "p", rows=2)
+    for bad in ("no", 1):
+        with pytest.raises(InputError, match=f"export_hnsw must be True or False, got {bad!r}"):
+            pp.build("erm", tmp_path / "b", docs, export_hnsw=bad)
+        assert not (tmp_path / "b").exists()
+
+
+def test_split_checks_its_row_count():
+    # n=-5 was [(0, 0)], True one row, 2.5 a raw TypeError naming nothing
+    assert pp.split(5, 2) == [(0, 2), (2, 4), (4, 5)] and pp.split(0, 3) == [(0, 0)]
+    assert pp.split(np.int64(3), 2) == [(0, 2), (2, 3)]
+    for bad in (-5, True, 2.5, "3"):
+        with pytest.raises(InputError, match=f"n must be an int >= 0, got {bad!r}"):
+            pp.split(bad, 2)
+
+
+def test_a_shard_server_takes_distinct_shards_of_its_build(tmp_path):
+    # [0, 0] gave every result twice, [-1] and [True] served other shards, [5] was a raw
+    # IndexError
+    x = np.eye(4, dtype=np.float32)
+    b = pp.build("erm", tmp_path / "b", pp.write_rows(x, tmp_path / "p", rows=2), doc_rows=2)
+    for bad in ([0, 0], [-1], [True], [5], [1.0]):
+        with pytest.raises(InputError, match=r"doc_shards must be distinct shard numbers in "
+                                             r"\[0, 2\)"):
+            pp.ShardServer(b, bad)
+    with pytest.raises(InputError, match=r"query_shards must be distinct shard numbers in "
+                                         r"\[0, 0\), got \[0\]"):
+        pp.ShardServer(b, [0], [0])
+    _, ids = pp.ShardServer(b, [np.int64(1), 0]).erm(torch.from_numpy(x), 4)
+    assert sorted(ids[0].tolist()) == [0, 1, 2, 3]
+
+
+def test_encode_refuses_an_empty_cache_dir(tmp_path, monkeypatch):
+    # '' was expanded to '.', and the encode cache written into the current folder
+    monkeypatch.chdir(tmp_path)
+
+    def enc(texts):
+        return np.ones((len(texts), 2), np.float32)
+    enc.cache_key = "ones"
+    with pytest.raises(InputError, match="cache_dir is '': give a folder, or None"):
+        pp.encode(["a"], tmp_path / "e", model=enc, cache_dir="", show_progress=False)
+    with pytest.raises(TypeError, match="cache_dir must be a path"):
+        pp.encode(["a"], tmp_path / "e", model=enc, cache_dir=5, show_progress=False)
+    assert os.listdir(tmp_path) == []

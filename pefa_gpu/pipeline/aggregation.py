@@ -13,10 +13,11 @@ import torch
 
 from ..aggregate import pefa_xs, pifa
 from ..errors import FormatError, InputError
-from ..params import check_unit_interval
+from ..params import check_flag, check_unit_interval
 from .runner import LocalRunner
-from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, check_stage_out, open_entry, read_stage,
-                     remove_shard, shard_name, split, write_shard, write_stage)
+from .shards import (DEFAULT_ROWS, Entry, Rows, Stage, check_folders, check_stage_out,
+                     open_entry, read_stage, remove_shard, shard_name, split, write_shard,
+                     write_stage)
 
 
 @dataclasses.dataclass
@@ -87,8 +88,13 @@ def reduce_sums(parts: Sequence[Entry | None], docs: str | Path, doc_range: tupl
     for part in filter(None, parts):
         t = open_entry(out, part).tensors
         rows, sums = t[f"docs-{index}"].numpy(), t[f"sums-{index}"].numpy()
-        acc[rows] += sums
+        with np.errstate(over="ignore"):  # refused below, by name
+            acc[rows] += sums
         moved += rows.nbytes + sums.nbytes
+    if not np.isfinite(acc).all():  # E was NaN (a warning), then build('xs') blamed 'P'
+        bad = np.flatnonzero(~np.isfinite(acc).all(axis=1))[:5] + doc_range[0]
+        raise InputError(f"the sums Yᵀ Q of documents {bad.tolist()}... overflow float32: "
+                         f"scale the query embeddings or Y's weights down")
     tensors: dict[str, Any] = {"sums": torch.from_numpy(acc)}
     if lam is not None:
         tensors["embeddings"] = pefa_xs(torch.from_numpy(p), tensors["sums"], lam)
@@ -103,13 +109,16 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
     """PIFA Yᵀ Q (and PEFA-XS's E, given ``lam``) per range of ``doc_rows`` documents from row
     stages of Q (m, d) and P (n, d) and a relevance stage of Y; no task holds more than one
     query shard or one range, the partial sums wait on disk (``out/part-<r>``, removed)."""
+    check_folders(queries=queries, relevance=relevance, docs=docs, out=out)
     prows = Rows(docs)
     rel, ranges = read_pairs(relevance, queries, prows, doc_rows)
     if lam is not None:
         check_unit_interval(lam, "lam")
+        lam = float(lam)  # a numpy float was 'the manifest cannot be written as JSON'
+    augment_docs = check_flag(augment_docs, "augment_docs")  # 'no' was taken as True
     check_stage_out(out, "aggregate")
     maps = [(str(queries), str(relevance), r, ranges, str(out)) for r in range(len(rel.shards))]
-    reduces = [(str(docs), rng, str(out), s, lam, bool(augment_docs))
+    reduces = [(str(docs), rng, str(out), s, lam, augment_docs)
                for s, rng in enumerate(ranges)]
     try:
         entries, moved = zip(*(runner or LocalRunner()).map_reduce(split_queries, maps,
@@ -118,5 +127,5 @@ def aggregate(queries: str | Path, relevance: str | Path, docs: str | Path,
         for r in range(len(rel.shards)):
             remove_shard(Path(out) / shard_name("part", r))
     return write_stage(out, Stage(stage="aggregate", shards=entries, n=rel.n, dim=prows.dim,
-                                  lam=lam, augment_docs=bool(augment_docs),
+                                  lam=lam, augment_docs=augment_docs,
                                   bytes_shuffled=sum(moved)))

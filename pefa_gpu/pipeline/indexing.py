@@ -16,13 +16,13 @@ from ..errors import InputError
 from ..index import backend_class
 from ..methods import REGISTRY
 from ..models import ERM, PEFAXL
-from ..params import XLParams, XLSearchParams, check_choice
+from ..params import XLParams, XLSearchParams, check_choice, check_flag
 from ..storage import writing_save
 from .aggregation import Part, read_pairs, split_queries
 from .runner import LocalRunner
 from .shards import (DEFAULT_ROWS, SHARD_FORMAT, SHARD_MANIFEST, Entry, Rows, Stage,
-                     check_stage_out, commit_shard, in_stage, read_stage, shard_name, split,
-                     write_shard, write_stage)
+                     check_folders, check_stage_out, commit_shard, in_stage, read_stage,
+                     shard_name, split, write_shard, write_stage)
 
 METHODS = tuple(m for m in REGISTRY if REGISTRY[m].pipeline)  # ("erm", "xs", "xl")
 
@@ -79,6 +79,9 @@ def build(method: str, out: str | Path, docs: str | Path, *,
     (:func:`aggregate`'s E), ``xl`` a :func:`build_xl_shard` per range and an ERM per query
     shard; XL's settings as :class:`pefa_gpu.PEFAXL`'s; ``export_hnsw``: an HNSW file too."""
     check_choice(method, "method", METHODS)
+    check_folders(out=out, docs=docs, embeddings=embeddings, queries=queries,
+                  relevance=relevance)
+    export_hnsw = check_flag(export_hnsw, "export_hnsw")  # 'no' exported one per shard
     run, prows = runner or LocalRunner(), Rows(docs)
     check_stage_out(out, "build")
     ix_params = backend_class(backend).Params.coerce(index_params, "index_params")

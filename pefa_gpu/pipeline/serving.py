@@ -3,9 +3,11 @@ device; :func:`search_batch` merges their top-k. :func:`evaluate_configs`: every
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..arrays import DeviceLike, as_embeddings, check_topk
@@ -22,7 +24,8 @@ from ..topk import merge_lists
 from .aggregation import aggregate
 from .indexing import METHODS, build
 from .runner import LocalRunner
-from .shards import Entry, Rows, Stage, open_entry, read_stage, write_relevance, write_rows
+from .shards import (Entry, Rows, Stage, check_folders, open_entry, read_stage,
+                     write_relevance, write_rows)
 
 DEFAULT_BATCH = 8192        # test queries per search round (each round reads every shard)
 Result = tuple[torch.Tensor, torch.Tensor]
@@ -75,6 +78,12 @@ class ShardServer:
         folder = Path(build)
         self.info = read_stage(folder, "build")
         xl = self.info.method == "xl"
+        for name, picked, n in (("doc_shards", doc_shards, len(self.info.shards)),
+                                ("query_shards", query_shards, len(self.info.query_shards))):
+            if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool)
+                       and 0 <= i < n for i in picked) or len(set(picked)) < len(picked):
+                raise InputError(f"{name} must be distinct shard numbers in [0, {n}), got "
+                                 f"{list(picked)!r}")  # [0, 0]: each result twice; -1 the last
         self.docs = [_load(folder, self.info.shards[s], device, self.info, xl)
                      for s in doc_shards]
         self.queries = [_load(folder, self.info.query_shards[r], device, self.info, False)
@@ -153,12 +162,13 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
     from tqdm.auto import tqdm
 
     batch_size = check_positive(batch_size, "batch_size")
+    check_folders(build=build)
     info = read_stage(build, "build")
     topk = check_topk(topk, info.n)
     for name, v in (("lam", lam), ("k", k), ("candidates", candidates)):
         if v is not None:
             _CHECKS[name](v, name)
-    if isinstance(queries, (str, Path)):
+    if isinstance(queries, (str, os.PathLike)):  # any other PathLike: 'must be an array'
         source = Rows(queries)
         if source.dim != info.dim:
             raise InputError(f"queries have dimension {source.dim}, the build {info.dim}")
@@ -198,8 +208,10 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
         for axis in REGISTRY[cfg.method].axes:  # xs: lam; xl: lam and k
             _CHECKS[axis](getattr(cfg, axis), axis)
     run = runner or LocalRunner()
+    check_folders(work=work)
     work = Path(work)
-    prows, qrows = (Rows(x if isinstance(x, (str, Path)) else write_rows(x, work / n, stage=n))
+    prows, qrows = (Rows(x if isinstance(x, (str, os.PathLike))
+                         else write_rows(x, work / n, stage=n))
                     for x, n in ((P, "docs"), (Q, "queries")))  # arrays written as row stages
     docs, train = prows.folder, qrows.folder
     doc_rows = max(-(-prows.n // run.workers), 1) if doc_rows is None else doc_rows
@@ -209,10 +221,11 @@ def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
                   doc_rows=doc_rows, runner=run)
 
     def index(cfg: Any) -> Path:
-        if cfg.method == "xs":
-            agg = aggregate(train, rel, docs, work / f"xs-{cfg.lam:g}", lam=cfg.lam,
+        if cfg.method == "xs":  # {:g} gave 0.1 and 0.1000001 one folder: the later's index
+            name = f"xs-{float(cfg.lam)!r}"  # was then searched for both
+            agg = aggregate(train, rel, docs, work / name, lam=cfg.lam,
                             augment_docs=augment_docs, doc_rows=doc_rows, runner=run)
-            return build("xs", work / f"xs-{cfg.lam:g}-index", docs, embeddings=agg, **common)
+            return build("xs", work / f"{name}-index", docs, embeddings=agg, **common)
         xl = dict(queries=train, relevance=rel, lam=cfg.lam, k=cfg.k, candidates=candidates,
                   knn_norm=knn_norm, rescore=rescore, augment_docs=augment_docs)
         return build(cfg.method, work / cfg.method, docs,

@@ -22,14 +22,14 @@ import torch
 from ..arrays import DeviceLike, as_embeddings, as_tensor
 from ..encode import EncoderLike, _check_texts, _expand, encode as encode_texts, resolve_model
 from ..errors import FormatError, InputError
-from ..params import (XLParams, XLSearchParams, check_nonnegative, check_positive,
-                      check_unit_interval)
+from ..params import (XLParams, XLSearchParams, check_flag, check_nonnegative,
+                      check_positive, check_unit_interval)
 from ..persist import load as load_model
 from ..protocol import Model
 from ..relevance import as_relevance
-from ..storage import (PendingSave, SaveDir, check_output_file, load_csr, load_tensor,
-                       open_save, read_json, save_csr, save_tensor, write_output_file,
-                       writing_save)
+from ..storage import (PendingSave, SaveDir, as_path, check_output_file, load_csr,
+                       load_tensor, open_save, read_json, save_csr, save_tensor,
+                       write_output_file, writing_save)
 from .runner import LocalRunner
 
 log = logging.getLogger("pefa_gpu")
@@ -39,6 +39,7 @@ STAGE_FORMAT = "pefa-gpu-stage"
 SHARD_MANIFEST = "pefa_shard.json"
 SHARD_FORMAT = "pefa-gpu-shard"
 DEFAULT_ROWS = 100_000      # rows per shard (documents, queries, texts)
+_NOT_ROWS = ("relevance", "build")  # the stages that hold no rows (Rows refuses them)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +144,8 @@ def write_shard(path: str | Path, fields: dict[str, Any],
             and all(type(r) is int for r in rows) and 0 <= rows[0] <= rows[1]):
         raise InputError(f"a shard's fields need 'rows': [lo, hi], ints with 0 <= lo <= hi; "
                          f"got {rows!r}")
+    if as_path(path, "path").name in ("", ".."):  # was saved, then Entry.of's ValueError
+        raise InputError(f"a shard is named {str(path)!r}, not a folder in the stage")
     with writing_save(in_stage(Path(path)), SHARD_MANIFEST, SHARD_FORMAT) as w:
         return Entry.of(path, commit_shard(w, fields, tensors, matrices, model, export_hnsw))
 
@@ -204,6 +207,9 @@ def read_shard(path: str | Path, device: DeviceLike = "cpu", mmap: bool = True,
 def open_entry(folder: str | Path, entry: Entry, device: DeviceLike = "cpu") -> Shard:
     """The shard of a stage ``folder`` that ``entry`` names, checked against it."""
     path = in_stage(Path(folder) / entry.name, FormatError)
+    if not os.path.lexists(path):  # was open_save's raw FileNotFoundError
+        raise FormatError(f"{path} is missing: {Path(folder) / STAGE_FILE} lists it (deleted, "
+                          f"or not copied with its stage?)")
     return read_shard(path, device=device, expect_sha=entry.manifest_sha256)
 
 
@@ -230,9 +236,16 @@ def remove_shard(path: Path) -> None:
             save.root.rmdir()
 
 
+def check_folders(**folders: Any) -> None:
+    """TypeError naming the first of ``folders`` (name=value; None skipped) that is no path."""
+    for name, value in folders.items():
+        if value is not None:
+            as_path(value, name)
+
+
 def split(n: int, rows: int) -> list[tuple[int, int]]:
     """[lo, hi) ranges of at most ``rows`` rows covering 0 .. n (one empty range for n = 0)."""
-    rows = check_positive(rows, "rows")
+    n, rows = check_nonnegative(n, "n"), check_positive(rows, "rows")  # -5: [(0, 0)]
     return [(lo, min(lo + rows, n)) for lo in range(0, n, rows)] or [(0, 0)]
 
 
@@ -243,7 +256,7 @@ def shard_name(kind: str, i: int) -> str:
 def check_stage_out(folder: str | Path, kind: str) -> Path:
     """``folder/stage.json`` if it is absent or a ``kind`` stage file in a writable folder, else
     InputError (an input given as the output folder was replaced)."""
-    path = check_output_file(Path(folder) / STAGE_FILE, STAGE_FILE)  # no link, FIFO, folder
+    path = check_output_file(as_path(folder, "out") / STAGE_FILE, STAGE_FILE)  # no link, FIFO
     if os.path.lexists(path):
         body = None
         with contextlib.suppress(OSError, FormatError):  # gone or unreadable: not a stage
@@ -275,12 +288,15 @@ _SHARD_NAME = re.compile(r"(shard|doc|query|part)-[0-9]{5,}\Z")  # shard_name's
 
 def read_stage(folder: str | Path, stage: str | None = None) -> Stage:
     """``folder/stage.json`` (FormatError: missing, damaged or not a ``stage`` stage)."""
-    path = Path(folder) / STAGE_FILE
+    path = as_path(folder, "folder") / STAGE_FILE  # (an int: a raw TypeError naming nothing)
     try:
         body = read_json(path, "stage file")  # a FIFO was read forever, /dev/zero without bound
     except FileNotFoundError:
         raise FormatError(f"{folder} holds no complete stage ({STAGE_FILE} missing: not run "
                           f"yet, or interrupted)") from None
+    except NotADirectoryError:  # a file given for the folder (a .npy, its stage.json): raw
+        raise FormatError(f"{folder} is not a folder: a stage is a folder holding its "
+                          f"{STAGE_FILE}") from None
     if not isinstance(body, dict) or body.get("format") != STAGE_FORMAT:
         raise FormatError(f"{path} is not a pefa_gpu stage file")
     if body.get("format_version") != 1:  # the only version written (a newer one: not read)
@@ -298,16 +314,19 @@ class Rows:
     """The rows (``tensor``) of a row stage, read from its memory-mapped shards."""
 
     def __init__(self, folder: str | Path, tensor: str = "embeddings"):
-        self.folder, self.tensor = Path(folder), tensor
+        self.folder, self.tensor = as_path(folder, "folder"), tensor
         info = read_stage(self.folder)  # its shards tile rows 0 .. n (one shard at least)
+        if info.stage in _NOT_ROWS:  # read as 0-wide rows: 'queries have dimension 0, ...'
+            raise FormatError(f"{self.folder} holds a {info.stage!r} stage, not rows")
         self.shards, self.n, self.dim = info.shards, info.shards[-1].rows[1], info.dim
 
     def _part(self, i: int) -> np.ndarray:
-        t = open_entry(self.folder, self.shards[i]).tensors.get(self.tensor)
-        lo, hi = self.shards[i].rows
-        if t is None or tuple(t.shape) != (hi - lo, self.dim):
+        tensors = open_entry(self.folder, self.shards[i]).tensors
+        t, (lo, hi) = tensors.get(self.tensor), self.shards[i].rows
+        if t is None or tuple(t.shape) != (hi - lo, self.dim):  # tensor='sums' of a row stage
             raise FormatError(f"{self.folder / self.shards[i].name} holds no {self.tensor!r} of "
-                              f"its stage's shape ({hi - lo}, {self.dim})")
+                              f"its stage's shape ({hi - lo}, {self.dim}); it holds "
+                              f"{sorted(tensors)}")
         return t.numpy()
 
     def read(self, lo: int = 0, hi: int | None = None) -> np.ndarray:
@@ -330,13 +349,19 @@ class Rows:
         if rows.size and not 0 <= rows[0] <= rows[-1] < self.n:
             raise InputError(f"rows {rows[0]} .. {rows[-1]} are outside {self.folder} "
                              f"(0 .. {self.n})")
-        if (np.diff(rows) < 0).any():  # its shards' cuts: a raw IndexError, or wrong rows
-            raise InputError("rows must be in ascending order")
-        out = np.empty((len(rows), self.dim), dtype=np.float32) if out is None else out
+        if (rows[1:] < rows[:-1]).any():  # its shards' cuts: a raw IndexError, or wrong rows
+            raise InputError("rows must be in ascending order")  # (np.diff wraps for uint64)
+        if out is not None and (not isinstance(out, np.ndarray) or out.dtype != np.float32
+                                or out.shape != (len(rows), self.dim)):
+            raise InputError(f"out must be a ({len(rows)}, {self.dim}) float32 numpy array, "
+                             f"got {getattr(out, 'shape', type(out).__name__)} "
+                             f"{getattr(out, 'dtype', '')}")
         cuts = [0, *np.searchsorted(rows, [s.rows[1] for s in self.shards])]
-        for i, (s, a, b) in enumerate(zip(self.shards, cuts, cuts[1:])):
-            if b > a:  # read into ``out``: no second copy of the rows
-                np.take(self._part(i), rows[a:b] - s.rows[0], axis=0, out=out[a:b])
+        parts = {i: self._part(i) for i, (a, b) in enumerate(zip(cuts, cuts[1:])) if b > a}
+        out = np.empty((len(rows), self.dim), dtype=np.float32) if out is None else out
+        for i, part in parts.items():  # shapes checked (a forged dim was allocated first)
+            a, b, lo = cuts[i], cuts[i + 1], self.shards[i].rows[0]
+            np.take(part, rows[a:b] - lo, axis=0, out=out[a:b])  # no second copy of the rows
         return out
 
 
@@ -345,8 +370,9 @@ def write_rows(x: Any, out: str | Path, rows: int = DEFAULT_ROWS, stage: str = "
     """Write a (n, d) float matrix (numpy, memmap, torch) as ``rows``-row float32 shards."""
     if not hasattr(x, "shape") or len(x.shape) != 2:
         raise InputError(f"write_rows takes a 2-D array, got {type(x).__name__}")
-    if not isinstance(stage, str) or not stage:  # was Stage's TypeError, after the shards
-        raise InputError(f"stage must be a non-empty name, got {stage!r}")
+    if not isinstance(stage, str) or not stage or stage in _NOT_ROWS:  # Stage's TypeError
+        raise InputError(f"stage must be a non-empty name other than {_NOT_ROWS}, got "
+                         f"{stage!r}")
     n, d = int(x.shape[0]), int(x.shape[1])
     check_stage_out(out, stage)
     shards = [write_shard(Path(out) / shard_name("shard", i), {"stage": stage, "rows": [lo, hi]},
@@ -419,13 +445,17 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     """Encode ``texts`` into a row stage of ``rows``-text shards on the runner's workers,
     keeping shards of the same texts and model (one with a ``cache_key``: picklable)."""
     texts = _check_texts(texts)
-    out = Path(out)
+    out = as_path(out, "out")
+    normalize = check_flag(normalize, "normalize")  # np.bool_ / 1: Stage's TypeError at the end
     check_stage_out(out, "encode")
     identity = resolve_model(model, "cpu").identity
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
                     "shard is encoded again on every run")
-    cache = None if cache_dir is None else str(_expand(cache_dir, "cache_dir"))  # the driver's ~
+    if cache_dir == "":  # expanded to '.': the cache was written into the current folder
+        raise InputError("cache_dir is '': give a folder, or None for no cache")
+    cache = None if cache_dir is None else str(_expand(as_path(cache_dir, "cache_dir"),
+                                                       "cache_dir"))  # the driver's ~
     task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
                              device=device, normalize=normalize, cache_dir=cache)
     plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
@@ -441,7 +471,11 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     if None in manifests:
         raise FormatError(f"encode: shard {manifests.index(None)} of {out} is missing after "
                           f"the run")
-    dim = manifests[0]["tensors"]["embeddings"]["shape"][1] if texts else 0
+    dims = [f["tensors"]["embeddings"]["shape"][1] for f in manifests]
+    if len(set(dims)) > 1:  # was written, then every read said a shard is not of its shape
+        raise InputError(f"encode: the model gave {out}'s shards embeddings of dimensions "
+                         f"{sorted(set(dims))} (one changed under the same cache_key?)")
+    dim = dims[0] if texts else 0
     shards = tuple(Entry.of(shard_name("shard", i), f) for i, f in enumerate(manifests))
     return write_stage(out, Stage(stage="encode", shards=shards, n=len(texts), dim=dim,
                                   model=identity, normalize=normalize))
