@@ -45,6 +45,22 @@ def optional_faiss() -> Any:
         return None
 
 
+_GENERIC_BLAS = ("prescott", "core2", "nehalem", "generic")  # OpenBLAS cores without AVX
+
+
+@functools.lru_cache(maxsize=1)
+def faiss_blas_is_tuned() -> bool:
+    """False where faiss' OpenBLAS runs a generic kernel (a CPU model it does not know, as on
+    some VMs: its GEMM then runs 2-4x below torch's); True when unknown (no threadpoolctl)."""
+    try:
+        from threadpoolctl import threadpool_info
+    except ImportError:
+        return True
+    return not any(lib.get("internal_api") == "openblas" and "faiss" in lib.get("filepath", "")
+                   and str(lib.get("architecture", "")).lower() in _GENERIC_BLAS
+                   for lib in threadpool_info())
+
+
 @contextlib.contextmanager
 def faiss_threads(faiss: Any, threads: int) -> Iterator[None]:
     """Run the block with faiss' OpenMP pool set to ``threads`` (0 = leave as is)."""

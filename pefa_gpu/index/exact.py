@@ -17,7 +17,7 @@ from ..errors import FormatError, InputError
 from ..params import check_choice, checked
 from ..storage import load_tensor, save_tensor
 from ..topk import order_ties, pad_topk, topk_wide
-from ._faiss import faiss_threads, optional_faiss
+from ._faiss import faiss_blas_is_tuned, faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
                    empty_results)
 
@@ -234,14 +234,14 @@ class ExactIndex(VectorIndex):
     # -- the working-memory model (checked in tests/test_exact_memory.py) --------------------
     def _plan(self, b: int, kk: int, w: int | None = None) -> tuple[Any, int, int]:
         """(faiss or None, query batch, corpus chunk) of a pass for top-w lists: faiss on the
-        CPU (float32) for its BLAS path or one query on one thread."""
+        CPU (float32) for its BLAS path (where its BLAS is tuned) or one query on one thread."""
         w = w or self._pass_width(kk)
         faiss = optional_faiss() if self.device.type == "cpu" and \
             self._dtype == torch.float32 else None
         if faiss is not None:
             q_batch = max(1, min(b, self.memory_budget // self._work_bytes(1, 0, w, faiss=True)))
-            if q_batch * self.dim >= faiss.cvar.distance_compute_blas_threshold or \
-                    (q_batch == 1 and torch.get_num_threads() == 1):
+            blas = q_batch * self.dim >= faiss.cvar.distance_compute_blas_threshold
+            if blas and faiss_blas_is_tuned() or q_batch == 1 and torch.get_num_threads() == 1:
                 return faiss, q_batch, self.ntotal
         return (None, *self._block_shape(b, kk, w))
 
