@@ -334,6 +334,7 @@ def stage_stream(s: dict, device: str) -> dict[str, Any]:
     import torch
 
     import pefa_gpu as pg
+    from pefa_gpu.stream import row_source
 
     m, d, budget = s["stream_m"], 128, 512 << 20
     n = max(1, m // 10)
@@ -366,9 +367,12 @@ def stage_stream(s: dict, device: str) -> dict[str, Any]:
             _read_file(path, drop=False)  # into the page cache
             cached = size / statistics.median(_read_file(path, False) for _ in range(3)) / 1e9
             dropped = size / statistics.median(_read_file(path, True) for _ in range(3)) / 1e9
+            # reads the file itself (False: the map is copied, slower: its inode not found)
+            direct = getattr(row_source(mm, "Q"), "_file", None) is not None
             out["dtypes"][name] = {"s": t, "file_gb_s": gb_s, "vs_h2d": gb_s / h2d,
                                    "read_cached_gb_s": cached, "read_dropped_gb_s": dropped,
-                                   "vs_read_dropped": gb_s / dropped, "max_rel_diff_vs_cpu": err}
+                                   "vs_read_dropped": gb_s / dropped, "max_rel_diff_vs_cpu": err,
+                                   "reads_file_directly": direct}
             del mm
     return out
 

@@ -39,6 +39,7 @@ def test_dry_run_runs_every_stage_and_writes_both_files(tmp_path):
     assert data["benchmarks"]["exact"]["same_id_sets_share"] > 0.99
     assert data["benchmarks"]["exact"]["vs_card_gemm"] > 0
     assert data["benchmarks"]["stream"]["dtypes"]["float32"]["max_rel_diff_vs_cpu"] < 1e-5
+    assert data["benchmarks"]["stream"]["dtypes"]["float32"]["reads_file_directly"]  # not copied
     assert "cagra" in data["benchmarks"]["ann"]  # skipped with a reason on the CPU
     assert "## The card" in md and "### ann" in md and (out / "gpu_pytest.xml").is_file()
     assert sorted(p.name for p in out.iterdir()) == ["gpu.json", "gpu.md", "gpu_pytest.log",
