@@ -66,6 +66,8 @@ def test_param_errors(make, msg):
     (lambda: pg.ERM(device=2**70), "device=1180591620717411303424 is not a valid"),  # overflow
     (lambda: pg.XSParams.from_json("{"), "XSParams.from_json: not valid JSON"),  # bare error
     (lambda: pg.XSParams.from_json("[1]"), "from_json: expected a JSON object"),
+    (lambda: pg.XSParams.from_json("[" * 10**5), "XSParams.from_json: not valid JSON"),  # Recursion
+    (lambda: pg.XSParams.from_dict({1: 0, "x": 0}), r"unknown keys \['x', 1\]"),  # '<' TypeError
     (lambda: split_queries(10.5), "n_queries must be an int >= 0, got 10.5"),  # AxisError
     (lambda: split_queries(2**40), "n_queries must be at most"),  # numpy's MemoryError, 8 TiB
     (lambda: split_queries("10"), "n_queries must be an int"),
@@ -80,6 +82,11 @@ def test_wrong_values_and_types_are_named(make, msg):
     with pytest.raises(TypeError, match="got the str 'xs'"):
         takes("xs", "lam")  # its letters: KeyError 'x'
     assert split_queries(np.int64(5))[1].size == 1 and takes(["xs"], "lam")
+
+
+def test_from_json_names_a_text_of_another_type():
+    with pytest.raises(TypeError, match="XSParams.from_json takes a str, got NoneType"):
+        pg.XSParams.from_json(None)  # json's 'the JSON object must be str ...' named no argument
 
 
 def test_numpy_numbers_are_numbers():
