@@ -395,6 +395,24 @@ def test_sparse_and_meta_tensors_are_named_not_torch_errors():
                 call()
 
 
+def test_nested_quantized_and_long_double_arrays_are_named_not_torch_errors():
+    """A nested tensor was torch's RuntimeError ('Internal error: NestedTensorImpl doesn't
+    support sizes'), a quantized one 'Creation of quantized tensor requires quantized dtype', a
+    numpy long double torch.from_numpy's TypeError naming no array."""
+    rng = np.random.default_rng(4)
+    P, T = unit_rows(rng, 20, 8), torch.from_numpy(unit_rows(rng, 3, 8))
+    erm = pg.ERM(device="cpu").fit(P)
+    for bad, what in [(torch.nested.nested_tensor(list(T)), "is a nested (ragged) tensor"),
+                      (torch.quantize_per_tensor(T, 0.1, 0, torch.qint8), "dtype torch.qint8"),
+                      (T.numpy().astype(np.longdouble), "which torch does not read")]:
+        calls = [lambda: pg.ERM(device="cpu").fit(bad)]
+        if not getattr(bad, "is_nested", False):  # search reads its shape first (models)
+            calls.append(lambda: erm.search(bad, 2))
+        for call in calls:
+            with pytest.raises(InputError, match=re.escape(what)):
+                call()
+
+
 def test_a_reversed_single_row_view_is_read_as_its_values():
     """x[::-1] of a (1, d) array has a negative row stride yet numpy calls it C-contiguous:
     torch.from_numpy's bare ValueError ('negative strides are not supported') in search,
