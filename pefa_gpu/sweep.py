@@ -156,7 +156,9 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                 out = [(Config(method), *erm.search(qq, topk))]
             elif method == "erm":
                 s, i = passage()[2] if reuse else ERM(**common).fit(P).search(q, topk)
-                out = [(Config("erm"), s[:, :topk].contiguous(), i[:, :topk].contiguous())]
+                # copies: a caller writing them wrote the passage search XL fuses after them
+                s, i = (x[:, :topk].clone(memory_format=torch.contiguous_format) for x in (s, i))
+                out = [(Config("erm"), s, i)]
             else:
                 xl, qq, erm = passage()
                 fused = xl.fuse_grid(qq, erm, xl.neighbours(qq, max(ks), erm), lams, ks, topk)

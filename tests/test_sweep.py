@@ -299,3 +299,19 @@ def test_sweep_search_checks_show_progress_and_timings_first():
     for bad in ("a", 0, None):
         with pytest.raises(InputError, match="candidates must be a positive integer"):
             next(sweep_search(P, Q, Y, test, "erm,xl", device="cpu", candidates=bad))
+
+
+def test_writing_erm_results_leaves_xl_the_shared_passage_search():
+    """With candidates == topk ERM's yielded scores / ids were XL's passage search itself (the
+    exact backend searches once for both): a caller filling them changed XL's results."""
+    P, Q, Y, test = _data(0)
+
+    def xl_ids(write):
+        for cfg, s, i in sweep_search(P, Q, Y, test, "erm,xl", (0.5,), (4,), topk=10,
+                                      candidates=10, device="cpu", show_progress=False):
+            if cfg.method == "xl":
+                return i
+            if write:
+                s.fill_(0.0), i.fill_(-1)
+
+    assert torch.equal(xl_ids(True), xl_ids(False))
