@@ -107,6 +107,10 @@ def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
     given = {"lam": config.lam, "k": config.k, **params}
     kw = {key: v for key, v in given.items()  # a setting no method takes: the model refuses it
           if v is not None and (key in m.takes or not takes(REGISTRY, key))}
+    clash = sorted(set(kw) & dict(m.fixed).keys())  # was NUDGE's 'multiple values' TypeError
+    if clash:
+        raise InputError(f"method {m.name!r} fixes {clash[0]}={dict(m.fixed)[clash[0]]!r}; drop "
+                         f"{clash[0]} (or choose the method that sets it)")
     search = PARAMS[m.model][1]
     own = {key: kw.pop(key) for key in list(kw) if key in search.__dataclass_fields__}
     model = model_class(m.name)(backend=backend, device=device, search_params=search(**own),

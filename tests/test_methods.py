@@ -128,6 +128,9 @@ def test_a_setting_no_method_takes_is_refused(data):
         fit_config(pg.Config("xs", 0.5), P, Q, Y, device="cpu", augment_doc=False)
     # a setting another method takes is left out (ERM has no λ, XS no k)
     fit_config(pg.Config("erm"), P, Q, Y, device="cpu", augment_docs=False, candidates=9)
+    # a setting the method fixes: NUDGE's TypeError 'got multiple values for keyword argument'
+    with pytest.raises(pg.InputError, match="method 'nudge-n' fixes variant='N'; drop variant"):
+        fit_config(pg.Config("nudge-n"), P, Q, Y, device="cpu", variant="M")
 
 
 def test_no_function_is_above_complexity_20():
