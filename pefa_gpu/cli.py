@@ -57,7 +57,8 @@ def _number(cast: Callable[[str], Any], want: str,
 
 
 # the option types; _lam: the one rule and message of a λ in every subcommand
-_lam = _number(float, "a number", (lambda v: 0.0 <= v <= 1.0, "λ must lie in [0, 1]"))
+_lam = _number(lambda t: float(t) + 0.0, "a number",  # -0.0 as 0.0: tables showed 'λ=-0'
+               (lambda v: 0.0 <= v <= 1.0, "λ must lie in [0, 1]"))
 _finite = _number(float, "a number", (math.isfinite, "must be a finite number"))
 _seed = _number(int, "an integer >= 0", (lambda v: v >= 0, "must be an integer >= 0"))
 _positive_int = _number(int, "a positive integer", (lambda v: v > 0, "must be a positive integer"),

@@ -131,8 +131,9 @@ def check_grid(lams: Any, ks: Any, empty_ok: tuple[bool, bool] = (False, False)
             raise InputError(f"{axis}s is empty: give at least {want}")
         for value in values:
             check(value, axis)
-    # numpy scalars as Python numbers, as Params take them (np.float32(0.5) was refused)
-    return tuple(dict.fromkeys(map(float, lams))), tuple(dict.fromkeys(map(int, ks)))
+    # numpy scalars as Python numbers, as Params take them (np.float32(0.5) was refused); -0.0
+    # as 0.0 (tables showed 'λ=-0')
+    return tuple(dict.fromkeys(float(x) + 0.0 for x in lams)), tuple(dict.fromkeys(map(int, ks)))
 
 
 # HNSW degree M (docs use 4 to 64) and beam widths ef (hundreds to thousands): far larger ones

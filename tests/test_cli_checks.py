@@ -363,6 +363,15 @@ def test_lam_has_one_rule_and_message_checked_before_data(cmd, tmp_path, capsys)
     assert "argument --lam: λ must lie in [0, 1], got '1.5'" in capsys.readouterr().err
 
 
+def test_a_negative_zero_lam_is_zero():
+    """--lam -0 was kept as -0.0: tables and build's label showed 'λ=-0', its manifest -0.0."""
+    from pefa_gpu.cli import build_parser
+
+    for argv in (["eval", "d", "--lam=-0.0,0.5"], ["build", "d", "--lam=-0", "--out", "o"]):
+        lam = build_parser().parse_args(argv).lam
+        assert str(lam).startswith(("(0.0", "0.0")), lam
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--threads", "-1"], "argument --threads: must be a positive integer"),
     (["--threads", "0"], "argument --threads: must be a positive integer"),

@@ -204,6 +204,8 @@ def test_a_repeated_lam_or_k_counts_once():
                      device="cpu", show_progress=False)
     assert twice.rows == once.rows
     assert grid("xl", (0.5, 0.5), (4, 4)) == [Config("xl", 0.5, 4)]
+    # -0.0 (first of -0.0 == 0.0) was kept: labels and tables showed 'λ=-0'
+    assert [c.label() for c in grid("xs", (-0.0, 0.0), ())] == ["XS λ=0"]
 
 
 def test_sweep_refuses_metric_ks_and_grids_that_are_not_sequences_of_positive_ints():
