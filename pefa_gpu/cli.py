@@ -674,15 +674,18 @@ def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dic
     empty = (f" ({n_empty} without a relevant document counted as 0)" if args.count_empty else
              f" ({n_empty} without a relevant document skipped; --count-empty counts them as 0)"
              if n_empty else "")
+    beir = data.corpus is not None  # --xmc: the pairs and their weights as stored, no grade rule
     print(f"{data.name}: {len(data.doc_ids)} documents, {data.Y_train.shape[0]} training "
-          f"queries ({data.Y_train.nnz} pairs, binary), {metrics['n_queries']} test queries"
-          f"{empty}\nrelevant: qrels grade >= {args.min_score:g}; nDCG gains: the qrels "
-          f"grades\n")
+          f"queries ({data.Y_train.nnz} pairs, {'binary' if beir else 'weights as stored'}), "
+          f"{metrics['n_queries']} test queries{empty}\nrelevant: " + (
+              f"qrels grade >= {args.min_score:g}; nDCG gains: the qrels grades\n" if beir else
+              "the pairs of Y.tst.npz weighted > 0; nDCG gains: their stored weights\n"))
     print(markdown_table(rows, METRICS), end="")
     if args.json:
         obj = {"dataset": data.name, "n_test_queries": metrics["n_queries"],
                "n_skipped": metrics["n_skipped"], "n_empty": metrics["n_empty"],
-               "count_empty": bool(args.count_empty), "min_score": args.min_score,
+               "count_empty": bool(args.count_empty),
+               "min_score": args.min_score if beir else None,
                "gains": "graded", "results": rows, **more}
         write_output_file(args.json, json.dumps(obj, indent=2) + "\n", "--json")
         log.info("wrote %s", args.json)
