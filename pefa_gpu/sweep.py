@@ -145,7 +145,8 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                 out = [(Config(method, gamma=nudge.fitted_gamma), *nudge.search(q, topk))]
             elif spec.model == "PEFAXS":  # the plain or the adapted queries
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
-                qq = query_side("adapter")(q) if spec.query else q
+                # as_queries: queries of another dimension were a bare matmul RuntimeError
+                qq = query_side("adapter")(q) if spec.query else xs.as_queries(q)
                 results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact" else
                            [xs.new_index().build(xs.xs_embeddings(lam)).search(qq, topk)
                             for lam in lams])  # other backends: one index over E(λ) per λ
@@ -254,6 +255,9 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
     """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
     allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
     metric_ks = check_ks(metric_ks)
+    if clash := sorted(set(kwargs) & {"topk", "timings"}):  # was 'multiple values' TypeError
+        raise InputError(f"sweep sets {clash[0]} itself (topk: the largest metric_ks; timings: "
+                         f"SweepResult.timings); drop {clash[0]}")
     if _rows(P) is not None:  # not sweep_search's "topk=K", a name the caller never gave
         check_topk(max(metric_ks), _rows(P), "metric_ks: k")
     # a Y_test of other columns than documents was scored as if it fitted (before any fit)

@@ -317,3 +317,17 @@ def test_writing_erm_results_leaves_xl_the_shared_passage_search():
                 s.fill_(0.0), i.fill_(-1)
 
     assert torch.equal(xl_ids(True), xl_ids(False))
+
+
+def test_xs_queries_of_another_dimension_and_sweeps_own_settings_are_named():
+    """XS on the exact backend multiplied queries of another dimension with P: torch's bare
+    'mat1 and mat2 shapes cannot be multiplied'; sweep(..., topk=5) was Python's 'got multiple
+    values for keyword argument'."""
+    P, Q, Y, test = _data(2)
+    with pytest.raises(InputError, match=r"queries has dimension 5, expected 8"):
+        next(sweep_search(P, Q, Y, test[:, :5], "xs", (0.5,), device="cpu",
+                          show_progress=False))
+    Yt = sp.csr_matrix((np.ones(12, np.float32), (np.arange(12), np.arange(12))), shape=(12, 60))
+    for name in ("topk", "timings"):
+        with pytest.raises(InputError, match=f"sweep sets {name} itself"):
+            pg.sweep(P, Q, Y, test, Yt, "erm", device="cpu", **{name: None})
