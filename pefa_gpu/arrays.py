@@ -150,8 +150,8 @@ def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,
     sync when False); a warning for rows not L2-normalised (``check_norm``). ``copy``: never
     shares memory with ``x``."""
     t = as_tensor(x, device=device, dtype=dtype, name=name, copy=copy)
-    if t.ndim == 1 and dim is not None and t.shape[0] == dim:
-        t = t.unsqueeze(0)
+    if t.ndim == 1 and dim is not None:  # one vector (another length: 'has dimension 3, ...'
+        t = t.unsqueeze(0)  # below, not 'must be 2-D')
     if t.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {tuple(t.shape)}")
     if t.shape[1] == 0:

@@ -138,6 +138,8 @@ def test_single_query_vector_is_accepted(data):
     P, Q, Y, T = data
     model = pg.ERM().fit(P)
     assert torch.equal(model.search(T[0], 4)[1], model.search(T[:1], 4)[1])
+    with pytest.raises(InputError, match=r"queries has dimension 5, expected 8"):
+        model.search(T[0, :5], 4)  # was 'queries must be 2-D (rows, dim), got shape (5,)'
 
 
 def test_params_round_trip_json():
