@@ -341,6 +341,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if not folder:
             continue
         _check_not_in_save(os.path.expanduser(folder), flag)  # files there broke the save
+        _check_apart(args, flag, Path(os.path.expanduser(folder)).resolve())
         if args.command == "build" and Path(os.path.expanduser(folder)).resolve().is_relative_to(
                 Path(args.out).resolve()):  # the save refused the folder they filled, at the end
             raise InputError(f"{flag} {folder} is (or is inside) --out {args.out}, which holds "
@@ -352,6 +353,16 @@ def _check_outputs(args: argparse.Namespace) -> None:
                 check_output_file(getattr(args, name), f"--{name}")
     if args.command == "sweep" and args.plot:
         _check_plot(args)
+
+
+def _check_apart(args: argparse.Namespace, flag: str, folder: Path) -> None:
+    """The output files (--json, --plot, search's --out) are not ``folder`` nor a folder above
+    it (the command made it, then failed at the end: '--json ... is a directory')."""
+    for name in ("json", "plot", "out" if args.command == "search" else ""):
+        out = getattr(args, name, None) and Path(getattr(args, name)).resolve()
+        if out and folder.is_relative_to(out):
+            raise InputError(f"--{name} {getattr(args, name)} is (or is a folder above) {flag} "
+                             f"{folder}; give the output file another name")
 
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:

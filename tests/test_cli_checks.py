@@ -324,6 +324,24 @@ def test_outputs_are_checked_before_any_work_and_never_replace_links(tmp_path, c
     assert code == 2 and "--out" in err and "is a directory" in err
 
 
+def test_an_output_file_that_is_or_holds_the_cache_dir_is_refused_first(tmp_path, capsys):
+    """--json X --cache-dir X (or X/c) encoded into the folder X, then failed at the end: '--json
+    X is a directory'; now refused before the data is read (here: none)."""
+    for cmd, flag, out, cache in (("eval", "--json", "x", "x"), ("eval", "--json", "x", "x/c"),
+                                  ("sweep", "--plot", "p", "p/c"),
+                                  ("search", "--out", "o", "o")):
+        argv = [cmd, tmp_path / "no-data", *(["q"] if cmd == "search" else []), flag,
+                tmp_path / out, "--cache-dir", tmp_path / cache, "-q"]
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"{flag} {tmp_path / out} is (or is a folder above) --cache-dir" \
+            in err, err
+        assert not (tmp_path / out).exists()
+    ok_json = tmp_path / "c" / "x.json"  # an output inside the cache folder is no clash
+    code, _, err = run(capsys, "eval", tmp_path / "no-data", "--json", ok_json, "--cache-dir",
+                       tmp_path / "c", "-q")
+    assert code == 2 and "cache-dir" not in err
+
+
 def test_json_output_replaces_a_regular_file_atomically_keeping_its_mode(data, tmp_path, capsys):
     out = tmp_path / "res.json"
     out.write_text("old")
