@@ -75,6 +75,10 @@ def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABL
     row has a NUDGE step ("gamma")."""
     metrics = _names([metrics] if isinstance(metrics, str) else metrics,  # not one per letter
                      "metrics must be metric names (a str or a sequence of them)")
+    if rows and (absent := [m for m in metrics if not any(m in r for r in rows)]):
+        known = sorted({m for r in rows for m, v in r.items() if isinstance(v, float)})
+        raise InputError(f"metric {absent[0]!r} is in no row (a blank column); the rows hold "
+                         f"{known}")
     gamma = any(r.get("gamma") is not None for r in rows)
     head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]

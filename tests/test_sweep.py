@@ -287,6 +287,9 @@ def test_markdown_table_names_metrics_that_are_not_names():
         with pytest.raises(InputError, match="metrics must be metric names"):
             res.to_markdown(bad)
     assert "| ERM |  |  | 0.5000 |" in res.to_markdown(("recall@10",))
+    # a metric no row holds (a typo, or a k not evaluated) was printed as a blank column
+    with pytest.raises(InputError, match=r"metric 'recall@5' is in no row .* \['recall@10'\]"):
+        res.to_markdown(("recall@10", "recall@5"))
 
 
 def test_sweep_search_checks_show_progress_and_timings_first():
