@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import InputError, PefaError
+from .errors import InputError, MissingDependencyError, PefaError
 from .methods import AXES, REGISTRY, defaults, fit_config, settings
 
 if TYPE_CHECKING:  # the command stays torch-free until a command runs
@@ -331,7 +331,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     from .storage import check_output_file
 
     resolve_device(args.device)
-    if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
+    if args.command == "sweep" and args.json and not args.plot and \
+            importlib.util.find_spec("matplotlib") is not None:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
         if args.plot == args.json:
             raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
@@ -407,8 +408,9 @@ def _check_plot(args: argparse.Namespace) -> None:
                          f"name")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        return
+    except ImportError:  # was found after the sweep ran (and by --json's default plot)
+        raise MissingDependencyError(f"--plot {args.plot} needs matplotlib: pip install "
+                                     f"matplotlib") from None
     kinds = FigureCanvasBase.get_supported_filetypes()
     suffix = Path(args.plot).suffix.lower().lstrip(".")
     if suffix not in kinds:  # none: the format was read from the temporary file's name

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -641,6 +642,21 @@ def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys, tmp_
 def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
     code, _, err = run(capsys, *argv)
     assert code == 2 and f"{flag} is empty" in err, err
+
+
+def test_sweep_without_matplotlib_plots_only_when_asked_and_says_so_first(data, tmp_path,
+                                                                           capsys, monkeypatch):
+    """Without matplotlib (an optional extra) sweep --json ran, wrote the JSON, then failed on
+    the plot nobody asked for ('plots need matplotlib'); an explicit --plot failed only at the
+    end too."""
+    for name in ("matplotlib", "matplotlib.backend_bases", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # import matplotlib: ImportError
+    out = tmp_path / "r.json"
+    ok(capsys, "sweep", data, "--embeddings", "bow", "--methods", "erm", "--device", "cpu",
+       "--json", out, "-q")
+    assert out.is_file() and not out.with_suffix(".png").exists()
+    code, _, err = run(capsys, "sweep", tmp_path / "no-data", "--plot", tmp_path / "p.png", "-q")
+    assert code == 2 and f"--plot {tmp_path / 'p.png'} needs matplotlib" in err, err
 
 
 @pytest.mark.parametrize("argv,match", [
