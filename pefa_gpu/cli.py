@@ -229,7 +229,8 @@ def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
         **_settings("point" if command == "eval" else "grid", AXES),
         "--json": dict(metavar="OUT", help="also write the results as JSON to OUT"),
         **({"--plot": dict(metavar="PNG", help="recall vs λ plot (default: next to --json, "
-                           "same name, .png)")} if command == "sweep" else {}),
+                           "same name, .png, where matplotlib is installed)")}
+           if command == "sweep" else {}),
         **(TUNE_OPTIONS if tune else {})}
     return [("", DATA_DIR), ("data", {**DATA_OPTIONS, **({} if build else TEST_OPTIONS)}),
             ("embeddings", EMBEDDING_OPTIONS), ("compute", COMPUTE_OPTIONS),
