@@ -65,8 +65,10 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
     ``copy`` (then it never shares memory with ``x``)."""
     dev = resolve_device(device) if device is not None else None
     t = _as_torch(x, name)
-    if t.dtype == torch.bool or t.is_complex():
+    if t.dtype == torch.bool or t.is_complex() or t.is_quantized:  # qint8: torch's own error
         raise InputError(f"{name} has dtype {t.dtype}; a real-valued array is needed")
+    if t.is_nested:  # torch's 'Internal error: NestedTensorImpl doesn't support sizes'
+        raise InputError(f"{name} is a nested (ragged) tensor; pass a dense array")
     if t.layout != torch.strided or t.is_meta:  # torch.sparse_coo / _csr, or holding no data
         raise InputError(f"{name} is a {t.layout} tensor on {t.device}; pass a dense array")
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
@@ -87,6 +89,9 @@ def _as_torch(x: Any, name: str) -> torch.Tensor:
         bf16 = is_bfloat16(x.dtype)
         if x.dtype.kind not in "biufc" and not bf16:  # object, strings, datetimes, structured
             raise InputError(f"{name} has dtype {x.dtype}; pass a numeric array")
+        if x.dtype.char in "gG":  # long double: torch.from_numpy's TypeError named no array
+            raise InputError(f"{name} has dtype {x.dtype}, which torch does not read; pass "
+                             f"float64 or float32")
         if np.ma.is_masked(x):  # numpy reads a masked array's data, masked entries included
             raise InputError(f"{name} is a masked array with masked entries: fill them "
                              f"({name}.filled(value)) or drop their rows first")
@@ -145,8 +150,8 @@ def as_embeddings(x: Any, device: DeviceLike, name: str, dim: int | None = None,
     sync when False); a warning for rows not L2-normalised (``check_norm``). ``copy``: never
     shares memory with ``x``."""
     t = as_tensor(x, device=device, dtype=dtype, name=name, copy=copy)
-    if t.ndim == 1 and dim is not None and t.shape[0] == dim:
-        t = t.unsqueeze(0)
+    if t.ndim == 1 and dim is not None:  # one vector (another length: 'has dimension 3, ...'
+        t = t.unsqueeze(0)  # below, not 'must be 2-D')
     if t.ndim != 2:
         raise InputError(f"{name} must be 2-D (rows, dim), got shape {tuple(t.shape)}")
     if t.shape[1] == 0:

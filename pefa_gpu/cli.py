@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import InputError, PefaError
+from .errors import InputError, MissingDependencyError, PefaError
 from .methods import AXES, REGISTRY, defaults, fit_config, settings
 
 if TYPE_CHECKING:  # the command stays torch-free until a command runs
@@ -57,7 +57,8 @@ def _number(cast: Callable[[str], Any], want: str,
 
 
 # the option types; _lam: the one rule and message of a λ in every subcommand
-_lam = _number(float, "a number", (lambda v: 0.0 <= v <= 1.0, "λ must lie in [0, 1]"))
+_lam = _number(lambda t: float(t) + 0.0, "a number",  # -0.0 as 0.0: tables showed 'λ=-0'
+               (lambda v: 0.0 <= v <= 1.0, "λ must lie in [0, 1]"))
 _finite = _number(float, "a number", (math.isfinite, "must be a finite number"))
 _seed = _number(int, "an integer >= 0", (lambda v: v >= 0, "must be an integer >= 0"))
 _positive_int = _number(int, "a positive integer", (lambda v: v > 0, "must be a positive integer"),
@@ -228,7 +229,8 @@ def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
         **_settings("point" if command == "eval" else "grid", AXES),
         "--json": dict(metavar="OUT", help="also write the results as JSON to OUT"),
         **({"--plot": dict(metavar="PNG", help="recall vs λ plot (default: next to --json, "
-                           "same name, .png)")} if command == "sweep" else {}),
+                           "same name, .png, where matplotlib is installed)")}
+           if command == "sweep" else {}),
         **(TUNE_OPTIONS if tune else {})}
     return [("", DATA_DIR), ("data", {**DATA_OPTIONS, **({} if build else TEST_OPTIONS)}),
             ("embeddings", EMBEDDING_OPTIONS), ("compute", COMPUTE_OPTIONS),
@@ -330,7 +332,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     from .storage import check_output_file
 
     resolve_device(args.device)
-    if args.command == "sweep" and args.json and not args.plot:  # --plot: next to --json
+    if args.command == "sweep" and args.json and not args.plot and \
+            importlib.util.find_spec("matplotlib") is not None:  # --plot: next to --json
         args.plot = str(Path(args.json).with_suffix(".png"))
         if args.plot == args.json:
             raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
@@ -340,6 +343,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if not folder:
             continue
         _check_not_in_save(os.path.expanduser(folder), flag)  # files there broke the save
+        _check_apart(args, flag, Path(os.path.expanduser(folder)).resolve())
         if args.command == "build" and Path(os.path.expanduser(folder)).resolve().is_relative_to(
                 Path(args.out).resolve()):  # the save refused the folder they filled, at the end
             raise InputError(f"{flag} {folder} is (or is inside) --out {args.out}, which holds "
@@ -351,6 +355,16 @@ def _check_outputs(args: argparse.Namespace) -> None:
                 check_output_file(getattr(args, name), f"--{name}")
     if args.command == "sweep" and args.plot:
         _check_plot(args)
+
+
+def _check_apart(args: argparse.Namespace, flag: str, folder: Path) -> None:
+    """The output files (--json, --plot, search's --out) are not ``folder`` nor a folder above
+    it (the command made it, then failed at the end: '--json ... is a directory')."""
+    for name in ("json", "plot", "out" if args.command == "search" else ""):
+        out = getattr(args, name, None) and Path(getattr(args, name)).resolve()
+        if out and folder.is_relative_to(out):
+            raise InputError(f"--{name} {getattr(args, name)} is (or is a folder above) {flag} "
+                             f"{folder}; give the output file another name")
 
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:
@@ -395,8 +409,9 @@ def _check_plot(args: argparse.Namespace) -> None:
                          f"name")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
-    except ImportError:
-        return
+    except ImportError:  # was found after the sweep ran (and by --json's default plot)
+        raise MissingDependencyError(f"--plot {args.plot} needs matplotlib: pip install "
+                                     f"matplotlib") from None
     kinds = FigureCanvasBase.get_supported_filetypes()
     suffix = Path(args.plot).suffix.lower().lstrip(".")
     if suffix not in kinds:  # none: the format was read from the temporary file's name
@@ -673,15 +688,18 @@ def _report(args: argparse.Namespace, data: _Data, metrics: dict, rows: list[dic
     empty = (f" ({n_empty} without a relevant document counted as 0)" if args.count_empty else
              f" ({n_empty} without a relevant document skipped; --count-empty counts them as 0)"
              if n_empty else "")
+    beir = data.corpus is not None  # --xmc: the pairs and their weights as stored, no grade rule
     print(f"{data.name}: {len(data.doc_ids)} documents, {data.Y_train.shape[0]} training "
-          f"queries ({data.Y_train.nnz} pairs, binary), {metrics['n_queries']} test queries"
-          f"{empty}\nrelevant: qrels grade >= {args.min_score:g}; nDCG gains: the qrels "
-          f"grades\n")
+          f"queries ({data.Y_train.nnz} pairs, {'binary' if beir else 'weights as stored'}), "
+          f"{metrics['n_queries']} test queries{empty}\nrelevant: " + (
+              f"qrels grade >= {args.min_score:g}; nDCG gains: the qrels grades\n" if beir else
+              "the pairs of Y.tst.npz weighted > 0; nDCG gains: their stored weights\n"))
     print(markdown_table(rows, METRICS), end="")
     if args.json:
         obj = {"dataset": data.name, "n_test_queries": metrics["n_queries"],
                "n_skipped": metrics["n_skipped"], "n_empty": metrics["n_empty"],
-               "count_empty": bool(args.count_empty), "min_score": args.min_score,
+               "count_empty": bool(args.count_empty),
+               "min_score": args.min_score if beir else None,
                "gains": "graded", "results": rows, **more}
         write_output_file(args.json, json.dumps(obj, indent=2) + "\n", "--json")
         log.info("wrote %s", args.json)

@@ -107,6 +107,7 @@ def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
     given = {"lam": config.lam, "k": config.k, **params}
     kw = {key: v for key, v in given.items()  # a setting no method takes: the model refuses it
           if v is not None and (key in m.takes or not takes(REGISTRY, key))}
+    _check_given(m, config, params, kw)
     search = PARAMS[m.model][1]
     own = {key: kw.pop(key) for key in list(kw) if key in search.__dataclass_fields__}
     model = model_class(m.name)(backend=backend, device=device, search_params=search(**own),
@@ -118,3 +119,20 @@ def fit_config(config: Any, P: ArrayLike, Q: ArrayLike | None = None,
 
     adapter = QueryAdapter(device=model.device).fit(Q, Y, P) if "adapter" in m.query else None
     return QueryModel(model, adapter, VectorPRF() if "prf" in m.query else None)
+
+
+def _check_given(m: Method, config: Any, params: dict[str, Any], kw: dict[str, Any]) -> None:
+    """InputError for a setting of :func:`fit_config` given twice: in ``config`` and ``params``
+    (the keyword won silently over config.lam), where method ``m`` fixes it, or search_params
+    (the last two were the model's TypeError 'got multiple values for keyword argument')."""
+    twice = [a for a in AXES if getattr(config, a) is not None and params.get(a) is not None]
+    if twice:
+        a = twice[0]
+        raise InputError(f"fit_config: {a} is given twice, config.{a}={getattr(config, a)!r} "
+                         f"and {a}={params[a]!r}; give it once")
+    if clash := sorted(set(kw) & dict(m.fixed).keys()):
+        raise InputError(f"method {m.name!r} fixes {clash[0]}={dict(m.fixed)[clash[0]]!r}; drop "
+                         f"{clash[0]} (or choose the method that sets it)")
+    if kw.get("search_params") is not None:
+        raise InputError("fit_config: give the search settings as keywords (candidates=...), "
+                         "not search_params")

@@ -47,7 +47,7 @@ class Params:
     @classmethod
     def _check_keys(cls, data: dict[str, Any]) -> None:
         known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=repr)  # {1: .., 'x': ..}: '<' of int and str
         if unknown:
             raise InputError(f"{cls.__name__} got unknown keys {unknown}; known: {sorted(known)}")
 
@@ -56,9 +56,11 @@ class Params:
 
     @classmethod
     def from_json(cls: type[T], text: str) -> T:
+        if not isinstance(text, (str, bytes, bytearray)):  # json's TypeError named no argument
+            raise TypeError(f"{cls.__name__}.from_json takes a str, got {type(text).__name__}")
         try:
             data = json.loads(text)
-        except ValueError as exc:  # JSONDecodeError: a bare error naming no params
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError; '[' * 10**5: recursion
             raise InputError(f"{cls.__name__}.from_json: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
             raise InputError(f"{cls.__name__}.from_json: expected a JSON object, got {text!r:.80}")
@@ -129,8 +131,9 @@ def check_grid(lams: Any, ks: Any, empty_ok: tuple[bool, bool] = (False, False)
             raise InputError(f"{axis}s is empty: give at least {want}")
         for value in values:
             check(value, axis)
-    # numpy scalars as Python numbers, as Params take them (np.float32(0.5) was refused)
-    return tuple(dict.fromkeys(map(float, lams))), tuple(dict.fromkeys(map(int, ks)))
+    # numpy scalars as Python numbers, as Params take them (np.float32(0.5) was refused); -0.0
+    # as 0.0 (tables showed 'λ=-0')
+    return tuple(dict.fromkeys(float(x) + 0.0 for x in lams)), tuple(dict.fromkeys(map(int, ks)))
 
 
 # HNSW degree M (docs use 4 to 64) and beam widths ef (hundreds to thousands): far larger ones

@@ -75,6 +75,10 @@ def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABL
     row has a NUDGE step ("gamma")."""
     metrics = _names([metrics] if isinstance(metrics, str) else metrics,  # not one per letter
                      "metrics must be metric names (a str or a sequence of them)")
+    if rows and (absent := [m for m in metrics if not any(m in r for r in rows)]):
+        known = sorted({m for r in rows for m, v in r.items() if isinstance(v, float)})
+        raise InputError(f"metric {absent[0]!r} is in no row (a blank column); the rows hold "
+                         f"{known}")
     gamma = any(r.get("gamma") is not None for r in rows)
     head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -145,7 +149,8 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                 out = [(Config(method, gamma=nudge.fitted_gamma), *nudge.search(q, topk))]
             elif spec.model == "PEFAXS":  # the plain or the adapted queries
                 xs = PEFAXS(lam=lams[0], augment_docs=augment_docs, **common).fit(P, Q, Y)
-                qq = query_side("adapter")(q) if spec.query else q
+                # as_queries: queries of another dimension were a bare matmul RuntimeError
+                qq = query_side("adapter")(q) if spec.query else xs.as_queries(q)
                 results = (_xs_all_lams(xs, qq, lams, topk) if backend == "exact" else
                            [xs.new_index().build(xs.xs_embeddings(lam)).search(qq, topk)
                             for lam in lams])  # other backends: one index over E(λ) per λ
@@ -156,7 +161,9 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                 out = [(Config(method), *erm.search(qq, topk))]
             elif method == "erm":
                 s, i = passage()[2] if reuse else ERM(**common).fit(P).search(q, topk)
-                out = [(Config("erm"), s[:, :topk].contiguous(), i[:, :topk].contiguous())]
+                # copies: a caller writing them wrote the passage search XL fuses after them
+                s, i = (x[:, :topk].clone(memory_format=torch.contiguous_format) for x in (s, i))
+                out = [(Config("erm"), s, i)]
             else:
                 xl, qq, erm = passage()
                 fused = xl.fuse_grid(qq, erm, xl.neighbours(qq, max(ks), erm), lams, ks, topk)
@@ -252,6 +259,9 @@ def sweep(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike, Y_te
     """Every grid configuration evaluated on (queries, Y_test (B x n) relevance, graded gains
     allowed): a :class:`SweepResult`; other keyword arguments go to :func:`sweep_search`."""
     metric_ks = check_ks(metric_ks)
+    if clash := sorted(set(kwargs) & {"topk", "timings"}):  # was 'multiple values' TypeError
+        raise InputError(f"sweep sets {clash[0]} itself (topk: the largest metric_ks; timings: "
+                         f"SweepResult.timings); drop {clash[0]}")
     if _rows(P) is not None:  # not sweep_search's "topk=K", a name the caller never gave
         check_topk(max(metric_ks), _rows(P), "metric_ks: k")
     # a Y_test of other columns than documents was scored as if it fitted (before any fit)

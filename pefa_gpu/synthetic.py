@@ -44,7 +44,8 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
         if not (is_number(v) and 0 <= v <= MAX_NOISE):  # NaN / 1e38: NaN or zero rows
             raise InputError(f"{name} must be a number in [0, {MAX_NOISE:g}] (a norm relative "
                              f"to the unit signal), got {v!r}")
-    c = check_positive(clusters, "clusters") if clusters else max(1, int(np.sqrt(n)))
+    # None: the default (clusters=0 / False were taken as not given)
+    c = check_positive(clusters, "clusters") if clusters is not None else max(1, int(np.sqrt(n)))
     sizes = f"make_synthetic(n={n}, m={m}, d={d}, n_test={n_test}, clusters={c}"
     # P, Q, Q_test and the centres as float32: numpy's MemoryError (or the OOM killer) otherwise
     check_memory(4 * d * (n + m + n_test + c), f"{sizes}) needs", "float32 rows")

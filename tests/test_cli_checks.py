@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -324,6 +325,24 @@ def test_outputs_are_checked_before_any_work_and_never_replace_links(tmp_path, c
     assert code == 2 and "--out" in err and "is a directory" in err
 
 
+def test_an_output_file_that_is_or_holds_the_cache_dir_is_refused_first(tmp_path, capsys):
+    """--json X --cache-dir X (or X/c) encoded into the folder X, then failed at the end: '--json
+    X is a directory'; now refused before the data is read (here: none)."""
+    for cmd, flag, out, cache in (("eval", "--json", "x", "x"), ("eval", "--json", "x", "x/c"),
+                                  ("sweep", "--plot", "p", "p/c"),
+                                  ("search", "--out", "o", "o")):
+        argv = [cmd, tmp_path / "no-data", *(["q"] if cmd == "search" else []), flag,
+                tmp_path / out, "--cache-dir", tmp_path / cache, "-q"]
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"{flag} {tmp_path / out} is (or is a folder above) --cache-dir" \
+            in err, err
+        assert not (tmp_path / out).exists()
+    ok_json = tmp_path / "c" / "x.json"  # an output inside the cache folder is no clash
+    code, _, err = run(capsys, "eval", tmp_path / "no-data", "--json", ok_json, "--cache-dir",
+                       tmp_path / "c", "-q")
+    assert code == 2 and "cache-dir" not in err
+
+
 def test_json_output_replaces_a_regular_file_atomically_keeping_its_mode(data, tmp_path, capsys):
     out = tmp_path / "res.json"
     out.write_text("old")
@@ -361,6 +380,15 @@ def test_lam_has_one_rule_and_message_checked_before_data(cmd, tmp_path, capsys)
         main([cmd, str(tmp_path / "no-data"), "--lam", "1.5", *map(str, extra)])
     assert e.value.code == 2
     assert "argument --lam: λ must lie in [0, 1], got '1.5'" in capsys.readouterr().err
+
+
+def test_a_negative_zero_lam_is_zero():
+    """--lam -0 was kept as -0.0: tables and build's label showed 'λ=-0', its manifest -0.0."""
+    from pefa_gpu.cli import build_parser
+
+    for argv in (["eval", "d", "--lam=-0.0,0.5"], ["build", "d", "--lam=-0", "--out", "o"]):
+        lam = build_parser().parse_args(argv).lam
+        assert str(lam).startswith(("(0.0", "0.0")), lam
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -614,6 +642,21 @@ def test_search_given_the_build_manifest_asks_for_its_folder(built, capsys, tmp_
 def test_empty_values_are_refused_not_taken_as_absent(argv, flag, capsys):
     code, _, err = run(capsys, *argv)
     assert code == 2 and f"{flag} is empty" in err, err
+
+
+def test_sweep_without_matplotlib_plots_only_when_asked_and_says_so_first(data, tmp_path,
+                                                                           capsys, monkeypatch):
+    """Without matplotlib (an optional extra) sweep --json ran, wrote the JSON, then failed on
+    the plot nobody asked for ('plots need matplotlib'); an explicit --plot failed only at the
+    end too."""
+    for name in ("matplotlib", "matplotlib.backend_bases", "matplotlib.figure"):
+        monkeypatch.setitem(sys.modules, name, None)  # import matplotlib: ImportError
+    out = tmp_path / "r.json"
+    ok(capsys, "sweep", data, "--embeddings", "bow", "--methods", "erm", "--device", "cpu",
+       "--json", out, "-q")
+    assert out.is_file() and not out.with_suffix(".png").exists()
+    code, _, err = run(capsys, "sweep", tmp_path / "no-data", "--plot", tmp_path / "p.png", "-q")
+    assert code == 2 and f"--plot {tmp_path / 'p.png'} needs matplotlib" in err, err
 
 
 @pytest.mark.parametrize("argv,match", [

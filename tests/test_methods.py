@@ -128,6 +128,16 @@ def test_a_setting_no_method_takes_is_refused(data):
         fit_config(pg.Config("xs", 0.5), P, Q, Y, device="cpu", augment_doc=False)
     # a setting another method takes is left out (ERM has no λ, XS no k)
     fit_config(pg.Config("erm"), P, Q, Y, device="cpu", augment_docs=False, candidates=9)
+    # a setting the method fixes: NUDGE's TypeError 'got multiple values for keyword argument'
+    with pytest.raises(pg.InputError, match="method 'nudge-n' fixes variant='N'; drop variant"):
+        fit_config(pg.Config("nudge-n"), P, Q, Y, device="cpu", variant="M")
+    # lam=0.2 won silently over the config's λ = 0.5; search_params was PEFAXL's TypeError
+    with pytest.raises(pg.InputError, match=r"lam is given twice, config.lam=0.5 and lam=0.2"):
+        fit_config(pg.Config("xs", 0.5), P, Q, Y, device="cpu", lam=0.2)
+    with pytest.raises(pg.InputError, match="give the search settings as keywords"):
+        fit_config(pg.Config("xl", 0.5, 4), P, Q, Y, device="cpu",
+                   search_params=pg.XLSearchParams(candidates=5))
+    assert fit_config(pg.Config("xs"), P, Q, Y, device="cpu", lam=0.2).params.lam == 0.2
 
 
 def test_no_function_is_above_complexity_20():

@@ -199,7 +199,8 @@ def test_synthetic_sizes_beyond_memory_are_a_clear_error(sizes):
     with pytest.raises(pg.InputError, match=r"make_synthetic\(n=.*\) needs .* GiB of float32 "
                                             r"rows, more than this machine's .* GiB of memory"):
         make_synthetic(**sizes)
-    for bad, msg in ((dict(clusters=-1), "clusters must be"), (dict(max_rel=0), "max_rel must")):
+    for bad, msg in ((dict(clusters=-1), "clusters must be"), (dict(max_rel=0), "max_rel must"),
+                     (dict(clusters=0), "clusters must be")):  # 0 was taken as the default
         with pytest.raises(pg.InputError, match=msg):
             make_synthetic(10, 10, **bad)
 

@@ -204,6 +204,8 @@ def test_a_repeated_lam_or_k_counts_once():
                      device="cpu", show_progress=False)
     assert twice.rows == once.rows
     assert grid("xl", (0.5, 0.5), (4, 4)) == [Config("xl", 0.5, 4)]
+    # -0.0 (first of -0.0 == 0.0) was kept: labels and tables showed 'λ=-0'
+    assert [c.label() for c in grid("xs", (-0.0, 0.0), ())] == ["XS λ=0"]
 
 
 def test_sweep_refuses_metric_ks_and_grids_that_are_not_sequences_of_positive_ints():
@@ -285,6 +287,9 @@ def test_markdown_table_names_metrics_that_are_not_names():
         with pytest.raises(InputError, match="metrics must be metric names"):
             res.to_markdown(bad)
     assert "| ERM |  |  | 0.5000 |" in res.to_markdown(("recall@10",))
+    # a metric no row holds (a typo, or a k not evaluated) was printed as a blank column
+    with pytest.raises(InputError, match=r"metric 'recall@5' is in no row .* \['recall@10'\]"):
+        res.to_markdown(("recall@10", "recall@5"))
 
 
 def test_sweep_search_checks_show_progress_and_timings_first():
@@ -299,3 +304,33 @@ def test_sweep_search_checks_show_progress_and_timings_first():
     for bad in ("a", 0, None):
         with pytest.raises(InputError, match="candidates must be a positive integer"):
             next(sweep_search(P, Q, Y, test, "erm,xl", device="cpu", candidates=bad))
+
+
+def test_writing_erm_results_leaves_xl_the_shared_passage_search():
+    """With candidates == topk ERM's yielded scores / ids were XL's passage search itself (the
+    exact backend searches once for both): a caller filling them changed XL's results."""
+    P, Q, Y, test = _data(0)
+
+    def xl_ids(write):
+        for cfg, s, i in sweep_search(P, Q, Y, test, "erm,xl", (0.5,), (4,), topk=10,
+                                      candidates=10, device="cpu", show_progress=False):
+            if cfg.method == "xl":
+                return i
+            if write:
+                s.fill_(0.0), i.fill_(-1)
+
+    assert torch.equal(xl_ids(True), xl_ids(False))
+
+
+def test_xs_queries_of_another_dimension_and_sweeps_own_settings_are_named():
+    """XS on the exact backend multiplied queries of another dimension with P: torch's bare
+    'mat1 and mat2 shapes cannot be multiplied'; sweep(..., topk=5) was Python's 'got multiple
+    values for keyword argument'."""
+    P, Q, Y, test = _data(2)
+    with pytest.raises(InputError, match=r"queries has dimension 5, expected 8"):
+        next(sweep_search(P, Q, Y, test[:, :5], "xs", (0.5,), device="cpu",
+                          show_progress=False))
+    Yt = sp.csr_matrix((np.ones(12, np.float32), (np.arange(12), np.arange(12))), shape=(12, 60))
+    for name in ("topk", "timings"):
+        with pytest.raises(InputError, match=f"sweep sets {name} itself"):
+            pg.sweep(P, Q, Y, test, Yt, "erm", device="cpu", **{name: None})

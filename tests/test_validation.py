@@ -66,6 +66,8 @@ def test_param_errors(make, msg):
     (lambda: pg.ERM(device=2**70), "device=1180591620717411303424 is not a valid"),  # overflow
     (lambda: pg.XSParams.from_json("{"), "XSParams.from_json: not valid JSON"),  # bare error
     (lambda: pg.XSParams.from_json("[1]"), "from_json: expected a JSON object"),
+    (lambda: pg.XSParams.from_json("[" * 10**5), "XSParams.from_json: not valid JSON"),  # Recursion
+    (lambda: pg.XSParams.from_dict({1: 0, "x": 0}), r"unknown keys \['x', 1\]"),  # '<' TypeError
     (lambda: split_queries(10.5), "n_queries must be an int >= 0, got 10.5"),  # AxisError
     (lambda: split_queries(2**40), "n_queries must be at most"),  # numpy's MemoryError, 8 TiB
     (lambda: split_queries("10"), "n_queries must be an int"),
@@ -80,6 +82,11 @@ def test_wrong_values_and_types_are_named(make, msg):
     with pytest.raises(TypeError, match="got the str 'xs'"):
         takes("xs", "lam")  # its letters: KeyError 'x'
     assert split_queries(np.int64(5))[1].size == 1 and takes(["xs"], "lam")
+
+
+def test_from_json_names_a_text_of_another_type():
+    with pytest.raises(TypeError, match="XSParams.from_json takes a str, got NoneType"):
+        pg.XSParams.from_json(None)  # json's 'the JSON object must be str ...' named no argument
 
 
 def test_numpy_numbers_are_numbers():
@@ -131,6 +138,8 @@ def test_single_query_vector_is_accepted(data):
     P, Q, Y, T = data
     model = pg.ERM().fit(P)
     assert torch.equal(model.search(T[0], 4)[1], model.search(T[:1], 4)[1])
+    with pytest.raises(InputError, match=r"queries has dimension 5, expected 8"):
+        model.search(T[0, :5], 4)  # was 'queries must be 2-D (rows, dim), got shape (5,)'
 
 
 def test_params_round_trip_json():
@@ -384,6 +393,24 @@ def test_sparse_and_meta_tensors_are_named_not_torch_errors():
                       (torch.empty(3, 8, device="meta"), "torch.strided tensor on meta")]:
         for call in (lambda: erm.search(bad, 2), lambda: erm.add_documents(bad),
                      lambda: pg.ERM(device="cpu").fit(bad)):
+            with pytest.raises(InputError, match=re.escape(what)):
+                call()
+
+
+def test_nested_quantized_and_long_double_arrays_are_named_not_torch_errors():
+    """A nested tensor was torch's RuntimeError ('Internal error: NestedTensorImpl doesn't
+    support sizes'), a quantized one 'Creation of quantized tensor requires quantized dtype', a
+    numpy long double torch.from_numpy's TypeError naming no array."""
+    rng = np.random.default_rng(4)
+    P, T = unit_rows(rng, 20, 8), torch.from_numpy(unit_rows(rng, 3, 8))
+    erm = pg.ERM(device="cpu").fit(P)
+    for bad, what in [(torch.nested.nested_tensor(list(T)), "is a nested (ragged) tensor"),
+                      (torch.quantize_per_tensor(T, 0.1, 0, torch.qint8), "dtype torch.qint8"),
+                      (T.numpy().astype(np.longdouble), "which torch does not read")]:
+        calls = [lambda: pg.ERM(device="cpu").fit(bad)]
+        if not getattr(bad, "is_nested", False):  # search reads its shape first (models)
+            calls.append(lambda: erm.search(bad, 2))
+        for call in calls:
             with pytest.raises(InputError, match=re.escape(what)):
                 call()
 
