@@ -158,6 +158,7 @@ class _Model:
         self.check_fitted()
         rows = max(1, self._memory_budget() // self._query_bytes(topk, model_sp))
         if isinstance(queries, (np.ndarray, torch.Tensor)) and queries.ndim == 2 \
+                and not getattr(queries, "is_nested", False) \
                 and queries.shape[0] > rows:  # query blocks: conversion, checks, fusion
             b = queries.shape[0]
             scores = torch.empty((b, topk), device=self.device)
