@@ -591,6 +591,8 @@ def test_hnswlib_scores_are_similarities_and_vectors_come_back():
     pytest.param("hnswlib", {"M": 4}, marks=HNSWLIB)])
 def test_reconstruct_returns_rows_and_refuses_ids_outside_the_index(backend, params):
     x = unit_rows(np.random.default_rng(23), 120, 8)
+    empty = make_index(backend, "cpu", params)  # unbuilt: the library's index was None
+    assert empty.reconstruct(torch.zeros((0, 2), dtype=torch.long)).shape == (0, 2, 0)
     index = make_index(backend, "cpu", params).build(x)
     want = torch.from_numpy(x).to(getattr(torch, params.get("dtype", "float32"))).float()
     ids = torch.tensor([[3, 0, 119], [7, 7, 1]])
