@@ -347,6 +347,23 @@ def test_a_forged_hnswlib_graph_is_refused_at_load(tmp_path, data, how):
     assert "index.bin" in res.stdout
 
 
+def test_an_hnswlib_row_forged_as_deleted_is_refused_at_load(tmp_path, data):
+    """hnswlib's deleted mark (byte 2 of a level-0 list): searches skipped the row and
+    reconstruct raised hnswlib's raw RuntimeError 'Label not found'."""
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import backend_class, make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    (tmp_path / "ix").mkdir()
+    make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
+    path = tmp_path / "ix" / "index.bin"
+    raw = bytearray(path.read_bytes())
+    raw[HNSW_HEADER.size + 7 * HNSW_HEADER.unpack_from(raw)[3] + 2] = 1  # node 7
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="index.bin: rows are marked deleted"):
+        backend_class("hnswlib").load(tmp_path / "ix", params)
+
+
 @pytest.mark.parametrize("mult", [float("nan"), 1e300, -1.0])
 def test_a_forged_hnswlib_level_multiplier_is_refused_at_load(tmp_path, data, mult):
     """hnswlib draws an added node's level as -log(u) * mult: NaN, huge or negative made the next

@@ -156,6 +156,9 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
     labels = np.ascontiguousarray(level0[:, label_offset:label_offset + 8]).view("<u8").ravel()
     if labels.size and (labels.max() >= count or np.unique(labels).size != count):
         raise FormatError(f"{path}: the labels are not the ids 0..{count - 1}")
+    if level0[:, 2:4].any():  # hnswlib's deleted mark: searches skip the row, get_items raises
+        raise FormatError(f"{path}: rows are marked deleted, which pefa_gpu never does: a "
+                          f"forged or corrupted graph")
     step = 1 << 16
     for start in range(0, count, step):
         _check_lists(path, level0[start:start + step, :links0], max_m0, 0, levels, start)
