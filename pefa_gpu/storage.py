@@ -62,6 +62,8 @@ def as_path(value: Any, name: str) -> Path:
     """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name``."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    if "\0" in str(value):  # os calls: a ValueError 'embedded null byte' naming nothing
+        raise InputError(f"{name} holds a NUL character, which no path can: {str(value)!r}")
     return Path(value)
 
 
@@ -496,6 +498,8 @@ def _save_target(target: PathLike, name: str, fmt: str) -> tuple[Path, str | Non
     """(real folder of ``target``, data folder of the save there or None); :class:`InputError`
     unless saving there replaces only pefa_gpu's own files."""
     p = as_path(target, "directory")
+    if target == "":  # Path(''): the save was written into the current folder
+        raise InputError("directory is '': give the folder to save into")
     if os.path.islink(p) and not p.exists():
         raise InputError(f"cannot save to {p}: it is a symbolic link to {os.readlink(p)!r}, "
                          f"which does not exist")
@@ -567,7 +571,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     """Write a save into the folder ``target`` (links followed): files into a fresh data folder,
     then ``commit()``; a crash leaves the old save or the new one. Only an empty folder or a save
     of the same kind is written into, replacing only pefa_gpu's own entries."""
-    root = _save_target(target, name, fmt)[0]
+    root = check_save_target(target, name, fmt)  # under a file: InputError, not mkdir's OSError
     pending = data = lock = None
     made_root = not os.path.lexists(root)
     try:
