@@ -408,6 +408,33 @@ def test_a_forged_scann_token_or_code_file_is_refused_at_load(tmp_path, asset, v
     assert asset in res.stdout
 
 
+@pytest.mark.parametrize("how", ["nan centre", "short centre", "leaf id", "missing"])
+def test_a_forged_scann_tree_is_refused_at_load(tmp_path, how):
+    """ScaNN trusts its saved tree: a NaN centre segfaulted the next add()."""
+    pytest.importorskip("scann")
+    from scann.partitioning import partitioner_pb2
+
+    from pefa_gpu.index import make_index
+
+    params = {"brute_force_below": 0, "num_leaves": 6}
+    make_index("scann", "cpu", params).build(unit_rows(np.random.default_rng(8), 400, D)).save(
+        tmp_path)
+    path = tmp_path / "serialized_partitioner.pb"
+    tree = partitioner_pb2.SerializedPartitioner.FromString(path.read_bytes())
+    root = tree.kmeans.kmeans_tree.root
+    if how == "nan centre":
+        root.centers[0].dimension[0] = float("nan")
+    elif how == "short centre":
+        del root.centers[2].dimension[-1]
+    elif how == "leaf id":
+        root.children[1].leaf_id = 6
+    path.write_bytes(b"" if how == "missing" else tree.SerializeToString())
+    add = LOAD_AND_SEARCH.replace("s, i = index.search", "index.add(q)\ns, i = index.search")
+    res = run_python("-c", add, "scann", tmp_path, repr(params), D, timeout=120)
+    assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
+    assert "serialized_partitioner.pb: ScaNN's tree is not 6 finite centres" in res.stdout
+
+
 @pytest.mark.parametrize("leaves", [401, 2**31])
 def test_a_scann_save_with_more_leaves_than_rows_is_refused_at_load(tmp_path, leaves):
     """2^31 leaves loaded, then every search was pybind's TypeError (a C int); a tree has at

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -223,7 +224,29 @@ def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -
     if tokens is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= leaves):
         raise FormatError(f"{assets['TOKENIZATION_NPY']} assigns rows to leaves "
                           f"{tokens.min()}..{tokens.max()}; the tree has {leaves}")
+    if "PARTITIONER" in assets or leaves:
+        _check_tree(assets.get("PARTITIONER", assets["DATASET_NPY"].parent / ASSETS_FILE),
+                    dim, leaves)
     codes = array("AH_DATASET_NPY", "uint8", (ntotal,))
     if codes is not None and codes.size and codes.max() >= 16:
         raise FormatError(f"{assets['AH_DATASET_NPY']} holds code {codes.max()}; 4-bit codes "
                           f"are below 16")
+
+
+def _check_tree(path: Path, dim: int, leaves: int) -> None:
+    """FormatError unless ScaNN's partitioner (trusted: a NaN centre segfaulted a search) is one
+    level of ``leaves`` finite centres of dimension ``dim`` over the leaves 0..leaves-1."""
+    from google.protobuf.message import DecodeError  # noqa: PLC0415 (ScaNN's dependency)
+    from scann.partitioning import partitioner_pb2  # noqa: PLC0415
+
+    tree = partitioner_pb2.SerializedPartitioner()
+    with contextlib.suppress(DecodeError, OSError):  # an empty tree, refused below
+        tree.ParseFromString(path.read_bytes())
+    root = tree.kmeans.kmeans_tree.root
+    centres = [np.asarray(c.dimension, np.float64) for c in root.centers]
+    if (tree.n_tokens, len(centres), sorted(c.leaf_id for c in root.children)) != (
+            leaves, leaves, list(range(leaves))) or any(c.children or c.centers for c in
+                                                       root.children) or not all(
+            c.shape == (dim,) and np.isfinite(c).all() for c in centres):
+        raise FormatError(f"{path}: ScaNN's tree is not {leaves} finite centres of dimension "
+                          f"{dim} over leaves 0..{leaves - 1} (forged, damaged or missing)")
