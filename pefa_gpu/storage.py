@@ -19,6 +19,7 @@ import re
 import secrets
 import shutil
 import stat
+import tokenize
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -152,7 +153,7 @@ def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
                 offset = fh.tell()
     except FileNotFoundError:
         raise FormatError(f"{p} is missing") from None
-    except (ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError, tokenize.TokenError) as exc:  # numpy's header filter
         raise FormatError(f"{p} cannot be read or has a malformed .npy header: {exc}") from None
     if magic != b"\x93NUMPY":
         text = magic and all(32 <= b < 127 or b in b"\t\r\n" for b in magic)
@@ -231,7 +232,7 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
     except FormatError:
         raise
     except (ValueError, TypeError, OSError, EOFError, KeyError, IndexError, OverflowError,
-            zipfile.BadZipFile) as exc:
+            zipfile.BadZipFile, tokenize.TokenError) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
     csr = mat.tocsr()
     if meta is not None and csr.nnz != nnz:

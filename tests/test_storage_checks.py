@@ -208,3 +208,28 @@ def test_a_csr_npz_member_of_a_non_numeric_dtype_is_refused(tmp_path, member, va
             z.writestr(f"{name}.npy", buf.getvalue())
     with pytest.raises(FormatError, match="y.npz"):
         storage.load_csr(path)
+
+
+def test_a_npy_header_of_unbalanced_brackets_is_refused_naming_the_file(tmp_path):
+    """numpy retries a header it cannot parse through its tokenizer filter, whose
+    tokenize.TokenError ('EOF in multi-line statement') came through read_npy and load_csr."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    np.save(buf, np.arange(3, dtype=np.int32))
+    raw = buf.getvalue().replace(b"(3,)", b"(3,(", 1)
+    (tmp_path / "x.npy").write_bytes(raw)
+    for mmap in (None, "r"):
+        with pytest.raises(FormatError, match="x.npy cannot be read or has a malformed .npy"):
+            storage.read_npy(tmp_path / "x.npy", mmap_mode=mmap)
+    good = sp.random(3, 3, density=0.5, format="csr", random_state=0)
+    storage.save_csr(tmp_path / "y", good)
+    with zipfile.ZipFile(tmp_path / "y.npz") as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members["indices.npy"] = members["indices.npy"].replace(b"shape': (", b"shape': ((", 1)
+    with zipfile.ZipFile(tmp_path / "y.npz", "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    with pytest.raises(FormatError, match="y.npz is truncated or not a valid CSR"):
+        storage.load_csr(tmp_path / "y.npz")
