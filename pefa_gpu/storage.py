@@ -81,7 +81,7 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
         raise TypeError(f"save_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_complex():  # load_tensor refuses complex files: a real tensor only
         raise InputError(f"save_tensor stores real tensors, got dtype {dtype_name(tensor.dtype)}")
-    out = _with_suffix(path, ".npy")
+    out = check_output_file(_with_suffix(path, ".npy"), "tensor file")  # a link: not followed
     t = tensor.detach()
     bits, raw = _BITS.get(t.dtype, (None, None))
     arr = to_numpy(t) if bits is None else to_numpy(t.contiguous().view(bits)).view(raw)

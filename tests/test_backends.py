@@ -205,6 +205,15 @@ def test_save_load_round_trip(name, device, tmp_path):
         assert recall(i2.cpu().numpy(), i1.cpu().numpy()) >= 0.95
     else:
         assert torch.equal(i1, i2) and torch.equal(s1, s2)
+    # into a folder holding something: a link named as its file was written through
+    (tmp_path / "again").mkdir()
+    (tmp_path / "target.txt").write_text("precious")
+    for file in ("index.faiss", "index.bin", "scann.json", "vectors.npy"):
+        (tmp_path / "again" / file).symlink_to(tmp_path / "target.txt")
+    with pytest.raises(InputError, match="is not empty: an index is saved into an empty folder|"
+                                          "tensor file .*vectors.npy is a symbolic link"):
+        index.save(tmp_path / "again")
+    assert (tmp_path / "target.txt").read_text() == "precious"
 
 
 @FAISS

@@ -233,3 +233,16 @@ def test_a_npy_header_of_unbalanced_brackets_is_refused_naming_the_file(tmp_path
             z.writestr(name, data)
     with pytest.raises(FormatError, match="y.npz is truncated or not a valid CSR"):
         storage.load_csr(tmp_path / "y.npz")
+
+
+def test_save_tensor_writes_no_link_target_and_opens_no_fifo(tmp_path):
+    """save_tensor opened its path to write: through a link named as its file (the target
+    overwritten), and a FIFO waited for a reader forever."""
+    (tmp_path / "target.txt").write_text("precious")
+    (tmp_path / "v.npy").symlink_to(tmp_path / "target.txt")
+    with pytest.raises(pg.InputError, match="tensor file .*v.npy is a symbolic link"):
+        storage.save_tensor(tmp_path / "v", torch.ones(3))
+    assert (tmp_path / "target.txt").read_text() == "precious"
+    os.mkfifo(tmp_path / "f.npy")
+    with pytest.raises(pg.InputError, match="tensor file .*f.npy is not a regular file"):
+        storage.save_tensor(tmp_path / "f", torch.ones(3))

@@ -124,10 +124,14 @@ class Index(abc.ABC):
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
 
     def _save_dir(self, directory: str | Path, empty_ok: bool = False) -> Path:
-        """``directory``; InputError unless it exists and (or ``empty_ok``) the index is built."""
+        """``directory``; InputError unless it exists, empty, and (or ``empty_ok``) the index is
+        built."""
         directory = Path(directory)
         if not directory.is_dir():
             raise InputError(f"save directory {directory} does not exist")
+        if any(directory.iterdir()):  # its files were replaced, a link's target written
+            raise InputError(f"save directory {directory} is not empty: an index is saved into "
+                             f"an empty folder")
         if not empty_ok and self.dim == 0:
             raise InputError(f"{type(self).__name__} is empty: build it before saving")
         return directory
