@@ -197,7 +197,7 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
     if not sp.issparse(matrix):
         raise TypeError(f"save_csr takes a scipy sparse matrix, got {type(matrix).__name__}")
     csr = sp.csr_matrix(matrix)
-    out = _with_suffix(path, ".npz")
+    out = check_output_file(_with_suffix(path, ".npz"), "matrix file")  # a link: not followed
     np.savez(out, indptr=csr.indptr, indices=csr.indices, data=csr.data,
              shape=np.asarray(csr.shape, dtype=np.int64))
     return {"file": out.name, "shape": list(csr.shape), "nnz": int(csr.nnz),

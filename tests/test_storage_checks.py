@@ -246,3 +246,7 @@ def test_save_tensor_writes_no_link_target_and_opens_no_fifo(tmp_path):
     os.mkfifo(tmp_path / "f.npy")
     with pytest.raises(pg.InputError, match="tensor file .*f.npy is not a regular file"):
         storage.save_tensor(tmp_path / "f", torch.ones(3))
+    (tmp_path / "y.npz").symlink_to(tmp_path / "target.txt")  # save_csr's np.savez: the same
+    with pytest.raises(pg.InputError, match="matrix file .*y.npz is a symbolic link"):
+        storage.save_csr(tmp_path / "y", sp.eye(3, format="csr"))
+    assert (tmp_path / "target.txt").read_text() == "precious"
