@@ -302,12 +302,17 @@ def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = 
 def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
     """``root / rel`` (``root`` a real path) for a path a manifest names: relative, no ``..``,
     no link anywhere, a regular ``kind`` ("file" / "dir")."""
+    unsafe = FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
+                         f"paths inside itself)")
     if not isinstance(rel, str) or "\\" in rel or any(
             part in ("", ".", "..") for part in rel.split("/")):
-        raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
-                          f"paths inside itself)")
+        raise unsafe
     path = root / rel
-    if Path(os.path.realpath(path)) != path:
+    try:
+        real = Path(os.path.realpath(path))
+    except ValueError:  # a NUL, a lone surrogate: no file has that name
+        raise unsafe from None
+    if real != path:
         raise FormatError(f"{path} leads through a symbolic link; links inside a save are never "
                           f"followed (listed in {where})")
     try:

@@ -53,7 +53,8 @@ def test_a_structured_dtype_pefa_gpu_does_not_write_is_refused(tmp_path, dtype):
         storage.load_tensor(tmp_path / "t", "cpu")
 
 
-UNSAFE = ["", "/etc/passwd", "a//t.npy", "./t.npy", "a/../t.npy", "..", "t.npy/", "a\\t.npy"]
+UNSAFE = ["", "/etc/passwd", "a//t.npy", "./t.npy", "a/../t.npy", "..", "t.npy/", "a\\t.npy",
+          "a\0t.npy", "a\ud800t.npy"]  # NUL, lone surrogate: os' ValueError / UnicodeError
 
 
 @pytest.mark.parametrize("rel", [*UNSAFE, 3, None, ["t.npy"]], ids=repr)
