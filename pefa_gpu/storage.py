@@ -65,6 +65,10 @@ def as_path(value: Any, name: str) -> Path:
         raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
     if "\0" in str(value):  # os calls: a ValueError 'embedded null byte' naming nothing
         raise InputError(f"{name} holds a NUL character, which no path can: {str(value)!r}")
+    try:  # a lone surrogate: os calls' UnicodeEncodeError
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{name} {str(value)!r} cannot be a file name here: {exc}") from None
     return Path(value)
 
 

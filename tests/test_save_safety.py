@@ -120,12 +120,15 @@ def test_a_save_under_a_file_empty_or_nul_path_is_an_input_error(tmp_path, data,
     monkeypatch.chdir(tmp_path / "e")
     model = fit(pg.ERM, data)
     for target, match in ((tmp_path / "afile" / "sub", "afile is a file, not a folder"),
-                          ("", "directory is ''"), ("a\0b", "directory holds a NUL character")):
+                          ("", "directory is ''"), ("a\0b", "directory holds a NUL character"),
+                          ("a\ud800", "directory .* cannot be a file name here")):
         with pytest.raises(InputError, match=match):
             model.save(target)
     assert tree(tmp_path) == ["afile", "e"]
     with pytest.raises(InputError, match="directory holds a NUL character"):
         pg.load("a\0b")
+    with pytest.raises(InputError, match="cannot be a file name here"):
+        pg.load("a\ud800")
 
 
 def test_a_users_backup_named_folder_is_never_deleted(tmp_path, data):
