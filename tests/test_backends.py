@@ -216,6 +216,27 @@ def test_save_load_round_trip(name, device, tmp_path):
     assert (tmp_path / "target.txt").read_text() == "precious"
 
 
+@pytest.mark.parametrize("name", [pytest.param("hnsw", marks=FAISS),
+                                  pytest.param("ivf", marks=FAISS),
+                                  pytest.param("hnswlib", marks=HNSWLIB),
+                                  pytest.param("scann", marks=SCANN), "cagra"])
+def test_a_save_or_load_directory_that_is_no_path_is_named(name, tmp_path, monkeypatch):
+    # Path(3)'s TypeError named nothing; '' saved into the current folder (empty here)
+    monkeypatch.chdir(tmp_path)
+    cls = backend_class(name)
+    for bad in (3, None):
+        with pytest.raises(TypeError, match="directory must be a path"):
+            cls.load(bad)
+    if name != "cagra":  # built on CUDA only
+        index = make_index(name, "cpu", {"nlist": 2} if name == "ivf" else {}).build(
+            unit_rows(np.random.default_rng(2), 200, 8))
+        with pytest.raises(TypeError, match="directory must be a path"):
+            index.save(3)
+        with pytest.raises(InputError, match="save directory is ''"):
+            index.save("")
+        assert not list(tmp_path.iterdir())
+
+
 @FAISS
 @pytest.mark.parametrize("name", ["hnsw", "ivf"])
 def test_load_errors(name, tmp_path):

@@ -14,6 +14,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params
+from ..storage import as_path
 from ..topk import PAD_ID, PAD_SCORE
 
 
@@ -126,7 +127,9 @@ class Index(abc.ABC):
     def _save_dir(self, directory: str | Path, empty_ok: bool = False) -> Path:
         """``directory``; InputError unless it exists, empty, and (or ``empty_ok``) the index is
         built."""
-        directory = Path(directory)
+        if directory == "":  # Path(''): the current folder
+            raise InputError("save directory is '': give the folder to save into")
+        directory = as_path(directory, "directory")
         if not directory.is_dir():
             raise InputError(f"save directory {directory} does not exist")
         if any(directory.iterdir()):  # its files were replaced, a link's target written
@@ -139,7 +142,7 @@ class Index(abc.ABC):
     @classmethod
     def _saved_file(cls, directory: str | Path, name: str) -> Path:
         """``directory / name``; FormatError when it is not a file."""
-        path = Path(directory) / name
+        path = as_path(directory, "directory") / name
         if not path.is_file():
             raise FormatError(f"{path} is missing: not a saved {cls.name!r} index")
         return path

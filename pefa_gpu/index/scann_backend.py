@@ -147,8 +147,8 @@ class ScannIndex(HostBackend):
     def load(cls, directory: str | Path, params: ScannParams | dict | None = None,
              device: DeviceLike = None) -> "ScannIndex":
         """Read an index written by :meth:`save`, its files checked first."""
-        directory = Path(directory)
         meta_path = cls._saved_file(directory, META_FILE)
+        directory = meta_path.parent
         meta = read_description(meta_path, META_FORMAT)
         dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta.get("num_leaves")
         # a tree has at most a leaf a row (2^31 was pybind's TypeError at every search)
