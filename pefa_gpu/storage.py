@@ -344,8 +344,13 @@ def read_json(path: Path, what: str) -> Any:
 
     def refuse(name: str) -> Any:
         raise ValueError(f"{name} is not a JSON number")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:  # as checked, if replaced since: no link followed, no FIFO waited on, no more read
+        with open(os.open(path, flags), "rb") as fh:
+            raw = fh.read(st.st_size + 1)  # (a larger argument: a buffer of its size)
+        if len(raw) > st.st_size:
+            raise ValueError(f"it grew past the {st.st_size} bytes checked as it was read")
+        return json.loads(raw.decode("utf-8"), parse_constant=refuse)
     except OSError as exc:
         raise FormatError(f"{path} is unreadable: {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:

@@ -133,6 +133,26 @@ def test_a_manifest_larger_than_any_pefa_gpu_writes_is_refused_unread(tmp_path, 
 
 
 @pytest.mark.skipif(os.name != "posix", reason="symbolic links")
+def test_a_manifest_replaced_after_its_check_is_read_no_further(tmp_path, monkeypatch):
+    """read_json checked the size and kind with lstat, then read the whole file: one grown or
+    swapped for a link (to /dev/zero: without end) since was read all the same."""
+    path = small_save(tmp_path / "s")
+    real = (path / "manifest.json").read_text()
+    lstat = os.lstat
+    as_checked = lstat(path / "manifest.json")  # what lstat saw: a small regular file
+    monkeypatch.setattr(storage.os, "lstat", lambda p, *a: as_checked if str(p).endswith(
+        "manifest.json") else lstat(p, *a))
+    (path / "manifest.json").write_text(real + " " * 20)
+    with pytest.raises(FormatError, match=f"grew past the {len(real)} bytes checked"):
+        storage.open_save(path)
+    (path / "manifest.json").unlink()
+    (path / "manifest.json").symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text(real)
+    with pytest.raises(FormatError, match="manifest.json is unreadable"):
+        storage.open_save(path)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links")
 def test_a_new_save_removes_only_the_leftovers_of_earlier_saves(tmp_path):
     path = small_save(tmp_path / "s")
     old = storage.open_save(path).data.name
