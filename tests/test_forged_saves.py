@@ -435,6 +435,23 @@ def test_a_forged_scann_tree_is_refused_at_load(tmp_path, how):
     assert "serialized_partitioner.pb: ScaNN's tree is not 6 finite centres" in res.stdout
 
 
+@pytest.mark.parametrize("params,value", [({"brute_force_below": 0, "num_leaves": 6}, np.nan),
+                                          ({"brute_force_below": 0, "num_leaves": 6}, 3e38),
+                                          ({}, np.inf)], ids=["tree-nan", "tree-big", "bf-inf"])
+def test_a_scann_save_of_rows_a_build_refuses_is_refused_at_load(tmp_path, params, value):
+    """Loaded: a tree then answered only -1 ids to some queries (NaN scores padded away)."""
+    pytest.importorskip("scann")
+    from pefa_gpu.index import backend_class, make_index
+
+    x = unit_rows(np.random.default_rng(9), 400, D)
+    make_index("scann", "cpu", params).build(x).save(tmp_path)
+    rows = np.load(tmp_path / "dataset.npy")
+    rows[5:40] = value
+    np.save(tmp_path / "dataset.npy", rows)
+    with pytest.raises(FormatError, match=r"dataset\.npy holds NaN or inf"):
+        backend_class("scann").load(tmp_path, params, "cpu")
+
+
 @pytest.mark.parametrize("leaves", [401, 2**31])
 def test_a_scann_save_with_more_leaves_than_rows_is_refused_at_load(tmp_path, leaves):
     """2^31 leaves loaded, then every search was pybind's TypeError (a C int); a tree has at

@@ -219,7 +219,12 @@ def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -
                               f"{dtype} of shape ({want})")
         return a
 
-    array("DATASET_NPY", "float32", (ntotal, dim))
+    rows = array("DATASET_NPY", "float32", (ntotal, dim))  # listed: load checked
+    top = MAX_TREE_NORM if leaves else math.inf  # a tree's build and add refuse rows beyond
+    if not (np.isfinite([rows.min(), rows.max()]).all()
+            and np.einsum("ij,ij->i", rows, rows, dtype=np.float64).max() <= top ** 2):
+        raise FormatError(f"{assets['DATASET_NPY']} holds NaN or inf" + (
+            f", or a row norm beyond what a tree holds ({top:.3g})" if leaves else ""))
     tokens = array("TOKENIZATION_NPY", "int32", (ntotal,))
     if tokens is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= leaves):
         raise FormatError(f"{assets['TOKENIZATION_NPY']} assigns rows to leaves "
