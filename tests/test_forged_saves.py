@@ -364,6 +364,24 @@ def test_an_hnswlib_row_forged_as_deleted_is_refused_at_load(tmp_path, data):
         backend_class("hnswlib").load(tmp_path / "ix", params)
 
 
+def test_an_hnswlib_save_of_nan_vectors_is_refused_at_load(tmp_path, data):
+    """Loaded; a search past the rows (the exact fallback over them) then blamed the caller:
+    InputError 'vectors hold NaN or inf'."""
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import backend_class, make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    (tmp_path / "ix").mkdir()
+    make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
+    path = tmp_path / "ix" / "index.bin"
+    raw = bytearray(path.read_bytes())
+    head = HNSW_HEADER.unpack_from(raw)
+    struct.pack_into("<f", raw, HNSW_HEADER.size + 7 * head[3] + head[5] + 4, float("nan"))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="index.bin: the stored vectors hold NaN or inf"):
+        backend_class("hnswlib").load(tmp_path / "ix", params)
+
+
 @pytest.mark.parametrize("mult", [float("nan"), 1e300, -1.0])
 def test_a_forged_hnswlib_level_multiplier_is_refused_at_load(tmp_path, data, mult):
     """hnswlib draws an added node's level as -log(u) * mult: NaN, huge or negative made the next
