@@ -620,6 +620,20 @@ def test_a_forged_faiss_hnsw_level_draw_is_refused_at_load(tmp_path, probas):
     assert "level probabilities or links per level are not faiss' for M=4" in res.stdout
 
 
+def test_a_faiss_hnsw_save_of_nan_vectors_is_refused_at_load(tmp_path):
+    """Loaded; searches then dropped the NaN rows without a word."""
+    faiss = pytest.importorskip("faiss", minversion="1.14")
+    from pefa_gpu.index import backend_class
+
+    index = faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT)
+    index.add(unit_rows(np.random.default_rng(6), 300, D))
+    flat = faiss.downcast_index(index.storage)
+    faiss.rev_swig_ptr(flat.codes.data(), flat.codes.size()).view(np.float32)[7] = np.nan
+    faiss.write_index(index, str(tmp_path / "index.faiss"))
+    with pytest.raises(FormatError, match="the saved vectors hold NaN or inf"):
+        backend_class("hnsw").load(tmp_path, {"M": 4})
+
+
 def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):
     """It would search a forged saved graph out of bounds (tests above); exact search on the
     CPU then runs without it, saying so."""
