@@ -634,6 +634,27 @@ def test_a_faiss_hnsw_save_of_nan_vectors_is_refused_at_load(tmp_path):
         backend_class("hnsw").load(tmp_path, {"M": 4})
 
 
+@pytest.mark.parametrize("where", ["centroid", "row"])
+def test_an_ivf_save_of_nan_centroids_or_rows_is_refused_at_load(tmp_path, where):
+    """Loaded; searches then dropped the NaN rows (or a NaN centroid's list) without a word."""
+    faiss = pytest.importorskip("faiss", minversion="1.14")
+    from pefa_gpu.index import backend_class
+
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    x = unit_rows(np.random.default_rng(6), 300, D)
+    index.train(x)
+    index.add(x)
+    if where == "centroid":
+        flat = faiss.downcast_index(index.quantizer)
+        codes, size = flat.codes.data(), flat.codes.size()
+    else:
+        codes, size = index.invlists.get_codes(1), index.invlists.list_size(1) * 4 * D
+    faiss.rev_swig_ptr(codes, size).view(np.float32)[3] = np.nan
+    faiss.write_index(index, str(tmp_path / "index.faiss"))
+    with pytest.raises(FormatError, match="the saved centroids or vectors hold NaN or inf"):
+        backend_class("ivf").load(tmp_path, {"nlist": 2})
+
+
 def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):
     """It would search a forged saved graph out of bounds (tests above); exact search on the
     CPU then runs without it, saying so."""
