@@ -19,6 +19,7 @@ import re
 import secrets
 import shutil
 import stat
+import tokenize
 import zipfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -62,6 +63,12 @@ def as_path(value: Any, name: str) -> Path:
     """``value`` (a str or os.PathLike) as a Path, else TypeError naming ``name``."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a path (str or os.PathLike), got {type(value).__name__}")
+    if "\0" in str(value):  # os calls: a ValueError 'embedded null byte' naming nothing
+        raise InputError(f"{name} holds a NUL character, which no path can: {str(value)!r}")
+    try:  # a lone surrogate: os calls' UnicodeEncodeError
+        os.fsencode(value)
+    except UnicodeEncodeError as exc:
+        raise InputError(f"{name} {str(value)!r} cannot be a file name here: {exc}") from None
     return Path(value)
 
 
@@ -78,7 +85,7 @@ def save_tensor(path: PathLike, tensor: torch.Tensor) -> dict[str, Any]:
         raise TypeError(f"save_tensor takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_complex():  # load_tensor refuses complex files: a real tensor only
         raise InputError(f"save_tensor stores real tensors, got dtype {dtype_name(tensor.dtype)}")
-    out = _with_suffix(path, ".npy")
+    out = check_output_file(_with_suffix(path, ".npy"), "tensor file")  # a link: not followed
     t = tensor.detach()
     bits, raw = _BITS.get(t.dtype, (None, None))
     arr = to_numpy(t) if bits is None else to_numpy(t.contiguous().view(bits)).view(raw)
@@ -150,7 +157,7 @@ def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
                 offset = fh.tell()
     except FileNotFoundError:
         raise FormatError(f"{p} is missing") from None
-    except (ValueError, OSError, EOFError) as exc:
+    except (ValueError, OSError, EOFError, tokenize.TokenError) as exc:  # numpy's header filter
         raise FormatError(f"{p} cannot be read or has a malformed .npy header: {exc}") from None
     if magic != b"\x93NUMPY":
         text = magic and all(32 <= b < 127 or b in b"\t\r\n" for b in magic)
@@ -194,7 +201,7 @@ def save_csr(path: PathLike, matrix: sp.spmatrix | sp.sparray) -> dict[str, Any]
     if not sp.issparse(matrix):
         raise TypeError(f"save_csr takes a scipy sparse matrix, got {type(matrix).__name__}")
     csr = sp.csr_matrix(matrix)
-    out = _with_suffix(path, ".npz")
+    out = check_output_file(_with_suffix(path, ".npz"), "matrix file")  # a link: not followed
     np.savez(out, indptr=csr.indptr, indices=csr.indices, data=csr.data,
              shape=np.asarray(csr.shape, dtype=np.int64))
     return {"file": out.name, "shape": list(csr.shape), "nnz": int(csr.nnz),
@@ -229,7 +236,7 @@ def load_csr(path: PathLike, meta: dict[str, Any] | None = None) -> sp.csr_matri
     except FormatError:
         raise
     except (ValueError, TypeError, OSError, EOFError, KeyError, IndexError, OverflowError,
-            zipfile.BadZipFile) as exc:
+            zipfile.BadZipFile, tokenize.TokenError) as exc:
         raise FormatError(f"{p} is truncated or not a valid CSR .npz file: {exc}") from exc
     csr = mat.tocsr()
     if meta is not None and csr.nnz != nnz:
@@ -299,12 +306,17 @@ def describe_files(root: PathLike, known: dict[str, tuple[tuple, str]] | None = 
 def _safe_path(root: Path, rel: Any, where: Path, kind: str = "file") -> Path:
     """``root / rel`` (``root`` a real path) for a path a manifest names: relative, no ``..``,
     no link anywhere, a regular ``kind`` ("file" / "dir")."""
+    unsafe = FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
+                         f"paths inside itself)")
     if not isinstance(rel, str) or "\\" in rel or any(
             part in ("", ".", "..") for part in rel.split("/")):
-        raise FormatError(f"{where} names an unsafe path {rel!r} (a save names only relative "
-                          f"paths inside itself)")
+        raise unsafe
     path = root / rel
-    if Path(os.path.realpath(path)) != path:
+    try:
+        real = Path(os.path.realpath(path))
+    except ValueError:  # a NUL, a lone surrogate: no file has that name
+        raise unsafe from None
+    if real != path:
         raise FormatError(f"{path} leads through a symbolic link; links inside a save are never "
                           f"followed (listed in {where})")
     try:
@@ -332,8 +344,13 @@ def read_json(path: Path, what: str) -> Any:
 
     def refuse(name: str) -> Any:
         raise ValueError(f"{name} is not a JSON number")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"), parse_constant=refuse)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:  # as checked, if replaced since: no link followed, no FIFO waited on, no more read
+        with open(os.open(path, flags), "rb") as fh:
+            raw = fh.read(st.st_size + 1)  # (a larger argument: a buffer of its size)
+        if len(raw) > st.st_size:
+            raise ValueError(f"it grew past the {st.st_size} bytes checked as it was read")
+        return json.loads(raw.decode("utf-8"), parse_constant=refuse)
     except OSError as exc:
         raise FormatError(f"{path} is unreadable: {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -496,6 +513,8 @@ def _save_target(target: PathLike, name: str, fmt: str) -> tuple[Path, str | Non
     """(real folder of ``target``, data folder of the save there or None); :class:`InputError`
     unless saving there replaces only pefa_gpu's own files."""
     p = as_path(target, "directory")
+    if target == "":  # Path(''): the save was written into the current folder
+        raise InputError("directory is '': give the folder to save into")
     if os.path.islink(p) and not p.exists():
         raise InputError(f"cannot save to {p}: it is a symbolic link to {os.readlink(p)!r}, "
                          f"which does not exist")
@@ -567,7 +586,7 @@ def writing_save(target: PathLike, name: str = MANIFEST, fmt: str = FORMAT
     """Write a save into the folder ``target`` (links followed): files into a fresh data folder,
     then ``commit()``; a crash leaves the old save or the new one. Only an empty folder or a save
     of the same kind is written into, replacing only pefa_gpu's own entries."""
-    root = _save_target(target, name, fmt)[0]
+    root = check_save_target(target, name, fmt)  # under a file: InputError, not mkdir's OSError
     pending = data = lock = None
     made_root = not os.path.lexists(root)
     try:

@@ -205,6 +205,36 @@ def test_save_load_round_trip(name, device, tmp_path):
         assert recall(i2.cpu().numpy(), i1.cpu().numpy()) >= 0.95
     else:
         assert torch.equal(i1, i2) and torch.equal(s1, s2)
+    # into a folder holding something: a link named as its file was written through
+    (tmp_path / "again").mkdir()
+    (tmp_path / "target.txt").write_text("precious")
+    for file in ("index.faiss", "index.bin", "scann.json", "vectors.npy"):
+        (tmp_path / "again" / file).symlink_to(tmp_path / "target.txt")
+    with pytest.raises(InputError, match="is not empty: an index is saved into an empty folder|"
+                                          "tensor file .*vectors.npy is a symbolic link"):
+        index.save(tmp_path / "again")
+    assert (tmp_path / "target.txt").read_text() == "precious"
+
+
+@pytest.mark.parametrize("name", [pytest.param("hnsw", marks=FAISS),
+                                  pytest.param("ivf", marks=FAISS),
+                                  pytest.param("hnswlib", marks=HNSWLIB),
+                                  pytest.param("scann", marks=SCANN), "cagra"])
+def test_a_save_or_load_directory_that_is_no_path_is_named(name, tmp_path, monkeypatch):
+    # Path(3)'s TypeError named nothing; '' saved into the current folder (empty here)
+    monkeypatch.chdir(tmp_path)
+    cls = backend_class(name)
+    for bad in (3, None):
+        with pytest.raises(TypeError, match="directory must be a path"):
+            cls.load(bad)
+    if name != "cagra":  # built on CUDA only
+        index = make_index(name, "cpu", {"nlist": 2} if name == "ivf" else {}).build(
+            unit_rows(np.random.default_rng(2), 200, 8))
+        with pytest.raises(TypeError, match="directory must be a path"):
+            index.save(3)
+        with pytest.raises(InputError, match="save directory is ''"):
+            index.save("")
+        assert not list(tmp_path.iterdir())
 
 
 @FAISS
@@ -591,6 +621,8 @@ def test_hnswlib_scores_are_similarities_and_vectors_come_back():
     pytest.param("hnswlib", {"M": 4}, marks=HNSWLIB)])
 def test_reconstruct_returns_rows_and_refuses_ids_outside_the_index(backend, params):
     x = unit_rows(np.random.default_rng(23), 120, 8)
+    empty = make_index(backend, "cpu", params)  # unbuilt: the library's index was None
+    assert empty.reconstruct(torch.zeros((0, 2), dtype=torch.long)).shape == (0, 2, 0)
     index = make_index(backend, "cpu", params).build(x)
     want = torch.from_numpy(x).to(getattr(torch, params.get("dtype", "float32"))).float()
     ids = torch.tensor([[3, 0, 119], [7, 7, 1]])

@@ -347,6 +347,41 @@ def test_a_forged_hnswlib_graph_is_refused_at_load(tmp_path, data, how):
     assert "index.bin" in res.stdout
 
 
+def test_an_hnswlib_row_forged_as_deleted_is_refused_at_load(tmp_path, data):
+    """hnswlib's deleted mark (byte 2 of a level-0 list): searches skipped the row and
+    reconstruct raised hnswlib's raw RuntimeError 'Label not found'."""
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import backend_class, make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    (tmp_path / "ix").mkdir()
+    make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
+    path = tmp_path / "ix" / "index.bin"
+    raw = bytearray(path.read_bytes())
+    raw[HNSW_HEADER.size + 7 * HNSW_HEADER.unpack_from(raw)[3] + 2] = 1  # node 7
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="index.bin: rows are marked deleted"):
+        backend_class("hnswlib").load(tmp_path / "ix", params)
+
+
+def test_an_hnswlib_save_of_nan_vectors_is_refused_at_load(tmp_path, data):
+    """Loaded; a search past the rows (the exact fallback over them) then blamed the caller:
+    InputError 'vectors hold NaN or inf'."""
+    pytest.importorskip("hnswlib")
+    from pefa_gpu.index import backend_class, make_index
+
+    params = {"M": 4, "ef_construction": 20}
+    (tmp_path / "ix").mkdir()
+    make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
+    path = tmp_path / "ix" / "index.bin"
+    raw = bytearray(path.read_bytes())
+    head = HNSW_HEADER.unpack_from(raw)
+    struct.pack_into("<f", raw, HNSW_HEADER.size + 7 * head[3] + head[5] + 4, float("nan"))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="index.bin: the stored vectors hold NaN or inf"):
+        backend_class("hnswlib").load(tmp_path / "ix", params)
+
+
 @pytest.mark.parametrize("mult", [float("nan"), 1e300, -1.0])
 def test_a_forged_hnswlib_level_multiplier_is_refused_at_load(tmp_path, data, mult):
     """hnswlib draws an added node's level as -log(u) * mult: NaN, huge or negative made the next
@@ -389,6 +424,50 @@ def test_a_forged_scann_token_or_code_file_is_refused_at_load(tmp_path, asset, v
     res = load_and_search("scann", tmp_path / "ix", params)
     assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
     assert asset in res.stdout
+
+
+@pytest.mark.parametrize("how", ["nan centre", "short centre", "leaf id", "missing"])
+def test_a_forged_scann_tree_is_refused_at_load(tmp_path, how):
+    """ScaNN trusts its saved tree: a NaN centre segfaulted the next add()."""
+    pytest.importorskip("scann")
+    from scann.partitioning import partitioner_pb2
+
+    from pefa_gpu.index import make_index
+
+    params = {"brute_force_below": 0, "num_leaves": 6}
+    make_index("scann", "cpu", params).build(unit_rows(np.random.default_rng(8), 400, D)).save(
+        tmp_path)
+    path = tmp_path / "serialized_partitioner.pb"
+    tree = partitioner_pb2.SerializedPartitioner.FromString(path.read_bytes())
+    root = tree.kmeans.kmeans_tree.root
+    if how == "nan centre":
+        root.centers[0].dimension[0] = float("nan")
+    elif how == "short centre":
+        del root.centers[2].dimension[-1]
+    elif how == "leaf id":
+        root.children[1].leaf_id = 6
+    path.write_bytes(b"" if how == "missing" else tree.SerializeToString())
+    add = LOAD_AND_SEARCH.replace("s, i = index.search", "index.add(q)\ns, i = index.search")
+    res = run_python("-c", add, "scann", tmp_path, repr(params), D, timeout=120)
+    assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
+    assert "serialized_partitioner.pb: ScaNN's tree is not 6 finite centres" in res.stdout
+
+
+@pytest.mark.parametrize("params,value", [({"brute_force_below": 0, "num_leaves": 6}, np.nan),
+                                          ({"brute_force_below": 0, "num_leaves": 6}, 3e38),
+                                          ({}, np.inf)], ids=["tree-nan", "tree-big", "bf-inf"])
+def test_a_scann_save_of_rows_a_build_refuses_is_refused_at_load(tmp_path, params, value):
+    """Loaded: a tree then answered only -1 ids to some queries (NaN scores padded away)."""
+    pytest.importorskip("scann")
+    from pefa_gpu.index import backend_class, make_index
+
+    x = unit_rows(np.random.default_rng(9), 400, D)
+    make_index("scann", "cpu", params).build(x).save(tmp_path)
+    rows = np.load(tmp_path / "dataset.npy")
+    rows[5:40] = value
+    np.save(tmp_path / "dataset.npy", rows)
+    with pytest.raises(FormatError, match=r"dataset\.npy holds NaN or inf"):
+        backend_class("scann").load(tmp_path, params, "cpu")
 
 
 @pytest.mark.parametrize("leaves", [401, 2**31])
@@ -539,6 +618,41 @@ def test_a_forged_faiss_hnsw_level_draw_is_refused_at_load(tmp_path, probas):
     res = load_and_search("hnsw", tmp_path / "ix", {"M": 4})
     assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
     assert "level probabilities or links per level are not faiss' for M=4" in res.stdout
+
+
+def test_a_faiss_hnsw_save_of_nan_vectors_is_refused_at_load(tmp_path):
+    """Loaded; searches then dropped the NaN rows without a word."""
+    faiss = pytest.importorskip("faiss", minversion="1.14")
+    from pefa_gpu.index import backend_class
+
+    index = faiss.IndexHNSWFlat(D, 4, faiss.METRIC_INNER_PRODUCT)
+    index.add(unit_rows(np.random.default_rng(6), 300, D))
+    flat = faiss.downcast_index(index.storage)
+    faiss.rev_swig_ptr(flat.codes.data(), flat.codes.size()).view(np.float32)[7] = np.nan
+    faiss.write_index(index, str(tmp_path / "index.faiss"))
+    with pytest.raises(FormatError, match="the saved vectors hold NaN or inf"):
+        backend_class("hnsw").load(tmp_path, {"M": 4})
+
+
+@pytest.mark.parametrize("where", ["centroid", "row"])
+def test_an_ivf_save_of_nan_centroids_or_rows_is_refused_at_load(tmp_path, where):
+    """Loaded; searches then dropped the NaN rows (or a NaN centroid's list) without a word."""
+    faiss = pytest.importorskip("faiss", minversion="1.14")
+    from pefa_gpu.index import backend_class
+
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    x = unit_rows(np.random.default_rng(6), 300, D)
+    index.train(x)
+    index.add(x)
+    if where == "centroid":
+        flat = faiss.downcast_index(index.quantizer)
+        codes, size = flat.codes.data(), flat.codes.size()
+    else:
+        codes, size = index.invlists.get_codes(1), index.invlists.list_size(1) * 4 * D
+    faiss.rev_swig_ptr(codes, size).view(np.float32)[3] = np.nan
+    faiss.write_index(index, str(tmp_path / "index.faiss"))
+    with pytest.raises(FormatError, match="the saved centroids or vectors hold NaN or inf"):
+        backend_class("ivf").load(tmp_path, {"nlist": 2})
 
 
 def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):

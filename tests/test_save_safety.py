@@ -112,6 +112,25 @@ def test_non_empty_folders_and_files_are_refused(tmp_path, data):
     assert (tmp_path / "afile").read_text() == "x"
 
 
+def test_a_save_under_a_file_empty_or_nul_path_is_an_input_error(tmp_path, data, monkeypatch):
+    # under a file: mkdir's NotADirectoryError; '': written into the current folder (empty
+    # here); a NUL: os' ValueError 'embedded null byte', naming nothing
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "e").mkdir()
+    monkeypatch.chdir(tmp_path / "e")
+    model = fit(pg.ERM, data)
+    for target, match in ((tmp_path / "afile" / "sub", "afile is a file, not a folder"),
+                          ("", "directory is ''"), ("a\0b", "directory holds a NUL character"),
+                          ("a\ud800", "directory .* cannot be a file name here")):
+        with pytest.raises(InputError, match=match):
+            model.save(target)
+    assert tree(tmp_path) == ["afile", "e"]
+    with pytest.raises(InputError, match="directory holds a NUL character"):
+        pg.load("a\0b")
+    with pytest.raises(InputError, match="cannot be a file name here"):
+        pg.load("a\ud800")
+
+
 def test_a_users_backup_named_folder_is_never_deleted(tmp_path, data):
     backup = tmp_path / "m.pefa-backup"
     backup.mkdir()

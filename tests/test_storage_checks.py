@@ -53,7 +53,8 @@ def test_a_structured_dtype_pefa_gpu_does_not_write_is_refused(tmp_path, dtype):
         storage.load_tensor(tmp_path / "t", "cpu")
 
 
-UNSAFE = ["", "/etc/passwd", "a//t.npy", "./t.npy", "a/../t.npy", "..", "t.npy/", "a\\t.npy"]
+UNSAFE = ["", "/etc/passwd", "a//t.npy", "./t.npy", "a/../t.npy", "..", "t.npy/", "a\\t.npy",
+          "a\0t.npy", "a\ud800t.npy"]  # NUL, lone surrogate: os' ValueError / UnicodeError
 
 
 @pytest.mark.parametrize("rel", [*UNSAFE, 3, None, ["t.npy"]], ids=repr)
@@ -129,6 +130,26 @@ def test_a_manifest_larger_than_any_pefa_gpu_writes_is_refused_unread(tmp_path, 
     assert not read
     monkeypatch.undo()  # the real limit: the same save opens
     assert storage.open_save(path).manifest["note"] == "x"
+
+
+@pytest.mark.skipif(os.name != "posix", reason="symbolic links")
+def test_a_manifest_replaced_after_its_check_is_read_no_further(tmp_path, monkeypatch):
+    """read_json checked the size and kind with lstat, then read the whole file: one grown or
+    swapped for a link (to /dev/zero: without end) since was read all the same."""
+    path = small_save(tmp_path / "s")
+    real = (path / "manifest.json").read_text()
+    lstat = os.lstat
+    as_checked = lstat(path / "manifest.json")  # what lstat saw: a small regular file
+    monkeypatch.setattr(storage.os, "lstat", lambda p, *a: as_checked if str(p).endswith(
+        "manifest.json") else lstat(p, *a))
+    (path / "manifest.json").write_text(real + " " * 20)
+    with pytest.raises(FormatError, match=f"grew past the {len(real)} bytes checked"):
+        storage.open_save(path)
+    (path / "manifest.json").unlink()
+    (path / "manifest.json").symlink_to(tmp_path / "elsewhere.json")
+    (tmp_path / "elsewhere.json").write_text(real)
+    with pytest.raises(FormatError, match="manifest.json is unreadable"):
+        storage.open_save(path)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="symbolic links")
@@ -208,3 +229,45 @@ def test_a_csr_npz_member_of_a_non_numeric_dtype_is_refused(tmp_path, member, va
             z.writestr(f"{name}.npy", buf.getvalue())
     with pytest.raises(FormatError, match="y.npz"):
         storage.load_csr(path)
+
+
+def test_a_npy_header_of_unbalanced_brackets_is_refused_naming_the_file(tmp_path):
+    """numpy retries a header it cannot parse through its tokenizer filter, whose
+    tokenize.TokenError ('EOF in multi-line statement') came through read_npy and load_csr."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    np.save(buf, np.arange(3, dtype=np.int32))
+    raw = buf.getvalue().replace(b"(3,)", b"(3,(", 1)
+    (tmp_path / "x.npy").write_bytes(raw)
+    for mmap in (None, "r"):
+        with pytest.raises(FormatError, match="x.npy cannot be read or has a malformed .npy"):
+            storage.read_npy(tmp_path / "x.npy", mmap_mode=mmap)
+    good = sp.random(3, 3, density=0.5, format="csr", random_state=0)
+    storage.save_csr(tmp_path / "y", good)
+    with zipfile.ZipFile(tmp_path / "y.npz") as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    members["indices.npy"] = members["indices.npy"].replace(b"shape': (", b"shape': ((", 1)
+    with zipfile.ZipFile(tmp_path / "y.npz", "w") as z:
+        for name, data in members.items():
+            z.writestr(name, data)
+    with pytest.raises(FormatError, match="y.npz is truncated or not a valid CSR"):
+        storage.load_csr(tmp_path / "y.npz")
+
+
+def test_save_tensor_writes_no_link_target_and_opens_no_fifo(tmp_path):
+    """save_tensor opened its path to write: through a link named as its file (the target
+    overwritten), and a FIFO waited for a reader forever."""
+    (tmp_path / "target.txt").write_text("precious")
+    (tmp_path / "v.npy").symlink_to(tmp_path / "target.txt")
+    with pytest.raises(pg.InputError, match="tensor file .*v.npy is a symbolic link"):
+        storage.save_tensor(tmp_path / "v", torch.ones(3))
+    assert (tmp_path / "target.txt").read_text() == "precious"
+    os.mkfifo(tmp_path / "f.npy")
+    with pytest.raises(pg.InputError, match="tensor file .*f.npy is not a regular file"):
+        storage.save_tensor(tmp_path / "f", torch.ones(3))
+    (tmp_path / "y.npz").symlink_to(tmp_path / "target.txt")  # save_csr's np.savez: the same
+    with pytest.raises(pg.InputError, match="matrix file .*y.npz is a symbolic link"):
+        storage.save_csr(tmp_path / "y", sp.eye(3, format="csr"))
+    assert (tmp_path / "target.txt").read_text() == "precious"

@@ -147,6 +147,8 @@ class HostBackend(Index):
         """On the GPU a gather from the device copy of the rows (:meth:`_stored_vectors`)."""
         where = self.device if self.on_gpu else "cpu"
         i = check_row_ids(as_tensor(ids, device=where, name="ids"), self.ntotal)
+        if self._index is None:  # nothing built: only empty ids pass the check
+            return torch.zeros((*i.shape, self.dim), device=self.device)
         if self.on_gpu:
             return self._stored_vectors()[i]
         rows = self._read_rows(np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64))

@@ -14,6 +14,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params
+from ..storage import as_path
 from ..topk import PAD_ID, PAD_SCORE
 
 
@@ -124,10 +125,16 @@ class Index(abc.ABC):
             raise InputError(f"vectors must have shape (rows, {self.dim}), got {tuple(v.shape)}")
 
     def _save_dir(self, directory: str | Path, empty_ok: bool = False) -> Path:
-        """``directory``; InputError unless it exists and (or ``empty_ok``) the index is built."""
-        directory = Path(directory)
+        """``directory``; InputError unless it exists, empty, and (or ``empty_ok``) the index is
+        built."""
+        if directory == "":  # Path(''): the current folder
+            raise InputError("save directory is '': give the folder to save into")
+        directory = as_path(directory, "directory")
         if not directory.is_dir():
             raise InputError(f"save directory {directory} does not exist")
+        if any(directory.iterdir()):  # its files were replaced, a link's target written
+            raise InputError(f"save directory {directory} is not empty: an index is saved into "
+                             f"an empty folder")
         if not empty_ok and self.dim == 0:
             raise InputError(f"{type(self).__name__} is empty: build it before saving")
         return directory
@@ -135,7 +142,7 @@ class Index(abc.ABC):
     @classmethod
     def _saved_file(cls, directory: str | Path, name: str) -> Path:
         """``directory / name``; FormatError when it is not a file."""
-        path = Path(directory) / name
+        path = as_path(directory, "directory") / name
         if not path.is_file():
             raise FormatError(f"{path} is missing: not a saved {cls.name!r} index")
         return path

@@ -94,4 +94,8 @@ class HNSWIndex(FaissBackend):
                for name in ("assign_probas", "cum_nneighbor_per_level")):
             raise FormatError(f"{directory}: the saved graph's level probabilities or links per "
                               f"level are not faiss' for M={self.params.M} (forged or damaged)")
+        flat = f.downcast_index(index.storage)  # its rows, viewed: searches dropped NaN ones
+        rows = f.rev_swig_ptr(flat.codes.data(), flat.codes.size()).view(np.float32)
+        if rows.size and not np.isfinite([rows.min(), rows.max()]).all():
+            raise FormatError(f"{directory}: the saved vectors hold NaN or inf (forged or damaged)")
         return index

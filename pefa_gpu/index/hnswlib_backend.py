@@ -156,6 +156,13 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
     labels = np.ascontiguousarray(level0[:, label_offset:label_offset + 8]).view("<u8").ravel()
     if labels.size and (labels.max() >= count or np.unique(labels).size != count):
         raise FormatError(f"{path}: the labels are not the ids 0..{count - 1}")
+    rows = np.ndarray((count, dim), "<f4", raw, _HEADER.size + data_offset, (per_element, 4))
+    if count and not np.isfinite([rows.min(), rows.max()]).all():  # (a view: nothing copied)
+        raise FormatError(f"{path}: the stored vectors hold NaN or inf: a forged or corrupted "
+                          f"index")
+    if level0[:, 2:4].any():  # hnswlib's deleted mark: searches skip the row, get_items raises
+        raise FormatError(f"{path}: rows are marked deleted, which pefa_gpu never does: a "
+                          f"forged or corrupted graph")
     step = 1 << 16
     for start in range(0, count, step):
         _check_lists(path, level0[start:start + step, :links0], max_m0, 0, levels, start)

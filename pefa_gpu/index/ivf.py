@@ -197,4 +197,12 @@ class IVFIndex(FaissBackend):
             span = f"{ids.min()}..{ids.max()}" if ids.size else "-..-"
             raise FormatError(f"{directory}: the IVF lists hold {ids.size} ids ({span}), not "
                               f"each of 0..{n - 1} once: a forged or corrupted index")
+        f, centroids = self._faiss, self._faiss.downcast_index(q)  # views: searches dropped NaN
+        arrays = [f.rev_swig_ptr(centroids.codes.data(), centroids.codes.size())] + [
+            f.rev_swig_ptr(lists.get_codes(i), lists.list_size(i) * lists.code_size)
+            for i in range(index.nlist) if kind == "flat" and lists.list_size(i)]
+        for a in (a.view(np.float32) for a in arrays if a.size):
+            if not np.isfinite([a.min(), a.max()]).all():
+                raise FormatError(f"{directory}: the saved centroids or vectors hold NaN or inf: "
+                                  f"a forged or corrupted index")
         return self._to_device(index)

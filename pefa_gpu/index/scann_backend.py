@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -146,8 +147,8 @@ class ScannIndex(HostBackend):
     def load(cls, directory: str | Path, params: ScannParams | dict | None = None,
              device: DeviceLike = None) -> "ScannIndex":
         """Read an index written by :meth:`save`, its files checked first."""
-        directory = Path(directory)
         meta_path = cls._saved_file(directory, META_FILE)
+        directory = meta_path.parent
         meta = read_description(meta_path, META_FORMAT)
         dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta.get("num_leaves")
         # a tree has at most a leaf a row (2^31 was pybind's TypeError at every search)
@@ -218,12 +219,39 @@ def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -
                               f"{dtype} of shape ({want})")
         return a
 
-    array("DATASET_NPY", "float32", (ntotal, dim))
+    rows = array("DATASET_NPY", "float32", (ntotal, dim))  # listed: load checked
+    top = MAX_TREE_NORM if leaves else math.inf  # a tree's build and add refuse rows beyond
+    if not (np.isfinite([rows.min(), rows.max()]).all()
+            and np.einsum("ij,ij->i", rows, rows, dtype=np.float64).max() <= top ** 2):
+        raise FormatError(f"{assets['DATASET_NPY']} holds NaN or inf" + (
+            f", or a row norm beyond what a tree holds ({top:.3g})" if leaves else ""))
     tokens = array("TOKENIZATION_NPY", "int32", (ntotal,))
     if tokens is not None and tokens.size and (tokens.min() < 0 or tokens.max() >= leaves):
         raise FormatError(f"{assets['TOKENIZATION_NPY']} assigns rows to leaves "
                           f"{tokens.min()}..{tokens.max()}; the tree has {leaves}")
+    if "PARTITIONER" in assets or leaves:
+        _check_tree(assets.get("PARTITIONER", assets["DATASET_NPY"].parent / ASSETS_FILE),
+                    dim, leaves)
     codes = array("AH_DATASET_NPY", "uint8", (ntotal,))
     if codes is not None and codes.size and codes.max() >= 16:
         raise FormatError(f"{assets['AH_DATASET_NPY']} holds code {codes.max()}; 4-bit codes "
                           f"are below 16")
+
+
+def _check_tree(path: Path, dim: int, leaves: int) -> None:
+    """FormatError unless ScaNN's partitioner (trusted: a NaN centre segfaulted a search) is one
+    level of ``leaves`` finite centres of dimension ``dim`` over the leaves 0..leaves-1."""
+    from google.protobuf.message import DecodeError  # noqa: PLC0415 (ScaNN's dependency)
+    from scann.partitioning import partitioner_pb2  # noqa: PLC0415
+
+    tree = partitioner_pb2.SerializedPartitioner()
+    with contextlib.suppress(DecodeError, OSError):  # an empty tree, refused below
+        tree.ParseFromString(path.read_bytes())
+    root = tree.kmeans.kmeans_tree.root
+    centres = [np.asarray(c.dimension, np.float64) for c in root.centers]
+    if (tree.n_tokens, len(centres), sorted(c.leaf_id for c in root.children)) != (
+            leaves, leaves, list(range(leaves))) or any(c.children or c.centers for c in
+                                                       root.children) or not all(
+            c.shape == (dim,) and np.isfinite(c).all() for c in centres):
+        raise FormatError(f"{path}: ScaNN's tree is not {leaves} finite centres of dimension "
+                          f"{dim} over leaves 0..{leaves - 1} (forged, damaged or missing)")
