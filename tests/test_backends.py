@@ -219,7 +219,7 @@ def test_save_load_round_trip(name, device, tmp_path):
 @pytest.mark.parametrize("name", [pytest.param("hnsw", marks=FAISS),
                                   pytest.param("ivf", marks=FAISS),
                                   pytest.param("hnswlib", marks=HNSWLIB),
-                                  pytest.param("scann", marks=SCANN), "cagra"])
+                                  pytest.param("scann", marks=SCANN), "cagra", "exact"])
 def test_a_save_or_load_directory_that_is_no_path_is_named(name, tmp_path, monkeypatch):
     # Path(3)'s TypeError named nothing; '' saved into the current folder (empty here)
     monkeypatch.chdir(tmp_path)

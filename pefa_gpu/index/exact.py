@@ -216,16 +216,16 @@ class ExactIndex(VectorIndex):
 
     def save(self, directory: str | Path) -> None:
         """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
-        save_tensor(Path(directory) / "vectors", self.vectors)
+        save_tensor(self._save_dir(directory, empty_ok=True) / "vectors", self.vectors)
 
     @classmethod
     def load(cls, directory: str | Path, params: ExactParams | dict | None = None,
              device: DeviceLike = None, mmap: bool = False) -> "ExactIndex":
         """Read ``vectors.npy``; ``mmap=True`` maps it (copy-on-write) on a CPU device."""
-        out = cls(params, device)
-        v = load_tensor(Path(directory) / "vectors.npy", out.device, mmap=mmap)
+        out, path = cls(params, device), cls._saved_file(directory, "vectors.npy")
+        v = load_tensor(path, out.device, mmap=mmap)
         if v.ndim != 2 or v.dtype != out._dtype or (v.numel() and not all_finite(v)):
-            raise FormatError(f"{Path(directory) / 'vectors.npy'} holds {v.dtype} shape "
+            raise FormatError(f"{path} holds {v.dtype} shape "
                               f"{tuple(v.shape)}; expected a 2-D {out.params.dtype} matrix of "
                               f"finite numbers")
         out._store(v)
