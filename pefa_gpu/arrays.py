@@ -197,6 +197,12 @@ def all_finite(t: torch.Tensor) -> bool:
     return math.isfinite(float(lo)) and math.isfinite(float(hi))
 
 
+def finite_array(a: np.ndarray) -> bool:
+    """No NaN / inf in a numpy array (any view), read from its min and max (NaN propagates): no
+    temporary of its size."""
+    return not a.size or bool(np.isfinite([a.min(), a.max()]).all())
+
+
 def host_clone(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU tensor ``t`` in memory numpy allocates (transparent huge pages
     from 4 MiB on, which torch's allocator does not ask for: faster full scans)."""

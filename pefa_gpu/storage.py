@@ -33,7 +33,7 @@ try:
 except ImportError:  # Windows: saves into one folder are not serialised
     fcntl = None
 
-from .arrays import DeviceLike, as_tensor, dtype_name, to_numpy
+from .arrays import DeviceLike, as_tensor, dtype_name, finite_array, to_numpy
 from .errors import FormatError, InputError
 
 log = logging.getLogger("pefa_gpu")
@@ -187,7 +187,7 @@ def read_matrix(path: PathLike) -> np.ndarray:
                           f"shape {arr.shape}")
     with np.errstate(over="ignore"):  # float64 past float32's range: inf, named below
         out = np.ascontiguousarray(arr, dtype=np.float32)
-    if out.size and not np.isfinite([out.min(), out.max()]).all():  # no temporary of its size
+    if not finite_array(out):
         rows = np.flatnonzero(~np.isfinite(out).all(axis=1))[:5].tolist()
         raise FormatError(f"{path} holds NaN or inf (rows {rows}...; or values beyond "
                           f"float32's range, ±3.4e38)")

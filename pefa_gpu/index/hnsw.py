@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import finite_array
 from ..errors import FormatError
 from ..params import (MAX_HNSW_EF, MAX_THREADS, check_at_most, check_hnsw_m, check_nonnegative,
                       check_number, checked)
@@ -96,6 +97,6 @@ class HNSWIndex(FaissBackend):
                               f"level are not faiss' for M={self.params.M} (forged or damaged)")
         flat = f.downcast_index(index.storage)  # its rows, viewed: searches dropped NaN ones
         rows = f.rev_swig_ptr(flat.codes.data(), flat.codes.size()).view(np.float32)
-        if rows.size and not np.isfinite([rows.min(), rows.max()]).all():
+        if not finite_array(rows):
             raise FormatError(f"{directory}: the saved vectors hold NaN or inf (forged or damaged)")
         return index

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import DeviceLike, to_numpy
+from ..arrays import DeviceLike, finite_array, to_numpy
 from ..errors import FormatError
 from ..params import (MAX_HNSW_EF, MAX_THREADS, check_at_most, check_hnsw_m, check_nonnegative,
                       checked)
@@ -157,7 +157,7 @@ def _check_header(path: Path, dim: int, ntotal: int, M: int) -> None:
     if labels.size and (labels.max() >= count or np.unique(labels).size != count):
         raise FormatError(f"{path}: the labels are not the ids 0..{count - 1}")
     rows = np.ndarray((count, dim), "<f4", raw, _HEADER.size + data_offset, (per_element, 4))
-    if count and not np.isfinite([rows.min(), rows.max()]).all():  # (a view: nothing copied)
+    if not finite_array(rows):  # (a view: nothing copied)
         raise FormatError(f"{path}: the stored vectors hold NaN or inf: a forged or corrupted "
                           f"index")
     if level0[:, 2:4].any():  # hnswlib's deleted mark: searches skip the row, get_items raises

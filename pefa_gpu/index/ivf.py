@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ..arrays import DeviceLike, as_tensor, cuda_index, to_numpy
+from ..arrays import DeviceLike, as_tensor, cuda_index, finite_array, to_numpy
 from ..errors import FormatError, InputError
 from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_choice, check_nonnegative,
                       checked)
@@ -201,8 +201,7 @@ class IVFIndex(FaissBackend):
         arrays = [f.rev_swig_ptr(centroids.codes.data(), centroids.codes.size())] + [
             f.rev_swig_ptr(lists.get_codes(i), lists.list_size(i) * lists.code_size)
             for i in range(index.nlist) if kind == "flat" and lists.list_size(i)]
-        for a in (a.view(np.float32) for a in arrays if a.size):
-            if not np.isfinite([a.min(), a.max()]).all():
-                raise FormatError(f"{directory}: the saved centroids or vectors hold NaN or inf: "
-                                  f"a forged or corrupted index")
+        if not all(finite_array(a.view(np.float32)) for a in arrays):
+            raise FormatError(f"{directory}: the saved centroids or vectors hold NaN or inf: a "
+                              f"forged or corrupted index")
         return self._to_device(index)

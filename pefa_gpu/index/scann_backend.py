@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..arrays import DeviceLike
+from ..arrays import DeviceLike, finite_array
 from ..errors import FormatError, InputError
 from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_nonnegative, check_number,
                       checked)
@@ -221,8 +221,8 @@ def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -
 
     rows = array("DATASET_NPY", "float32", (ntotal, dim))  # listed: load checked
     top = MAX_TREE_NORM if leaves else math.inf  # a tree's build and add refuse rows beyond
-    if not (np.isfinite([rows.min(), rows.max()]).all()
-            and np.einsum("ij,ij->i", rows, rows, dtype=np.float64).max() <= top ** 2):
+    norms = np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
+    if not (finite_array(rows) and norms.max(initial=0.0) <= top ** 2):
         raise FormatError(f"{assets['DATASET_NPY']} holds NaN or inf" + (
             f", or a row norm beyond what a tree holds ({top:.3g})" if leaves else ""))
     tokens = array("TOKENIZATION_NPY", "int32", (ntotal,))
