@@ -350,23 +350,26 @@ def test_a_forged_hnswlib_graph_is_refused_at_load(tmp_path, data, how):
 def test_an_hnswlib_row_forged_as_deleted_is_refused_at_load(tmp_path, data):
     """hnswlib's deleted mark (byte 2 of a level-0 list): searches skipped the row and
     reconstruct raised hnswlib's raw RuntimeError 'Label not found'."""
-    pytest.importorskip("hnswlib")
-    from pefa_gpu.index import backend_class, make_index
+    def mark_deleted(raw):
+        raw[HNSW_HEADER.size + 7 * HNSW_HEADER.unpack_from(raw)[3] + 2] = 1  # node 7
 
-    params = {"M": 4, "ef_construction": 20}
-    (tmp_path / "ix").mkdir()
-    make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
-    path = tmp_path / "ix" / "index.bin"
-    raw = bytearray(path.read_bytes())
-    raw[HNSW_HEADER.size + 7 * HNSW_HEADER.unpack_from(raw)[3] + 2] = 1  # node 7
-    path.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match="index.bin: rows are marked deleted"):
-        backend_class("hnswlib").load(tmp_path / "ix", params)
+        load_forged_hnswlib(tmp_path, data, mark_deleted)
 
 
 def test_an_hnswlib_save_of_nan_vectors_is_refused_at_load(tmp_path, data):
     """Loaded; a search past the rows (the exact fallback over them) then blamed the caller:
     InputError 'vectors hold NaN or inf'."""
+    def nan_row(raw):
+        head = HNSW_HEADER.unpack_from(raw)
+        struct.pack_into("<f", raw, HNSW_HEADER.size + 7 * head[3] + head[5] + 4, float("nan"))
+
+    with pytest.raises(FormatError, match="index.bin: the stored vectors hold NaN or inf"):
+        load_forged_hnswlib(tmp_path, data, nan_row)
+
+
+def load_forged_hnswlib(tmp_path, data, forge):
+    """Load an hnswlib save of 50 rows whose index.bin ``forge`` (bytearray -> None) edited."""
     pytest.importorskip("hnswlib")
     from pefa_gpu.index import backend_class, make_index
 
@@ -375,11 +378,9 @@ def test_an_hnswlib_save_of_nan_vectors_is_refused_at_load(tmp_path, data):
     make_index("hnswlib", "cpu", params).build(data[0][:50]).save(tmp_path / "ix")
     path = tmp_path / "ix" / "index.bin"
     raw = bytearray(path.read_bytes())
-    head = HNSW_HEADER.unpack_from(raw)
-    struct.pack_into("<f", raw, HNSW_HEADER.size + 7 * head[3] + head[5] + 4, float("nan"))
+    forge(raw)
     path.write_bytes(bytes(raw))
-    with pytest.raises(FormatError, match="index.bin: the stored vectors hold NaN or inf"):
-        backend_class("hnswlib").load(tmp_path / "ix", params)
+    return backend_class("hnswlib").load(tmp_path / "ix", params)
 
 
 @pytest.mark.parametrize("mult", [float("nan"), 1e300, -1.0])
