@@ -109,14 +109,21 @@ def encode(texts: Sequence[str] | str, model: EncoderLike = None, batch_size: in
     return normalize_rows(out) if normalize else out
 
 
+def cache_folder(cache_dir: str | Path) -> Path:
+    """``cache_dir`` with ``~`` expanded; TypeError / InputError naming it (3, or '': the cache
+    was written into the current folder)."""
+    root = as_path(cache_dir, "cache_dir")
+    if cache_dir == "":
+        raise InputError("cache_dir is '': give a folder, or None for no cache")
+    return _expand(root, "cache_dir")
+
+
 def _open_cache(cache_dir: str | Path | None, enc: _Encoder) -> "_Cache | None":
     """``enc``'s cache under ``cache_dir``; None without one, else warned: for an encoder
     without an identity, or where model.json records another model (neither read nor written)."""
     if cache_dir is None:
         return None
-    root = _expand(as_path(cache_dir, "cache_dir"), "cache_dir")  # 3: os.fspath's TypeError
-    if cache_dir == "":  # Path(''): the cache's folders were written into the current folder
-        raise InputError("cache_dir is '': give a folder, or None for no cache")
+    root = cache_folder(cache_dir)
     if enc.identity is None:
         log.warning("encode: %s has no stable identity (give it a `cache_key` attribute); "
                     "not caching", enc.name)

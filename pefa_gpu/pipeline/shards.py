@@ -20,7 +20,8 @@ import scipy.sparse as sp
 import torch
 
 from ..arrays import DeviceLike, as_embeddings, as_tensor
-from ..encode import EncoderLike, _check_texts, _expand, encode as encode_texts, resolve_model
+from ..encode import (EncoderLike, _check_texts, cache_folder, encode as encode_texts,
+                      resolve_model)
 from ..errors import FormatError, InputError
 from ..params import (XLParams, XLSearchParams, check_flag, check_nonnegative,
                       check_positive, check_unit_interval)
@@ -452,10 +453,7 @@ def encode(texts: Sequence[str], out: str | Path, model: EncoderLike = None,
     if identity is None:
         log.warning("encode: the model has no stable identity (give it a `cache_key`): every "
                     "shard is encoded again on every run")
-    if cache_dir == "":  # expanded to '.': the cache was written into the current folder
-        raise InputError("cache_dir is '': give a folder, or None for no cache")
-    cache = None if cache_dir is None else str(_expand(as_path(cache_dir, "cache_dir"),
-                                                       "cache_dir"))  # the driver's ~
+    cache = None if cache_dir is None else str(cache_folder(cache_dir))  # the driver's ~
     task = functools.partial(encode_shard, out=str(out), model=model, batch_size=batch_size,
                              device=device, normalize=normalize, cache_dir=cache)
     plan = [dict(texts=texts[lo:hi], index=i, lo=lo,
