@@ -18,37 +18,21 @@ from .topk import merge_topk
 Array = Any  # a numpy array or a torch tensor (one kind per call)
 
 
-class _Numpy:
-    """The fusion's operations that numpy and torch spell differently: numpy."""
-
-    cat, where, searchsorted = map(staticmethod, (np.concatenate, np.where, np.searchsorted))
-    int64, float32 = np.int64, np.float32
-    arange = staticmethod(lambda n, like: np.arange(n, dtype=np.int64))
-    full = staticmethod(lambda shape, value, dtype, like: np.full(shape, value, dtype))
-    repeat = staticmethod(lambda x, counts, total: x.repeat(counts))
-    flatnonzero = staticmethod(np.flatnonzero)
-    astype = staticmethod(lambda x, dtype: x.astype(dtype))
-    unique = staticmethod(lambda x: np.unique(x, return_inverse=True))
+def ops(x: Array) -> Any:
+    """The array module of ``x``: numpy or torch (the calls here are spelled alike in both)."""
+    return np if isinstance(x, np.ndarray) else torch
 
 
-class _Torch:
-    """The same on torch tensors (any device; no host synchronisation)."""
-
-    cat, where, searchsorted = map(staticmethod, (torch.cat, torch.where, torch.searchsorted))
-    int64, float32 = torch.int64, torch.float32
-    arange = staticmethod(lambda n, like: torch.arange(n, device=like.device))
-    full = staticmethod(lambda shape, value, dtype, like: torch.full(shape, value, dtype=dtype,
-                                                                     device=like.device))
-    repeat = staticmethod(lambda x, counts, total: torch.repeat_interleave(x, counts,
-                                                                           output_size=total))
-    flatnonzero = staticmethod(lambda mask: mask.reshape(-1).nonzero().squeeze(1))
-    astype = staticmethod(lambda x, dtype: x.to(dtype))
-    unique = staticmethod(lambda x: torch.unique(x, sorted=True, return_inverse=True))
+def _repeat(x: Array, counts: Array, total: int) -> Array:
+    """x[i] repeated counts[i] times: (total,) with total = counts.sum()."""
+    if isinstance(x, np.ndarray):
+        return x.repeat(counts)
+    return torch.repeat_interleave(x, counts, output_size=total)
 
 
-def ops(x: Array) -> type[_Numpy] | type[_Torch]:
-    """The operations for ``x``'s kind of array."""
-    return _Numpy if isinstance(x, np.ndarray) else _Torch
+def nonzero(mask: Array) -> Array:
+    """Flat positions of the True entries of ``mask`` (int64)."""
+    return ops(mask).where(mask.reshape(-1))[0]
 
 
 class RelevanceRows:
@@ -89,13 +73,14 @@ class RelevanceRows:
 def votes(knn_rows: Array, rows: RelevanceRows) -> tuple[Array, Array, Array]:
     """knn_rows (B, K) Y rows (-1 padding) -> per vote (slot b * K + rank ascending, doc, y)."""
     xp = ops(knn_rows)
-    starts, lengths, indices, data = rows.host if xp is _Numpy else rows.tensors
+    starts, lengths, indices, data = rows.host if xp is np else rows.tensors
     flat = knn_rows.reshape(-1)
     n_entries = lengths[flat]
     ends = n_entries.cumsum(0)
     total = int(ends[-1]) if len(ends) else 0
-    pos = xp.repeat(starts[flat] - (ends - n_entries), n_entries, total) + xp.arange(total, flat)
-    slot = xp.repeat(xp.arange(len(flat), flat), n_entries, total)
+    at = xp.arange(total, device=flat.device)
+    pos = _repeat(starts[flat] - (ends - n_entries), n_entries, total) + at
+    slot = _repeat(xp.arange(len(flat), device=flat.device), n_entries, total)
     return slot, indices[pos], data[pos]
 
 
@@ -136,7 +121,8 @@ class CandidateTable:
         at, rank = self.entry_cell, self.entry_slot % max(self.n_neighbours, 1)
         xp = ops(at)
         # by a float32 array: CUDA would multiply by a host scalar's reciprocal
-        vote = self.entry_score / xp.full((), divisor, xp.float32, at) * self.entry_y
+        vote = self.entry_score / xp.asarray(divisor, dtype=xp.float32, device=at.device) \
+            * self.entry_y
         if isinstance(at, np.ndarray):
             if k < self.n_neighbours:
                 at, vote = at[rank < k], vote[rank < k]
@@ -173,27 +159,27 @@ def candidate_table(queries: Array, docs: Array, rows: RelevanceRows,
     b, kp = ei.shape
     n, kn = rows.shape[1], ki.shape[1]
     slot, doc, y = votes(ki, rows)
-    key, entry_cell = xp.unique((slot // kn) * (n + 1) + doc)  # voted (query, doc), sorted
+    key, entry_cell = xp.unique((slot // kn) * (n + 1) + doc, return_inverse=True)  # voted
     u_row = key // (n + 1)
     ids, col = _columns_in_c(ei, key, n)
     extra = col < 0
-    x = xp.flatnonzero(extra)
+    x = nonzero(extra)
     x_row, x_doc = u_row[x], key[x] % (n + 1)
     # an extra's rank among its row's extras gives its column after C
-    rank = xp.arange(len(x), ei) - xp.searchsorted(x_row, x_row)
+    rank = xp.arange(len(x), device=ei.device) - xp.searchsorted(x_row, x_row)
     width = kp + (int(rank.max()) + 1 if len(x) else 0)
     col[x] = kp + rank
     cells = u_row * width + col
-    table_ids = xp.full((b, width), -1, xp.int64, ei)
+    table_ids = xp.full((b, width), -1, dtype=xp.int64, device=ei.device)
     table_ids[:, :kp] = ids
     table_ids.reshape(-1)[cells[x]] = x_doc
-    table_erm = xp.full((b, width), 0.0, xp.float32, ei)
+    table_erm = xp.full((b, width), 0.0, dtype=xp.float32, device=ei.device)
     table_erm[:, :kp] = xp.where(ids >= 0, es, 0.0)  # cast to float32 on assignment
     if rescore:  # <q, p_j> for the extras, or for every candidate unless the ERM's are exact
-        v = cells[x] if erm_exact else xp.flatnonzero(table_ids >= 0)
+        v = cells[x] if erm_exact else nonzero(table_ids >= 0)
         table_erm.reshape(-1)[v] = rowdots(queries, docs, v // width, table_ids.reshape(-1)[v])
     return CandidateTable(table_ids, table_erm, cells, extra, entry_cell, slot,
-                          xp.astype(ks, xp.float32).reshape(-1)[slot], y, kn)
+                          xp.asarray(ks, dtype=xp.float32).reshape(-1)[slot], y, kn)
 
 
 def _columns_in_c(ei: Array, key: Array, n: int) -> tuple[Array, Array]:
@@ -204,19 +190,19 @@ def _columns_in_c(ei: Array, key: Array, n: int) -> tuple[Array, Array]:
     valid = ei >= 0
     ids = xp.where(valid, ei, -1)
     if kp == 0:
-        return ids, xp.full(key.shape, -1, xp.int64, key)
+        return ids, xp.full(key.shape, -1, dtype=xp.int64, device=key.device)
     # each row's ids packed above their column and sorted (padding last): repeats adjacent
     bits = max(1, (kp - 1).bit_length())
-    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, ei)
-    if xp is _Numpy and ((n + 1) << bits) < 2**31:  # int32 sorts twice as fast
+    packed = (xp.where(valid, ei, n) << bits) | xp.arange(kp, device=ei.device)
+    if xp is np and ((n + 1) << bits) < 2**31:  # int32 sorts twice as fast
         packed = packed.astype(np.int32)
-    packed = xp.astype(np.sort(packed, 1) if xp is _Numpy else torch.sort(packed, 1).values,
-                       xp.int64)
+    packed = xp.asarray(np.sort(packed, 1) if xp is np else torch.sort(packed, 1).values,
+                        dtype=xp.int64)
     s_id, s_col = packed >> bits, packed & ((1 << bits) - 1)
-    r = xp.flatnonzero((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
+    r = nonzero((s_id[:, 1:] == s_id[:, :-1]) & (s_id[:, 1:] < n))
     w = max(kp - 1, 1)
     ids[r // w, s_col[r // w, r % w + 1]] = -1  # a repeated id keeps its first column
-    sorted_keys = (xp.arange(b, ei)[:, None] * (n + 1) + s_id).reshape(-1)
+    sorted_keys = (xp.arange(b, device=ei.device)[:, None] * (n + 1) + s_id).reshape(-1)
     at = xp.searchsorted(sorted_keys, key).clip(max=b * kp - 1)
     return ids, xp.where(sorted_keys[at] == key, s_col.reshape(-1)[at], -1)
 
@@ -248,7 +234,8 @@ def fuse(queries: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
             f_knn = table.knn_scores(k, float(k) if knn_norm == "k" else 1.0)
             for lam in lams:
                 parts[(lam, k)].append(table.topk(lam, f_knn, topk))
-    return {key: v[0] if len(v) == 1 else tuple(map(xp.cat, zip(*v))) for key, v in parts.items()}
+    return {key: v[0] if len(v) == 1 else tuple(map(xp.concatenate, zip(*v)))
+            for key, v in parts.items()}
 
 
 VOTES_PER_QUERY = 256  # a batch's table: at most batch_size * this many cells beyond C
@@ -277,8 +264,8 @@ def neighbours(knn: tuple[Array, Array], erm: tuple[Array, Array], m: int, k: in
     if not augment_docs:
         return knn
     xp, ids = ops(knn[1]), erm[1][:, :k]
-    scores = xp.cat([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
-    rows = xp.cat([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
+    scores = xp.concatenate([knn[0], erm[0][:, :k]], 1)  # float32 (a lower precision is promoted)
+    rows = xp.concatenate([knn[1], xp.where(ids >= 0, ids + m, -1)], 1)
     return select_topk(scores, rows, k)
 
 

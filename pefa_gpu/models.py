@@ -20,7 +20,7 @@ from .aggregate import normalize_rows, pefa_xs, pifa
 from .arrays import (ArrayLike, DeviceLike, as_embeddings, as_tensor, check_topk, require_finite,
                      resolve_device, to_numpy)
 from .errors import FormatError, InputError
-from .fuse import Array, RelevanceRows, fuse, ops, searches
+from .fuse import Array, RelevanceRows, fuse, nonzero, searches
 from .index import Index, make_index
 from .params import (ERMParams, ERMSearchParams, NUDGEParams, NUDGESearchParams, Params,
                      XLParams, XLSearchParams, XSParams, XSSearchParams, check_grid,
@@ -696,6 +696,6 @@ def _unprunable(erm: tuple[Array, Array], knn: tuple[Array, Array], topk: int,
                 lam: float) -> Array:
     """Rows where a top-K' passage search ``erm`` may miss a fused top-``topk`` document: a
     negative neighbour score, or fl(lam e_K') not below fl(lam e_topk) (float32, as fused)."""
-    (scores, ids), xp = erm, ops(erm[1])
+    scores, ids = erm
     bound = (ids[:, -1] >= 0) & (lam * scores[:, -1] < lam * scores[:, topk - 1])
-    return xp.flatnonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))
+    return nonzero(~(((knn[0] >= 0) | (knn[1] < 0)).all(1) & bound))
