@@ -179,7 +179,7 @@ class _ServerActor:
 
     def call(self, key: tuple, method: str, *args: Any) -> Any:
         if key != self.key:
-            self.server, self.key = None, None
+            self.release()  # the old shards' memory first
             self.server, self.key = key[0](*key[1:]), key
         out = getattr(self.server, method)(*args)
         return None if out is None else tuple(t.cpu() for t in out)

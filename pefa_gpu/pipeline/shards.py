@@ -319,7 +319,7 @@ class Rows:
         info = read_stage(self.folder)  # its shards tile rows 0 .. n (one shard at least)
         if info.stage in _NOT_ROWS:  # read as 0-wide rows: 'queries have dimension 0, ...'
             raise FormatError(f"{self.folder} holds a {info.stage!r} stage, not rows")
-        self.shards, self.n, self.dim = info.shards, info.shards[-1].rows[1], info.dim
+        self.shards, self.n, self.dim = info.shards, info.n, info.dim
 
     def _part(self, i: int) -> np.ndarray:
         tensors = open_entry(self.folder, self.shards[i]).tensors
