@@ -125,8 +125,7 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
     if not sp.issparse(y):
         rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
         csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
-        return _finite(csr, name)
-    if y.format in ("csr", "csc"):
+    elif y.format in ("csr", "csc"):
         csr = _compressed_csr(y, m, n, name)
     else:
         try:
