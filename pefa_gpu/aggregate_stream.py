@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .arrays import as_tensor
+from .arrays import as_tensor, finite_array
 from .errors import InputError
 from .params import check_memory, check_positive
 from .relevance import Relevance
@@ -117,7 +117,7 @@ def _stream_scipy(src: RowSource, rows: int, y: Any, a: np.ndarray) -> None:
             x = conv[:r]
             with np.errstate(over="ignore"):  # refused below, by name
                 np.copyto(x, chunk, casting="unsafe")
-        if x.size and not (np.isfinite(x.min()) and np.isfinite(x.max())):  # in place
+        if not finite_array(x):  # from its min and max: no temporary
             bad = np.flatnonzero(~np.isfinite(x).all(axis=1))[:5] + start
             raise InputError(f"Q contains NaN or inf (rows {bad.tolist()}...) or values "
                              f"beyond float32's range (±3.4e38)")

@@ -73,8 +73,12 @@ def as_tensor(x: ArrayLike, device: DeviceLike = None, dtype: torch.dtype | None
         raise InputError(f"{name} is a {t.layout} tensor on {t.device}; pass a dense array")
     if (dev is None or t.device == dev) and (dtype is None or t.dtype == dtype):
         # nothing to move (skips a torch dispatch: this runs on every search); read-only numpy
-        # rows are copied, torch tensors being writable
-        if (copy or isinstance(x, np.ndarray) and not x.flags.writeable) and _same_memory(x, t):
+        # rows are copied, torch tensors being writable. Only numpy rows _as_torch did not copy
+        # (order, byte order) share memory for sure; torch, cupy, DLPack: copied to be safe
+        if isinstance(x, np.ndarray):
+            copy = (copy or not x.flags.writeable) and \
+                x.__array_interface__["data"][0] == t.data_ptr()
+        if copy:
             return host_clone(t) if t.device.type == "cpu" else t.clone()
         return t
     # copy: 'cuda' and t's 'cuda:0' differ above, yet .to() returns t itself between them
@@ -216,13 +220,6 @@ def host_empty(numel: int) -> torch.Tensor:
     """An uninitialised (numel,) float32 CPU tensor in memory numpy allocates (huge pages, see
     :func:`host_clone`)."""
     return torch.from_numpy(np.empty(numel, np.float32))
-
-
-def _same_memory(x: Any, t: torch.Tensor) -> bool:
-    """Whether ``t`` (``x`` as :func:`_as_torch` reads it) may share ``x``'s memory."""
-    if isinstance(x, np.ndarray):  # not where _as_torch copied it (order, byte order)
-        return x.__array_interface__["data"][0] == t.data_ptr()
-    return True  # torch (t is x), cupy, DLPack and others (on any device): copy to be safe
 
 
 MAX_PADDED_TOPK = 10_000  # ranks a search pads with -1 / -inf beyond the documents it holds

@@ -126,7 +126,7 @@ def _choose_gamma_n(d: torch.Tensor, g: torch.Tensor, q: torch.Tensor, y: sp.csr
     q, y = q[as_tensor(keep, device=q.device)], y[keep]
     k = min(val_k, d.shape[0])
     denom = as_tensor(np.minimum(n_rel[keep], k), dtype=torch.float64)
-    best, best_acc, step = 0.0, -1.0, max(1, BLOCK_CELLS // d.shape[0])
+    accs, step = [], max(1, BLOCK_CELLS // d.shape[0])
     for gamma in N_GAMMAS:
         e = nudge_n(d, g, gamma)
         hits = []
@@ -135,7 +135,5 @@ def _choose_gamma_n(d: torch.Tensor, g: torch.Tensor, q: torch.Tensor, y: sp.csr
             top = topk_rows(q[b] @ e.T, k)[1].cpu().numpy()  # ties: the lower id
             rows = np.repeat(np.arange(top.shape[0]), k)
             hits.append(np.asarray(y[b][rows, top.ravel()]).reshape(top.shape).sum(1))
-        acc = float((as_tensor(np.concatenate(hits), dtype=torch.float64) / denom).mean())
-        if acc > best_acc:
-            best, best_acc = gamma, acc
-    return best
+        accs.append(float((as_tensor(np.concatenate(hits), dtype=torch.float64) / denom).mean()))
+    return N_GAMMAS[int(np.argmax(accs))]  # the first best

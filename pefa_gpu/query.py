@@ -291,8 +291,7 @@ class QueryModel(_Saved):
 
     def save(self, directory: str | Path) -> None:
         """Write the model, adapter and feedback settings into ``directory`` atomically."""
-        parts = {k: v for k, v in (("model", self.model), ("adapter", self.adapter),
-                                   ("prf", self.prf)) if v is not None}
+        parts = {k: v for k in ("model", "adapter", "prf") if (v := getattr(self, k)) is not None}
         with storage.writing_save(directory) as w:
             for name, part in parts.items():
                 part.save(w.data / name)
@@ -313,7 +312,7 @@ class QueryModel(_Saved):
                 raise FormatError(f"{save.where}: part {name!r} holds a {type(part).__name__}")
             loaded[name] = part
         try:  # e.g. an adapter of another dimension than the model
-            return cls(loaded["model"], loaded.get("adapter"), loaded.get("prf"))
+            return cls(**loaded)
         except InputError as exc:
             raise FormatError(f"{save.where}: {exc}") from None
 

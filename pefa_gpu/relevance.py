@@ -125,8 +125,7 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
     if not sp.issparse(y):
         rows, cols = y.nonzero()  # as scipy reads a dense array, with the weights checked
         csr = sp.csr_matrix((_float32(y[rows, cols], name), (rows, cols)), shape=y.shape)
-        return _finite(csr, name)
-    if y.format in ("csr", "csc"):
+    elif y.format in ("csr", "csc"):
         csr = _compressed_csr(y, m, n, name)
     else:
         try:
@@ -149,7 +148,8 @@ def _own_csr(y: RelevanceLike, name: str) -> sp.csr_matrix:
 
 def _compressed_csr(y: RelevanceLike, m: int, n: int, name: str) -> sp.csr_matrix:
     """A new float32 CSR matrix from a CSR / CSC matrix whose index arrays are checked first."""
-    major, minor = (m, n) if y.format == "csr" else (n, m)
+    major, minor, what, cls = (m, n, "column (document)", sp.csr_matrix) if y.format == "csr" \
+        else (n, m, "row (query)", sp.csc_matrix)
     indptr, indices = np.asarray(y.indptr), np.asarray(y.indices)
     if indices.ndim != 1 or np.ndim(y.data) != 1:
         raise InputError(f"{name} ({y.format}): indices and data must be 1-D, got shapes "
@@ -162,9 +162,7 @@ def _compressed_csr(y: RelevanceLike, m: int, n: int, name: str) -> sp.csr_matri
             or nnz > min(indices.shape[0], y.data.shape[0]):
         raise InputError(f"{name} ({y.format}): indptr must rise from 0 to at most the "
                          f"{indices.shape[0]} stored entries, got {indptr[:5].tolist()}...")
-    ids = _checked_ids(indices[:nnz], minor, name, "column (document)" if y.format == "csr"
-                       else "row (query)")
-    cls = sp.csr_matrix if y.format == "csr" else sp.csc_matrix
+    ids = _checked_ids(indices[:nnz], minor, name, what)
     return cls((_float32(np.asarray(y.data[:nnz]), name), ids, indptr.astype(np.int64)),
                shape=(m, n)).tocsr()  # copies (CSC -> CSR: new ones)
 
