@@ -16,6 +16,7 @@ from ..arrays import DeviceLike, finite_array
 from ..errors import FormatError, InputError
 from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_nonnegative, check_number,
                       checked)
+from ..storage import read_npy
 from .base import IndexParams, import_optional
 from ._host import HostBackend, check_row_norms, read_description, write_description
 
@@ -207,8 +208,6 @@ def _check_assets(directory: Path) -> dict[str, Path]:
 def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -> None:
     """FormatError unless the arrays ScaNN trusts fit: vectors (ntotal, dim) float32, leaves
     in [0, num_leaves), 4-bit codes below 16."""
-    from ..storage import read_npy  # noqa: PLC0415
-
     def array(kind: str, dtype: str, shape: tuple) -> np.ndarray | None:
         if kind not in assets:
             return None
