@@ -153,7 +153,7 @@ class ScannIndex(HostBackend):
         meta = read_description(meta_path, META_FORMAT)
         dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta.get("num_leaves")
         # a tree has at most a leaf a row (2^31 was pybind's TypeError at every search)
-        if isinstance(leaves, bool) or not isinstance(leaves, int) or not 0 <= leaves <= ntotal:
+        if type(leaves) is not int or not 0 <= leaves <= ntotal:  # (a bool is not)
             raise FormatError(f"{meta_path}: num_leaves must be an int in [0, ntotal={ntotal}], "
                               f"got {leaves!r}")
         if (directory / PICKLE_FILE).exists():
@@ -212,7 +212,7 @@ def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -
         if kind not in assets:
             return None
         a = read_npy(assets[kind], mmap_mode="r")
-        if a.dtype != np.dtype(dtype) or a.shape[:len(shape)] != shape or a.ndim < len(shape):
+        if a.dtype != np.dtype(dtype) or a.shape[:len(shape)] != shape:  # (or fewer dims)
             want = ", ".join([*map(str, shape), *["..."] * (a.ndim > len(shape))])
             raise FormatError(f"{assets[kind]} holds {a.dtype} of shape {a.shape}, expected "
                               f"{dtype} of shape ({want})")
