@@ -53,10 +53,8 @@ def knn_graph(vectors: ArrayLike, degree: int, device: DeviceLike = None) -> tor
     half = max(1, degree // 2)
     # reverse edges i -> j for every forward edge j -> i among j's `half` nearest, ranked by
     # the search's own score of the pair (no (n half, d) gather of the rows)
-    src = rows.expand(n, min(half, fwd.shape[1]))
-    dst = fwd[:, :half]
-    ok = dst >= 0
-    src, dst, score = src[ok], dst[ok], fwd_s[:, :half][ok]
+    ok = fwd[:, :half] >= 0
+    src, dst, score = rows.expand_as(ok)[ok], fwd[:, :half][ok], fwd_s[:, :half][ok]
     order = torch.argsort(score, descending=True, stable=True)
     order = order[torch.argsort(dst[order], stable=True)]  # by target, closest first
     src, dst = src[order], dst[order]

@@ -151,7 +151,7 @@ class HostBackend(Index):
             return torch.zeros((*i.shape, self.dim), device=self.device)
         if self.on_gpu:
             return self._stored_vectors()[i]
-        rows = self._read_rows(np.ascontiguousarray(to_numpy(i.flatten()), dtype=np.int64))
+        rows = self._read_rows(to_numpy(i.flatten()))  # int64, contiguous
         return as_tensor(rows, device=self.device).reshape(*i.shape, self.dim)
 
     def _read_rows(self, ids: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ from ..arrays import DeviceLike, finite_array
 from ..errors import FormatError, InputError
 from ..params import (FLOAT32_MAX, MAX_THREADS, check_at_most, check_nonnegative, check_number,
                       checked)
+from ..storage import read_npy
 from .base import IndexParams, import_optional
 from ._host import HostBackend, check_row_norms, read_description, write_description
 
@@ -152,7 +153,7 @@ class ScannIndex(HostBackend):
         meta = read_description(meta_path, META_FORMAT)
         dim, ntotal, leaves = meta["dim"], meta["ntotal"], meta.get("num_leaves")
         # a tree has at most a leaf a row (2^31 was pybind's TypeError at every search)
-        if isinstance(leaves, bool) or not isinstance(leaves, int) or not 0 <= leaves <= ntotal:
+        if type(leaves) is not int or not 0 <= leaves <= ntotal:  # (a bool is not)
             raise FormatError(f"{meta_path}: num_leaves must be an int in [0, ntotal={ntotal}], "
                               f"got {leaves!r}")
         if (directory / PICKLE_FILE).exists():
@@ -207,13 +208,11 @@ def _check_assets(directory: Path) -> dict[str, Path]:
 def _check_arrays(assets: dict[str, Path], dim: int, ntotal: int, leaves: int) -> None:
     """FormatError unless the arrays ScaNN trusts fit: vectors (ntotal, dim) float32, leaves
     in [0, num_leaves), 4-bit codes below 16."""
-    from ..storage import read_npy  # noqa: PLC0415
-
     def array(kind: str, dtype: str, shape: tuple) -> np.ndarray | None:
         if kind not in assets:
             return None
         a = read_npy(assets[kind], mmap_mode="r")
-        if a.dtype != np.dtype(dtype) or a.shape[:len(shape)] != shape or a.ndim < len(shape):
+        if a.dtype != np.dtype(dtype) or a.shape[:len(shape)] != shape:  # (or fewer dims)
             want = ", ".join([*map(str, shape), *["..."] * (a.ndim > len(shape))])
             raise FormatError(f"{assets[kind]} holds {a.dtype} of shape {a.shape}, expected "
                               f"{dtype} of shape ({want})")
