@@ -17,7 +17,7 @@ import scipy.sparse as sp
 import pefa_gpu as pg
 from pefa_gpu import storage
 from pefa_gpu.errors import FormatError, InputError
-from pefa_gpu.index import exact as exact_module
+from pefa_gpu.index import base as index_base
 
 from conftest import make_model, run_python, small_problem
 
@@ -203,7 +203,7 @@ def test_a_failure_anywhere_keeps_the_old_save_and_leaves_nothing(tmp_path, data
             hook()
             return real(path, tensor)
         monkeypatch.setattr(storage, "save_tensor", failing)
-        monkeypatch.setattr(exact_module, "save_tensor", failing)
+        monkeypatch.setattr(index_base, "save_tensor", failing)
     elif where == "replace":
         real_replace = os.replace
 

@@ -14,7 +14,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, resolve_device
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import Params
-from ..storage import as_path
+from ..storage import as_path, save_tensor
 from ..topk import PAD_ID, PAD_SCORE
 
 
@@ -212,3 +212,8 @@ class VectorIndex(Index):
     @property
     def dim(self) -> int:
         return int(self.vectors.shape[1])
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``vectors.npy`` (ntotal, dim) in the storage dtype (a CAGRA graph is rebuilt
+        on load)."""
+        save_tensor(self._save_dir(directory, empty_ok=True) / "vectors", self.vectors)

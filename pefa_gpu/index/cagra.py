@@ -15,7 +15,7 @@ import torch
 from ..arrays import DeviceLike, as_tensor, check_topk, cuda_index
 from ..errors import FormatError, InputError, MissingDependencyError
 from ..params import check_nonnegative, check_positive, checked
-from ..storage import load_tensor, save_tensor
+from ..storage import load_tensor
 from ..topk import PAD_ID, PAD_SCORE, merge_topk
 from ._faiss import (device_float32, faiss_pointer, faiss_search_parameters, import_faiss,
                      on_current_stream, optional_faiss, search_tensors)
@@ -185,10 +185,6 @@ class CagraIndex(VectorIndex):
             return self._exact.search(q, k)
         q = q.contiguous()
         return rescore(q, self.vectors, self._candidate_ids(q, k, sp), self.params.memory_budget)
-
-    def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (the graph is rebuilt on load)."""
-        save_tensor(self._save_dir(directory, empty_ok=True) / "vectors", self.vectors)
 
     @classmethod
     def load(cls, directory: str | Path, params: CagraParams | dict | None = None,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from ..arrays import DeviceLike, all_finite, as_tensor, check_topk, host_empty, to_numpy
 from ..errors import FormatError, InputError
 from ..params import check_choice, checked
-from ..storage import load_tensor, save_tensor
+from ..storage import load_tensor
 from ..topk import order_ties, pad_topk, topk_wide
 from ._faiss import faiss_blas_is_tuned, faiss_threads, optional_faiss
 from .base import (IndexParams, NoSearchParams, VectorIndex, check_budget, check_row_ids,
@@ -213,10 +213,6 @@ class ExactIndex(VectorIndex):
             dist, ids = faiss.knn(to_numpy(q), to_numpy(self.vectors), w,
                                   metric=faiss.METRIC_INNER_PRODUCT)
         return as_tensor(dist), as_tensor(ids)
-
-    def save(self, directory: str | Path) -> None:
-        """Write ``vectors.npy`` (ntotal, dim), storage dtype."""
-        save_tensor(self._save_dir(directory, empty_ok=True) / "vectors", self.vectors)
 
     @classmethod
     def load(cls, directory: str | Path, params: ExactParams | dict | None = None,
