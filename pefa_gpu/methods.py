@@ -125,11 +125,10 @@ def _check_given(m: Method, config: Any, params: dict[str, Any], kw: dict[str, A
     """InputError for a setting of :func:`fit_config` given twice: in ``config`` and ``params``
     (the keyword won silently over config.lam), where method ``m`` fixes it, or search_params
     (the last two were the model's TypeError 'got multiple values for keyword argument')."""
-    twice = [a for a in AXES if getattr(config, a) is not None and params.get(a) is not None]
-    if twice:
-        a = twice[0]
-        raise InputError(f"fit_config: {a} is given twice, config.{a}={getattr(config, a)!r} "
-                         f"and {a}={params[a]!r}; give it once")
+    for a in AXES:
+        if getattr(config, a) is not None and params.get(a) is not None:
+            raise InputError(f"fit_config: {a} is given twice, config.{a}={getattr(config, a)!r}"
+                             f" and {a}={params[a]!r}; give it once")
     if clash := sorted(set(kw) & dict(m.fixed).keys()):
         raise InputError(f"method {m.name!r} fixes {clash[0]}={dict(m.fixed)[clash[0]]!r}; drop "
                          f"{clash[0]} (or choose the method that sets it)")
