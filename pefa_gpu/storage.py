@@ -132,8 +132,7 @@ def load_tensor(path: PathLike, device: DeviceLike = None, mmap: bool = False,
                           f"floats and integers only; bool and bfloat16 as one-field records)")
     if meta is not None:
         want = (meta.get("dtype"), meta.get("shape", []))
-        got = (dtype_name(t.dtype), list(t.shape))
-        if want != got:
+        if want != (got := (dtype_name(t.dtype), list(t.shape))):
             shape = tuple(want[1]) if isinstance(want[1], list) else want[1]  # forged: any JSON
             raise FormatError(f"{p} holds dtype {got[0]} shape {tuple(got[1])}, but the manifest "
                               f"says dtype {want[0]} shape {shape!r}")
@@ -148,8 +147,7 @@ def read_npy(path: PathLike, mmap_mode: str | None = None) -> np.ndarray:
         if not stat.S_ISREG(os.stat(p).st_mode):  # open() of a FIFO waits for a writer
             raise OSError("not a regular file")
         with open(p, "rb") as fh:
-            magic = fh.read(6)
-            if magic == b"\x93NUMPY":
+            if (magic := fh.read(6)) == b"\x93NUMPY":
                 fh.seek(0)  # numpy parses the header (and bounds its size)
                 read = (np.lib.format.read_array_header_1_0 if np.lib.format.read_magic(fh)
                         == (1, 0) else np.lib.format.read_array_header_2_0)
@@ -447,7 +445,7 @@ def read_unchanged(directory: PathLike, read: Callable[[], Any], name: str = MAN
 
     def stamp() -> tuple[int, int, int] | None:  # os.replace gives a new inode
         try:
-            return _stamp(os.stat(Path(directory) / name))
+            return _stamp(os.stat(directory / name))
         except OSError:
             return None
 
@@ -530,8 +528,7 @@ def _save_target(target: PathLike, name: str, fmt: str) -> tuple[Path, str | Non
             raise InputError(f"refusing to save into {root}: its {name} is not an intact "
                              f"{fmt} manifest of this version ({exc}); move it away or choose "
                              f"another directory") from None
-    others = sorted(e for e in os.listdir(root) if not _ours(root, e, name))
-    if others:
+    if others := sorted(e for e in os.listdir(root) if not _ours(root, e, name)):
         raise InputError(f"refusing to save into {root}: it is a non-empty directory that is "
                          f"not a {fmt} save (it holds {others[:5]})")
     return root, None
@@ -539,9 +536,7 @@ def _save_target(target: PathLike, name: str, fmt: str) -> tuple[Path, str | Non
 
 def _remove_stale(root: Path, name: str, keep: str | None) -> None:
     """Delete what earlier saves left in ``root`` (never raises)."""
-    for entry in os.listdir(root):
-        if entry == keep or not _ours(root, entry, name):
-            continue
+    for entry in (e for e in os.listdir(root) if e != keep and _ours(root, e, name)):
         try:  # a manifest being written (a file) or a data folder
             (os.unlink if entry.startswith(".") else shutil.rmtree)(root / entry)
         except OSError as exc:  # e.g. mapped files on Windows: the next save tries again
