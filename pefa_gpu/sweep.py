@@ -82,12 +82,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABL
     gamma = any(r.get("gamma") is not None for r in rows)
     head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    formats = {"lam": "g", "k": "", **({"gamma": ".4g"} if gamma else {})}  # blank for None
     for r in rows:
-        cells = [r["method"].upper(), "" if r.get("lam") is None else f"{r['lam']:g}",
-                 "" if r.get("k") is None else str(r["k"])]
-        if gamma:
-            cells.append("" if r.get("gamma") is None else f"{r['gamma']:.4g}")
-        cells += [f"{r[m]:.4f}" if m in r else "" for m in metrics]
+        cells = [r["method"].upper(),
+                 *("" if r.get(c) is None else format(r[c], f) for c, f in formats.items()),
+                 *(f"{r[m]:.4f}" if m in r else "" for m in metrics)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -120,7 +119,11 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
     methods, lams, ks = check_sweep_grid(methods, lams, ks)
     topk = check_positive(topk, "topk")
     candidates = XLSearchParams(candidates=candidates).candidates  # before it is compared
-    timings = _check_reporting(show_progress, timings)
+    check_flag(show_progress, "show_progress")
+    timings = {} if timings is None else timings
+    if not isinstance(timings, dict):  # a list failed after the first method's search
+        raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
+                         f"got {type(timings).__name__}")
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
     common = dict(backend=backend, device=dev)
@@ -174,16 +177,6 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                 yield item
 
 
-def _check_reporting(show_progress: Any, timings: Any) -> dict[str, float]:
-    """``timings`` (a new dict for None); InputError unless ``show_progress`` is a bool and
-    ``timings`` a dict or None (a list failed after the first method's fit and search)."""
-    check_flag(show_progress, "show_progress")
-    if timings is not None and not isinstance(timings, dict):
-        raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
-                         f"got {type(timings).__name__}")
-    return {} if timings is None else timings
-
-
 # bytes a cell of a score block costs in _xs_all_lams: its two float32 scores, their maximum
 # and the kept mask (13), with room for the mixed tables of the kept cells (a quarter cell)
 XS_CELL_BYTES = 16
@@ -200,7 +193,7 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     b, n = q.shape[0], p.shape[0]
     q_batch = max(1, min(b, block_cells // max(min(n, 4096), 1)))
     chunk = max(block_cells // q_batch, topk, 1)
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in lams]  # per λ, batch
+    batches = []  # per query batch, per λ: (scores, ids)
     for s in range(0, max(b, 1), q_batch):  # one empty batch without queries
         qb = q[s:s + q_batch]
         best = [(qb.new_empty(len(qb), 0), qb.new_empty(len(qb), 0, dtype=torch.long))] * len(lams)
@@ -210,9 +203,8 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
             best = [merge_topk(torch.cat([bv, v], 1),
                                torch.cat([bi, torch.where(i >= 0, i + c, -1)], 1), topk)
                     for (bv, bi), (v, i) in zip(best, tops)]
-        for part, top in zip(parts, best):
-            part.append(top)
-    return [tuple(map(torch.cat, zip(*part))) for part in parts]
+        batches.append(best)
+    return [tuple(map(torch.cat, zip(*part))) for part in zip(*batches)]
 
 
 def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,
@@ -247,8 +239,7 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
         table[:, rows, pos] = w_p[g:g + group, :, 0] * a_k + w_a[g:g + group, :, 0] * b_k
         v, j = topk_rows(table.reshape(-1, width), topk)
         i = torch.where(j >= 0, col_table.repeat(n_g, 1).gather(1, j.clamp_min(0)), -1)
-        v, i = v.reshape(n_g, b, -1), i.reshape(n_g, b, -1)
-        out += [(v[li], i[li]) for li in range(n_g)]
+        out += zip(v.reshape(n_g, b, -1), i.reshape(n_g, b, -1))
     return out
 
 
