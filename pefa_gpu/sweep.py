@@ -20,7 +20,7 @@ from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
 from .params import XLParams, XLSearchParams, check_flag, check_grid, check_positive
 from .relevance import RelevanceLike, as_relevance
-from .topk import merge_topk, topk_rows
+from .topk import merge_lists, topk_rows
 
 log = logging.getLogger("pefa_gpu")
 
@@ -95,12 +95,9 @@ def grid(methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER
          ks: Sequence[int] = PAPER_KS) -> list[Config]:
     """The configurations of a sweep, in the order it reports them."""
     methods, lams, ks = check_sweep_grid(methods, lams, ks)
-    out: list[Config] = []
-    for m in methods:
-        axes = REGISTRY[m].axes
-        out += ([Config(m, lam, k) for k in ks for lam in lams] if "k" in axes else
-                [Config(m, lam) for lam in lams] if axes else [Config(m)])
-    return out
+    return [Config(m, lam, k) for m in methods  # None on an axis the method has not
+            for k in (ks if "k" in REGISTRY[m].axes else (None,))
+            for lam in (lams if "lam" in REGISTRY[m].axes else (None,))]
 
 
 def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike,
@@ -200,9 +197,8 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
         for c in range(0, n, chunk):
             tops = _xs_block_topk(qb @ p[c:c + chunk].T, qb @ a[c:c + chunk].T, lams, topk,
                                   max(1, block_cells // 4))
-            best = [merge_topk(torch.cat([bv, v], 1),
-                               torch.cat([bi, torch.where(i >= 0, i + c, -1)], 1), topk)
-                    for (bv, bi), (v, i) in zip(best, tops)]
+            best = [merge_lists([top, (v, torch.where(i >= 0, i + c, -1))], topk)
+                    for top, (v, i) in zip(best, tops)]
         batches.append(best)
     return [tuple(map(torch.cat, zip(*part))) for part in zip(*batches)]
 
@@ -279,8 +275,7 @@ def check_sweep_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence
     methods = _names(methods, f"methods must be a non-empty subset of {list(METHODS)} (a "
                               f"sequence of names or one comma-separated string)")
     methods = tuple(dict.fromkeys(m.strip().lower() for m in methods))
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
+    if not methods or not set(methods) <= set(METHODS):
         raise InputError(f"methods must be a non-empty subset of {list(METHODS)}, got "
                          f"{list(methods)}")
     return (methods, *check_grid(lams, ks, (not takes(methods, "lam"), not takes(methods, "k"))))
