@@ -166,41 +166,42 @@ def _encode_missing(enc: _Encoder, distinct: dict[bytes, str], rows: dict[bytes,
               disable=not show_progress) as bar:
         try:
             for s in range(0, len(items), chunk):
-                part = [(k, t) for k, t in items[s:s + chunk] if k not in rows]
+                part = {k: t for k, t in items[s:s + chunk] if k not in rows}
                 if not part:
                     continue
-                vecs = []
-                for b in range(0, len(part), batch_size):
-                    batch = [t for _, t in part[b:b + batch_size]]
-                    out = to_numpy(as_tensor(_call(enc, batch), dtype=torch.float32,
-                                             name=f"output of {enc.name}"))
-                    if out.ndim != 2 or out.shape[0] != len(batch):
-                        raise InputError(f"encoder {enc.name} returned shape {out.shape} for "
-                                         f"{len(batch)} texts; expected ({len(batch)}, d)")
+                texts, vecs = list(part.values()), []
+                for b in range(0, len(texts), batch_size):
+                    out = _call(enc, texts[b:b + batch_size])
                     if vecs and out.shape[1] != vecs[0].shape[1]:  # was numpy's concatenate error
                         raise InputError(f"encoder {enc.name} gave embeddings of several "
                                          f"dimensions {{{vecs[0].shape[1]}, {out.shape[1]}}}")
-                    vecs.append(out.copy())  # an encoder may reuse its output buffer
-                    bar.update(len(batch))
+                    vecs.append(out)
+                    bar.update(len(out))
                 arr = np.concatenate(vecs)
                 if cache is not None:
-                    cache.write([k for k, _ in part], arr)
-                rows.update(zip([k for k, _ in part], arr))
+                    cache.write(list(part), arr)
+                rows.update(zip(part, arr))
         except KeyboardInterrupt:
             raise EncodingInterrupted(len(rows) if cache else 0, len(distinct),
                                       cache is not None) from None
 
 
-def _call(enc: _Encoder, batch: list[str]) -> Any:
-    """``enc.fn(batch)``; the encoder's own exceptions as an InputError naming it and them (the
+def _call(enc: _Encoder, batch: list[str]) -> np.ndarray:
+    """``enc.fn(batch)`` as a checked (len(batch), d) float32 copy (an encoder may reuse its
+    output buffer); the encoder's own exceptions as an InputError naming it and them (the
     library's errors and running out of memory as they are)."""
     try:
-        return enc.fn(batch)
+        out = enc.fn(batch)
     except (PefaError, MemoryError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as exc:
         raise InputError(f"encoder {enc.name} failed on a batch of {len(batch)} texts: "
                          f"{type(exc).__name__}: {exc}") from exc
+    out = to_numpy(as_tensor(out, dtype=torch.float32, name=f"output of {enc.name}"))
+    if out.ndim != 2 or out.shape[0] != len(batch):
+        raise InputError(f"encoder {enc.name} returned shape {out.shape} for {len(batch)} "
+                         f"texts; expected ({len(batch)}, d)")
+    return out.copy()
 
 
 def resolve_model(model: EncoderLike, device: DeviceLike = None) -> _Encoder:

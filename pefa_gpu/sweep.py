@@ -20,7 +20,7 @@ from .models import ERM, NUDGE, PEFAXL, PEFAXS
 from .query import QueryAdapter, VectorPRF
 from .params import XLParams, XLSearchParams, check_flag, check_grid, check_positive
 from .relevance import RelevanceLike, as_relevance
-from .topk import merge_topk, topk_rows
+from .topk import merge_lists, topk_rows
 
 log = logging.getLogger("pefa_gpu")
 
@@ -82,12 +82,11 @@ def markdown_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABL
     gamma = any(r.get("gamma") is not None for r in rows)
     head = ["method", "λ", "k", *(["γ"] if gamma else []), *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    formats = {"lam": "g", "k": "", **({"gamma": ".4g"} if gamma else {})}  # blank for None
     for r in rows:
-        cells = [r["method"].upper(), "" if r.get("lam") is None else f"{r['lam']:g}",
-                 "" if r.get("k") is None else str(r["k"])]
-        if gamma:
-            cells.append("" if r.get("gamma") is None else f"{r['gamma']:.4g}")
-        cells += [f"{r[m]:.4f}" if m in r else "" for m in metrics]
+        cells = [r["method"].upper(),
+                 *("" if r.get(c) is None else format(r[c], f) for c, f in formats.items()),
+                 *(f"{r[m]:.4f}" if m in r else "" for m in metrics)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -96,12 +95,9 @@ def grid(methods: Sequence[str] = DEFAULT_METHODS, lams: Sequence[float] = PAPER
          ks: Sequence[int] = PAPER_KS) -> list[Config]:
     """The configurations of a sweep, in the order it reports them."""
     methods, lams, ks = check_sweep_grid(methods, lams, ks)
-    out: list[Config] = []
-    for m in methods:
-        axes = REGISTRY[m].axes
-        out += ([Config(m, lam, k) for k in ks for lam in lams] if "k" in axes else
-                [Config(m, lam) for lam in lams] if axes else [Config(m)])
-    return out
+    return [Config(m, lam, k) for m in methods  # None on an axis the method has not
+            for k in (ks if "k" in REGISTRY[m].axes else (None,))
+            for lam in (lams if "lam" in REGISTRY[m].axes else (None,))]
 
 
 def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLike,
@@ -120,7 +116,11 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
     methods, lams, ks = check_sweep_grid(methods, lams, ks)
     topk = check_positive(topk, "topk")
     candidates = XLSearchParams(candidates=candidates).candidates  # before it is compared
-    timings = _check_reporting(show_progress, timings)
+    check_flag(show_progress, "show_progress")
+    timings = {} if timings is None else timings
+    if not isinstance(timings, dict):  # a list failed after the first method's search
+        raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
+                         f"got {type(timings).__name__}")
     dev = resolve_device(device)
     q = as_embeddings(queries, dev, "queries", check_norm=False).detach().float()
     common = dict(backend=backend, device=dev)
@@ -174,16 +174,6 @@ def sweep_search(P: ArrayLike, Q: ArrayLike, Y: RelevanceLike, queries: ArrayLik
                 yield item
 
 
-def _check_reporting(show_progress: Any, timings: Any) -> dict[str, float]:
-    """``timings`` (a new dict for None); InputError unless ``show_progress`` is a bool and
-    ``timings`` a dict or None (a list failed after the first method's fit and search)."""
-    check_flag(show_progress, "show_progress")
-    if timings is not None and not isinstance(timings, dict):
-        raise InputError(f"timings must be a dict (it collects seconds per method) or None, "
-                         f"got {type(timings).__name__}")
-    return {} if timings is None else timings
-
-
 # bytes a cell of a score block costs in _xs_all_lams: its two float32 scores, their maximum
 # and the kept mask (13), with room for the mixed tables of the kept cells (a quarter cell)
 XS_CELL_BYTES = 16
@@ -200,19 +190,17 @@ def _xs_all_lams(xs: PEFAXS, q: torch.Tensor, lams: Sequence[float], topk: int,
     b, n = q.shape[0], p.shape[0]
     q_batch = max(1, min(b, block_cells // max(min(n, 4096), 1)))
     chunk = max(block_cells // q_batch, topk, 1)
-    parts: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in lams]  # per λ, batch
+    batches = []  # per query batch, per λ: (scores, ids)
     for s in range(0, max(b, 1), q_batch):  # one empty batch without queries
         qb = q[s:s + q_batch]
         best = [(qb.new_empty(len(qb), 0), qb.new_empty(len(qb), 0, dtype=torch.long))] * len(lams)
         for c in range(0, n, chunk):
             tops = _xs_block_topk(qb @ p[c:c + chunk].T, qb @ a[c:c + chunk].T, lams, topk,
                                   max(1, block_cells // 4))
-            best = [merge_topk(torch.cat([bv, v], 1),
-                               torch.cat([bi, torch.where(i >= 0, i + c, -1)], 1), topk)
-                    for (bv, bi), (v, i) in zip(best, tops)]
-        for part, top in zip(parts, best):
-            part.append(top)
-    return [tuple(map(torch.cat, zip(*part))) for part in parts]
+            best = [merge_lists([top, (v, torch.where(i >= 0, i + c, -1))], topk)
+                    for top, (v, i) in zip(best, tops)]
+        batches.append(best)
+    return [tuple(map(torch.cat, zip(*part))) for part in zip(*batches)]
 
 
 def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], topk: int,
@@ -247,8 +235,7 @@ def _xs_block_topk(sp_: torch.Tensor, sa_: torch.Tensor, lams: Sequence[float], 
         table[:, rows, pos] = w_p[g:g + group, :, 0] * a_k + w_a[g:g + group, :, 0] * b_k
         v, j = topk_rows(table.reshape(-1, width), topk)
         i = torch.where(j >= 0, col_table.repeat(n_g, 1).gather(1, j.clamp_min(0)), -1)
-        v, i = v.reshape(n_g, b, -1), i.reshape(n_g, b, -1)
-        out += [(v[li], i[li]) for li in range(n_g)]
+        out += zip(v.reshape(n_g, b, -1), i.reshape(n_g, b, -1))
     return out
 
 
@@ -288,8 +275,7 @@ def check_sweep_grid(methods: Sequence[str], lams: Sequence[float], ks: Sequence
     methods = _names(methods, f"methods must be a non-empty subset of {list(METHODS)} (a "
                               f"sequence of names or one comma-separated string)")
     methods = tuple(dict.fromkeys(m.strip().lower() for m in methods))
-    bad = [m for m in methods if m not in METHODS]
-    if bad or not methods:
+    if not methods or not set(methods) <= set(METHODS):
         raise InputError(f"methods must be a non-empty subset of {list(METHODS)}, got "
                          f"{list(methods)}")
     return (methods, *check_grid(lams, ks, (not takes(methods, "lam"), not takes(methods, "k"))))

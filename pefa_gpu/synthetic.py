@@ -57,7 +57,7 @@ def make_synthetic(n: int, m: int, d: int = 64, n_test: int = 1000, *, clusters:
     P = _unit(centres[doc_cluster]
               + doc_noise / np.sqrt(d) * rng.standard_normal((n, d), dtype=np.float32))
     start = np.searchsorted(doc_cluster, np.arange(c))
-    size = np.searchsorted(doc_cluster, np.arange(c), side="right") - start
+    size = np.bincount(doc_cluster, minlength=c)  # documents per cluster
     pop = 1.0 / np.arange(1, n + 1) ** popularity
     cum = np.cumsum(rng.permutation(pop))
     cum /= cum[-1]
