@@ -247,3 +247,15 @@ def test_xl_scoring_over_sharded_indices_checks_no_ids(monkeypatch):
                             lambda *a, real=real, **k: checks.append(1) or real(*a, **k))
     got = xl.score(T, torch.arange(10).repeat(5, 1))
     assert checks == [] and torch.allclose(got, want, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["missing", "not empty", "empty name"])
+def test_a_save_into_a_missing_or_used_folder_is_an_input_error(tmp_path, where):
+    index = ShardedIndex({"devices": ["cpu"] * 2}, "cpu").build(
+        torch.from_numpy(unit_rows(np.random.default_rng(3), 10, 4)))
+    target = {"missing": tmp_path / "nowhere", "not empty": tmp_path, "empty name": ""}[where]
+    (tmp_path / "theirs.txt").write_text("kept")
+    with pytest.raises(pg.InputError, match="save directory"):  # was FileNotFoundError / ...
+        index.save(target)
+    assert (tmp_path / "theirs.txt").read_text() == "kept"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["theirs.txt"]

@@ -156,7 +156,7 @@ class ShardedIndex(Index):
 
     def save(self, directory: str | Path) -> None:
         """One sub-directory ``shard_{i}`` per shard plus ``shards.json`` (row offsets)."""
-        d = Path(directory)
+        d = self._save_dir(directory, empty_ok=True)
         for i, shard in enumerate(self.shards):
             (d / f"shard_{i}").mkdir()
             shard.save(d / f"shard_{i}")
