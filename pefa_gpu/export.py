@@ -139,16 +139,17 @@ def export_hnsw(vectors: ArrayLike, path: str | Path, *, index: Index | None = N
     faiss = import_faiss()
     check_output_file(path, "export path")
     # checked here too: a kept graph skips build_hnsw (a misspelt keyword: TypeError naming it)
-    inspect.signature(build_hnsw).bind(vectors, **kwargs)
-    check_hnsw_m(kwargs.get("M", 32), "M")  # both compared below (an array: numpy's error)
-    check_choice(kwargs.get("method", "auto"), "method", HNSW_METHODS)
+    settings = inspect.signature(build_hnsw).bind(vectors, **kwargs)
+    settings.apply_defaults()  # build_hnsw's defaults
+    s = settings.arguments
+    m = check_hnsw_m(s["M"], "M")
+    check_choice(s["method"], "method", HNSW_METHODS)
     for name in ("ef_construction", "entrypoints"):
-        check_at_most(kwargs.get(name, 1), name, MAX_HNSW_EF)
-    ef_search = check_at_most(kwargs.get("ef_search", 300), "ef_search", MAX_HNSW_EF)
+        check_at_most(s[name], name, MAX_HNSW_EF)
+    ef_search = check_at_most(s["ef_search"], "ef_search", MAX_HNSW_EF)
     graph = getattr(index, "faiss_index", None) if getattr(index, "name", None) == "hnsw" \
         else None
-    if graph is None or kwargs.get("method", "auto") not in ("auto", "hnsw") \
-            or graph.hnsw.nb_neighbors(1) != kwargs.get("M", 32):
+    if graph is None or s["method"] not in ("auto", "hnsw") or graph.hnsw.nb_neighbors(1) != m:
         graph = build_hnsw(vectors, **kwargs)
     ef = graph.hnsw.efSearch
     graph.hnsw.efSearch = ef_search  # stored in the file; a reused index's own
