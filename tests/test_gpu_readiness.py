@@ -78,10 +78,13 @@ def test_cuda_exact_16bit_storage_against_a_float64_reference(dtype, atol):
 
 # -- 6. foreign arrays are copied with copy=True ---------------------------------------------
 
-def test_a_dlpack_array_on_any_device_counts_as_shared_memory():
+def test_as_tensor_copies_a_dlpack_array_when_asked():
     t = torch.zeros(3, 2)
-    assert arrays._same_memory(DLPackOnly(t), torch.empty(3, 2, device="meta"))
-    assert arrays._same_memory(DLPackOnly(t), t)
+    assert arrays.as_tensor(DLPackOnly(t)).data_ptr() == t.data_ptr()  # read in place
+    got = arrays.as_tensor(DLPackOnly(t), copy=True)
+    assert got.data_ptr() != t.data_ptr()
+    t[0] = 1.0
+    assert got[0].abs().sum() == 0
 
 
 def test_as_embeddings_copies_a_dlpack_array_when_asked():
