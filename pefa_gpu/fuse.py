@@ -56,8 +56,8 @@ class RelevanceRows:
     def keys(self) -> torch.Tensor:
         """(nnz,) int64 row * n + column of the entries, ascending."""
         starts, lengths, indices, _ = self.tensors
-        rows = torch.repeat_interleave(torch.arange(lengths.numel(), device=indices.device),
-                                       lengths, output_size=indices.numel())
+        rows = _repeat(torch.arange(lengths.numel(), device=indices.device), lengths,
+                       indices.numel())
         return rows * self.shape[1] + indices
 
     def values(self, rows: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:

@@ -569,6 +569,7 @@ class PEFAXL(_Model):
         if _kind(q) != "f" or q.ndim != 2 or q.shape[1] != self.dim:
             raise InputError(f"q must be a (B, {self.dim}) float array, got "
                              f"{type(q).__name__} {getattr(q, 'shape', '')}")
+        q = to_numpy(q) if isinstance(q, np.ndarray) or q.device.type == "cpu" else q
         erm = self._checked_pair("erm", erm, q, self.n_docs)
         knn = self._checked_pair("knn", knn, q, self.relevance.shape[0])
         topk = check_topk(topk, self.n_docs)
@@ -587,25 +588,22 @@ class PEFAXL(_Model):
                             f"{getattr(a, 'shape', '')}" for a in pair)
             raise InputError(f"{name} must be (scores, ids): float and integer arrays of one "
                              f"shape (B={q.shape[0]}, w), got {got}")
-        scores, ids = pair
+        ids = pair[1]
         if _kind(ids) == "u":
             raise InputError(f"{name} ids must be signed integers (-1: padding), got {ids.dtype}")
         if bool(((ids < -1) | (ids >= top)).any()):  # on CUDA: one synchronisation
             raise InputError(f"{name} ids must be in [-1, {top}) (-1: padding), got "
                              f"{int(ids.min())} .. {int(ids.max())}")
-        if isinstance(q, np.ndarray):
-            return to_numpy(scores), to_numpy(ids)
-        return as_tensor(scores, device=q.device), as_tensor(ids, device=q.device)
+        host = isinstance(q, np.ndarray)
+        return tuple(to_numpy(a) if host else as_tensor(a, device=q.device) for a in pair)
 
     def _fuse_grid(self, q: Array, erm: tuple[Array, Array], knn: tuple[Array, Array],
                    lams: Sequence[float], ks: Sequence[int], topk: int,
                    batch_size: int | None = None
                    ) -> dict[tuple[float, int], tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`fuse_grid` of checked arguments (CPU batches fused as numpy arrays)."""
-        p, docs = self.params, self.doc_embeddings
-        if isinstance(q, np.ndarray) or q.device.type == "cpu":
-            q, erm, knn = to_numpy(q), tuple(map(to_numpy, erm)), tuple(map(to_numpy, knn))
-            docs = to_numpy(docs)
+        """:meth:`fuse_grid` of checked arguments, of one kind (a CPU batch: numpy arrays)."""
+        p = self.params
+        docs = to_numpy(self.doc_embeddings) if isinstance(q, np.ndarray) else self.doc_embeddings
         out = fuse(q, erm, knn, self.relevance_rows, docs, lams=lams, ks=ks, topk=topk,
                    knn_norm=p.knn_norm, rescore=p.rescore, batch_size=batch_size,
                    erm_exact=bool(getattr(self.index, "exact_scores", False)))
