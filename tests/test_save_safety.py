@@ -241,7 +241,7 @@ KILL_CHILD = textwrap.dedent("""
     import numpy as np, scipy.sparse as sp
     import pefa_gpu as pg
     from pefa_gpu import storage
-    from pefa_gpu.index import exact
+    from pefa_gpu.index import base
 
     target, point, lam = sys.argv[1], sys.argv[2], float(sys.argv[3])
     rng = np.random.default_rng(5)
@@ -269,7 +269,7 @@ KILL_CHILD = textwrap.dedent("""
         setattr(obj, name, hooked)
 
     if point == "tensor":
-        wrap(storage, "save_tensor", nth=2); wrap(exact, "save_tensor")  # the query index
+        wrap(storage, "save_tensor", nth=2); wrap(base, "save_tensor")  # the query index
     elif point == "fsync":
         wrap(storage, "fsync_tree")
     elif point == "manifest_tmp":
