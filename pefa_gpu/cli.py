@@ -225,7 +225,8 @@ def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
         **_settings("point" if command == "eval" else "grid", AXES),
         "--json": dict(metavar="OUT", help="also write the results as JSON to OUT"),
         **({"--plot": dict(metavar="PNG", help="recall vs λ plot (default: next to --json, "
-                           "same name, .png, where matplotlib is installed, unless it exists)")}
+                           "same name, .png, where matplotlib is installed; a file there that "
+                           "is not a sweep's plot is kept)")}
            if command == "sweep" else {}),
         **(TUNE_OPTIONS if tune else {})}
     return [("", DATA_DIR), ("data", {**DATA_OPTIONS, **({} if build else TEST_OPTIONS)}),
@@ -334,8 +335,10 @@ def _check_outputs(args: argparse.Namespace) -> None:
         if plot == args.json:
             raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
                              f"the same file; give --json a .json name, or --plot")
-        # an existing file (the user's own image) is replaced only when --plot names it
-        args.plot, args.plot_kept = (None, plot) if os.path.lexists(plot) else (plot, None)
+        # another file there (the user's own image) is replaced only when --plot names it
+        from .plots import is_sweep_plot
+        mine = not os.path.lexists(plot) or is_sweep_plot(plot)
+        args.plot, args.plot_kept = (plot, None) if mine else (None, plot)
     for flag, folder in (("--cache-dir", None if args.no_cache else args.cache_dir),
                          ("--work-dir", getattr(args, "work_dir", None))):
         if folder:
