@@ -225,7 +225,8 @@ def _groups(command: str) -> list[tuple[str, dict[str, dict]]]:
         **_settings("point" if command == "eval" else "grid", AXES),
         "--json": dict(metavar="OUT", help="also write the results as JSON to OUT"),
         **({"--plot": dict(metavar="PNG", help="recall vs λ plot (default: next to --json, "
-                           "same name, .png, where matplotlib is installed)")}
+                           "same name, .png, where matplotlib is installed; a file there that "
+                           "is not a sweep's plot is kept)")}
            if command == "sweep" else {}),
         **(TUNE_OPTIONS if tune else {})}
     return [("", DATA_DIR), ("data", {**DATA_OPTIONS, **({} if build else TEST_OPTIONS)}),
@@ -330,10 +331,14 @@ def _check_outputs(args: argparse.Namespace) -> None:
     resolve_device(args.device)
     if args.command == "sweep" and args.json and not args.plot and \
             importlib.util.find_spec("matplotlib") is not None:  # --plot: next to --json
-        args.plot = str(Path(args.json).with_suffix(".png"))
-        if args.plot == args.json:
+        plot = str(Path(args.json).with_suffix(".png"))
+        if plot == args.json:
             raise InputError(f"--json {args.json}: the plot goes next to it with a .png suffix, "
                              f"the same file; give --json a .json name, or --plot")
+        # another file there (the user's own image) is replaced only when --plot names it
+        from .plots import is_sweep_plot
+        mine = not os.path.lexists(plot) or is_sweep_plot(plot)
+        args.plot, args.plot_kept = (plot, None) if mine else (None, plot)
     for flag, folder in (("--cache-dir", None if args.no_cache else args.cache_dir),
                          ("--work-dir", getattr(args, "work_dir", None))):
         if folder:
@@ -729,6 +734,9 @@ def cmd_sweep(args: argparse.Namespace) -> None:
     if args.plot:
         plot_sweep(rows, args.plot, title=f"{data.name}: PEFA λ × k sweep")
         log.info("wrote %s", args.plot)
+    elif getattr(args, "plot_kept", None):
+        log.warning("no plot written: %s exists and is kept; give --plot %s to replace it",
+                    args.plot_kept, args.plot_kept)
 
 
 def cmd_tune(args: argparse.Namespace) -> None:

@@ -26,9 +26,9 @@ import torch
 from .aggregate import normalize_rows
 from .arrays import DeviceLike, as_embeddings, as_tensor, resolve_device, to_numpy
 from .datasets import check_utf8
-from .errors import InputError, MissingDependencyError, PefaError
+from .errors import FormatError, InputError, MissingDependencyError, PefaError
 from .params import check_flag, check_positive
-from .storage import as_path, read_npy, write_output_file
+from .storage import as_path, read_json, read_npy, write_output_file
 
 log = logging.getLogger("pefa_gpu")
 
@@ -396,10 +396,11 @@ class _Cache:
         return found
 
     def _meta(self) -> dict:
-        """model.json's fields; {} when it is absent, unreadable or not a regular file (a FIFO)."""
-        path, meta = self.dir / "model.json", {}
-        with contextlib.suppress(OSError, ValueError, RecursionError):  # a FIFO: write() names it
-            meta = json.loads(path.read_text("utf-8")) if path.is_file() else {}
+        """model.json's fields; {} when it is absent, unreadable, not a regular file (a FIFO,
+        a link: write() names it) or too large (read whole, 2 GiB took 4 GiB)."""
+        meta = {}
+        with contextlib.suppress(OSError, FormatError):
+            meta = read_json(self.dir / "model.json", "encode cache's model.json")
         return meta if isinstance(meta, dict) else {}
 
     def _dim(self) -> int | None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Sequence
 
 from .errors import MissingDependencyError
+
+SOFTWARE = "pefa_gpu sweep plot"  # the PNG's Software field: a file plot_sweep wrote
 
 
 def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
@@ -39,4 +43,16 @@ def plot_sweep(rows: Sequence[dict], path: str | Path, title: str = "",
         fig.suptitle(title)
     fig.tight_layout()
     from .storage import write_output_file
-    return write_output_file(path, lambda tmp: fig.savefig(tmp, dpi=110), "plot")
+    tag = {"Software": SOFTWARE} if Path(path).suffix.lower() == ".png" else None
+    return write_output_file(path, lambda tmp: fig.savefig(tmp, dpi=110, metadata=tag), "plot")
+
+
+def is_sweep_plot(path: str | Path) -> bool:
+    """Whether ``path`` is a regular file (a link is not) that :func:`plot_sweep` wrote."""
+    try:
+        flags = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        fd = os.open(path, os.O_RDONLY | flags)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as f:  # the field comes first, at byte 50
+        return stat.S_ISREG(os.fstat(fd).st_mode) and SOFTWARE.encode() in f.read(256)

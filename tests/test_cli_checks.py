@@ -659,6 +659,27 @@ def test_sweep_without_matplotlib_plots_only_when_asked_and_says_so_first(data, 
     assert code == 2 and f"--plot {tmp_path / 'p.png'} needs matplotlib" in err, err
 
 
+
+def test_sweep_json_keeps_an_existing_png_and_says_how_to_replace_it(data, tmp_path, capsys,
+                                                                      caplog):
+    """sweep --json r.json replaced an existing r.png (the user's own image) by its default
+    plot; now it is kept with a warning, --plot r.png replaces it, and a plot the sweep wrote
+    is refreshed."""
+    pytest.importorskip("matplotlib")
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    png.write_bytes(b"my own image")
+    argv = ("sweep", data, "--embeddings", "bow", "--methods", "erm", "--device", "cpu", "-q")
+    ok(capsys, *argv, "--json", out)
+    assert out.is_file() and png.read_bytes() == b"my own image"
+    assert f"no plot written: {png} exists and is kept; give --plot {png}" in caplog.text
+    ok(capsys, *argv, "--json", out, "--plot", png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    caplog.clear()  # the sweep's own plot is refreshed by the next run
+    before = png.stat().st_ino
+    ok(capsys, *argv, "--json", out)
+    assert png.stat().st_ino != before and "no plot written" not in caplog.text
+
+
 @pytest.mark.parametrize("argv,match", [
     (["sweep", "--json", "r.json", "--plot", "r.json"], "--plot r.json is (or is inside) --j"),
     (["sweep", "--json", "r.json", "--plot", "r.json/p.png"], "is (or is inside) --json's file"),

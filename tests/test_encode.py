@@ -155,6 +155,28 @@ with pytest.raises(pg.InputError, match="model.json is not a regular file"):
     run_python("-c", code, timeout=60)
 
 
+def test_an_oversized_model_json_is_never_read_whole(tmp_path):
+    """model.json was read whole: a forged 2 GiB one took 4 GiB of memory (here a sparse one
+    just past the manifest bound); now it is skipped as unreadable and the cache still serves."""
+    import tracemalloc
+
+    from pefa_gpu.storage import MAX_MANIFEST_BYTES
+
+    kw = dict(cache_dir=tmp_path, device="cpu", show_progress=False)
+    encode(TEXTS, model=BowEncoder(), **kw)
+    with open(next(tmp_path.rglob("model.json")), "r+b") as fh:
+        fh.truncate(MAX_MANIFEST_BYTES + 1)
+    enc = BowEncoder()
+    tracemalloc.start()
+    try:
+        out = encode(TEXTS, model=enc, **kw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert enc.seen == 0 and peak < 2**24, peak
+    np.testing.assert_allclose(out.numpy(), bow_unit(TEXTS), atol=1e-6)
+
+
 def test_callable_without_identity_is_not_cached(tmp_path, caplog):
     calls = []
 
