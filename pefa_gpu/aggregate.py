@@ -64,7 +64,8 @@ def pifa(Y: Any, Q: Any, normalize: bool = True, device: DeviceLike = None,
     L2-normalised when ``normalize`` (documents without queries stay 0); float32 sums. ``Q`` a
     ``.npy`` path, a memory map, an iterator of (rows, d) chunks or any array on the CPU streams
     in row chunks within ``memory_budget`` bytes (default 512 MiB plus the output). ``initial``:
-    a contiguous (n, d) float32 tensor on ``device``, accumulated into in place and returned."""
+    a contiguous (n, d) float32 tensor on ``device``, accumulated into in place and returned;
+    Q is read once, so an error found in its rows (NaN, too few) may leave it partly summed."""
     dev = resolve_device(device)
     check_flag(normalize, "normalize")
     rel = as_relevance(Y, allow_empty=True)

@@ -22,6 +22,7 @@ except ImportError:  # numpy < 2
 
 _FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see RowSource)
 _RELEASE_BYTES = 1 << 20  # a memory map is copied and released in pieces of about this size
+_EMPTY_CHUNKS = 1 << 16  # an iterator's empty chunks allowed (more: one that never ends?)
 
 Chunks = Iterator[tuple[int, np.ndarray]]  # (first row, (r, d) chunk)
 
@@ -172,11 +173,14 @@ class IteratorSource(RowSource):
         return c.astype(np.float32)
 
     def chunks(self, max_rows: int, buffers: list[np.ndarray]) -> Chunks:
-        start, chunk = 0, self._first
+        start, chunk, empty = 0, self._first, 0
         while chunk is not None:
             if chunk.shape[1] != self.dim:
                 raise InputError(f"{self.name}: the chunk at row {start} has dimension "
                                  f"{chunk.shape[1]}, the first had {self.dim}")
+            if (empty := empty + (not chunk.shape[0])) > _EMPTY_CHUNKS:
+                raise InputError(f"{self.name}: more than {_EMPTY_CHUNKS} empty chunks (the "
+                                 f"last at row {start}): does the iterator ever end?")
             for s in range(0, chunk.shape[0], max_rows):  # split only for the buffers' size
                 yield start + s, chunk[s:s + max_rows]
             start += chunk.shape[0]

@@ -149,3 +149,14 @@ def test_pifa_sums_past_the_machines_memory_are_refused_before_allocating():
     with pytest.raises(pg.InputError, match=r"pifa: the \(2147483647, 4096\) float32 sums .* "
                                              r"GiB of memory, more than this machine's"):
         pg.pifa(Y, np.ones((1, 4096), np.float32), device="cpu")
+
+
+def test_pifa_refusals_before_q_is_read_leave_initial_unchanged():
+    """Q's row count (an array's) and the budget are checked before ``initial`` is written;
+    errors found while Q streams may leave it partly summed (pifa's docstring says so)."""
+    Y = pg.Relevance.from_pairs([0, 1], [0, 0], shape=(2, 1))
+    initial = torch.ones(1, 2)
+    for q, budget in ((np.ones((3, 2), np.float32), None), (np.ones((2, 2), np.float32), 9)):
+        with pytest.raises(pg.InputError, match="3 rows|too small"):
+            pg.pifa(Y, q, normalize=False, device="cpu", memory_budget=budget, initial=initial)
+        assert torch.equal(initial, torch.ones(1, 2))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -238,6 +239,14 @@ def test_row_count_is_checked_by_both_kernels(kernel):
         src = row_source(iter(chunks))
         with pytest.raises(pg.InputError, match=f"Y has {m} rows .queries. but {says}"):
             pifa_streamed(Relevance(Y), src, torch.device("cpu"), budget, kernel=kernel)
+
+
+def test_an_iterator_of_empty_chunks_without_end_is_refused():
+    """An iterator yielding (0, d) chunks forever (from the start, or after Q's rows) hung."""
+    Y, Q = make_data(1)
+    for it in (itertools.repeat(Q[:0]), itertools.chain([Q], itertools.repeat(Q[:0]))):
+        with pytest.raises(pg.InputError, match="Q: more than 65536 empty chunks .*ever end"):
+            pg.pifa(Y, it, device="cpu")
 
 
 def test_errors(tmp_path):
