@@ -583,6 +583,37 @@ def test_a_forged_ivf_pq_save_with_codes_wider_than_its_lists_is_refused_at_load
     assert "codes of 16 bytes for nlist=4, d=8, code size 4" in res.stdout
 
 
+FORGED_LIST_LOAD = r"""
+import resource, sys
+from pefa_gpu.index import backend_class
+from pefa_gpu.errors import FormatError
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    backend_class("ivf").load(sys.argv[1], {"nlist": 2})
+except FormatError as exc:
+    print("refused:", exc)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_forged_ivf_list_size_is_refused_before_faiss_allocates_it(tmp_path):
+    """faiss allocates every list's claimed size before reading it: 2^26 entries took 2.5 GiB
+    and 12 s before its read error (the list sizes it refuses outright start at 2^40 bytes)."""
+    faiss = pytest.importorskip("faiss")
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    x = unit_rows(np.random.default_rng(6), 300, D)
+    index.train(x)
+    index.add(x)
+    raw = bytearray(faiss.serialize_index(index))
+    at = raw.index(b"ilar") + 4  # then nlist, code size, 'full', the sizes' count, the sizes
+    assert raw[at + 16:at + 20] == b"full"
+    struct.pack_into("<Q", raw, at + 28, 2**26)
+    (tmp_path / "index.faiss").write_bytes(bytes(raw))
+    res = run_python("-c", FORGED_LIST_LOAD, tmp_path, timeout=120)
+    assert "index.faiss could not be read by faiss" in res.stdout, (res.stdout, res.stderr[-500:])
+    assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB
+
+
 @pytest.mark.parametrize("how", ["a neighbour beyond the rows", "the entry point beyond the rows",
                                  "a list beyond the neighbours"])
 def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):

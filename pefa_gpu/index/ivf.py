@@ -175,6 +175,16 @@ class IVFIndex(FaissBackend):
     def _set_search_defaults(self, index: Any) -> None:
         index.nprobe = self.nprobe
 
+    def _read_index(self, path: Path) -> Any:
+        """faiss' read, once a read that maps the lists from the file (not allocating the sizes
+        the file claims, as faiss' read does first) finds them within the file."""
+        mapped = self._faiss.read_index(str(path), self._faiss.IO_FLAG_MMAP)
+        lists = getattr(mapped, "invlists", None)  # None: not an IVF index, refused after
+        if lists is not None and sum(lists.list_size(i) for i in range(lists.nlist)) * (
+                lists.code_size + 8) > path.stat().st_size:
+            raise FormatError("its inverted lists claim more entries than the file holds")
+        return super()._read_index(path)
+
     def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
         """FormatError unless the saved index is of ``params.kind`` with one centroid a list
         (faiss 1.13's search aborted on more), IVF-PQ codes of the lists' size and the ids
