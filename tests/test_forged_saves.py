@@ -666,25 +666,30 @@ def test_a_faiss_hnsw_save_of_nan_vectors_is_refused_at_load(tmp_path):
         backend_class("hnsw").load(tmp_path, {"M": 4})
 
 
-@pytest.mark.parametrize("where", ["centroid", "row"])
+@pytest.mark.parametrize("where", ["centroid", "row", "pq codebook"])
 def test_an_ivf_save_of_nan_centroids_or_rows_is_refused_at_load(tmp_path, where):
-    """Loaded; searches then dropped the NaN rows (or a NaN centroid's list) without a word."""
+    """Loaded; searches then dropped the NaN rows (or a NaN centroid's list) without a word;
+    NaN PQ codebooks: rows dropped, or no results at all (ids -1), reconstruct gave NaN."""
     faiss = pytest.importorskip("faiss", minversion="1.14")
     from pefa_gpu.index import backend_class
 
-    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    spec = "IVF2,PQ4x4" if where == "pq codebook" else "IVF2,Flat"
+    index = faiss.index_factory(D, spec, faiss.METRIC_INNER_PRODUCT)
     x = unit_rows(np.random.default_rng(6), 300, D)
     index.train(x)
     index.add(x)
     if where == "centroid":
         flat = faiss.downcast_index(index.quantizer)
         codes, size = flat.codes.data(), flat.codes.size()
-    else:
+    elif where == "row":
         codes, size = index.invlists.get_codes(1), index.invlists.list_size(1) * 4 * D
+    else:
+        codes, size = index.pq.centroids.data(), index.pq.centroids.size()
     faiss.rev_swig_ptr(codes, size).view(np.float32)[3] = np.nan
     faiss.write_index(index, str(tmp_path / "index.faiss"))
+    params = {"nlist": 2, "kind": "pq" if where == "pq codebook" else "flat"}
     with pytest.raises(FormatError, match="the saved centroids or vectors hold NaN or inf"):
-        backend_class("ivf").load(tmp_path, {"nlist": 2})
+        backend_class("ivf").load(tmp_path, params)
 
 
 def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):

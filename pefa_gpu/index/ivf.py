@@ -211,6 +211,8 @@ class IVFIndex(FaissBackend):
         arrays = [f.rev_swig_ptr(centroids.codes.data(), centroids.codes.size())] + [
             f.rev_swig_ptr(lists.get_codes(i), lists.list_size(i) * lists.code_size)
             for i in range(index.nlist) if kind == "flat" and lists.list_size(i)]
+        if kind == "pq":  # its codebooks: NaN ones dropped rows or gave no results at all
+            arrays.append(f.rev_swig_ptr(codes.centroids.data(), codes.centroids.size()))
         if not all(finite_array(a.view(np.float32)) for a in arrays):
             raise FormatError(f"{directory}: the saved centroids or vectors hold NaN or inf: a "
                               f"forged or corrupted index")
