@@ -614,6 +614,28 @@ def test_a_forged_ivf_list_size_is_refused_before_faiss_allocates_it(tmp_path):
     assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB
 
 
+def test_an_ivf_save_of_faiss_on_disk_lists_naming_another_file_is_refused(tmp_path):
+    """faiss opens the file the on-disk lists name (read-write, mapped shared): the load was
+    accepted and the next add() wrote the new rows into that file."""
+    faiss = pytest.importorskip("faiss")
+    from pefa_gpu.index import backend_class
+
+    x = unit_rows(np.random.default_rng(6), 300, D)
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(x)
+    lists = faiss.OnDiskInvertedLists(2, 4 * D, str(tmp_path / "other"))
+    index.replace_invlists(lists, False)
+    index.add(x)
+    (tmp_path / "ix").mkdir()
+    raw = faiss.serialize_index(index).tobytes() + bytes(20000)  # room for the lists' size
+    del index, lists
+    (tmp_path / "ix" / "index.faiss").write_bytes(raw)
+    before = (tmp_path / "other").read_bytes()
+    with pytest.raises(FormatError, match="the saved IVF lists are not held in the index file"):
+        backend_class("ivf").load(tmp_path / "ix", {"nlist": 2}).add(x[:5])
+    assert (tmp_path / "other").read_bytes() == before
+
+
 @pytest.mark.parametrize("how", ["a neighbour beyond the rows", "the entry point beyond the rows",
                                  "a list beyond the neighbours"])
 def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):

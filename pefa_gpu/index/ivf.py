@@ -178,12 +178,13 @@ class IVFIndex(FaissBackend):
     def _read_index(self, path: Path) -> Any:
         """faiss' read, once a read that maps the lists from the file (not allocating the sizes
         the file claims, as faiss' read does first) finds them within the file."""
-        mapped = self._faiss.read_index(str(path), self._faiss.IO_FLAG_MMAP)
+        f = self._faiss  # read-only: on-disk lists (refused in _adopt) open their file for writes
+        mapped = f.read_index(str(path), f.IO_FLAG_MMAP | f.IO_FLAG_READ_ONLY)
         lists = getattr(mapped, "invlists", None)  # None: not an IVF index, refused after
         if lists is not None and sum(lists.list_size(i) for i in range(lists.nlist)) * (
                 lists.code_size + 8) > path.stat().st_size:
             raise FormatError("its inverted lists claim more entries than the file holds")
-        return super()._read_index(path)
+        return f.read_index(str(path), f.IO_FLAG_READ_ONLY)
 
     def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
         """FormatError unless the saved index is of ``params.kind`` with one centroid a list
@@ -193,6 +194,9 @@ class IVFIndex(FaissBackend):
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={self.params.kind!r}")
         lists, n, q = index.invlists, int(index.ntotal), index.quantizer
+        if type(self._faiss.downcast_InvertedLists(lists)).__name__ != "ArrayInvertedLists":
+            raise FormatError(f"{directory}: the saved IVF lists are not held in the index file "
+                              f"(faiss on-disk lists name another file): not a pefa_gpu save")
         codes = getattr(index, "pq", index)  # IVF-Flat: its own
         if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
                 index.nlist, index.d, index.nlist, index.d, index.code_size):
