@@ -179,12 +179,13 @@ class IVFIndex(FaissBackend):
         """faiss' read, once a read that maps the lists from the file (not allocating the sizes
         the file claims, as faiss' read does first) finds them within the file."""
         f = self._faiss  # read-only: on-disk lists (refused in _adopt) open their file for writes
-        mapped = f.read_index(str(path), f.IO_FLAG_MMAP | f.IO_FLAG_READ_ONLY)
+        flags = f.IO_FLAG_READ_ONLY | f.IO_FLAG_SKIP_PRECOMPUTE_TABLE  # an L2 quantizer's: 2 GiB
+        mapped = f.read_index(str(path), f.IO_FLAG_MMAP | flags)
         lists = getattr(mapped, "invlists", None)  # None: not an IVF index, refused after
         if lists is not None and sum(lists.list_size(i) for i in range(lists.nlist)) * (
                 lists.code_size + 8) > path.stat().st_size:
             raise FormatError("its inverted lists claim more entries than the file holds")
-        return f.read_index(str(path), f.IO_FLAG_READ_ONLY)
+        return f.read_index(str(path), flags)
 
     def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
         """FormatError unless the saved index is of ``params.kind`` with one centroid a list
@@ -198,12 +199,13 @@ class IVFIndex(FaissBackend):
             raise FormatError(f"{directory}: the saved IVF lists are not held in the index file "
                               f"(faiss on-disk lists name another file): not a pefa_gpu save")
         codes = getattr(index, "pq", index)  # IVF-Flat: its own
-        if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
-                index.nlist, index.d, index.nlist, index.d, index.code_size):
+        if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size, q.metric_type) != (
+                index.nlist, index.d, index.nlist, index.d, index.code_size, index.metric_type):
             raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
                               f"dimension {q.d}, {lists.nlist} lists and codes of "
                               f"{codes.code_size} bytes for nlist={index.nlist}, d={index.d}, "
-                              f"code size {index.code_size}: a forged or corrupted index")
+                              f"code size {index.code_size} (quantizer metric {q.metric_type}, "
+                              f"index {index.metric_type}): a forged or corrupted index")
         ids = [self._faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
                for i in range(index.nlist) if lists.list_size(i)]
         ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
