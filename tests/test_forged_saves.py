@@ -636,6 +636,19 @@ def test_an_ivf_save_of_faiss_on_disk_lists_naming_another_file_is_refused(tmp_p
     assert (tmp_path / "other").read_bytes() == before
 
 
+def test_an_ivf_save_without_its_lists_is_refused(tmp_path):
+    """faiss reads lists marked 'il00' (not stored) as none: the load raised AttributeError."""
+    faiss = pytest.importorskip("faiss")
+    from pefa_gpu.index import backend_class
+
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(unit_rows(np.random.default_rng(6), 300, D))
+    raw = faiss.serialize_index(index).tobytes()
+    (tmp_path / "index.faiss").write_bytes(raw[:raw.index(b"ilar")] + b"il00")
+    with pytest.raises(FormatError, match="the saved IVF lists are not held in the index file"):
+        backend_class("ivf").load(tmp_path, {"nlist": 2})
+
+
 def test_an_ivf_pq_save_with_an_l2_quantizer_is_refused_without_its_distance_table(tmp_path):
     """faiss' read of an IVF-PQ whose quantizer is L2 precomputes nlist * M * 2^nbits floats:
     this 2 MiB file took 2 GiB (faiss' cap) and 2.5 s before the load."""

@@ -195,9 +195,10 @@ class IVFIndex(FaissBackend):
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={self.params.kind!r}")
         lists, n, q = index.invlists, int(index.ntotal), index.quantizer
-        if type(self._faiss.downcast_InvertedLists(lists)).__name__ != "ArrayInvertedLists":
+        if lists is None or type(
+                self._faiss.downcast_InvertedLists(lists)).__name__ != "ArrayInvertedLists":
             raise FormatError(f"{directory}: the saved IVF lists are not held in the index file "
-                              f"(faiss on-disk lists name another file): not a pefa_gpu save")
+                              f"(none, or on-disk lists naming another file): a forged index")
         codes = getattr(index, "pq", index)  # IVF-Flat: its own
         if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size, q.metric_type) != (
                 index.nlist, index.d, index.nlist, index.d, index.code_size, index.metric_type):
