@@ -583,6 +583,90 @@ def test_a_forged_ivf_pq_save_with_codes_wider_than_its_lists_is_refused_at_load
     assert "codes of 16 bytes for nlist=4, d=8, code size 4" in res.stdout
 
 
+FORGED_LIST_LOAD = r"""
+import resource, sys
+from pefa_gpu.index import backend_class
+from pefa_gpu.errors import FormatError
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    backend_class("ivf").load(sys.argv[1], {"nlist": 2})
+except FormatError as exc:
+    print("refused:", exc)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_forged_ivf_list_size_is_refused_before_faiss_allocates_it(tmp_path):
+    """faiss allocates every list's claimed size before reading it: 2^26 entries took 2.5 GiB
+    and 12 s before its read error (the list sizes it refuses outright start at 2^40 bytes)."""
+    faiss = pytest.importorskip("faiss")
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    x = unit_rows(np.random.default_rng(6), 300, D)
+    index.train(x)
+    index.add(x)
+    raw = bytearray(faiss.serialize_index(index))
+    at = raw.index(b"ilar") + 4  # then nlist, code size, 'full', the sizes' count, the sizes
+    assert raw[at + 16:at + 20] == b"full"
+    struct.pack_into("<Q", raw, at + 28, 2**26)
+    (tmp_path / "index.faiss").write_bytes(bytes(raw))
+    res = run_python("-c", FORGED_LIST_LOAD, tmp_path, timeout=120)
+    assert "index.faiss could not be read by faiss" in res.stdout, (res.stdout, res.stderr[-500:])
+    assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB
+
+
+def test_an_ivf_save_of_faiss_on_disk_lists_naming_another_file_is_refused(tmp_path):
+    """faiss opens the file the on-disk lists name (read-write, mapped shared): the load was
+    accepted and the next add() wrote the new rows into that file."""
+    faiss = pytest.importorskip("faiss")
+    from pefa_gpu.index import backend_class
+
+    x = unit_rows(np.random.default_rng(6), 300, D)
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(x)
+    lists = faiss.OnDiskInvertedLists(2, 4 * D, str(tmp_path / "other"))
+    index.replace_invlists(lists, False)
+    index.add(x)
+    (tmp_path / "ix").mkdir()
+    raw = faiss.serialize_index(index).tobytes() + bytes(20000)  # room for the lists' size
+    del index, lists
+    (tmp_path / "ix" / "index.faiss").write_bytes(raw)
+    before = (tmp_path / "other").read_bytes()
+    with pytest.raises(FormatError, match="the saved IVF lists are not held in the index file"):
+        backend_class("ivf").load(tmp_path / "ix", {"nlist": 2}).add(x[:5])
+    assert (tmp_path / "other").read_bytes() == before
+
+
+def test_an_ivf_save_without_its_lists_is_refused(tmp_path):
+    """faiss reads lists marked 'il00' (not stored) as none: the load raised AttributeError."""
+    faiss = pytest.importorskip("faiss")
+    from pefa_gpu.index import backend_class
+
+    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    index.train(unit_rows(np.random.default_rng(6), 300, D))
+    raw = faiss.serialize_index(index).tobytes()
+    (tmp_path / "index.faiss").write_bytes(raw[:raw.index(b"ilar")] + b"il00")
+    with pytest.raises(FormatError, match="the saved IVF lists are not held in the index file"):
+        backend_class("ivf").load(tmp_path, {"nlist": 2})
+
+
+def test_an_ivf_pq_save_with_an_l2_quantizer_is_refused_without_its_distance_table(tmp_path):
+    """faiss' read of an IVF-PQ whose quantizer is L2 precomputes nlist * M * 2^nbits floats:
+    this 2 MiB file took 2 GiB (faiss' cap) and 2.5 s before the load."""
+    faiss = pytest.importorskip("faiss")
+    rng = np.random.default_rng(0)
+    quantizer = faiss.IndexFlatL2(D)
+    quantizer.add(rng.standard_normal((1000, D), dtype=np.float32))
+    index = faiss.IndexIVFPQ(quantizer, D, 1000, 8, 16, faiss.METRIC_INNER_PRODUCT)
+    faiss.copy_array_to_vector(rng.standard_normal(D << 16, dtype=np.float32), index.pq.centroids)
+    index.is_trained = True
+    (tmp_path / "ix").mkdir()
+    faiss.write_index(index, str(tmp_path / "ix" / "index.faiss"))
+    res = run_python("-c", FORGED_LIST_LOAD.replace('{"nlist": 2}', '{"kind": "pq"}'),
+                     tmp_path / "ix", timeout=120)
+    assert "(quantizer metric 1, index 0)" in res.stdout, (res.stdout, res.stderr[-500:])
+    assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB
+
+
 @pytest.mark.parametrize("how", ["a neighbour beyond the rows", "the entry point beyond the rows",
                                  "a list beyond the neighbours"])
 def test_a_forged_faiss_hnsw_graph_is_refused_at_load(tmp_path, how):
@@ -635,25 +719,30 @@ def test_a_faiss_hnsw_save_of_nan_vectors_is_refused_at_load(tmp_path):
         backend_class("hnsw").load(tmp_path, {"M": 4})
 
 
-@pytest.mark.parametrize("where", ["centroid", "row"])
+@pytest.mark.parametrize("where", ["centroid", "row", "pq codebook"])
 def test_an_ivf_save_of_nan_centroids_or_rows_is_refused_at_load(tmp_path, where):
-    """Loaded; searches then dropped the NaN rows (or a NaN centroid's list) without a word."""
+    """Loaded; searches then dropped the NaN rows (or a NaN centroid's list) without a word;
+    NaN PQ codebooks: rows dropped, or no results at all (ids -1), reconstruct gave NaN."""
     faiss = pytest.importorskip("faiss", minversion="1.14")
     from pefa_gpu.index import backend_class
 
-    index = faiss.index_factory(D, "IVF2,Flat", faiss.METRIC_INNER_PRODUCT)
+    spec = "IVF2,PQ4x4" if where == "pq codebook" else "IVF2,Flat"
+    index = faiss.index_factory(D, spec, faiss.METRIC_INNER_PRODUCT)
     x = unit_rows(np.random.default_rng(6), 300, D)
     index.train(x)
     index.add(x)
     if where == "centroid":
         flat = faiss.downcast_index(index.quantizer)
         codes, size = flat.codes.data(), flat.codes.size()
-    else:
+    elif where == "row":
         codes, size = index.invlists.get_codes(1), index.invlists.list_size(1) * 4 * D
+    else:
+        codes, size = index.pq.centroids.data(), index.pq.centroids.size()
     faiss.rev_swig_ptr(codes, size).view(np.float32)[3] = np.nan
     faiss.write_index(index, str(tmp_path / "index.faiss"))
+    params = {"nlist": 2, "kind": "pq" if where == "pq codebook" else "flat"}
     with pytest.raises(FormatError, match="the saved centroids or vectors hold NaN or inf"):
-        backend_class("ivf").load(tmp_path, {"nlist": 2})
+        backend_class("ivf").load(tmp_path, params)
 
 
 def test_a_faiss_older_than_1_14_is_refused_naming_its_version(monkeypatch, caplog):

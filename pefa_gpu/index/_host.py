@@ -212,6 +212,9 @@ class FaissBackend(HostBackend):
         self._set_search_defaults(cpu)
         self._faiss.write_index(cpu, str(directory / FAISS_FILE))
 
+    def _read_index(self, path: Path) -> Any:
+        return self._faiss.read_index(str(path))
+
     @classmethod
     def load(cls, directory: str | Path, params: Params | dict | None = None,
              device: DeviceLike = None) -> "FaissBackend":
@@ -220,7 +223,7 @@ class FaissBackend(HostBackend):
         path = cls._saved_file(directory, FAISS_FILE)
         out = cls(params, device)
         try:
-            index = out._faiss.read_index(str(path))
+            index = out._read_index(path)
         except Exception as exc:  # faiss raises RuntimeError on a corrupt file
             raise FormatError(f"{path} could not be read by faiss: {exc}") from exc
         kind = cls.saved_kinds.get(type(index).__name__)

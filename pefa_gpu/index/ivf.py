@@ -175,6 +175,18 @@ class IVFIndex(FaissBackend):
     def _set_search_defaults(self, index: Any) -> None:
         index.nprobe = self.nprobe
 
+    def _read_index(self, path: Path) -> Any:
+        """faiss' read, once a read that maps the lists from the file (not allocating the sizes
+        the file claims, as faiss' read does first) finds them within the file."""
+        f = self._faiss  # read-only: on-disk lists (refused in _adopt) open their file for writes
+        flags = f.IO_FLAG_READ_ONLY | f.IO_FLAG_SKIP_PRECOMPUTE_TABLE  # an L2 quantizer's: 2 GiB
+        mapped = f.read_index(str(path), f.IO_FLAG_MMAP | flags)
+        lists = getattr(mapped, "invlists", None)  # None: not an IVF index, refused after
+        if lists is not None and sum(lists.list_size(i) for i in range(lists.nlist)) * (
+                lists.code_size + 8) > path.stat().st_size:
+            raise FormatError("its inverted lists claim more entries than the file holds")
+        return f.read_index(str(path), flags)
+
     def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
         """FormatError unless the saved index is of ``params.kind`` with one centroid a list
         (faiss 1.13's search aborted on more), IVF-PQ codes of the lists' size and the ids
@@ -183,13 +195,18 @@ class IVFIndex(FaissBackend):
             raise FormatError(f"{directory}: the saved index is IVF-{kind}, params say "
                               f"kind={self.params.kind!r}")
         lists, n, q = index.invlists, int(index.ntotal), index.quantizer
+        if lists is None or type(
+                self._faiss.downcast_InvertedLists(lists)).__name__ != "ArrayInvertedLists":
+            raise FormatError(f"{directory}: the saved IVF lists are not held in the index file "
+                              f"(none, or on-disk lists naming another file): a forged index")
         codes = getattr(index, "pq", index)  # IVF-Flat: its own
-        if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size) != (
-                index.nlist, index.d, index.nlist, index.d, index.code_size):
+        if (q.ntotal, q.d, lists.nlist, codes.d, codes.code_size, q.metric_type) != (
+                index.nlist, index.d, index.nlist, index.d, index.code_size, index.metric_type):
             raise FormatError(f"{directory}: the saved IVF index has {q.ntotal} centroids of "
                               f"dimension {q.d}, {lists.nlist} lists and codes of "
                               f"{codes.code_size} bytes for nlist={index.nlist}, d={index.d}, "
-                              f"code size {index.code_size}: a forged or corrupted index")
+                              f"code size {index.code_size} (quantizer metric {q.metric_type}, "
+                              f"index {index.metric_type}): a forged or corrupted index")
         ids = [self._faiss.rev_swig_ptr(lists.get_ids(i), lists.list_size(i))
                for i in range(index.nlist) if lists.list_size(i)]
         ids = np.concatenate(ids) if ids else np.zeros(0, np.int64)
@@ -201,6 +218,8 @@ class IVFIndex(FaissBackend):
         arrays = [f.rev_swig_ptr(centroids.codes.data(), centroids.codes.size())] + [
             f.rev_swig_ptr(lists.get_codes(i), lists.list_size(i) * lists.code_size)
             for i in range(index.nlist) if kind == "flat" and lists.list_size(i)]
+        if kind == "pq":  # its codebooks: NaN ones dropped rows or gave no results at all
+            arrays.append(f.rev_swig_ptr(codes.centroids.data(), codes.centroids.size()))
         if not all(finite_array(a.view(np.float32)) for a in arrays):
             raise FormatError(f"{directory}: the saved centroids or vectors hold NaN or inf: a "
                               f"forged or corrupted index")
