@@ -562,3 +562,10 @@ def test_encode_refuses_an_empty_cache_dir(tmp_path, monkeypatch):
     with pytest.raises(TypeError, match="cache_dir must be a path"):
         pp.encode(["a"], tmp_path / "e", model=enc, cache_dir=5, show_progress=False)
     assert os.listdir(tmp_path) == []
+
+
+def test_encode_fingerprint_of_a_text_with_a_lone_surrogate():
+    """A Python str may hold a lone surrogate; its fingerprint was a raw UnicodeEncodeError."""
+    a = pp.encode_fingerprint(["x\ud800y"], "model", True)
+    assert len(a) == 64 and a != pp.encode_fingerprint(["x\ud801y"], "model", True)
+    assert a != pp.encode_fingerprint(["xy"], "model", True)

@@ -407,7 +407,7 @@ def encode_fingerprint(texts: Sequence[str], identity: str | None, normalize: bo
         return None
     h = hashlib.sha256(f"{identity}|normalize={bool(normalize)}|{len(texts)}".encode())
     for t in texts:
-        h.update(hashlib.sha256(t.encode("utf-8")).digest())
+        h.update(hashlib.sha256(t.encode("utf-8", "surrogatepass")).digest())
     return h.hexdigest()
 
 
