@@ -820,3 +820,24 @@ def test_an_index_count_forged_as_a_string_is_named_as_the_manifest_holds_it(erm
     forge_index_entry(erm_save, lambda state: state["index"].update(ntotal=str(N)))
     with pytest.raises(FormatError, match=f"the manifest says '{N}' of dimension {D}"):
         pg.load(erm_save, device="cpu")
+
+
+FORGED_VECTOR_LOAD = FORGED_LIST_LOAD.replace(
+    'backend_class("ivf").load(sys.argv[1], {"nlist": 2})',
+    'backend_class("hnsw").load(sys.argv[1])')
+
+
+def test_a_forged_faiss_vector_size_is_refused_before_faiss_allocates_it(tmp_path):
+    """faiss allocates the size a file claims for a vector before reading it: an HNSW save whose
+    stored rows claim 2 GiB took 2 GiB and 5 s before faiss' read error."""
+    faiss = pytest.importorskip("faiss")
+    index = faiss.IndexHNSWFlat(D, 16, faiss.METRIC_INNER_PRODUCT)
+    index.add(unit_rows(np.random.default_rng(7), 300, D))
+    raw, rows = bytearray(faiss.serialize_index(index)), 300 * D * 4
+    at = len(raw) - rows - 8  # the rows come last, after their size in floats
+    assert struct.unpack_from("<Q", raw, at) == (300 * D,)
+    struct.pack_into("<Q", raw, at, 2**29)
+    (tmp_path / "index.faiss").write_bytes(bytes(raw))
+    res = run_python("-c", FORGED_VECTOR_LOAD, tmp_path, timeout=120)
+    assert "index.faiss could not be read by faiss" in res.stdout, (res.stdout, res.stderr[-500:])
+    assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB

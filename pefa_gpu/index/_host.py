@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -163,6 +164,9 @@ class HostBackend(Index):
         return as_tensor(self._read_rows(np.arange(self.ntotal)), device=self.device)
 
 
+_READ_LOCK = threading.Lock()  # faiss' vector size limit is one for the process
+
+
 class FaissBackend(HostBackend):
     """A faiss index; ``_faiss_params(params, k)``: a search's faiss settings,
     ``_set_search_defaults(index)``: ``search_params`` written into the faiss index;
@@ -212,8 +216,17 @@ class FaissBackend(HostBackend):
         self._set_search_defaults(cpu)
         self._faiss.write_index(cpu, str(directory / FAISS_FILE))
 
-    def _read_index(self, path: Path) -> Any:
-        return self._faiss.read_index(str(path))
+    def _read_index(self, path: Path, flags: int = 0) -> Any:
+        """faiss' read of ``path`` with no vector in it larger than the file (faiss allocates
+        the size a file claims before reading: a forged one took gigabytes)."""
+        f = self._faiss
+        with _READ_LOCK:
+            limit = f.get_deserialization_vector_byte_limit()
+            f.set_deserialization_vector_byte_limit(min(limit, path.stat().st_size))
+            try:
+                return f.read_index(str(path), flags)
+            finally:
+                f.set_deserialization_vector_byte_limit(limit)
 
     @classmethod
     def load(cls, directory: str | Path, params: Params | dict | None = None,

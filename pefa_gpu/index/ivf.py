@@ -180,12 +180,12 @@ class IVFIndex(FaissBackend):
         the file claims, as faiss' read does first) finds them within the file."""
         f = self._faiss  # read-only: on-disk lists (refused in _adopt) open their file for writes
         flags = f.IO_FLAG_READ_ONLY | f.IO_FLAG_SKIP_PRECOMPUTE_TABLE  # an L2 quantizer's: 2 GiB
-        mapped = f.read_index(str(path), f.IO_FLAG_MMAP | flags)
+        mapped = super()._read_index(path, f.IO_FLAG_MMAP | flags)
         lists = getattr(mapped, "invlists", None)  # None: not an IVF index, refused after
         if lists is not None and sum(lists.list_size(i) for i in range(lists.nlist)) * (
                 lists.code_size + 8) > path.stat().st_size:
             raise FormatError("its inverted lists claim more entries than the file holds")
-        return f.read_index(str(path), flags)
+        return super()._read_index(path, flags)
 
     def _adopt(self, index: Any, kind: str, directory: str | Path) -> Any:
         """FormatError unless the saved index is of ``params.kind`` with one centroid a list
