@@ -10,15 +10,11 @@ import os
 from typing import Any, Iterator
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from .arrays import is_bfloat16, to_numpy
 from .errors import InputError
 from .storage import read_npy
-
-try:
-    from numpy.lib.array_utils import byte_bounds
-except ImportError:  # numpy < 2
-    byte_bounds = np.byte_bounds
 
 _FLOATS = (np.float16, np.float32, np.float64)  # and ml_dtypes' bfloat16 (see RowSource)
 _RELEASE_BYTES = 1 << 20  # a memory map is copied and released in pieces of about this size
