@@ -18,7 +18,7 @@ from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import backend_class, make_index
 from pefa_gpu.params import MAX_HNSW_EF, MAX_HNSW_M, MAX_THREADS
 
-from conftest import make_model, run_python, unit_rows
+from conftest import make_model, run_forked, run_python, unit_rows
 
 try:
     import faiss
@@ -705,7 +705,7 @@ def test_scann_sizes_beyond_a_c_int_are_refused_or_capped():
     code = ("import pefa_gpu as pg, numpy as np; x = np.eye(8, dtype='float32');"
             "pg.make_index('scann', 'cpu', {'dims_per_block': 2**31, 'brute_force_below': 0}"
             ").build(np.tile(x, (40, 1)))")
-    out = run_python("-c", code, returncode=None)
+    out = run_forked(code, returncode=None)
     assert out.returncode == 1 and "dims_per_block must be at most 2147483647" in out.stderr
     x = unit_rows(np.random.default_rng(28), 300, 8)
     index = make_index("scann", "cpu", {"brute_force_below": 0, "num_leaves": 4}).build(x)
@@ -728,7 +728,7 @@ def test_scann_tree_rows_beyond_float32_k_means_are_refused():
             "    except InputError as e: print(e)\n"
             "    assert i.ntotal == 320\n"
             "pg.make_index('scann', 'cpu').build(x).add(x[:2] * 1e30)\n")
-    out = run_python("-c", code, returncode=None)
+    out = run_forked(code, returncode=None)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.count("beyond what scann's float32 tree holds") == 4
 
@@ -966,7 +966,7 @@ def test_ivf_refuses_training_rows_its_float32_k_means_overflows():
             "    pg.make_index('ivf', 'cpu', {'nlist': 2, 'threads': 1}).build(x)\n"
             "except pg.InputError as exc:\n"
             "    print(exc)\n")
-    out = run_python("-c", code, timeout=120)
+    out = run_forked(code)
     assert "a row norm of 8.49e+38 is beyond what ivf's float32 k-means holds" in out.stdout
     x = unit_rows(np.random.default_rng(7), 40, 8)
     x[5] *= 1e20

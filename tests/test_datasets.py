@@ -11,7 +11,7 @@ import pytest
 
 from pefa_gpu.datasets import load_beir, load_pairs
 from pefa_gpu.errors import InputError
-from conftest import run_python
+from conftest import run_forked
 from textdata import write_beir
 
 
@@ -113,7 +113,7 @@ def test_a_data_file_that_is_a_fifo_is_refused_not_waited_on(beir, name):
     """open() of a FIFO with no writer blocked forever (a /dev/zero link read without end)."""
     (beir / name).unlink()
     os.mkfifo(beir / name)
-    res = run_python("-c", "import sys\nfrom pefa_gpu.datasets import load_beir\n"
+    res = run_forked("import sys\nfrom pefa_gpu.datasets import load_beir\n"
                      "try:\n    load_beir(sys.argv[1]).qrels('train')\n"
                      "except ValueError as e:\n    print(type(e).__name__, e)",
                      beir, timeout=60)

@@ -13,7 +13,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.encode import encode
 from pefa_gpu.errors import InputError, MissingDependencyError
-from conftest import run_python
+from conftest import run_forked
 from textdata import BowEncoder, bow_unit
 
 TEXTS = ["the cat sat", "a dog ran far", "the cat sat", "", "birds fly south in winter"]
@@ -152,7 +152,7 @@ assert enc.seen == 0
 with pytest.raises(pg.InputError, match="model.json is not a regular file"):
     pg.encode(["a new text"], model=enc, **kw)
 """
-    run_python("-c", code, timeout=60)
+    run_forked(code, timeout=60)
 
 
 def test_an_oversized_model_json_is_never_read_whole(tmp_path):

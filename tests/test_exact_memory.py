@@ -2,7 +2,7 @@
 of it, the (B, k) result aside.
 
 Measured: the peak resident memory (VmHWM, reset through /proc/self/clear_refs) that a search
-adds in a fresh subprocess, after a warm-up search (thread pools, BLAS buffers), minus the
+adds in a child process, after a warm-up search (thread pools, BLAS buffers), minus the
 bytes of the result. This counts torch's and faiss' allocations alike (tracemalloc sees
 neither), and any allocator slack. The analytic model the block shapes are chosen by is checked
 separately against the budget over a grid of shapes.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_python
+from conftest import run_forked
 from pefa_gpu.index import ExactIndex
 from pefa_gpu.index.exact import TIE_MARGIN
 
@@ -73,7 +73,7 @@ def _clear_refs_works() -> bool:
 def test_peak_memory_within_budget(engine, n, d, b, k, budget, dtype):
     if engine == "faiss":
         pytest.importorskip("faiss")
-    res = run_python("-c", CHILD, engine, n, d, b, k, budget, dtype)
+    res = run_forked(CHILD, engine, n, d, b, k, budget, dtype)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     assert rec["faiss"] == (engine == "faiss")
     work = rec["grew"] - rec["result"]

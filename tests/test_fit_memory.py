@@ -1,6 +1,6 @@
 """A fit holds what the model keeps, not copies of its inputs.
 
-Measured in a fresh subprocess: the peak resident memory each fit adds (VmHWM, reset through
+Measured in a child process: the peak resident memory each fit adds (VmHWM, reset through
 /proc/self/clear_refs after a warm-up fit), with P and Q read-only memory maps of 150k x 384
 float32 (the way large inputs arrive). Resident memory also counts the pages of a map while
 they are read, so the bound is the arrays the model keeps (ERM: P; PEFA-XS: P, the sums and E;
@@ -15,7 +15,7 @@ import json
 
 import pytest
 
-from conftest import run_python
+from conftest import run_forked
 from test_exact_memory import _clear_refs_works
 
 CHILD = r"""
@@ -52,7 +52,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(not _clear_refs_works(), reason="needs /proc/self/clear_refs (Linux)")
 def test_fit_peak_memory_is_what_the_model_keeps(tmp_path):
     n, d = 150_000, 384
-    out = run_python("-c", CHILD, n, d, tmp_path)
+    out = run_forked(CHILD, n, d, tmp_path)
     grew = json.loads(out.stdout.strip().splitlines()[-1])
     matrix = n * d * 4
     # (matrices kept, input maps read whole)

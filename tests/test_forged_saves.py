@@ -23,7 +23,7 @@ import pefa_gpu as pg
 from pefa_gpu import storage
 from pefa_gpu.errors import FormatError
 
-from conftest import run_python, small_problem, unit_rows
+from conftest import run_forked, small_problem, unit_rows
 
 N, M, D = 60, 30, 8
 MiB = 2**20
@@ -287,7 +287,7 @@ print("searched", int(i.max()), int(i.min()))
 
 def load_and_search(backend: str, folder: Path, params: dict) -> subprocess.CompletedProcess:
     """Load and search in a child process: a forged file may crash a native library."""
-    return run_python("-c", LOAD_AND_SEARCH, backend, folder, repr(params), D, timeout=120)
+    return run_forked(LOAD_AND_SEARCH, backend, folder, repr(params), D)
 
 
 HNSW_HEADER = struct.Struct("<6QiI3QdQ")  # hnswlib's saveIndex header (hnswalg.h)
@@ -449,7 +449,7 @@ def test_a_forged_scann_tree_is_refused_at_load(tmp_path, how):
         root.children[1].leaf_id = 6
     path.write_bytes(b"" if how == "missing" else tree.SerializeToString())
     add = LOAD_AND_SEARCH.replace("s, i = index.search", "index.add(q)\ns, i = index.search")
-    res = run_python("-c", add, "scann", tmp_path, repr(params), D, timeout=120)
+    res = run_forked(add, "scann", tmp_path, repr(params), D)
     assert res.stdout.startswith("refused:"), (res.stdout, res.stderr[-500:])
     assert "serialized_partitioner.pb: ScaNN's tree is not 6 finite centres" in res.stdout
 
@@ -609,7 +609,7 @@ def test_a_forged_ivf_list_size_is_refused_before_faiss_allocates_it(tmp_path):
     assert raw[at + 16:at + 20] == b"full"
     struct.pack_into("<Q", raw, at + 28, 2**26)
     (tmp_path / "index.faiss").write_bytes(bytes(raw))
-    res = run_python("-c", FORGED_LIST_LOAD, tmp_path, timeout=120)
+    res = run_forked(FORGED_LIST_LOAD, tmp_path)
     assert "index.faiss could not be read by faiss" in res.stdout, (res.stdout, res.stderr[-500:])
     assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB
 
@@ -661,8 +661,7 @@ def test_an_ivf_pq_save_with_an_l2_quantizer_is_refused_without_its_distance_tab
     index.is_trained = True
     (tmp_path / "ix").mkdir()
     faiss.write_index(index, str(tmp_path / "ix" / "index.faiss"))
-    res = run_python("-c", FORGED_LIST_LOAD.replace('{"nlist": 2}', '{"kind": "pq"}'),
-                     tmp_path / "ix", timeout=120)
+    res = run_forked(FORGED_LIST_LOAD.replace('{"nlist": 2}', '{"kind": "pq"}'), tmp_path / "ix")
     assert "(quantizer metric 1, index 0)" in res.stdout, (res.stdout, res.stderr[-500:])
     assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB
 
@@ -838,6 +837,6 @@ def test_a_forged_faiss_vector_size_is_refused_before_faiss_allocates_it(tmp_pat
     assert struct.unpack_from("<Q", raw, at) == (300 * D,)
     struct.pack_into("<Q", raw, at, 2**29)
     (tmp_path / "index.faiss").write_bytes(bytes(raw))
-    res = run_python("-c", FORGED_VECTOR_LOAD, tmp_path, timeout=120)
+    res = run_forked(FORGED_VECTOR_LOAD, tmp_path)
     assert "index.faiss could not be read by faiss" in res.stdout, (res.stdout, res.stderr[-500:])
     assert int(res.stdout.split()[-1]) < 200, res.stdout  # MiB

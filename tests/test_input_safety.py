@@ -13,7 +13,7 @@ import torch
 import pefa_gpu as pg
 from pefa_gpu.errors import InputError
 
-from conftest import make_model, run_python, unit_rows
+from conftest import make_model, run_forked, unit_rows
 import reference as ref
 
 M, N, D = 12, 30, 8
@@ -182,7 +182,7 @@ _FORGED = textwrap.dedent("""
 
 def test_out_of_range_ids_and_broken_indptr_are_input_errors_not_crashes():
     """Run apart: on the unchecked code some of these segfault or abort the process."""
-    run = run_python("-c", _FORGED)
+    run = run_forked(_FORGED)
     lines = run.stdout.split("\n")[:-1]
     assert len(lines) == 4 * 3 * 4 + 4
     for line in lines:

@@ -1,5 +1,6 @@
 """What a first run meets: Ctrl-C during encoding, start-up, log lines, search output with the
-documents' text, NUDGE builds, messages; each through the real `pefa-gpu` command."""
+documents' text, NUDGE builds, messages. Start-up, Ctrl-C and log lines through the real
+`pefa-gpu` command; the rest through its ``main`` in a forked child (:func:`_cli`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_forked
 from textdata import write_beir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +40,15 @@ def _env(**extra: str) -> dict[str, str]:
 def _pefa(*argv, env=None, check=True) -> subprocess.CompletedProcess:
     res = subprocess.run(_command() + [str(a) for a in argv], capture_output=True, text=True,
                          env=env or _env(), timeout=300)
+    if check:
+        assert res.returncode == 0, res.stderr
+    return res
+
+
+def _cli(*argv, check=True) -> subprocess.CompletedProcess:
+    """``pefa-gpu *argv`` as :func:`pefa_gpu.cli.main` in a child of conftest's fork server."""
+    res = run_forked("import sys\nfrom pefa_gpu.cli import main\nsys.exit(main(sys.argv[1:]))",
+                     *argv, returncode=None, timeout=300)
     if check:
         assert res.returncode == 0, res.stderr
     return res
@@ -174,7 +185,7 @@ def test_build_nudge_is_saved_loaded_and_searched(toy, tmp_path, variant):
     from textdata import bow_unit
 
     out = tmp_path / "model"
-    res = _pefa("build", toy, "--embeddings", "bow", "--method", f"nudge-{variant}", "--out",
+    res = _cli("build", toy, "--embeddings", "bow", "--method", f"nudge-{variant}", "--out",
                 out, "--device", "cpu", "-q")
     info = json.loads((out / "pefa_build.json").read_text())
     gamma = info["gamma"]
@@ -186,7 +197,7 @@ def test_build_nudge_is_saved_loaded_and_searched(toy, tmp_path, variant):
     D, G = ref.nudge_sums(P, Q, Y)
     E = (ref.nudge_m if variant == "m" else ref.nudge_n)(D, G, gamma)
     queries = ["q1w2 q1w3 common4", "q3w0 common1"]
-    res = _pefa("search", out, *queries, "--model", "textdata:BowEncoder", "--topk", "5",
+    res = _cli("search", out, *queries, "--model", "textdata:BowEncoder", "--topk", "5",
                 "--format", "json", "--no-cache", "--device", "cpu", "-q")
     got = json.loads(res.stdout)
     want_s, want_i = ref.exact_search(E, bow_unit(queries), 5)
@@ -198,12 +209,12 @@ def test_build_nudge_is_saved_loaded_and_searched(toy, tmp_path, variant):
 
 def test_search_shows_title_and_snippet(toy, tmp_path):
     out = tmp_path / "model"
-    _pefa("build", toy, "--embeddings", "bow", "--method", "erm", "--out", out, "-q")
+    _cli("build", toy, "--embeddings", "bow", "--method", "erm", "--out", out, "-q")
     corpus = [json.loads(line) for line in open(toy / "corpus.jsonl")]
     own = "title 0 " + corpus[0]["text"].split("\n")[0]  # document 0 as embedded
     argv = ["search", out, own, "t2w1 t2w5", "--model", "textdata:BowEncoder",
             "--topk", "4", "--no-cache", "--device", "cpu", "-q"]
-    lines = _pefa(*argv).stdout.splitlines()
+    lines = _cli(*argv).stdout.splitlines()
     assert lines[0].split("\t") == ["query_id", "rank", "doc_id", "score", "title", "text"]
     rows = [line.split("\t") for line in lines[1:]]
     assert len(rows) == 8 and all(len(r) == 6 for r in rows)
@@ -216,18 +227,18 @@ def test_search_shows_title_and_snippet(toy, tmp_path):
                                                       and flat.startswith(r[5][:-1]))
     assert rows[0][2] == corpus[0]["_id"] and rows[0][4] == "A title over lines"
     assert rows[0][5] == " ".join(corpus[0]["text"].split())[:199] + "…"
-    res = json.loads(_pefa(*argv, "--format", "json").stdout)
+    res = json.loads(_cli(*argv, "--format", "json").stdout)
     first = res[0]["results"][0]
     assert (first["title"], first["text"]) == (rows[0][4], rows[0][5])
     assert all(set(r) == {"rank", "doc_id", "score"}
-               for q in json.loads(_pefa(*argv, "--format", "json", "--no-text").stdout)
+               for q in json.loads(_cli(*argv, "--format", "json", "--no-text").stdout)
                for r in q["results"])
-    assert _pefa(*argv, "--no-text").stdout.splitlines()[0] == "query_id\trank\tdoc_id\tscore"
+    assert _cli(*argv, "--no-text").stdout.splitlines()[0] == "query_id\trank\tdoc_id\tscore"
 
 
 def test_gamma_in_eval_and_tune_output(toy, tmp_path):
     out_json = tmp_path / "eval.json"
-    res = _pefa("eval", toy, "--embeddings", "bow", "--methods", "erm,xs,nudge-n", "--json",
+    res = _cli("eval", toy, "--embeddings", "bow", "--methods", "erm,xs,nudge-n", "--json",
                 out_json, "--device", "cpu", "-q")
     rows = json.loads(out_json.read_text())["results"]
     assert [("gamma" in r) for r in rows] == [False, False, True]
@@ -237,7 +248,7 @@ def test_gamma_in_eval_and_tune_output(toy, tmp_path):
     assert table[0].startswith("| method | λ | k | γ | recall@10 |")
     assert table[4].startswith(f"| NUDGE-N |  |  | {gamma:.4g} | ")
     tune_json = tmp_path / "tune.json"
-    res = _pefa("tune", toy, "--embeddings", "bow", "--methods", "nudge-m", "--json",
+    res = _cli("tune", toy, "--embeddings", "bow", "--methods", "nudge-m", "--json",
                 tune_json, "--device", "cpu", "--min-z", "0")
     t = json.loads(tune_json.read_text())
     val_gamma = [r["gamma"] for r in t["validation"] if r["method"] == "nudge-m"][0]
@@ -268,9 +279,9 @@ def test_encode_cache_message_on_a_partly_filled_cache(tmp_path, caplog):
 
 
 def test_messages(toy, tmp_path):
-    res = _pefa("search", tmp_path / "nowhere", "a query", check=False)
+    res = _cli("search", tmp_path / "nowhere", "a query", check=False)
     assert res.returncode == 2 and f"{tmp_path / 'nowhere'} does not exist" in res.stderr
-    res = _pefa("sweep", toy, "--lam", "0.1,0.5,1.7,0.9", check=False)
+    res = _cli("sweep", toy, "--lam", "0.1,0.5,1.7,0.9", check=False)
     assert res.returncode == 2
     assert res.stderr.strip().endswith("argument --lam: λ must lie in [0, 1], got '1.7'")
 
@@ -280,7 +291,7 @@ def test_build_stores_each_matrix_once(toy, tmp_path, method):
     import hashlib
 
     out = tmp_path / "model"
-    _pefa("build", toy, "--embeddings", "bow", "--method", method, "--out", out, "-q")
+    _cli("build", toy, "--embeddings", "bow", "--method", method, "--out", out, "-q")
     seen: dict[str, int] = {}
     for f in sorted(out.rglob("*.np[yz]")):
         digest = hashlib.sha256(f.read_bytes()).hexdigest()
@@ -298,7 +309,7 @@ def test_search_on_a_build_without_document_text(toy, tmp_path):
     model = pg.ERM(device="cpu").fit(np.load(toy / "embeddings" / "bow" / "corpus.npy"))
     save_build(model, tmp_path / "m", ds.corpus_ids,
                {"encoder": {"kind": "callable", "name": "textdata:BowEncoder"}})
-    res = _pefa("search", tmp_path / "m", "t1w1 common2", "--model", "textdata:BowEncoder",
+    res = _cli("search", tmp_path / "m", "t1w1 common2", "--model", "textdata:BowEncoder",
                 "--topk", "2", "--no-cache", "--device", "cpu")
     assert res.stdout.splitlines()[0] == "query_id\trank\tdoc_id\tscore"
     assert all(len(line.split("\t")) == 4 for line in res.stdout.splitlines())

@@ -301,8 +301,8 @@ def test_nudge_m_validation_pairs_are_taken_in_blocks():
     """NUDGE-M's step search made (pairs, documents) tables for every pair of a block of
     BLOCK_CELLS / n queries at once: one validation query relevant to all of 5000 documents
     took 670 MB (n² cells); now BLOCK_CELLS / n pairs at a time (the same γ)."""
-    from conftest import run_python
-    grew_mb = int(run_python("-c", NUDGE_M_MEMORY).stdout.split()[-1])
+    from conftest import run_forked
+    grew_mb = int(run_forked(NUDGE_M_MEMORY).stdout.split()[-1])
     assert grew_mb < 150, grew_mb
 
 

@@ -17,7 +17,7 @@ import pefa_gpu as pg
 from pefa_gpu.aggregate_stream import chunk_rows, pifa_streamed
 from pefa_gpu.relevance import Relevance
 from pefa_gpu.stream import MemmapSource, RowSource, row_source
-from conftest import run_python
+from conftest import run_forked
 
 
 def ref_pifa(Y: sp.spmatrix, Q: np.ndarray, normalize: bool) -> np.ndarray:
@@ -344,7 +344,7 @@ def test_peak_resident_memory_within_budget(tmp_path, mode):
     mm.flush()
     del mm
     budget = 8 * 2**20
-    res = run_python("-c", _CHILD, path, mode, m, n, budget, timeout=120)
+    res = run_forked(_CHILD, path, mode, m, n, budget)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     grew = rec["after"]["VmHWM"] - max(rec["before"]["VmRSS"], 0)
     q_bytes = m * d * 4

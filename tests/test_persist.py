@@ -19,7 +19,7 @@ from pefa_gpu.errors import FormatError, InputError, MissingDependencyError
 from pefa_gpu.index import ExactIndex, ExactParams, backend_class, backend_names
 from pefa_gpu.synthetic import make_synthetic
 
-from conftest import DEVICES, make_model, run_python, unit_rows
+from conftest import DEVICES, make_model, run_forked, unit_rows
 
 N, M, D = 60, 40, 8
 
@@ -138,7 +138,7 @@ def test_load_tensor_rejects_bad_files(tmp_path):
 def test_a_npy_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
     """open() of a FIFO with no writer blocked forever (an encode cache shard, a --emb file)."""
     os.mkfifo(tmp_path / "t.npy")
-    res = run_python("-c", "import sys\nfrom pefa_gpu import storage\n"
+    res = run_forked("import sys\nfrom pefa_gpu import storage\n"
                      "try:\n    storage.read_npy(sys.argv[1])\n"
                      "except storage.FormatError as e:\n    print(e)",
                      tmp_path / "t.npy", timeout=60)

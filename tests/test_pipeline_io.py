@@ -21,7 +21,7 @@ import pefa_gpu as pg
 from pefa_gpu import pipeline as pp
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index.exact import ExactIndex
-from conftest import run_python
+from conftest import run_forked
 
 
 def array_bytes(x) -> int:
@@ -247,7 +247,7 @@ def test_a_killed_xl_build_leaves_scratch_that_the_next_build_removes(tmp_path):
     """The queries' copy that a killed build task leaves in its shard's unfinished save is
     removed when the next build writes that shard; what the library did not write is kept."""
     P, Q, Y, docs, queries, rel = make_stages(tmp_path, 4)
-    run_python("-c", KILLED_BUILD, tmp_path, returncode=-9)
+    run_forked(KILLED_BUILD, tmp_path, returncode=-9)
     out = tmp_path / "xl"
     (left,) = (out / "doc-00000").iterdir()  # what the kill left: marker and the queries' copy
     assert sorted(f.name for f in left.iterdir()) == [".pefa-data", "q.npy"]

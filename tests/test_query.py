@@ -501,8 +501,8 @@ def test_prf_feedback_rows_are_summed_in_blocks():
     """VectorPRF gathered every query's k feedback rows at once, (B, k, d) float32 and two
     copies: k=10000 for 100 queries of dimension 64 took 520 MB more for a (100, 64) result;
     now PRF_CELLS cells at a time (the search's (B, k) results remain)."""
-    from conftest import run_python
-    grew_mb = int(run_python("-c", PRF_MEMORY).stdout.split()[-1])
+    from conftest import run_forked
+    grew_mb = int(run_forked(PRF_MEMORY).stdout.split()[-1])
     assert grew_mb < 200, grew_mb
 
 

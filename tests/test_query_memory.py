@@ -3,7 +3,7 @@ copy, the NaN / inf check, and PEFA-XL's passage results and fusion tables. Larg
 searched in query blocks that fit the budget, with the results of one unblocked search.
 
 Peak memory is measured as in tests/test_exact_memory.py: the peak resident memory a search
-adds in a fresh subprocess (VmHWM, reset through /proc/self/clear_refs), minus its result."""
+adds in a child process (VmHWM, reset through /proc/self/clear_refs), minus its result."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import scipy.sparse as sp
 
 import pefa_gpu as pg
-from conftest import make_model, run_python, unit_rows
+from conftest import make_model, run_forked, unit_rows
 from reference import exact_search, xl_search
 from test_exact_memory import _clear_refs_works
 
@@ -64,7 +64,7 @@ print(json.dumps({"grew": after["VmHWM"] - before["VmRSS"],
     ("xl", "float32", 1000, 1000, 16 * MiB),   # d6866eb: +101 MiB (fusion tables)
 ])
 def test_a_search_keeps_to_the_budget_over_its_queries(model, dtype, b, topk, budget):
-    res = run_python("-c", CHILD, model, dtype, b, topk, budget)
+    res = run_forked(CHILD, model, dtype, b, topk, budget)
     rec = json.loads(res.stdout.strip().splitlines()[-1])
     work = rec["grew"] - rec["result"]
     assert work <= 1.5 * budget, (work / MiB, budget / MiB)

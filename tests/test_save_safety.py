@@ -19,7 +19,7 @@ from pefa_gpu import storage
 from pefa_gpu.errors import FormatError, InputError
 from pefa_gpu.index import base as index_base
 
-from conftest import make_model, run_python, small_problem
+from conftest import make_model, run_forked, small_problem
 
 N, M, D = 50, 30, 8
 
@@ -299,12 +299,10 @@ KILL_CHILD = textwrap.dedent("""
 def test_killed_mid_save_leaves_a_complete_save_and_the_next_save_cleans_up(tmp_path):
     """SIGKILL at each step of a replacing save: the folder always loads (old or new), and the
     next save leaves nothing of the killed one behind."""
-    script = tmp_path / "child.py"
-    script.write_text(KILL_CHILD)
     target = tmp_path / "m"
 
     def child(point, lam, returncode=0):
-        return run_python(script, target, point, lam, returncode=returncode, timeout=120)
+        return run_forked(KILL_CHILD, target, point, lam, returncode=returncode)
 
     child("none", 0.2)
     expect_new = {"tensor": False, "fsync": False, "manifest_tmp": False,
@@ -319,7 +317,7 @@ def test_killed_mid_save_leaves_a_complete_save_and_the_next_save_cleans_up(tmp_
     child("none", 0.9)
     assert pg.load(target, device="cpu").params.lam == 0.9
     # only the save's own entries remain, next to it nothing
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["child.py", "m"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     assert sorted(p.name for p in target.iterdir()) == ["manifest.json",
                                                         data_folder(target).name]
 

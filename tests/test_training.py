@@ -287,8 +287,8 @@ def test_mine_negatives_memory_does_not_grow_with_depth_times_positives():
     """Positives were compared with every candidate in a (batch, depth, P) tensor, depth
     itself n + P for every batch: one query with 2000 positives made 100 queries over 5000
     documents take 400 MB more (now ~30 MB: a binary search in the sorted positives)."""
-    from conftest import run_python
-    grew_mb = int(run_python("-c", MINE_MEMORY).stdout.split()[-1])
+    from conftest import run_forked
+    grew_mb = int(run_forked(MINE_MEMORY).stdout.split()[-1])
     assert grew_mb < 120, grew_mb
 
 
