@@ -115,7 +115,7 @@ class IVFIndex(FaissBackend):
             m = p.pq_m or auto_pq_m(d)
             if d % m:
                 raise InputError(f"pq_m={m} must divide the dimension {d}")
-            spec = f"IVF{nlist},PQ{m}x{p.pq_nbits}"
+            spec = f"IVF{nlist},PQ{m}x{p.pq_nbits}np"  # np: no polysemous training (unused)
         index = self._to_device(f.index_factory(d, spec, f.METRIC_INNER_PRODUCT))
         for holder in (index, getattr(index, "pq", None)):  # k-means' stderr line, past -q:
             if hasattr(holder, "cp"):  # the log line below instead (min only warns in faiss)
