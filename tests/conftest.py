@@ -71,16 +71,19 @@ def run_python(*argv, env: dict | None = None, returncode: int | None = 0,
 def run_forked(code: str, *args, returncode: int | None = 0, timeout: float = 120
                ) -> subprocess.CompletedProcess:
     """``python -c code *args`` in a child forked from a server that imported torch, faiss and
-    pefa_gpu once: a crash stays in the child, without a fresh interpreter's ~3 s of imports.
-    Not for what a fresh interpreter imports, nor for environment variables read at import."""
+    pefa_gpu once (CUDA untouched): a crash stays in the child, without a fresh interpreter's
+    ~3 s of imports. Not for what a fresh interpreter imports, nor for environment variables
+    read at import."""
     import multiprocessing
     import tempfile
 
+    import forked_child
+
     forks = multiprocessing.get_context("forkserver")
-    forks.set_forkserver_preload(["torch", "faiss", "pefa_gpu", "pefa_gpu.index", "conftest"])
+    forks.set_forkserver_preload(["torch", "faiss", "pefa_gpu", "pefa_gpu.index", "forked_child"])
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
-        child = forks.Process(target=_forked_child, args=(
+        child = forks.Process(target=forked_child.run, args=(
             code, list(map(str, args)), out, err, dict(os.environ), os.getcwd()))
         child.start()
         child.join(timeout)
@@ -93,20 +96,6 @@ def run_forked(code: str, *args, returncode: int | None = 0, timeout: float = 12
     assert returncode in (None, res.returncode), (res.returncode, res.stdout[-2000:],
                                                   res.stderr[-3000:])
     return res
-
-
-def _forked_child(code: str, args: list[str], out: Path, err: Path, environ: dict, cwd: str
-                  ) -> None:
-    """:func:`run_forked`'s child: the caller's environment and folder, stdout / stderr to files
-    (native writes too), then ``code`` as ``__main__`` with ``sys.argv`` ['-c', *args]
-    (SystemExit sets the exit status)."""
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
-    for fd, path in ((1, out), (2, err)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-    sys.argv = ["-c", *args]
-    exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
 
 
 def unit_rows(rng: np.random.Generator, rows: int, dim: int) -> np.ndarray:
