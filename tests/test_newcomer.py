@@ -186,7 +186,7 @@ def test_build_nudge_is_saved_loaded_and_searched(toy, tmp_path, variant):
 
     out = tmp_path / "model"
     res = _cli("build", toy, "--embeddings", "bow", "--method", f"nudge-{variant}", "--out",
-                out, "--device", "cpu", "-q")
+               out, "--device", "cpu", "-q")
     info = json.loads((out / "pefa_build.json").read_text())
     gamma = info["gamma"]
     assert info["method"] == f"nudge-{variant}" and 0.0 <= gamma
@@ -198,7 +198,7 @@ def test_build_nudge_is_saved_loaded_and_searched(toy, tmp_path, variant):
     E = (ref.nudge_m if variant == "m" else ref.nudge_n)(D, G, gamma)
     queries = ["q1w2 q1w3 common4", "q3w0 common1"]
     res = _cli("search", out, *queries, "--model", "textdata:BowEncoder", "--topk", "5",
-                "--format", "json", "--no-cache", "--device", "cpu", "-q")
+               "--format", "json", "--no-cache", "--device", "cpu", "-q")
     got = json.loads(res.stdout)
     want_s, want_i = ref.exact_search(E, bow_unit(queries), 5)
     for b in range(2):
@@ -239,7 +239,7 @@ def test_search_shows_title_and_snippet(toy, tmp_path):
 def test_gamma_in_eval_and_tune_output(toy, tmp_path):
     out_json = tmp_path / "eval.json"
     res = _cli("eval", toy, "--embeddings", "bow", "--methods", "erm,xs,nudge-n", "--json",
-                out_json, "--device", "cpu", "-q")
+               out_json, "--device", "cpu", "-q")
     rows = json.loads(out_json.read_text())["results"]
     assert [("gamma" in r) for r in rows] == [False, False, True]
     gamma = rows[2]["gamma"]
@@ -249,7 +249,7 @@ def test_gamma_in_eval_and_tune_output(toy, tmp_path):
     assert table[4].startswith(f"| NUDGE-N |  |  | {gamma:.4g} | ")
     tune_json = tmp_path / "tune.json"
     res = _cli("tune", toy, "--embeddings", "bow", "--methods", "nudge-m", "--json",
-                tune_json, "--device", "cpu", "--min-z", "0")
+               tune_json, "--device", "cpu", "--min-z", "0")
     t = json.loads(tune_json.read_text())
     val_gamma = [r["gamma"] for r in t["validation"] if r["method"] == "nudge-m"][0]
     assert "| method | λ | k | γ | objective |" in res.stdout
@@ -310,7 +310,7 @@ def test_search_on_a_build_without_document_text(toy, tmp_path):
     save_build(model, tmp_path / "m", ds.corpus_ids,
                {"encoder": {"kind": "callable", "name": "textdata:BowEncoder"}})
     res = _cli("search", tmp_path / "m", "t1w1 common2", "--model", "textdata:BowEncoder",
-                "--topk", "2", "--no-cache", "--device", "cpu")
+               "--topk", "2", "--no-cache", "--device", "cpu")
     assert res.stdout.splitlines()[0] == "query_id\trank\tdoc_id\tscore"
     assert all(len(line.split("\t")) == 4 for line in res.stdout.splitlines())
     assert "keeps no document text" in res.stderr
