@@ -355,6 +355,20 @@ def test_rows_take_checks_a_stage_files_dim_before_allocating(tmp_path):
         pp.Rows(folder).take(np.array([0, 1]))
 
 
+@pytest.mark.parametrize("method", ["erm", "xl"])
+def test_a_forged_build_dim_is_the_builds_error_not_the_queries(tmp_path, method):
+    """A stage.json whose dim is not its shards' said 'queries have dimension 64, ...' of the
+    right queries."""
+    P, Q, Y, docs, queries, rel = make_stages(tmp_path, 6, n=120, m=90, d=16)
+    b = pp.build(method, tmp_path / "b", docs, **({"queries": queries, "relevance": rel}
+                                                  if method == "xl" else {}))
+    body = json.loads((b / "stage.json").read_text())
+    (b / "stage.json").write_text(json.dumps({**body, "dim": 8}))
+    for q in (Q[:5], queries, Q[:5, :8].copy()):  # an array, a row stage, the forged dim
+        with pytest.raises(FormatError, match="doc-00000 does not hold the .* dimension 8"):
+            pp.search(b, q, topk=3)
+
+
 def test_a_search_reads_every_shard_once_per_round(tmp_path, monkeypatch):
     P, Q, Y, docs, queries, rel = make_stages(tmp_path, 4)
     b = pp.build("xl", tmp_path / "xl", docs, queries=queries, relevance=rel, doc_rows=60,

@@ -170,11 +170,14 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
             _CHECKS[name](v, name)
     if isinstance(queries, (str, os.PathLike)):  # any other PathLike: 'must be an array'
         source = Rows(queries)
+        _check_build_dim(build, info, source.dim)
         if source.dim != info.dim:
             raise InputError(f"queries have dimension {source.dim}, the build {info.dim}")
         n_q, read = source.n, lambda lo, hi: as_embeddings(
             source.read(lo, hi), "cpu", f"queries[{lo}:{hi}]", check_norm=False)
     else:
+        shape = getattr(queries, "shape", ())
+        _check_build_dim(build, info, int(shape[1]) if len(shape) == 2 else info.dim)
         qall = as_embeddings(queries, "cpu", "queries", dim=info.dim, check_norm=False)
         n_q, read = qall.shape[0], lambda lo, hi: qall[lo:hi]
     run = runner or LocalRunner()
@@ -186,6 +189,13 @@ def search(build: str | Path, queries: Any, topk: int = 100, lam: float | None =
             out.append([t.cpu() for t in search_batch(fan, info, q, topk, lam, k, candidates,
                                                       params)])
     return tuple(map(torch.cat, zip(*out)))
+
+
+def _check_build_dim(build: str | Path, info: Stage, dim: int) -> None:
+    """Where queries of dimension ``dim`` do not fit the build's stage.json: FormatError if the
+    build's first shard does not fit it either (a forged or mixed-up file, not the queries)."""
+    if dim != info.dim:
+        _load(Path(build), info.shards[0], "cpu", info, info.method == "xl")
 
 
 def evaluate_configs(P: Any, Q: Any, Y: Any, queries: Any, Y_test: Any,
